@@ -1,0 +1,132 @@
+/* CPU feature detection, ISA path selection and the public mp_* entry points. Compiled once,
+ * with baseline flags: nothing here may use an instruction the oldest supported CPU lacks. */
+#include <stdatomic.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "isa.h"
+#include "mpext/cast.h"
+
+/* MP_X86_PATHS is defined by the build when the avx2/avx512 builds were compiled in. */
+
+const char* mp_status_string(mp_status s) {
+  switch (s) {
+    case MP_OK: return "ok";
+    case MP_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case MP_ERR_UNSUPPORTED_ISA: return "the CPU does not support the requested instruction set";
+    case MP_ERR_CUDA: return "CUDA error";
+  }
+  return "unknown status";
+}
+
+static const char* const isa_names[MP_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+
+const char* mp_isa_name(mp_isa isa) {
+  return ((int)isa >= 0 && isa < MP_ISA_COUNT) ? isa_names[isa] : NULL;
+}
+
+mp_status mp_isa_from_name(const char* name, mp_isa* out) {
+  if (name == NULL || out == NULL) return MP_ERR_INVALID_ARGUMENT;
+  for (int i = 0; i < MP_ISA_COUNT; ++i) {
+    if (strcmp(name, isa_names[i]) == 0) {
+      *out = (mp_isa)i;
+      return MP_OK;
+    }
+  }
+  return MP_ERR_INVALID_ARGUMENT;
+}
+
+int mp_cpu_isa_supported(mp_isa isa) {
+  switch (isa) {
+    case MP_ISA_SCALAR: return 1;
+#if defined(MP_X86_PATHS)
+    case MP_ISA_AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case MP_ISA_AVX512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             mp_cpu_isa_supported(MP_ISA_AVX2);
+#endif
+    default: return 0;
+  }
+}
+
+mp_isa mp_cpu_isa_best(void) {
+  for (int i = MP_ISA_COUNT - 1; i > 0; --i) {
+    if (mp_cpu_isa_supported((mp_isa)i)) return (mp_isa)i;
+  }
+  return MP_ISA_SCALAR;
+}
+
+static const mp_kernel_table* table_for(mp_isa isa) {
+  switch (isa) {
+#if defined(MP_X86_PATHS)
+    case MP_ISA_AVX2: return &mp_kernels__avx2;
+    case MP_ISA_AVX512: return &mp_kernels__avx512;
+#endif
+    default: return &mp_kernels__scalar;
+  }
+}
+
+/* -1 until first use; then the active mp_isa. */
+static _Atomic int active_isa = -1;
+
+mp_isa mp_cpu_isa_active(void) {
+  int isa = atomic_load_explicit(&active_isa, memory_order_acquire);
+  if (isa < 0) {
+    int expected = -1;
+    int best = (int)mp_cpu_isa_best();
+    /* If another thread selected a path meanwhile, keep its choice. */
+    if (!atomic_compare_exchange_strong(&active_isa, &expected, best)) return (mp_isa)expected;
+    return (mp_isa)best;
+  }
+  return (mp_isa)isa;
+}
+
+mp_status mp_cpu_isa_select(mp_isa isa) {
+  if ((int)isa < 0 || isa >= MP_ISA_COUNT) return MP_ERR_INVALID_ARGUMENT;
+  if (!mp_cpu_isa_supported(isa)) return MP_ERR_UNSUPPORTED_ISA;
+  atomic_store_explicit(&active_isa, (int)isa, memory_order_release);
+  return MP_OK;
+}
+
+static const mp_kernel_table* active(void) { return table_for(mp_cpu_isa_active()); }
+
+#define MP_CHECK_N(src, dst, n)                                         \
+  do {                                                                  \
+    if ((n) < 0 || ((n) > 0 && ((src) == NULL || (dst) == NULL)))       \
+      return MP_ERR_INVALID_ARGUMENT;                                   \
+    if ((n) == 0) return MP_OK;                                         \
+  } while (0)
+
+mp_status mp_to_bf16_f32(const float* src, uint16_t* dst, int64_t n) {
+  MP_CHECK_N(src, dst, n);
+  active()->to_bf16_f32(src, dst, n);
+  return MP_OK;
+}
+
+mp_status mp_to_bf16_sr_f32(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
+                            uint64_t offset) {
+  MP_CHECK_N(src, dst, n);
+  active()->to_bf16_sr_f32(src, dst, n, seed, offset);
+  return MP_OK;
+}
+
+mp_status mp_to_fp16_f32(const float* src, uint16_t* dst, int64_t n) {
+  MP_CHECK_N(src, dst, n);
+  active()->to_fp16_f32(src, dst, n);
+  return MP_OK;
+}
+
+mp_status mp_to_fp32_bf16(const uint16_t* src, float* dst, int64_t n) {
+  MP_CHECK_N(src, dst, n);
+  active()->to_fp32_bf16(src, dst, n);
+  return MP_OK;
+}
+
+mp_status mp_to_fp32_fp16(const uint16_t* src, float* dst, int64_t n) {
+  MP_CHECK_N(src, dst, n);
+  active()->to_fp32_fp16(src, dst, n);
+  return MP_OK;
+}

@@ -1,0 +1,44 @@
+/* Internal to the C core: the per-ISA kernel table and name mangling.
+ *
+ * Each kernel source (cast.c, ...) is compiled once per ISA path with MP_ISA_SUFFIX set to
+ * scalar, avx2 or avx512 and that path's compiler flags; MP_ISA_FN(name) gives every build its
+ * own symbol names, and table.c gathers each build's kernels into one table, mp_kernels__<suffix>. cpu.c holds the
+ * public mp_* entry points, which call through the active table. */
+#ifndef MPEXT_CORE_ISA_H
+#define MPEXT_CORE_ISA_H
+
+#include <stdint.h>
+
+#include "mpext/mpext.h"
+
+#define MP_CAT_(a, b) a##__##b
+#define MP_CAT(a, b) MP_CAT_(a, b)
+#ifdef MP_ISA_SUFFIX
+#define MP_ISA_FN(name) MP_CAT(name, MP_ISA_SUFFIX)
+#endif
+
+/* The operations every ISA build provides. Counts are already validated by cpu.c. */
+typedef struct mp_kernel_table {
+  void (*to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
+  void (*to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
+                         uint64_t offset);
+  void (*to_fp16_f32)(const float* src, uint16_t* dst, int64_t n);
+  void (*to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n);
+  void (*to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
+} mp_kernel_table;
+
+extern const mp_kernel_table mp_kernels__scalar;
+extern const mp_kernel_table mp_kernels__avx2;
+extern const mp_kernel_table mp_kernels__avx512;
+
+#ifdef MP_ISA_SUFFIX
+/* This build's kernels (defined in cast.c, ...; gathered into a table by table.c). */
+void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
+void MP_ISA_FN(mp_k_to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
+                                    uint64_t offset);
+void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n);
+void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n);
+void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
+#endif
+
+#endif /* MPEXT_CORE_ISA_H */

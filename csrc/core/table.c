@@ -1,0 +1,14 @@
+/* One kernel table per ISA build (compiled with the same flags as the kernels it lists). */
+#include "isa.h"
+
+#ifndef MP_ISA_SUFFIX
+#error "table.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
+#endif
+
+const mp_kernel_table MP_ISA_FN(mp_kernels) = {
+    .to_bf16_f32 = MP_ISA_FN(mp_k_to_bf16_f32),
+    .to_bf16_sr_f32 = MP_ISA_FN(mp_k_to_bf16_sr_f32),
+    .to_fp16_f32 = MP_ISA_FN(mp_k_to_fp16_f32),
+    .to_fp32_bf16 = MP_ISA_FN(mp_k_to_fp32_bf16),
+    .to_fp32_fp16 = MP_ISA_FN(mp_k_to_fp32_fp16),
+};

@@ -1,0 +1,70 @@
+// Shared helpers of the C++ binding: argument checks that name the argument, and the conversion
+// of C-core status codes into exceptions. The binding validates everything before any kernel
+// runs, so a failed check leaves every tensor unchanged.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mpext/mpext.h"
+
+namespace mpext {
+
+// Throws if a C-core call did not return MP_OK (after validation this means a bug).
+inline void check_status(mp_status s, const char* op) {
+  TORCH_CHECK(s == MP_OK, "mpext.", op, ": internal error from the C core: ", mp_status_string(s));
+}
+
+// "x" or "dst[3]": how an argument is named in messages.
+inline std::string arg_name(const char* name, int64_t index = -1) {
+  return index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
+}
+
+// Element-wise ops treat a tensor as flat memory, which is right for any dense, non-overlapping
+// layout (contiguous, channels_last, any permutation); reject the rest (gaps or self-overlap).
+inline void check_dense(const at::Tensor& t, const char* op, const std::string& name) {
+  TORCH_CHECK(t.layout() == at::kStrided, "mpext.", op, ": ", name,
+              " must be a strided (dense) tensor, got layout ", t.layout());
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), "mpext.", op, ": ", name,
+              " must be dense and non-overlapping (e.g. contiguous or channels_last); got sizes ",
+              t.sizes(), " and strides ", t.strides(), ". Call .contiguous() on it first.");
+}
+
+inline void check_dtype(const at::Tensor& t, const char* op, const std::string& name,
+                        std::initializer_list<at::ScalarType> allowed) {
+  for (auto d : allowed) {
+    if (t.scalar_type() == d) return;
+  }
+  std::string list;
+  for (auto d : allowed) {
+    if (!list.empty()) list += ", ";
+    list += c10::toString(d);
+  }
+  TORCH_CHECK(false, "mpext.", op, ": ", name, " must have dtype ", list, ", got ",
+              t.scalar_type());
+}
+
+// The [first, last) byte range a dense tensor occupies.
+struct ByteRange {
+  uintptr_t begin, end;
+  int64_t index;  // position in its list
+  bool is_dst;
+};
+
+inline ByteRange byte_range(const at::Tensor& t, int64_t index, bool is_dst) {
+  auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), index, is_dst};
+}
+
+// Rejects any destination that overlaps another destination or a source: the kernels assume
+// src and dst never alias. O(n log n) in the number of tensors.
+void check_no_overlap(std::vector<ByteRange> ranges, const char* op, const char* dst_name,
+                      const char* src_name);
+
+// Elements per task for at::parallel_for: large enough that a task outweighs its scheduling.
+constexpr int64_t kGrainSize = 1 << 16;
+
+}  // namespace mpext

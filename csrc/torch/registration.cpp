@@ -1,0 +1,84 @@
+// The mpext operator library: every schema, defined once, and the Python module mpext._C that
+// loads it. Backend implementations live beside their ops (cast.cpp for CPU, cast_cuda.cpp for
+// CUDA) and register with TORCH_LIBRARY_IMPL; fake kernels are registered from Python
+// (mpext/ops.py).
+#include <torch/extension.h>
+
+#include <string>
+
+#include "mpext/mpext.h"
+
+#ifndef MPEXT_TORCH_VERSION
+#define MPEXT_TORCH_VERSION "unknown"
+#endif
+#ifndef MPEXT_CUDA_ARCHS
+#define MPEXT_CUDA_ARCHS ""
+#endif
+
+TORCH_LIBRARY(mpext, m) {
+  // fp32 -> bf16, round to nearest even, or stochastic rounding keyed by (seed, offset).
+  m.def("to_bf16(Tensor x, *, bool stochastic=False, int seed=0, int offset=0) -> Tensor");
+  // fp32 -> fp16, round to nearest even.
+  m.def("to_fp16(Tensor x) -> Tensor");
+  // bf16 / fp16 -> fp32, exact.
+  m.def("to_fp32(Tensor x) -> Tensor");
+  // Multi-tensor copy-cast dst[i] <- src[i] (fp32 <-> bf16/fp16, or same dtype), one pass.
+  m.def(
+      "cast_(Tensor(a!)[] dst, Tensor[] src, *, bool stochastic=False, int seed=0, int offset=0) "
+      "-> ()");
+}
+
+namespace {
+
+mp_isa isa_from_string(const std::string& name) {
+  mp_isa isa;
+  TORCH_CHECK_VALUE(mp_isa_from_name(name.c_str(), &isa) == MP_OK,
+                    "mpext: unknown CPU ISA path '", name, "'; expected one of scalar, avx2, "
+                    "avx512");
+  return isa;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mpext native library: loads the torch.ops.mpext operators and reports the build.";
+  m.def("cpu_isa", [] { return std::string(mp_isa_name(mp_cpu_isa_active())); },
+        "The CPU ISA path the kernels use now.");
+  m.def("cpu_isa_best", [] { return std::string(mp_isa_name(mp_cpu_isa_best())); },
+        "The best CPU ISA path this CPU supports.");
+  m.def("cpu_isa_supported",
+        [](const std::string& name) { return mp_cpu_isa_supported(isa_from_string(name)) != 0; },
+        "Whether this CPU can run the named ISA path.");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& name) {
+        mp_isa isa = isa_from_string(name);
+        mp_status s = mp_cpu_isa_select(isa);
+        TORCH_CHECK(s == MP_OK, "mpext: cannot select the CPU ISA path '", name,
+                    "': this CPU does not support it (best available: ",
+                    mp_isa_name(mp_cpu_isa_best()), ")");
+      },
+      "Selects the CPU ISA path (scalar, avx2, avx512); raises if this CPU lacks it.");
+  m.def(
+      "build_info",
+      [] {
+        pybind11::dict d;
+        pybind11::list compiled;
+        for (int i = 0; i < MP_ISA_COUNT; ++i) {
+#if !defined(MP_X86_PATHS)
+          if (i != MP_ISA_SCALAR) continue;
+#endif
+          compiled.append(mp_isa_name(static_cast<mp_isa>(i)));
+        }
+        d["cpu_isas_compiled"] = compiled;
+#ifdef MPEXT_WITH_CUDA
+        d["cuda_built"] = true;
+#else
+        d["cuda_built"] = false;
+#endif
+        d["cuda_archs"] = std::string(MPEXT_CUDA_ARCHS);
+        d["torch_built_against"] = std::string(MPEXT_TORCH_VERSION);
+        return d;
+      },
+      "What this build of mpext._C contains.");
+}

@@ -1,0 +1,98 @@
+"""Builds mpext._C against the installed PyTorch.
+
+Install PyTorch first, then: pip install --no-build-isolation -e .
+
+- The C core (csrc/core) is compiled as C11 by the C compiler, once per CPU ISA path (see
+  build_tools/core.py), archived into a static library and linked into the extension.
+- CUDA (cuda/*.cu, csrc/torch/*_cuda.cpp) is built when torch has CUDA (torch.version.cuda) and
+  nvcc is found (CUDA_HOME), whether or not a GPU is visible. MPEXT_FORCE_CUDA=1 makes a missing
+  toolkit an error; MPEXT_FORCE_CUDA=0 skips CUDA. With no visible GPU and TORCH_CUDA_ARCH_LIST
+  unset, the archs default to Ampere and Hopper (8.0;9.0+PTX).
+"""
+import glob
+import os
+import sys
+import sysconfig
+
+from setuptools import setup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build_tools import core  # noqa: E402
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as exc:  # pragma: no cover - build-time message
+    raise SystemExit(
+        "mpext builds against the installed PyTorch, and none was found. Install PyTorch first "
+        "(e.g. pip install torch), then build with: pip install --no-build-isolation -e ."
+    ) from exc
+
+ROOT = core.ROOT
+
+
+def want_cuda():
+    force = os.environ.get("MPEXT_FORCE_CUDA")
+    if force == "0":
+        return False
+    have = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if force == "1" and not have:
+        raise SystemExit(
+            "MPEXT_FORCE_CUDA=1 but CUDA cannot be built: "
+            + ("this torch has no CUDA (torch.version.cuda is None)" if torch.version.cuda is None
+               else "nvcc was not found (set CUDA_HOME)"))
+    return have
+
+
+WITH_CUDA = want_cuda()
+if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    if not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+CUDA_ARCHS = os.environ.get("TORCH_CUDA_ARCH_LIST", "detected") if WITH_CUDA else ""
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """Compiles the C core as C (one static library holding every ISA build), then the
+    extension."""
+
+    def build_extensions(self):
+        from setuptools._distutils.ccompiler import new_compiler
+        from setuptools._distutils.sysconfig import customize_compiler
+
+        cc = new_compiler(force=self.force)
+        customize_compiler(cc)
+        objects = []
+        for src, subdir, cflags, macros in core.compile_units():
+            out_dir = os.path.join(self.build_temp, "core", subdir)
+            objects += cc.compile([src], output_dir=out_dir, macros=macros,
+                                  include_dirs=core.INCLUDE_DIRS, extra_postargs=cflags)
+        lib_dir = os.path.join(self.build_temp, "core")
+        cc.create_static_lib(objects, "mpext_core", output_dir=lib_dir)
+        for ext in self.extensions:
+            ext.extra_objects.append(cc.library_filename("mpext_core", lib_type="static",
+                                                         output_dir=lib_dir))
+            ext.depends += objects
+        super().build_extensions()
+
+
+def extension():
+    sources = sorted(glob.glob("csrc/torch/*.cpp"))
+    cuda_sources = [s for s in sources if s.endswith("_cuda.cpp")]
+    sources = [s for s in sources if s not in cuda_sources]
+    macros = [("MPEXT_TORCH_VERSION", '"%s"' % torch.__version__)] + core.COMMON_MACROS
+    cxx = ["-O3", "-std=c++17"]
+    kwargs = dict(include_dirs=core.INCLUDE_DIRS, define_macros=macros)
+    if not WITH_CUDA:
+        return cpp_extension.CppExtension("mpext._C", sources, extra_compile_args={"cxx": cxx},
+                                          **kwargs)
+    macros += [("MPEXT_WITH_CUDA", "1"), ("MPEXT_CUDA_ARCHS", '"%s"' % CUDA_ARCHS)]
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+    return cpp_extension.CUDAExtension(
+        "mpext._C", sources + cuda_sources + sorted(glob.glob("cuda/*.cu")),
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExt},
+)
