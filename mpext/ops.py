@@ -96,7 +96,11 @@ def _cast_fake(dst, src, *, stochastic=False, seed=0, offset=0):
     torch._check(len(dst) == len(src),
                  lambda: "mpext.cast_: dst and src must have the same length, got %d and %d"
                  % (len(dst), len(src)))
+    device = dst[0].device if len(dst) else None
     for i, (d, s) in enumerate(zip(dst, src)):
+        torch._check(d.device == device and s.device == device,
+                     lambda: "mpext.cast_: all tensors must be on one device; dst[%d] is on %s "
+                     "and src[%d] on %s but dst[0] is on %s" % (i, d.device, i, s.device, device))
         torch._check(d.shape == s.shape,
                      lambda: "mpext.cast_: dst[%d] has shape %s but src[%d] has shape %s"
                      % (i, tuple(d.shape), i, tuple(s.shape)))
@@ -108,7 +112,7 @@ def _cast_fake(dst, src, *, stochastic=False, seed=0, offset=0):
 # straight-through), matching Tensor.to.
 
 
-def _setup_ctx_dtype(ctx, inputs, output):
+def _setup_ctx_dtype(ctx, inputs, output, keyword_only_inputs=None):
     ctx.in_dtype = inputs[0].dtype
 
 
@@ -116,12 +120,7 @@ def _backward_to_input_dtype(ctx, grad):
     return grad.to(ctx.in_dtype)
 
 
-def _backward_to_bf16(ctx, grad):
-    return grad.to(ctx.in_dtype), None, None, None
-
-
-torch.library.register_autograd("mpext::to_bf16", _backward_to_bf16, setup_context=_setup_ctx_dtype)
-torch.library.register_autograd("mpext::to_fp16", _backward_to_input_dtype,
-                                setup_context=_setup_ctx_dtype)
-torch.library.register_autograd("mpext::to_fp32", _backward_to_input_dtype,
-                                setup_context=_setup_ctx_dtype)
+for _name in ("mpext::to_bf16", "mpext::to_fp16", "mpext::to_fp32"):
+    torch.library.register_autograd(_name, _backward_to_input_dtype,
+                                    setup_context=_setup_ctx_dtype)
+del _name

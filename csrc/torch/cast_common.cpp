@@ -1,5 +1,7 @@
 #include "cast_common.h"
 
+#include <torch/library.h>
+
 #include "common.h"
 
 namespace mpext {
@@ -34,13 +36,13 @@ CastKind kind_for(const at::Tensor& d, const at::Tensor& s, int64_t i, const cha
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
   };
   TORCH_CHECK(ok_dtype(dt), "mpext.", op, ": ", arg_name("dst", i),
-              " must be float32, bfloat16 or float16, got ", dt);
+              " must be float32, bfloat16 or float16, got ", dtype_name(dt));
   TORCH_CHECK(ok_dtype(st), "mpext.", op, ": ", arg_name("src", i),
-              " must be float32, bfloat16 or float16, got ", st);
+              " must be float32, bfloat16 or float16, got ", dtype_name(st));
   if (st == dt) return st == at::kFloat ? CastKind::Copy32 : CastKind::Copy16;
   if (st == at::kFloat) return dt == at::kBFloat16 ? CastKind::F32ToBF16 : CastKind::F32ToF16;
-  TORCH_CHECK(dt == at::kFloat, "mpext.", op, ": cannot cast ", arg_name("src", i), " (", st,
-              ") to ", arg_name("dst", i), " (", dt,
+  TORCH_CHECK(dt == at::kFloat, "mpext.", op, ": cannot cast ", arg_name("src", i), " (",
+              dtype_name(st), ") to ", arg_name("dst", i), " (", dtype_name(dt),
               "): one side of each pair must be float32, or both the same dtype");
   return st == at::kBFloat16 ? CastKind::BF16ToF32 : CastKind::F16ToF32;
 }
@@ -98,5 +100,23 @@ std::vector<CastSegment> plan_cast(at::TensorList dst, at::TensorList src, bool 
   check_no_overlap(std::move(ranges), op, "dst", "src");
   return segs;
 }
+
+}  // namespace mpext
+
+namespace mpext {
+namespace {
+
+// Reached when no backend kernel applies: an empty list (no tensor to pick a backend from),
+// or tensors on a device mpext has no kernel for.
+void cast_fallback(at::TensorList dst, at::TensorList src, bool stochastic, int64_t seed,
+                   int64_t offset) {
+  std::vector<CastSegment> segs = plan_cast(dst, src, stochastic, offset, "cast_");
+  TORCH_CHECK(segs.empty(), "mpext.cast_: no kernel for tensors on ", dst[0].device(),
+              "; mpext supports CPU and CUDA tensors");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mpext, CompositeExplicitAutograd, m) { m.impl("cast_", &cast_fallback); }
 
 }  // namespace mpext

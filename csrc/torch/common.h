@@ -33,6 +33,23 @@ inline void check_dense(const at::Tensor& t, const char* op, const std::string& 
               t.sizes(), " and strides ", t.strides(), ". Call .contiguous() on it first.");
 }
 
+// The name Python users know a dtype by ("float32", not "Float").
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
 inline void check_dtype(const at::Tensor& t, const char* op, const std::string& name,
                         std::initializer_list<at::ScalarType> allowed) {
   for (auto d : allowed) {
@@ -40,11 +57,11 @@ inline void check_dtype(const at::Tensor& t, const char* op, const std::string& 
   }
   std::string list;
   for (auto d : allowed) {
-    if (!list.empty()) list += ", ";
-    list += c10::toString(d);
+    if (!list.empty()) list += " or ";
+    list += dtype_name(d);
   }
   TORCH_CHECK(false, "mpext.", op, ": ", name, " must have dtype ", list, ", got ",
-              t.scalar_type());
+              dtype_name(t.scalar_type()));
 }
 
 // The [first, last) byte range a dense tensor occupies.

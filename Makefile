@@ -1,0 +1,84 @@
+# mpext: the two commands a fresh machine needs are `make test` and `make bench`.
+#
+#   make test                      build everything needed, run the whole test suite
+#   make bench [BENCH_ARGS=--quick] build, run the benchmark against native PyTorch AMP
+#
+# By default a virtual environment .venv is created with $(TORCH_SPEC) and the test/bench
+# dependencies. To use an environment that already has PyTorch (e.g. a CUDA machine):
+#   make test PYTHON=/path/to/python
+# Other knobs: TORCH_SPEC (pip requirement for torch), PYTEST_ARGS, MPEXT_FORCE_CUDA=0|1,
+# TORCH_CUDA_ARCH_LIST, NVCC.
+
+SHELL := /bin/bash
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+NVCC ?= nvcc
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+TEST_DEPS := pytest numpy hypothesis
+BENCH_DEPS := matplotlib tqdm
+BUILD_DEPS := ninja setuptools wheel
+
+ifdef PYTHON
+PY := $(PYTHON)
+ENV_TARGET := env-external
+else
+PY := $(VENV)/bin/python
+ENV_TARGET := $(VENV)/.stamp
+endif
+
+# Run everything from the source tree: the extension is built in place (mpext/_C*.so).
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: test bench build env env-external ctest ctest-valgrind cuda-check clean
+
+test: build
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: build
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+env: $(ENV_TARGET)
+
+$(VENV)/.stamp:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade $(BUILD_DEPS)
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q $(TEST_DEPS) $(BENCH_DEPS)
+	touch $@
+
+# An environment given with PYTHON=: it must have torch; missing helpers are installed if the
+# package index is reachable, and otherwise the tests that need them skip.
+env-external:
+	@$(PY) -c "import torch" 2>/dev/null || { echo "PYTHON=$(PY) has no torch: install PyTorch into it first" >&2; exit 1; }
+	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
+	@for m in numpy hypothesis matplotlib tqdm ninja; do \
+	  $(PY) -c "import $$m" 2>/dev/null || $(PY) -m pip install -q $$m 2>/dev/null || \
+	  echo "note: $$m is not installed and could not be; what needs it is skipped"; done
+
+# Incremental (ninja) in-place build of mpext._C against the environment's torch.
+build: env
+	$(PY) setup.py -q build_ext --inplace
+	@$(PY) -c "import mpext, json; print('mpext build:', json.dumps(mpext.build_info()))"
+
+# The C core's own tests under AddressSanitizer + UndefinedBehaviorSanitizer (no torch needed).
+ctest:
+	python3 tests/c/run.py
+
+ctest-valgrind:
+	python3 tests/c/run.py --no-sanitize --valgrind
+
+# Every CUDA file compiled on its own by nvcc (no torch headers, no GPU needed), for sm_80 and
+# sm_90, warnings as errors.
+cuda-check:
+	@command -v $(NVCC) >/dev/null || { echo "cuda-check: $(NVCC) not found" >&2; exit 1; }
+	@mkdir -p build/cuda-check
+	@for f in cuda/*.cu; do \
+	  echo "nvcc $$f (sm_80, sm_90)"; \
+	  $(NVCC) -std=c++17 -O3 -Icsrc/include -Werror all-warnings -Xcompiler -Wall,-Wextra \
+	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+	    -c $$f -o build/cuda-check/$$(basename $$f .cu).o || exit 1; \
+	done
+
+clean:
+	rm -rf build mpext/_C*.so tests/c/build results

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Builds and runs the C core's own tests (tests/c/test_core.c) with the system C compiler.
+
+The core is compiled exactly as setup.py compiles it, from build_tools/core.py (sources, per-ISA
+flags, macros): every kernel source once per ISA path into its own object directory, cpu.c once.
+By default everything is built with AddressSanitizer and UndefinedBehaviorSanitizer at -O1 (the
+ISA flags are kept); the objects go under tests/c/build/ (git-ignored).
+
+    python3 tests/c/run.py                          # ASan + UBSan build, run
+    python3 tests/c/run.py --no-sanitize            # plain -O3 build, run
+    python3 tests/c/run.py --valgrind               # plain build, under valgrind (sparser sweep)
+    python3 tests/c/run.py -- --stride 4099         # arguments after -- go to the test binary
+
+Needs only python3 and a C compiler (CC, else cc, else gcc); it does not import torch. Exits with
+the test binary's status.
+"""
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from build_tools import core  # noqa: E402
+
+SANITIZE_CFLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g", "-O1",
+                   "-fno-omit-frame-pointer"]
+SANITIZE_LDFLAGS = ["-fsanitize=address,undefined"]
+TEST_SOURCE = os.path.join(HERE, "test_core.c")
+VALGRIND_TEST_ARGS = ["--stride", "4369", "--random", "200000"]
+TEST_CFLAGS = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+
+def find_cc():
+    env = os.environ.get("CC")
+    if env:
+        return shlex.split(env)
+    for name in ("cc", "gcc"):
+        if shutil.which(name):
+            return [name]
+    sys.exit("run.py: no C compiler found (set CC, or install cc/gcc)")
+
+
+def macro_flags(macros):
+    return ["-D%s" % name if value is None else "-D%s=%s" % (name, value)
+            for name, value in macros]
+
+
+def run_cmd(cmd):
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True)
+    return cmd, proc.returncode, proc.stdout
+
+
+def build(cc, out_dir, sanitize):
+    """Compiles the core and the test into out_dir; returns the path of the test binary."""
+    extra = SANITIZE_CFLAGS if sanitize else ["-g"]
+    includes = ["-I" + d for d in core.INCLUDE_DIRS]
+    jobs, objects = [], []
+    for src, subdir, cflags, macros in core.compile_units():
+        # Same layout as setup.py (distutils keeps the source's relative path under out_dir).
+        obj = os.path.join(out_dir, subdir, os.path.splitext(src)[0] + ".o")
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        # The sanitizer flags come last so that -O1 overrides the core's -O3; the ISA flags stay.
+        jobs.append(cc + ["-c", os.path.join(ROOT, src), "-o", obj] + macro_flags(macros)
+                    + includes + list(cflags) + extra)
+        objects.append(obj)
+    test_obj = os.path.join(out_dir, "test", "test_core.o")
+    os.makedirs(os.path.dirname(test_obj), exist_ok=True)
+    # The test itself is baseline code (it runs on every CPU); it sees the core's macros so that
+    # it can tell "not compiled in" from "CPU lacks it".
+    test_opt = [] if sanitize else ["-O2"]
+    jobs.append(cc + ["-c", TEST_SOURCE, "-o", test_obj] + macro_flags(core.COMMON_MACROS)
+                + includes + TEST_CFLAGS + test_opt + extra)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(run_cmd, jobs))
+    failed = False
+    for cmd, rc, output in results:
+        if output.strip():
+            print(output.rstrip())
+        if rc != 0:
+            print("run.py: compile failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in cmd)))
+            failed = True
+    if failed:
+        sys.exit(1)
+    exe = os.path.join(out_dir, "test_core")
+    link = cc + ["-o", exe] + objects + [test_obj] + (SANITIZE_LDFLAGS if sanitize else []) + ["-lm"]
+    _, rc, output = run_cmd(link)
+    if output.strip():
+        print(output.rstrip())
+    if rc != 0:
+        print("run.py: link failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in link)))
+        sys.exit(1)
+    return exe
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-sanitize", action="store_true",
+                        help="plain build with the core's own flags (-O3), no sanitizers")
+    parser.add_argument("--valgrind", action="store_true",
+                        help="run the non-sanitized build under valgrind (implies --no-sanitize)")
+    parser.add_argument("test_args", nargs="*", help="arguments for the test binary (after --)")
+    args = parser.parse_args()
+    sanitize = not (args.no_sanitize or args.valgrind)
+
+    cc = find_cc()
+    out_dir = os.path.join(HERE, "build", "asan-ubsan" if sanitize else "plain")
+    t0 = time.time()
+    exe = build(cc, out_dir, sanitize)
+    t_build = time.time() - t0
+    print("run.py: built %s with %s in %.1f s (%s)"
+          % (os.path.relpath(exe, ROOT), " ".join(cc), t_build,
+             "-fsanitize=address,undefined -O1" if sanitize else "no sanitizers, -O3"),
+          flush=True)
+
+    env = dict(os.environ)
+    cmd = [exe] + args.test_args
+    if sanitize:
+        env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0:halt_on_error=1")
+        env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
+    if args.valgrind:
+        valgrind = shutil.which("valgrind")
+        if not valgrind:
+            sys.exit("run.py: --valgrind given but valgrind is not installed")
+        cmd = [valgrind, "--error-exitcode=1", "--leak-check=full", "--errors-for-leak-kinds=all",
+               "--quiet"] + cmd
+        if not args.test_args:
+            # valgrind runs ~30x slower; a sparser sweep checks memory just as well (every code
+            # path still runs) and keeps the run near a minute. 4369 = 17 * 257 divides 2^32 - 1.
+            cmd += VALGRIND_TEST_ARGS
+    print("run.py: running " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    t0 = time.time()
+    rc = subprocess.call(cmd, cwd=ROOT, env=env)
+    print("run.py: test binary exited with status %d after %.1f s" % (rc, time.time() - t0))
+    if rc < 0:  # killed by a signal: report it as a failure the shell understands
+        rc = 128 - rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Shared fixtures: devices and CPU ISA paths to parametrize over."""
+import pytest
+import torch
+
+import mpext
+
+BUILD = mpext.build_info()
+CUDA_OK = BUILD["cuda_available"]
+NO_CUDA_REASON = ("no CUDA device" if BUILD["cuda_built"] else
+                  "mpext was built without CUDA (torch has no CUDA or nvcc was not found)")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK,
+                                                                   reason=NO_CUDA_REASON))]
+
+
+def isa_params():
+    """Every ISA path compiled in; those this CPU cannot run are skipped with the reason."""
+    out = []
+    for name in BUILD["cpu_isas_compiled"]:
+        ok = mpext.cpu_isa_supported(name)
+        out.append(pytest.param(name, marks=pytest.mark.skipif(
+            not ok, reason="this CPU does not support the %s path" % name)))
+    return out
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=isa_params())
+def isa(request):
+    """Runs the test with the given CPU ISA path active, restoring the previous one after."""
+    previous = mpext.cpu_isa()
+    mpext.set_cpu_isa(request.param)
+    yield request.param
+    mpext.set_cpu_isa(previous)
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after a test changes it."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
