@@ -75,7 +75,7 @@ cuda-check:
 	@mkdir -p build/cuda-check
 	@for f in cuda/*.cu; do \
 	  echo "nvcc $$f (sm_80, sm_90)"; \
-	  $(NVCC) -std=c++17 -O3 -Icsrc/include -Werror all-warnings -Xcompiler -Wall,-Wextra \
+	  $(NVCC) -std=c++17 -O3 -Icsrc/include -Werror all-warnings -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas \
 	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	    -c $$f -o build/cuda-check/$$(basename $$f .cu).o || exit 1; \
 	done

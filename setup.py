@@ -31,17 +31,35 @@ except ImportError as exc:  # pragma: no cover - build-time message
 ROOT = core.ROOT
 
 
+def find_cuda_home():
+    """A CUDA toolkit root with both nvcc and the runtime headers. torch guesses CUDA_HOME from
+    the nvcc on PATH, which points at the wrong root when that nvcc is a wrapper script (e.g.
+    /usr/local/bin/nvcc -> /usr/local/cuda-13.0/bin/nvcc gives /usr/local)."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                 cpp_extension.CUDA_HOME, "/usr/local/cuda"):
+        if (root and os.path.isfile(os.path.join(root, "include", "cuda_runtime.h"))
+                and os.path.exists(os.path.join(root, "bin", "nvcc"))):
+            return root
+    return None
+
+
 def want_cuda():
     force = os.environ.get("MPEXT_FORCE_CUDA")
     if force == "0":
         return False
-    have = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    if force == "1" and not have:
-        raise SystemExit(
-            "MPEXT_FORCE_CUDA=1 but CUDA cannot be built: "
-            + ("this torch has no CUDA (torch.version.cuda is None)" if torch.version.cuda is None
-               else "nvcc was not found (set CUDA_HOME)"))
-    return have
+    home = find_cuda_home() if torch.version.cuda is not None else None
+    if home is None:
+        if force == "1":
+            raise SystemExit(
+                "MPEXT_FORCE_CUDA=1 but CUDA cannot be built: "
+                + ("this torch has no CUDA (torch.version.cuda is None)"
+                   if torch.version.cuda is None
+                   else "no CUDA toolkit with nvcc and include/cuda_runtime.h was found "
+                        "(set CUDA_HOME to its root)"))
+        return False
+    cpp_extension.CUDA_HOME = home  # what CUDAExtension and the nvcc invocation use
+    os.environ["CUDA_HOME"] = home
+    return True
 
 
 WITH_CUDA = want_cuda()

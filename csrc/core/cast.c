@@ -63,8 +63,7 @@ void MP_ISA_FN(mp_k_to_bf16_sr_f32)(const float* restrict src, uint16_t* restric
     int64_t count = n - i < MP_SR_BLOCKS * 4 ? n - i : MP_SR_BLOCKS * 4;
     int64_t blocks = (count + 3) / 4;
     for (int64_t b = 0; b < blocks; ++b) {
-      /* Positions wrap modulo 2^64, so block numbers wrap modulo 2^62. */
-      mp_sr_random_block(seed, (first_block + (uint64_t)b) & (UINT64_MAX >> 2), rnd + 4 * b);
+      mp_sr_random_block(seed, first_block + (uint64_t)b, rnd + 4 * b); /* wraps mod 2^62 */
     }
     for (int64_t j = 0; j < count; ++j) {
       uint32_t u;

@@ -105,6 +105,7 @@ MP_HD void mp_philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
  * seed: word (idx % 4) of Philox4x32-10 with key = seed and counter = (idx / 4, 0). Four
  * consecutive indices share one Philox evaluation, see mp_sr_random_block. */
 MP_HD void mp_sr_random_block(uint64_t seed, uint64_t block, uint32_t out[4]) {
+  block &= 0x3FFFFFFFFFFFFFFFull; /* positions wrap modulo 2^64, so blocks wrap modulo 2^62 */
   out[0] = (uint32_t)block;
   out[1] = (uint32_t)(block >> 32);
   out[2] = 0u;
