@@ -100,8 +100,11 @@ def extension():
     macros = [("MPEXT_TORCH_VERSION", '"%s"' % torch.__version__)] + core.COMMON_MACROS
     # No debug info (-g0): it triples compile time and the size of _C. The C++ standard is the
     # one cpp_extension picks for this torch.
-    cxx = ["-O3", "-g0"]
-    kwargs = dict(include_dirs=core.INCLUDE_DIRS, define_macros=macros)
+    # -fopenmp: at::parallel_for is inline code over OpenMP; without the flag it silently runs
+    # on one thread. torch's CPU builds link the same runtime (libgomp).
+    cxx = ["-O3", "-g0", "-fopenmp"]
+    kwargs = dict(include_dirs=core.INCLUDE_DIRS, define_macros=macros,
+                  extra_link_args=["-fopenmp"])
     if not WITH_CUDA:
         return cpp_extension.CppExtension("mpext._C", sources, extra_compile_args={"cxx": cxx},
                                           **kwargs)

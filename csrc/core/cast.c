@@ -4,6 +4,7 @@
  * questions, no alignment assumptions). */
 #include <string.h>
 
+#include "half.h"
 #include "isa.h"
 #include "mpext/numerics.h"
 
@@ -20,7 +21,11 @@ void MP_ISA_FN(mp_k_to_bf16_f32)(const float* restrict src, uint16_t* restrict d
 }
 
 void MP_ISA_FN(mp_k_to_fp16_f32)(const float* restrict src, uint16_t* restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(MP_HAVE_F16C)
+  for (; i + 8 <= n; i += 8) mp_f32_to_f16_x8(src + i, dst + i);
+#endif
+  for (; i < n; ++i) {
     uint32_t u;
     memcpy(&u, src + i, sizeof u);
     dst[i] = mp_fp16_rne_bits(u);
@@ -35,7 +40,11 @@ void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* restrict src, float* restrict 
 }
 
 void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* restrict src, float* restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(MP_HAVE_F16C)
+  for (; i + 8 <= n; i += 8) mp_f16_to_f32_x8(src + i, dst + i);
+#endif
+  for (; i < n; ++i) {
     uint32_t u = mp_fp16_to_f32_bits(src[i]);
     memcpy(dst + i, &u, sizeof u);
   }

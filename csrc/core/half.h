@@ -1,0 +1,44 @@
+/* Internal to the C core: fp16 <-> fp32 on blocks of 8, with the F16C instructions when the ISA
+ * build has them (avx2, avx512) and the integer code of numerics.h otherwise. VCVTPS2PH with
+ * round-to-nearest-even and VCVTPH2PS are exact IEEE conversions (subnormals included) and are
+ * what torch's own vectorized CPU casts use; the exhaustive tests check every input. */
+#ifndef MPEXT_CORE_HALF_H
+#define MPEXT_CORE_HALF_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mpext/numerics.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#define MP_HAVE_F16C 1
+#endif
+
+/* dst[0..7] = fp16(src[0..7]), round to nearest even. */
+static inline void mp_f32_to_f16_x8(const float* src, uint16_t* dst) {
+#if defined(MP_HAVE_F16C)
+  __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128((__m128i*)dst, h);
+#else
+  for (int j = 0; j < 8; ++j) {
+    uint32_t u;
+    memcpy(&u, src + j, sizeof u);
+    dst[j] = mp_fp16_rne_bits(u);
+  }
+#endif
+}
+
+/* dst[0..7] = fp32(src[0..7]), exact. */
+static inline void mp_f16_to_f32_x8(const uint16_t* src, float* dst) {
+#if defined(MP_HAVE_F16C)
+  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)src)));
+#else
+  for (int j = 0; j < 8; ++j) {
+    uint32_t u = mp_fp16_to_f32_bits(src[j]);
+    memcpy(dst + j, &u, sizeof u);
+  }
+#endif
+}
+
+#endif /* MPEXT_CORE_HALF_H */
