@@ -1,0 +1,87 @@
+"""Runs the mpext benchmark suite (what `make bench` calls).
+
+    python benchmarks/run_all.py [--quick] [--device auto|cpu|cuda] [--only NAME ...]
+
+Runs every module in BENCHMARKS in order, each comparing mpext with native PyTorch in the same
+run, prints the Markdown summary on stdout (progress bars go to stderr), and writes
+results/summary.md and results/summary.json next to each benchmark's own JSON / Markdown / PNG.
+Exits non-zero if any benchmark raised (a correctness check failing included); the others still
+run. Performance targets are reported in the tables, never turned into a failure.
+"""
+import argparse
+import importlib
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (Context, add_common_args, load_average, load_warning,  # noqa: E402
+                    machine_line, write_json, write_text)
+
+# Benchmark modules, run in this order. Each exposes NAME and run(ctx) -> dict with "markdown",
+# "json", "files", "seconds" (see bench_cast.py). Add new benchmarks here.
+BENCHMARKS = [
+    "bench_cast",
+]
+
+
+def main(argv=None) -> int:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=BENCHMARKS,
+                        help="run only these benchmarks")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    ctx = Context(args)
+    ctx.in_suite = True
+    names = args.only or BENCHMARKS
+
+    sections, results, errors = [], {}, {}
+    for name in names:
+        print("[run_all] %s ..." % name, file=sys.stderr, flush=True)
+        t_start = time.perf_counter()
+        try:
+            module = importlib.import_module(name)
+            res = module.run(ctx)
+        except Exception as exc:  # report, keep going, fail at the end
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr, flush=True)
+            errors[name] = "%s: %s" % (type(exc).__name__, exc)
+            results[name] = {"error": errors[name], "traceback": tb,
+                             "seconds": time.perf_counter() - t_start}
+            sections.append("## %s\n\n**FAILED**: %s\n" % (name, errors[name]))
+            continue
+        dt = time.perf_counter() - t_start
+        print("[run_all] %s done in %.1f s" % (name, dt), file=sys.stderr, flush=True)
+        results[name] = {"seconds": dt, "files": res.get("files", []),
+                         "targets_missed": res.get("targets_missed", []), "result": res["json"]}
+        sections.append(res["markdown"])
+
+    total = time.perf_counter() - t0
+    head = ["# mpext benchmarks%s" % (" (quick)" if ctx.quick else ""), "",
+            machine_line(ctx.machine), ""]
+    warn = load_warning(ctx.machine)
+    if warn:
+        head += [warn, ""]
+    la_end = load_average()
+    tail = ["", "Total %.0f s; load average at end %s. %s" % (
+        total, "/".join("%.2f" % v for v in la_end) if la_end else "n/a",
+        ("%d benchmark(s) FAILED: %s" % (len(errors), ", ".join(sorted(errors))))
+        if errors else "All benchmarks ran.")]
+    summary = "\n".join(head) + "\n" + "\n\n".join(sections) + "\n" + "\n".join(tail) + "\n"
+    print(summary)
+    write_text(ctx.out_dir / "summary.md", summary)
+    write_json(ctx.out_dir / "summary.json", {
+        "quick": ctx.quick, "device": str(ctx.device), "seconds": total,
+        "machine": ctx.machine, "load_average_end": la_end,
+        "benchmarks": results, "errors": errors,
+    })
+    print("[run_all] wrote %s and %s (%.0f s)" % (ctx.out_dir / "summary.md",
+                                                  ctx.out_dir / "summary.json", total),
+          file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
