@@ -6,6 +6,8 @@
 
 #include "isa.h"
 #include "mpext/cast.h"
+#include "mpext/scale.h"
+#include "mpext/scale_rule.h"
 
 /* MP_X86_PATHS is defined by the build when the avx2/avx512 builds were compiled in. */
 
@@ -128,5 +130,28 @@ mp_status mp_to_fp32_bf16(const uint16_t* src, float* dst, int64_t n) {
 mp_status mp_to_fp32_fp16(const uint16_t* src, float* dst, int64_t n) {
   MP_CHECK_N(src, dst, n);
   active()->to_fp32_fp16(src, dst, n);
+  return MP_OK;
+}
+
+#define MP_UNSCALE_ENTRY(name, type)                                              \
+  mp_status mp_##name(type* g, int64_t n, float inv_scale, int32_t* found) {      \
+    if (n < 0 || found == NULL || (n > 0 && g == NULL)) return MP_ERR_INVALID_ARGUMENT; \
+    if (n > 0 && active()->name(g, n, inv_scale)) *found = 1;                       \
+    return MP_OK;                                                                 \
+  }
+
+MP_UNSCALE_ENTRY(unscale_f32, float)
+MP_UNSCALE_ENTRY(unscale_bf16, uint16_t)
+MP_UNSCALE_ENTRY(unscale_fp16, uint16_t)
+
+mp_status mp_update_scale(float* scale, int32_t* growth_tracker, const float* found_inf,
+                          double growth_factor, double backoff_factor, int64_t growth_interval,
+                          int32_t* hysteresis_tracker, int32_t hysteresis, double min_scale,
+                          double max_scale, int64_t* stats) {
+  if (scale == NULL || growth_tracker == NULL || found_inf == NULL) return MP_ERR_INVALID_ARGUMENT;
+  if (hysteresis > 1 && hysteresis_tracker == NULL) return MP_ERR_INVALID_ARGUMENT;
+  mp_update_scale_rule(scale, growth_tracker, *found_inf, growth_factor, backoff_factor,
+                       growth_interval, hysteresis_tracker, hysteresis, min_scale, max_scale,
+                       stats);
   return MP_OK;
 }

@@ -25,6 +25,10 @@ typedef struct mp_kernel_table {
   void (*to_fp16_f32)(const float* src, uint16_t* dst, int64_t n);
   void (*to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n);
   void (*to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
+  /* In-place g *= inv_scale; returns 1 if any input was NaN/Inf (scale.c). */
+  int (*unscale_f32)(float* g, int64_t n, float inv_scale);
+  int (*unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
+  int (*unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
 } mp_kernel_table;
 
 extern const mp_kernel_table mp_kernels__scalar;
@@ -32,13 +36,16 @@ extern const mp_kernel_table mp_kernels__avx2;
 extern const mp_kernel_table mp_kernels__avx512;
 
 #ifdef MP_ISA_SUFFIX
-/* This build's kernels (defined in cast.c, ...; gathered into a table by table.c). */
+/* This build's kernels (defined in cast.c, scale.c, ...; gathered into a table by table.c). */
 void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
 void MP_ISA_FN(mp_k_to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
                                     uint64_t offset);
 void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n);
 void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n);
 void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
+int MP_ISA_FN(mp_k_unscale_f32)(float* g, int64_t n, float inv_scale);
+int MP_ISA_FN(mp_k_unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
+int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
 #endif
 
 #endif /* MPEXT_CORE_ISA_H */

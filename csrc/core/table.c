@@ -11,4 +11,7 @@ const mp_kernel_table MP_ISA_FN(mp_kernels) = {
     .to_fp16_f32 = MP_ISA_FN(mp_k_to_fp16_f32),
     .to_fp32_bf16 = MP_ISA_FN(mp_k_to_fp32_bf16),
     .to_fp32_fp16 = MP_ISA_FN(mp_k_to_fp32_fp16),
+    .unscale_f32 = MP_ISA_FN(mp_k_unscale_f32),
+    .unscale_bf16 = MP_ISA_FN(mp_k_unscale_bf16),
+    .unscale_fp16 = MP_ISA_FN(mp_k_unscale_fp16),
 };

@@ -67,17 +67,21 @@ inline void check_dtype(const at::Tensor& t, const char* op, const std::string& 
 // The [first, last) byte range a dense tensor occupies.
 struct ByteRange {
   uintptr_t begin, end;
-  int64_t index;  // position in its list
-  bool is_dst;
+  int64_t index;      // position in its list
+  bool is_dst;        // written by the op
+  const char* label;  // the argument's own name, for tensors outside the lists (or nullptr)
 };
 
-inline ByteRange byte_range(const at::Tensor& t, int64_t index, bool is_dst) {
+inline ByteRange byte_range(const at::Tensor& t, int64_t index, bool is_dst,
+                            const char* label = nullptr) {
   auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), index, is_dst};
+  return {begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), index, is_dst,
+          label};
 }
 
 // Rejects any destination that overlaps another destination or a source: the kernels assume
-// src and dst never alias. O(n log n) in the number of tensors.
+// src and dst never alias. Ranges are named label, or dst_name[index] / src_name[index].
+// O(n log n) in the number of tensors.
 void check_no_overlap(std::vector<ByteRange> ranges, const char* op, const char* dst_name,
                       const char* src_name);
 

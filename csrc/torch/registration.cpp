@@ -26,6 +26,16 @@ TORCH_LIBRARY(mpext, m) {
   m.def(
       "cast_(Tensor(a!)[] dst, Tensor[] src, *, bool stochastic=False, int seed=0, int offset=0) "
       "-> ()");
+  // Loss scaling. grads *= inv_scale in place over the whole list; found_inf = 1 if any element
+  // was NaN/Inf (never cleared). Same results as torch._amp_foreach_non_finite_check_and_unscale_.
+  m.def("unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  // The dynamic loss-scale rule on the device (torch._amp_update_scale_ by default), plus
+  // optional hysteresis, min/max scale and skip statistics (stats = [skipped, overflow streak]).
+  m.def(
+      "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, "
+      "float growth_factor, float backoff_factor, int growth_interval, *, "
+      "Tensor(c!)? hysteresis_tracker=None, int hysteresis=1, float min_scale=0., "
+      "float max_scale=0., Tensor(d!)? stats=None) -> ()");
 }
 
 namespace {
