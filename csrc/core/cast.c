@@ -6,13 +6,16 @@
 
 #include "half.h"
 #include "isa.h"
+#include "stream.h"
 #include "mpext/numerics.h"
 
 #ifndef MP_ISA_SUFFIX
 #error "cast.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
 #endif
 
-void MP_ISA_FN(mp_k_to_bf16_f32)(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+static void to_bf16_f32_direct(const void* src_, void* dst_, int64_t n) {
+  const float* restrict src = (const float*)src_;
+  uint16_t* restrict dst = (uint16_t*)dst_;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
     memcpy(&u, src + i, sizeof u);
@@ -20,10 +23,16 @@ void MP_ISA_FN(mp_k_to_bf16_f32)(const float* restrict src, uint16_t* restrict d
   }
 }
 
-void MP_ISA_FN(mp_k_to_fp16_f32)(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n) {
+  mp_convert_streamed(to_bf16_f32_direct, src, dst, n, 4, 2);
+}
+
+static void to_fp16_f32_direct(const void* src_, void* dst_, int64_t n) {
+  const float* restrict src = (const float*)src_;
+  uint16_t* restrict dst = (uint16_t*)dst_;
   int64_t i = 0;
 #if defined(MP_HAVE_F16C)
-  for (; i + 8 <= n; i += 8) mp_f32_to_f16_x8(src + i, dst + i);
+  for (; n - i >= 8; i += 8) mp_f32_to_f16_x8(src + i, dst + i);
 #endif
   for (; i < n; ++i) {
     uint32_t u;
@@ -32,22 +41,38 @@ void MP_ISA_FN(mp_k_to_fp16_f32)(const float* restrict src, uint16_t* restrict d
   }
 }
 
-void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n) {
+  mp_convert_streamed(to_fp16_f32_direct, src, dst, n, 4, 2);
+}
+
+static void to_fp32_bf16_direct(const void* src_, void* dst_, int64_t n) {
+  const uint16_t* restrict src = (const uint16_t*)src_;
+  float* restrict dst = (float*)dst_;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u = mp_bf16_to_f32_bits(src[i]);
     memcpy(dst + i, &u, sizeof u);
   }
 }
 
-void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n) {
+  mp_convert_streamed(to_fp32_bf16_direct, src, dst, n, 2, 4);
+}
+
+static void to_fp32_fp16_direct(const void* src_, void* dst_, int64_t n) {
+  const uint16_t* restrict src = (const uint16_t*)src_;
+  float* restrict dst = (float*)dst_;
   int64_t i = 0;
 #if defined(MP_HAVE_F16C)
-  for (; i + 8 <= n; i += 8) mp_f16_to_f32_x8(src + i, dst + i);
+  for (; n - i >= 8; i += 8) mp_f16_to_f32_x8(src + i, dst + i);
 #endif
   for (; i < n; ++i) {
     uint32_t u = mp_fp16_to_f32_bits(src[i]);
     memcpy(dst + i, &u, sizeof u);
   }
+}
+
+void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n) {
+  mp_convert_streamed(to_fp32_fp16_direct, src, dst, n, 2, 4);
 }
 
 /* Stochastic rounding. Element i uses random word (offset + i) % 4 of Philox block
