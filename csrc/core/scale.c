@@ -61,7 +61,7 @@ int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* restrict g, int64_t n, float inv_scal
     return bad != 0;
   }
 #if defined(MP_HAVE_F16C)
-  for (; i + 8 <= n; i += 8) {
+  for (; n - i >= 8; i += 8) {
     float x[8];
     for (int j = 0; j < 8; ++j) bad |= ((g[i + j] & 0x7C00u) == 0x7C00u) ? 1u : 0u;
     mp_f16_to_f32_x8(g + i, x);

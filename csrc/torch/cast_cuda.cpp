@@ -15,20 +15,11 @@
 
 #include "cast_common.h"
 #include "common.h"
+#include "common_cuda.h"
 #include "mpext/cast_cuda.h"
 
 namespace mpext {
 namespace {
-
-// Like check_status, but a failed launch reports (and clears) the CUDA error behind it.
-void check_cuda_status(mp_status s, const char* op) {
-  if (s == MP_ERR_CUDA) {
-    const cudaError_t err = cudaGetLastError();
-    TORCH_CHECK(false, "mpext.", op, ": CUDA kernel launch failed: ", cudaGetErrorName(err), ": ",
-                cudaGetErrorString(err));
-  }
-  check_status(s, op);
-}
 
 int mp_kind(CastKind kind) {
   switch (kind) {
