@@ -3,7 +3,8 @@ autograd formulas. The schemas live in csrc/torch/registration.cpp; the CPU kern
 csrc/core (C) behind csrc/torch/*.cpp, the CUDA kernels in cuda/*.cu behind
 csrc/torch/*_cuda.cpp.
 """
-from typing import List, Sequence
+import math
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -70,7 +71,7 @@ def _check_fake_dense(x: torch.Tensor, op: str) -> None:
 @torch.library.register_fake("mpext::to_bf16")
 def _to_bf16_fake(x, *, stochastic=False, seed=0, offset=0):
     torch._check(x.dtype == torch.float32,
-                 lambda: "mpext.to_bf16: x must have dtype float32, got %s" % x.dtype)
+                 lambda: "mpext.to_bf16: x must have dtype float32, got %s" % _dtype_name(x.dtype))
     _check_fake_dense(x, "to_bf16")
     return torch.empty_like(x, dtype=torch.bfloat16)
 
@@ -78,7 +79,7 @@ def _to_bf16_fake(x, *, stochastic=False, seed=0, offset=0):
 @torch.library.register_fake("mpext::to_fp16")
 def _to_fp16_fake(x):
     torch._check(x.dtype == torch.float32,
-                 lambda: "mpext.to_fp16: x must have dtype float32, got %s" % x.dtype)
+                 lambda: "mpext.to_fp16: x must have dtype float32, got %s" % _dtype_name(x.dtype))
     _check_fake_dense(x, "to_fp16")
     return torch.empty_like(x, dtype=torch.float16)
 
@@ -86,7 +87,7 @@ def _to_fp16_fake(x):
 @torch.library.register_fake("mpext::to_fp32")
 def _to_fp32_fake(x):
     torch._check(x.dtype in (torch.bfloat16, torch.float16),
-                 lambda: "mpext.to_fp32: x must have dtype bfloat16 or float16, got %s" % x.dtype)
+                 lambda: "mpext.to_fp32: x must have dtype bfloat16 or float16, got %s" % _dtype_name(x.dtype))
     _check_fake_dense(x, "to_fp32")
     return torch.empty_like(x, dtype=torch.float32)
 
@@ -124,3 +125,153 @@ for _name in ("mpext::to_bf16", "mpext::to_fp16", "mpext::to_fp32"):
     torch.library.register_autograd(_name, _backward_to_input_dtype,
                                     setup_context=_setup_ctx_dtype)
 del _name
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scaling: the fused unscale-and-check-non-finite op and the on-device loss-scale rule.
+
+__all__ += ["unscale_", "update_scale_"]
+
+
+def unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+             inv_scale: torch.Tensor) -> None:
+    """``g *= inv_scale`` in place for every tensor ``g`` of ``grads``, in one pass over the
+    whole list, and ``found_inf`` set to 1 if any element (before the multiply) is NaN or
+    +-Inf; ``found_inf`` is never cleared, so several calls accumulate into one flag.
+
+    The same results as ``torch._amp_foreach_non_finite_check_and_unscale_``: each value is
+    widened to fp32, multiplied in fp32 and rounded back to its dtype (nearest even), bit for
+    bit for every non-NaN input (a NaN stays NaN; its payload bits may differ). ``grads`` may mix
+    float32, bfloat16 and float16 tensors; each must be dense (contiguous, channels_last, ...)
+    and none may share memory with another or with ``found_inf`` / ``inv_scale``.
+    ``found_inf`` and ``inv_scale`` are one-element float32 tensors on the grads' device; both
+    stay on the device (no host synchronisation). When ``inv_scale`` is 1 the gradients are
+    only read, never written: a pure non-finite check. Every argument is checked before
+    anything is written.
+    """
+    grads = list(grads)
+    for i, g in enumerate(grads):
+        # A sparse tensor would dispatch to a backend with no kernel and a generic error.
+        if isinstance(g, torch.Tensor) and g.layout != torch.strided:
+            raise RuntimeError("mpext.unscale_: grads[%d] must be a strided (dense) tensor, got "
+                               "layout %s (for a sparse gradient pass its _values())"
+                               % (i, g.layout))
+    _ops.unscale_(grads, found_inf, inv_scale)
+
+
+def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
+                  growth_factor: float, backoff_factor: float, growth_interval: int, *,
+                  hysteresis_tracker: Optional[torch.Tensor] = None, hysteresis: int = 1,
+                  min_scale: Optional[float] = None, max_scale: Optional[float] = None,
+                  stats: Optional[torch.Tensor] = None) -> None:
+    """One step of the dynamic loss-scale rule, on the device (no host synchronisation).
+
+    ``scale`` (float32, one element), ``growth_tracker`` (int32, one element) are updated in
+    place from ``found_inf`` (float32, one element; non-zero = the step overflowed). With the
+    defaults this is exactly ``torch._amp_update_scale_``:
+
+    * overflow: ``scale *= backoff_factor`` (computed in double, rounded to float32) and the
+      tracker is reset to 0;
+    * clean step: the tracker counts up; when it reaches ``growth_interval`` the scale is
+      multiplied by ``growth_factor`` (kept only if the result is finite) and the tracker reset.
+
+    Opt-in extensions:
+
+    * ``hysteresis=N`` (needs ``hysteresis_tracker``, an int32 one-element tensor holding the
+      tolerance left, initialised to N): an overflow backs off only when the tracker is at most
+      1, otherwise it decrements the tracker; a clean step refills it to N. Every overflow still
+      resets ``growth_tracker``.
+    * ``min_scale``: a back-off never takes the scale below it (a scale already below it stays).
+    * ``max_scale``: growth never takes the scale above it (it is clamped to ``max_scale``).
+    * ``stats``: an int64 tensor of 2 elements, ``[skipped steps, consecutive overflows]``:
+      ``stats[0]`` counts every overflow, ``stats[1]`` the current run of them (0 after a clean
+      step).
+
+    ``None`` (or 0) bounds mean unbounded. Every tensor must be on ``scale``'s device. Every
+    argument is checked before anything is written.
+    """
+    _ops.update_scale_(scale, growth_tracker, found_inf, float(growth_factor),
+                       float(backoff_factor), int(growth_interval),
+                       hysteresis_tracker=hysteresis_tracker, hysteresis=int(hysteresis),
+                       min_scale=0.0 if min_scale is None else float(min_scale),
+                       max_scale=0.0 if max_scale is None else float(max_scale), stats=stats)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64",
+                torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+                torch.bool: "bool"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _check_fake_scalar(t: torch.Tensor, op: str, name: str, dtype: torch.dtype, numel: int,
+                       device: torch.device, owner: str) -> None:
+    """The fake-kernel twin of the C++ check_scalar: dtype, element count, device, layout."""
+    torch._check(t.dtype == dtype, lambda: "mpext.%s: %s must have dtype %s, got %s"
+                 % (op, name, _dtype_name(dtype), _dtype_name(t.dtype)))
+    torch._check(t.numel() == numel, lambda: "mpext.%s: %s must have %d %s, got %s"
+                 % (op, name, numel, "element" if numel == 1 else "elements", t.numel()))
+    torch._check(t.device == device, lambda: "mpext.%s: %s is on %s but %s is on %s"
+                 % (op, name, t.device, owner, device))
+    torch._check(t.layout == torch.strided,
+                 lambda: "mpext.%s: %s must be a strided (dense) tensor" % (op, name))
+
+
+@torch.library.register_fake("mpext::unscale_")
+def _unscale_fake(grads, found_inf, inv_scale):
+    op = "unscale_"
+    device = found_inf.device
+    _check_fake_scalar(found_inf, op, "found_inf", torch.float32, 1, device, "found_inf")
+    _check_fake_scalar(inv_scale, op, "inv_scale", torch.float32, 1, device, "found_inf")
+    for i, g in enumerate(grads):
+        torch._check(g.device == device,
+                     lambda: "mpext.%s: grads[%d] is on %s but found_inf is on %s; all tensors "
+                     "must be on one device" % (op, i, g.device, device))
+        torch._check(g.dtype in (torch.float32, torch.bfloat16, torch.float16),
+                     lambda: "mpext.%s: grads[%d] must have dtype float32 or bfloat16 or "
+                     "float16, got %s" % (op, i, _dtype_name(g.dtype)))
+        torch._check(g.layout == torch.strided,
+                     lambda: "mpext.%s: grads[%d] must be a strided (dense) tensor" % (op, i))
+    return None
+
+
+@torch.library.register_fake("mpext::update_scale_")
+def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                       growth_interval, *, hysteresis_tracker=None, hysteresis=1, min_scale=0.0,
+                       max_scale=0.0, stats=None):
+    op = "update_scale_"
+    device = scale.device
+    _check_fake_scalar(scale, op, "scale", torch.float32, 1, device, "scale")
+    _check_fake_scalar(growth_tracker, op, "growth_tracker", torch.int32, 1, device, "scale")
+    _check_fake_scalar(found_inf, op, "found_inf", torch.float32, 1, device, "scale")
+    torch._check_value(math.isfinite(growth_factor) and growth_factor > 0,
+                       lambda: "mpext.%s: growth_factor must be a positive finite number, got %s"
+                       % (op, growth_factor))
+    torch._check_value(math.isfinite(backoff_factor) and backoff_factor > 0,
+                       lambda: "mpext.%s: backoff_factor must be a positive finite number, got "
+                       "%s" % (op, backoff_factor))
+    torch._check_value(1 <= growth_interval <= 2 ** 31 - 1,
+                       lambda: "mpext.%s: growth_interval must be in [1, 2^31), got %s"
+                       % (op, growth_interval))
+    torch._check_value(1 <= hysteresis <= 2 ** 31 - 1,
+                       lambda: "mpext.%s: hysteresis must be in [1, 2^31), got %s"
+                       % (op, hysteresis))
+    torch._check_value(hysteresis == 1 or hysteresis_tracker is not None,
+                       lambda: "mpext.%s: hysteresis=%s needs a hysteresis_tracker tensor"
+                       % (op, hysteresis))
+    if hysteresis_tracker is not None:
+        _check_fake_scalar(hysteresis_tracker, op, "hysteresis_tracker", torch.int32, 1, device,
+                           "scale")
+    if stats is not None:
+        _check_fake_scalar(stats, op, "stats", torch.int64, 2, device, "scale")
+    for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
+        torch._check_value(math.isfinite(v) and v >= 0,
+                           lambda: "mpext.%s: %s must be a finite number >= 0 (0 = no bound), "
+                           "got %s" % (op, name, v))
+    torch._check_value(min_scale == 0 or max_scale == 0 or min_scale <= max_scale,
+                       lambda: "mpext.%s: min_scale (%s) must not exceed max_scale (%s)"
+                       % (op, min_scale, max_scale))
+    return None

@@ -1,4 +1,5 @@
 """Independent pure-Python references used by the tests."""
+import math
 import struct
 
 import numpy as np
@@ -52,3 +53,60 @@ def fp16_bits_to_float(h):
 
 def bf16_bits_to_f32_bits(h):
     return np.asarray(h, dtype=np.uint32) << 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The dynamic loss-scale rule (mpext.ops.update_scale_), written from its documentation.
+
+
+def _f32(x):
+    """Round a Python float (a double) to the nearest float32, overflowing to +-inf."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+class ScaleRuleModel:
+    """A pure-Python model of the loss-scale rule and its counters.
+
+    Default arguments give torch._amp_update_scale_; ``hysteresis`` (tolerance refilled by a
+    clean step, back off only when it is down to 1), ``min_scale`` / ``max_scale`` (None =
+    unbounded) and the statistics [skipped, consecutive overflows] are mpext's extensions."""
+
+    def __init__(self, scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 hysteresis=1, min_scale=None, max_scale=None, tracker=0, hysteresis_left=None,
+                 skipped=0, streak=0):
+        self.scale = _f32(scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.tracker = tracker
+        self.hysteresis_left = hysteresis if hysteresis_left is None else hysteresis_left
+        self.skipped = skipped
+        self.streak = streak
+
+    def step(self, found_inf):
+        if found_inf:
+            self.skipped += 1
+            self.streak += 1
+            self.tracker = 0
+            if self.hysteresis > 1 and self.hysteresis_left > 1:
+                self.hysteresis_left -= 1  # tolerated: no back-off yet
+                return
+            new = _f32(self.scale * self.backoff_factor)
+            if self.min_scale is not None and new < self.min_scale:
+                new = min(self.scale, _f32(self.min_scale))
+            self.scale = new
+            return
+        self.streak = 0
+        self.hysteresis_left = self.hysteresis
+        self.tracker += 1
+        if self.tracker == self.growth_interval:
+            self.tracker = 0
+            new = _f32(self.scale * self.growth_factor)
+            if self.max_scale is not None and new > self.max_scale:
+                new = max(self.scale, _f32(self.max_scale))
+            if math.isfinite(new):
+                self.scale = new

@@ -10,8 +10,8 @@ namespace {
 
 void check_scalar(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype,
                   int64_t numel, const c10::Device& device, const char* device_owner) {
-  TORCH_CHECK(t.scalar_type() == dtype, "mpext.", op, ": ", name, " must be a ",
-              dtype_name(dtype), " tensor, got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.scalar_type() == dtype, "mpext.", op, ": ", name, " must have dtype ",
+              dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
   TORCH_CHECK(t.numel() == numel, "mpext.", op, ": ", name, " must have ", numel,
               numel == 1 ? " element" : " elements", ", got ", t.numel());
   TORCH_CHECK(t.device() == device, "mpext.", op, ": ", name, " is on ", t.device(), " but ",

@@ -18,7 +18,8 @@ extern "C" {
 
 /* g[i] = g[i] * inv_scale for n fp32 values, in place, and *found = 1 if any g[i] was NaN or
  * +-Inf before the multiply (*found is never cleared). When inv_scale == 1 the values are only
- * read, never written (a check without the multiply), as torch does. */
+ * read, never written (a check without the multiply). torch's op writes the values back
+ * unchanged in that case (which quiets signaling NaNs); mpext leaves memory untouched. */
 mp_status mp_unscale_f32(float* g, int64_t n, float inv_scale, int32_t* found);
 
 /* The same for bf16 values: each is widened to fp32 (exact), multiplied in fp32 and rounded

@@ -1,0 +1,570 @@
+"""mpext.GradScaler: a drop-in replacement for torch.amp.GradScaler (and the older
+torch.cuda.amp.GradScaler) built on the mpext loss-scaling ops.
+
+Design: it subclasses ``torch.amp.GradScaler`` and replaces only the two places where the
+numerics happen:
+
+* ``_unscale_grads_`` (called by ``unscale_`` and, with an inv_scale of 1, by the fused-optimizer
+  path of ``step``): gradients are grouped per device only, and each device's whole list, mixed
+  dtypes included, goes to one ``mpext.ops.unscale_`` call (torch issues one call per device and
+  dtype). Gradients mpext cannot take (float64, non-dense layouts, a device without an mpext
+  kernel) fall back to ``torch._amp_foreach_non_finite_check_and_unscale_``.
+* ``update``: the scale rule runs in ``mpext.ops.update_scale_``, which adds the opt-in
+  extensions (hysteresis, min/max scale) and keeps the skip statistics on the device.
+
+Everything else (the per-optimizer state machine, ``scale``, ``step`` with its single host sync,
+or none for optimizers that set ``_step_supports_amp_scaling``, the getters and setters, the
+exceptions for misuse) is torch's own code, so behaviour stays identical as torch evolves; the
+methods this class relies on (``_unscale_grads_``, ``_lazy_init_scale_growth_tracker``,
+``_check_scale_growth_tracker``, ``_per_optimizer_states``) have had the same contract since
+torch 1.6. ``state_dict`` has torch's five keys with torch's types, so checkpoints move both ways;
+extra keys appear only when the extra options are used.
+"""
+import math
+import numbers
+import warnings
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from . import ops as _mp_ops
+
+__all__ = ["GradScaler"]
+
+_MPEXT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_kernel_cache: Dict[tuple, bool] = {}
+
+
+def _has_mpext_kernel(op: str, device: torch.device) -> bool:
+    """Whether mpext registered a kernel of ``op`` for ``device``'s backend (e.g. a CPU-only
+    build running on a CUDA machine has none for CUDA)."""
+    key = (op, device.type)
+    found = _kernel_cache.get(key)
+    if found is None:
+        dispatch_key = _DISPATCH_KEYS.get(device.type)
+        found = bool(dispatch_key) and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "mpext::" + op, dispatch_key)
+        _kernel_cache[key] = found
+    return found
+
+
+class _PerDevice:
+    """A tensor and its copies on other devices, made on first request (non-blocking)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.master = tensor
+        self.copies: Dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        t = self.copies.get(device)
+        if t is None:
+            t = self.master.to(device=device, non_blocking=True, copy=True)
+            self.copies[device] = t
+        return t
+
+
+class _Default(float):
+    """A float default that can be told apart from the same value passed by the caller."""
+    __slots__ = ()
+
+
+class _DefaultInt(int):
+    __slots__ = ()
+
+
+_INIT_SCALE = _Default(2.0 ** 16)
+_GROWTH_FACTOR = _Default(2.0)
+_BACKOFF_FACTOR = _Default(0.5)
+_GROWTH_INTERVAL = _DefaultInt(2000)
+_DEFAULTS = (_INIT_SCALE, _GROWTH_FACTOR, _BACKOFF_FACTOR, _GROWTH_INTERVAL)
+
+
+def _plain(v):
+    """Our sentinel defaults as the plain float / int torch stores."""
+    if v is _GROWTH_INTERVAL:
+        return int(v)
+    if any(v is d for d in _DEFAULTS):
+        return float(v)
+    return v
+
+
+def _host_values(t: torch.Tensor) -> list:
+    """The values of a CPU tensor that holds a host-side snapshot. Reading host memory is never
+    a device synchronisation; numpy reads it without going through Tensor.item/tolist."""
+    try:
+        return t.numpy().tolist()
+    except (RuntimeError, ImportError):  # torch without numpy
+        return t.tolist()
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler``.
+
+    Same constructor, defaults, methods, exceptions and ``state_dict`` as the installed torch's
+    ``torch.amp.GradScaler`` (switch by changing the import); the unscale is one fused
+    ``mpext.ops.unscale_`` pass per device over all gradients (fp32, fp16 and bf16 mixed) and the
+    scale update is ``mpext.ops.update_scale_`` on the device. By default every decision, scale
+    and gradient is bit-identical to torch's.
+
+    ``torch.cuda.amp.GradScaler`` users can switch too: ``device`` defaults to ``"cuda"``, and a
+    number given as the first positional argument is taken as ``init_scale`` (the old
+    signature ``GradScaler(init_scale, growth_factor, backoff_factor, growth_interval,
+    enabled)``).
+
+    Opt-in extensions (keyword-only; the defaults keep exact parity with torch):
+
+    Args:
+        hysteresis (int): back off only after this many consecutive overflowing steps (a clean
+            step refills the tolerance); 1 (default) backs off on every overflow, as torch does.
+            Overflowing steps are skipped either way.
+        min_scale (float, optional): a back-off never takes the scale below this.
+        max_scale (float, optional): growth never takes the scale above this.
+        bf16_check_only (bool): for BF16 mixed precision, whose gradients need no loss scaling:
+            the scale is held at 1.0 (``scale()`` multiplies by 1, ``update()`` never changes
+            it), so unscaling is a read-only inf/NaN check (inv_scale 1: gradients are read,
+            never written) and overflowing steps are still skipped and counted. A float16
+            gradient raises ``ValueError`` in this mode.
+        warn_consecutive_overflows (int, optional): warn (once) when this many consecutive
+            steps overflowed (default 10; ``None`` disables), and, with ``min_scale``, when a
+            step overflows although the scale already sits at ``min_scale``: backing off
+            further cannot help, so the inf/NaN comes from the model, not from scaling. The check
+            never synchronises: it reads a host copy of the counters made asynchronously by the
+            previous ``update()`` (on CPU it reads them at once).
+
+    Skip reporting (no host sync): :meth:`last_step_skipped` (a bool tensor on the scale's
+    device), :meth:`skipped_steps` (the running count as a device tensor) and
+    :meth:`get_skipped_steps` (the same as a Python int, which synchronises).
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = _INIT_SCALE,
+                 growth_factor: float = _GROWTH_FACTOR, backoff_factor: float = _BACKOFF_FACTOR,
+                 growth_interval: int = _GROWTH_INTERVAL, enabled: bool = True, *,
+                 hysteresis: int = 1, min_scale: Optional[float] = None,
+                 max_scale: Optional[float] = None, bf16_check_only: bool = False,
+                 warn_consecutive_overflows: Optional[int] = 10) -> None:
+        if isinstance(device, numbers.Real) and not isinstance(device, bool):
+            # torch.cuda.amp.GradScaler(init_scale, growth_factor, ...): shift the arguments
+            # given positionally (those before the first untouched default) one place right.
+            slots = [device, init_scale, growth_factor, backoff_factor, growth_interval]
+            positional = 1
+            while positional < len(slots) and not any(slots[positional] is d for d in _DEFAULTS):
+                positional += 1
+            targets = [init_scale, growth_factor, backoff_factor, growth_interval, enabled]
+            for i in range(positional):
+                targets[i] = slots[i]
+            init_scale, growth_factor, backoff_factor, growth_interval, enabled = targets
+            device = "cuda"
+        init_scale, growth_factor, backoff_factor, growth_interval = (
+            _plain(init_scale), _plain(growth_factor), _plain(backoff_factor),
+            _plain(growth_interval))
+
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral) \
+                or not 1 <= hysteresis < 2 ** 31:
+            raise ValueError("mpext.GradScaler: hysteresis must be an int in [1, 2^31), got %r"
+                             % (hysteresis,))
+        for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
+            if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v)
+                                      and v > 0):
+                raise ValueError("mpext.GradScaler: %s must be None or a finite number > 0, got "
+                                 "%r" % (name, v))
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError("mpext.GradScaler: min_scale (%r) must not exceed max_scale (%r)"
+                             % (min_scale, max_scale))
+        if warn_consecutive_overflows is not None and (
+                isinstance(warn_consecutive_overflows, bool)
+                or not isinstance(warn_consecutive_overflows, numbers.Integral)
+                or warn_consecutive_overflows < 1):
+            raise ValueError("mpext.GradScaler: warn_consecutive_overflows must be None or an "
+                             "int >= 1, got %r" % (warn_consecutive_overflows,))
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                             backoff_factor=backoff_factor, growth_interval=growth_interval,
+                             enabled=enabled)
+        for w in caught:  # e.g. "... CUDA is not available. Disabling.": point at the caller
+            warnings.warn(w.message, w.category, stacklevel=2)
+
+        self._hysteresis = int(hysteresis)
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._max_scale = None if max_scale is None else float(max_scale)
+        self._bf16_check_only = bool(bf16_check_only)
+        self._warn_after = warn_consecutive_overflows
+        # Device state beside torch's _scale / _growth_tracker, created with them (lazily).
+        self._hysteresis_tracker: Optional[torch.Tensor] = None
+        self._init_hysteresis_tracker = self._hysteresis
+        self._stats: Optional[torch.Tensor] = None  # int64 [skipped steps, overflow streak]
+        self._init_stats = (0, 0)
+        # Skip reporting: the found_inf of the last update(), and each optimizer's latest state.
+        self._last_found_inf: Optional[torch.Tensor] = None
+        self._stepped_states: Dict[int, Dict[str, Any]] = {}
+        self._stepped_since_update: List[int] = []
+        # The overflow warning: a host snapshot in flight, and whether we warned already.
+        self._watch_pending: Optional[tuple] = None
+        self._watch_buffers: Optional[tuple] = None
+        self._warned = False
+        if self._enabled and self._bf16_check_only:
+            self._init_scale = 1.0
+
+    # -----------------------------------------------------------------------------------------
+    # Device state.
+
+    def _uses_extras(self) -> bool:
+        return (self._hysteresis > 1 or self._min_scale is not None
+                or self._max_scale is not None or self._bf16_check_only)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._init_extra_state(dev)
+
+    def _init_extra_state(self, dev: torch.device) -> None:
+        self._stats = torch.tensor(list(self._init_stats), dtype=torch.int64, device=dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker,
+                                              dtype=torch.int32, device=dev)
+
+    # -----------------------------------------------------------------------------------------
+    # Unscaling: one fused mpext pass per device.
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> Dict[torch.device,
+                                                                           torch.Tensor]:
+        per_device_inv_scale = _PerDevice(inv_scale)
+        per_device_found_inf = _PerDevice(found_inf)
+        per_device_grads: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor):
+                        raise AssertionError(
+                            f"expected param to be torch.Tensor, got {type(param).__name__}")
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if (not allow_fp16) and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if self._bf16_check_only and grad.dtype == torch.float16:
+                        raise ValueError(
+                            "mpext.GradScaler(bf16_check_only=True) does not scale the loss, "
+                            "but a float16 gradient needs loss scaling; use bf16_check_only="
+                            "False for float16 training")
+                    if grad.is_sparse:
+                        # Duplicate indices of an uncoalesced fp16 grad could overflow once
+                        # summed: coalesce first so the values checked are the final ones.
+                        if grad.dtype is torch.float16:
+                            param.grad = grad.coalesce()
+                            grad = param.grad
+                        grad = grad._values()
+                    per_device_grads[grad.device].append(grad)
+
+            for device, grads in per_device_grads.items():
+                _unscale_device(grads, per_device_found_inf.get(device),
+                                per_device_inv_scale.get(device))
+        return per_device_found_inf.copies
+
+    # -----------------------------------------------------------------------------------------
+    # step / update.
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        retval = super().step(optimizer, *args, **kwargs)
+        if self._enabled:
+            state = self._per_optimizer_states.get(id(optimizer))
+            if state is not None:
+                self._stepped_states[id(optimizer)] = state
+                self._stepped_since_update.append(id(optimizer))
+        return retval
+
+    def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
+        """Updates the scale factor, as ``torch.amp.GradScaler.update`` does (see there), with
+        the rule of ``mpext.ops.update_scale_``: no host sync, plus the opt-in hysteresis and
+        min/max bounds and the skip statistics."""
+        if not self._enabled:
+            return
+
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        found_infs = [found_inf.to(device=_scale.device, non_blocking=True)
+                      for state in self._per_optimizer_states.values()
+                      for found_inf in state["found_inf_per_device"].values()]
+
+        if new_scale is not None:
+            if isinstance(new_scale, float):
+                if not self._bf16_check_only:
+                    self._scale.fill_(new_scale)
+            else:
+                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                          "torch.FloatTensor with requires_grad=False.")
+                if new_scale.device.type != self._device:
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+                if not self._bf16_check_only:
+                    self._scale.copy_(new_scale)
+            if found_infs:
+                self._last_found_inf = _combine(found_infs)
+        else:
+            if len(found_infs) == 0:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            found_inf = _combine(found_infs)
+            if self._stats is None or self._stats.device != _scale.device:
+                self._init_extra_state(_scale.device)
+            watching = self._watching()
+            pre_scale = _scale.clone() if watching and self._min_scale is not None else None
+            self._update_rule(_scale, _growth_tracker, found_inf)
+            self._last_found_inf = found_inf
+            if watching:
+                self._watch(pre_scale)
+
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._stepped_since_update = []
+
+    def _update_rule(self, scale: torch.Tensor, growth_tracker: torch.Tensor,
+                     found_inf: torch.Tensor) -> None:
+        if self._bf16_check_only:  # the scale stays at 1; counters and tracker still advance
+            growth_factor, backoff_factor = 1.0, 1.0
+        else:
+            growth_factor, backoff_factor = self._growth_factor, self._backoff_factor
+        if _has_mpext_kernel("update_scale_", scale.device):
+            _mp_ops.update_scale_(
+                scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                self._growth_interval,
+                hysteresis_tracker=self._hysteresis_tracker if self._hysteresis > 1 else None,
+                hysteresis=self._hysteresis, min_scale=self._min_scale,
+                max_scale=self._max_scale, stats=self._stats)
+            return
+        # A device mpext has no kernel for: torch's rule, the statistics by tensor ops.
+        if self._hysteresis > 1 or self._min_scale is not None or self._max_scale is not None:
+            raise RuntimeError(
+                "mpext.GradScaler: hysteresis/min_scale/max_scale need mpext's update_scale_ "
+                "kernel, which this build of mpext does not have for device type '%s'"
+                % scale.device.type)
+        torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor,
+                                 backoff_factor, self._growth_interval)
+        overflow = (found_inf != 0).to(torch.int64)
+        self._stats[0].add_(overflow)
+        self._stats[1].add_(overflow).mul_(overflow)
+
+    # -----------------------------------------------------------------------------------------
+    # Skip reporting.
+
+    def last_step_skipped(self, optimizer: Optional[torch.optim.Optimizer] = None
+                          ) -> torch.Tensor:
+        """Whether the last step was skipped (its gradients had an inf/NaN), as a 0-dim bool
+        tensor on the scale's device: no host sync.
+
+        With ``optimizer``: its latest ``step()``. Without: the current iteration (any
+        optimizer stepped since the last ``update()`` skipped), or, right after ``update()``,
+        the iteration it concluded. False before any step, and always False when disabled.
+        """
+        if not self._enabled:
+            return torch.zeros((), dtype=torch.bool)
+        dev = self._scale.device if self._scale is not None else torch.device("cpu")
+        if optimizer is not None:
+            states = [self._stepped_states.get(id(optimizer))]
+        elif self._stepped_since_update:
+            states = [self._stepped_states.get(i) for i in self._stepped_since_update]
+        else:
+            if self._last_found_inf is None:
+                return torch.zeros((), dtype=torch.bool, device=dev)
+            return self._last_found_inf != 0
+        found = [f.to(dev, non_blocking=True) for s in states if s is not None
+                 for f in s["found_inf_per_device"].values()]
+        if not found:
+            return torch.zeros((), dtype=torch.bool, device=dev)
+        return _combine(found) != 0
+
+    def skipped_steps(self) -> torch.Tensor:
+        """The number of skipped iterations so far (``update()`` calls that found an inf/NaN)
+        as a 0-dim int64 tensor on the scale's device: a snapshot, no host sync."""
+        if not self._enabled:
+            return torch.zeros((), dtype=torch.int64)
+        if self._stats is None:
+            return torch.full((), self._init_stats[0], dtype=torch.int64)
+        return self._stats[0].clone()
+
+    def get_skipped_steps(self) -> int:
+        """The number of skipped iterations so far as a Python int (a host sync)."""
+        if not self._enabled:
+            return 0
+        if self._stats is None:
+            return int(self._init_stats[0])
+        return int(self._stats[0].item())
+
+    def _consecutive_overflows(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._stats is None:
+            return int(self._init_stats[1])
+        return int(self._stats[1].item())
+
+    # -----------------------------------------------------------------------------------------
+    # The overflow warning, without a host sync.
+
+    def _watching(self) -> bool:
+        return not self._warned and (self._warn_after is not None or self._min_scale is not None)
+
+    def _watch(self, pre_scale: Optional[torch.Tensor]) -> None:
+        pending = self._watch_pending
+        if pending is not None:
+            host_f, host_i, event = pending
+            if event is not None and not event.query():
+                return  # the previous snapshot has not landed yet: look again next time
+            self._watch_pending = None
+            self._inspect(host_f, host_i)
+            if self._warned:
+                return
+        scale = self._scale
+        if scale.device.type == "cpu":
+            event = None
+            pin = False
+        elif scale.device.type == "cuda":
+            pin = True
+        else:
+            return  # no event API we rely on: no warning on this device type
+        if self._watch_buffers is None:  # reused: a new copy starts only once the last landed
+            self._watch_buffers = (torch.empty(2, dtype=torch.float32, pin_memory=pin),
+                                   torch.empty(2, dtype=torch.int64, pin_memory=pin))
+        host_f, host_i = self._watch_buffers
+        snap_f = torch.stack([pre_scale if pre_scale is not None else scale, scale])
+        host_f.copy_(snap_f.view(2), non_blocking=pin)
+        host_i.copy_(self._stats, non_blocking=pin)
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+            self._watch_pending = (host_f, host_i, event)
+        else:
+            self._inspect(host_f, host_i)  # CPU: the copy is done; reading it is free
+
+    def _inspect(self, host_f: torch.Tensor, host_i: torch.Tensor) -> None:
+        pre_scale, _ = _host_values(host_f)
+        _, streak = _host_values(host_i)
+        if self._warn_after is not None and streak >= self._warn_after:
+            self._warned = True
+            warnings.warn(
+                "mpext.GradScaler: %d consecutive steps had inf/NaN gradients and were skipped, "
+                "and backing off the scale has not cured it. This is rarely an overflow that a "
+                "smaller scale fixes: look for NaN/Inf in the model's forward pass or the loss."
+                % streak, RuntimeWarning, stacklevel=4)
+        elif self._min_scale is not None and streak >= 1 and pre_scale <= self._min_scale:
+            self._warned = True
+            warnings.warn(
+                "mpext.GradScaler: a step had inf/NaN gradients although the scale already sat "
+                "at min_scale=%g, so backing off cannot help: the inf/NaN comes from the model "
+                "(forward pass or loss), not from loss scaling." % self._min_scale,
+                RuntimeWarning, stacklevel=4)
+
+    # -----------------------------------------------------------------------------------------
+    # state_dict and pickling.
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``, with torch's types), so a checkpoint loads into
+        either scaler. When the extra options are used it also holds ``hysteresis`` and
+        ``_hysteresis_tracker`` (with hysteresis > 1), ``min_scale`` / ``max_scale`` (when set),
+        and ``_skipped_steps`` / ``_consecutive_overflows``. Empty when disabled."""
+        sd = super().state_dict()
+        if self._enabled and self._uses_extras():
+            if self._hysteresis > 1:
+                sd["hysteresis"] = self._hysteresis
+                sd["_hysteresis_tracker"] = (
+                    self._init_hysteresis_tracker if self._hysteresis_tracker is None
+                    else int(self._hysteresis_tracker.item()))
+            if self._min_scale is not None:
+                sd["min_scale"] = self._min_scale
+            if self._max_scale is not None:
+                sd["max_scale"] = self._max_scale
+            stats = self._init_stats if self._stats is None else self._stats.tolist()
+            sd["_skipped_steps"] = int(stats[0])
+            sd["_consecutive_overflows"] = int(stats[1])
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state saved by this class or by ``torch.amp.GradScaler``. Extra keys (see
+        :meth:`state_dict`) restore the options and counters they hold; absent ones keep this
+        scaler's options and reset its counters. With ``bf16_check_only`` the scale stays 1."""
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        if "hysteresis" in state_dict:
+            h = state_dict["hysteresis"]
+            if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h < 2 ** 31:
+                raise ValueError("mpext.GradScaler.load_state_dict: hysteresis must be an int in "
+                                 "[1, 2^31), got %r" % (h,))
+            self._hysteresis = int(h)
+        if "min_scale" in state_dict:
+            self._min_scale = float(state_dict["min_scale"])
+        if "max_scale" in state_dict:
+            self._max_scale = float(state_dict["max_scale"])
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker",
+                                                           self._hysteresis))
+        self._init_stats = (int(state_dict.get("_skipped_steps", 0)),
+                            int(state_dict.get("_consecutive_overflows", 0)))
+        if self._bf16_check_only:
+            self._init_scale = 1.0
+            if self._scale is not None:
+                self._scale.fill_(1.0)
+        if self._scale is not None:
+            self._init_extra_state(self._scale.device)
+        self._warned = False
+        self._watch_pending = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()  # raises mid-iteration, as torch does
+        if self._enabled:
+            if self._hysteresis_tracker is not None:
+                state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
+            if self._stats is not None:
+                state["_init_stats"] = tuple(int(v) for v in self._stats.tolist())
+        state["_hysteresis_tracker"] = None
+        state["_stats"] = None
+        state["_last_found_inf"] = None
+        state["_stepped_states"] = {}
+        state["_stepped_since_update"] = []
+        state["_watch_pending"] = None
+        state["_watch_buffers"] = None
+        return state
+
+
+def _combine(found_infs: List[torch.Tensor]) -> torch.Tensor:
+    """The sum of several found_inf flags on one device, as a new tensor (torch adds in place
+    into the first, which would change an optimizer's recorded flag)."""
+    if len(found_infs) == 1:
+        return found_infs[0]
+    return torch.stack(found_infs).sum()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t covers its memory exactly once (contiguous, channels_last, any permutation):
+    what mpext's element-wise kernels accept."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _unscale_device(grads: List[torch.Tensor], found_inf: torch.Tensor,
+                    inv_scale: torch.Tensor) -> None:
+    """Unscales one device's gradients: everything mpext takes in one mpext.ops.unscale_ call,
+    the rest (float64, non-dense layouts, no mpext kernel for the device) with torch's op, one
+    call per dtype."""
+    ours: List[torch.Tensor] = []
+    rest: Dict[torch.dtype, List[torch.Tensor]] = defaultdict(list)
+    mpext_ok = _has_mpext_kernel("unscale_", found_inf.device)
+    for g in grads:
+        if (mpext_ok and g.dtype in _MPEXT_DTYPES and g.layout == torch.strided
+                and _dense(g)):
+            ours.append(g)
+        else:
+            rest[g.dtype].append(g)
+    if ours:
+        _mp_ops.unscale_(ours, found_inf, inv_scale)
+    for same_dtype in rest.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
