@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "core")]
 
 # Compiled once per ISA path.
-KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/table.c"]
+KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/adam.c",
+                  "csrc/core/table.c"]
 # Compiled once.
 COMMON_SOURCES = ["csrc/core/cpu.c"]
 

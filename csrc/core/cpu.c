@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "isa.h"
+#include "mpext/adam.h"
 #include "mpext/cast.h"
 #include "mpext/scale.h"
 #include "mpext/scale_rule.h"
@@ -153,5 +154,20 @@ mp_status mp_update_scale(float* scale, int32_t* growth_tracker, const float* fo
   mp_update_scale_rule(scale, growth_tracker, *found_inf, growth_factor, backoff_factor,
                        growth_interval, hysteresis_tracker, hysteresis, min_scale, max_scale,
                        stats);
+  return MP_OK;
+}
+
+mp_status mp_adam_step(void* param, mp_dtype param_dtype, const void* grad, mp_dtype grad_dtype,
+                       float* master, float* exp_avg, float* exp_avg_sq, int64_t n,
+                       const mp_adam_params* p) {
+  if (n < 0 || p == NULL) return MP_ERR_INVALID_ARGUMENT;
+  if ((int)param_dtype < 0 || param_dtype > MP_F16 || (int)grad_dtype < 0 || grad_dtype > MP_F16)
+    return MP_ERR_INVALID_ARGUMENT;
+  if (grad_dtype != param_dtype && grad_dtype != MP_F32) return MP_ERR_INVALID_ARGUMENT;
+  if ((param_dtype == MP_F32) != (master == NULL)) return MP_ERR_INVALID_ARGUMENT;
+  if (n == 0) return MP_OK;
+  if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL)
+    return MP_ERR_INVALID_ARGUMENT;
+  active()->adam_step(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, p);
   return MP_OK;
 }

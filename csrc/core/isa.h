@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 
+#include "mpext/adam.h"
 #include "mpext/mpext.h"
 
 #define MP_CAT_(a, b) a##__##b
@@ -29,6 +30,10 @@ typedef struct mp_kernel_table {
   int (*unscale_f32)(float* g, int64_t n, float inv_scale);
   int (*unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
   int (*unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
+  /* One fused Adam/AdamW step over n elements, arguments already checked (adam.c). */
+  void (*adam_step)(void* param, mp_dtype param_dtype, const void* grad, mp_dtype grad_dtype,
+                    float* master, float* exp_avg, float* exp_avg_sq, int64_t n,
+                    const mp_adam_params* p);
 } mp_kernel_table;
 
 extern const mp_kernel_table mp_kernels__scalar;
@@ -36,7 +41,7 @@ extern const mp_kernel_table mp_kernels__avx2;
 extern const mp_kernel_table mp_kernels__avx512;
 
 #ifdef MP_ISA_SUFFIX
-/* This build's kernels (defined in cast.c, scale.c, ...; gathered into a table by table.c). */
+/* This build's kernels (defined in cast.c, scale.c, adam.c, ...; gathered into a table by table.c). */
 void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
 void MP_ISA_FN(mp_k_to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
                                     uint64_t offset);
@@ -46,6 +51,9 @@ void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
 int MP_ISA_FN(mp_k_unscale_f32)(float* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
+void MP_ISA_FN(mp_k_adam_step)(void* param, mp_dtype param_dtype, const void* grad,
+                               mp_dtype grad_dtype, float* master, float* exp_avg,
+                               float* exp_avg_sq, int64_t n, const mp_adam_params* p);
 #endif
 
 #endif /* MPEXT_CORE_ISA_H */

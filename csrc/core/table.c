@@ -14,4 +14,5 @@ const mp_kernel_table MP_ISA_FN(mp_kernels) = {
     .unscale_f32 = MP_ISA_FN(mp_k_unscale_f32),
     .unscale_bf16 = MP_ISA_FN(mp_k_unscale_bf16),
     .unscale_fp16 = MP_ISA_FN(mp_k_unscale_fp16),
+    .adam_step = MP_ISA_FN(mp_k_adam_step),
 };

@@ -69,14 +69,14 @@ struct ByteRange {
   uintptr_t begin, end;
   int64_t index;      // position in its list
   bool is_dst;        // written by the op
-  const char* label;  // the argument's own name, for tensors outside the lists (or nullptr)
+  std::string label;  // the argument's own name ("found_inf", "params[3]"), or empty
 };
 
 inline ByteRange byte_range(const at::Tensor& t, int64_t index, bool is_dst,
-                            const char* label = nullptr) {
+                            std::string label = std::string()) {
   auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   return {begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), index, is_dst,
-          label};
+          std::move(label)};
 }
 
 // Rejects any destination that overlaps another destination or a source: the kernels assume
