@@ -275,3 +275,194 @@ def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_
                        lambda: "mpext.%s: min_scale (%s) must not exceed max_scale (%s)"
                        % (op, min_scale, max_scale))
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam / AdamW: one fused pass over memory per step, with optional master weights, fused
+# unscale and on-device skip.
+
+__all__ += ["adam_step_"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+               masters: Optional[Sequence[torch.Tensor]], steps: Sequence[torch.Tensor],
+               lr, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+               weight_decay: float = 0.0, decoupled: bool = False, maximize: bool = False, *,
+               inv_scale: Optional[torch.Tensor] = None,
+               found_inf: Optional[torch.Tensor] = None) -> None:
+    """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
+    ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
+    ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
+
+    Per param ``i``: ``steps[i]`` (a one-element float32 tensor) is incremented, the gradient
+    ``grads[i]`` is multiplied by ``inv_scale`` (when given; a fused unscale), negated with
+    ``maximize``, and the fp32 moments ``exp_avgs[i]`` / ``exp_avg_sqs[i]`` and the param are
+    updated with torch's formulas (bias corrections from the new step count, eps added after
+    dividing ``sqrt(v)`` by ``sqrt(1 - beta2^t)``). A bfloat16/float16 param needs an fp32
+    master, ``masters[i]``: the update is computed on the master, and the param is written as
+    the round-to-nearest-even of the new master. For a float32 param ``masters[i]`` is an empty
+    float32 tensor; ``masters`` may also be empty (or None) when every param is float32.
+
+    ``grads[i]`` has the param's dtype or float32; moments and masters are float32, with the
+    param's shape and memory layout (any dense layout). Every tensor is on the params' device,
+    except ``lr``, which may also be on the CPU: a one-element float32 tensor (a Python number is
+    accepted and put in one on the params' device). ``inv_scale`` and ``found_inf`` are optional
+    one-element float32 tensors. Written tensors (params, moments, masters, steps) must not
+    share memory with any other tensor of the call. When ``found_inf`` is non-zero,
+    nothing at all is written and the steps are not advanced -- decided on the device, with no
+    host synchronisation. Every argument is checked before anything is written.
+    """
+    params, grads = list(params), list(grads)
+    masters = [] if masters is None else list(masters)
+    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
+    # A sparse tensor would dispatch to a backend with no kernel and a generic error.
+    for name, ts in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                     ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps)):
+        for i, t in enumerate(ts):
+            if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+                raise RuntimeError("mpext.adam_step_: %s[%d] must be a strided (dense) tensor, "
+                                   "got layout %s" % (name, i, t.layout))
+    for name, t in (("lr", lr), ("inv_scale", inv_scale), ("found_inf", found_inf)):
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise RuntimeError("mpext.adam_step_: %s must be a strided (dense) tensor, got "
+                               "layout %s" % (name, t.layout))
+    if not isinstance(lr, torch.Tensor):
+        device = params[0].device if params else torch.device("cpu")
+        lr = torch.full((), float(lr), dtype=torch.float32, device=device)
+    _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr,
+                    float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+                    bool(maximize), inv_scale=inv_scale, found_inf=found_inf)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape lay their elements out in the same memory order (the
+    strides of size-1 dimensions do not matter)."""
+    return a.shape == b.shape and all(
+        sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()) if size != 1)
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether t is strided and covers its memory exactly once (contiguous, channels_last, any
+    permutation of dimensions): what the element-wise kernels accept."""
+    if t.layout != torch.strided:
+        return False
+    if t.numel() <= 1 or t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _sizes(t: torch.Tensor) -> str:
+    return "[%s]" % ", ".join(str(int(d)) for d in t.shape)
+
+
+def _strides(t: torch.Tensor) -> str:
+    return "[%s]" % ", ".join(str(int(d)) for d in t.stride())
+
+
+def _check_fake_dense_named(t: torch.Tensor, op: str, name: str) -> None:
+    """The fake-kernel twin of the C++ check_dense."""
+    torch._check(t.layout == torch.strided, lambda: "mpext.%s: %s must be a strided (dense) "
+                 "tensor, got layout %s" % (op, name, t.layout))
+    torch._check(_is_dense(t), lambda: "mpext.%s: %s must be dense and non-overlapping (e.g. "
+                 "contiguous or channels_last); got sizes %s and strides %s. Call .contiguous() "
+                 "on it first." % (op, name, _sizes(t), _strides(t)))
+
+
+@torch.library.register_fake("mpext::adam_step_")
+def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
+                    weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None):
+    """The checks of the C++ plan_adam, in its order and with its messages, except the memory
+    overlap check (fake tensors have no addresses)."""
+    op = "adam_step_"
+    n = len(params)
+    for name, ts in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                     ("steps", steps)):
+        torch._check_value(len(ts) == n, lambda: "mpext.%s: %s must have one entry per param "
+                           "(%d), got %d" % (op, name, n, len(ts)))
+    torch._check_value(len(masters) in (0, n), lambda: "mpext.%s: masters must be empty or have "
+                       "one entry per param (%d), got %d" % (op, n, len(masters)))
+    for name, v, hi in (("beta1", beta1, "1"), ("beta2", beta2, "1"), ("eps", eps, "inf"),
+                        ("weight_decay", weight_decay, "inf")):
+        top = 1.0 if hi == "1" else math.inf
+        torch._check_value(math.isfinite(v) and 0.0 <= v < top,
+                           lambda: "mpext.%s: %s must be in [0, %s), got %g" % (op, name, hi, v))
+
+    def check_one_element(t, name):
+        torch._check(t.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype float32, "
+                     "got %s" % (op, name, _dtype_name(t.dtype)))
+        torch._check(t.numel() == 1, lambda: "mpext.%s: %s must have 1 element, got %s"
+                     % (op, name, t.numel()))
+
+    check_one_element(lr, "lr")
+    _check_fake_dense_named(lr, op, "lr")
+    if inv_scale is not None:
+        check_one_element(inv_scale, "inv_scale")
+    if found_inf is not None:
+        check_one_element(found_inf, "found_inf")
+    if n == 0:
+        return None
+    device = params[0].device
+
+    def check_device(t, name, cpu_ok=False):
+        torch._check(t.device == device or (cpu_ok and t.device.type == "cpu"),
+                     lambda: "mpext.%s: %s is on %s but params[0] is on %s%s"
+                     % (op, name, t.device, device,
+                        " (it may also be on the CPU)" if cpu_ok else ""))
+
+    def check_layout(t, name, pname, p):
+        torch._check_value(_same_layout(t, p), lambda: "mpext.%s: %s (sizes %s, strides %s) "
+                           "must match %s (sizes %s, strides %s)" % (op, name, _sizes(t),
+                                                                    _strides(t), pname,
+                                                                    _sizes(p), _strides(p)))
+
+    check_device(lr, "lr", True)
+    if inv_scale is not None:
+        check_device(inv_scale, "inv_scale")
+    if found_inf is not None:
+        check_device(found_inf, "found_inf")
+    for i in range(n):
+        p, g, m, v, s = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i]
+        pn, gn, mn, vn = ("params[%d]" % i, "grads[%d]" % i, "exp_avgs[%d]" % i,
+                          "exp_avg_sqs[%d]" % i)
+        sn, wn = "steps[%d]" % i, "masters[%d]" % i
+        for t, name in ((p, pn), (g, gn), (m, mn), (v, vn), (s, sn)):
+            check_device(t, name)
+        torch._check(p.dtype in _PARAM_DTYPES, lambda: "mpext.%s: %s must have dtype float32 "
+                     "or bfloat16 or float16, got %s" % (op, pn, _dtype_name(p.dtype)))
+        torch._check(g.dtype == p.dtype or g.dtype == torch.float32,
+                     lambda: "mpext.%s: %s must have the dtype of %s (%s) or float32, got %s"
+                     % (op, gn, pn, _dtype_name(p.dtype), _dtype_name(g.dtype)))
+        for t, name in ((m, mn), (v, vn)):
+            torch._check(t.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
+                         "float32, got %s" % (op, name, _dtype_name(t.dtype)))
+        check_one_element(s, sn)
+        for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
+            _check_fake_dense_named(t, op, name)
+        for t, name in ((g, gn), (m, mn), (v, vn)):
+            check_layout(t, name, pn, p)
+        needs_master = p.dtype != torch.float32
+        if not masters:
+            torch._check_value(not needs_master, lambda: "mpext.%s: %s is %s and needs an FP32 "
+                               "master, but masters is empty" % (op, pn, _dtype_name(p.dtype)))
+        else:
+            w = masters[i]
+            check_device(w, wn)
+            torch._check(w.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
+                         "float32, got %s" % (op, wn, _dtype_name(w.dtype)))
+            if needs_master:
+                _check_fake_dense_named(w, op, wn)
+                check_layout(w, wn, pn, p)
+            else:
+                torch._check_value(w.numel() == 0, lambda: "mpext.%s: %s is float32 and takes "
+                                   "no master, so %s must be an empty tensor, got %s elements"
+                                   % (op, pn, wn, w.numel()))
+    return None

@@ -110,3 +110,33 @@ class ScaleRuleModel:
                 new = max(self.scale, _f32(self.max_scale))
             if math.isfinite(new):
                 self.scale = new
+
+
+# ---------------------------------------------------------------------------------------------
+# One Adam / AdamW step (mpext.ops.adam_step_), in float64 from the published algorithm.
+
+
+def adam_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
+                        weight_decay, decoupled, maximize, inv_scale=1.0):
+    """One step of Adam (L2 weight decay added to the gradient) or AdamW (decoupled decay), in
+    float64, from the algorithm as torch.optim documents it: bias-corrected moments, and eps
+    added to sqrt(v_hat) = sqrt(v) / sqrt(1 - beta2^t). Arrays in, new (param, exp_avg,
+    exp_avg_sq, step) out; step is the count before the step."""
+    p = np.asarray(param, dtype=np.float64).copy()
+    g = np.asarray(grad, dtype=np.float64) * float(inv_scale)
+    m = np.asarray(exp_avg, dtype=np.float64)
+    v = np.asarray(exp_avg_sq, dtype=np.float64)
+    t = float(step) + 1.0
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled:
+            p = p * (1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    m_hat = m / (1.0 - beta1 ** t)
+    v_hat_sqrt = np.sqrt(v) / math.sqrt(1.0 - beta2 ** t)
+    p = p - lr * m_hat / (v_hat_sqrt + eps)
+    return p, m, v, t

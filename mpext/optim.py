@@ -1,0 +1,527 @@
+"""mpext.optim: Adam and AdamW on the fused ``mpext.ops.adam_step_`` kernel, with FP32 master
+weights for BF16/FP16 params.
+
+Drop-in for ``torch.optim.Adam`` / ``torch.optim.AdamW``: the same constructor arguments and
+defaults, the same param-group keys (plus ``master_weights``), the same ``state_dict`` layout
+(``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` where one exists), and the same
+math. What differs is how a step runs:
+
+* One ``adam_step_`` call per device and set of hyperparameters covers every param with a
+  gradient, whatever its group or dtype: one pass over memory that reads the gradient, updates
+  the FP32 moments and the FP32 master (or the FP32 param) and writes the param.
+* BF16/FP16 params get an FP32 master copy (``state["master_param"]``, made from the param the
+  first time it is stepped); the update happens on the master and the param is written as its
+  round-to-nearest-even, so small updates accumulate instead of being rounded away. Moments are
+  always FP32; ``step`` is a float32 scalar tensor on the param's device.
+* ``_step_supports_amp_scaling`` is set, so ``torch.amp.GradScaler`` and ``mpext.GradScaler``
+  hand ``step`` the loss scale and the inf/NaN flag: the gradients are unscaled inside the
+  kernel and an overflowing step is skipped on the device (nothing written, ``step`` not
+  advanced). A step makes no host synchronisation.
+
+The learning rate stays a Python float in ``param_groups`` (LR schedulers work unchanged); each
+step it is written into a small cached tensor on the device (only when it changed), which the
+kernel reads.
+"""
+import math
+import numbers
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from . import ops as _mp_ops
+
+__all__ = ["Adam", "AdamW"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
+_STRIDED, _F32 = torch.strided, torch.float32
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def _has_kernel(device: torch.device) -> bool:
+    key = _DISPATCH_KEYS.get(device.type)
+    return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key("mpext::adam_step_", key)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam (``decoupled_weight_decay=False``: L2 weight decay added to the gradient) or AdamW
+    (``decoupled_weight_decay=True``) with torch's math, on mpext's fused kernel.
+
+    Args:
+        params: iterable of params or of dicts defining param groups; params must be float32,
+            bfloat16 or float16 tensors on a device mpext has a kernel for (CPU, CUDA).
+        lr (float or 1-element Tensor): learning rate (default 1e-3).
+        betas (Tuple[float, float]): moment coefficients (default (0.9, 0.999)).
+        eps (float): added to the denominator (default 1e-8).
+        weight_decay (float): default 0 (Adam) / 1e-2 (AdamW).
+        amsgrad (bool): not supported; True raises ``NotImplementedError``.
+        maximize (bool): maximize the objective (default False).
+        foreach, fused, capturable: accepted for compatibility with torch and ignored (the step
+            is always fused, sync-free and keeps ``step`` on the device).
+        differentiable (bool): must be False.
+        decoupled_weight_decay (bool): AdamW's decoupled decay (default False).
+        master_weights (bool): keep an FP32 master copy of every bfloat16/float16 param
+            (default True). With False nothing extra is stored: each step updates an FP32
+            temporary made from the param, so updates smaller than half a unit in the last
+            place of the param's dtype are lost. FP32 params never have a master.
+
+    If the model's low-precision params are changed outside the optimizer after their first
+    step (e.g. ``model.load_state_dict``), the masters are stale: load the optimizer state too,
+    or call :meth:`reset_masters`.
+    """
+
+    _step_supports_amp_scaling = True
+    _force_decoupled = False  # AdamW: always decoupled, as torch.optim.AdamW
+
+    def __init__(self, params, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0, amsgrad: bool = False, *,
+                 foreach: Optional[bool] = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
+                 master_weights: bool = True) -> None:
+        if isinstance(betas, (list, tuple)) and len(betas) == 2:
+            betas = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay,
+                        master_weights=master_weights)
+        self._check_group(defaults, "")
+        self._init_caches()
+        super().__init__(params, defaults)
+
+    # -----------------------------------------------------------------------------------------
+    # Construction and validation.
+
+    def _name(self) -> str:
+        return "mpext.optim." + type(self).__name__
+
+    def _init_caches(self) -> None:
+        # (device, slot) -> [lr tensor, the float last written into it]
+        self._lr_buffers: Dict[Tuple[torch.device, int], list] = {}
+        self._empty_masters: Dict[torch.device, torch.Tensor] = {}
+
+    def _check_group(self, group: Dict[str, Any], where: str) -> None:
+        """Checks a group's hyperparameters (raises before anything changes). Messages of the
+        checks torch also makes are torch's."""
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+            if not lr.is_floating_point():
+                raise TypeError("%s: a Tensor lr must be floating point, got %s"
+                                % (self._name(), lr.dtype))
+        elif not _is_real(lr):
+            raise TypeError("%s: lr must be a float or a 1-element Tensor, got %r%s"
+                            % (self._name(), lr, where))
+        elif not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        elif not math.isfinite(lr):
+            raise ValueError("%s: lr must be finite, got %r%s" % (self._name(), lr, where))
+        eps = group.get("eps")
+        if not _is_real(eps) or not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not math.isfinite(eps):
+            raise ValueError("%s: eps must be finite, got %r%s" % (self._name(), eps, where))
+        betas = group.get("betas")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ValueError("%s: betas must be a pair of floats, got %r%s"
+                             % (self._name(), betas, where))
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor):
+                if b.numel() != 1:
+                    raise ValueError("Tensor betas[%d] must be 1-element" % i)
+                continue
+            if not _is_real(b) or not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        wd = group.get("weight_decay")
+        if not _is_real(wd) or not 0.0 <= wd:
+            raise ValueError(f"Invalid weight_decay value: {wd}")
+        if not math.isfinite(wd):
+            raise ValueError("%s: weight_decay must be finite, got %r%s"
+                             % (self._name(), wd, where))
+        if group.get("amsgrad", False):
+            raise NotImplementedError(
+                "%s: amsgrad=True is not supported (the fused kernel implements plain "
+                "Adam/AdamW); use torch.optim.%s(amsgrad=True)%s"
+                % (self._name(), type(self).__name__, where))
+        if group.get("differentiable", False):
+            raise ValueError("%s: differentiable=True is not supported: the fused step is not "
+                             "differentiable%s" % (self._name(), where))
+        if not isinstance(group.get("master_weights", True), bool):
+            raise TypeError("%s: master_weights must be a bool, got %r%s"
+                            % (self._name(), group.get("master_weights"), where))
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = " (param group %d)" % (len(self.param_groups) - 1)
+        try:
+            self._check_group(group, where)
+            for j, p in enumerate(group["params"]):
+                if p.layout != torch.strided:
+                    raise ValueError("%s: params[%d]%s is a %s tensor; only dense params are "
+                                     "supported" % (self._name(), j, where, p.layout))
+                if p.dtype not in _PARAM_DTYPES:
+                    raise TypeError("%s: params[%d]%s has dtype %s; only float32, bfloat16 and "
+                                    "float16 params are supported"
+                                    % (self._name(), j, where, _mp_ops._dtype_name(p.dtype)))
+                if not _has_kernel(p.device):
+                    raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
+                                     "has no adam_step_ kernel for"
+                                     % (self._name(), j, where, p.device))
+                if not _mp_ops._is_dense(p):
+                    raise ValueError("%s: params[%d]%s must be dense and non-overlapping (e.g. "
+                                     "contiguous or channels_last); got sizes %s and strides %s"
+                                     % (self._name(), j, where, tuple(p.shape),
+                                        tuple(p.stride())))
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if not hasattr(self, "_lr_buffers"):
+            self._init_caches()
+        master_default = self.defaults.get("master_weights", True)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("master_weights", master_default)
+            if self._force_decoupled:
+                group["decoupled_weight_decay"] = True
+            else:
+                group.setdefault("decoupled_weight_decay", False)
+
+    # -----------------------------------------------------------------------------------------
+    # The step.
+
+    def _hyper_key(self, group: Dict[str, Any]) -> tuple:
+        beta1, beta2 = (float(b) for b in group["betas"])  # a Tensor beta syncs: use floats
+        wd = float(group["weight_decay"])
+        decoupled = bool(group["decoupled_weight_decay"]) and wd != 0.0
+        return (beta1, beta2, float(group["eps"]), wd, decoupled, bool(group["maximize"]))
+
+    def _plan(self) -> Dict[tuple, list]:
+        """Every param with a gradient, checked, grouped into one entry per kernel call:
+        (device, lr, hyperparameters) -> [(param, grad, group)]. Raises before anything is
+        written."""
+        calls: Dict[tuple, list] = {}
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, " (param group %d)" % gi)
+            hyper = self._hyper_key(group)
+            lr = group["lr"]
+            lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
+            by_device: Dict[torch.device, list] = {}
+            last_device, last_list = None, None
+            for j, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                pdt, gdt, device = p.dtype, g.dtype, p.device
+                if not (g.layout == _STRIDED and (gdt is pdt or gdt is _F32)
+                        and pdt in _PARAM_DTYPES and g.device == device
+                        and g.shape == p.shape):
+                    self._bad_grad(p, g, j, gi)
+                if device != last_device:
+                    last_device = device
+                    last_list = by_device.setdefault(device, [])
+                last_list.append((p, g, group))
+            for device, entries in by_device.items():
+                calls.setdefault((device, lr_key, hyper), []).extend(entries)
+        return calls
+
+    def _bad_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> None:
+        """Raises the error for a param / gradient pair the kernel cannot take."""
+        where = "param %d of group %d" % (j, gi)
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                "%s does not support sparse gradients (%s has a %s gradient); use "
+                "torch.optim.SparseAdam for sparse params" % (self._name(), where, g.layout))
+        if p.dtype not in _PARAM_DTYPES:  # changed in place after construction
+            raise TypeError("%s: %s has dtype %s; only float32, bfloat16 and float16 params are "
+                            "supported" % (self._name(), where, _mp_ops._dtype_name(p.dtype)))
+        if g.dtype != p.dtype and g.dtype != torch.float32:
+            raise TypeError(
+                "%s: the gradient of %s has dtype %s; it must have the param's dtype (%s) or "
+                "float32" % (self._name(), where, _mp_ops._dtype_name(g.dtype),
+                             _mp_ops._dtype_name(p.dtype)))
+        if g.device != p.device:
+            raise ValueError("%s: the gradient of %s is on %s but the param is on %s"
+                             % (self._name(), where, g.device, p.device))
+        raise ValueError("%s: the gradient of %s has shape %s but the param has shape %s"
+                         % (self._name(), where, tuple(g.shape), tuple(p.shape)))
+
+    def _state_of(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        """The param's state, created on its first step: fp32 moments in the param's layout, a
+        float32 step on its device, and the fp32 master of a low-precision param."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+                                                memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
+                                                   memory_format=torch.preserve_format)
+        if (p.dtype in _LOW_DTYPES and group["master_weights"]
+                and "master_param" not in state):
+            state["master_param"] = _fp32_copy(p)
+        return state
+
+    def _lr_tensor(self, device: torch.device, slot: int, lr) -> torch.Tensor:
+        if isinstance(lr, torch.Tensor):
+            return lr.detach().to(device=device, dtype=torch.float32, non_blocking=True)
+        lr = float(lr)
+        buf = self._lr_buffers.get((device, slot))
+        if buf is None:
+            buf = [torch.full((), lr, dtype=torch.float32, device=device), lr]
+            self._lr_buffers[(device, slot)] = buf
+        elif buf[1] != lr or math.copysign(1.0, buf[1]) != math.copysign(1.0, lr):
+            buf[0].fill_(lr)  # on the device: no host sync
+            buf[1] = lr
+        return buf[0]
+
+    def _empty_master(self, device: torch.device) -> torch.Tensor:
+        t = self._empty_masters.get(device)
+        if t is None:
+            t = torch.empty(0, dtype=torch.float32, device=device)
+            self._empty_masters[device] = t
+        return t
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, *,
+             grad_scale: Optional[torch.Tensor] = None,
+             found_inf: Optional[torch.Tensor] = None) -> Optional[float]:
+        """Performs one optimization step.
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+            grad_scale (Tensor, optional): the loss scale the gradients carry; they are
+                unscaled inside the kernel (multiplied by ``1 / grad_scale``). Defaults to the
+                ``grad_scale`` attribute a GradScaler sets.
+            found_inf (Tensor, optional): a one-element flag; when non-zero the step is skipped
+                on the device (params, masters, moments and steps unchanged). Defaults to the
+                ``found_inf`` attribute a GradScaler sets.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            if found_inf:  # a host-side flag (e.g. a scaler that recorded no inf checks)
+                return loss
+            found_inf = None
+
+        calls = self._plan()
+        if not calls:
+            return loss
+        inv_scale = None
+        if grad_scale is not None:
+            if isinstance(grad_scale, torch.Tensor):
+                # As GradScaler.unscale_ computes it: the reciprocal in double, rounded to fp32.
+                inv_scale = grad_scale.detach().double().reciprocal().float()
+            else:
+                inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
+        # Every call's arguments first, then the launches: nothing is written by one call
+        # before all of them are assembled.
+        launches = []
+        per_device: Dict[torch.device, tuple] = {}
+        slots: Dict[torch.device, int] = defaultdict(int)
+        for (device, _, hyper), entries in calls.items():
+            if device not in per_device:
+                per_device[device] = (_to_device(inv_scale, device),
+                                      _to_device(found_inf, device))
+            dev_inv, dev_found = per_device[device]
+            params, grads, exp_avgs, exp_avg_sqs, masters, steps = [], [], [], [], [], []
+            any_low = False
+            for p, g, group in entries:
+                state = self._state_of(p, group)
+                if g.stride() != p.stride() and not _mp_ops._same_layout(g, p):
+                    # e.g. a channels_last param with a contiguous gradient
+                    g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                params.append(p)
+                grads.append(g)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+                if p.dtype in _LOW_DTYPES:
+                    any_low = True
+                    master = state.get("master_param")
+                    # master_weights=False: a temporary master, made from the param.
+                    masters.append(master if master is not None else _fp32_copy(p))
+                else:
+                    masters.append(None)
+            if any_low:
+                empty = self._empty_master(device)  # what an fp32 param takes
+                masters = [empty if m is None else m for m in masters]
+            else:
+                masters = []
+            lr_t = self._lr_tensor(device, slots[device], entries[0][2]["lr"])
+            slots[device] += 1
+            launches.append((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t) + hyper
+                            + (dev_inv, dev_found))
+        for args in launches:
+            torch.ops.mpext.adam_step_(*args[:-2], inv_scale=args[-2], found_inf=args[-1])
+        return loss
+
+    def reset_masters(self) -> None:
+        """Re-makes every FP32 master from its (low-precision) param, e.g. after the model's
+        params were loaded or changed outside the optimizer."""
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if state and "master_param" in state:
+                        state["master_param"].copy_(p)
+
+    # -----------------------------------------------------------------------------------------
+    # state_dict loading: torch's procedure with mpext's own conversion of each param's state.
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state saved by this class, by the other mpext Adam class, or by
+        ``torch.optim.Adam`` / ``torch.optim.AdamW``.
+
+        Moments are converted to FP32 (and to the param's device and memory layout), ``step``
+        to a float32 scalar tensor on the param's device, and low-precision params get their
+        master from the state (``master_param``) or, when it has none (a torch checkpoint), from
+        the param itself. Every tensor is copied, so the loaded state never shares memory with
+        ``state_dict``. Everything is checked first: on an error (a group or size mismatch,
+        moments whose shape is not the param's, an amsgrad state, ...) nothing is modified.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        master_default = self.defaults.get("master_weights", True)
+        new_groups = []
+        for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            saved.setdefault("master_weights", master_default)
+            saved.setdefault("decoupled_weight_decay", False)
+            saved.setdefault("maximize", False)
+            if self._force_decoupled:
+                saved["decoupled_weight_decay"] = True
+            self._check_group(saved, " (loaded param group %d)" % gi)
+            new_groups.append(saved)
+
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                          chain.from_iterable(g["params"] for g in groups)))
+        group_of = {id(p): g for g in new_groups for p in g["params"]}
+        new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            if k in id_map:
+                param = id_map[k]
+                new_state[param] = self._import_param_state(
+                    param, v, group_of[id(param)]["master_weights"], k)
+            else:
+                new_state[k] = v
+        self.__setstate__({"state": new_state, "param_groups": new_groups})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _import_param_state(self, param: torch.Tensor, value: Any, master_weights: bool,
+                            key: Any) -> Dict[str, Any]:
+        where = "%s.load_state_dict: the state of param %r" % (self._name(), key)
+        if not isinstance(value, dict):
+            raise TypeError("%s must be a dict, got %s" % (where, type(value).__name__))
+        if len(value) == 0:
+            return {}
+        if "max_exp_avg_sq" in value:
+            raise NotImplementedError("%s has max_exp_avg_sq (amsgrad), which %s does not "
+                                      "support" % (where, self._name()))
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            if name not in value:
+                raise ValueError("%s has no %r (it has %s)" % (where, name, sorted(value)))
+        out: Dict[str, Any] = {}
+        step = value["step"]
+        if isinstance(step, torch.Tensor):
+            if step.numel() != 1 or step.is_complex() or step.layout != torch.strided:
+                raise ValueError("%s: step must be a number or a 1-element tensor, got a tensor "
+                                 "of shape %s" % (where, tuple(step.shape)))
+            out["step"] = step.detach().to(device=param.device, dtype=torch.float32,
+                                           copy=True).reshape(())
+        elif _is_real(step):
+            out["step"] = torch.full((), float(step), dtype=torch.float32, device=param.device)
+        else:
+            raise TypeError("%s: step must be a number or a 1-element tensor, got %r"
+                            % (where, step))
+        names = ["exp_avg", "exp_avg_sq"]
+        low = param.dtype in _LOW_DTYPES
+        if low and master_weights and "master_param" in value:
+            names.append("master_param")
+        for name in names:
+            t = value[name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("%s: %s must be a tensor, got %s"
+                                % (where, name, type(t).__name__))
+            if t.shape != param.shape:
+                raise ValueError("%s: %s has shape %s but the param has shape %s"
+                                 % (where, name, tuple(t.shape), tuple(param.shape)))
+            if not t.is_floating_point() or t.layout != torch.strided:
+                raise TypeError("%s: %s must be a dense floating-point tensor, got %s %s"
+                                % (where, name, t.layout, t.dtype))
+            out[name] = _fp32_copy(param, t)
+        if low and master_weights and "master_param" not in out:
+            out["master_param"] = _fp32_copy(param)  # a torch checkpoint: from the param
+        for name, v in value.items():  # anything else is kept as torch keeps it
+            if name not in ("step", "exp_avg", "exp_avg_sq", "master_param"):
+                out[name] = v
+        return out
+
+
+def _fp32_copy(param: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A new fp32 tensor in the param's device and memory layout, holding ``src`` (default: the
+    param itself)."""
+    out = torch.empty_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+    return out.copy_(param.detach() if src is None else src.detach())
+
+
+def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    # Non-blocking only towards an accelerator: a host tensor must hold its value when used.
+    return t.to(device=device, dtype=torch.float32, non_blocking=device.type != "cpu")
+
+
+class AdamW(Adam):
+    """AdamW (decoupled weight decay, ``weight_decay=1e-2`` by default) with torch's math, on
+    mpext's fused kernel; see :class:`Adam` for the arguments and the master weights."""
+
+    _force_decoupled = True
+
+    def __init__(self, params, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, master_weights: bool = True) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, master_weights=master_weights)
