@@ -1,7 +1,6 @@
 #include "adam_common.h"
 
 #include <cmath>
-#include <string>
 
 #include "common.h"
 
@@ -20,7 +19,7 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
-void check_one_element(const at::Tensor& t, const char* op, const std::string& name) {
+void check_one_element(const at::Tensor& t, const char* op, Arg name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, "mpext.", op, ": ", name,
               " must have dtype float32, got ", dtype_name(t.scalar_type()));
   TORCH_CHECK(t.numel() == 1, "mpext.", op, ": ", name, " must have 1 element, got ", t.numel());
@@ -69,7 +68,7 @@ std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
   if (n == 0) return plan;
   const c10::Device device = params[0].device();
   // Tensors that may live on the CPU while params are on CUDA (read-only or step counters).
-  auto check_device = [&](const at::Tensor& t, const std::string& name, bool cpu_ok) {
+  auto check_device = [&](const at::Tensor& t, Arg name, bool cpu_ok) {
     TORCH_CHECK(t.device() == device || (cpu_ok && t.is_cpu()), "mpext.", op, ": ", name,
                 " is on ", t.device(), " but params[0] is on ", device,
                 cpu_ok ? " (it may also be on the CPU)" : "");
@@ -88,9 +87,8 @@ std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
     const at::Tensor& m = exp_avgs[k];
     const at::Tensor& v = exp_avg_sqs[k];
     const at::Tensor& s = steps[k];
-    const std::string pn = arg_name("params", i), gn = arg_name("grads", i);
-    const std::string mn = arg_name("exp_avgs", i), vn = arg_name("exp_avg_sqs", i);
-    const std::string sn = arg_name("steps", i), wn = arg_name("masters", i);
+    const Arg pn("params", i), gn("grads", i), mn("exp_avgs", i), vn("exp_avg_sqs", i);
+    const Arg sn("steps", i), wn("masters", i);
     check_device(p, pn, false);
     check_device(g, gn, false);
     check_device(m, mn, false);

@@ -35,14 +35,14 @@ CastKind kind_for(const at::Tensor& d, const at::Tensor& s, int64_t i, const cha
   auto ok_dtype = [](at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
   };
-  TORCH_CHECK(ok_dtype(dt), "mpext.", op, ": ", arg_name("dst", i),
+  TORCH_CHECK(ok_dtype(dt), "mpext.", op, ": ", Arg("dst", i),
               " must be float32, bfloat16 or float16, got ", dtype_name(dt));
-  TORCH_CHECK(ok_dtype(st), "mpext.", op, ": ", arg_name("src", i),
+  TORCH_CHECK(ok_dtype(st), "mpext.", op, ": ", Arg("src", i),
               " must be float32, bfloat16 or float16, got ", dtype_name(st));
   if (st == dt) return st == at::kFloat ? CastKind::Copy32 : CastKind::Copy16;
   if (st == at::kFloat) return dt == at::kBFloat16 ? CastKind::F32ToBF16 : CastKind::F32ToF16;
-  TORCH_CHECK(dt == at::kFloat, "mpext.", op, ": cannot cast ", arg_name("src", i), " (",
-              dtype_name(st), ") to ", arg_name("dst", i), " (", dtype_name(dt),
+  TORCH_CHECK(dt == at::kFloat, "mpext.", op, ": cannot cast ", Arg("src", i), " (",
+              dtype_name(st), ") to ", Arg("dst", i), " (", dtype_name(dt),
               "): one side of each pair must be float32, or both the same dtype");
   return st == at::kBFloat16 ? CastKind::BF16ToF32 : CastKind::F16ToF32;
 }
@@ -75,22 +75,22 @@ std::vector<CastSegment> plan_cast(at::TensorList dst, at::TensorList src, bool 
     const at::Tensor& d = dst[k];
     const at::Tensor& s = src[k];
     TORCH_CHECK(d.device() == device, "mpext.", op, ": all tensors must be on one device; ",
-                arg_name("dst", i), " is on ", d.device(), " but dst[0] is on ", device);
+                Arg("dst", i), " is on ", d.device(), " but dst[0] is on ", device);
     TORCH_CHECK(s.device() == device, "mpext.", op, ": all tensors must be on one device; ",
-                arg_name("src", i), " is on ", s.device(), " but dst[0] is on ", device);
+                Arg("src", i), " is on ", s.device(), " but dst[0] is on ", device);
     CastKind kind = kind_for(d, s, i, op);
-    TORCH_CHECK_VALUE(d.sizes() == s.sizes(), "mpext.", op, ": ", arg_name("dst", i),
-                      " has shape ", d.sizes(), " but ", arg_name("src", i), " has shape ",
+    TORCH_CHECK_VALUE(d.sizes() == s.sizes(), "mpext.", op, ": ", Arg("dst", i),
+                      " has shape ", d.sizes(), " but ", Arg("src", i), " has shape ",
                       s.sizes());
-    check_dense(d, op, arg_name("dst", i));
-    check_dense(s, op, arg_name("src", i));
+    check_dense(d, op, Arg("dst", i));
+    check_dense(s, op, Arg("src", i));
     TORCH_CHECK_VALUE(same_memory_layout(d, s), "mpext.", op, ": ",
-                      arg_name("dst", i), " has strides ", d.strides(), " but ",
-                      arg_name("src", i), " has strides ", s.strides(),
+                      Arg("dst", i), " has strides ", d.strides(), " but ",
+                      Arg("src", i), " has strides ", s.strides(),
                       "; both must share one memory layout");
     TORCH_CHECK_VALUE(!stochastic || kind != CastKind::F32ToF16, "mpext.", op,
                       ": stochastic rounding is implemented for float32 -> bfloat16 only, but ",
-                      arg_name("dst", i), " is float16");
+                      Arg("dst", i), " is float16");
     if (d.numel() == 0) continue;
     ranges.push_back(byte_range(d, i, true));
     ranges.push_back(byte_range(s, i, false));

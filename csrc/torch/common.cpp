@@ -9,10 +9,10 @@ void check_no_overlap(std::vector<ByteRange> ranges, const char* op, const char*
   ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
                               [](const ByteRange& r) { return r.begin == r.end; }),
                ranges.end());
-  std::sort(ranges.begin(), ranges.end(),
-            [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+  std::stable_sort(ranges.begin(), ranges.end(),
+                   [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
   auto name = [&](const ByteRange& r) {
-    return !r.label.empty() ? r.label : arg_name(r.is_dst ? dst_name : src_name, r.index);
+    return r.label.name != nullptr ? r.label : Arg(r.is_dst ? dst_name : src_name, r.index);
   };
   auto fail = [&](const ByteRange& a, const ByteRange& b) {
     TORCH_CHECK(false, "mpext.", op, ": ", name(a), " and ", name(b),

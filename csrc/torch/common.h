@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -18,14 +19,25 @@ inline void check_status(mp_status s, const char* op) {
   TORCH_CHECK(s == MP_OK, "mpext.", op, ": internal error from the C core: ", mp_status_string(s));
 }
 
-// "x" or "dst[3]": how an argument is named in messages.
-inline std::string arg_name(const char* name, int64_t index = -1) {
-  return index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
+// How an argument is named in messages: "x", or "dst[3]" for an entry of a list. Non-owning and
+// trivially copyable, so naming an argument costs nothing until a message is formatted, and
+// TORCH_CHECK formats its message (through operator<<) only when the check fails. name must
+// outlive the Arg (in practice it is always a string literal).
+struct Arg {
+  const char* name;
+  int64_t index = -1;  // position in its list, or -1 for a lone tensor
+  constexpr Arg(const char* name_, int64_t index_ = -1) : name(name_), index(index_) {}  // NOLINT
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Arg& a) {
+  os << a.name;
+  if (a.index >= 0) os << '[' << a.index << ']';
+  return os;
 }
 
 // Element-wise ops treat a tensor as flat memory, which is right for any dense, non-overlapping
 // layout (contiguous, channels_last, any permutation); reject the rest (gaps or self-overlap).
-inline void check_dense(const at::Tensor& t, const char* op, const std::string& name) {
+inline void check_dense(const at::Tensor& t, const char* op, Arg name) {
   TORCH_CHECK(t.layout() == at::kStrided, "mpext.", op, ": ", name,
               " must be a strided (dense) tensor, got layout ", t.layout());
   TORCH_CHECK(t.is_non_overlapping_and_dense(), "mpext.", op, ": ", name,
@@ -50,7 +62,7 @@ inline std::string dtype_name(at::ScalarType t) {
   }
 }
 
-inline void check_dtype(const at::Tensor& t, const char* op, const std::string& name,
+inline void check_dtype(const at::Tensor& t, const char* op, Arg name,
                         std::initializer_list<at::ScalarType> allowed) {
   for (auto d : allowed) {
     if (t.scalar_type() == d) return;
@@ -67,21 +79,22 @@ inline void check_dtype(const at::Tensor& t, const char* op, const std::string& 
 // The [first, last) byte range a dense tensor occupies.
 struct ByteRange {
   uintptr_t begin, end;
-  int64_t index;      // position in its list
-  bool is_dst;        // written by the op
-  std::string label;  // the argument's own name ("found_inf", "params[3]"), or empty
+  int64_t index;             // position in its list
+  bool is_dst;               // written by the op
+  Arg label = Arg(nullptr);  // the argument's own name ("found_inf", "params[3]"), or unset
 };
 
 inline ByteRange byte_range(const at::Tensor& t, int64_t index, bool is_dst,
-                            std::string label = std::string()) {
+                            Arg label = Arg(nullptr)) {
   auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   return {begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), index, is_dst,
-          std::move(label)};
+          label};
 }
 
 // Rejects any destination that overlaps another destination or a source: the kernels assume
 // src and dst never alias. Ranges are named label, or dst_name[index] / src_name[index].
-// O(n log n) in the number of tensors.
+// O(n log n) in the number of tensors; ranges that begin at one address keep their order in
+// `ranges`, so which pair is reported does not depend on the sort implementation.
 void check_no_overlap(std::vector<ByteRange> ranges, const char* op, const char* dst_name,
                       const char* src_name);
 

@@ -32,7 +32,7 @@ void check_unscale(at::TensorList grads, const at::Tensor& found_inf,
   for (size_t k = 0; k < grads.size(); ++k) {
     const int64_t i = static_cast<int64_t>(k);
     const at::Tensor& g = grads[k];
-    const std::string name = arg_name("grads", i);
+    const Arg name("grads", i);
     TORCH_CHECK(g.device() == device, "mpext.", op, ": ", name, " is on ", g.device(),
                 " but found_inf is on ", device, "; all tensors must be on one device");
     check_dtype(g, op, name, {at::kFloat, at::kBFloat16, at::kHalf});
