@@ -24,6 +24,8 @@ from common import (Context, add_common_args, load_average, load_warning,  # noq
 # "json", "files", "seconds" (see bench_cast.py). Add new benchmarks here.
 BENCHMARKS = [
     "bench_cast",
+    "bench_scaler",
+    "bench_adam",
 ]
 
 
