@@ -17,8 +17,9 @@
 #define MP_HAVE_STREAM 1
 #endif
 
-/* Outputs of at least this many bytes (per call) are streamed. */
-#define MP_STREAM_MIN_BYTES ((int64_t)1 << 20)
+/* Outputs of at least this many bytes (per call, i.e. per thread) are streamed: smaller ones
+ * are likely to be read again while still in the last-level cache, which streaming bypasses. */
+#define MP_STREAM_MIN_BYTES ((int64_t)8 << 20)
 /* Elements per block: the block buffer is at most 4 KiB (fp32 output). */
 #define MP_STREAM_BLOCK 1024
 
