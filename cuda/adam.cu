@@ -36,9 +36,17 @@
 
 #include "mpext/adam.h"
 #include "mpext/adam_cuda.h"
+#include "access.cuh"
 #include "mpext/mpext.h"
 
 namespace {
+
+using mp_cuda::bits_from_f32;
+using mp_cuda::f32_from_bits;
+using mp_cuda::load1;
+using mp_cuda::load8;
+using mp_cuda::store1;
+using mp_cuda::store8;
 
 #define MP_ADAM_HD __host__ __device__ __forceinline__
 
@@ -127,26 +135,6 @@ MP_ADAM_HD double ddiv(double a, double b) {
 #endif
 }
 
-MP_ADAM_HD float f32_from_bits(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
-MP_ADAM_HD uint32_t bits_from_f32(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  __builtin_memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
-
 // An element of dtype D (raw bits, 16-bit values in the low half) widened to fp32 (exact).
 template <int D>
 MP_ADAM_HD float widen(uint32_t x) {
@@ -168,55 +156,6 @@ MP_ADAM_HD uint32_t narrow(float f) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
   } else {
     return __half_as_ushort(__float2half_rn(f));
-  }
-}
-
-// Eight consecutive elements starting at element 8 * v of a 16-byte aligned pointer, as raw bits
-// (16-bit ones zero-extended), and back.
-template <int Bytes>
-MP_ADAM_HD void load8(const void* p, int64_t v, uint32_t x[8]) {
-  const uint4* s = static_cast<const uint4*>(p);
-  if constexpr (Bytes == 4) {
-    const uint4 a = s[2 * v];
-    const uint4 b = s[2 * v + 1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-  } else {
-    const uint4 a = s[v];  // little endian: element 2k is the low half of word k
-    x[0] = a.x & 0xFFFFu; x[1] = a.x >> 16;
-    x[2] = a.y & 0xFFFFu; x[3] = a.y >> 16;
-    x[4] = a.z & 0xFFFFu; x[5] = a.z >> 16;
-    x[6] = a.w & 0xFFFFu; x[7] = a.w >> 16;
-  }
-}
-
-template <int Bytes>
-MP_ADAM_HD void store8(void* p, int64_t v, const uint32_t y[8]) {
-  uint4* d = static_cast<uint4*>(p);
-  if constexpr (Bytes == 4) {
-    d[2 * v] = make_uint4(y[0], y[1], y[2], y[3]);
-    d[2 * v + 1] = make_uint4(y[4], y[5], y[6], y[7]);
-  } else {
-    d[v] = make_uint4((y[0] & 0xFFFFu) | (y[1] << 16), (y[2] & 0xFFFFu) | (y[3] << 16),
-                      (y[4] & 0xFFFFu) | (y[5] << 16), (y[6] & 0xFFFFu) | (y[7] << 16));
-  }
-}
-
-template <int Bytes>
-MP_ADAM_HD uint32_t load1(const void* p, int64_t i) {
-  if constexpr (Bytes == 4) {
-    return static_cast<const uint32_t*>(p)[i];
-  } else {
-    return static_cast<const uint16_t*>(p)[i];
-  }
-}
-
-template <int Bytes>
-MP_ADAM_HD void store1(void* p, int64_t i, uint32_t y) {
-  if constexpr (Bytes == 4) {
-    static_cast<uint32_t*>(p)[i] = y;
-  } else {
-    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(y);
   }
 }
 

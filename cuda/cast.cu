@@ -23,11 +23,20 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "access.cuh"
 #include "mpext/cast_cuda.h"
 #include "mpext/mpext.h"
 #include "mpext/numerics.h"
 
+
 namespace {
+
+using mp_cuda::bits_from_f32;
+using mp_cuda::f32_from_bits;
+using mp_cuda::load1;
+using mp_cuda::load8;
+using mp_cuda::store1;
+using mp_cuda::store8;
 
 #define MP_CAST_HD __host__ __device__ __forceinline__
 
@@ -49,26 +58,6 @@ struct KindTraits {
       (K == MP_CAST_BF16_TO_F32 || K == MP_CAST_F16_TO_F32 || K == MP_CAST_COPY32) ? 4 : 2;
 };
 
-MP_CAST_HD float f32_from_bits(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
-MP_CAST_HD uint32_t bits_from_f32(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  __builtin_memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
-
 // One element, round to nearest even (or exact), on raw bits: 16-bit values sit in the low half.
 template <int K>
 MP_CAST_HD uint32_t convert_rn(uint32_t u) {
@@ -82,55 +71,6 @@ MP_CAST_HD uint32_t convert_rn(uint32_t u) {
     return bits_from_f32(__half2float(__ushort_as_half(static_cast<unsigned short>(u))));
   } else {
     return u;  // copies
-  }
-}
-
-// Eight consecutive elements starting at element 8 * v, as raw bits (16-bit ones zero-extended).
-// The pointer must be 16-byte aligned.
-template <int Bytes>
-MP_CAST_HD void load8(const void* src, int64_t v, uint32_t x[8]) {
-  const uint4* s = static_cast<const uint4*>(src);
-  if constexpr (Bytes == 4) {
-    const uint4 a = s[2 * v];
-    const uint4 b = s[2 * v + 1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-  } else {
-    const uint4 a = s[v];  // little endian: element 2k is the low half of word k
-    x[0] = a.x & 0xFFFFu; x[1] = a.x >> 16;
-    x[2] = a.y & 0xFFFFu; x[3] = a.y >> 16;
-    x[4] = a.z & 0xFFFFu; x[5] = a.z >> 16;
-    x[6] = a.w & 0xFFFFu; x[7] = a.w >> 16;
-  }
-}
-
-template <int Bytes>
-MP_CAST_HD void store8(void* dst, int64_t v, const uint32_t y[8]) {
-  uint4* d = static_cast<uint4*>(dst);
-  if constexpr (Bytes == 4) {
-    d[2 * v] = make_uint4(y[0], y[1], y[2], y[3]);
-    d[2 * v + 1] = make_uint4(y[4], y[5], y[6], y[7]);
-  } else {
-    d[v] = make_uint4((y[0] & 0xFFFFu) | (y[1] << 16), (y[2] & 0xFFFFu) | (y[3] << 16),
-                      (y[4] & 0xFFFFu) | (y[5] << 16), (y[6] & 0xFFFFu) | (y[7] << 16));
-  }
-}
-
-template <int Bytes>
-MP_CAST_HD uint32_t load1(const void* src, int64_t i) {
-  if constexpr (Bytes == 4) {
-    return static_cast<const uint32_t*>(src)[i];
-  } else {
-    return static_cast<const uint16_t*>(src)[i];
-  }
-}
-
-template <int Bytes>
-MP_CAST_HD void store1(void* dst, int64_t i, uint32_t y) {
-  if constexpr (Bytes == 4) {
-    static_cast<uint32_t*>(dst)[i] = y;
-  } else {
-    static_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(y);
   }
 }
 

@@ -27,11 +27,19 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "access.cuh"
 #include "mpext/mpext.h"
 #include "mpext/scale_cuda.h"
 #include "mpext/scale_rule.h"
 
 namespace {
+
+using mp_cuda::bits_from_f32;
+using mp_cuda::f32_from_bits;
+using mp_cuda::load1;
+using mp_cuda::load8;
+using mp_cuda::store1;
+using mp_cuda::store8;
 
 #define MP_SCALE_HD __host__ __device__ __forceinline__
 
@@ -49,26 +57,6 @@ struct DtypeTraits {
 };
 
 int dtype_bytes(int dtype) { return dtype == MP_UNSCALE_F32 ? 4 : 2; }
-
-MP_SCALE_HD float f32_from_bits(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
-MP_SCALE_HD uint32_t bits_from_f32(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  __builtin_memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
 
 // 1 if the element's exponent field is all ones (NaN or +-Inf), else 0. A bits-only test: the
 // same as isfinite on the widened fp32 value, independent of fast-math flags.
@@ -95,55 +83,6 @@ MP_SCALE_HD uint32_t scale_bits(uint32_t x, float inv) {
   } else {
     const float v = __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
     return __half_as_ushort(__float2half_rn(v * inv));
-  }
-}
-
-// Eight consecutive elements starting at element 8 * v of a 16-byte aligned pointer, as raw bits
-// (16-bit ones zero-extended), and back.
-template <int Bytes>
-MP_SCALE_HD void load8(const void* p, int64_t v, uint32_t x[8]) {
-  const uint4* s = static_cast<const uint4*>(p);
-  if constexpr (Bytes == 4) {
-    const uint4 a = s[2 * v];
-    const uint4 b = s[2 * v + 1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-  } else {
-    const uint4 a = s[v];  // little endian: element 2k is the low half of word k
-    x[0] = a.x & 0xFFFFu; x[1] = a.x >> 16;
-    x[2] = a.y & 0xFFFFu; x[3] = a.y >> 16;
-    x[4] = a.z & 0xFFFFu; x[5] = a.z >> 16;
-    x[6] = a.w & 0xFFFFu; x[7] = a.w >> 16;
-  }
-}
-
-template <int Bytes>
-MP_SCALE_HD void store8(void* p, int64_t v, const uint32_t y[8]) {
-  uint4* d = static_cast<uint4*>(p);
-  if constexpr (Bytes == 4) {
-    d[2 * v] = make_uint4(y[0], y[1], y[2], y[3]);
-    d[2 * v + 1] = make_uint4(y[4], y[5], y[6], y[7]);
-  } else {
-    d[v] = make_uint4((y[0] & 0xFFFFu) | (y[1] << 16), (y[2] & 0xFFFFu) | (y[3] << 16),
-                      (y[4] & 0xFFFFu) | (y[5] << 16), (y[6] & 0xFFFFu) | (y[7] << 16));
-  }
-}
-
-template <int Bytes>
-MP_SCALE_HD uint32_t load1(const void* p, int64_t i) {
-  if constexpr (Bytes == 4) {
-    return static_cast<const uint32_t*>(p)[i];
-  } else {
-    return static_cast<const uint16_t*>(p)[i];
-  }
-}
-
-template <int Bytes>
-MP_SCALE_HD void store1(void* p, int64_t i, uint32_t y) {
-  if constexpr (Bytes == 4) {
-    static_cast<uint32_t*>(p)[i] = y;
-  } else {
-    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(y);
   }
 }
 

@@ -1,0 +1,84 @@
+// Memory access and bit casts shared by the CUDA kernels (cast.cu, scale.cu, adam.cu): raw-bit
+// loads and stores of one or eight 32- or 16-bit elements (eight through 16-byte accesses), and
+// fp32 <-> bit-pattern casts. __host__ __device__, so the kernels' per-thread routines can be
+// driven from a host test harness. No torch headers.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define MP_CUDA_HD __host__ __device__ __forceinline__
+
+namespace mp_cuda {
+
+MP_CUDA_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+MP_CUDA_HD uint32_t bits_from_f32(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+// Eight consecutive elements starting at element 8 * v of a 16-byte aligned pointer, as raw bits
+// (16-bit ones zero-extended; little endian: element 2k is the low half of word k), and back.
+template <int Bytes>
+MP_CUDA_HD void load8(const void* p, int64_t v, uint32_t x[8]) {
+  const uint4* s = static_cast<const uint4*>(p);
+  if constexpr (Bytes == 4) {
+    const uint4 a = s[2 * v];
+    const uint4 b = s[2 * v + 1];
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  } else {
+    const uint4 a = s[v];
+    x[0] = a.x & 0xFFFFu; x[1] = a.x >> 16;
+    x[2] = a.y & 0xFFFFu; x[3] = a.y >> 16;
+    x[4] = a.z & 0xFFFFu; x[5] = a.z >> 16;
+    x[6] = a.w & 0xFFFFu; x[7] = a.w >> 16;
+  }
+}
+
+template <int Bytes>
+MP_CUDA_HD void store8(void* p, int64_t v, const uint32_t y[8]) {
+  uint4* d = static_cast<uint4*>(p);
+  if constexpr (Bytes == 4) {
+    d[2 * v] = make_uint4(y[0], y[1], y[2], y[3]);
+    d[2 * v + 1] = make_uint4(y[4], y[5], y[6], y[7]);
+  } else {
+    d[v] = make_uint4((y[0] & 0xFFFFu) | (y[1] << 16), (y[2] & 0xFFFFu) | (y[3] << 16),
+                      (y[4] & 0xFFFFu) | (y[5] << 16), (y[6] & 0xFFFFu) | (y[7] << 16));
+  }
+}
+
+// Element i, as raw bits (a 16-bit one zero-extended), and back.
+template <int Bytes>
+MP_CUDA_HD uint32_t load1(const void* p, int64_t i) {
+  if constexpr (Bytes == 4) {
+    return static_cast<const uint32_t*>(p)[i];
+  } else {
+    return static_cast<const uint16_t*>(p)[i];
+  }
+}
+
+template <int Bytes>
+MP_CUDA_HD void store1(void* p, int64_t i, uint32_t y) {
+  if constexpr (Bytes == 4) {
+    static_cast<uint32_t*>(p)[i] = y;
+  } else {
+    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(y);
+  }
+}
+
+}  // namespace mp_cuda
