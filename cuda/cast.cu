@@ -28,7 +28,6 @@
 #include "mpext/mpext.h"
 #include "mpext/numerics.h"
 
-
 namespace {
 
 using mp_cuda::bits_from_f32;
