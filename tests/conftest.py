@@ -1,4 +1,6 @@
-"""Shared fixtures: devices and CPU ISA paths to parametrize over."""
+"""Shared fixtures: devices and CPU ISA paths to parametrize over; host-read counting."""
+import contextlib
+
 import pytest
 import torch
 
@@ -43,3 +45,34 @@ def threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+class HostReads:
+    """Counts the Python-level reads of tensor values (item, tolist, bool(), float(), int(),
+    index): each is a host synchronisation when the tensor lives on an accelerator."""
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self):
+        self.calls = []
+
+    @contextlib.contextmanager
+    def counting(self):
+        originals = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def wrap(name):
+            def reader(t, *args, **kwargs):
+                self.calls.append(name)
+                return originals[name](t, *args, **kwargs)
+            return reader
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, wrap(n))
+        try:
+            yield self
+        finally:
+            for n, f in originals.items():
+                setattr(torch.Tensor, n, f)
+
+    @property
+    def count(self):
+        return len(self.calls)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import mpext
 from mpext import ops
 
-from conftest import CUDA_OK
+from conftest import CUDA_OK, HostReads
 from reference import ScaleRuleModel
 
 NAN, INF = float("nan"), float("inf")
@@ -28,37 +28,6 @@ NAN, INF = float("nan"), float("inf")
 
 # --------------------------------------------------------------------------------------------
 # Helpers: host-read counting, bitwise comparisons.
-
-
-class HostReads:
-    """Counts the Python-level reads of tensor values (item, tolist, bool(), float(), int(),
-    index): each is a host synchronisation when the tensor lives on an accelerator."""
-    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
-
-    def __init__(self):
-        self.calls = []
-
-    @contextlib.contextmanager
-    def counting(self):
-        originals = {n: getattr(torch.Tensor, n) for n in self.NAMES}
-
-        def wrap(name):
-            def reader(t, *args, **kwargs):
-                self.calls.append(name)
-                return originals[name](t, *args, **kwargs)
-            return reader
-
-        for n in self.NAMES:
-            setattr(torch.Tensor, n, wrap(n))
-        try:
-            yield self
-        finally:
-            for n, f in originals.items():
-                setattr(torch.Tensor, n, f)
-
-    @property
-    def count(self):
-        return len(self.calls)
 
 
 def bits(t):
