@@ -57,7 +57,7 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, MiB, Timing, combine_rooflines, fmt_count, fmt_ms, free_memory,
+from common import (Context, payload_header, report_footer, MiB, Timing, combine_rooflines, fmt_count, fmt_ms, free_memory,
                     load_average, load_warning, machine_line, markdown_table, pct, peak_memory_many,
                     plot_lines, roofline_line, stopwatch, write_json, write_text)
 
@@ -524,23 +524,11 @@ def run(ctx: Context) -> dict:
               " Peak MiB: extra memory at the call's peak as torch's allocator sees it, at "
               "the largest single size (the foreach path allocates its sqrt buffer)."),
            ""]
-    if misses:
-        md += ["Targets missed: " + "; ".join(misses) + ".", ""]
-    md.append("(%s: %.0f s: %s)" % (NAME, seconds, ", ".join("%s %.0f s" % kv
-                                                       for kv in phases.items())))
+    md += report_footer(NAME, misses, seconds, phases)
     markdown = "\n".join(md)
 
     payload = {
-        "name": NAME,
-        "title": TITLE,
-        "quick": ctx.quick,
-        "device": str(dev),
-        "repeats": ctx.repeats,
-        "warmup": ctx.warmup,
-        "seconds": seconds,
-        "phase_seconds": phases,
-        "machine": ctx.machine,
-        "roofline": roof,
+        **payload_header(ctx, NAME, TITLE, dev, seconds, phases, roof),
         "hyperparameters": {"lr": LR, "beta1": BETA1, "beta2": BETA2, "eps": EPS,
                             "weight_decay": WEIGHT_DECAY, "grad_std": GRAD_STD},
         "paths": {k: {"label": lab, "bytes_per_param": b} for k, lab, b, _ in PATHS},

@@ -22,7 +22,7 @@ if __package__ in (None, ""):
 import torch
 
 import mpext
-from common import (Context, MiB, Timing, combine_rooflines, fmt_count, fmt_ms, free_memory,
+from common import (Context, payload_header, report_footer, MiB, Timing, combine_rooflines, fmt_count, fmt_ms, free_memory,
                     load_warning, machine_line, markdown_table, pct, peak_memory_many,
                     plot_lines, roofline_line, stopwatch, write_json, write_text)
 
@@ -457,23 +457,11 @@ def run(ctx: Context) -> dict:
           "",
           "Size sweep, GB/s mpext / torch (speed ratio):", "",
           markdown_table(sweep_headers, sweep_rows), ""]
-    if misses:
-        md += ["Targets missed: " + "; ".join(misses) + ".", ""]
-    md.append("(%s: %.0f s: %s)" % (NAME, seconds, ", ".join("%s %.0f s" % kv
-                                                       for kv in phases.items())))
+    md += report_footer(NAME, misses, seconds, phases)
     markdown = "\n".join(md)
 
     payload = {
-        "name": NAME,
-        "title": TITLE,
-        "quick": ctx.quick,
-        "device": str(dev),
-        "repeats": ctx.repeats,
-        "warmup": ctx.warmup,
-        "seconds": seconds,
-        "phase_seconds": phases,
-        "machine": ctx.machine,
-        "roofline": roof,
+        **payload_header(ctx, NAME, TITLE, dev, seconds, phases, roof),
         "bytes_per_element": BYTES_PER_ELEM,
         "copy_target_fraction": COPY_TARGET,
         "gpt2_small": {"params": total, "tensors": len(shapes)},

@@ -40,7 +40,7 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, MiB, Timing, combine_rooflines, fmt_ms, free_memory,
+from common import (Context, payload_header, report_footer, MiB, Timing, combine_rooflines, fmt_ms, free_memory,
                     load_warning, machine_line, markdown_table, pct, peak_memory_many,
                     roofline_line, stopwatch, write_json, write_text)
 
@@ -654,23 +654,11 @@ def run(ctx: Context) -> dict:
            "Inf in one gradient and must be skipped:" % len(next(
                p["per_step"] for p in syncs.values() if "per_step" in p)),
            "", markdown_table(sync_headers, sync_rows, align="lrrr"), ""]
-    if misses:
-        md += ["Targets missed: " + "; ".join(misses) + ".", ""]
-    md.append("(%s: %.0f s: %s)" % (NAME, seconds, ", ".join("%s %.0f s" % kv
-                                                       for kv in phases.items())))
+    md += report_footer(NAME, misses, seconds, phases)
     markdown = "\n".join(md)
 
     payload = {
-        "name": NAME,
-        "title": TITLE,
-        "quick": ctx.quick,
-        "device": str(dev),
-        "repeats": ctx.repeats,
-        "warmup": ctx.warmup,
-        "seconds": seconds,
-        "phase_seconds": phases,
-        "machine": ctx.machine,
-        "roofline": roof,
+        **payload_header(ctx, NAME, TITLE, dev, seconds, phases, roof),
         "copy_target_fraction": COPY_TARGET,
         "speed_target": SPEED_TARGET,
         "gpt2_list": {"elements": big_total, "tensors": len(shapes), "reduced": ctx.quick},

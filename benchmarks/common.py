@@ -515,6 +515,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
+def report_footer(name: str, misses: Sequence[str], seconds: float,
+                  phases: Dict[str, float]) -> List[str]:
+    """The closing lines every benchmark section ends with: the targets it missed, then where
+    its time went."""
+    lines = ["Targets missed: " + "; ".join(misses) + ".", ""] if misses else []
+    lines.append("(%s: %.0f s: %s)" % (name, seconds, ", ".join("%s %.0f s" % kv
+                                                            for kv in phases.items())))
+    return lines
+
+
+def payload_header(ctx, name: str, title: str, device, seconds: float,
+                   phases: Dict[str, float], roof: dict) -> dict:
+    """The fields every benchmark's JSON starts with (the run's settings, machine, roofline)."""
+    return {"name": name, "title": title, "quick": ctx.quick, "device": str(device),
+            "repeats": ctx.repeats, "warmup": ctx.warmup, "seconds": seconds,
+            "phase_seconds": phases, "machine": ctx.machine, "roofline": roof}
+
+
 def _json_default(o):
     if isinstance(o, (torch.device, torch.dtype, Path)):
         return str(o)
