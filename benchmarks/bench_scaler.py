@@ -40,7 +40,8 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, payload_header, report_footer, MiB, Timing, combine_rooflines, fmt_ms, free_memory,
+from common import (Context, payload_header, report_footer,
+                    MiB, Timing, combine_rooflines, fmt_ms, free_memory,
                     load_warning, machine_line, markdown_table, pct, peak_memory_many,
                     roofline_line, stopwatch, write_json, write_text)
 
