@@ -466,3 +466,60 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                                    "no master, so %s must be an empty tensor, got %s elements"
                                    % (op, pn, wn, w.numel()))
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-tensor L2 norm (gradient clipping after unscaling, without a host sync).
+
+__all__ += ["grad_norm"]
+
+
+def grad_norm(tensors: Sequence[torch.Tensor], *,
+              inv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The L2 norm of a whole list of tensors, as one 0-dim float32 tensor on their device:
+    ``sqrt(sum over every element x of every tensor of (float(x) * inv_scale) ** 2)``.
+
+    This is the total norm ``torch.nn.utils.clip_grad_norm_`` computes (the vector norm of the
+    per-tensor norms) of the gradients after an unscale pass, in one read-only pass and with no
+    host synchronisation: pass the loss scaler's ``inv_scale`` (a one-element float32 tensor on
+    the tensors' device) to get the norm of the unscaled gradients without unscaling them. Each
+    value is widened to fp32 and multiplied by ``inv_scale`` in fp32 before squaring (as an
+    unscale pass would store it); squares and sums are in double, so scaled gradients whose
+    squares overflow fp32 still give the right norm. The result is +Inf beyond the fp32 range.
+
+    NaN anywhere gives NaN; an Inf (and no NaN) gives +Inf, so the result doubles as the
+    overflow check. ``tensors`` may mix float32, bfloat16 and float16, each dense in any layout
+    (contiguous, channels_last, ...; read as flat memory); zero-size tensors count for nothing,
+    and an empty list gives 0.0 (on ``inv_scale``'s device if given, else the CPU). All tensors
+    must be on one device. The result is deterministic: on the CPU it has the same bits for any
+    thread count and CPU ISA path (fixed pieces of 65536 elements per tensor, combined in a fixed
+    order); on CUDA it is the same on every run (no atomics).
+    """
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        # A sparse tensor would dispatch to a backend with no kernel and a generic error.
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise RuntimeError("mpext.grad_norm: tensors[%d] must be a strided (dense) tensor, "
+                               "got layout %s" % (i, t.layout))
+    return _ops.grad_norm(tensors, inv_scale=inv_scale)
+
+
+@torch.library.register_fake("mpext::grad_norm")
+def _grad_norm_fake(tensors, *, inv_scale=None):
+    """The checks of the C++ check_grad_norm, in its order and with its messages."""
+    op = "grad_norm"
+    if len(tensors):
+        device = tensors[0].device
+    else:
+        device = inv_scale.device if inv_scale is not None else torch.device("cpu")
+    for i, t in enumerate(tensors):
+        torch._check(t.device == device,
+                     lambda: "mpext.%s: tensors[%d] is on %s but tensors[0] is on %s; all "
+                     "tensors must be on one device" % (op, i, t.device, device))
+        torch._check(t.dtype in _PARAM_DTYPES,
+                     lambda: "mpext.%s: tensors[%d] must have dtype float32 or bfloat16 or "
+                     "float16, got %s" % (op, i, _dtype_name(t.dtype)))
+        _check_fake_dense_named(t, op, "tensors[%d]" % i)
+    if inv_scale is not None:
+        _check_fake_scalar(inv_scale, op, "inv_scale", torch.float32, 1, device, "tensors[0]")
+    return torch.empty((), dtype=torch.float32, device=device)

@@ -7,6 +7,7 @@
 #include "isa.h"
 #include "mpext/adam.h"
 #include "mpext/cast.h"
+#include "mpext/norm.h"
 #include "mpext/scale.h"
 #include "mpext/scale_rule.h"
 
@@ -169,5 +170,25 @@ mp_status mp_adam_step(void* param, mp_dtype param_dtype, const void* grad, mp_d
   if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL)
     return MP_ERR_INVALID_ARGUMENT;
   active()->adam_step(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, p);
+  return MP_OK;
+}
+
+#define MP_GRAD_NORM_ENTRY(name, type)                                                 \
+  mp_status mp_##name(const type* x, int64_t n, float inv_scale, double* out) {       \
+    if (n < 0 || out == NULL || (n > 0 && x == NULL)) return MP_ERR_INVALID_ARGUMENT; \
+    *out = n > 0 ? active()->name(x, n, inv_scale) : 0.0;                             \
+    return MP_OK;                                                                     \
+  }
+
+MP_GRAD_NORM_ENTRY(grad_norm_sumsq_f32, float)
+MP_GRAD_NORM_ENTRY(grad_norm_sumsq_bf16, uint16_t)
+MP_GRAD_NORM_ENTRY(grad_norm_sumsq_fp16, uint16_t)
+
+mp_status mp_grad_norm_finish(const double* partials, int64_t n, float* out) {
+  if (n < 0 || out == NULL || (n > 0 && partials == NULL)) return MP_ERR_INVALID_ARGUMENT;
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += partials[i];
+  /* sqrt of a sum of squares: >= 0, +Inf or NaN; the conversion rounds once to fp32. */
+  *out = (float)__builtin_sqrt(sum);
   return MP_OK;
 }

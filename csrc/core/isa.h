@@ -34,6 +34,10 @@ typedef struct mp_kernel_table {
   void (*adam_step)(void* param, mp_dtype param_dtype, const void* grad, mp_dtype grad_dtype,
                     float* master, float* exp_avg, float* exp_avg_sq, int64_t n,
                     const mp_adam_params* p);
+  /* Sum over n elements of (x * inv_scale)^2 in double, in a fixed order (norm.c). */
+  double (*grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
+  double (*grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
+  double (*grad_norm_sumsq_fp16)(const uint16_t* x, int64_t n, float inv_scale);
 } mp_kernel_table;
 
 extern const mp_kernel_table mp_kernels__scalar;
@@ -41,7 +45,7 @@ extern const mp_kernel_table mp_kernels__avx2;
 extern const mp_kernel_table mp_kernels__avx512;
 
 #ifdef MP_ISA_SUFFIX
-/* This build's kernels (defined in cast.c, scale.c, adam.c, ...; gathered into a table by table.c). */
+/* This build's kernels (defined in cast.c, scale.c, adam.c, norm.c, ...; gathered into a table by table.c). */
 void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
 void MP_ISA_FN(mp_k_to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
                                     uint64_t offset);
@@ -54,6 +58,9 @@ int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
 void MP_ISA_FN(mp_k_adam_step)(void* param, mp_dtype param_dtype, const void* grad,
                                mp_dtype grad_dtype, float* master, float* exp_avg,
                                float* exp_avg_sq, int64_t n, const mp_adam_params* p);
+double MP_ISA_FN(mp_k_grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
+double MP_ISA_FN(mp_k_grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
+double MP_ISA_FN(mp_k_grad_norm_sumsq_fp16)(const uint16_t* x, int64_t n, float inv_scale);
 #endif
 
 #endif /* MPEXT_CORE_ISA_H */

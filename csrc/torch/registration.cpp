@@ -45,6 +45,10 @@ TORCH_LIBRARY(mpext, m) {
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize, "
       "*, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+  // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
+  // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
+  // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.
+  m.def("grad_norm(Tensor[] tensors, *, Tensor? inv_scale=None) -> Tensor");
 }
 
 namespace {
