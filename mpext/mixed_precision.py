@@ -1,0 +1,752 @@
+"""mpext.MixedPrecisionOptimizer: FP32 master weights, loss scaling and gradient clipping around
+any ``torch.optim`` optimizer over BF16/FP16 model params.
+
+How it works (docs/mixed_precision.md has the user-facing account):
+
+* At construction every BF16/FP16 param of the wrapped optimizer gets an FP32 master (one
+  multi-tensor ``mpext.ops.cast_``), and the optimizer's ``param_groups`` are pointed at the
+  masters, so the inner optimizer -- its state, its math, its ``state_dict`` -- is plain torch in
+  FP32. FP32 params (e.g. norms kept in FP32) stay as they are and get no master.
+* ``backward(loss)`` backpropagates ``loss * scale``. The model's gradients keep their dtype.
+* ``step()`` works on the device from start to end:
+
+  - Fast path (inner optimizer ``torch.optim.Adam``/``AdamW`` or ``mpext.optim.Adam``/``AdamW``,
+    no amsgrad): one read-only non-finite check of the gradients (``unscale_`` with an inverse
+    scale of 1; skipped when clipping, whose norm already propagates NaN/Inf), then one
+    ``adam_step_`` per set of hyperparameters that reads the model's gradients, unscales them
+    (the clip coefficient folded into the inverse scale), updates the FP32 moments and masters
+    and writes the rounded model params, and is skipped on the device when ``found_inf`` is set.
+  - Generic path (any other optimizer): the gradients of the masters are made by one
+    ``cast_`` pass and unscaled and checked by one ``unscale_`` pass (clip coefficient folded
+    in), the inner optimizer steps the masters, and one ``cast_`` pass copies them back into the
+    model params. An overflow is skipped on the device when the inner optimizer takes
+    ``found_inf`` itself (``_step_supports_amp_scaling``, e.g. ``torch.optim.SGD(fused=True)``);
+    otherwise the skip decision reads ``found_inf`` on the host once per step, as
+    ``torch.amp.GradScaler.step`` does for such optimizers.
+  - The loss scale is an ``mpext.GradScaler`` kept inside (``"dynamic"``: its rule and options;
+    a fixed float: ``min_scale == max_scale``; ``None``: ``bf16_check_only``), updated on the
+    device from the same ``found_inf``, after ``GradScaler._reduce_found_inf_`` (an all-reduce
+    when ``sync_found_inf=True``).
+"""
+import inspect
+import math
+import numbers
+import warnings
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import ops as _mp_ops
+from . import optim as _mp_optim
+from .grad_scaler import GradScaler
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+_LOW = (torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float32,) + _LOW
+_FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, _mp_optim.Adam, _mp_optim.AdamW)
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_NAME = "mpext.MixedPrecisionOptimizer"
+# GradScaler options that only make sense for a dynamic scale, and those the wrapper sets itself.
+_DYNAMIC_ONLY = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                 "hysteresis", "min_scale", "max_scale")
+_RESERVED = ("device", "enabled", "bf16_check_only")
+_AUTO = object()
+
+
+def _has_kernel(op: str, device: torch.device) -> bool:
+    key = _DISPATCH_KEYS.get(device.type)
+    return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key("mpext::" + op, key)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _grad_norm(tensors: List[torch.Tensor], inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of every element of ``tensors`` times ``inv_scale``, a 0-dim float32 tensor
+    on their device (NaN/Inf propagate): ``mpext.ops.grad_norm``."""
+    return _mp_ops.grad_norm(tensors, inv_scale=inv_scale)
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Mixed-precision training around any ``torch.optim`` optimizer built over BF16/FP16 model
+    params: FP32 master weights, loss scaling, gradient clipping after unscaling, and steps
+    with an inf/NaN gradient skipped.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's params (float32, bfloat16 or
+            float16, all on one device, each once, dense). It is modified in place: its
+            ``param_groups`` then hold the FP32 masters instead of the BF16/FP16 params (FP32
+            params stay), so its state and ``state_dict`` are torch's FP32 ones. State it
+            already holds for a BF16/FP16 param moves to the master, its tensors of the
+            param's shape upcast to FP32.
+        loss_scale: ``"dynamic"`` (the default when a param is float16): the scale follows the
+            dynamic rule of ``mpext.GradScaler`` (torch's by default; ``scaler_options`` such as
+            ``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale``
+            tune it). A positive float: a fixed scale. ``None`` (the default otherwise): no
+            scaling. In every mode a step whose gradients hold an inf/NaN is skipped.
+        max_grad_norm: when set, every ``step()`` clips the gradients to this total L2 norm
+            (computed on the unscaled gradients), as ``torch.nn.utils.clip_grad_norm_``.
+        **scaler_options: keyword arguments of ``mpext.GradScaler`` (not ``device``,
+            ``enabled``, ``bf16_check_only``); with a fixed or no scale only those that do not
+            shape the scale (e.g. ``warn_consecutive_overflows``, ``sync_found_inf``,
+            ``process_group``).
+
+    Raises (before anything is modified): ``TypeError`` for something that is not an
+    optimizer, an optimizer already wrapped, a param that is not a float32/bfloat16/float16
+    tensor, or an unknown option; ``ValueError`` for params on several devices, a param that
+    appears twice, a non-dense param, a bad ``loss_scale``/``max_grad_norm``, or a scaler option that does not fit ``loss_scale``. An
+    optimizer that holds FP32 params only is wrapped (loss scaling and clipping still work) with
+    a ``UserWarning``, as there are no masters to keep.
+
+    The wrapper is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and
+    ``defaults`` are the inner optimizer's, so LR schedulers take it directly.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, loss_scale: Any = _AUTO,
+                 max_grad_norm: Optional[float] = None, **scaler_options: Any) -> None:
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError("%s: optimizer is already a MixedPrecisionOptimizer; wrap the "
+                            "torch optimizer only once" % _NAME)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("%s: optimizer must be a torch.optim.Optimizer, got %s"
+                            % (_NAME, type(optimizer).__name__))
+        params = _check_params(optimizer, optimizer.param_groups, "")
+        if not params:
+            raise ValueError("%s: optimizer has no params" % _NAME)
+        device = params[0][2].device
+        has_low = any(p.dtype in _LOW for _, _, p in params)
+        has_fp16 = any(p.dtype == torch.float16 for _, _, p in params)
+        if loss_scale is _AUTO:
+            loss_scale = "dynamic" if has_fp16 else None
+        loss_scale = _check_loss_scale(loss_scale)
+        max_grad_norm = _check_max_norm(max_grad_norm, "max_grad_norm")
+        scaler = _make_scaler(loss_scale, device, scaler_options)
+        if has_low and not _has_kernel("cast_", device):
+            raise ValueError("%s: the params are on %s, a device this build of mpext has no "
+                             "kernels for" % (_NAME, device))
+        if not has_low:
+            warnings.warn("%s: the optimizer holds FP32 params only, so there are no master "
+                          "weights to keep; only loss scaling, the inf/NaN skip and clipping "
+                          "apply" % _NAME, UserWarning, stacklevel=2)
+
+        # Everything is checked: from here on the optimizer is modified.
+        self.optimizer = optimizer
+        self._device = device
+        self._loss_scale = loss_scale
+        self._max_grad_norm = max_grad_norm
+        self._scaler = scaler
+        self._use_fused = True  # the fused Adam path where the optimizer allows it
+        self._optimizer_step_pre_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Any] = OrderedDict()
+        self._patch_step_function()  # step pre/post hooks, as torch.optim.Optimizer has them
+        self._master_of: Dict[int, torch.Tensor] = {}  # id(model param) -> master
+        self._model_of: Dict[int, torch.Tensor] = {}   # id(master) -> model param
+        self._install_masters(params)
+        self._entries: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._refresh_entries()
+        self._one = torch.ones((), dtype=torch.float32, device=device)
+        self._lr_buffers: Dict[int, list] = {}
+        self._stepped: set = set()  # ids of the inner params stepped on the generic path
+        self._reset_iteration()
+
+    # -----------------------------------------------------------------------------------------
+    # The inner optimizer's view, shared.
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The inner optimizer's param groups (the same list): they hold the FP32 masters of
+        the BF16/FP16 params. Changing a hyperparameter here (e.g. an LR scheduler) changes it
+        for the inner optimizer."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        """The inner optimizer's state, keyed by the masters (and FP32 params)."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        """The inner optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @property
+    def loss_scale(self) -> Any:
+        """The loss-scale mode: ``"dynamic"``, the fixed scale (a float), or ``None``."""
+        return self._loss_scale
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """The norm ``step()`` clips to, or ``None``."""
+        return self._max_grad_norm
+
+    @property
+    def scaler(self) -> GradScaler:
+        """The ``mpext.GradScaler`` that holds the scale (its skip counters, e.g.
+        ``skipped_steps()``, are live)."""
+        return self._scaler
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current loss scale as a 0-dim float32 tensor on the params' device (a
+        snapshot; no host sync)."""
+        return self._scale_tensor().clone()
+
+    def get_scale(self) -> float:
+        """The current loss scale as a Python float (a host sync on an accelerator)."""
+        return float(self._scale_tensor().item())
+
+    def master_param(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The FP32 master of a model param, or ``None`` for an FP32 param (or one not in the
+        optimizer)."""
+        return self._master_of.get(id(param))
+
+    # -----------------------------------------------------------------------------------------
+    # Construction helpers.
+
+    def _install_masters(self, params: List[Tuple[int, int, torch.Tensor]]) -> None:
+        """Makes the FP32 masters of the low-precision params (one cast_ pass) and puts them
+        in the param groups in their place."""
+        low = [(gi, j, p) for gi, j, p in params if p.dtype in _LOW]
+        masters = [torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                   for _, _, p in low]
+        if low:
+            with torch.no_grad():
+                _mp_ops.cast_(masters, [p.detach() for _, _, p in low])
+        state = self.optimizer.state
+        for (gi, j, p), m in zip(low, masters):
+            self.optimizer.param_groups[gi]["params"][j] = m
+            self._master_of[id(p)] = m
+            self._model_of[id(m)] = p
+            if p in state:  # state made before wrapping (e.g. Adagrad's, made eagerly)
+                state[m] = {k: _fp32_state(v, p) for k, v in state.pop(p).items()}
+
+    def _refresh_entries(self) -> None:
+        """(model param, inner param) for every param, in the order of the param groups (the
+        order of the inner state_dict's indices); the two are one tensor for an FP32 param."""
+        self._entries = [(self._model_of.get(id(q), q), q)
+                         for group in self.optimizer.param_groups for q in group["params"]]
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Adds a param group of model params (BF16/FP16 ones get masters), checked as in the
+        constructor; on an error nothing is modified."""
+        if not isinstance(param_group, dict):
+            raise TypeError("%s.add_param_group: param_group must be a dict, got %s"
+                            % (_NAME, type(param_group).__name__))
+        group = dict(param_group)
+        ps = group.get("params")
+        if isinstance(ps, torch.Tensor):
+            ps = [ps]
+        elif isinstance(ps, set) or ps is None:
+            raise TypeError("%s.add_param_group: params must be an ordered collection of "
+                            "tensors" % _NAME)
+        group["params"] = list(ps)
+        new = _check_params(self.optimizer, [group], ".add_param_group")
+        known = {id(t): i for i, pq in enumerate(self._entries) for t in pq}
+        for _, j, p in new:
+            if id(p) in known:
+                raise ValueError("%s.add_param_group: new param %d is the same tensor as param "
+                                 "%d (or its master); each param may appear only once"
+                                 % (_NAME, j, known[id(p)]))
+            if p.device != self._device:
+                raise ValueError("%s.add_param_group: params on several devices: new param %d "
+                                 "is on %s but the optimizer's params are on %s"
+                                 % (_NAME, j, p.device, self._device))
+        if any(p.dtype in _LOW for _, _, p in new) and not _has_kernel("cast_", self._device):
+            raise ValueError("%s.add_param_group: no mpext kernels for %s" % (_NAME, self._device))
+        gi = len(self.optimizer.param_groups)
+        self.optimizer.add_param_group(group)  # torch's checks of the group itself
+        # The inner optimizer now holds the model params of the new group: swap in masters.
+        self._install_masters([(gi, j, p) for _, j, p in new])
+        self._refresh_entries()
+
+    # -----------------------------------------------------------------------------------------
+    # The training step.
+
+    def _scale_tensor(self) -> torch.Tensor:
+        scaler = self._scaler
+        if scaler._scale is None:
+            scaler._lazy_init_scale_growth_tracker(self._device)
+        return scaler._scale
+
+    def _reset_iteration(self) -> None:
+        self._found_inf: Optional[torch.Tensor] = None  # set by clipping this iteration
+        self._clip_coef: Optional[torch.Tensor] = None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss * scale).backward(**kwargs)``: backpropagates the scaled loss (``loss``
+        itself when there is no loss scaling)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("%s.backward: loss must be a tensor, got %s"
+                            % (_NAME, type(loss).__name__))
+        if self._loss_scale is None:
+            loss.backward(**kwargs)
+            return
+        scale = self._scale_tensor()
+        (loss * scale.to(device=loss.device, non_blocking=True)).backward(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of the model params (and of the masters): set to ``None``
+        (default) or zeroed."""
+        for p, q in self._entries:
+            for t in (p, q) if p is not q else (p,):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    if t.grad.grad_fn is not None:
+                        t.grad.detach_()
+                    else:
+                        t.grad.requires_grad_(False)
+                    t.grad.zero_()
+        self._reset_iteration()
+
+    def _with_grads(self, where: str) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """The (model param, inner param) pairs whose model param has a gradient, checked."""
+        out = []
+        for i, (p, q) in enumerate(self._entries):
+            g = p.grad
+            if g is None:
+                continue
+            what = "%s%s: the gradient of param %d" % (_NAME, where, i)
+            if g.layout != torch.strided:
+                raise RuntimeError("%s is %s; only dense gradients are supported" % (what, g.layout))
+            if g.dtype != p.dtype and g.dtype != torch.float32:
+                raise TypeError("%s has dtype %s; it must have the param's dtype (%s) or float32"
+                                % (what, _mp_ops._dtype_name(g.dtype),
+                                   _mp_ops._dtype_name(p.dtype)))
+            if g.shape != p.shape:
+                raise ValueError("%s has shape %s but the param has shape %s"
+                                 % (what, tuple(g.shape), tuple(p.shape)))
+            if g.device != p.device:
+                raise ValueError("%s is on %s but the param is on %s" % (what, g.device, p.device))
+            if p.dtype == torch.float32 and g.dtype != torch.float32:
+                raise TypeError("%s has dtype %s but the param is float32"
+                                % (what, _mp_ops._dtype_name(g.dtype)))
+            out.append((p, q))
+        return out
+
+    def _inv_scale(self) -> torch.Tensor:
+        """1 / scale as GradScaler.unscale_ computes it (in double, rounded to float32)."""
+        return self._scale_tensor().double().reciprocal().float()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clips the gradients of this iteration to the total L2 norm ``max_norm``, measured on
+        the unscaled gradients, as ``torch.nn.utils.clip_grad_norm_`` does (coefficient
+        ``min(1, max_norm / (norm + 1e-6))``, computed on the device). Returns the total norm
+        before clipping (a 0-dim float32 tensor on the device, inf/NaN when a gradient is).
+
+        Call it after ``backward`` and before ``step()``. The gradients are not rewritten: the
+        coefficient is folded into the unscaling inside ``step()``, so clipping costs one read
+        of the gradients and no host sync. A non-finite norm skips the step like an overflow.
+        Called twice, the second call measures the once-clipped gradients, as with torch.
+        """
+        max_norm = _check_max_norm(max_norm, "max_norm", required=True)
+        return self._clip(self._with_grads(".clip_grad_norm_"), max_norm)
+
+    def _clip(self, entries: List[Tuple[torch.Tensor, torch.Tensor]],
+              max_norm: float) -> torch.Tensor:
+        inv = self._inv_scale()
+        if self._clip_coef is not None:
+            inv = inv * self._clip_coef
+        if not entries:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        norm = _grad_norm([p.grad for p, _ in entries], inv_scale=inv)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's expression
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        bad = (~torch.isfinite(norm)).to(torch.float32)
+        self._found_inf = bad if self._found_inf is None else torch.maximum(self._found_inf, bad)
+        return norm
+
+    def _fused_ok(self) -> bool:
+        opt = self.optimizer
+        if not self._use_fused or type(opt) not in _FUSED_CLASSES:
+            return False
+        if not _has_kernel("adam_step_", self._device):
+            return False
+        for group in opt.param_groups:
+            if group.get("amsgrad", False) or group.get("differentiable", False):
+                return False
+            lr = group.get("lr")
+            if isinstance(lr, torch.Tensor) and lr.requires_grad:
+                return False
+        return True
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> torch.Tensor:
+        """One optimizer step on the gradients of this iteration: non-finite check and
+        unscaling, clipping (``max_grad_norm``, or a ``clip_grad_norm_`` call before), the
+        inner optimizer's update of the FP32 masters, the copy back into the model params
+        (round to nearest even), and the loss-scale update.
+
+        Returns whether the step was applied, as a 0-dim bool tensor on the device: when any
+        gradient holds an inf/NaN nothing is changed (params, masters, optimizer state) and the
+        scale backs off. No host sync on the fast path (torch/mpext Adam/AdamW) or with an
+        inner optimizer that takes ``found_inf`` itself (``torch.optim.SGD(fused=True)``, ...);
+        other inner optimizers read the inf/NaN flag on the host once, as
+        ``torch.amp.GradScaler.step`` does for them. Closures are not supported.
+        """
+        if closure is not None:
+            raise NotImplementedError("%s.step: closures are not supported (the loss must be "
+                                      "scaled before backward: call backward(loss) first)"
+                                      % _NAME)
+        entries = self._with_grads(".step")
+        scaler = self._scaler
+        device = self._device
+        self._scale_tensor()
+        if self._max_grad_norm is not None:
+            self._clip(entries, self._max_grad_norm)
+        clipped = self._found_inf is not None
+        found_inf = (self._found_inf if clipped
+                     else torch.zeros((), dtype=torch.float32, device=device))
+        inv = None
+        if self._loss_scale is not None:
+            inv = self._inv_scale()
+        if self._clip_coef is not None:
+            inv = self._clip_coef if inv is None else inv * self._clip_coef
+        if entries:
+            if self._fused_ok():
+                self._step_fused(entries, found_inf, inv, clipped)
+            else:
+                self._step_generic(entries, found_inf, inv)
+            state = scaler._per_optimizer_states[id(self)]
+            state["found_inf_per_device"] = {device: found_inf}
+            if isinstance(self._loss_scale, float):
+                with warnings.catch_warnings():
+                    # The scaler's "overflow at min_scale: the model is at fault" warning does
+                    # not hold for a scale the user fixed (it may simply be too large).
+                    warnings.filterwarnings("ignore", message=".*min_scale",
+                                            category=RuntimeWarning)
+                    scaler.update()
+            else:
+                scaler.update()
+        self._reset_iteration()
+        return found_inf == 0
+
+    def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
+        reduce = getattr(self._scaler, "_reduce_found_inf_", None)
+        if reduce is not None:
+            reduce(found_inf)
+
+    def _lr_tensor(self, slot: int, lr: Any) -> torch.Tensor:
+        if isinstance(lr, torch.Tensor):
+            return lr.detach().to(device=self._device, dtype=torch.float32, non_blocking=True)
+        lr = float(lr)
+        buf = self._lr_buffers.get(slot)
+        if buf is None:
+            buf = [torch.full((), lr, dtype=torch.float32, device=self._device), lr]
+            self._lr_buffers[slot] = buf
+        elif buf[1] != lr or math.copysign(1.0, buf[1]) != math.copysign(1.0, lr):
+            buf[0].fill_(lr)  # on the device: no host sync
+            buf[1] = lr
+        return buf[0]
+
+    def _adam_state(self, q: torch.Tensor) -> Dict[str, Any]:
+        """The inner Adam's state of a param in torch's layout (``step``, ``exp_avg``,
+        ``exp_avg_sq``), created on its first step; ``step`` is kept a float32 tensor on the
+        device, as the fused kernel needs (torch's own format with ``capturable``/``fused``)."""
+        state = self.optimizer.state[q]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
+            state["exp_avg"] = torch.zeros_like(q, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
+        else:
+            step = state["step"]
+            if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
+                    and step.device == q.device):
+                state["step"] = torch.as_tensor(step, dtype=torch.float32).to(q.device).reshape(())
+        return state
+
+    def _step_fused(self, entries, found_inf, inv, clipped) -> None:
+        if not clipped:  # the norm already carries any inf/NaN; else one read-only check
+            _mp_ops.unscale_([p.grad for p, _ in entries], found_inf, self._one)
+        self._reduce_found_inf(found_inf)
+        group_of = {id(q): (gi, g) for gi, g in enumerate(self.optimizer.param_groups)
+                    for q in g["params"]}
+        calls: Dict[tuple, list] = {}
+        for p, q in entries:
+            gi, group = group_of[id(q)]
+            beta1, beta2 = (float(b) for b in group["betas"])
+            wd = float(group["weight_decay"])
+            decoupled = (bool(group.get("decoupled_weight_decay", False))
+                         or isinstance(self.optimizer, (torch.optim.AdamW, _mp_optim.AdamW)))
+            lr = group["lr"]
+            lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
+            key = (lr_key, beta1, beta2, float(group["eps"]), wd, decoupled and wd != 0.0,
+                   bool(group.get("maximize", False)))
+            calls.setdefault(key, [gi, lr]).append((p, q))
+        empty = torch.empty(0, dtype=torch.float32, device=self._device)
+        launches = []
+        for key, (gi, lr, *pairs) in calls.items():
+            params, grads, exp_avgs, exp_avg_sqs, masters, steps = [], [], [], [], [], []
+            for p, q in pairs:
+                state = self._adam_state(q)
+                g = p.grad
+                if not _mp_ops._same_layout(g, p):  # e.g. channels_last param, contiguous grad
+                    g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                params.append(p)
+                grads.append(g)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+                masters.append(q if q is not p else empty)
+            if all(m is empty for m in masters):
+                masters = []
+            launches.append((params, grads, exp_avgs, exp_avg_sqs, masters, steps,
+                             self._lr_tensor(gi, lr)) + key[1:])
+        for args in launches:
+            torch.ops.mpext.adam_step_(*args, inv_scale=inv, found_inf=found_inf)
+
+    def _step_generic(self, entries, found_inf, inv) -> None:
+        low = [(p, q) for p, q in entries if p is not q]
+        dst, src = [], []
+        for p, q in low:
+            q.grad = torch.empty_like(q)
+            g = p.grad
+            if _mp_ops._same_layout(g, q):
+                dst.append(q.grad)
+                src.append(g)
+            else:
+                q.grad.copy_(g)
+        if dst:
+            _mp_ops.cast_(dst, src)
+        try:
+            # One pass: the inf/NaN check and the unscale (clip coefficient included) of the
+            # FP32 gradients the inner optimizer reads; read-only when inv is 1 or absent.
+            _mp_ops.unscale_([q.grad for _, q in entries], found_inf,
+                             self._one if inv is None else inv)
+            self._reduce_found_inf(found_inf)
+            opt = self.optimizer
+            # An optimizer that takes found_inf skips on the device, but only once every param
+            # has been stepped: on a param's first step torch's fused kernels make its state
+            # (e.g. fused SGD an uninitialised momentum buffer) before the skip, so that step
+            # is decided on the host.
+            if getattr(opt, "_step_supports_amp_scaling", False) and all(
+                    id(q) in self._stepped for _, q in entries):
+                opt.grad_scale = None  # already unscaled
+                opt.found_inf = found_inf
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale
+                    del opt.found_inf
+            elif found_inf.item() != 0:  # the one host read of this path
+                return
+            else:
+                opt.step()
+                self._stepped.update(id(q) for _, q in entries)
+            if low:
+                _mp_ops.cast_([p.detach() for p, _ in low], [q for _, q in low])
+        finally:
+            for _, q in low:
+                q.grad = None  # the FP32 gradient copies live only during the step
+
+    # -----------------------------------------------------------------------------------------
+    # Masters, state_dict.
+
+    def reset_masters(self) -> None:
+        """Re-makes every FP32 master from its model param (e.g. after the model's weights
+        were loaded or changed outside the optimizer)."""
+        low = [(p, q) for p, q in self._entries if p is not q]
+        if low:
+            with torch.no_grad():
+                _mp_ops.cast_([q for _, q in low], [p.detach() for p, _ in low])
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"optimizer": the inner optimizer's state_dict (torch's format, its params being
+        the masters and FP32 params in group order), "masters": {index: FP32 master} for the
+        BF16/FP16 params (indices as in the inner state_dict), "scaler": the GradScaler's
+        state_dict, "loss_scale": the mode}``. Tensors are references, as in torch's
+        ``Optimizer.state_dict``; reading the scaler state is a host sync."""
+        masters = {i: q for i, (p, q) in enumerate(self._entries) if p is not q}
+        return {"optimizer": self.optimizer.state_dict(), "masters": masters,
+                "scaler": self._scaler.state_dict(), "loss_scale": self._loss_scale}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state saved by :meth:`state_dict`: the inner optimizer's state, the masters
+        (copied, then also written into the model params, rounded) and the loss scale, so
+        training continues bit for bit. Everything is checked first; on an error (a missing
+        key, another loss-scale mode, masters that do not match, a state the inner optimizer
+        rejects) nothing is modified."""
+        where = "%s.load_state_dict" % _NAME
+        if not isinstance(state_dict, dict):
+            raise TypeError("%s: state_dict must be a dict, got %s"
+                            % (where, type(state_dict).__name__))
+        keys = {"optimizer", "masters", "scaler", "loss_scale"}
+        if set(state_dict) != keys:
+            raise ValueError("%s: state_dict must have the keys %s (a MixedPrecisionOptimizer "
+                             "state_dict), got %s" % (where, sorted(keys), sorted(state_dict)))
+        saved_mode = state_dict["loss_scale"]
+        if saved_mode != self._loss_scale:
+            raise ValueError("%s: the state was saved with loss_scale=%r but this optimizer has "
+                             "loss_scale=%r" % (where, saved_mode, self._loss_scale))
+        masters = state_dict["masters"]
+        if not isinstance(masters, dict):
+            raise TypeError("%s: masters must be a dict, got %s" % (where, type(masters).__name__))
+        want = {i: q for i, (p, q) in enumerate(self._entries) if p is not q}
+        if set(masters) != set(want):
+            raise ValueError("%s: masters has entries for params %s but this optimizer's "
+                             "BF16/FP16 params are %s" % (where, sorted(masters), sorted(want)))
+        for i, t in masters.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError("%s: masters[%d] must be a floating-point tensor, got %r"
+                                % (where, i, t if not isinstance(t, torch.Tensor) else t.dtype))
+            if t.shape != want[i].shape:
+                raise ValueError("%s: masters[%d] has shape %s but the param has shape %s"
+                                 % (where, i, tuple(t.shape), tuple(want[i].shape)))
+        scaler_sd = state_dict["scaler"]
+        if not isinstance(scaler_sd, dict) or "scale" not in scaler_sd:
+            raise ValueError("%s: scaler must be a GradScaler state_dict (with 'scale'), got %r"
+                             % (where, scaler_sd))
+        inner = state_dict["optimizer"]
+        if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
+            raise ValueError("%s: optimizer must be an optimizer state_dict (with 'state' and "
+                             "'param_groups')" % where)
+        self.optimizer.load_state_dict(inner)  # checks everything before it modifies anything
+        self._refresh_entries()
+        with torch.no_grad():
+            for i, q in want.items():
+                q.copy_(masters[i])
+        low = [(p, q) for p, q in self._entries if p is not q]
+        if low:
+            with torch.no_grad():
+                _mp_ops.cast_([p.detach() for p, _ in low], [q for _, q in low])
+        self._scaler.load_state_dict(scaler_sd)
+        self._lr_buffers = {}
+        self._stepped = {id(q) for _, q in self._entries if self.optimizer.state.get(q)}
+        self._reset_iteration()
+
+    # -----------------------------------------------------------------------------------------
+    # What torch.optim.Optimizer offers and the wrapper routes elsewhere.
+
+    def _no_state_dict_hooks(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("%s: register state_dict hooks on the inner optimizer "
+                                  "(.optimizer); its state_dict()/load_state_dict() run them"
+                                  % _NAME)
+
+    register_state_dict_pre_hook = _no_state_dict_hooks
+    register_state_dict_post_hook = _no_state_dict_hooks
+    register_load_state_dict_pre_hook = _no_state_dict_hooks
+    register_load_state_dict_post_hook = _no_state_dict_hooks
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._patch_step_function()
+
+    def __repr__(self) -> str:
+        return "%s(loss_scale=%r, max_grad_norm=%r,\n  %r)" % (
+            type(self).__name__, self._loss_scale, self._max_grad_norm, self.optimizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (all raise before anything is modified).
+
+
+def _check_params(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]],
+                  where: str) -> List[Tuple[int, int, torch.Tensor]]:
+    """(group index, position, param) for every param of ``groups``, checked: a float32,
+    bfloat16 or float16 dense tensor, every one on the first one's device, none twice."""
+    out = []
+    seen: Dict[int, str] = {}
+    first = None
+    for gi, group in enumerate(groups):
+        for j, p in enumerate(group["params"]):
+            name = "param %d of group %d" % (j, gi)
+            if not isinstance(p, torch.Tensor):
+                raise TypeError("%s%s: %s is a %s, not a tensor"
+                                % (_NAME, where, name, type(p).__name__))
+            if id(p) in seen:
+                raise ValueError("%s%s: %s is the same tensor as %s; each param may appear "
+                                 "only once" % (_NAME, where, name, seen[id(p)]))
+            seen[id(p)] = name
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError("%s%s: %s has dtype %s; only float32, bfloat16 and float16 "
+                                "params are supported"
+                                % (_NAME, where, name, _mp_ops._dtype_name(p.dtype)))
+            if first is None:
+                first = (name, p.device)
+            elif p.device != first[1]:
+                raise ValueError("%s%s: params on several devices: %s is on %s but %s is on %s; "
+                                 "wrap one optimizer per device"
+                                 % (_NAME, where, name, p.device, first[0], first[1]))
+            if p.layout != torch.strided or not _mp_ops._is_dense(p):
+                raise ValueError("%s%s: %s must be dense and non-overlapping (e.g. contiguous "
+                                 "or channels_last); got layout %s, sizes %s, strides %s"
+                                 % (_NAME, where, name, p.layout, tuple(p.shape),
+                                    tuple(p.stride()) if p.layout == torch.strided else ()))
+            out.append((gi, j, p))
+    return out
+
+
+def _fp32_state(v: Any, p: torch.Tensor) -> Any:
+    """A state value of a low-precision param, moved to its master: a tensor of the param's
+    shape and dtype (a moment, a momentum buffer, ...) becomes an FP32 copy (exact), anything
+    else (a step count, a scalar) stays as it is."""
+    if isinstance(v, torch.Tensor) and v.dtype == p.dtype and v.shape == p.shape:
+        return torch.empty_like(v, dtype=torch.float32,
+                                memory_format=torch.preserve_format).copy_(v)
+    return v
+
+
+def _check_loss_scale(loss_scale: Any) -> Any:
+    if loss_scale is None or loss_scale == "dynamic":
+        return loss_scale
+    if _is_real(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0:
+        return float(loss_scale)
+    raise ValueError("%s: loss_scale must be 'dynamic', a finite number > 0 or None, got %r"
+                     % (_NAME, loss_scale))
+
+
+def _check_max_norm(v: Any, name: str, required: bool = False) -> Optional[float]:
+    if v is None and not required:
+        return None
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type == "cpu":
+        v = v.item()
+    if _is_real(v) and math.isfinite(v) and v > 0:
+        return float(v)
+    raise ValueError("%s: %s must be a finite number > 0%s, got %r"
+                     % (_NAME, name, "" if required else " or None", v))
+
+
+_SCALER_PARAMS = None
+
+
+def _make_scaler(loss_scale: Any, device: torch.device,
+                 options: Dict[str, Any]) -> GradScaler:
+    """The GradScaler that holds the scale: the dynamic rule, a fixed scale (min_scale ==
+    max_scale == init_scale, so neither back-off nor growth moves it), or none (bf16_check_only:
+    held at 1)."""
+    global _SCALER_PARAMS
+    if _SCALER_PARAMS is None:
+        _SCALER_PARAMS = set(inspect.signature(GradScaler.__init__).parameters) - {"self"}
+    for k in options:
+        if k in _RESERVED:
+            raise TypeError("%s: %s is set by the wrapper and cannot be passed as a scaler "
+                            "option" % (_NAME, k))
+        if k not in _SCALER_PARAMS:
+            raise TypeError("%s: unknown option %r (the options are mpext.GradScaler's: %s)"
+                            % (_NAME, k, ", ".join(sorted(_SCALER_PARAMS - set(_RESERVED)))))
+        if loss_scale != "dynamic" and k in _DYNAMIC_ONLY:
+            raise ValueError("%s: the scaler option %s needs loss_scale='dynamic' (loss_scale "
+                             "is %r)" % (_NAME, k, loss_scale))
+    opts = dict(options)
+    if loss_scale is None:
+        opts["bf16_check_only"] = True
+    elif loss_scale != "dynamic":
+        opts.update(init_scale=loss_scale, min_scale=loss_scale, max_scale=loss_scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "CUDA is not available. Disabling." must not pass
+        try:
+            return GradScaler(device.type, **opts)
+        except Warning as w:
+            raise ValueError("%s: cannot keep a loss scale on %s: %s" % (_NAME, device, w)) from None

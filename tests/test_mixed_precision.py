@@ -1,0 +1,701 @@
+"""mpext.MixedPrecisionOptimizer against PyTorch.
+
+Every run is differential: the wrapper over BF16/FP16 params on one side, the same torch.optim
+optimizer over FP32 params fed the same (upcast, unscaled) gradients on the other, with
+torch.amp.GradScaler for the loss scale and torch.nn.utils.clip_grad_norm_ for clipping. The FP32
+masters must track the FP32 reference (bit for bit through the generic path, which runs torch's
+own optimizer code on the masters; within rtol 1e-6 through the fused Adam path) and every model
+param must be its master rounded, bit for bit. Then overflowing steps (nothing changes), the
+state_dict round trip, host reads, and bad input (a clear error, nothing modified)."""
+import contextlib
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+import mpext
+from mpext import MixedPrecisionOptimizer as MPO
+
+from conftest import HostReads
+from test_adam import allow_any_grad_dtype, assert_bitwise, bits
+
+LOW = (torch.bfloat16, torch.float16)
+SHAPES = [(13, 7), (31,), (2, 3, 5), (1,)]
+
+# name -> (optimizer class, kwargs, fused path?)
+INNER = {
+    "torch_adamw": (torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1), True),
+    "torch_adam_l2": (torch.optim.Adam, dict(lr=2e-3, betas=(0.8, 0.99), weight_decay=0.05,
+                                             maximize=True), True),
+    "mpext_adamw": (mpext.optim.AdamW, dict(lr=3e-3, weight_decay=0.1), True),
+    "torch_adam_amsgrad": (torch.optim.Adam, dict(lr=2e-3, amsgrad=True), False),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True,
+                                           weight_decay=1e-3), False),
+    "sgd_fused": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, fused=True), False),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True), False),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.01), False),
+}
+
+
+def ref_class(cls):
+    """The torch optimizer the reference side runs (mpext's Adam classes are checked against
+    torch's in test_adam)."""
+    return {mpext.optim.AdamW: torch.optim.AdamW, mpext.optim.Adam: torch.optim.Adam}.get(cls, cls)
+
+
+class Run:
+    """The wrapper over low-precision params (plus FP32 ones) and the FP32 torch reference."""
+
+    def __init__(self, device, name, dtype=torch.bfloat16, fp32_shapes=((9,),), groups=None,
+                 use_fused=True, seed=0, **mpo_kw):
+        cls, kw, self.fused = INNER[name]
+        gen = torch.Generator().manual_seed(seed)
+        self.low = [torch.randn(s, generator=gen).to(device, dtype).requires_grad_()
+                    for s in SHAPES]
+        self.f32 = [torch.randn(s, generator=gen).to(device).requires_grad_()
+                    for s in fp32_shapes]
+        self.params = self.low + self.f32
+        self.ref = [p.detach().float().clone().requires_grad_() for p in self.params]
+        allow_any_grad_dtype(self.params)
+        if groups is None:
+            ours_groups, ref_groups = [{"params": self.params}], [{"params": self.ref}]
+        else:  # groups: list of (indices, extra kwargs)
+            ours_groups = [dict(params=[self.params[i] for i in ix], **g) for ix, g in groups]
+            ref_groups = [dict(params=[self.ref[i] for i in ix], **g) for ix, g in groups]
+        self.inner = cls(ours_groups, **kw)
+        self.mpo = MPO(self.inner, **mpo_kw)
+        self.mpo._use_fused = use_fused
+        self.torch_opt = ref_class(cls)(ref_groups, **kw)
+        self.device = device
+
+    def masters(self):
+        return [self.mpo.master_param(p) if p.dtype in LOW else p for p in self.params]
+
+    def set_grads(self, step, scale=1.0, big=False, poison=None, skip=()):
+        """Gradients for this step: the wrapper's params get ``g * scale`` in the param dtype,
+        the reference the same values upcast and unscaled (so a power-of-two scale is exact)."""
+        gen = torch.Generator().manual_seed(7919 * step + 1)
+        for i, (p, q) in enumerate(zip(self.params, self.ref)):
+            g = torch.randn(p.shape, generator=gen) * (30.0 if big else 1.0)
+            if i in skip:
+                p.grad = q.grad = None
+                continue
+            p.grad = (g * scale).to(self.device, p.dtype)
+            q.grad = g.to(p.dtype).float().to(self.device)
+            if poison is not None and i == poison[0]:
+                p.grad.view(-1)[step % p.numel()] = poison[1]
+                q.grad.view(-1)[step % p.numel()] = poison[1]
+
+    def check(self, exact, what=""):
+        for i, (p, m, q) in enumerate(zip(self.params, self.masters(), self.ref)):
+            if exact:
+                assert_bitwise(m.detach(), q.detach(), "%s param %d" % (what, i))
+            else:
+                torch.testing.assert_close(m.detach(), q.detach(), rtol=1e-6, atol=1e-7,
+                                           msg="%s param %d" % (what, i))
+            if p.dtype in LOW:
+                assert m.dtype == torch.float32
+                assert_bitwise(p.detach(), m.detach().to(p.dtype), "%s rounded %d" % (what, i))
+
+
+def snapshot(mpo):
+    """Every tensor the wrapper and its model hold: model params, masters, inner state."""
+    out = []
+    for i, (p, q) in enumerate(mpo._entries):
+        out.append(("param %d" % i, p.detach().clone()))
+        out.append(("inner param %d" % i, q.detach().clone()))
+        for k, v in sorted(mpo.state.get(q, {}).items()):
+            if isinstance(v, torch.Tensor):
+                out.append(("%s %d" % (k, i), v.detach().clone()))
+    return out
+
+
+def assert_unchanged(mpo, before, what=""):
+    """Nothing changed since ``before``: the same bits everywhere; state that did not exist
+    then may only be fresh (zero) state, made before the step was skipped on the device."""
+    now = dict(snapshot(mpo))
+    old = dict(before)
+    assert set(old) <= set(now), what
+    for name, t in now.items():
+        if name in old:
+            assert_bitwise(t, old[name], "%s %s" % (what, name))
+        else:
+            assert not name.startswith(("param", "inner param")), name
+            assert not t.any(), "%s: fresh state %s is not zero" % (what, name)
+
+
+def assert_same(a, b, what=""):
+    assert [n for n, _ in a] == [n for n, _ in b], what
+    for (n, x), (_, y) in zip(a, b):
+        assert_bitwise(x, y, "%s %s" % (what, n))
+
+
+# --------------------------------------------------------------------------------------------
+# The masters track torch's FP32 optimizer.
+
+
+@pytest.mark.parametrize("name", sorted(INNER))
+def test_masters_track_torch_fp32_optimizer(device, name):
+    run = Run(device, name)
+    sched = torch.optim.lr_scheduler.StepLR(run.mpo, step_size=7, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(run.torch_opt, step_size=7, gamma=0.5)
+    for step in range(20):
+        run.set_grads(step)
+        applied = run.mpo.step()
+        run.torch_opt.step()
+        sched.step()
+        ref_sched.step()
+        assert applied.dtype == torch.bool and applied.dim() == 0
+        assert applied.device.type == torch.device(device).type and bool(applied)
+        run.check(exact=not run.fused, what="%s step %d" % (name, step))
+    assert run.mpo.param_groups[0]["lr"] == run.torch_opt.param_groups[0]["lr"]
+    # FP32 params are held by the inner optimizer as they are; the others by their masters.
+    assert all(run.mpo.master_param(p) is None and any(p is q for q in run.inner.param_groups[0]
+                                                       ["params"]) for p in run.f32)
+    # The inner optimizer's state is torch's, in FP32, with torch's keys.
+    sd, ref_sd = run.inner.state_dict(), run.torch_opt.state_dict()
+    for i, st in sd["state"].items():
+        assert set(st) == set(ref_sd["state"][i])
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert v.dtype == torch.float32
+                torch.testing.assert_close(v, ref_sd["state"][i][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["torch_adamw", "torch_adam_l2"])
+def test_fused_path_equals_generic_path(dtype, name):
+    """The fused adam_step_ pass and torch's own Adam over the masters (generic path) agree,
+    with dynamic scaling, clipping and an overflowing step."""
+    fused = Run("cpu", name, dtype, loss_scale="dynamic", init_scale=2.0 ** 8,
+                growth_interval=3, max_grad_norm=5.0)
+    generic = Run("cpu", name, dtype, use_fused=False, loss_scale="dynamic",
+                  init_scale=2.0 ** 8, growth_interval=3, max_grad_norm=5.0)
+    for step in range(12):
+        for run in (fused, generic):
+            run.set_grads(step, scale=run.mpo.get_scale(),
+                          poison=(1, float("inf")) if step == 5 else None)
+            run.mpo.step()
+        assert fused.mpo.get_scale() == generic.mpo.get_scale()
+        for pf, pg, mf, mg in zip(fused.params, generic.params, fused.masters(),
+                                  generic.masters()):
+            torch.testing.assert_close(mf, mg, rtol=1e-6, atol=1e-7)
+            if pf.dtype in LOW:
+                assert_bitwise(pf.detach(), mf.detach().to(dtype))
+                assert_bitwise(pg.detach(), mg.detach().to(dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Loss scaling.
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "sgd_nesterov", "sgd_fused"])
+def test_fp16_dynamic_scale_and_overflow_like_torch_gradscaler(device, name):
+    """FP16 params, dynamic scale: the scale follows torch.amp.GradScaler over the reference
+    exactly, overflowing steps (injected Inf/NaN and natural fp16 overflow of big gradients)
+    change nothing at all, and step() reports them as a device bool."""
+    run = Run(device, name, torch.float16, init_scale=2.0 ** 12, growth_interval=3)
+    assert run.mpo.loss_scale == "dynamic"  # the default for FP16 params
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3)
+    scaler.scale(torch.ones((), device=device))  # its lazy initialisation
+    events = {4: dict(poison=(0, float("inf"))), 5: dict(poison=(2, float("nan"))),
+              9: dict(big=True), 13: dict(poison=(4, -float("inf")))}
+    for step in range(16):
+        scale = run.mpo.get_scale()
+        assert scale == scaler.get_scale()
+        run.set_grads(step, scale=scale, **events.get(step, {}))
+        if step == 9:  # the big gradients overflow fp16 once scaled
+            assert not torch.isfinite(run.params[0].grad).all()
+            for q, p in zip(run.ref, run.params):  # the reference sees the same overflow
+                q.grad = p.grad.float() / scale
+        before = snapshot(run.mpo)
+        applied = run.mpo.step()
+        for q in run.ref:  # torch's side: scaled FP32 gradients into GradScaler
+            q.grad = q.grad * scale
+        scaler.step(run.torch_opt)
+        scaler.update()
+        overflow = step in events
+        assert applied.dtype == torch.bool and bool(applied) is not overflow
+        assert bool(run.mpo.scaler.last_step_skipped()) is overflow
+        if overflow:
+            assert_unchanged(run.mpo, before, "step %d" % step)
+        run.check(exact=not run.fused, what="step %d" % step)
+    assert run.mpo.get_scale() == scaler.get_scale()
+    assert run.mpo.scaler.get_skipped_steps() == len(events)
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "rmsprop"])
+def test_fixed_loss_scale(name):
+    """A fixed power-of-two scale gives the bits of unscaled training, never moves (not even
+    after an overflow), and still skips an overflowing step."""
+    scaled = Run("cpu", name, torch.float16, loss_scale=1024.0)
+    plain = Run("cpu", name, torch.float16, loss_scale=None)
+    assert plain.mpo.get_scale() == 1.0
+    for step in range(8):
+        poison = (1, float("nan")) if step == 3 else None
+        scaled.set_grads(step, scale=1024.0, poison=poison)
+        plain.set_grads(step, poison=poison)
+        before = snapshot(scaled.mpo)
+        a, b = scaled.mpo.step(), plain.mpo.step()
+        assert bool(a) is bool(b) is (step != 3)
+        if step == 3:
+            assert_unchanged(scaled.mpo, before)
+        assert_same(snapshot(scaled.mpo), snapshot(plain.mpo), "step %d" % step)
+        assert scaled.mpo.get_scale() == 1024.0
+    assert scaled.mpo.scaler.get_skipped_steps() == plain.mpo.scaler.get_skipped_steps() == 1
+
+
+def test_backward_scales_the_loss_and_zero_grad(device):
+    w = torch.randn(6, 4).to(device, torch.float16).requires_grad_()
+    b = torch.zeros(4, device=device, requires_grad=True)
+    mpo = MPO(torch.optim.SGD([w, b], lr=0.1), init_scale=2.0 ** 10)
+    x = torch.randn(3, 6).to(device, torch.float16)
+
+    def loss_fn():
+        return ((x @ w).float() + b).square().mean()
+
+    loss_fn().backward()
+    plain = [w.grad.clone(), b.grad.clone()]
+    mpo.zero_grad()
+    assert w.grad is None and b.grad is None
+    mpo.backward(loss_fn())
+    torch.testing.assert_close(w.grad.float(), plain[0].float() * 1024, rtol=2e-3, atol=0)
+    assert_bitwise(b.grad, plain[1] * 1024)  # fp32: a power of two is exact
+    mpo.zero_grad(set_to_none=False)
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+    # BF16 needs no scaling: backward is plain.
+    v = torch.randn(3).bfloat16().requires_grad_()
+    bf = MPO(torch.optim.SGD([v], lr=0.1))
+    assert bf.loss_scale is None
+    bf.backward(v.float().sum() * 3)
+    assert torch.equal(v.grad, torch.full((3,), 3.0, dtype=torch.bfloat16))
+
+
+# --------------------------------------------------------------------------------------------
+# Clipping.
+
+
+@pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
+@pytest.mark.parametrize("name", ["torch_adamw", "sgd_nesterov"])
+def test_clipping_matches_torch_clip_grad_norm(name, how):
+    kw = dict(max_grad_norm=4.0) if how == "max_grad_norm" else {}
+    run = Run("cpu", name, torch.bfloat16, loss_scale=256.0, **kw)
+    for step in range(10):
+        run.set_grads(step, scale=256.0, big=step % 2 == 0)  # clipped on even steps only
+        if how == "clip_grad_norm_":
+            norm = run.mpo.clip_grad_norm_(4.0)
+            assert norm.dtype == torch.float32 and norm.dim() == 0
+        ref_norm = torch.nn.utils.clip_grad_norm_(run.ref, 4.0)
+        if how == "clip_grad_norm_":
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        run.mpo.step()
+        run.torch_opt.step()
+        run.check(exact=False, what="step %d" % step)
+
+
+def test_clip_grad_norm_twice_composes_like_torch():
+    run = Run("cpu", "sgd_nesterov", torch.bfloat16, loss_scale=None)
+    run.set_grads(0, big=True)
+    n1, n2 = run.mpo.clip_grad_norm_(5.0), run.mpo.clip_grad_norm_(2.0)
+    r1 = torch.nn.utils.clip_grad_norm_(run.ref, 5.0)
+    r2 = torch.nn.utils.clip_grad_norm_(run.ref, 2.0)
+    torch.testing.assert_close(n1, r1, rtol=1e-6, atol=0)
+    torch.testing.assert_close(n2, r2, rtol=1e-5, atol=0)
+    run.mpo.step()
+    run.torch_opt.step()
+    run.check(exact=False)
+
+
+def test_non_finite_norm_skips_the_step():
+    run = Run("cpu", "torch_adamw", torch.bfloat16, max_grad_norm=1.0)
+    run.set_grads(0, poison=(3, float("nan")))
+    before = snapshot(run.mpo)
+    assert not bool(run.mpo.step())
+    assert_unchanged(run.mpo, before)
+    run.set_grads(1)
+    assert bool(run.mpo.step())
+
+
+# --------------------------------------------------------------------------------------------
+# Params without gradients, param groups, add_param_group.
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "sgd_nesterov"])
+def test_params_without_grads_are_untouched(name):
+    run = Run("cpu", name)
+    frozen = (1, 4)  # a bf16 param and the fp32 one
+    start = [run.params[i].detach().clone() for i in frozen]
+    for step in range(5):
+        run.set_grads(step, skip=frozen)
+        run.mpo.step()
+        run.torch_opt.step()
+        run.check(exact=not run.fused)
+    for i, s in zip(frozen, start):
+        assert_bitwise(run.params[i].detach(), s)
+        assert len(run.mpo.state[run.masters()[i]]) == 0
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "mpext_adamw", "sgd_nesterov"])
+def test_param_groups_with_own_hyperparameters(name):
+    wd_key = "weight_decay"
+    groups = [([0, 1], dict(lr=0.01, **{wd_key: 0.2})), ([2, 4], dict(lr=0.003)), ([3], {})]
+    if INNER[name][2]:
+        groups[2][1]["betas"] = (0.5, 0.9)
+    run = Run("cpu", name, groups=groups)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.02, 0.01, 0.005], total_steps=20)
+              for o in (run.mpo, run.torch_opt)]
+    for step in range(12):
+        run.set_grads(step)
+        run.mpo.step()
+        run.torch_opt.step()
+        for s in scheds:
+            s.step()
+        run.check(exact=not run.fused, what="step %d" % step)
+    assert [g["lr"] for g in run.mpo.param_groups] == [g["lr"] for g in run.torch_opt.param_groups]
+
+
+def test_add_param_group():
+    run = Run("cpu", "sgd_nesterov")
+    extra = torch.randn(5, 2).bfloat16().requires_grad_()
+    extra_ref = extra.detach().float().requires_grad_()
+    run.mpo.add_param_group({"params": [extra], "lr": 0.5})
+    run.torch_opt.add_param_group({"params": [extra_ref], "lr": 0.5})
+    master = run.mpo.master_param(extra)
+    assert master is not None and run.mpo.param_groups[1]["params"][0] is master
+    assert_bitwise(master, extra.detach().float())
+    for step in range(3):
+        run.set_grads(step)
+        extra.grad = torch.full_like(extra, 0.25 * (step + 1))
+        extra_ref.grad = extra.grad.float()
+        run.mpo.step()
+        run.torch_opt.step()
+        run.check(exact=True)
+        assert_bitwise(master, extra_ref.detach())
+        assert_bitwise(extra.detach(), master.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="same tensor"):
+        run.mpo.add_param_group({"params": [extra]})
+    with pytest.raises(ValueError, match="several devices"):
+        run.mpo.add_param_group({"params": [torch.zeros(2, device="meta")]})
+    assert len(run.mpo.param_groups) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# state_dict.
+
+
+def _train(run, steps, first, poison_at=()):
+    for step in range(first, first + steps):
+        run.set_grads(step, scale=run.mpo.get_scale(),
+                      poison=(0, float("inf")) if step in poison_at else None)
+        run.mpo.step()
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "mpext_adamw", "sgd_nesterov", "rmsprop"])
+def test_state_dict_round_trip_is_bit_identical(device, name):
+    kw = dict(dtype=torch.float16, init_scale=2.0 ** 10, growth_interval=2, max_grad_norm=50.0)
+    a = Run(device, name, **kw)
+    _train(a, 6, 0, poison_at={3})
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach() for p in a.params], "optim": a.mpo.state_dict()}, buf)
+    _train(a, 6, 6, poison_at={8})
+    b = Run(device, name, seed=1, **kw)  # other initial weights: all come from the checkpoint
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    with torch.no_grad():
+        for p, saved in zip(b.params, ckpt["model"]):
+            if p.dtype == torch.float32:  # the FP32 params are the model's to load; the
+                p.copy_(saved)            # BF16/FP16 ones are written from the masters
+    b.mpo.load_state_dict(ckpt["optim"])
+    for p, saved in zip(b.params, ckpt["model"]):
+        assert_bitwise(p.detach(), saved)
+    _train(b, 6, 6, poison_at={8})
+    assert_same(snapshot(a.mpo), snapshot(b.mpo))
+    assert a.mpo.get_scale() == b.mpo.get_scale()
+    assert a.mpo.scaler.state_dict() == b.mpo.scaler.state_dict()
+
+
+def test_inner_state_dict_is_torchs_format():
+    run = Run("cpu", "torch_adamw")
+    _train(run, 3, 0)
+    sd = run.mpo.state_dict()
+    assert set(sd) == {"optimizer", "masters", "scaler", "loss_scale"}
+    assert sorted(sd["masters"]) == [0, 1, 2, 3]  # the bf16 params; the fp32 one has none
+    # A plain torch AdamW over FP32 copies of the masters takes the inner state as it is.
+    plain = torch.optim.AdamW([m.detach().clone() for m in run.masters()], lr=3e-3,
+                              weight_decay=0.1)
+    plain.load_state_dict(sd["optimizer"])
+    for i, st in plain.state_dict()["state"].items():
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+        assert st["step"].item() == 3
+
+
+LOAD_BAD = [
+    ("not a dict", lambda sd: [sd], TypeError, "state_dict must be a dict"),
+    ("missing key", lambda sd: {k: v for k, v in sd.items() if k != "masters"}, ValueError,
+     "must have the keys"),
+    ("other mode", lambda sd: dict(sd, loss_scale=8.0), ValueError, "loss_scale=8.0"),
+    ("master missing", lambda sd: dict(sd, masters={0: sd["masters"][0]}), ValueError,
+     "masters has entries"),
+    ("master shape", lambda sd: dict(sd, masters={**sd["masters"], 1: torch.zeros(3)}),
+     ValueError, r"masters\[1\] has shape"),
+    ("master dtype", lambda sd: dict(sd, masters={**sd["masters"], 2: torch.zeros(2, 3, 5,
+                                                                              dtype=torch.int64)}),
+     TypeError, r"masters\[2\] must be a floating-point"),
+    ("scaler", lambda sd: dict(sd, scaler={}), ValueError, "scaler must be a GradScaler"),
+    ("inner groups", lambda sd: dict(sd, optimizer=dict(sd["optimizer"], param_groups=[])),
+     ValueError, "different number of parameter groups"),
+]
+
+
+@pytest.mark.parametrize("what,mutate,exc,match", LOAD_BAD, ids=[c[0] for c in LOAD_BAD])
+def test_bad_state_dict_changes_nothing(what, mutate, exc, match):
+    src = Run("cpu", "torch_adamw", torch.float16)
+    _train(src, 3, 0)
+    dst = Run("cpu", "torch_adamw", torch.float16, seed=2)
+    _train(dst, 2, 0)
+    before, scale = snapshot(dst.mpo), dst.mpo.get_scale()
+    with pytest.raises(exc, match=match):
+        dst.mpo.load_state_dict(mutate(src.mpo.state_dict()))
+    assert_same(snapshot(dst.mpo), before)
+    assert dst.mpo.get_scale() == scale
+
+
+# --------------------------------------------------------------------------------------------
+# Host reads.
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "mpext_adamw", "sgd_fused"])
+def test_step_makes_no_host_read(device, name):
+    """Dynamic scale, clipping, an LR scheduler, an overflowing step: no read of a tensor
+    value in backward/step/zero_grad (on CUDA also torch's sync debug mode set to error)."""
+    run = Run(device, name, torch.float16, max_grad_norm=3.0, init_scale=2.0 ** 8,
+              growth_interval=2)
+    sched = torch.optim.lr_scheduler.StepLR(run.mpo, step_size=2, gamma=0.9)
+    x = torch.randn(4, 13).to(device, torch.float16)
+    reads = HostReads()
+    results = []
+    for step in range(8):
+        counted = step >= 2  # after the lazy initialisations
+        if counted and device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with reads.counting() if counted else contextlib.nullcontext():
+                run.mpo.zero_grad()
+                loss = (x @ run.params[0]).float().square().mean() + run.params[4].sum()
+                if step == 5:
+                    loss = loss * float("inf")
+                run.mpo.backward(loss)
+                results.append(run.mpo.step())
+                sched.step()
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    assert reads.calls == []
+    assert [bool(r) for r in results] == [s != 5 for s in range(8)]
+
+
+def test_generic_path_reads_found_inf_once_per_step():
+    """An inner optimizer that cannot skip on the device (plain SGD) costs exactly one read of
+    the inf/NaN flag per step, as torch.amp.GradScaler.step does for it."""
+    run = Run("cpu", "sgd_nesterov", torch.float16)
+    reads = HostReads()
+    for step in range(4):
+        run.set_grads(step, scale=2.0 ** 16 if step == 0 else run.mpo.get_scale())
+        with reads.counting():
+            run.mpo.step()
+    assert reads.calls == ["item"] * 4
+
+
+def test_found_inf_is_reduced_before_it_is_used(monkeypatch):
+    """The flag goes through GradScaler._reduce_found_inf_ (the all-reduce under DDP) before
+    the step reads it: a flag raised there (as another rank's overflow would) skips the step."""
+    for name in ("torch_adamw", "sgd_nesterov", "sgd_fused"):
+        run = Run("cpu", name, torch.float16)
+        seen = []
+
+        def remote_overflow(found_inf):
+            seen.append(found_inf)
+            found_inf.fill_(1.0)
+
+        monkeypatch.setattr(run.mpo.scaler, "_reduce_found_inf_", remote_overflow,
+                            raising=False)
+        run.set_grads(0, scale=run.mpo.get_scale())
+        before, scale = snapshot(run.mpo), run.mpo.get_scale()
+        assert not bool(run.mpo.step())
+        assert len(seen) == 1
+        assert_unchanged(run.mpo, before, name)
+        assert run.mpo.get_scale() == scale / 2
+
+
+# --------------------------------------------------------------------------------------------
+# Construction: defaults, warnings, errors.
+
+
+def test_defaults_and_torch_optimizer_interface():
+    bf = MPO(torch.optim.SGD([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], lr=1))
+    fp = MPO(torch.optim.SGD([torch.zeros(3, dtype=torch.float16, requires_grad=True)], lr=1))
+    mixed = MPO(torch.optim.SGD([torch.zeros(3, dtype=torch.float16, requires_grad=True),
+                                 torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], lr=1))
+    assert (bf.loss_scale, fp.loss_scale, mixed.loss_scale) == (None, "dynamic", "dynamic")
+    assert fp.get_scale() == 2.0 ** 16 and bf.get_scale() == 1.0
+    assert fp.scale.dtype == torch.float32 and fp.scale.dim() == 0
+    assert isinstance(bf, torch.optim.Optimizer)
+    assert bf.param_groups is bf.optimizer.param_groups and bf.state is bf.optimizer.state
+    assert bf.defaults is bf.optimizer.defaults
+    calls = []
+    bf.register_step_pre_hook(lambda *a: calls.append("pre"))
+    bf.register_step_post_hook(lambda *a: calls.append("post"))
+    bf.step()
+    assert calls == ["pre", "post"]
+    with pytest.raises(NotImplementedError, match="inner optimizer"):
+        bf.register_state_dict_pre_hook(lambda *a: None)
+
+
+def test_fp32_only_warns_and_still_scales():
+    p = torch.randn(4, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    with pytest.warns(UserWarning, match="FP32 params only"):
+        mpo = MPO(torch.optim.SGD([p], lr=0.1, momentum=0.9), loss_scale=64.0)
+    ref = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    for step in range(3):
+        g = torch.randn(4)
+        p.grad, q.grad = g * 64, g.clone()
+        mpo.step()
+        ref.step()
+        assert_bitwise(p.detach(), q.detach())
+
+
+def test_state_made_before_wrapping_moves_to_the_master():
+    """SGD stepped on bf16 params, then wrapped: its momentum buffers become the masters'
+    (upcast), and training goes on as torch's SGD with that upcast state."""
+    ps = [torch.randn(4, 3).bfloat16().requires_grad_(), torch.randn(5).requires_grad_()]
+    opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    for p in ps:
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    opt.step()
+    buf = opt.state[ps[0]]["momentum_buffer"]
+    ref_ps = [p.detach().float().requires_grad_() for p in ps]
+    ref = torch.optim.SGD(ref_ps, lr=0.1, momentum=0.9)
+    for p, q in zip(ps, ref_ps):
+        ref.state[q]["momentum_buffer"] = opt.state[p]["momentum_buffer"].float()
+    mpo = MPO(opt)
+    master = mpo.master_param(ps[0])
+    assert ps[0] not in opt.state
+    assert_bitwise(opt.state[master]["momentum_buffer"], buf.float())
+    for step in range(3):
+        for p, q in zip(ps, ref_ps):
+            p.grad = torch.randn(p.shape).to(p.dtype)
+            q.grad = p.grad.float()
+        mpo.step()
+        ref.step()
+        assert_bitwise(master, ref_ps[0].detach())
+        assert_bitwise(ps[1].detach(), ref_ps[1].detach())
+
+
+def _params(*specs):
+    return [torch.zeros(s, dtype=d, requires_grad=d.is_floating_point) for s, d in specs]
+
+
+def _dup():
+    ps = _params(((3,), torch.bfloat16), ((2,), torch.float32))
+    opt = torch.optim.SGD(ps, lr=0.1)
+    opt.param_groups[0]["params"].append(ps[0])
+    return opt, {}
+
+
+def _two_devices():
+    opt = torch.optim.SGD(_params(((3,), torch.bfloat16)), lr=0.1)
+    opt.param_groups[0]["params"].append(torch.zeros(2, dtype=torch.bfloat16, device="meta"))
+    return opt, {}
+
+
+def _non_dense():
+    base = torch.zeros(4, 6, dtype=torch.bfloat16)
+    return torch.optim.SGD([base[:, ::2].requires_grad_()], lr=0.1), {}
+
+
+def _sgd(**kw):
+    return lambda: (torch.optim.SGD(_params(((3,), torch.float16), ((2,), torch.float32)),
+                                    lr=0.1), kw)
+
+
+def _wrapped():
+    opt = torch.optim.SGD(_params(((3,), torch.bfloat16)), lr=0.1)
+    return MPO(opt), {}
+
+
+CTOR_BAD = [
+    ("not an optimizer", lambda: ([torch.zeros(2)], {}), TypeError,
+     "must be a torch.optim.Optimizer"),
+    ("wrapped twice", _wrapped, TypeError, "already a MixedPrecisionOptimizer"),
+    ("duplicate param", _dup, ValueError, "param 2 of group 0 is the same tensor as param 0"),
+    ("several devices", _two_devices, ValueError, "several devices.*meta"),
+    ("float64 param", lambda: (torch.optim.SGD(_params(((2,), torch.float64)), lr=0.1), {}),
+     TypeError, "dtype float64"),
+    ("int param", lambda: (torch.optim.SGD(_params(((2,), torch.int32)), lr=0.1), {}),
+     TypeError, "dtype int32"),
+    ("non-dense param", _non_dense, ValueError, "dense and non-overlapping"),
+    ("loss_scale word", _sgd(loss_scale="static"), ValueError, "loss_scale must be"),
+    ("loss_scale zero", _sgd(loss_scale=0.0), ValueError, "loss_scale must be"),
+    ("loss_scale inf", _sgd(loss_scale=math.inf), ValueError, "loss_scale must be"),
+    ("loss_scale bool", _sgd(loss_scale=True), ValueError, "loss_scale must be"),
+    ("max_grad_norm negative", _sgd(max_grad_norm=-1.0), ValueError, "max_grad_norm must be"),
+    ("max_grad_norm nan", _sgd(max_grad_norm=math.nan), ValueError, "max_grad_norm must be"),
+    ("max_grad_norm str", _sgd(max_grad_norm="1"), ValueError, "max_grad_norm must be"),
+    ("unknown option", _sgd(grow_interval=10), TypeError, "unknown option 'grow_interval'"),
+    ("reserved option", _sgd(enabled=False), TypeError, "enabled is set by the wrapper"),
+    ("dynamic-only option", _sgd(loss_scale=128.0, growth_interval=10), ValueError,
+     "growth_interval needs loss_scale='dynamic'"),
+    ("bad scaler option", _sgd(hysteresis=0), ValueError, "hysteresis must be"),
+]
+
+
+@pytest.mark.parametrize("what,make,exc,match", CTOR_BAD, ids=[c[0] for c in CTOR_BAD])
+def test_constructor_rejects_and_changes_nothing(what, make, exc, match):
+    opt, kw = make()
+    groups = ([list(g["params"]) for g in opt.param_groups]
+              if isinstance(opt, torch.optim.Optimizer) else None)
+    state = dict(opt.state) if isinstance(opt, torch.optim.Optimizer) else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the FP32-only warning is not what is tested here
+        with pytest.raises(exc, match=match):
+            MPO(opt, **kw)
+    if groups is not None:
+        assert [[id(p) for p in g["params"]] for g in opt.param_groups] == \
+            [[id(p) for p in g] for g in groups]
+        assert dict(opt.state) == state
+
+
+STEP_BAD = [
+    ("grad dtype", lambda ps: setattr(ps[1], "grad", torch.ones(2, dtype=torch.float16)),
+     TypeError, "gradient of param 1 has dtype float16"),
+    ("sparse grad", lambda ps: setattr(ps[0], "grad", torch.ones(3, dtype=torch.float16)
+                                       .to_sparse()), RuntimeError, "only dense gradients"),
+    ("closure", None, NotImplementedError, "closures are not supported"),
+]
+
+
+@pytest.mark.parametrize("what,spoil,exc,match", STEP_BAD, ids=[c[0] for c in STEP_BAD])
+def test_bad_step_changes_nothing(what, spoil, exc, match):
+    ps = _params(((3,), torch.float16), ((2,), torch.float32))
+    allow_any_grad_dtype(ps)
+    mpo = MPO(torch.optim.AdamW(ps, lr=0.1), max_grad_norm=1.0)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    mpo.step()
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    kwargs = {}
+    if spoil is None:
+        kwargs["closure"] = lambda: 0.0
+    else:
+        spoil(ps)
+    before, scale = snapshot(mpo), mpo.get_scale()
+    with pytest.raises(exc, match=match):
+        mpo.step(**kwargs)
+    assert_same(snapshot(mpo), before)
+    assert mpo.get_scale() == scale
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+        mpo.clip_grad_norm_(0.0)
