@@ -19,6 +19,12 @@ methods this class relies on (``_unscale_grads_``, ``_lazy_init_scale_growth_tra
 ``_check_scale_growth_tracker``, ``_per_optimizer_states``) have had the same contract since
 torch 1.6. ``state_dict`` has torch's five keys with torch's types, so checkpoints move both ways;
 extra keys appear only when the extra options are used.
+
+Distributed training (docs/distributed.md): DTensor gradients (FSDP2's sharded ones) are unscaled
+through their local shards and ``found_inf`` is all-reduced (MAX) over the mesh dimensions they are
+not replicated on, as torch's DTensor rule for ``_amp_foreach_non_finite_check_and_unscale_``
+does; ``sync_found_inf=True`` adds one all-reduce over a process group for ranks that may
+disagree otherwise.
 """
 import math
 import numbers
@@ -30,6 +36,12 @@ import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from . import ops as _mp_ops
+
+try:
+    import torch.distributed as _dist
+    from torch.distributed.tensor import DTensor as _DTensor, Replicate as _Replicate
+except ImportError:  # a torch built without distributed support
+    _dist, _DTensor, _Replicate = None, None, None
 
 __all__ = ["GradScaler"]
 
@@ -134,17 +146,37 @@ class GradScaler(torch.amp.GradScaler):
             never synchronises: it reads a host copy of the counters made asynchronously by the
             previous ``update()`` (on CPU it reads them at once).
 
+    Distributed training (keyword-only):
+
+    Args:
+        sync_found_inf (bool): all-reduce (MAX) the inf/NaN flag over ``process_group`` after
+            every unscale, so that all ranks skip the same steps and keep the same scale even
+            when their gradients can differ (gradients changed after DDP's all-reduce, a model
+            part that is not data-parallel, ...). Under plain DDP the gradients are already
+            all-reduced and the default (False) suffices. DTensor gradients (FSDP2) need no
+            option: their flag is always reduced over the mesh dimensions they are sharded on.
+            A rank without gradients still takes part in every reduction.
+        process_group (ProcessGroup, optional): the group for ``sync_found_inf`` (default: the
+            default process group). Not saved by ``state_dict`` or pickling (see
+            :attr:`process_group`).
+
     Skip reporting (no host sync): :meth:`last_step_skipped` (a bool tensor on the scale's
     device), :meth:`skipped_steps` (the running count as a device tensor) and
     :meth:`get_skipped_steps` (the same as a Python int, which synchronises).
     """
+
+    # Defaults for scalers pickled before these options existed.
+    _sync_found_inf = False
+    _process_group = None
+    _process_group_dropped = False
 
     def __init__(self, device: str = "cuda", init_scale: float = _INIT_SCALE,
                  growth_factor: float = _GROWTH_FACTOR, backoff_factor: float = _BACKOFF_FACTOR,
                  growth_interval: int = _GROWTH_INTERVAL, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None,
                  max_scale: Optional[float] = None, bf16_check_only: bool = False,
-                 warn_consecutive_overflows: Optional[int] = 10) -> None:
+                 warn_consecutive_overflows: Optional[int] = 10,
+                 sync_found_inf: bool = False, process_group=None) -> None:
         if isinstance(device, numbers.Real) and not isinstance(device, bool):
             # torch.cuda.amp.GradScaler(init_scale, growth_factor, ...): shift the arguments
             # given positionally (those before the first untouched default) one place right.
@@ -180,6 +212,11 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError("mpext.GradScaler: warn_consecutive_overflows must be None or an "
                              "int >= 1, got %r" % (warn_consecutive_overflows,))
 
+        if not isinstance(sync_found_inf, bool):
+            raise TypeError("mpext.GradScaler: sync_found_inf must be a bool, got %r"
+                            % (sync_found_inf,))
+        _check_process_group(process_group, "mpext.GradScaler: process_group")
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
@@ -208,6 +245,22 @@ class GradScaler(torch.amp.GradScaler):
         self._warned = False
         if self._enabled and self._bf16_check_only:
             self._init_scale = 1.0
+        self._sync_found_inf = sync_found_inf
+        self._process_group = process_group
+        self._process_group_dropped = False  # set on unpickling a scaler that had a group
+
+    @property
+    def process_group(self):
+        """The process group ``sync_found_inf`` reduces over (None: the default group). It is
+        not pickled: a scaler unpickled from one that had a group refuses to reduce until it is
+        set again."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group) -> None:
+        _check_process_group(group, "mpext.GradScaler.process_group")
+        self._process_group = group
+        self._process_group_dropped = False
 
     # -----------------------------------------------------------------------------------------
     # Device state.
@@ -234,6 +287,10 @@ class GradScaler(torch.amp.GradScaler):
         per_device_inv_scale = _PerDevice(inv_scale)
         per_device_found_inf = _PerDevice(found_inf)
         per_device_grads: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+        # (mesh, dims) of the DTensor params, in the order of the params, so that every rank
+        # (the same model on each) runs the same reductions in the same order, also a rank
+        # whose gradients are missing or empty.
+        mesh_dims: List[tuple] = []
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -241,6 +298,9 @@ class GradScaler(torch.amp.GradScaler):
                         raise AssertionError(
                             f"expected param to be torch.Tensor, got {type(param).__name__}")
                     grad = param.grad
+                    if _DTensor is not None and (isinstance(param, _DTensor)
+                                                 or isinstance(grad, _DTensor)):
+                        _note_mesh(grad if isinstance(grad, _DTensor) else param, mesh_dims)
                     if grad is None:
                         continue
                     if (not allow_fp16) and grad.dtype == torch.float16:
@@ -257,12 +317,53 @@ class GradScaler(torch.amp.GradScaler):
                             param.grad = grad.coalesce()
                             grad = param.grad
                         grad = grad._values()
+                    elif _DTensor is not None and isinstance(grad, _DTensor):
+                        grad = grad.to_local()  # this rank's shard (possibly empty)
                     per_device_grads[grad.device].append(grad)
 
             for device, grads in per_device_grads.items():
                 _unscale_device(grads, per_device_found_inf.get(device),
                                 per_device_inv_scale.get(device))
-        return per_device_found_inf.copies
+            copies = per_device_found_inf.copies
+            if mesh_dims or (self._sync_found_inf and self._enabled):
+                if not copies:  # no gradients here: take part with a clean flag
+                    copies[found_inf.device] = found_inf
+                self._reduce_flags(list(copies.values()), mesh_dims)
+        return copies
+
+    def _reduce_flags(self, flags: List[torch.Tensor], mesh_dims: List[tuple]) -> None:
+        """All-reduces (MAX) this rank's found_inf flags over the sharded mesh dimensions and,
+        with sync_found_inf, over the process group: one flag, one collective per group, the
+        result written back into every flag (on their devices, without a host sync)."""
+        flag = flags[0] if len(flags) == 1 else torch.stack(
+            [f.to(flags[0].device, non_blocking=True) for f in flags]).amax()
+        for mesh, dims in mesh_dims:
+            for d in dims:
+                _all_reduce_max(flag, mesh.get_group(d))
+        self._reduce_found_inf_(flag)
+        if len(flags) > 1:
+            for f in flags:
+                f.copy_(flag, non_blocking=True)
+
+    def _reduce_found_inf_(self, found_inf: torch.Tensor) -> None:
+        """All-reduces ``found_inf`` in place (MAX) over the process group when the scaler was
+        made with ``sync_found_inf=True`` (a no-op otherwise, and when disabled). Every rank of
+        the group must call it the same number of times. No host sync: on an accelerator the
+        collective is queued on the device like any other op."""
+        if not (self._sync_found_inf and self._enabled):
+            return
+        if not isinstance(found_inf, torch.Tensor):
+            raise TypeError("mpext.GradScaler._reduce_found_inf_: found_inf must be a tensor, "
+                            "got %s" % type(found_inf).__name__)
+        if self._process_group_dropped:
+            raise RuntimeError(
+                "mpext.GradScaler(sync_found_inf=True) was unpickled without its process_group "
+                "(process groups cannot be pickled): set scaler.process_group before stepping")
+        if _dist is None or not _dist.is_available() or not _dist.is_initialized():
+            raise RuntimeError(
+                "mpext.GradScaler(sync_found_inf=True) needs an initialized process group "
+                "(torch.distributed.init_process_group) to reduce found_inf over")
+        _all_reduce_max(found_inf, self._process_group)
 
     # -----------------------------------------------------------------------------------------
     # step / update.
@@ -525,7 +626,41 @@ class GradScaler(torch.amp.GradScaler):
         state["_stepped_since_update"] = []
         state["_watch_pending"] = None
         state["_watch_buffers"] = None
+        state["_process_group_dropped"] = (self._process_group is not None
+                                           or self._process_group_dropped)
+        state["_process_group"] = None
         return state
+
+
+def _check_process_group(group, what: str) -> None:
+    if group is None:
+        return
+    if _dist is None or not isinstance(group, _dist.ProcessGroup):
+        raise TypeError("%s must be None or a torch.distributed.ProcessGroup, got %s"
+                        % (what, type(group).__name__))
+
+
+def _note_mesh(t, mesh_dims: List[tuple]) -> None:
+    """Adds (mesh, the mesh dims t is not replicated on) to mesh_dims if new: the dims where
+    the shards of a gradient differ, over which torch's DTensor rule takes found_inf's MAX."""
+    dims = tuple(i for i, p in enumerate(t.placements) if not isinstance(p, _Replicate))
+    if dims:
+        key = (t.device_mesh, dims)
+        if key not in mesh_dims:
+            mesh_dims.append(key)
+
+
+# Flag dtypes every backend (gloo, NCCL) reduces with MAX; torch's found_inf is float32.
+_REDUCIBLE = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+def _all_reduce_max(flag: torch.Tensor, group) -> None:
+    if flag.dtype in _REDUCIBLE:
+        _dist.all_reduce(flag, op=_dist.ReduceOp.MAX, group=group)
+    else:
+        tmp = flag.to(torch.float32)
+        _dist.all_reduce(tmp, op=_dist.ReduceOp.MAX, group=group)
+        flag.copy_(tmp)
 
 
 def _combine(found_infs: List[torch.Tensor]) -> torch.Tensor:

@@ -21,6 +21,12 @@ math. What differs is how a step runs:
 The learning rate stays a Python float in ``param_groups`` (LR schedulers work unchanged); each
 step it is written into a small cached tensor on the device (only when it changed), which the
 kernel reads.
+
+DTensor params (FSDP2's sharded ones, or any ``torch.distributed.tensor.DTensor``) are stepped
+through their local shards, as torch's fused AdamW does: the update is element-wise, so each rank
+updates its own shard with no communication. Their moments and masters are DTensors with the
+param's mesh and placements (so ``torch.distributed.checkpoint`` saves and reshards them), and
+``step`` is a plain scalar tensor on the param's device, as in torch.
 """
 import math
 import numbers
@@ -33,6 +39,11 @@ import torch
 
 from . import ops as _mp_ops
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed support
+    _DTensor = None
+
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,6 +55,18 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 def _has_kernel(device: torch.device) -> bool:
     key = _DISPATCH_KEYS.get(device.type)
     return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key("mpext::adam_step_", key)
+
+
+def _is_dtensor(t: Any) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself, sharing memory), or a plain tensor as is."""
+    if _is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def _is_real(v: Any) -> bool:
@@ -178,7 +201,7 @@ class Adam(torch.optim.Optimizer):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no adam_step_ kernel for"
                                      % (self._name(), j, where, p.device))
-                if not _mp_ops._is_dense(p):
+                if not _mp_ops._is_dense(p) or not _mp_ops._is_dense(_local(p)):
                     raise ValueError("%s: params[%d]%s must be dense and non-overlapping (e.g. "
                                      "contiguous or channels_last); got sizes %s and strides %s"
                                      % (self._name(), j, where, tuple(p.shape),
@@ -235,6 +258,8 @@ class Adam(torch.optim.Optimizer):
                         and pdt in _PARAM_DTYPES and g.device == device
                         and g.shape == p.shape):
                     self._bad_grad(p, g, j, gi)
+                if _is_dtensor(p) or _is_dtensor(g):
+                    g = self._local_grad(p, g, j, gi)
                 if device != last_device:
                     last_device = device
                     last_list = by_device.setdefault(device, [])
@@ -242,6 +267,26 @@ class Adam(torch.optim.Optimizer):
             for device, entries in by_device.items():
                 calls.setdefault((device, lr_key, hyper), []).extend(entries)
         return calls
+
+    def _local_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> torch.Tensor:
+        """The local shard of a DTensor param's gradient, which must be a DTensor sharded as
+        the param is (what FSDP2 and DTensor's autograd produce)."""
+        where = "param %d of group %d" % (j, gi)
+        if not (_is_dtensor(p) and _is_dtensor(g)):
+            raise TypeError("%s: %s is a %s but its gradient is a %s; a DTensor param needs a "
+                            "DTensor gradient and a plain param a plain one"
+                            % (self._name(), where, type(p).__name__, type(g).__name__))
+        if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+            raise ValueError("%s: the gradient of %s is placed as %s on %s but the param as %s "
+                             "on %s; redistribute the gradient to the param's placements"
+                             % (self._name(), where, tuple(g.placements), g.device_mesh,
+                                tuple(p.placements), p.device_mesh))
+        gl = _local(g)
+        if gl.shape != _local(p).shape:
+            raise ValueError("%s: the local shard of the gradient of %s has shape %s but the "
+                             "param's has %s" % (self._name(), where, tuple(gl.shape),
+                                                 tuple(_local(p).shape)))
+        return gl
 
     def _bad_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> None:
         """Raises the error for a param / gradient pair the kernel cannot take."""
@@ -351,19 +396,20 @@ class Adam(torch.optim.Optimizer):
             any_low = False
             for p, g, group in entries:
                 state = self._state_of(p, group)
+                p = _local(p)  # a DTensor param: its local shard (g is one already)
                 if g.stride() != p.stride() and not _mp_ops._same_layout(g, p):
                     # e.g. a channels_last param with a contiguous gradient
                     g = torch.empty_like(p, dtype=g.dtype).copy_(g)
                 params.append(p)
                 grads.append(g)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
                 steps.append(state["step"])
                 if p.dtype in _LOW_DTYPES:
                     any_low = True
                     master = state.get("master_param")
                     # master_weights=False: a temporary master, made from the param.
-                    masters.append(master if master is not None else _fp32_copy(p))
+                    masters.append(_local(master) if master is not None else _fp32_copy(p))
                 else:
                     masters.append(None)
             if any_low:
@@ -497,9 +543,21 @@ class Adam(torch.optim.Optimizer):
 
 def _fp32_copy(param: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A new fp32 tensor in the param's device and memory layout, holding ``src`` (default: the
-    param itself)."""
+    param itself). For a DTensor param the copy is a DTensor placed as the param, and ``src``
+    may be a DTensor placed otherwise (redistributed) or a plain tensor of the param's global
+    shape (each rank keeps its own shard, without communication)."""
     out = torch.empty_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-    return out.copy_(param.detach() if src is None else src.detach())
+    src = param.detach() if src is None else src.detach()
+    if _is_dtensor(out):
+        if not _is_dtensor(src):
+            from torch.distributed.tensor import distribute_tensor
+            src = distribute_tensor(src.to(out.device), out.device_mesh, out.placements,
+                                    src_data_rank=None)
+        elif src.device_mesh != out.device_mesh or src.placements != out.placements:
+            src = src.redistribute(out.device_mesh, out.placements)
+    elif _is_dtensor(src):
+        src = src.full_tensor()
+    return out.copy_(src)
 
 
 def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
