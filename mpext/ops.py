@@ -4,6 +4,7 @@ csrc/core (C) behind csrc/torch/*.cpp, the CUDA kernels in cuda/*.cu behind
 csrc/torch/*_cuda.cpp.
 """
 import math
+import numbers
 from typing import List, Optional, Sequence
 
 import torch
@@ -22,18 +23,23 @@ def to_bf16(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0,
     so results are reproducible across runs, thread counts and devices (CPU and CUDA agree).
 
     ``x`` must be float32 and dense (contiguous, channels_last, ...); the result has its layout.
+    ``seed`` is any int in [-2**63, 2**64), ``offset`` an int in [0, 2**63).
     """
-    return _ops.to_bf16(x, stochastic=stochastic, seed=_seed64(seed), offset=offset)
+    _check_strided(x, "to_bf16", "x")
+    return _ops.to_bf16(x, stochastic=stochastic, seed=_seed64(seed, "to_bf16"),
+                        offset=_offset63(offset, "to_bf16"))
 
 
 def to_fp16(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> fp16, round to nearest even, bit-identical to ``x.to(torch.float16)`` for every
     non-NaN input (subnormals rounded, not flushed; overflow to +-Inf)."""
+    _check_strided(x, "to_fp16", "x")
     return _ops.to_fp16(x)
 
 
 def to_fp32(x: torch.Tensor) -> torch.Tensor:
     """bf16 or fp16 -> fp32, exact."""
+    _check_strided(x, "to_fp32", "x")
     return _ops.to_fp32(x)
 
 
@@ -47,16 +53,46 @@ def cast_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, stochasti
     fp32 -> bf16 pairs stochastically, element ``k`` of the concatenated list using random
     stream position ``offset + k``. Every argument is checked before anything is written.
     """
-    _ops.cast_(list(dst), list(src), stochastic=stochastic, seed=_seed64(seed), offset=offset)
+    dst, src = list(dst), list(src)
+    for name, ts in (("dst", dst), ("src", src)):
+        for i, t in enumerate(ts):
+            _check_strided(t, "cast_", "%s[%d]" % (name, i))
+    _ops.cast_(dst, src, stochastic=stochastic, seed=_seed64(seed, "cast_"),
+               offset=_offset63(offset, "cast_"))
 
 
-def _seed64(seed: int) -> int:
+def _check_strided(t, op: str, name: str) -> None:
+    """A sparse tensor would dispatch to a backend with no kernel and a generic error."""
+    if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+        raise RuntimeError("mpext.%s: %s must be a strided (dense) tensor, got layout %s"
+                           % (op, name, t.layout))
+
+
+def _check_int(v, op: str, name: str) -> int:
+    """v as an int; a float, bool or anything else that is not an integer raises TypeError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError("mpext.%s: %s must be an int, got %r" % (op, name, v))
+    return int(v)
+
+
+def _seed64(seed: int, op: str = "cast") -> int:
     """Maps any Python int seed onto the int64 the schema carries (the kernels read it as
     uint64), so seeds in [0, 2**64) all work."""
-    seed = int(seed)
+    seed = _check_int(seed, op, "seed")
     if not -(2 ** 63) <= seed < 2 ** 64:
-        raise ValueError("mpext: seed must be in [-2**63, 2**64), got %d" % seed)
+        raise ValueError("mpext.%s: seed must be in [-2**63, 2**64), got %d" % (op, seed))
     return seed - 2 ** 64 if seed >= 2 ** 63 else seed
+
+
+def _offset63(offset: int, op: str) -> int:
+    """The stochastic-rounding stream offset: an int64 >= 0 (the C++ layer rejects negatives
+    too; this catches values the schema's int64 cannot carry)."""
+    offset = _check_int(offset, op, "offset")
+    if offset < 0:
+        raise ValueError("mpext.%s: offset must be >= 0, got %d" % (op, offset))
+    if offset >= 2 ** 63:
+        raise ValueError("mpext.%s: offset must be < 2**63, got %d" % (op, offset))
+    return offset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +227,10 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: 
     argument is checked before anything is written.
     """
     _ops.update_scale_(scale, growth_tracker, found_inf, float(growth_factor),
-                       float(backoff_factor), int(growth_interval),
-                       hysteresis_tracker=hysteresis_tracker, hysteresis=int(hysteresis),
+                       float(backoff_factor),
+                       _check_int(growth_interval, "update_scale_", "growth_interval"),
+                       hysteresis_tracker=hysteresis_tracker,
+                       hysteresis=_check_int(hysteresis, "update_scale_", "hysteresis"),
                        min_scale=0.0 if min_scale is None else float(min_scale),
                        max_scale=0.0 if max_scale is None else float(max_scale), stats=stats)
 
