@@ -1,0 +1,539 @@
+"""mpext under PyTorch's distributed engine: DDP, FSDP2 (fully_shard) and DTensor.
+
+Two spawned processes form a gloo group on loopback (a free port found at run time, a collective
+timeout, and a wall-clock bound on every spawn, so a hung collective fails the test instead of
+hanging it). Each spawn runs several scenarios and saves what every rank ends with; the tests
+then compare it, in this process, with single-process references: the same model trained by one
+process on the combined batch (DDP), or torch's own AdamW and GradScaler on the full tensors
+(FSDP2, DTensor). Every scenario also checks that all ranks agree bit for bit.
+"""
+import copy
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import mpext
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 240  # per spawn (both ranks), on a loaded 2-core machine
+INF = float("inf")
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with the gloo backend is not available")
+
+
+# --------------------------------------------------------------------------------------------
+# Spawning.
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, port, out_dir, body):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=90))
+    try:
+        results = body(rank, out_dir)
+        torch.save(results, os.path.join(out_dir, "rank%d.pt" % rank))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(body, out_dir):
+    """Runs body(rank, out_dir) on WORLD gloo ranks; returns what each rank returned."""
+    ctx = mp.start_processes(_entry, args=(_free_port(), str(out_dir), body), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail("the %d-rank run did not finish within %d s (a hung collective?)"
+                        % (WORLD, SPAWN_TIMEOUT_S))
+    return [torch.load(os.path.join(out_dir, "rank%d.pt" % r), weights_only=False)
+            for r in range(WORLD)]
+
+
+# --------------------------------------------------------------------------------------------
+# The model and data shared by the ranks and the references.
+
+GLOBAL_BATCH = 8
+LOCAL_BATCH = GLOBAL_BATCH // WORLD
+
+
+def _mlp(dtype=torch.float32):
+    """Its last layer has one output row, so a 2-way Shard(0) leaves rank 1 empty shards."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.Tanh(), nn.Linear(4, 1))
+    return m.to(dtype)
+
+
+def _batch(step, rank=None, inf_row=None):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 8, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 1, generator=g)
+    if inf_row is not None:
+        x[inf_row, 0] = INF
+    if rank is not None:
+        x, y = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:
+                                                                 (rank + 1) * LOCAL_BATCH]
+    return x, y
+
+
+def _train(model, params, opt, scaler, steps, dtype, *, rank=None, input_inf=None,
+           grad_inf=None, grad_inf_ranks=(0,)):
+    """Trains over `steps` (a range). input_inf: the step whose batch has an inf in row 5 (a
+    row of rank 1). grad_inf: the step after whose backward (after DDP's all-reduce) the first
+    gradient element of the first param is set to inf on grad_inf_ranks (rank None: the
+    single-process reference). Returns the scale after each step."""
+    scales = []
+    wrapper = isinstance(opt, mpext.MixedPrecisionOptimizer)
+    for step in steps:
+        x, y = _batch(step, rank, 5 if step == input_inf else None)
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
+        if wrapper:
+            opt.backward(loss)
+        else:
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if step == grad_inf and (rank is None or rank in grad_inf_ranks):
+            _local(params[0].grad).view(-1)[0] = INF
+        if wrapper:
+            opt.step()
+            scales.append(opt.get_scale())
+        elif scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+    return scales
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _snapshot(params, scales=None, scaler=None):
+    out = {"params": [p.detach().clone() for p in params], "scales": scales}
+    if scaler is not None:
+        out["skipped"] = scaler.get_skipped_steps()
+    return out
+
+
+def _all_body(rank, out_dir):
+    """Everything in one spawn: starting the processes costs more than the scenarios."""
+    out = _ddp_body(rank, out_dir)
+    out.update(_dt_body(rank, out_dir))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _spawn(_all_body, tmp_path_factory.mktemp("ranks"))
+
+
+# --------------------------------------------------------------------------------------------
+# DDP: the scenarios, their single-process references.
+
+ADAM = dict(lr=1e-2, eps=1e-3)  # eps near the gradients' size: small differences stay small
+STEPS = range(5)
+
+
+def _ddp_setup(name, dtype, rank=None, **scaler_kw):
+    model = _mlp(dtype)
+    params = list(model.parameters())
+    if name.startswith("mpo"):  # MixedPrecisionOptimizer: its fused and its generic path
+        inner = (torch.optim.AdamW(params, foreach=False, **ADAM) if name == "mpo_adamw_sync"
+                 else torch.optim.SGD(params, lr=0.1))
+        opt = mpext.MixedPrecisionOptimizer(inner, loss_scale="dynamic", init_scale=2.0 ** 8,
+                                            growth_interval=2, **scaler_kw)
+        if rank is not None:
+            model = nn.parallel.DistributedDataParallel(model)
+        return model, params, opt, opt.scaler
+    if name == "sgd_sync":  # the unscale_ path of a non-fused optimizer
+        opt = torch.optim.SGD(params, lr=0.1)
+    else:
+        opt = mpext.optim.AdamW(params, **ADAM)
+    scaler = None
+    if dtype == torch.float16:
+        scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2, **scaler_kw)
+    elif name == "sgd_sync":
+        scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 8, **scaler_kw)
+    if rank is not None:
+        model = nn.parallel.DistributedDataParallel(model)
+    return model, params, opt, scaler
+
+
+# name -> (param dtype, _train keywords, scaler keywords on the ranks)
+DDP_CASES = {
+    "bf16_masters": (torch.bfloat16, {}, {}),
+    "fp16_scaling": (torch.float16, {}, {}),
+    "inf_before_allreduce": (torch.float16, {"input_inf": 2}, {}),
+    "inf_after_allreduce_sync": (torch.float16, {"grad_inf": 2}, {"sync_found_inf": True}),
+    "sgd_sync": (torch.float32, {"grad_inf": 1}, {"sync_found_inf": True, "group": True}),
+    "mpo_adamw_sync": (torch.float16, {"grad_inf": 2}, {"sync_found_inf": True}),
+    "mpo_sgd_sync": (torch.float16, {"grad_inf": 2}, {"sync_found_inf": True}),
+    # The control: without sync_found_inf an inf seen by one rank after the all-reduce
+    # splits the ranks (which is why the option exists).
+    "inf_after_allreduce_nosync": (torch.float16, {"grad_inf": 2}, {}),
+}
+
+
+def _ddp_body(rank, out_dir):
+    out = {}
+    for name, (dtype, train_kw, scaler_kw) in DDP_CASES.items():
+        scaler_kw = dict(scaler_kw)
+        if scaler_kw.pop("group", False):
+            scaler_kw["process_group"] = dist.new_group(list(range(WORLD)))
+        model, params, opt, scaler = _ddp_setup(name, dtype, rank, **scaler_kw)
+        scales = _train(model, params, opt, scaler, STEPS, dtype, rank=rank, **train_kw)
+        out[name] = _snapshot(params, scales, scaler)
+
+    # Checkpoint: 3 steps, save on rank 0, load everywhere into fresh objects, 2 more steps.
+    path = os.path.join(out_dir, "ckpt.pt")
+    model, params, opt, scaler = _ddp_setup("ckpt", torch.float16, rank)
+    _train(model, params, opt, scaler, range(3), torch.float16, rank=rank)
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                    "scaler": scaler.state_dict()}, path)
+    dist.barrier()
+    ckpt = torch.load(path, weights_only=True)
+    model, params, opt, scaler = _ddp_setup("ckpt", torch.float16, rank)
+    model.module.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    scaler.load_state_dict(ckpt["scaler"])
+    scales = _train(model, params, opt, scaler, range(3, 5), torch.float16, rank=rank)
+    out["checkpoint"] = _snapshot(params, scales, scaler)
+    out["checkpoint"]["scaler_keys"] = sorted(ckpt["scaler"])
+    return out
+
+
+def _ddp_reference(name):
+    dtype, train_kw, _ = DDP_CASES[name]
+    model, params, opt, scaler = _ddp_setup(name, dtype)
+    scales = _train(model, params, opt, scaler, STEPS, dtype, **train_kw)
+    return _snapshot(params, scales, scaler)
+
+
+
+
+def _assert_ranks_identical(results, name):
+    r0 = results[0][name]
+    for r in results[1:]:
+        assert r[name]["scales"] == r0["scales"], name
+        assert r[name].get("skipped") == r0.get("skipped"), name
+        for a, b in zip(r0["params"], r[name]["params"]):
+            assert torch.equal(a, b), name
+
+
+def _assert_close_to(ref, got, atol, rtol=0.0):
+    assert got["scales"] == ref["scales"]
+    assert got.get("skipped") == ref.get("skipped")
+    for i, (a, b) in enumerate(zip(ref["params"], got["params"])):
+        torch.testing.assert_close(b.float(), a.float(), atol=atol, rtol=rtol,
+                                   msg=lambda m: "param %d: %s" % (i, m))
+
+
+def _moved(name, snapshot):
+    """How far training moved the params: the tolerances below must be far smaller."""
+    init = list(_mlp(snapshot["params"][0].dtype).parameters())
+    return max((a.float() - b.detach().float()).abs().max().item()
+               for a, b in zip(snapshot["params"], init))
+
+
+@pytest.mark.parametrize("name,atol", [("bf16_masters", 4e-3), ("fp16_scaling", 1e-3),
+                                       ("inf_before_allreduce", 1e-3),
+                                       ("inf_after_allreduce_sync", 1e-3),
+                                       ("sgd_sync", 1e-5), ("mpo_adamw_sync", 1e-3),
+                                       ("mpo_sgd_sync", 1e-3)])
+def test_ddp_matches_one_process_on_the_combined_batch(results, name, atol):
+    _assert_ranks_identical(results, name)
+    ref = _ddp_reference(name)
+    _assert_close_to(ref, results[0][name], atol=atol)
+    assert _moved(name, ref) > 10 * atol  # the comparison is not trivially met
+    if name in ("inf_before_allreduce", "inf_after_allreduce_sync", "sgd_sync",
+                "mpo_adamw_sync", "mpo_sgd_sync"):
+        assert ref["skipped"] == 1  # the injected overflow was skipped everywhere
+    elif name == "fp16_scaling":
+        assert ref["scales"] == [256.0, 512.0, 512.0, 1024.0, 1024.0]  # grew without overflow
+
+
+def test_ddp_inf_after_allreduce_without_sync_splits_the_ranks(results):
+    r0, r1 = (r["inf_after_allreduce_nosync"] for r in results)
+    assert (r0["skipped"], r1["skipped"]) == (1, 0)
+    assert r0["scales"] != r1["scales"]
+
+
+def test_ddp_checkpoint_save_and_load(results):
+    _assert_ranks_identical(results, "checkpoint")
+    full = results[0]["fp16_scaling"]
+    resumed = results[0]["checkpoint"]
+    assert resumed["scales"] == full["scales"][3:]
+    for a, b in zip(full["params"], resumed["params"]):
+        assert torch.equal(a, b)
+    # torch's GradScaler state_dict keys, unchanged by the distributed options
+    assert resumed["scaler_keys"] == sorted(torch.amp.GradScaler("cpu").state_dict())
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded gradients: DTensor directly, then FSDP2.
+
+SHAPES = [(6, 5), (1, 5), (3,)]  # (1, 5): rank 1 holds an empty shard; (3,): replicated
+DT_STEPS, DT_INF_STEP, DT_SCALE = 4, 2, 2.0 ** 10
+
+
+def _dt_full(dtype):
+    g = torch.Generator().manual_seed(7)
+    params = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g).to(dtype) for s in SHAPES] for _ in range(DT_STEPS)]
+    # The overflow sits in row 0 of the (1, 5) param: in rank 0's shard only.
+    grads[DT_INF_STEP][1][0, 3] = INF
+    return params, grads
+
+
+def _dt_body(rank, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+
+    def placements(i):
+        return [Replicate()] if len(SHAPES[i]) == 1 else [Shard(0)]
+
+    def run(dtype, make_opt, only=None):
+        full_params, full_grads = _dt_full(dtype)
+        idx = list(range(len(SHAPES))) if only is None else only
+        params = [nn.Parameter(distribute_tensor(full_params[i], mesh, placements(i)))
+                  for i in idx]
+        opt = make_opt(params)
+        scaler = mpext.GradScaler("cpu", init_scale=DT_SCALE, growth_interval=1000)
+        scaler.scale(torch.ones(()))  # creates the scale
+        found = []
+        for step in range(DT_STEPS):
+            for p, i in zip(params, idx):
+                p.grad = distribute_tensor(full_grads[step][i] * DT_SCALE, mesh, placements(i))
+            scaler.step(opt)
+            found.append(bool(scaler.last_step_skipped()))
+            scaler.update()
+        return params, opt, scaler, found
+
+    def record(name, params, opt, scaler, found):
+        out[name] = {"params": [p.detach().full_tensor() for p in params],
+                     "local_numel": [p.to_local().numel() for p in params],
+                     "found": found, "scale": scaler.get_scale(),
+                     "skipped": scaler.get_skipped_steps()}
+
+    for dtype in (torch.float32, torch.bfloat16):
+        name = "mpext_adamw_%s" % str(dtype).split(".")[-1]
+        params, opt, scaler, found = run(dtype, lambda ps: mpext.optim.AdamW(ps, **ADAM))
+        record(name, params, opt, scaler, found)
+        st = opt.state[params[0]]
+        out[name]["state_types"] = {k: (type(v).__name__, tuple(v.placements)
+                                        if hasattr(v, "placements") else None)
+                                    for k, v in st.items()}
+        out[name]["exp_avg"] = [opt.state[p]["exp_avg"].full_tensor() for p in params]
+        if dtype == torch.bfloat16:
+            out[name]["masters"] = [opt.state[p]["master_param"].full_tensor() for p in params]
+            # state_dict round trip into a fresh sharded optimizer (DTensor -> DTensor)
+            fresh = mpext.optim.AdamW(params, **ADAM)
+            fresh.load_state_dict(opt.state_dict())
+            out[name]["reloaded_masters"] = [fresh.state[p]["master_param"].full_tensor()
+                                             for p in params]
+
+    # torch's own foreach AdamW: the scaler's unscale_ path unscales the local shards.
+    params, opt, scaler, found = run(torch.float32,
+                                     lambda ps: torch.optim.AdamW(ps, foreach=True, **ADAM))
+    record("torch_adamw_unscale_path", params, opt, scaler, found)
+
+    # Only the (1, 5) param: rank 1's shards are all empty, yet it must see the overflow.
+    params, opt, scaler, found = run(torch.float32, lambda ps: mpext.optim.AdamW(ps, **ADAM),
+                                     only=[1])
+    record("empty_shards_only", params, opt, scaler, found)
+
+    # A torch checkpoint of full tensors loaded into a sharded optimizer: each rank keeps its
+    # own shard of the moments (and makes its masters from its params).
+    full_params, _ = _dt_full(torch.float32)
+    ref_params = [nn.Parameter(t.clone()) for t in full_params]
+    ref_opt = torch.optim.AdamW(ref_params, **ADAM)
+    for p in ref_params:
+        p.grad = torch.ones_like(p)
+    ref_opt.step()
+    params = [nn.Parameter(distribute_tensor(t.to(torch.bfloat16), mesh, placements(i)))
+              for i, t in enumerate(full_params)]
+    opt = mpext.optim.AdamW(params, **ADAM)
+    opt.load_state_dict(ref_opt.state_dict())
+    out["load_full_checkpoint"] = {
+        "exp_avg": [opt.state[p]["exp_avg"].full_tensor() for p in params],
+        "ref_exp_avg": [ref_opt.state[p]["exp_avg"] for p in ref_params],
+        "is_dtensor": [type(opt.state[p]["exp_avg"]).__name__ for p in params]}
+    out.update(_fsdp_body(rank, mesh))
+    return out
+
+
+def _dt_reference(dtype, only=None):
+    """torch.optim.AdamW and torch.amp.GradScaler on the full (unsharded) tensors, FP32 masters
+    for a bfloat16 run."""
+    full_params, full_grads = _dt_full(dtype)
+    idx = list(range(len(SHAPES))) if only is None else only
+    masters = [nn.Parameter(full_params[i].float()) for i in idx]
+    opt = torch.optim.AdamW(masters, foreach=False, **ADAM)
+    scaler = torch.amp.GradScaler("cpu", init_scale=DT_SCALE, growth_interval=1000)
+    scaler.scale(torch.ones(()))
+    for step in range(DT_STEPS):
+        for m, i in zip(masters, idx):
+            m.grad = full_grads[step][i].float() * DT_SCALE
+        scaler.step(opt)
+        scaler.update()
+    return ([m.detach().to(dtype) for m in masters], [m.detach() for m in masters],
+            [opt.state[m]["exp_avg"] for m in masters], scaler.get_scale())
+
+
+
+
+def _assert_dt_case(results, name, dtype, only=None, atol=0.0):
+    for r in results:  # every rank skipped exactly the overflowing step, same scale
+        assert r[name]["found"] == [s == DT_INF_STEP for s in range(DT_STEPS)], (name, r[name])
+        assert r[name]["skipped"] == 1
+        assert r[name]["scale"] == DT_SCALE / 2
+        for a, b in zip(results[0][name]["params"], r[name]["params"]):
+            assert torch.equal(a, b)
+    params, masters, exp_avgs, scale = _dt_reference(dtype, only)
+    got = results[0][name]
+    assert got["scale"] == scale
+    for a, b in zip(params, got["params"]):
+        torch.testing.assert_close(b, a, atol=atol, rtol=0)
+    return masters, exp_avgs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dtensor_mpext_adamw_and_scaler_match_torch_on_full_tensors(results, dtype):
+    name = "mpext_adamw_%s" % str(dtype).split(".")[-1]
+    masters, exp_avgs = _assert_dt_case(results, name, dtype,
+                                        atol=1e-6 if dtype == torch.float32 else 0.0)
+    got = results[0][name]
+    assert got["local_numel"] == [15, 5, 3] and results[1][name]["local_numel"] == \
+        [15, 0, 3]
+    for a, b in zip(exp_avgs, got["exp_avg"]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    # state as torch keeps it: DTensor moments (and masters) placed as the param, plain step
+    assert got["state_types"]["step"] == ("Tensor", None)
+    assert got["state_types"]["exp_avg"][0] == "DTensor"
+    assert "Shard(dim=0)" in str(got["state_types"]["exp_avg"][1])
+    if dtype == torch.bfloat16:
+        assert got["state_types"]["master_param"][0] == "DTensor"
+        for a, b, c in zip(masters, got["masters"], got["reloaded_masters"]):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+            assert torch.equal(b, c)
+
+
+def test_dtensor_unscale_path_with_torch_adamw(results):
+    _assert_dt_case(results, "torch_adamw_unscale_path", torch.float32, atol=1e-6)
+
+
+def test_dtensor_rank_with_only_empty_shards_takes_part(results):
+    assert results[1]["empty_shards_only"]["local_numel"] == [0]
+    _assert_dt_case(results, "empty_shards_only", torch.float32, only=[1], atol=1e-6)
+
+
+def test_dtensor_optimizer_loads_a_full_tensor_checkpoint(results):
+    got = results[0]["load_full_checkpoint"]
+    assert got["is_dtensor"] == ["DTensor"] * len(SHAPES)
+    for a, b in zip(got["ref_exp_avg"], got["exp_avg"]):
+        assert torch.equal(a, b)
+
+
+# FSDP2 --------------------------------------------------------------------------------------
+
+FSDP_CASES = {  # name -> (compute dtype, grad_inf step)
+    "fsdp_bf16": (torch.bfloat16, None),
+    "fsdp_fp16_scaling": (torch.float16, 2),
+}
+
+
+def _fsdp_body(rank, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    for name, (dtype, grad_inf) in FSDP_CASES.items():
+        model = _mlp(torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        params = list(model.parameters())
+        opt = mpext.optim.AdamW(params, **ADAM)
+        scaler = (mpext.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+                  if dtype == torch.float16 else None)
+        # The overflow goes into rank 0's shard of the first weight, after the
+        # reduce-scatter: rank 1 sees only finite gradients.
+        scales = _train(model, params, opt, scaler, STEPS, torch.float32, rank=rank,
+                        grad_inf=grad_inf)
+        out[name] = {"params": [p.detach().full_tensor() for p in params], "scales": scales,
+                     "skipped": scaler.get_skipped_steps() if scaler else None,
+                     "placements": [str(p.placements) for p in params]}
+    return out
+
+
+def _fsdp_reference(name):
+    """One process on the combined batch, as FSDP2's policy computes: the forward and backward
+    in the low-precision dtype, gradients reduced in float32, torch.optim.AdamW (and
+    torch.amp.GradScaler) on the float32 params."""
+    dtype, grad_inf = FSDP_CASES[name]
+    master = _mlp(torch.float32)
+    params = list(master.parameters())
+    opt = torch.optim.AdamW(params, foreach=False, **ADAM)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+              if dtype == torch.float16 else None)
+    scales, skipped = [], 0
+    for step in STEPS:
+        low = copy.deepcopy(master).to(dtype)
+        x, y = _batch(step)
+        loss = ((low(x.to(dtype)).float() - y) ** 2).mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        for p, q in zip(params, low.parameters()):
+            p.grad = q.grad.float()
+        if step == grad_inf:
+            params[0].grad.view(-1)[0] = INF
+        if scaler:
+            scaler.step(opt)
+            skipped += any(f.item() for f in scaler._found_inf_per_device(opt).values())
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+    return {"params": [p.detach() for p in params], "scales": scales,
+            "skipped": skipped if scaler else None}
+
+
+@pytest.mark.parametrize("name", list(FSDP_CASES))
+def test_fsdp2_matches_one_process_on_the_combined_batch(results, name):
+    for r in results:
+        assert r[name]["scales"] == results[0][name]["scales"]
+        assert r[name]["skipped"] == results[0][name]["skipped"]
+        for a, b in zip(results[0][name]["params"], r[name]["params"]):
+            assert torch.equal(a, b)
+    got = results[0][name]
+    assert all("Shard(dim=0)" in p for p in got["placements"])
+    ref = _fsdp_reference(name)
+    _assert_close_to(ref, got, atol=1e-3)
+    assert _moved(name, ref) > 10 * 1e-3
+    if name == "fsdp_fp16_scaling":
+        assert got["skipped"] == 1 and got["scales"][2] == got["scales"][1] / 2
