@@ -9,6 +9,7 @@ process on the combined batch (DDP), or torch's own AdamW and GradScaler on the 
 """
 import copy
 import os
+import pickle
 import socket
 import time
 from datetime import timedelta
@@ -221,7 +222,27 @@ def _ddp_body(rank, out_dir):
     scales = _train(model, params, opt, scaler, range(3, 5), torch.float16, rank=rank)
     out["checkpoint"] = _snapshot(params, scales, scaler)
     out["checkpoint"]["scaler_keys"] = sorted(ckpt["scaler"])
+    out["pickling"] = _pickling_checks()
     return out
+
+
+def _pickling_checks():
+    """A pickled scaler keeps sync_found_inf but not its process group (groups cannot be
+    pickled): the copy refuses to reduce until the group is set again."""
+    group = dist.new_group(list(range(WORLD)))
+    scaler = mpext.GradScaler("cpu", sync_found_inf=True, process_group=group)
+    copy_ = pickle.loads(pickle.dumps(scaler))
+    flag = torch.full((), float(dist.get_rank() == 1))
+    try:
+        copy_._reduce_found_inf_(flag)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    untouched = flag.item()
+    copy_.process_group = group
+    copy_._reduce_found_inf_(flag)
+    return {"sync": copy_._sync_found_inf, "error": error, "untouched": untouched,
+            "reduced": flag.item(), "keys": sorted(scaler.state_dict())}
 
 
 def _ddp_reference(name):
@@ -383,7 +404,27 @@ def _dt_body(rank, out_dir):
         "exp_avg": [opt.state[p]["exp_avg"].full_tensor() for p in params],
         "ref_exp_avg": [ref_opt.state[p]["exp_avg"] for p in ref_params],
         "is_dtensor": [type(opt.state[p]["exp_avg"]).__name__ for p in params]}
+    out["bad_grads"] = _bad_grad_checks(mesh)
     out.update(_fsdp_body(rank, mesh))
+    return out
+
+
+def _bad_grad_checks(mesh):
+    """A DTensor param whose gradient is plain, or placed otherwise: a clear error before
+    anything is written."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    opt = mpext.optim.AdamW([p])
+    out = []
+    for grad in (torch.ones(4, 2), distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])):
+        p.grad = grad
+        try:
+            opt.step()
+            out.append(None)
+        except (TypeError, ValueError) as exc:
+            out.append((type(exc).__name__, str(exc)))
+    out.append(len(opt.state) == 0 and bool(torch.equal(p.to_local(), torch.ones(2, 2))))
     return out
 
 
@@ -537,3 +578,50 @@ def test_fsdp2_matches_one_process_on_the_combined_batch(results, name):
     assert _moved(name, ref) > 10 * 1e-3
     if name == "fsdp_fp16_scaling":
         assert got["skipped"] == 1 and got["scales"][2] == got["scales"][1] / 2
+
+
+def test_pickled_scaler_keeps_sync_found_inf_but_needs_its_group_again(results):
+    for r in results:
+        got = r["pickling"]
+        assert got["sync"] is True
+        assert "process_group" in got["error"] and got["untouched"] == float(r is results[1])
+        assert got["reduced"] == 1.0  # rank 1's flag reached rank 0
+        assert got["keys"] == sorted(torch.amp.GradScaler("cpu").state_dict())
+
+
+def test_dtensor_param_with_a_mismatched_gradient_raises_before_writing(results):
+    for r in results:
+        plain, replicated, untouched = r["bad_grads"]
+        assert plain[0] == "TypeError" and "DTensor gradient" in plain[1]
+        assert replicated[0] == "ValueError" and "placed as" in replicated[1]
+        assert untouched
+
+
+# --------------------------------------------------------------------------------------------
+# The options, in one process.
+
+
+def test_distributed_options_are_checked():
+    with pytest.raises(TypeError, match="sync_found_inf must be a bool"):
+        mpext.GradScaler("cpu", sync_found_inf=1)
+    with pytest.raises(TypeError, match="process_group must be None or a torch.distributed"):
+        mpext.GradScaler("cpu", sync_found_inf=True, process_group="world")
+    scaler = mpext.GradScaler("cpu")
+    with pytest.raises(TypeError, match="process_group must be None"):
+        scaler.process_group = 0
+    assert scaler.process_group is None
+
+
+def test_reduce_found_inf_is_a_no_op_without_sync_found_inf():
+    flag = torch.ones(())
+    mpext.GradScaler("cpu")._reduce_found_inf_(flag)  # no process group needed
+    mpext.GradScaler("cpu", sync_found_inf=True, enabled=False)._reduce_found_inf_(flag)
+    assert flag.item() == 1.0
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="a process group is already initialized")
+def test_sync_found_inf_without_a_process_group_raises():
+    scaler = mpext.GradScaler("cpu", sync_found_inf=True)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        scaler._reduce_found_inf_(torch.zeros(()))
+    assert sorted(scaler.state_dict()) == sorted(torch.amp.GradScaler("cpu").state_dict())
