@@ -20,9 +20,9 @@ How it works (docs/mixed_precision.md has the user-facing account):
     ``cast_`` pass and unscaled and checked by one ``unscale_`` pass (clip coefficient folded
     in), the inner optimizer steps the masters, and one ``cast_`` pass copies them back into the
     model params. An overflow is skipped on the device when the inner optimizer takes
-    ``found_inf`` itself (``_step_supports_amp_scaling``, e.g. ``torch.optim.SGD(fused=True)``);
-    otherwise the skip decision reads ``found_inf`` on the host once per step, as
-    ``torch.amp.GradScaler.step`` does for such optimizers.
+    ``found_inf`` itself (``_step_supports_amp_scaling``, e.g. ``torch.optim.SGD(fused=True)``)
+    and has stepped every param before; otherwise the skip decision reads ``found_inf`` on the
+    host once per step, as ``torch.amp.GradScaler.step`` does for such optimizers.
   - The loss scale is an ``mpext.GradScaler`` kept inside (``"dynamic"``: its rule and options;
     a fixed float: ``min_scale == max_scale``; ``None``: ``bf16_check_only``), updated on the
     device from the same ``found_inf``, after ``GradScaler._reduce_found_inf_`` (an all-reduce
@@ -64,12 +64,6 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def _grad_norm(tensors: List[torch.Tensor], inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of every element of ``tensors`` times ``inv_scale``, a 0-dim float32 tensor
-    on their device (NaN/Inf propagate): ``mpext.ops.grad_norm``."""
-    return _mp_ops.grad_norm(tensors, inv_scale=inv_scale)
-
-
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Mixed-precision training around any ``torch.optim`` optimizer built over BF16/FP16 model
     params: FP32 master weights, loss scaling, gradient clipping after unscaling, and steps
@@ -97,9 +91,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     Raises (before anything is modified): ``TypeError`` for something that is not an
     optimizer, an optimizer already wrapped, a param that is not a float32/bfloat16/float16
     tensor, or an unknown option; ``ValueError`` for params on several devices, a param that
-    appears twice, a non-dense param, a bad ``loss_scale``/``max_grad_norm``, or a scaler option that does not fit ``loss_scale``. An
-    optimizer that holds FP32 params only is wrapped (loss scaling and clipping still work) with
-    a ``UserWarning``, as there are no masters to keep.
+    appears twice, a non-dense param, a bad ``loss_scale``/``max_grad_norm``, or a scaler
+    option that does not fit ``loss_scale``. An optimizer that holds FP32 params only is
+    wrapped (loss scaling and clipping still work) with a ``UserWarning``, as there are no
+    masters to keep.
 
     The wrapper is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and
     ``defaults`` are the inner optimizer's, so LR schedulers take it directly.
@@ -317,7 +312,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 continue
             what = "%s%s: the gradient of param %d" % (_NAME, where, i)
             if g.layout != torch.strided:
-                raise RuntimeError("%s is %s; only dense gradients are supported" % (what, g.layout))
+                raise RuntimeError("%s is %s; only dense gradients are supported"
+                                   % (what, g.layout))
             if g.dtype != p.dtype and g.dtype != torch.float32:
                 raise TypeError("%s has dtype %s; it must have the param's dtype (%s) or float32"
                                 % (what, _mp_ops._dtype_name(g.dtype),
@@ -327,9 +323,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                  % (what, tuple(g.shape), tuple(p.shape)))
             if g.device != p.device:
                 raise ValueError("%s is on %s but the param is on %s" % (what, g.device, p.device))
-            if p.dtype == torch.float32 and g.dtype != torch.float32:
-                raise TypeError("%s has dtype %s but the param is float32"
-                                % (what, _mp_ops._dtype_name(g.dtype)))
             out.append((p, q))
         return out
 
@@ -358,7 +351,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             inv = inv * self._clip_coef
         if not entries:
             return torch.zeros((), dtype=torch.float32, device=self._device)
-        norm = _grad_norm([p.grad for p, _ in entries], inv_scale=inv)
+        norm = _mp_ops.grad_norm([p.grad for p, _ in entries], inv_scale=inv)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's expression
         self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         bad = (~torch.isfinite(norm)).to(torch.float32)
@@ -637,10 +630,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     register_load_state_dict_post_hook = _no_state_dict_hooks
 
     def __getstate__(self) -> Dict[str, Any]:
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        for k in ("_master_of", "_model_of", "_stepped"):  # keyed by id(): rebuilt on load
+            del state[k]
+        return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._master_of = {id(p): q for p, q in self._entries if p is not q}
+        self._model_of = {id(q): p for p, q in self._entries if p is not q}
+        self._stepped = {id(q) for _, q in self._entries if self.optimizer.state.get(q)}
         self._patch_step_function()
 
     def __repr__(self) -> str:
@@ -744,9 +743,12 @@ def _make_scaler(loss_scale: Any, device: torch.device,
         opts["bf16_check_only"] = True
     elif loss_scale != "dynamic":
         opts.update(init_scale=loss_scale, min_scale=loss_scale, max_scale=loss_scale)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # e.g. "CUDA is not available. Disabling." must not pass
-        try:
-            return GradScaler(device.type, **opts)
-        except Warning as w:
-            raise ValueError("%s: cannot keep a loss scale on %s: %s" % (_NAME, device, w)) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler = GradScaler(device.type, **opts)
+    if not scaler.is_enabled():  # e.g. torch's "CUDA is not available. Disabling."
+        raise ValueError("%s: cannot keep a loss scale on %s: %s" % (
+            _NAME, device, "; ".join(str(w.message) for w in caught) or "GradScaler disabled"))
+    for w in caught:
+        warnings.warn(w.message, w.category, stacklevel=3)
+    return scaler

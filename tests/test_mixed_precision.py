@@ -8,6 +8,7 @@ own optimizer code on the masters; within rtol 1e-6 through the fused Adam path)
 param must be its master rounded, bit for bit. Then overflowing steps (nothing changes), the
 state_dict round trip, host reads, and bad input (a clear error, nothing modified)."""
 import contextlib
+import copy
 import io
 import math
 import warnings
@@ -19,7 +20,7 @@ import mpext
 from mpext import MixedPrecisionOptimizer as MPO
 
 from conftest import HostReads
-from test_adam import allow_any_grad_dtype, assert_bitwise, bits
+from test_adam import allow_any_grad_dtype, assert_bitwise
 
 LOW = (torch.bfloat16, torch.float16)
 SHAPES = [(13, 7), (31,), (2, 3, 5), (1,)]
@@ -416,6 +417,20 @@ def test_state_dict_round_trip_is_bit_identical(device, name):
     assert a.mpo.scaler.state_dict() == b.mpo.scaler.state_dict()
 
 
+@pytest.mark.parametrize("name", ["torch_adamw", "sgd_fused"])
+def test_deepcopy_continues_identically(name):
+    a = Run("cpu", name, torch.float16, init_scale=2.0 ** 10, growth_interval=2)
+    _train(a, 3, 0)
+    b = copy.copy(a)
+    b.mpo = copy.deepcopy(a.mpo)
+    b.params = [p for p, _ in b.mpo._entries]
+    assert all(x is not y for x, y in zip(a.params, b.params))
+    _train(a, 3, 3, poison_at={4})
+    _train(b, 3, 3, poison_at={4})
+    assert_same(snapshot(a.mpo), snapshot(b.mpo))
+    assert a.mpo.get_scale() == b.mpo.get_scale()
+
+
 def test_inner_state_dict_is_torchs_format():
     run = Run("cpu", "torch_adamw")
     _train(run, 3, 0)
@@ -527,6 +542,34 @@ def test_found_inf_is_reduced_before_it_is_used(monkeypatch):
         assert len(seen) == 1
         assert_unchanged(run.mpo, before, name)
         assert run.mpo.get_scale() == scale / 2
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+def test_sync_found_inf_all_reduces_through_the_process_group(tmp_path, monkeypatch):
+    """sync_found_inf=True (a scaler option) sends each step's flag through an all-reduce
+    (MAX) of the process group: a one-rank gloo group here, the collective really runs."""
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "store"), rank=0,
+                            world_size=1)
+    try:
+        reduced = []
+        real = dist.all_reduce
+
+        def spy(tensor, *args, **kwargs):
+            reduced.append(tensor.clone())
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", spy)
+        for kw in (dict(init_scale=256.0), dict(loss_scale=8.0), dict(loss_scale=None)):
+            run = Run("cpu", "torch_adamw", torch.float16, sync_found_inf=True, **kw)
+            reduced.clear()
+            for step in range(3):
+                run.set_grads(step, scale=run.mpo.get_scale(),
+                              poison=(0, float("nan")) if step == 1 else None)
+                assert bool(run.mpo.step()) is (step != 1)
+            assert [float(t) for t in reduced] == [0.0, 1.0, 0.0], kw
+    finally:
+        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------
