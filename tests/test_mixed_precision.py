@@ -188,6 +188,36 @@ def test_fused_path_equals_generic_path(dtype, name):
                 assert_bitwise(pg.detach(), mg.detach().to(dtype))
 
 
+@pytest.mark.parametrize("name", ["torch_adamw", "sgd_nesterov"])
+def test_fp32_grads_and_other_grad_layouts(name):
+    """BF16 params may carry FP32 gradients, and a channels_last param a contiguous gradient:
+    both paths take them and match torch on the same FP32 values."""
+    cls, kw, fused = INNER[name]
+    p = torch.randn(2, 3, 4, 5).bfloat16().contiguous(memory_format=torch.channels_last)
+    p.requires_grad_()
+    v = torch.randn(7).bfloat16().requires_grad_()
+    allow_any_grad_dtype([p, v])
+    refs = [t.detach().float().requires_grad_() for t in (p, v)]
+    mpo = MPO(cls([p, v], **kw), loss_scale=64.0)
+    ref = cls(refs, **kw)
+    assert mpo.master_param(p).is_contiguous(memory_format=torch.channels_last)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        g = [torch.randn(t.shape, generator=gen) for t in (p, v)]
+        p.grad = (g[0] * 64).contiguous()  # fp32, contiguous: not the param's layout
+        v.grad = (g[1] * 64).bfloat16()
+        refs[0].grad, refs[1].grad = g[0].clone(), v.grad.float() / 64
+        assert bool(mpo.step())
+        ref.step()
+        for t, r in zip((p, v), refs):
+            m = mpo.master_param(t)
+            if fused:
+                torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-7)
+            else:
+                assert_bitwise(m, r.detach())
+            assert_bitwise(t.detach(), m.to(torch.bfloat16))
+
+
 # --------------------------------------------------------------------------------------------
 # Loss scaling.
 
