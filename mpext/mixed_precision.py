@@ -373,7 +373,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return True
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> torch.Tensor:
+    def step(self, closure: Optional[Any] = None) -> torch.Tensor:
         """One optimizer step on the gradients of this iteration: non-finite check and
         unscaling, clipping (``max_grad_norm``, or a ``clip_grad_norm_`` call before), the
         inner optimizer's update of the FP32 masters, the copy back into the model params
@@ -633,6 +633,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state = self.__dict__.copy()
         for k in ("_master_of", "_model_of", "_stepped"):  # keyed by id(): rebuilt on load
             del state[k]
+        state.pop("step", None)  # an LR scheduler's per-instance wrapper, as torch drops it
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:

@@ -450,6 +450,7 @@ def test_state_dict_round_trip_is_bit_identical(device, name):
 @pytest.mark.parametrize("name", ["torch_adamw", "sgd_fused"])
 def test_deepcopy_continues_identically(name):
     a = Run("cpu", name, torch.float16, init_scale=2.0 ** 10, growth_interval=2)
+    torch.optim.lr_scheduler.StepLR(a.mpo, step_size=1)  # wraps a.mpo.step on the instance
     _train(a, 3, 0)
     b = copy.copy(a)
     b.mpo = copy.deepcopy(a.mpo)
