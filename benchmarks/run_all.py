@@ -26,6 +26,7 @@ BENCHMARKS = [
     "bench_cast",
     "bench_scaler",
     "bench_adam",
+    "bench_distributed",
 ]
 
 
