@@ -27,6 +27,7 @@ BENCHMARKS = [
     "bench_scaler",
     "bench_adam",
     "bench_distributed",
+    "bench_train",
     "bench_grad_norm",
 ]
 
