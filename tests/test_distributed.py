@@ -338,7 +338,7 @@ def _dt_body(rank, out_dir):
     def placements(i):
         return [Replicate()] if len(SHAPES[i]) == 1 else [Shard(0)]
 
-    def run(dtype, make_opt, only=None):
+    def run(dtype, make_opt, only=None, no_grad_rank=None):
         full_params, full_grads = _dt_full(dtype)
         idx = list(range(len(SHAPES))) if only is None else only
         params = [nn.Parameter(distribute_tensor(full_params[i], mesh, placements(i)))
@@ -350,6 +350,8 @@ def _dt_body(rank, out_dir):
         for step in range(DT_STEPS):
             for p, i in zip(params, idx):
                 p.grad = distribute_tensor(full_grads[step][i] * DT_SCALE, mesh, placements(i))
+                if rank == no_grad_rank:
+                    p.grad = None
             scaler.step(opt)
             found.append(bool(scaler.last_step_skipped()))
             scaler.update()
@@ -387,6 +389,10 @@ def _dt_body(rank, out_dir):
     params, opt, scaler, found = run(torch.float32, lambda ps: mpext.optim.AdamW(ps, **ADAM),
                                      only=[1])
     record("empty_shards_only", params, opt, scaler, found)
+    # ... and the same when rank 1 has no gradient at all.
+    params, opt, scaler, found = run(torch.float32, lambda ps: mpext.optim.AdamW(ps, **ADAM),
+                                     only=[1], no_grad_rank=1)
+    record("no_grads_on_rank_1", params, opt, scaler, found)
 
     # A torch checkpoint of full tensors loaded into a sharded optimizer: each rank keeps its
     # own shard of the moments (and makes its masters from its params).
@@ -488,9 +494,10 @@ def test_dtensor_unscale_path_with_torch_adamw(results):
     _assert_dt_case(results, "torch_adamw_unscale_path", torch.float32, atol=1e-6)
 
 
-def test_dtensor_rank_with_only_empty_shards_takes_part(results):
-    assert results[1]["empty_shards_only"]["local_numel"] == [0]
-    _assert_dt_case(results, "empty_shards_only", torch.float32, only=[1], atol=1e-6)
+@pytest.mark.parametrize("name", ["empty_shards_only", "no_grads_on_rank_1"])
+def test_dtensor_rank_without_local_gradients_takes_part(results, name):
+    assert results[1][name]["local_numel"] == [0]
+    _assert_dt_case(results, name, torch.float32, only=[1], atol=1e-6)
 
 
 def test_dtensor_optimizer_loads_a_full_tensor_checkpoint(results):
