@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "PRESETS", "GPT", "load_corpus", "corpus_text", "get_batch",
+__all__ = ["GPTConfig", "PRESETS", "GPT", "Linear", "load_corpus", "corpus_text", "get_batch",
            "split_corpus", "count_params", "unigram_entropy"]
 
 
@@ -87,6 +87,41 @@ PRESETS: Dict[str, dict] = {
 # Model
 
 
+def _lowp_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM on these operands computes in: autocast's when it is on for the
+    device, else the weight's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can compute a BF16/FP16 GEMM as a GPU tensor core does, at FP32 speed.
+
+    With ``fp32_gemm = False`` (the default) it is exactly ``nn.Linear``. With ``fp32_gemm =
+    True`` and a low-precision compute dtype (the parameters' dtype, or autocast's), the operands
+    are rounded to that dtype, multiplied and accumulated in float32, and the result is rounded
+    back to the dtype: products of BF16/FP16 numbers are exact in float32, so this differs from a
+    GEMM with float32 accumulation only in the order of the sums. The backward pass does the same
+    (the gradients come back in the low-precision dtype). It exists because CPUs without
+    AVX512-BF16/AMX run PyTorch's BF16/FP16 matmuls some 10x slower than FP32; the convergence
+    benchmark uses it on such CPUs and says so."""
+
+    fp32_gemm = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp32_gemm:
+            return F.linear(x, self.weight, self.bias)
+        dt = _lowp_dtype(x, self.weight)
+        if dt not in (torch.bfloat16, torch.float16):
+            return F.linear(x, self.weight, self.bias)
+        b = None if self.bias is None else self.bias.to(dt).float()
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x.to(dt).float(), self.weight.to(dt).float(), b)
+        return y.to(dt)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused q/k/v projection, the attention itself in
     ``F.scaled_dot_product_attention(is_causal=True)``, an output projection."""
@@ -95,8 +130,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = float(cfg.dropout)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,8 +150,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = Linear(4 * cfg.n_embd, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,9 +180,11 @@ class GPT(nn.Module):
     LayerNorm and a linear head whose weight **is** the token embedding (weight tying). Weights
     are initialised N(0, 0.02), the residual output projections N(0, 0.02 / sqrt(2 n_layer)),
     biases 0, so equal seeds give equal models. Convert the whole model with ``.to(dtype)`` to
-    train in bfloat16 or float16; the loss is always computed in float32."""
+    train in bfloat16 or float16; the loss is always computed in float32. ``fp32_gemm=True``
+    computes the linear layers' BF16/FP16 GEMMs in float32 from rounded operands (``Linear``),
+    for CPUs whose native BF16/FP16 matmul is slow."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, *, fp32_gemm: bool = False):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError("GPT(config): config must be a GPTConfig, got %s"
@@ -158,13 +195,25 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
-        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
         self.apply(self._init_weights)
         resid_std = 0.02 / math.sqrt(2 * config.n_layer)
         for blk in self.blocks:
             nn.init.normal_(blk.attn.proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(blk.mlp.proj.weight, mean=0.0, std=resid_std)
+        self.set_fp32_gemm(fp32_gemm)
+
+    def set_fp32_gemm(self, enabled: bool) -> "GPT":
+        """Whether every linear layer computes its BF16/FP16 GEMMs in float32 from operands
+        rounded to the low-precision dtype (see ``Linear``); a no-op for float32 compute."""
+        if not isinstance(enabled, bool):
+            raise TypeError("GPT.set_fp32_gemm: enabled must be a bool, got %r" % (enabled,))
+        self.fp32_gemm = enabled
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.fp32_gemm = enabled
+        return self
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
