@@ -411,7 +411,7 @@ def _dt_body(rank, out_dir):
         "ref_exp_avg": [ref_opt.state[p]["exp_avg"] for p in ref_params],
         "is_dtensor": [type(opt.state[p]["exp_avg"]).__name__ for p in params]}
     out["bad_grads"] = _bad_grad_checks(mesh)
-    out.update(_fsdp_body(rank, mesh))
+    out.update(_fsdp_body(rank, mesh, out_dir))
     return out
 
 
@@ -515,7 +515,7 @@ FSDP_CASES = {  # name -> (compute dtype, grad_inf step)
 }
 
 
-def _fsdp_body(rank, mesh):
+def _fsdp_body(rank, mesh, out_dir):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     out = {}
@@ -537,7 +537,47 @@ def _fsdp_body(rank, mesh):
         out[name] = {"params": [p.detach().full_tensor() for p in params], "scales": scales,
                      "skipped": scaler.get_skipped_steps() if scaler else None,
                      "placements": [str(p.placements) for p in params]}
+    out["fsdp_dcp"] = _dcp_checks(rank, mesh, out_dir)
     return out
+
+
+def _dcp_checks(rank, mesh, out_dir):
+    """torch.distributed.checkpoint with FSDP2, BF16 sharded params and mpext.optim.AdamW's
+    sharded FP32 masters: save after 3 steps, load into fresh objects, 2 more steps on both;
+    returns whether the resumed run equals the uninterrupted one, params and masters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def make():
+        model = _mlp(torch.bfloat16)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, list(model.parameters()), mpext.optim.AdamW(model.parameters(), **ADAM)
+
+    model, params, opt = make()
+    _train(model, params, opt, None, range(3), torch.bfloat16, rank=rank)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    path = os.path.join(out_dir, "dcp")
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
+    model2, params2, opt2 = make()
+    model_sd2, opt_sd2 = get_state_dict(model2, opt2)
+    loaded = {"model": model_sd2, "optim": opt_sd2}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    for m, ps, o in ((model, params, opt), (model2, params2, opt2)):
+        _train(m, ps, o, None, range(3, 5), torch.bfloat16, rank=rank)
+    return {"params": [torch.equal(a.full_tensor(), b.full_tensor())
+                       for a, b in zip(params, params2)],
+            "masters": [torch.equal(opt.state[a]["master_param"].full_tensor(),
+                                    opt2.state[b]["master_param"].full_tensor())
+                        for a, b in zip(params, params2)],
+            "moved": max((a.full_tensor().float() - b.float()).abs().max().item()
+                         for a, b in zip(params, _mlp(torch.bfloat16).parameters())),
+            "state_keys": sorted(next(iter(opt_sd["state"].values())))}
 
 
 def _fsdp_reference(name):
@@ -632,3 +672,11 @@ def test_sync_found_inf_without_a_process_group_raises():
     with pytest.raises(RuntimeError, match="init_process_group"):
         scaler._reduce_found_inf_(torch.zeros(()))
     assert sorted(scaler.state_dict()) == sorted(torch.amp.GradScaler("cpu").state_dict())
+
+
+def test_fsdp2_distributed_checkpoint_resumes_bit_identically(results):
+    for r in results:
+        got = r["fsdp_dcp"]
+        assert got["state_keys"] == ["exp_avg", "exp_avg_sq", "master_param", "step"]
+        assert all(got["params"]) and all(got["masters"]) and len(got["params"]) == 6
+        assert got["moved"] > 0.01
