@@ -42,13 +42,14 @@ import argparse
 import dataclasses
 import json
 import math
+import numbers
 import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["MODES", "OPTIMIZERS", "MODELS", "ModeSpec", "ModelSpec", "Breakdown", "estimate",
            "optimizer_states", "activation_bytes", "gpt_params", "llama_params", "measure",
-           "register_model", "main"]
+           "main"]
 
 GiB = float(1 << 30)
 _FP32, _HALF = 4, 2
@@ -170,13 +171,6 @@ MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
 )}
 
 
-def register_model(spec: ModelSpec) -> None:
-    """Adds a preset (used by the benchmarks for their GPT configurations)."""
-    if not isinstance(spec, ModelSpec):
-        raise TypeError("register_model: spec must be a ModelSpec, got %s" % type(spec).__name__)
-    MODELS[spec.name] = spec
-
-
 # ---------------------------------------------------------------------------------------------
 # The estimate
 
@@ -238,12 +232,12 @@ class Breakdown:
 
 def _check_count(name: str, value, minimum: int = 1) -> int:
     """An integer count >= minimum (an integral float such as 7e9 is accepted)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError("%s: must be an integer, got %r" % (name, value))
-    if isinstance(value, float):
+    if not isinstance(value, numbers.Integral):
         if not math.isfinite(value) or value != int(value):
             raise ValueError("%s: must be a whole number, got %r" % (name, value))
-        value = int(value)
+    value = int(value)
     if value < minimum:
         raise ValueError("%s: must be >= %d, got %d" % (name, minimum, value))
     return value
@@ -295,11 +289,13 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
     Returns a :class:`Breakdown`. Raises ``ValueError`` / ``TypeError`` naming the argument.
     """
     n = _check_count("params", params)
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError("mode: unknown mode %r; choose one of %s" % (mode, ", ".join(MODES)))
     k = optimizer_states(optimizer)
-    if isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3):
+    if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) \
+            or zero not in (0, 1, 2, 3):
         raise ValueError("zero: the ZeRO stage must be 0, 1, 2 or 3, got %r" % (zero,))
+    zero = int(zero)
     w = _check_count("world_size", world_size)
     shape = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers, "heads": heads}
     given = [name for name, v in shape.items() if v is not None]

@@ -75,6 +75,14 @@ def test_hand_computed(mode, optimizer, zero, params, world):
     assert b.total == b.persistent + b.transient
 
 
+def test_numpy_and_float_counts():
+    import numpy as np
+    assert estimate(np.int64(1000), "adamw", "fp32").persistent == 16000
+    assert estimate(7e9, "adamw", "fp32").params == 7_000_000_000
+    b = estimate(np.float64(1e3), "sgd", "fp32", world_size=np.int32(2), zero=np.int64(3))
+    assert (b.params, b.zero, b.world_size, b.weights) == (1000, 3, 2, 2000)
+
+
 def test_examples_by_hand():
     # AdamW on 1,000 params, one device.
     assert estimate(1000, "adamw", "fp32").persistent == 16000
@@ -209,6 +217,7 @@ def test_bench_presets_match_benchmarks_gpt():
     (dict(params="7e9"), TypeError, "params: must be an integer"),
     (dict(params=True), TypeError, "params: must be an integer"),
     (dict(params=10, mode="amp-int8"), ValueError, "mode: unknown mode 'amp-int8'"),
+    (dict(params=10, mode=["fp32"]), ValueError, r"mode: unknown mode \['fp32'\]"),
     (dict(params=10, optimizer="lamb"), ValueError, "optimizer: unknown optimizer 'lamb'"),
     (dict(params=10, zero=4), ValueError, "zero: the ZeRO stage must be 0, 1, 2 or 3"),
     (dict(params=10, zero=1.0), ValueError, "zero: the ZeRO stage"),
@@ -383,12 +392,7 @@ def _one_step(mode, optimizer, wrapper=False):
         dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(mode)
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = (model(x).float() - y).pow(2).mean()
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        _backward_step(loss, opt, scaler)
         return model, opt, scaler
     dtype = torch.bfloat16 if mode == "mpext-bf16" else torch.float16
     model = model.to(dtype)
@@ -403,13 +407,17 @@ def _one_step(mode, optimizer, wrapper=False):
     opt = {"adamw": mpext.optim.AdamW, "adam": mpext.optim.Adam}[optimizer](model.parameters())
     if mode == "mpext-fp16":
         scaler = mpext.GradScaler("cpu")
+    _backward_step(loss, opt, scaler)
+    return model, opt, scaler
+
+
+def _backward_step(loss, opt, scaler):
     (scaler.scale(loss) if scaler else loss).backward()
     if scaler:
         scaler.step(opt)
         scaler.update()
     else:
         opt.step()
-    return model, opt, scaler
 
 
 AGREEMENT = [(m, o, False) for m in ("fp32", "amp-bf16", "amp-fp16") for o in STATES] + \
