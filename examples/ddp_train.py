@@ -1,9 +1,9 @@
 """Data-parallel mixed-precision training with mpext on PyTorch's own distributed engine.
 
-    torchrun --nproc-per-node 2 examples/ddp_train.py                    # DDP, float16 + scaling
-    torchrun --nproc-per-node 2 examples/ddp_train.py --precision bf16   # DDP, BF16 params + masters
-    torchrun --nproc-per-node 2 examples/ddp_train.py --fsdp             # FSDP2 (fully_shard)
-    python examples/ddp_train.py                                         # one process, no torchrun
+    torchrun --nproc-per-node 2 examples/ddp_train.py                   # DDP, fp16 + scaling
+    torchrun --nproc-per-node 2 examples/ddp_train.py --precision bf16  # DDP, BF16 + masters
+    torchrun --nproc-per-node 2 examples/ddp_train.py --fsdp            # FSDP2 (fully_shard)
+    python examples/ddp_train.py                                        # one process
 
 On CPUs it uses the gloo backend, on GPUs NCCL (one GPU per rank). Each rank trains on its own
 part of every batch of a synthetic regression task; at the end the ranks check that they hold
