@@ -79,7 +79,9 @@ class Adam(torch.optim.Optimizer):
 
     Args:
         params: iterable of params or of dicts defining param groups; params must be float32,
-            bfloat16 or float16 tensors on a device mpext has a kernel for (CPU, CUDA).
+            bfloat16 or float16 tensors on a device mpext has a kernel for (CPU, CUDA), or
+            DTensors of those (FSDP2): each rank steps its local shards, and the moments and
+            masters are DTensors placed as the param (see the module docstring).
         lr (float or 1-element Tensor): learning rate (default 1e-3).
         betas (Tuple[float, float]): moment coefficients (default (0.9, 0.999)).
         eps (float): added to the denominator (default 1e-8).
@@ -446,7 +448,9 @@ class Adam(torch.optim.Optimizer):
         to a float32 scalar tensor on the param's device, and low-precision params get their
         master from the state (``master_param``) or, when it has none (a torch checkpoint), from
         the param itself. Every tensor is copied, so the loaded state never shares memory with
-        ``state_dict``. Everything is checked first: on an error (a group or size mismatch,
+        ``state_dict``. For a DTensor param the state may hold DTensors (placed otherwise:
+        redistributed) or full tensors of the param's global shape (each rank keeps its
+        shard). Everything is checked first: on an error (a group or size mismatch,
         moments whose shape is not the param's, an amsgrad state, ...) nothing is modified.
         """
         state_dict = state_dict.copy()
