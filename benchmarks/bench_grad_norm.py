@@ -36,14 +36,11 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, payload_header, report_footer, Timing, combine_rooflines, fmt_ms,
+from common import (Context, payload_header, report_footer, combine_rooflines, fmt_ms,
                     free_memory, load_warning, machine_line, markdown_table, pct,
                     roofline_line, stopwatch, time_fns, write_json, write_text)
 
-try:  # the GPT-2 shapes helper lives in bench_cast.py (it may move to common.py)
-    from common import gpt2_small_shapes
-except ImportError:
-    from bench_cast import gpt2_small_shapes
+from bench_scaler import _Alternate, _t, gpt2_small_shapes  # inv_scale 0.5 / 2.0 in turn
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -103,9 +100,9 @@ def check_correctness(grads, inv_t):
         got = torch.ops.mpext.grad_norm(grads, inv_scale=None if scale is None else inv_t).item()
         up = [g.float() if scale is None else g.float() * inv_t for g in grads]
         t32 = torch.nn.utils.get_total_norm(up).item()
-        # torch's fp32 sums drift on tens of millions of elements (about 1e-5 relative here), so
-        # torch is held to 1e-3 only: the float64 reference is the real check
-        if _rel(got, want) > 1e-6 or _rel(got, t32) > 1e-3:
+        # torch's fp32 sums drift on tens of millions of elements (5e-3 relative on the GPT-2
+        # list here), so torch is only a sanity check: the float64 reference is the real one
+        if _rel(got, want) > 1e-6 or _rel(got, t32) > 5e-2:
             raise CorrectnessError("%s: mpext %r, float64 %r, torch on fp32 %r"
                                    % (key, got, want, t32))
         own = [g if scale is None else (g.float() * inv_t).to(g.dtype) for g in grads]
@@ -118,23 +115,6 @@ def check_correctness(grads, inv_t):
         if not check(r):
             raise CorrectnessError("a %r element gave %r" % (bad, r))
     return errs
-
-
-class _Alternate:
-    """inv_scale tensors 0.5, 2.0, 0.5, ... for the native in-place unscale."""
-
-    def __init__(self, dev):
-        self.invs = [torch.full((), 0.5, dtype=FP32, device=dev),
-                     torch.full((), 2.0, dtype=FP32, device=dev)]
-        self.calls = 0
-
-    def __call__(self):
-        inv = self.invs[self.calls % 2]
-        self.calls += 1
-        return inv
-
-    def factor(self):
-        return 0.5 if self.calls % 2 else 1.0
 
 
 def measure_read_roofline(ctx, numel):
@@ -263,12 +243,6 @@ def run(ctx: Context) -> dict:
         files.append(_plot(ctx, rows, read, roof))
     return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
             "seconds": seconds, "targets_missed": []}
-
-
-def _t(d):
-    return Timing(median=d["median_s"], q1=d["q1_s"], q3=d["q3_s"], min=d["min_s"],
-                  max=d["max_s"], inner=d["inner"], samples=d["samples_s"],
-                  cpu_busy=d.get("cpu_busy"))
 
 
 def _plot(ctx, rows, read, roof):
