@@ -379,6 +379,16 @@ def _dt_body(rank, out_dir):
             fresh.load_state_dict(opt.state_dict())
             out[name]["reloaded_masters"] = [fresh.state[p]["master_param"].full_tensor()
                                              for p in params]
+            # ... and from a state placed otherwise (replicated): redistributed on loading
+            sd = opt.state_dict()
+            sd["state"] = {k: {n: v.redistribute(mesh, [Replicate()]) if isinstance(v, DTensor)
+                               else v for n, v in st.items()} for k, st in sd["state"].items()}
+            fresh = mpext.optim.AdamW(params, **ADAM)
+            fresh.load_state_dict(sd)
+            out[name]["redistributed"] = [
+                (tuple(fresh.state[p]["exp_avg"].placements) == tuple(p.placements)
+                 and torch.equal(fresh.state[p]["master_param"].full_tensor(), m))
+                for p, m in zip(params, out[name]["masters"])]
 
     # torch's own foreach AdamW: the scaler's unscale_ path unscales the local shards.
     params, opt, scaler, found = run(torch.float32,
@@ -488,6 +498,7 @@ def test_dtensor_mpext_adamw_and_scaler_match_torch_on_full_tensors(results, dty
         for a, b, c in zip(masters, got["masters"], got["reloaded_masters"]):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
             assert torch.equal(b, c)
+        assert got["redistributed"] == [True] * len(SHAPES)
 
 
 def test_dtensor_unscale_path_with_torch_adamw(results):
