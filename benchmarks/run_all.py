@@ -29,6 +29,7 @@ BENCHMARKS = [
     "bench_distributed",
     "bench_train",
     "bench_grad_norm",
+    "bench_convergence",
 ]
 
 
