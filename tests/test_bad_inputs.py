@@ -982,7 +982,8 @@ case("GradScaler", "empty", "no param has a grad: as torch", ok(_check_scaler_un
     lambda: _scaler_unscale([None, None]))
 case("GradScaler", "device", "a sparse grad: its values, as torch", ok(_check_scaler_unscale))(
     lambda: _scaler_unscale([_values(4, F32), torch.sparse_coo_tensor(
-        torch.tensor([[0, 2, 2]]), torch.tensor([1.0, INF, 3.0]), (5,))]))
+        torch.tensor([[0, 2, 2]]), torch.tensor([1.0, INF, 3.0]), (5,),
+        check_invariants=True)]))
 case("GradScaler", "duplicate", "one param twice in the optimizer", raises(
     RuntimeError, r"unscale_: grads\[0\] and grads\[1\] overlap in memory"))(
     lambda: (lambda s, o: ((lambda: s.unscale_(o)), {"scaler": s, "opt": o}))(
