@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -29,13 +30,18 @@ at::Tensor grad_norm_cpu(at::TensorList tensors, const std::optional<at::Tensor>
               " but this implementation is for the CPU");
   const float inv = inv_scale.has_value() ? inv_scale->const_data_ptr<float>()[0] : 1.0f;
   std::vector<Piece> pieces;
+  int64_t total = 0;
   for (const at::Tensor& t : tensors) {
+    total += t.numel();
     for (int64_t off = 0; off < t.numel(); off += MP_GRAD_NORM_BLOCK) {
       pieces.push_back({&t, off, std::min<int64_t>(MP_GRAD_NORM_BLOCK, t.numel() - off)});
     }
   }
   std::vector<double> partials(pieces.size());
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t npieces = static_cast<int64_t>(pieces.size());
+  // A small list is not worth a parallel region: one task takes every piece.
+  const int64_t grain = total < 2 * kGrainSize ? std::max<int64_t>(npieces, 1) : 1;
+  at::parallel_for(0, npieces, grain, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const Piece& p = pieces[k];
       const char* base = static_cast<const char*>(p.t->const_data_ptr()) +
