@@ -40,18 +40,19 @@ is given). Activations are replicated data-parallel work and are not divided by 
 """
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import numbers
 import re
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["MODES", "OPTIMIZERS", "MODELS", "ModeSpec", "ModelSpec", "Breakdown", "estimate",
            "optimizer_states", "activation_bytes", "gpt_params", "llama_params", "measure",
-           "main"]
+           "model_names", "model_spec", "main"]
 
-GiB = float(1 << 30)
 _FP32, _HALF = 4, 2
 SCALER_SCALARS = 2  # the loss scale (fp32) and the growth tracker (int32), kept between steps
 
@@ -161,14 +162,47 @@ MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
     _gpt("gpt2-large", 36, 1280, 20), _gpt("gpt2-xl", 48, 1600, 25),
     _llama("llama-7b", 32, 4096, 32, 11008), _llama("llama-13b", 40, 5120, 40, 13824),
     _llama("llama-70b-mha", 80, 8192, 64, 28672),
-    # benchmarks/gpt.py's presets on its 42-character corpus (tests/test_memory.py checks both)
-    _gpt("bench-tiny", 2, 48, 2, vocab=42, seq=32, note="benchmarks/gpt.py preset 'tiny'",
-         dropout=False),
-    _gpt("bench-small", 3, 96, 4, vocab=42, seq=64, note="benchmarks/gpt.py preset 'small'",
-         dropout=False),
-    _gpt("bench-gpu", 6, 384, 6, vocab=42, seq=256, note="benchmarks/gpt.py preset 'gpu'",
-         dropout=False),
 )}
+
+_BENCH_GPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpt.py"
+_bench_cache: Dict[str, object] = {}
+
+
+def _bench_gpt():
+    """benchmarks/gpt.py of a source checkout (None in an installed package), loaded once."""
+    if "module" not in _bench_cache:
+        mod = None
+        if _BENCH_GPT.is_file():
+            spec = importlib.util.spec_from_file_location("_mpext_bench_gpt", _BENCH_GPT)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        _bench_cache["module"] = mod
+    return _bench_cache["module"]
+
+
+def model_names() -> List[str]:
+    """The names ``model_spec`` knows: ``MODELS``, plus ``bench-<preset>`` for each preset of
+    benchmarks/gpt.py when running from a source checkout."""
+    gpt = _bench_gpt()
+    return sorted(MODELS) + ["bench-" + k for k in (gpt.PRESETS if gpt else ())]
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A known model by name (see ``model_names``). ``bench-<preset>`` is benchmarks/gpt.py's
+    GPTConfig preset on its generated corpus's vocabulary, read from that file."""
+    if name in MODELS:
+        return MODELS[name]
+    gpt = _bench_gpt()
+    preset = name[len("bench-"):] if isinstance(name, str) and name.startswith("bench-") else None
+    if gpt is None or preset not in gpt.PRESETS:
+        raise ValueError("model: unknown model %r; choose one of %s"
+                         % (name, ", ".join(model_names())))
+    if "vocab" not in _bench_cache:
+        _bench_cache["vocab"] = len(gpt.load_corpus()[1])
+    cfg = gpt.GPTConfig.preset(preset, _bench_cache["vocab"])
+    return _gpt(name, cfg.n_layer, cfg.n_embd, cfg.n_head, vocab=cfg.vocab_size,
+                seq=cfg.block_size, note="benchmarks/gpt.py preset %r" % preset,
+                dropout=cfg.dropout > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_count_arg(),
                      help="parameter count: 7e9, 7B, 124M, 1300000")
-    src.add_argument("--model", choices=sorted(MODELS),
+    src.add_argument("--model", choices=model_names(),
                      help="a known model (sets params and the activation shape)")
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                    help="default: %(default)s")
@@ -531,7 +565,7 @@ def _configs(args, parser) -> List[Breakdown]:
     shape = {k: getattr(args, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
     dropout = not args.no_dropout
     if args.model:
-        m = MODELS[args.model]
+        m = model_spec(args.model)
         params = m.params
         dropout = dropout and m.dropout
         for k, v in (("seq", m.seq), ("hidden", m.hidden), ("layers", m.layers),
@@ -565,15 +599,21 @@ def _configs(args, parser) -> List[Breakdown]:
     return out
 
 
-def _fmt_gib(b: int) -> str:
-    g = b / GiB
-    return "%.3g" % g if g >= 0.01 or g == 0 else "%.2e" % g
+def _unit(results: Sequence[Breakdown]) -> tuple:
+    """(name, bytes) of the unit a table or chart of ``results`` is shown in: GiB, or MiB / KiB
+    for small models."""
+    top = max(r.total for r in results)
+    for name, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if top >= size:
+            return name, float(size)
+    return "B", 1.0
 
 
 def format_table(results: Sequence[Breakdown]) -> str:
     """Markdown table: one row per component, one column per configuration, each cell
-    'GiB (bytes/param)'."""
-    head = ["per device: GiB (bytes/param)"] + [r.label() for r in results]
+    'size (bytes/param)' in the unit of the header (GiB, or MiB/KiB for small models)."""
+    unit, size = _unit(results)
+    head = ["per device: %s (bytes/param)" % unit] + [r.label() for r in results]
     rows = []
     for field, name in ROWS:
         if field in OPTIONAL_ROWS and not any(getattr(r, field) for r in results):
@@ -583,10 +623,10 @@ def format_table(results: Sequence[Breakdown]) -> str:
             v = getattr(r, field)
             if v is None:
                 cells.append("—")
-            elif 0 < v < 2 ** 20:  # the scaler's scalars: bytes, not GiB
+            elif 0 < v < 0.01 * size:  # e.g. the scaler's scalars: in bytes
                 cells.append("%d B (%.2g)" % (v, v / r.params))
             else:
-                cells.append("%s (%.3g)" % (_fmt_gib(v), v / r.params))
+                cells.append("%.3g (%.3g)" % (v / size, v / r.params))
         rows.append(cells)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
@@ -597,19 +637,28 @@ def format_table(results: Sequence[Breakdown]) -> str:
 
 
 def plot(results: Sequence[Breakdown], path: str, title: str = "") -> str:
-    """A stacked bar chart (GiB per device) of each configuration's components."""
+    """A stacked bar chart (GiB, or MiB/KiB, per device) of each configuration's components."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    unit, size = _unit(results)
     parts = [f for f in Breakdown.PERSISTENT + Breakdown.TRANSIENT]
     names = dict(ROWS)
+
+    def shown(r, f):  # the step's buffers and the forward/backward peak do not overlap
+        if f in Breakdown.PERSISTENT:
+            return getattr(r, f)
+        step_peak = r.step_buffers > (r.activations or 0) + r.autocast_copies
+        return (r.step_buffers if step_peak else 0) if f == "step_buffers" else \
+            (0 if step_peak else getattr(r, f) or 0)
+
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(results) + 2), 4.5))
     x = list(range(len(results)))
     bottom = [0.0] * len(results)
     for f in parts:
-        ys = [(getattr(r, f) or 0) / GiB for r in results]
+        ys = [shown(r, f) / size for r in results]
         if not any(ys):
             continue
         hatch = "//" if f in Breakdown.TRANSIENT else None
@@ -617,7 +666,7 @@ def plot(results: Sequence[Breakdown], path: str, title: str = "") -> str:
         bottom = [b + y for b, y in zip(bottom, ys)]
     ax.set_xticks(x)
     ax.set_xticklabels([r.label() for r in results], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("GiB per device")
+    ax.set_ylabel("%s per device" % unit)
     ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)

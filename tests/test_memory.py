@@ -189,20 +189,24 @@ def test_presets_published_counts(name, count):
 
 
 def test_bench_presets_match_benchmarks_gpt():
+    """bench-<preset> follows benchmarks/gpt.py, and its parameter count (the GPT formula) is
+    that of the real model."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import gpt
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     _, vocab = gpt.load_corpus()
-    assert set(gpt.PRESETS) == {k[len("bench-"):] for k in memory.MODELS
-                                if k.startswith("bench-")}
-    for name, kw in gpt.PRESETS.items():
-        spec = memory.MODELS["bench-" + name]
+    assert [n for n in memory.model_names() if n.startswith("bench-")] == \
+        ["bench-" + k for k in gpt.PRESETS]
+    for name in gpt.PRESETS:
+        spec = memory.model_spec("bench-" + name)
         cfg = gpt.GPTConfig.preset(name, len(vocab))
         assert (spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab) == \
             (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size)
         assert spec.params == gpt.count_params(gpt.GPT(cfg))
+    with pytest.raises(ValueError, match="model: unknown model 'bench-huge'"):
+        memory.model_spec("bench-huge")
 
 
 # ---------------------------------------------------------------------------------------------
