@@ -33,7 +33,8 @@ start, the params keep their dtype, and the measured persistent memory of every 
 the estimate within 10%.
 
 Sizes: CPU: the ``tiny`` and ``small`` presets (``--quick``: ``tiny`` only, fewer samples); GPU:
-``small`` and ``gpu``. On CPUs without AVX512-BF16/AMX, PyTorch's BF16/FP16 GEMMs are several
+``small``, ``gpu`` and ``gpt2-body`` (GPT-2 small's 12 layers x 768 on the character vocabulary,
+85M params; ``--quick``: ``gpu`` only). On CPUs without AVX512-BF16/AMX, PyTorch's BF16/FP16 GEMMs are several
 times slower than FP32 ones, so every mixed-precision mode is slower than FP32 there; that is
 the same for native AMP and mpext, and the ratio between them is the comparison that matters.
 ``--fp32-gemm`` computes the low-precision GEMMs in FP32 from rounded operands (gpt.Linear) for
@@ -89,9 +90,13 @@ SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16",
 LABEL = {k: lab for k, lab, *_ in MODES}
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 
-# (preset, batch size) per run kind
-SIZES = {"cpu": [("tiny", 8), ("small", 8)], "cpu_quick": [("tiny", 4)],
-         "cuda": [("small", 64), ("gpu", 64)], "cuda_quick": [("small", 32)]}
+# (label, gpt.py preset, batch size, GPTConfig overrides) per run kind. "gpt2-body": GPT-2
+# small's 12 layers x 768 on the character vocabulary (85M params).
+_GPT2_BODY = ("gpt2-body", "gpu", 16, dict(n_layer=12, n_head=12, n_embd=768))
+SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {})],
+         "cpu_quick": [("tiny", "tiny", 4, {})],
+         "cuda": [("small", "small", 64, {}), ("gpu", "gpu", 64, {}), _GPT2_BODY],
+         "cuda_quick": [("gpu", "gpu", 32, {})]}
 
 
 class CorrectnessError(AssertionError):
@@ -176,23 +181,24 @@ def _check(trainers):
         raise CorrectnessError("; ".join(errors))
 
 
-def _size_metrics(ctx, preset, batch, vocab, data, fp32_gemm, bar):
+def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
+    label, preset, batch, overrides = size
     dev = ctx.device
-    cfg = GPTConfig.preset(preset, len(vocab))
+    cfg = GPTConfig.preset(preset, len(vocab), **overrides)
     gen = torch.Generator().manual_seed(1234)
     batches = [tuple(t.to(dev) for t in get_batch(data, batch, cfg.block_size, gen))
                for _ in range(POOL)]
     trainers = {k: Trainer(k, cfg, batches, dev, fp32_gemm) for k, *_ in MODES}
     n = count_params(trainers["fp32"].model)
     times = ctx.time_fns({k: tr.step for k, tr in trainers.items()},
-                         desc="%s (%.2fM params, batch %d)" % (preset, n / 1e6, batch))
+                         desc="%s (%.2fM params, batch %d)" % (label, n / 1e6, batch))
     bar.update(1)
     persistent = {k: tr.measure() for k, tr in trainers.items()}
     # Peak during a step: grads do not exist between steps (zero_grad(set_to_none=True)).
     extra = peak_memory_many({k: tr.step for k, tr in trainers.items()}, dev)
     _check(trainers)
     bar.update(1)
-    out = {"preset": preset, "batch": batch, "params": n, "config": dataclasses.asdict(cfg),
+    out = {"preset": label, "batch": batch, "params": n, "config": dataclasses.asdict(cfg),
            "modes": {}}
     for k, tr in trainers.items():
         got = persistent[k]
@@ -238,10 +244,10 @@ def run(ctx: Context) -> dict:
     results, misses, phases = [], [], {}
     with stopwatch() as elapsed:
         with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
-            for preset, batch in sizes:
+            for size in sizes:
                 t0 = elapsed()
-                results.append(_size_metrics(ctx, preset, batch, vocab, data, fp32_gemm, bar))
-                phases[preset] = elapsed() - t0
+                results.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
+                phases[size[0]] = elapsed() - t0
         seconds = elapsed()
 
     for res in results:
@@ -318,7 +324,7 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
                 "%.2f" % m["predicted_per_param"], "%+.1f%%" % (100 * m["agreement"]),
                 "%.3f → %.3f" % (m["losses"][0], m["losses"][-1]),
                 "" if m["skipped_steps"] is None else str(m["skipped_steps"])])
-        md += ["**%s preset: %s params, batch %d × %d tokens**" % (
+        md += ["**%s: %s params, batch %d × %d tokens**" % (
                    res["preset"], "{:,}".format(res["params"]), res["batch"],
                    res["config"]["block_size"]), "",
                markdown_table(headers, rows), ""]
@@ -395,7 +401,7 @@ def _plot_memory(ctx, res):
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels([SHORT[k] for k in keys], fontsize=8)
     ax.set_ylabel("persistent bytes per parameter")
-    ax.set_title("%s preset (%s params): measured (plain) vs mpext.memory (hatched)"
+    ax.set_title("%s (%s params): measured (plain) vs mpext.memory (hatched)"
                  % (res["preset"], "{:,}".format(res["params"])), fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
