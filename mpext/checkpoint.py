@@ -125,8 +125,9 @@ def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> None:
     header = _HEADER.pack(_MAGIC, FORMAT_VERSION, 0, len(payload),
                           hashlib.sha256(payload).digest())
 
-    tmp = os.path.join(directory, ".%s.%s%s" % (os.path.basename(path), uuid.uuid4().hex,
-                                                  _TMP_SUFFIX))
+    # (the name cut to 200 characters keeps the temporary name within NAME_MAX = 255)
+    tmp = os.path.join(directory, ".%s.%s%s" % (os.path.basename(path)[:200],
+                                                  uuid.uuid4().hex, _TMP_SUFFIX))
     try:
         with open(tmp, "xb") as f:
             f.write(header)

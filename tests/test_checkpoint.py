@@ -133,6 +133,12 @@ def test_overwrite_replaces_content(tmp_path):
     assert os.listdir(tmp_path) == ["c.pt"]
 
 
+def test_long_file_name(tmp_path):
+    path = tmp_path / ("x" * 250 + ".pt")  # the temporary name must stay within 255 bytes
+    ckpt.save_checkpoint(path, {"v": 1})
+    assert ckpt.load_checkpoint(path) == {"v": 1}
+
+
 def test_map_location(tmp_path):
     path = tmp_path / "c.pt"
     ckpt.save_checkpoint(path, {"v": torch.arange(3)})
