@@ -17,7 +17,8 @@ own precision), its ratio to FP32, whether modes 4 and 5 are within 2% of FP32 a
 Mode 6's damage is measured directly: the fraction of BF16 weights that a step leaves unchanged,
 next to the fraction of the FP32 reference's updates that are smaller than half a BF16 ulp of
 their weight. When the main setting does not show mode 6 worse, a second, lower learning rate
-(``LOW_LR_FACTOR`` x) is run for FP32, mpext BF16 and naive BF16, where lost updates dominate.
+(``LOW_LR_FACTOR`` x) is run for FP32, mpext BF16 and naive BF16, where lost updates dominate
+(not with ``--quick``, whose criteria are not meaningful anyway).
 
 Underflow demonstration: the FP32 gradients of the reference model at the end of training (a few
 batches), and the fraction of their non-zero elements that become zero, or subnormal, when cast
@@ -120,9 +121,10 @@ class Setting:
 
 
 SETTINGS = {
-    "quick": Setting(preset="tiny", batch_size=16, steps=150, lr=3e-3, warmup=10,
-                     eval_interval=15, eval_batches=4, final_k=3, growth_interval=25),
-    "cpu": Setting(preset="small", batch_size=16, steps=400, lr=2e-3, warmup=20),
+    "quick": Setting(preset="tiny", batch_size=16, steps=100, lr=3e-3, warmup=10,
+                     eval_interval=10, eval_batches=4, final_k=3, growth_interval=25),
+    "cpu": Setting(preset="small", batch_size=16, steps=300, lr=2e-3, warmup=20,
+                   eval_interval=20, growth_interval=50),
     "cuda": Setting(preset="gpu", batch_size=64, steps=1500, lr=1e-3, warmup=100,
                     eval_interval=50, eval_batches=16, growth_interval=200),
 }
@@ -327,6 +329,22 @@ def _plt():
     return plt
 
 
+def _label_axes(ax, title: str, xlabel: str, ylabel: str = "", fontsize: int = 7) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=fontsize)
+
+
+def _save(plt, fig, path, title: str):
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 STYLE = {"fp32": ("black", "-"), "amp_bf16": ("tab:blue", "--"), "amp_fp16": ("tab:cyan", "-."),
          "mpext_bf16": ("tab:green", "-"), "mpext_fp16": ("tab:olive", "--"),
          "bf16_naive": ("tab:red", ":")}
@@ -347,11 +365,7 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
                 label="%s, lr x%g" % (SHORT[k], LOW_LR_FACTOR))
     ax.axhline(entropy, color="grey", linewidth=1, linestyle=":",
                label="unigram entropy %.2f" % entropy)
-    ax.set_title("validation loss (held-out 10%)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/char)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _label_axes(ax, "validation loss (held-out 10%)", "step", "cross-entropy (nats/char)")
 
     ax = axes[1]
     ref = runs.get("fp32")
@@ -369,12 +383,12 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
                     color=c, linestyle=ls, alpha=0.5, linewidth=2.5,
                     label="%s / FP32, lr x%g" % (SHORT[k], LOW_LR_FACTOR))
         ax.axhspan(1 - TOLERANCE, 1 + TOLERANCE, color="green", alpha=0.1, label="±2%")
-        ax.set_ylim(0.95, 1.15)
+        ratios = [line.get_ydata() for line in ax.get_lines()]
+        top = max(max(y) for y in ratios) if ratios else 1.0
+        bottom = min(min(y) for y in ratios) if ratios else 1.0
+        ax.set_ylim(min(0.97, bottom - 0.005), max(1.05, top + 0.01))
         ax.set_xlim(left=st.steps * 0.2)
-    ax.set_title("validation loss / FP32's (same lr)")
-    ax.set_xlabel("step")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _label_axes(ax, "validation loss / FP32's (same lr)", "step")
 
     ax = axes[2]
     for src, attr, lab in ((runs, "unchanged", "naive BF16: weights a step left unchanged"),
@@ -389,16 +403,8 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
                 ax.plot(range(1, len(ys) + 1), [100 * v for v in ys], color=c, linestyle=ls,
                         alpha=1.0 if src is runs else 0.5, label=lab)
     ax.set_ylim(0, 100)
-    ax.set_title("lost updates in BF16 without master weights")
-    ax.set_xlabel("step")
-    ax.set_ylabel("% of weights")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _label_axes(ax, "lost updates in BF16 without master weights", "step", "% of weights")
+    return _save(plt, fig, path, title)
 
 
 def plot_scale(path, runs: Dict[str, Run], title: str):
@@ -416,16 +422,9 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
                        zorder=3, s=30)
     ax.scatter([], [], marker="x", color="tab:red", label="skipped step (inf/NaN gradient)")
     ax.set_yscale("log", base=2)
-    ax.set_title("FP16 loss scale per step (the scale the step's backward used)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss scale")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _label_axes(ax, "FP16 loss scale per step (the scale the step's backward used)", "step",
+                "loss scale", fontsize=8)
+    return _save(plt, fig, path, title)
 
 
 def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
@@ -466,11 +465,7 @@ def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
             ax.set_title("full range: BF16 zero %.3g%%; BF16's range reaches 2^-133"
                          % (100 * stats["bf16_zero"]), fontsize=9)
             ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,7 +553,7 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
         # Mode 6 at a lower learning rate when the main setting does not show it worse.
         low: Dict[str, Run] = {}
         low_lr = st.lr * LOW_LR_FACTOR
-        if "bf16_naive" in runs and ratio["bf16_naive"] <= 1 + TOLERANCE:
+        if "bf16_naive" in runs and ratio["bf16_naive"] <= 1 + TOLERANCE and not ctx.quick:
             low_modes = [k for k in LOW_LR_MODES if k in runs]
             bar = ctx.progress(total=st.steps * len(low_modes), desc="convergence, lr x%g"
                                % LOW_LR_FACTOR)
@@ -661,7 +656,8 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
            "(more than %d%% above FP32)%s." % (round(100 * TOLERANCE), round(100 * TOLERANCE),
                                                "" if meaningful else
                                                "; **(n/m): not meaningful with --quick** (a "
-                                               "tiny model for %d steps)" % st.steps)]
+                                               "tiny model for %d steps; no low-lr rerun)"
+                                               % st.steps)]
     if low:
         md += ["", "Mode 6 was not more than 2%% worse at lr %g, so FP32, mpext BF16 and naive "
                "BF16 were also run at lr %g (x%g), where more of naive BF16's updates fall below "
@@ -698,8 +694,8 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
              write_text(ctx.out_dir / (NAME + ".md"), markdown)]
     if ctx.plots:
         m = ctx.machine
-        title = "%s: preset %s, %d steps%s; %s, torch %s" % (
-            TITLE, st.preset, st.steps, " (quick)" if ctx.quick else "",
+        title = "%s: GPT preset %s, %d steps%s; %s, torch %s" % (
+            NAME, st.preset, st.steps, " (quick)" if ctx.quick else "",
             m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_version"])
         files.append(plot_loss(ctx.out_dir / "convergence_loss.png", runs, low, st, entropy,
                                title))

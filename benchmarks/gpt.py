@@ -72,12 +72,12 @@ class GPTConfig:
 
 
 # Model sizes (vocab_size comes from the corpus). Parameter counts for the 42-character corpus
-# vocabulary: tiny 0.06M, small 0.35M, gpu 10.8M.
+# vocabulary: tiny 0.06M, small 0.11M, gpu 10.8M.
 PRESETS: Dict[str, dict] = {
     # unit tests and --quick: a few milliseconds per step on a CPU core
     "tiny": dict(block_size=32, n_layer=2, n_head=2, n_embd=48),
     # the default CPU convergence benchmark
-    "small": dict(block_size=64, n_layer=3, n_head=4, n_embd=96),
+    "small": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
     # a GPU run (the classic character-level GPT size)
     "gpu": dict(block_size=256, n_layer=6, n_head=6, n_embd=384),
 }
