@@ -18,7 +18,6 @@ reported (the ranks wait for each other inside every all-reduce).
     python benchmarks/bench_distributed.py [--quick]
 """
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,11 +50,12 @@ def _model() -> nn.Module:
                          nn.Linear(WIDTH, 1))
 
 
-def _worker(rank: int, port: int, out_path: str, rounds: int, inner: int) -> None:
+def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+    rendezvous = "file://" + os.path.join(os.path.dirname(out_path), "rendezvous")
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
     try:
         model = nn.parallel.DistributedDataParallel(_model())
         opt = mpext.optim.AdamW(model.parameters(), lr=1e-4)
@@ -97,17 +97,11 @@ def _worker(rank: int, port: int, out_path: str, rounds: int, inner: int) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _measure(rounds: int, inner: int) -> dict:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "rank0.pt")
-        ctx = mp.start_processes(_worker, args=(_free_port(), out_path, rounds, inner),
+        ctx = mp.start_processes(_worker, args=(out_path, rounds, inner),
                                  nprocs=WORLD, join=False, start_method=method)
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=1):

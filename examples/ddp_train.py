@@ -35,7 +35,7 @@ import torch.nn as nn
 import mpext
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precision", choices=("fp16", "bf16"), default="fp16")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
@@ -48,7 +48,7 @@ def parse_args():
     p.add_argument("--checkpoint", default="",
                    help="DDP: rank 0 saves a checkpoint here at the end (default: none)")
     p.add_argument("--resume", action="store_true", help="start from --checkpoint (DDP)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def init_distributed():
@@ -89,6 +89,15 @@ def batch(step, args, device):
 def main():
     args = parse_args()
     device = init_distributed()
+    try:
+        train(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args, device):
+    """Trains in the process group that is set up; returns the final loss, scale and number of
+    skipped steps (the same on every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     low = torch.float16 if args.precision == "fp16" else torch.bfloat16
     model = make_model(args.width, device)
@@ -160,7 +169,8 @@ def main():
                         "scaler": scaler.state_dict(), "step": start + args.steps},
                        args.checkpoint)
             print("saved", args.checkpoint)
-    dist.destroy_process_group()
+    return {"loss": loss.item(), "scale": scaler.get_scale(),
+            "skipped": scaler.get_skipped_steps()}
 
 
 if __name__ == "__main__":

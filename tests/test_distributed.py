@@ -1,16 +1,16 @@
 """mpext under PyTorch's distributed engine: DDP, FSDP2 (fully_shard) and DTensor.
 
-Two spawned processes form a gloo group on loopback (a free port found at run time, a collective
-timeout, and a wall-clock bound on every spawn, so a hung collective fails the test instead of
-hanging it). Each spawn runs several scenarios and saves what every rank ends with; the tests
+Two spawned processes form a gloo group on loopback (a file rendezvous in the run's temporary
+directory, a collective timeout, and a wall-clock bound on the spawn, so a hung collective fails
+the test instead of hanging it). Each spawn runs several scenarios and saves what every rank ends with; the tests
 then compare it, in this process, with single-process references: the same model trained by one
 process on the combined batch (DDP), or torch's own AdamW and GradScaler on the full tensors
 (FSDP2, DTensor). Every scenario also checks that all ranks agree bit for bit.
 """
 import copy
+import math
 import os
 import pickle
-import socket
 import time
 from datetime import timedelta
 
@@ -35,17 +35,13 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 # Spawning.
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, port, out_dir, body):
+def _entry(rank, out_dir, body):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=90))
+    # The rendezvous goes through a file in the run's own directory: no port to pick (and lose
+    # to another process between picking and binding); gloo's own sockets bind on loopback.
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"),
+                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=90))
     try:
         results = body(rank, out_dir)
         torch.save(results, os.path.join(out_dir, "rank%d.pt" % rank))
@@ -56,7 +52,7 @@ def _entry(rank, port, out_dir, body):
 
 def _spawn(body, out_dir):
     """Runs body(rank, out_dir) on WORLD gloo ranks; returns what each rank returned."""
-    ctx = mp.start_processes(_entry, args=(_free_port(), str(out_dir), body), nprocs=WORLD,
+    ctx = mp.start_processes(_entry, args=(str(out_dir), body), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
@@ -141,6 +137,35 @@ def _all_body(rank, out_dir):
     """Everything in one spawn: starting the processes costs more than the scenarios."""
     out = _ddp_body(rank, out_dir)
     out.update(_dt_body(rank, out_dir))
+    out["example"] = _example_runs(out_dir)
+    return out
+
+
+EXAMPLE_RUNS = {"ddp_fp16": [], "ddp_bf16": ["--precision", "bf16"], "fsdp_fp16": ["--fsdp"],
+                "fsdp_bf16_sync": ["--fsdp", "--precision", "bf16", "--sync-found-inf"]}
+
+
+def _example_runs(out_dir):
+    """examples/ddp_train.py's train() in this group (torchrun would start new processes);
+    it raises if the ranks end with different params."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "ddp_train.py")
+    spec = importlib.util.spec_from_file_location("ddp_train_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = {}
+    for name, argv in EXAMPLE_RUNS.items():
+        args = example.parse_args(argv + ["--steps", "4", "--width", "32"])
+        out[name] = example.train(args, torch.device("cpu"))
+    ckpt = os.path.join(out_dir, "example.pt")
+    example.train(example.parse_args(["--steps", "2", "--width", "32", "--checkpoint", ckpt]),
+                  torch.device("cpu"))
+    dist.barrier()  # rank 0 wrote it
+    out["resumed"] = example.train(example.parse_args(
+        ["--steps", "2", "--width", "32", "--checkpoint", ckpt, "--resume"]),
+        torch.device("cpu"))
     return out
 
 
@@ -691,3 +716,16 @@ def test_fsdp2_distributed_checkpoint_resumes_bit_identically(results):
         assert got["state_keys"] == ["exp_avg", "exp_avg_sq", "master_param", "step"]
         assert all(got["params"]) and all(got["masters"]) and len(got["params"]) == 6
         assert got["moved"] > 0.01
+
+
+def test_the_example_runs_ddp_and_fsdp2(results):
+    got = results[0]["example"]
+    for r in results:  # the ranks agree on the scale and skips (train() checks the params);
+        for name, res in r["example"].items():  # the loss is each rank's own batch's
+            assert (res["scale"], res["skipped"]) == (got[name]["scale"], got[name]["skipped"])
+    for name in EXAMPLE_RUNS:
+        assert math.isfinite(got[name]["loss"]) and got[name]["skipped"] == 0
+    assert got["ddp_fp16"]["scale"] == 2.0 ** 12 and got["ddp_bf16"]["scale"] == 1.0
+    # 2 steps, a checkpoint, 2 more steps from it: the 4-step run, to the bit
+    for r in results:
+        assert r["example"]["resumed"] == r["example"]["ddp_fp16"]
