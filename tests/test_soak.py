@@ -269,9 +269,9 @@ COLLAPSE = [float("nan")] * 200 + [1.0] * 5  # 200 overflowing steps, then clean
 def test_sustained_overflow_collapses_the_default_rule_as_in_torch():
     """Why the soak sets ``min_scale``. Under torch's rule (mpext's default, kept for parity)
     every overflowing step halves the scale: 200 in a row from 2^16 take it through the
-    subnormals to 0. Then 1/scale is inf, the clean gradients of the next steps are finite (so
-    no overflow is found), and unscaling them by inf writes NaN into the params: silent
-    corruption. torch.amp.GradScaler does exactly the same, value for value."""
+    subnormals to 0. From 2^-128 on (144 halvings) 1/scale is inf in float32: the clean
+    gradients of the next steps are finite (so no overflow is found), and unscaling them by inf
+    writes inf/NaN into the params: silent corruption. torch.amp.GradScaler does exactly the same, value for value."""
     ours = run_scaler(mpext.GradScaler("cpu"), COLLAPSE)
     torchs = run_scaler(torch.amp.GradScaler("cpu"), COLLAPSE)
     assert ours[:2] == torchs[:2]
@@ -279,6 +279,11 @@ def test_sustained_overflow_collapses_the_default_rule_as_in_torch():
     assert any(0 < s < TINY for s in scales) and scales[199] == 0.0
     assert skipped == [True] * 200 + [False] * 5
     assert param.isnan().all() and torchs[2].isnan().all()
+    # Already at a non-zero scale of 2^-128 (144 halvings), 1/scale is inf in float32.
+    early = [float("nan")] * 144 + [1.0]
+    scales, skipped, param = run_scaler(mpext.GradScaler("cpu"), early)
+    assert scales[143] == 2.0 ** -128 and skipped[-1] is False
+    assert not param.isfinite().any()
 
 
 @pytest.mark.filterwarnings("ignore:.*consecutive steps had inf/NaN")
