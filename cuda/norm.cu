@@ -161,7 +161,9 @@ __global__ void __launch_bounds__(kFinishThreads)
   s[threadIdx.x] = acc;
   __syncthreads();
   tree_sum<kFinishThreads>(s);
-  if (threadIdx.x == 0) *out = __double2float_rn(__dsqrt_rn(s[0]));
+  // Every NaN result is the canonical quiet NaN, whatever the inputs' payloads (as on the CPU).
+  if (threadIdx.x == 0)
+    *out = s[0] != s[0] ? __int_as_float(0x7FC00000) : __double2float_rn(__dsqrt_rn(s[0]));
 }
 
 mp_status launch_status() { return cudaPeekAtLastError() == cudaSuccess ? MP_OK : MP_ERR_CUDA; }

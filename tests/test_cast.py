@@ -127,6 +127,23 @@ def test_fp16_to_fp32_against_struct(isa):
             assert struct.pack("<f", v) == struct.pack("<f", ref), hex(i)
 
 
+def test_fp16_nan_payloads_survive_to_fp32(isa):
+    """Every fp16 NaN, quiet or signalling, widens to the fp32 NaN with the same sign and payload
+    (shifted up 13 bits), on every ISA path (VCVTPH2PS would set the quiet bit), in both the
+    vector body and the tail of to_fp32 and cast_."""
+    u = np.arange(1 << 16, dtype=np.uint32)
+    nan = (u & 0x7FFF) > 0x7C00
+    ref = ((u & 0x8000) << 16) | 0x7F800000 | ((u & 0x3FF) << 13)
+    h = torch.from_numpy(u[nan].astype(np.uint16).view(np.int16)).view(torch.float16)
+    for x in (h, h[3:]):  # two alignments: elements move between vector body and tail
+        expect = ref[nan][3:] if x is not h else ref[nan]
+        ours = ops.to_fp32(x).view(torch.int32).numpy().view(np.uint32)
+        np.testing.assert_array_equal(ours, expect)
+        dst = torch.empty(x.shape, dtype=torch.float32)
+        ops.cast_([dst], [x])
+        np.testing.assert_array_equal(dst.view(torch.int32).numpy().view(np.uint32), expect)
+
+
 def test_bf16_to_fp32_is_shift(isa):
     h = all_16bit(torch.bfloat16, "cpu")
     ours = ops.to_fp32(h).view(torch.int32).numpy().view(np.uint32)

@@ -527,22 +527,12 @@ def _run_op(name, gen_seed):
 CPU_OPS = ["to_bf16", "to_bf16_sr", "to_fp16", "to_fp32", "cast_", "unscale_",
            "update_scale_", "adam_step_", "grad_norm"]
 # Known differences in NaN payloads only (values and NaN-ness agree; see the test below).
-NAN_PAYLOAD_BUGS = {
-    "to_fp32": "fp16 -> fp32: the AVX2 path (F16C) quiets signalling NaNs (0x7f8f4000 becomes "
-               "0x7fcf4000), the scalar path keeps them",
-    "cast_": "its fp16 -> fp32 pairs: the AVX2 path quiets signalling NaNs, the scalar path "
-             "keeps them",
-    "grad_norm": "with NaNs in the input the NaN result's payload depends on the ISA path",
-}
-
 
 def _identity_params():
     out = []
     for name in CPU_OPS:
         out.append(pytest.param(name, False, id=name + "-nan_payloads_free"))
-        marks = ([pytest.mark.xfail(strict=True, reason=NAN_PAYLOAD_BUGS[name])]
-                 if name in NAN_PAYLOAD_BUGS else [])
-        out.append(pytest.param(name, True, id=name + "-nan_payloads_too", marks=marks))
+        out.append(pytest.param(name, True, id=name + "-nan_payloads_too"))
     return out
 
 

@@ -246,6 +246,18 @@ def test_nan_and_inf_anywhere(isa, device, dtype):
                         assert_close(got, torch_clip_norm(xs, inv), 0, (n, pos, bad, where))
 
 
+def test_nan_result_is_the_canonical_nan(isa, device):
+    """Whatever the NaN payloads and signs met (which one the sums meet first depends on the
+    ISA path), the result's bits are the canonical quiet NaN 0x7FC00000."""
+    payloads = torch.tensor([0x7F800001, 0xFFC00123, 0x7FBFFFFF, 0xFFFFFFFF], dtype=torch.int64)
+    for k in range(len(payloads)):
+        x = torch.randn(1000)
+        x[17 * (k + 1)] = payloads[k:k + 1].to(torch.int32).view(torch.float32)
+        x[900] = payloads[(k + 1) % len(payloads):][:1].to(torch.int32).view(torch.float32)
+        got = mpext.ops.grad_norm([x.to(device)])
+        assert got.view(torch.int32).item() == 0x7FC00000, hex(got.view(torch.int32).item())
+
+
 def test_nan_wins_over_inf(isa, device):
     x = torch.tensor([1.0, float("inf"), 2.0, float("-inf")], device=device)
     y = torch.tensor([float("nan")], device=device).bfloat16()

@@ -184,11 +184,20 @@ MP_GRAD_NORM_ENTRY(grad_norm_sumsq_f32, float)
 MP_GRAD_NORM_ENTRY(grad_norm_sumsq_bf16, uint16_t)
 MP_GRAD_NORM_ENTRY(grad_norm_sumsq_fp16, uint16_t)
 
+static float canonical_nan_f32(void) {
+  const uint32_t bits = 0x7FC00000u;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 mp_status mp_grad_norm_finish(const double* partials, int64_t n, float* out) {
   if (n < 0 || out == NULL || (n > 0 && partials == NULL)) return MP_ERR_INVALID_ARGUMENT;
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) sum += partials[i];
-  /* sqrt of a sum of squares: >= 0, +Inf or NaN; the conversion rounds once to fp32. */
-  *out = (float)__builtin_sqrt(sum);
+  /* sqrt of a sum of squares: >= 0, +Inf or NaN; the conversion rounds once to fp32. A NaN's
+   * payload would depend on which NaN the vector sums met first (so on the ISA path): every NaN
+   * result is the one canonical quiet NaN, as on CUDA. */
+  *out = sum != sum ? canonical_nan_f32() : (float)__builtin_sqrt(sum);
   return MP_OK;
 }

@@ -29,10 +29,23 @@ static inline void mp_f32_to_f16_x8(const float* src, uint16_t* dst) {
 #endif
 }
 
-/* dst[0..7] = fp32(src[0..7]), exact. */
+/* dst[0..7] = fp32(src[0..7]), exact. NaNs keep their payload and stay signalling if they were
+ * (VCVTPH2PS sets the quiet bit, the integer code does not): NaN lanes take the integer
+ * result, so every ISA path gives the same bits. */
 static inline void mp_f16_to_f32_x8(const uint16_t* src, float* dst) {
 #if defined(MP_HAVE_F16C)
-  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)src)));
+  __m128i h = _mm_loadu_si128((const __m128i*)src);
+  __m256 f = _mm256_cvtph_ps(h);
+  __m256i u = _mm256_cvtepu16_epi32(h);
+  __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFF));
+  __m256i is_nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7C00));
+  /* sign | exponent 0xFF | the 10 payload bits on top of the fp32 mantissa */
+  __m256i nan_bits = _mm256_or_si256(
+      _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x8000)), 16),
+      _mm256_or_si256(_mm256_set1_epi32(0x7F800000),
+                      _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x3FF)), 13)));
+  f = _mm256_blendv_ps(f, _mm256_castsi256_ps(nan_bits), _mm256_castsi256_ps(is_nan));
+  _mm256_storeu_ps(dst, f);
 #else
   for (int j = 0; j < 8; ++j) {
     uint32_t u = mp_fp16_to_f32_bits(src[j]);

@@ -43,9 +43,9 @@ mp_status mp_grad_norm_sumsq_bf16(const uint16_t* x, int64_t n, float inv_scale,
 mp_status mp_grad_norm_sumsq_fp16(const uint16_t* x, int64_t n, float inv_scale, double* out);
 
 /* *out = sqrt(partials[0] + partials[1] + ... + partials[n - 1]), summed left to right in double,
- * the square root taken in double and rounded once to fp32 (+Inf beyond the fp32 range; NaN if
- * any partial is NaN); 0 for n == 0. Returns MP_ERR_INVALID_ARGUMENT for n < 0, a null out or a
- * null partials with n > 0. */
+ * the square root taken in double and rounded once to fp32 (+Inf beyond the fp32 range; the
+ * canonical quiet NaN 0x7FC00000 if any partial is NaN); 0 for n == 0. Returns
+ * MP_ERR_INVALID_ARGUMENT for n < 0, a null out or a null partials with n > 0. */
 mp_status mp_grad_norm_finish(const double* partials, int64_t n, float* out);
 
 #ifdef __cplusplus
