@@ -132,7 +132,10 @@ class GradScaler(torch.amp.GradScaler):
         hysteresis (int): back off only after this many consecutive overflowing steps (a clean
             step refills the tolerance); 1 (default) backs off on every overflow, as torch does.
             Overflowing steps are skipped either way.
-        min_scale (float, optional): a back-off never takes the scale below this.
+        min_scale (float, optional): a back-off never takes the scale below this. Without it
+            the scale still never falls below the smallest normal float32 (2^-126), where
+            torch's rule would go on to subnormals and 0 and make 1/scale infinite; more than
+            140 consecutive overflowing steps (from 2^16) are needed to get there.
         max_scale (float, optional): growth never takes the scale above this.
         bf16_check_only (bool): for BF16 mixed precision, whose gradients need no loss scaling:
             the scale is held at 1.0 (``scale()`` multiplies by 1, ``update()`` never changes
@@ -140,9 +143,10 @@ class GradScaler(torch.amp.GradScaler):
             never written) and overflowing steps are still skipped and counted. A float16
             gradient raises ``ValueError`` in this mode.
         warn_consecutive_overflows (int, optional): warn (once) when this many consecutive
-            steps overflowed (default 10; ``None`` disables), and, with ``min_scale``, when a
-            step overflows although the scale already sits at ``min_scale``: backing off
-            further cannot help, so the inf/NaN comes from the model, not from scaling. The check
+            steps overflowed (default ``None``: off, as in torch; 10 is a good value), and,
+            with ``min_scale``, when a step overflows although the scale already sits at
+            ``min_scale``: backing off further cannot help, so the inf/NaN comes from the
+            model, not from scaling. The check
             never synchronises: it reads a host copy of the counters made asynchronously by the
             previous ``update()`` (on CPU it reads them at once).
 
@@ -175,7 +179,7 @@ class GradScaler(torch.amp.GradScaler):
                  growth_interval: int = _GROWTH_INTERVAL, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None,
                  max_scale: Optional[float] = None, bf16_check_only: bool = False,
-                 warn_consecutive_overflows: Optional[int] = 10,
+                 warn_consecutive_overflows: Optional[int] = None,
                  sync_found_inf: bool = False, process_group=None) -> None:
         if isinstance(device, numbers.Real) and not isinstance(device, bool):
             # torch.cuda.amp.GradScaler(init_scale, growth_factor, ...): shift the arguments
@@ -193,6 +197,8 @@ class GradScaler(torch.amp.GradScaler):
             _plain(init_scale), _plain(growth_factor), _plain(backoff_factor),
             _plain(growth_interval))
 
+        _check_rule_args("mpext.GradScaler", init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval)
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral) \
                 or not 1 <= hysteresis < 2 ** 31:
             raise ValueError("mpext.GradScaler: hysteresis must be an int in [1, 2^31), got %r"
@@ -433,7 +439,8 @@ class GradScaler(torch.amp.GradScaler):
                 scale, growth_tracker, found_inf, growth_factor, backoff_factor,
                 self._growth_interval,
                 hysteresis_tracker=self._hysteresis_tracker if self._hysteresis > 1 else None,
-                hysteresis=self._hysteresis, min_scale=self._min_scale,
+                hysteresis=self._hysteresis,
+                min_scale=_SCALE_FLOOR if self._min_scale is None else self._min_scale,
                 max_scale=self._max_scale, stats=self._stats)
             return
         # A device mpext has no kernel for: torch's rule, the statistics by tensor ops.
@@ -586,23 +593,18 @@ class GradScaler(torch.amp.GradScaler):
         """Loads a state saved by this class or by ``torch.amp.GradScaler``. Extra keys (see
         :meth:`state_dict`) restore the options and counters they hold; absent ones keep this
         scaler's options and reset its counters. With ``bf16_check_only`` the scale stays 1."""
+        if self._enabled and len(state_dict) != 0:
+            # Every entry is checked before anything is written: torch's own load writes the
+            # scale first and would leave a half-loaded scaler behind a bad later entry.
+            extras = _checked_state_dict(state_dict, self._hysteresis)
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
-        if "hysteresis" in state_dict:
-            h = state_dict["hysteresis"]
-            if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h < 2 ** 31:
-                raise ValueError("mpext.GradScaler.load_state_dict: hysteresis must be an int in "
-                                 "[1, 2^31), got %r" % (h,))
-            self._hysteresis = int(h)
-        if "min_scale" in state_dict:
-            self._min_scale = float(state_dict["min_scale"])
-        if "max_scale" in state_dict:
-            self._max_scale = float(state_dict["max_scale"])
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker",
-                                                           self._hysteresis))
-        self._init_stats = (int(state_dict.get("_skipped_steps", 0)),
-                            int(state_dict.get("_consecutive_overflows", 0)))
+        for key in ("hysteresis", "min_scale", "max_scale"):
+            if key in extras:
+                setattr(self, "_" + key, extras[key])
+        self._init_hysteresis_tracker = extras["_hysteresis_tracker"]
+        self._init_stats = (extras["_skipped_steps"], extras["_consecutive_overflows"])
         if self._bf16_check_only:
             self._init_scale = 1.0
             if self._scale is not None:
@@ -630,6 +632,78 @@ class GradScaler(torch.amp.GradScaler):
                                            or self._process_group_dropped)
         state["_process_group"] = None
         return state
+
+
+# The lowest scale the default rule backs off to: the smallest normal float32, 2^-126. torch's
+# rule goes on halving through the subnormals to 0; from 2^-128 on 1/scale is inf in float32,
+# and finite gradients unscaled by it write inf/NaN into the params without any overflow being
+# found. Only a run of more than 140 consecutive overflows from 2^16 ever gets here, so every
+# scale before that is torch's, value for value.
+_SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_rule_args(where: str, **args: Any) -> None:
+    """Rejects loss-scale rule values torch.amp.GradScaler would take and fail on later (or
+    silently misuse): a non-finite or non-positive scale, NaN/Inf factors, a backoff factor
+    <= 0, a growth interval that is not an int >= 1. torch's own checks (growth_factor > 1,
+    backoff_factor < 1, AssertionError) still run after these, unchanged."""
+    for name, v in args.items():
+        if name == "growth_interval":
+            if not _is_int(v) or v < 1:
+                raise ValueError("%s: growth_interval must be an int >= 1, got %r" % (where, v))
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise ValueError("%s: %s must be a finite number, got %r" % (where, name, v))
+        if name in ("init_scale", "scale", "backoff_factor") and not v > 0:
+            raise ValueError("%s: %s must be > 0, got %r" % (where, name, v))
+
+
+def _checked_state_dict(sd: Dict[str, Any], hysteresis: int) -> Dict[str, Any]:
+    """Checks a GradScaler state dict whole (torch's keys and mpext's extras) and returns the
+    extras' values, converted, with the defaults for absent ones. Raises KeyError for a missing
+    torch key and ValueError naming the key for a bad value."""
+    where = "mpext.GradScaler.load_state_dict"
+    for key in ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                "_growth_tracker"):
+        if key not in sd:
+            raise KeyError("%s: the state dict has no %r entry" % (where, key))
+    scale = sd["scale"]
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError("%s: 'scale' must be a number or a 1-element tensor, got a tensor "
+                             "of shape %s" % (where, list(scale.shape)))
+        scale = float(scale.detach().cpu())
+    _check_rule_args(where, scale=scale, growth_factor=sd["growth_factor"],
+                     backoff_factor=sd["backoff_factor"], growth_interval=sd["growth_interval"])
+    out: Dict[str, Any] = {}
+    ints = {"hysteresis": (1, 2 ** 31), "_growth_tracker": (0, 2 ** 63),
+            "_hysteresis_tracker": (0, 2 ** 31), "_skipped_steps": (0, 2 ** 63),
+            "_consecutive_overflows": (0, 2 ** 63)}
+    for key, (lo, hi) in ints.items():
+        if key in sd:
+            v = sd[key]
+            if not _is_int(v) or not lo <= v < hi:
+                raise ValueError("%s: %s must be an int in [%d, 2^%d), got %r"
+                                 % (where, key, lo, hi.bit_length() - 1, v))
+            out[key] = int(v)
+    for key in ("min_scale", "max_scale"):
+        if key in sd:
+            v = sd[key]
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
+                    math.isfinite(v) and v > 0):
+                raise ValueError("%s: %s must be a finite number > 0, got %r" % (where, key, v))
+            out[key] = float(v)
+    lo, hi = out.get("min_scale"), out.get("max_scale")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError("%s: min_scale (%r) must not exceed max_scale (%r)" % (where, lo, hi))
+    out.setdefault("_hysteresis_tracker", out.get("hysteresis", hysteresis))
+    out.setdefault("_skipped_steps", 0)
+    out.setdefault("_consecutive_overflows", 0)
+    return out
 
 
 def _check_process_group(group, what: str) -> None:

@@ -19,9 +19,9 @@ At the end the skip count reported by the scaler equals the poisoned steps plus 
 overflows, and the final loss on held-out data is close to that of a clean run (same seed, same
 data, no injection); see ``LOSS_RTOL`` for what "close" means and why.
 
-The last tests show why the soak sets ``min_scale``: with the default (torch's) rule, a long
-enough run of overflows takes the scale through the subnormals to 0, after which clean steps
-write NaN into the params, in torch.amp.GradScaler as in mpext.GradScaler (an xfail records it).
+The last tests show why mpext's default rule stops backing off at the smallest normal float32:
+with torch's rule a long enough run of overflows takes the scale through the subnormals to 0,
+after which clean steps write NaN into the params.
 """
 import math
 import random
@@ -266,22 +266,27 @@ COLLAPSE = [float("nan")] * 200 + [1.0] * 5  # 200 overflowing steps, then clean
 
 
 @pytest.mark.filterwarnings("ignore:.*consecutive steps had inf/NaN")
-def test_sustained_overflow_collapses_the_default_rule_as_in_torch():
-    """Why the soak sets ``min_scale``. Under torch's rule (mpext's default, kept for parity)
-    every overflowing step halves the scale: 200 in a row from 2^16 take it through the
-    subnormals to 0. From 2^-128 on (144 halvings) 1/scale is inf in float32: the clean
-    gradients of the next steps are finite (so no overflow is found), and unscaling them by inf
-    writes inf/NaN into the params: silent corruption. torch.amp.GradScaler does exactly the same, value for value."""
+def test_sustained_overflow_collapses_torchs_rule_not_mpexts():
+    """Why mpext's default rule has a floor. Under torch's rule every overflowing step halves
+    the scale: 200 in a row from 2^16 take it through the subnormals to 0. From 2^-128 on
+    (144 halvings) 1/scale is inf in float32: the clean gradients of the next steps are finite
+    (so no overflow is found), and unscaling them by inf writes inf/NaN into the params: silent
+    corruption. mpext.GradScaler follows torch value for value down to 2^-126, the smallest
+    normal float32, and stays there; the clean steps then train normally."""
     ours = run_scaler(mpext.GradScaler("cpu"), COLLAPSE)
     torchs = run_scaler(torch.amp.GradScaler("cpu"), COLLAPSE)
-    assert ours[:2] == torchs[:2]
-    scales, skipped, param = ours
-    assert any(0 < s < TINY for s in scales) and scales[199] == 0.0
-    assert skipped == [True] * 200 + [False] * 5
-    assert param.isnan().all() and torchs[2].isnan().all()
-    # Already at a non-zero scale of 2^-128 (144 halvings), 1/scale is inf in float32.
+    # torch: through the subnormals to 0, params NaN.
+    assert any(0 < s < TINY for s in torchs[0]) and torchs[0][199] == 0.0
+    assert torchs[1] == [True] * 200 + [False] * 5 and torchs[2].isnan().all()
+    # mpext: torch's scales while they are normal, then the floor.
+    floor_at = torchs[0].index(TINY)
+    assert ours[0][:floor_at + 1] == torchs[0][:floor_at + 1]
+    assert ours[0][floor_at:200] == [TINY] * (200 - floor_at)
+    assert ours[1] == [True] * 200 + [False] * 5
+    assert ours[2].isfinite().all() and ours[2].ne(0).all()
+    # At 2^-128 (144 halvings) torch's 1/scale is already inf in float32.
     early = [float("nan")] * 144 + [1.0]
-    scales, skipped, param = run_scaler(mpext.GradScaler("cpu"), early)
+    scales, skipped, param = run_scaler(torch.amp.GradScaler("cpu"), early)
     assert scales[143] == 2.0 ** -128 and skipped[-1] is False
     assert not param.isfinite().any()
 
@@ -296,9 +301,6 @@ def test_min_scale_keeps_the_scale_normal(optimizer):
     assert param.isfinite().all() and param.ne(0).all()
 
 
-@pytest.mark.xfail(strict=True, reason="mpext.GradScaler keeps torch's rule by default, which "
-                   "lets the scale reach subnormals and 0 and then writes NaN into the params "
-                   "(see test_sustained_overflow_collapses_the_default_rule_as_in_torch)")
 @pytest.mark.filterwarnings("ignore:.*consecutive steps had inf/NaN")
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, mpext.optim.AdamW])
 def test_default_scale_stays_normal_and_params_finite(optimizer):
