@@ -602,6 +602,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
             raise ValueError("%s: optimizer must be an optimizer state_dict (with 'state' and "
                              "'param_groups')" % where)
+        _check_inner_state_shapes(self.optimizer, inner, where)
         self.optimizer.load_state_dict(inner)  # checks everything before it modifies anything
         self._refresh_entries()
         with torch.no_grad():
@@ -685,7 +686,51 @@ def _check_params(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]
                                  % (_NAME, where, name, p.layout, tuple(p.shape),
                                     tuple(p.stride()) if p.layout == torch.strided else ()))
             out.append((gi, j, p))
+    _check_no_overlap([("param %d of group %d" % (j, gi), p) for gi, j, p in out], where)
     return out
+
+
+def _check_no_overlap(named: List[Tuple[str, torch.Tensor]], where: str) -> None:
+    """Rejects params whose memory overlaps (distinct views of one buffer): the copy back from
+    the masters would write the shared elements twice, with different values."""
+    spans = []
+    for name, p in named:
+        if p.numel() == 0:
+            continue
+        size = p.element_size()
+        extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+        start = p.untyped_storage().data_ptr() + p.storage_offset() * size
+        spans.append((start, start + extent * size, name))
+    spans.sort(key=lambda t: t[0])
+    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError("%s%s: %s and %s overlap in memory (views of one tensor); each "
+                             "param must have memory of its own" % (_NAME, where, n0, n1))
+
+
+# State entries of torch's optimizers that hold one value per param element (torch's own
+# load_state_dict checks no shapes: a wrong one would only fail, or broadcast, at a later step).
+_ELEMENTWISE_STATE = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
+                      "square_avg", "grad_avg", "acc_delta", "exp_inf", "ax", "prev",
+                      "step_size", "mu_product_buffer"}
+
+
+def _check_inner_state_shapes(optimizer: torch.optim.Optimizer, inner: Dict[str, Any],
+                              where: str) -> None:
+    params = [q for g in optimizer.param_groups for q in g["params"]]
+    state = inner["state"]
+    if not isinstance(state, dict):
+        raise ValueError("%s: optimizer['state'] must be a dict, got %s"
+                         % (where, type(state).__name__))
+    for i, entry in state.items():
+        if not (isinstance(i, int) and 0 <= i < len(params)) or not isinstance(entry, dict):
+            continue  # torch's own load reports these
+        for key, v in entry.items():
+            if key in _ELEMENTWISE_STATE and isinstance(v, torch.Tensor) and v.dim() > 0 \
+                    and v.shape != params[i].shape:
+                raise ValueError("%s: optimizer state of param %d: %r has shape %s but the "
+                                 "param has shape %s" % (where, i, key, tuple(v.shape),
+                                                         tuple(params[i].shape)))
 
 
 def _fp32_state(v: Any, p: torch.Tensor) -> Any:
