@@ -32,15 +32,21 @@ Checks before the report (a failure raises): every mode's loss stays finite and 
 start, the params keep their dtype, and the measured persistent memory of every mode agrees with
 the estimate within 10%.
 
-Sizes: CPU: the ``tiny`` and ``small`` presets (``--quick``: ``tiny`` only, fewer samples); GPU:
-``small``, ``gpu`` and ``gpt2-body`` (GPT-2 small's 12 layers x 768 on the character vocabulary,
-85M params; ``--quick``: ``gpu`` only). On CPUs without AVX512-BF16/AMX, PyTorch's BF16/FP16 GEMMs are several
-times slower than FP32 ones, so every mixed-precision mode is slower than FP32 there; that is
-the same for native AMP and mpext, and the ratio between them is the comparison that matters.
-``--fp32-gemm`` computes the low-precision GEMMs in FP32 from rounded operands (gpt.Linear) for
-a view of everything else.
+Sizes: CPU: the ``tiny`` and ``small`` presets and ``wide`` (4 layers x 512, 12.6M params, one
+sequence of 32 tokens: few tokens per parameter, so the per-parameter work, optimizer step and
+weight casts, weighs as it does in large-model training) (``--quick``: ``tiny`` only, fewer
+samples); GPU: ``small``, ``gpu`` and ``gpt2-body`` (GPT-2 small's 12 layers x 768 on the
+character vocabulary, 85M params; ``--quick``: ``gpu`` only).
 
-    python benchmarks/bench_train.py [--quick] [--device auto|cpu|cuda] [--fp32-gemm]
+On the CPU the linear layers' BF16/FP16 GEMMs are computed in FP32 from operands rounded to
+BF16/FP16 (gpt.Linear, as the convergence benchmark does): on CPUs without AVX512-BF16/AMX
+PyTorch's BF16/FP16 GEMMs are 10-30x slower than FP32 ones and would bury every other cost
+(native AMP and mpext alike: measured 1.2 s per step on ``wide`` instead of 0.1 s). Each side
+pays one extra pass per weight for it (AMP's autocast copy is rounded and then widened, mpext's
+BF16 weight widened), so the difference between them, AMP's per-forward weight cast, stays.
+``--native-lowp-gemm`` uses PyTorch's own low-precision GEMMs instead.
+
+    python benchmarks/bench_train.py [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
 
 Files: results/bench_train.{json,md}, results/train_step_time.png (time per iteration vs model
 size, the ratio to AMP BF16, the loss of the timed steps), results/train_memory.png (stacked
@@ -93,7 +99,8 @@ FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 # (label, gpt.py preset, batch size, GPTConfig overrides) per run kind. "gpt2-body": GPT-2
 # small's 12 layers x 768 on the character vocabulary (85M params).
 _GPT2_BODY = ("gpt2-body", "gpu", 16, dict(n_layer=12, n_head=12, n_embd=768))
-SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {})],
+_WIDE = ("wide", "small", 1, dict(n_layer=4, n_head=8, n_embd=512, block_size=32))
+SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {}), _WIDE],
          "cpu_quick": [("tiny", "tiny", 4, {})],
          "cuda": [("small", "small", 64, {}), ("gpu", "gpu", 64, {}), _GPT2_BODY],
          "cuda_quick": [("gpu", "gpu", 32, {})]}
@@ -231,13 +238,14 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
 
 
 def add_args(parser):
-    parser.add_argument("--fp32-gemm", action="store_true",
-                        help="compute BF16/FP16 GEMMs in FP32 from rounded operands (gpt.Linear)")
+    parser.add_argument("--native-lowp-gemm", action="store_true",
+                        help="on the CPU, use PyTorch's BF16/FP16 GEMMs instead of computing "
+                             "them in FP32 from rounded operands (gpt.Linear)")
     return parser
 
 
 def run(ctx: Context) -> dict:
-    fp32_gemm = bool(getattr(ctx.args, "fp32_gemm", False))
+    fp32_gemm = not ctx.is_cuda and not getattr(ctx.args, "native_lowp_gemm", False)
     kind = ("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")
     sizes = SIZES[kind]
     data, vocab = load_corpus()
@@ -339,7 +347,9 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
            % (ctx.repeats, round(100 * AGREEMENT),
               "CUDA allocator peak" if ctx.is_cuda else "CPU profiler allocation records",
               LR, WEIGHT_DECAY, INIT_SCALE,
-              " BF16/FP16 GEMMs computed in FP32 from rounded operands (--fp32-gemm)."
+              " BF16/FP16 GEMMs computed in FP32 from operands rounded to BF16/FP16 "
+              "(gpt.Linear), because this CPU's own low-precision GEMMs are 10-30x slower than "
+              "FP32 and would bury every other cost (--native-lowp-gemm to use them)."
               if fp32_gemm else (" CPU without AVX512-BF16/AMX: BF16/FP16 GEMMs are slow for "
                                  "every mixed mode alike, compare AMP and mpext with each other."
                                  if not ctx.is_cuda else "")), ""]
