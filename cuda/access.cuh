@@ -1,6 +1,6 @@
-// Memory access and bit casts shared by the CUDA kernels (cast.cu, scale.cu, adam.cu): raw-bit
-// loads and stores of one or eight 32- or 16-bit elements (eight through 16-byte accesses), and
-// fp32 <-> bit-pattern casts. __host__ __device__, so the kernels' per-thread routines can be
+// Memory access and bit casts shared by the CUDA kernels (cast.cu, scale.cu, adam.cu, norm.cu):
+// raw-bit loads and stores of one or eight 32- or 16-bit elements (eight through 16-byte
+// accesses), fp32 <-> bit-pattern casts, and the piece lookup of multi-tensor launches. __host__ __device__, so the kernels' per-thread routines can be
 // driven from a host test harness. No torch headers.
 #pragma once
 
@@ -10,6 +10,23 @@
 #define MP_CUDA_HD __host__ __device__ __forceinline__
 
 namespace mp_cuda {
+
+// Multi-tensor launches cut a list into pieces, piece k covering blocks first_block[k] ..
+// first_block[k + 1] - 1 (the last piece's run to the grid's end; first_block is strictly
+// increasing and starts at 0). The piece of block `block`: the last k with
+// first_block[k] <= block, by binary search.
+MP_CUDA_HD int piece_of_block(const uint32_t* first_block, int npieces, uint32_t block) {
+  int lo = 0, hi = npieces - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (first_block[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
 
 MP_CUDA_HD float f32_from_bits(uint32_t u) {
 #if defined(__CUDA_ARCH__)

@@ -329,18 +329,9 @@ struct StepArgs {
 
 static_assert(sizeof(StepArgs) <= 4096, "the step argument must fit the 4 KB limit");
 
-// The piece of block `block`: the last k with first_block[k] <= block (first_block[0] == 0).
+// The piece of block `block` (see mp_cuda::piece_of_block).
 MP_ADAM_HD int find_piece(const AdamArgs& a, uint32_t block) {
-  int lo = 0, hi = a.npieces - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return mp_cuda::piece_of_block(a.first_block, a.npieces, block);
 }
 
 // The scalars of piece k's blocks (what thread 0 of each block computes): reads *found_inf and,

@@ -190,16 +190,7 @@ MP_CAST_HD void multi_chunk(const MultiArgs& a, int k, int64_t start, int64_t co
 // The work of block `block` of a multi-tensor launch, for thread tid of nthreads.
 template <bool SR>
 MP_CAST_HD void multi_block(const MultiArgs& a, uint32_t block, int64_t tid, int64_t nthreads) {
-  // The piece of this block: the last k with first_block[k] <= block (first_block[0] == 0).
-  int lo = 0, hi = a.npieces - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  const int lo = mp_cuda::piece_of_block(a.first_block, a.npieces, block);
   const int64_t start = static_cast<int64_t>(block - a.first_block[lo]) * kChunk;
   const int64_t rest = a.n[lo] - start;
   const int64_t count = rest < kChunk ? rest : kChunk;

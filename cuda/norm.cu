@@ -114,15 +114,7 @@ static_assert(sizeof(NormArgs) <= 4096, "the multi-tensor argument must fit the 
 
 // The sum of squares of thread tid's share of block `block`.
 MP_NORM_HD double block_share(const NormArgs& a, uint32_t block, int64_t tid, int64_t nthreads) {
-  int lo = 0, hi = a.npieces - 1;  // the last k with first_block[k] <= block
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  const int lo = mp_cuda::piece_of_block(a.first_block, a.npieces, block);
   const int64_t start = static_cast<int64_t>(block - a.first_block[lo]) * kChunk;
   const int64_t rest = a.n[lo] - start;
   const int64_t count = rest < kChunk ? rest : kChunk;
