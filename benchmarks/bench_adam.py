@@ -57,10 +57,10 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, payload_header, report_footer,
-                    MiB, Timing, combine_rooflines, fmt_count, fmt_ms, free_memory,
-                    load_average, load_warning, machine_line, markdown_table, pct, peak_memory_many,
-                    plot_lines, roofline_line, stopwatch, write_json, write_text)
+from common import (Context, MiB, Timing, PhaseClock, combine_rooflines, fmt_count, fmt_ms,
+                    free_memory, load_average, markdown_table, payload_header, pct,
+                    peak_memory_many, plot_lines, report_footer, roofline_line, run_standalone,
+                    section_head, stopwatch, write_json, write_text)
 
 try:  # the GPT-2 shapes helper lives in bench_cast.py (it may move to common.py)
     from common import gpt2_small_shapes
@@ -379,14 +379,8 @@ def run(ctx: Context) -> dict:
     sizes = SIZES_QUICK if ctx.quick else SIZES_FULL
     load_start = load_average()
     with stopwatch() as elapsed:
-        phases = {}
-        t_phase = elapsed()
-
-        def phase(name):
-            nonlocal t_phase
-            now = elapsed()
-            phases[name] = now - t_phase
-            t_phase = now
+        phase = PhaseClock(elapsed)
+        phases = phase.times
 
         roof_start = ctx.roofline()
         phase("roofline")
@@ -473,12 +467,7 @@ def run(ctx: Context) -> dict:
                          "—" if not targeted else ("yes" if fc_ok else "**no**")])
 
     sub = sum(d["subnormals_mpext"] + d["subnormals_torch"] for d in drift.values())
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     cores = ctx.machine.get("cpu_affinity") or ctx.machine.get("cpu_count") or 1
     if load_start and load_end:
         busy = max(load_start[0], load_end[0]) > 0.5 * cores
@@ -578,10 +567,7 @@ def _plot(ctx, sizes, metrics, roof):
 
 
 def main(argv=None):
-    ctx = Context.from_argv(argv, description=__doc__.splitlines()[0])
-    res = run(ctx)
-    print(res["markdown"])
-    return 0
+    return run_standalone(run, __doc__, None, argv)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ if __package__ in (None, ""):
 import torch
 
 import mpext
-from common import (Context, payload_header, report_footer,
-                    MiB, Timing, combine_rooflines, fmt_count, fmt_ms, free_memory,
-                    load_warning, machine_line, markdown_table, pct, peak_memory_many,
-                    plot_lines, roofline_line, stopwatch, write_json, write_text)
+from common import (Context, MiB, Timing, PhaseClock, combine_rooflines, fmt_count, fmt_ms,
+                    free_memory, markdown_table, payload_header, pct, peak_memory_many, plot_lines,
+                    report_footer, roofline_line, run_standalone, section_head, stopwatch,
+                    write_json, write_text)
 
 NAME = "bench_cast"
 TITLE = "Casts: mpext vs PyTorch"
@@ -286,14 +286,8 @@ def run(ctx: Context) -> dict:
     sizes = SIZES_QUICK if ctx.quick else SIZES_FULL
     main_n = sizes[-1]
     with stopwatch() as elapsed:
-        phases = {}
-        t_phase = elapsed()
-
-        def phase(name):
-            nonlocal t_phase
-            now = elapsed()
-            phases[name] = now - t_phase
-            t_phase = now
+        phase = PhaseClock(elapsed)
+        phases = phase.times
 
         roof_start = ctx.roofline()
         phase("roofline")
@@ -432,12 +426,7 @@ def run(ctx: Context) -> dict:
                                                  m["speed_ratio"]))
         sweep_rows.append(r)
 
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:  # run_all prints these once for the whole suite
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     md += [roofline_line(roof), ""]
     md += [markdown_table(headers, rows), "",
            "Median ms ± half the IQR over %d samples after warm-up (mpext and torch interleaved). "
@@ -522,10 +511,7 @@ def _plot(ctx, sizes, sweep, roof):
 
 
 def main(argv=None):
-    ctx = Context.from_argv(argv, description=__doc__.splitlines()[0])
-    res = run(ctx)
-    print(res["markdown"])
-    return 0
+    return run_standalone(run, __doc__, None, argv)
 
 
 if __name__ == "__main__":

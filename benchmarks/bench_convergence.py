@@ -53,8 +53,8 @@ if __package__ in (None, ""):
 import torch
 
 import mpext
-from common import (Context, add_common_args, load_warning, machine_line, markdown_table,
-                    payload_header, report_footer, stopwatch, write_json, write_text)
+from common import (Context, PhaseClock, markdown_table, payload_header, report_footer,
+                    run_standalone, section_head, stopwatch, write_json, write_text)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
 
@@ -520,14 +520,8 @@ def run(ctx: Context) -> dict:
 def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
     dev = ctx.device
     with stopwatch() as elapsed:
-        phases = {}
-        t_phase = elapsed()
-
-        def phase(name):
-            nonlocal t_phase
-            now = elapsed()
-            phases[name] = now - t_phase
-            t_phase = now
+        phase = PhaseClock(elapsed)
+        phases = phase.times
 
         data, vocab = load_corpus()
         train_data, val_data = split_corpus(data)
@@ -626,12 +620,7 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
                 % (tag, 100 * frac_tail(src["bf16_naive"].unchanged),
                    100 * frac_tail(src["fp32"].below_half_ulp)))
 
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     md += ["Model: GPT preset `%s` (%s), %s params, tied head; corpus: %d generated characters, "
            "vocabulary %d, unigram entropy %.3f nats/char; %d steps of batch %d x %d tokens, "
            "AdamW betas %s, weight decay %g, warm-up %d steps then cosine decay to %g x the "
@@ -707,12 +696,7 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
 
 
 def main(argv=None):
-    parser = add_args(add_common_args(argparse.ArgumentParser(
-        description=__doc__.splitlines()[0])))
-    ctx = Context(parser.parse_args(argv))
-    res = run(ctx)
-    print(res["markdown"])
-    return 0
+    return run_standalone(run, __doc__, add_args, argv)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
-from common import (Context, load_warning, machine_line, markdown_table, payload_header,
-                    report_footer, stopwatch, write_json, write_text)
+from common import (Context, markdown_table, payload_header, report_footer, run_standalone,
+                    section_head, stopwatch, write_json, write_text)
 
 NAME = "bench_distributed"
 TITLE = "sync_found_inf: the cost of one all-reduce of the inf/NaN flag per step (2 CPU ranks)"
@@ -138,12 +138,7 @@ def run(ctx: Context) -> dict:
     rows = [["step, sync_found_inf=False", us(s["off"]), "—"],
             ["step, sync_found_inf=True", us(s["on"]), "%+.1f%%" % (100 * delta / off)],
             ["found_inf all-reduce alone", us(s["reduce"]), "%.1f%%" % (100 * red / off)]]
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     md += [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
            "2 gloo ranks on loopback (started with `%s`), 1 torch thread each, DDP over a "
            "%s-parameter MLP (batch %d per rank), `mpext.GradScaler` + `mpext.optim.AdamW`. "
@@ -170,9 +165,7 @@ def run(ctx: Context) -> dict:
 
 
 def main(argv=None):
-    ctx = Context.from_argv(argv, description=__doc__.splitlines()[0])
-    print(run(ctx)["markdown"])
-    return 0
+    return run_standalone(run, __doc__, None, argv)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, payload_header, report_footer, combine_rooflines, fmt_ms,
-                    free_memory, load_warning, machine_line, markdown_table, pct,
-                    roofline_line, stopwatch, time_fns, write_json, write_text)
+from common import (Context, combine_rooflines, fmt_ms, free_memory, markdown_table,
+                    payload_header, pct, report_footer, roofline_line, run_standalone,
+                    section_head, stopwatch, time_fns, write_json, write_text)
 
 from bench_scaler import _Alternate, _t, gpt2_small_shapes  # inv_scale 0.5 / 2.0 in turn
 
@@ -217,12 +217,7 @@ def run(ctx: Context) -> dict:
                           pct(m["mpext_frac_read_roofline"]), pct(m["torch_frac_read_roofline"]),
                           "%.1e / %.1e" % (e["mpext"], e["torch"])])
 
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     md += [roofline_line(roof) + "; read x.sum() %.1f GB/s (reference here)" % read["read_gbps"],
            "", markdown_table(headers, table), "",
            "Medians of %d samples after warm-up, mpext and torch interleaved. torch's norm is "
@@ -284,10 +279,7 @@ def _plot(ctx, rows, read, roof):
 
 
 def main(argv=None):
-    ctx = Context.from_argv(argv, description=__doc__.splitlines()[0])
-    res = run(ctx)
-    print(res["markdown"])
-    return 0
+    return run_standalone(run, __doc__, None, argv)
 
 
 if __name__ == "__main__":

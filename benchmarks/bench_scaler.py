@@ -40,10 +40,9 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, payload_header, report_footer,
-                    MiB, Timing, combine_rooflines, fmt_ms, free_memory,
-                    load_warning, machine_line, markdown_table, pct, peak_memory_many,
-                    roofline_line, stopwatch, write_json, write_text)
+from common import (Context, MiB, Timing, PhaseClock, combine_rooflines, fmt_ms, free_memory,
+                    markdown_table, payload_header, pct, peak_memory_many, report_footer,
+                    roofline_line, run_standalone, section_head, stopwatch, write_json, write_text)
 
 try:  # the GPT-2 shapes helper lives in bench_cast.py (it may move to common.py)
     from common import gpt2_small_shapes
@@ -457,14 +456,8 @@ def run(ctx: Context) -> dict:
     dev = ctx.device
     _check_device(dev)
     with stopwatch() as elapsed:
-        phases = {}
-        t_phase = elapsed()
-
-        def phase(name):
-            nonlocal t_phase
-            now = elapsed()
-            phases[name] = now - t_phase
-            t_phase = now
+        phase = PhaseClock(elapsed)
+        phases = phase.times
 
         roof_start = ctx.roofline()
         phase("roofline")
@@ -609,12 +602,7 @@ def run(ctx: Context) -> dict:
             "(in step)" if p.get("update_in_step") else _per_step(p["per_update"]),
             "yes" if p["inf_step_skipped"] else "**no**"])
 
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     md += [roofline_line(roof), ""]
     md += [markdown_table(headers, rows), "",
            "`torch.ops.mpext.unscale_(grads, found_inf, inv_scale)` vs "
@@ -747,10 +735,7 @@ def _plot(ctx, row_specs, metrics, roof):
 
 
 def main(argv=None):
-    ctx = Context.from_argv(argv, description=__doc__.splitlines()[0])
-    res = run(ctx)
-    print(res["markdown"])
-    return 0
+    return run_standalone(run, __doc__, None, argv)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ Files: results/bench_train.{json,md}, results/train_step_time.png (time per iter
 size, the ratio to AMP BF16, the loss of the timed steps), results/train_memory.png (stacked
 bars per mode, measured and predicted).
 """
-import argparse
 import dataclasses
 import math
 import sys
@@ -65,9 +64,9 @@ import torch
 
 import mpext
 from mpext import memory
-from common import (Context, MiB, Timing, add_common_args, fmt_ms, free_memory, machine_line,
-                    load_warning, markdown_table, payload_header, peak_memory_many, plot_lines,
-                    report_footer, stopwatch, write_json, write_text)
+from common import (Context, MiB, Timing, fmt_ms, free_memory, markdown_table, payload_header,
+                    peak_memory_many, plot_lines, report_footer, run_standalone, section_head,
+                    stopwatch, write_json, write_text)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 
 NAME = "bench_train"
@@ -304,12 +303,7 @@ def _ratio(x):
 
 
 def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
-    md = ["## %s" % TITLE, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
+    md = section_head(ctx, TITLE)
     headers = ["mode", "ms / iter", "vs AMP BF16", "vs AMP FP16", "peak MiB (est.)",
                "persistent B/param", "weights", "grads", "masters", "opt. states",
                "scaler + other", "mpext.memory B/param", "agreement", "loss first → last",
@@ -424,12 +418,7 @@ def _plot_memory(ctx, res):
 
 
 def main(argv=None):
-    parser = add_args(add_common_args(argparse.ArgumentParser(
-        description=__doc__.splitlines()[0])))
-    ctx = Context(parser.parse_args(argv))
-    res = run(ctx)
-    print(res["markdown"])
-    return 0
+    return run_standalone(run, __doc__, add_args, argv)
 
 
 if __name__ == "__main__":

@@ -515,6 +515,18 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
+def section_head(ctx, title: str) -> List[str]:
+    """The opening lines of a benchmark's Markdown section: its title and, when it runs on its
+    own (run_all prints them once for the whole suite), the machine line and any load warning."""
+    md = ["## %s" % title, ""]
+    if not ctx.in_suite:
+        md += [machine_line(ctx.machine), ""]
+        warn = load_warning(ctx.machine)
+        if warn:
+            md += [warn, ""]
+    return md
+
+
 def report_footer(name: str, misses: Sequence[str], seconds: float,
                   phases: Dict[str, float]) -> List[str]:
     """The closing lines every benchmark section ends with: the targets it missed, then where
@@ -661,6 +673,32 @@ def stopwatch():
         yield elapsed
     finally:
         end[0] = time.perf_counter()
+
+
+class PhaseClock:
+    """Where a benchmark's time goes: ``phase(name)`` records the seconds since the previous
+    call (or since the clock was made) under ``name`` in ``times``."""
+
+    def __init__(self, elapsed: Callable[[], float]) -> None:
+        self.elapsed = elapsed
+        self.times: Dict[str, float] = {}
+        self._start = elapsed()
+
+    def __call__(self, name: str) -> None:
+        now = self.elapsed()
+        self.times[name] = now - self._start
+        self._start = now
+
+
+def run_standalone(run: Callable, doc: str, add_args: Optional[Callable] = None,
+                   argv=None) -> int:
+    """``main()`` of a benchmark module run on its own: the common options (plus the module's
+    own, from ``add_args(parser)``), ``run(ctx)``, its Markdown on stdout."""
+    parser = add_common_args(argparse.ArgumentParser(description=doc.splitlines()[0]))
+    if add_args is not None:
+        parser = add_args(parser)
+    print(run(Context(parser.parse_args(argv)))["markdown"])
+    return 0
 
 
 def fmt_ms(t: Timing) -> str:
