@@ -1,5 +1,6 @@
 """Shared fixtures: devices and CPU ISA paths to parametrize over; host-read counting."""
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -76,3 +77,10 @@ class HostReads:
     @property
     def count(self):
         return len(self.calls)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The bad-input matrix's size, when it ran (issue: print the number of cases covered)."""
+    module = sys.modules.get("test_bad_inputs")
+    if module is not None:
+        terminalreporter.write_line(module.matrix_summary())

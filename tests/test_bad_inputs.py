@@ -1468,13 +1468,19 @@ def test_bad_input(c):
     _same(before_fp, fingerprint(watched))
 
 
+def matrix_summary() -> str:
+    """One line: how many cases over how many APIs (printed at the end of every pytest run that
+    collected this module, by conftest.pytest_terminal_summary)."""
+    return ("bad-input matrix: %d cases over %d APIs (%d known bugs, xfail)"
+            % (len(CASES), len({c.api for c in CASES}), sum(1 for c in CASES if c.xfail)))
+
+
 def test_matrix_coverage():
     """Every API has a case in every category that applies to it; prints the counts."""
     counts = Counter((c.api, c.category) for c in CASES)
     missing = [(api, cat) for api in APIS for cat in CATEGORIES
                if cat not in NOT_APPLICABLE.get(api, set()) and not counts[(api, cat)]]
-    print("\nbad-input matrix: %d cases over %d APIs (%d known bugs, xfail)"
-          % (len(CASES), len({c.api for c in CASES}), sum(1 for c in CASES if c.xfail)))
+    print("\n" + matrix_summary())
     for api in APIS:
         row = ", ".join("%s %d" % (cat, counts[(api, cat)]) for cat in CATEGORIES
                         if counts[(api, cat)])
