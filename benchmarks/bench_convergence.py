@@ -54,7 +54,7 @@ import torch
 
 import mpext
 from common import (Context, PhaseClock, markdown_table, payload_header, report_footer,
-                    run_standalone, section_head, stopwatch, write_json, write_text)
+                    run_standalone, save_figure, section_head, stopwatch, write_json, write_text)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
 
@@ -337,13 +337,6 @@ def _label_axes(ax, title: str, xlabel: str, ylabel: str = "", fontsize: int = 7
     ax.legend(fontsize=fontsize)
 
 
-def _save(plt, fig, path, title: str):
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
 
 STYLE = {"fp32": ("black", "-"), "amp_bf16": ("tab:blue", "--"), "amp_fp16": ("tab:cyan", "-."),
          "mpext_bf16": ("tab:green", "-"), "mpext_fp16": ("tab:olive", "--"),
@@ -404,7 +397,7 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
                         alpha=1.0 if src is runs else 0.5, label=lab)
     ax.set_ylim(0, 100)
     _label_axes(ax, "lost updates in BF16 without master weights", "step", "% of weights")
-    return _save(plt, fig, path, title)
+    return save_figure(fig, path, title)
 
 
 def plot_scale(path, runs: Dict[str, Run], title: str):
@@ -424,7 +417,7 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
     ax.set_yscale("log", base=2)
     _label_axes(ax, "FP16 loss scale per step (the scale the step's backward used)", "step",
                 "loss scale", fontsize=8)
-    return _save(plt, fig, path, title)
+    return save_figure(fig, path, title)
 
 
 def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
@@ -465,7 +458,7 @@ def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
             ax.set_title("full range: BF16 zero %.3g%%; BF16's range reaches 2^-133"
                          % (100 * stats["bf16_zero"]), fontsize=9)
             ax.legend(fontsize=7, loc="upper left")
-    return _save(plt, fig, path, title)
+    return save_figure(fig, path, title)
 
 
 # ---------------------------------------------------------------------------------------------

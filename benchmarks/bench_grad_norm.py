@@ -36,8 +36,8 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, combine_rooflines, fmt_ms, free_memory, markdown_table,
-                    payload_header, pct, report_footer, roofline_line, run_standalone,
+from common import (Context, combine_rooflines, figure_title, fmt_ms, free_memory, markdown_table,
+                    payload_header, pct, report_footer, roofline_line, run_standalone, save_figure,
                     section_head, stopwatch, time_fns, write_json, write_text)
 
 from bench_scaler import _Alternate, _t, gpt2_small_shapes  # inv_scale 0.5 / 2.0 in turn
@@ -267,15 +267,7 @@ def _plot(ctx, rows, read, roof):
     ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    m = ctx.machine
-    fig.suptitle("%s on %s, %s threads, torch %s%s" % (
-        TITLE, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
-        m["torch_version"], " (quick)" if ctx.quick else ""), fontsize=9)
-    fig.tight_layout()
-    path = ctx.out_dir / (NAME + ".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, ctx.out_dir / (NAME + ".png"), figure_title(ctx, TITLE))
 
 
 def main(argv=None):

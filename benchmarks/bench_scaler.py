@@ -40,9 +40,10 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, MiB, Timing, PhaseClock, combine_rooflines, fmt_ms, free_memory,
-                    markdown_table, payload_header, pct, peak_memory_many, report_footer,
-                    roofline_line, run_standalone, section_head, stopwatch, write_json, write_text)
+from common import (Context, MiB, Timing, PhaseClock, combine_rooflines, figure_title, fmt_ms,
+                    free_memory, markdown_table, payload_header, pct, peak_memory_many,
+                    report_footer, roofline_line, run_standalone, save_figure, section_head,
+                    stopwatch, write_json, write_text)
 
 try:  # the GPT-2 shapes helper lives in bench_cast.py (it may move to common.py)
     from common import gpt2_small_shapes
@@ -722,16 +723,8 @@ def _plot(ctx, row_specs, metrics, roof):
     ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    m = ctx.machine
-    fig.suptitle("%s on %s, %s threads, torch %s, mpext ISA %s%s" % (
-        TITLE, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
-        m["torch_version"], m["mpext_build_info"].get("cpu_isa_active"),
-        " (quick)" if ctx.quick else ""), fontsize=9)
-    fig.tight_layout()
-    path = ctx.out_dir / (NAME + ".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    isa = ", mpext ISA %s" % ctx.machine["mpext_build_info"].get("cpu_isa_active")
+    return save_figure(fig, ctx.out_dir / (NAME + ".png"), figure_title(ctx, TITLE, isa))
 
 
 def main(argv=None):

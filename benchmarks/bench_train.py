@@ -64,9 +64,9 @@ import torch
 
 import mpext
 from mpext import memory
-from common import (Context, MiB, Timing, fmt_ms, free_memory, markdown_table, payload_header,
-                    peak_memory_many, plot_lines, report_footer, run_standalone, section_head,
-                    stopwatch, write_json, write_text)
+from common import (Context, MiB, Timing, figure_title, fmt_ms, free_memory, markdown_table,
+                    payload_header, peak_memory_many, plot_lines, report_footer, run_standalone,
+                    save_figure, section_head, stopwatch, write_json, write_text)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 
 NAME = "bench_train"
@@ -366,14 +366,8 @@ def _plot_time(ctx, results):
                "hlines": {"AMP BF16": 1.0}},
               {"title": "training loss of the timed steps (%s)" % last["preset"],
                "xlabel": "step", "ylabel": "loss", "series": loss}]
-    return plot_lines(ctx.out_dir / "train_step_time.png", panels, title=_title(ctx))
-
-
-def _title(ctx):
-    m = ctx.machine
-    return "%s on %s, torch %s, %s threads%s" % (
-        TITLE, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_version"],
-        m["torch_threads"], " (quick)" if ctx.quick else "")
+    return plot_lines(ctx.out_dir / "train_step_time.png", panels,
+                      title=figure_title(ctx, TITLE))
 
 
 def _plot_memory(ctx, res):
@@ -409,12 +403,7 @@ def _plot_memory(ctx, res):
                  % (res["preset"], "{:,}".format(res["params"])), fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(_title(ctx), fontsize=9)
-    fig.tight_layout()
-    path = ctx.out_dir / "train_memory.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, ctx.out_dir / "train_memory.png", figure_title(ctx, TITLE))
 
 
 def main(argv=None):

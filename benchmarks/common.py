@@ -603,8 +603,25 @@ def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: in
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
+    return save_figure(fig, path, title, fontsize=10)
+
+
+def figure_title(ctx, title: str, extra: str = "") -> str:
+    """A figure's title with the machine its figures come from (device, threads, torch, then
+    ``extra``, and a note when the run was --quick)."""
+    m = ctx.machine
+    return "%s on %s, %s threads, torch %s%s%s" % (
+        title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
+        m["torch_version"], extra, " (quick)" if ctx.quick else "")
+
+
+def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
+    """Titles, lays out and writes a matplotlib figure as a PNG (creating its directory), then
+    closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=fontsize)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
