@@ -36,6 +36,7 @@ import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from . import ops as _mp_ops
+from ._common import PARAM_DTYPES, has_kernel
 
 try:
     import torch.distributed as _dist
@@ -44,24 +45,6 @@ except ImportError:  # a torch built without distributed support
     _dist, _DTensor, _Replicate = None, None, None
 
 __all__ = ["GradScaler"]
-
-_MPEXT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-_kernel_cache: Dict[tuple, bool] = {}
-
-
-def _has_mpext_kernel(op: str, device: torch.device) -> bool:
-    """Whether mpext registered a kernel of ``op`` for ``device``'s backend (e.g. a CPU-only
-    build running on a CUDA machine has none for CUDA)."""
-    key = (op, device.type)
-    found = _kernel_cache.get(key)
-    if found is None:
-        dispatch_key = _DISPATCH_KEYS.get(device.type)
-        found = bool(dispatch_key) and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "mpext::" + op, dispatch_key)
-        _kernel_cache[key] = found
-    return found
-
 
 class _PerDevice:
     """A tensor and its copies on other devices, made on first request (non-blocking)."""
@@ -284,6 +267,13 @@ class GradScaler(torch.amp.GradScaler):
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker,
                                               dtype=torch.int32, device=dev)
 
+    def _scale_on(self, dev: torch.device) -> torch.Tensor:
+        """The scale tensor, made on ``dev`` if there is none yet. For mpext's own wrappers
+        (``MixedPrecisionOptimizer``), which keep their scale in a GradScaler."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(dev)
+        return self._scale
+
     # -----------------------------------------------------------------------------------------
     # Unscaling: one fused mpext pass per device.
 
@@ -415,16 +405,26 @@ class GradScaler(torch.amp.GradScaler):
         else:
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            found_inf = _combine(found_infs)
-            if self._stats is None or self._stats.device != _scale.device:
-                self._init_extra_state(_scale.device)
-            watching = self._watching()
-            pre_scale = _scale.clone() if watching and self._min_scale is not None else None
-            self._update_rule(_scale, _growth_tracker, found_inf)
-            self._last_found_inf = found_inf
-            if watching:
-                self._watch(pre_scale)
+            self._update_from(_combine(found_infs))
+            return
 
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._stepped_since_update = []
+
+    def _update_from(self, found_inf: torch.Tensor) -> None:
+        """The dynamic update after an iteration whose combined inf/NaN flag is ``found_inf``
+        (a tensor on any device): the second half of ``update()``, for mpext's own wrappers,
+        which compute the flag themselves rather than through the per-optimizer records."""
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        found_inf = found_inf.to(device=_scale.device, non_blocking=True)
+        if self._stats is None or self._stats.device != _scale.device:
+            self._init_extra_state(_scale.device)
+        watching = self._watching()
+        pre_scale = _scale.clone() if watching and self._min_scale is not None else None
+        self._update_rule(_scale, _growth_tracker, found_inf)
+        self._last_found_inf = found_inf
+        if watching:
+            self._watch(pre_scale)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._stepped_since_update = []
 
@@ -434,7 +434,7 @@ class GradScaler(torch.amp.GradScaler):
             growth_factor, backoff_factor = 1.0, 1.0
         else:
             growth_factor, backoff_factor = self._growth_factor, self._backoff_factor
-        if _has_mpext_kernel("update_scale_", scale.device):
+        if has_kernel("update_scale_", scale.device):
             _mp_ops.update_scale_(
                 scale, growth_tracker, found_inf, growth_factor, backoff_factor,
                 self._growth_interval,
@@ -766,9 +766,9 @@ def _unscale_device(grads: List[torch.Tensor], found_inf: torch.Tensor,
     call per dtype."""
     ours: List[torch.Tensor] = []
     rest: Dict[torch.dtype, List[torch.Tensor]] = defaultdict(list)
-    mpext_ok = _has_mpext_kernel("unscale_", found_inf.device)
+    mpext_ok = has_kernel("unscale_", found_inf.device)
     for g in grads:
-        if (mpext_ok and g.dtype in _MPEXT_DTYPES and g.layout == torch.strided
+        if (mpext_ok and g.dtype in PARAM_DTYPES and g.layout == torch.strided
                 and _dense(g)):
             ours.append(g)
         else:

@@ -30,38 +30,29 @@ How it works (docs/mixed_precision.md has the user-facing account):
 """
 import inspect
 import math
-import numbers
 import warnings
+import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from . import ops as _mp_ops
 from . import optim as _mp_optim
+from ._common import LOW_DTYPES as _LOW, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
+from ._common import dtype_name as _dtype_name, has_kernel as _has_kernel, is_dense
+from ._common import is_real as _is_real, same_layout
 from .grad_scaler import GradScaler
 
 __all__ = ["MixedPrecisionOptimizer"]
 
-_LOW = (torch.bfloat16, torch.float16)
-_PARAM_DTYPES = (torch.float32,) + _LOW
 _FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, _mp_optim.Adam, _mp_optim.AdamW)
-_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _NAME = "mpext.MixedPrecisionOptimizer"
 # GradScaler options that only make sense for a dynamic scale, and those the wrapper sets itself.
 _DYNAMIC_ONLY = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
                  "hysteresis", "min_scale", "max_scale")
 _RESERVED = ("device", "enabled", "bf16_check_only")
 _AUTO = object()
-
-
-def _has_kernel(op: str, device: torch.device) -> bool:
-    key = _DISPATCH_KEYS.get(device.type)
-    return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key("mpext::" + op, key)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -71,11 +62,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's params (float32, bfloat16 or
-            float16, all on one device, each once, dense). It is modified in place: its
-            ``param_groups`` then hold the FP32 masters instead of the BF16/FP16 params (FP32
-            params stay), so its state and ``state_dict`` are torch's FP32 ones. State it
-            already holds for a BF16/FP16 param moves to the master, its tensors of the
-            param's shape upcast to FP32.
+            float16, all on one device, each once, dense). Its ``param_groups`` list then
+            holds copies of the group dicts with the FP32 masters in place of the BF16/FP16
+            params (FP32 params stay), so its state and ``state_dict`` are torch's FP32 ones;
+            the dicts it was built from (which may be the caller's) are left as they were.
+            State it already holds for a BF16/FP16 param moves to the master, its tensors of
+            the param's shape upcast to FP32.
         loss_scale: ``"dynamic"`` (the default when a param is float16): the scale follows the
             dynamic rule of ``mpext.GradScaler`` (torch's by default; ``scaler_options`` such as
             ``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale``
@@ -142,8 +134,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._install_masters(params)
         self._entries: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._refresh_entries()
+        self._watch_backward()
         self._one = torch.ones((), dtype=torch.float32, device=device)
-        self._lr_buffers: Dict[int, list] = {}
+        self._lr_tensors = LrTensors()
+        # Fixed for the wrapper's life (the optimizer's class and the device do not change):
+        # decided once, so a step never probes the dispatcher.
+        self._fused_kernel = (type(optimizer) in _FUSED_CLASSES
+                              and _has_kernel("adam_step_", device))
         self._stepped: set = set()  # ids of the inner params stepped on the generic path
         self._reset_iteration()
 
@@ -215,8 +212,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 _mp_ops.cast_(masters, [p.detach() for _, _, p in low])
         state = self.optimizer.state
+        groups = self.optimizer.param_groups
+        # The group dicts may belong to the caller (torch keeps the dicts it was given, and e.g.
+        # ZeroRedundancyOptimizer keeps its partitions): masters go into copies, so whatever
+        # else holds those dicts still sees the model's params.
+        for gi in sorted({gi for gi, _, _ in low}):
+            groups[gi] = dict(groups[gi], params=list(groups[gi]["params"]))
         for (gi, j, p), m in zip(low, masters):
-            self.optimizer.param_groups[gi]["params"][j] = m
+            groups[gi]["params"][j] = m
             self._master_of[id(p)] = m
             self._model_of[id(m)] = p
             if p in state:  # state made before wrapping (e.g. Adagrad's, made eagerly)
@@ -260,31 +263,75 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # The inner optimizer now holds the model params of the new group: swap in masters.
         self._install_masters([(gi, j, p) for _, j, p in new])
         self._refresh_entries()
+        self._watch_backward()
 
     # -----------------------------------------------------------------------------------------
     # The training step.
 
     def _scale_tensor(self) -> torch.Tensor:
-        scaler = self._scaler
-        if scaler._scale is None:
-            scaler._lazy_init_scale_growth_tracker(self._device)
-        return scaler._scale
+        return self._scaler._scale_on(self._device)
 
     def _reset_iteration(self) -> None:
         self._found_inf: Optional[torch.Tensor] = None  # set by clipping this iteration
         self._clip_coef: Optional[torch.Tensor] = None
+        # Set when a backward pass that did not start at scale_loss's product reached the
+        # model's params this iteration (a plain loss.backward(): gradients without the scale).
+        self._unscaled_backward = False
+
+    def _watch_backward(self) -> None:
+        """With loss scaling: a hook that fires once per backward pass reaching the model's
+        params, to tell passes rooted at :meth:`scale_loss`'s product from plain ones.
+        Gradients assigned by hand run no hook: they are taken to carry the scale."""
+        handle = getattr(self, "_backward_hook", None)
+        if handle is not None:
+            handle.remove()
+        self._backward_hook = None
+        self._scaled_depth = 0  # scaled backward passes running now (nested: reentrant checkpoint)
+        params = [p for p, _ in self._entries if p.requires_grad]
+        if self._loss_scale is None or not params:
+            return
+        ref = weakref.ref(self)
+
+        def reached_params(_grad: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None and opt._scaled_depth == 0:
+                opt._unscaled_backward = True
+
+        self._backward_hook = torch.autograd.graph.register_multi_grad_hook(
+            params, reached_params, mode="any")
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale``: the loss to call ``.backward()`` on, for code that runs the
+        backward pass itself (a framework's backward hook, ``torch.autograd.backward``). The
+        product is marked, so that ``step()`` knows the gradients carry the scale; with no loss
+        scaling ``loss`` is returned as it is. :meth:`backward` is
+        ``scale_loss(loss).backward()``."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("%s.scale_loss: loss must be a tensor, got %s"
+                            % (_NAME, type(loss).__name__))
+        if self._loss_scale is None:
+            return loss
+        scaled = loss * self._scale_tensor().to(device=loss.device, non_blocking=True)
+        if scaled.requires_grad:
+            scaled.register_hook(self._scaled_backward_starts)
+        return scaled
+
+    def _scaled_backward_starts(self, grad: torch.Tensor) -> None:
+        # The root of a backward pass: its gradients carry the scale until the pass ends
+        # (passes nested inside it, e.g. a reentrant checkpoint's, included).
+        self._scaled_depth += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._scaled_backward_ends)
+
+    def _scaled_backward_ends(self) -> None:
+        self._scaled_depth -= 1
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``(loss * scale).backward(**kwargs)``: backpropagates the scaled loss (``loss``
+        """``scale_loss(loss).backward(**kwargs)``: backpropagates the scaled loss (``loss``
         itself when there is no loss scaling)."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError("%s.backward: loss must be a tensor, got %s"
                             % (_NAME, type(loss).__name__))
-        if self._loss_scale is None:
-            loss.backward(**kwargs)
-            return
-        scale = self._scale_tensor()
-        (loss * scale.to(device=loss.device, non_blocking=True)).backward(**kwargs)
+        self.scale_loss(loss).backward(**kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model params (and of the masters): set to ``None``
@@ -316,8 +363,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                    % (what, g.layout))
             if g.dtype != p.dtype and g.dtype != torch.float32:
                 raise TypeError("%s has dtype %s; it must have the param's dtype (%s) or float32"
-                                % (what, _mp_ops._dtype_name(g.dtype),
-                                   _mp_ops._dtype_name(p.dtype)))
+                                % (what, _dtype_name(g.dtype),
+                                   _dtype_name(p.dtype)))
             if g.shape != p.shape:
                 raise ValueError("%s has shape %s but the param has shape %s"
                                  % (what, tuple(g.shape), tuple(p.shape)))
@@ -342,7 +389,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Called twice, the second call measures the once-clipped gradients, as with torch.
         """
         max_norm = _check_max_norm(max_norm, "max_norm", required=True)
-        return self._clip(self._with_grads(".clip_grad_norm_"), max_norm)
+        entries = self._with_grads(".clip_grad_norm_")
+        if entries:
+            self._check_scaled(".clip_grad_norm_")
+        return self._clip(entries, max_norm)
 
     def _clip(self, entries: List[Tuple[torch.Tensor, torch.Tensor]],
               max_norm: float) -> torch.Tensor:
@@ -360,9 +410,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _fused_ok(self) -> bool:
         opt = self.optimizer
-        if not self._use_fused or type(opt) not in _FUSED_CLASSES:
-            return False
-        if not _has_kernel("adam_step_", self._device):
+        if not (self._use_fused and self._fused_kernel):
             return False
         for group in opt.param_groups:
             if group.get("amsgrad", False) or group.get("differentiable", False):
@@ -372,26 +420,49 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 return False
         return True
 
+    def _check_scaled(self, where: str) -> None:
+        """Refuses gradients that did not come through the loss scale: unscaling them would
+        divide them by the scale once too often, a silently wrong update."""
+        if self._loss_scale is not None and self._unscaled_backward:
+            raise RuntimeError(
+                "%s%s: a backward pass that did not go through the loss scale (loss_scale=%r) "
+                "wrote gradients this iteration, so unscaling them would shrink the update by "
+                "the scale: call "
+                "opt.backward(loss), or opt.scale_loss(loss).backward() where a framework runs "
+                "the backward pass, instead of loss.backward(); or pass loss_scale=None to "
+                "train without loss scaling" % (_NAME, where, self._loss_scale))
+
     @torch.no_grad()
-    def step(self, closure: Optional[Any] = None) -> torch.Tensor:
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer step on the gradients of this iteration: non-finite check and
         unscaling, clipping (``max_grad_norm``, or a ``clip_grad_norm_`` call before), the
         inner optimizer's update of the FP32 masters, the copy back into the model params
         (round to nearest even), and the loss-scale update.
 
-        Returns whether the step was applied, as a 0-dim bool tensor on the device: when any
-        gradient holds an inf/NaN nothing is changed (params, masters, optimizer state) and the
-        scale backs off. No host sync on the fast path (torch/mpext Adam/AdamW) or with an
-        inner optimizer that takes ``found_inf`` itself (``torch.optim.SGD(fused=True)``, ...);
-        other inner optimizers read the inf/NaN flag on the host once, as
-        ``torch.amp.GradScaler.step`` does for them. Closures are not supported.
+        ``closure``, as for torch's optimizers, re-evaluates the model: it is called first,
+        with gradients enabled, and must run its backward pass through :meth:`backward` or
+        :meth:`scale_loss` when there is loss scaling. ``step`` then returns the closure's
+        result. Without a closure it returns whether the step was applied, as a 0-dim bool
+        tensor on the device: when any gradient holds an inf/NaN nothing is changed (params,
+        masters, optimizer state) and the scale backs off.
+
+        With loss scaling, gradients that did not come through the scale (a plain
+        ``loss.backward()``) raise a ``RuntimeError`` before anything is changed. No host sync
+        on the fast path (torch/mpext Adam/AdamW) or with an inner optimizer that takes
+        ``found_inf`` itself (``torch.optim.SGD(fused=True)``, ...); other inner optimizers
+        read the inf/NaN flag on the host once, as ``torch.amp.GradScaler.step`` does for them.
         """
+        loss = None
         if closure is not None:
-            raise NotImplementedError("%s.step: closures are not supported (the loss must be "
-                                      "scaled before backward: call backward(loss) first)"
-                                      % _NAME)
+            with torch.enable_grad():
+                loss = closure()
+        applied = self._step()
+        return applied if closure is None else loss
+
+    def _step(self) -> torch.Tensor:
         entries = self._with_grads(".step")
-        scaler = self._scaler
+        if entries:
+            self._check_scaled(".step")
         device = self._device
         self._scale_tensor()
         if self._max_grad_norm is not None:
@@ -409,93 +480,45 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 self._step_fused(entries, found_inf, inv, clipped)
             else:
                 self._step_generic(entries, found_inf, inv)
-            state = scaler._per_optimizer_states[id(self)]
-            state["found_inf_per_device"] = {device: found_inf}
             if isinstance(self._loss_scale, float):
                 with warnings.catch_warnings():
                     # The scaler's "overflow at min_scale: the model is at fault" warning does
                     # not hold for a scale the user fixed (it may simply be too large).
                     warnings.filterwarnings("ignore", message=".*min_scale",
                                             category=RuntimeWarning)
-                    scaler.update()
+                    self._scaler._update_from(found_inf)
             else:
-                scaler.update()
+                self._scaler._update_from(found_inf)
         self._reset_iteration()
         return found_inf == 0
 
-    def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
-        reduce = getattr(self._scaler, "_reduce_found_inf_", None)
-        if reduce is not None:
-            reduce(found_inf)
-
-    def _lr_tensor(self, slot: int, lr: Any) -> torch.Tensor:
-        if isinstance(lr, torch.Tensor):
-            return lr.detach().to(device=self._device, dtype=torch.float32, non_blocking=True)
-        lr = float(lr)
-        buf = self._lr_buffers.get(slot)
-        if buf is None:
-            buf = [torch.full((), lr, dtype=torch.float32, device=self._device), lr]
-            self._lr_buffers[slot] = buf
-        elif buf[1] != lr or math.copysign(1.0, buf[1]) != math.copysign(1.0, lr):
-            buf[0].fill_(lr)  # on the device: no host sync
-            buf[1] = lr
-        return buf[0]
-
     def _adam_state(self, q: torch.Tensor) -> Dict[str, Any]:
         """The inner Adam's state of a param in torch's layout (``step``, ``exp_avg``,
-        ``exp_avg_sq``), created on its first step; ``step`` is kept a float32 tensor on the
+        ``exp_avg_sq``), created on its first step with ``step`` a float32 tensor on the
         device, as the fused kernel needs (torch's own format with ``capturable``/``fused``)."""
         state = self.optimizer.state[q]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
             state["exp_avg"] = torch.zeros_like(q, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
-        else:
-            step = state["step"]
-            if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
-                    and step.device == q.device):
-                state["step"] = torch.as_tensor(step, dtype=torch.float32).to(q.device).reshape(())
         return state
 
     def _step_fused(self, entries, found_inf, inv, clipped) -> None:
         if not clipped:  # the norm already carries any inf/NaN; else one read-only check
             _mp_ops.unscale_([p.grad for p, _ in entries], found_inf, self._one)
-        self._reduce_found_inf(found_inf)
-        group_of = {id(q): (gi, g) for gi, g in enumerate(self.optimizer.param_groups)
-                    for q in g["params"]}
-        calls: Dict[tuple, list] = {}
+        self._scaler._reduce_found_inf_(found_inf)
+        force_decoupled = isinstance(self.optimizer, (torch.optim.AdamW, _mp_optim.AdamW))
+        group_of = {id(q): g for g in self.optimizer.param_groups for q in g["params"]}
+        hypers: Dict[int, tuple] = {}
+        items = []
         for p, q in entries:
-            gi, group = group_of[id(q)]
-            beta1, beta2 = (float(b) for b in group["betas"])
-            wd = float(group["weight_decay"])
-            decoupled = (bool(group.get("decoupled_weight_decay", False))
-                         or isinstance(self.optimizer, (torch.optim.AdamW, _mp_optim.AdamW)))
-            lr = group["lr"]
-            lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
-            key = (lr_key, beta1, beta2, float(group["eps"]), wd, decoupled and wd != 0.0,
-                   bool(group.get("maximize", False)))
-            calls.setdefault(key, [gi, lr]).append((p, q))
-        empty = torch.empty(0, dtype=torch.float32, device=self._device)
-        launches = []
-        for key, (gi, lr, *pairs) in calls.items():
-            params, grads, exp_avgs, exp_avg_sqs, masters, steps = [], [], [], [], [], []
-            for p, q in pairs:
-                state = self._adam_state(q)
-                g = p.grad
-                if not _mp_ops._same_layout(g, p):  # e.g. channels_last param, contiguous grad
-                    g = torch.empty_like(p, dtype=g.dtype).copy_(g)
-                params.append(p)
-                grads.append(g)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-                masters.append(q if q is not p else empty)
-            if all(m is empty for m in masters):
-                masters = []
-            launches.append((params, grads, exp_avgs, exp_avg_sqs, masters, steps,
-                             self._lr_tensor(gi, lr)) + key[1:])
-        for args in launches:
-            torch.ops.mpext.adam_step_(*args, inv_scale=inv, found_inf=found_inf)
+            group = group_of[id(q)]
+            hyper = hypers.get(id(group))
+            if hyper is None:
+                hyper = hypers[id(group)] = _mp_optim.adam_hyper(group, force_decoupled)
+            items.append((p, p.grad, self._adam_state(q), q if q is not p else None,
+                          group["lr"], hyper))
+        _mp_optim.fused_adam_step(items, self._lr_tensors, inv, found_inf)
 
     def _step_generic(self, entries, found_inf, inv) -> None:
         low = [(p, q) for p, q in entries if p is not q]
@@ -503,7 +526,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for p, q in low:
             q.grad = torch.empty_like(q)
             g = p.grad
-            if _mp_ops._same_layout(g, q):
+            if same_layout(g, q):
                 dst.append(q.grad)
                 src.append(g)
             else:
@@ -515,7 +538,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             # FP32 gradients the inner optimizer reads; read-only when inv is 1 or absent.
             _mp_ops.unscale_([q.grad for _, q in entries], found_inf,
                              self._one if inv is None else inv)
-            self._reduce_found_inf(found_inf)
+            self._scaler._reduce_found_inf_(found_inf)
             opt = self.optimizer
             # An optimizer that takes found_inf skips on the device, but only once every param
             # has been stepped: on a param's first step torch's fused kernels make its state
@@ -613,7 +636,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 _mp_ops.cast_([p.detach() for p, _ in low], [q for _, q in low])
         self._scaler.load_state_dict(scaler_sd)
-        self._lr_buffers = {}
+        self._lr_tensors.clear()
         self._stepped = {id(q) for _, q in self._entries if self.optimizer.state.get(q)}
         self._reset_iteration()
 
@@ -634,6 +657,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state = self.__dict__.copy()
         for k in ("_master_of", "_model_of", "_stepped"):  # keyed by id(): rebuilt on load
             del state[k]
+        state["_backward_hook"] = None  # a hook handle: registered again on load
         state.pop("step", None)  # an LR scheduler's per-instance wrapper, as torch drops it
         return state
 
@@ -643,6 +667,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._model_of = {id(q): p for p, q in self._entries if p is not q}
         self._stepped = {id(q) for _, q in self._entries if self.optimizer.state.get(q)}
         self._patch_step_function()
+        self._watch_backward()
 
     def __repr__(self) -> str:
         return "%s(loss_scale=%r, max_grad_norm=%r,\n  %r)" % (
@@ -673,14 +698,14 @@ def _check_params(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError("%s%s: %s has dtype %s; only float32, bfloat16 and float16 "
                                 "params are supported"
-                                % (_NAME, where, name, _mp_ops._dtype_name(p.dtype)))
+                                % (_NAME, where, name, _dtype_name(p.dtype)))
             if first is None:
                 first = (name, p.device)
             elif p.device != first[1]:
                 raise ValueError("%s%s: params on several devices: %s is on %s but %s is on %s; "
                                  "wrap one optimizer per device"
                                  % (_NAME, where, name, p.device, first[0], first[1]))
-            if p.layout != torch.strided or not _mp_ops._is_dense(p):
+            if p.layout != torch.strided or not is_dense(p):
                 raise ValueError("%s%s: %s must be dense and non-overlapping (e.g. contiguous "
                                  "or channels_last); got layout %s, sizes %s, strides %s"
                                  % (_NAME, where, name, p.layout, tuple(p.shape),

@@ -29,15 +29,16 @@ param's mesh and placements (so ``torch.distributed.checkpoint`` saves and resha
 ``step`` is a plain scalar tensor on the param's device, as in torch.
 """
 import math
-import numbers
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import ops as _mp_ops
+from ._common import LOW_DTYPES as _LOW_DTYPES, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
+from ._common import dtype_name as _dtype_name, has_kernel, is_dense, is_real as _is_real
+from ._common import same_layout
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -46,15 +47,7 @@ except ImportError:  # a torch built without distributed support
 
 __all__ = ["Adam", "AdamW"]
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LOW_DTYPES = (torch.bfloat16, torch.float16)
 _STRIDED, _F32 = torch.strided, torch.float32
-_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-
-
-def _has_kernel(device: torch.device) -> bool:
-    key = _DISPATCH_KEYS.get(device.type)
-    return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key("mpext::adam_step_", key)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -67,10 +60,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return t.to_local()
     return t
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 class Adam(torch.optim.Optimizer):
@@ -130,9 +119,7 @@ class Adam(torch.optim.Optimizer):
         return "mpext.optim." + type(self).__name__
 
     def _init_caches(self) -> None:
-        # (device, slot) -> [lr tensor, the float last written into it]
-        self._lr_buffers: Dict[Tuple[torch.device, int], list] = {}
-        self._empty_masters: Dict[torch.device, torch.Tensor] = {}
+        self._lr_tensors = LrTensors()
 
     def _check_group(self, group: Dict[str, Any], where: str) -> None:
         """Checks a group's hyperparameters (raises before anything changes). Messages of the
@@ -198,12 +185,12 @@ class Adam(torch.optim.Optimizer):
                 if p.dtype not in _PARAM_DTYPES:
                     raise TypeError("%s: params[%d]%s has dtype %s; only float32, bfloat16 and "
                                     "float16 params are supported"
-                                    % (self._name(), j, where, _mp_ops._dtype_name(p.dtype)))
-                if not _has_kernel(p.device):
+                                    % (self._name(), j, where, _dtype_name(p.dtype)))
+                if not has_kernel("adam_step_", p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no adam_step_ kernel for"
                                      % (self._name(), j, where, p.device))
-                if not _mp_ops._is_dense(p) or not _mp_ops._is_dense(_local(p)):
+                if not is_dense(p) or not is_dense(_local(p)):
                     raise ValueError("%s: params[%d]%s must be dense and non-overlapping (e.g. "
                                      "contiguous or channels_last); got sizes %s and strides %s"
                                      % (self._name(), j, where, tuple(p.shape),
@@ -214,7 +201,7 @@ class Adam(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        if not hasattr(self, "_lr_buffers"):
+        if not hasattr(self, "_lr_tensors"):
             self._init_caches()
         master_default = self.defaults.get("master_weights", True)
         for group in self.param_groups:
@@ -233,24 +220,15 @@ class Adam(torch.optim.Optimizer):
     # -----------------------------------------------------------------------------------------
     # The step.
 
-    def _hyper_key(self, group: Dict[str, Any]) -> tuple:
-        beta1, beta2 = (float(b) for b in group["betas"])  # a Tensor beta syncs: use floats
-        wd = float(group["weight_decay"])
-        decoupled = bool(group["decoupled_weight_decay"]) and wd != 0.0
-        return (beta1, beta2, float(group["eps"]), wd, decoupled, bool(group["maximize"]))
-
-    def _plan(self) -> Dict[tuple, list]:
-        """Every param with a gradient, checked, grouped into one entry per kernel call:
-        (device, lr, hyperparameters) -> [(param, grad, group)]. Raises before anything is
-        written."""
-        calls: Dict[tuple, list] = {}
+    def _items(self) -> List[tuple]:
+        """Every param with a gradient, checked, as an item of :func:`fused_adam_step`:
+        (param, grad, state, master, lr, hyperparameters), with DTensors as their local shards.
+        Raises before anything is written (state is created lazily, which changes no value a
+        reader relies on)."""
+        checked = []
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, " (param group %d)" % gi)
-            hyper = self._hyper_key(group)
-            lr = group["lr"]
-            lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
-            by_device: Dict[torch.device, list] = {}
-            last_device, last_list = None, None
+            hyper = adam_hyper(group, self._force_decoupled)
             for j, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
@@ -262,13 +240,17 @@ class Adam(torch.optim.Optimizer):
                     self._bad_grad(p, g, j, gi)
                 if _is_dtensor(p) or _is_dtensor(g):
                     g = self._local_grad(p, g, j, gi)
-                if device != last_device:
-                    last_device = device
-                    last_list = by_device.setdefault(device, [])
-                last_list.append((p, g, group))
-            for device, entries in by_device.items():
-                calls.setdefault((device, lr_key, hyper), []).extend(entries)
-        return calls
+                checked.append((p, g, group, hyper))
+        items = []
+        for p, g, group, hyper in checked:
+            state = self._state_of(p, group)
+            master = None
+            if p.dtype in _LOW_DTYPES:
+                master = state.get("master_param")
+                # master_weights=False: a temporary master, made from the param.
+                master = _local(master) if master is not None else _fp32_copy(p)
+            items.append((_local(p), g, state, master, group["lr"], hyper))
+        return items
 
     def _local_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> torch.Tensor:
         """The local shard of a DTensor param's gradient, which must be a DTensor sharded as
@@ -299,12 +281,12 @@ class Adam(torch.optim.Optimizer):
                 "torch.optim.SparseAdam for sparse params" % (self._name(), where, g.layout))
         if p.dtype not in _PARAM_DTYPES:  # changed in place after construction
             raise TypeError("%s: %s has dtype %s; only float32, bfloat16 and float16 params are "
-                            "supported" % (self._name(), where, _mp_ops._dtype_name(p.dtype)))
+                            "supported" % (self._name(), where, _dtype_name(p.dtype)))
         if g.dtype != p.dtype and g.dtype != torch.float32:
             raise TypeError(
                 "%s: the gradient of %s has dtype %s; it must have the param's dtype (%s) or "
-                "float32" % (self._name(), where, _mp_ops._dtype_name(g.dtype),
-                             _mp_ops._dtype_name(p.dtype)))
+                "float32" % (self._name(), where, _dtype_name(g.dtype),
+                             _dtype_name(p.dtype)))
         if g.device != p.device:
             raise ValueError("%s: the gradient of %s is on %s but the param is on %s"
                              % (self._name(), where, g.device, p.device))
@@ -325,26 +307,6 @@ class Adam(torch.optim.Optimizer):
                 and "master_param" not in state):
             state["master_param"] = _fp32_copy(p)
         return state
-
-    def _lr_tensor(self, device: torch.device, slot: int, lr) -> torch.Tensor:
-        if isinstance(lr, torch.Tensor):
-            return lr.detach().to(device=device, dtype=torch.float32, non_blocking=True)
-        lr = float(lr)
-        buf = self._lr_buffers.get((device, slot))
-        if buf is None:
-            buf = [torch.full((), lr, dtype=torch.float32, device=device), lr]
-            self._lr_buffers[(device, slot)] = buf
-        elif buf[1] != lr or math.copysign(1.0, buf[1]) != math.copysign(1.0, lr):
-            buf[0].fill_(lr)  # on the device: no host sync
-            buf[1] = lr
-        return buf[0]
-
-    def _empty_master(self, device: torch.device) -> torch.Tensor:
-        t = self._empty_masters.get(device)
-        if t is None:
-            t = torch.empty(0, dtype=torch.float32, device=device)
-            self._empty_masters[device] = t
-        return t
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *,
@@ -374,8 +336,8 @@ class Adam(torch.optim.Optimizer):
                 return loss
             found_inf = None
 
-        calls = self._plan()
-        if not calls:
+        items = self._items()
+        if not items:
             return loss
         inv_scale = None
         if grad_scale is not None:
@@ -384,47 +346,7 @@ class Adam(torch.optim.Optimizer):
                 inv_scale = grad_scale.detach().double().reciprocal().float()
             else:
                 inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
-        # Every call's arguments first, then the launches: nothing is written by one call
-        # before all of them are assembled.
-        launches = []
-        per_device: Dict[torch.device, tuple] = {}
-        slots: Dict[torch.device, int] = defaultdict(int)
-        for (device, _, hyper), entries in calls.items():
-            if device not in per_device:
-                per_device[device] = (_to_device(inv_scale, device),
-                                      _to_device(found_inf, device))
-            dev_inv, dev_found = per_device[device]
-            params, grads, exp_avgs, exp_avg_sqs, masters, steps = [], [], [], [], [], []
-            any_low = False
-            for p, g, group in entries:
-                state = self._state_of(p, group)
-                p = _local(p)  # a DTensor param: its local shard (g is one already)
-                if g.stride() != p.stride() and not _mp_ops._same_layout(g, p):
-                    # e.g. a channels_last param with a contiguous gradient
-                    g = torch.empty_like(p, dtype=g.dtype).copy_(g)
-                params.append(p)
-                grads.append(g)
-                exp_avgs.append(_local(state["exp_avg"]))
-                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
-                steps.append(state["step"])
-                if p.dtype in _LOW_DTYPES:
-                    any_low = True
-                    master = state.get("master_param")
-                    # master_weights=False: a temporary master, made from the param.
-                    masters.append(_local(master) if master is not None else _fp32_copy(p))
-                else:
-                    masters.append(None)
-            if any_low:
-                empty = self._empty_master(device)  # what an fp32 param takes
-                masters = [empty if m is None else m for m in masters]
-            else:
-                masters = []
-            lr_t = self._lr_tensor(device, slots[device], entries[0][2]["lr"])
-            slots[device] += 1
-            launches.append((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t) + hyper
-                            + (dev_inv, dev_found))
-        for args in launches:
-            torch.ops.mpext.adam_step_(*args[:-2], inv_scale=args[-2], found_inf=args[-1])
+        fused_adam_step(items, self._lr_tensors, inv_scale, found_inf)
         return loss
 
     def reset_masters(self) -> None:
@@ -569,6 +491,74 @@ def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torc
         return None
     # Non-blocking only towards an accelerator: a host tensor must hold its value when used.
     return t.to(device=device, dtype=torch.float32, non_blocking=device.type != "cpu")
+
+
+def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> tuple:
+    """The hyperparameters of a param group that one ``adam_step_`` call shares: (beta1,
+    beta2, eps, weight_decay, decoupled, maximize), as Python numbers (a tensor beta is read
+    once here, as torch's own optimizers read it)."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    wd = float(group["weight_decay"])
+    decoupled = (force_decoupled or bool(group.get("decoupled_weight_decay", False))) and wd != 0
+    return (beta1, beta2, float(group["eps"]), wd, decoupled, bool(group.get("maximize", False)))
+
+
+def _device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The param's step count as the kernel needs it: a float32 scalar tensor on the param's
+    device. A state loaded by other code (ZeroRedundancyOptimizer moves 0-dim state to the CPU,
+    torch's non-fused Adam keeps a float or an int64 tensor) is converted once, in place."""
+    step = state["step"]
+    if not (isinstance(step, torch.Tensor) and step.dtype is _F32 and step.device == device
+            and step.dim() == 0):
+        step = torch.as_tensor(step).detach().to(device=device, dtype=_F32).reshape(())
+        state["step"] = step
+    return step
+
+
+def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
+                    inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
+    """Steps every item with as few ``adam_step_`` calls as possible: one per device, learning
+    rate and set of hyperparameters, whatever the params' groups or dtypes. The one planner of
+    the fused step, used by :class:`Adam` and by ``MixedPrecisionOptimizer``'s fast path.
+
+    items: (param, grad, state, master, lr, hyper) per param: plain tensors (DTensors already
+    as their local shards), ``state`` a dict with torch's ``exp_avg``, ``exp_avg_sq`` and
+    ``step`` (a step that is not a float32 scalar on the param's device is converted in place),
+    ``master`` the fp32 master of a bf16/fp16 param (None for an fp32 one), ``lr`` a float or a
+    tensor, ``hyper`` from :func:`adam_hyper`. Every call's arguments are assembled before the
+    first launch, so a failing check leaves everything unchanged."""
+    calls: Dict[tuple, list] = {}
+    for item in items:
+        lr = item[4]
+        lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
+        calls.setdefault((item[0].device, lr_key, item[5]), []).append(item)
+    launches = []
+    per_device: Dict[torch.device, tuple] = {}
+    slots: Dict[torch.device, int] = defaultdict(int)
+    for (device, _, hyper), entries in calls.items():
+        if device not in per_device:
+            per_device[device] = (_to_device(inv_scale, device), _to_device(found_inf, device),
+                                  torch.empty(0, dtype=_F32, device=device))
+        dev_inv, dev_found, empty = per_device[device]
+        params, grads, exp_avgs, exp_avg_sqs, masters, steps = [], [], [], [], [], []
+        for p, g, state, master, _, _ in entries:
+            if g.stride() != p.stride() and not same_layout(g, p):
+                # e.g. a channels_last param with a contiguous gradient
+                g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+            params.append(p)
+            grads.append(g)
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(_device_step(state, device))
+            masters.append(empty if master is None else master)
+        if all(m is empty for m in masters):
+            masters = []
+        lr_t = lr_tensors.get((device, slots[device]), device, entries[0][4])
+        slots[device] += 1
+        launches.append((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t) + hyper
+                        + (dev_inv, dev_found))
+    for args in launches:
+        torch.ops.mpext.adam_step_(*args[:-2], inv_scale=args[-2], found_inf=args[-1])
 
 
 class AdamW(Adam):

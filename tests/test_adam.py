@@ -1593,3 +1593,33 @@ def test_reset_masters():
         ps[0].fill_(3.0)
     opt.reset_masters()
     assert torch.equal(opt.state[ps[0]]["master_param"], torch.full(ps[0].shape, 3.0))
+
+
+@pytest.mark.parametrize("form", ["float64 tensor", "int64 tensor", "python float",
+                                  "other device"])
+def test_step_counts_loaded_by_other_code_are_converted(device, form):
+    """Other code writes the state directly (ZeroRedundancyOptimizer.load_state_dict moves 0-dim
+    state such as ``step`` to the CPU, torch's non-fused Adam keeps a float or an int tensor):
+    the step converts such a count to the float32 device tensor the kernel needs, once, and
+    continues exactly like an optimizer whose state never left it."""
+    if form == "other device" and device == "cpu":
+        pytest.skip("needs params on an accelerator (a CPU step with CUDA params)")
+    ps = make_params(device, torch.bfloat16)
+    a, b = AdamW(ps, lr=1e-2), AdamW(clones(ps), lr=1e-2)
+    qs = b.param_groups[0]["params"]
+    for q in qs:
+        q.requires_grad_()
+    train(a, ps, 3)
+    train(b, qs, 3)
+    for q in qs:
+        step = b.state[q]["step"]
+        b.state[q]["step"] = {"float64 tensor": step.double(), "int64 tensor": step.long(),
+                              "python float": float(step.item()),
+                              "other device": step.cpu()}[form]
+    train(a, ps, 2, start=3)
+    train(b, qs, 2, start=3)
+    assert_opts_bitwise(a, b)
+    for q in qs:
+        s = b.state[q]["step"]
+        assert s.dtype == torch.float32 and s.device == q.device and s.dim() == 0
+        assert s.item() == 5.0

@@ -248,7 +248,131 @@ def _ddp_body(rank, out_dir):
     out["checkpoint"] = _snapshot(params, scales, scaler)
     out["checkpoint"]["scaler_keys"] = sorted(ckpt["scaler"])
     out["pickling"] = _pickling_checks()
+    out.update(_zero_body(rank, out_dir))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# ZeroRedundancyOptimizer: each rank steps its partition with an mpext optimizer, then ZeRO
+# broadcasts every partition's params from its owner.
+
+ZERO_MPO = {"zero_mpo_bf16": (torch.bfloat16, {}),
+            "zero_mpo_fp16": (torch.float16, dict(loss_scale="dynamic", init_scale=2.0 ** 8,
+                                                  growth_interval=2))}
+ZERO_INF_STEP = 2
+
+
+def _mpo_factory(dtype, sync):
+    """An optimizer_class for ZeRO: ZeRO calls it with the rank's param groups."""
+    _, mpo_kw = ZERO_MPO["zero_mpo_bf16" if dtype == torch.bfloat16 else "zero_mpo_fp16"]
+
+    def make(params, **defaults):
+        kw = dict(mpo_kw, sync_found_inf=True) if sync and mpo_kw else mpo_kw
+        return mpext.MixedPrecisionOptimizer(torch.optim.AdamW(params, foreach=False,
+                                                               **defaults), **kw)
+    return make
+
+
+def _zero_train(model, params, zero, mpo_of, steps, dtype, rank=None):
+    """The DDP loop with the scaled backward of the rank's MixedPrecisionOptimizer (mpo_of()
+    gives it); an inf in every rank's copy of the first gradient at ZERO_INF_STEP (after DDP's
+    all-reduce: only the owner of that param sees it, sync_found_inf tells the others)."""
+    scales = []
+    for step in steps:
+        x, y = _batch(step, rank)
+        zero.zero_grad(set_to_none=True)
+        mpo_of().backward(((model(x.to(dtype)).float() - y) ** 2).mean())
+        if step == ZERO_INF_STEP and dtype == torch.float16:
+            params[0].grad.view(-1)[0] = INF
+        zero.step()
+        scales.append(mpo_of().get_scale())
+    return scales
+
+
+def _zero_body(rank, out_dir):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    out = {}
+    for name, (dtype, _) in ZERO_MPO.items():
+        model = _mlp(dtype)
+        params = list(model.parameters())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(params, optimizer_class=_mpo_factory(dtype, True), **ADAM)
+        # ZeRO keeps its partitions as param-group dicts: they must still hold the model's
+        # params after the wrapper made its masters.
+        partitions_ok = all(p.dtype == dtype for part in zero._partition_parameters()
+                            for g in part for p in g["params"])
+        scales = _zero_train(ddp, params, zero, lambda: zero.optim, STEPS, dtype, rank)
+        out[name] = _snapshot(params, scales)
+        out[name]["partitions_ok"] = partitions_ok
+        out[name]["skipped"] = zero.optim.scaler.get_skipped_steps()
+
+    # mpext.optim.AdamW under ZeRO, saved and loaded mid-run: ZeRO's load_state_dict moves the
+    # 0-dim step to the CPU; the optimizer takes it back to the param's device.
+    path = os.path.join(out_dir, "zero.pt")
+
+    def setup():
+        model = _mlp(torch.bfloat16)
+        params = list(model.parameters())
+        zero = ZeroRedundancyOptimizer(params, optimizer_class=mpext.optim.AdamW, **ADAM)
+        return nn.parallel.DistributedDataParallel(model), model, params, zero
+
+    def train(ddp, zero, steps):
+        for step in steps:
+            x, y = _batch(step, rank)
+            zero.zero_grad(set_to_none=True)
+            ((ddp(x.to(torch.bfloat16)).float() - y) ** 2).mean().backward()
+            zero.step()
+
+    ddp, model, params, zero = setup()
+    train(ddp, zero, range(3))
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "opt": zero.state_dict()}, path)
+    dist.barrier()
+    ckpt = torch.load(path, weights_only=True)
+    ddp, model, params, zero = setup()
+    model.load_state_dict(ckpt["model"])
+    zero.load_state_dict(ckpt["opt"])
+    train(ddp, zero, range(3, 5))
+    out["zero_adamw_resume"] = _snapshot(params)
+    return out
+
+
+def _zero_reference(name):
+    dtype, mpo_kw = ZERO_MPO[name]
+    model = _mlp(dtype)
+    params = list(model.parameters())
+    mpo = _mpo_factory(dtype, False)(params, **ADAM)
+    scales = _zero_train(model, params, mpo, lambda: mpo, STEPS, dtype)
+    out = _snapshot(params, scales)
+    out["skipped"] = mpo.scaler.get_skipped_steps()
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_MPO))
+def test_zero_with_mixed_precision_optimizer_matches_one_process(results, name):
+    """ZeroRedundancyOptimizer(optimizer_class=<a MixedPrecisionOptimizer factory>): the ranks
+    agree and match one process on the combined batch; an overflow seen only by the owner of a
+    partition skips the step on every rank."""
+    for r in results:
+        assert r[name]["partitions_ok"]
+    _assert_ranks_identical(results, name)
+    ref = _zero_reference(name)
+    atol = 4e-3 if name == "zero_mpo_bf16" else 1e-3  # one bf16 ulp near 0.5 is 2e-3
+    _assert_close_to(ref, results[0][name], atol=atol)
+    assert _moved(name, ref) > 10 * atol
+    assert ref["skipped"] == (1 if name == "zero_mpo_fp16" else 0)
+
+
+def test_zero_with_mpext_adamw_resumes_from_a_consolidated_checkpoint(results):
+    """3 steps, consolidate, save, load into new objects, 2 more: the same as 5 steps of one
+    process on the combined batch."""
+    _assert_ranks_identical(results, "zero_adamw_resume")
+    model = _mlp(torch.bfloat16)
+    params = list(model.parameters())
+    opt = mpext.optim.AdamW(params, **ADAM)
+    _train(model, params, opt, None, STEPS, torch.bfloat16)
+    _assert_close_to(_snapshot(params), results[0]["zero_adamw_resume"], atol=4e-3)
 
 
 def _pickling_checks():

@@ -747,7 +747,6 @@ STEP_BAD = [
      TypeError, "gradient of param 1 has dtype float16"),
     ("sparse grad", lambda ps: setattr(ps[0], "grad", torch.ones(3, dtype=torch.float16)
                                        .to_sparse()), RuntimeError, "only dense gradients"),
-    ("closure", None, NotImplementedError, "closures are not supported"),
 ]
 
 
@@ -761,15 +760,211 @@ def test_bad_step_changes_nothing(what, spoil, exc, match):
     mpo.step()
     for p in ps:
         p.grad = torch.ones_like(p)
-    kwargs = {}
-    if spoil is None:
-        kwargs["closure"] = lambda: 0.0
-    else:
-        spoil(ps)
+    spoil(ps)
     before, scale = snapshot(mpo), mpo.get_scale()
     with pytest.raises(exc, match=match):
-        mpo.step(**kwargs)
+        mpo.step()
     assert_same(snapshot(mpo), before)
     assert mpo.get_scale() == scale
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
         mpo.clip_grad_norm_(0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driven as frameworks drive it: their own backward pass, closures, torch.compile, caller-owned
+# param groups.
+
+
+def _lin(dtype=torch.float16, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 3, bias=True).to(dtype)
+
+
+def _data(step, dtype):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4, 8, generator=gen).to(dtype), torch.randn(4, 3, generator=gen)
+
+
+def _loss(lin, step, dtype):
+    x, y = _data(step, dtype)
+    return ((lin(x).float() - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 64.0])
+def test_plain_backward_with_loss_scaling_raises_and_changes_nothing(loss_scale):
+    """A framework's plain loss.backward() gives gradients without the scale: unscaling them
+    would make the SGD update 1/scale of the right one. step() and clip_grad_norm_() refuse."""
+    lin = _lin()
+    kw = {"init_scale": 2.0 ** 8} if loss_scale == "dynamic" else {}
+    mpo = MPO(torch.optim.SGD(lin.parameters(), lr=0.1), loss_scale=loss_scale, **kw)
+    before, scale = snapshot(mpo), mpo.get_scale()
+    _loss(lin, 0, torch.float16).backward()
+    with pytest.raises(RuntimeError, match=r"did not go through the loss scale.*"
+                                           r"opt\.scale_loss\(loss\)\.backward\(\)"):
+        mpo.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="did not go through the loss scale"):
+        mpo.step()
+    assert_same(snapshot(mpo), before)
+    assert mpo.get_scale() == scale
+    # Mixed: a scaled pass and a plain one accumulate into the same gradients.
+    mpo.zero_grad()
+    mpo.backward(_loss(lin, 1, torch.float16))
+    _loss(lin, 2, torch.float16).backward()
+    with pytest.raises(RuntimeError, match="did not go through the loss scale"):
+        mpo.step()
+    # zero_grad starts a clean iteration.
+    mpo.zero_grad()
+    mpo.backward(_loss(lin, 3, torch.float16))
+    assert bool(mpo.step())
+
+
+@pytest.mark.parametrize("how", ["backward", "scale_loss", "autograd_backward",
+                                 "reentrant_checkpoint"])
+def test_scaled_backward_gives_the_exact_sgd_update(how):
+    """Through backward(), scale_loss() (also with torch.autograd.backward and a reentrant
+    checkpoint, whose backward pass runs nested inside the outer one) the master moves by
+    exactly -lr * g, g the unscaled gradient (a power-of-two scale is exact)."""
+    import torch.utils.checkpoint as checkpoint
+    lin = _lin()
+    mpo = MPO(torch.optim.SGD(lin.parameters(), lr=0.5), loss_scale="dynamic",
+              init_scale=2.0 ** 10)
+    w0 = mpo.master_param(lin.weight).clone()
+    x, y = _data(0, torch.float16)
+    x.requires_grad_()  # a reentrant checkpoint differentiates only through inputs that do
+    if how == "reentrant_checkpoint":
+        out = checkpoint.checkpoint(lin, x, use_reentrant=True)
+    else:
+        out = lin(x)
+    loss = ((out.float() - y) ** 2).mean()
+    ref_lin = _lin(torch.float32)
+    ref_loss = ((ref_lin(x.float()) - y) ** 2).mean()
+    g = torch.autograd.grad(ref_loss, ref_lin.weight)[0]
+    if how == "backward":
+        mpo.backward(loss)
+    elif how == "autograd_backward":
+        torch.autograd.backward([mpo.scale_loss(loss)])
+    else:
+        mpo.scale_loss(loss).backward()
+    grad = lin.weight.grad.float() / 2.0 ** 10  # the fp16 gradient carries the scale
+    assert bool(mpo.step())
+    assert_bitwise(mpo.master_param(lin.weight), w0 - 0.5 * grad)
+    # The same as what the FP32 model's gradient gives, up to fp16 rounding of the gradient.
+    torch.testing.assert_close(mpo.master_param(lin.weight), w0 - 0.5 * g, rtol=0, atol=2e-3)
+
+
+def test_hand_set_gradients_are_taken_as_scaled():
+    """Gradients assigned by hand (no backward pass) are taken to carry the scale, as the
+    rest of this file relies on; bf16 without loss scaling takes a plain backward."""
+    lin = _lin(torch.bfloat16)
+    mpo = MPO(torch.optim.SGD(lin.parameters(), lr=0.5))
+    assert mpo.loss_scale is None
+    _loss(lin, 0, torch.bfloat16).backward()
+    w0, g = mpo.master_param(lin.weight).clone(), lin.weight.grad.float()
+    assert bool(mpo.step())
+    assert_bitwise(mpo.master_param(lin.weight), w0 - 0.5 * g)
+    assert mpo.scale_loss(torch.ones(())) is not None
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "sgd_nesterov"])
+def test_step_with_closure_like_torch(name):
+    """step(closure) runs the closure with gradients enabled (step itself runs under no_grad),
+    returns its loss, and trains exactly as backward() + step() do."""
+    cls, kw, _ = INNER[name]
+    a, b = _lin(seed=1), _lin(seed=1)
+    ma = MPO(cls(a.parameters(), **kw), max_grad_norm=1.0, init_scale=2.0 ** 8)
+    mb = MPO(cls(b.parameters(), **kw), max_grad_norm=1.0, init_scale=2.0 ** 8)
+    for step in range(4):
+        seen = []
+
+        def closure():
+            seen.append(torch.is_grad_enabled())
+            ma.zero_grad()
+            loss = _loss(a, step, torch.float16)
+            ma.backward(loss)
+            return loss
+
+        loss = ma.step(closure)
+        assert seen == [True]
+        assert isinstance(loss, torch.Tensor) and loss.requires_grad
+        mb.zero_grad()
+        ref_loss = _loss(b, step, torch.float16)
+        mb.backward(ref_loss)
+        mb.step()
+        assert_bitwise(loss.detach(), ref_loss.detach())
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert_bitwise(p.detach(), q.detach())
+            assert_bitwise(ma.master_param(p), mb.master_param(q))
+        assert ma.get_scale() == mb.get_scale()
+
+
+def test_closure_with_a_plain_backward_is_refused():
+    lin = _lin()
+    mpo = MPO(torch.optim.SGD(lin.parameters(), lr=0.1), init_scale=2.0 ** 8)
+    before = snapshot(mpo)
+
+    def closure():
+        loss = _loss(lin, 0, torch.float16)
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="did not go through the loss scale"):
+        mpo.step(closure)
+    assert_same(snapshot(mpo), before)
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "mpext_adamw", "sgd_nesterov", "sgd_fused"])
+def test_compiled_step_matches_eager_bit_for_bit(name, monkeypatch):
+    """torch.compile(opt.step) runs (the fused path whole; the generic path breaks the graph at
+    its one host read) and matches eager, an overflowing step included: bit for bit on the fused
+    path (mpext's kernels only); on the generic path the inner torch optimizer's own math is
+    compiled by inductor, which contracts into FMAs, so the masters agree to rounding there and
+    everything mpext decides (scale, skip, the rounded params) exactly. No step probes the
+    dispatcher for kernels."""
+    torch._dynamo.reset()
+    cls, kw, fused = INNER[name]
+    a, b = _lin(seed=2), _lin(seed=2)
+    ma = MPO(cls(a.parameters(), **kw), loss_scale="dynamic", init_scale=2.0 ** 8,
+             growth_interval=2, max_grad_norm=2.0)
+    mb = MPO(cls(b.parameters(), **kw), loss_scale="dynamic", init_scale=2.0 ** 8,
+             growth_interval=2, max_grad_norm=2.0)
+    compiled = torch.compile(ma.step)
+    probes = []
+    real_probe = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
+                        lambda *args: probes.append(args) or real_probe(*args))
+    for step in range(6):
+        for lin, mpo, run in ((a, ma, compiled), (b, mb, mb.step)):
+            mpo.zero_grad()
+            mpo.backward(_loss(lin, step, torch.float16))
+            if step == 3:
+                lin.weight.grad.view(-1)[1] = float("inf")
+            run()
+        assert ma.get_scale() == mb.get_scale()
+        for p, q in zip(a.parameters(), b.parameters()):
+            if fused:
+                assert_bitwise(p.detach(), q.detach())
+                assert_bitwise(ma.master_param(p), mb.master_param(q))
+            else:
+                torch.testing.assert_close(ma.master_param(p), mb.master_param(q), rtol=1e-6,
+                                           atol=1e-7)
+            assert_bitwise(p.detach(), ma.master_param(p).to(p.dtype))
+    assert ma.scaler.get_skipped_steps() == mb.scaler.get_skipped_steps() == 1
+    assert [p for p in probes if str(p[0]).startswith("mpext::") and isinstance(p[1], str)] \
+        == []  # mpext's probe names the backend by a string (torch's tracing takes enums)
+    torch._dynamo.reset()
+
+
+def test_callers_param_group_dicts_are_left_alone():
+    """Wrapping must not put the masters into dicts the caller (or ZeroRedundancyOptimizer)
+    holds: they keep listing the model's params."""
+    lin = _lin(torch.bfloat16)
+    groups = [{"params": [lin.weight], "lr": 0.1}, {"params": [lin.bias], "lr": 0.2}]
+    inner = torch.optim.AdamW(groups)
+    mpo = MPO(inner)
+    assert [g["params"] for g in groups] == [[lin.weight], [lin.bias]]
+    assert all(p.dtype == torch.bfloat16 for g in groups for p in g["params"])
+    assert [g["params"] for g in mpo.param_groups] == [[mpo.master_param(lin.weight)],
+                                                       [mpo.master_param(lin.bias)]]
+    assert [g["lr"] for g in mpo.param_groups] == [0.1, 0.2]
+    mpo.param_groups[0]["lr"] = 0.05  # what an LR scheduler does: the inner optimizer sees it
+    assert inner.param_groups[0]["lr"] == 0.05
