@@ -9,6 +9,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ._common import PARAM_DTYPES as _PARAM_DTYPES, dtype_name as _dtype_name
+from ._common import is_dense as _is_dense, same_layout as _same_layout
+
 __all__ = ["to_bf16", "to_fp16", "to_fp32", "cast_"]
 
 _ops = torch.ops.mpext
@@ -235,16 +238,6 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: 
                        max_scale=0.0 if max_scale is None else float(max_scale), stats=stats)
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-                torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64",
-                torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
-                torch.bool: "bool"}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
 def _check_fake_scalar(t: torch.Tensor, op: str, name: str, dtype: torch.dtype, numel: int,
                        device: torch.device, owner: str) -> None:
     """The fake-kernel twin of the C++ check_scalar: dtype, element count, device, layout."""
@@ -321,9 +314,6 @@ def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_
 
 __all__ += ["adam_step_"]
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
                masters: Optional[Sequence[torch.Tensor]], steps: Sequence[torch.Tensor],
@@ -373,29 +363,6 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr,
                     float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
                     bool(maximize), inv_scale=inv_scale, found_inf=found_inf)
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape lay their elements out in the same memory order (the
-    strides of size-1 dimensions do not matter)."""
-    return a.shape == b.shape and all(
-        sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()) if size != 1)
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """Whether t is strided and covers its memory exactly once (contiguous, channels_last, any
-    permutation of dimensions): what the element-wise kernels accept."""
-    if t.layout != torch.strided:
-        return False
-    if t.numel() <= 1 or t.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1),
-                               key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _sizes(t: torch.Tensor) -> str:
