@@ -36,9 +36,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import LOW_DTYPES as _LOW_DTYPES, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
-from ._common import dtype_name as _dtype_name, has_kernel, is_dense, is_real as _is_real
-from ._common import same_layout
+from .._common import LOW_DTYPES as _LOW_DTYPES, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
+from .._common import dtype_name as _dtype_name, has_kernel, is_dense, is_real as _is_real
+from .._common import same_layout
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
