@@ -550,14 +550,15 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor_cuda* tensors, int64_t nt
   const mp_status checked = check_call(tensors, ntensors, opt);
   if (checked != MP_OK || ntensors == 0) return checked;
   return run_adam(
-      tensors, ntensors, *opt, kMaxBlocks, kMaxPieces, kMaxSteps,
+      tensors, ntensors, *opt, mp_cuda::cap_blocks(kMaxBlocks), mp_cuda::cap_pieces(kMaxPieces),
+      mp_cuda::cap_pieces(kMaxSteps),
       [&](const AdamArgs& a, int64_t blocks) -> mp_status {
-        adam_multi_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+        mp_cuda::launch(adam_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
         return launch_status();
       },
       [&](const StepArgs& a, int count) -> mp_status {
         const unsigned grid = static_cast<unsigned>((count + kStepThreads - 1) / kStepThreads);
-        adam_step_kernel<<<grid, kStepThreads, 0, stream>>>(a);
+        mp_cuda::launch(adam_step_kernel, grid, kStepThreads, 0, stream, a);
         return launch_status();
       });
 }

@@ -270,10 +270,11 @@ mp_status mp_unscale_multi_cuda(const mp_unscale_segment* segs, int64_t nsegs, f
                                 const float* inv_scale, cudaStream_t stream) {
   const mp_status checked = check_segments(segs, nsegs, found_inf, inv_scale);
   if (checked != MP_OK) return checked;
-  return for_each_launch(segs, nsegs, found_inf, inv_scale, kMaxBlocks, kMaxPieces,
+  return for_each_launch(segs, nsegs, found_inf, inv_scale, mp_cuda::cap_blocks(kMaxBlocks),
+                         mp_cuda::cap_pieces(kMaxPieces),
                          [&](const UnscaleArgs& a, int64_t blocks) -> mp_status {
-                           unscale_multi_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
-                                                  stream>>>(a);
+                           mp_cuda::launch(unscale_multi_kernel, static_cast<unsigned>(blocks),
+                                           kThreads, 0, stream, a);
                            return launch_status();
                          });
 }
@@ -302,9 +303,9 @@ mp_status mp_update_scale_cuda(float* scale, int32_t* growth_tracker, const floa
     return MP_ERR_INVALID_ARGUMENT;
   }
   if (hysteresis > 1 && hysteresis_tracker == nullptr) return MP_ERR_INVALID_ARGUMENT;
-  update_scale_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, growth_factor,
-                                           backoff_factor, growth_interval, hysteresis_tracker,
-                                           hysteresis, min_scale, max_scale, stats);
+  mp_cuda::launch(update_scale_kernel, 1, 1, 0, stream, scale, growth_tracker, found_inf,
+                  growth_factor, backoff_factor, growth_interval, hysteresis_tracker, hysteresis,
+                  min_scale, max_scale, stats);
   return launch_status();
 }
 
