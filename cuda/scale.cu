@@ -101,17 +101,16 @@ MP_SCALE_HD uint32_t unscale_scalar(void* g, int64_t first, int64_t last, float 
   return bad;
 }
 
-// Unscales elements [0, n) at g in place (or only checks them when kCheckOnly), this thread
-// taking its share of a loop whose threads are numbered 0 .. nthreads - 1. Returns 1 if any
-// element this thread read was NaN/Inf. The elements before g's first 16-byte boundary (the
-// head) and after the last full vector (the tail) go one at a time; a pointer that is not even
-// element-aligned (not a valid tensor) goes one element at a time throughout.
+// Unscales elements [0, n) at g (aligned to its element size) in place, or only checks them
+// when kCheckOnly, this thread taking its share of a loop whose threads are numbered
+// 0 .. nthreads - 1. Returns 1 if any element this thread read was NaN/Inf. The elements before
+// g's first 16-byte boundary (the head) and after the last full vector (the tail) go one at a
+// time.
 template <int D, bool kCheckOnly>
 MP_SCALE_HD uint32_t unscale_range(void* g, int64_t n, float inv, int64_t tid,
                                    int64_t nthreads) {
   constexpr int kBytes = DtypeTraits<D>::kBytes;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(g);
-  if (addr % kBytes != 0u) return unscale_scalar<D, kCheckOnly>(g, 0, n, inv, tid, nthreads);
   int64_t head = static_cast<int64_t>((16u - (addr & 15u)) & 15u) / kBytes;
   if (head > n) head = n;
   uint32_t bad = unscale_scalar<D, kCheckOnly>(g, 0, head, inv, tid, nthreads);
@@ -212,6 +211,11 @@ mp_status check_segments(const mp_unscale_segment* segs, int64_t nsegs, const fl
       return MP_ERR_INVALID_ARGUMENT;
     }
     if (s.n > 0 && s.g == nullptr) return MP_ERR_INVALID_ARGUMENT;
+    // A GPU faults on an access that is not aligned to its size.
+    if (s.n > 0 &&
+        reinterpret_cast<uintptr_t>(s.g) % static_cast<uintptr_t>(dtype_bytes(s.dtype)) != 0u) {
+      return MP_ERR_INVALID_ARGUMENT;
+    }
   }
   return MP_OK;
 }

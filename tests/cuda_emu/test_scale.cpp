@@ -260,6 +260,9 @@ EMU_TEST(unscale_bad_arguments) {
       {"g null", {{MP_UNSCALE_F32, g.data(), 4}, {MP_UNSCALE_BF16, nullptr, 4}}, 2, fi, is},
       {"found_inf null", {{MP_UNSCALE_F32, g.data(), 4}}, 1, nullptr, is},
       {"inv_scale null", {{MP_UNSCALE_F32, g.data(), 4}}, 1, fi, nullptr},
+      // Misaligned pointers fault on a GPU (UBSan reports them here): rejected up front.
+      {"f32 not 4-byte aligned", {{MP_UNSCALE_F32, static_cast<char*>(g.data()) + 2, 4}}, 1, fi, is},
+      {"fp16 odd address", {{MP_UNSCALE_FP16, static_cast<char*>(g.data()) + 1, 4}}, 1, fi, is},
   };
   for (const Case& c : cases) {
     set_context("%s", c.what);
