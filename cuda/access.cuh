@@ -55,6 +55,12 @@ inline int cap_pieces(int limit) {
   return limit;
 }
 
+// Whether p is aligned to its element size: the launchers reject pointers that are not, since a
+// GPU faults on an access that is not aligned to its size.
+inline bool element_aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0u;
+}
+
 // Multi-tensor launches cut a list into pieces, piece k covering blocks first_block[k] ..
 // first_block[k + 1] - 1 (the last piece's run to the grid's end; first_block is strictly
 // increasing and starts at 0). The piece of block `block`: the last k with

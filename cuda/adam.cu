@@ -42,6 +42,7 @@
 namespace {
 
 using mp_cuda::bits_from_f32;
+using mp_cuda::element_aligned;
 using mp_cuda::f32_from_bits;
 using mp_cuda::load1;
 using mp_cuda::load8;
@@ -422,10 +423,6 @@ __global__ void __launch_bounds__(kStepThreads) adam_step_kernel(const __grid_co
 mp_status launch_status() { return cudaPeekAtLastError() == cudaSuccess ? MP_OK : MP_ERR_CUDA; }
 
 bool valid_dtype(int32_t d) { return d == MP_F32 || d == MP_BF16 || d == MP_F16; }
-
-bool element_aligned(const void* p, int bytes) {
-  return (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes)) == 0u;
-}
 
 bool finite(double x) { return x - x == 0.0; }
 

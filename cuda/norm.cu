@@ -165,9 +165,9 @@ bool segments_ok(const mp_grad_norm_segment* segs, int64_t nsegs) {
   for (int64_t k = 0; k < nsegs; ++k) {
     const mp_grad_norm_segment& s = segs[k];
     if (s.dtype < MP_F32 || s.dtype > MP_F16 || s.n < 0) return false;
-    if (s.n > 0 && (s.x == nullptr ||
-                    reinterpret_cast<uintptr_t>(s.x) % static_cast<uintptr_t>(dtype_bytes(s.dtype))))
+    if (s.n > 0 && (s.x == nullptr || !mp_cuda::element_aligned(s.x, dtype_bytes(s.dtype)))) {
       return false;
+    }
   }
   return true;
 }

@@ -210,10 +210,7 @@ mp_status check_segments(const mp_unscale_segment* segs, int64_t nsegs, const fl
     if (s.dtype < 0 || s.dtype >= MP_UNSCALE_DTYPE_COUNT || s.n < 0) {
       return MP_ERR_INVALID_ARGUMENT;
     }
-    if (s.n > 0 && s.g == nullptr) return MP_ERR_INVALID_ARGUMENT;
-    // A GPU faults on an access that is not aligned to its size.
-    if (s.n > 0 &&
-        reinterpret_cast<uintptr_t>(s.g) % static_cast<uintptr_t>(dtype_bytes(s.dtype)) != 0u) {
+    if (s.n > 0 && (s.g == nullptr || !mp_cuda::element_aligned(s.g, dtype_bytes(s.dtype)))) {
       return MP_ERR_INVALID_ARGUMENT;
     }
   }
