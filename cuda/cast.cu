@@ -7,8 +7,9 @@
 //   - the multi-tensor kernel (cast_) gives each block one chunk of kChunk elements of one
 //     segment, the block's thread index and the block size.
 // cast_range moves 8 elements per step with 16-byte loads and stores when both pointers are
-// 16-byte aligned, then finishes (or, unaligned, does everything) one element at a time. All
-// indices and counts are int64_t, so a tensor may exceed 2^31 elements.
+// 16-byte aligned, then finishes (or, unaligned, does everything) one element at a time; the
+// launchers accept only pointers aligned to their element size. All indices and counts are
+// int64_t, so a tensor may exceed 2^31 elements.
 //
 // Numerics. Round to nearest even uses the CUDA conversion intrinsics, which is what torch's
 // Tensor.to does on CUDA, so the bits match it for every non-NaN input (subnormals are rounded,
@@ -237,6 +238,10 @@ mp_status launch_single(const void* src, void* dst, int64_t n, uint64_t pos, uin
                         cudaStream_t stream) {
   if (n < 0 || (n > 0 && (src == nullptr || dst == nullptr))) return MP_ERR_INVALID_ARGUMENT;
   if (n == 0) return MP_OK;
+  if (!mp_cuda::element_aligned(src, KindTraits<K>::kSrc) ||
+      !mp_cuda::element_aligned(dst, KindTraits<K>::kDst)) {
+    return MP_ERR_INVALID_ARGUMENT;
+  }
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -268,7 +273,11 @@ mp_status check_segments(const mp_cast_segment* segs, int64_t nsegs, int stochas
   for (int64_t k = 0; k < nsegs; ++k) {
     const mp_cast_segment& s = segs[k];
     if (s.kind < 0 || s.kind >= MP_CAST_KIND_COUNT || s.n < 0) return MP_ERR_INVALID_ARGUMENT;
-    if (s.n > 0 && (s.src == nullptr || s.dst == nullptr)) return MP_ERR_INVALID_ARGUMENT;
+    if (s.n > 0 && (s.src == nullptr || s.dst == nullptr ||
+                    !mp_cuda::element_aligned(s.src, src_bytes(s.kind)) ||
+                    !mp_cuda::element_aligned(s.dst, dst_bytes(s.kind)))) {
+      return MP_ERR_INVALID_ARGUMENT;
+    }
     if (stochastic && s.kind == MP_CAST_F32_TO_F16) return MP_ERR_INVALID_ARGUMENT;
   }
   return MP_OK;

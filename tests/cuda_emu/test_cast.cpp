@@ -159,6 +159,18 @@ EMU_TEST(cast_single_bad_arguments_and_empty) {
   CHECK(mp_to_bf16_f32_cuda(a.f32(), b.u16(), -1, nullptr) == MP_ERR_INVALID_ARGUMENT, "n < 0");
   CHECK(mp_to_fp16_f32_cuda(nullptr, b.u16(), 4, nullptr) == MP_ERR_INVALID_ARGUMENT, "src null");
   CHECK(mp_to_fp32_bf16_cuda(a.u16(), nullptr, 4, nullptr) == MP_ERR_INVALID_ARGUMENT, "dst null");
+  // Misaligned pointers fault on a GPU (UBSan reports them here): rejected up front.
+  char* ac = static_cast<char*>(a.data());
+  char* bc = static_cast<char*>(b.data());
+  set_context("pointers not aligned to their element size");
+  CHECK(mp_to_bf16_f32_cuda(reinterpret_cast<const float*>(ac + 2), b.u16(), 4, nullptr) ==
+            MP_ERR_INVALID_ARGUMENT, "f32 src at +2");
+  CHECK(mp_to_fp16_f32_cuda(a.f32(), reinterpret_cast<uint16_t*>(bc + 1), 4, nullptr) ==
+            MP_ERR_INVALID_ARGUMENT, "fp16 dst at +1");
+  CHECK(mp_to_fp32_fp16_cuda(a.u16(), reinterpret_cast<float*>(bc + 2), 4, nullptr) ==
+            MP_ERR_INVALID_ARGUMENT, "f32 dst at +2");
+  CHECK(mp_to_bf16_sr_f32_cuda(a.f32(), reinterpret_cast<uint16_t*>(bc + 3), 4, 1, 0, nullptr) ==
+            MP_ERR_INVALID_ARGUMENT, "bf16 dst at +3");
   CHECK(mp_to_bf16_sr_f32_cuda(nullptr, nullptr, 0, 1, 2, nullptr) == MP_OK, "n == 0");
   CHECK(mp_to_fp32_fp16_cuda(nullptr, nullptr, 0, nullptr) == MP_OK, "n == 0");
   CHECK(mp_emu::launch_count() == l0, "launched");
@@ -256,6 +268,11 @@ EMU_TEST(cast_multi_bad_arguments_and_empty) {
       {"src null", {MP_CAST_COPY32, nullptr, b.data(), 4, 0}, 0},
       {"dst null", {MP_CAST_F16_TO_F32, a.data(), nullptr, 4, 0}, 0},
       {"stochastic fp16", {MP_CAST_F32_TO_F16, a.data(), b.data(), 4, 0}, 1},
+      // Misaligned pointers fault on a GPU (UBSan reports them here): rejected up front.
+      {"f32 src at +2", {MP_CAST_F32_TO_BF16, static_cast<char*>(a.data()) + 2, b.data(), 4, 0}, 1},
+      {"bf16 src at +1", {MP_CAST_BF16_TO_F32, static_cast<char*>(a.data()) + 1, b.data(), 4, 0}, 0},
+      {"f32 dst at +6", {MP_CAST_F16_TO_F32, a.data(), static_cast<char*>(b.data()) + 6, 4, 0}, 0},
+      {"copy16 dst at +1", {MP_CAST_COPY16, a.data(), static_cast<char*>(b.data()) + 1, 4, 0}, 0},
   };
   for (const Case& c : cases) {
     const mp_cast_segment segs[2] = {{MP_CAST_COPY16, a.data(), b.data(), 8, 0}, c.seg};
