@@ -165,7 +165,7 @@ uint16_t random_16_bits(Rng& r, int dtype, int special_per_mille) {
 }
 
 bool same_bits(const void* got, const void* want, int64_t n, int bytes, int dtype,
-               bool nan_any_payload, const char* what) {
+               bool nan_any_payload, const char* what, const char* file, int line) {
   int64_t bad = 0, first = -1;
   uint32_t first_got = 0, first_want = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -189,8 +189,9 @@ bool same_bits(const void* got, const void* want, int64_t n, int bytes, int dtyp
       first_want = w;
     }
   }
-  return CHECK(bad == 0, "%s: %lld of %lld elements differ, first [%lld]: got 0x%0*x, want 0x%0*x",
-               what, static_cast<long long>(bad), static_cast<long long>(n),
+  return check(bad == 0, file, line,
+               "%s: %lld of %lld elements differ, first [%lld]: got 0x%0*x, want 0x%0*x", what,
+               static_cast<long long>(bad), static_cast<long long>(n),
                static_cast<long long>(first), bytes * 2, first_got, bytes * 2, first_want);
 }
 

@@ -107,9 +107,11 @@ uint16_t random_16_bits(Rng& r, int dtype, int special_per_mille);
 
 // Compares n elements of `bytes`-sized raw values; NaNs match any NaN when nan_any_payload
 // (the round-to-nearest paths, where the GPU's NaN bits differ from the CPU's by design).
-// One check: reports how many differ and the first one, with what; returns true when all match.
+// One check: reports how many differ and the first one, with what and the caller's line;
+// returns true when all match.
 bool same_bits(const void* got, const void* want, int64_t n, int bytes, int dtype,
-               bool nan_any_payload, const char* what);
+               bool nan_any_payload, const char* what, const char* file = __builtin_FILE(),
+               int line = __builtin_LINE());
 
 // ---- emulator state around a test ----
 
