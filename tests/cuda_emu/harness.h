@@ -94,6 +94,11 @@ struct Rng {
   }
 };
 
+// A random address offset modulo 16 bytes that keeps `bytes`-sized elements aligned.
+inline unsigned random_offset(Rng& r, int bytes) {
+  return static_cast<unsigned>(r.below(16 / bytes)) * static_cast<unsigned>(bytes);
+}
+
 float f32_of(uint32_t u);
 uint32_t bits_of(float f);
 bool is_nan32(uint32_t u);

@@ -187,9 +187,8 @@ EMU_TEST(cast_multi_every_kind) {
       int kind = static_cast<int>(r.below(MP_CAST_KIND_COUNT));
       if (stochastic && kind == MP_CAST_F32_TO_F16) kind = MP_CAST_F32_TO_BF16;
       const int64_t n = k % 9 == 0 ? 0 : k == 5 ? kChunk + 17 : static_cast<int64_t>(r.below(700));
-      const unsigned ms = static_cast<unsigned>(r.below(4)) * static_cast<unsigned>(src_bytes(kind));
-      const unsigned md = static_cast<unsigned>(r.below(4)) * static_cast<unsigned>(dst_bytes(kind));
-      segs.push_back(Seg{kind, n, ms % 16, md % 16, r.next() >> static_cast<int>(r.below(64)),
+      const unsigned ms = random_offset(r, src_bytes(kind)), md = random_offset(r, dst_bytes(kind));
+      segs.push_back(Seg{kind, n, ms, md, r.next() >> static_cast<int>(r.below(64)),
                          {}, {}, {}});
     }
     std::vector<mp_cast_segment> cs;

@@ -158,8 +158,8 @@ EMU_TEST(grad_norm_lists_and_splits) {
   for (int k = 0; k < 30; ++k) {
     const int dtype = static_cast<int>(r.below(3));
     const int64_t n = k % 6 == 0 ? 0 : k == 7 ? 3 * kChunk + 11 : static_cast<int64_t>(r.below(2000));
-    ts.push_back(make_tensor(r, dtype, n, static_cast<unsigned>(r.below(8)) * 2 % 16 /
-                                              elem_bytes(dtype) * elem_bytes(dtype), Data::kExact));
+    const unsigned offset = random_offset(r, elem_bytes(dtype));
+    ts.push_back(make_tensor(r, dtype, n, offset, Data::kExact));
   }
   set_context("30 tensors");
   exact_case(ts, 0.25f);
@@ -191,8 +191,8 @@ EMU_TEST(grad_norm_general_data_deterministic) {
   Rng r(60);
   std::vector<Tensor> ts;
   for (int k = 0; k < 12; ++k) {
-    ts.push_back(make_tensor(r, k % 3, k == 4 ? 2 * kChunk + 3 : 500 + 97 * k, (k % 4) * 2 % 16 /
-                                                  elem_bytes(k % 3) * elem_bytes(k % 3),
+    const unsigned offset = random_offset(r, elem_bytes(k % 3));
+    ts.push_back(make_tensor(r, k % 3, k == 4 ? 2 * kChunk + 3 : 500 + 97 * k, offset,
                              Data::kGeneral));
   }
   const float want = cpu_norm(ts, 0.75f);

@@ -128,7 +128,7 @@ EMU_TEST(unscale_multi_mixed_list) {
   for (int k = 0; k < 40; ++k) {
     const int dtype = static_cast<int>(r.below(3));
     const int64_t n = k % 7 == 0 ? 0 : static_cast<int64_t>(r.below(3000));
-    specs.push_back({dtype, n, static_cast<unsigned>(r.below(8)) * elem_bytes(dtype) % 16});
+    specs.push_back({dtype, n, random_offset(r, elem_bytes(dtype))});
   }
   specs.push_back({MP_UNSCALE_BF16, 2 * kChunk + 5, 6});
   set_context("40 tensors, clean");
@@ -145,7 +145,7 @@ EMU_TEST(unscale_check_only_writes_nothing) {
     for (int64_t bad : {int64_t{-1}, int64_t{0}, int64_t{3}, int64_t{4000}, kChunk - 1, kChunk,
                         n - 1}) {
       Rng r(static_cast<uint64_t>(bad + 7 * dtype + 100));
-      Grad g = make_grad(r, dtype, n, 2 % elem_bytes(dtype) == 0 ? 2 : 0, 0, true);
+      Grad g = make_grad(r, dtype, n, elem_bytes(dtype) == 2 ? 2u : 0u, 0, true);
       if (bad >= 0) {
         if (dtype == MP_UNSCALE_F32) {
           reinterpret_cast<uint32_t*>(g.dev.data())[bad] = 0xFF800000u;  // -Inf
@@ -206,7 +206,7 @@ EMU_TEST(unscale_more_tensors_than_one_launch) {
 EMU_TEST(unscale_single_and_empty) {
   Rng r(41);
   for (int dtype = 0; dtype < MP_UNSCALE_DTYPE_COUNT; ++dtype) {
-    Grad g = make_grad(r, dtype, 1003, 2 % elem_bytes(dtype) == 0 ? 2 : 0, 10, false);
+    Grad g = make_grad(r, dtype, 1003, elem_bytes(dtype) == 2 ? 2u : 0u, 10, false);
     Buf inv(4, 0), found(4, 0);
     *inv.f32() = 0.75f;
     *found.f32() = 0.0f;
