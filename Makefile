@@ -30,9 +30,9 @@ endif
 # Run everything from the source tree: the extension is built in place (mpext/_C*.so).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test bench build env env-external ctest ctest-valgrind cuda-check clean
+.PHONY: test bench build env env-external ctest ctest-valgrind cuda-check cuda-emu clean
 
-test: build
+test: build cuda-emu
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: build
@@ -67,6 +67,11 @@ ctest:
 
 ctest-valgrind:
 	python3 tests/c/run.py --no-sanitize --valgrind
+
+# The CUDA kernels and launchers (cuda/*.cu) run on the CPU under ASan + UBSan and compared bit
+# for bit with the C core (tests/cuda_emu/README.md); no GPU, CUDA runtime or torch needed.
+cuda-emu:
+	python3 tests/cuda_emu/run.py
 
 # Every CUDA file compiled on its own by nvcc (no torch headers, no GPU needed), for sm_80 and
 # sm_90, warnings as errors.

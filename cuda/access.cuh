@@ -1,15 +1,65 @@
-// Memory access and bit casts shared by the CUDA kernels (cast.cu, scale.cu, adam.cu, norm.cu):
-// raw-bit loads and stores of one or eight 32- or 16-bit elements (eight through 16-byte
-// accesses), fp32 <-> bit-pattern casts, and the piece lookup of multi-tensor launches. __host__ __device__, so the kernels' per-thread routines can be
-// driven from a host test harness. No torch headers.
+// What the CUDA kernels and launchers (cast.cu, scale.cu, adam.cu, norm.cu) share: raw-bit loads
+// and stores of one or eight 32- or 16-bit elements (eight through 16-byte accesses), fp32 <->
+// bit-pattern casts, the piece lookup of multi-tensor launches, the packers' per-launch caps and
+// the one kernel-launch call. No torch headers.
+//
+// The CPU emulation harness (tests/cuda_emu) compiles these files with the host C++ compiler
+// against a shim of the CUDA built-ins that defines MP_CUDA_EMULATION; launch() is the only place
+// that tells the two apart.
 #pragma once
 
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define MP_CUDA_HD __host__ __device__ __forceinline__
 
 namespace mp_cuda {
+
+// Launches kernel<<<grid, block, shared_bytes, stream>>>(args...); in the emulation harness the
+// emulator runs the grid on the host instead. Every launch in cuda/*.cu goes through here.
+template <class... Params, class... Args>
+inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                   cudaStream_t stream, Args&&... args) {
+#if defined(MP_CUDA_EMULATION)
+  mp_emu::launch(kernel, grid, block, shared_bytes, stream, static_cast<Args&&>(args)...);
+#else
+  kernel<<<grid, block, shared_bytes, stream>>>(static_cast<Args&&>(args)...);
+#endif
+}
+
+// The caps of one multi-tensor launch: blocks, and entries (pieces, step counters) of its
+// by-value argument. On the device they are each op's own limits. The emulation harness lowers
+// them through test_caps (0: the op's limit) so that lists split across launches and tensors
+// across launches with a few thousand elements instead of gigabytes.
+struct LaunchCaps {
+  int64_t max_blocks;
+  int max_pieces;
+};
+
+#if defined(MP_CUDA_EMULATION)
+inline LaunchCaps test_caps = {0, 0};
+#endif
+
+inline int64_t cap_blocks(int64_t limit) {
+#if defined(MP_CUDA_EMULATION)
+  if (test_caps.max_blocks > 0 && test_caps.max_blocks < limit) return test_caps.max_blocks;
+#endif
+  return limit;
+}
+
+inline int cap_pieces(int limit) {
+#if defined(MP_CUDA_EMULATION)
+  if (test_caps.max_pieces > 0 && test_caps.max_pieces < limit) return test_caps.max_pieces;
+#endif
+  return limit;
+}
+
+// Whether p is aligned to its element size: the launchers reject pointers that are not, since a
+// GPU faults on an access that is not aligned to its size.
+inline bool element_aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0u;
+}
 
 // Multi-tensor launches cut a list into pieces, piece k covering blocks first_block[k] ..
 // first_block[k + 1] - 1 (the last piece's run to the grid's end; first_block is strictly

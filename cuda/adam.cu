@@ -42,6 +42,7 @@
 namespace {
 
 using mp_cuda::bits_from_f32;
+using mp_cuda::element_aligned;
 using mp_cuda::f32_from_bits;
 using mp_cuda::load1;
 using mp_cuda::load8;
@@ -423,10 +424,6 @@ mp_status launch_status() { return cudaPeekAtLastError() == cudaSuccess ? MP_OK 
 
 bool valid_dtype(int32_t d) { return d == MP_F32 || d == MP_BF16 || d == MP_F16; }
 
-bool element_aligned(const void* p, int bytes) {
-  return (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes)) == 0u;
-}
-
 bool finite(double x) { return x - x == 0.0; }
 
 mp_status check_call(const mp_adam_tensor_cuda* ts, int64_t nt, const mp_adam_options_cuda* opt) {
@@ -550,14 +547,15 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor_cuda* tensors, int64_t nt
   const mp_status checked = check_call(tensors, ntensors, opt);
   if (checked != MP_OK || ntensors == 0) return checked;
   return run_adam(
-      tensors, ntensors, *opt, kMaxBlocks, kMaxPieces, kMaxSteps,
+      tensors, ntensors, *opt, mp_cuda::cap_blocks(kMaxBlocks), mp_cuda::cap_pieces(kMaxPieces),
+      mp_cuda::cap_pieces(kMaxSteps),
       [&](const AdamArgs& a, int64_t blocks) -> mp_status {
-        adam_multi_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+        mp_cuda::launch(adam_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
         return launch_status();
       },
       [&](const StepArgs& a, int count) -> mp_status {
         const unsigned grid = static_cast<unsigned>((count + kStepThreads - 1) / kStepThreads);
-        adam_step_kernel<<<grid, kStepThreads, 0, stream>>>(a);
+        mp_cuda::launch(adam_step_kernel, grid, kStepThreads, 0, stream, a);
         return launch_status();
       });
 }

@@ -7,8 +7,9 @@
 //   - the multi-tensor kernel (cast_) gives each block one chunk of kChunk elements of one
 //     segment, the block's thread index and the block size.
 // cast_range moves 8 elements per step with 16-byte loads and stores when both pointers are
-// 16-byte aligned, then finishes (or, unaligned, does everything) one element at a time. All
-// indices and counts are int64_t, so a tensor may exceed 2^31 elements.
+// 16-byte aligned, then finishes (or, unaligned, does everything) one element at a time; the
+// launchers accept only pointers aligned to their element size. All indices and counts are
+// int64_t, so a tensor may exceed 2^31 elements.
 //
 // Numerics. Round to nearest even uses the CUDA conversion intrinsics, which is what torch's
 // Tensor.to does on CUDA, so the bits match it for every non-NaN input (subnormals are rounded,
@@ -237,6 +238,10 @@ mp_status launch_single(const void* src, void* dst, int64_t n, uint64_t pos, uin
                         cudaStream_t stream) {
   if (n < 0 || (n > 0 && (src == nullptr || dst == nullptr))) return MP_ERR_INVALID_ARGUMENT;
   if (n == 0) return MP_OK;
+  if (!mp_cuda::element_aligned(src, KindTraits<K>::kSrc) ||
+      !mp_cuda::element_aligned(dst, KindTraits<K>::kDst)) {
+    return MP_ERR_INVALID_ARGUMENT;
+  }
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -246,8 +251,8 @@ mp_status launch_single(const void* src, void* dst, int64_t n, uint64_t pos, uin
   int64_t blocks = (n + per_block - 1) / per_block;
   const int64_t cap = static_cast<int64_t>(sms > 0 ? sms : 1) * kBlocksPerSm;
   if (blocks > cap) blocks = cap;
-  cast_kernel<K, SR><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(src, dst, n, pos,
-                                                                            seed);
+  mp_cuda::launch(cast_kernel<K, SR>, static_cast<unsigned>(blocks), kThreads, 0, stream, src,
+                  dst, n, pos, seed);
   return launch_status();
 }
 
@@ -268,18 +273,24 @@ mp_status check_segments(const mp_cast_segment* segs, int64_t nsegs, int stochas
   for (int64_t k = 0; k < nsegs; ++k) {
     const mp_cast_segment& s = segs[k];
     if (s.kind < 0 || s.kind >= MP_CAST_KIND_COUNT || s.n < 0) return MP_ERR_INVALID_ARGUMENT;
-    if (s.n > 0 && (s.src == nullptr || s.dst == nullptr)) return MP_ERR_INVALID_ARGUMENT;
+    if (s.n > 0 && (s.src == nullptr || s.dst == nullptr ||
+                    !mp_cuda::element_aligned(s.src, src_bytes(s.kind)) ||
+                    !mp_cuda::element_aligned(s.dst, dst_bytes(s.kind)))) {
+      return MP_ERR_INVALID_ARGUMENT;
+    }
     if (stochastic && s.kind == MP_CAST_F32_TO_F16) return MP_ERR_INVALID_ARGUMENT;
   }
   return MP_OK;
 }
 
 // Packs the (checked) segments into MultiArgs, one chunk per block, and calls
-// launch(args, blocks) whenever kMaxPieces pieces or max_blocks blocks are packed, and once at
-// the end. A segment that does not fit the blocks left is split across launches.
+// launch(args, blocks) whenever max_pieces pieces (at most kMaxPieces) or max_blocks blocks are
+// packed, and once at the end. A segment that does not fit the blocks left is split across
+// launches.
 template <class Launch>
 mp_status for_each_launch(const mp_cast_segment* segs, int64_t nsegs, uint64_t seed,
-                          int64_t max_blocks, Launch&& launch) {
+                          int64_t max_blocks, int max_pieces, Launch&& launch) {
+  if (max_pieces > kMaxPieces || max_pieces < 1) max_pieces = kMaxPieces;
   MultiArgs a{};
   a.seed = seed;
   a.npieces = 0;
@@ -300,7 +311,7 @@ mp_status for_each_launch(const mp_cast_segment* segs, int64_t nsegs, uint64_t s
       a.kind[i] = static_cast<uint8_t>(s.kind);
       blocks += take;
       done += count;
-      if (a.npieces == kMaxPieces || blocks == max_blocks) {
+      if (a.npieces == max_pieces || blocks == max_blocks) {
         const mp_status st = launch(static_cast<const MultiArgs&>(a), blocks);
         if (st != MP_OK) return st;
         a.npieces = 0;
@@ -341,13 +352,16 @@ mp_status mp_cast_multi_cuda(const mp_cast_segment* segs, int64_t nsegs, int sto
                              uint64_t seed, cudaStream_t stream) {
   const mp_status checked = check_segments(segs, nsegs, stochastic);
   if (checked != MP_OK) return checked;
-  return for_each_launch(segs, nsegs, seed, kMaxBlocks,
+  return for_each_launch(segs, nsegs, seed, mp_cuda::cap_blocks(kMaxBlocks),
+                         mp_cuda::cap_pieces(kMaxPieces),
                          [&](const MultiArgs& a, int64_t blocks) -> mp_status {
                            const unsigned grid = static_cast<unsigned>(blocks);
                            if (stochastic) {
-                             cast_multi_kernel<true><<<grid, kThreads, 0, stream>>>(a);
+                             mp_cuda::launch(cast_multi_kernel<true>, grid, kThreads, 0, stream,
+                                             a);
                            } else {
-                             cast_multi_kernel<false><<<grid, kThreads, 0, stream>>>(a);
+                             mp_cuda::launch(cast_multi_kernel<false>, grid, kThreads, 0, stream,
+                                             a);
                            }
                            return launch_status();
                          });

@@ -165,9 +165,9 @@ bool segments_ok(const mp_grad_norm_segment* segs, int64_t nsegs) {
   for (int64_t k = 0; k < nsegs; ++k) {
     const mp_grad_norm_segment& s = segs[k];
     if (s.dtype < MP_F32 || s.dtype > MP_F16 || s.n < 0) return false;
-    if (s.n > 0 && (s.x == nullptr ||
-                    reinterpret_cast<uintptr_t>(s.x) % static_cast<uintptr_t>(dtype_bytes(s.dtype))))
+    if (s.n > 0 && (s.x == nullptr || !mp_cuda::element_aligned(s.x, dtype_bytes(s.dtype)))) {
       return false;
+    }
   }
   return true;
 }
@@ -190,12 +190,14 @@ mp_status mp_grad_norm_multi_cuda(const mp_grad_norm_segment* segs, int64_t nseg
   if (need < 0 || out == nullptr || workspace_len < need || (need > 0 && workspace == nullptr)) {
     return MP_ERR_INVALID_ARGUMENT;
   }
+  const int64_t max_blocks = mp_cuda::cap_blocks(kMaxBlocks);
+  const int max_pieces = mp_cuda::cap_pieces(kMaxPieces);
   NormArgs a{};
   a.inv_scale = inv_scale;
   int64_t blocks = 0, written = 0;
   auto launch = [&]() -> mp_status {
     a.partials = workspace + written;
-    norm_partials_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    mp_cuda::launch(norm_partials_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
     written += blocks;
     a.npieces = 0;
     blocks = 0;
@@ -206,7 +208,7 @@ mp_status mp_grad_norm_multi_cuda(const mp_grad_norm_segment* segs, int64_t nseg
     int64_t done = 0;
     while (done < s.n) {  // a segment that does not fit the blocks left is split at a chunk
       const int64_t chunks = (s.n - done + kChunk - 1) / kChunk;
-      const int64_t take = chunks < kMaxBlocks - blocks ? chunks : kMaxBlocks - blocks;
+      const int64_t take = chunks < max_blocks - blocks ? chunks : max_blocks - blocks;
       const int64_t count = s.n - done < take * kChunk ? s.n - done : take * kChunk;
       const int i = a.npieces++;
       a.x[i] = static_cast<const char*>(s.x) + done * dtype_bytes(s.dtype);
@@ -215,7 +217,7 @@ mp_status mp_grad_norm_multi_cuda(const mp_grad_norm_segment* segs, int64_t nseg
       a.dtype[i] = static_cast<uint8_t>(s.dtype);
       blocks += take;
       done += count;
-      if (a.npieces == kMaxPieces || blocks == kMaxBlocks) {
+      if (a.npieces == max_pieces || blocks == max_blocks) {
         const mp_status st = launch();
         if (st != MP_OK) return st;
       }
@@ -225,7 +227,7 @@ mp_status mp_grad_norm_multi_cuda(const mp_grad_norm_segment* segs, int64_t nseg
     const mp_status st = launch();
     if (st != MP_OK) return st;
   }
-  norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(workspace, written, out);
+  mp_cuda::launch(norm_finish_kernel, 1, kFinishThreads, 0, stream, workspace, written, out);
   return launch_status();
 }
 

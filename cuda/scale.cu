@@ -101,17 +101,16 @@ MP_SCALE_HD uint32_t unscale_scalar(void* g, int64_t first, int64_t last, float 
   return bad;
 }
 
-// Unscales elements [0, n) at g in place (or only checks them when kCheckOnly), this thread
-// taking its share of a loop whose threads are numbered 0 .. nthreads - 1. Returns 1 if any
-// element this thread read was NaN/Inf. The elements before g's first 16-byte boundary (the
-// head) and after the last full vector (the tail) go one at a time; a pointer that is not even
-// element-aligned (not a valid tensor) goes one element at a time throughout.
+// Unscales elements [0, n) at g (aligned to its element size) in place, or only checks them
+// when kCheckOnly, this thread taking its share of a loop whose threads are numbered
+// 0 .. nthreads - 1. Returns 1 if any element this thread read was NaN/Inf. The elements before
+// g's first 16-byte boundary (the head) and after the last full vector (the tail) go one at a
+// time.
 template <int D, bool kCheckOnly>
 MP_SCALE_HD uint32_t unscale_range(void* g, int64_t n, float inv, int64_t tid,
                                    int64_t nthreads) {
   constexpr int kBytes = DtypeTraits<D>::kBytes;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(g);
-  if (addr % kBytes != 0u) return unscale_scalar<D, kCheckOnly>(g, 0, n, inv, tid, nthreads);
   int64_t head = static_cast<int64_t>((16u - (addr & 15u)) & 15u) / kBytes;
   if (head > n) head = n;
   uint32_t bad = unscale_scalar<D, kCheckOnly>(g, 0, head, inv, tid, nthreads);
@@ -211,7 +210,9 @@ mp_status check_segments(const mp_unscale_segment* segs, int64_t nsegs, const fl
     if (s.dtype < 0 || s.dtype >= MP_UNSCALE_DTYPE_COUNT || s.n < 0) {
       return MP_ERR_INVALID_ARGUMENT;
     }
-    if (s.n > 0 && s.g == nullptr) return MP_ERR_INVALID_ARGUMENT;
+    if (s.n > 0 && (s.g == nullptr || !mp_cuda::element_aligned(s.g, dtype_bytes(s.dtype)))) {
+      return MP_ERR_INVALID_ARGUMENT;
+    }
   }
   return MP_OK;
 }
@@ -270,10 +271,11 @@ mp_status mp_unscale_multi_cuda(const mp_unscale_segment* segs, int64_t nsegs, f
                                 const float* inv_scale, cudaStream_t stream) {
   const mp_status checked = check_segments(segs, nsegs, found_inf, inv_scale);
   if (checked != MP_OK) return checked;
-  return for_each_launch(segs, nsegs, found_inf, inv_scale, kMaxBlocks, kMaxPieces,
+  return for_each_launch(segs, nsegs, found_inf, inv_scale, mp_cuda::cap_blocks(kMaxBlocks),
+                         mp_cuda::cap_pieces(kMaxPieces),
                          [&](const UnscaleArgs& a, int64_t blocks) -> mp_status {
-                           unscale_multi_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
-                                                  stream>>>(a);
+                           mp_cuda::launch(unscale_multi_kernel, static_cast<unsigned>(blocks),
+                                           kThreads, 0, stream, a);
                            return launch_status();
                          });
 }
@@ -302,9 +304,9 @@ mp_status mp_update_scale_cuda(float* scale, int32_t* growth_tracker, const floa
     return MP_ERR_INVALID_ARGUMENT;
   }
   if (hysteresis > 1 && hysteresis_tracker == nullptr) return MP_ERR_INVALID_ARGUMENT;
-  update_scale_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, growth_factor,
-                                           backoff_factor, growth_interval, hysteresis_tracker,
-                                           hysteresis, min_scale, max_scale, stats);
+  mp_cuda::launch(update_scale_kernel, 1, 1, 0, stream, scale, growth_tracker, found_inf,
+                  growth_factor, backoff_factor, growth_interval, hysteresis_tracker, hysteresis,
+                  min_scale, max_scale, stats);
   return launch_status();
 }
 

@@ -2,11 +2,12 @@
  *
  * The CUDA counterparts of mpext/cast.h, implemented in cuda/cast.cu. bf16 and fp16 values are
  * raw uint16_t bit patterns. Every launcher converts n contiguous elements of device memory, src
- * and dst must not overlap, any alignment is accepted (16-byte aligned pointers take the
- * vectorized path), and n may exceed 2^31. The launchers enqueue kernels on `stream` and return
- * without waiting; they allocate nothing. n == 0 is a no-op that touches nothing (null pointers
- * are then accepted). Each returns MP_OK; MP_ERR_INVALID_ARGUMENT (and launches nothing) for
- * n < 0 or a null pointer with n > 0; or MP_ERR_CUDA when a launch failed, in which case the
+ * and dst must not overlap, each must be aligned to its element size (16-byte aligned pointers
+ * take the vectorized path), and n may exceed 2^31. The launchers enqueue kernels on `stream` and
+ * return without waiting; they allocate nothing. n == 0 is a no-op that touches nothing (null
+ * or misaligned pointers are then accepted). Each returns MP_OK; MP_ERR_INVALID_ARGUMENT (and
+ * launches nothing) for n < 0, or a null pointer or one not aligned to its element size with
+ * n > 0; or MP_ERR_CUDA when a launch failed, in which case the
  * error is left in place for the caller: cudaGetLastError() returns (and clears) it.
  *
  * Results are bit-identical to the CPU functions of mpext/cast.h for every non-NaN input (round
@@ -71,7 +72,7 @@ typedef struct mp_cast_segment {
  * full. With stochastic != 0, MP_CAST_F32_TO_BF16 segments round stochastically under seed and
  * the other kinds are unaffected. Checks every segment before launching anything: returns
  * MP_ERR_INVALID_ARGUMENT for nsegs < 0, segs null with nsegs > 0, an unknown kind, n < 0, a null
- * pointer with n > 0, or stochastic rounding with an MP_CAST_F32_TO_F16 segment. Segments with
+ * or misaligned pointer with n > 0, or stochastic rounding with an MP_CAST_F32_TO_F16 segment. Segments with
  * n == 0 are skipped. */
 mp_status mp_cast_multi_cuda(const mp_cast_segment* segs, int64_t nsegs, int stochastic,
                              uint64_t seed, cudaStream_t stream);

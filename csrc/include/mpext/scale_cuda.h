@@ -7,8 +7,9 @@
  * and can be captured in a CUDA graph. found_inf is a device float here (as in torch), where the
  * CPU API takes a host int32_t.
  *
- * bf16 and fp16 values are raw uint16_t bit patterns. Counts may exceed 2^31, any alignment is
- * accepted (the kernels peel to 16-byte alignment and use 16-byte loads and stores). The
+ * bf16 and fp16 values are raw uint16_t bit patterns. Counts may exceed 2^31, any pointer aligned
+ * to its element size is accepted (the kernels peel to 16-byte alignment and use 16-byte loads
+ * and stores). The
  * launchers enqueue kernels on `stream` and return without waiting; they allocate nothing. Each
  * returns MP_OK; MP_ERR_INVALID_ARGUMENT (and launches nothing) for a bad argument as described
  * per function; or MP_ERR_CUDA when a launch failed, in which case the error is left in place
@@ -55,7 +56,7 @@ typedef struct mp_unscale_segment {
  * are only read, never written). Segments may mix dtypes and must not overlap each other,
  * found_inf or inv_scale. Checks every segment before launching anything: returns
  * MP_ERR_INVALID_ARGUMENT for nsegs < 0, segs null with nsegs > 0, an unknown dtype, n < 0, g
- * null with n > 0, or found_inf / inv_scale null. Segments with n == 0 are skipped; if none is
+ * null with n > 0, g not aligned to its element size with n > 0, or found_inf / inv_scale null. Segments with n == 0 are skipped; if none is
  * left nothing is launched. */
 mp_status mp_unscale_multi_cuda(const mp_unscale_segment* segs, int64_t nsegs, float* found_inf,
                                 const float* inv_scale, cudaStream_t stream);

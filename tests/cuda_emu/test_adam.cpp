@@ -1,0 +1,506 @@
+// adam_step_ on CUDA (cuda/adam.cu) against the C core (csrc/core/adam.c).
+#include <math.h>
+
+#include "harness.h"
+#include "mpext/adam.h"
+#include "mpext/adam_cuda.h"
+
+namespace {
+
+using namespace emu_test;
+
+constexpr int64_t kChunk = 65536;  // the kernel's elements per block
+
+int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
+const char* dtype_name(int dtype) {
+  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
+}
+
+struct ParamSpec {
+  int pdtype, gdtype;
+  int64_t n;
+  unsigned mis_param, mis_grad, mis_state;  // address offsets modulo 16 (master and moments share)
+  float step;                               // the step count before the call
+};
+
+// One param's arrays on the "device" and the CPU reference's copies.
+struct Param {
+  ParamSpec spec;
+  Buf param, grad, master, exp_avg, exp_avg_sq, step;
+  std::vector<uint8_t> r_param, r_grad;
+  std::vector<float> r_master, r_m, r_v;
+  float r_step;
+};
+
+template <class T>
+void to_buf(Buf& b, const std::vector<T>& v) {
+  b.fill(v.data());
+}
+
+Param make_param(Rng& r, const ParamSpec& s, bool mmapped) {
+  Param p;
+  p.spec = s;
+  const int64_t n = s.n;
+  const bool has_master = s.pdtype != MP_F32;
+  p.r_param.resize(static_cast<size_t>(n) * elem_bytes(s.pdtype));
+  p.r_grad.resize(static_cast<size_t>(n) * elem_bytes(s.gdtype));
+  p.r_m.resize(n);
+  p.r_v.resize(n);
+  if (has_master) p.r_master.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    // Params around 1, moments of a plausible size, grads of mixed magnitudes (scaled by up to
+    // 2^16 as under a loss scale), no NaN/Inf: a step with those is skipped by design.
+    const float pv = r.uniform(-2.0f, 2.0f);
+    if (s.pdtype == MP_F32) {
+      memcpy(&p.r_param[4 * i], &pv, 4);
+    } else {
+      // The master holds the value; the param's bits do not matter (it is only written).
+      p.r_master[i] = pv;
+      const uint16_t h = static_cast<uint16_t>(bits_of(pv) >> 16);
+      memcpy(&p.r_param[2 * i], &h, 2);
+    }
+    const float g = r.uniform(-1.0f, 1.0f) * ldexpf(1.0f, static_cast<int>(r.below(30)) - 14);
+    if (s.gdtype == MP_F32) {
+      memcpy(&p.r_grad[4 * i], &g, 4);
+    } else if (s.gdtype == MP_BF16) {
+      const uint16_t h = static_cast<uint16_t>(bits_of(g) >> 16);
+      memcpy(&p.r_grad[2 * i], &h, 2);
+    } else {
+      const uint16_t h = random_16_bits(r, MP_F16, 0);  // any finite fp16
+      memcpy(&p.r_grad[2 * i], &h, 2);
+    }
+    p.r_m[i] = r.uniform(-0.1f, 0.1f);
+    p.r_v[i] = r.uniform(0.0f, 0.01f);
+  }
+  p.r_step = s.step;
+  p.param = Buf(p.r_param.size(), s.mis_param, mmapped);
+  p.grad = Buf(p.r_grad.size(), s.mis_grad, mmapped);
+  p.exp_avg = Buf(4 * static_cast<size_t>(n), s.mis_state, mmapped);
+  p.exp_avg_sq = Buf(4 * static_cast<size_t>(n), s.mis_state, mmapped);
+  if (has_master) p.master = Buf(4 * static_cast<size_t>(n), s.mis_state, mmapped);
+  p.step = Buf(4, 0, mmapped);
+  to_buf(p.param, p.r_param);
+  to_buf(p.grad, p.r_grad);
+  to_buf(p.exp_avg, p.r_m);
+  to_buf(p.exp_avg_sq, p.r_v);
+  if (has_master) to_buf(p.master, p.r_master);
+  *p.step.f32() = s.step;
+  return p;
+}
+
+mp_adam_tensor_cuda tensor_of(Param& p) {
+  mp_adam_tensor_cuda t;
+  t.param = p.param.data();
+  t.param_dtype = p.spec.pdtype;
+  t.grad = p.grad.data();
+  t.grad_dtype = p.spec.gdtype;
+  t.master = p.spec.pdtype != MP_F32 ? p.master.f32() : nullptr;
+  t.exp_avg = p.exp_avg.f32();
+  t.exp_avg_sq = p.exp_avg_sq.f32();
+  t.step = p.step.f32();
+  t.n = p.spec.n;
+  return t;
+}
+
+struct Hyper {
+  double beta1, beta2, eps, weight_decay;
+  bool decoupled, maximize;
+  float lr;
+  bool lr_on_device;  // else lr_value
+  float inv_scale;    // NaN: no inv_scale pointer
+  float found_inf;    // NaN: no found_inf pointer
+};
+
+// The core's step of one param, with the scalars derived as the CPU binding derives them from
+// the incremented step count (adam.h).
+void cpu_step(Param& p, const Hyper& h) {
+  const float t = p.r_step + 1.0f;
+  const double lr = static_cast<double>(h.lr), td = static_cast<double>(t);
+  mp_adam_params a;
+  a.beta1 = static_cast<float>(h.beta1);
+  a.beta2 = static_cast<float>(h.beta2);
+  a.eps = static_cast<float>(h.eps);
+  a.lerp_weight = static_cast<float>(1.0 - h.beta1);
+  a.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  a.weight_decay = h.decoupled ? 0.0f : static_cast<float>(h.weight_decay);
+  a.decay = h.decoupled ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
+  a.step_size = static_cast<float>(lr / (1.0 - pow(h.beta1, td)));
+  a.bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(h.beta2, td)));
+  a.inv_scale = isnan(h.inv_scale) ? 1.0f : h.inv_scale;
+  a.decoupled = h.decoupled;
+  a.maximize = h.maximize;
+  const mp_status st = mp_adam_step(
+      p.r_param.data(), static_cast<mp_dtype>(p.spec.pdtype), p.r_grad.data(),
+      static_cast<mp_dtype>(p.spec.gdtype), p.spec.pdtype != MP_F32 ? p.r_master.data() : nullptr,
+      p.r_m.data(), p.r_v.data(), p.spec.n, &a);
+  CHECK(st == MP_OK, "core adam status %d", st);
+  p.r_step = t;
+}
+
+// Compares every array of p with the reference.
+void compare(Param& p, size_t k) {
+  char what[160];
+  const ParamSpec& s = p.spec;
+  auto name = [&](const char* arr) {
+    snprintf(what, sizeof what, "param %zu (%s/%s, n %lld, offsets %u/%u/%u) %s", k,
+             dtype_name(s.pdtype), dtype_name(s.gdtype), static_cast<long long>(s.n), s.mis_param,
+             s.mis_grad, s.mis_state, arr);
+    return what;
+  };
+  same_bits(p.param.data(), p.r_param.data(), s.n, elem_bytes(s.pdtype), s.pdtype, true,
+            name("param"));
+  same_bits(p.exp_avg.data(), p.r_m.data(), s.n, 4, MP_F32, true, name("exp_avg"));
+  same_bits(p.exp_avg_sq.data(), p.r_v.data(), s.n, 4, MP_F32, true, name("exp_avg_sq"));
+  if (s.pdtype != MP_F32) {
+    same_bits(p.master.data(), p.r_master.data(), s.n, 4, MP_F32, true, name("master"));
+  }
+  CHECK(bits_of(*p.step.f32()) == bits_of(p.r_step), "%s: %g, want %g", name("step"),
+        static_cast<double>(*p.step.f32()), static_cast<double>(p.r_step));
+  CHECK(p.param.canaries_ok() && p.grad.canaries_ok() && p.exp_avg.canaries_ok() &&
+            p.exp_avg_sq.canaries_ok() && (s.pdtype == MP_F32 || p.master.canaries_ok()),
+        "%s", name("a store outside the arrays"));
+}
+
+// Runs `steps` steps of one call on "CUDA" and on the CPU and compares after each. A skipped
+// step (found_inf != 0) runs on write-protected arrays: it must store nothing. Returns the
+// number of launches.
+int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t seed,
+                  int steps = 1) {
+  Rng r(seed);
+  const bool skip = !isnan(h.found_inf) && h.found_inf != 0.0f;
+  std::vector<Param> ps;
+  for (const ParamSpec& s : specs) ps.push_back(make_param(r, s, skip));
+  Buf lr(4, 0), inv(4, 0), found(4, 0);
+  *lr.f32() = h.lr;
+  *inv.f32() = h.inv_scale;
+  *found.f32() = h.found_inf;
+  mp_adam_options_cuda opt;
+  opt.beta1 = h.beta1;
+  opt.beta2 = h.beta2;
+  opt.eps = h.eps;
+  opt.weight_decay = h.weight_decay;
+  opt.decoupled = h.decoupled;
+  opt.maximize = h.maximize;
+  opt.lr = h.lr_on_device ? lr.f32() : nullptr;
+  opt.lr_value = h.lr_on_device ? -1.0f : h.lr;  // a wrong host value if the pointer is ignored
+  opt.inv_scale = isnan(h.inv_scale) ? nullptr : inv.f32();
+  opt.found_inf = isnan(h.found_inf) ? nullptr : found.f32();
+  const int64_t l0 = mp_emu::launch_count();
+  for (int s = 0; s < steps; ++s) {
+    std::vector<mp_adam_tensor_cuda> ts;
+    for (Param& p : ps) {
+      ts.push_back(tensor_of(p));
+      if (!skip) cpu_step(p, h);
+      if (skip) {
+        p.param.protect(true);
+        p.grad.protect(true);
+        p.exp_avg.protect(true);
+        p.exp_avg_sq.protect(true);
+        if (p.spec.pdtype != MP_F32) p.master.protect(true);
+        p.step.protect(true);
+      }
+    }
+    const mp_status st = mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt,
+                                                 nullptr);
+    CHECK(st == MP_OK, "status %d", st);
+    for (size_t k = 0; k < ps.size(); ++k) {
+      Param& p = ps[k];
+      if (skip) {
+        p.param.protect(false);
+        p.grad.protect(false);
+        p.exp_avg.protect(false);
+        p.exp_avg_sq.protect(false);
+        if (p.spec.pdtype != MP_F32) p.master.protect(false);
+        p.step.protect(false);
+      }
+      compare(p, k);
+    }
+  }
+  CHECK(bits_of(*lr.f32()) == bits_of(h.lr) && bits_of(*inv.f32()) == bits_of(h.inv_scale) &&
+            bits_of(*found.f32()) == bits_of(h.found_inf),
+        "lr, inv_scale or found_inf was written");
+  return mp_emu::launch_count() - l0;
+}
+
+const float kNoPtr = NAN;
+
+Hyper default_hyper() {
+  return Hyper{0.9, 0.999, 1e-8, 0.0, false, false, 1e-3f, true, kNoPtr, kNoPtr};
+}
+
+// The five (param, grad) dtype pairs, each at a size with head, body and tail.
+std::vector<ParamSpec> one_of_each(int64_t n, float step) {
+  return {{MP_F32, MP_F32, n, 4, 8, 4, step},
+          {MP_BF16, MP_BF16, n + 1, 2, 2, 4, step},
+          {MP_BF16, MP_F32, n + 2, 6, 12, 12, step},
+          {MP_F16, MP_F16, n + 3, 0, 0, 0, step},
+          {MP_F16, MP_F32, n + 4, 10, 4, 4, step}};
+}
+
+// Adam and AdamW, maximize, weight decay, lr on the device or from the host, with and without
+// inv_scale and found_inf (clear): every combination, every dtype pair.
+EMU_TEST(adam_flags_and_dtypes) {
+  uint64_t seed = 100;
+  for (int mask = 0; mask < 64; ++mask) {
+    Hyper h = default_hyper();
+    h.decoupled = mask & 1;
+    h.maximize = (mask >> 1) & 1;
+    h.weight_decay = (mask >> 2) & 1 ? (h.decoupled ? 0.1 : 0.01) : 0.0;
+    h.lr_on_device = (mask >> 3) & 1;
+    h.inv_scale = (mask >> 4) & 1 ? 0x1p-12f : kNoPtr;
+    h.found_inf = (mask >> 5) & 1 ? 0.0f : kNoPtr;
+    set_context("decoupled %d maximize %d wd %g lr %s inv_scale %g found_inf %g", h.decoupled,
+                h.maximize, h.weight_decay, h.lr_on_device ? "device" : "host",
+                static_cast<double>(h.inv_scale), static_cast<double>(h.found_inf));
+    adam_case(one_of_each(37, static_cast<float>(mask % 5)), h, ++seed);
+  }
+}
+
+// Several steps in a row (the step count advancing each time), both lerp forms (beta1 above and
+// below 0.5), large step counts, other betas and eps.
+EMU_TEST(adam_steps_and_hyperparameters) {
+  struct Case {
+    double beta1, beta2, eps, wd;
+    bool decoupled;
+    float step0;
+  };
+  const Case cases[] = {{0.9, 0.999, 1e-8, 0.01, true, 0},   {0.3, 0.9, 1e-6, 0.0, false, 0},
+                        {0.0, 0.0, 0.0, 0.5, false, 3},      {0.5, 0.99, 1e-3, 0.02, true, 7},
+                        {0.95, 0.98, 1e-8, 0.0, true, 1e6f}, {0.9, 0.999, 1e-8, 0.1, false, 16777215.0f}};
+  uint64_t seed = 200;
+  for (const Case& c : cases) {
+    Hyper h = default_hyper();
+    h.beta1 = c.beta1;
+    h.beta2 = c.beta2;
+    h.eps = c.eps;
+    h.weight_decay = c.wd;
+    h.decoupled = c.decoupled;
+    h.lr = 3e-4f;
+    h.inv_scale = 0.5f;
+    h.found_inf = 0.0f;
+    set_context("beta1 %g beta2 %g eps %g wd %g decoupled %d step %g", c.beta1, c.beta2, c.eps,
+                c.wd, c.decoupled, static_cast<double>(c.step0));
+    adam_case(one_of_each(20, c.step0), h, ++seed, 3);
+  }
+}
+
+// Sizes around the vector width and the chunk, and pointer offsets that allow a common 16-byte
+// boundary (head, vectors, tail) or none (one element at a time).
+EMU_TEST(adam_sizes_and_alignments) {
+  const int64_t sizes[] = {1, 7, 8, 9, 15, 16, 17, 100, kChunk - 3, kChunk + 11};
+  const unsigned offsets[][3] = {{0, 0, 0}, {4, 4, 4}, {8, 8, 8}, {12, 12, 12},
+                                 {2, 2, 4}, {6, 12, 12}, {0, 4, 0}, {4, 0, 8}};
+  Hyper h = default_hyper();
+  h.inv_scale = 0.25f;
+  uint64_t seed = 300;
+  for (int pair = 0; pair < 5; ++pair) {
+    const int pd = pair == 0 ? MP_F32 : pair <= 2 ? MP_BF16 : MP_F16;
+    const int gd = (pair == 2 || pair == 4) ? MP_F32 : pd;
+    for (int64_t n : sizes) {
+      std::vector<ParamSpec> specs;
+      for (const auto& o : offsets) {
+        if (pd == MP_F32 && o[0] % 4) continue;
+        if (gd == MP_F32 && o[1] % 4) continue;
+        if (n > 1000 && (o[0] + o[1] + o[2]) % 8) continue;
+        specs.push_back({pd, gd, n, o[0], o[1], o[2], 2.0f});
+      }
+      set_context("%s/%s n %lld", dtype_name(pd), dtype_name(gd), static_cast<long long>(n));
+      adam_case(specs, h, ++seed);
+    }
+  }
+}
+
+// found_inf set: nothing is written (the arrays and step counts are write-protected), in every
+// dtype, with forced splits; then a clean step on the same data still matches.
+EMU_TEST(adam_skip_writes_nothing) {
+  Caps caps(2, 3);
+  for (float fi : {1.0f, INFINITY, -2.0f}) {
+    Hyper h = default_hyper();
+    h.found_inf = fi;
+    h.inv_scale = 0.5f;
+    h.weight_decay = 0.01;
+    h.decoupled = true;
+    set_context("found_inf %g", static_cast<double>(fi));
+    std::vector<ParamSpec> specs = one_of_each(kChunk + 3, 4.0f);
+    specs.push_back({MP_BF16, MP_F32, 0, 0, 0, 0, 9.0f});
+    adam_case(specs, h, 400);
+  }
+}
+
+// NaN/Inf grads without a found_inf pointer: no skip, the non-finite values go through the
+// update as on the CPU (NaN where the CPU has NaN).
+EMU_TEST(adam_nonfinite_grads_without_skip) {
+  Hyper h = default_hyper();
+  h.inv_scale = 0.5f;
+  Rng r(450);
+  std::vector<ParamSpec> specs = one_of_each(kChunk + 30, 2.0f);
+  std::vector<Param> ps;
+  for (const ParamSpec& s : specs) ps.push_back(make_param(r, s, false));
+  std::vector<mp_adam_tensor_cuda> ts;
+  for (Param& p : ps) {
+    const int gb = elem_bytes(p.spec.gdtype);
+    const int64_t where[] = {0, 9, kChunk - 1, kChunk, p.spec.n - 1};
+    for (int j = 0; j < 5; ++j) {
+      const uint32_t bits32[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFA00001u, 0x7F800000u};
+      const uint16_t bits16[] = {0x7F80u, 0xFF80u, 0x7FC1u, 0xFFC0u, 0x7F80u};
+      const uint16_t fp16[] = {0x7C00u, 0xFC00u, 0x7E01u, 0xFE00u, 0x7C00u};
+      const void* v = gb == 4 ? static_cast<const void*>(&bits32[j])
+                              : p.spec.gdtype == MP_BF16 ? static_cast<const void*>(&bits16[j])
+                                                         : static_cast<const void*>(&fp16[j]);
+      memcpy(&p.r_grad[gb * where[j]], v, gb);
+      memcpy(static_cast<char*>(p.grad.data()) + gb * where[j], v, gb);
+    }
+    ts.push_back(tensor_of(p));
+    cpu_step(p, h);
+  }
+  mp_adam_options_cuda opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
+  Buf inv(4, 0);
+  *inv.f32() = 0.5f;
+  opt.inv_scale = inv.f32();
+  set_context("Inf and NaN grads, no found_inf");
+  CHECK(mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt, nullptr) ==
+            MP_OK, "status");
+  for (size_t k = 0; k < ps.size(); ++k) compare(ps[k], k);
+}
+
+// Zero-size params: no elements, but their steps still advance; the other arrays may be null.
+EMU_TEST(adam_zero_size_params) {
+  Rng r(500);
+  Buf steps(4 * 3, 0);
+  float* st = steps.f32();
+  st[0] = 0.0f;
+  st[1] = 5.0f;
+  st[2] = 16777216.0f;  // t = 2^24 + 1 rounds back to 2^24 in fp32, as torch's float step
+  Param p = make_param(r, {MP_BF16, MP_F32, 10, 0, 0, 0, 1.0f}, false);
+  std::vector<mp_adam_tensor_cuda> ts(4);
+  for (int k = 0; k < 3; ++k) {
+    ts[k] = mp_adam_tensor_cuda{nullptr, k == 1 ? MP_BF16 : MP_F32, nullptr, MP_F32, nullptr,
+                                nullptr, nullptr, st + k, 0};
+  }
+  ts[3] = tensor_of(p);
+  Hyper h = default_hyper();
+  cpu_step(p, h);
+  mp_adam_options_cuda opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
+  set_context("three zero-size params and one of 10");
+  CHECK(mp_adam_step_multi_cuda(ts.data(), 4, &opt, nullptr) == MP_OK, "status");
+  CHECK(st[0] == 1.0f && st[1] == 6.0f && st[2] == 16777216.0f, "steps %g %g %g",
+        static_cast<double>(st[0]), static_cast<double>(st[1]), static_cast<double>(st[2]));
+  compare(p, 3);
+  set_context("only zero-size params");
+  const int64_t l0 = mp_emu::launch_count();
+  CHECK(mp_adam_step_multi_cuda(ts.data(), 3, &opt, nullptr) == MP_OK, "status");
+  CHECK(st[0] == 2.0f && st[1] == 7.0f, "steps");
+  CHECK(mp_emu::launch_count() - l0 == 1, "%lld launches: want only the step launch",
+        static_cast<long long>(mp_emu::launch_count() - l0));
+  set_context("no params");
+  const int64_t l1 = mp_emu::launch_count();
+  CHECK(mp_adam_step_multi_cuda(nullptr, 0, nullptr, nullptr) == MP_OK, "status");
+  CHECK(mp_emu::launch_count() == l1, "launched");
+}
+
+// Params split across chunks and launches (caps of 3 blocks and 2 pieces per launch, which also
+// split the step launches), then the real limits with more params and step counters than one
+// launch's argument holds.
+EMU_TEST(adam_split_across_chunks_and_launches) {
+  Hyper h = default_hyper();
+  h.inv_scale = 0x1p-10f;
+  h.found_inf = 0.0f;
+  h.weight_decay = 0.01;
+  {
+    Caps caps(3, 2);
+    std::vector<ParamSpec> specs = one_of_each(2 * kChunk + 5, 1.0f);
+    specs.push_back({MP_F32, MP_F32, 4 * kChunk, 4, 4, 4, 2.0f});
+    specs.push_back({MP_BF16, MP_BF16, 3, 0, 0, 0, 3.0f});
+    set_context("caps 3 blocks / 2 pieces");
+    const int64_t launches = adam_case(specs, h, 600, 2);
+    CHECK(launches >= 2 * 8, "%lld launches for two steps: the caps did not split the work",
+          static_cast<long long>(launches));
+  }
+  std::vector<ParamSpec> specs;
+  for (int k = 0; k < 130; ++k) {
+    specs.push_back({k % 3 == 0 ? MP_F32 : k % 3 == 1 ? MP_BF16 : MP_F16,
+                     k % 2 ? MP_F32 : (k % 3 == 0 ? MP_F32 : k % 3 == 1 ? MP_BF16 : MP_F16),
+                     1 + k % 5, static_cast<unsigned>(k % 4) * 4, 0, 0, static_cast<float>(k % 7)});
+  }
+  for (int k = 0; k < 1010; ++k) specs.push_back({MP_F32, MP_F32, 0, 0, 0, 0, static_cast<float>(k)});
+  set_context("130 params and 1010 zero-size ones");
+  const int64_t launches = adam_case(specs, h, 601);
+  CHECK(launches >= 5, "%lld launches: want several main and step launches",
+        static_cast<long long>(launches));
+}
+
+// Bad arguments: MP_ERR_INVALID_ARGUMENT, nothing launched, nothing written.
+EMU_TEST(adam_bad_arguments) {
+  Rng r(700);
+  Param p = make_param(r, {MP_BF16, MP_F32, 20, 0, 0, 0, 1.0f}, false);
+  Param q = make_param(r, {MP_F32, MP_F32, 20, 0, 0, 0, 1.0f}, false);
+  const std::vector<uint8_t> before = p.param.snapshot();
+  const mp_adam_options_cuda good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
+                                     nullptr};
+  struct Case {
+    const char* what;
+    void (*edit)(mp_adam_tensor_cuda&, mp_adam_options_cuda&);
+  };
+  const Case cases[] = {
+      {"beta1 = 1", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.beta1 = 1.0; }},
+      {"beta1 < 0", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.beta1 = -0.1; }},
+      {"beta2 NaN", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.beta2 = NAN; }},
+      {"eps < 0", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.eps = -1e-8; }},
+      {"eps Inf", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.eps = INFINITY; }},
+      {"weight_decay < 0", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.weight_decay = -1; }},
+      {"unknown param dtype", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.param_dtype = 3; }},
+      {"fp16 grad for bf16 param", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.grad_dtype = MP_F16; }},
+      {"n < 0", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.n = -1; }},
+      {"step null", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.step = nullptr; }},
+      {"grad null", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.grad = nullptr; }},
+      {"exp_avg_sq null", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.exp_avg_sq = nullptr; }},
+      {"master missing", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.master = nullptr; }},
+      {"param misaligned", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) {
+         t.param = static_cast<char*>(t.param) + 1;
+       }},
+      {"exp_avg misaligned", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) {
+         t.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(t.exp_avg) + 2);
+       }},
+  };
+  for (const Case& c : cases) {
+    mp_adam_tensor_cuda ts[2] = {tensor_of(q), tensor_of(p)};
+    mp_adam_options_cuda o = good;
+    c.edit(ts[1], o);
+    set_context("%s", c.what);
+    const int64_t l0 = mp_emu::launch_count();
+    CHECK(mp_adam_step_multi_cuda(ts, 2, &o, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
+    CHECK(mp_emu::launch_count() == l0, "launched");
+  }
+  set_context("a master for an fp32 param");
+  mp_adam_tensor_cuda t = tensor_of(q);
+  t.master = p.master.f32();
+  CHECK(mp_adam_step_multi_cuda(&t, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
+  set_context("null tensors / options");
+  CHECK(mp_adam_step_multi_cuda(nullptr, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "tensors");
+  t = tensor_of(q);
+  CHECK(mp_adam_step_multi_cuda(&t, 1, nullptr, nullptr) == MP_ERR_INVALID_ARGUMENT, "options");
+  CHECK(mp_adam_step_multi_cuda(&t, -1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "count");
+  CHECK(p.param.snapshot() == before && *p.step.f32() == 1.0f && *q.step.f32() == 1.0f,
+        "something was written");
+}
+
+// A failed main launch: MP_ERR_CUDA and no step count advanced (the step launch never runs).
+EMU_TEST(adam_launch_failure) {
+  Caps caps(1, 0);
+  Rng r(800);
+  Param p = make_param(r, {MP_F32, MP_F32, 2 * kChunk, 0, 0, 0, 3.0f}, false);
+  mp_adam_tensor_cuda t = tensor_of(p);
+  const mp_adam_options_cuda o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr};
+  for (int64_t fail_at : {int64_t{0}, int64_t{1}}) {
+    set_context("launch %lld fails", static_cast<long long>(fail_at));
+    mp_emu::fail_launch_in(fail_at);
+    const int64_t l0 = mp_emu::launch_count();
+    CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_CUDA, "status");
+    mp_emu::fail_launch_in(-1);
+    CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "launched after the failure");
+    CHECK(*p.step.f32() == 3.0f, "the step advanced after a failed launch");
+    CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "error not pending");
+  }
+}
+
+}  // namespace
