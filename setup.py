@@ -8,6 +8,8 @@ Install PyTorch first, then: pip install --no-build-isolation -e .
   nvcc is found (CUDA_HOME), whether or not a GPU is visible. MPEXT_FORCE_CUDA=1 makes a missing
   toolkit an error; MPEXT_FORCE_CUDA=0 skips CUDA. With no visible GPU and TORCH_CUDA_ARCH_LIST
   unset, the archs default to Ampere and Hopper (8.0;9.0+PTX).
+- The torch requirement is the range of supported releases in an sdist and a pin to the torch it
+  was built against in a wheel or an install (build_tools/requirements.py says why).
 """
 import glob
 import os
@@ -17,7 +19,7 @@ import sysconfig
 from setuptools import setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from build_tools import core  # noqa: E402
+from build_tools import core, requirements  # noqa: E402
 
 try:
     import torch
@@ -116,6 +118,7 @@ def extension():
 
 
 setup(
+    install_requires=[requirements.torch_requirement(sys.argv[1:], torch.__version__)],
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt},
 )
