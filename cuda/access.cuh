@@ -1,16 +1,20 @@
-// What the CUDA kernels and launchers (cast.cu, scale.cu, adam.cu, norm.cu) share: raw-bit loads
-// and stores of one or eight 32- or 16-bit elements (eight through 16-byte accesses), fp32 <->
-// bit-pattern casts, the piece lookup of multi-tensor launches, the packers' per-launch caps and
-// the one kernel-launch call. No torch headers.
+// What the CUDA kernels and launchers (cast.cu, scale.cu, adam.cu, norm.cu) share, beside the
+// multi-tensor engine (multi_tensor.cuh): raw-bit loads and stores of one or eight 32- or 16-bit
+// elements (eight through 16-byte accesses), the conversions between an element's bits and fp32,
+// the packers' per-launch caps and the one kernel-launch call with its status. No torch headers.
 //
 // The CPU emulation harness (tests/cuda_emu) compiles these files with the host C++ compiler
 // against a shim of the CUDA built-ins that defines MP_CUDA_EMULATION; launch() is the only place
 // that tells the two apart.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "mpext/mpext.h"
 
 #define MP_CUDA_HD __host__ __device__ __forceinline__
 
@@ -26,6 +30,11 @@ inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shar
 #else
   kernel<<<grid, block, shared_bytes, stream>>>(static_cast<Args&&>(args)...);
 #endif
+}
+
+// A launch failed iff the runtime has a pending error; it is left for the caller to read.
+inline mp_status launch_status() {
+  return cudaPeekAtLastError() == cudaSuccess ? MP_OK : MP_ERR_CUDA;
 }
 
 // The caps of one multi-tensor launch: blocks, and entries (pieces, step counters) of its
@@ -61,21 +70,11 @@ inline bool element_aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0u;
 }
 
-// Multi-tensor launches cut a list into pieces, piece k covering blocks first_block[k] ..
-// first_block[k + 1] - 1 (the last piece's run to the grid's end; first_block is strictly
-// increasing and starts at 0). The piece of block `block`: the last k with
-// first_block[k] <= block, by binary search.
-MP_CUDA_HD int piece_of_block(const uint32_t* first_block, int npieces, uint32_t block) {
-  int lo = 0, hi = npieces - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+// Whether n elements of mp_dtype dtype at p make a tensor a launcher can take: a known dtype,
+// n >= 0, and (when n > 0) p non-null and aligned to its element size.
+inline bool tensor_ok(const void* p, int32_t dtype, int64_t n) {
+  if (dtype < 0 || dtype >= MP_DTYPE_COUNT || n < 0) return false;
+  return n == 0 || (p != nullptr && element_aligned(p, MP_DTYPE_BYTES(dtype)));
 }
 
 MP_CUDA_HD float f32_from_bits(uint32_t u) {
@@ -96,6 +95,31 @@ MP_CUDA_HD uint32_t bits_from_f32(float f) {
   __builtin_memcpy(&u, &f, sizeof u);
   return u;
 #endif
+}
+
+// An element of mp_dtype D (raw bits, 16-bit values in the low half) widened to fp32 (exact).
+template <int D>
+MP_CUDA_HD float widen(uint32_t x) {
+  if constexpr (D == MP_F32) {
+    return f32_from_bits(x);
+  } else if constexpr (D == MP_BF16) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(x)));
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
+  }
+}
+
+// An fp32 value as the bits of mp_dtype D, rounded to nearest even (subnormals kept: the
+// intrinsics compile to cvt.rn without .ftz).
+template <int D>
+MP_CUDA_HD uint32_t narrow(float f) {
+  if constexpr (D == MP_F32) {
+    return bits_from_f32(f);
+  } else if constexpr (D == MP_BF16) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  } else {
+    return __half_as_ushort(__float2half_rn(f));
+  }
 }
 
 // Eight consecutive elements starting at element 8 * v of a 16-byte aligned pointer, as raw bits

@@ -1,14 +1,12 @@
 // The multi-tensor L2 norm on CUDA devices: the kernels and the launcher behind
 // mpext/norm_cuda.h.
 //
-// Pass 1 (norm_partials_kernel): one multi-tensor kernel covers a list of tensors of mixed dtypes
-// (fp32, bf16, fp16). The launcher packs up to kMaxPieces tensors (or pieces of one) into a
-// by-value kernel argument under the 4 KB limit, one chunk of kChunk elements per block, and
-// launches again only when a launch is full; a block finds its piece by binary search over the
-// pieces' first blocks. Each thread sums (float(x) * inv)^2 in double over a fixed set of its
-// block's elements (the head before the first 16-byte boundary and the tail one at a time, the
-// body 8 elements per 16-byte load), then the block adds its threads' sums as a fixed tree in
-// shared memory and thread 0 writes the block's sum to its own workspace entry.
+// Pass 1 (norm_partials_kernel): the multi-tensor engine (multi_tensor.cuh) packs a list of
+// tensors of mixed dtypes into launches, one chunk per block. Each thread sums
+// (float(x) * inv)^2 in double over a fixed set of its block's elements (the head before the
+// first 16-byte boundary and the tail one at a time, the body 8 elements per 16-byte load), then
+// the block adds its threads' sums as a fixed tree in shared memory and thread 0 writes the
+// block's sum to its own workspace entry (launch after launch, the entries follow the blocks).
 // Pass 2 (norm_finish_kernel): one block adds the workspace entries (thread t takes entries t,
 // t + kFinishThreads, ... in order, then a fixed tree) and writes sqrt(total), rounded once to
 // fp32, to *out. No atomics anywhere: the same inputs give the same bits on every run.
@@ -17,58 +15,38 @@
 // y * y in double, which is exact, so squares that overflow fp32 still count; a NaN makes the
 // sum NaN and an Inf (without NaN) makes it +Inf. Everything is read-only but the workspace and
 // *out; nothing waits for the host.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "access.cuh"
 #include "mpext/mpext.h"
 #include "mpext/norm_cuda.h"
+#include "multi_tensor.cuh"
 
 namespace {
 
-using mp_cuda::f32_from_bits;
-using mp_cuda::load1;
-using mp_cuda::load8;
+using namespace mp_cuda;  // the shared memory access and engine of access.cuh, multi_tensor.cuh
 
-#define MP_NORM_HD __host__ __device__ __forceinline__
+constexpr int kThreads = 256;        // threads per block of pass 1 (a power of two)
+constexpr int kFinishThreads = 512;  // threads of the one block of pass 2 (a power of two)
+constexpr int64_t kVec = 8;          // elements per 16-byte load
+constexpr int kMaxPieces = 192;      // tensors (or pieces of one) per launch
 
-constexpr int kThreads = 256;            // threads per block of pass 1 (a power of two)
-constexpr int kFinishThreads = 512;      // threads of the one block of pass 2 (a power of two)
-constexpr int64_t kVec = 8;              // elements per 16-byte load
-constexpr int64_t kChunk = MP_GRAD_NORM_CUDA_CHUNK;
-constexpr int kMaxPieces = 192;          // tensors (or pieces of one) per launch
-constexpr int64_t kMaxBlocks = 1 << 30;  // blocks per launch (grid.x < 2^31)
+static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16");
+static_assert(mp_cuda::kChunk == MP_GRAD_NORM_CUDA_CHUNK, "one workspace entry per block");
 
-static_assert(kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16 bytes");
-
-MP_NORM_HD int dtype_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-
-// An element of dtype D (raw bits, 16-bit values in the low half) times inv, in fp32, squared in
-// double (exact).
+// An element of dtype D (raw bits, 16-bit values in the low half) times inv, in fp32 (one
+// operation: nothing to contract), squared in double (exact).
 template <int D>
-MP_NORM_HD double square(uint32_t x, float inv) {
-  float v;
-  if constexpr (D == MP_F32) {
-    v = f32_from_bits(x);
-  } else if constexpr (D == MP_BF16) {
-    v = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(x)));
-  } else {
-    v = __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
-  }
-#if defined(__CUDA_ARCH__)
-  const double y = static_cast<double>(__fmul_rn(v, inv));
-#else
-  const double y = static_cast<double>(v * inv);
-#endif
+MP_CUDA_HD double square(uint32_t x, float inv) {
+  const double y = static_cast<double>(widen<D>(x) * inv);
   return y * y;
 }
 
 // Elements [first, last) one at a time, this thread taking first + tid, first + tid + nthreads...
 template <int D>
-MP_NORM_HD double sumsq_scalar(const void* x, int64_t first, int64_t last, float inv,
+MP_CUDA_HD double sumsq_scalar(const void* x, int64_t first, int64_t last, float inv,
                                int64_t tid, int64_t nthreads) {
-  constexpr int kBytes = D == MP_F32 ? 4 : 2;
+  constexpr int kBytes = MP_DTYPE_BYTES(D);
   double acc = 0.0;
   for (int64_t i = first + tid; i < last; i += nthreads) acc += square<D>(load1<kBytes>(x, i), inv);
   return acc;
@@ -77,9 +55,9 @@ MP_NORM_HD double sumsq_scalar(const void* x, int64_t first, int64_t last, float
 // This thread's share of elements [0, n) at x: the head up to the first 16-byte boundary and the
 // tail one at a time, the body 8 at a time with 16-byte loads.
 template <int D>
-MP_NORM_HD double sumsq_range(const void* x, int64_t n, float inv, int64_t tid,
+MP_CUDA_HD double sumsq_range(const void* x, int64_t n, float inv, int64_t tid,
                               int64_t nthreads) {
-  constexpr int kBytes = D == MP_F32 ? 4 : 2;
+  constexpr int kBytes = MP_DTYPE_BYTES(D);
   const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
   int64_t head = static_cast<int64_t>((16u - (addr & 15u)) & 15u) / kBytes;
   if (head > n) head = n;
@@ -97,33 +75,27 @@ MP_NORM_HD double sumsq_range(const void* x, int64_t n, float inv, int64_t tid,
   return acc + sumsq_scalar<D>(x, head + nvec * kVec, n, inv, tid, nthreads);
 }
 
-// The argument of one pass-1 launch (by value, under the 4 KB parameter limit). Piece k is
-// elements [0, n[k]) at x[k], covered by blocks first_block[k] .. first_block[k + 1] - 1 (the last
-// piece's run to the grid's end); block b writes partials[b].
+// The argument of one pass-1 launch (by value, under the 4 KB parameter limit): per piece, the
+// tensor it belongs to from the piece's first element; block b writes partials[b].
 struct NormArgs {
   const float* inv_scale;  // NULL: 1
   double* partials;
+  mp_cuda::PieceTable<kMaxPieces> pieces;
   const void* x[kMaxPieces];
-  int64_t n[kMaxPieces];
-  uint32_t first_block[kMaxPieces];
   uint8_t dtype[kMaxPieces];
-  int32_t npieces;
 };
 
 static_assert(sizeof(NormArgs) <= 4096, "the multi-tensor argument must fit the 4 KB limit");
 
 // The sum of squares of thread tid's share of block `block`.
-MP_NORM_HD double block_share(const NormArgs& a, uint32_t block, int64_t tid, int64_t nthreads) {
-  const int lo = mp_cuda::piece_of_block(a.first_block, a.npieces, block);
-  const int64_t start = static_cast<int64_t>(block - a.first_block[lo]) * kChunk;
-  const int64_t rest = a.n[lo] - start;
-  const int64_t count = rest < kChunk ? rest : kChunk;
+MP_CUDA_HD double block_share(const NormArgs& a, uint32_t block, int64_t tid, int64_t nthreads) {
+  const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, block);
   const float inv = a.inv_scale != nullptr ? *a.inv_scale : 1.0f;
-  const char* x = static_cast<const char*>(a.x[lo]) + start * dtype_bytes(a.dtype[lo]);
-  switch (a.dtype[lo]) {
-    case MP_F32: return sumsq_range<MP_F32>(x, count, inv, tid, nthreads);
-    case MP_BF16: return sumsq_range<MP_BF16>(x, count, inv, tid, nthreads);
-    default: return sumsq_range<MP_F16>(x, count, inv, tid, nthreads);
+  const char* x = static_cast<const char*>(a.x[r.k]) + r.start * MP_DTYPE_BYTES(a.dtype[r.k]);
+  switch (a.dtype[r.k]) {
+    case MP_F32: return sumsq_range<MP_F32>(x, r.count, inv, tid, nthreads);
+    case MP_BF16: return sumsq_range<MP_BF16>(x, r.count, inv, tid, nthreads);
+    default: return sumsq_range<MP_F16>(x, r.count, inv, tid, nthreads);
   }
 }
 
@@ -158,16 +130,10 @@ __global__ void __launch_bounds__(kFinishThreads)
     *out = s[0] != s[0] ? __int_as_float(0x7FC00000) : __double2float_rn(__dsqrt_rn(s[0]));
 }
 
-mp_status launch_status() { return cudaPeekAtLastError() == cudaSuccess ? MP_OK : MP_ERR_CUDA; }
-
-bool segments_ok(const mp_grad_norm_segment* segs, int64_t nsegs) {
+bool segments_ok(const mp_norm_segment* segs, int64_t nsegs) {
   if (nsegs < 0 || (nsegs > 0 && segs == nullptr)) return false;
   for (int64_t k = 0; k < nsegs; ++k) {
-    const mp_grad_norm_segment& s = segs[k];
-    if (s.dtype < MP_F32 || s.dtype > MP_F16 || s.n < 0) return false;
-    if (s.n > 0 && (s.x == nullptr || !mp_cuda::element_aligned(s.x, dtype_bytes(s.dtype)))) {
-      return false;
-    }
+    if (!tensor_ok(segs[k].x, segs[k].dtype, segs[k].n)) return false;
   }
   return true;
 }
@@ -176,59 +142,41 @@ bool segments_ok(const mp_grad_norm_segment* segs, int64_t nsegs) {
 
 extern "C" {
 
-int64_t mp_grad_norm_workspace_cuda(const mp_grad_norm_segment* segs, int64_t nsegs) {
+int64_t mp_grad_norm_workspace_cuda(const mp_norm_segment* segs, int64_t nsegs) {
   if (!segments_ok(segs, nsegs)) return -1;
   int64_t blocks = 0;
-  for (int64_t k = 0; k < nsegs; ++k) blocks += (segs[k].n + kChunk - 1) / kChunk;
+  for (int64_t k = 0; k < nsegs; ++k) {
+    blocks += (segs[k].n + mp_cuda::kChunk - 1) / mp_cuda::kChunk;
+  }
   return blocks;
 }
 
-mp_status mp_grad_norm_multi_cuda(const mp_grad_norm_segment* segs, int64_t nsegs,
+mp_status mp_grad_norm_multi_cuda(const mp_norm_segment* segs, int64_t nsegs,
                                   const float* inv_scale, double* workspace,
                                   int64_t workspace_len, float* out, cudaStream_t stream) {
   const int64_t need = mp_grad_norm_workspace_cuda(segs, nsegs);
   if (need < 0 || out == nullptr || workspace_len < need || (need > 0 && workspace == nullptr)) {
     return MP_ERR_INVALID_ARGUMENT;
   }
-  const int64_t max_blocks = mp_cuda::cap_blocks(kMaxBlocks);
-  const int max_pieces = mp_cuda::cap_pieces(kMaxPieces);
   NormArgs a{};
   a.inv_scale = inv_scale;
-  int64_t blocks = 0, written = 0;
-  auto launch = [&]() -> mp_status {
-    a.partials = workspace + written;
-    mp_cuda::launch(norm_partials_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
-    written += blocks;
-    a.npieces = 0;
-    blocks = 0;
-    return launch_status();
-  };
-  for (int64_t k = 0; k < nsegs; ++k) {
-    const mp_grad_norm_segment& s = segs[k];
-    int64_t done = 0;
-    while (done < s.n) {  // a segment that does not fit the blocks left is split at a chunk
-      const int64_t chunks = (s.n - done + kChunk - 1) / kChunk;
-      const int64_t take = chunks < max_blocks - blocks ? chunks : max_blocks - blocks;
-      const int64_t count = s.n - done < take * kChunk ? s.n - done : take * kChunk;
-      const int i = a.npieces++;
-      a.x[i] = static_cast<const char*>(s.x) + done * dtype_bytes(s.dtype);
-      a.n[i] = count;
-      a.first_block[i] = static_cast<uint32_t>(blocks);
-      a.dtype[i] = static_cast<uint8_t>(s.dtype);
-      blocks += take;
-      done += count;
-      if (a.npieces == max_pieces || blocks == max_blocks) {
-        const mp_status st = launch();
-        if (st != MP_OK) return st;
-      }
-    }
-  }
-  if (a.npieces > 0) {
-    const mp_status st = launch();
-    if (st != MP_OK) return st;
-  }
+  int64_t written = 0;
+  const mp_status st = mp_cuda::pack_launches(
+      a.pieces, nsegs, [&](int64_t s) { return segs[s].n; },
+      [&](int i, int64_t s, int64_t done) {
+        a.x[i] = static_cast<const char*>(segs[s].x) + done * MP_DTYPE_BYTES(segs[s].dtype);
+        a.dtype[i] = static_cast<uint8_t>(segs[s].dtype);
+      },
+      [&](int64_t blocks) {
+        a.partials = workspace + written;
+        mp_cuda::launch(norm_partials_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream,
+                        a);
+        written += blocks;
+        return mp_cuda::launch_status();
+      });
+  if (st != MP_OK) return st;
   mp_cuda::launch(norm_finish_kernel, 1, kFinishThreads, 0, stream, workspace, written, out);
-  return launch_status();
+  return mp_cuda::launch_status();
 }
 
 }  // extern "C"

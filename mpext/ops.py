@@ -102,16 +102,11 @@ def _offset63(offset: int, op: str) -> int:
 # Fake kernels: shapes, dtypes and layouts without touching data (torch.compile, meta tensors).
 
 
-def _check_fake_dense(x: torch.Tensor, op: str) -> None:
-    torch._check(x.layout == torch.strided,
-                 lambda: "mpext.%s: x must be a strided (dense) tensor" % op)
-
-
 @torch.library.register_fake("mpext::to_bf16")
 def _to_bf16_fake(x, *, stochastic=False, seed=0, offset=0):
     torch._check(x.dtype == torch.float32,
                  lambda: "mpext.to_bf16: x must have dtype float32, got %s" % _dtype_name(x.dtype))
-    _check_fake_dense(x, "to_bf16")
+    _check_fake_dense_named(x, "to_bf16", "x")
     return torch.empty_like(x, dtype=torch.bfloat16)
 
 
@@ -119,7 +114,7 @@ def _to_bf16_fake(x, *, stochastic=False, seed=0, offset=0):
 def _to_fp16_fake(x):
     torch._check(x.dtype == torch.float32,
                  lambda: "mpext.to_fp16: x must have dtype float32, got %s" % _dtype_name(x.dtype))
-    _check_fake_dense(x, "to_fp16")
+    _check_fake_dense_named(x, "to_fp16", "x")
     return torch.empty_like(x, dtype=torch.float16)
 
 
@@ -127,7 +122,7 @@ def _to_fp16_fake(x):
 def _to_fp32_fake(x):
     torch._check(x.dtype in (torch.bfloat16, torch.float16),
                  lambda: "mpext.to_fp32: x must have dtype bfloat16 or float16, got %s" % _dtype_name(x.dtype))
-    _check_fake_dense(x, "to_fp32")
+    _check_fake_dense_named(x, "to_fp32", "x")
     return torch.empty_like(x, dtype=torch.float32)
 
 
@@ -138,9 +133,10 @@ def _cast_fake(dst, src, *, stochastic=False, seed=0, offset=0):
                  % (len(dst), len(src)))
     device = dst[0].device if len(dst) else None
     for i, (d, s) in enumerate(zip(dst, src)):
-        torch._check(d.device == device and s.device == device,
-                     lambda: "mpext.cast_: all tensors must be on one device; dst[%d] is on %s "
-                     "and src[%d] on %s but dst[0] is on %s" % (i, d.device, i, s.device, device))
+        for name, t in (("dst", d), ("src", s)):
+            torch._check(t.device == device,
+                         lambda: "mpext.cast_: %s[%d] is on %s but dst[0] is on %s; all tensors "
+                         "must be on one device" % (name, i, t.device, device))
         torch._check(d.shape == s.shape,
                      lambda: "mpext.cast_: dst[%d] has shape %s but src[%d] has shape %s"
                      % (i, tuple(d.shape), i, tuple(s.shape)))
@@ -238,17 +234,24 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: 
                        max_scale=0.0 if max_scale is None else float(max_scale), stats=stats)
 
 
+def _check_fake_device(t: torch.Tensor, op: str, name: str, device: torch.device, owner: str,
+                       cpu_ok: bool = False) -> None:
+    """The fake-kernel twin of the C++ check_device: the one wording of a device mismatch."""
+    torch._check(t.device == device or (cpu_ok and t.device.type == "cpu"),
+                 lambda: "mpext.%s: %s is on %s but %s is on %s%s"
+                 % (op, name, t.device, owner, device, " (it may also be on the CPU)" if cpu_ok
+                    else "; all tensors must be on one device"))
+
+
 def _check_fake_scalar(t: torch.Tensor, op: str, name: str, dtype: torch.dtype, numel: int,
-                       device: torch.device, owner: str) -> None:
-    """The fake-kernel twin of the C++ check_scalar: dtype, element count, device, layout."""
+                       device: torch.device, owner: str, cpu_ok: bool = False) -> None:
+    """The fake-kernel twin of the C++ check_scalars: dtype, element count, device, layout."""
     torch._check(t.dtype == dtype, lambda: "mpext.%s: %s must have dtype %s, got %s"
                  % (op, name, _dtype_name(dtype), _dtype_name(t.dtype)))
     torch._check(t.numel() == numel, lambda: "mpext.%s: %s must have %d %s, got %s"
                  % (op, name, numel, "element" if numel == 1 else "elements", t.numel()))
-    torch._check(t.device == device, lambda: "mpext.%s: %s is on %s but %s is on %s"
-                 % (op, name, t.device, owner, device))
-    torch._check(t.layout == torch.strided,
-                 lambda: "mpext.%s: %s must be a strided (dense) tensor" % (op, name))
+    _check_fake_device(t, op, name, device, owner, cpu_ok)
+    _check_fake_dense_named(t, op, name)
 
 
 @torch.library.register_fake("mpext::unscale_")
@@ -401,27 +404,23 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
         torch._check_value(math.isfinite(v) and 0.0 <= v < top,
                            lambda: "mpext.%s: %s must be in [0, %s), got %g" % (op, name, hi, v))
 
-    def check_one_element(t, name):
-        torch._check(t.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype float32, "
-                     "got %s" % (op, name, _dtype_name(t.dtype)))
-        torch._check(t.numel() == 1, lambda: "mpext.%s: %s must have 1 element, got %s"
-                     % (op, name, t.numel()))
+    # With no params there is no device to agree with: each scalar is checked on its own.
+    def device_for(t):
+        return params[0].device if n else t.device
 
-    check_one_element(lr, "lr")
-    _check_fake_dense_named(lr, op, "lr")
+    _check_fake_scalar(lr, op, "lr", torch.float32, 1, device_for(lr), "params[0]", cpu_ok=True)
     if inv_scale is not None:
-        check_one_element(inv_scale, "inv_scale")
+        _check_fake_scalar(inv_scale, op, "inv_scale", torch.float32, 1, device_for(inv_scale),
+                           "params[0]")
     if found_inf is not None:
-        check_one_element(found_inf, "found_inf")
+        _check_fake_scalar(found_inf, op, "found_inf", torch.float32, 1, device_for(found_inf),
+                           "params[0]")
     if n == 0:
         return None
     device = params[0].device
 
-    def check_device(t, name, cpu_ok=False):
-        torch._check(t.device == device or (cpu_ok and t.device.type == "cpu"),
-                     lambda: "mpext.%s: %s is on %s but params[0] is on %s%s"
-                     % (op, name, t.device, device,
-                        " (it may also be on the CPU)" if cpu_ok else ""))
+    def check_device(t, name):
+        _check_fake_device(t, op, name, device, "params[0]")
 
     def check_layout(t, name, pname, p):
         torch._check_value(_same_layout(t, p), lambda: "mpext.%s: %s (sizes %s, strides %s) "
@@ -429,17 +428,12 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                                                                     _strides(t), pname,
                                                                     _sizes(p), _strides(p)))
 
-    check_device(lr, "lr", True)
-    if inv_scale is not None:
-        check_device(inv_scale, "inv_scale")
-    if found_inf is not None:
-        check_device(found_inf, "found_inf")
     for i in range(n):
         p, g, m, v, s = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i]
         pn, gn, mn, vn = ("params[%d]" % i, "grads[%d]" % i, "exp_avgs[%d]" % i,
                           "exp_avg_sqs[%d]" % i)
         sn, wn = "steps[%d]" % i, "masters[%d]" % i
-        for t, name in ((p, pn), (g, gn), (m, mn), (v, vn), (s, sn)):
+        for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
             check_device(t, name)
         torch._check(p.dtype in _PARAM_DTYPES, lambda: "mpext.%s: %s must have dtype float32 "
                      "or bfloat16 or float16, got %s" % (op, pn, _dtype_name(p.dtype)))
@@ -449,7 +443,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
         for t, name in ((m, mn), (v, vn)):
             torch._check(t.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
                          "float32, got %s" % (op, name, _dtype_name(t.dtype)))
-        check_one_element(s, sn)
+        _check_fake_scalar(s, op, sn, torch.float32, 1, device, "params[0]")
         for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
             _check_fake_dense_named(t, op, name)
         for t, name in ((g, gn), (m, mn), (v, vn)):

@@ -354,19 +354,19 @@ def _cast_with(last_dst=None, last_src=None, **kw):
 
 
 case("cast_", "dtype", "dst[2] is float64", raises(
-    RuntimeError, r"cast_: dst\[2\] must be float32, bfloat16 or float16, got float64"))(
+    RuntimeError, r"cast_: dst\[2\] must have dtype float32 or bfloat16 or float16, got float64"))(
     lambda: _cast_with(torch.zeros(6, dtype=F64)))
 case("cast_", "dtype", "src[2] is int32", raises(
-    RuntimeError, r"cast_: src\[2\] must be float32, bfloat16 or float16, got int32"))(
+    RuntimeError, r"cast_: src\[2\] must have dtype float32 or bfloat16 or float16, got int32"))(
     lambda: _cast_with(last_src=torch.zeros(6, dtype=torch.int32)))
 case("cast_", "dtype", "bfloat16 -> float16 pair", raises(
     RuntimeError, r"cannot cast src\[2\] \(bfloat16\) to dst\[2\] \(float16\)"))(
     lambda: _cast_with(last_src=_values(6, BF16)))
 case("cast_", "device", "dst[2] on the other device", raises(
-    RuntimeError, r"all tensors must be on one device; dst\[2\] is on %s" % OTHER))(
+    RuntimeError, r"dst\[2\] is on %s but dst\[0\] is on .*; all tensors must be on one device" % OTHER))(
     lambda: _cast_with(torch.zeros(6, dtype=F16, device=OTHER)))
 case("cast_", "mixed-devices", "src[2] on the other device", raises(
-    RuntimeError, r"all tensors must be on one device; .*src\[2\] (is )?on %s" % OTHER))(
+    RuntimeError, r"src\[2\] is on %s but dst\[0\] is on .*; all tensors must be on one device" % OTHER))(
     lambda: _cast_with(last_src=_values(6, F16, OTHER)))
 case("cast_", "device", "dst[1] sparse", raises(
     RuntimeError, r"cast_: dst\[1\] must be a strided \(dense\) tensor"))(
@@ -382,7 +382,8 @@ case("cast_", "non-contiguous", "channels_last pair: any dense layout works", ok
     lambda: _cast_with(torch.zeros(1, 2, 3, 1, dtype=F16).to(memory_format=torch.channels_last),
                        _values(6, F16).view(1, 2, 3, 1).to(memory_format=torch.channels_last)))
 case("cast_", "shape", "pairs with one shape, different layouts", raises(
-    ValueError, r"cast_: dst\[2\] has strides \[1, 3\] but src\[2\] has strides \[2, 1\]"))(
+    ValueError, r"cast_: dst\[2\] \(sizes \[3, 2\], strides \[1, 3\]\) must match "
+                r"src\[2\] \(sizes \[3, 2\], strides \[2, 1\]\)"))(
     lambda: _cast_with(torch.zeros(2, 3, dtype=F16).t(), _values(6, F16).view(3, 2)))
 case("cast_", "shape", "dst[2] and src[2] of different shapes", raises(
     ValueError, r"cast_: dst\[2\] has shape \[7\] but src\[2\] has shape \[6\]"))(

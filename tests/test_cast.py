@@ -430,9 +430,9 @@ def cast_case(device):
     (lambda d, s, dev: (d[:2] + [torch.zeros(7, dtype=torch.bfloat16, device=dev)], s),
      ValueError, r"dst\[2\] has shape \[7\] but src\[2\] has shape \[6\]"),
     (lambda d, s, dev: (d[:2] + [torch.zeros(6, dtype=torch.float64, device=dev)], s),
-     RuntimeError, r"dst\[2\] must be float32, bfloat16 or float16, got float64"),
+     RuntimeError, r"dst\[2\] must have dtype float32 or bfloat16 or float16, got float64"),
     (lambda d, s, dev: (d, s[:2] + [torch.zeros(6, dtype=torch.int32, device=dev)]),
-     RuntimeError, r"src\[2\] must be float32, bfloat16 or float16, got int32"),
+     RuntimeError, r"src\[2\] must have dtype float32 or bfloat16 or float16, got int32"),
     (lambda d, s, dev: (d[:2] + [torch.zeros(6, dtype=torch.float16, device=dev)],
                         s[:2] + [torch.zeros(6, dtype=torch.bfloat16, device=dev)]),
      RuntimeError, r"cannot cast src\[2\] \(bfloat16\) to dst\[2\] \(float16\)"),
@@ -440,7 +440,8 @@ def cast_case(device):
      RuntimeError, r"dst\[2\] must be dense and non-overlapping"),
     (lambda d, s, dev: (d[:2] + [torch.zeros(2, 3, dtype=torch.bfloat16, device=dev).t()],
                         s[:2] + [torch.zeros(3, 2, device=dev)]),
-     ValueError, r"dst\[2\] has strides \[1, 3\] but src\[2\] has strides \[2, 1\]"),
+     ValueError, r"dst\[2\] \(sizes \[3, 2\], strides \[1, 3\]\) must match "
+                 r"src\[2\] \(sizes \[3, 2\], strides \[2, 1\]\)"),
     (lambda d, s, dev: (d[:2] + [d[0][:5].clone().resize_(6)], s), None, None),  # valid control
     (lambda d, s, dev: (d[:2] + [d[0]], s[:2] + [s[0]]), RuntimeError,
      r"dst\[0\] and dst\[2\] overlap in memory"),

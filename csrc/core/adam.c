@@ -1,13 +1,14 @@
-/* The fused Adam/AdamW step (mpext/adam.h). Compiled once per ISA path (see isa.h). One loop
- * body, specialised by inlining for each (param dtype, grad dtype, master or not) combination so
- * that every variant is a straight, vectorizable loop: the loads and stores of bf16/fp16 are the
- * branch-free bit conversions of numerics.h, the NaN/Inf handling is IEEE arithmetic (no
- * branches), and sqrtf vectorizes because the core is built with -fno-math-errno. */
-#include <math.h>
+/* The fused Adam/AdamW step (mpext/adam.h) over one range of one param. Compiled once per ISA
+ * path (see isa.h). The element update is mpext/adam_rule.h's, the one the CUDA kernels run; this
+ * file only loads and stores. One loop body, specialised by inlining for each (param dtype, grad
+ * dtype, flags) combination so that every variant is a straight, vectorizable loop: the loads
+ * and stores of bf16/fp16 are the branch-free bit conversions of numerics.h, NaN/Inf follow IEEE
+ * arithmetic (no branches), and sqrtf vectorizes because the core is built with
+ * -fno-math-errno. */
 #include <string.h>
 
 #include "isa.h"
-#include "mpext/adam.h"
+#include "mpext/adam_rule.h"
 #include "mpext/numerics.h"
 
 #ifndef MP_ISA_SUFFIX
@@ -40,32 +41,21 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
   }
 }
 
-/* The loop, always inlined into a caller with constant dtypes and flags. */
+/* The loop, always inlined into a caller with constant dtypes and flags (the flags are written
+ * into a local copy of the scalars, so that after inlining the rule's branches are constant). */
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, const void* restrict grad, const mp_dtype gt,
     float* restrict master, float* restrict m, float* restrict v, int64_t n,
-    const mp_adam_params* restrict hp, const int has_master, const int decoupled,
+    const mp_adam_scalars* restrict hp, const int has_master, const int decoupled,
     const int maximize) {
-  const float beta2 = hp->beta2, eps = hp->eps;
-  const float w = hp->lerp_weight, one_minus_w = 1.0f - hp->lerp_weight;
-  const int lerp_from_start = w < 0.5f;
-  const float one_minus_beta2 = hp->one_minus_beta2;
-  const float wd = hp->weight_decay, decay = hp->decay, inv_scale = hp->inv_scale;
-  const float neg_step_size = -hp->step_size, bc2_sqrt = hp->bias_correction2_sqrt;
+  mp_adam_scalars s = *hp;
+  s.decoupled = decoupled;
+  s.maximize = maximize;
   for (int64_t i = 0; i < n; ++i) {
-    float g = load_as_f32(grad, i, gt) * inv_scale;
-    if (maximize) g = -g;
-    float p = has_master ? master[i] : load_as_f32(param, i, MP_F32);
-    if (decoupled) {
-      p = p * decay;
-    } else {
-      g = g + wd * p;
-    }
-    float diff = g - m[i];
-    float mi = lerp_from_start ? m[i] + w * diff : g - diff * one_minus_w;
-    float vi = v[i] * beta2 + (one_minus_beta2 * g) * g;
-    float denom = sqrtf(vi) / bc2_sqrt + eps;
-    p = p + (neg_step_size * mi) / denom;
+    const float g = load_as_f32(grad, i, gt);
+    const float p0 = has_master ? master[i] : load_as_f32(param, i, MP_F32);
+    float mi = m[i], vi = v[i];
+    const float p = mp_adam_element(g, p0, &mi, &vi, &s);
     m[i] = mi;
     v[i] = vi;
     if (has_master) {
@@ -80,7 +70,7 @@ static inline __attribute__((always_inline)) void adam_loop(
 /* Instantiates the loop for one (param, grad) dtype pair and both flags. */
 #define MP_ADAM_VARIANT(name, PT, GT, HAS_MASTER)                                              \
   static void name(void* param, const void* grad, float* master, float* m, float* v,          \
-                   int64_t n, const mp_adam_params* hp) {                                     \
+                   int64_t n, const mp_adam_scalars* hp) {                                    \
     const int hm = HAS_MASTER;                                                                \
     if (hp->decoupled) {                                                                      \
       if (hp->maximize) adam_loop(param, PT, grad, GT, master, m, v, n, hp, hm, 1, 1);        \
@@ -97,16 +87,21 @@ MP_ADAM_VARIANT(adam_bf16_f32, MP_BF16, MP_F32, 1)
 MP_ADAM_VARIANT(adam_f16_f16, MP_F16, MP_F16, 1)
 MP_ADAM_VARIANT(adam_f16_f32, MP_F16, MP_F32, 1)
 
-void MP_ISA_FN(mp_k_adam_step)(void* param, mp_dtype param_dtype, const void* grad,
-                               mp_dtype grad_dtype, float* master, float* exp_avg,
-                               float* exp_avg_sq, int64_t n, const mp_adam_params* p) {
-  if (param_dtype == MP_F32) {
-    adam_f32_f32(param, grad, NULL, exp_avg, exp_avg_sq, n, p);
-  } else if (param_dtype == MP_BF16) {
-    if (grad_dtype == MP_BF16) adam_bf16_bf16(param, grad, master, exp_avg, exp_avg_sq, n, p);
-    else adam_bf16_f32(param, grad, master, exp_avg, exp_avg_sq, n, p);
+void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s) {
+  const int pb = MP_DTYPE_BYTES(t->param_dtype), gb = MP_DTYPE_BYTES(t->grad_dtype);
+  void* param = (char*)t->param + start * pb;
+  const void* grad = (const char*)t->grad + start * gb;
+  float* master = t->master != NULL ? t->master + start : NULL;
+  float* m = t->exp_avg + start;
+  float* v = t->exp_avg_sq + start;
+  if (t->param_dtype == MP_F32) {
+    adam_f32_f32(param, grad, NULL, m, v, n, s);
+  } else if (t->param_dtype == MP_BF16) {
+    if (t->grad_dtype == MP_BF16) adam_bf16_bf16(param, grad, master, m, v, n, s);
+    else adam_bf16_f32(param, grad, master, m, v, n, s);
   } else {
-    if (grad_dtype == MP_F16) adam_f16_f16(param, grad, master, exp_avg, exp_avg_sq, n, p);
-    else adam_f16_f32(param, grad, master, exp_avg, exp_avg_sq, n, p);
+    if (t->grad_dtype == MP_F16) adam_f16_f16(param, grad, master, m, v, n, s);
+    else adam_f16_f32(param, grad, master, m, v, n, s);
   }
 }

@@ -135,54 +135,80 @@ mp_status mp_to_fp32_fp16(const uint16_t* src, float* dst, int64_t n) {
   return MP_OK;
 }
 
-#define MP_UNSCALE_ENTRY(name, type)                                              \
-  mp_status mp_##name(type* g, int64_t n, float inv_scale, int32_t* found) {      \
-    if (n < 0 || found == NULL || (n > 0 && g == NULL)) return MP_ERR_INVALID_ARGUMENT; \
-    if (n > 0 && active()->name(g, n, inv_scale)) *found = 1;                       \
-    return MP_OK;                                                                 \
+mp_status mp_cast(const void* src, mp_dtype src_dtype, void* dst, mp_dtype dst_dtype, int64_t n,
+                  int stochastic, uint64_t seed, uint64_t position) {
+  if (!mp_cast_supported(src_dtype, dst_dtype, stochastic)) return MP_ERR_INVALID_ARGUMENT;
+  MP_CHECK_N(src, dst, n);
+  if (src_dtype == dst_dtype) {
+    memcpy(dst, src, (size_t)n * (size_t)MP_DTYPE_BYTES(src_dtype));
+  } else if (dst_dtype == MP_BF16) {
+    if (stochastic) {
+      active()->to_bf16_sr_f32((const float*)src, (uint16_t*)dst, n, seed, position);
+    } else {
+      active()->to_bf16_f32((const float*)src, (uint16_t*)dst, n);
+    }
+  } else if (dst_dtype == MP_F16) {
+    active()->to_fp16_f32((const float*)src, (uint16_t*)dst, n);
+  } else if (src_dtype == MP_BF16) {
+    active()->to_fp32_bf16((const uint16_t*)src, (float*)dst, n);
+  } else {
+    active()->to_fp32_fp16((const uint16_t*)src, (float*)dst, n);
   }
-
-MP_UNSCALE_ENTRY(unscale_f32, float)
-MP_UNSCALE_ENTRY(unscale_bf16, uint16_t)
-MP_UNSCALE_ENTRY(unscale_fp16, uint16_t)
-
-mp_status mp_update_scale(float* scale, int32_t* growth_tracker, const float* found_inf,
-                          double growth_factor, double backoff_factor, int64_t growth_interval,
-                          int32_t* hysteresis_tracker, int32_t hysteresis, double min_scale,
-                          double max_scale, int64_t* stats) {
-  if (scale == NULL || growth_tracker == NULL || found_inf == NULL) return MP_ERR_INVALID_ARGUMENT;
-  if (hysteresis > 1 && hysteresis_tracker == NULL) return MP_ERR_INVALID_ARGUMENT;
-  mp_update_scale_rule(scale, growth_tracker, *found_inf, growth_factor, backoff_factor,
-                       growth_interval, hysteresis_tracker, hysteresis, min_scale, max_scale,
-                       stats);
   return MP_OK;
 }
 
-mp_status mp_adam_step(void* param, mp_dtype param_dtype, const void* grad, mp_dtype grad_dtype,
-                       float* master, float* exp_avg, float* exp_avg_sq, int64_t n,
-                       const mp_adam_params* p) {
-  if (n < 0 || p == NULL) return MP_ERR_INVALID_ARGUMENT;
-  if ((int)param_dtype < 0 || param_dtype > MP_F16 || (int)grad_dtype < 0 || grad_dtype > MP_F16)
-    return MP_ERR_INVALID_ARGUMENT;
-  if (grad_dtype != param_dtype && grad_dtype != MP_F32) return MP_ERR_INVALID_ARGUMENT;
-  if ((param_dtype == MP_F32) != (master == NULL)) return MP_ERR_INVALID_ARGUMENT;
+mp_status mp_unscale(void* g, mp_dtype dtype, int64_t n, float inv_scale, int32_t* found) {
+  if (n < 0 || found == NULL || (n > 0 && g == NULL)) return MP_ERR_INVALID_ARGUMENT;
+  if ((int)dtype < 0 || dtype >= MP_DTYPE_COUNT) return MP_ERR_INVALID_ARGUMENT;
   if (n == 0) return MP_OK;
-  if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL)
-    return MP_ERR_INVALID_ARGUMENT;
-  active()->adam_step(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, p);
+  const mp_kernel_table* k = active();
+  int bad = dtype == MP_F32    ? k->unscale_f32((float*)g, n, inv_scale)
+            : dtype == MP_BF16 ? k->unscale_bf16((uint16_t*)g, n, inv_scale)
+                               : k->unscale_fp16((uint16_t*)g, n, inv_scale);
+  if (bad) *found = 1;
   return MP_OK;
 }
 
-#define MP_GRAD_NORM_ENTRY(name, type)                                                 \
-  mp_status mp_##name(const type* x, int64_t n, float inv_scale, double* out) {       \
-    if (n < 0 || out == NULL || (n > 0 && x == NULL)) return MP_ERR_INVALID_ARGUMENT; \
-    *out = n > 0 ? active()->name(x, n, inv_scale) : 0.0;                             \
-    return MP_OK;                                                                     \
-  }
+mp_status mp_update_scale(const mp_scale_update* u) {
+  if (!mp_scale_update_ok(u)) return MP_ERR_INVALID_ARGUMENT;
+  mp_update_scale_rule(u);
+  return MP_OK;
+}
 
-MP_GRAD_NORM_ENTRY(grad_norm_sumsq_f32, float)
-MP_GRAD_NORM_ENTRY(grad_norm_sumsq_bf16, uint16_t)
-MP_GRAD_NORM_ENTRY(grad_norm_sumsq_fp16, uint16_t)
+mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
+                       const mp_adam_options* o) {
+  if (t == NULL || o == NULL || !mp_adam_tensor_ok(t) || !mp_adam_options_ok(o))
+    return MP_ERR_INVALID_ARGUMENT;
+  if (start < 0 || count < 0 || start > t->n || count > t->n - start)
+    return MP_ERR_INVALID_ARGUMENT;
+  if (count == 0 || mp_adam_skip(o)) return MP_OK;
+  const mp_adam_scalars s = mp_adam_scalars_now(o, t->step);
+  active()->adam_step(t, start, count, &s);
+  return MP_OK;
+}
+
+mp_status mp_adam_advance_steps(const mp_adam_tensor* ts, int64_t ntensors,
+                                const mp_adam_options* o) {
+  if (ntensors < 0 || o == NULL || (ntensors > 0 && ts == NULL)) return MP_ERR_INVALID_ARGUMENT;
+  for (int64_t k = 0; k < ntensors; ++k) {
+    if (ts[k].step == NULL) return MP_ERR_INVALID_ARGUMENT;
+  }
+  if (mp_adam_skip(o)) return MP_OK;
+  for (int64_t k = 0; k < ntensors; ++k) *ts[k].step = *ts[k].step + 1.0f;
+  return MP_OK;
+}
+
+mp_status mp_grad_norm_sumsq(const void* x, mp_dtype dtype, int64_t n, float inv_scale,
+                             double* out) {
+  if (n < 0 || out == NULL || (n > 0 && x == NULL)) return MP_ERR_INVALID_ARGUMENT;
+  if ((int)dtype < 0 || dtype >= MP_DTYPE_COUNT) return MP_ERR_INVALID_ARGUMENT;
+  const mp_kernel_table* k = active();
+  *out = n == 0             ? 0.0
+         : dtype == MP_F32  ? k->grad_norm_sumsq_f32((const float*)x, n, inv_scale)
+         : dtype == MP_BF16 ? k->grad_norm_sumsq_bf16((const uint16_t*)x, n, inv_scale)
+                            : k->grad_norm_sumsq_fp16((const uint16_t*)x, n, inv_scale);
+  return MP_OK;
+}
 
 static float canonical_nan_f32(void) {
   const uint32_t bits = 0x7FC00000u;

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#include "mpext/adam.h"
+#include "mpext/adam_rule.h"
 #include "mpext/mpext.h"
 
 #define MP_CAT_(a, b) a##__##b
@@ -30,10 +30,9 @@ typedef struct mp_kernel_table {
   int (*unscale_f32)(float* g, int64_t n, float inv_scale);
   int (*unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
   int (*unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
-  /* One fused Adam/AdamW step over n elements, arguments already checked (adam.c). */
-  void (*adam_step)(void* param, mp_dtype param_dtype, const void* grad, mp_dtype grad_dtype,
-                    float* master, float* exp_avg, float* exp_avg_sq, int64_t n,
-                    const mp_adam_params* p);
+  /* One fused Adam/AdamW step over elements [start, start + n) of t, arguments already
+   * checked (adam.c). */
+  void (*adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s);
   /* Sum over n elements of (x * inv_scale)^2 in double, in a fixed order (norm.c). */
   double (*grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
   double (*grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
@@ -55,9 +54,8 @@ void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
 int MP_ISA_FN(mp_k_unscale_f32)(float* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
-void MP_ISA_FN(mp_k_adam_step)(void* param, mp_dtype param_dtype, const void* grad,
-                               mp_dtype grad_dtype, float* master, float* exp_avg,
-                               float* exp_avg_sq, int64_t n, const mp_adam_params* p);
+void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_fp16)(const uint16_t* x, int64_t n, float inv_scale);

@@ -7,24 +7,6 @@
 namespace mpext {
 namespace {
 
-mp_dtype to_mp_dtype(at::ScalarType t) {
-  return t == at::kFloat ? MP_F32 : (t == at::kBFloat16 ? MP_BF16 : MP_F16);
-}
-
-bool same_layout(const at::Tensor& a, const at::Tensor& b) {
-  if (a.sizes() != b.sizes()) return false;
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
-  }
-  return true;
-}
-
-void check_one_element(const at::Tensor& t, const char* op, Arg name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "mpext.", op, ": ", name,
-              " must have dtype float32, got ", dtype_name(t.scalar_type()));
-  TORCH_CHECK(t.numel() == 1, "mpext.", op, ": ", name, " must have 1 element, got ", t.numel());
-}
-
 void check_hyper(double value, const char* op, const char* name, double lo, bool lo_open,
                  double hi, bool hi_open) {
   bool ok = std::isfinite(value) && (lo_open ? value > lo : value >= lo) &&
@@ -35,13 +17,12 @@ void check_hyper(double value, const char* op, const char* name, double lo, bool
 
 }  // namespace
 
-std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
-                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                                  at::TensorList masters, at::TensorList steps,
-                                  const at::Tensor& lr, double beta1, double beta2, double eps,
-                                  double weight_decay,
-                                  const std::optional<at::Tensor>& inv_scale,
-                                  const std::optional<at::Tensor>& found_inf) {
+AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                   const at::Tensor& lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool decoupled, bool maximize,
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& found_inf) {
   const char* op = "adam_step_";
   const size_t n = params.size();
   auto same_len = [&](at::TensorList l, const char* name) {
@@ -59,61 +40,73 @@ std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
   check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
   check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
-  check_one_element(lr, op, "lr");
-  check_dense(lr, op, "lr");
-  if (inv_scale) check_one_element(*inv_scale, op, "inv_scale");
-  if (found_inf) check_one_element(*found_inf, op, "found_inf");
+  // With no params there is no device to agree with: each scalar is checked on its own.
+  const Arg owner("params", 0);
+  auto device_for = [&](const at::Tensor& t) { return n > 0 ? params[0].device() : t.device(); };
+  const c10::Device device = device_for(lr);
+  check_scalars(lr, op, "lr", at::kFloat, 1, device, owner, /*cpu_ok=*/true);
+  if (inv_scale) {
+    check_scalars(*inv_scale, op, "inv_scale", at::kFloat, 1, device_for(*inv_scale), owner);
+  }
+  if (found_inf) {
+    check_scalars(*found_inf, op, "found_inf", at::kFloat, 1, device_for(*found_inf), owner);
+  }
 
-  std::vector<AdamTensor> plan;
-  if (n == 0) return plan;
-  const c10::Device device = params[0].device();
-  // Tensors that may live on the CPU while params are on CUDA (read-only or step counters).
-  auto check_device = [&](const at::Tensor& t, Arg name, bool cpu_ok) {
-    TORCH_CHECK(t.device() == device || (cpu_ok && t.is_cpu()), "mpext.", op, ": ", name,
-                " is on ", t.device(), " but params[0] is on ", device,
-                cpu_ok ? " (it may also be on the CPU)" : "");
+  AdamPlan plan;
+  mp_adam_options& o = plan.options;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.eps = eps;
+  o.weight_decay = weight_decay;
+  o.decoupled = decoupled ? 1 : 0;
+  o.maximize = maximize ? 1 : 0;
+  o.lr = lr.device() == device ? lr.const_data_ptr<float>() : nullptr;
+  o.lr_value = 0.0f;
+  o.inv_scale = inv_scale ? inv_scale->const_data_ptr<float>() : nullptr;
+  o.found_inf = found_inf ? found_inf->const_data_ptr<float>() : nullptr;
+  // An lr on the CPU is read here (a host read, free), after the tensors are known not to
+  // overlap: a bad value is refused before anything runs.
+  auto check_lr_value = [&]() {
+    if (!lr.is_cpu()) return;
+    const float value = lr.const_data_ptr<float>()[0];
+    TORCH_CHECK_VALUE(std::isfinite(value) && value >= 0.0f, "mpext.", op,
+                      ": lr must be a finite number >= 0, got ", value);
+    o.lr_value = value;
   };
-  check_device(lr, "lr", true);
-  if (inv_scale) check_device(*inv_scale, "inv_scale", false);
-  if (found_inf) check_device(*found_inf, "found_inf", false);
+  if (n == 0) {
+    check_lr_value();
+    return plan;
+  }
 
   std::vector<ByteRange> ranges;
   ranges.reserve(6 * n + 3);
-  plan.reserve(n);
+  plan.tensors.reserve(n);
   for (size_t k = 0; k < n; ++k) {
     const int64_t i = static_cast<int64_t>(k);
     const at::Tensor& p = params[k];
     const at::Tensor& g = grads[k];
     const at::Tensor& m = exp_avgs[k];
     const at::Tensor& v = exp_avg_sqs[k];
-    const at::Tensor& s = steps[k];
     const Arg pn("params", i), gn("grads", i), mn("exp_avgs", i), vn("exp_avg_sqs", i);
-    const Arg sn("steps", i), wn("masters", i);
-    check_device(p, pn, false);
-    check_device(g, gn, false);
-    check_device(m, mn, false);
-    check_device(v, vn, false);
-    check_device(s, sn, false);
+    const Arg wn("masters", i);
+    check_device(p, op, pn, device, owner);
+    check_device(g, op, gn, device, owner);
+    check_device(m, op, mn, device, owner);
+    check_device(v, op, vn, device, owner);
     check_dtype(p, op, pn, {at::kFloat, at::kBFloat16, at::kHalf});
     TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat, "mpext.", op,
                 ": ", gn, " must have the dtype of ", pn, " (", dtype_name(p.scalar_type()),
                 ") or float32, got ", dtype_name(g.scalar_type()));
     check_dtype(m, op, mn, {at::kFloat});
     check_dtype(v, op, vn, {at::kFloat});
-    check_one_element(s, op, sn);
+    check_scalars(steps[k], op, Arg("steps", i), at::kFloat, 1, device, owner);
     check_dense(p, op, pn);
     check_dense(g, op, gn);
     check_dense(m, op, mn);
     check_dense(v, op, vn);
-    TORCH_CHECK_VALUE(same_layout(p, g), "mpext.", op, ": ", gn, " (sizes ", g.sizes(),
-                      ", strides ", g.strides(), ") must match ", pn, " (sizes ", p.sizes(),
-                      ", strides ", p.strides(), ")");
-    TORCH_CHECK_VALUE(same_layout(p, m), "mpext.", op, ": ", mn, " (sizes ", m.sizes(),
-                      ", strides ", m.strides(), ") must match ", pn, " (sizes ", p.sizes(),
-                      ", strides ", p.strides(), ")");
-    TORCH_CHECK_VALUE(same_layout(p, v), "mpext.", op, ": ", vn, " (sizes ", v.sizes(),
-                      ", strides ", v.strides(), ") must match ", pn, " (sizes ", p.sizes(),
-                      ", strides ", p.strides(), ")");
+    check_same_layout(g, gn, p, pn, op);
+    check_same_layout(m, mn, p, pn, op);
+    check_same_layout(v, vn, p, pn, op);
     float* master = nullptr;
     const bool needs_master = p.scalar_type() != at::kFloat;
     if (masters.empty()) {
@@ -122,13 +115,11 @@ std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
                         " and needs an FP32 master, but masters is empty");
     } else {
       const at::Tensor& w = masters[k];
-      check_device(w, wn, false);
+      check_device(w, op, wn, device, owner);
       check_dtype(w, op, wn, {at::kFloat});
       if (needs_master) {
         check_dense(w, op, wn);
-        TORCH_CHECK_VALUE(same_layout(p, w), "mpext.", op, ": ", wn, " (sizes ", w.sizes(),
-                          ", strides ", w.strides(), ") must match ", pn, " (sizes ", p.sizes(),
-                          ", strides ", p.strides(), ")");
+        check_same_layout(w, wn, p, pn, op);
         if (w.numel() > 0) master = static_cast<float*>(w.data_ptr());
         ranges.push_back(byte_range(w, i, true, wn));
       } else {
@@ -137,20 +128,21 @@ std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
                           " must be an empty tensor, got ", w.numel(), " elements");
       }
     }
-    plan.push_back({p.data_ptr(), to_mp_dtype(p.scalar_type()), g.data_ptr(),
-                    to_mp_dtype(g.scalar_type()), master, static_cast<float*>(m.data_ptr()),
-                    static_cast<float*>(v.data_ptr()), static_cast<float*>(s.data_ptr()),
-                    p.numel(), i});
+    plan.tensors.push_back({p.data_ptr(), to_mp_dtype(p.scalar_type()), g.data_ptr(),
+                            to_mp_dtype(g.scalar_type()), master,
+                            static_cast<float*>(m.data_ptr()), static_cast<float*>(v.data_ptr()),
+                            static_cast<float*>(steps[k].data_ptr()), p.numel()});
     ranges.push_back(byte_range(p, i, true, pn));
     ranges.push_back(byte_range(g, i, false, gn));
     ranges.push_back(byte_range(m, i, true, mn));
     ranges.push_back(byte_range(v, i, true, vn));
-    ranges.push_back(byte_range(s, i, true, sn));
+    ranges.push_back(byte_range(steps[k], i, true, Arg("steps", i)));
   }
   ranges.push_back(byte_range(lr, -1, false, "lr"));
   if (inv_scale) ranges.push_back(byte_range(*inv_scale, -1, false, "inv_scale"));
   if (found_inf) ranges.push_back(byte_range(*found_inf, -1, false, "found_inf"));
   check_no_overlap(std::move(ranges), op, "", "");
+  check_lr_value();
   return plan;
 }
 

@@ -6,40 +6,50 @@
 #include <optional>
 #include <vector>
 
+#include "common.h"
 #include "mpext/adam.h"
 
 namespace mpext {
 
-// One parameter of an adam_step_ call, as raw pointers (all validated).
-struct AdamTensor {
-  void* param;
-  mp_dtype param_dtype;
-  const void* grad;
-  mp_dtype grad_dtype;
-  float* master;  // nullptr for an fp32 param
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* step;    // the param's float32 step count (one element, on the param's device)
-  int64_t numel;
-  int64_t index;  // position in the lists
+// One adam_step_ call as the C API takes it (both tiers): a tensor per param (zero-size ones
+// included: their step counts advance too) and the call's options, whose lr, inv_scale and
+// found_inf point at the tensors' data (lr is given as lr_value instead when it is on the CPU
+// while the params are not).
+struct AdamPlan {
+  std::vector<mp_adam_tensor> tensors;
+  mp_adam_options options;
 };
 
-// Checks every argument of adam_step_ before anything is written and returns the params in list
-// order (zero-size ones included, numel 0). Throws (naming the argument) on: lists of different
-// lengths (masters may also be empty when every param is fp32); a param that is not
-// float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32; exp_avg,
-// exp_avg_sq, masters, steps, lr, inv_scale, found_inf not float32; shape or memory-layout
-// mismatches; non-dense tensors; tensors on different devices (lr may also be on the CPU when
-// params are on CUDA); lr, inv_scale, found_inf or a step with more than one element;
-// a master missing for a bf16/fp16 param or present for an fp32 one; any tensor written by the
-// op overlapping another tensor of the call; beta1, beta2 outside [0, 1); eps < 0;
-// weight_decay < 0; any non-finite hyperparameter.
-std::vector<AdamTensor> plan_adam(at::TensorList params, at::TensorList grads,
-                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                                  at::TensorList masters, at::TensorList steps,
-                                  const at::Tensor& lr, double beta1, double beta2, double eps,
-                                  double weight_decay,
-                                  const std::optional<at::Tensor>& inv_scale,
-                                  const std::optional<at::Tensor>& found_inf);
+// Checks every argument of adam_step_ before anything is written. Throws (naming the argument)
+// on: lists of different lengths (masters may also be empty when every param is fp32); a param
+// that is not float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32;
+// exp_avg, exp_avg_sq, masters, steps, lr, inv_scale, found_inf not float32; shape or
+// memory-layout mismatches; non-dense tensors; tensors on different devices (lr may also be on
+// the CPU); lr, inv_scale, found_inf or a step with more than one element; a master missing for a
+// bf16/fp16 param or present for an fp32 one; any tensor written by the op overlapping another
+// tensor of the call; beta1, beta2 outside [0, 1); eps < 0; weight_decay < 0; any non-finite
+// hyperparameter; an lr on the CPU that is negative or not finite.
+AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                   const at::Tensor& lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool decoupled, bool maximize,
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& found_inf);
+
+// adam_step_ for one backend: validate everything, then Backend::adam_step(plan, device) runs the
+// kernels (Backend::kDevice: the device type it implements).
+template <class Backend>
+void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+               at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+               const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
+               bool decoupled, bool maximize, const std::optional<at::Tensor>& inv_scale,
+               const std::optional<at::Tensor>& found_inf) {
+  const AdamPlan plan = plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
+                                  beta2, eps, weight_decay, decoupled, maximize, inv_scale,
+                                  found_inf);
+  if (plan.tensors.empty()) return;
+  check_backend(params[0].device(), Backend::kDevice, "adam_step_", Arg("params", 0));
+  Backend::adam_step(plan, params[0].device());
+}
 
 }  // namespace mpext

@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -37,63 +36,26 @@ bool stream_is_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
-void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                    const at::Tensor& lr, double beta1, double beta2, double eps,
-                    double weight_decay, bool decoupled, bool maximize,
-                    const std::optional<at::Tensor>& inv_scale,
-                    const std::optional<at::Tensor>& found_inf) {
-  const char* op = "adam_step_";
-  // Every argument is checked before anything is launched: a bad call changes nothing.
-  const std::vector<AdamTensor> plan =
-      plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-                weight_decay, inv_scale, found_inf);
-  if (plan.empty()) return;
-  // plan_adam put every tensor on params[0]'s device, except lr, which may be on the CPU.
-  const c10::Device device = params[0].device();
-  TORCH_CHECK(device.is_cuda(), "mpext.", op, ": params[0] is on ", device,
-              " but this implementation is for CUDA");
-  const c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+struct Cuda {
+  static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
-  mp_adam_options_cuda opt{};
-  opt.beta1 = beta1;
-  opt.beta2 = beta2;
-  opt.eps = eps;
-  opt.weight_decay = weight_decay;
-  opt.decoupled = decoupled ? 1 : 0;
-  opt.maximize = maximize ? 1 : 0;
-  if (lr.is_cuda()) {
-    opt.lr = lr.const_data_ptr<float>();  // read by the kernel: no host synchronisation
-  } else {
+  static void adam_step(const AdamPlan& plan, const c10::Device& device) {
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // A host lr becomes a kernel argument. Inside a CUDA graph it would be frozen at its value
     // at capture time, silently ignoring later changes to the tensor: refuse that.
-    TORCH_CHECK(!stream_is_capturing(stream), "mpext.", op,
-                ": lr is on the CPU, so its value would be frozen into the CUDA graph being "
-                "captured; put lr on ", device, " to capture this op");
-    const float value = lr.const_data_ptr<float>()[0];  // a CPU read, no device involved
-    TORCH_CHECK_VALUE(std::isfinite(value) && value >= 0.0f, "mpext.", op,
-                      ": lr must be a finite number >= 0, got ", value);
-    opt.lr = nullptr;
-    opt.lr_value = value;
+    TORCH_CHECK(plan.options.lr != nullptr || !stream_is_capturing(stream),
+                "mpext.adam_step_: lr is on the CPU, so its value would be frozen into the CUDA "
+                "graph being captured; put lr on ", device, " to capture this op");
+    check_cuda_status(mp_adam_step_multi_cuda(plan.tensors.data(),
+                                              static_cast<int64_t>(plan.tensors.size()),
+                                              &plan.options, stream),
+                      "adam_step_");
   }
-  opt.inv_scale = inv_scale ? inv_scale->const_data_ptr<float>() : nullptr;
-  opt.found_inf = found_inf ? found_inf->const_data_ptr<float>() : nullptr;
-
-  std::vector<mp_adam_tensor_cuda> ts;
-  ts.reserve(plan.size());
-  for (const AdamTensor& a : plan) {
-    // Zero-size params still take part: their step count advances like every other.
-    ts.push_back({a.param, static_cast<int32_t>(a.param_dtype), a.grad,
-                  static_cast<int32_t>(a.grad_dtype), a.master, a.exp_avg, a.exp_avg_sq, a.step,
-                  a.numel});
-  }
-  check_cuda_status(
-      mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt, stream), op);
-}
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mpext, CUDA, m) { m.impl("adam_step_", &adam_step_cuda); }
+TORCH_LIBRARY_IMPL(mpext, CUDA, m) { m.impl("adam_step_", &adam_step<Cuda>); }
 
 }  // namespace mpext

@@ -76,6 +76,58 @@ inline void check_dtype(const at::Tensor& t, const char* op, Arg name,
               dtype_name(t.scalar_type()));
 }
 
+// The mp_dtype of a float32, bfloat16 or float16 tensor (callers check the dtype first).
+inline mp_dtype to_mp_dtype(at::ScalarType t) {
+  return t == at::kFloat ? MP_F32 : (t == at::kBFloat16 ? MP_BF16 : MP_F16);
+}
+
+// t is on `device` (or, when cpu_ok, on the CPU); the one wording of a device mismatch.
+inline void check_device(const at::Tensor& t, const char* op, Arg name, const c10::Device& device,
+                         Arg owner, bool cpu_ok = false) {
+  TORCH_CHECK(t.device() == device || (cpu_ok && t.is_cpu()), "mpext.", op, ": ", name,
+              " is on ", t.device(), " but ", owner, " is on ", device,
+              cpu_ok ? " (it may also be on the CPU)" : "; all tensors must be on one device");
+}
+
+// A small tensor of scalars (a flag, a scale, a step count): dtype, number of elements, device
+// and a dense layout, each with its own message.
+inline void check_scalars(const at::Tensor& t, const char* op, Arg name, at::ScalarType dtype,
+                          int64_t numel, const c10::Device& device, Arg owner,
+                          bool cpu_ok = false) {
+  TORCH_CHECK(t.scalar_type() == dtype, "mpext.", op, ": ", name, " must have dtype ",
+              dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.numel() == numel, "mpext.", op, ": ", name, " must have ", numel,
+              numel == 1 ? " element" : " elements", ", got ", t.numel());
+  check_device(t, op, name, device, owner, cpu_ok);
+  check_dense(t, op, name);
+}
+
+// Two tensors of one shape map index -> memory alike iff their strides agree on every dimension
+// of size > 1 (the stride of a size-1 dimension is never used).
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// t has ref's shape and memory layout: element-wise kernels pair them element by element.
+inline void check_same_layout(const at::Tensor& t, Arg name, const at::Tensor& ref, Arg ref_name,
+                              const char* op) {
+  TORCH_CHECK_VALUE(same_layout(t, ref), "mpext.", op, ": ", name, " (sizes ", t.sizes(),
+                    ", strides ", t.strides(), ") must match ", ref_name, " (sizes ", ref.sizes(),
+                    ", strides ", ref.strides(), ")");
+}
+
+// A backend file's kernels take tensors of one device type: `name` (the tensor the call dispatched
+// on) must be on it.
+inline void check_backend(const c10::Device& device, c10::DeviceType backend, const char* op,
+                          Arg name) {
+  TORCH_CHECK(device.type() == backend, "mpext.", op, ": ", name, " is on ", device,
+              " but this implementation is for ", backend == c10::kCPU ? "the CPU" : "CUDA");
+}
+
 // The [first, last) byte range a dense tensor occupies.
 struct ByteRange {
   uintptr_t begin, end;

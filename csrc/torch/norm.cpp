@@ -4,7 +4,6 @@
 // (mp_grad_norm_finish). Which thread computes a piece never changes its value, and the pieces
 // are combined in one fixed order, so the result has the same bits for every thread count.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -13,62 +12,50 @@
 
 #include "common.h"
 #include "mpext/norm.h"
+#include "multi_tensor.h"
 #include "norm_common.h"
 
 namespace mpext {
 namespace {
 
-struct Piece {
-  const at::Tensor* t;
-  int64_t offset, count;
-};
+struct Cpu {
+  static constexpr c10::DeviceType kDevice = c10::kCPU;
 
-at::Tensor grad_norm_cpu(at::TensorList tensors, const std::optional<at::Tensor>& inv_scale) {
-  const char* op = "grad_norm";
-  const c10::Device device = check_grad_norm(tensors, inv_scale);
-  TORCH_CHECK(device.is_cpu(), "mpext.grad_norm: the tensors are on ", device,
-              " but this implementation is for the CPU");
-  const float inv = inv_scale.has_value() ? inv_scale->const_data_ptr<float>()[0] : 1.0f;
-  std::vector<Piece> pieces;
-  int64_t total = 0;
-  for (const at::Tensor& t : tensors) {
-    total += t.numel();
-    for (int64_t off = 0; off < t.numel(); off += MP_GRAD_NORM_BLOCK) {
-      pieces.push_back({&t, off, std::min<int64_t>(MP_GRAD_NORM_BLOCK, t.numel() - off)});
+  static at::Tensor grad_norm(const std::vector<mp_norm_segment>& segs,
+                              const std::optional<at::Tensor>& inv_scale,
+                              const c10::Device& device) {
+    const float inv = inv_scale.has_value() ? inv_scale->const_data_ptr<float>()[0] : 1.0f;
+    // Block b of segment k lands in partials[first[k] + b], whatever thread computes it.
+    std::vector<int64_t> first(1, 0);
+    int64_t total = 0;
+    for (const mp_norm_segment& s : segs) {
+      first.push_back(first.back() + (s.n + MP_GRAD_NORM_BLOCK - 1) / MP_GRAD_NORM_BLOCK);
+      total += s.n;
     }
+    std::vector<double> partials(static_cast<size_t>(first.back()));
+    // A small list is not worth a parallel region: one task takes every block.
+    const int64_t grain = total < 2 * kGrainSize ? std::max<int64_t>(first.back(), 1) : 1;
+    parallel_segments(
+        segs, grain,
+        [&](size_t k, int64_t start, int64_t count) {
+          const mp_norm_segment& s = segs[k];
+          for (int64_t off = start; off < start + count; off += MP_GRAD_NORM_BLOCK) {
+            const int64_t n = std::min<int64_t>(MP_GRAD_NORM_BLOCK, start + count - off);
+            check_status(
+                mp_grad_norm_sumsq(static_cast<const char*>(s.x) + off * MP_DTYPE_BYTES(s.dtype),
+                                   static_cast<mp_dtype>(s.dtype), n, inv,
+                                   &partials[first[k] + off / MP_GRAD_NORM_BLOCK]),
+                "grad_norm");
+          }
+        },
+        MP_GRAD_NORM_BLOCK);
+    float norm = 0.0f;
+    check_status(
+        mp_grad_norm_finish(partials.data(), static_cast<int64_t>(partials.size()), &norm),
+        "grad_norm");
+    return at::scalar_tensor(norm, at::TensorOptions().dtype(at::kFloat).device(device));
   }
-  std::vector<double> partials(pieces.size());
-  const int64_t npieces = static_cast<int64_t>(pieces.size());
-  // A small list is not worth a parallel region: one task takes every piece.
-  const int64_t grain = total < 2 * kGrainSize ? std::max<int64_t>(npieces, 1) : 1;
-  at::parallel_for(0, npieces, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const Piece& p = pieces[k];
-      const char* base = static_cast<const char*>(p.t->const_data_ptr()) +
-                         p.offset * static_cast<int64_t>(p.t->element_size());
-      mp_status s = MP_OK;
-      switch (p.t->scalar_type()) {
-        case at::kFloat:
-          s = mp_grad_norm_sumsq_f32(reinterpret_cast<const float*>(base), p.count, inv,
-                                     &partials[k]);
-          break;
-        case at::kBFloat16:
-          s = mp_grad_norm_sumsq_bf16(reinterpret_cast<const uint16_t*>(base), p.count, inv,
-                                      &partials[k]);
-          break;
-        default:
-          s = mp_grad_norm_sumsq_fp16(reinterpret_cast<const uint16_t*>(base), p.count, inv,
-                                      &partials[k]);
-          break;
-      }
-      check_status(s, op);
-    }
-  });
-  float norm = 0.0f;
-  check_status(mp_grad_norm_finish(partials.data(), static_cast<int64_t>(partials.size()), &norm),
-               op);
-  return at::scalar_tensor(norm, at::TensorOptions().dtype(at::kFloat).device(device));
-}
+};
 
 // A call with no tensor argument at all (an empty list, no inv_scale) has no device to dispatch
 // on; torch then runs the CompositeExplicitAutograd kernel, which gives the documented 0.0 on
@@ -82,7 +69,7 @@ at::Tensor grad_norm_no_device(at::TensorList tensors, const std::optional<at::T
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mpext, CPU, m) { m.impl("grad_norm", &grad_norm_cpu); }
+TORCH_LIBRARY_IMPL(mpext, CPU, m) { m.impl("grad_norm", &grad_norm<Cpu>); }
 
 TORCH_LIBRARY_IMPL(mpext, CompositeExplicitAutograd, m) {
   m.impl("grad_norm", &grad_norm_no_device);

@@ -6,43 +6,32 @@
 #include "common.h"
 
 namespace mpext {
-namespace {
-
-void check_scalar(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype,
-                  int64_t numel, const c10::Device& device, const char* device_owner) {
-  TORCH_CHECK(t.scalar_type() == dtype, "mpext.", op, ": ", name, " must have dtype ",
-              dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
-  TORCH_CHECK(t.numel() == numel, "mpext.", op, ": ", name, " must have ", numel,
-              numel == 1 ? " element" : " elements", ", got ", t.numel());
-  TORCH_CHECK(t.device() == device, "mpext.", op, ": ", name, " is on ", t.device(), " but ",
-              device_owner, " is on ", device);
-  check_dense(t, op, name);
-}
-
-}  // namespace
-
-void check_unscale(at::TensorList grads, const at::Tensor& found_inf,
-                   const at::Tensor& inv_scale) {
+std::vector<mp_unscale_segment> plan_unscale(at::TensorList grads, const at::Tensor& found_inf,
+                                             const at::Tensor& inv_scale) {
   const char* op = "unscale_";
   const c10::Device device = found_inf.device();
-  check_scalar(found_inf, op, "found_inf", at::kFloat, 1, device, "found_inf");
-  check_scalar(inv_scale, op, "inv_scale", at::kFloat, 1, device, "found_inf");
+  check_scalars(found_inf, op, "found_inf", at::kFloat, 1, device, "found_inf");
+  check_scalars(inv_scale, op, "inv_scale", at::kFloat, 1, device, "found_inf");
   std::vector<ByteRange> ranges;
+  std::vector<mp_unscale_segment> segs;
   ranges.reserve(grads.size() + 2);
+  segs.reserve(grads.size());
   for (size_t k = 0; k < grads.size(); ++k) {
     const int64_t i = static_cast<int64_t>(k);
     const at::Tensor& g = grads[k];
     const Arg name("grads", i);
-    TORCH_CHECK(g.device() == device, "mpext.", op, ": ", name, " is on ", g.device(),
-                " but found_inf is on ", device, "; all tensors must be on one device");
+    check_device(g, op, name, device, "found_inf");
     check_dtype(g, op, name, {at::kFloat, at::kBFloat16, at::kHalf});
     check_dense(g, op, name);
-    if (g.numel() > 0) ranges.push_back(byte_range(g, i, true));
+    if (g.numel() == 0) continue;
+    ranges.push_back(byte_range(g, i, true));
+    segs.push_back({g.data_ptr(), to_mp_dtype(g.scalar_type()), g.numel()});
   }
   // found_inf is written too; inv_scale is only read.
   ranges.push_back(byte_range(found_inf, -1, true, "found_inf"));
   ranges.push_back(byte_range(inv_scale, -1, false, "inv_scale"));
   check_no_overlap(std::move(ranges), op, "grads", "grads");
+  return segs;
 }
 
 void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
@@ -52,9 +41,9 @@ void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracke
                         const std::optional<at::Tensor>& stats) {
   const char* op = "update_scale_";
   const c10::Device device = scale.device();
-  check_scalar(scale, op, "scale", at::kFloat, 1, device, "scale");
-  check_scalar(growth_tracker, op, "growth_tracker", at::kInt, 1, device, "scale");
-  check_scalar(found_inf, op, "found_inf", at::kFloat, 1, device, "scale");
+  check_scalars(scale, op, "scale", at::kFloat, 1, device, "scale");
+  check_scalars(growth_tracker, op, "growth_tracker", at::kInt, 1, device, "scale");
+  check_scalars(found_inf, op, "found_inf", at::kFloat, 1, device, "scale");
   TORCH_CHECK_VALUE(std::isfinite(growth_factor) && growth_factor > 0, "mpext.", op,
                     ": growth_factor must be a positive finite number, got ", growth_factor);
   TORCH_CHECK_VALUE(std::isfinite(backoff_factor) && backoff_factor > 0, "mpext.", op,
@@ -66,9 +55,9 @@ void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracke
   TORCH_CHECK_VALUE(hysteresis == 1 || hysteresis_tracker.has_value(), "mpext.", op,
                     ": hysteresis=", hysteresis, " needs a hysteresis_tracker tensor");
   if (hysteresis_tracker.has_value()) {
-    check_scalar(*hysteresis_tracker, op, "hysteresis_tracker", at::kInt, 1, device, "scale");
+    check_scalars(*hysteresis_tracker, op, "hysteresis_tracker", at::kInt, 1, device, "scale");
   }
-  if (stats.has_value()) check_scalar(*stats, op, "stats", at::kLong, 2, device, "scale");
+  if (stats.has_value()) check_scalars(*stats, op, "stats", at::kLong, 2, device, "scale");
   TORCH_CHECK_VALUE(std::isfinite(min_scale) && min_scale >= 0, "mpext.", op,
                     ": min_scale must be a finite number >= 0 (0 = no bound), got ", min_scale);
   TORCH_CHECK_VALUE(std::isfinite(max_scale) && max_scale >= 0, "mpext.", op,

@@ -88,8 +88,8 @@ Param make_param(Rng& r, const ParamSpec& s, bool mmapped) {
   return p;
 }
 
-mp_adam_tensor_cuda tensor_of(Param& p) {
-  mp_adam_tensor_cuda t;
+mp_adam_tensor tensor_of(Param& p) {
+  mp_adam_tensor t;
   t.param = p.param.data();
   t.param_dtype = p.spec.pdtype;
   t.grad = p.grad.data();
@@ -111,30 +111,25 @@ struct Hyper {
   float found_inf;    // NaN: no found_inf pointer
 };
 
-// The core's step of one param, with the scalars derived as the CPU binding derives them from
-// the incremented step count (adam.h).
+// The core's step of one param (mp_adam_step on the reference copies, then
+// mp_adam_advance_steps), with the same settings, the lr as a host value.
 void cpu_step(Param& p, const Hyper& h) {
-  const float t = p.r_step + 1.0f;
-  const double lr = static_cast<double>(h.lr), td = static_cast<double>(t);
-  mp_adam_params a;
-  a.beta1 = static_cast<float>(h.beta1);
-  a.beta2 = static_cast<float>(h.beta2);
-  a.eps = static_cast<float>(h.eps);
-  a.lerp_weight = static_cast<float>(1.0 - h.beta1);
-  a.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  a.weight_decay = h.decoupled ? 0.0f : static_cast<float>(h.weight_decay);
-  a.decay = h.decoupled ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
-  a.step_size = static_cast<float>(lr / (1.0 - pow(h.beta1, td)));
-  a.bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(h.beta2, td)));
-  a.inv_scale = isnan(h.inv_scale) ? 1.0f : h.inv_scale;
-  a.decoupled = h.decoupled;
-  a.maximize = h.maximize;
-  const mp_status st = mp_adam_step(
-      p.r_param.data(), static_cast<mp_dtype>(p.spec.pdtype), p.r_grad.data(),
-      static_cast<mp_dtype>(p.spec.gdtype), p.spec.pdtype != MP_F32 ? p.r_master.data() : nullptr,
-      p.r_m.data(), p.r_v.data(), p.spec.n, &a);
+  mp_adam_options o{};
+  o.beta1 = h.beta1;
+  o.beta2 = h.beta2;
+  o.eps = h.eps;
+  o.weight_decay = h.weight_decay;
+  o.decoupled = h.decoupled;
+  o.maximize = h.maximize;
+  o.lr_value = h.lr;
+  const float inv = h.inv_scale;
+  o.inv_scale = isnan(h.inv_scale) ? nullptr : &inv;
+  const mp_adam_tensor t = {p.r_param.data(), p.spec.pdtype, p.r_grad.data(), p.spec.gdtype,
+                            p.spec.pdtype != MP_F32 ? p.r_master.data() : nullptr, p.r_m.data(),
+                            p.r_v.data(), &p.r_step, p.spec.n};
+  const mp_status st = mp_adam_step(&t, 0, p.spec.n, &o);
   CHECK(st == MP_OK, "core adam status %d", st);
-  p.r_step = t;
+  CHECK(mp_adam_advance_steps(&t, 1, &o) == MP_OK, "core advance_steps");
 }
 
 // Compares every array of p with the reference.
@@ -174,7 +169,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   *lr.f32() = h.lr;
   *inv.f32() = h.inv_scale;
   *found.f32() = h.found_inf;
-  mp_adam_options_cuda opt;
+  mp_adam_options opt;
   opt.beta1 = h.beta1;
   opt.beta2 = h.beta2;
   opt.eps = h.eps;
@@ -187,7 +182,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   opt.found_inf = isnan(h.found_inf) ? nullptr : found.f32();
   const int64_t l0 = mp_emu::launch_count();
   for (int s = 0; s < steps; ++s) {
-    std::vector<mp_adam_tensor_cuda> ts;
+    std::vector<mp_adam_tensor> ts;
     for (Param& p : ps) {
       ts.push_back(tensor_of(p));
       if (!skip) cpu_step(p, h);
@@ -336,7 +331,7 @@ EMU_TEST(adam_nonfinite_grads_without_skip) {
   std::vector<ParamSpec> specs = one_of_each(kChunk + 30, 2.0f);
   std::vector<Param> ps;
   for (const ParamSpec& s : specs) ps.push_back(make_param(r, s, false));
-  std::vector<mp_adam_tensor_cuda> ts;
+  std::vector<mp_adam_tensor> ts;
   for (Param& p : ps) {
     const int gb = elem_bytes(p.spec.gdtype);
     const int64_t where[] = {0, 9, kChunk - 1, kChunk, p.spec.n - 1};
@@ -353,7 +348,7 @@ EMU_TEST(adam_nonfinite_grads_without_skip) {
     ts.push_back(tensor_of(p));
     cpu_step(p, h);
   }
-  mp_adam_options_cuda opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
+  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
   Buf inv(4, 0);
   *inv.f32() = 0.5f;
   opt.inv_scale = inv.f32();
@@ -372,15 +367,15 @@ EMU_TEST(adam_zero_size_params) {
   st[1] = 5.0f;
   st[2] = 16777216.0f;  // t = 2^24 + 1 rounds back to 2^24 in fp32, as torch's float step
   Param p = make_param(r, {MP_BF16, MP_F32, 10, 0, 0, 0, 1.0f}, false);
-  std::vector<mp_adam_tensor_cuda> ts(4);
+  std::vector<mp_adam_tensor> ts(4);
   for (int k = 0; k < 3; ++k) {
-    ts[k] = mp_adam_tensor_cuda{nullptr, k == 1 ? MP_BF16 : MP_F32, nullptr, MP_F32, nullptr,
+    ts[k] = mp_adam_tensor{nullptr, k == 1 ? MP_BF16 : MP_F32, nullptr, MP_F32, nullptr,
                                 nullptr, nullptr, st + k, 0};
   }
   ts[3] = tensor_of(p);
   Hyper h = default_hyper();
   cpu_step(p, h);
-  mp_adam_options_cuda opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
+  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
   set_context("three zero-size params and one of 10");
   CHECK(mp_adam_step_multi_cuda(ts.data(), 4, &opt, nullptr) == MP_OK, "status");
   CHECK(st[0] == 1.0f && st[1] == 6.0f && st[2] == 16777216.0f, "steps %g %g %g",
@@ -435,36 +430,36 @@ EMU_TEST(adam_bad_arguments) {
   Param p = make_param(r, {MP_BF16, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   Param q = make_param(r, {MP_F32, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   const std::vector<uint8_t> before = p.param.snapshot();
-  const mp_adam_options_cuda good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
+  const mp_adam_options good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
                                      nullptr};
   struct Case {
     const char* what;
-    void (*edit)(mp_adam_tensor_cuda&, mp_adam_options_cuda&);
+    void (*edit)(mp_adam_tensor&, mp_adam_options&);
   };
   const Case cases[] = {
-      {"beta1 = 1", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.beta1 = 1.0; }},
-      {"beta1 < 0", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.beta1 = -0.1; }},
-      {"beta2 NaN", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.beta2 = NAN; }},
-      {"eps < 0", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.eps = -1e-8; }},
-      {"eps Inf", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.eps = INFINITY; }},
-      {"weight_decay < 0", [](mp_adam_tensor_cuda&, mp_adam_options_cuda& o) { o.weight_decay = -1; }},
-      {"unknown param dtype", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.param_dtype = 3; }},
-      {"fp16 grad for bf16 param", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.grad_dtype = MP_F16; }},
-      {"n < 0", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.n = -1; }},
-      {"step null", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.step = nullptr; }},
-      {"grad null", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.grad = nullptr; }},
-      {"exp_avg_sq null", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.exp_avg_sq = nullptr; }},
-      {"master missing", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) { t.master = nullptr; }},
-      {"param misaligned", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) {
+      {"beta1 = 1", [](mp_adam_tensor&, mp_adam_options& o) { o.beta1 = 1.0; }},
+      {"beta1 < 0", [](mp_adam_tensor&, mp_adam_options& o) { o.beta1 = -0.1; }},
+      {"beta2 NaN", [](mp_adam_tensor&, mp_adam_options& o) { o.beta2 = NAN; }},
+      {"eps < 0", [](mp_adam_tensor&, mp_adam_options& o) { o.eps = -1e-8; }},
+      {"eps Inf", [](mp_adam_tensor&, mp_adam_options& o) { o.eps = INFINITY; }},
+      {"weight_decay < 0", [](mp_adam_tensor&, mp_adam_options& o) { o.weight_decay = -1; }},
+      {"unknown param dtype", [](mp_adam_tensor& t, mp_adam_options&) { t.param_dtype = 3; }},
+      {"fp16 grad for bf16 param", [](mp_adam_tensor& t, mp_adam_options&) { t.grad_dtype = MP_F16; }},
+      {"n < 0", [](mp_adam_tensor& t, mp_adam_options&) { t.n = -1; }},
+      {"step null", [](mp_adam_tensor& t, mp_adam_options&) { t.step = nullptr; }},
+      {"grad null", [](mp_adam_tensor& t, mp_adam_options&) { t.grad = nullptr; }},
+      {"exp_avg_sq null", [](mp_adam_tensor& t, mp_adam_options&) { t.exp_avg_sq = nullptr; }},
+      {"master missing", [](mp_adam_tensor& t, mp_adam_options&) { t.master = nullptr; }},
+      {"param misaligned", [](mp_adam_tensor& t, mp_adam_options&) {
          t.param = static_cast<char*>(t.param) + 1;
        }},
-      {"exp_avg misaligned", [](mp_adam_tensor_cuda& t, mp_adam_options_cuda&) {
+      {"exp_avg misaligned", [](mp_adam_tensor& t, mp_adam_options&) {
          t.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(t.exp_avg) + 2);
        }},
   };
   for (const Case& c : cases) {
-    mp_adam_tensor_cuda ts[2] = {tensor_of(q), tensor_of(p)};
-    mp_adam_options_cuda o = good;
+    mp_adam_tensor ts[2] = {tensor_of(q), tensor_of(p)};
+    mp_adam_options o = good;
     c.edit(ts[1], o);
     set_context("%s", c.what);
     const int64_t l0 = mp_emu::launch_count();
@@ -472,7 +467,7 @@ EMU_TEST(adam_bad_arguments) {
     CHECK(mp_emu::launch_count() == l0, "launched");
   }
   set_context("a master for an fp32 param");
-  mp_adam_tensor_cuda t = tensor_of(q);
+  mp_adam_tensor t = tensor_of(q);
   t.master = p.master.f32();
   CHECK(mp_adam_step_multi_cuda(&t, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
   set_context("null tensors / options");
@@ -489,8 +484,8 @@ EMU_TEST(adam_launch_failure) {
   Caps caps(1, 0);
   Rng r(800);
   Param p = make_param(r, {MP_F32, MP_F32, 2 * kChunk, 0, 0, 0, 3.0f}, false);
-  mp_adam_tensor_cuda t = tensor_of(p);
-  const mp_adam_options_cuda o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr};
+  mp_adam_tensor t = tensor_of(p);
+  const mp_adam_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr};
   for (int64_t fail_at : {int64_t{0}, int64_t{1}}) {
     set_context("launch %lld fails", static_cast<long long>(fail_at));
     mp_emu::fail_launch_in(fail_at);

@@ -1,7 +1,6 @@
 // cast_ / to_bf16 / to_fp16 / to_fp32 on CUDA (cuda/cast.cu) against the C core
 // (csrc/core/cast.c), stochastic rounding included.
 #include "harness.h"
-#include "mpext/adam.h"  // mp_dtype
 #include "mpext/cast.h"
 #include "mpext/cast_cuda.h"
 
@@ -11,23 +10,30 @@ using namespace emu_test;
 
 constexpr int64_t kChunk = 65536;  // the multi-tensor kernel's elements per block
 
-int src_bytes(int kind) {
-  return (kind == MP_CAST_F32_TO_BF16 || kind == MP_CAST_F32_TO_F16 || kind == MP_CAST_COPY32)
-             ? 4
-             : 2;
+// The test's own names for the dtype pairs it covers: four casts and two copies.
+enum Kind { F32_TO_BF16, F32_TO_F16, BF16_TO_F32, F16_TO_F32, COPY32, COPY16, KIND_COUNT };
+int kind_src(int kind) {
+  static const int src[] = {MP_F32, MP_F32, MP_BF16, MP_F16, MP_F32, MP_F16};
+  return src[kind];
 }
-int dst_bytes(int kind) {
-  return (kind == MP_CAST_BF16_TO_F32 || kind == MP_CAST_F16_TO_F32 || kind == MP_CAST_COPY32)
-             ? 4
-             : 2;
+int kind_dst(int kind) {
+  static const int dst[] = {MP_BF16, MP_F16, MP_F32, MP_F32, MP_F32, MP_F16};
+  return dst[kind];
 }
+int src_bytes(int kind) { return MP_DTYPE_BYTES(kind_src(kind)); }
+int dst_bytes(int kind) { return MP_DTYPE_BYTES(kind_dst(kind)); }
 const char* kind_name(int kind) {
   static const char* names[] = {"f32->bf16", "f32->fp16", "bf16->f32",
                                 "fp16->f32", "copy32",    "copy16"};
   return names[kind];
 }
 // The dtype (mp_dtype numbering) of a 16-bit destination, for NaN tests.
-int dst16_dtype(int kind) { return kind == MP_CAST_F32_TO_F16 ? MP_F16 : MP_BF16; }
+int dst16_dtype(int kind) { return kind == F32_TO_F16 ? MP_F16 : MP_BF16; }
+
+// A segment of the C API.
+mp_cast_segment seg_of(int kind, const void* src, void* dst, int64_t n, uint64_t position) {
+  return {src, dst, kind_src(kind), kind_dst(kind), n, position};
+}
 
 struct Seg {
   int kind;
@@ -48,8 +54,8 @@ void prepare(Seg& s, Rng& r, bool stochastic, uint64_t seed) {
       const uint32_t u = random_f32_bits(r, 30);
       memcpy(&src[4 * i], &u, 4);
     } else {
-      const int d = s.kind == MP_CAST_F16_TO_F32 ? MP_F16 : MP_BF16;
-      const uint16_t h = random_16_bits(r, s.kind == MP_CAST_COPY16 ? MP_F16 : d, 30);
+      const int d = s.kind == F16_TO_F32 ? MP_F16 : MP_BF16;
+      const uint16_t h = random_16_bits(r, s.kind == COPY16 ? MP_F16 : d, 30);
       memcpy(&src[2 * i], &h, 2);
     }
   }
@@ -58,23 +64,9 @@ void prepare(Seg& s, Rng& r, bool stochastic, uint64_t seed) {
   s.dst = Buf(static_cast<size_t>(s.n) * db, s.mis_dst);
   if (s.n > 0) memset(s.dst.data(), 0x5A, s.dst.bytes());
   s.want.assign(static_cast<size_t>(s.n) * db, 0);
-  const float* f = reinterpret_cast<const float*>(src.data());
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(src.data());
-  float* wf = reinterpret_cast<float*>(s.want.data());
-  uint16_t* wh = reinterpret_cast<uint16_t*>(s.want.data());
-  mp_status st = MP_OK;
-  switch (s.kind) {
-    case MP_CAST_F32_TO_BF16:
-      st = stochastic ? mp_to_bf16_sr_f32(f, wh, s.n, seed, s.sr_position)
-                      : mp_to_bf16_f32(f, wh, s.n);
-      break;
-    case MP_CAST_F32_TO_F16: st = mp_to_fp16_f32(f, wh, s.n); break;
-    case MP_CAST_BF16_TO_F32: st = mp_to_fp32_bf16(h, wf, s.n); break;
-    case MP_CAST_F16_TO_F32: st = mp_to_fp32_fp16(h, wf, s.n); break;
-    default:
-      if (!src.empty()) memcpy(s.want.data(), src.data(), src.size());
-      break;
-  }
+  const mp_status st = mp_cast(src.data(), static_cast<mp_dtype>(kind_src(s.kind)), s.want.data(),
+                               static_cast<mp_dtype>(kind_dst(s.kind)), s.n, stochastic, seed,
+                               s.sr_position);
   CHECK(st == MP_OK, "core cast status %d", st);
 }
 
@@ -85,9 +77,9 @@ void compare(Seg& s, bool stochastic, const char* label) {
   snprintf(what, sizeof what, "%s %s n %lld offsets %u/%u pos %llu", label, kind_name(s.kind),
            static_cast<long long>(s.n), s.mis_src, s.mis_dst,
            static_cast<unsigned long long>(s.sr_position));
-  const bool exact = s.kind == MP_CAST_COPY32 || s.kind == MP_CAST_COPY16 ||
-                     s.kind == MP_CAST_BF16_TO_F32 ||
-                     (stochastic && s.kind == MP_CAST_F32_TO_BF16);
+  const bool exact = s.kind == COPY32 || s.kind == COPY16 ||
+                     s.kind == BF16_TO_F32 ||
+                     (stochastic && s.kind == F32_TO_BF16);
   same_bits(s.dst.data(), s.want.data(), s.n, dst_bytes(s.kind), dst16_dtype(s.kind), !exact,
             what);
   CHECK(s.src.canaries_ok() && s.dst.canaries_ok(), "%s: a store outside the arrays", what);
@@ -104,9 +96,9 @@ EMU_TEST(cast_single_launchers) {
   const uint64_t positions[] = {0, 1, 2, 3, 5, ~uint64_t{0} - 6};
   uint64_t seed = 1;
   for (int variant = 0; variant < 5; ++variant) {  // bf16, bf16 SR, fp16, from bf16, from fp16
-    const int kind = variant <= 1 ? MP_CAST_F32_TO_BF16 : variant == 2 ? MP_CAST_F32_TO_F16
-                                                       : variant == 3 ? MP_CAST_BF16_TO_F32
-                                                                      : MP_CAST_F16_TO_F32;
+    const int kind = variant <= 1 ? F32_TO_BF16 : variant == 2 ? F32_TO_F16
+                                                       : variant == 3 ? BF16_TO_F32
+                                                                      : F16_TO_F32;
     const bool sr = variant == 1;
     for (int64_t n : sizes) {
       for (const auto& o : offs) {
@@ -117,32 +109,8 @@ EMU_TEST(cast_single_launchers) {
         Seg s{kind, n, o[0], o[1], sr ? positions[seed % 6] : 0, {}, {}, {}};
         const uint64_t key = 0x1234567890ABCDEFull * seed;
         prepare(s, r, sr, key);
-        mp_status st;
-        const void* src = s.src.data();
-        void* dst = s.dst.data();
-        switch (variant) {
-          case 0:
-            st = mp_to_bf16_f32_cuda(static_cast<const float*>(src), static_cast<uint16_t*>(dst),
-                                     n, nullptr);
-            break;
-          case 1:
-            st = mp_to_bf16_sr_f32_cuda(static_cast<const float*>(src),
-                                        static_cast<uint16_t*>(dst), n, key, s.sr_position,
-                                        nullptr);
-            break;
-          case 2:
-            st = mp_to_fp16_f32_cuda(static_cast<const float*>(src), static_cast<uint16_t*>(dst),
-                                     n, nullptr);
-            break;
-          case 3:
-            st = mp_to_fp32_bf16_cuda(static_cast<const uint16_t*>(src), static_cast<float*>(dst),
-                                      n, nullptr);
-            break;
-          default:
-            st = mp_to_fp32_fp16_cuda(static_cast<const uint16_t*>(src), static_cast<float*>(dst),
-                                      n, nullptr);
-            break;
-        }
+        const mp_cast_segment seg = seg_of(kind, s.src.data(), s.dst.data(), n, s.sr_position);
+        const mp_status st = mp_cast_cuda(&seg, sr, key, nullptr);
         set_context("single %s%s", kind_name(kind), sr ? " SR" : "");
         CHECK(st == MP_OK, "status %d", st);
         compare(s, sr, "single");
@@ -155,24 +123,28 @@ EMU_TEST(cast_single_launchers) {
 EMU_TEST(cast_single_bad_arguments_and_empty) {
   Buf a(64, 0), b(64, 0);
   const int64_t l0 = mp_emu::launch_count();
-  set_context("n < 0, null pointers, n == 0");
-  CHECK(mp_to_bf16_f32_cuda(a.f32(), b.u16(), -1, nullptr) == MP_ERR_INVALID_ARGUMENT, "n < 0");
-  CHECK(mp_to_fp16_f32_cuda(nullptr, b.u16(), 4, nullptr) == MP_ERR_INVALID_ARGUMENT, "src null");
-  CHECK(mp_to_fp32_bf16_cuda(a.u16(), nullptr, 4, nullptr) == MP_ERR_INVALID_ARGUMENT, "dst null");
+  auto single = [&](int kind, const void* s, void* d, int64_t n, int sr) {
+    const mp_cast_segment seg = seg_of(kind, s, d, n, 0);
+    return mp_cast_cuda(&seg, sr, 1, nullptr);
+  };
+  set_context("n < 0, null pointers, n == 0, unknown pairs");
+  CHECK(single(F32_TO_BF16, a.data(), b.data(), -1, 0) == MP_ERR_INVALID_ARGUMENT, "n < 0");
+  CHECK(single(F32_TO_F16, nullptr, b.data(), 4, 0) == MP_ERR_INVALID_ARGUMENT, "src null");
+  CHECK(single(BF16_TO_F32, a.data(), nullptr, 4, 0) == MP_ERR_INVALID_ARGUMENT, "dst null");
+  CHECK(single(F32_TO_F16, a.data(), b.data(), 4, 1) == MP_ERR_INVALID_ARGUMENT, "SR to fp16");
+  CHECK(mp_cast_cuda(nullptr, 0, 0, nullptr) == MP_ERR_INVALID_ARGUMENT, "null segment");
+  const mp_cast_segment bf16_to_fp16 = {a.data(), b.data(), MP_BF16, MP_F16, 4, 0};
+  CHECK(mp_cast_cuda(&bf16_to_fp16, 0, 0, nullptr) == MP_ERR_INVALID_ARGUMENT, "bf16 -> fp16");
   // Misaligned pointers fault on a GPU (UBSan reports them here): rejected up front.
   char* ac = static_cast<char*>(a.data());
   char* bc = static_cast<char*>(b.data());
   set_context("pointers not aligned to their element size");
-  CHECK(mp_to_bf16_f32_cuda(reinterpret_cast<const float*>(ac + 2), b.u16(), 4, nullptr) ==
-            MP_ERR_INVALID_ARGUMENT, "f32 src at +2");
-  CHECK(mp_to_fp16_f32_cuda(a.f32(), reinterpret_cast<uint16_t*>(bc + 1), 4, nullptr) ==
-            MP_ERR_INVALID_ARGUMENT, "fp16 dst at +1");
-  CHECK(mp_to_fp32_fp16_cuda(a.u16(), reinterpret_cast<float*>(bc + 2), 4, nullptr) ==
-            MP_ERR_INVALID_ARGUMENT, "f32 dst at +2");
-  CHECK(mp_to_bf16_sr_f32_cuda(a.f32(), reinterpret_cast<uint16_t*>(bc + 3), 4, 1, 0, nullptr) ==
-            MP_ERR_INVALID_ARGUMENT, "bf16 dst at +3");
-  CHECK(mp_to_bf16_sr_f32_cuda(nullptr, nullptr, 0, 1, 2, nullptr) == MP_OK, "n == 0");
-  CHECK(mp_to_fp32_fp16_cuda(nullptr, nullptr, 0, nullptr) == MP_OK, "n == 0");
+  CHECK(single(F32_TO_BF16, ac + 2, b.data(), 4, 0) == MP_ERR_INVALID_ARGUMENT, "f32 src at +2");
+  CHECK(single(F32_TO_F16, a.data(), bc + 1, 4, 0) == MP_ERR_INVALID_ARGUMENT, "fp16 dst at +1");
+  CHECK(single(F16_TO_F32, a.data(), bc + 2, 4, 0) == MP_ERR_INVALID_ARGUMENT, "f32 dst at +2");
+  CHECK(single(F32_TO_BF16, a.data(), bc + 3, 4, 1) == MP_ERR_INVALID_ARGUMENT, "bf16 dst at +3");
+  CHECK(single(F32_TO_BF16, nullptr, nullptr, 0, 1) == MP_OK, "n == 0");
+  CHECK(single(F16_TO_F32, nullptr, nullptr, 0, 0) == MP_OK, "n == 0");
   CHECK(mp_emu::launch_count() == l0, "launched");
 }
 
@@ -184,8 +156,8 @@ EMU_TEST(cast_multi_every_kind) {
     const uint64_t key = stochastic ? 0xDEADBEEFCAFEF00Dull : 0;
     std::vector<Seg> segs;
     for (int k = 0; k < 60; ++k) {
-      int kind = static_cast<int>(r.below(MP_CAST_KIND_COUNT));
-      if (stochastic && kind == MP_CAST_F32_TO_F16) kind = MP_CAST_F32_TO_BF16;
+      int kind = static_cast<int>(r.below(KIND_COUNT));
+      if (stochastic && kind == F32_TO_F16) kind = F32_TO_BF16;
       const int64_t n = k % 9 == 0 ? 0 : k == 5 ? kChunk + 17 : static_cast<int64_t>(r.below(700));
       const unsigned ms = random_offset(r, src_bytes(kind)), md = random_offset(r, dst_bytes(kind));
       segs.push_back(Seg{kind, n, ms, md, r.next() >> static_cast<int>(r.below(64)),
@@ -194,7 +166,7 @@ EMU_TEST(cast_multi_every_kind) {
     std::vector<mp_cast_segment> cs;
     for (Seg& s : segs) {
       prepare(s, r, stochastic, key);
-      cs.push_back({s.kind, s.src.data(), s.dst.data(), s.n, s.sr_position});
+      cs.push_back(seg_of(s.kind, s.src.data(), s.dst.data(), s.n, s.sr_position));
     }
     set_context("60 segments, stochastic %d", stochastic);
     CHECK(mp_cast_multi_cuda(cs.data(), static_cast<int64_t>(cs.size()), stochastic, key,
@@ -211,17 +183,17 @@ EMU_TEST(cast_multi_splits) {
     Rng r(20 + stochastic);
     const uint64_t key = 77 + stochastic;
     std::vector<Seg> segs;
-    segs.push_back(Seg{MP_CAST_F32_TO_BF16, 3 * kChunk + 3, 4, 2, 1, {}, {}, {}});
-    segs.push_back(Seg{MP_CAST_BF16_TO_F32, kChunk + 1, 2, 4, 0, {}, {}, {}});
-    segs.push_back(Seg{MP_CAST_COPY16, 5, 0, 0, 0, {}, {}, {}});
-    segs.push_back(Seg{stochastic ? MP_CAST_COPY32 : MP_CAST_F32_TO_F16, 2 * kChunk, 0, 0, 0,
+    segs.push_back(Seg{F32_TO_BF16, 3 * kChunk + 3, 4, 2, 1, {}, {}, {}});
+    segs.push_back(Seg{BF16_TO_F32, kChunk + 1, 2, 4, 0, {}, {}, {}});
+    segs.push_back(Seg{COPY16, 5, 0, 0, 0, {}, {}, {}});
+    segs.push_back(Seg{stochastic ? COPY32 : F32_TO_F16, 2 * kChunk, 0, 0, 0,
                        {}, {}, {}});
-    segs.push_back(Seg{MP_CAST_F32_TO_BF16, 2 * kChunk - 1, 8, 8, ~uint64_t{0} - 100000, {}, {},
+    segs.push_back(Seg{F32_TO_BF16, 2 * kChunk - 1, 8, 8, ~uint64_t{0} - 100000, {}, {},
                        {}});
     std::vector<mp_cast_segment> cs;
     for (Seg& s : segs) {
       prepare(s, r, stochastic, key);
-      cs.push_back({s.kind, s.src.data(), s.dst.data(), s.n, s.sr_position});
+      cs.push_back(seg_of(s.kind, s.src.data(), s.dst.data(), s.n, s.sr_position));
     }
     Caps caps(2, 3);
     set_context("caps 2 blocks / 3 pieces, stochastic %d", stochastic);
@@ -235,14 +207,14 @@ EMU_TEST(cast_multi_splits) {
   Rng r(30);
   std::vector<Seg> segs;
   for (int k = 0; k < 250; ++k) {
-    segs.push_back(Seg{k % MP_CAST_KIND_COUNT == MP_CAST_F32_TO_F16 ? MP_CAST_F32_TO_BF16
-                                                                     : k % MP_CAST_KIND_COUNT,
+    segs.push_back(Seg{k % KIND_COUNT == F32_TO_F16 ? F32_TO_BF16
+                                                                     : k % KIND_COUNT,
                        1 + k % 11, 0, 0, static_cast<uint64_t>(k) * 1000, {}, {}, {}});
   }
   std::vector<mp_cast_segment> cs;
   for (Seg& s : segs) {
     prepare(s, r, true, 5);
-    cs.push_back({s.kind, s.src.data(), s.dst.data(), s.n, s.sr_position});
+    cs.push_back(seg_of(s.kind, s.src.data(), s.dst.data(), s.n, s.sr_position));
   }
   set_context("250 segments");
   const int64_t l0 = mp_emu::launch_count();
@@ -260,21 +232,24 @@ EMU_TEST(cast_multi_bad_arguments_and_empty) {
     mp_cast_segment seg;
     int stochastic;
   };
+  char* ac = static_cast<char*>(a.data());
+  char* bc = static_cast<char*>(b.data());
   const Case cases[] = {
-      {"unknown kind", {MP_CAST_KIND_COUNT, a.data(), b.data(), 4, 0}, 0},
-      {"negative kind", {-1, a.data(), b.data(), 4, 0}, 0},
-      {"n < 0", {MP_CAST_COPY32, a.data(), b.data(), -4, 0}, 0},
-      {"src null", {MP_CAST_COPY32, nullptr, b.data(), 4, 0}, 0},
-      {"dst null", {MP_CAST_F16_TO_F32, a.data(), nullptr, 4, 0}, 0},
-      {"stochastic fp16", {MP_CAST_F32_TO_F16, a.data(), b.data(), 4, 0}, 1},
+      {"unknown src dtype", {a.data(), b.data(), MP_DTYPE_COUNT, MP_F32, 4, 0}, 0},
+      {"negative dst dtype", {a.data(), b.data(), MP_F32, -1, 4, 0}, 0},
+      {"bf16 -> fp16", {a.data(), b.data(), MP_BF16, MP_F16, 4, 0}, 0},
+      {"n < 0", seg_of(COPY32, a.data(), b.data(), -4, 0), 0},
+      {"src null", seg_of(COPY32, nullptr, b.data(), 4, 0), 0},
+      {"dst null", seg_of(F16_TO_F32, a.data(), nullptr, 4, 0), 0},
+      {"stochastic fp16", seg_of(F32_TO_F16, a.data(), b.data(), 4, 0), 1},
       // Misaligned pointers fault on a GPU (UBSan reports them here): rejected up front.
-      {"f32 src at +2", {MP_CAST_F32_TO_BF16, static_cast<char*>(a.data()) + 2, b.data(), 4, 0}, 1},
-      {"bf16 src at +1", {MP_CAST_BF16_TO_F32, static_cast<char*>(a.data()) + 1, b.data(), 4, 0}, 0},
-      {"f32 dst at +6", {MP_CAST_F16_TO_F32, a.data(), static_cast<char*>(b.data()) + 6, 4, 0}, 0},
-      {"copy16 dst at +1", {MP_CAST_COPY16, a.data(), static_cast<char*>(b.data()) + 1, 4, 0}, 0},
+      {"f32 src at +2", seg_of(F32_TO_BF16, ac + 2, b.data(), 4, 0), 1},
+      {"bf16 src at +1", seg_of(BF16_TO_F32, ac + 1, b.data(), 4, 0), 0},
+      {"f32 dst at +6", seg_of(F16_TO_F32, a.data(), bc + 6, 4, 0), 0},
+      {"copy16 dst at +1", seg_of(COPY16, a.data(), bc + 1, 4, 0), 0},
   };
   for (const Case& c : cases) {
-    const mp_cast_segment segs[2] = {{MP_CAST_COPY16, a.data(), b.data(), 8, 0}, c.seg};
+    const mp_cast_segment segs[2] = {seg_of(COPY16, a.data(), b.data(), 8, 0), c.seg};
     set_context("%s", c.what);
     const int64_t l0 = mp_emu::launch_count();
     CHECK(mp_cast_multi_cuda(segs, 2, c.stochastic, 1, nullptr) == MP_ERR_INVALID_ARGUMENT,
@@ -286,7 +261,7 @@ EMU_TEST(cast_multi_bad_arguments_and_empty) {
   CHECK(mp_cast_multi_cuda(nullptr, 1, 0, 0, nullptr) == MP_ERR_INVALID_ARGUMENT, "null");
   CHECK(mp_cast_multi_cuda(nullptr, -1, 0, 0, nullptr) == MP_ERR_INVALID_ARGUMENT, "count");
   CHECK(mp_cast_multi_cuda(nullptr, 0, 1, 0, nullptr) == MP_OK, "empty");
-  const mp_cast_segment zero = {MP_CAST_F32_TO_F16, nullptr, nullptr, 0, 0};
+  const mp_cast_segment zero = seg_of(F32_TO_F16, nullptr, nullptr, 0, 0);
   CHECK(mp_cast_multi_cuda(&zero, 1, 0, 0, nullptr) == MP_OK, "zero-size");
   CHECK(mp_emu::launch_count() == l0, "launched");
   CHECK(b.snapshot() == before, "written");
@@ -296,11 +271,11 @@ EMU_TEST(cast_launch_failure) {
   Buf a(4 * 100, 0), b(2 * 100, 0);
   mp_emu::fail_launch_in(0);
   set_context("single and multi");
-  CHECK(mp_to_bf16_f32_cuda(a.f32(), b.u16(), 100, nullptr) == MP_ERR_CUDA, "single");
+  const mp_cast_segment one = seg_of(F32_TO_BF16, a.data(), b.data(), 100, 0);
+  CHECK(mp_cast_cuda(&one, 0, 0, nullptr) == MP_ERR_CUDA, "single");
   CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "pending");
   mp_emu::fail_launch_in(0);
-  const mp_cast_segment seg = {MP_CAST_F32_TO_BF16, a.data(), b.data(), 100, 0};
-  CHECK(mp_cast_multi_cuda(&seg, 1, 0, 0, nullptr) == MP_ERR_CUDA, "multi");
+  CHECK(mp_cast_multi_cuda(&one, 1, 0, 0, nullptr) == MP_ERR_CUDA, "multi");
   CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "pending");
   mp_emu::fail_launch_in(-1);
 }

@@ -66,16 +66,10 @@ float cpu_norm(const std::vector<Tensor>& ts, float inv) {
     for (int64_t s = 0; s < t.n; s += MP_GRAD_NORM_BLOCK) {
       const int64_t c = t.n - s < MP_GRAD_NORM_BLOCK ? t.n - s : MP_GRAD_NORM_BLOCK;
       double p = 0;
-      mp_status st;
-      if (t.dtype == MP_F32) {
-        st = mp_grad_norm_sumsq_f32(reinterpret_cast<const float*>(t.host.data()) + s, c, inv, &p);
-      } else if (t.dtype == MP_BF16) {
-        st = mp_grad_norm_sumsq_bf16(reinterpret_cast<const uint16_t*>(t.host.data()) + s, c, inv,
-                                     &p);
-      } else {
-        st = mp_grad_norm_sumsq_fp16(reinterpret_cast<const uint16_t*>(t.host.data()) + s, c, inv,
-                                     &p);
-      }
+      const mp_status st = mp_grad_norm_sumsq(
+          reinterpret_cast<const char*>(t.host.data()) +
+              s * MP_DTYPE_BYTES(t.dtype),
+          static_cast<mp_dtype>(t.dtype), c, inv, &p);
       CHECK(st == MP_OK, "core sumsq status %d", st);
       partials.push_back(p);
     }
@@ -89,10 +83,10 @@ float cpu_norm(const std::vector<Tensor>& ts, float inv) {
 // The CUDA norm of the list, through the public API: sizes the workspace, gives it a NaN-filled
 // spare tail that must stay untouched, runs. inv: NaN for no inv_scale pointer.
 float cuda_norm(const std::vector<Tensor>& ts, float inv) {
-  std::vector<mp_grad_norm_segment> segs;
+  std::vector<mp_norm_segment> segs;
   int64_t expect = 0;
   for (const Tensor& t : ts) {
-    segs.push_back({t.dtype, t.dev.data(), t.n});
+    segs.push_back({t.dev.data(), t.dtype, t.n});
     expect += (t.n + kChunk - 1) / kChunk;
   }
   const int64_t need = mp_grad_norm_workspace_cuda(segs.data(), static_cast<int64_t>(segs.size()));
@@ -253,23 +247,23 @@ EMU_TEST(grad_norm_bad_arguments) {
   double* w = static_cast<double*>(ws.data());
   struct Case {
     const char* what;
-    mp_grad_norm_segment seg;
+    mp_norm_segment seg;
     double* ws;
     int64_t ws_len;
     float* out;
   };
   const Case cases[] = {
-      {"unknown dtype", {3, x.data(), 4}, w, 4, out.f32()},
-      {"n < 0", {MP_F32, x.data(), -1}, w, 4, out.f32()},
-      {"x null", {MP_BF16, nullptr, 4}, w, 4, out.f32()},
-      {"f32 misaligned", {MP_F32, static_cast<char*>(x.data()) + 2, 4}, w, 4, out.f32()},
-      {"fp16 odd address", {MP_F16, static_cast<char*>(x.data()) + 1, 4}, w, 4, out.f32()},
-      {"workspace too short", {MP_F32, x.data(), 4}, w, 1, out.f32()},
-      {"workspace null", {MP_F32, x.data(), 4}, nullptr, 4, out.f32()},
-      {"out null", {MP_F32, x.data(), 4}, w, 4, nullptr},
+      {"unknown dtype", {x.data(), 3, 4}, w, 4, out.f32()},
+      {"n < 0", {x.data(), MP_F32, -1}, w, 4, out.f32()},
+      {"x null", {nullptr, MP_BF16, 4}, w, 4, out.f32()},
+      {"f32 misaligned", {static_cast<char*>(x.data()) + 2, MP_F32, 4}, w, 4, out.f32()},
+      {"fp16 odd address", {static_cast<char*>(x.data()) + 1, MP_F16, 4}, w, 4, out.f32()},
+      {"workspace too short", {x.data(), MP_F32, 4}, w, 1, out.f32()},
+      {"workspace null", {x.data(), MP_F32, 4}, nullptr, 4, out.f32()},
+      {"out null", {x.data(), MP_F32, 4}, w, 4, nullptr},
   };
   for (const Case& c : cases) {
-    const mp_grad_norm_segment segs[2] = {{MP_BF16, x.data(), 8}, c.seg};
+    const mp_norm_segment segs[2] = {{x.data(), MP_BF16, 8}, c.seg};
     set_context("%s", c.what);
     const int64_t l0 = mp_emu::launch_count();
     CHECK(mp_grad_norm_multi_cuda(segs, 2, nullptr, c.ws, c.ws_len, c.out, nullptr) ==
@@ -277,7 +271,7 @@ EMU_TEST(grad_norm_bad_arguments) {
     CHECK(mp_emu::launch_count() == l0, "launched");
   }
   set_context("workspace sizing of bad lists");
-  const mp_grad_norm_segment bad = {MP_F32, nullptr, 4};
+  const mp_norm_segment bad = {nullptr, MP_F32, 4};
   CHECK(mp_grad_norm_workspace_cuda(&bad, 1) == -1, "null x");
   CHECK(mp_grad_norm_workspace_cuda(nullptr, 1) == -1, "null list");
   CHECK(mp_grad_norm_workspace_cuda(nullptr, -1) == -1, "negative count");

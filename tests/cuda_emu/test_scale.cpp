@@ -9,9 +9,9 @@ using namespace emu_test;
 
 constexpr int64_t kChunk = 65536;  // the kernel's elements per block, to aim sizes at its edges
 
-int elem_bytes(int dtype) { return dtype == MP_UNSCALE_F32 ? 4 : 2; }
+int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
 const char* dtype_name(int dtype) {
-  return dtype == MP_UNSCALE_F32 ? "f32" : dtype == MP_UNSCALE_BF16 ? "bf16" : "fp16";
+  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
 }
 
 // One grad: the device copy and the values the CPU reference works on.
@@ -28,7 +28,7 @@ Grad make_grad(Rng& r, int dtype, int64_t n, unsigned misalign, int special, boo
   g.n = n;
   g.ref.resize(static_cast<size_t>(n) * elem_bytes(dtype));
   for (int64_t i = 0; i < n; ++i) {
-    if (dtype == MP_UNSCALE_F32) {
+    if (dtype == MP_F32) {
       const uint32_t u = random_f32_bits(r, special);
       memcpy(&g.ref[4 * i], &u, 4);
     } else {
@@ -44,14 +44,7 @@ Grad make_grad(Rng& r, int dtype, int64_t n, unsigned misalign, int special, boo
 // The core's unscale of g.ref in place; returns its found flag (0/1).
 int32_t cpu_unscale(Grad& g, float inv) {
   int32_t found = 0;
-  mp_status st = MP_OK;
-  if (g.dtype == MP_UNSCALE_F32) {
-    st = mp_unscale_f32(reinterpret_cast<float*>(g.ref.data()), g.n, inv, &found);
-  } else if (g.dtype == MP_UNSCALE_BF16) {
-    st = mp_unscale_bf16(reinterpret_cast<uint16_t*>(g.ref.data()), g.n, inv, &found);
-  } else {
-    st = mp_unscale_fp16(reinterpret_cast<uint16_t*>(g.ref.data()), g.n, inv, &found);
-  }
+  const mp_status st = mp_unscale(g.ref.data(), static_cast<mp_dtype>(g.dtype), g.n, inv, &found);
   CHECK(st == MP_OK, "core unscale failed");
   return found;
 }
@@ -78,7 +71,7 @@ int64_t unscale_case(const std::vector<GradSpec>& specs, float inv, float found_
   std::vector<mp_unscale_segment> segs;
   int32_t found = 0;
   for (Grad& g : grads) {
-    segs.push_back({g.dtype, g.dev.data(), g.n});
+    segs.push_back({g.dev.data(), g.dtype, g.n});
     found |= cpu_unscale(g, inv);
     if (check_only) g.dev.protect(true);
   }
@@ -108,7 +101,7 @@ EMU_TEST(unscale_dtypes_sizes_alignments) {
   const int64_t sizes[] = {1, 7, 8, 9, 15, 16, 17, 31, 100, 1000, kChunk - 1, kChunk, kChunk + 9};
   const float invs[] = {0.5f, 3.0f, 0x1p-20f, 1e-41f, 1e30f};
   uint64_t seed = 1;
-  for (int dtype = 0; dtype < MP_UNSCALE_DTYPE_COUNT; ++dtype) {
+  for (int dtype = 0; dtype < MP_DTYPE_COUNT; ++dtype) {
     for (int64_t n : sizes) {
       for (unsigned mis = 0; mis < 16; mis += elem_bytes(dtype)) {
         if (n >= kChunk && mis % 4 != 0) continue;  // the big ones at a few offsets only
@@ -130,7 +123,7 @@ EMU_TEST(unscale_multi_mixed_list) {
     const int64_t n = k % 7 == 0 ? 0 : static_cast<int64_t>(r.below(3000));
     specs.push_back({dtype, n, random_offset(r, elem_bytes(dtype))});
   }
-  specs.push_back({MP_UNSCALE_BF16, 2 * kChunk + 5, 6});
+  specs.push_back({MP_BF16, 2 * kChunk + 5, 6});
   set_context("40 tensors, clean");
   unscale_case(specs, 0x1p-16f, 0.0f, 5, 0);
   set_context("40 tensors, with NaN/Inf");
@@ -140,17 +133,17 @@ EMU_TEST(unscale_multi_mixed_list) {
 // inv_scale == 1: only a check; the buffers are write-protected. A single bad element at the
 // head, in the body, in the tail, right after a chunk boundary, or none.
 EMU_TEST(unscale_check_only_writes_nothing) {
-  for (int dtype = 0; dtype < MP_UNSCALE_DTYPE_COUNT; ++dtype) {
+  for (int dtype = 0; dtype < MP_DTYPE_COUNT; ++dtype) {
     const int64_t n = kChunk + 21;
     for (int64_t bad : {int64_t{-1}, int64_t{0}, int64_t{3}, int64_t{4000}, kChunk - 1, kChunk,
                         n - 1}) {
       Rng r(static_cast<uint64_t>(bad + 7 * dtype + 100));
       Grad g = make_grad(r, dtype, n, elem_bytes(dtype) == 2 ? 2u : 0u, 0, true);
       if (bad >= 0) {
-        if (dtype == MP_UNSCALE_F32) {
+        if (dtype == MP_F32) {
           reinterpret_cast<uint32_t*>(g.dev.data())[bad] = 0xFF800000u;  // -Inf
         } else {
-          g.dev.u16()[bad] = dtype == MP_UNSCALE_BF16 ? 0x7FC1 : 0xFE01;  // NaNs
+          g.dev.u16()[bad] = dtype == MP_BF16 ? 0x7FC1 : 0xFE01;  // NaNs
         }
       }
       const std::vector<uint8_t> before = g.dev.snapshot();
@@ -158,7 +151,7 @@ EMU_TEST(unscale_check_only_writes_nothing) {
       *inv.f32() = 1.0f;
       *found.f32() = 0.0f;
       g.dev.protect(true);
-      const mp_unscale_segment seg = {dtype, g.dev.data(), n};
+      const mp_unscale_segment seg = {g.dev.data(), dtype, n};
       set_context("%s bad element at %lld", dtype_name(dtype), static_cast<long long>(bad));
       CHECK(mp_unscale_multi_cuda(&seg, 1, found.f32(), inv.f32(), nullptr) == MP_OK, "status");
       g.dev.protect(false);
@@ -171,20 +164,20 @@ EMU_TEST(unscale_check_only_writes_nothing) {
 // found_inf already set: it stays 1 and the grads are still unscaled (as torch does).
 EMU_TEST(unscale_found_inf_already_set) {
   set_context("clean grads, found_inf = 1");
-  unscale_case({{MP_UNSCALE_F32, 1000, 0}, {MP_UNSCALE_FP16, 33, 2}}, 0.125f, 1.0f, 11, 0);
+  unscale_case({{MP_F32, 1000, 0}, {MP_F16, 33, 2}}, 0.125f, 1.0f, 11, 0);
   set_context("check only, found_inf = 1");
-  unscale_case({{MP_UNSCALE_BF16, 77, 2}}, 1.0f, 1.0f, 12, 0);
+  unscale_case({{MP_BF16, 77, 2}}, 1.0f, 1.0f, 12, 0);
 }
 
 // Splits: caps of 2 blocks and 3 pieces per launch make tensors span chunks and launches.
 EMU_TEST(unscale_split_across_chunks_and_launches) {
   Caps caps(2, 3);
-  const std::vector<GradSpec> specs = {{MP_UNSCALE_F32, 3 * kChunk + 5, 4},
-                                       {MP_UNSCALE_BF16, 1, 0},
-                                       {MP_UNSCALE_FP16, kChunk + 1, 2},
-                                       {MP_UNSCALE_F32, 0, 0},
-                                       {MP_UNSCALE_BF16, 2 * kChunk, 14},
-                                       {MP_UNSCALE_FP16, 17, 6}};
+  const std::vector<GradSpec> specs = {{MP_F32, 3 * kChunk + 5, 4},
+                                       {MP_BF16, 1, 0},
+                                       {MP_F16, kChunk + 1, 2},
+                                       {MP_F32, 0, 0},
+                                       {MP_BF16, 2 * kChunk, 14},
+                                       {MP_F16, 17, 6}};
   set_context("caps 2 blocks / 3 pieces, clean");
   const int64_t launches = unscale_case(specs, 0.5f, 0.0f, 21, 0);
   CHECK(launches >= 5, "only %lld launches: the caps did not split the work",
@@ -202,23 +195,17 @@ EMU_TEST(unscale_more_tensors_than_one_launch) {
   CHECK(launches >= 3, "450 tensors in %lld launches", static_cast<long long>(launches));
 }
 
-// The single-tensor entry points, and an empty list.
+// One tensor of each dtype on its own, and an empty list.
 EMU_TEST(unscale_single_and_empty) {
   Rng r(41);
-  for (int dtype = 0; dtype < MP_UNSCALE_DTYPE_COUNT; ++dtype) {
+  for (int dtype = 0; dtype < MP_DTYPE_COUNT; ++dtype) {
     Grad g = make_grad(r, dtype, 1003, elem_bytes(dtype) == 2 ? 2u : 0u, 10, false);
     Buf inv(4, 0), found(4, 0);
     *inv.f32() = 0.75f;
     *found.f32() = 0.0f;
     const int32_t want = cpu_unscale(g, 0.75f);
-    mp_status st;
-    if (dtype == MP_UNSCALE_F32) {
-      st = mp_unscale_f32_cuda(g.dev.f32(), g.n, found.f32(), inv.f32(), nullptr);
-    } else if (dtype == MP_UNSCALE_BF16) {
-      st = mp_unscale_bf16_cuda(g.dev.u16(), g.n, found.f32(), inv.f32(), nullptr);
-    } else {
-      st = mp_unscale_fp16_cuda(g.dev.u16(), g.n, found.f32(), inv.f32(), nullptr);
-    }
+    const mp_unscale_segment seg = {g.dev.data(), dtype, g.n};
+    const mp_status st = mp_unscale_multi_cuda(&seg, 1, found.f32(), inv.f32(), nullptr);
     set_context("single %s", dtype_name(dtype));
     CHECK(st == MP_OK, "status %d", st);
     same_bits(g.dev.data(), g.ref.data(), g.n, elem_bytes(dtype), dtype, true, "grad");
@@ -230,7 +217,7 @@ EMU_TEST(unscale_single_and_empty) {
   *found.f32() = 0.0f;
   const int64_t l0 = mp_emu::launch_count();
   CHECK(mp_unscale_multi_cuda(nullptr, 0, found.f32(), inv.f32(), nullptr) == MP_OK, "status");
-  const mp_unscale_segment zero[2] = {{MP_UNSCALE_F32, nullptr, 0}, {MP_UNSCALE_FP16, nullptr, 0}};
+  const mp_unscale_segment zero[2] = {{nullptr, MP_F32, 0}, {nullptr, MP_F16, 0}};
   CHECK(mp_unscale_multi_cuda(zero, 2, found.f32(), inv.f32(), nullptr) == MP_OK, "status");
   CHECK(mp_emu::launch_count() == l0, "an empty list launched something");
   CHECK(*found.f32() == 0.0f, "found_inf");
@@ -254,15 +241,15 @@ EMU_TEST(unscale_bad_arguments) {
   const Case cases[] = {
       {"nsegs < 0", {}, -1, fi, is},
       {"segs null", {}, 1, fi, is},
-      {"unknown dtype", {{3, g.data(), 4}}, 1, fi, is},
-      {"negative dtype", {{-1, g.data(), 4}}, 1, fi, is},
-      {"n < 0", {{MP_UNSCALE_F32, g.data(), -1}}, 1, fi, is},
-      {"g null", {{MP_UNSCALE_F32, g.data(), 4}, {MP_UNSCALE_BF16, nullptr, 4}}, 2, fi, is},
-      {"found_inf null", {{MP_UNSCALE_F32, g.data(), 4}}, 1, nullptr, is},
-      {"inv_scale null", {{MP_UNSCALE_F32, g.data(), 4}}, 1, fi, nullptr},
+      {"unknown dtype", {{g.data(), 3, 4}}, 1, fi, is},
+      {"negative dtype", {{g.data(), -1, 4}}, 1, fi, is},
+      {"n < 0", {{g.data(), MP_F32, -1}}, 1, fi, is},
+      {"g null", {{g.data(), MP_F32, 4}, {nullptr, MP_BF16, 4}}, 2, fi, is},
+      {"found_inf null", {{g.data(), MP_F32, 4}}, 1, nullptr, is},
+      {"inv_scale null", {{g.data(), MP_F32, 4}}, 1, fi, nullptr},
       // Misaligned pointers fault on a GPU (UBSan reports them here): rejected up front.
-      {"f32 not 4-byte aligned", {{MP_UNSCALE_F32, static_cast<char*>(g.data()) + 2, 4}}, 1, fi, is},
-      {"fp16 odd address", {{MP_UNSCALE_FP16, static_cast<char*>(g.data()) + 1, 4}}, 1, fi, is},
+      {"f32 not 4-byte aligned", {{static_cast<char*>(g.data()) + 2, MP_F32, 4}}, 1, fi, is},
+      {"fp16 odd address", {{static_cast<char*>(g.data()) + 1, MP_F16, 4}}, 1, fi, is},
   };
   for (const Case& c : cases) {
     set_context("%s", c.what);
@@ -279,11 +266,11 @@ EMU_TEST(unscale_bad_arguments) {
 EMU_TEST(unscale_launch_failure) {
   Caps caps(1, 0);  // one block per launch: three launches for this tensor
   Rng r(51);
-  Grad g = make_grad(r, MP_UNSCALE_F32, 2 * kChunk + 1, 0, 0, false);
+  Grad g = make_grad(r, MP_F32, 2 * kChunk + 1, 0, 0, false);
   Buf inv(4, 0), found(4, 0);
   *inv.f32() = 0.5f;
   *found.f32() = 0.0f;
-  const mp_unscale_segment seg = {MP_UNSCALE_F32, g.dev.data(), g.n};
+  const mp_unscale_segment seg = {g.dev.data(), MP_F32, g.n};
   mp_emu::fail_launch_in(1);
   const int64_t l0 = mp_emu::launch_count();
   CHECK(mp_unscale_multi_cuda(&seg, 1, found.f32(), inv.f32(), nullptr) == MP_ERR_CUDA, "status");
@@ -294,6 +281,29 @@ EMU_TEST(unscale_launch_failure) {
 }
 
 // ---- update_scale_ ----
+
+// The core's and the CUDA update with the fields of their struct as arguments.
+mp_scale_update update_of(float* scale, int32_t* growth, const float* found, double growth_factor,
+                          double backoff_factor, int64_t interval, int32_t* hyst,
+                          int32_t hysteresis, double min_scale, double max_scale,
+                          int64_t* stats) {
+  return {scale,         growth,         found,    hyst,       stats,    growth_factor,
+          backoff_factor, interval,      hysteresis, min_scale, max_scale};
+}
+mp_status cpu_update(float* scale, int32_t* growth, const float* found, double growth_factor,
+                     double backoff_factor, int64_t interval, int32_t* hyst, int32_t hysteresis,
+                     double min_scale, double max_scale, int64_t* stats) {
+  const mp_scale_update u = update_of(scale, growth, found, growth_factor, backoff_factor,
+                                      interval, hyst, hysteresis, min_scale, max_scale, stats);
+  return mp_update_scale(&u);
+}
+mp_status cuda_update(float* scale, int32_t* growth, const float* found, double growth_factor,
+                      double backoff_factor, int64_t interval, int32_t* hyst, int32_t hysteresis,
+                      double min_scale, double max_scale, int64_t* stats, cudaStream_t stream) {
+  const mp_scale_update u = update_of(scale, growth, found, growth_factor, backoff_factor,
+                                      interval, hyst, hysteresis, min_scale, max_scale, stats);
+  return mp_update_scale_cuda(&u, stream);
+}
 
 struct ScaleState {
   float scale;
@@ -315,10 +325,10 @@ void scale_sequence(const char* what, float scale0, double growth, double backof
     const float fi = static_cast<int>(r.below(16)) < inf_per_16 ? (r.below(2) ? 1.0f : 2.0f) : 0.0f;
     *found.f32() = fi;
     set_context("%s, step %d (found_inf %g)", what, s, fi);
-    const mp_status a = mp_update_scale(&cpu.scale, &cpu.growth, &fi, growth, backoff, interval,
+    const mp_status a = cpu_update(&cpu.scale, &cpu.growth, &fi, growth, backoff, interval,
                                         with_hyst ? &cpu.hyst : nullptr, hysteresis, min_scale,
                                         max_scale, with_stats ? cpu.stats : nullptr);
-    const mp_status b = mp_update_scale_cuda(&d->scale, &d->growth, found.f32(), growth, backoff,
+    const mp_status b = cuda_update(&d->scale, &d->growth, found.f32(), growth, backoff,
                                              interval, with_hyst ? &d->hyst : nullptr, hysteresis,
                                              min_scale, max_scale,
                                              with_stats ? d->stats : nullptr, nullptr);
@@ -359,14 +369,15 @@ EMU_TEST(update_scale_bad_arguments) {
   *found.f32() = 0.0f;
   const int64_t l0 = mp_emu::launch_count();
   set_context("null scale / growth_tracker / found_inf, hysteresis without tracker");
-  CHECK(mp_update_scale_cuda(nullptr, growth, found.f32(), 2, 0.5, 2, nullptr, 1, 0, 0, nullptr,
+  CHECK(cuda_update(nullptr, growth, found.f32(), 2, 0.5, 2, nullptr, 1, 0, 0, nullptr,
                              nullptr) == MP_ERR_INVALID_ARGUMENT, "scale null");
-  CHECK(mp_update_scale_cuda(scale, nullptr, found.f32(), 2, 0.5, 2, nullptr, 1, 0, 0, nullptr,
+  CHECK(cuda_update(scale, nullptr, found.f32(), 2, 0.5, 2, nullptr, 1, 0, 0, nullptr,
                              nullptr) == MP_ERR_INVALID_ARGUMENT, "growth null");
-  CHECK(mp_update_scale_cuda(scale, growth, nullptr, 2, 0.5, 2, nullptr, 1, 0, 0, nullptr,
+  CHECK(cuda_update(scale, growth, nullptr, 2, 0.5, 2, nullptr, 1, 0, 0, nullptr,
                              nullptr) == MP_ERR_INVALID_ARGUMENT, "found_inf null");
-  CHECK(mp_update_scale_cuda(scale, growth, found.f32(), 2, 0.5, 2, nullptr, 2, 0, 0, nullptr,
+  CHECK(cuda_update(scale, growth, found.f32(), 2, 0.5, 2, nullptr, 2, 0, 0, nullptr,
                              nullptr) == MP_ERR_INVALID_ARGUMENT, "hysteresis 2 without tracker");
+  CHECK(mp_update_scale_cuda(nullptr, nullptr) == MP_ERR_INVALID_ARGUMENT, "null update");
   CHECK(mp_emu::launch_count() == l0, "launched");
   CHECK(*scale == 2.0f && *growth == 0, "written");
 }

@@ -1,25 +1,17 @@
-/* mpext C API: the fused Adam/AdamW step on the CPU, with optional FP32 master weights and a
- * fused unscale of the gradient.
+/* mpext C API: the fused Adam/AdamW step, with optional FP32 master weights and a fused unscale
+ * of the gradient. The structs are shared by the CPU entry points here and the CUDA launcher of
+ * mpext/adam_cuda.h; the numerics, per-step scalars included, are mpext/adam_rule.h's, which
+ * both tiers call.
  *
- * One call updates n elements of one parameter in one pass over memory: it reads the gradient,
- * multiplies it by inv_scale, updates the fp32 moments and the fp32 master (or the fp32 param),
- * and writes the param (for a bf16/fp16 param: the round-to-nearest-even of the new master).
- * The math is torch.optim.Adam / AdamW's single-tensor path, per element in fp32:
+ * Per element, in fp32 (adam_rule.h has the exact order of operations):
  *   g = grad * inv_scale;  if maximize: g = -g
  *   Adam (L2):      g = g + weight_decay * p
- *   AdamW:          p = p * decay              (decay = 1 - lr * weight_decay)
- *   m = lerp(m, g, 1 - beta1)       (m + w * (g - m) for w < 0.5, else g - (g - m) * (1 - w))
- *   v = v * beta2 + ((1 - beta2) * g) * g
- *   p = p + ((-step_size) * m) / (sqrt(v) / bias_correction2_sqrt + eps)
- * with every operation rounded to fp32 in this order and no fused multiply-add (the core is
- * compiled as ISO C, which does not contract), so every ISA path gives the same bits. torch's own
- * vectorized CPU kernels contract some of these into FMAs, so its results can differ from these
- * in the last bit of an element; the scalars are derived exactly as torch derives them.
- * where the caller computes, from the incremented step count t, step_size = lr / (1 - beta1^t)
- * and bias_correction2_sqrt = sqrt(1 - beta2^t) (in double, as torch does).
- *
- * Pointers may have any alignment, n may exceed 2^31; src/dst arrays must not overlap. The
- * function runs on the calling thread (the binding splits the work) on the active ISA path. */
+ *   AdamW:          p = p * (1 - lr * weight_decay)
+ *   m = lerp(m, g, 1 - beta1);  v = v * beta2 + ((1 - beta2) * g) * g
+ *   p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+ * which is torch.optim.Adam / AdamW's single-tensor path, with t the param's step count plus one.
+ * A bf16/fp16 param is updated through its fp32 master and written as the master rounded to
+ * nearest even. */
 #ifndef MPEXT_ADAM_H
 #define MPEXT_ADAM_H
 
@@ -31,35 +23,55 @@
 extern "C" {
 #endif
 
-/* Element types of params and grads. */
-typedef enum mp_dtype { MP_F32 = 0, MP_BF16 = 1, MP_F16 = 2 } mp_dtype;
+/* One param of an Adam step: n elements of each array, all in one memory layout.
+ *   param:      n values of param_dtype, updated in place;
+ *   grad:       n values of grad_dtype (param_dtype or MP_F32), read;
+ *   master:     n floats, read and written; non-NULL iff param_dtype != MP_F32 (when n > 0);
+ *   exp_avg, exp_avg_sq: n floats each, read and written;
+ *   step:       one float, the param's step count before this step; never NULL.
+ * When n == 0 only step is used (the others may be NULL). */
+typedef struct mp_adam_tensor {
+  void* param;
+  int32_t param_dtype; /* an mp_dtype */
+  const void* grad;
+  int32_t grad_dtype; /* an mp_dtype */
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* step;
+  int64_t n;
+} mp_adam_tensor;
 
-/* The per-parameter scalars of one step (see the formula above). */
-typedef struct mp_adam_params {
-  float beta1, beta2, eps;
-  float lerp_weight;           /* (float)(1 - beta1), the subtraction done in double */
-  float one_minus_beta2;       /* (float)(1 - beta2), the subtraction done in double */
-  float weight_decay;          /* Adam (L2) only; AdamW uses decay */
-  float decay;                 /* AdamW: 1 - lr * weight_decay; 1 for Adam */
-  float step_size;             /* lr / (1 - beta1^t) */
-  float bias_correction2_sqrt; /* sqrt(1 - beta2^t) */
-  float inv_scale;             /* 1 when the gradient is not scaled */
-  int32_t decoupled;           /* 1: AdamW, 0: Adam with L2 weight decay */
-  int32_t maximize;
-} mp_adam_params;
+/* The settings of one call, shared by its params. lr, inv_scale and found_inf point at memory
+ * of the tier that runs the call (host memory for the CPU entry points, device memory for CUDA),
+ * so that a step needs no host synchronisation. */
+typedef struct mp_adam_options {
+  double beta1, beta2;    /* in [0, 1) */
+  double eps;             /* >= 0, finite */
+  double weight_decay;    /* >= 0, finite: L2 for Adam, decoupled for AdamW */
+  int32_t decoupled;      /* 1: AdamW, 0: Adam */
+  int32_t maximize;       /* 1: ascend */
+  const float* lr;        /* the learning rate, or NULL to use lr_value */
+  float lr_value;
+  const float* inv_scale; /* multiplies every grad, or NULL for 1 */
+  const float* found_inf; /* when non-NULL and *found_inf != 0 the step writes nothing */
+} mp_adam_options;
 
-/* One Adam/AdamW step over n elements.
- *   param:  n values of param_dtype, updated in place (for bf16/fp16: written as the RNE of the
- *           new master);
- *   grad:   n values of grad_dtype (param_dtype or MP_F32), read;
- *   master: n fp32 values, read and written; required (non-NULL) iff param_dtype != MP_F32;
- *   exp_avg, exp_avg_sq: n fp32 values each, read and written.
- * Returns MP_ERR_INVALID_ARGUMENT (writing nothing) for n < 0, a missing pointer, an unknown
- * dtype, a grad dtype that is neither the param's nor fp32, or a master given for / missing
- * from a param that needs none / one. */
-mp_status mp_adam_step(void* param, mp_dtype param_dtype, const void* grad, mp_dtype grad_dtype,
-                       float* master, float* exp_avg, float* exp_avg_sq, int64_t n,
-                       const mp_adam_params* p);
+/* Elements [start, start + count) of t's arrays, on the calling thread and the active ISA path:
+ * unless *o->found_inf != 0, reads the grads, updates master (or the fp32 param), exp_avg and
+ * exp_avg_sq, and writes the param, from the step count *t->step + 1 (t->step is only read: see
+ * mp_adam_advance_steps). Every ISA path gives the same bits. Returns MP_ERR_INVALID_ARGUMENT
+ * (writing nothing) for a NULL t or o, a bad dtype or master (as described above), a range
+ * outside [0, t->n), a NULL array with count > 0, or options out of range. Arrays of one
+ * tensor must not overlap each other or the options' scalars. */
+mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
+                       const mp_adam_options* o);
+
+/* Adds 1 to *ts[k].step for every k < ntensors, unless *o->found_inf != 0: the end of a step
+ * whose elements mp_adam_step has updated. Returns MP_ERR_INVALID_ARGUMENT (writing nothing)
+ * for ntensors < 0, or NULL ts, o or step pointer. */
+mp_status mp_adam_advance_steps(const mp_adam_tensor* ts, int64_t ntensors,
+                                const mp_adam_options* o);
 
 #ifdef __cplusplus
 }

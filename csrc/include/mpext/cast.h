@@ -23,7 +23,7 @@ mp_status mp_to_bf16_f32(const float* src, uint16_t* dst, int64_t n);
 
 /* fp32 -> bf16, stochastic rounding: element i rounds up to the next bf16 with probability equal
  * to the fraction of a bf16 ulp that truncation discards, drawing the 16-bit random value from
- * Philox4x32-10 keyed by seed at counter (offset + i) (see philox.h, mp_sr_random_bits), so the
+ * Philox4x32-10 keyed by seed at counter (offset + i) (mpext/numerics.h, mp_sr_random_bits), so the
  * result depends only on (seed, offset + i), never on threading or device. Values that are
  * already bf16, +-Inf and NaN convert as with round to nearest even. */
 mp_status mp_to_bf16_sr_f32(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
@@ -39,6 +39,34 @@ mp_status mp_to_fp32_bf16(const uint16_t* src, float* dst, int64_t n);
 
 /* fp16 -> fp32, exact (subnormals included). */
 mp_status mp_to_fp32_fp16(const uint16_t* src, float* dst, int64_t n);
+
+/* One dst <- src pair of a multi-tensor cast: n elements, src_dtype -> dst_dtype (fp32 <->
+ * bf16/fp16, or a copy within one dtype). Element i of the pair has stochastic-rounding stream
+ * position sr_position + i. */
+typedef struct mp_cast_segment {
+  const void* src;
+  void* dst;
+  int32_t src_dtype; /* an mp_dtype */
+  int32_t dst_dtype; /* an mp_dtype */
+  int64_t n;
+  uint64_t sr_position;
+} mp_cast_segment;
+
+/* 1 if a cast from src_dtype to dst_dtype exists (one side fp32, or both the same dtype, and no
+ * stochastic rounding into fp16), else 0. */
+static inline int mp_cast_supported(int32_t src_dtype, int32_t dst_dtype, int stochastic) {
+  if (src_dtype < 0 || src_dtype >= MP_DTYPE_COUNT || dst_dtype < 0 ||
+      dst_dtype >= MP_DTYPE_COUNT)
+    return 0;
+  if (src_dtype != MP_F32 && dst_dtype != MP_F32 && src_dtype != dst_dtype) return 0;
+  return !(stochastic && src_dtype == MP_F32 && dst_dtype == MP_F16);
+}
+
+/* Converts n elements: the function above for the dtype pair (a plain copy within one dtype),
+ * with stochastic rounding keyed by (seed, position) for fp32 -> bf16 when stochastic != 0.
+ * Also MP_ERR_INVALID_ARGUMENT for a pair mp_cast_supported rejects. */
+mp_status mp_cast(const void* src, mp_dtype src_dtype, void* dst, mp_dtype dst_dtype, int64_t n,
+                  int stochastic, uint64_t seed, uint64_t position);
 
 #ifdef __cplusplus
 }

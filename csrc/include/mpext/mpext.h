@@ -19,6 +19,18 @@ typedef enum mp_status {
   MP_ERR_CUDA = 3              /* a CUDA launch failed; cudaGetLastError() has the detail */
 } mp_status;
 
+/* Element types of the tensors the kernels read and write: one enum for every op and both
+ * tiers (CPU and CUDA). */
+typedef enum mp_dtype {
+  MP_F32 = 0,  /* IEEE binary32 */
+  MP_BF16 = 1, /* bfloat16 bits */
+  MP_F16 = 2,  /* IEEE binary16 bits */
+  MP_DTYPE_COUNT = 3
+} mp_dtype;
+
+/* Bytes per element of an mp_dtype. A macro, so that C, C++ and CUDA device code share it. */
+#define MP_DTYPE_BYTES(d) ((d) == MP_F32 ? 4 : 2)
+
 /* CPU instruction-set paths. Each is the same C source compiled with different flags. */
 typedef enum mp_isa {
   MP_ISA_SCALAR = 0, /* baseline x86-64 / any architecture */

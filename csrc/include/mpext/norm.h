@@ -1,7 +1,7 @@
 /* mpext C API: the multi-tensor L2 norm behind grad_norm, on the CPU.
  *
  * The norm of a list of tensors is built from sums of squares over pieces of them:
- *   norm = sqrt(sum over pieces, in order, of mp_grad_norm_sumsq_*(piece))
+ *   norm = sqrt(sum over pieces, in order, of mp_grad_norm_sumsq(piece))
  * (mp_grad_norm_finish does the last step). Each element x contributes y * y where
  * y = float(x) * inv_scale is rounded to fp32 (the value an unscale pass would have written),
  * squared and summed in double: y * y is exact in double, so a value whose square overflows fp32
@@ -32,15 +32,18 @@ extern "C" {
  * this many elements from its first element; the last piece of a tensor may be shorter). */
 #define MP_GRAD_NORM_BLOCK 65536
 
-/* *out = the sum over the n fp32 values at x of (x[i] * inv_scale)^2, the product rounded to
- * fp32 and squared and summed in double (in the fixed order described above); 0 for n == 0. */
-mp_status mp_grad_norm_sumsq_f32(const float* x, int64_t n, float inv_scale, double* out);
+/* One tensor of a multi-tensor norm: n elements of dtype at x. */
+typedef struct mp_norm_segment {
+  const void* x;
+  int32_t dtype; /* an mp_dtype */
+  int64_t n;
+} mp_norm_segment;
 
-/* The same for n bf16 values (each widened to fp32 exactly). */
-mp_status mp_grad_norm_sumsq_bf16(const uint16_t* x, int64_t n, float inv_scale, double* out);
-
-/* The same for n fp16 values (each widened to fp32 exactly). */
-mp_status mp_grad_norm_sumsq_fp16(const uint16_t* x, int64_t n, float inv_scale, double* out);
+/* *out = the sum over the n values of dtype at x of (float(x[i]) * inv_scale)^2, the product
+ * rounded to fp32 and squared and summed in double, in the fixed order described above. Also
+ * MP_ERR_INVALID_ARGUMENT for an unknown dtype. */
+mp_status mp_grad_norm_sumsq(const void* x, mp_dtype dtype, int64_t n, float inv_scale,
+                             double* out);
 
 /* *out = sqrt(partials[0] + partials[1] + ... + partials[n - 1]), summed left to right in double,
  * the square root taken in double and rounded once to fp32 (+Inf beyond the fp32 range; the

@@ -24,28 +24,22 @@
 
 #include <cuda_runtime.h>
 
-#include "mpext/adam.h" /* mp_dtype */
 #include "mpext/mpext.h"
+#include "mpext/norm.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* Elements per block (and per workspace entry) of the first kernel. */
+/* Elements per block (and per workspace entry) of the first kernel: the chunk of the CUDA
+ * multi-tensor engine. */
 #define MP_GRAD_NORM_CUDA_CHUNK 65536
 
-/* One tensor: n contiguous elements of dtype (an mp_dtype: MP_F32, MP_BF16 or MP_F16) at x
- * (device memory), only read. */
-typedef struct mp_grad_norm_segment {
-  int32_t dtype;
-  const void* x;
-  int64_t n;
-} mp_grad_norm_segment;
-
-/* The number of doubles of workspace mp_grad_norm_multi_cuda needs for these segments: the sum
+/* The number of doubles of workspace mp_grad_norm_multi_cuda needs for these segments
+ * (mpext/norm.h's struct; their data in device memory): the sum
  * over segments of ceil(n / MP_GRAD_NORM_CUDA_CHUNK). Returns -1 for a bad argument (as
  * mp_grad_norm_multi_cuda checks them). */
-int64_t mp_grad_norm_workspace_cuda(const mp_grad_norm_segment* segs, int64_t nsegs);
+int64_t mp_grad_norm_workspace_cuda(const mp_norm_segment* segs, int64_t nsegs);
 
 /* *out (device float) = sqrt(sum over every element x of every segment of
  * (float(x) * *inv_scale)^2), or sqrt of the plain sum of squares when inv_scale is NULL; 0 when
@@ -54,7 +48,7 @@ int64_t mp_grad_norm_workspace_cuda(const mp_grad_norm_segment* segs, int64_t ns
  * overwritten; it, out and inv_scale must not overlap. Returns MP_ERR_INVALID_ARGUMENT for
  * nsegs < 0, segs NULL with nsegs > 0, an unknown dtype, n < 0, x NULL with n > 0, x not aligned
  * to its element size, out NULL, or workspace_len smaller than needed. */
-mp_status mp_grad_norm_multi_cuda(const mp_grad_norm_segment* segs, int64_t nsegs,
+mp_status mp_grad_norm_multi_cuda(const mp_norm_segment* segs, int64_t nsegs,
                                   const float* inv_scale, double* workspace,
                                   int64_t workspace_len, float* out, cudaStream_t stream);
 

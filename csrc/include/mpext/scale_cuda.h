@@ -27,28 +27,14 @@
 #include <cuda_runtime.h>
 
 #include "mpext/mpext.h"
+#include "mpext/scale.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* The element type of one tensor of mp_unscale_multi_cuda. */
-typedef enum mp_unscale_dtype {
-  MP_UNSCALE_F32 = 0,  /* float */
-  MP_UNSCALE_BF16 = 1, /* bfloat16 bits */
-  MP_UNSCALE_FP16 = 2, /* IEEE binary16 bits */
-  MP_UNSCALE_DTYPE_COUNT = 3
-} mp_unscale_dtype;
-
-/* One tensor of a multi-tensor unscale: n contiguous elements of type dtype at g (device memory),
- * updated in place. */
-typedef struct mp_unscale_segment {
-  int dtype; /* an mp_unscale_dtype */
-  void* g;
-  int64_t n;
-} mp_unscale_segment;
-
-/* Reads the nsegs segments at segs (host memory; read during the call only) and, for every
+/* Reads the nsegs segments at segs (mpext/scale.h's struct, in host memory, read during the call
+ * only; their data in device memory) and, for every
  * element of every one of them, in as few launches as the 4 KB kernel-argument limit allows:
  * reads *inv_scale (device) in the kernel; sets *found_inf (device float) to 1.0f if any element
  * was NaN or +-Inf before the multiply (only 1.0f is ever written; it is never cleared); and,
@@ -56,35 +42,16 @@ typedef struct mp_unscale_segment {
  * are only read, never written). Segments may mix dtypes and must not overlap each other,
  * found_inf or inv_scale. Checks every segment before launching anything: returns
  * MP_ERR_INVALID_ARGUMENT for nsegs < 0, segs null with nsegs > 0, an unknown dtype, n < 0, g
- * null with n > 0, g not aligned to its element size with n > 0, or found_inf / inv_scale null. Segments with n == 0 are skipped; if none is
- * left nothing is launched. */
+ * null with n > 0, g not aligned to its element size with n > 0, or found_inf / inv_scale null.
+ * Segments with n == 0 are skipped; if none is left nothing is launched. */
 mp_status mp_unscale_multi_cuda(const mp_unscale_segment* segs, int64_t nsegs, float* found_inf,
                                 const float* inv_scale, cudaStream_t stream);
 
-/* mp_unscale_multi_cuda for the n floats at g (device memory): g *= *inv_scale in place, and
- * *found_inf = 1.0f if any was NaN/+-Inf. */
-mp_status mp_unscale_f32_cuda(float* g, int64_t n, float* found_inf, const float* inv_scale,
-                              cudaStream_t stream);
-
-/* The same for n bf16 values at g (device memory), rounded back to nearest even. */
-mp_status mp_unscale_bf16_cuda(uint16_t* g, int64_t n, float* found_inf, const float* inv_scale,
-                               cudaStream_t stream);
-
-/* The same for n fp16 values at g (device memory), rounded back to nearest even. */
-mp_status mp_unscale_fp16_cuda(uint16_t* g, int64_t n, float* found_inf, const float* inv_scale,
-                               cudaStream_t stream);
-
 /* One step of the dynamic loss-scale rule (mp_update_scale_rule in scale_rule.h, the same code as
- * the CPU's mp_update_scale) in a one-thread kernel: reads *found_inf, updates *scale and
- * *growth_tracker and the optional *hysteresis_tracker and stats[2] (NULL when unused); every
- * pointer is device memory. Equal to torch._amp_update_scale_ when hysteresis <= 1,
- * min_scale <= 0, max_scale <= 0. Returns MP_ERR_INVALID_ARGUMENT (launching nothing) if scale,
- * growth_tracker or found_inf is null, or hysteresis > 1 without a hysteresis_tracker. */
-mp_status mp_update_scale_cuda(float* scale, int32_t* growth_tracker, const float* found_inf,
-                               double growth_factor, double backoff_factor,
-                               int64_t growth_interval, int32_t* hysteresis_tracker,
-                               int32_t hysteresis, double min_scale, double max_scale,
-                               int64_t* stats, cudaStream_t stream);
+ * the CPU's mp_update_scale) in a one-thread kernel, on u's pointers (device memory; *u itself is
+ * host memory, read during the call only). Returns MP_ERR_INVALID_ARGUMENT (launching nothing)
+ * where mp_update_scale does. */
+mp_status mp_update_scale_cuda(const mp_scale_update* u, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

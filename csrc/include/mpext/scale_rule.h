@@ -6,9 +6,10 @@
 #include <stdint.h>
 
 #include "mpext/numerics.h" /* MP_HD */
+#include "mpext/scale.h"     /* mp_scale_update */
 
-/* One update of the loss scale after a step whose overflow flag is found_inf (non-zero = an
- * Inf/NaN was seen). With hysteresis == 1, no bounds and no stats this is exactly
+/* One update of the loss scale u->scale after a step whose overflow flag is *u->found_inf
+ * (non-zero = an Inf/NaN was seen). With hysteresis == 1, no bounds and no stats this is exactly
  * torch._amp_update_scale_:
  *   overflow: scale = (float)((double)scale * backoff); growth_tracker = 0
  *   clean:    t = growth_tracker + 1; if t == growth_interval: grown = (float)(scale * growth),
@@ -21,12 +22,13 @@
  *   max_scale > 0: growth never goes above max_scale (it is clamped to max_scale).
  *   stats (may be NULL): stats[0] += 1 per overflow (skipped steps), stats[1] = consecutive
  *     overflows so far (0 after a clean step). */
-MP_HD void mp_update_scale_rule(float* scale, int32_t* growth_tracker, float found_inf,
-                                double growth_factor, double backoff_factor,
-                                int64_t growth_interval, int32_t* hysteresis_tracker,
-                                int32_t hysteresis, double min_scale, double max_scale,
-                                int64_t* stats) {
-  if (found_inf != 0.0f) {
+MP_HD void mp_update_scale_rule(const mp_scale_update* u) {
+  float* scale = u->scale;
+  int32_t* growth_tracker = u->growth_tracker;
+  int32_t* hysteresis_tracker = u->hysteresis_tracker;
+  int64_t* stats = u->stats;
+  const int32_t hysteresis = u->hysteresis;
+  if (*u->found_inf != 0.0f) {
     int back_off = 1;
     if (hysteresis_tracker != 0 && hysteresis > 1) {
       if (*hysteresis_tracker > 1) {
@@ -35,9 +37,9 @@ MP_HD void mp_update_scale_rule(float* scale, int32_t* growth_tracker, float fou
       }
     }
     if (back_off) {
-      float backed = (float)((double)*scale * backoff_factor);
-      if (min_scale > 0.0 && (double)backed < min_scale) {
-        float floor_scale = (float)min_scale;
+      float backed = (float)((double)*scale * u->backoff_factor);
+      if (u->min_scale > 0.0 && (double)backed < u->min_scale) {
+        float floor_scale = (float)u->min_scale;
         backed = *scale < floor_scale ? *scale : floor_scale;
       }
       *scale = backed;
@@ -49,10 +51,10 @@ MP_HD void mp_update_scale_rule(float* scale, int32_t* growth_tracker, float fou
     }
   } else {
     int64_t successful = (int64_t)*growth_tracker + 1;
-    if (successful == growth_interval) {
-      float grown = (float)((double)*scale * growth_factor);
-      if (max_scale > 0.0 && (double)grown > max_scale) {
-        float cap = (float)max_scale;
+    if (successful == u->growth_interval) {
+      float grown = (float)((double)*scale * u->growth_factor);
+      if (u->max_scale > 0.0 && (double)grown > u->max_scale) {
+        float cap = (float)u->max_scale;
         grown = *scale > cap ? *scale : cap;
       }
       /* Finite check on the bits: no dependence on isfinite or fast-math. */
@@ -66,6 +68,12 @@ MP_HD void mp_update_scale_rule(float* scale, int32_t* growth_tracker, float fou
     if (hysteresis_tracker != 0 && hysteresis > 1) *hysteresis_tracker = hysteresis;
     if (stats != 0) stats[1] = 0;
   }
+}
+
+/* 1 if u can be applied: the pointers the rule needs are there. */
+MP_HD int mp_scale_update_ok(const mp_scale_update* u) {
+  return u != 0 && u->scale != 0 && u->growth_tracker != 0 && u->found_inf != 0 &&
+         (u->hysteresis <= 1 || u->hysteresis_tracker != 0);
 }
 
 #endif /* MPEXT_SCALE_RULE_H */

@@ -12,8 +12,8 @@
 //   - __half2float (cvt.f32.f16): exact; a NaN becomes 0x7FFFFFFF (cuda_fp16.hpp's host emulation
 //     also drops the sign). __bfloat162float: a 16-bit shift (the sm_80 code path, mov.b32), so a
 //     NaN keeps its payload.
-//   - double intrinsics (__dsub_rn, __dmul_rn, __ddiv_rn, __dsqrt_rn) and device pow/sqrt: the
-//     host's IEEE double operations and libm. CUDA's double pow has up to 2 ulp of error, which
+//   - double intrinsics (__dadd_rn, __dsub_rn, __dmul_rn, __ddiv_rn, __dsqrt_rn, __fma_rn) and
+//     device pow/sqrt: the host's IEEE double operations and libm (fma is exact on both). CUDA's double pow has up to 2 ulp of error, which
 //     this cannot reproduce (see the README).
 // Plain C++ float operators in device code (a * b) run as host IEEE operations (the harness
 // compiles with -ffp-contract=off); on the GPU their NaN results are canonical too.
@@ -123,10 +123,12 @@ inline float __fsub_rn(float a, float b) { return mp_emu::canonical(a - b); }
 inline float __fmul_rn(float a, float b) { return mp_emu::canonical(a * b); }
 inline float __fdiv_rn(float a, float b) { return mp_emu::canonical(a / b); }
 inline float __fsqrt_rn(float a) { return mp_emu::canonical(sqrtf(a)); }
+inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dsqrt_rn(double a) { return sqrt(a); }
+inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
 inline float __double2float_rn(double a) { return mp_emu::canonical(static_cast<float>(a)); }
 
 // ---- bf16 and fp16 ----

@@ -1,0 +1,165 @@
+/* mpext: the Adam/AdamW rule -- the argument checks, the per-step scalars and the per-element
+ * update -- shared by the C core (csrc/core/adam.c), the CUDA kernels (cuda/adam.cu) and their
+ * tests, so that both tiers compute the same bits. Header-only; __host__ __device__ under nvcc.
+ *
+ * Every fp32 operation is rounded once, in the order written, and none is fused: the C core is
+ * ISO C (no contraction), and on the device the _rn intrinsics are never contracted whatever the
+ * compiler flags. The per-step scalars are computed in double from the float32 step count, as
+ * torch computes them (but for the power, see mp_adam_pow), and rounded once to fp32. */
+#ifndef MPEXT_ADAM_RULE_H
+#define MPEXT_ADAM_RULE_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "mpext/adam.h"
+#include "mpext/numerics.h" /* MP_HD */
+
+#if defined(__CUDA_ARCH__)
+#define MP_FADD(a, b) __fadd_rn((a), (b))
+#define MP_FSUB(a, b) __fsub_rn((a), (b))
+#define MP_FMUL(a, b) __fmul_rn((a), (b))
+#define MP_FDIV(a, b) __fdiv_rn((a), (b))
+#define MP_FSQRT(a) __fsqrt_rn(a)
+#define MP_DFMA(a, b, c) __fma_rn((a), (b), (c))
+#define MP_DADD(a, b) __dadd_rn((a), (b))
+#define MP_DSUB(a, b) __dsub_rn((a), (b))
+#define MP_DMUL(a, b) __dmul_rn((a), (b))
+#define MP_DDIV(a, b) __ddiv_rn((a), (b))
+#else
+#define MP_FADD(a, b) ((a) + (b))
+#define MP_FSUB(a, b) ((a) - (b))
+#define MP_FMUL(a, b) ((a) * (b))
+#define MP_FDIV(a, b) ((a) / (b))
+#define MP_FSQRT(a) __builtin_sqrtf(a)
+#define MP_DFMA(a, b, c) fma((a), (b), (c))
+#define MP_DADD(a, b) ((a) + (b))
+#define MP_DSUB(a, b) ((a) - (b))
+#define MP_DMUL(a, b) ((a) * (b))
+#define MP_DDIV(a, b) ((a) / (b))
+#endif
+
+/* The fp32 scalars one step applies to every element of a param. */
+typedef struct mp_adam_scalars {
+  float inv_scale;       /* 1 when the grads are not scaled */
+  float weight_decay;    /* Adam (L2) */
+  float decay;           /* AdamW: 1 - lr * weight_decay */
+  float lerp_weight;     /* 1 - beta1 (subtracted in double) */
+  float lerp_rest;       /* 1 - lerp_weight (in fp32, as torch's lerp) */
+  float beta2;
+  float one_minus_beta2; /* subtracted in double */
+  float eps;
+  float neg_step_size;   /* -(lr / (1 - beta1^t)) */
+  float bc2_sqrt;        /* sqrt(1 - beta2^t) */
+  int32_t decoupled;
+  int32_t maximize;
+  int32_t lerp_from_start; /* lerp_weight < 0.5: m + w * (g - m); else g - (g - m) * (1 - w) */
+} mp_adam_scalars;
+
+/* (*h, *l) = (ah + al) * (bh + bl) in double-double: the product of the high parts exactly
+ * (through a fused multiply-add), the cross terms added once. */
+MP_HD void mp_dd_mul(double ah, double al, double bh, double bl, double* h, double* l) {
+  const double p = MP_DMUL(ah, bh);
+  const double e = MP_DADD(MP_DFMA(ah, bh, -p), MP_DADD(MP_DMUL(ah, bl), MP_DMUL(al, bh)));
+  *h = MP_DADD(p, e);
+  *l = MP_DSUB(e, MP_DSUB(*h, p));
+}
+
+/* beta^t for a step count t (a whole number, as torch's float step is), in double. Torch calls
+ * the library pow, whose last bit differs between glibc and CUDA's libdevice; this computes the
+ * power by squaring in double-double (relative error near 2^-100) and rounds it once, with the
+ * same operations on both tiers, so CPU and CUDA agree bit for bit. It is the correctly rounded
+ * double except where beta^t is subnormal (there 1 - beta^t == 1 whatever the last bits); glibc's
+ * pow (documented within 0.52 ulp) differs from it in about 4 of 10,000 (beta, t), by one ulp
+ * of double, which moves the fp32 scalars only when that ulp straddles an fp32 rounding
+ * boundary. A t that is not a whole number in [1, 2^64) falls back to pow. */
+MP_HD double mp_adam_pow(double beta, double t) {
+  if (!(t >= 1.0 && t < 18446744073709551616.0 && t == (double)(uint64_t)t)) return pow(beta, t);
+  uint64_t n = (uint64_t)t;
+  double rh = 1.0, rl = 0.0, bh = beta, bl = 0.0;
+  for (;;) {
+    if (n & 1u) mp_dd_mul(rh, rl, bh, bl, &rh, &rl);
+    n >>= 1;
+    if (n == 0u) break;
+    mp_dd_mul(bh, bl, bh, bl, &bh, &bl);
+  }
+  return MP_DADD(rh, rl);
+}
+
+/* 1 if the call's found_inf says to write nothing. */
+MP_HD int mp_adam_skip(const mp_adam_options* o) {
+  return o->found_inf != 0 && *o->found_inf != 0.0f;
+}
+
+/* 1 if the options are valid: betas in [0, 1), eps and weight_decay finite and >= 0. */
+MP_HD int mp_adam_options_ok(const mp_adam_options* o) {
+  return o->beta1 >= 0.0 && o->beta1 < 1.0 && o->beta2 >= 0.0 && o->beta2 < 1.0 &&
+         o->eps >= 0.0 && o->eps - o->eps == 0.0 && o->weight_decay >= 0.0 &&
+         o->weight_decay - o->weight_decay == 0.0;
+}
+
+/* 1 if t is a valid param (see mp_adam_tensor), each array aligned to its element size. */
+MP_HD int mp_adam_tensor_ok(const mp_adam_tensor* t) {
+  const int32_t pd = t->param_dtype, gd = t->grad_dtype;
+  if (pd < 0 || pd >= MP_DTYPE_COUNT || gd < 0 || gd >= MP_DTYPE_COUNT) return 0;
+  if (gd != pd && gd != MP_F32) return 0;
+  if (t->n < 0 || t->step == 0 || ((uintptr_t)t->step & 3u) != 0u) return 0;
+  if (t->n == 0) return 1;
+  if (t->param == 0 || t->grad == 0 || t->exp_avg == 0 || t->exp_avg_sq == 0) return 0;
+  if ((t->master != 0) != (pd != MP_F32)) return 0;
+  return ((uintptr_t)t->param % (uintptr_t)MP_DTYPE_BYTES(pd)) == 0u &&
+         ((uintptr_t)t->grad % (uintptr_t)MP_DTYPE_BYTES(gd)) == 0u &&
+         ((uintptr_t)t->exp_avg & 3u) == 0u && ((uintptr_t)t->exp_avg_sq & 3u) == 0u &&
+         ((uintptr_t)t->master & 3u) == 0u;
+}
+
+/* The scalars of a step whose param has step count `step` before it (t = step + 1, in fp32 as
+ * torch's float step tensor), learning rate lr and gradient multiplier inv_scale. */
+MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, float step,
+                                         float inv_scale) {
+  mp_adam_scalars s;
+  const double lr = (double)lr_f;
+  const double t = (double)MP_FADD(step, 1.0f);
+  const double bc1 = MP_DSUB(1.0, mp_adam_pow(o->beta1, t));
+  const double bc2 = MP_DSUB(1.0, mp_adam_pow(o->beta2, t));
+  s.inv_scale = inv_scale;
+  s.weight_decay = (float)o->weight_decay;
+  s.decay = o->decoupled ? (float)MP_DSUB(1.0, MP_DMUL(lr, o->weight_decay)) : 1.0f;
+  s.lerp_weight = (float)MP_DSUB(1.0, o->beta1);
+  s.lerp_rest = MP_FSUB(1.0f, s.lerp_weight);
+  s.beta2 = (float)o->beta2;
+  s.one_minus_beta2 = (float)MP_DSUB(1.0, o->beta2);
+  s.eps = (float)o->eps;
+  s.neg_step_size = -(float)MP_DDIV(lr, bc1);
+  s.bc2_sqrt = (float)sqrt(bc2);
+  s.decoupled = o->decoupled ? 1 : 0;
+  s.maximize = o->maximize ? 1 : 0;
+  s.lerp_from_start = s.lerp_weight < 0.5f ? 1 : 0;
+  return s;
+}
+
+/* The scalars as the call's pointers give them (host or device memory of the running tier). */
+MP_HD mp_adam_scalars mp_adam_scalars_now(const mp_adam_options* o, const float* step) {
+  return mp_adam_scalars_of(o, o->lr != 0 ? *o->lr : o->lr_value, *step,
+                            o->inv_scale != 0 ? *o->inv_scale : 1.0f);
+}
+
+/* One element: gradient value gin (widened to fp32), fp32 param or master value p, moments *m
+ * and *v updated in place; returns the new p. */
+MP_HD float mp_adam_element(float gin, float p, float* m, float* v, const mp_adam_scalars* s) {
+  float g = MP_FMUL(gin, s->inv_scale);
+  if (s->maximize) g = -g;
+  if (s->decoupled) {
+    p = MP_FMUL(p, s->decay);
+  } else {
+    g = MP_FADD(g, MP_FMUL(s->weight_decay, p));
+  }
+  const float diff = MP_FSUB(g, *m);
+  *m = s->lerp_from_start ? MP_FADD(*m, MP_FMUL(s->lerp_weight, diff))
+                          : MP_FSUB(g, MP_FMUL(diff, s->lerp_rest));
+  *v = MP_FADD(MP_FMUL(*v, s->beta2), MP_FMUL(MP_FMUL(s->one_minus_beta2, g), g));
+  const float denom = MP_FADD(MP_FDIV(MP_FSQRT(*v), s->bc2_sqrt), s->eps);
+  return MP_FADD(p, MP_FDIV(MP_FMUL(s->neg_step_size, *m), denom));
+}
+
+#endif /* MPEXT_ADAM_RULE_H */
