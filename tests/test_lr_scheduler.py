@@ -2,6 +2,9 @@
 transformers' warm-up schedules), holding still on skipped steps with every source of the skip
 flag, no host sync, torch.compile, state_dict/resume, bad arguments."""
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -477,3 +480,27 @@ def test_torch_compile_inductor():
         torch.testing.assert_close(torch.tensor(lrs(comp_opt)), torch.tensor(lrs(eager_opt)),
                                    rtol=1.2e-7, atol=0)
     assert comp.last_epoch == eager.last_epoch
+
+
+def test_framework_modules_import_cleanly_or_say_what_to_install():
+    """``import mpext`` imports no framework; mpext.lightning / mpext.accelerate without their
+    framework raise an ImportError naming the package to install."""
+    code = ("import sys\n"
+            "import mpext, mpext.optim.lr_scheduler\n"
+            "bad = [m for m in ('lightning', 'accelerate', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n"
+            "for mod, blocked, hint in (('mpext.lightning', 'lightning', 'pip install lightning'),\n"
+            "                           ('mpext.accelerate', 'accelerate', 'pip install accelerate')):\n"
+            "    sys.modules[blocked] = None\n"
+            "    try:\n"
+            "        __import__(mod)\n"
+            "    except ImportError as e:\n"
+            "        assert hint in str(e), e\n"
+            "    else:\n"
+            "        raise AssertionError(mod + ' imported without ' + blocked)\n"
+            "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
