@@ -13,6 +13,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed
                          "(pip install lightning)")
 import lightning  # noqa: E402
 
+from framework_examples import example, same_run  # noqa: E402
 import mpext  # noqa: E402
 import mpext.lightning  # noqa: E402
 from mpext.optim import lr_scheduler as S  # noqa: E402
@@ -21,8 +22,6 @@ from mpext.optim import lr_scheduler as S  # noqa: E402
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 # 16 samples, batches of 4: 4 optimizer steps per epoch.
 GEN = torch.Generator().manual_seed(0)
@@ -332,3 +331,31 @@ def test_bad_arguments():
     with pytest.raises(NotImplementedError, match="several optimizers"):
         fp16.wrap_optimizer(torch.optim.AdamW(m[3].parameters()))
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The examples of docs/integrations.md, run as users run them (in process, smaller).
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_example_lightning_train_and_resume(tmp_path, precision):
+    run = example("lightning_train").main
+    small = ["--precision", precision, "--samples", "256"]
+    full = run(small + ["--epochs", "4"])
+    assert full["skipped_steps"] >= 1 and full["applied_steps"] == 16 - full["skipped_steps"]
+    assert full["param_dtype"] == "torch." + {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    ckpt = str(tmp_path / "half.ckpt")
+    run(small + ["--epochs", "2", "--save", ckpt])
+    assert same_run(run(small + ["--epochs", "4", "--resume", ckpt]), full, precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_example_fabric_train_and_resume(tmp_path, precision):
+    run = example("fabric_train").main
+    small = ["--precision", precision, "--total", "20"]
+    full = run(small + ["--steps", "20"])
+    assert full["skipped_steps"] >= 1 and full["applied_steps"] == 20 - full["skipped_steps"]
+    ckpt = str(tmp_path / "half.ckpt")
+    run(small + ["--steps", "10", "--save", ckpt])
+    assert same_run(run(small + ["--steps", "10", "--start", "10", "--resume", ckpt]), full,
+                    precision)
