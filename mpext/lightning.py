@@ -180,15 +180,14 @@ class MixedPrecision(_Precision):
         after ``convert_module``, e.g. after ``fabric.setup_module``). Framework wrappers
         (Fabric's, Lightning's) are looked through."""
         opt = _unwrap(optimizer)
-        if isinstance(opt, MixedPrecisionOptimizer):
-            found = self._wrappers.get(id(opt))
-            if found is None:
-                self._check_wrapper(opt)
-                self._wrappers[id(opt)] = opt
-            return opt
         found = self._wrappers.get(id(opt))
         if found is not None:
             return found
+        if isinstance(opt, MixedPrecisionOptimizer):
+            self._check_wrapper(opt)
+            self._check_one_scale()
+            self._wrappers[id(opt)] = opt
+            return opt
         low = [p for g in opt.param_groups for p in g["params"] if p.dtype == self._dtype]
         if not low:
             raise ValueError(
@@ -196,15 +195,18 @@ class MixedPrecision(_Precision):
                 "wrap_optimizer after convert_module (fabric.setup_module / fabric.setup), on an "
                 "optimizer made over the converted module's params"
                 % (_NAME, str(self._dtype).replace("torch.", "")))
+        self._check_one_scale()
+        wrapper = self._make_wrapper(opt)
+        self._wrappers[id(opt)] = wrapper
+        self._wrappers[id(wrapper)] = wrapper
+        return wrapper
+
+    def _check_one_scale(self) -> None:
         if self._loss_scale is not None and self._wrappers:
             raise NotImplementedError(
                 "%s: FP16 loss scaling with several optimizers is not supported (each wrapper "
                 "keeps its own scale, and a backward pass can carry only one); use precision="
                 "'bf16', or one optimizer over all params" % _NAME)
-        wrapper = self._make_wrapper(opt)
-        self._wrappers[id(opt)] = wrapper
-        self._wrappers[id(wrapper)] = wrapper
-        return wrapper
 
     def _check_wrapper(self, wrapper: MixedPrecisionOptimizer) -> None:
         if wrapper.loss_scale != self._loss_scale:
