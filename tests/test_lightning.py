@@ -1,0 +1,361 @@
+"""mpext.lightning.MixedPrecision driven by a real lightning.Trainer and lightning.Fabric on the
+CPU: BF16 and FP16 runs against an independent plain-torch loop (FP32 masters, torch's AdamW,
+torch's clipping, torch's loss-scale rule), the inf/NaN skip holding the mpext schedule still,
+bit-identical resume from a checkpoint, Fabric, and what Lightning's own plugins refuse."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
+                         "(pip install lightning)")
+import lightning  # noqa: E402
+
+from framework_examples import example, same_run  # noqa: E402
+import mpext  # noqa: E402
+import mpext.lightning  # noqa: E402
+from mpext.optim import lr_scheduler as S  # noqa: E402
+
+# Lightning 2.6 on torch 2.13 (its own code, not mpext's)
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+# 16 samples, batches of 4: 4 optimizer steps per epoch.
+GEN = torch.Generator().manual_seed(0)
+X = torch.randn(16, 8, generator=GEN)
+Y = torch.randn(16, 1, generator=GEN)
+BATCH = 4
+LR = 1e-2
+
+
+def net():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def warmup(e):
+    """The schedule's factor at step e, in torch ops (mpext) and Python (the reference)."""
+    if isinstance(e, torch.Tensor):
+        return torch.clamp((e + 1) / 4, max=1.0)
+    return min((e + 1) / 4, 1.0)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, overflow_at=(), clip=None):
+        super().__init__()
+        self.net = net()
+        self.overflow_at = set(overflow_at)
+        self.lrs, self.applied = [], []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = F.mse_loss(self.net(x).float(), y.float())
+        if self.global_step in self.overflow_at:
+            loss = loss * float("inf")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, i):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"].item())
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=LR)
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": S.LambdaLR(opt, warmup), "interval": "step"}}
+
+
+def loader():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=BATCH,
+                                       shuffle=False)
+
+
+def trainer(plugin, epochs, **kw):
+    return pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_epochs=epochs,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+def reference(dtype, steps, overflow_at=(), clip=None, scale=None, growth_interval=None):
+    """A plain torch loop: the model in ``dtype`` with the LayerNorm in FP32 (inputs cast up,
+    output cast back), FP32 masters stepped by torch.optim.AdamW, gradients unscaled and checked
+    by hand, torch's clip_grad_norm_, torch's dynamic loss-scale rule, the schedule evaluated
+    at the number of applied steps. Returns the masters, the rates seen and the final scale."""
+    model = net()
+    model[1].register_forward_pre_hook(lambda m, a: (a[0].float(),))
+    model[1].register_forward_hook(lambda m, a, out: out.to(dtype))
+    for i in (0, 3):
+        model[i].to(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(False) for p in params]
+    opt = torch.optim.AdamW(masters, lr=LR, foreach=False)
+    applied, tracker, lrs, norms = 0, 0, [], []
+    batches = [(X[i:i + BATCH], Y[i:i + BATCH]) for i in range(0, 16, BATCH)]
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        loss = F.mse_loss(model(x.to(dtype)).float(), y.to(dtype).float())
+        if step in overflow_at:
+            loss = loss * float("inf")
+        (loss * (scale if scale is not None else 1.0)).backward()
+        inv = torch.tensor(1.0 / scale if scale is not None else 1.0, dtype=torch.float32)
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float() * inv
+            p.grad = None
+        found = not all(torch.isfinite(m.grad).all() for m in masters)
+        if clip is not None and not found:
+            norms.append(torch.nn.utils.clip_grad_norm_(masters, clip).item())
+        if not found:
+            for g in opt.param_groups:
+                g["lr"] = LR * warmup(applied)
+            opt.step()
+            applied += 1
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+        lrs.append(torch.tensor(LR * warmup(applied), dtype=torch.float64).float().item())
+        if scale is not None:  # torch's rule (backoff 0.5, growth 2)
+            if found:
+                scale, tracker = scale * 0.5, 0
+            else:
+                tracker += 1
+                if tracker == growth_interval:
+                    scale, tracker = scale * 2.0, 0
+    return masters, lrs, scale, norms
+
+
+def plugin_masters(trainer_):
+    wrapper = trainer_.optimizers[0]
+    model = trainer_.lightning_module
+    out = []
+    for p in model.parameters():
+        m = wrapper.master_param(p)
+        out.append(p.detach().float() if m is None else m.detach())
+        if m is not None:
+            assert torch.equal(p.detach(), m.to(p.dtype))  # the param is its rounded master
+    return out
+
+
+def assert_masters_close(got, want):
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_bf16_trainer_against_plain_loop():
+    """BF16 params (the LayerNorm kept in FP32), FP32 masters, fused AdamW, gradient clipping
+    after unscaling, a NaN step skipped on the device with the schedule held still."""
+    plugin = mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+    model = Tiny(overflow_at={5})
+    t = trainer(plugin, 3, gradient_clip_val=0.05)
+    t.fit(model, loader())
+    assert model.net[0].weight.dtype == torch.bfloat16
+    assert model.net[1].weight.dtype == torch.float32
+    assert isinstance(t.optimizers[0], mpext.MixedPrecisionOptimizer)
+    masters, lrs, _, norms = reference(torch.bfloat16, 12, overflow_at={5}, clip=0.05)
+    assert sum(n > 0.05 for n in norms) >= 3  # clipping really engaged
+    assert_masters_close(plugin_masters(t), masters)
+    assert model.lrs == lrs
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == 11  # 12 steps, one skipped
+
+
+def test_fp16_trainer_loss_scaling_against_plain_loop():
+    """FP16 params, dynamic loss scale (torch's rule, here from 1024 with growth every 3
+    steps), two overflowing steps skipped: same masters, rates and scale as the plain loop."""
+    plugin = mpext.lightning.MixedPrecision("fp16", keep_fp32=["net.1"], init_scale=1024.0,
+                                            growth_interval=3)
+    model = Tiny(overflow_at={2, 7})
+    t = trainer(plugin, 3, gradient_clip_val=1.0)
+    t.fit(model, loader())
+    masters, lrs, scale, _ = reference(torch.float16, 12, overflow_at={2, 7}, clip=1.0,
+                                       scale=1024.0, growth_interval=3)
+    assert_masters_close(plugin_masters(t), masters)
+    assert model.lrs == lrs
+    assert t.optimizers[0].get_scale() == scale
+    assert t.optimizers[0].scaler.get_skipped_steps() == 2
+
+
+def test_resume_from_checkpoint_is_bit_identical(tmp_path):
+    """FP16 with skips in both halves: 2 epochs, checkpoint, a new Trainer resumes for 2 more;
+    params, masters, moments, loss scale and schedule equal an uninterrupted 4-epoch run bit for
+    bit."""
+    def plugin():
+        return mpext.lightning.MixedPrecision("fp16", init_scale=512.0, growth_interval=3)
+
+    full = Tiny(overflow_at={1, 10})
+    t_full = trainer(plugin(), 4, gradient_clip_val=0.5)
+    t_full.fit(full, loader())
+
+    first = Tiny(overflow_at={1, 10})
+    t1 = trainer(plugin(), 2, gradient_clip_val=0.5)
+    t1.fit(first, loader())
+    ckpt = str(tmp_path / "half.ckpt")
+    t1.save_checkpoint(ckpt)
+
+    resumed = Tiny(overflow_at={1, 10})
+    t2 = trainer(plugin(), 4, gradient_clip_val=0.5)
+    t2.fit(resumed, loader(), ckpt_path=ckpt)
+
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert a.dtype == torch.float16 and torch.equal(a, b)
+    for a, b in zip(plugin_masters(t_full), plugin_masters(t2)):
+        assert torch.equal(a, b)
+    sa, sb = t_full.optimizers[0].state_dict(), t2.optimizers[0].state_dict()
+    for i, st in sa["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, sb["optimizer"]["state"][i][k]), (i, k)
+    assert sa["scaler"] == sb["scaler"]
+    assert full.lrs[8:] == resumed.lrs
+    assert t2.lr_scheduler_configs[0].scheduler.last_epoch == 14
+
+
+def test_manual_optimization_and_value_clipping_refused():
+    class Manual(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, i):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(super().training_step(batch, i))
+            opt.step()
+            self.lr_schedulers().step()
+
+    model = Manual()
+    t = trainer(mpext.lightning.MixedPrecision("fp16", init_scale=256.0), 1)
+    t.fit(model, loader())
+    masters, _, _, _ = reference(torch.float16, 4, scale=256.0, growth_interval=2000)
+    # the plugin converts the LayerNorm too here (no keep_fp32): compare the Linear layers
+    got = plugin_masters(t)
+    for i in (0, 1, 4, 5):
+        torch.testing.assert_close(got[i], masters[i], rtol=1e-3, atol=1e-4)
+
+    t = trainer(mpext.lightning.MixedPrecision("bf16"), 1, gradient_clip_val=0.1,
+                gradient_clip_algorithm="value")
+    with pytest.raises(NotImplementedError, match="'norm'"):
+        t.fit(Tiny(), loader())
+
+
+def test_fabric_explicit_wrapper_checkpoint_resume(tmp_path):
+    """Fabric: setup_module, then the plugin's wrapper to setup_optimizers; the wrapper's
+    state_dict holds the masters and the scale, so fabric.save/load resume bit for bit."""
+    def run(steps, plugin, start=0, load=None, save=None):
+        fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = fabric.setup_module(net())
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        sched = S.LambdaLR(opt, warmup)
+        opt = fabric.setup_optimizers(plugin.wrap_optimizer(opt))
+        state = {"model": model, "optimizer": opt, "sched": sched}
+        if load:
+            fabric.load(load, state)
+        for step in range(steps):
+            x, y = X[:BATCH], Y[:BATCH]
+            loss = F.mse_loss(model(x), y)
+            if (start + step) == 2:
+                loss = loss * float("inf")
+            fabric.backward(loss)
+            plugin.clip_gradients(opt, 0.5)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if save:
+            fabric.save(save, state)
+        return model, opt, sched
+
+    def plugin():
+        return mpext.lightning.MixedPrecision("fp16", init_scale=512.0)
+
+    full_model, full_opt, full_sched = run(6, plugin())
+    assert full_model.module[0].weight.dtype == torch.float16
+    assert full_opt.optimizer.scaler.get_skipped_steps() == 1
+    path = str(tmp_path / "fabric.ckpt")
+    run(3, plugin(), save=path)
+    model, opt, sched = run(3, plugin(), start=3, load=path)
+    for a, b in zip(full_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert full_opt.optimizer.get_scale() == opt.optimizer.get_scale()
+    assert full_sched.last_epoch == sched.last_epoch == 5
+
+
+def test_fabric_lazy_wrap_bf16_and_clip_gradients_refused():
+    plugin = mpext.lightning.MixedPrecision("bf16")
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = net()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    loss = F.mse_loss(model(X[:BATCH]), Y[:BATCH])
+    assert loss.dtype == torch.float32  # outputs back in FP32
+    fabric.backward(loss)
+    with pytest.raises(RuntimeError, match="plugin.clip_gradients"):
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="first step"):
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # a NaN step changes nothing
+    opt.zero_grad()
+    fabric.backward(F.mse_loss(model(X[:BATCH]), Y[:BATCH]) * float("nan"))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert bool(S.step_was_skipped(plugin.wrap_optimizer(opt)))
+
+
+def test_lightning_own_plugins_refuse_what_mpext_does():
+    """What docs/integrations.md says Lightning's own plugins lack, checked on the installed
+    Lightning: bf16-mixed refuses any scaler (no inf/NaN skip in BF16); 16-mixed refuses
+    clipping with an optimizer that unscales in its step (mpext's fused AdamW)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision as LMP
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    with pytest.raises(MisconfigurationException, match="does not use a scaler"):
+        LMP("bf16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    fp16 = LMP("16-mixed", "cpu")
+    opt = mpext.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        fp16.clip_gradients(opt, 1.0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="precision"):
+        mpext.lightning.MixedPrecision("fp8")
+    with pytest.raises(TypeError, match="unknown option"):
+        mpext.lightning.MixedPrecision("fp16", growth=3)
+    with pytest.raises(TypeError, match="keep_fp32"):
+        mpext.lightning.MixedPrecision("bf16", keep_fp32=[3])
+    plugin = mpext.lightning.MixedPrecision("bf16")
+    model = net()
+    with pytest.raises(ValueError, match="not converted"):
+        plugin.wrap_optimizer(torch.optim.AdamW(model.parameters()))
+    fp16 = mpext.lightning.MixedPrecision("fp16")
+    m = fp16.convert_module(net())
+    fp16.wrap_optimizer(torch.optim.AdamW(m[0].parameters()))
+    with pytest.raises(NotImplementedError, match="several optimizers"):
+        fp16.wrap_optimizer(torch.optim.AdamW(m[3].parameters()))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The examples of docs/integrations.md, run as users run them (in process, smaller).
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_example_lightning_train_and_resume(tmp_path, precision):
+    run = example("lightning_train").main
+    small = ["--precision", precision, "--samples", "256"]
+    full = run(small + ["--epochs", "4"])
+    assert full["skipped_steps"] >= 1 and full["applied_steps"] == 16 - full["skipped_steps"]
+    assert full["param_dtype"] == "torch." + {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    ckpt = str(tmp_path / "half.ckpt")
+    run(small + ["--epochs", "2", "--save", ckpt])
+    assert same_run(run(small + ["--epochs", "4", "--resume", ckpt]), full, precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_example_fabric_train_and_resume(tmp_path, precision):
+    run = example("fabric_train").main
+    small = ["--precision", precision, "--total", "20"]
+    full = run(small + ["--steps", "20"])
+    assert full["skipped_steps"] >= 1 and full["applied_steps"] == 20 - full["skipped_steps"]
+    ckpt = str(tmp_path / "half.ckpt")
+    run(small + ["--steps", "10", "--save", ckpt])
+    assert same_run(run(small + ["--steps", "10", "--start", "10", "--resume", ckpt]), full,
+                    precision)
