@@ -40,7 +40,8 @@ bench: build
 
 env: $(ENV_TARGET)
 
-$(VENV)/.stamp:
+# Remade when the Makefile changes, so that a dependency added here reaches an existing .venv.
+$(VENV)/.stamp: Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade $(BUILD_DEPS)
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
@@ -52,7 +53,7 @@ $(VENV)/.stamp:
 env-external:
 	@$(PY) -c "import torch" 2>/dev/null || { echo "PYTHON=$(PY) has no torch: install PyTorch into it first" >&2; exit 1; }
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
-	@for m in numpy hypothesis matplotlib tqdm ninja; do \
+	@for m in numpy hypothesis matplotlib tqdm ninja lightning accelerate transformers; do \
 	  $(PY) -c "import $$m" 2>/dev/null || $(PY) -m pip install -q $$m 2>/dev/null || \
 	  echo "note: $$m is not installed and could not be; what needs it is skipped"; done
 
