@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mpext.memory import BENCH_GPT_PRESETS
+
 __all__ = ["GPTConfig", "PRESETS", "GPT", "Linear", "load_corpus", "corpus_text", "get_batch",
            "split_corpus", "count_params", "unigram_entropy"]
 
@@ -71,16 +73,10 @@ class GPTConfig:
         return cls(vocab_size=vocab_size, **kw)
 
 
-# Model sizes (vocab_size comes from the corpus). Parameter counts for the 42-character corpus
-# vocabulary: tiny 0.06M, small 0.11M, gpu 10.8M.
-PRESETS: Dict[str, dict] = {
-    # unit tests and --quick: a few milliseconds per step on a CPU core
-    "tiny": dict(block_size=32, n_layer=2, n_head=2, n_embd=48),
-    # the default CPU convergence benchmark
-    "small": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
-    # a GPU run (the classic character-level GPT size)
-    "gpu": dict(block_size=256, n_layer=6, n_head=6, n_embd=384),
-}
+# Model sizes, by preset (vocab_size comes from the corpus): the memory calculator's, which knows
+# them as bench-<preset>. Parameter counts for the 42-character corpus vocabulary: tiny 0.06M,
+# small 0.11M, gpu 10.8M.
+PRESETS: Dict[str, dict] = BENCH_GPT_PRESETS
 
 
 # ---------------------------------------------------------------------------------------------

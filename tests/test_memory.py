@@ -189,8 +189,8 @@ def test_presets_published_counts(name, count):
 
 
 def test_bench_presets_match_benchmarks_gpt():
-    """bench-<preset> follows benchmarks/gpt.py, and its parameter count (the GPT formula) is
-    that of the real model."""
+    """benchmarks/gpt.py builds bench-<preset> on its corpus's vocabulary, and the calculator's
+    parameter count (the GPT formula) is that of the real model."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import gpt
