@@ -11,6 +11,7 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from .memory_estimate import (BENCH_GPT_PRESETS, BENCH_GPT_VOCAB, MODELS, MODES,  # noqa: F401
@@ -228,9 +229,21 @@ def plot(results: Sequence[Breakdown], path: str, title: str = "") -> str:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # to ``path`` as given, even without an extension
     plt.close(fig)
     return path
+
+
+def _check_png(parser: argparse.ArgumentParser, path: str) -> None:
+    """Rejects a ``--png`` that cannot be written before anything is printed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("argument --png: needs matplotlib (pip install matplotlib)")
+    if Path(path).is_dir():
+        parser.error("argument --png: %s is a folder" % path)
+    if not Path(path).parent.is_dir():
+        parser.error("argument --png: the folder %s does not exist" % Path(path).parent)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -239,6 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     results = _configs(args, parser)
+    if args.png:
+        _check_png(parser, args.png)
     what = args.model or "%s params" % format(results[0].params, ",")
     title = "%s, %s, world size %d" % (what, args.optimizer, args.world_size)
     if args.json:
@@ -254,7 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     "--batch --seq --hidden --layers --heads)"))
         print("Per-step rows exist only while a step runs; see docs/memory.md for each row.")
     if args.png:
-        plot(results, args.png, title)
+        try:
+            plot(results, args.png, title)
+        except OSError as exc:
+            parser.error("argument --png: cannot write %s: %s" % (args.png, exc.strerror or exc))
         print("wrote %s" % args.png, file=sys.stderr)
     return 0
 

@@ -288,6 +288,43 @@ def test_cli_png(capsys, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_png_path_without_extension(capsys, tmp_path):
+    """The chart goes to exactly the path given, and the message names that file."""
+    pytest.importorskip("matplotlib", reason="the --png chart needs matplotlib")
+    path = tmp_path / "mem"
+    code, _, err = run_main(capsys, "--params", "1e6", "--png", str(path))
+    assert code == 0 and "wrote %s" % path in err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "mem.png").exists()
+
+
+def test_cli_png_missing_folder(capsys, tmp_path):
+    path = tmp_path / "no" / "such" / "mem.png"
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--png", str(path)])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert "argument --png: the folder %s does not exist" % path.parent in out.err
+    assert out.out == ""  # rejected before anything is printed
+
+
+def test_cli_png_into_a_folder(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--png", str(tmp_path)])
+    assert e.value.code == 2
+    assert "argument --png: %s is a folder" % tmp_path in capsys.readouterr().err
+
+
+def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--png", str(tmp_path / "mem.png")])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert "argument --png: needs matplotlib" in out.err and out.out == ""
+    assert not (tmp_path / "mem.png").exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--params", "-7e9"], "argument --params: must be >= 1, got '-7e9'"),
     (["--params", "-7B"], "argument --params: must be >= 1, got '-7B'"),
