@@ -8,6 +8,7 @@ per mode and optimizer on the CPU, the live tensors measured storage by storage 
 with the estimate (within 10%)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -360,6 +361,17 @@ def test_python_m_runs():
     assert "llama-7b" in ok.stdout and "| **persistent**" in ok.stdout
     bad = _python_m("--params", "-1")
     assert bad.returncode == 2 and "argument --params: must be >= 1" in bad.stderr
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/memory.md"])
+def test_documented_output_is_the_real_output(capsys, doc):
+    """Every ``$ python -m mpext.memory ...`` block of the docs shows what that command prints."""
+    text = (REPO / doc).read_text()
+    blocks = re.findall(r"```console\n\$ python -m mpext\.memory ([^\n]*)\n(.*?)```", text, re.S)
+    assert blocks, "no command output shown in %s" % doc
+    for argv, shown in blocks:
+        code, out, _ = run_main(capsys, *argv.split())
+        assert code == 0 and out == shown, argv
 
 
 # ---------------------------------------------------------------------------------------------
