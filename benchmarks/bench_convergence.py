@@ -52,16 +52,16 @@ if __package__ in (None, ""):
 
 import torch
 
-import mpext
 from common import (Context, PhaseClock, markdown_table, payload_header, report_footer,
                     run_standalone, save_figure, section_head, stopwatch, write_json, write_text)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
+from training import Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16, FP16 = torch.bfloat16, torch.float16
 
 # key, label
 MODES = [
@@ -76,9 +76,6 @@ MODE_KEYS = [k for k, _ in MODES]
 LABEL = dict(MODES)
 SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16 + GradScaler",
          "mpext_bf16": "mpext BF16", "mpext_fp16": "mpext FP16", "bf16_naive": "naive BF16"}
-PARAM_DTYPE = {"fp32": FP32, "amp_bf16": FP32, "amp_fp16": FP32, "mpext_bf16": BF16,
-               "mpext_fp16": FP16, "bf16_naive": BF16}
-AUTOCAST = {"amp_bf16": BF16, "amp_fp16": FP16}
 MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 
 TOLERANCE = 0.02        # modes 4 and 5 within 2% of FP32; mode 6 worse by more than this
@@ -138,27 +135,6 @@ class ConvergenceError(AssertionError):
 # One training run
 
 
-def _make_optimizer(mode: str, model: torch.nn.Module, st: Setting, device: torch.device):
-    kw = dict(lr=st.lr, betas=st.betas, weight_decay=st.weight_decay)
-    if mode == "amp_bf16":
-        return torch.optim.AdamW(model.parameters(), fused=True, **kw), None
-    if mode == "amp_fp16":
-        scaler = torch.amp.GradScaler(device.type, init_scale=st.init_scale,
-                                      growth_interval=st.growth_interval)
-        return torch.optim.AdamW(model.parameters(), **kw), scaler
-    if mode in MPEXT_MODES:
-        if not hasattr(mpext, "MixedPrecisionOptimizer"):
-            raise RuntimeError("mode %s needs mpext.MixedPrecisionOptimizer, which this build of "
-                               "mpext does not have" % mode)
-        inner = torch.optim.AdamW(model.parameters(), **kw)
-        if mode == "mpext_fp16":
-            return mpext.MixedPrecisionOptimizer(inner, loss_scale="dynamic",
-                                                 init_scale=st.init_scale,
-                                                 growth_interval=st.growth_interval), None
-        return mpext.MixedPrecisionOptimizer(inner, loss_scale=None), None
-    return torch.optim.AdamW(model.parameters(), **kw), None  # fp32, bf16_naive
-
-
 def _half_ulp_bf16(p: torch.Tensor) -> torch.Tensor:
     """Half the spacing of BF16 numbers at each element of the FP32 ``p`` (an update smaller
     than this leaves ``p.to(bfloat16)`` unchanged)."""
@@ -197,62 +173,52 @@ class Run:
 
 
 @torch.no_grad()
-def evaluate(model, mode: str, batches, device) -> float:
+def evaluate(tr: Trainer, batches) -> float:
     """Mean loss over the fixed validation batches, in the mode's own precision."""
-    model.eval()
+    tr.model.eval()
     total = 0.0
     for x, y in batches:
-        with torch.autocast(device.type, dtype=AUTOCAST.get(mode, BF16),
-                            enabled=mode in AUTOCAST):
-            _, loss = model(x, y)
+        with tr.autocast():
+            _, loss = tr.model(x, y)
         total += float(loss)
-    model.train()
+    tr.model.train()
     return total / len(batches)
 
 
 def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, device, *,
           lr: Optional[float] = None, fp32_gemm: bool = False, track_updates: bool = False,
           keep_grads: bool = False, bar=None) -> Run:
-    """Trains one mode from the shared initial weights on the shared batch sequence."""
+    """Trains one mode (training.MODES) from the shared initial weights on the shared batch
+    sequence."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr)
     torch.manual_seed(st.seed)
-    model = GPT(cfg, fp32_gemm=fp32_gemm)  # FP32 init, identical for every mode
-    model.to(device=device, dtype=PARAM_DTYPE[mode])
-    opt, scaler = _make_optimizer(mode, model, st, device)
-    params = list(model.parameters())
+    tr = Trainer.for_mode(mode, GPT(cfg, fp32_gemm=fp32_gemm), device,  # FP32 init for all
+                          lr=st.lr, betas=st.betas, weight_decay=st.weight_decay,
+                          fused=mode == "amp_bf16",
+                          scaler_options=dict(init_scale=st.init_scale,
+                                              growth_interval=st.growth_interval))
+    params = tr.params
     gen = torch.Generator().manual_seed(st.data_seed)
-    ac_dtype = AUTOCAST.get(mode)
     t0 = time.perf_counter()
     for step in range(st.steps):
-        for group in opt.param_groups:
+        for group in tr.opt.param_groups:
             group["lr"] = st.lr_at(step, lr)
         x, y = get_batch(train_data, st.batch_size, cfg.block_size, gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=ac_dtype or BF16, enabled=ac_dtype is not None):
-            _, loss = model(x, y)
+        with tr.autocast():
+            _, loss = tr.model(x, y)
         before = [p.detach().clone() for p in params] if track_updates else None
-        if mode == "amp_fp16":
-            s_before = scaler.get_scale()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            s_after = scaler.get_scale()
-            run.scale.append(s_before)
-            if s_after < s_before:
+        scale = tr.get_scale()  # the scale this step's backward uses
+        tr.backward(loss)
+        if keep_grads and step == st.steps - 1:
+            run.final_grads = [p.grad.detach().clone() for p in params]
+        applied = tr.step()
+        if scale is not None:
+            run.scale.append(scale)
+            # torch's GradScaler says nothing of a skip but lowers its scale
+            if (not bool(applied)) if applied is not None else tr.get_scale() < scale:
                 run.skipped.append(step)
-        elif mode in MPEXT_MODES:
-            s_before = opt.get_scale()
-            opt.backward(loss)
-            applied = opt.step()
-            run.scale.append(s_before)
-            if not bool(applied):
-                run.skipped.append(step)
-        else:
-            loss.backward()
-            if keep_grads and step == st.steps - 1:
-                run.final_grads = [p.grad.detach().clone() for p in params]
-            opt.step()
         if track_updates:
             n = sum(p.numel() for p in params)
             if mode == "bf16_naive":
@@ -262,11 +228,10 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                 small = sum(int(((p.detach() - b).abs() < _half_ulp_bf16(b)).sum())
                             for p, b in zip(params, before))
                 run.below_half_ulp.append(small / n)
-        opt.zero_grad(set_to_none=True)
         run.train_loss.append(float(loss.detach()))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
-            run.eval_loss.append(evaluate(model, mode, val_batches, device))
+            run.eval_loss.append(evaluate(tr, val_batches))
             if not math.isfinite(run.eval_loss[-1]):
                 raise ConvergenceError("%s: validation loss became %r at step %d"
                                        % (mode, run.eval_loss[-1], step + 1))

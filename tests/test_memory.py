@@ -7,6 +7,7 @@ models; bad arguments (API and command line); and the agreement check: one real 
 per mode and optimizer on the CPU, the live tensors measured storage by storage and compared
 with the estimate (within 10%)."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -22,6 +23,10 @@ from mpext import memory
 from mpext.memory import MODES, OPTIMIZERS, estimate
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpt  # noqa: E402  (benchmarks/gpt.py: the model and corpus)
+import training  # noqa: E402  (benchmarks/training.py: the training modes)
 
 # Bytes per param of (weights, gradients, master weights), written out per mode by hand.
 MODE_BYTES = {
@@ -192,11 +197,6 @@ def test_presets_published_counts(name, count):
 def test_bench_presets_match_benchmarks_gpt():
     """benchmarks/gpt.py builds bench-<preset> on its corpus's vocabulary, and the calculator's
     parameter count (the GPT formula) is that of the real model."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpt
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
     _, vocab = gpt.load_corpus()
     assert [n for n in memory.model_names() if n.startswith("bench-")] == \
         ["bench-" + k for k in gpt.PRESETS]
@@ -494,3 +494,34 @@ def test_agreement_with_a_real_step(mode, optimizer, wrapper):
     assert got["master_weights"] == want.master_weights
     assert got["optimizer_states"] == want.optimizer_states
     assert got["scaler"] >= want.scaler  # scale and growth tracker (+ mpext extras)
+
+
+@pytest.mark.parametrize("key", [k for k, m in training.MODES.items() if m.memory_mode])
+def test_agreement_gpt_training_modes(key):
+    """The modes of benchmarks/bench_train.py (benchmarks/training.py) on gpt.py's tiny model,
+    whose head is tied to its embedding: each trains (finite, falling loss, dtype kept), and
+    after a step the live tensors agree with the estimate as the benchmark requires (within 10%
+    in total, the large components exact)."""
+    data, vocab = gpt.load_corpus(60_000)
+    cfg = gpt.GPTConfig.preset("tiny", len(vocab))
+    torch.manual_seed(0)
+    tr = training.Trainer.for_mode(key, gpt.GPT(cfg, fp32_gemm=True), lr=3e-3,
+                                   weight_decay=0.01, fused=True,
+                                   scaler_options=dict(init_scale=2.0 ** 10))
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for i in range(21):
+        x, y = gpt.get_batch(data, 4, cfg.block_size, g)
+        with tr.autocast():
+            _, loss = tr.model(x, y)
+        tr.backward(loss)
+        tr.step(zero_grad=i < 20)  # the last step keeps its gradients, as the benchmark measures
+        losses.append(float(loss.detach()))
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) / 3 < losses[0], losses
+    assert all(p.dtype == training.MODES[key].param_dtype for p in tr.params)
+    got = memory.measure(tr.params, tr.opt, tr.scaler)
+    n = sum(p.numel() for p in tr.model.parameters())
+    want = estimate(n, "adamw", training.MODES[key].memory_mode)
+    assert abs(sum(got.values()) - want.persistent) <= 0.10 * want.persistent, (got, want)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+        assert got[field] == getattr(want, field), field
