@@ -1,55 +1,9 @@
-"""Training step, end to end: a GPT-style model (gpt.py) trained in six modes, same model, same
-data, same seeds, timed per iteration with the peak memory and the persistent bytes per
-parameter of each mode, next to mpext.memory's prediction (issue 6).
-
-Modes (AdamW everywhere, lr 1e-3, weight decay 0.01; FP16 loss scales start at 2^10):
-
-- ``fp32``: FP32 params and activations, ``torch.optim.AdamW(fused=True)``;
-- ``amp_bf16``: native AMP: FP32 params, ``torch.autocast(bfloat16)``, ``AdamW(fused=True)``;
-- ``amp_fp16``: native AMP: FP32 params, ``torch.autocast(float16)``, ``torch.amp.GradScaler``
-  and ``AdamW(fused=True)`` (the scaler hands the fused step its scale: no host sync);
-- ``mpext_bf16``: BF16 params, ``mpext.MixedPrecisionOptimizer(torch.optim.AdamW)``: FP32
-  masters, the step one fused ``adam_step_`` pass that reads the BF16 gradients;
-- ``mpext_fp16``: FP16 params, ``MixedPrecisionOptimizer(AdamW, loss_scale="dynamic")``;
-- ``mpext_optim_fp16``: FP16 params, ``mpext.optim.AdamW`` (its own masters) driven by
-  ``mpext.GradScaler``.
-
-A step is: forward (with the loss), backward, optimizer step, ``zero_grad(set_to_none=True)``.
-Batches come from a pool made once (the same sequence for every mode). Time per iteration: the
-median over samples after warm-up, the modes interleaved round by round (``common.time_fns``),
-CUDA events on a GPU. "vs AMP BF16" = AMP BF16's time / the mode's time (> 1: faster); the FP16
-modes are also compared with AMP FP16.
-
-Memory, per mode: **persistent** bytes per parameter measured from the live tensors after a step
-(``mpext.memory.measure``: weights, gradients, masters, optimizer states, scaler and other small
-tensors, each storage once) next to ``mpext.memory.estimate`` for the same parameter count and
-mode; **peak** during a step = the persistent tensors that outlive ``zero_grad`` plus the most
-the step allocates on top of them (the profiler's allocation records on CPU, the caching
-allocator's peak on CUDA), next to the estimate's total (persistent + activations by
-Korthikanti et al.'s formula + autocast copies).
-
-Check before the report (a failure raises): the measured persistent memory of every mode agrees
-with the estimate within 10% (tests/test_memory.py also trains every mode and checks it).
-
-Sizes: CPU: the ``tiny`` and ``small`` presets and ``wide`` (4 layers x 512, 12.6M params, one
-sequence of 32 tokens: few tokens per parameter, so the per-parameter work, optimizer step and
-weight casts, weighs as it does in large-model training) (``--quick``: ``tiny`` only, fewer
-samples); GPU: ``small``, ``gpu`` and ``gpt2-body`` (GPT-2 small's 12 layers x 768 on the
-character vocabulary, 85M params; ``--quick``: ``gpu`` only).
-
-On the CPU the linear layers' BF16/FP16 GEMMs are computed in FP32 from operands rounded to
-BF16/FP16 (gpt.Linear, as the convergence benchmark does): on CPUs without AVX512-BF16/AMX
-PyTorch's BF16/FP16 GEMMs are 10-30x slower than FP32 ones and would bury every other cost
-(native AMP and mpext alike: measured 1.2 s per step on ``wide`` instead of 0.1 s). Each side
-pays one extra pass per weight for it (AMP's autocast copy is rounded and then widened, mpext's
-BF16 weight widened), so the difference between them, AMP's per-forward weight cast, stays.
-``--native-lowp-gemm`` uses PyTorch's own low-precision GEMMs instead.
+"""Training step, end to end: gpt.py's model trained in six modes (FP32, native AMP, mpext), the
+same model, data and seeds, timed per iteration, with the peak memory and the persistent bytes
+per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes, columns and
+files: benchmarks/README.md, "Training step".
 
     python benchmarks/bench_train.py [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
-
-Files: results/bench_train.{json,md}, results/train_step_time.png (time per iteration vs model
-size, the ratio to AMP BF16, the loss of the timed steps), results/train_memory.png (stacked
-bars per mode, measured and predicted).
 """
 import dataclasses
 import itertools
@@ -62,9 +16,9 @@ if __package__ in (None, ""):
 import torch
 
 from mpext import memory
-from common import (Context, MiB, Timing, figure_title, fmt_ms, free_memory, markdown_table,
-                    payload_header, peak_memory_many, plot_lines, report_footer, run_standalone,
-                    save_figure, section_head, stopwatch, write_json, write_text)
+from common import (Context, MiB, PhaseClock, Timing, check, figure_title, fmt_ms, free_memory,
+                    markdown_table, payload_header, peak_memory_many, plot_lines, report_footer,
+                    results, run_standalone, save_figure, section_head)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 import training
 
@@ -98,10 +52,6 @@ SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {}), _WIDE],
          "cpu_quick": [("tiny", "tiny", 4, {})],
          "cuda": [("small", "small", 64, {}), ("gpu", "gpu", 64, {}), _GPT2_BODY],
          "cuda_quick": [("gpu", "gpu", 32, {})]}
-
-
-class CorrectnessError(AssertionError):
-    pass
 
 
 class Run:
@@ -152,8 +102,9 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
     for k, tr in trainers.items():
         got = persistent[k]
         est = memory.estimate(n, "adamw", training.MODES[k].memory_mode, batch=batch,
-                              seq=cfg.block_size, hidden=cfg.n_embd, layers=cfg.n_layer,
-                              heads=cfg.n_head, vocab=cfg.vocab_size, dropout=cfg.dropout > 0)
+                              seq=cfg.block_size,
+                              hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head,
+                              vocab=cfg.vocab_size, dropout=cfg.dropout > 0)
         total = sum(got.values())
         peak = None if extra[k] is None else total - got["gradients"] + extra[k]
         t = times[k]
@@ -191,26 +142,23 @@ def run(ctx: Context) -> dict:
     kind = ("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")
     sizes = SIZES[kind]
     data, vocab = load_corpus()
-    results, misses, phases = [], [], {}
-    with stopwatch() as elapsed:
-        with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
-            for size in sizes:
-                t0 = elapsed()
-                results.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
-                phases[size[0]] = elapsed() - t0
-        seconds = elapsed()
+    out, misses, phase = [], [], PhaseClock()
+    with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
+        for size in sizes:
+            out.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
+            phase(size[0])
+    seconds, phases = phase.elapsed(), phase.times
 
-    for res in results:
+    for res in out:
         for k, m in res["modes"].items():
-            if abs(m["agreement"]) > AGREEMENT:
-                raise CorrectnessError(
-                    "%s, %s: measured persistent memory %.2f B/param vs mpext.memory's %.2f "
-                    "(%+.1f%%, limit %d%%)" % (res["preset"], k, m["persistent_per_param_total"],
-                                               m["predicted_per_param"], 100 * m["agreement"],
-                                               round(100 * AGREEMENT)))
+            check(abs(m["agreement"]) <= AGREEMENT,
+                  "%s, %s: measured persistent memory %.2f B/param vs mpext.memory's %.2f "
+                  "(%+.1f%%, limit %d%%)" % (res["preset"], k, m["persistent_per_param_total"],
+                                             m["predicted_per_param"], 100 * m["agreement"],
+                                             round(100 * AGREEMENT)))
     # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the CPU,
     # faster on a GPU; its persistent memory per param no more than AMP BF16's.
-    for res in results:
+    for res in out:
         mp, amp = res["modes"]["mpext_bf16"], res["modes"]["amp_bf16"]
         speed_ok = mp["vs_amp_bf16"] > 1.0 if ctx.is_cuda else mp["vs_amp_bf16"] >= 1.0
         mem_ok = _main_per_param(mp) <= _main_per_param(amp)
@@ -222,16 +170,12 @@ def run(ctx: Context) -> dict:
             misses.append("%s: mpext BF16 keeps %.2f B/param > AMP BF16's %.2f" % (
                 res["preset"], _main_per_param(mp), _main_per_param(amp)))
 
-    markdown = _markdown(ctx, results, misses, seconds, phases, fp32_gemm)
+    markdown = _markdown(ctx, out, misses, seconds, phases, fp32_gemm)
     payload = {**payload_header(ctx, NAME, TITLE, ctx.device, seconds, phases, None),
                "fp32_gemm": fp32_gemm, "lr": LR, "weight_decay": WEIGHT_DECAY,
-               "init_scale": INIT_SCALE, "sizes": results, "targets_missed": misses}
-    files = [write_json(ctx.out_dir / (NAME + ".json"), payload),
-             write_text(ctx.out_dir / (NAME + ".md"), markdown)]
-    if ctx.plots:
-        files += [_plot_time(ctx, results), _plot_memory(ctx, results[-1])]
-    return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": misses}
+               "init_scale": INIT_SCALE, "sizes": out, "targets_missed": misses}
+    return results(ctx, NAME, markdown, payload, seconds, misses,
+                   lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
 
 
 def _main_per_param(m):
@@ -255,11 +199,8 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
         rows = []
         for k, m in res["modes"].items():
             b = m["persistent_bytes_per_param"]
-            t = m["timing"]
             rows.append([
-                SHORT[k], fmt_ms(Timing(median=t["median_s"], q1=t["q1_s"], q3=t["q3_s"],
-                                        min=t["min_s"], max=t["max_s"], inner=t["inner"],
-                                        samples=t["samples_s"])),
+                SHORT[k], fmt_ms(Timing.from_json(m["timing"])),
                 _ratio(m["vs_amp_bf16"]), _ratio(m["vs_amp_fp16"]),
                 "—" if m["peak_bytes"] is None else "%.1f (%.1f)" % (
                     m["peak_bytes"] / MiB, m["predicted_peak_bytes"] / MiB),
@@ -273,23 +214,13 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
                    res["preset"], "{:,}".format(res["params"]), res["batch"],
                    res["config"]["block_size"]), "",
                markdown_table(headers, rows), ""]
-    md += ["Median ms per iteration (forward, backward, optimizer step, zero_grad) ± half the "
-           "IQR over %d samples after warm-up, all modes interleaved; ratios > 1: faster than "
-           "native AMP. Persistent: measured after a step from the live tensors (each storage "
-           "once), per parameter; agreement: measured / mpext.memory.estimate - 1 (checked "
-           "within ±%d%%). Peak: persistent tensors that outlive zero_grad + the most a step "
-           "allocates on top (%s), in parentheses the estimate (persistent + Korthikanti "
-           "activations + autocast copies). AdamW lr %g, weight decay %g, FP16 loss scales "
-           "start at %g; skipped: steps mpext's scaler skipped (torch's does not count).%s"
-           % (ctx.repeats, round(100 * AGREEMENT),
-              "CUDA allocator peak" if ctx.is_cuda else "CPU profiler allocation records",
-              LR, WEIGHT_DECAY, INIT_SCALE,
-              " BF16/FP16 GEMMs computed in FP32 from operands rounded to BF16/FP16 "
-              "(gpt.Linear), because this CPU's own low-precision GEMMs are 10-30x slower than "
-              "FP32 and would bury every other cost (--native-lowp-gemm to use them)."
-              if fp32_gemm else (" CPU without AVX512-BF16/AMX: BF16/FP16 GEMMs are slow for "
-                                 "every mixed mode alike, compare AMP and mpext with each other."
-                                 if not ctx.is_cuda else "")), ""]
+    md += ["%d samples per mode; peak from the %s; %s. Method, modes and columns: "
+           "benchmarks/README.md, \"Training step\"."
+           % (ctx.repeats, "CUDA allocator peak" if ctx.is_cuda else
+              "CPU profiler's allocation records",
+              "BF16/FP16 GEMMs computed in FP32 from operands rounded to BF16/FP16 (gpt.Linear; "
+              "--native-lowp-gemm for PyTorch's own)" if fp32_gemm else
+              ("PyTorch's own BF16/FP16 GEMMs" if not ctx.is_cuda else "CUDA GEMMs")), ""]
     md += report_footer(NAME, misses, seconds, phases)
     return "\n".join(md)
 
