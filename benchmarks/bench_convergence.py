@@ -2,7 +2,7 @@
 trained on the generated corpus in six modes (FP32, native AMP BF16/FP16, mpext BF16/FP16, naive
 BF16 without master weights) from the same weights, on the same batches, with the same schedule;
 its validation loss, BF16's lost updates and the FP16 gradient underflow. Method, criteria and
-files: benchmarks/README.md, "Convergence"; how to read the plots: docs/convergence.md.
+how to read the plots: docs/convergence.md (and benchmarks/README.md, "Convergence").
 
     python benchmarks/bench_convergence.py [--quick] [--device auto|cpu|cuda] [--modes ...]
 """
@@ -554,10 +554,10 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
                "to BF16/FP16 (gpt.Linear); everything else in the real dtypes.", ""]
     md += [markdown_table(headers, rows), ""]
     md += ["Criterion: modes 4 and 5 within ±%d%% of FP32's final loss; mode 6 measurably worse "
-           "(more than %d%% above FP32)%s. Method and criteria: benchmarks/README.md, "
-           "\"Convergence\"." % (round(100 * TOLERANCE), round(100 * TOLERANCE),
-                                 "" if meaningful else "; **(n/m): not meaningful with --quick** "
-                                 "(a tiny model for %d steps; no low-lr rerun)" % st.steps)]
+           "(more than %d%% above FP32)%s. Method and criteria: docs/convergence.md."
+           % (round(100 * TOLERANCE), round(100 * TOLERANCE),
+              "" if meaningful else "; **(n/m): not meaningful with --quick** (a tiny model for "
+              "%d steps; no low-lr rerun)" % st.steps)]
     if low:
         md += ["", "Mode 6 was not more than 2%% worse at lr %g, so FP32, mpext BF16 and naive "
                "BF16 also ran at lr %g (rows \"low lr\", ratios to FP32 at that lr)."
