@@ -80,8 +80,13 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
             torch.save({"samples": samples, "skipped": skipped,
                         "params": sum(p.numel() for p in model.parameters())}, out_path)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Both ranks are done and the results saved: leave without tearing down. Freeing the DDP
+    # model after the group can run gloo's destructor with the GIL held while its loop thread
+    # waits for the GIL to free a tensor, a deadlock that hung the rank for good.
+    os._exit(0)
 
 
 def _measure(rounds: int, inner: int) -> dict:
