@@ -1,41 +1,8 @@
-"""Convergence: does mixed precision train as well as FP32? A small GPT character model (gpt.py)
-trained on the generated corpus in six modes, with the same initial weights, the same batches
-in the same order and the same learning-rate schedule:
-
-1. ``fp32``: FP32 params, ``torch.optim.AdamW`` (the reference);
-2. ``amp_bf16``: native AMP, BF16 autocast, FP32 params, ``torch.optim.AdamW(fused=True)``;
-3. ``amp_fp16``: native AMP, FP16 autocast, FP32 params, ``torch.amp.GradScaler`` + AdamW;
-4. ``mpext_bf16``: BF16 params, ``mpext.MixedPrecisionOptimizer(AdamW)`` (FP32 masters);
-5. ``mpext_fp16``: FP16 params, ``mpext.MixedPrecisionOptimizer(AdamW)``, dynamic loss scale;
-6. ``bf16_naive``: BF16 params updated by ``torch.optim.AdamW`` directly, no master weights
-   (the cautionary case: an update smaller than half a BF16 ulp of its weight is lost).
-
-Reported: the validation loss of each mode (the mean of the last ``final_k`` evaluation points
-on the held-out tenth of the corpus, the same fixed batches for every mode, each evaluated in its
-own precision), its ratio to FP32, whether modes 4 and 5 are within 2% of FP32 and whether mode
-6 is measurably (> 2%) worse, the skipped steps of the loss-scaled modes, and the time.
-Mode 6's damage is measured directly: the fraction of BF16 weights that a step leaves unchanged,
-next to the fraction of the FP32 reference's updates that are smaller than half a BF16 ulp of
-their weight. When the main setting does not show mode 6 worse, a second, lower learning rate
-(``LOW_LR_FACTOR`` x) is run for FP32, mpext BF16 and naive BF16, where lost updates dominate
-(not with ``--quick``, whose criteria are not meaningful anyway).
-
-Underflow demonstration: the FP32 gradients of the reference model at the end of training (a few
-batches), and the fraction of their non-zero elements that become zero, or subnormal, when cast
-to FP16 unscaled, when cast after multiplying by the dynamic loss scale the FP16 runs ended with,
-and when cast to BF16; drawn as a histogram of log2|g| against the FP16 and BF16 ranges.
-
-Files: results/convergence_loss.png (validation loss of all modes, the ratio to FP32 with the
-2% band, mode 6's lost-update fraction), results/convergence_fp16_scale.png (the loss scale of
-both FP16 modes per step, skipped steps marked), results/grad_underflow.png, plus
-results/bench_convergence.{json,md}. docs/convergence.md explains how to read them.
-
-CPU note: on a CPU without AVX512-BF16/AMX, PyTorch's BF16/FP16 matmuls run ~10x slower than
-FP32. There the linear layers' BF16/FP16 GEMMs are computed in FP32 from operands rounded to
-the low-precision dtype, the result rounded back (``gpt.Linear``; exact products and FP32
-accumulation, as a GPU tensor core does); everything else (params, gradients, activations,
-LayerNorm, attention, the optimizers) runs in the real dtype. ``--native-lowp-gemm`` turns it
-off; on CUDA the native GEMMs are always used.
+"""Convergence: does mixed precision train as well as FP32? gpt.py's small character model
+trained on the generated corpus in six modes (FP32, native AMP BF16/FP16, mpext BF16/FP16, naive
+BF16 without master weights) from the same weights, on the same batches, with the same schedule;
+its validation loss, BF16's lost updates and the FP16 gradient underflow. Method, criteria and
+how to read the plots: docs/convergence.md (and benchmarks/README.md, "Convergence").
 
     python benchmarks/bench_convergence.py [--quick] [--device auto|cpu|cuda] [--modes ...]
 """
@@ -52,16 +19,16 @@ if __package__ in (None, ""):
 
 import torch
 
-import mpext
-from common import (Context, PhaseClock, markdown_table, payload_header, report_footer,
-                    run_standalone, save_figure, section_head, stopwatch, write_json, write_text)
+from common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
+                    results, run_standalone, save_figure, section_head)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
+from training import Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16, FP16 = torch.bfloat16, torch.float16
 
 # key, label
 MODES = [
@@ -76,9 +43,6 @@ MODE_KEYS = [k for k, _ in MODES]
 LABEL = dict(MODES)
 SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16 + GradScaler",
          "mpext_bf16": "mpext BF16", "mpext_fp16": "mpext FP16", "bf16_naive": "naive BF16"}
-PARAM_DTYPE = {"fp32": FP32, "amp_bf16": FP32, "amp_fp16": FP32, "mpext_bf16": BF16,
-               "mpext_fp16": FP16, "bf16_naive": BF16}
-AUTOCAST = {"amp_bf16": BF16, "amp_fp16": FP16}
 MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 
 TOLERANCE = 0.02        # modes 4 and 5 within 2% of FP32; mode 6 worse by more than this
@@ -130,35 +94,6 @@ SETTINGS = {
 }
 
 
-class ConvergenceError(AssertionError):
-    pass
-
-
-# ---------------------------------------------------------------------------------------------
-# One training run
-
-
-def _make_optimizer(mode: str, model: torch.nn.Module, st: Setting, device: torch.device):
-    kw = dict(lr=st.lr, betas=st.betas, weight_decay=st.weight_decay)
-    if mode == "amp_bf16":
-        return torch.optim.AdamW(model.parameters(), fused=True, **kw), None
-    if mode == "amp_fp16":
-        scaler = torch.amp.GradScaler(device.type, init_scale=st.init_scale,
-                                      growth_interval=st.growth_interval)
-        return torch.optim.AdamW(model.parameters(), **kw), scaler
-    if mode in MPEXT_MODES:
-        if not hasattr(mpext, "MixedPrecisionOptimizer"):
-            raise RuntimeError("mode %s needs mpext.MixedPrecisionOptimizer, which this build of "
-                               "mpext does not have" % mode)
-        inner = torch.optim.AdamW(model.parameters(), **kw)
-        if mode == "mpext_fp16":
-            return mpext.MixedPrecisionOptimizer(inner, loss_scale="dynamic",
-                                                 init_scale=st.init_scale,
-                                                 growth_interval=st.growth_interval), None
-        return mpext.MixedPrecisionOptimizer(inner, loss_scale=None), None
-    return torch.optim.AdamW(model.parameters(), **kw), None  # fp32, bf16_naive
-
-
 def _half_ulp_bf16(p: torch.Tensor) -> torch.Tensor:
     """Half the spacing of BF16 numbers at each element of the FP32 ``p`` (an update smaller
     than this leaves ``p.to(bfloat16)`` unchanged)."""
@@ -178,7 +113,7 @@ class Run:
         self.train_loss: List[float] = []
         self.scale: List[float] = []
         self.skipped: List[int] = []
-        self.unchanged: List[float] = []   # bf16_naive: fraction of weights a step left as they were
+        self.unchanged: List[float] = []  # bf16_naive: fraction of weights a step left alone
         self.below_half_ulp: List[float] = []  # fp32: fraction of updates < half a bf16 ulp
         self.seconds = 0.0
         self.final_grads: Optional[List[torch.Tensor]] = None
@@ -197,62 +132,52 @@ class Run:
 
 
 @torch.no_grad()
-def evaluate(model, mode: str, batches, device) -> float:
+def evaluate(tr: Trainer, batches) -> float:
     """Mean loss over the fixed validation batches, in the mode's own precision."""
-    model.eval()
+    tr.model.eval()
     total = 0.0
     for x, y in batches:
-        with torch.autocast(device.type, dtype=AUTOCAST.get(mode, BF16),
-                            enabled=mode in AUTOCAST):
-            _, loss = model(x, y)
+        with tr.autocast():
+            _, loss = tr.model(x, y)
         total += float(loss)
-    model.train()
+    tr.model.train()
     return total / len(batches)
 
 
 def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, device, *,
           lr: Optional[float] = None, fp32_gemm: bool = False, track_updates: bool = False,
           keep_grads: bool = False, bar=None) -> Run:
-    """Trains one mode from the shared initial weights on the shared batch sequence."""
+    """Trains one mode (training.MODES) from the shared initial weights on the shared batch
+    sequence."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr)
     torch.manual_seed(st.seed)
-    model = GPT(cfg, fp32_gemm=fp32_gemm)  # FP32 init, identical for every mode
-    model.to(device=device, dtype=PARAM_DTYPE[mode])
-    opt, scaler = _make_optimizer(mode, model, st, device)
-    params = list(model.parameters())
+    tr = Trainer.for_mode(mode, GPT(cfg, fp32_gemm=fp32_gemm), device,  # FP32 init for all
+                          lr=st.lr, betas=st.betas, weight_decay=st.weight_decay,
+                          fused=mode == "amp_bf16",
+                          scaler_options=dict(init_scale=st.init_scale,
+                                              growth_interval=st.growth_interval))
+    params = tr.params
     gen = torch.Generator().manual_seed(st.data_seed)
-    ac_dtype = AUTOCAST.get(mode)
     t0 = time.perf_counter()
     for step in range(st.steps):
-        for group in opt.param_groups:
+        for group in tr.opt.param_groups:
             group["lr"] = st.lr_at(step, lr)
         x, y = get_batch(train_data, st.batch_size, cfg.block_size, gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=ac_dtype or BF16, enabled=ac_dtype is not None):
-            _, loss = model(x, y)
+        with tr.autocast():
+            _, loss = tr.model(x, y)
         before = [p.detach().clone() for p in params] if track_updates else None
-        if mode == "amp_fp16":
-            s_before = scaler.get_scale()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            s_after = scaler.get_scale()
-            run.scale.append(s_before)
-            if s_after < s_before:
+        scale = tr.get_scale()  # the scale this step's backward uses
+        tr.backward(loss)
+        if keep_grads and step == st.steps - 1:
+            run.final_grads = [p.grad.detach().clone() for p in params]
+        applied = tr.step()
+        if scale is not None:
+            run.scale.append(scale)
+            # torch's GradScaler says nothing of a skip but lowers its scale
+            if (not bool(applied)) if applied is not None else tr.get_scale() < scale:
                 run.skipped.append(step)
-        elif mode in MPEXT_MODES:
-            s_before = opt.get_scale()
-            opt.backward(loss)
-            applied = opt.step()
-            run.scale.append(s_before)
-            if not bool(applied):
-                run.skipped.append(step)
-        else:
-            loss.backward()
-            if keep_grads and step == st.steps - 1:
-                run.final_grads = [p.grad.detach().clone() for p in params]
-            opt.step()
         if track_updates:
             n = sum(p.numel() for p in params)
             if mode == "bf16_naive":
@@ -262,14 +187,12 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                 small = sum(int(((p.detach() - b).abs() < _half_ulp_bf16(b)).sum())
                             for p, b in zip(params, before))
                 run.below_half_ulp.append(small / n)
-        opt.zero_grad(set_to_none=True)
         run.train_loss.append(float(loss.detach()))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
-            run.eval_loss.append(evaluate(model, mode, val_batches, device))
-            if not math.isfinite(run.eval_loss[-1]):
-                raise ConvergenceError("%s: validation loss became %r at step %d"
-                                       % (mode, run.eval_loss[-1], step + 1))
+            run.eval_loss.append(evaluate(tr, val_batches))
+            check(math.isfinite(run.eval_loss[-1]), "%s: validation loss became %r at step %d"
+                  % (mode, run.eval_loss[-1], step + 1))
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str("%s loss %.3f" % (SHORT[mode], run.train_loss[-1]))
@@ -512,54 +435,53 @@ def run(ctx: Context) -> dict:
 
 def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
     dev = ctx.device
-    with stopwatch() as elapsed:
-        phase = PhaseClock(elapsed)
-        phases = phase.times
+    phase = PhaseClock()
+    phases = phase.times
 
-        data, vocab = load_corpus()
-        train_data, val_data = split_corpus(data)
-        cfg = GPTConfig.preset(st.preset, len(vocab))
-        entropy = unigram_entropy(train_data)
-        vgen = torch.Generator().manual_seed(st.data_seed + 1)
-        val_batches = [tuple(t.to(dev) for t in get_batch(val_data, st.batch_size,
-                                                           cfg.block_size, vgen))
-                       for _ in range(st.eval_batches)]
-        phase("corpus")
+    data, vocab = load_corpus()
+    train_data, val_data = split_corpus(data)
+    cfg = GPTConfig.preset(st.preset, len(vocab))
+    entropy = unigram_entropy(train_data)
+    vgen = torch.Generator().manual_seed(st.data_seed + 1)
+    val_batches = [tuple(t.to(dev) for t in get_batch(val_data, st.batch_size,
+                                                       cfg.block_size, vgen))
+                   for _ in range(st.eval_batches)]
+    phase("corpus")
 
-        runs: Dict[str, Run] = {}
-        bar = ctx.progress(total=st.steps * len(modes), desc="convergence")
+    runs: Dict[str, Run] = {}
+    bar = ctx.progress(total=st.steps * len(modes), desc="convergence")
+    with bar:
+        for k in modes:
+            runs[k] = train(k, st, cfg, train_data, val_batches, dev, fp32_gemm=fp32_gemm,
+                            track_updates=k in ("fp32", "bf16_naive"),
+                            keep_grads=k == "fp32", bar=bar)
+            phase(k)
+    ref = runs["fp32"].final_loss(st.final_k)
+    ratio = {k: r.final_loss(st.final_k) / ref for k, r in runs.items()}
+
+    # Mode 6 at a lower learning rate when the main setting does not show it worse.
+    low: Dict[str, Run] = {}
+    low_lr = st.lr * LOW_LR_FACTOR
+    if "bf16_naive" in runs and ratio["bf16_naive"] <= 1 + TOLERANCE and not ctx.quick:
+        low_modes = [k for k in LOW_LR_MODES if k in runs]
+        bar = ctx.progress(total=st.steps * len(low_modes), desc="convergence, lr x%g"
+                           % LOW_LR_FACTOR)
         with bar:
-            for k in modes:
-                runs[k] = train(k, st, cfg, train_data, val_batches, dev, fp32_gemm=fp32_gemm,
-                                track_updates=k in ("fp32", "bf16_naive"),
-                                keep_grads=k == "fp32", bar=bar)
-                phase(k)
-        ref = runs["fp32"].final_loss(st.final_k)
-        ratio = {k: r.final_loss(st.final_k) / ref for k, r in runs.items()}
+            for k in low_modes:
+                low[k] = train(k, st, cfg, train_data, val_batches, dev, lr=low_lr,
+                               fp32_gemm=fp32_gemm,
+                               track_updates=k in ("fp32", "bf16_naive"), bar=bar)
+        phase("low_lr")
+    low_ratio = ({k: r.final_loss(st.final_k) / low["fp32"].final_loss(st.final_k)
+                  for k, r in low.items()} if low else {})
 
-        # Mode 6 at a lower learning rate when the main setting does not show it worse.
-        low: Dict[str, Run] = {}
-        low_lr = st.lr * LOW_LR_FACTOR
-        if "bf16_naive" in runs and ratio["bf16_naive"] <= 1 + TOLERANCE and not ctx.quick:
-            low_modes = [k for k in LOW_LR_MODES if k in runs]
-            bar = ctx.progress(total=st.steps * len(low_modes), desc="convergence, lr x%g"
-                               % LOW_LR_FACTOR)
-            with bar:
-                for k in low_modes:
-                    low[k] = train(k, st, cfg, train_data, val_batches, dev, lr=low_lr,
-                                   fp32_gemm=fp32_gemm,
-                                   track_updates=k in ("fp32", "bf16_naive"), bar=bar)
-            phase("low_lr")
-        low_ratio = ({k: r.final_loss(st.final_k) / low["fp32"].final_loss(st.final_k)
-                      for k, r in low.items()} if low else {})
-
-        # Underflow: the reference's FP32 gradients at its last step, and the FP16 scale.
-        scale_src = next((k for k in ("mpext_fp16", "amp_fp16") if k in runs), None)
-        scale = runs[scale_src].scale[-1] if scale_src else st.init_scale
-        uf, gflat = underflow_stats(runs["fp32"].final_grads, scale)
-        uf["scale_from"] = scale_src or "init_scale"
-        phase("underflow")
-        seconds = elapsed()
+    # Underflow: the reference's FP32 gradients at its last step, and the FP16 scale.
+    scale_src = next((k for k in ("mpext_fp16", "amp_fp16") if k in runs), None)
+    scale = runs[scale_src].scale[-1] if scale_src else st.init_scale
+    uf, gflat = underflow_stats(runs["fp32"].final_grads, scale)
+    uf["scale_from"] = scale_src or "init_scale"
+    phase("underflow")
+    seconds = phase.elapsed()
 
     # ---- report
     n_params = count_params(GPT(cfg))
@@ -628,23 +550,18 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
               st.min_lr_frac, torch.get_num_threads(), k, st.eval_interval, st.eval_batches,
               st.init_scale, st.growth_interval), ""]
     if fp32_gemm:
-        md += ["CPU: the linear layers' BF16/FP16 GEMMs were computed in FP32 from operands "
-               "rounded to BF16/FP16, the output rounded back (gpt.Linear, as a tensor core with "
-               "FP32 accumulation), because this CPU's native BF16/FP16 matmul is ~10x slower "
-               "than FP32; all other ops, the params, gradients and optimizers ran in the real "
-               "dtypes.", ""]
+        md += ["CPU: the linear layers' BF16/FP16 GEMMs computed in FP32 from operands rounded "
+               "to BF16/FP16 (gpt.Linear); everything else in the real dtypes.", ""]
     md += [markdown_table(headers, rows), ""]
     md += ["Criterion: modes 4 and 5 within ±%d%% of FP32's final loss; mode 6 measurably worse "
-           "(more than %d%% above FP32)%s." % (round(100 * TOLERANCE), round(100 * TOLERANCE),
-                                               "" if meaningful else
-                                               "; **(n/m): not meaningful with --quick** (a "
-                                               "tiny model for %d steps; no low-lr rerun)"
-                                               % st.steps)]
+           "(more than %d%% above FP32)%s. Method and criteria: docs/convergence.md."
+           % (round(100 * TOLERANCE), round(100 * TOLERANCE),
+              "" if meaningful else "; **(n/m): not meaningful with --quick** (a tiny model for "
+              "%d steps; no low-lr rerun)" % st.steps)]
     if low:
         md += ["", "Mode 6 was not more than 2%% worse at lr %g, so FP32, mpext BF16 and naive "
-               "BF16 were also run at lr %g (x%g), where more of naive BF16's updates fall below "
-               "half an ulp of their weight (rows marked \"low lr\", ratios to FP32 at that lr)."
-               % (st.lr, low_lr, LOW_LR_FACTOR)]
+               "BF16 also ran at lr %g (rows \"low lr\", ratios to FP32 at that lr)."
+               % (st.lr, low_lr)]
     md += [""] + lost_lines
     md += ["", "Gradient underflow (FP32 reference's gradients at its last step, %s non-zero "
            "elements, log2|g| from %.1f to %.1f, median %.1f): cast to FP16 unscaled, "
@@ -672,20 +589,19 @@ def _run(ctx: Context, st: Setting, modes: List[str], fp32_gemm: bool) -> dict:
         "underflow": uf,
         "targets_missed": misses if meaningful else [],
     }
-    files = [write_json(ctx.out_dir / (NAME + ".json"), payload),
-             write_text(ctx.out_dir / (NAME + ".md"), markdown)]
-    if ctx.plots:
+
+    def plots():
         m = ctx.machine
         title = "%s: GPT preset %s, %d steps%s; %s, torch %s" % (
             NAME, st.preset, st.steps, " (quick)" if ctx.quick else "",
             m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_version"])
-        files.append(plot_loss(ctx.out_dir / "convergence_loss.png", runs, low, st, entropy,
-                               title))
+        files = [plot_loss(ctx.out_dir / "convergence_loss.png", runs, low, st, entropy, title)]
         if any(key in runs for key in ("amp_fp16", "mpext_fp16")):
             files.append(plot_scale(ctx.out_dir / "convergence_fp16_scale.png", runs, title))
         files.append(plot_underflow(ctx.out_dir / "grad_underflow.png", gflat, uf, title))
-    return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": misses if meaningful else []}
+        return files
+
+    return results(ctx, NAME, markdown, payload, seconds, misses if meaningful else [], plots)
 
 
 def main(argv=None):

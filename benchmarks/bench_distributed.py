@@ -1,19 +1,6 @@
-"""Distributed benchmark: the per-step cost of ``GradScaler(sync_found_inf=True)`` on 2 CPU ranks
-(issue 8).
-
-Two processes form a gloo group on loopback and train the same small MLP under
-``DistributedDataParallel`` with ``mpext.GradScaler`` and ``mpext.optim.AdamW``, in the same run:
-
-- the all-reduce of the inf/NaN flag alone (``GradScaler._reduce_found_inf_``: one 4-byte MAX
-  all-reduce), in µs per call;
-- whole training steps (forward, backward with DDP's gradient all-reduce, scaler step and
-  update) with ``sync_found_inf`` off and on, interleaved round by round so background load hits
-  both alike; the difference per step, in µs and as a fraction of the step.
-
-The ranks run with one torch thread each and are started with ``fork`` where available (a
-``spawn`` start re-imports torch in every rank, seconds on a loaded machine); they use the CPU
-only, whatever device the suite runs on. Each round starts after a barrier; rank 0's clock is
-reported (the ranks wait for each other inside every all-reduce).
+"""Distributed: the per-step cost of ``GradScaler(sync_found_inf=True)``, one all-reduce of the
+inf/NaN flag, on 2 gloo CPU ranks training a small MLP under DDP. Method and columns:
+benchmarks/README.md, "Distributed".
 
     python benchmarks/bench_distributed.py [--quick]
 """
@@ -34,8 +21,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
-from common import (Context, markdown_table, payload_header, report_footer, run_standalone,
-                    section_head, stopwatch, write_json, write_text)
+from common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
+                    results, run_standalone, section_head)
 
 NAME = "bench_distributed"
 TITLE = "sync_found_inf: the cost of one all-reduce of the inf/NaN flag per step (2 CPU ranks)"
@@ -93,8 +80,13 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
             torch.save({"samples": samples, "skipped": skipped,
                         "params": sum(p.numel() for p in model.parameters())}, out_path)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Both ranks are done and the results saved: leave without tearing down. Freeing the DDP
+    # model after the group can run gloo's destructor with the GIL held while its loop thread
+    # waits for the GIL to free a tensor, a deadlock that hung the rank for good.
+    os._exit(0)
 
 
 def _measure(rounds: int, inner: int) -> dict:
@@ -123,14 +115,14 @@ def _stats(xs):
 def run(ctx: Context) -> dict:
     rounds = ctx.repeats
     inner = 10 if ctx.quick else 40
-    with stopwatch() as elapsed:
-        res = _measure(rounds, inner)
-        seconds = elapsed()
+    clock = PhaseClock()
+    res = _measure(rounds, inner)
+    seconds = clock.elapsed()
     s = {k: _stats(v) for k, v in res["samples"].items()}
     off, on, red = (s[k]["median_s"] for k in ("off", "on", "reduce"))
     delta = on - off
-    if res["skipped"] != [0, 0]:
-        raise AssertionError("steps were skipped during the benchmark: %s" % res["skipped"])
+    check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s"
+          % res["skipped"])
 
     def us(t):
         return "%.1f ±%.1f" % (t["median_s"] * 1e6, t["iqr_s"] * 1e6 / 2)
@@ -140,13 +132,10 @@ def run(ctx: Context) -> dict:
             ["found_inf all-reduce alone", us(s["reduce"]), "%.1f%%" % (100 * red / off)]]
     md = section_head(ctx, TITLE)
     md += [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
-           "2 gloo ranks on loopback (started with `%s`), 1 torch thread each, DDP over a "
-           "%s-parameter MLP (batch %d per rank), `mpext.GradScaler` + `mpext.optim.AdamW`. "
-           "Median µs ± half the IQR over %d rounds of %d steps (or calls), the two step "
-           "variants and the bare all-reduce interleaved in every round; rank 0's clock. "
-           "Measured difference per step: %+.1f µs; the flag's all-reduce alone: %.1f µs (%.1f%% "
-           "of a step). On GPUs with NCCL the all-reduce is queued on the stream like the "
-           "gradients' and adds no host sync."
+           "2 gloo ranks (started with `%s`), a %s-parameter MLP (batch %d per rank); %d rounds "
+           "of %d steps (or calls). Measured difference per step: %+.1f µs; the flag's "
+           "all-reduce alone: %.1f µs (%.1f%% of a step). Method: benchmarks/README.md, "
+           "\"Distributed\"."
            % (res["start_method"], "{:,}".format(res["params"]), LOCAL_BATCH, rounds, inner,
               delta * 1e6, red * 1e6, 100 * red / off), ""]
     md += report_footer(NAME, [], seconds, {"2-rank run": seconds})
@@ -158,10 +147,7 @@ def run(ctx: Context) -> dict:
                "step_sync_off": s["off"], "step_sync_on": s["on"], "reduce_alone": s["reduce"],
                "delta_per_step_s": delta, "delta_fraction": delta / off,
                "reduce_fraction": red / off}
-    files = [write_json(ctx.out_dir / (NAME + ".json"), payload),
-             write_text(ctx.out_dir / (NAME + ".md"), markdown)]
-    return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": []}
+    return results(ctx, NAME, markdown, payload, seconds)
 
 
 def main(argv=None):

@@ -1,28 +1,6 @@
-"""Gradient-norm benchmark: ``mpext.ops.grad_norm`` vs the norm PyTorch computes for gradient
-clipping, in the same run on the same device (issue 5).
-
-- **norm**: ``torch.ops.mpext.grad_norm(grads)`` vs ``torch.nn.utils.get_total_norm(grads)``,
-  the computation inside ``torch.nn.utils.clip_grad_norm_`` (``torch._foreach_norm`` per tensor,
-  then ``torch.linalg.vector_norm`` over the per-tensor norms);
-- **after unscale**: mpext's fused form ``grad_norm(grads, inv_scale=inv)`` (one read-only pass,
-  the gradients are not modified) vs the native AMP sequence before clipping:
-  ``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)`` followed by
-  ``get_total_norm(grads)`` (a read-write pass, then a read pass). The native calls alternate
-  inv_scale 0.5 and 2.0, so the gradients stay in range over repeated calls;
-- on a GPT-2-small-shaped gradient list (124M elements, 148 tensors; a 4-layer, 8K-vocabulary
-  version with ``--quick``) and on flat 16M and 64M tensors (4M and 16M with ``--quick``), in
-  fp32 and in bf16.
-
-Bytes counted: what each side has to move. mpext and the plain torch norm read every gradient
-once; the native unscale-then-norm sequence reads, writes and reads again (3x). GB/s = bytes /
-median time; the fraction is of the **read roofline** measured in the same run: ``x.sum()``
-over an fp32 buffer far larger than the caches (4 bytes per element), the streaming read speed
-of the device. The copy and in-place rooflines of ``common.measure_roofline`` are reported too.
-
-Correctness is checked once before timing, against a float64 reference of the unscaled fp32
-values (rtol 1e-6; and loosely against ``get_total_norm`` on fp32-upcast gradients): both sides' relative
-errors are in the table (torch's ``_foreach_norm`` returns bf16 norms for bf16 gradients). The
-timed results are checked again after timing.
+"""Gradient norm: ``mpext.ops.grad_norm`` against the norm ``clip_grad_norm_`` computes
+(``torch.nn.utils.get_total_norm``), plain and after unscaling, in the same run on the same
+device. Method, cases and columns: benchmarks/README.md, "Gradient norm".
 
     python benchmarks/bench_grad_norm.py [--quick] [--device auto|cpu|cuda]
 """
@@ -36,11 +14,10 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, combine_rooflines, figure_title, fmt_ms, free_memory, markdown_table,
-                    payload_header, pct, report_footer, roofline_line, run_standalone, save_figure,
-                    section_head, stopwatch, time_fns, write_json, write_text)
-
-from bench_scaler import _Alternate, _t, gpt2_small_shapes  # inv_scale 0.5 / 2.0 in turn
+from common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines,
+                    figure_title, fmt_ms, free_memory, gpt2_shapes, markdown_table,
+                    payload_header, pct, report_footer, require_kernel, results, roofline_line,
+                    run_standalone, save_figure, section_head, time_fns)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -50,20 +27,9 @@ GRAD_STD = 1e-3
 INV = 2.0 ** -16  # the fused rows' inv_scale (mpext side; the gradients are left as they are)
 
 
-class CorrectnessError(AssertionError):
-    pass
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _lists(ctx, gen):
     """name -> (label, fp32 list): the GPT-2 list and the flat tensors."""
-    shapes = gpt2_small_shapes(n_layer=4, vocab=8192) if ctx.quick else gpt2_small_shapes()
+    shapes = gpt2_shapes(reduced=ctx.quick)
     flat = [4 << 20, 16 << 20] if ctx.quick else [16 << 20, 64 << 20]
     out = {"gpt2": ("GPT-2%s list (%d tensors)" % (" (reduced)" if ctx.quick else " small",
                                                    len(shapes)),
@@ -89,31 +55,18 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-def check_correctness(grads, inv_t):
-    """mpext's norm vs float64 (rtol 1e-6) and vs get_total_norm on fp32-upcast gradients,
-    without and with inv_scale; NaN and Inf propagate. Returns the relative errors of both
-    sides (torch on the gradients' own dtype, as clip_grad_norm_ would run) vs float64."""
-    inv = inv_t.item()
+def _errors(grads, inv_t):
+    """Relative errors against float64 of mpext's norm and of torch's on the gradients' own
+    dtype (as clip_grad_norm_ would run), without and with inv_scale; mpext's must be within
+    1e-6."""
     errs = {}
-    for key, scale in (("plain", None), ("inv", inv)):
+    for key, scale in (("plain", None), ("inv", inv_t.item())):
         want = _ref64(grads, scale)
         got = torch.ops.mpext.grad_norm(grads, inv_scale=None if scale is None else inv_t).item()
-        up = [g.float() if scale is None else g.float() * inv_t for g in grads]
-        t32 = torch.nn.utils.get_total_norm(up).item()
-        # torch's fp32 sums drift on tens of millions of elements (5e-3 relative on the GPT-2
-        # list here), so torch is only a sanity check: the float64 reference is the real one
-        if _rel(got, want) > 1e-6 or _rel(got, t32) > 5e-2:
-            raise CorrectnessError("%s: mpext %r, float64 %r, torch on fp32 %r"
-                                   % (key, got, want, t32))
+        check(_rel(got, want) <= 1e-6, "%s: mpext %r, float64 %r" % (key, got, want))
         own = [g if scale is None else (g.float() * inv_t).to(g.dtype) for g in grads]
         errs[key] = {"mpext": _rel(got, want),
                      "torch": _rel(torch.nn.utils.get_total_norm(own).item(), want)}
-    probe = grads[0].clone()
-    for bad, check in ((float("nan"), math.isnan), (float("inf"), math.isinf)):
-        probe.view(-1)[probe.numel() // 2] = bad
-        r = torch.ops.mpext.grad_norm([probe] + grads[1:]).item()
-        if not check(r):
-            raise CorrectnessError("a %r element gave %r" % (bad, r))
     return errs
 
 
@@ -130,81 +83,74 @@ def measure_read_roofline(ctx, numel):
 
 def run(ctx: Context) -> dict:
     dev = ctx.device
-    if dev.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "mpext::grad_norm", "CUDA"):
-        raise RuntimeError("mpext.grad_norm has no CUDA kernel in this build; use --device cpu")
-    with stopwatch() as elapsed:
-        phases = {}
-        t_phase = [elapsed()]
+    require_kernel(dev, "grad_norm")
+    phase = PhaseClock()
+    phases = phase.times
 
-        def phase(name):
-            now = elapsed()
-            phases[name] = now - t_phase[0]
-            t_phase[0] = now
+    roof_start = ctx.roofline()
+    read_start = measure_read_roofline(ctx, roof_start["numel"])
+    phase("roofline")
 
-        roof_start = ctx.roofline()
-        read_start = measure_read_roofline(ctx, roof_start["numel"])
-        phase("roofline")
+    gen = torch.Generator().manual_seed(0)
+    base = _lists(ctx, gen)
+    inv_t = torch.full((), INV, dtype=FP32, device=dev)
+    found = torch.zeros((), dtype=FP32, device=dev)
+    phase("inputs")
 
-        gen = torch.Generator().manual_seed(0)
-        base = _lists(ctx, gen)
-        inv_t = torch.full((), INV, dtype=FP32, device=dev)
-        found = torch.zeros((), dtype=FP32, device=dev)
-        phase("inputs")
+    rows, errs = [], {}
+    total_norm = torch.nn.utils.get_total_norm
+    unscale = torch._amp_foreach_non_finite_check_and_unscale_
+    mp_norm = torch.ops.mpext.grad_norm
+    for name, (label, grads32) in ctx.progress(list(base.items()), desc="cases"):
+        for dtype in (FP32, BF16):
+            grads = grads32 if dtype == FP32 else [g.to(dtype) for g in grads32]
+            dname = "fp32" if dtype == FP32 else "bf16"
+            errs[(name, dname)] = _errors(grads, inv_t)
+            want = _ref64(grads, None)
+            nbytes = float(sum(g.numel() * g.element_size() for g in grads))
+            alt = Alternate(0.5, 2.0, dev)
 
-        rows, errors = [], {}
-        total_norm = torch.nn.utils.get_total_norm
-        unscale = torch._amp_foreach_non_finite_check_and_unscale_
-        mp_norm = torch.ops.mpext.grad_norm
-        for name, (label, grads32) in ctx.progress(list(base.items()), desc="cases"):
-            for dtype in (FP32, BF16):
-                grads = grads32 if dtype == FP32 else [g.to(dtype) for g in grads32]
-                dname = "fp32" if dtype == FP32 else "bf16"
-                errors[(name, dname)] = check_correctness(grads, inv_t)
-                want = _ref64(grads, None)
-                nbytes = float(sum(g.numel() * g.element_size() for g in grads))
-                alt = _Alternate(dev)
+            def native_unscale_norm(grads=grads, alt=alt):
+                unscale(grads, found, alt())
+                return total_norm(grads)
 
-                def native_unscale_norm(grads=grads, alt=alt):
-                    unscale(grads, found, alt())
-                    return total_norm(grads)
-
-                fns = {"mp_norm": lambda grads=grads: mp_norm(grads),
-                       "t_norm": lambda grads=grads: total_norm(grads),
-                       "mp_fused": lambda grads=grads: mp_norm(grads, inv_scale=inv_t),
-                       "t_fused": native_unscale_norm}
-                t = ctx.time_fns(fns, desc="%s %s" % (name, dname))
-                # after timing: mpext's results did not change, the native side left the
-                # gradients at their values x 1 or x 0.5 (exact) and found_inf clear
-                got = mp_norm(grads).item() / alt.factor()
-                if _rel(got, want) > 1e-6 or found.item() != 0.0:
-                    raise CorrectnessError("%s %s after timing: norm %r (expected %r), found_inf"
-                                           " %r" % (name, dname, got, want, found.item()))
-                n = sum(g.numel() for g in grads)
-                rows.append({"list": name, "label": label, "dtype": dname, "elements": n,
-                             "tensors": len(grads), "bytes": nbytes,
-                             "times": {k: v.to_json() for k, v in t.items()},
-                             "errors": errors[(name, dname)]})
-                del grads, fns
-            phase(name)
-        del base
-        free_memory(dev)
-        roof = combine_rooflines(roof_start, ctx.roofline())
-        read_end = measure_read_roofline(ctx, roof["numel"])
-        read = max(read_start, read_end, key=lambda r: r["read_gbps"])
-        phase("roofline_end")
-        seconds = elapsed()
+            fns = {"mp_norm": lambda grads=grads: mp_norm(grads),
+                   "t_norm": lambda grads=grads: total_norm(grads),
+                   "mp_fused": lambda grads=grads: mp_norm(grads, inv_scale=inv_t),
+                   "t_fused": native_unscale_norm}
+            t = ctx.time_fns(fns, desc="%s %s" % (name, dname))
+            # after timing: mpext's results did not change, the native side left the
+            # gradients at their values x 1 or x 0.5 (exact) and found_inf clear
+            got = mp_norm(grads).item() / alt.factor()
+            check(_rel(got, want) <= 1e-6 and found.item() == 0.0,
+                  "%s %s after timing: norm %r (expected %r), found_inf %r"
+                  % (name, dname, got, want, found.item()))
+            n = sum(g.numel() for g in grads)
+            rows.append({"list": name, "label": label, "dtype": dname, "elements": n,
+                         "tensors": len(grads), "bytes": nbytes,
+                         "times": {k: v.to_json() for k, v in t.items()},
+                         "errors": errs[(name, dname)]})
+            del grads, fns
+        phase(name)
+    del base
+    free_memory(dev)
+    roof = combine_rooflines(roof_start, ctx.roofline())
+    read_end = measure_read_roofline(ctx, roof["numel"])
+    read = max(read_start, read_end, key=lambda r: r["read_gbps"])
+    phase("roofline_end")
+    seconds = phase.elapsed()
 
     # ---- metrics and report
     headers = ["case", "mpext ms", "torch ms", "speed ratio", "mpext GB/s",
-               "mpext / read roofline", "torch / read roofline", "rel. error vs fp64 (mpext / torch)"]
+               "mpext / read roofline", "torch / read roofline",
+               "rel. error vs fp64 (mpext / torch)"]
     table = []
     for r in rows:
         for kind, mp_key, t_key, t_mult, what in (
                 ("norm", "mp_norm", "t_norm", 1.0, "norm"),
                 ("after_unscale", "mp_fused", "t_fused", 3.0,
                  "norm after unscale (mpext: fused inv_scale; torch: unscale_ + norm)")):
-            tm, tt = _t(r["times"][mp_key]), _t(r["times"][t_key])
+            tm, tt = Timing.from_json(r["times"][mp_key]), Timing.from_json(r["times"][t_key])
             gb_mp, gb_t = tm.gbps(r["bytes"]), tt.gbps(t_mult * r["bytes"])
             m = {"speed_ratio": tt.median / tm.median, "mpext_gbps": gb_mp, "torch_gbps": gb_t,
                  "mpext_frac_read_roofline": gb_mp / read["read_gbps"],
@@ -220,24 +166,15 @@ def run(ctx: Context) -> dict:
     md = section_head(ctx, TITLE)
     md += [roofline_line(roof) + "; read x.sum() %.1f GB/s (reference here)" % read["read_gbps"],
            "", markdown_table(headers, table), "",
-           "Medians of %d samples after warm-up, mpext and torch interleaved. torch's norm is "
-           "`torch.nn.utils.get_total_norm` (what `clip_grad_norm_` computes: `_foreach_norm` "
-           "then `vector_norm`). GB/s and roofline fractions count the bytes each side moves: "
-           "one read of the gradients for the norms, three passes (read, write, read) for "
-           "torch's unscale-then-norm; the speed ratio (> 1: mpext faster) is per call. The "
-           "fused row's inv_scale is 2^-16. Errors are relative to a float64 norm of the same "
-           "values (torch's per-tensor norms of bf16 gradients are bf16)." % ctx.repeats, ""]
+           "%d samples per row. Method, cases and columns: benchmarks/README.md, \"Gradient "
+           "norm\"." % ctx.repeats, ""]
     md += report_footer(NAME, [], seconds, phases)
     markdown = "\n".join(md)
     payload = {**payload_header(ctx, NAME, TITLE, dev, seconds, phases, roof),
                "read_roofline": read, "read_roofline_measurements": [read_start, read_end],
                "inv_scale": INV, "rows": rows}
-    files = [write_json(ctx.out_dir / (NAME + ".json"), payload),
-             write_text(ctx.out_dir / (NAME + ".md"), markdown)]
-    if ctx.plots:
-        files.append(_plot(ctx, rows, read, roof))
-    return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": []}
+    return results(ctx, NAME, markdown, payload, seconds, [],
+                   lambda: _plot(ctx, rows, read, roof))
 
 
 def _plot(ctx, rows, read, roof):

@@ -1,35 +1,12 @@
-"""Loss-scaler benchmark: ``mpext.unscale_`` vs PyTorch's AMP unscale, in the same run on the
-same device (issue 3).
-
-- ``torch.ops.mpext.unscale_(grads, found_inf, inv_scale)`` vs
-  ``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``, which takes
-  one dtype per call, so the torch side gets one call per dtype group, as ``GradScaler`` groups
-  them (the grouping itself is done once, outside the timed calls);
-- (a) a GPT-2-small-shaped gradient list (124M elements, 148 tensors; a 4-layer, 8K-vocabulary
-  version with ``--quick``), in fp32 and in bf16, plus a check-only row (``inv_scale == 1``:
-  mpext only reads the gradients, torch still writes every element back);
-- (b) 10,000 small tensors (sizes drawn uniformly from 1..2000 with a fixed seed): fp32, a mixed
-  fp32 / bf16 list (mpext: one call; torch: one call per dtype), and fp32 check-only;
-- the number of host reads of a device value (``.item()`` and friends) per optimizer step on each
-  path as ``torch.amp.GradScaler`` drives it, counted by patching ``torch.Tensor`` while one
-  step runs: the non-fused path (plain SGD: ``GradScaler`` reads ``found_inf`` on the host), the
-  fused path (``AdamW(fused=True)``, ``_step_supports_amp_scaling``), and mpext's ``unscale_``
-  feeding ``AdamW(fused=True)`` with ``found_inf`` left on the device.
-
-Bytes counted: bytes read + bytes written by the operation (fp32: 8 per element, bf16: 4). The
-check-only rows count the reads only (4 per fp32 element), what the operation needs; torch's kernel
-writes every element back anyway, so its real traffic there is twice the count. Timed calls scale
-by 0.5 and 2.0 in turn (exact for normal numbers), so the gradients neither drift towards zero nor
-become subnormal over repeated calls; this is verified after the timings.
-
-Correctness is checked once before timing: same bits as torch (NaN: stays NaN) on both lists and on
-random bit patterns of every dtype, the same ``found_inf``, which is set by Inf/NaN in any tensor
-and never cleared.
+"""Loss scaler: ``mpext.unscale_`` against ``torch._amp_foreach_non_finite_check_and_unscale_``
+on a large and a many-tensor gradient list, and the host reads per ``GradScaler`` step, in the
+same run on the same device. Method, cases and columns: benchmarks/README.md, "Loss scaler".
 
     python benchmarks/bench_scaler.py [--quick] [--device auto|cpu|cuda]
 """
 import collections
 import contextlib
+import math
 import random
 import sys
 from pathlib import Path
@@ -40,15 +17,11 @@ if __package__ in (None, ""):
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Context, MiB, Timing, PhaseClock, combine_rooflines, figure_title, fmt_ms,
-                    free_memory, markdown_table, payload_header, pct, peak_memory_many,
-                    report_footer, roofline_line, run_standalone, save_figure, section_head,
-                    stopwatch, write_json, write_text)
-
-try:  # the GPT-2 shapes helper lives in bench_cast.py (it may move to common.py)
-    from common import gpt2_small_shapes
-except ImportError:
-    from bench_cast import gpt2_small_shapes
+from common import (Alternate, Context, MiB, PhaseClock, Timing, busy, check, combine_rooflines,
+                    count_subnormals, expect_same, figure_title, fmt_ms, free_memory,
+                    gpt2_shapes, markdown_table, pair_metrics, payload_header, pct,
+                    peak_memory_many, report_footer, require_kernel, results, roofline_line,
+                    run_standalone, save_figure, section_head, time_pairs)
 
 NAME = "bench_scaler"
 TITLE = "Loss-scaler unscale_: mpext vs PyTorch"
@@ -65,20 +38,6 @@ SMALL_SEED = 20240601
 GRAD_STD = 1e-3  # gradient-like magnitudes; x0.5 / x2 keeps them far from the subnormal range
 
 
-def gpt2_list_shapes(quick):
-    """GPT-2 small (124M), or with --quick a 4-layer, 8K-vocabulary version (35M)."""
-    if quick:
-        return gpt2_small_shapes(n_layer=4, vocab=8192)
-    return gpt2_small_shapes()
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _nbytes(tensors, write=True):
     """Bytes the operation reads (and writes) over a list."""
     return sum(t.numel() * t.element_size() for t in tensors) * (2 if write else 1)
@@ -92,135 +51,17 @@ def _group_by_dtype(tensors):
     return list(groups.values())
 
 
-# ---------------------------------------------------------------------------------------------
-# Correctness (fail loudly)
-
-
-class CorrectnessError(AssertionError):
-    pass
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def _check_same(name, got, want):
-    """Bitwise equality; NaN positions must be NaN on both sides (payloads may differ)."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        raise CorrectnessError("%s: got %s %s, expected %s %s" % (
-            name, got.dtype, tuple(got.shape), want.dtype, tuple(want.shape)))
-    if torch.equal(_bits(got), _bits(want)):
-        return
-    gnan, wnan = torch.isnan(got), torch.isnan(want)
-    bad = (gnan != wnan) | (~wnan & (_bits(got) != _bits(want)))
-    nbad = int(bad.sum())
-    if nbad:
-        i = int(bad.flatten().nonzero()[0])
-        raise CorrectnessError("%s: %d of %d elements differ from PyTorch; first at flat index %d:"
-                               " mpext %r vs torch %r" % (name, nbad, got.numel(), i,
-                                                          got.flatten()[i].item(),
-                                                          want.flatten()[i].item()))
-
-
-def _run_both(grads, inv, found_start=0.0):
-    """(mpext result list, mpext found_inf, torch result list, torch found_inf) on clones."""
-    dev = grads[0].device
-    inv_t = torch.full((), inv, dtype=FP32, device=dev)
-    g_mp = [g.clone() for g in grads]
-    g_t = [g.clone() for g in grads]
-    f_mp = torch.full((), found_start, dtype=FP32, device=dev)
-    f_t = torch.full((), found_start, dtype=FP32, device=dev)
-    torch.ops.mpext.unscale_(g_mp, f_mp, inv_t)
-    for group in _group_by_dtype(g_t):
-        torch._amp_foreach_non_finite_check_and_unscale_(group, f_t, inv_t)
-    return g_mp, float(f_mp), g_t, float(f_t)
-
-
-def _flat_by_dtype(tensors, idx):
-    """One flat tensor per dtype (in first-seen order) holding the tensors at ``idx``: compares a
-    10,000-tensor list in a few calls instead of one Python-level check per tensor."""
-    groups = collections.OrderedDict()
-    for i in idx:
-        groups.setdefault(tensors[i].dtype, []).append(tensors[i].reshape(-1))
-    return {dt: torch.cat(ts) for dt, ts in groups.items()}
-
-
-def _compare(name, grads, inv, want_found=None, found_start=0.0, only=None):
-    g_mp, f_mp, g_t, f_t = _run_both(grads, inv, found_start)
-    if f_mp != f_t or (want_found is not None and f_mp != want_found):
-        raise CorrectnessError("%s: found_inf mpext %r, torch %r, expected %r"
-                               % (name, f_mp, f_t, want_found))
-    idx = list(range(len(grads))) if only is None else only
-    if len(idx) <= 512:  # a few (large) tensors: compare them one by one
-        for i in idx:
-            _check_same("%s, tensor %d (%s)" % (name, i, grads[i].dtype), g_mp[i], g_t[i])
-            if inv == 1.0:  # check-only: nothing may change
-                _check_same("%s, tensor %d unchanged" % (name, i), g_mp[i], grads[i])
-        return
-    got, want = _flat_by_dtype(g_mp, idx), _flat_by_dtype(g_t, idx)
-    orig = _flat_by_dtype(grads, idx) if inv == 1.0 else {}
-    for dt in got:
-        try:
-            _check_same("%s (%s)" % (name, dt), got[dt], want[dt])
-            if inv == 1.0:  # check-only: nothing may change
-                _check_same("%s (%s) unchanged" % (name, dt), got[dt], orig[dt])
-        except CorrectnessError:  # name the first tensor that differs
-            for i in idx:
-                if grads[i].dtype == dt:
-                    _check_same("%s, tensor %d (%s)" % (name, i, dt), g_mp[i], g_t[i])
-                    if inv == 1.0:
-                        _check_same("%s, tensor %d unchanged" % (name, i), g_mp[i], grads[i])
-            raise
-
-
-def _random_bits(dtype, n, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    if dtype == FP32:
-        r = torch.randint(-(2 ** 31), 2 ** 31, (n,), dtype=torch.int64, generator=g)
-        return r.to(torch.int32).view(FP32).to(device)
-    r = torch.randint(-(2 ** 15), 2 ** 15, (n,), dtype=torch.int32, generator=g)
-    return r.to(torch.int16).view(dtype).to(device)
-
-
-def check_correctness(big_lists, small_lists, dev, quick=False):
-    """Runs mpext.unscale_ and torch's unscale on clones and compares: same bits (NaN stays NaN),
-    same found_inf. Covers the benchmark lists, random bit patterns of every dtype (Inf, NaN,
-    subnormals, huge values), Inf/NaN in one element of one tensor of a long list, found_inf that
-    is already set (never cleared) and inv_scale == 1 (check only, nothing written)."""
-    # the benchmark inputs (all finite): a non-power-of-two inv_scale exercises the rounding
-    for name, grads in list(big_lists.items()) + list(small_lists.items()):
-        _compare("%s, inv_scale 1/3" % name, grads, 1.0 / 3.0, want_found=0.0)
-        if not (quick and name in big_lists):  # --quick: check-only on the small lists only
-            _compare("%s, inv_scale 1 (check only)" % name, grads, 1.0, want_found=0.0)
-    # random bit patterns: every class of value, each dtype alone and mixed in one list
-    pats = [_random_bits(dt, 1 << 18, 11 + k, dev) for k, dt in enumerate((FP32, BF16, FP16))]
-    for p in pats:
-        for inv in (2.0 ** -16, 0.3, 1.0, 3.5):
-            _compare("random %s bit patterns, inv_scale %r" % (p.dtype, inv), [p], inv,
-                     want_found=1.0)
-    _compare("random bit patterns, mixed list", pats, 0.3, want_found=1.0)
-    # one non-finite element hidden in the middle / at the end of a long list
-    small = small_lists["small_fp32"]
-    for k, bad in ((len(small) // 2, float("inf")), (len(small) - 1, float("nan"))):
-        grads = list(small)
-        t = grads[k].clone()
-        t.view(-1)[t.numel() // 2] = bad
-        grads[k] = t
-        _compare("small fp32 list with %r in tensor %d" % (bad, k), grads, 0.5, want_found=1.0,
-                 only=[k, k - 1, 0])
-    mixed = small_lists["small_mixed"]
-    k = next(i for i in range(len(mixed) - 1, -1, -1) if mixed[i].dtype == BF16)
-    grads = list(mixed)
-    t = grads[k].clone()
-    t.view(-1)[-1] = float("-inf")
-    grads[k] = t
-    _compare("small mixed list with -inf in bf16 tensor %d" % k, grads, 0.5, want_found=1.0,
-             only=[k])
-    # found_inf is set, never cleared
-    _compare("found_inf already 1, finite grads", small[:100], 0.5, want_found=1.0,
-             found_start=1.0)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def _sanity(lists, dev):
+    """One call per list on both sides, on copies, with a non-power-of-two inverse scale: the
+    same values and the same found_inf."""
+    inv = torch.full((), 1.0 / 3.0, dtype=FP32, device=dev)
+    for name, grads in lists.items():
+        g_mp, g_t = [g.clone() for g in grads], [g.clone() for g in grads]
+        f_mp, f_t = (torch.zeros((), dtype=FP32, device=dev) for _ in range(2))
+        torch.ops.mpext.unscale_(g_mp, f_mp, inv)
+        for group in _group_by_dtype(g_t):
+            torch._amp_foreach_non_finite_check_and_unscale_(group, f_t, inv)
+        expect_same(name, g_mp + [f_mp], g_t + [f_t])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,26 +186,6 @@ def measure_host_syncs(dev, steps=3):
 # Benchmark
 
 
-class _Alternate:
-    """inv_scale 0.5 and 2.0 in turn, shared by every contender of one list: the values stay
-    within a factor 2 of where they started, whatever the number of calls."""
-
-    def __init__(self, dev):
-        self.invs = [torch.full((), 0.5, dtype=FP32, device=dev),
-                     torch.full((), 2.0, dtype=FP32, device=dev)]
-        self.k = 1
-        self.calls = 0
-
-    def __call__(self):
-        self.k ^= 1
-        self.calls += 1
-        return self.invs[self.k]
-
-    def factor(self):
-        """Current values / starting values."""
-        return 0.5 if self.calls % 2 else 1.0
-
-
 def _make_fns(grads, alt, found, one):
     """(mpext fn, torch fn) for a list: alternate inv_scale (alt) or check only (alt None)."""
     groups = _group_by_dtype(grads)
@@ -388,44 +209,13 @@ def _make_fns(grads, alt, found, one):
     return f_mp, f_t
 
 
-def _time_pairs(ctx, pairs, desc):
-    fns = {}
-    for key, (f_mp, f_t) in pairs.items():
-        fns[key + "/mpext"] = f_mp
-        fns[key + "/torch"] = f_t
-    t = ctx.time_fns(fns, desc=desc)
-    return {key: (t[key + "/mpext"], t[key + "/torch"]) for key in pairs}
-
-
-def _row_metrics(t_mp, t_t, nbytes, roof):
-    gb_mp, gb_t = t_mp.gbps(nbytes), t_t.gbps(nbytes)
-    return {
-        "bytes": nbytes,
-        "mpext": t_mp.to_json(),
-        "torch": t_t.to_json(),
-        "mpext_gbps": gb_mp,
-        "torch_gbps": gb_t,
-        "speed_ratio": t_t.median / t_mp.median,
-        "mpext_frac_inplace_roofline": gb_mp / roof["inplace_gbps"],
-        "mpext_frac_copy_roofline": gb_mp / roof["copy_gbps"],
-        "torch_frac_inplace_roofline": gb_t / roof["inplace_gbps"],
-        "torch_frac_copy_roofline": gb_t / roof["copy_gbps"],
-    }
-
-
-def _count_subnormals(tensors):
-    tiny = torch.finfo(FP32).tiny
-    return sum(int(((t.float().abs() < tiny) & (t != 0)).sum()) for t in tensors)
-
-
 def _drift_refs(lists):
     """Copies of every list's starting values (checked to hold no subnormal), to compare with
     after the timings."""
     refs = {}
     for name, grads in lists.items():
-        n = _count_subnormals(grads)
-        if n:
-            raise CorrectnessError("%s: %d subnormal inputs" % (name, n))
+        n = count_subnormals(grads)
+        check(n == 0, "%s: %d subnormal inputs" % (name, n))
         refs[name] = [t.clone() for t in grads]
     return refs
 
@@ -440,99 +230,89 @@ def _check_drift(lists, refs, alts):
                if not torch.equal(t, ref if factor == 1.0 else (ref.float() * factor).to(t.dtype))]
         out[name] = {"factor": factor, "calls": alts[name].calls, "tensors_checked": len(grads),
                      "tensors_not_exact": len(bad)}
-        if bad:
-            raise CorrectnessError("%s: %d tensors (first: %d) drifted during timing: not their "
-                                   "starting values x %r" % (name, len(bad), bad[0], factor))
+        check(not bad, "%s: %d tensors (first: %s) drifted during timing: not their starting "
+              "values x %r" % (name, len(bad), bad[:1], factor))
     return out
-
-
-def _check_device(dev):
-    if dev.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "mpext::unscale_", "CUDA"):
-        raise RuntimeError("mpext.unscale_ has no CUDA kernel in this build; run with "
-                           "--device cpu")
 
 
 def run(ctx: Context) -> dict:
     dev = ctx.device
-    _check_device(dev)
-    with stopwatch() as elapsed:
-        phase = PhaseClock(elapsed)
-        phases = phase.times
+    require_kernel(dev, "unscale_")
+    phase = PhaseClock()
+    phases = phase.times
 
-        roof_start = ctx.roofline()
-        phase("roofline")
+    roof_start = ctx.roofline()
+    phase("roofline")
 
-        # ---- inputs
-        g = torch.Generator().manual_seed(0)
-        shapes = gpt2_list_shapes(ctx.quick)
-        big_total = sum(_numel(s) for _, s in shapes)
-        big32 = [(torch.randn(s, generator=g) * GRAD_STD).to(dev) for _, s in shapes]
-        big16 = [t.to(BF16) for t in big32]
-        rng = random.Random(SMALL_SEED)
-        small_sizes = [rng.randint(1, SMALL_MAX) for _ in range(N_SMALL)]
-        small32 = [(torch.randn(n, generator=g) * GRAD_STD).to(dev) for n in small_sizes]
-        small_mixed = [(torch.randn(n, generator=g) * GRAD_STD).to(dev, BF16 if i % 2 else FP32)
-                       for i, n in enumerate(small_sizes)]
-        big_lists = {"gpt2_fp32": big32, "gpt2_bf16": big16}
-        tiny32 = [(torch.randn(1, generator=g) * GRAD_STD).to(dev) for _ in range(N_SMALL)]
-        small_lists = {"small_fp32": small32, "small_mixed": small_mixed, "tiny_fp32": tiny32}
-        phase("inputs")
+    # ---- inputs
+    g = torch.Generator().manual_seed(0)
+    shapes = gpt2_shapes(reduced=ctx.quick)
+    big_total = sum(math.prod(s) for _, s in shapes)
+    big32 = [(torch.randn(s, generator=g) * GRAD_STD).to(dev) for _, s in shapes]
+    big16 = [t.to(BF16) for t in big32]
+    rng = random.Random(SMALL_SEED)
+    small_sizes = [rng.randint(1, SMALL_MAX) for _ in range(N_SMALL)]
+    small32 = [(torch.randn(n, generator=g) * GRAD_STD).to(dev) for n in small_sizes]
+    small_mixed = [(torch.randn(n, generator=g) * GRAD_STD).to(dev, BF16 if i % 2 else FP32)
+                   for i, n in enumerate(small_sizes)]
+    big_lists = {"gpt2_fp32": big32, "gpt2_bf16": big16}
+    tiny32 = [(torch.randn(1, generator=g) * GRAD_STD).to(dev) for _ in range(N_SMALL)]
+    small_lists = {"small_fp32": small32, "small_mixed": small_mixed, "tiny_fp32": tiny32}
+    phase("inputs")
 
-        check_correctness(big_lists, small_lists, dev, quick=ctx.quick)
-        phase("correctness")
+    _sanity(dict(big_lists, **small_lists), dev)
+    phase("correctness")
 
-        syncs = measure_host_syncs(dev)
-        phase("host_syncs")
+    syncs = measure_host_syncs(dev)
+    phase("host_syncs")
 
-        found = torch.zeros((), dtype=FP32, device=dev)
-        one = torch.ones((), dtype=FP32, device=dev)
-        lists = dict(big_lists, **small_lists)
-        alts = {name: _Alternate(dev) for name in lists}
-        refs = _drift_refs(lists)
+    found = torch.zeros((), dtype=FP32, device=dev)
+    one = torch.ones((), dtype=FP32, device=dev)
+    lists = dict(big_lists, **small_lists)
+    alts = {name: Alternate(0.5, 2.0, dev) for name in lists}
+    refs = _drift_refs(lists)
 
-        # ---- peak memory (in place on both sides: expected 0). Skipped with --quick: starting
-        # the profiler costs seconds of the quick suite's budget.
-        peaks = {}
-        if not ctx.quick:
-            peak_fns = {}
-            for name, grads in lists.items():
-                f_mp, f_t = _make_fns(grads, alts[name], found, one)
-                peak_fns[(name, 0)], peak_fns[(name, 1)] = f_mp, f_t
-            for (name, side), v in peak_memory_many(peak_fns, dev).items():
-                peaks.setdefault(name, [None, None])[side] = v
-            del peak_fns
-            phase("peak_memory")
+    # ---- peak memory (in place on both sides: expected 0). Skipped with --quick: starting
+    # the profiler costs seconds of the quick suite's budget.
+    peaks = {}
+    if not ctx.quick:
+        peak_fns = {}
+        for name, grads in lists.items():
+            f_mp, f_t = _make_fns(grads, alts[name], found, one)
+            peak_fns[(name, 0)], peak_fns[(name, 1)] = f_mp, f_t
+        for (name, side), v in peak_memory_many(peak_fns, dev).items():
+            peaks.setdefault(name, [None, None])[side] = v
+        del peak_fns
+        phase("peak_memory")
 
-        # ---- (a) the GPT-2 list; (b) 10,000 small tensors
-        cases = {}  # key -> (t_mp, t_t, bytes)
-        for group, specs, desc in (
-                ("big", [("gpt2_fp32", "gpt2_fp32", True), ("gpt2_bf16", "gpt2_bf16", True),
-                         ("gpt2_fp32_check", "gpt2_fp32", False)], "GPT-2 list"),
-                ("small", [("small_fp32", "small_fp32", True),
-                           ("small_mixed", "small_mixed", True),
-                           ("small_fp32_check", "small_fp32", False),
-                           ("tiny_fp32", "tiny_fp32", True)], "%d tensors" % N_SMALL)):
-            pairs, nbytes = {}, {}
-            for key, lname, scaled in specs:
-                grads = lists[lname]
-                pairs[key] = _make_fns(grads, alts[lname] if scaled else None, found, one)
-                nbytes[key] = _nbytes(grads, write=scaled)
-            res = _time_pairs(ctx, pairs, desc=desc)
-            for key, (tm, tt) in res.items():
-                cases[key] = (tm, tt, nbytes[key])
-            phase(group)
-        found_after = float(found)
-        drift = _check_drift(lists, refs, alts)
-        if found_after != 0.0:
-            raise CorrectnessError("found_inf became %r during timing (finite inputs)"
-                                   % found_after)
-        del big32, big16, small32, small_mixed, tiny32, lists, big_lists, small_lists, refs
-        free_memory(dev)
-        roof = combine_rooflines(roof_start, ctx.roofline())
-        phase("roofline_end")
-        metrics = {k: _row_metrics(tm, tt, nb, roof) for k, (tm, tt, nb) in cases.items()}
-        seconds = elapsed()
+    # ---- (a) the GPT-2 list; (b) 10,000 small tensors
+    cases = {}  # key -> (t_mp, t_t, bytes)
+    for group, specs, desc in (
+            ("big", [("gpt2_fp32", "gpt2_fp32", True), ("gpt2_bf16", "gpt2_bf16", True),
+                     ("gpt2_fp32_check", "gpt2_fp32", False)], "GPT-2 list"),
+            ("small", [("small_fp32", "small_fp32", True),
+                       ("small_mixed", "small_mixed", True),
+                       ("small_fp32_check", "small_fp32", False),
+                       ("tiny_fp32", "tiny_fp32", True)], "%d tensors" % N_SMALL)):
+        pairs, nbytes = {}, {}
+        for key, lname, scaled in specs:
+            grads = lists[lname]
+            pairs[key] = _make_fns(grads, alts[lname] if scaled else None, found, one)
+            nbytes[key] = _nbytes(grads, write=scaled)
+        res = time_pairs(ctx, pairs, desc=desc)
+        for key, (tm, tt) in res.items():
+            cases[key] = (tm, tt, nbytes[key])
+        phase(group)
+    found_after = float(found)
+    drift = _check_drift(lists, refs, alts)
+    check(found_after == 0.0, "found_inf became %r during timing (finite inputs)"
+          % found_after)
+    del big32, big16, small32, small_mixed, tiny32, lists, big_lists, small_lists, refs
+    free_memory(dev)
+    roof = combine_rooflines(roof_start, ctx.roofline())
+    phase("roofline_end")
+    metrics = {k: pair_metrics(tm, tt, nb, roof) for k, (tm, tt, nb) in cases.items()}
+    seconds = phase.elapsed()
 
     # ---- report
     n_small = sum(small_sizes)
@@ -582,10 +362,10 @@ def run(ctx: Context) -> dict:
             peak_s = "%.1f / %s" % (peak[0] / MiB, "—" if peak[1] is None else
                                     "%.1f" % (peak[1] / MiB))
         rows.append([label, str(ntens), _fmt_elems(n), "%.3g" % (m["bytes"] / 1e6),
-                     fmt_ms(_t(m["mpext"])), fmt_ms(_t(m["torch"])),
+                     fmt_ms(Timing.from_json(m["mpext"])), fmt_ms(Timing.from_json(m["torch"])),
                      "%.1f" % m["mpext_gbps"], "%.1f" % m["torch_gbps"], "%.2f" % ratio,
                      pct(m["mpext_frac_inplace_roofline"]), pct(frac_copy),
-                     pct(m["torch_frac_copy_roofline"]), _busy(m), peak_s, mark])
+                     pct(m["torch_frac_copy_roofline"]), busy(m), peak_s, mark])
         cases_json.append(dict(m, key=key, case=label, elements=n, tensors=ntens,
                                target=target, target_met=met,
                                peak_bytes_mpext=peak[0] if peak else None,
@@ -606,41 +386,25 @@ def run(ctx: Context) -> dict:
     md = section_head(ctx, TITLE)
     md += [roofline_line(roof), ""]
     md += [markdown_table(headers, rows), "",
-           "`torch.ops.mpext.unscale_(grads, found_inf, inv_scale)` vs "
-           "`torch._amp_foreach_non_finite_check_and_unscale_` (one call per dtype group, grouped "
-           "once outside the timed calls). Median ms ± half the IQR over %d samples after warm-up "
-           "(mpext and torch interleaved). GB/s = bytes counted / median time: read + written "
-           "(fp32 8 bytes per element, bf16 4); check-only rows count the reads alone (mpext "
-           "writes nothing when inv_scale == 1; torch's kernel writes every element back anyway, "
-           "so its real traffic there is twice the count). Speed ratio > 1: mpext faster. "
-           "Peak MiB: extra memory at the call's peak as torch's allocator sees it%s. "
-           "Targets (reported, not asserted): ≥ %.1fx torch on the many-tensor list, ≥ %d%% of "
-           "the copy (memcpy) roofline on the large list. The GPT-2 list is %s elements in %d "
-           "tensors%s; the small tensors have sizes drawn from 1..%d (seed %d), %s elements "
-           "(%.0f MB in fp32, %s of them bf16 in the mixed list), against a %.0f MiB last-level "
-           "cache. Fixed cost per tensor (the 1-element row): mpext %.2f µs, torch %.2f µs. "
-           "Timed calls scale by 0.5 and 2.0 in turn; after the timings every tensor held exactly "
-           "its starting values × 1 or × 0.5 (%s; inputs without subnormals).%s"
-           % (ctx.repeats,
-              " (not measured with --quick)" if ctx.quick else
-              (" (CUDA caching allocator statistics)" if ctx.is_cuda else
-               " (CPU: the profiler's allocation records)"),
-              SPEED_TARGET, round(100 * COPY_TARGET), "{:,}".format(big_total),
-              len(shapes), " (reduced with --quick: 4 layers, 8K vocabulary)" if ctx.quick
-              else " (GPT-2 small)", SMALL_MAX, SMALL_SEED, "{:,}".format(n_small),
-              4 * n_small / 1e6, "{:,}".format(n_mixed_bf16),
-              ctx.machine["llc_bytes_cpu"] / MiB,
+           "%d samples per row; peak memory %s. The GPT-2 list: %s elements in %d tensors%s; "
+           "the small tensors: %s elements (%.0f MB in fp32, %s of them bf16 in the mixed list), "
+           "against a %.0f MiB last-level cache. Fixed cost per tensor (the 1-element row): "
+           "mpext %.2f µs, torch %.2f µs. After the timings every tensor held exactly its "
+           "starting values × 1 or × 0.5 (%s). Method, cases and columns: benchmarks/README.md, "
+           "\"Loss scaler\"."
+           % (ctx.repeats, "not measured with --quick" if ctx.quick else
+              ("from the CUDA caching allocator's statistics" if ctx.is_cuda else
+               "from the profiler's allocation records"),
+              "{:,}".format(big_total), len(shapes),
+              " (reduced with --quick: 4 layers, 8K vocabulary)" if ctx.quick
+              else " (GPT-2 small)", "{:,}".format(n_small), 4 * n_small / 1e6,
+              "{:,}".format(n_mixed_bf16), ctx.machine["llc_bytes_cpu"] / MiB,
               metrics["tiny_fp32"]["mpext"]["median_s"] / N_SMALL * 1e6,
               metrics["tiny_fp32"]["torch"]["median_s"] / N_SMALL * 1e6,
               ", ".join("%s ×%g after %d calls" % (k, v["factor"], v["calls"])
-                        for k, v in drift.items()),
-              "" if ctx.is_cuda else
-              " Cores busy: process CPU time / wall time (%d torch threads)."
-              % ctx.machine["torch_threads"]),
+                        for k, v in drift.items())),
            "",
-           "Host reads of a device value per optimizer step (measured: calls of `Tensor.item`, "
-           "`__bool__`, `__float__`, `__int__`, `__index__`, `tolist` counted while the step "
-           "runs; each one is a host sync on an accelerator). Steps 1..%d; the last step has an "
+           "Host reads of a device value per optimizer step, steps 1..%d; the last step has an "
            "Inf in one gradient and must be skipped:" % len(next(
                p["per_step"] for p in syncs.values() if "per_step" in p)),
            "", markdown_table(sync_headers, sync_rows, align="lrrr"), ""]
@@ -659,12 +423,8 @@ def run(ctx: Context) -> dict:
         "host_syncs": syncs,
         "targets_missed": misses,
     }
-    files = [write_json(ctx.out_dir / (NAME + ".json"), payload),
-             write_text(ctx.out_dir / (NAME + ".md"), markdown)]
-    if ctx.plots:
-        files.append(_plot(ctx, row_specs, metrics, roof))
-    return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": misses}
+    return results(ctx, NAME, markdown, payload, seconds, misses,
+                   lambda: _plot(ctx, row_specs, metrics, roof))
 
 
 def _fmt_elems(n):
@@ -675,19 +435,6 @@ def _fmt_elems(n):
 def _per_step(values):
     """'1' when every step took the same count, else '1, 1, 2'."""
     return str(values[0]) if len(set(values)) == 1 else ", ".join(str(v) for v in values)
-
-
-def _t(d):
-    return Timing(median=d["median_s"], q1=d["q1_s"], q3=d["q3_s"], min=d["min_s"],
-                  max=d["max_s"], inner=d["inner"], samples=d["samples_s"],
-                  cpu_busy=d.get("cpu_busy"))
-
-
-def _busy(m):
-    b_mp, b_t = m["mpext"].get("cpu_busy"), m["torch"].get("cpu_busy")
-    if b_mp is None:
-        return ""
-    return "%.1f / %s" % (b_mp, "—" if b_t is None else "%.1f" % b_t)
 
 
 def _plot(ctx, row_specs, metrics, roof):
@@ -723,8 +470,7 @@ def _plot(ctx, row_specs, metrics, roof):
     ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    isa = ", mpext ISA %s" % ctx.machine["mpext_build_info"].get("cpu_isa_active")
-    return save_figure(fig, ctx.out_dir / (NAME + ".png"), figure_title(ctx, TITLE, isa))
+    return save_figure(fig, ctx.out_dir / (NAME + ".png"), figure_title(ctx, TITLE, isa=True))
 
 
 def main(argv=None):

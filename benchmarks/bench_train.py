@@ -1,59 +1,12 @@
-"""Training step, end to end: a GPT-style model (gpt.py) trained in six modes, same model, same
-data, same seeds, timed per iteration with the peak memory and the persistent bytes per
-parameter of each mode, next to mpext.memory's prediction (issue 6).
-
-Modes (AdamW everywhere, lr 1e-3, weight decay 0.01; FP16 loss scales start at 2^10):
-
-- ``fp32``: FP32 params and activations, ``torch.optim.AdamW(fused=True)``;
-- ``amp_bf16``: native AMP: FP32 params, ``torch.autocast(bfloat16)``, ``AdamW(fused=True)``;
-- ``amp_fp16``: native AMP: FP32 params, ``torch.autocast(float16)``, ``torch.amp.GradScaler``
-  and ``AdamW(fused=True)`` (the scaler hands the fused step its scale: no host sync);
-- ``mpext_bf16``: BF16 params, ``mpext.MixedPrecisionOptimizer(torch.optim.AdamW)``: FP32
-  masters, the step one fused ``adam_step_`` pass that reads the BF16 gradients;
-- ``mpext_fp16``: FP16 params, ``MixedPrecisionOptimizer(AdamW, loss_scale="dynamic")``;
-- ``mpext_optim_fp16``: FP16 params, ``mpext.optim.AdamW`` (its own masters) driven by
-  ``mpext.GradScaler``.
-
-A step is: forward (with the loss), backward, optimizer step, ``zero_grad(set_to_none=True)``.
-Batches come from a pool made once (the same sequence for every mode). Time per iteration: the
-median over samples after warm-up, the modes interleaved round by round (``common.time_fns``),
-CUDA events on a GPU. "vs AMP BF16" = AMP BF16's time / the mode's time (> 1: faster); the FP16
-modes are also compared with AMP FP16.
-
-Memory, per mode: **persistent** bytes per parameter measured from the live tensors after a step
-(``mpext.memory.measure``: weights, gradients, masters, optimizer states, scaler and other small
-tensors, each storage once) next to ``mpext.memory.estimate`` for the same parameter count and
-mode; **peak** during a step = the persistent tensors that outlive ``zero_grad`` plus the most
-the step allocates on top of them (the profiler's allocation records on CPU, the caching
-allocator's peak on CUDA), next to the estimate's total (persistent + activations by
-Korthikanti et al.'s formula + autocast copies).
-
-Checks before the report (a failure raises): every mode's loss stays finite and ends below its
-start, the params keep their dtype, and the measured persistent memory of every mode agrees with
-the estimate within 10%.
-
-Sizes: CPU: the ``tiny`` and ``small`` presets and ``wide`` (4 layers x 512, 12.6M params, one
-sequence of 32 tokens: few tokens per parameter, so the per-parameter work, optimizer step and
-weight casts, weighs as it does in large-model training) (``--quick``: ``tiny`` only, fewer
-samples); GPU: ``small``, ``gpu`` and ``gpt2-body`` (GPT-2 small's 12 layers x 768 on the
-character vocabulary, 85M params; ``--quick``: ``gpu`` only).
-
-On the CPU the linear layers' BF16/FP16 GEMMs are computed in FP32 from operands rounded to
-BF16/FP16 (gpt.Linear, as the convergence benchmark does): on CPUs without AVX512-BF16/AMX
-PyTorch's BF16/FP16 GEMMs are 10-30x slower than FP32 ones and would bury every other cost
-(native AMP and mpext alike: measured 1.2 s per step on ``wide`` instead of 0.1 s). Each side
-pays one extra pass per weight for it (AMP's autocast copy is rounded and then widened, mpext's
-BF16 weight widened), so the difference between them, AMP's per-forward weight cast, stays.
-``--native-lowp-gemm`` uses PyTorch's own low-precision GEMMs instead.
+"""Training step, end to end: gpt.py's model trained in six modes (FP32, native AMP, mpext), the
+same model, data and seeds, timed per iteration, with the peak memory and the persistent bytes
+per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes, columns and
+files: benchmarks/README.md, "Training step".
 
     python benchmarks/bench_train.py [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
-
-Files: results/bench_train.{json,md}, results/train_step_time.png (time per iteration vs model
-size, the ratio to AMP BF16, the loss of the timed steps), results/train_memory.png (stacked
-bars per mode, measured and predicted).
 """
 import dataclasses
-import math
+import itertools
 import sys
 from pathlib import Path
 
@@ -62,37 +15,33 @@ if __package__ in (None, ""):
 
 import torch
 
-import mpext
 from mpext import memory
-from common import (Context, MiB, Timing, figure_title, fmt_ms, free_memory, markdown_table,
-                    payload_header, peak_memory_many, plot_lines, report_footer, run_standalone,
-                    save_figure, section_head, stopwatch, write_json, write_text)
+from common import (Context, MiB, PhaseClock, Timing, check, figure_title, fmt_ms, free_memory,
+                    markdown_table, payload_header, peak_memory_many, plot_lines, report_footer,
+                    results, run_standalone, save_figure, section_head)
 from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
+import training
 
 NAME = "bench_train"
 TITLE = "Training step end to end: FP32 vs native AMP vs mpext on a GPT model"
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 LR, WEIGHT_DECAY, INIT_SCALE = 1e-3, 0.01, 2.0 ** 10
 AGREEMENT = 0.10     # measured persistent memory within 10% of mpext.memory's estimate
 POOL = 16            # batches in the pool every mode cycles through
 
-# key, label, param dtype, autocast dtype, mpext.memory mode
+# key (training.MODES), label
 MODES = [
-    ("fp32", "FP32, AdamW(fused)", FP32, None, "fp32"),
-    ("amp_bf16", "native AMP BF16 autocast, AdamW(fused)", FP32, BF16, "amp-bf16"),
-    ("amp_fp16", "native AMP FP16 autocast + GradScaler, AdamW(fused)", FP32, FP16, "amp-fp16"),
-    ("mpext_bf16", "mpext BF16 params, MixedPrecisionOptimizer(AdamW)", BF16, None,
-     "mpext-bf16"),
-    ("mpext_fp16", "mpext FP16 params, MixedPrecisionOptimizer(AdamW), dynamic scale", FP16,
-     None, "mpext-fp16"),
-    ("mpext_optim_fp16", "mpext FP16 params, mpext.optim.AdamW + mpext.GradScaler", FP16, None,
-     "mpext-fp16"),
+    ("fp32", "FP32, AdamW(fused)"),
+    ("amp_bf16", "native AMP BF16 autocast, AdamW(fused)"),
+    ("amp_fp16", "native AMP FP16 autocast + GradScaler, AdamW(fused)"),
+    ("mpext_bf16", "mpext BF16 params, MixedPrecisionOptimizer(AdamW)"),
+    ("mpext_fp16", "mpext FP16 params, MixedPrecisionOptimizer(AdamW), dynamic scale"),
+    ("mpext_optim_fp16", "mpext FP16 params, mpext.optim.AdamW + mpext.GradScaler"),
 ]
 SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16",
          "mpext_bf16": "mpext BF16", "mpext_fp16": "mpext FP16",
          "mpext_optim_fp16": "mpext.optim FP16"}
-LABEL = {k: lab for k, lab, *_ in MODES}
+LABEL = dict(MODES)
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 
 # (label, gpt.py preset, batch size, GPTConfig overrides) per run kind. "gpt2-body": GPT-2
@@ -105,86 +54,31 @@ SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {}), _WIDE],
          "cuda_quick": [("gpu", "gpu", 32, {})]}
 
 
-class CorrectnessError(AssertionError):
-    pass
-
-
-class Trainer:
-    """One mode's model, optimizer and scaler, and a ``step()`` that trains one iteration."""
+class Run:
+    """One mode's ``training.Trainer`` on gpt.py's model, cycling through the batch pool."""
 
     def __init__(self, key, cfg, batches, device, fp32_gemm):
-        _, _, pdtype, self.autocast, self.memory_mode = next(m for m in MODES if m[0] == key)
-        self.key, self.device, self.batches = key, device, batches
         torch.manual_seed(0)
-        self.model = GPT(cfg, fp32_gemm=fp32_gemm).to(device=device, dtype=pdtype)
-        self.params = list(self.model.parameters())
-        self.scaler = None
-        kw = dict(lr=LR, weight_decay=WEIGHT_DECAY)
-        if key in ("fp32", "amp_bf16", "amp_fp16"):
-            self.opt = torch.optim.AdamW(self.params, fused=True, **kw)
-            if key == "amp_fp16":
-                self.scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
-        elif key in ("mpext_bf16", "mpext_fp16"):
-            self.opt = mpext.MixedPrecisionOptimizer(
-                torch.optim.AdamW(self.params, **kw),
-                **(dict(loss_scale="dynamic", init_scale=INIT_SCALE) if key == "mpext_fp16"
-                   else dict(loss_scale=None)))
-        else:
-            self.opt = mpext.optim.AdamW(self.params, **kw)
-            self.scaler = mpext.GradScaler(device.type, init_scale=INIT_SCALE)
-        self.i = 0
+        self.tr = training.Trainer.for_mode(key, GPT(cfg, fp32_gemm=fp32_gemm), device, lr=LR,
+                                            weight_decay=WEIGHT_DECAY, fused=True,
+                                            scaler_options=dict(init_scale=INIT_SCALE))
+        self.batches = itertools.cycle(batches)
         self.losses = []  # device tensors: read once at the end
 
     def step(self, zero_grad=True):
-        x, y = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        with torch.autocast(self.device.type, dtype=self.autocast or BF16,
-                            enabled=self.autocast is not None):
-            _, loss = self.model(x, y)
-        if isinstance(self.opt, mpext.MixedPrecisionOptimizer):
-            self.opt.backward(loss)
-            self.opt.step()
-        elif self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self.opt.step()
-        if zero_grad:
-            self.opt.zero_grad(set_to_none=True)
+        x, y = next(self.batches)
+        with self.tr.autocast():
+            _, loss = self.tr.model(x, y)
+        self.tr.backward(loss)
+        self.tr.step(zero_grad)
         self.losses.append(loss.detach())
-
-    def skipped_steps(self):
-        if isinstance(self.opt, mpext.MixedPrecisionOptimizer):
-            return int(self.opt.scaler.skipped_steps().item())
-        if isinstance(self.scaler, mpext.GradScaler):
-            return int(self.scaler.skipped_steps().item())
-        return None  # torch's GradScaler does not count them
 
     def measure(self):
         """Persistent bytes after one more step, before zero_grad (grads alive)."""
         self.step(zero_grad=False)
-        got = memory.measure(self.params, self.opt, self.scaler)
-        self.opt.zero_grad(set_to_none=True)
+        got = memory.measure(self.tr.params, self.tr.opt, self.tr.scaler)
+        self.tr.opt.zero_grad(set_to_none=True)
         return got
-
-
-def _check(trainers):
-    """Raises CorrectnessError unless every mode trained (finite, decreasing loss, dtypes kept)
-    and its persistent memory agrees with the estimate."""
-    errors = []
-    for key, tr in trainers.items():
-        losses = [float(v) for v in tr.losses]
-        if not all(math.isfinite(v) for v in losses):
-            errors.append("%s: non-finite loss %s" % (key, losses))
-        elif not sum(losses[-3:]) / 3 < losses[0]:
-            errors.append("%s: loss did not fall (%.4f -> %.4f)" % (key, losses[0], losses[-1]))
-        want = next(m[2] for m in MODES if m[0] == key)
-        if any(p.dtype != want for p in tr.params):
-            errors.append("%s: params changed dtype" % key)
-    if errors:
-        raise CorrectnessError("; ".join(errors))
 
 
 def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
@@ -194,21 +88,21 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
     gen = torch.Generator().manual_seed(1234)
     batches = [tuple(t.to(dev) for t in get_batch(data, batch, cfg.block_size, gen))
                for _ in range(POOL)]
-    trainers = {k: Trainer(k, cfg, batches, dev, fp32_gemm) for k, *_ in MODES}
-    n = count_params(trainers["fp32"].model)
+    trainers = {k: Run(k, cfg, batches, dev, fp32_gemm) for k, _ in MODES}
+    n = count_params(trainers["fp32"].tr.model)
     times = ctx.time_fns({k: tr.step for k, tr in trainers.items()},
                          desc="%s (%.2fM params, batch %d)" % (label, n / 1e6, batch))
     bar.update(1)
     persistent = {k: tr.measure() for k, tr in trainers.items()}
     # Peak during a step: grads do not exist between steps (zero_grad(set_to_none=True)).
     extra = peak_memory_many({k: tr.step for k, tr in trainers.items()}, dev)
-    _check(trainers)
     bar.update(1)
     out = {"preset": label, "batch": batch, "params": n, "config": dataclasses.asdict(cfg),
            "modes": {}}
     for k, tr in trainers.items():
         got = persistent[k]
-        est = memory.estimate(n, "adamw", tr.memory_mode, batch=batch, seq=cfg.block_size,
+        est = memory.estimate(n, "adamw", training.MODES[k].memory_mode, batch=batch,
+                              seq=cfg.block_size,
                               hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head,
                               vocab=cfg.vocab_size, dropout=cfg.dropout > 0)
         total = sum(got.values())
@@ -224,7 +118,7 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
             "step_extra_peak_bytes": extra[k], "peak_bytes": peak,
             "predicted_peak_bytes": est.persistent + est.transient,
             "losses": [float(v) for v in tr.losses],
-            "skipped_steps": tr.skipped_steps(),
+            "skipped_steps": tr.tr.skipped_steps(),
         }
     amp = {"bf16": times["amp_bf16"].median, "fp16": times["amp_fp16"].median}
     for k, m in out["modes"].items():
@@ -248,26 +142,23 @@ def run(ctx: Context) -> dict:
     kind = ("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")
     sizes = SIZES[kind]
     data, vocab = load_corpus()
-    results, misses, phases = [], [], {}
-    with stopwatch() as elapsed:
-        with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
-            for size in sizes:
-                t0 = elapsed()
-                results.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
-                phases[size[0]] = elapsed() - t0
-        seconds = elapsed()
+    out, misses, phase = [], [], PhaseClock()
+    with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
+        for size in sizes:
+            out.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
+            phase(size[0])
+    seconds, phases = phase.elapsed(), phase.times
 
-    for res in results:
+    for res in out:
         for k, m in res["modes"].items():
-            if abs(m["agreement"]) > AGREEMENT:
-                raise CorrectnessError(
-                    "%s, %s: measured persistent memory %.2f B/param vs mpext.memory's %.2f "
-                    "(%+.1f%%, limit %d%%)" % (res["preset"], k, m["persistent_per_param_total"],
-                                               m["predicted_per_param"], 100 * m["agreement"],
-                                               round(100 * AGREEMENT)))
+            check(abs(m["agreement"]) <= AGREEMENT,
+                  "%s, %s: measured persistent memory %.2f B/param vs mpext.memory's %.2f "
+                  "(%+.1f%%, limit %d%%)" % (res["preset"], k, m["persistent_per_param_total"],
+                                             m["predicted_per_param"], 100 * m["agreement"],
+                                             round(100 * AGREEMENT)))
     # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the CPU,
     # faster on a GPU; its persistent memory per param no more than AMP BF16's.
-    for res in results:
+    for res in out:
         mp, amp = res["modes"]["mpext_bf16"], res["modes"]["amp_bf16"]
         speed_ok = mp["vs_amp_bf16"] > 1.0 if ctx.is_cuda else mp["vs_amp_bf16"] >= 1.0
         mem_ok = _main_per_param(mp) <= _main_per_param(amp)
@@ -279,16 +170,12 @@ def run(ctx: Context) -> dict:
             misses.append("%s: mpext BF16 keeps %.2f B/param > AMP BF16's %.2f" % (
                 res["preset"], _main_per_param(mp), _main_per_param(amp)))
 
-    markdown = _markdown(ctx, results, misses, seconds, phases, fp32_gemm)
+    markdown = _markdown(ctx, out, misses, seconds, phases, fp32_gemm)
     payload = {**payload_header(ctx, NAME, TITLE, ctx.device, seconds, phases, None),
                "fp32_gemm": fp32_gemm, "lr": LR, "weight_decay": WEIGHT_DECAY,
-               "init_scale": INIT_SCALE, "sizes": results, "targets_missed": misses}
-    files = [write_json(ctx.out_dir / (NAME + ".json"), payload),
-             write_text(ctx.out_dir / (NAME + ".md"), markdown)]
-    if ctx.plots:
-        files += [_plot_time(ctx, results), _plot_memory(ctx, results[-1])]
-    return {"name": NAME, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": misses}
+               "init_scale": INIT_SCALE, "sizes": out, "targets_missed": misses}
+    return results(ctx, NAME, markdown, payload, seconds, misses,
+                   lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
 
 
 def _main_per_param(m):
@@ -312,11 +199,8 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
         rows = []
         for k, m in res["modes"].items():
             b = m["persistent_bytes_per_param"]
-            t = m["timing"]
             rows.append([
-                SHORT[k], fmt_ms(Timing(median=t["median_s"], q1=t["q1_s"], q3=t["q3_s"],
-                                        min=t["min_s"], max=t["max_s"], inner=t["inner"],
-                                        samples=t["samples_s"])),
+                SHORT[k], fmt_ms(Timing.from_json(m["timing"])),
                 _ratio(m["vs_amp_bf16"]), _ratio(m["vs_amp_fp16"]),
                 "—" if m["peak_bytes"] is None else "%.1f (%.1f)" % (
                     m["peak_bytes"] / MiB, m["predicted_peak_bytes"] / MiB),
@@ -330,32 +214,22 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
                    res["preset"], "{:,}".format(res["params"]), res["batch"],
                    res["config"]["block_size"]), "",
                markdown_table(headers, rows), ""]
-    md += ["Median ms per iteration (forward, backward, optimizer step, zero_grad) ± half the "
-           "IQR over %d samples after warm-up, all modes interleaved; ratios > 1: faster than "
-           "native AMP. Persistent: measured after a step from the live tensors (each storage "
-           "once), per parameter; agreement: measured / mpext.memory.estimate - 1 (checked "
-           "within ±%d%%). Peak: persistent tensors that outlive zero_grad + the most a step "
-           "allocates on top (%s), in parentheses the estimate (persistent + Korthikanti "
-           "activations + autocast copies). AdamW lr %g, weight decay %g, FP16 loss scales "
-           "start at %g; skipped: steps mpext's scaler skipped (torch's does not count).%s"
-           % (ctx.repeats, round(100 * AGREEMENT),
-              "CUDA allocator peak" if ctx.is_cuda else "CPU profiler allocation records",
-              LR, WEIGHT_DECAY, INIT_SCALE,
-              " BF16/FP16 GEMMs computed in FP32 from operands rounded to BF16/FP16 "
-              "(gpt.Linear), because this CPU's own low-precision GEMMs are 10-30x slower than "
-              "FP32 and would bury every other cost (--native-lowp-gemm to use them)."
-              if fp32_gemm else (" CPU without AVX512-BF16/AMX: BF16/FP16 GEMMs are slow for "
-                                 "every mixed mode alike, compare AMP and mpext with each other."
-                                 if not ctx.is_cuda else "")), ""]
+    md += ["%d samples per mode; peak from the %s; %s. Method, modes and columns: "
+           "benchmarks/README.md, \"Training step\"."
+           % (ctx.repeats, "CUDA allocator peak" if ctx.is_cuda else
+              "CPU profiler's allocation records",
+              "BF16/FP16 GEMMs computed in FP32 from operands rounded to BF16/FP16 (gpt.Linear; "
+              "--native-lowp-gemm for PyTorch's own)" if fp32_gemm else
+              ("PyTorch's own BF16/FP16 GEMMs" if not ctx.is_cuda else "CUDA GEMMs")), ""]
     md += report_footer(NAME, misses, seconds, phases)
     return "\n".join(md)
 
 
 def _plot_time(ctx, results):
     xs = [r["params"] for r in results]
-    ms = {SHORT[k]: (xs, [r["modes"][k]["ms"] for r in results]) for k, *_ in MODES}
+    ms = {SHORT[k]: (xs, [r["modes"][k]["ms"] for r in results]) for k, _ in MODES}
     ratio = {SHORT[k]: (xs, [r["modes"][k]["vs_amp_bf16"] for r in results])
-             for k, *_ in MODES if k != "amp_bf16"}
+             for k, _ in MODES if k != "amp_bf16"}
     last = results[-1]
     loss = {SHORT[k]: (list(range(1, len(m["losses"]) + 1)), m["losses"])
             for k, m in last["modes"].items()}

@@ -1,25 +1,13 @@
-"""Shared helpers for the mpext benchmarks (design.md section 6).
+"""What the mpext benchmarks share (the method: benchmarks/README.md).
 
-Every benchmark module in this directory exposes ``NAME`` and ``run(ctx) -> dict`` and can be run
-on its own (``python benchmarks/bench_x.py [--quick] [--device auto|cpu|cuda]``) or through
-``benchmarks/run_all.py``. This module provides what they share:
-
-- ``Context``: the parsed options (``--quick``, ``--device``, ``--out``, ...), the torch device,
-  the machine description and the measured roofline.
-- ``time_fns``: median / IQR timing of several callables, interleaved round by round so that
-  background load hits every contender alike; CUDA events and synchronization on a CUDA device.
-- ``measure_roofline`` / ``combine_rooflines``: streaming bandwidth measured in the same run on
-  the same device, both as a plain copy (``y.copy_(x)``, read + write) and as an in-place update
-  (``x.add_(0.5)``, 8 bytes per fp32 element) over buffers far larger than the caches. The
-  in-place figure is the reference.
-- ``peak_memory`` / ``peak_memory_many``: extra memory a callable needs at its peak, as torch's
-  allocator sees it (CUDA allocator statistics; on CPU the profiler's allocation records).
-- ``machine_info``, ``markdown_table``, ``write_json``, ``plot_lines``, ``progress``.
-
-Nothing here asserts a performance target: targets are reported, never enforced.
+Every ``bench_*.py`` module here exposes ``NAME`` and ``run(ctx) -> dict``, and runs on its own
+(``python benchmarks/bench_x.py [--quick] [--device auto|cpu|cuda]``) or through ``run_all.py``.
+This module holds the options and ``Context``, the timing (``time_fns``, ``time_pairs``), the
+rooflines, peak memory, the machine description, the shared inputs (``gpt2_shapes``,
+``Alternate``), the one sanity guard (``check``, ``expect_same``) and the output (tables, JSON,
+plots, ``results``). Targets are reported, never enforced.
 """
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import gc
@@ -35,8 +23,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "results"
+from mpext import memory
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results"
 
 GB = 1e9
 MiB = float(1 << 20)
@@ -78,6 +67,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def require_kernel(device: torch.device, op: str) -> None:
+    """Raises unless ``torch.ops.mpext.<op>`` has a kernel for ``device`` in this build."""
+    if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "mpext::" + op, "CUDA"):
+        raise RuntimeError("mpext.%s has no CUDA kernel in this build; run with --device cpu"
+                           % op)
+
+
 class Context:
     """What one benchmark run shares: options, device, output directory, machine info."""
 
@@ -96,15 +93,6 @@ class Context:
         self.plots = not args.no_plots
         self.machine = machine_info(self.device)
         self.in_suite = False  # set by run_all: sections then omit the shared header
-
-    @classmethod
-    def from_argv(cls, argv=None, description=None) -> "Context":
-        parser = add_common_args(argparse.ArgumentParser(description=description))
-        return cls(parser.parse_args(argv))
-
-    def sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
 
     def progress(self, iterable=None, **kw):
         return progress(iterable, disable=not self.show_progress, **kw)
@@ -157,6 +145,13 @@ class Timing:
         return cls(median=statistics.median(s), q1=q1, q3=q3, min=s[0], max=s[-1], inner=inner,
                    samples=list(samples),
                    cpu_busy=statistics.median(cpu_busy) if cpu_busy else None)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Timing":
+        """The inverse of ``to_json``."""
+        return cls(median=d["median_s"], q1=d["q1_s"], q3=d["q3_s"], min=d["min_s"],
+                   max=d["max_s"], inner=d["inner"], samples=d["samples_s"],
+                   cpu_busy=d.get("cpu_busy"))
 
     def gbps(self, nbytes: float) -> float:
         return nbytes / self.median / GB
@@ -220,6 +215,48 @@ def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repe
                 bar.update(1)
     return {label: Timing.from_samples(samples[label], inner[label], busy[label])
             for label in labels}
+
+
+def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
+               desc: str) -> Dict[str, Tuple[Timing, Optional[Timing]]]:
+    """``time_fns`` for ``key -> (mpext fn, torch fn or None)``, every callable interleaved;
+    returns ``key -> (mpext timing, torch timing or None)``."""
+    fns = {}
+    for key, (f_mp, f_t) in pairs.items():
+        fns[key + "/mpext"] = f_mp
+        if f_t is not None:
+            fns[key + "/torch"] = f_t
+    t = ctx.time_fns(fns, desc=desc)
+    return {key: (t[key + "/mpext"], t.get(key + "/torch")) for key in pairs}
+
+
+def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict) -> dict:
+    """One mpext-vs-torch row: both timings, GB/s, the speed ratio (> 1: mpext faster) and the
+    fractions of both rooflines (torch's None where it has no contender)."""
+    gb_mp = t_mp.gbps(nbytes)
+    gb_t = t_torch.gbps(nbytes) if t_torch is not None else None
+    return {
+        "bytes": nbytes,
+        "mpext": t_mp.to_json(),
+        "torch": t_torch.to_json() if t_torch is not None else None,
+        "mpext_gbps": gb_mp,
+        "torch_gbps": gb_t,
+        "speed_ratio": (t_torch.median / t_mp.median) if t_torch is not None else None,
+        "mpext_frac_inplace_roofline": gb_mp / roof["inplace_gbps"],
+        "mpext_frac_copy_roofline": gb_mp / roof["copy_gbps"],
+        "torch_frac_inplace_roofline": (gb_t / roof["inplace_gbps"]) if gb_t else None,
+        "torch_frac_copy_roofline": (gb_t / roof["copy_gbps"]) if gb_t else None,
+    }
+
+
+def busy(m: dict) -> str:
+    """'1.0 / 1.9': the cores busy (CPU time / wall time) of a ``pair_metrics`` row's mpext and
+    torch calls; empty off the CPU."""
+    b_mp = m["mpext"].get("cpu_busy")
+    if b_mp is None:
+        return ""
+    b_t = (m["torch"] or {}).get("cpu_busy")
+    return "%.1f / %s" % (b_mp, "—" if b_t is None else "%.1f" % b_t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,10 +341,18 @@ def combine_rooflines(*measurements: dict) -> dict:
     return res
 
 
+def roofline_hlines(roof: dict, target: float) -> Dict[str, float]:
+    """The horizontal lines of a GB/s plot: both rooflines and ``target`` x the copy one."""
+    return {"in-place roofline %.1f GB/s" % roof["inplace_gbps"]: roof["inplace_gbps"],
+            "copy roofline %.1f GB/s" % roof["copy_gbps"]: roof["copy_gbps"],
+            "%d%% of copy (target) %.1f GB/s" % (round(100 * target), target * roof["copy_gbps"]):
+                target * roof["copy_gbps"]}
+
+
 def roofline_line(roof: dict) -> str:
     line = ("roofline (%s fp32 elements, %.0f MiB per buffer): in-place x.add_(0.5) %.1f GB/s "
             "(reference), copy y.copy_(x) %.1f GB/s (ratio %.2f)"
-            % (_fmt_count(roof["numel"]), roof["buffer_mib"], roof["inplace_gbps"],
+            % (fmt_count(roof["numel"]), roof["buffer_mib"], roof["inplace_gbps"],
                roof["copy_gbps"], roof["inplace_gbps"] / roof["copy_gbps"]))
     ms = roof.get("measurements")
     if ms and len(ms) > 1:
@@ -383,11 +428,6 @@ def peak_memory_many(fns: Dict[str, Callable[[], object]],
         res[k] = float(torch.cuda.max_memory_allocated(device) - before)
         del out
     return res
-
-
-def peak_memory(fn: Callable[[], object], device: torch.device) -> Optional[float]:
-    """``peak_memory_many`` for one callable."""
-    return peak_memory_many({"fn": fn}, device)["fn"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,19 +522,91 @@ def load_warning(info: dict) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def gpt2_shapes(reduced: bool = False) -> List[Tuple[str, tuple]]:
+    """(name, shape) of GPT-2 small's parameters, the calculator's ``gpt2`` (124M parameters in
+    148 tensors; HF naming, Conv1D weights are (in, out)); ``reduced``: 4 layers on an 8K
+    vocabulary (35M parameters, 52 tensors), the --quick list."""
+    spec = memory.MODELS["gpt2"]
+    n_layer, vocab = (4, 8192) if reduced else (spec.layers, spec.vocab)
+    d = spec.hidden
+    shapes = [("wte.weight", (vocab, d)), ("wpe.weight", (spec.seq, d))]
+    for i in range(n_layer):
+        p = "h.%d." % i
+        shapes += [
+            (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
+            (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
+            (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
+            (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
+            (p + "mlp.c_fc.weight", (d, 4 * d)), (p + "mlp.c_fc.bias", (4 * d,)),
+            (p + "mlp.c_proj.weight", (4 * d, d)), (p + "mlp.c_proj.bias", (d,)),
+        ]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    assert reduced or sum(math.prod(s) for _, s in shapes) == spec.params
+    return shapes
+
+
+class Alternate:
+    """``a``, ``b``, ``a``, ``b``, ... as 0-dim float32 tensors: the inverse scales of repeated
+    timed calls, so that with ``a * b == 1`` the tensors they scale stay where they started
+    (times 1 or ``a``: ``factor()``) whatever the number of calls."""
+
+    def __init__(self, a: float, b: float, device: torch.device):
+        self.vals = [torch.full((), a, dtype=torch.float32, device=device),
+                     torch.full((), b, dtype=torch.float32, device=device)]
+        self.calls = 0
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        return self.vals[(self.calls - 1) % 2]
+
+    def factor(self) -> float:
+        """What the values handed out so far multiply to."""
+        return float(self.vals[0]) if self.calls % 2 else 1.0
+
+
+def count_subnormals(tensors: Sequence[torch.Tensor]) -> int:
+    """Elements below the smallest normal fp32 (bf16's range too) that are not zero."""
+    tiny = torch.finfo(torch.float32).tiny
+    return sum(int(((t.float().abs() < tiny) & (t != 0)).sum()) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sanity guard: the full correctness suites are tests/; a benchmark checks only that what it
+# times computes what the reference computes, once, before timing.
+
+
+class CorrectnessError(AssertionError):
+    """What a benchmark timed is wrong: run_all reports it and exits non-zero."""
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise CorrectnessError(message)
+
+
+def expect_same(name: str, got, want, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """``got`` equals ``want`` (tensors or lists of them, same dtypes): exactly by default (NaN
+    equal to NaN), else within ``rtol``/``atol`` (``torch.testing.assert_close``)."""
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError as exc:
+        raise CorrectnessError("%s: %s" % (name, exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------
 # Output
 
 
-def _fmt_count(n: int) -> str:
+def fmt_count(n: int) -> str:
     for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= div and n % div == 0:
             return "%d%s" % (n // div, unit)
     if n >= 1 << 20:
         return "%.1fM" % (n / (1 << 20))
     return str(n)
-
-
-fmt_count = _fmt_count
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
@@ -606,13 +718,28 @@ def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: in
     return save_figure(fig, path, title, fontsize=10)
 
 
-def figure_title(ctx, title: str, extra: str = "") -> str:
-    """A figure's title with the machine its figures come from (device, threads, torch, then
-    ``extra``, and a note when the run was --quick)."""
+def results(ctx, name: str, markdown: str, payload: dict, seconds: float,
+            misses: Sequence[str] = (), plot: Optional[Callable[[], object]] = None) -> dict:
+    """Writes a benchmark's ``<name>.json`` and ``<name>.md`` and, unless --no-plots, the PNG
+    file(s) ``plot()`` returns; returns what ``run(ctx)`` returns."""
+    files = [write_json(ctx.out_dir / (name + ".json"), payload),
+             write_text(ctx.out_dir / (name + ".md"), markdown)]
+    if plot is not None and ctx.plots:
+        out = plot()
+        files += out if isinstance(out, list) else [out]
+    return {"name": name, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
+            "seconds": seconds, "targets_missed": list(misses)}
+
+
+def figure_title(ctx, title: str, isa: bool = False) -> str:
+    """A figure's title with the machine its figures come from (device, threads, torch, with
+    ``isa`` mpext's CPU instruction set, and a note when the run was --quick)."""
     m = ctx.machine
     return "%s on %s, %s threads, torch %s%s%s" % (
         title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
-        m["torch_version"], extra, " (quick)" if ctx.quick else "")
+        m["torch_version"],
+        ", mpext ISA %s" % m["mpext_build_info"].get("cpu_isa_active") if isa else "",
+        " (quick)" if ctx.quick else "")
 
 
 def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
@@ -653,15 +780,6 @@ class _NullBar:
     def set_postfix_str(self, s=""):
         pass
 
-    def set_description(self, s=""):
-        pass
-
-    def write(self, s):
-        print(s, file=sys.stderr)
-
-    def close(self):
-        pass
-
 
 def progress(iterable=None, *, disable: bool = False, **kw):
     """A tqdm progress bar on stderr (stdout stays clean for the Markdown summary); a no-op
@@ -677,32 +795,19 @@ def progress(iterable=None, *, disable: bool = False, **kw):
     return tqdm(iterable, **kw)
 
 
-@contextlib.contextmanager
-def stopwatch():
-    """``with stopwatch() as sw: ...; sw()`` -> seconds elapsed."""
-    t0 = time.perf_counter()
-    end = [None]
-
-    def elapsed():
-        return (end[0] or time.perf_counter()) - t0
-
-    try:
-        yield elapsed
-    finally:
-        end[0] = time.perf_counter()
-
-
 class PhaseClock:
-    """Where a benchmark's time goes: ``phase(name)`` records the seconds since the previous
-    call (or since the clock was made) under ``name`` in ``times``."""
+    """Where a benchmark's time goes: ``clock(name)`` records the seconds since the previous call
+    (or since the clock was made) under ``name`` in ``times``; ``elapsed()`` is the total."""
 
-    def __init__(self, elapsed: Callable[[], float]) -> None:
-        self.elapsed = elapsed
+    def __init__(self) -> None:
+        self._t0 = self._start = time.perf_counter()
         self.times: Dict[str, float] = {}
-        self._start = elapsed()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
 
     def __call__(self, name: str) -> None:
-        now = self.elapsed()
+        now = time.perf_counter()
         self.times[name] = now - self._start
         self._start = now
 

@@ -5,7 +5,7 @@
 Runs every module in BENCHMARKS in order, each comparing mpext with native PyTorch in the same
 run, prints the Markdown summary on stdout (progress bars go to stderr), and writes
 results/summary.md and results/summary.json next to each benchmark's own JSON / Markdown / PNG.
-Exits non-zero if any benchmark raised (a correctness check failing included); the others still
+Exits non-zero if any benchmark raised (a failed sanity check included); the others still
 run. Performance targets are reported in the tables, never turned into a failure.
 """
 import argparse

@@ -24,11 +24,12 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _path in (ROOT, os.path.join(ROOT, "benchmarks")):  # mpext; the training recipe
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-import mpext  # noqa: E402
 import mpext.checkpoint as ckpt  # noqa: E402
+from training import Trainer  # noqa: E402
 
 PATTERN = "step_*.pt"
 VARIANTS = ("adamw-gradscaler-fp16", "mpo-fp16", "mpo-bf16")
@@ -50,53 +51,24 @@ def make_model(dtype):
                                torch.nn.Linear(32, 4)).to(dtype)
 
 
-class AdamWScaler:
+class AdamWScaler(Trainer):
     """mpext.optim.AdamW (FP32 masters for low-precision params) + mpext.GradScaler."""
 
     def __init__(self, model, lr=1e-2, weight_decay=1e-2, **scaler_options):
-        self.opt = mpext.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.scaler = mpext.GradScaler("cpu", **scaler_options)
-
-    def backward(self, loss):
-        self.scaler.scale(loss).backward()
-
-    def step(self):
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_dict(self):
-        return {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
-
-    def load_state_dict(self, state):
-        self.opt.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        super().__init__(model.parameters(), "mpext-optim", scaled=True,
+                         scaler_options=scaler_options, lr=lr, weight_decay=weight_decay)
 
 
-class MixedPrecision:
+class MixedPrecision(Trainer):
     """mpext.MixedPrecisionOptimizer around torch.optim.AdamW (its fused path) or
-    torch.optim.Adamax (its generic path), dynamic loss scaling."""
+    torch.optim.Adamax (its generic path), dynamic loss scaling; ``step()`` (which also sets the
+    gradients to None) returns whether the step was applied."""
 
     def __init__(self, model, inner="adamw", lr=1e-2, weight_decay=1e-2, **scaler_options):
         cls = {"adamw": torch.optim.AdamW, "adamax": torch.optim.Adamax}[inner]
-        opt = cls(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.mpo = mpext.MixedPrecisionOptimizer(opt, loss_scale="dynamic", **scaler_options)
-        self.scaler = self.mpo.scaler
-
-    def backward(self, loss):
-        self.mpo.backward(loss)
-
-    def step(self):
-        """Returns MixedPrecisionOptimizer.step()'s result: whether the step was applied."""
-        applied = self.mpo.step()
-        self.mpo.zero_grad()
-        return applied
-
-    def state_dict(self):
-        return {"optimizer": self.mpo.state_dict()}
-
-    def load_state_dict(self, state):
-        self.mpo.load_state_dict(state["optimizer"])
+        super().__init__(model.parameters(), "mpext-wrapper", scaled=True, inner=cls,
+                         scaler_options=scaler_options, lr=lr, weight_decay=weight_decay)
+        self.mpo = self.opt
 
 
 SCALING = dict(init_scale=2.0 ** 10, growth_interval=5)

@@ -7,7 +7,9 @@ models; bad arguments (API and command line); and the agreement check: one real 
 per mode and optimizer on the CPU, the live tensors measured storage by storage and compared
 with the estimate (within 10%)."""
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,10 @@ from mpext import memory
 from mpext.memory import MODES, OPTIMIZERS, estimate
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpt  # noqa: E402  (benchmarks/gpt.py: the model and corpus)
+import training  # noqa: E402  (benchmarks/training.py: the training modes)
 
 # Bytes per param of (weights, gradients, master weights), written out per mode by hand.
 MODE_BYTES = {
@@ -189,13 +195,8 @@ def test_presets_published_counts(name, count):
 
 
 def test_bench_presets_match_benchmarks_gpt():
-    """bench-<preset> follows benchmarks/gpt.py, and its parameter count (the GPT formula) is
-    that of the real model."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpt
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    """benchmarks/gpt.py builds bench-<preset> on its corpus's vocabulary, and the calculator's
+    parameter count (the GPT formula) is that of the real model."""
     _, vocab = gpt.load_corpus()
     assert [n for n in memory.model_names() if n.startswith("bench-")] == \
         ["bench-" + k for k in gpt.PRESETS]
@@ -288,6 +289,43 @@ def test_cli_png(capsys, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_png_path_without_extension(capsys, tmp_path):
+    """The chart goes to exactly the path given, and the message names that file."""
+    pytest.importorskip("matplotlib", reason="the --png chart needs matplotlib")
+    path = tmp_path / "mem"
+    code, _, err = run_main(capsys, "--params", "1e6", "--png", str(path))
+    assert code == 0 and "wrote %s" % path in err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "mem.png").exists()
+
+
+def test_cli_png_missing_folder(capsys, tmp_path):
+    path = tmp_path / "no" / "such" / "mem.png"
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--png", str(path)])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert "argument --png: the folder %s does not exist" % path.parent in out.err
+    assert out.out == ""  # rejected before anything is printed
+
+
+def test_cli_png_into_a_folder(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--png", str(tmp_path)])
+    assert e.value.code == 2
+    assert "argument --png: %s is a folder" % tmp_path in capsys.readouterr().err
+
+
+def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--png", str(tmp_path / "mem.png")])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert "argument --png: needs matplotlib" in out.err and out.out == ""
+    assert not (tmp_path / "mem.png").exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--params", "-7e9"], "argument --params: must be >= 1, got '-7e9'"),
     (["--params", "-7B"], "argument --params: must be >= 1, got '-7B'"),
@@ -323,6 +361,17 @@ def test_python_m_runs():
     assert "llama-7b" in ok.stdout and "| **persistent**" in ok.stdout
     bad = _python_m("--params", "-1")
     assert bad.returncode == 2 and "argument --params: must be >= 1" in bad.stderr
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/memory.md"])
+def test_documented_output_is_the_real_output(capsys, doc):
+    """Every ``$ python -m mpext.memory ...`` block of the docs shows what that command prints."""
+    text = (REPO / doc).read_text()
+    blocks = re.findall(r"```console\n\$ python -m mpext\.memory ([^\n]*)\n(.*?)```", text, re.S)
+    assert blocks, "no command output shown in %s" % doc
+    for argv, shown in blocks:
+        code, out, _ = run_main(capsys, *argv.split())
+        assert code == 0 and out == shown, argv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,3 +494,34 @@ def test_agreement_with_a_real_step(mode, optimizer, wrapper):
     assert got["master_weights"] == want.master_weights
     assert got["optimizer_states"] == want.optimizer_states
     assert got["scaler"] >= want.scaler  # scale and growth tracker (+ mpext extras)
+
+
+@pytest.mark.parametrize("key", [k for k, m in training.MODES.items() if m.memory_mode])
+def test_agreement_gpt_training_modes(key):
+    """The modes of benchmarks/bench_train.py (benchmarks/training.py) on gpt.py's tiny model,
+    whose head is tied to its embedding: each trains (finite, falling loss, dtype kept), and
+    after a step the live tensors agree with the estimate as the benchmark requires (within 10%
+    in total, the large components exact)."""
+    data, vocab = gpt.load_corpus(60_000)
+    cfg = gpt.GPTConfig.preset("tiny", len(vocab))
+    torch.manual_seed(0)
+    tr = training.Trainer.for_mode(key, gpt.GPT(cfg, fp32_gemm=True), lr=3e-3,
+                                   weight_decay=0.01, fused=True,
+                                   scaler_options=dict(init_scale=2.0 ** 10))
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for i in range(21):
+        x, y = gpt.get_batch(data, 4, cfg.block_size, g)
+        with tr.autocast():
+            _, loss = tr.model(x, y)
+        tr.backward(loss)
+        tr.step(zero_grad=i < 20)  # the last step keeps its gradients, as the benchmark measures
+        losses.append(float(loss.detach()))
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) / 3 < losses[0], losses
+    assert all(p.dtype == training.MODES[key].param_dtype for p in tr.params)
+    got = memory.measure(tr.params, tr.opt, tr.scaler)
+    n = sum(p.numel() for p in tr.model.parameters())
+    want = estimate(n, "adamw", training.MODES[key].memory_mode)
+    assert abs(sum(got.values()) - want.persistent) <= 0.10 * want.persistent, (got, want)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+        assert got[field] == getattr(want, field), field

@@ -1,0 +1,356 @@
+"""The estimate of mpext.memory: what a training configuration holds per device.
+
+For a model of ``params`` parameters trained with ``optimizer`` in a precision ``mode``, under
+ZeRO stage ``zero`` over ``world_size`` devices, :func:`estimate` returns the bytes one device
+holds, split into the persistent tensors (weights, gradients, FP32 master weights, optimizer
+states, loss-scaler scalars) and the memory that exists only while a step runs (activations saved
+for the backward pass, and autocast's low-precision weight copies). ``python -m mpext.memory``
+prints it as a table (``mpext.memory``); ``docs/memory.md`` documents every row.
+
+Bytes per parameter, per mode (ZeRO 0, one device; ``k`` = FP32 optimizer-state tensors per
+param: AdamW 2, SGD with momentum 1, ...)::
+
+    mode         weights  grads  masters  optimizer states  transient (per step)
+    fp32            4       4       0          4k           activations in fp32
+    amp-bf16        4       4       0          4k           activations in bf16 + 2 B/param
+    amp-fp16        4       4       0          4k           bf16 -> fp16; + 2 scaler scalars
+    mpext-bf16      2       2       4          4k           activations in bf16
+    mpext-fp16      2       2       4          4k           as bf16; + 2 scaler scalars
+
+Native AMP keeps the model in FP32 (its FP32 weights are the masters) and autocast casts each
+weight to 16 bits on every forward; those copies live until the backward has used them, so they
+are counted as step-time memory (``autocast_copies``), not as persistent memory. mpext keeps the
+model in BF16/FP16 with FP32 masters inside the optimizer and casts nothing per forward.
+
+ZeRO (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", section 5): stage 1 partitions the optimizer states (the FP32 master weights are part of
+them, as in the paper's K = 12 bytes for mixed-precision Adam) over ``world_size`` devices, stage
+2 also the gradients, stage 3 also the weights. A partition holds ceil(params / world_size)
+elements. Temporary all-gather buffers and communication buckets are not counted.
+
+Activations (optional; needs batch, sequence, hidden, layers, heads): per transformer layer,
+Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models",
+section 4.1, without tensor/sequence parallelism or recomputation. With 16-bit activations it is
+``s*b*h*(34 + 5*a*s/h)`` bytes; written per saved tensor it is ``s*b*h*(16*d + 2*m) +
+a*s*s*b*(2*d + m)`` with ``d`` the activation dtype's bytes and ``m`` = 1 byte per dropout-mask
+element (0 without dropout), which gives 34 and 5 for d = 2, m = 1. Plus the paper's terms
+outside the layers: the embedding dropout mask (``s*b*h*m``), the final layer norm's input
+(``s*b*h*d``) and the FP32 logits kept by the cross entropy (``4*s*b*v``, when a vocabulary size
+is given). Activations are replicated data-parallel work and are not divided by ZeRO.
+"""
+import dataclasses
+import math
+import numbers
+from typing import Dict, List, Optional
+
+__all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCAB", "ModeSpec",
+           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "activation_bytes",
+           "gpt_params", "llama_params", "model_names", "model_spec"]
+
+_FP32, _HALF = 4, 2
+SCALER_SCALARS = 2  # the loss scale (fp32) and the growth tracker (int32), kept between steps
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeSpec:
+    """Bytes per parameter (or per activation element) a precision mode stores."""
+
+    weight: int          # the model's parameters
+    grad: int            # their .grad
+    master: int          # FP32 master copy held by the optimizer (0: the weights are FP32)
+    activation: int      # bytes per saved activation element
+    autocast_copy: int   # per-forward low-precision weight copies (native AMP autocast)
+    scaler: bool         # dynamic loss scaling (scale, growth tracker, found_inf)
+    description: str
+
+
+MODES: Dict[str, ModeSpec] = {
+    "fp32": ModeSpec(_FP32, _FP32, 0, _FP32, 0, False,
+                     "FP32 weights, grads and activations"),
+    "amp-bf16": ModeSpec(_FP32, _FP32, 0, _HALF, _HALF, False,
+                         "native AMP: FP32 model, torch.autocast(bfloat16)"),
+    "amp-fp16": ModeSpec(_FP32, _FP32, 0, _HALF, _HALF, True,
+                         "native AMP: FP32 model, torch.autocast(float16) + GradScaler"),
+    "mpext-bf16": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, False,
+                           "mpext: BF16 model, FP32 masters in the optimizer"),
+    "mpext-fp16": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, True,
+                           "mpext: FP16 model, FP32 masters + dynamic loss scaling"),
+}
+
+# FP32 state tensors of the size of the param each optimizer keeps (torch.optim's defaults; the
+# scalar per-param ``step`` tensors are not counted).
+OPTIMIZERS: Dict[str, int] = {
+    "adamw": 2,             # exp_avg, exp_avg_sq
+    "adam": 2,
+    "nadam": 2,
+    "radam": 2,
+    "adamax": 2,            # exp_avg, exp_inf
+    "sgd": 0,               # momentum=0: no state
+    "sgd-momentum": 1,      # momentum_buffer
+    "adagrad": 1,           # sum
+    "rmsprop": 1,           # square_avg
+    "rmsprop-momentum": 2,  # square_avg, momentum_buffer
+}
+
+
+def optimizer_states(optimizer: str) -> int:
+    """The number of param-sized FP32 state tensors ``optimizer`` keeps (see ``OPTIMIZERS``)."""
+    try:
+        return OPTIMIZERS[optimizer]
+    except (KeyError, TypeError):
+        raise ValueError("optimizer: unknown optimizer %r; choose one of %s"
+                         % (optimizer, ", ".join(OPTIMIZERS))) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Model presets
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A known model: its parameter count and the shape the activation estimate needs."""
+
+    name: str
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    note: str = ""
+    dropout: bool = True  # whether the model trains with dropout (masks in the activations)
+
+
+def gpt_params(layers: int, hidden: int, vocab: int, seq: int, bias: bool = True,
+               tied: bool = True) -> int:
+    """Parameters of a GPT-2-style model (nanoGPT layout): token and position embeddings, per
+    layer two LayerNorms, the QKV and output projections and a 4x MLP, a final LayerNorm, and an
+    LM head tied to the token embedding unless ``tied`` is False."""
+    h = hidden
+    b = 1 if bias else 0
+    per_layer = 12 * h * h + b * 9 * h + (2 if bias else 1) * 2 * h  # matrices, biases, LNs
+    total = vocab * h + seq * h + layers * per_layer + (2 if bias else 1) * h
+    return total + (0 if tied else vocab * h)
+
+
+def llama_params(layers: int, hidden: int, ffn: int, vocab: int) -> int:
+    """Parameters of a LLaMA-style model: embedding, per layer 4 h*h attention projections, a
+    SwiGLU MLP (3 h*ffn) and two RMSNorms, a final RMSNorm and an untied LM head."""
+    return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) \
+        + hidden
+
+
+def _gpt(name, layers, hidden, heads, vocab=50257, seq=1024, note="", dropout=True):
+    return ModelSpec(name, gpt_params(layers, hidden, vocab, seq), layers, hidden, heads,
+                     vocab, seq, note, dropout)
+
+
+def _llama(name, layers, hidden, heads, ffn, vocab=32000, seq=2048):
+    return ModelSpec(name, llama_params(layers, hidden, ffn, vocab), layers, hidden, heads,
+                     vocab, seq, "LLaMA layout; the activation formula is the GPT one "
+                     "(SwiGLU saves more in its MLP)", dropout=False)
+
+
+MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
+    _gpt("gpt2", 12, 768, 12), _gpt("gpt2-medium", 24, 1024, 16),
+    _gpt("gpt2-large", 36, 1280, 20), _gpt("gpt2-xl", 48, 1600, 25),
+    _llama("llama-7b", 32, 4096, 32, 11008), _llama("llama-13b", 40, 5120, 40, 13824),
+    _llama("llama-70b-mha", 80, 8192, 64, 28672),
+)}
+
+# The character GPT that benchmarks/gpt.py builds (and the tests train), by preset: the sizes are
+# the calculator's, as ``bench-<preset>``, and benchmarks/gpt.py takes them from here.
+BENCH_GPT_PRESETS: Dict[str, dict] = {
+    # unit tests and --quick: a few milliseconds per step on a CPU core
+    "tiny": dict(block_size=32, n_layer=2, n_head=2, n_embd=48),
+    # the default CPU convergence benchmark
+    "small": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
+    # a GPU run (the classic character-level GPT size)
+    "gpu": dict(block_size=256, n_layer=6, n_head=6, n_embd=384),
+}
+BENCH_GPT_VOCAB = 42  # characters in benchmarks/gpt.py's generated corpus (a test checks it)
+
+# No dropout: benchmarks/gpt.py trains these without it.
+_BENCH_MODELS: Dict[str, ModelSpec] = {
+    "bench-" + k: _gpt("bench-" + k, c["n_layer"], c["n_embd"], c["n_head"],
+                       vocab=BENCH_GPT_VOCAB, seq=c["block_size"],
+                       note="benchmarks/gpt.py preset %r" % k, dropout=False)
+    for k, c in BENCH_GPT_PRESETS.items()}
+
+
+def model_names() -> List[str]:
+    """The names ``model_spec`` knows: ``MODELS``, then ``bench-<preset>`` for each of
+    ``BENCH_GPT_PRESETS``."""
+    return sorted(MODELS) + list(_BENCH_MODELS)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A known model by name (see ``model_names``)."""
+    spec = (MODELS.get(name) or _BENCH_MODELS.get(name)) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError("model: unknown model %r; choose one of %s"
+                         % (name, ", ".join(model_names())))
+    return spec
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Per-device bytes of one training configuration (see the module docstring for the
+    accounting). ``persistent`` is what lives between steps; ``total`` adds what a step needs
+    while it runs."""
+
+    mode: str
+    optimizer: str
+    params: int
+    zero: int
+    world_size: int
+    weights: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    scaler: int
+    activations: Optional[int]   # None: not estimated (no batch/sequence/shape given)
+    autocast_copies: int
+    step_buffers: int = 0
+    activation_formula: str = ""
+
+    PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "scaler")
+    TRANSIENT = ("activations", "autocast_copies", "step_buffers")
+
+    @property
+    def persistent(self) -> int:
+        return sum(getattr(self, k) for k in self.PERSISTENT)
+
+    @property
+    def transient(self) -> int:
+        """The larger of the forward/backward peak (activations + autocast copies) and the
+        optimizer step's buffers: the two are not alive at the same time."""
+        return max((self.activations or 0) + self.autocast_copies, self.step_buffers)
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.transient
+
+    def bytes_per_param(self, field: str) -> float:
+        """Per-device bytes of ``field`` (or 'persistent' / 'total') over the model's params."""
+        v = getattr(self, field)
+        return (v or 0) / self.params
+
+    def label(self) -> str:
+        return self.mode + ("" if self.zero == 0 else " ZeRO-%d/%d" % (self.zero, self.world_size))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(persistent=self.persistent, transient=self.transient, total=self.total,
+                 bytes_per_param={k: self.bytes_per_param(k)
+                                  for k in self.PERSISTENT + self.TRANSIENT
+                                  + ("persistent", "total")})
+        return d
+
+
+def _check_count(name: str, value, minimum: int = 1) -> int:
+    """An integer count >= minimum (an integral float such as 7e9 is accepted)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError("%s: must be an integer, got %r" % (name, value))
+    if not isinstance(value, numbers.Integral):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError("%s: must be a whole number, got %r" % (name, value))
+    value = int(value)
+    if value < minimum:
+        raise ValueError("%s: must be >= %d, got %d" % (name, minimum, value))
+    return value
+
+
+def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
+                     act_bytes: int = 2, vocab: Optional[int] = None,
+                     dropout: bool = True) -> int:
+    """Activation memory of one forward of a GPT-style transformer (Korthikanti et al. 2022,
+    section 4.1): per layer ``s*b*h*(16*d + 2*m) + a*s^2*b*(2*d + m)`` bytes (``d`` =
+    ``act_bytes``, ``m`` = 1 with dropout masks, else 0), plus the embedding dropout mask, the
+    final LayerNorm input and, with ``vocab``, the FP32 logits of the cross entropy
+    (``4*s*b*vocab``)."""
+    b = _check_count("batch", batch)
+    s = _check_count("seq", seq)
+    h = _check_count("hidden", hidden)
+    n = _check_count("layers", layers)
+    a = _check_count("heads", heads)
+    if a > h:
+        raise ValueError("heads: %d heads cannot exceed hidden=%d" % (a, h))
+    if act_bytes not in (2, 4):
+        raise ValueError("act_bytes: must be 2 or 4, got %r" % (act_bytes,))
+    m = 1 if dropout else 0
+    per_layer = s * b * h * (16 * act_bytes + 2 * m) + a * s * s * b * (2 * act_bytes + m)
+    outside = s * b * h * (m + act_bytes)
+    if vocab is not None:
+        outside += 4 * s * b * _check_count("vocab", vocab)
+    return n * per_layer + outside
+
+
+def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero: int = 0,
+             world_size: int = 1, batch: Optional[int] = None, seq: Optional[int] = None,
+             hidden: Optional[int] = None, layers: Optional[int] = None,
+             heads: Optional[int] = None, vocab: Optional[int] = None,
+             dropout: bool = True) -> Breakdown:
+    """Per-device memory of training a ``params``-parameter model.
+
+    Args:
+        params: the number of parameters (an int, or an integral float such as ``7e9``).
+        optimizer: a key of ``OPTIMIZERS`` ('adamw', 'sgd', 'sgd-momentum', ...).
+        mode: a key of ``MODES`` ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16').
+        zero: ZeRO stage 0-3 (1: optimizer states and masters partitioned, 2: + gradients,
+            3: + weights).
+        world_size: data-parallel devices the partitions are spread over.
+        batch, seq, hidden, layers, heads: the activation estimate's shape; all five or none.
+        vocab: adds the FP32 logits of the cross entropy to the activations.
+        dropout: count the dropout masks (1 byte per element) as Korthikanti et al. do.
+
+    Returns a :class:`Breakdown`. Raises ``ValueError`` / ``TypeError`` naming the argument.
+    """
+    n = _check_count("params", params)
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError("mode: unknown mode %r; choose one of %s" % (mode, ", ".join(MODES)))
+    k = optimizer_states(optimizer)
+    if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) \
+            or zero not in (0, 1, 2, 3):
+        raise ValueError("zero: the ZeRO stage must be 0, 1, 2 or 3, got %r" % (zero,))
+    zero = int(zero)
+    w = _check_count("world_size", world_size)
+    shape = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers, "heads": heads}
+    given = [name for name, v in shape.items() if v is not None]
+    if given and len(given) != len(shape):
+        raise ValueError("activations need batch, seq, hidden, layers and heads together; "
+                         "missing %s" % ", ".join(nm for nm in shape if nm not in given))
+    if vocab is not None and not given:
+        raise ValueError("vocab: only used by the activation estimate, which needs batch, "
+                         "seq, hidden, layers and heads")
+    spec = MODES[mode]
+
+    def part(stage: int) -> int:  # elements per device of a tensor partitioned from `stage` on
+        return -(-n // w) if zero >= stage else n
+
+    # MixedPrecisionOptimizer's generic path (any optimizer but Adam/AdamW) makes FP32
+    # gradients for the masters during step() and frees them after: one per master element.
+    fused = optimizer in ("adam", "adamw")
+    step_buffers = 0 if (fused or spec.master == 0) else _FP32 * part(1)
+    acts, formula = None, ""
+    if given:
+        acts = activation_bytes(batch, seq, hidden, layers, heads, spec.activation, vocab,
+                                dropout)
+        formula = ("Korthikanti et al. 2022: layers*(s*b*h*(16*d+2*m) + a*s^2*b*(2*d+m)) "
+                   "+ s*b*h*(m+d)%s, d=%d, m=%d" % (" + 4*s*b*v" if vocab else "",
+                                                    spec.activation, 1 if dropout else 0))
+    return Breakdown(
+        mode=mode, optimizer=optimizer, params=n, zero=zero, world_size=w,
+        weights=spec.weight * part(3),
+        gradients=spec.grad * part(2),
+        master_weights=spec.master * part(1),
+        optimizer_states=_FP32 * k * part(1),
+        scaler=_FP32 * SCALER_SCALARS if spec.scaler else 0,
+        activations=acts,
+        autocast_copies=spec.autocast_copy * n,
+        step_buffers=step_buffers,
+        activation_formula=formula,
+    )

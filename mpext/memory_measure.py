@@ -1,0 +1,97 @@
+"""The live measurement of mpext.memory: the bytes a training setup's tensors hold now, by the
+rows of the estimate (``mpext.memory_estimate``), to check one against the other."""
+from typing import Dict, Optional
+
+__all__ = ["measure"]
+
+def _storage_key(t) -> Optional[tuple]:
+    st = t.untyped_storage()
+    if st.nbytes() == 0:
+        return None
+    return (t.device.type, t.device.index, st.data_ptr())
+
+
+def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
+    """Bytes held now by a training setup's persistent tensors, by category, each storage
+    counted once (the sum of ``untyped_storage().nbytes()`` over unique storages):
+
+    - ``weights``: the model's ``params`` (an iterable of tensors, e.g. ``model.parameters()``);
+    - ``gradients``: their ``.grad``, plus the ``.grad`` of any FP32 master an inner optimizer
+      steps;
+    - ``master_weights``: state entries whose key names a master (``master_param``) and the
+      params of a wrapped inner optimizer (``optimizer.optimizer``) that are not model params;
+    - ``optimizer_states``: other state tensors as large as their param (moments, buffers);
+    - ``scaler``: tensors held by ``scaler``, or by a scaler the optimizer keeps as
+      ``.scaler`` (``mpext.MixedPrecisionOptimizer``);
+    - ``other``: everything else the optimizer objects hold (``step`` scalars, cached lr
+      tensors, ...).
+
+    Use it after a step (before ``zero_grad``) to compare with :func:`estimate`.
+    """
+    import torch
+
+    out = {"weights": 0, "gradients": 0, "master_weights": 0, "optimizer_states": 0,
+           "scaler": 0, "other": 0}
+    seen = set()
+
+    def add(cat, t):
+        if not isinstance(t, torch.Tensor):
+            return
+        key = _storage_key(t)
+        if key is None or key in seen:
+            return
+        seen.add(key)
+        out[cat] += t.untyped_storage().nbytes()
+
+    model_params = list(params)
+    model_ids = {id(p) for p in model_params}
+    for p in model_params:
+        add("weights", p)
+    for p in model_params:
+        add("gradients", p.grad)
+
+    chain, obj = [], optimizer
+    while obj is not None and obj not in chain:
+        chain.append(obj)
+        inner = getattr(obj, "optimizer", None)
+        obj = inner if inner is not obj else None
+    for opt in chain:
+        for group in getattr(opt, "param_groups", ()):
+            for q in group["params"]:
+                if id(q) not in model_ids:
+                    add("master_weights", q)
+                    add("gradients", q.grad)
+        for q, st in getattr(opt, "state", {}).items():
+            if not isinstance(st, dict):
+                continue
+            for name, v in st.items():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if "master" in str(name):
+                    add("master_weights", v)
+                elif isinstance(q, torch.Tensor) and v.numel() == q.numel() and v.numel() > 1:
+                    add("optimizer_states", v)
+                else:
+                    add("other", v)
+    for sc in [scaler] + [getattr(o, "scaler", None) for o in chain]:
+        if isinstance(sc, torch.amp.GradScaler):
+            for t in _tensors_in(vars(sc)):
+                add("scaler", t)
+    for opt in chain:  # whatever else the optimizer objects keep
+        for t in _tensors_in(vars(opt)):
+            add("other", t)
+    return out
+
+
+def _tensors_in(obj, depth: int = 4):
+    """Tensors inside nested dicts / lists / tuples (not inside other objects)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth - 1)
+    elif depth > 0 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth - 1)
