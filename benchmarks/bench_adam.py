@@ -40,6 +40,8 @@ SIZES_QUICK = [1 << 20, 4 << 20, 16 << 20]
 PATHS = [
     ("mpext", "mpext adam_step_ (bf16 p/g, fp32 master+m+v, inv_scale + found_inf)", 28, True),
     ("mpext_chk", "mpext unscale_ inf check (reads bf16 g) + adam_step_", 30, True),
+    ("mpext_wb", "mpext check + adam_step_ writing the unscaled grads back (mpext.optim's default "
+     "under a GradScaler)", 32, True),
     ("fused_gs", "torch GradScaler.step: inf check + AdamW(fused) with grad_scale/found_inf", 40,
      False),
     ("fused_un", "torch unscale_ + AdamW(fused) with found_inf", 36, False),
@@ -48,7 +50,8 @@ PATHS = [
 PATH_LABEL = {k: lab for k, lab, _, _ in PATHS}
 PATH_BYTES = {k: b for k, _, b, _ in PATHS}
 NATIVE = [k for k, _, _, is_mp in PATHS if not is_mp]
-SHORT = {"mpext": "mpext", "mpext_chk": "mpext + check", "fused_gs": "torch fused (GradScaler)",
+SHORT = {"mpext": "mpext", "mpext_chk": "mpext + check", "mpext_wb": "mpext + check + grads back",
+         "fused_gs": "torch fused (GradScaler)",
          "fused_un": "torch unscale_ + fused", "foreach": "torch unscale_ + foreach"}
 
 
@@ -87,6 +90,7 @@ class Problem:
         # x0.5 / x2 in turn: inv_scale for mpext and the unscale passes; grad_scale (the fused
         # kernel divides by it) 2 / 0.5. Each alternator's net effect on the grads is x1 or x0.5.
         self.alt = {"mpext": Alternate(0.5, 2.0, dev), "mpext_chk": Alternate(0.5, 2.0, dev),
+                    "mpext_wb": Alternate(0.5, 2.0, dev),
                     "fused_gs": Alternate(2.0, 0.5, dev), "fused_un": Alternate(0.5, 2.0, dev),
                     "foreach": Alternate(0.5, 2.0, dev)}
 
@@ -113,6 +117,13 @@ class Problem:
             adam(p16, g16, m, v, ms, st, lr, BETA1, BETA2, EPS, WEIGHT_DECAY, True, False,
                  inv_scale=alt["mpext_chk"](), found_inf=found)
 
+        def f_mpext_wb():
+            self.mpext_calls += 1
+            found.zero_()
+            unscale_mp(g16, found, one)
+            adam(p16, g16, m, v, ms, st, lr, BETA1, BETA2, EPS, WEIGHT_DECAY, True, False,
+                 inv_scale=alt["mpext_wb"](), found_inf=found, unscale_grads=True)
+
         def f_fused_gs():
             # torch.amp.GradScaler.step with a _step_supports_amp_scaling optimizer
             found.zero_()
@@ -136,7 +147,8 @@ class Problem:
             if not found.item():  # GradScaler._maybe_opt_step
                 opt_fe.step()
 
-        return {"mpext": f_mpext, "mpext_chk": f_mpext_chk, "fused_gs": f_fused_gs,
+        return {"mpext": f_mpext, "mpext_chk": f_mpext_chk, "mpext_wb": f_mpext_wb,
+                "fused_gs": f_fused_gs,
                 "fused_un": f_fused_un, "foreach": f_foreach}
 
     def native_state(self):

@@ -18,7 +18,8 @@
 //
 // Numerics: adam_rule.h's, the CPU's code: per element each fp32 operation rounded once (the
 // rule's _rn intrinsics, which fast-math flags do not change), bf16/fp16 values widened exactly
-// and the new master rounded back to nearest even.
+// and the new master rounded back to nearest even; with unscale_grads the unscaled gradient is
+// rounded back into the gradient the same way.
 #include <cuda_runtime.h>
 
 #include "access.cuh"
@@ -40,10 +41,11 @@ static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignm
 
 // Element i, on its own.
 template <int P, int G>
-MP_CUDA_HD void adam_one(void* param, const void* grad, float* master, float* exp_avg,
+MP_CUDA_HD void adam_one(void* param, void* grad, float* master, float* exp_avg,
                          float* exp_avg_sq, int64_t i, const mp_adam_scalars& s) {
   constexpr bool kMaster = P != MP_F32;
-  const float g = widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i));
+  const float g = mp_adam_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
+  if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p = kMaster ? master[i] : widen<MP_F32>(load1<4>(param, i));
   float m = exp_avg[i];
   float v = exp_avg_sq[i];
@@ -58,7 +60,7 @@ MP_CUDA_HD void adam_one(void* param, const void* grad, float* master, float* ex
 // fp32 param the param is the fp32 value (master is unused); otherwise the master is, and the
 // param is only written.
 template <int P, int G>
-MP_CUDA_HD void adam_vec8(void* param, const void* grad, float* master, float* exp_avg,
+MP_CUDA_HD void adam_vec8(void* param, void* grad, float* master, float* exp_avg,
                           float* exp_avg_sq, int64_t vi, const mp_adam_scalars& s) {
   constexpr bool kMaster = P != MP_F32;
   uint32_t gb[8], pb[8], mb[8], vb[8];
@@ -71,7 +73,9 @@ MP_CUDA_HD void adam_vec8(void* param, const void* grad, float* master, float* e
   for (int j = 0; j < 8; ++j) {
     float m = f32_from_bits(mb[j]);
     float v = f32_from_bits(vb[j]);
-    const float p = mp_adam_element(widen<G>(gb[j]), f32_from_bits(pb[j]), &m, &v, &s);
+    const float g = mp_adam_unscaled(widen<G>(gb[j]), &s);
+    gb[j] = narrow<G>(g);
+    const float p = mp_adam_element(g, f32_from_bits(pb[j]), &m, &v, &s);
     mb[j] = bits_from_f32(m);
     vb[j] = bits_from_f32(v);
     pb[j] = bits_from_f32(p);
@@ -79,6 +83,7 @@ MP_CUDA_HD void adam_vec8(void* param, const void* grad, float* master, float* e
   }
   store8<4>(exp_avg, vi, mb);
   store8<4>(exp_avg_sq, vi, vb);
+  if (s.write_grad) store8<MP_DTYPE_BYTES(G)>(grad, vi, gb);
   if constexpr (kMaster) store8<4>(master, vi, pb);
   store8<MP_DTYPE_BYTES(P)>(param, vi, out);
 }
@@ -112,7 +117,7 @@ MP_CUDA_HD int64_t vector_head(const void* param, const void* grad, const float*
 // tail after the last full vector go one element at a time, the body 8 elements per step (or,
 // when no common boundary exists, everything goes one element at a time).
 template <int P, int G>
-MP_CUDA_HD void adam_range(void* param, const void* grad, float* master, float* exp_avg,
+MP_CUDA_HD void adam_range(void* param, void* grad, float* master, float* exp_avg,
                            float* exp_avg_sq, int64_t n, const mp_adam_scalars& s, int64_t tid,
                            int64_t nthreads) {
   constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
@@ -124,7 +129,7 @@ MP_CUDA_HD void adam_range(void* param, const void* grad, float* master, float* 
   const int64_t nvec = (n - head) / kVec;
   if (nvec > 0) {
     void* bp = static_cast<char*>(param) + head * kP;
-    const void* bg = static_cast<const char*>(grad) + head * kG;
+    void* bg = static_cast<char*>(grad) + head * kG;
     float* bw = P != MP_F32 ? master + head : master;
     float* bm = exp_avg + head;
     float* bv = exp_avg_sq + head;
@@ -141,7 +146,7 @@ struct AdamArgs {
   mp_adam_options opt;
   mp_cuda::PieceTable<kMaxPieces> pieces;
   void* param[kMaxPieces];
-  const void* grad[kMaxPieces];
+  void* grad[kMaxPieces];
   float* master[kMaxPieces];
   float* exp_avg[kMaxPieces];
   float* exp_avg_sq[kMaxPieces];
@@ -166,7 +171,7 @@ MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
                            const mp_adam_scalars& s, int64_t tid, int64_t nthreads) {
   const int k = r.k;
   void* param = static_cast<char*>(a.param[k]) + r.start * MP_DTYPE_BYTES(P);
-  const void* grad = static_cast<const char*>(a.grad[k]) + r.start * MP_DTYPE_BYTES(G);
+  void* grad = static_cast<char*>(a.grad[k]) + r.start * MP_DTYPE_BYTES(G);
   float* master = P != MP_F32 ? a.master[k] + r.start : nullptr;
   adam_range<P, G>(param, grad, master, a.exp_avg[k] + r.start, a.exp_avg_sq[k] + r.start,
                    r.count, s, tid, nthreads);
@@ -244,7 +249,7 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
       [&](int i, int64_t s, int64_t done) {
         const mp_adam_tensor& t = tensors[s];
         a.param[i] = static_cast<char*>(t.param) + done * MP_DTYPE_BYTES(t.param_dtype);
-        a.grad[i] = static_cast<const char*>(t.grad) + done * MP_DTYPE_BYTES(t.grad_dtype);
+        a.grad[i] = static_cast<char*>(t.grad) + done * MP_DTYPE_BYTES(t.grad_dtype);
         a.master[i] = t.master != nullptr ? t.master + done : nullptr;
         a.exp_avg[i] = t.exp_avg + done;
         a.exp_avg_sq[i] = t.exp_avg_sq + done;

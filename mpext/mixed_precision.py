@@ -515,7 +515,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             group = group_of[id(q)]
             hyper = hypers.get(id(group))
             if hyper is None:
-                hyper = hypers[id(group)] = _mp_optim.adam_hyper(group, force_decoupled)
+                # The model's gradients are left as backward made them (scaled), as on the
+                # generic path: no write-back.
+                hyper = hypers[id(group)] = (_mp_optim.adam_hyper(group, force_decoupled)[:6]
+                                             + (False,))
             items.append((p, p.grad, self._adam_state(q), q if q is not p else None,
                           group["lr"], hyper))
         _mp_optim.fused_adam_step(items, self._lr_tensors, inv, found_inf)

@@ -323,7 +323,7 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                lr, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                weight_decay: float = 0.0, decoupled: bool = False, maximize: bool = False, *,
                inv_scale: Optional[torch.Tensor] = None,
-               found_inf: Optional[torch.Tensor] = None) -> None:
+               found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
     ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
@@ -341,8 +341,12 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     param's shape and memory layout (any dense layout). Every tensor is on the params' device,
     except ``lr``, which may also be on the CPU: a one-element float32 tensor (a Python number is
     accepted and put in one on the params' device). ``inv_scale`` and ``found_inf`` are optional
-    one-element float32 tensors. Written tensors (params, moments, masters, steps) must not
-    share memory with any other tensor of the call. When ``found_inf`` is non-zero,
+    one-element float32 tensors. With ``unscale_grads`` each gradient is also overwritten with
+    its unscaled value (``grads[i] * inv_scale`` rounded to its dtype, in the same pass), which
+    is what torch's fused optimizers leave in ``.grad``; nothing is written into the gradients
+    when ``inv_scale`` is absent or 1. Written tensors (params, moments, masters, steps, and the
+    gradients with ``unscale_grads``) must not share memory with any other tensor of the call.
+    When ``found_inf`` is non-zero,
     nothing at all is written and the steps are not advanced -- decided on the device, with no
     host synchronisation. Every argument is checked before anything is written.
     """
@@ -365,7 +369,8 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         lr = torch.full((), float(lr), dtype=torch.float32, device=device)
     _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr,
                     float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-                    bool(maximize), inv_scale=inv_scale, found_inf=found_inf)
+                    bool(maximize), inv_scale=inv_scale, found_inf=found_inf,
+                    unscale_grads=bool(unscale_grads))
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -387,7 +392,8 @@ def _check_fake_dense_named(t: torch.Tensor, op: str, name: str) -> None:
 
 @torch.library.register_fake("mpext::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-                    weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None):
+                    weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
+                    unscale_grads=False):
     """The checks of the C++ plan_adam, in its order and with its messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"

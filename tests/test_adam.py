@@ -1224,12 +1224,14 @@ def test_constructor_defaults_match_torch():
             assert sig_o[name].default == par.default, name
             assert sig_o[name].kind == par.kind, name
         assert sig_o["master_weights"].default is True
+        assert sig_o["unscale_grads"].default is True
     p = [torch.zeros(3, requires_grad=True)]
     assert AdamW(p).defaults["weight_decay"] == 1e-2
     assert Adam(p).defaults["weight_decay"] == 0
     ours = AdamW(p).param_groups[0]
     theirs = torch.optim.AdamW(p).param_groups[0]
-    assert {k: v for k, v in ours.items() if k != "master_weights"} == theirs
+    assert {k: v for k, v in ours.items() if k not in ("master_weights", "unscale_grads")} \
+        == theirs
     assert AdamW._step_supports_amp_scaling is True and Adam._step_supports_amp_scaling is True
     assert issubclass(AdamW, torch.optim.Optimizer)
     for flag in ("foreach", "fused", "capturable"):
@@ -1250,6 +1252,7 @@ CTOR_BAD = [
     (dict(eps=NAN), ValueError, r"Invalid epsilon value: nan"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay value: -0.1"),
     (dict(master_weights="yes"), TypeError, r"master_weights must be a bool"),
+    (dict(unscale_grads=1), TypeError, r"unscale_grads must be a bool"),
 ]
 
 
@@ -1623,3 +1626,90 @@ def test_step_counts_loaded_by_other_code_are_converted(device, form):
         s = b.state[q]["step"]
         assert s.dtype == torch.float32 and s.device == q.device and s.dim() == 0
         assert s.item() == 5.0
+
+
+@pytest.mark.parametrize("scaler_name", sorted(SCALERS))
+def test_grads_after_a_scaled_step_are_unscaled_like_torch_fused(device, scaler_name):
+    """After scaler.step(opt) the gradients hold the unscaled values, written in the fused pass,
+    as torch's fused AdamW leaves them (torch's plain optimizers see scaler.unscale_'s); with
+    unscale_grads=False they keep the scale; a skipped step leaves them as they were."""
+    torch.manual_seed(0)
+    p32 = torch.randn(5, 3, device=device, requires_grad=True)
+    p16 = torch.randn(7, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ref = p32.detach().clone().requires_grad_()
+    ours = AdamW([p32, p16], lr=1e-2)
+    theirs = torch.optim.AdamW([ref], lr=1e-2, fused=True)
+    s_ours = SCALERS[scaler_name](device, init_scale=128.0)
+    s_ref = torch.amp.GradScaler(device, init_scale=128.0)
+    one = torch.ones((), device=device)
+    for step in range(3):
+        s_ours.scale(one)  # (the scale is made lazily by scale())
+        s_ref.scale(one)
+        g = torch.randn(5, 3, device=device)
+        g16 = torch.randn(7, device=device).bfloat16()
+        p32.grad = g * 128
+        p16.grad = g16 * 128
+        ref.grad = g * 128
+        s_ours.step(ours)
+        s_ours.update()
+        s_ref.step(theirs)
+        s_ref.update()
+        assert_bitwise(p32.grad, ref.grad)  # torch's fused kernel divides by the same 2^7
+        assert_bitwise(p32.grad, g)
+        assert_bitwise(p16.grad, (g16 * 128).float().mul(1 / 128).bfloat16())
+        assert_bitwise(p32.detach(), ref.detach())
+    # Opt out: the gradients keep the scale.
+    keep = AdamW([p32, p16], lr=1e-2, unscale_grads=False)
+    p32.grad, p16.grad = g * 128, g16 * 128
+    s_keep = SCALERS[scaler_name](device, init_scale=128.0)
+    s_keep.scale(one)
+    s_keep.step(keep)
+    assert_bitwise(p32.grad, g * 128)
+    assert_bitwise(p16.grad, g16 * 128)
+    # A skipped step writes nothing, gradients included.
+    poisoned = (g * 128).clone()
+    poisoned[0, 0] = float("inf")
+    p32.grad, p16.grad = poisoned.clone(), g16 * 128
+    s_ours.scale(one)
+    s_ours.step(ours)
+    assert_bitwise(p32.grad, poisoned)
+    assert_bitwise(p16.grad, g16 * 128)
+
+
+def test_unscaled_grads_are_written_in_the_gradients_own_layout(device):
+    """A channels_last param with a contiguous gradient: the step runs on a copy in the
+    param's layout, and the unscaled values go back into the gradient itself."""
+    p = torch.randn(2, 3, 4, 5, device=device).contiguous(memory_format=torch.channels_last)
+    p.requires_grad_()
+    opt = AdamW([p], lr=1e-2)
+    g = torch.randn(2, 3, 4, 5, device=device)
+    p.grad = (g * 64).contiguous()
+    opt.step(grad_scale=torch.tensor(64.0, device=device),
+             found_inf=torch.zeros((), device=device))
+    assert p.grad.is_contiguous()
+    assert_bitwise(p.grad, g)
+
+
+def test_op_unscale_grads_writes_the_unscaled_gradient(device):
+    """The op on its own: grads become round(grads * inv_scale) only with unscale_grads and an
+    inv_scale other than 1; the rest of the step is the same bits either way."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for inv in (0.25, 1.0 / 3.0, 1.0):
+            runs = []
+            for flag in (False, True):  # the same inputs for both runs
+                gen = torch.Generator().manual_seed(5)
+                p = torch.randn(257, generator=gen).to(device, dtype)
+                g = (torch.randn(257, generator=gen) * 8).to(device, dtype)
+                g0 = g.clone()
+                m, v = torch.zeros(257, device=device), torch.zeros(257, device=device)
+                w = [] if dtype == torch.float32 else [p.float()]
+                s = torch.zeros((), device=device)
+                ops.adam_step_([p], [g], [m], [v], w, [s], 1e-3, 0.9, 0.999, 1e-8, 0.01, True,
+                               inv_scale=torch.tensor(inv, device=device), unscale_grads=flag)
+                runs.append((p, g, g0, m, v))
+            (p0, ga, g0, m0, v0), (p1, gb, _, m1, v1) = runs
+            for a, b in ((p0, p1), (m0, m1), (v0, v1)):
+                assert_bitwise(a, b)
+            assert_bitwise(ga, g0)
+            want = g0 if inv == 1.0 else (g0.float() * inv).to(dtype)
+            assert_bitwise(gb, want)

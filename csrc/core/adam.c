@@ -44,15 +44,16 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
 /* The loop, always inlined into a caller with constant dtypes and flags (the flags are written
  * into a local copy of the scalars, so that after inlining the rule's branches are constant). */
 static inline __attribute__((always_inline)) void adam_loop(
-    void* restrict param, const mp_dtype pt, const void* restrict grad, const mp_dtype gt,
+    void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, float* restrict m, float* restrict v, int64_t n,
     const mp_adam_scalars* restrict hp, const int has_master, const int decoupled,
-    const int maximize) {
+    const int maximize, const int write_grad) {
   mp_adam_scalars s = *hp;
   s.decoupled = decoupled;
   s.maximize = maximize;
   for (int64_t i = 0; i < n; ++i) {
-    const float g = load_as_f32(grad, i, gt);
+    const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
+    if (write_grad) store_from_f32(grad, i, gt, g);
     const float p0 = has_master ? master[i] : load_as_f32(param, i, MP_F32);
     float mi = m[i], vi = v[i];
     const float p = mp_adam_element(g, p0, &mi, &vi, &s);
@@ -67,17 +68,24 @@ static inline __attribute__((always_inline)) void adam_loop(
   }
 }
 
-/* Instantiates the loop for one (param, grad) dtype pair and both flags. */
+/* One (decoupled, maximize, write_grad) combination of a dtype pair's loop. */
+#define MP_ADAM_FLAGS(PT, GT, HM, D, M, W) \
+  adam_loop(param, PT, grad, GT, master, m, v, n, hp, HM, D, M, W)
+
+/* Instantiates the loop for one (param, grad) dtype pair and every flag combination. */
 #define MP_ADAM_VARIANT(name, PT, GT, HAS_MASTER)                                              \
-  static void name(void* param, const void* grad, float* master, float* m, float* v,          \
-                   int64_t n, const mp_adam_scalars* hp) {                                    \
-    const int hm = HAS_MASTER;                                                                \
-    if (hp->decoupled) {                                                                      \
-      if (hp->maximize) adam_loop(param, PT, grad, GT, master, m, v, n, hp, hm, 1, 1);        \
-      else adam_loop(param, PT, grad, GT, master, m, v, n, hp, hm, 1, 0);                     \
-    } else {                                                                                  \
-      if (hp->maximize) adam_loop(param, PT, grad, GT, master, m, v, n, hp, hm, 0, 1);        \
-      else adam_loop(param, PT, grad, GT, master, m, v, n, hp, hm, 0, 0);                     \
+  static void name(void* param, void* grad, float* master, float* m, float* v, int64_t n,      \
+                   const mp_adam_scalars* hp) {                                               \
+    const int d = hp->decoupled != 0, x = hp->maximize != 0, w = hp->write_grad != 0;         \
+    switch (d << 2 | x << 1 | w) {                                                            \
+      case 0: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 0, 0); break;                                                  \
+      case 1: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 0, 1); break;                                                  \
+      case 2: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 1, 0); break;                                                  \
+      case 3: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 1, 1); break;                                                  \
+      case 4: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 0, 0); break;                                                  \
+      case 5: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 0, 1); break;                                                  \
+      case 6: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 1, 0); break;                                                  \
+      default: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 1, 1); break;                                                 \
     }                                                                                         \
   }
 
@@ -91,7 +99,7 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
                                const mp_adam_scalars* s) {
   const int pb = MP_DTYPE_BYTES(t->param_dtype), gb = MP_DTYPE_BYTES(t->grad_dtype);
   void* param = (char*)t->param + start * pb;
-  const void* grad = (const char*)t->grad + start * gb;
+  void* grad = (char*)t->grad + start * gb;
   float* master = t->master != NULL ? t->master + start : NULL;
   float* m = t->exp_avg + start;
   float* v = t->exp_avg_sq + start;

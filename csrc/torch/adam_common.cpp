@@ -22,7 +22,7 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                    const at::Tensor& lr, double beta1, double beta2, double eps,
                    double weight_decay, bool decoupled, bool maximize,
                    const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf) {
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads) {
   const char* op = "adam_step_";
   const size_t n = params.size();
   auto same_len = [&](at::TensorList l, const char* name) {
@@ -52,7 +52,7 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     check_scalars(*found_inf, op, "found_inf", at::kFloat, 1, device_for(*found_inf), owner);
   }
 
-  AdamPlan plan;
+  AdamPlan plan{};
   mp_adam_options& o = plan.options;
   o.beta1 = beta1;
   o.beta2 = beta2;
@@ -64,6 +64,7 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   o.lr_value = 0.0f;
   o.inv_scale = inv_scale ? inv_scale->const_data_ptr<float>() : nullptr;
   o.found_inf = found_inf ? found_inf->const_data_ptr<float>() : nullptr;
+  o.unscale_grads = unscale_grads ? 1 : 0;
   // An lr on the CPU is read here (a host read, free), after the tensors are known not to
   // overlap: a bad value is refused before anything runs.
   auto check_lr_value = [&]() {
@@ -133,7 +134,7 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                             static_cast<float*>(m.data_ptr()), static_cast<float*>(v.data_ptr()),
                             static_cast<float*>(steps[k].data_ptr()), p.numel()});
     ranges.push_back(byte_range(p, i, true, pn));
-    ranges.push_back(byte_range(g, i, false, gn));
+    ranges.push_back(byte_range(g, i, unscale_grads, gn));  // written back with unscale_grads
     ranges.push_back(byte_range(m, i, true, mn));
     ranges.push_back(byte_range(v, i, true, vn));
     ranges.push_back(byte_range(steps[k], i, true, Arg("steps", i)));

@@ -27,14 +27,15 @@ struct AdamPlan {
 // memory-layout mismatches; non-dense tensors; tensors on different devices (lr may also be on
 // the CPU); lr, inv_scale, found_inf or a step with more than one element; a master missing for a
 // bf16/fp16 param or present for an fp32 one; any tensor written by the op overlapping another
-// tensor of the call; beta1, beta2 outside [0, 1); eps < 0; weight_decay < 0; any non-finite
-// hyperparameter; an lr on the CPU that is negative or not finite.
+// tensor of the call (grads count as written with unscale_grads); beta1, beta2 outside [0, 1);
+// eps < 0; weight_decay < 0; any non-finite hyperparameter; an lr on the CPU that is negative or
+// not finite.
 AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                    const at::Tensor& lr, double beta1, double beta2, double eps,
                    double weight_decay, bool decoupled, bool maximize,
                    const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf);
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads);
 
 // adam_step_ for one backend: validate everything, then Backend::adam_step(plan, device) runs the
 // kernels (Backend::kDevice: the device type it implements).
@@ -43,10 +44,10 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
                bool decoupled, bool maximize, const std::optional<at::Tensor>& inv_scale,
-               const std::optional<at::Tensor>& found_inf) {
+               const std::optional<at::Tensor>& found_inf, bool unscale_grads) {
   const AdamPlan plan = plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
                                   beta2, eps, weight_decay, decoupled, maximize, inv_scale,
-                                  found_inf);
+                                  found_inf, unscale_grads);
   if (plan.tensors.empty()) return;
   check_backend(params[0].device(), Backend::kDevice, "adam_step_", Arg("params", 0));
   Backend::adam_step(plan, params[0].device());

@@ -37,14 +37,16 @@ TORCH_LIBRARY(mpext, m) {
       "Tensor(c!)? hysteresis_tracker=None, int hysteresis=1, float min_scale=0., "
       "float max_scale=0., Tensor(d!)? stats=None) -> ()");
   // Fused Adam/AdamW over lists of params, one pass per element: optional fused unscale
-  // (inv_scale), skip on the device when found_inf != 0 (nothing written, steps not advanced),
-  // FP32 masters for bf16/fp16 params (masters[i] is an empty tensor for an fp32 param, or the
-  // whole list is empty when every param is fp32), FP32 moments, per-param float32 step counts.
+  // (inv_scale; with unscale_grads the unscaled gradient is also written back, as torch's fused
+  // optimizers leave .grad), skip on the device when found_inf != 0 (nothing written, steps not
+  // advanced), FP32 masters for bf16/fp16 params (masters[i] is an empty tensor for an fp32
+  // param, or the whole list is empty when every param is fp32), FP32 moments, per-param float32
+  // step counts.
   m.def(
-      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "adam_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize, "
-      "*, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+      "*, Tensor? inv_scale=None, Tensor? found_inf=None, bool unscale_grads=False) -> ()");
   // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.

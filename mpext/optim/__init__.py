@@ -85,6 +85,12 @@ class Adam(torch.optim.Optimizer):
             (default True). With False nothing extra is stored: each step updates an FP32
             temporary made from the param, so updates smaller than half a unit in the last
             place of the param's dtype are lost. FP32 params never have a master.
+        unscale_grads (bool): when a GradScaler hands the step its loss scale, also write the
+            unscaled gradient back into ``.grad`` in the same pass (default True), which is what
+            torch's fused optimizers leave there, so that code reading ``.grad`` after the step
+            (gradient-norm logging, say) sees unscaled values. False leaves ``.grad`` scaled and
+            saves that write (2 bytes per bf16 gradient element). Nothing is written without a
+            loss scale or with a scale of 1.
 
     If the model's low-precision params are changed outside the optimizer after their first
     step (e.g. ``model.load_state_dict``), the masters are stale: load the optimizer state too,
@@ -100,14 +106,14 @@ class Adam(torch.optim.Optimizer):
                  foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
-                 master_weights: bool = True) -> None:
+                 master_weights: bool = True, unscale_grads: bool = True) -> None:
         if isinstance(betas, (list, tuple)) and len(betas) == 2:
             betas = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
-                        master_weights=master_weights)
+                        master_weights=master_weights, unscale_grads=unscale_grads)
         self._check_group(defaults, "")
         self._init_caches()
         super().__init__(params, defaults)
@@ -168,9 +174,10 @@ class Adam(torch.optim.Optimizer):
         if group.get("differentiable", False):
             raise ValueError("%s: differentiable=True is not supported: the fused step is not "
                              "differentiable%s" % (self._name(), where))
-        if not isinstance(group.get("master_weights", True), bool):
-            raise TypeError("%s: master_weights must be a bool, got %r%s"
-                            % (self._name(), group.get("master_weights"), where))
+        for flag in ("master_weights", "unscale_grads"):
+            if not isinstance(group.get(flag, True), bool):
+                raise TypeError("%s: %s must be a bool, got %r%s"
+                                % (self._name(), flag, group.get(flag), where))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -212,6 +219,7 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
             group.setdefault("master_weights", master_default)
+            group.setdefault("unscale_grads", self.defaults.get("unscale_grads", True))
             if self._force_decoupled:
                 group["decoupled_weight_decay"] = True
             else:
@@ -395,6 +403,7 @@ class Adam(torch.optim.Optimizer):
             if "param_names" in group and "param_names" not in saved:
                 saved["param_names"] = group["param_names"]
             saved.setdefault("master_weights", master_default)
+            saved.setdefault("unscale_grads", self.defaults.get("unscale_grads", True))
             saved.setdefault("decoupled_weight_decay", False)
             saved.setdefault("maximize", False)
             if self._force_decoupled:
@@ -495,12 +504,15 @@ def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torc
 
 def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> tuple:
     """The hyperparameters of a param group that one ``adam_step_`` call shares: (beta1,
-    beta2, eps, weight_decay, decoupled, maximize), as Python numbers (a tensor beta is read
-    once here, as torch's own optimizers read it)."""
+    beta2, eps, weight_decay, decoupled, maximize, unscale_grads), as Python values (a tensor
+    beta is read once here, as torch's own optimizers read it). A group without
+    ``unscale_grads`` (torch's Adam) writes the unscaled gradient back, as torch's fused
+    optimizers do."""
     beta1, beta2 = (float(b) for b in group["betas"])
     wd = float(group["weight_decay"])
     decoupled = (force_decoupled or bool(group.get("decoupled_weight_decay", False))) and wd != 0
-    return (beta1, beta2, float(group["eps"]), wd, decoupled, bool(group.get("maximize", False)))
+    return (beta1, beta2, float(group["eps"]), wd, decoupled, bool(group.get("maximize", False)),
+            bool(group.get("unscale_grads", True)))
 
 
 def _device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -533,6 +545,7 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
         lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
         calls.setdefault((item[0].device, lr_key, item[5]), []).append(item)
     launches = []
+    copied = []  # (the gradient, its copy in the param's layout) whose copy may be written
     per_device: Dict[torch.device, tuple] = {}
     slots: Dict[torch.device, int] = defaultdict(int)
     for (device, _, hyper), entries in calls.items():
@@ -544,7 +557,10 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
         for p, g, state, master, _, _ in entries:
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
-                g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                copy = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                if hyper[6] and dev_inv is not None:
+                    copied.append((g, copy))
+                g = copy
             params.append(p)
             grads.append(g)
             exp_avgs.append(_local(state["exp_avg"]))
@@ -555,10 +571,12 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
             masters = []
         lr_t = lr_tensors.get((device, slots[device]), device, entries[0][4])
         slots[device] += 1
-        launches.append((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t) + hyper
-                        + (dev_inv, dev_found))
-    for args in launches:
-        torch.ops.mpext.adam_step_(*args[:-2], inv_scale=args[-2], found_inf=args[-1])
+        launches.append(((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t) + hyper[:6],
+                         dict(inv_scale=dev_inv, found_inf=dev_found, unscale_grads=hyper[6])))
+    for args, kwargs in launches:
+        torch.ops.mpext.adam_step_(*args, **kwargs)
+    for g, copy in copied:  # the unscaled values back into the gradient's own layout
+        g.copy_(copy)
 
 
 class AdamW(Adam):
@@ -572,11 +590,13 @@ class AdamW(Adam):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, master_weights: bool = True) -> None:
+                 fused: Optional[bool] = None, master_weights: bool = True,
+                 unscale_grads: bool = True) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, master_weights=master_weights)
+                         decoupled_weight_decay=True, master_weights=master_weights,
+                         unscale_grads=unscale_grads)
 
 
 from . import lr_scheduler  # noqa: E402  (mpext.optim.lr_scheduler, as torch.optim has it)

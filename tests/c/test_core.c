@@ -2385,7 +2385,7 @@ static mp_status call_adam(adam_buf* b, adam_off o, int64_t n, const ref_scalars
   float step = hp->t - 1.0f;
   const float inv = hp->inv_scale;
   const mp_adam_tensor t = {(char*)b->param + o.p * a_size(b->pt), b->pt,
-                            (const char*)b->grad + o.g * a_size(b->gt), b->gt,
+                            (char*)b->grad + o.g * a_size(b->gt), b->gt,
                             b->master ? b->master + o.w : NULL, b->m + o.m, b->v + o.v, &step, n};
   const mp_adam_options op = adam_options(hp, &inv);
   const mp_status st = mp_adam_step(&t, 0, n, &op);
@@ -2454,7 +2454,7 @@ static mp_status adam_arg_call(int pt, int gt, int master, int nulls, int64_t n,
   const int p_low = pt == MP_BF16 || pt == MP_F16, g_low = gt == MP_BF16 || gt == MP_F16;
   const mp_adam_tensor t = {
       (nulls & 1) ? NULL : p_low ? (void*)p16 : (void*)p32, pt,
-      (nulls & 2) ? NULL : g_low ? (const void*)g16 : (const void*)g32, gt,
+      (nulls & 2) ? NULL : g_low ? (void*)g16 : (void*)g32, gt,
       (!master || (nulls & 4)) ? NULL : (float*)(void*)w32,
       (nulls & 8) ? NULL : (float*)(void*)m32, (nulls & 16) ? NULL : (float*)(void*)v32,
       (nulls & 64) ? NULL : &step, n};
@@ -3331,6 +3331,66 @@ static void test_cast_dispatch(uint64_t seed0) {
   }
 }
 
+/* 11h. unscale_grads: the gradient is overwritten with its unscaled value (grad * inv_scale in
+ *      fp32, rounded to nearest even into a bf16/fp16 gradient) in the same call, and everything
+ *      else is what the call without it writes; with inv_scale 1 or found_inf set the gradient
+ *      keeps its bits. */
+static void test_adam_unscale_grads(uint64_t seed0) {
+  uint64_t s = seed0 ^ 0x6AADu;
+  const size_t N = 515;
+  adam_cfg cfg = {2e-3f, 0.9, 0.999, 1e-8, 0.02, 1, 1};
+  static const float invs[] = {0x1p-12f, 1.0f / 3.0f, 1.0f, 65536.0f};
+  for (int k = 0; k < g_nisa; ++k) {
+    select_isa(g_isas[k]);
+    group g;
+    g_begin(&g, "adam unscale_grads: grad = RNE(grad * inv_scale), the rest unchanged; inv 1 "
+            "and found_inf leave it [%s]", mp_isa_name(g_isas[k]));
+    for (size_t pi = 0; pi < N_ADAM_PAIRS; ++pi) {
+      const adam_pair* pr = &ADAM_PAIRS[pi];
+      for (int vi = 0; vi < 4; ++vi) {
+        for (int skip = 0; skip < 2; ++skip) {
+          adam_buf in, want, got;
+          abuf_init(&in, pr->pt, pr->gt, N);
+          abuf_init(&want, pr->pt, pr->gt, N);
+          abuf_init(&got, pr->pt, pr->gt, N);
+          adam_fill(&in, &s, 0);
+          abuf_copy(&want, &in);
+          abuf_copy(&got, &in);
+          const float inv = invs[vi], flag = skip ? 1.0f : 0.0f;
+          const ref_scalars hp = adam_scalars(&cfg, 3.0f, inv);
+          if (!skip) {
+            ref_adam(&want, ADAM_OFF0, (int64_t)N, &hp);
+            for (size_t i = 0; i < N && inv != 1.0f; ++i) {
+              const float gv = a_value(pr->gt, a_get(in.grad, pr->gt, i)) * inv;
+              uint32_t r = bits_of(gv);
+              if (pr->gt != MP_F32) {
+                int nan;
+                r = ref_rne(r, pr->gt == MP_BF16 ? &BF16 : &FP16, &nan);
+              }
+              a_put(want.grad, pr->gt, i, r);
+            }
+          }
+          float step = 2.0f;
+          mp_adam_options op = adam_options(&hp, &inv);
+          op.unscale_grads = 1;
+          op.found_inf = &flag;
+          const mp_adam_tensor t = {got.param, pr->pt, got.grad, pr->gt, got.master, got.m,
+                                    got.v, &step, (int64_t)N};
+          g_check(&g, mp_adam_step(&t, 0, (int64_t)N, &op) == MP_OK, "%s: status", pr->name);
+          char ctx[96];
+          snprintf(ctx, sizeof ctx, "%s inv_scale %a%s", pr->name, (double)inv,
+                   skip ? " found_inf" : "");
+          adam_compare(&g, &in, &want, &got, ADAM_OFF0, (int64_t)N, ctx);
+          abuf_free(&in);
+          abuf_free(&want);
+          abuf_free(&got);
+        }
+      }
+    }
+    g_end(&g);
+  }
+}
+
 int main(int argc, char** argv) {
   /* Before anything selects a path: the initial active path must be the best one. */
   mp_isa initial_active = mp_cpu_isa_active();
@@ -3397,6 +3457,7 @@ int main(int argc, char** argv) {
   test_adam_nonfinite(o.seed);
   test_adam_sizes(o.seed);
   test_adam_ranges_and_steps(o.seed);
+  test_adam_unscale_grads(o.seed);
   test_adam_pow(o.seed);
   test_cast_dispatch(o.seed);
   test_grad_norm_arguments();

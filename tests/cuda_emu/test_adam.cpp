@@ -109,6 +109,7 @@ struct Hyper {
   bool lr_on_device;  // else lr_value
   float inv_scale;    // NaN: no inv_scale pointer
   float found_inf;    // NaN: no found_inf pointer
+  bool unscale_grads;  // write the unscaled gradient back
 };
 
 // The core's step of one param (mp_adam_step on the reference copies, then
@@ -124,6 +125,7 @@ void cpu_step(Param& p, const Hyper& h) {
   o.lr_value = h.lr;
   const float inv = h.inv_scale;
   o.inv_scale = isnan(h.inv_scale) ? nullptr : &inv;
+  o.unscale_grads = h.unscale_grads;
   const mp_adam_tensor t = {p.r_param.data(), p.spec.pdtype, p.r_grad.data(), p.spec.gdtype,
                             p.spec.pdtype != MP_F32 ? p.r_master.data() : nullptr, p.r_m.data(),
                             p.r_v.data(), &p.r_step, p.spec.n};
@@ -144,6 +146,8 @@ void compare(Param& p, size_t k) {
   };
   same_bits(p.param.data(), p.r_param.data(), s.n, elem_bytes(s.pdtype), s.pdtype, true,
             name("param"));
+  same_bits(p.grad.data(), p.r_grad.data(), s.n, elem_bytes(s.gdtype), s.gdtype, true,
+            name("grad"));
   same_bits(p.exp_avg.data(), p.r_m.data(), s.n, 4, MP_F32, true, name("exp_avg"));
   same_bits(p.exp_avg_sq.data(), p.r_v.data(), s.n, 4, MP_F32, true, name("exp_avg_sq"));
   if (s.pdtype != MP_F32) {
@@ -169,7 +173,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   *lr.f32() = h.lr;
   *inv.f32() = h.inv_scale;
   *found.f32() = h.found_inf;
-  mp_adam_options opt;
+  mp_adam_options opt{};
   opt.beta1 = h.beta1;
   opt.beta2 = h.beta2;
   opt.eps = h.eps;
@@ -180,6 +184,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   opt.lr_value = h.lr_on_device ? -1.0f : h.lr;  // a wrong host value if the pointer is ignored
   opt.inv_scale = isnan(h.inv_scale) ? nullptr : inv.f32();
   opt.found_inf = isnan(h.found_inf) ? nullptr : found.f32();
+  opt.unscale_grads = h.unscale_grads;
   const int64_t l0 = mp_emu::launch_count();
   for (int s = 0; s < steps; ++s) {
     std::vector<mp_adam_tensor> ts;
@@ -220,7 +225,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
 const float kNoPtr = NAN;
 
 Hyper default_hyper() {
-  return Hyper{0.9, 0.999, 1e-8, 0.0, false, false, 1e-3f, true, kNoPtr, kNoPtr};
+  return Hyper{0.9, 0.999, 1e-8, 0.0, false, false, 1e-3f, true, kNoPtr, kNoPtr, false};
 }
 
 // The five (param, grad) dtype pairs, each at a size with head, body and tail.
@@ -233,10 +238,11 @@ std::vector<ParamSpec> one_of_each(int64_t n, float step) {
 }
 
 // Adam and AdamW, maximize, weight decay, lr on the device or from the host, with and without
-// inv_scale and found_inf (clear): every combination, every dtype pair.
+// inv_scale and found_inf (clear), with and without unscale_grads: every combination, every
+// dtype pair.
 EMU_TEST(adam_flags_and_dtypes) {
   uint64_t seed = 100;
-  for (int mask = 0; mask < 64; ++mask) {
+  for (int mask = 0; mask < 128; ++mask) {
     Hyper h = default_hyper();
     h.decoupled = mask & 1;
     h.maximize = (mask >> 1) & 1;
@@ -244,9 +250,11 @@ EMU_TEST(adam_flags_and_dtypes) {
     h.lr_on_device = (mask >> 3) & 1;
     h.inv_scale = (mask >> 4) & 1 ? 0x1p-12f : kNoPtr;
     h.found_inf = (mask >> 5) & 1 ? 0.0f : kNoPtr;
-    set_context("decoupled %d maximize %d wd %g lr %s inv_scale %g found_inf %g", h.decoupled,
-                h.maximize, h.weight_decay, h.lr_on_device ? "device" : "host",
-                static_cast<double>(h.inv_scale), static_cast<double>(h.found_inf));
+    h.unscale_grads = (mask >> 6) & 1;
+    set_context("decoupled %d maximize %d wd %g lr %s inv_scale %g found_inf %g unscale_grads %d",
+                h.decoupled, h.maximize, h.weight_decay, h.lr_on_device ? "device" : "host",
+                static_cast<double>(h.inv_scale), static_cast<double>(h.found_inf),
+                h.unscale_grads);
     adam_case(one_of_each(37, static_cast<float>(mask % 5)), h, ++seed);
   }
 }
@@ -287,6 +295,7 @@ EMU_TEST(adam_sizes_and_alignments) {
                                  {2, 2, 4}, {6, 12, 12}, {0, 4, 0}, {4, 0, 8}};
   Hyper h = default_hyper();
   h.inv_scale = 0.25f;
+  h.unscale_grads = true;  // the gradient written back through every path of adam_range
   uint64_t seed = 300;
   for (int pair = 0; pair < 5; ++pair) {
     const int pd = pair == 0 ? MP_F32 : pair <= 2 ? MP_BF16 : MP_F16;
@@ -315,6 +324,7 @@ EMU_TEST(adam_skip_writes_nothing) {
     h.inv_scale = 0.5f;
     h.weight_decay = 0.01;
     h.decoupled = true;
+    h.unscale_grads = true;
     set_context("found_inf %g", static_cast<double>(fi));
     std::vector<ParamSpec> specs = one_of_each(kChunk + 3, 4.0f);
     specs.push_back({MP_BF16, MP_F32, 0, 0, 0, 0, 9.0f});
@@ -348,7 +358,7 @@ EMU_TEST(adam_nonfinite_grads_without_skip) {
     ts.push_back(tensor_of(p));
     cpu_step(p, h);
   }
-  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
+  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
   Buf inv(4, 0);
   *inv.f32() = 0.5f;
   opt.inv_scale = inv.f32();
@@ -375,7 +385,7 @@ EMU_TEST(adam_zero_size_params) {
   ts[3] = tensor_of(p);
   Hyper h = default_hyper();
   cpu_step(p, h);
-  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr};
+  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
   set_context("three zero-size params and one of 10");
   CHECK(mp_adam_step_multi_cuda(ts.data(), 4, &opt, nullptr) == MP_OK, "status");
   CHECK(st[0] == 1.0f && st[1] == 6.0f && st[2] == 16777216.0f, "steps %g %g %g",
@@ -431,7 +441,7 @@ EMU_TEST(adam_bad_arguments) {
   Param q = make_param(r, {MP_F32, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   const std::vector<uint8_t> before = p.param.snapshot();
   const mp_adam_options good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
-                                     nullptr};
+                                     nullptr, 0};
   struct Case {
     const char* what;
     void (*edit)(mp_adam_tensor&, mp_adam_options&);
@@ -485,7 +495,7 @@ EMU_TEST(adam_launch_failure) {
   Rng r(800);
   Param p = make_param(r, {MP_F32, MP_F32, 2 * kChunk, 0, 0, 0, 3.0f}, false);
   mp_adam_tensor t = tensor_of(p);
-  const mp_adam_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr};
+  const mp_adam_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr, 0};
   for (int64_t fail_at : {int64_t{0}, int64_t{1}}) {
     set_context("launch %lld fails", static_cast<long long>(fail_at));
     mp_emu::fail_launch_in(fail_at);

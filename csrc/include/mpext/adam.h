@@ -4,7 +4,7 @@
  * both tiers call.
  *
  * Per element, in fp32 (adam_rule.h has the exact order of operations):
- *   g = grad * inv_scale;  if maximize: g = -g
+ *   g = grad * inv_scale;  (unscale_grads: grad = g, rounded to its dtype);  if maximize: g = -g
  *   Adam (L2):      g = g + weight_decay * p
  *   AdamW:          p = p * (1 - lr * weight_decay)
  *   m = lerp(m, g, 1 - beta1);  v = v * beta2 + ((1 - beta2) * g) * g
@@ -25,7 +25,8 @@ extern "C" {
 
 /* One param of an Adam step: n elements of each array, all in one memory layout.
  *   param:      n values of param_dtype, updated in place;
- *   grad:       n values of grad_dtype (param_dtype or MP_F32), read;
+ *   grad:       n values of grad_dtype (param_dtype or MP_F32), read (and, with the options'
+ *               unscale_grads, overwritten with the unscaled gradient);
  *   master:     n floats, read and written; non-NULL iff param_dtype != MP_F32 (when n > 0);
  *   exp_avg, exp_avg_sq: n floats each, read and written;
  *   step:       one float, the param's step count before this step; never NULL.
@@ -33,7 +34,7 @@ extern "C" {
 typedef struct mp_adam_tensor {
   void* param;
   int32_t param_dtype; /* an mp_dtype */
-  const void* grad;
+  void* grad;
   int32_t grad_dtype; /* an mp_dtype */
   float* master;
   float* exp_avg;
@@ -55,6 +56,9 @@ typedef struct mp_adam_options {
   float lr_value;
   const float* inv_scale; /* multiplies every grad, or NULL for 1 */
   const float* found_inf; /* when non-NULL and *found_inf != 0 the step writes nothing */
+  int32_t unscale_grads;  /* 1: write grad * inv_scale (rounded to the grad's dtype) back into
+                             grad in the same pass, as torch's fused optimizers leave it; nothing
+                             is written when inv_scale is NULL or 1 (the values would not change) */
 } mp_adam_options;
 
 /* Elements [start, start + count) of t's arrays, on the calling thread and the active ISA path:

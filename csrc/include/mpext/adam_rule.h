@@ -54,6 +54,7 @@ typedef struct mp_adam_scalars {
   int32_t decoupled;
   int32_t maximize;
   int32_t lerp_from_start; /* lerp_weight < 0.5: m + w * (g - m); else g - (g - m) * (1 - w) */
+  int32_t write_grad;      /* unscale_grads with an inv_scale other than 1 */
 } mp_adam_scalars;
 
 /* (*h, *l) = (ah + al) * (bh + bl) in double-double: the product of the high parts exactly
@@ -135,6 +136,7 @@ MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, f
   s.decoupled = o->decoupled ? 1 : 0;
   s.maximize = o->maximize ? 1 : 0;
   s.lerp_from_start = s.lerp_weight < 0.5f ? 1 : 0;
+  s.write_grad = o->unscale_grads && inv_scale != 1.0f ? 1 : 0;
   return s;
 }
 
@@ -144,10 +146,15 @@ MP_HD mp_adam_scalars mp_adam_scalars_now(const mp_adam_options* o, const float*
                             o->inv_scale != 0 ? *o->inv_scale : 1.0f);
 }
 
-/* One element: gradient value gin (widened to fp32), fp32 param or master value p, moments *m
+/* The unscaled gradient of element value gin (widened to fp32): what the update uses, and what
+ * is written back into the gradient when s->write_grad. */
+MP_HD float mp_adam_unscaled(float gin, const mp_adam_scalars* s) {
+  return MP_FMUL(gin, s->inv_scale);
+}
+
+/* One element: unscaled gradient g (mp_adam_unscaled), fp32 param or master value p, moments *m
  * and *v updated in place; returns the new p. */
-MP_HD float mp_adam_element(float gin, float p, float* m, float* v, const mp_adam_scalars* s) {
-  float g = MP_FMUL(gin, s->inv_scale);
+MP_HD float mp_adam_element(float g, float p, float* m, float* v, const mp_adam_scalars* s) {
   if (s->maximize) g = -g;
   if (s->decoupled) {
     p = MP_FMUL(p, s->decay);
