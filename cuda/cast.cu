@@ -14,9 +14,8 @@
 // Numerics. Round to nearest even uses the CUDA conversion intrinsics, which is what torch's
 // Tensor.to does on CUDA, so the bits match it for every non-NaN input (subnormals are rounded,
 // not flushed: the intrinsics compile to cvt.rn without .ftz). Stochastic rounding uses the
-// Philox stream and the bit-level rounding of mpext/numerics.h, shared with the C core, so CUDA
-// and CPU give the same bits: the element at stream position p uses word p % 4 of Philox block
-// p / 4, and one Philox evaluation serves four consecutive positions.
+// counter-based stream and the bit-level rounding of mpext/numerics.h, shared with the C core, so
+// CUDA and CPU give the same bits: the element at stream position p uses mp_sr_bits(key, p).
 #include <cuda_runtime.h>
 
 #include "access.cuh"
@@ -49,62 +48,11 @@ MP_CUDA_HD uint32_t convert_rn(uint32_t u) {
   }
 }
 
-template <int S>
-MP_CUDA_HD void pick8(const uint32_t w[12], uint32_t r[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) r[j] = w[S + j];
-}
-
-// The random words of the eight stream positions p .. p + 7: words p % 4 .. p % 4 + 7 of the
-// Philox blocks p / 4, p / 4 + 1 (and p / 4 + 2 when p % 4 != 0). Every index is a compile-time
-// constant after unrolling, so w and r stay in registers.
-MP_CUDA_HD void sr_words8(uint64_t seed, uint64_t p, uint32_t r[8]) {
-  uint32_t w[12];
-  const uint64_t b = p >> 2;
-  mp_sr_random_block(seed, b, w);
-  mp_sr_random_block(seed, b + 1u, w + 4);
-  const unsigned s = static_cast<unsigned>(p & 3u);
-  if (s == 0u) {
-    pick8<0>(w, r);
-    return;
-  }
-  mp_sr_random_block(seed, b + 2u, w + 8);
-  if (s == 1u) {
-    pick8<1>(w, r);
-  } else if (s == 2u) {
-    pick8<2>(w, r);
-  } else {
-    pick8<3>(w, r);
-  }
-}
-
-// Stochastic rounding of elements [begin, n) of a range whose element 0 has stream position pos,
-// one element at a time but one Philox evaluation per block of four positions: thread tid takes
-// the tid-th, (tid + nthreads)-th, ... Philox block touching the elements, and the elements
-// inside [begin, n) that the block covers. Positions (and so blocks) wrap like the CPU's.
-MP_CUDA_HD void sr_scalar(const void* src, void* dst, int64_t begin, int64_t n, uint64_t pos,
-                          uint64_t seed, int64_t tid, int64_t nthreads) {
-  if (begin >= n) return;
-  const uint64_t p0 = pos + static_cast<uint64_t>(begin);
-  const int64_t lead = static_cast<int64_t>(p0 & 3u);   // elements of the first block before begin
-  const int64_t groups = (n - begin + lead + 3) / 4;    // Philox blocks touching [begin, n)
-  for (int64_t j = tid; j < groups; j += nthreads) {
-    uint32_t r[4];
-    mp_sr_random_block(seed, (p0 >> 2) + static_cast<uint64_t>(j), r);
-    const int64_t base = begin - lead + 4 * j;          // element of the block's word 0
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int64_t i = base + q;
-      if (i >= begin && i < n) store1<2>(dst, i, mp_bf16_sr_bits(load1<4>(src, i), r[q]));
-    }
-  }
-}
-
 // Converts elements [0, n) of src into dst, this thread taking its share of a loop whose threads
 // are numbered 0 .. nthreads - 1. Element i has stream position pos + i (stochastic rounding,
 // which applies to fp32 -> bf16 only).
 template <int S, int D, bool SR>
-MP_CUDA_HD void cast_range(const void* src, void* dst, int64_t n, uint64_t pos, uint64_t seed,
+MP_CUDA_HD void cast_range(const void* src, void* dst, int64_t n, uint64_t pos, uint64_t key,
                            int64_t tid, int64_t nthreads) {
   constexpr int kSrc = MP_DTYPE_BYTES(S);
   constexpr int kDst = MP_DTYPE_BYTES(D);
@@ -115,24 +63,25 @@ MP_CUDA_HD void cast_range(const void* src, void* dst, int64_t n, uint64_t pos, 
     for (int64_t v = tid; v < nvec; v += nthreads) {
       uint32_t x[8], y[8];
       load8<kSrc>(src, v, x);
-      if constexpr (kStochastic) {
-        uint32_t r[8];
-        sr_words8(seed, pos + static_cast<uint64_t>(v * kVec), r);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) y[j] = mp_bf16_sr_bits(x[j], r[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) y[j] = convert_rn<S, D>(x[j]);
+      for (int j = 0; j < 8; ++j) {
+        if constexpr (kStochastic) {
+          const uint64_t p = pos + static_cast<uint64_t>(v * kVec + j);
+          y[j] = mp_bf16_sr_bits(x[j], mp_sr_bits(key, p));
+        } else {
+          y[j] = convert_rn<S, D>(x[j]);
+        }
       }
       store8<kDst>(dst, v, y);
     }
     done = nvec * kVec;
   }
-  if constexpr (kStochastic) {
-    sr_scalar(src, dst, done, n, pos, seed, tid, nthreads);
-  } else {
-    for (int64_t i = done + tid; i < n; i += nthreads) {
-      store1<kDst>(dst, i, convert_rn<S, D>(load1<kSrc>(src, i)));
+  for (int64_t i = done + tid; i < n; i += nthreads) {
+    const uint32_t x = load1<kSrc>(src, i);
+    if constexpr (kStochastic) {
+      store1<kDst>(dst, i, mp_bf16_sr_bits(x, mp_sr_bits(key, pos + static_cast<uint64_t>(i))));
+    } else {
+      store1<kDst>(dst, i, convert_rn<S, D>(x));
     }
   }
 }
@@ -168,23 +117,23 @@ MP_CUDA_HD void for_pair(int src_dtype, int dst_dtype, F&& f) {
 }
 
 // Elements [start, start + count) of a segment (src and dst its arrays from element 0, pos the
-// stream position of element 0), for thread tid of nthreads.
+// stream position of element 0, key the stream's), for thread tid of nthreads.
 template <bool SR>
 MP_CUDA_HD void cast_part(const void* src, int src_dtype, void* dst, int dst_dtype,
-                          int64_t start, int64_t count, uint64_t pos, uint64_t seed, int64_t tid,
+                          int64_t start, int64_t count, uint64_t pos, uint64_t key, int64_t tid,
                           int64_t nthreads) {
   for_pair(src_dtype, dst_dtype, [&](auto s, auto d) {
     constexpr int S = decltype(s)::value, D = decltype(d)::value;
     cast_range<S, D, SR>(static_cast<const char*>(src) + start * MP_DTYPE_BYTES(S),
                          static_cast<char*>(dst) + start * MP_DTYPE_BYTES(D), count,
-                         pos + static_cast<uint64_t>(start), seed, tid, nthreads);
+                         pos + static_cast<uint64_t>(start), key, tid, nthreads);
   });
 }
 
 // The argument of one multi-tensor launch (passed by value, under the 4 KB parameter limit): per
 // piece, the segment it belongs to, from the piece's first element.
 struct MultiArgs {
-  uint64_t seed;
+  uint64_t key;  // the stream of the seed (mp_sr_key)
   mp_cuda::PieceTable<kMaxPieces> pieces;
   const void* src[kMaxPieces];
   void* dst[kMaxPieces];
@@ -197,10 +146,10 @@ static_assert(sizeof(MultiArgs) <= 4096, "the multi-tensor argument must fit the
 
 template <bool SR>
 __global__ void __launch_bounds__(kThreads)
-    cast_kernel(const __grid_constant__ mp_cast_segment seg, uint64_t seed) {
+    cast_kernel(const __grid_constant__ mp_cast_segment seg, uint64_t key) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  cast_part<SR>(seg.src, seg.src_dtype, seg.dst, seg.dst_dtype, 0, seg.n, seg.sr_position, seed,
+  cast_part<SR>(seg.src, seg.src_dtype, seg.dst, seg.dst_dtype, 0, seg.n, seg.sr_position, key,
                 tid, nthreads);
 }
 
@@ -208,7 +157,7 @@ template <bool SR>
 __global__ void __launch_bounds__(kThreads) cast_multi_kernel(const __grid_constant__ MultiArgs a) {
   const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, blockIdx.x);
   cast_part<SR>(a.src[r.k], a.src_dtype[r.k], a.dst[r.k], a.dst_dtype[r.k], r.start, r.count,
-                a.pos[r.k], a.seed, threadIdx.x, blockDim.x);
+                a.pos[r.k], a.key, threadIdx.x, blockDim.x);
 }
 
 mp_status check_segments(const mp_cast_segment* segs, int64_t nsegs, int stochastic) {
@@ -242,9 +191,9 @@ mp_status mp_cast_cuda(const mp_cast_segment* seg, int stochastic, uint64_t seed
   if (blocks > cap) blocks = cap;
   const unsigned grid = static_cast<unsigned>(blocks);
   if (stochastic) {
-    mp_cuda::launch(cast_kernel<true>, grid, kThreads, 0, stream, *seg, seed);
+    mp_cuda::launch(cast_kernel<true>, grid, kThreads, 0, stream, *seg, mp_sr_key(seed, 0, 0));
   } else {
-    mp_cuda::launch(cast_kernel<false>, grid, kThreads, 0, stream, *seg, seed);
+    mp_cuda::launch(cast_kernel<false>, grid, kThreads, 0, stream, *seg, uint64_t{0});
   }
   return mp_cuda::launch_status();
 }
@@ -254,7 +203,7 @@ mp_status mp_cast_multi_cuda(const mp_cast_segment* segs, int64_t nsegs, int sto
   const mp_status checked = check_segments(segs, nsegs, stochastic);
   if (checked != MP_OK) return checked;
   MultiArgs a{};
-  a.seed = seed;
+  a.key = mp_sr_key(seed, 0, 0);
   return mp_cuda::pack_launches(
       a.pieces, nsegs, [&](int64_t s) { return segs[s].n; },
       [&](int i, int64_t s, int64_t done) {

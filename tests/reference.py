@@ -4,33 +4,42 @@ import struct
 
 import numpy as np
 
-M0, M1 = 0xD2511F53, 0xCD9E8D57
-W0, W1 = 0x9E3779B9, 0xBB67AE85
 MASK32 = 0xFFFFFFFF
+MASK64 = (1 << 64) - 1
 
 
-def philox4x32_10(ctr, key):
-    """Philox4x32-10 (Salmon et al., SC'11) on a 4-word counter and a 2-word key."""
-    c0, c1, c2, c3 = ctr
-    k0, k1 = key
-    for _ in range(10):
-        p0 = M0 * c0
-        p1 = M1 * c2
-        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & MASK32, p1 & MASK32, \
-            ((p0 >> 32) ^ c3 ^ k1) & MASK32, p0 & MASK32
-        k0 = (k0 + W0) & MASK32
-        k1 = (k1 + W1) & MASK32
-    return c0, c1, c2, c3
+def _m32(x):
+    """The generator's 32-bit mixer (mpext/numerics.h's documentation)."""
+    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & MASK32
+    x = ((x ^ (x >> 15)) * 0xD35A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def _m64(z):
+    """splitmix64's finalizer."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def sr_key(seed, step=0, stream=0):
+    """The key of the stochastic-rounding stream for (seed, step, stream)."""
+    seed &= MASK64
+    return _m64(_m64(_m64((seed + 0x9E3779B97F4A7C15) & MASK64) ^ step) ^ stream)
+
+
+def sr_bits(key, position):
+    """The 32 random bits at a position of the stream with this key (positions wrap modulo
+    2^64)."""
+    position &= MASK64
+    x = _m32((position & MASK32) ^ (key & MASK32))
+    return _m32(x ^ (position >> 32) ^ (key >> 32))
 
 
 def sr_random_bits(seed, position):
-    """The documented stochastic-rounding stream: word position % 4 of Philox block
-    position // 4, keyed by the 64-bit seed."""
-    seed &= (1 << 64) - 1
-    position &= (1 << 64) - 1  # positions wrap modulo 2^64
-    block = position // 4
-    out = philox4x32_10((block & MASK32, block >> 32, 0, 0), (seed & MASK32, seed >> 32))
-    return out[position % 4]
+    """The documented stochastic-rounding bits of a cast's element at stream position
+    ``position`` under ``seed`` (the stream (seed, 0, 0))."""
+    return sr_bits(sr_key(seed), position)
 
 
 def bf16_sr_reference(x_bits, r):

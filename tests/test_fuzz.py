@@ -6,7 +6,7 @@ views at random element offsets (so vector loads and stores are misaligned; guar
 around each view must stay untouched), and values that mix ordinary numbers with +-0,
 subnormals, the largest finite values, +-Inf and NaNs with payloads (quiet and signalling).
 
-References: ``Tensor.to`` for the casts, the Philox stochastic-rounding reference of
+References: ``Tensor.to`` for the casts, the stochastic-rounding generator reference of
 tests/reference.py, ``torch._amp_foreach_non_finite_check_and_unscale_``,
 ``torch._amp_update_scale_`` (and the pure-Python model of the extended rule), the float64 Adam
 of tests/reference.py (and ``torch.optim`` for non-finite values), ``torch.linalg.vector_norm``.
@@ -190,7 +190,7 @@ def test_widening_casts_are_exact(data, source):
 @FUZZ
 @given(data=st.data(), seed=st.integers(0, 2 ** 64 - 1),
        offset=st.one_of(st.integers(0, 64), st.integers(0, 2 ** 63 - 2 ** 20)))
-def test_stochastic_rounding_matches_philox_reference(data, seed, offset):
+def test_stochastic_rounding_matches_generator_reference(data, seed, offset):
     x, _, _ = data.draw(placed(F32, n=data.draw(st.integers(0, 90))))
     ours = ops.to_bf16(x, stochastic=True, seed=seed, offset=offset)
     bits = x.view(torch.int32).numpy().view(np.uint32).tolist()

@@ -10,8 +10,8 @@
  *     against the CPU's F16C conversion on every sweep input (when the CPU has F16C) and against
  *     the compiler's _Float16 on the boundary patterns (on all inputs without F16C);
  *   - bf16/fp16 -> fp32: a field decoder built on ldexp (checked against _Float16 for fp16);
- *   - stochastic rounding: the documented definition (Philox4x32-10 keyed by the seed, counter
- *     (offset + i) / 4, word (offset + i) % 4, low 16 bits) with this file's own Philox, checked
+ *   - stochastic rounding: the documented definition (the counter-based generator of numerics.h
+ *     keyed by the seed, position offset + i, low 16 bits) with this file's own statement, checked
  *     against the Random123 known-answer vectors;
  *   - unscale (mp_unscale): the value decoded to double, multiplied there (exact),
  *     rounded once to fp32, then by the RNE reference above; found and "inv_scale == 1 stores
@@ -365,47 +365,46 @@ static int have_f16c(void) { return __builtin_cpu_supports("f16c"); }
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
-/* This file's Philox4x32-10, from the paper's round function: with (hi, lo) = M * x,
- *   (x0, x1, x2, x3) <- (hi(M1 x2) ^ x1 ^ k0, lo(M1 x2), hi(M0 x0) ^ x3 ^ k1, lo(M0 x0)),
- * the key bumped by the Weyl constants between rounds. */
+/* This file's statement of the stochastic-rounding generator (mpext/numerics.h's documentation):
+ * a 32-bit mixer x ^= x >> 16, x *= 0x21F0AAAD, x ^= x >> 15, x *= 0xD35A2D97, x ^= x >> 15; a
+ * key = m64(m64(m64(seed + golden) ^ step) ^ stream) with splitmix64's finalizer m64; the bits at
+ * position p = m32(m32(lo(p) ^ lo(key)) ^ hi(p) ^ hi(key)). */
 
-static void ref_philox(const uint32_t ctr[4], uint32_t k0, uint32_t k1, uint32_t out[4]) {
-  uint32_t x[4] = {ctr[0], ctr[1], ctr[2], ctr[3]};
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    uint64_t a = (uint64_t)x[0] * 0xD2511F53u;
-    uint64_t b = (uint64_t)x[2] * 0xCD9E8D57u;
-    uint32_t y[4];
-    y[0] = (uint32_t)(b >> 32) ^ x[1] ^ k0;
-    y[1] = (uint32_t)(b & 0xFFFFFFFFu);
-    y[2] = (uint32_t)(a >> 32) ^ x[3] ^ k1;
-    y[3] = (uint32_t)(a & 0xFFFFFFFFu);
-    memcpy(x, y, sizeof x);
-  }
-  memcpy(out, x, sizeof x);
+static uint32_t ref_m32(uint32_t x) {
+  x = (x ^ (x >> 16)) * 0x21F0AAADu;
+  x = (x ^ (x >> 15)) * 0xD35A2D97u;
+  return x ^ (x >> 15);
 }
 
-/* The documented stochastic-rounding word for element index idx under seed, with a one-block
- * cache (sweeps visit indices in order). */
+static uint64_t ref_m64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static uint64_t ref_key(uint64_t seed, uint64_t step, uint64_t stream) {
+  return ref_m64(ref_m64(ref_m64(seed + 0x9E3779B97F4A7C15ull) ^ step) ^ stream);
+}
+
+static uint32_t ref_bits(uint64_t key, uint64_t pos) {
+  const uint32_t lo = (uint32_t)(pos & 0xFFFFFFFFu) ^ (uint32_t)(key & 0xFFFFFFFFu);
+  return ref_m32(ref_m32(lo) ^ (uint32_t)(pos >> 32) ^ (uint32_t)(key >> 32));
+}
+
+/* The documented random word of a cast's element index idx under seed (stream (seed, 0, 0)),
+ * with the key cached across calls of one seed. */
 typedef struct sr_stream {
-  uint64_t seed, block;
+  uint64_t seed, key;
   int valid;
-  uint32_t w[4];
 } sr_stream;
 
 static uint32_t sr_word(sr_stream* s, uint64_t seed, uint64_t idx) {
-  uint64_t block = idx / 4u;
-  if (!s->valid || s->seed != seed || s->block != block) {
-    uint32_t ctr[4] = {(uint32_t)(block & 0xFFFFFFFFu), (uint32_t)(block >> 32), 0u, 0u};
-    ref_philox(ctr, (uint32_t)(seed & 0xFFFFFFFFu), (uint32_t)(seed >> 32), s->w);
+  if (!s->valid || s->seed != seed) {
     s->seed = seed;
-    s->block = block;
+    s->key = ref_key(seed, 0, 0);
     s->valid = 1;
   }
-  return s->w[idx % 4u];
+  return ref_bits(s->key, idx);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -533,50 +532,26 @@ static size_t next_patterns(pat_iter* it, uint32_t* out, size_t cap) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* 1. Philox known answers and the documented random stream. */
+/* 1. The random generator follows its documentation: keys and bits against this file's
+ *    statement, at edge positions (the 2^32 and 2^64 wraps) and random ones. */
 
-static void test_philox(void) {
+static void test_sr_generator(void) {
   group g;
-  g_begin(&g, "Philox4x32-10 known-answer vectors (Random123), numerics.h and reference");
-  static const uint32_t kat[3][10] = {
-      {0u, 0u, 0u, 0u, 0u, 0u, 0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u},
-      {0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0x408f276du,
-       0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu},
-      {0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u, 0xa4093822u, 0x299f31d0u, 0xd16cfe09u,
-       0x94fdccebu, 0x5001e420u, 0x24126ea1u},
-  };
-  for (int v = 0; v < 3; ++v) {
-    uint32_t c[4] = {kat[v][0], kat[v][1], kat[v][2], kat[v][3]};
-    mp_philox4x32_10(c, kat[v][4], kat[v][5]);
-    uint32_t r[4];
-    ref_philox(kat[v], kat[v][4], kat[v][5], r);
-    for (int w = 0; w < 4; ++w) {
-      g_check(&g, c[w] == kat[v][6 + w], "mp_philox4x32_10 vector %d word %d: expected %08" PRIx32
-              " got %08" PRIx32, v, w, kat[v][6 + w], c[w]);
-      g_check(&g, r[w] == kat[v][6 + w], "test reference philox vector %d word %d: expected %08"
-              PRIx32 " got %08" PRIx32, v, w, kat[v][6 + w], r[w]);
-    }
-  }
-  g_end(&g);
-
-  g_begin(&g, "mp_sr_random_bits / mp_sr_random_block follow the documented stream");
+  g_begin(&g, "mp_sr_key / mp_sr_bits follow the documented generator");
   uint64_t s = 12345;
-  sr_stream st = {0};
   static const uint64_t edge_idx[] = {0u, 1u, 2u, 3u, 4u, 0xFFFFFFFFull, 0x100000000ull,
                                       0x3FFFFFFFFull, 0x400000000ull, 0x400000003ull,
                                       UINT64_MAX, UINT64_MAX - 3u};
   for (int k = 0; k < 20000; ++k) {
-    uint64_t seed = k < 12 ? (k % 2 ? UINT64_MAX : 0u) : splitmix64(&s);
-    uint64_t idx = k < 12 ? edge_idx[k] : splitmix64(&s) >> (k % 40);
-    uint32_t want = sr_word(&st, seed, idx);
-    uint32_t got = mp_sr_random_bits(seed, idx);
-    g_check(&g, want == got, "seed %016" PRIx64 " idx %016" PRIx64 ": expected %08" PRIx32
-            " got %08" PRIx32, seed, idx, want, got);
-    uint32_t blk[4];
-    mp_sr_random_block(seed, idx / 4u, blk);
-    g_check(&g, blk[idx % 4u] == want, "mp_sr_random_block seed %016" PRIx64 " block %016" PRIx64
-            " word %d: expected %08" PRIx32 " got %08" PRIx32, seed, idx / 4u, (int)(idx % 4u),
-            want, blk[idx % 4u]);
+    const uint64_t seed = k < 12 ? (k % 2 ? UINT64_MAX : 0u) : splitmix64(&s);
+    const uint64_t idx = k < 12 ? edge_idx[k] : splitmix64(&s) >> (k % 40);
+    const uint64_t step = (uint64_t)k % 7u, stream = splitmix64(&s) >> (k % 50);
+    const uint64_t key = mp_sr_key(seed, step, stream);
+    g_check(&g, key == ref_key(seed, step, stream), "key of seed %016" PRIx64 " step %" PRIu64
+            " stream %016" PRIx64 ": %016" PRIx64, seed, step, stream, key);
+    const uint32_t want = ref_bits(key, idx), got = mp_sr_bits(key, idx);
+    g_check(&g, want == got, "key %016" PRIx64 " idx %016" PRIx64 ": expected %08" PRIx32
+            " got %08" PRIx32, key, idx, want, got);
   }
   g_end(&g);
 }
@@ -3440,7 +3415,7 @@ int main(int argc, char** argv) {
 
   test_isa_api(initial_active);
   test_arguments();
-  test_philox();
+  test_sr_generator();
   test_reference_selfcheck();
   test_widening();
   test_sizes_alignment(o.seed);

@@ -22,8 +22,8 @@ extern "C" {
 mp_status mp_to_bf16_f32(const float* src, uint16_t* dst, int64_t n);
 
 /* fp32 -> bf16, stochastic rounding: element i rounds up to the next bf16 with probability equal
- * to the fraction of a bf16 ulp that truncation discards, drawing the 16-bit random value from
- * Philox4x32-10 keyed by seed at counter (offset + i) (mpext/numerics.h, mp_sr_random_bits), so the
+ * to the fraction of a bf16 ulp that truncation discards, drawing the 16-bit random value at
+ * position offset + i of the stream mp_sr_key(seed, 0, 0) (mpext/numerics.h, mp_sr_bits), so the
  * result depends only on (seed, offset + i), never on threading or device. Values that are
  * already bf16, +-Inf and NaN convert as with round to nearest even. */
 mp_status mp_to_bf16_sr_f32(const float* src, uint16_t* dst, int64_t n, uint64_t seed,

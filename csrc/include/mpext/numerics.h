@@ -1,5 +1,5 @@
-/* mpext: bit-level conversions and the counter-based random generator, shared by the C core and
- * the CUDA kernels so that both produce the same bits. Header-only, branch-free (so loops over
+/* mpext: bit-level conversions (round to nearest even and stochastic) and the counter-based
+ * random generator, shared by the C core and the CUDA kernels so that both produce the same bits. Header-only, branch-free (so loops over
  * these vectorize), no floating-point environment dependence (no FTZ/DAZ, rounding mode, errno).
  *
  * Everything here is static inline; under nvcc the functions are __host__ __device__. */
@@ -80,43 +80,63 @@ MP_HD uint32_t mp_fp16_to_f32_bits(uint16_t h) {
   return r | sign;
 }
 
-/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): maps a
- * 128-bit counter and a 64-bit key to 128 random bits. */
-#define MP_PHILOX_M0 0xD2511F53u
-#define MP_PHILOX_M1 0xCD9E8D57u
-#define MP_PHILOX_W0 0x9E3779B9u
-#define MP_PHILOX_W1 0xBB67AE85u
-
-MP_HD void mp_philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
-  for (int round = 0; round < 10; ++round) {
-    uint64_t p0 = (uint64_t)MP_PHILOX_M0 * c[0];
-    uint64_t p1 = (uint64_t)MP_PHILOX_M1 * c[2];
-    uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0;
-    uint32_t n1 = (uint32_t)p1;
-    uint32_t n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
-    uint32_t n3 = (uint32_t)p0;
-    c[0] = n0; c[1] = n1; c[2] = n2; c[3] = n3;
-    k0 += MP_PHILOX_W0;
-    k1 += MP_PHILOX_W1;
-  }
+/* fp32 bits -> fp16 bits, stochastic rounding with random bits r: a value between two adjacent
+ * fp16 values rounds to the larger magnitude with probability (its distance from the smaller) /
+ * (their distance), so the result is unbiased. Uses r's low 13 bits in fp16's normal range and up
+ * to 24 bits in its subnormal range (where the grid is coarser relative to fp32). Values of
+ * magnitude >= 65504 (the largest fp16), +-Inf and NaN convert as with mp_fp16_rne_bits, so a
+ * finite value never becomes Inf by chance. */
+MP_HD uint16_t mp_fp16_sr_bits(uint32_t u, uint32_t r) {
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7FFFFFFFu;
+  /* Normal range: drop 13 mantissa bits, adding 13 random bits first (a carry rounds up). */
+  uint32_t normal = (a + 0xC8000000u + (r & 0x1FFFu)) >> 13;
+  /* Subnormal range: q = |x| / 2^-24 truncated, rounded up iff the random bits fall below the
+   * dropped remainder (probability remainder / 2^shift). */
+  uint32_t e = a >> 23;
+  uint32_t m = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
+  uint32_t ee = e ? e : 1u;
+  uint32_t shift = 126u - (ee < 113u ? ee : 112u);
+  shift = shift > 31u ? 31u : shift;
+  uint32_t mask = (1u << shift) - 1u;
+  uint32_t sub = (m >> shift) + (((r & mask) < (m & mask)) ? 1u : 0u);
+  uint32_t out = a < 0x38800000u ? sub : normal;
+  out = a >= 0x477FE000u ? (uint32_t)(mp_fp16_rne_bits(u) & 0x7FFFu) : out;
+  return (uint16_t)(out | sign);
 }
 
-/* The 32 random bits for stochastic-rounding element index idx (= offset + position) under a
- * seed: word (idx % 4) of Philox4x32-10 with key = seed and counter = (idx / 4, 0). Four
- * consecutive indices share one Philox evaluation, see mp_sr_random_block. */
-MP_HD void mp_sr_random_block(uint64_t seed, uint64_t block, uint32_t out[4]) {
-  block &= 0x3FFFFFFFFFFFFFFFull; /* positions wrap modulo 2^64, so blocks wrap modulo 2^62 */
-  out[0] = (uint32_t)block;
-  out[1] = (uint32_t)(block >> 32);
-  out[2] = 0u;
-  out[3] = 0u;
-  mp_philox4x32_10(out, (uint32_t)seed, (uint32_t)(seed >> 32));
+/* The random bits of stochastic rounding: a counter-based generator, so a value depends only on
+ * (key, position) -- never on threads, ISA path, device or order -- and any element can be drawn
+ * on its own. A 64-bit key names a stream (mp_sr_key); the 32 bits at position pos are two rounds
+ * of a 32-bit integer mixer (multiply-xorshift, constants from C. Wellons' hash prospector) over
+ * the position's and the key's halves. Four 32-bit multiplies per draw, which vectorize on every
+ * ISA path, where Philox4x32-10 took 20 (and 64-bit products): stochastic rounding stays bound by
+ * memory bandwidth. */
+MP_HD uint32_t mp_mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0xD35A2D97u;
+  x ^= x >> 15;
+  return x;
 }
 
-MP_HD uint32_t mp_sr_random_bits(uint64_t seed, uint64_t idx) {
-  uint32_t r[4];
-  mp_sr_random_block(seed, idx >> 2, r);
-  return r[idx & 3u];
+MP_HD uint64_t mp_mix64(uint64_t z) { /* splitmix64's finalizer */
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/* The key of the stream for (seed, step, stream): a cast uses (seed, 0, 0) and positions
+ * offset + i; an optimizer step t >= 1 of its param number k uses streams 2k (moments) and
+ * 2k + 1 (the param) and positions i within the param. */
+MP_HD uint64_t mp_sr_key(uint64_t seed, uint64_t step, uint64_t stream) {
+  return mp_mix64(mp_mix64(mp_mix64(seed + 0x9E3779B97F4A7C15ull) ^ step) ^ stream);
+}
+
+MP_HD uint32_t mp_sr_bits(uint64_t key, uint64_t pos) {
+  uint32_t x = mp_mix32((uint32_t)pos ^ (uint32_t)key);
+  return mp_mix32(x ^ (uint32_t)(pos >> 32) ^ (uint32_t)(key >> 32));
 }
 
 #endif /* MPEXT_NUMERICS_H */
