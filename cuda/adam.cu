@@ -34,7 +34,7 @@ using namespace mp_cuda;  // the shared memory access and engine of access.cuh, 
 constexpr int kThreads = 256;      // threads per block of the main kernel
 constexpr int kStepThreads = 128;  // threads per block of the step kernel
 constexpr int64_t kVec = 8;        // elements per vectorized step (16-byte accesses)
-constexpr int kMaxPieces = 64;     // params (or pieces of one) per main launch
+constexpr int kMaxPieces = 44;     // params (or pieces of one) per main launch
 constexpr int kMaxSteps = 500;     // step counters per step launch
 
 static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16");
@@ -50,10 +50,66 @@ MP_CUDA_HD void adam_one(void* param, void* grad, float* master, float* exp_avg,
   float m = exp_avg[i];
   float v = exp_avg_sq[i];
   p = mp_adam_element(g, p, &m, &v, &s);
+  if constexpr (P == MP_BF16) p = f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)));
   exp_avg[i] = m;
   exp_avg_sq[i] = v;
   if constexpr (kMaster) master[i] = p;
   store1<MP_DTYPE_BYTES(P)>(param, i, narrow<P>(p));
+}
+
+// Where a piece's fp32 param value lives (see mpext/adam.h).
+enum Storage : uint8_t { kF32Param = 0, kMaster = 1, kRemainder = 2, kNoMaster = 3 };
+
+// Element i of a param in any storage (adam.h: remainders, bf16 moments, no master), one element
+// at a time; pos is its position in the param (its stochastic-rounding draw).
+template <int P, int G>
+MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* remainder,
+                              void* exp_avg, int md, void* exp_avg_sq, int vd, int storage,
+                              int64_t i, uint64_t pos, const mp_adam_scalars& s) {
+  const float g = mp_adam_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
+  if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
+  float p;
+  if (storage == kMaster) {
+    p = master[i];
+  } else if (storage == kRemainder) {
+    p = f32_from_bits(mp_bf16_join(static_cast<uint16_t>(load1<2>(param, i)),
+                                   static_cast<uint16_t>(remainder[i])));
+  } else {
+    p = widen<P>(load1<MP_DTYPE_BYTES(P)>(param, i));
+  }
+  float m = md == MP_F32 ? widen<MP_F32>(load1<4>(exp_avg, i)) : widen<MP_BF16>(load1<2>(exp_avg, i));
+  float v = vd == MP_F32 ? widen<MP_F32>(load1<4>(exp_avg_sq, i))
+                         : widen<MP_BF16>(load1<2>(exp_avg_sq, i));
+  p = mp_adam_element(g, p, &m, &v, &s);
+  const uint32_t r_mv = md == MP_BF16 || vd == MP_BF16 ? mp_sr_bits(s.key_moments, pos) : 0u;
+  if (md == MP_F32) {
+    store1<4>(exp_avg, i, bits_from_f32(m));
+  } else {
+    store1<2>(exp_avg, i, mp_adam_bf16_moment(m, r_mv, &s));
+  }
+  if (vd == MP_F32) {
+    store1<4>(exp_avg_sq, i, bits_from_f32(v));
+  } else {
+    store1<2>(exp_avg_sq, i, mp_adam_bf16_moment(v, r_mv >> 16, &s));
+  }
+  if (storage == kF32Param) {
+    store1<4>(param, i, bits_from_f32(p));
+  } else if (storage == kMaster || storage == kRemainder) {
+    const uint32_t x = P == MP_BF16 ? mp_bf16_master_bits(bits_from_f32(p)) : bits_from_f32(p);
+    const uint32_t q = P == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
+    store1<2>(param, i, q);
+    if (storage == kMaster) {
+      master[i] = f32_from_bits(x);
+    } else {
+      remainder[i] = static_cast<int16_t>(mp_bf16_remainder(x, static_cast<uint16_t>(q)));
+    }
+  } else if (s.sr_params) {
+    const uint32_t r = mp_sr_bits(s.key_param, pos);
+    store1<2>(param, i, P == MP_BF16 ? mp_bf16_sr_bits(bits_from_f32(p), r)
+                                     : mp_fp16_sr_bits(bits_from_f32(p), r));
+  } else {
+    store1<2>(param, i, narrow<P>(p));
+  }
 }
 
 // Elements 8 * vi .. 8 * vi + 7 of 16-byte aligned arrays, with 16-byte loads and stores. For an
@@ -75,7 +131,8 @@ MP_CUDA_HD void adam_vec8(void* param, void* grad, float* master, float* exp_avg
     float v = f32_from_bits(vb[j]);
     const float g = mp_adam_unscaled(widen<G>(gb[j]), &s);
     gb[j] = narrow<G>(g);
-    const float p = mp_adam_element(g, f32_from_bits(pb[j]), &m, &v, &s);
+    float p = mp_adam_element(g, f32_from_bits(pb[j]), &m, &v, &s);
+    if constexpr (P == MP_BF16) p = f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)));
     mb[j] = bits_from_f32(m);
     vb[j] = bits_from_f32(v);
     pb[j] = bits_from_f32(p);
@@ -148,11 +205,17 @@ struct AdamArgs {
   void* param[kMaxPieces];
   void* grad[kMaxPieces];
   float* master[kMaxPieces];
-  float* exp_avg[kMaxPieces];
-  float* exp_avg_sq[kMaxPieces];
+  int16_t* remainder[kMaxPieces];
+  void* exp_avg[kMaxPieces];
+  void* exp_avg_sq[kMaxPieces];
   const float* step[kMaxPieces];
+  uint32_t sr_stream[kMaxPieces];
+  int64_t offset[kMaxPieces];  // the piece's first element in its param (stochastic rounding)
   uint8_t param_dtype[kMaxPieces];
   uint8_t grad_dtype[kMaxPieces];
+  uint8_t exp_avg_dtype[kMaxPieces];
+  uint8_t exp_avg_sq_dtype[kMaxPieces];
+  uint8_t storage[kMaxPieces];  // a Storage
 };
 
 static_assert(sizeof(AdamArgs) <= 4096, "the multi-tensor argument must fit the 4 KB limit");
@@ -172,9 +235,22 @@ MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
   const int k = r.k;
   void* param = static_cast<char*>(a.param[k]) + r.start * MP_DTYPE_BYTES(P);
   void* grad = static_cast<char*>(a.grad[k]) + r.start * MP_DTYPE_BYTES(G);
-  float* master = P != MP_F32 ? a.master[k] + r.start : nullptr;
-  adam_range<P, G>(param, grad, master, a.exp_avg[k] + r.start, a.exp_avg_sq[k] + r.start,
-                   r.count, s, tid, nthreads);
+  const int md = a.exp_avg_dtype[k], vd = a.exp_avg_sq_dtype[k], storage = a.storage[k];
+  void* m = static_cast<char*>(a.exp_avg[k]) + r.start * MP_DTYPE_BYTES(md);
+  void* v = static_cast<char*>(a.exp_avg_sq[k]) + r.start * MP_DTYPE_BYTES(vd);
+  float* master = storage == kMaster ? a.master[k] + r.start : nullptr;
+  if ((storage == kF32Param || storage == kMaster) && md == MP_F32 && vd == MP_F32) {
+    // fp32 state: the 16-byte vectorized path
+    adam_range<P, G>(param, grad, master, static_cast<float*>(m), static_cast<float*>(v), r.count,
+                     s, tid, nthreads);
+    return;
+  }
+  int16_t* remainder = storage == kRemainder ? a.remainder[k] + r.start : nullptr;
+  const uint64_t first = static_cast<uint64_t>(a.offset[k] + r.start);
+  for (int64_t i = tid; i < r.count; i += nthreads) {
+    adam_lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, storage, i,
+                        first + static_cast<uint64_t>(i), s);
+  }
 }
 
 // The element work of a block (range r, scalars s, not skipped) for thread tid of nthreads.
@@ -209,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_const
   const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, blockIdx.x);
   if (threadIdx.x == 0) {
     shared.skip = mp_adam_skip(&a.opt);
-    if (!shared.skip) shared.s = mp_adam_scalars_now(&a.opt, a.step[r.k]);
+    if (!shared.skip) shared.s = mp_adam_scalars_now(&a.opt, a.step[r.k], a.sr_stream[r.k]);
   }
   __syncthreads();
   if (shared.skip) return;  // the same for every thread of the block
@@ -251,11 +327,21 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
         a.param[i] = static_cast<char*>(t.param) + done * MP_DTYPE_BYTES(t.param_dtype);
         a.grad[i] = static_cast<char*>(t.grad) + done * MP_DTYPE_BYTES(t.grad_dtype);
         a.master[i] = t.master != nullptr ? t.master + done : nullptr;
-        a.exp_avg[i] = t.exp_avg + done;
-        a.exp_avg_sq[i] = t.exp_avg_sq + done;
+        a.remainder[i] = t.remainder != nullptr ? t.remainder + done : nullptr;
+        a.exp_avg[i] = static_cast<char*>(t.exp_avg) + done * MP_DTYPE_BYTES(t.exp_avg_dtype);
+        a.exp_avg_sq[i] =
+            static_cast<char*>(t.exp_avg_sq) + done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype);
         a.step[i] = t.step;
+        a.sr_stream[i] = static_cast<uint32_t>(t.sr_stream);
+        a.offset[i] = done;
         a.param_dtype[i] = static_cast<uint8_t>(t.param_dtype);
         a.grad_dtype[i] = static_cast<uint8_t>(t.grad_dtype);
+        a.exp_avg_dtype[i] = static_cast<uint8_t>(t.exp_avg_dtype);
+        a.exp_avg_sq_dtype[i] = static_cast<uint8_t>(t.exp_avg_sq_dtype);
+        a.storage[i] = t.param_dtype == MP_F32 ? kF32Param
+                       : t.master != nullptr   ? kMaster
+                       : t.remainder != nullptr ? kRemainder
+                                               : kNoMaster;
       },
       [&](int64_t blocks) {
         mp_cuda::launch(adam_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);

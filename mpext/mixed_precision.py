@@ -517,10 +517,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if hyper is None:
                 # The model's gradients are left as backward made them (scaled), as on the
                 # generic path: no write-back.
-                hyper = hypers[id(group)] = (_mp_optim.adam_hyper(group, force_decoupled)[:6]
-                                             + (False,))
+                hyper = hypers[id(group)] = _mp_optim.adam_hyper(
+                    group, force_decoupled)._replace(unscale_grads=False)
+            # the inner optimizer's fp32 params are the masters: no stochastic rounding
             items.append((p, p.grad, self._adam_state(q), q if q is not p else None,
-                          group["lr"], hyper))
+                          group["lr"], hyper, 0))
         _mp_optim.fused_adam_step(items, self._lr_tensors, inv, found_inf)
 
     def _step_generic(self, entries, found_inf, inv) -> None:

@@ -323,7 +323,10 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                lr, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                weight_decay: float = 0.0, decoupled: bool = False, maximize: bool = False, *,
                inv_scale: Optional[torch.Tensor] = None,
-               found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False) -> None:
+               found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False,
+               remainders: Optional[Sequence[torch.Tensor]] = None, master_free: bool = False,
+               stochastic_rounding: bool = False, moments_round_nearest: bool = False,
+               seed: int = 0, sr_streams: Optional[Sequence[int]] = None) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
     ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
@@ -349,13 +352,28 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     When ``found_inf`` is non-zero,
     nothing at all is written and the steps are not advanced -- decided on the device, with no
     host synchronisation. Every argument is checked before anything is written.
+
+    Leaner state. A bfloat16 param may keep its fp32 value as an int16 *remainder*
+    (``remainders[i]``, the low 16 bits of the master: the master is exactly
+    ``(param bits << 16) + remainder``), which gives the same bits as an fp32 master in 2 bytes
+    instead of 4. With ``master_free=True`` a bfloat16/float16 param with neither master nor
+    remainder is updated from its own value and written back to nearest even, or with
+    ``stochastic_rounding=True`` rounded stochastically (unbiased). ``exp_avgs[i]`` and
+    ``exp_avg_sqs[i]`` may be bfloat16: they are stored with stochastic rounding (unbiased), or
+    to nearest even with ``moments_round_nearest=True`` (biased; kept for comparisons). An
+    empty tensor in ``masters`` or ``remainders`` means "none" for its param. Stochastic
+    rounding is reproducible: its bits depend only on ``seed`` (an int in [-2**63, 2**64)), the
+    param's step count, its ``sr_streams`` entry (in [0, 2^32); default: its position in the
+    list) and the element's position -- not on threads, CPU ISA or device.
     """
     params, grads = list(params), list(grads)
     masters = [] if masters is None else list(masters)
+    remainders = None if remainders is None else list(remainders)
     exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
     # A sparse tensor would dispatch to a backend with no kernel and a generic error.
     for name, ts in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
-                     ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps)):
+                     ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps),
+                     ("remainders", remainders or [])):
         for i, t in enumerate(ts):
             if isinstance(t, torch.Tensor) and t.layout != torch.strided:
                 raise RuntimeError("mpext.adam_step_: %s[%d] must be a strided (dense) tensor, "
@@ -364,13 +382,20 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         if isinstance(t, torch.Tensor) and t.layout != torch.strided:
             raise RuntimeError("mpext.adam_step_: %s must be a strided (dense) tensor, got "
                                "layout %s" % (name, t.layout))
+    seed = _seed64(seed, "adam_step_")
+    if sr_streams is not None:
+        sr_streams = [_check_int(k, "adam_step_", "sr_streams[%d]" % i)
+                      for i, k in enumerate(sr_streams)]
     if not isinstance(lr, torch.Tensor):
         device = params[0].device if params else torch.device("cpu")
         lr = torch.full((), float(lr), dtype=torch.float32, device=device)
     _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr,
                     float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
                     bool(maximize), inv_scale=inv_scale, found_inf=found_inf,
-                    unscale_grads=bool(unscale_grads))
+                    unscale_grads=bool(unscale_grads), remainders=remainders,
+                    master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
+                    moments_round_nearest=bool(moments_round_nearest), seed=seed,
+                    sr_streams=sr_streams)
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -393,7 +418,9 @@ def _check_fake_dense_named(t: torch.Tensor, op: str, name: str) -> None:
 @torch.library.register_fake("mpext::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                     weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
-                    unscale_grads=False):
+                    unscale_grads=False, remainders=None, master_free=False,
+                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
+                    sr_streams=None):
     """The checks of the C++ plan_adam, in its order and with its messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"
@@ -404,6 +431,15 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                            "(%d), got %d" % (op, name, n, len(ts)))
     torch._check_value(len(masters) in (0, n), lambda: "mpext.%s: masters must be empty or have "
                        "one entry per param (%d), got %d" % (op, n, len(masters)))
+    remainders = remainders or []
+    torch._check_value(len(remainders) in (0, n), lambda: "mpext.%s: remainders must be empty or "
+                       "have one entry per param (%d), got %d" % (op, n, len(remainders)))
+    if sr_streams is not None:
+        torch._check_value(len(sr_streams) == n, lambda: "mpext.%s: sr_streams must have one "
+                           "entry per param (%d), got %d" % (op, n, len(sr_streams)))
+        for i, k in enumerate(sr_streams):
+            torch._check_value(0 <= k <= 0xFFFFFFFF, lambda: "mpext.%s: sr_streams[%d] must be in "
+                               "[0, 2^32), got %d" % (op, i, k))
     for name, v, hi in (("beta1", beta1, "1"), ("beta2", beta2, "1"), ("eps", eps, "inf"),
                         ("weight_decay", weight_decay, "inf")):
         top = 1.0 if hi == "1" else math.inf
@@ -447,29 +483,46 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                      lambda: "mpext.%s: %s must have the dtype of %s (%s) or float32, got %s"
                      % (op, gn, pn, _dtype_name(p.dtype), _dtype_name(g.dtype)))
         for t, name in ((m, mn), (v, vn)):
-            torch._check(t.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
-                         "float32, got %s" % (op, name, _dtype_name(t.dtype)))
+            torch._check(t.dtype in (torch.float32, torch.bfloat16), lambda: "mpext.%s: %s must "
+                         "have dtype float32 or bfloat16, got %s" % (op, name, _dtype_name(t.dtype)))
         _check_fake_scalar(s, op, sn, torch.float32, 1, device, "params[0]")
         for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
             _check_fake_dense_named(t, op, name)
         for t, name in ((g, gn), (m, mn), (v, vn)):
             check_layout(t, name, pn, p)
-        needs_master = p.dtype != torch.float32
-        if not masters:
-            torch._check_value(not needs_master, lambda: "mpext.%s: %s is %s and needs an FP32 "
-                               "master, but masters is empty" % (op, pn, _dtype_name(p.dtype)))
-        else:
-            w = masters[i]
-            check_device(w, wn)
-            torch._check(w.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
-                         "float32, got %s" % (op, wn, _dtype_name(w.dtype)))
-            if needs_master:
-                _check_fake_dense_named(w, op, wn)
-                check_layout(w, wn, pn, p)
-            else:
-                torch._check_value(w.numel() == 0, lambda: "mpext.%s: %s is float32 and takes "
-                                   "no master, so %s must be an empty tensor, got %s elements"
-                                   % (op, pn, wn, w.numel()))
+        low = p.dtype != torch.float32
+
+        def storage_of(w, name, dtype):
+            check_device(w, name)
+            torch._check(w.dtype == dtype, lambda: "mpext.%s: %s must have dtype %s, got %s"
+                         % (op, name, _dtype_name(dtype), _dtype_name(w.dtype)))
+            if w.numel() == 0 and (p.numel() != 0 or not low):
+                return False
+            torch._check_value(low, lambda: "mpext.%s: %s is float32 and takes no master, "
+                               "so %s must be an empty tensor, got %s elements"
+                               % (op, pn, name, w.numel()))
+            _check_fake_dense_named(w, op, name)
+            check_layout(w, name, pn, p)
+            return True
+
+        has_master = bool(masters) and storage_of(masters[i], wn, torch.float32)
+        has_remainder = False
+        if remainders:
+            rn = "remainders[%d]" % i
+            has_remainder = storage_of(remainders[i], rn, torch.int16)
+            torch._check_value(not has_remainder or p.dtype == torch.bfloat16,
+                               lambda: "mpext.%s: %s is given but %s is %s; only a bfloat16 "
+                               "param is its fp32 value's high half"
+                               % (op, rn, pn, _dtype_name(p.dtype)))
+            torch._check_value(not (has_master and has_remainder),
+                               lambda: "mpext.%s: %s has both a master (%s) and a remainder "
+                               "(%s); give one of them" % (op, pn, wn, rn))
+        torch._check_value(not low or has_master or has_remainder or master_free,
+                           lambda: "mpext.%s: %s is %s and needs an fp32 master (masters[%d])%s"
+                           "; pass master_free=True to update it in place without one"
+                           % (op, pn, _dtype_name(p.dtype), i,
+                              " or a remainder (remainders[%d])" % i
+                              if p.dtype == torch.bfloat16 else ""))
     return None
 
 

@@ -484,7 +484,8 @@ OP_BAD = [
     (_put("masters", lambda kw, d: kw["masters"][:2]), ValueError,
      r"masters must be empty or have one entry per param \(3\), got 2"),
     (_put("masters", lambda kw, d: []), ValueError,
-     r"params\[1\] is bfloat16 and needs an FP32 master, but masters is empty"),
+     r"params\[1\] is bfloat16 and needs an fp32 master \(masters\[1\]\) or a remainder "
+     r"\(remainders\[1\]\); pass master_free=True to update it in place without one"),
     # dtypes
     (_set("params", 0, lambda t, d: t.double()), RuntimeError,
      r"params\[0\] must have dtype float32 or bfloat16 or float16, got float64"),
@@ -492,10 +493,10 @@ OP_BAD = [
      r"grads\[1\] must have the dtype of params\[1\] \(bfloat16\) or float32, got float16"),
     (_set("grads", 0, lambda t, d: t.bfloat16()), RuntimeError,
      r"grads\[0\] must have the dtype of params\[0\] \(float32\) or float32, got bfloat16"),
-    (_set("exp_avgs", 1, lambda t, d: t.bfloat16()), RuntimeError,
-     r"exp_avgs\[1\] must have dtype float32, got bfloat16"),
+    (_set("exp_avgs", 1, lambda t, d: t.half()), RuntimeError,
+     r"exp_avgs\[1\] must have dtype float32 or bfloat16, got float16"),
     (_set("exp_avg_sqs", 2, lambda t, d: t.double()), RuntimeError,
-     r"exp_avg_sqs\[2\] must have dtype float32, got float64"),
+     r"exp_avg_sqs\[2\] must have dtype float32 or bfloat16, got float64"),
     (_set("masters", 1, lambda t, d: t.half()), RuntimeError,
      r"masters\[1\] must have dtype float32, got float16"),
     (_set("steps", 0, lambda t, d: t.double()), RuntimeError,
@@ -1225,13 +1226,18 @@ def test_constructor_defaults_match_torch():
             assert sig_o[name].kind == par.kind, name
         assert sig_o["master_weights"].default is True
         assert sig_o["unscale_grads"].default is True
+        assert sig_o["stochastic_rounding"].default is False
+        assert sig_o["exp_avg_dtype"].default is torch.float32
+        assert sig_o["exp_avg_sq_dtype"].default is torch.float32
+        assert sig_o["moment_rounding"].default == "stochastic" and sig_o["seed"].default == 0
     p = [torch.zeros(3, requires_grad=True)]
     assert AdamW(p).defaults["weight_decay"] == 1e-2
     assert Adam(p).defaults["weight_decay"] == 0
     ours = AdamW(p).param_groups[0]
     theirs = torch.optim.AdamW(p).param_groups[0]
-    assert {k: v for k, v in ours.items() if k not in ("master_weights", "unscale_grads")} \
-        == theirs
+    mpext_keys = ("master_weights", "unscale_grads", "stochastic_rounding", "exp_avg_dtype",
+                  "exp_avg_sq_dtype", "moment_rounding", "seed")
+    assert {k: v for k, v in ours.items() if k not in mpext_keys} == theirs
     assert AdamW._step_supports_amp_scaling is True and Adam._step_supports_amp_scaling is True
     assert issubclass(AdamW, torch.optim.Optimizer)
     for flag in ("foreach", "fused", "capturable"):
@@ -1251,7 +1257,25 @@ CTOR_BAD = [
     (dict(eps=-1.0), ValueError, r"Invalid epsilon value: -1.0"),
     (dict(eps=NAN), ValueError, r"Invalid epsilon value: nan"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay value: -0.1"),
-    (dict(master_weights="yes"), TypeError, r"master_weights must be a bool"),
+    (dict(master_weights="yes"), ValueError,
+     r"master_weights must be True, False or \"remainder\", got 'yes'"),
+    (dict(master_weights=None), ValueError,
+     r"master_weights must be True, False or \"remainder\", got None"),
+    (dict(stochastic_rounding=1), TypeError, r"stochastic_rounding must be a bool"),
+    (dict(stochastic_rounding=True), ValueError,
+     r"stochastic_rounding=True rounds params that have no master; it needs "
+     r"master_weights=False, got master_weights=True"),
+    (dict(stochastic_rounding=True, master_weights="remainder"), ValueError,
+     r"it needs master_weights=False, got master_weights='remainder'"),
+    (dict(exp_avg_dtype=torch.float16), ValueError,
+     r"exp_avg_dtype must be torch.float32 or torch.bfloat16, got torch.float16"),
+    (dict(exp_avg_sq_dtype="bfloat16"), ValueError,
+     r"exp_avg_sq_dtype must be torch.float32 or torch.bfloat16, got 'bfloat16'"),
+    (dict(moment_rounding="down"), ValueError,
+     r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
+    (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),
+    (dict(seed=2 ** 64), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
+    (dict(seed=1.5), ValueError, r"seed must be an int in \[0, 2\*\*64\), got 1.5"),
     (dict(unscale_grads=1), TypeError, r"unscale_grads must be a bool"),
 ]
 

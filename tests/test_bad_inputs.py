@@ -684,10 +684,10 @@ for _name, _idx, _val, _re in [
                                                  r"bfloat16 or float16, got float64"),
         ("grads", 2, torch.zeros(5, dtype=BF16), r"grads\[2\] must have the dtype of params\[2\] "
                                                  r"\(float16\) or float32, got bfloat16"),
-        ("exp_avgs", 2, torch.zeros(5, dtype=F16), r"exp_avgs\[2\] must have dtype float32, got "
-                                                   r"float16"),
+        ("exp_avgs", 2, torch.zeros(5, dtype=F16), r"exp_avgs\[2\] must have dtype float32 or "
+                                                   r"bfloat16, got float16"),
         ("exp_avg_sqs", 2, torch.zeros(5, dtype=F64), r"exp_avg_sqs\[2\] must have dtype "
-                                                      r"float32, got float64"),
+                                                      r"float32 or bfloat16, got float64"),
         ("masters", 2, torch.zeros(5, dtype=F16), r"masters\[2\] must have dtype float32, got "
                                                   r"float16"),
         ("steps", 2, torch.zeros((), dtype=torch.int64), r"steps\[2\] must have dtype float32, "
@@ -745,8 +745,9 @@ case("adam_step_", "length", "masters one short", raises(
     ValueError, r"adam_step_: masters must be empty or have one entry per param \(3\), got 2"))(
     lambda: _adam({"masters": lambda L: L["masters"][:2]}))
 case("adam_step_", "length", "masters empty with bf16 params", raises(
-    ValueError, r"adam_step_: params\[1\] is bfloat16 and needs an FP32 master, but masters is "
-                r"empty"))(lambda: _adam({"masters": []}))
+    ValueError, r"adam_step_: params\[1\] is bfloat16 and needs an fp32 master \(masters\[1\]\) "
+                r"or a remainder \(remainders\[1\]\); pass master_free=True"))(
+    lambda: _adam({"masters": []}))
 case("adam_step_", "shape", "an fp32 param with a non-empty master", raises(
     ValueError, r"adam_step_: params\[0\] is float32 and takes no master, so masters\[0\] must "
                 r"be an empty tensor, got 6 elements"))(

@@ -1,10 +1,12 @@
 /* The fused Adam/AdamW step (mpext/adam.h) over one range of one param. Compiled once per ISA
- * path (see isa.h). The element update is mpext/adam_rule.h's, the one the CUDA kernels run; this
- * file only loads and stores. One loop body, specialised by inlining for each (param dtype, grad
- * dtype, flags) combination so that every variant is a straight, vectorizable loop: the loads
- * and stores of bf16/fp16 are the branch-free bit conversions of numerics.h, NaN/Inf follow IEEE
- * arithmetic (no branches), and sqrtf vectorizes because the core is built with
- * -fno-math-errno. */
+ * path (see isa.h). The element update and the storage rules are mpext/adam_rule.h's, the ones
+ * the CUDA kernels run; this file only loads, stores and instantiates. One loop body,
+ * specialised by inlining for each combination of what the arrays hold (param and grad dtype,
+ * where the master lives, the moments' dtypes, whether the gradient is written back), so that
+ * every variant is a straight, vectorizable loop: bf16/fp16 loads and stores are the branch-free
+ * bit conversions of numerics.h, the random bits of stochastic rounding are computed lane by lane
+ * from the element's position, NaN/Inf follow IEEE arithmetic, and sqrtf vectorizes because the
+ * core is built with -fno-math-errno. Adam/AdamW and maximize are selects inside the loop. */
 #include <string.h>
 
 #include "isa.h"
@@ -15,6 +17,21 @@
 #error "adam.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
 #endif
 
+/* Where a param's fp32 value lives. */
+enum { MK_F32 = 0, MK_MASTER = 1, MK_REMAINDER = 2, MK_NONE_RNE = 3, MK_NONE_SR = 4 };
+
+static inline float f32_of_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint32_t bits_of_f32(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
 static inline float load_as_f32(const void* p, int64_t i, mp_dtype t) {
   uint32_t u;
   if (t == MP_F32) {
@@ -24,14 +41,11 @@ static inline float load_as_f32(const void* p, int64_t i, mp_dtype t) {
   } else {
     u = mp_fp16_to_f32_bits(((const uint16_t*)p)[i]);
   }
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
+  return f32_of_bits(u);
 }
 
 static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
+  const uint32_t u = bits_of_f32(f);
   if (t == MP_F32) {
     memcpy((float*)p + i, &u, sizeof u);
   } else if (t == MP_BF16) {
@@ -41,75 +55,128 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
   }
 }
 
-/* The loop, always inlined into a caller with constant dtypes and flags (the flags are written
- * into a local copy of the scalars, so that after inlining the rule's branches are constant). */
+/* The loop, always inlined into a caller with constant layout parameters. */
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
-    float* restrict master, float* restrict m, float* restrict v, int64_t n,
-    const mp_adam_scalars* restrict hp, const int has_master, const int decoupled,
-    const int maximize, const int write_grad) {
-  mp_adam_scalars s = *hp;
-  s.decoupled = decoupled;
-  s.maximize = maximize;
+    float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
+    void* restrict v, const mp_dtype vd, int64_t start, int64_t n,
+    const mp_adam_scalars* restrict hp, const int mk, const int write_grad) {
+  const mp_adam_scalars s = *hp;
+  const int sr_moments = md == MP_BF16 || vd == MP_BF16;
   for (int64_t i = 0; i < n; ++i) {
+    const uint64_t pos = (uint64_t)(start + i); /* the element's place in its param */
     const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
     if (write_grad) store_from_f32(grad, i, gt, g);
-    const float p0 = has_master ? master[i] : load_as_f32(param, i, MP_F32);
-    float mi = m[i], vi = v[i];
+    float p0;
+    if (mk == MK_MASTER) {
+      p0 = master[i];
+    } else if (mk == MK_REMAINDER) {
+      p0 = f32_of_bits(mp_bf16_join(((const uint16_t*)param)[i], (uint16_t)remainder[i]));
+    } else {
+      p0 = load_as_f32(param, i, pt);
+    }
+    float mi = load_as_f32(m, i, md), vi = load_as_f32(v, i, vd);
     const float p = mp_adam_element(g, p0, &mi, &vi, &s);
-    m[i] = mi;
-    v[i] = vi;
-    if (has_master) {
-      master[i] = p;
+    const uint32_t r_mv = sr_moments ? mp_sr_bits(s.key_moments, pos) : 0u;
+    if (md == MP_BF16) {
+      ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
+    } else {
+      ((float*)m)[i] = mi;
+    }
+    if (vd == MP_BF16) {
+      ((uint16_t*)v)[i] = mp_adam_bf16_moment(vi, r_mv >> 16, &s);
+    } else {
+      ((float*)v)[i] = vi;
+    }
+    if (mk == MK_F32) {
+      ((float*)param)[i] = p;
+    } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
+      const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
+      const uint16_t q = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
+      ((uint16_t*)param)[i] = q;
+      if (mk == MK_MASTER) {
+        master[i] = f32_of_bits(x);
+      } else {
+        remainder[i] = (int16_t)mp_bf16_remainder(x, q);
+      }
+    } else if (mk == MK_NONE_RNE) {
       store_from_f32(param, i, pt, p);
     } else {
-      store_from_f32(param, i, MP_F32, p);
+      const uint32_t r = mp_sr_bits(s.key_param, pos);
+      ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
+                                            : mp_fp16_sr_bits(bits_of_f32(p), r);
     }
   }
 }
 
-/* One (decoupled, maximize, write_grad) combination of a dtype pair's loop. */
-#define MP_ADAM_FLAGS(PT, GT, HM, D, M, W) \
-  adam_loop(param, PT, grad, GT, master, m, v, n, hp, HM, D, M, W)
-
-/* Instantiates the loop for one (param, grad) dtype pair and every flag combination. */
-#define MP_ADAM_VARIANT(name, PT, GT, HAS_MASTER)                                              \
-  static void name(void* param, void* grad, float* master, float* m, float* v, int64_t n,      \
-                   const mp_adam_scalars* hp) {                                               \
-    const int d = hp->decoupled != 0, x = hp->maximize != 0, w = hp->write_grad != 0;         \
-    switch (d << 2 | x << 1 | w) {                                                            \
-      case 0: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 0, 0); break;                                                  \
-      case 1: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 0, 1); break;                                                  \
-      case 2: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 1, 0); break;                                                  \
-      case 3: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 0, 1, 1); break;                                                  \
-      case 4: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 0, 0); break;                                                  \
-      case 5: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 0, 1); break;                                                  \
-      case 6: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 1, 0); break;                                                  \
-      default: MP_ADAM_FLAGS(PT, GT, HAS_MASTER, 1, 1, 1); break;                                                 \
-    }                                                                                         \
+/* The two compile-time choices left once the arrays' types are fixed: the moments' dtypes and
+ * the write-back of the gradient. */
+#define MP_ADAM_MOMENTS(PT, GT, MK)                                                        \
+  switch ((md == MP_BF16) << 2 | (vd == MP_BF16) << 1 | (hp->write_grad != 0)) {         \
+    case 0: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 0); break;                           \
+    case 1: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 1); break;                           \
+    case 2: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0); break;                          \
+    case 3: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1); break;                          \
+    case 4: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0); break;                          \
+    case 5: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1); break;                          \
+    case 6: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0); break;                         \
+    default: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1); break;                        \
   }
 
-MP_ADAM_VARIANT(adam_f32_f32, MP_F32, MP_F32, 0)
-MP_ADAM_VARIANT(adam_bf16_bf16, MP_BF16, MP_BF16, 1)
-MP_ADAM_VARIANT(adam_bf16_f32, MP_BF16, MP_F32, 1)
-MP_ADAM_VARIANT(adam_f16_f16, MP_F16, MP_F16, 1)
-MP_ADAM_VARIANT(adam_f16_f32, MP_F16, MP_F32, 1)
+#define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG) \
+  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, start, n, hp, MK, WG)
+
+/* One function per (param dtype, grad dtype, master kind): its eight loops. */
+#define MP_ADAM_VARIANT(name, PT, GT, MK)                                                       \
+  static void name(void* param, void* grad, float* master, int16_t* remainder, void* m,         \
+                   mp_dtype md, void* v, mp_dtype vd, int64_t start, int64_t n,                 \
+                   const mp_adam_scalars* hp) {                                                 \
+    MP_ADAM_MOMENTS(PT, GT, MK)                                                                 \
+  }
+
+MP_ADAM_VARIANT(adam_f32, MP_F32, MP_F32, MK_F32)
+MP_ADAM_VARIANT(adam_bf16_bf16_master, MP_BF16, MP_BF16, MK_MASTER)
+MP_ADAM_VARIANT(adam_bf16_f32_master, MP_BF16, MP_F32, MK_MASTER)
+MP_ADAM_VARIANT(adam_bf16_bf16_remainder, MP_BF16, MP_BF16, MK_REMAINDER)
+MP_ADAM_VARIANT(adam_bf16_f32_remainder, MP_BF16, MP_F32, MK_REMAINDER)
+MP_ADAM_VARIANT(adam_bf16_bf16_rne, MP_BF16, MP_BF16, MK_NONE_RNE)
+MP_ADAM_VARIANT(adam_bf16_f32_rne, MP_BF16, MP_F32, MK_NONE_RNE)
+MP_ADAM_VARIANT(adam_bf16_bf16_sr, MP_BF16, MP_BF16, MK_NONE_SR)
+MP_ADAM_VARIANT(adam_bf16_f32_sr, MP_BF16, MP_F32, MK_NONE_SR)
+MP_ADAM_VARIANT(adam_f16_f16_master, MP_F16, MP_F16, MK_MASTER)
+MP_ADAM_VARIANT(adam_f16_f32_master, MP_F16, MP_F32, MK_MASTER)
+MP_ADAM_VARIANT(adam_f16_f16_rne, MP_F16, MP_F16, MK_NONE_RNE)
+MP_ADAM_VARIANT(adam_f16_f32_rne, MP_F16, MP_F32, MK_NONE_RNE)
+MP_ADAM_VARIANT(adam_f16_f16_sr, MP_F16, MP_F16, MK_NONE_SR)
+MP_ADAM_VARIANT(adam_f16_f32_sr, MP_F16, MP_F32, MK_NONE_SR)
+
+typedef void (*adam_variant)(void*, void*, float*, int16_t*, void*, mp_dtype, void*, mp_dtype,
+                             int64_t, int64_t, const mp_adam_scalars*);
+
+/* [param dtype][grad is fp32][master kind] */
+static const adam_variant VARIANTS[3][2][5] = {
+    {{adam_f32, 0, 0, 0, 0}, {adam_f32, 0, 0, 0, 0}},
+    {{0, adam_bf16_bf16_master, adam_bf16_bf16_remainder, adam_bf16_bf16_rne, adam_bf16_bf16_sr},
+     {0, adam_bf16_f32_master, adam_bf16_f32_remainder, adam_bf16_f32_rne, adam_bf16_f32_sr}},
+    {{0, adam_f16_f16_master, 0, adam_f16_f16_rne, adam_f16_f16_sr},
+     {0, adam_f16_f32_master, 0, adam_f16_f32_rne, adam_f16_f32_sr}},
+};
 
 void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
                                const mp_adam_scalars* s) {
-  const int pb = MP_DTYPE_BYTES(t->param_dtype), gb = MP_DTYPE_BYTES(t->grad_dtype);
-  void* param = (char*)t->param + start * pb;
-  void* grad = (char*)t->grad + start * gb;
+  const mp_dtype pt = (mp_dtype)t->param_dtype, gt = (mp_dtype)t->grad_dtype;
+  const mp_dtype md = (mp_dtype)t->exp_avg_dtype, vd = (mp_dtype)t->exp_avg_sq_dtype;
+  const int mk = pt == MP_F32                  ? MK_F32
+                 : t->master != NULL           ? MK_MASTER
+                 : t->remainder != NULL        ? MK_REMAINDER
+                 : s->sr_params                ? MK_NONE_SR
+                                               : MK_NONE_RNE;
+  void* param = (char*)t->param + start * MP_DTYPE_BYTES(pt);
+  void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(gt);
   float* master = t->master != NULL ? t->master + start : NULL;
-  float* m = t->exp_avg + start;
-  float* v = t->exp_avg_sq + start;
-  if (t->param_dtype == MP_F32) {
-    adam_f32_f32(param, grad, NULL, m, v, n, s);
-  } else if (t->param_dtype == MP_BF16) {
-    if (t->grad_dtype == MP_BF16) adam_bf16_bf16(param, grad, master, m, v, n, s);
-    else adam_bf16_f32(param, grad, master, m, v, n, s);
-  } else {
-    if (t->grad_dtype == MP_F16) adam_f16_f16(param, grad, master, m, v, n, s);
-    else adam_f16_f32(param, grad, master, m, v, n, s);
-  }
+  int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;
+  void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(md);
+  void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
+  VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk](param, grad, master, remainder, m, md, v, vd,
+                                                  start, n, s);
 }

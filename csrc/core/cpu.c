@@ -182,7 +182,7 @@ mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
   if (start < 0 || count < 0 || start > t->n || count > t->n - start)
     return MP_ERR_INVALID_ARGUMENT;
   if (count == 0 || mp_adam_skip(o)) return MP_OK;
-  const mp_adam_scalars s = mp_adam_scalars_now(o, t->step);
+  const mp_adam_scalars s = mp_adam_scalars_now(o, t->step, t->sr_stream);
   active()->adam_step(t, start, count, &s);
   return MP_OK;
 }

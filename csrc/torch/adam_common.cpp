@@ -22,7 +22,8 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                    const at::Tensor& lr, double beta1, double beta2, double eps,
                    double weight_decay, bool decoupled, bool maximize,
                    const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf, bool unscale_grads) {
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                   const AdamStorage& storage) {
   const char* op = "adam_step_";
   const size_t n = params.size();
   auto same_len = [&](at::TensorList l, const char* name) {
@@ -36,6 +37,20 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   TORCH_CHECK_VALUE(masters.empty() || masters.size() == n, "mpext.", op,
                     ": masters must be empty or have one entry per param (", n, "), got ",
                     masters.size());
+  const at::TensorList remainders = storage.remainders.value_or(at::TensorList());
+  TORCH_CHECK_VALUE(remainders.empty() || remainders.size() == n, "mpext.", op,
+                    ": remainders must be empty or have one entry per param (", n, "), got ",
+                    remainders.size());
+  if (storage.sr_streams) {
+    const at::IntArrayRef streams = *storage.sr_streams;
+    TORCH_CHECK_VALUE(streams.size() == n, "mpext.", op,
+                      ": sr_streams must have one entry per param (", n, "), got ",
+                      streams.size());
+    for (size_t k = 0; k < n; ++k) {
+      TORCH_CHECK_VALUE(streams[k] >= 0 && streams[k] <= INT64_C(0xFFFFFFFF), "mpext.", op,
+                        ": sr_streams[", k, "] must be in [0, 2^32), got ", streams[k]);
+    }
+  }
   check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
   check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
@@ -65,6 +80,9 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   o.inv_scale = inv_scale ? inv_scale->const_data_ptr<float>() : nullptr;
   o.found_inf = found_inf ? found_inf->const_data_ptr<float>() : nullptr;
   o.unscale_grads = unscale_grads ? 1 : 0;
+  o.sr_params = storage.stochastic_rounding ? 1 : 0;
+  o.moments_nearest = storage.moments_round_nearest ? 1 : 0;
+  o.seed = static_cast<uint64_t>(storage.seed);  // any 64 bits: a negative seed is its 2's complement
   // An lr on the CPU is read here (a host read, free), after the tensors are known not to
   // overlap: a bad value is refused before anything runs.
   auto check_lr_value = [&]() {
@@ -98,8 +116,8 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat, "mpext.", op,
                 ": ", gn, " must have the dtype of ", pn, " (", dtype_name(p.scalar_type()),
                 ") or float32, got ", dtype_name(g.scalar_type()));
-    check_dtype(m, op, mn, {at::kFloat});
-    check_dtype(v, op, vn, {at::kFloat});
+    check_dtype(m, op, mn, {at::kFloat, at::kBFloat16});
+    check_dtype(v, op, vn, {at::kFloat, at::kBFloat16});
     check_scalars(steps[k], op, Arg("steps", i), at::kFloat, 1, device, owner);
     check_dense(p, op, pn);
     check_dense(g, op, gn);
@@ -108,31 +126,62 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     check_same_layout(g, gn, p, pn, op);
     check_same_layout(m, mn, p, pn, op);
     check_same_layout(v, vn, p, pn, op);
+    // The param's fp32 value: itself (fp32), a master, a remainder (bf16), or nothing
+    // (master_free). An empty tensor in masters or remainders stands for "none".
+    const bool low = p.scalar_type() != at::kFloat;
     float* master = nullptr;
-    const bool needs_master = p.scalar_type() != at::kFloat;
-    if (masters.empty()) {
-      TORCH_CHECK_VALUE(!needs_master, "mpext.", op, ": ", pn, " is ",
-                        dtype_name(p.scalar_type()),
-                        " and needs an FP32 master, but masters is empty");
-    } else {
-      const at::Tensor& w = masters[k];
-      check_device(w, op, wn, device, owner);
-      check_dtype(w, op, wn, {at::kFloat});
-      if (needs_master) {
-        check_dense(w, op, wn);
-        check_same_layout(w, wn, p, pn, op);
-        if (w.numel() > 0) master = static_cast<float*>(w.data_ptr());
-        ranges.push_back(byte_range(w, i, true, wn));
-      } else {
-        TORCH_CHECK_VALUE(w.numel() == 0, "mpext.", op, ": ", pn,
-                          " is float32 and takes no master, so ", wn,
-                          " must be an empty tensor, got ", w.numel(), " elements");
+    int16_t* remainder = nullptr;
+    bool has_master = false, has_remainder = false;
+    auto storage_of = [&](const at::Tensor& w, const Arg& name, at::ScalarType dtype) {
+      check_device(w, op, name, device, owner);
+      check_dtype(w, op, name, {dtype});
+      if (w.numel() == 0 && (p.numel() != 0 || !low)) return false;  // "none"
+      TORCH_CHECK_VALUE(low, "mpext.", op, ": ", pn, " is float32 and takes no master, so ",
+                        name, " must be an empty tensor, got ", w.numel(), " elements");
+      check_dense(w, op, name);
+      check_same_layout(w, name, p, pn, op);
+      ranges.push_back(byte_range(w, i, true, name));
+      return true;
+    };
+    if (!masters.empty()) {
+      has_master = storage_of(masters[k], wn, at::kFloat);
+      if (has_master && p.numel() > 0) master = static_cast<float*>(masters[k].data_ptr());
+    }
+    if (!remainders.empty()) {
+      const Arg rn("remainders", i);
+      has_remainder = storage_of(remainders[k], rn, at::kShort);
+      TORCH_CHECK_VALUE(!has_remainder || p.scalar_type() == at::kBFloat16, "mpext.", op, ": ",
+                        rn, " is given but ", pn, " is ", dtype_name(p.scalar_type()),
+                        "; only a bfloat16 param is its fp32 value's high half");
+      TORCH_CHECK_VALUE(!(has_master && has_remainder), "mpext.", op, ": ", pn,
+                        " has both a master (", wn, ") and a remainder (", rn,
+                        "); give one of them");
+      if (has_remainder && p.numel() > 0) {
+        remainder = static_cast<int16_t*>(remainders[k].data_ptr());
       }
     }
-    plan.tensors.push_back({p.data_ptr(), to_mp_dtype(p.scalar_type()), g.data_ptr(),
-                            to_mp_dtype(g.scalar_type()), master,
-                            static_cast<float*>(m.data_ptr()), static_cast<float*>(v.data_ptr()),
-                            static_cast<float*>(steps[k].data_ptr()), p.numel()});
+    TORCH_CHECK_VALUE(!low || has_master || has_remainder || storage.master_free,
+                      "mpext.", op, ": ", pn, " is ", dtype_name(p.scalar_type()),
+                      " and needs an fp32 master (masters[", i, "])",
+                      p.scalar_type() == at::kBFloat16 ? " or a remainder (remainders[" : "",
+                      p.scalar_type() == at::kBFloat16 ? std::to_string(i) + "])" : "",
+                      "; pass master_free=True to update it in place without one");
+    mp_adam_tensor t{};
+    t.param = p.data_ptr();
+    t.param_dtype = to_mp_dtype(p.scalar_type());
+    t.grad = g.data_ptr();
+    t.grad_dtype = to_mp_dtype(g.scalar_type());
+    t.master = master;
+    t.exp_avg = m.data_ptr();
+    t.exp_avg_sq = v.data_ptr();
+    t.step = static_cast<float*>(steps[k].data_ptr());
+    t.n = p.numel();
+    t.remainder = remainder;
+    t.exp_avg_dtype = to_mp_dtype(m.scalar_type());
+    t.exp_avg_sq_dtype = to_mp_dtype(v.scalar_type());
+    t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
+                                     : static_cast<uint64_t>(k);
+    plan.tensors.push_back(t);
     ranges.push_back(byte_range(p, i, true, pn));
     ranges.push_back(byte_range(g, i, unscale_grads, gn));  // written back with unscale_grads
     ranges.push_back(byte_range(m, i, true, mn));

@@ -20,22 +20,36 @@ struct AdamPlan {
   mp_adam_options options;
 };
 
+// How a call stores its low-precision params' fp32 values and rounds its bf16 state: the
+// keyword arguments of adam_step_ beyond torch's (see registration.cpp).
+struct AdamStorage {
+  std::optional<at::TensorList> remainders;  // int16 remainders of bf16 params, or empty tensors
+  bool master_free = false;       // a low param with neither master nor remainder is allowed
+  bool stochastic_rounding = false;  // master-free params written with stochastic rounding
+  bool moments_round_nearest = false;  // bf16 moments to nearest even (biased; comparisons)
+  int64_t seed = 0;
+  at::OptionalIntArrayRef sr_streams;  // per param, < 2^32; default: the param's index
+};
+
 // Checks every argument of adam_step_ before anything is written. Throws (naming the argument)
-// on: lists of different lengths (masters may also be empty when every param is fp32); a param
-// that is not float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32;
-// exp_avg, exp_avg_sq, masters, steps, lr, inv_scale, found_inf not float32; shape or
-// memory-layout mismatches; non-dense tensors; tensors on different devices (lr may also be on
-// the CPU); lr, inv_scale, found_inf or a step with more than one element; a master missing for a
-// bf16/fp16 param or present for an fp32 one; any tensor written by the op overlapping another
-// tensor of the call (grads count as written with unscale_grads); beta1, beta2 outside [0, 1);
-// eps < 0; weight_decay < 0; any non-finite hyperparameter; an lr on the CPU that is negative or
-// not finite.
+// on: lists of different lengths (masters and remainders may also be empty); a param that is
+// not float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32; exp_avg
+// or exp_avg_sq neither float32 nor bfloat16; masters, steps, lr, inv_scale, found_inf not
+// float32, remainders not int16; shape or memory-layout mismatches; non-dense tensors; tensors
+// on different devices (lr may also be on the CPU); lr, inv_scale, found_inf or a step with
+// more than one element; a bf16/fp16 param with no master and no remainder unless master_free
+// (with both: refused), a master or remainder for an fp32 param, a remainder for an fp16 param;
+// any tensor written by the op overlapping another tensor of the call (grads count as written
+// with unscale_grads); beta1, beta2 outside [0, 1); eps < 0; weight_decay < 0; any non-finite
+// hyperparameter; an sr_stream outside [0, 2^32) or a list of them of the wrong length; an lr on
+// the CPU that is negative or not finite.
 AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                    const at::Tensor& lr, double beta1, double beta2, double eps,
                    double weight_decay, bool decoupled, bool maximize,
                    const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf, bool unscale_grads);
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                   const AdamStorage& storage);
 
 // adam_step_ for one backend: validate everything, then Backend::adam_step(plan, device) runs the
 // kernels (Backend::kDevice: the device type it implements).
@@ -44,10 +58,15 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
                bool decoupled, bool maximize, const std::optional<at::Tensor>& inv_scale,
-               const std::optional<at::Tensor>& found_inf, bool unscale_grads) {
+               const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+               std::optional<at::TensorList> remainders, bool master_free,
+               bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
+               at::OptionalIntArrayRef sr_streams) {
+  const AdamStorage storage{remainders, master_free, stochastic_rounding, moments_round_nearest,
+                            seed, sr_streams};
   const AdamPlan plan = plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
                                   beta2, eps, weight_decay, decoupled, maximize, inv_scale,
-                                  found_inf, unscale_grads);
+                                  found_inf, unscale_grads, storage);
   if (plan.tensors.empty()) return;
   check_backend(params[0].device(), Backend::kDevice, "adam_step_", Arg("params", 0));
   Backend::adam_step(plan, params[0].device());

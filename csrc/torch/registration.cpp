@@ -39,14 +39,20 @@ TORCH_LIBRARY(mpext, m) {
   // Fused Adam/AdamW over lists of params, one pass per element: optional fused unscale
   // (inv_scale; with unscale_grads the unscaled gradient is also written back, as torch's fused
   // optimizers leave .grad), skip on the device when found_inf != 0 (nothing written, steps not
-  // advanced), FP32 masters for bf16/fp16 params (masters[i] is an empty tensor for an fp32
-  // param, or the whole list is empty when every param is fp32), FP32 moments, per-param float32
-  // step counts.
+  // advanced), per-param float32 step counts. A bf16/fp16 param's fp32 value is an FP32 master
+  // (masters[i]), for bf16 an int16 remainder (remainders[i]: the master's low half), or, with
+  // master_free, the param itself (written back to nearest even, or with stochastic_rounding);
+  // an empty tensor stands for "none", and an fp32 param takes none. Moments are float32 or
+  // bfloat16 (stored with stochastic rounding unless moments_round_nearest). Stochastic
+  // rounding is reproducible: its bits are a function of seed, the param's step count, its
+  // sr_streams entry (default: its index) and the element's position.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize, "
-      "*, Tensor? inv_scale=None, Tensor? found_inf=None, bool unscale_grads=False) -> ()");
+      "*, Tensor? inv_scale=None, Tensor? found_inf=None, bool unscale_grads=False, "
+      "Tensor(g!)[]? remainders=None, bool master_free=False, bool stochastic_rounding=False, "
+      "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None) -> ()");
   // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.

@@ -1,18 +1,37 @@
 """mpext.optim: Adam and AdamW on the fused ``mpext.ops.adam_step_`` kernel, with FP32 master
-weights for BF16/FP16 params.
+weights for BF16/FP16 params, or leaner state.
 
 Drop-in for ``torch.optim.Adam`` / ``torch.optim.AdamW``: the same constructor arguments and
-defaults, the same param-group keys (plus ``master_weights``), the same ``state_dict`` layout
-(``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` where one exists), and the same
-math. What differs is how a step runs:
+defaults, the same param-group keys (plus mpext's: ``master_weights``, ``unscale_grads``,
+``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``moment_rounding``, ``stochastic_rounding``,
+``seed``), the same ``state_dict`` layout (``step``, ``exp_avg``, ``exp_avg_sq``, plus
+``master_param`` or ``param_remainder`` where one exists), and the same math. What differs is
+how a step runs:
 
 * One ``adam_step_`` call per device and set of hyperparameters covers every param with a
   gradient, whatever its group or dtype: one pass over memory that reads the gradient, updates
   the FP32 moments and the FP32 master (or the FP32 param) and writes the param.
 * BF16/FP16 params get an FP32 master copy (``state["master_param"]``, made from the param the
   first time it is stepped); the update happens on the master and the param is written as its
-  round-to-nearest-even, so small updates accumulate instead of being rounded away. Moments are
-  always FP32; ``step`` is a float32 scalar tensor on the param's device.
+  round-to-nearest-even, so small updates accumulate instead of being rounded away. ``step`` is
+  a float32 scalar tensor on the param's device.
+* Leaner state, per param group (see docs/lean_state.md for the figures):
+
+  - ``master_weights="remainder"``: a BF16 param keeps only the low 16 bits of its FP32 master
+    (``state["param_remainder"]``, int16): the param is the master's high half, so the pair is
+    the master exactly -- the same bits as ``master_weights=True`` in 2 bytes instead of 4.
+    (FP16 params, which are not an FP32 value's high half, keep an FP32 master.)
+  - ``master_weights=False``: no master; the update is computed from the param and written
+    back to nearest even (updates below half an ulp are lost), or with
+    ``stochastic_rounding=True`` rounded stochastically, which is unbiased: small updates
+    survive in expectation.
+  - ``exp_avg_dtype`` / ``exp_avg_sq_dtype=torch.bfloat16``: moments stored in BF16 with
+    stochastic rounding (``moment_rounding="stochastic"``, unbiased; ``"nearest"`` is biased
+    and kept for comparisons).
+
+  Stochastic rounding is reproducible: its bits depend only on the group's ``seed``, the
+  param's position in the optimizer, its step count and the element's position -- not on
+  threads, CPU ISA or device, and a resumed run draws what the uninterrupted one would have.
 * ``_step_supports_amp_scaling`` is set, so ``torch.amp.GradScaler`` and ``mpext.GradScaler``
   hand ``step`` the loss scale and the inf/NaN flag: the gradients are unscaled inside the
   kernel and an overflowing step is skipped on the device (nothing written, ``step`` not
@@ -32,7 +51,7 @@ import math
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -81,10 +100,24 @@ class Adam(torch.optim.Optimizer):
             is always fused, sync-free and keeps ``step`` on the device).
         differentiable (bool): must be False.
         decoupled_weight_decay (bool): AdamW's decoupled decay (default False).
-        master_weights (bool): keep an FP32 master copy of every bfloat16/float16 param
-            (default True). With False nothing extra is stored: each step updates an FP32
-            temporary made from the param, so updates smaller than half a unit in the last
-            place of the param's dtype are lost. FP32 params never have a master.
+        master_weights (bool or "remainder"): how a bfloat16/float16 param keeps its FP32 value.
+            True (default): an FP32 master copy (``state["master_param"]``, 4 bytes per
+            element). "remainder": for a bfloat16 param the master's low 16 bits
+            (``state["param_remainder"]``, int16, 2 bytes), with the same results as True bit
+            for bit; float16 params keep an FP32 master. False: nothing; the param is updated
+            from its own value and rounded back each step (see ``stochastic_rounding``). FP32
+            params never have a master.
+        stochastic_rounding (bool): with ``master_weights=False``, write the updated param with
+            stochastic rounding (unbiased: an update below half an ulp lands with a probability
+            proportional to its size) instead of to nearest even (where it is lost). Default
+            False; True with a master is refused (the master makes it unnecessary).
+        exp_avg_dtype, exp_avg_sq_dtype (torch.dtype): the storage of the first / second moment,
+            ``torch.float32`` (default) or ``torch.bfloat16`` (half the memory; stored with
+            ``moment_rounding``). The update is computed in FP32 either way.
+        moment_rounding (str): how BF16 moments are rounded: "stochastic" (default, unbiased) or
+            "nearest" (biased: small contributions to a moment can be lost; for comparisons).
+        seed (int): the seed of the stochastic rounding, in [0, 2**64) (default 0). Two runs
+            with one seed round identically.
         unscale_grads (bool): when a GradScaler hands the step its loss scale, also write the
             unscaled gradient back into ``.grad`` in the same pass (default True), which is what
             torch's fused optimizers leave there, so that code reading ``.grad`` after the step
@@ -106,14 +139,21 @@ class Adam(torch.optim.Optimizer):
                  foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
-                 master_weights: bool = True, unscale_grads: bool = True) -> None:
+                 master_weights: Union[bool, str] = True, unscale_grads: bool = True,
+                 stochastic_rounding: bool = False,
+                 exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 moment_rounding: str = "stochastic", seed: int = 0) -> None:
         if isinstance(betas, (list, tuple)) and len(betas) == 2:
             betas = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
-                        master_weights=master_weights, unscale_grads=unscale_grads)
+                        master_weights=master_weights, unscale_grads=unscale_grads,
+                        stochastic_rounding=stochastic_rounding, exp_avg_dtype=exp_avg_dtype,
+                        exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding,
+                        seed=seed)
         self._check_group(defaults, "")
         self._init_caches()
         super().__init__(params, defaults)
@@ -174,10 +214,31 @@ class Adam(torch.optim.Optimizer):
         if group.get("differentiable", False):
             raise ValueError("%s: differentiable=True is not supported: the fused step is not "
                              "differentiable%s" % (self._name(), where))
-        for flag in ("master_weights", "unscale_grads"):
-            if not isinstance(group.get(flag, True), bool):
+        for flag in ("unscale_grads", "stochastic_rounding"):
+            if not isinstance(group.get(flag, False), bool):
                 raise TypeError("%s: %s must be a bool, got %r%s"
                                 % (self._name(), flag, group.get(flag), where))
+        mw = group.get("master_weights", True)
+        if not (isinstance(mw, bool) or mw == "remainder"):
+            raise ValueError("%s: master_weights must be True, False or \"remainder\", got %r%s"
+                             % (self._name(), mw, where))
+        if group.get("stochastic_rounding", False) and mw is not False:
+            raise ValueError("%s: stochastic_rounding=True rounds params that have no master; "
+                             "it needs master_weights=False, got master_weights=%r%s"
+                             % (self._name(), mw, where))
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            dt = group.get(key, _F32)
+            if dt is not _F32 and dt is not torch.bfloat16:
+                raise ValueError("%s: %s must be torch.float32 or torch.bfloat16, got %r%s"
+                                 % (self._name(), key, dt, where))
+        rounding = group.get("moment_rounding", "stochastic")
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError("%s: moment_rounding must be \"stochastic\" or \"nearest\", got "
+                             "%r%s" % (self._name(), rounding, where))
+        seed = group.get("seed", 0)
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 64):
+            raise ValueError("%s: seed must be an int in [0, 2**64), got %r%s"
+                             % (self._name(), seed, where))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -219,7 +280,8 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
             group.setdefault("master_weights", master_default)
-            group.setdefault("unscale_grads", self.defaults.get("unscale_grads", True))
+            for key, value in _LEAN_DEFAULTS.items():
+                group.setdefault(key, self.defaults.get(key, value))
             if self._force_decoupled:
                 group["decoupled_weight_decay"] = True
             else:
@@ -230,14 +292,16 @@ class Adam(torch.optim.Optimizer):
 
     def _items(self) -> List[tuple]:
         """Every param with a gradient, checked, as an item of :func:`fused_adam_step`:
-        (param, grad, state, master, lr, hyperparameters), with DTensors as their local shards.
-        Raises before anything is written (state is created lazily, which changes no value a
-        reader relies on)."""
+        (param, grad, state, storage, lr, hyperparameters, stream), with DTensors as their local
+        shards. Raises before anything is written (state is created lazily, which changes no
+        value a reader relies on)."""
         checked = []
+        stream = -1  # the param's position in the optimizer: its stochastic-rounding stream
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, " (param group %d)" % gi)
             hyper = adam_hyper(group, self._force_decoupled)
             for j, p in enumerate(group["params"]):
+                stream += 1
                 g = p.grad
                 if g is None:
                     continue
@@ -248,16 +312,15 @@ class Adam(torch.optim.Optimizer):
                     self._bad_grad(p, g, j, gi)
                 if _is_dtensor(p) or _is_dtensor(g):
                     g = self._local_grad(p, g, j, gi)
-                checked.append((p, g, group, hyper))
+                checked.append((p, g, group, hyper, stream))
         items = []
-        for p, g, group, hyper in checked:
+        for p, g, group, hyper, stream in checked:
             state = self._state_of(p, group)
-            master = None
-            if p.dtype in _LOW_DTYPES:
-                master = state.get("master_param")
-                # master_weights=False: a temporary master, made from the param.
-                master = _local(master) if master is not None else _fp32_copy(p)
-            items.append((_local(p), g, state, master, group["lr"], hyper))
+            storage = state.get("master_param")
+            if storage is None:
+                storage = state.get("param_remainder")
+            items.append((_local(p), g, state, None if storage is None else _local(storage),
+                          group["lr"], hyper, stream))
         return items
 
     def _local_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> torch.Tensor:
@@ -302,18 +365,17 @@ class Adam(torch.optim.Optimizer):
                          % (self._name(), where, tuple(g.shape), tuple(p.shape)))
 
     def _state_of(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
-        """The param's state, created on its first step: fp32 moments in the param's layout, a
-        float32 step on its device, and the fp32 master of a low-precision param."""
+        """The param's state, created on its first step (a float32 step on its device, moments
+        in the group's dtypes and the param's layout, the master or remainder its group asks
+        for) and kept in the group's form: a group whose settings changed since (or a loaded
+        state) has its state converted here, before the step."""
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
-                                                memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
-                                                   memory_format=torch.preserve_format)
-        if (p.dtype in _LOW_DTYPES and group["master_weights"]
-                and "master_param" not in state):
-            state["master_param"] = _fp32_copy(p)
+            for key, dtype_key in _MOMENTS:
+                state[key] = torch.zeros_like(p, dtype=group[dtype_key],
+                                              memory_format=torch.preserve_format)
+        _conform_state(p, state, group, "%s: the state of a param" % self._name())
         return state
 
     @torch.no_grad()
@@ -358,14 +420,29 @@ class Adam(torch.optim.Optimizer):
         return loss
 
     def reset_masters(self) -> None:
-        """Re-makes every FP32 master from its (low-precision) param, e.g. after the model's
-        params were loaded or changed outside the optimizer."""
+        """Re-makes every FP32 master from its (low-precision) param (a remainder becomes 0:
+        the master is the param), e.g. after the model's params were loaded or changed outside
+        the optimizer."""
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
                     state = self.state.get(p)
                     if state and "master_param" in state:
                         state["master_param"].copy_(p)
+                    if state and "param_remainder" in state:
+                        state["param_remainder"].zero_()
+
+    def master_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The FP32 value the optimizer holds for ``param``: a copy of its master, its master
+        rebuilt from the param and its remainder, or (no master, or an FP32 param, or no state
+        yet) the param widened to FP32."""
+        state = self.state.get(param) or {}
+        with torch.no_grad():
+            if "master_param" in state:
+                return state["master_param"].detach().clone()
+            if "param_remainder" in state:
+                return _join_remainder(param, state["param_remainder"])
+            return _fp32_copy(param)
 
     # -----------------------------------------------------------------------------------------
     # state_dict loading: torch's procedure with mpext's own conversion of each param's state.
@@ -403,7 +480,8 @@ class Adam(torch.optim.Optimizer):
             if "param_names" in group and "param_names" not in saved:
                 saved["param_names"] = group["param_names"]
             saved.setdefault("master_weights", master_default)
-            saved.setdefault("unscale_grads", self.defaults.get("unscale_grads", True))
+            for key, value in _LEAN_DEFAULTS.items():
+                saved.setdefault(key, self.defaults.get(key, value))
             saved.setdefault("decoupled_weight_decay", False)
             saved.setdefault("maximize", False)
             if self._force_decoupled:
@@ -418,15 +496,14 @@ class Adam(torch.optim.Optimizer):
         for k, v in state_dict["state"].items():
             if k in id_map:
                 param = id_map[k]
-                new_state[param] = self._import_param_state(
-                    param, v, group_of[id(param)]["master_weights"], k)
+                new_state[param] = self._import_param_state(param, v, group_of[id(param)], k)
             else:
                 new_state[k] = v
         self.__setstate__({"state": new_state, "param_groups": new_groups})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _import_param_state(self, param: torch.Tensor, value: Any, master_weights: bool,
+    def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
                             key: Any) -> Dict[str, Any]:
         where = "%s.load_state_dict: the state of param %r" % (self._name(), key)
         if not isinstance(value, dict):
@@ -452,11 +529,10 @@ class Adam(torch.optim.Optimizer):
         else:
             raise TypeError("%s: step must be a number or a 1-element tensor, got %r"
                             % (where, step))
-        names = ["exp_avg", "exp_avg_sq"]
         low = param.dtype in _LOW_DTYPES
-        if low and master_weights and "master_param" in value:
-            names.append("master_param")
-        for name in names:
+        for name in ("exp_avg", "exp_avg_sq", "master_param", "param_remainder"):
+            if name not in value or (name in _STORAGE_KEYS and not low):
+                continue
             t = value[name]
             if not isinstance(t, torch.Tensor):
                 raise TypeError("%s: %s must be a tensor, got %s"
@@ -464,25 +540,127 @@ class Adam(torch.optim.Optimizer):
             if t.shape != param.shape:
                 raise ValueError("%s: %s has shape %s but the param has shape %s"
                                  % (where, name, tuple(t.shape), tuple(param.shape)))
+            if name == "param_remainder":
+                if t.dtype != torch.int16 or t.layout != torch.strided:
+                    raise TypeError("%s: param_remainder must be a dense int16 tensor, got %s "
+                                    "%s" % (where, t.layout, t.dtype))
+                if param.dtype != torch.bfloat16:
+                    raise ValueError("%s: it has a param_remainder but the param is %s; only a "
+                                     "bfloat16 param has one" % (where, _dtype_name(param.dtype)))
+                out[name] = _copy_like(param, t, torch.int16)
+                continue
             if not t.is_floating_point() or t.layout != torch.strided:
                 raise TypeError("%s: %s must be a dense floating-point tensor, got %s %s"
                                 % (where, name, t.layout, t.dtype))
-            out[name] = _fp32_copy(param, t)
-        if low and master_weights and "master_param" not in out:
-            out["master_param"] = _fp32_copy(param)  # a torch checkpoint: from the param
+            # Moments in their saved precision (converted to the group's by _conform_state).
+            keep = t.dtype if name != "master_param" and t.dtype is torch.bfloat16 else _F32
+            out[name] = _copy_like(param, t, keep)
+        if "master_param" in out and "param_remainder" in out:
+            raise ValueError("%s has both a master_param and a param_remainder" % where)
+        # Into the group's form (a torch checkpoint's param becomes its master; a master becomes
+        # a remainder only if the param is its round, i.e. the model was loaded first).
+        _conform_state(param, out, group, where, loading=True)
         for name, v in value.items():  # anything else is kept as torch keeps it
-            if name not in ("step", "exp_avg", "exp_avg_sq", "master_param"):
+            if name not in ("step", "exp_avg", "exp_avg_sq") + _STORAGE_KEYS:
                 out[name] = v
         return out
 
 
-def _fp32_copy(param: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A new fp32 tensor in the param's device and memory layout, holding ``src`` (default: the
-    param itself). For a DTensor param the copy is a DTensor placed as the param, and ``src``
-    may be a DTensor placed otherwise (redistributed) or a plain tensor of the param's global
-    shape (each rank keeps its own shard, without communication)."""
-    out = torch.empty_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-    src = param.detach() if src is None else src.detach()
+_MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
+_STORAGE_KEYS = ("master_param", "param_remainder")
+# mpext's param-group keys beyond torch's (master_weights aside), with their defaults.
+_LEAN_DEFAULTS = {"unscale_grads": True, "stochastic_rounding": False,
+                  "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
+                  "moment_rounding": "stochastic", "seed": 0}
+
+
+def _storage_key(param: torch.Tensor, group: Dict[str, Any]) -> Optional[str]:
+    """The state entry that holds the param's fp32 value under its group's master_weights:
+    "master_param", "param_remainder" (bf16 params), or None (fp32 params; no master)."""
+    mode = group["master_weights"]
+    if param.dtype is _F32 or mode is False:
+        return None
+    if mode == "remainder" and param.dtype is torch.bfloat16:
+        return "param_remainder"
+    return "master_param"
+
+
+def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
+                   where: str, loading: bool = False) -> None:
+    """Converts a param's state in place into its group's form: moments into the group's
+    dtypes (to nearest even when narrowed), the fp32 value into the group's storage (a master
+    from a remainder and the param, a remainder from a master whose round is the param, a new
+    master or a zero remainder from the param itself, nothing without a master). The one
+    conversion of optimizer state, for a group changed between steps and for load_state_dict."""
+    for key, dtype_key in _MOMENTS:
+        t = state.get(key)
+        if t is not None and t.dtype != group[dtype_key]:
+            state[key] = t.to(group[dtype_key])
+    want = _storage_key(param, group)
+    if want is not None and want not in state:
+        if want == "master_param":
+            rem = state.get("param_remainder")
+            state[want] = _fp32_copy(param) if rem is None else _join_remainder(param, rem)
+        else:
+            master = state.get("master_param")
+            state[want] = (_split_master(param, master, where) if master is not None
+                           else torch.zeros_like(param, dtype=torch.int16,
+                                                 memory_format=torch.preserve_format))
+    for key in _STORAGE_KEYS:
+        if key != want:
+            state.pop(key, None)
+
+
+def _u32(t: torch.Tensor) -> torch.Tensor:
+    """The bits of a float32 tensor as int64 values in [0, 2^32)."""
+    return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a bf16 param and its int16 remainder: (param bits << 16) +
+    remainder, exactly as the kernel joins them (mpext/adam_rule.h, mp_bf16_join)."""
+    out = torch.empty_like(param, dtype=_F32, memory_format=torch.preserve_format)
+    p, r = _local(param).detach(), _local(remainder)
+    bits = (((p.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + r.to(torch.int64))
+    bits = bits & 0xFFFFFFFF
+    _local(out).copy_(torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+                      .view(_F32))
+    return out
+
+
+def _split_master(param: torch.Tensor, master: torch.Tensor, where: str) -> torch.Tensor:
+    """The int16 remainder of an fp32 master under its bf16 param, as the kernel stores it
+    (mp_bf16_master_bits, mp_bf16_remainder): a master halfway above an even bf16 value is one
+    ulp lower first. The param must be the master's round to nearest even; otherwise the master
+    belongs to other weights (e.g. the model's state is not loaded yet) and it is refused."""
+    p, m = _local(param).detach(), _local(master).detach()
+    x = _u32(m)
+    finite = (x & 0x7F800000) != 0x7F800000
+    x = x - (((x & 0x1FFFF) == 0x8000) & finite).to(torch.int64)
+    nudged = torch.where(x >= 2 ** 31, x - 2 ** 32, x).to(torch.int32).view(_F32)
+    rounded = nudged.to(torch.bfloat16)
+    same = (rounded.view(torch.int16) == p.view(torch.int16)) | (rounded.isnan() & p.isnan())
+    if not bool(same.all()):
+        bad = int((~same).sum())
+        raise ValueError("%s: its master_param does not round to the param's current value at "
+                         "%d of %d elements, so it cannot become a param_remainder; load the "
+                         "model's state before the optimizer's (or call reset_masters() to "
+                         "start the masters from the params)" % (where, bad, same.numel()))
+    pbits = (p.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    rem = (x - pbits) & 0xFFFF
+    rem = torch.where(rem >= 2 ** 15, rem - 2 ** 16, rem).to(torch.int16)
+    out = torch.empty_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
+    _local(out).copy_(rem)
+    return out
+
+
+def _copy_like(param: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of ``dtype`` in the param's device and memory layout, holding ``src``. For
+    a DTensor param the copy is a DTensor placed as the param, and ``src`` may be a DTensor
+    placed otherwise (redistributed) or a plain tensor of the param's global shape (each rank
+    keeps its own shard, without communication)."""
+    out = torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    src = src.detach()
     if _is_dtensor(out):
         if not _is_dtensor(src):
             from torch.distributed.tensor import distribute_tensor
@@ -495,6 +673,11 @@ def _fp32_copy(param: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch
     return out.copy_(src)
 
 
+def _fp32_copy(param: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An fp32 :func:`_copy_like` of ``src`` (default: the param itself)."""
+    return _copy_like(param, param if src is None else src, _F32)
+
+
 def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
     if t is None:
         return None
@@ -502,17 +685,35 @@ def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torc
     return t.to(device=device, dtype=torch.float32, non_blocking=device.type != "cpu")
 
 
-def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> tuple:
-    """The hyperparameters of a param group that one ``adam_step_`` call shares: (beta1,
-    beta2, eps, weight_decay, decoupled, maximize, unscale_grads), as Python values (a tensor
-    beta is read once here, as torch's own optimizers read it). A group without
-    ``unscale_grads`` (torch's Adam) writes the unscaled gradient back, as torch's fused
-    optimizers do."""
+class AdamHyper(NamedTuple):
+    """What the params of one ``adam_step_`` call share besides device and learning rate."""
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    maximize: bool
+    unscale_grads: bool
+    master_free: bool
+    stochastic_rounding: bool
+    moments_round_nearest: bool
+    seed: int
+
+
+def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> AdamHyper:
+    """A param group's :class:`AdamHyper`, as Python values (a tensor beta is read once here,
+    as torch's own optimizers read it). A group without mpext's keys (torch's Adam) gets their
+    defaults: the unscaled gradient written back, as torch's fused optimizers do, and FP32
+    masters."""
     beta1, beta2 = (float(b) for b in group["betas"])
     wd = float(group["weight_decay"])
     decoupled = (force_decoupled or bool(group.get("decoupled_weight_decay", False))) and wd != 0
-    return (beta1, beta2, float(group["eps"]), wd, decoupled, bool(group.get("maximize", False)),
-            bool(group.get("unscale_grads", True)))
+    return AdamHyper(beta1, beta2, float(group["eps"]), wd, decoupled,
+                     bool(group.get("maximize", False)), bool(group.get("unscale_grads", True)),
+                     group.get("master_weights", True) is False,
+                     bool(group.get("stochastic_rounding", False)),
+                     group.get("moment_rounding", "stochastic") == "nearest",
+                     int(group.get("seed", 0)))
 
 
 def _device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -530,15 +731,17 @@ def _device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
 def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
                     inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
     """Steps every item with as few ``adam_step_`` calls as possible: one per device, learning
-    rate and set of hyperparameters, whatever the params' groups or dtypes. The one planner of
-    the fused step, used by :class:`Adam` and by ``MixedPrecisionOptimizer``'s fast path.
+    rate and :class:`AdamHyper`, whatever the params' groups or dtypes. The one planner of the
+    fused step, used by :class:`Adam` and by ``MixedPrecisionOptimizer``'s fast path.
 
-    items: (param, grad, state, master, lr, hyper) per param: plain tensors (DTensors already
-    as their local shards), ``state`` a dict with torch's ``exp_avg``, ``exp_avg_sq`` and
-    ``step`` (a step that is not a float32 scalar on the param's device is converted in place),
-    ``master`` the fp32 master of a bf16/fp16 param (None for an fp32 one), ``lr`` a float or a
-    tensor, ``hyper`` from :func:`adam_hyper`. Every call's arguments are assembled before the
-    first launch, so a failing check leaves everything unchanged."""
+    items: (param, grad, state, storage, lr, hyper, stream) per param: plain tensors (DTensors
+    already as their local shards), ``state`` a dict with torch's ``exp_avg``, ``exp_avg_sq``
+    (float32 or bfloat16) and ``step`` (a step that is not a float32 scalar on the param's
+    device is converted in place), ``storage`` the fp32 master (float32) or the remainder
+    (int16) of a bf16/fp16 param, or None (an fp32 param, or none kept), ``lr`` a float or a
+    tensor, ``hyper`` an :class:`AdamHyper`, ``stream`` the param's stochastic-rounding stream
+    (an int in [0, 2^32)). Every call's arguments are assembled before the first launch, so a
+    failing check leaves everything unchanged."""
     calls: Dict[tuple, list] = {}
     for item in items:
         lr = item[4]
@@ -551,14 +754,16 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
     for (device, _, hyper), entries in calls.items():
         if device not in per_device:
             per_device[device] = (_to_device(inv_scale, device), _to_device(found_inf, device),
-                                  torch.empty(0, dtype=_F32, device=device))
-        dev_inv, dev_found, empty = per_device[device]
-        params, grads, exp_avgs, exp_avg_sqs, masters, steps = [], [], [], [], [], []
-        for p, g, state, master, _, _ in entries:
+                                  torch.empty(0, dtype=_F32, device=device),
+                                  torch.empty(0, dtype=torch.int16, device=device))
+        dev_inv, dev_found, empty, empty16 = per_device[device]
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        masters, remainders, streams = [], [], []
+        for p, g, state, storage, _, _, stream in entries:
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
                 copy = torch.empty_like(p, dtype=g.dtype).copy_(g)
-                if hyper[6] and dev_inv is not None:
+                if hyper.unscale_grads and dev_inv is not None:
                     copied.append((g, copy))
                 g = copy
             params.append(p)
@@ -566,13 +771,25 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             steps.append(_device_step(state, device))
-            masters.append(empty if master is None else master)
+            is_remainder = storage is not None and storage.dtype is torch.int16
+            masters.append(empty if storage is None or is_remainder else storage)
+            remainders.append(storage if is_remainder else empty16)
+            streams.append(stream)
         if all(m is empty for m in masters):
             masters = []
         lr_t = lr_tensors.get((device, slots[device]), device, entries[0][4])
         slots[device] += 1
-        launches.append(((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t) + hyper[:6],
-                         dict(inv_scale=dev_inv, found_inf=dev_found, unscale_grads=hyper[6])))
+        seed = hyper.seed - 2 ** 64 if hyper.seed >= 2 ** 63 else hyper.seed  # the schema's int64
+        launches.append(((params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_t)
+                         + tuple(hyper[:6]),
+                         dict(inv_scale=dev_inv, found_inf=dev_found,
+                              unscale_grads=hyper.unscale_grads,
+                              remainders=None if all(r is empty16 for r in remainders)
+                              else remainders,
+                              master_free=hyper.master_free,
+                              stochastic_rounding=hyper.stochastic_rounding,
+                              moments_round_nearest=hyper.moments_round_nearest, seed=seed,
+                              sr_streams=streams)))
     for args, kwargs in launches:
         torch.ops.mpext.adam_step_(*args, **kwargs)
     for g, copy in copied:  # the unscaled values back into the gradient's own layout
@@ -590,13 +807,18 @@ class AdamW(Adam):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, master_weights: bool = True,
-                 unscale_grads: bool = True) -> None:
+                 fused: Optional[bool] = None, master_weights: Union[bool, str] = True,
+                 unscale_grads: bool = True, stochastic_rounding: bool = False,
+                 exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 moment_rounding: str = "stochastic", seed: int = 0) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights,
-                         unscale_grads=unscale_grads)
+                         unscale_grads=unscale_grads, stochastic_rounding=stochastic_rounding,
+                         exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                         moment_rounding=moment_rounding, seed=seed)
 
 
 from . import lr_scheduler  # noqa: E402  (mpext.optim.lr_scheduler, as torch.optim has it)

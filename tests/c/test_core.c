@@ -2328,6 +2328,11 @@ static void ref_adam(adam_buf* b, adam_off o, int64_t n, const ref_scalars* hp) 
     b->m[o.m + i] = m;
     b->v[o.v + i] = v;
     if (b->master) {
+      /* adam.h: a bf16 param's master exactly halfway above an even bf16 is stored one ulp
+       * lower (its param, the round to nearest even, is the same). */
+      if (b->pt == MP_BF16 && (bits_of(p) & 0x1FFFFu) == 0x8000u && !isinf(p) && !isnan(p)) {
+        p = f32_of(bits_of(p) - 1u);
+      }
       b->master[o.w + i] = p;
       int nan;
       uint32_t r = ref_rne(bits_of(p), b->pt == MP_BF16 ? &BF16 : &FP16, &nan);
@@ -2361,7 +2366,8 @@ static mp_status call_adam(adam_buf* b, adam_off o, int64_t n, const ref_scalars
   const float inv = hp->inv_scale;
   const mp_adam_tensor t = {(char*)b->param + o.p * a_size(b->pt), b->pt,
                             (char*)b->grad + o.g * a_size(b->gt), b->gt,
-                            b->master ? b->master + o.w : NULL, b->m + o.m, b->v + o.v, &step, n};
+                            b->master ? b->master + o.w : NULL, b->m + o.m, b->v + o.v, &step, n,
+                            NULL, MP_F32, MP_F32, 0};
   const mp_adam_options op = adam_options(hp, &inv);
   const mp_status st = mp_adam_step(&t, 0, n, &op);
   if (step != hp->t - 1.0f) return (mp_status)99; /* the step count was written */
@@ -2432,7 +2438,7 @@ static mp_status adam_arg_call(int pt, int gt, int master, int nulls, int64_t n,
       (nulls & 2) ? NULL : g_low ? (void*)g16 : (void*)g32, gt,
       (!master || (nulls & 4)) ? NULL : (float*)(void*)w32,
       (nulls & 8) ? NULL : (float*)(void*)m32, (nulls & 16) ? NULL : (float*)(void*)v32,
-      (nulls & 64) ? NULL : &step, n};
+      (nulls & 64) ? NULL : &step, n, NULL, MP_F32, MP_F32, 0};
   return mp_adam_step(&t, 0, n < 0 ? 0 : n, (nulls & 32) ? NULL : opts);
 }
 
@@ -2450,9 +2456,6 @@ static void test_adam_arguments(void) {
       {MP_BF16, MP_F16, 1, "bf16 param, f16 grad"}, {MP_F16, MP_BF16, 1, "f16 param, bf16 grad"},
       {MP_F32, MP_BF16, 0, "f32 param, bf16 grad"}, {MP_F32, MP_F16, 0, "f32 param, f16 grad"},
       {MP_F32, MP_F32, 1, "master given for an f32 param"},
-      {MP_BF16, MP_BF16, 0, "no master for bf16/bf16"},
-      {MP_BF16, MP_F32, 0, "no master for bf16/f32"}, {MP_F16, MP_F16, 0, "no master for f16/f16"},
-      {MP_F16, MP_F32, 0, "no master for f16/f32"},
   };
   adam_cfg cfg = {1e-3f, 0.9, 0.999, 1e-8, 1e-2, 1, 0};
   const ref_scalars hp = adam_scalars(&cfg, 1.0f, 0.5f);
@@ -3158,7 +3161,7 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
       op.lr = &lr; /* through the pointer: lr_value is ignored */
       op.lr_value = 99.0f;
       mp_adam_tensor t1 = {one.param, pr->pt, one.grad, pr->gt, one.master, one.m, one.v, &step,
-                           (int64_t)N};
+                           (int64_t)N, NULL, MP_F32, MP_F32, 0};
       mp_adam_tensor t2 = t1;
       t2.param = split.param;
       t2.grad = split.grad;
@@ -3350,7 +3353,7 @@ static void test_adam_unscale_grads(uint64_t seed0) {
           op.unscale_grads = 1;
           op.found_inf = &flag;
           const mp_adam_tensor t = {got.param, pr->pt, got.grad, pr->gt, got.master, got.m,
-                                    got.v, &step, (int64_t)N};
+                                    got.v, &step, (int64_t)N, NULL, MP_F32, MP_F32, 0};
           g_check(&g, mp_adam_step(&t, 0, (int64_t)N, &op) == MP_OK, "%s: status", pr->name);
           char ctx[96];
           snprintf(ctx, sizeof ctx, "%s inv_scale %a%s", pr->name, (double)inv,
@@ -3364,6 +3367,242 @@ static void test_adam_unscale_grads(uint64_t seed0) {
     }
     g_end(&g);
   }
+}
+
+/* 11i. Lean storage (adam.h): against this file's reference of the element update,
+ *   - a remainder: the same bits as an fp32 master, step after step (param, master = join of
+ *     param and remainder, moments), on random data and on masters planted at bf16 ties;
+ *   - bf16 moments: the reference's fp32 moments rounded to bf16 stochastically with the
+ *     documented bits (stream 2k of the step, position i: low half for exp_avg, high half for
+ *     exp_avg_sq), or to nearest with moments_nearest;
+ *   - no master: the update from the param's own value, written to nearest or stochastically
+ *     (stream 2k + 1) into bf16 and fp16: the rounding stated from its definition here.
+ * Every ISA path, ranges split anywhere (the bits depend on the element's position only). */
+
+/* fp32 value u rounded stochastically to fmt f with 32 random bits r: the dropped fraction of
+ * the magnitude as a 32-bit fixed-point number plus r carries (bf16: r's low 16 bits plus the
+ * dropped 16 bits). Values past the largest finite (fp16) round as to nearest. */
+static uint32_t ref_sr_fmt(uint32_t u, uint32_t r, const fmt* f) {
+  int nan;
+  if (f == &BF16) return ref_sr(u, r & 0xFFFFu, &nan);
+  float x = f32_of(u);
+  if (isnan(x) || fabs((double)x) >= f->max) return ref_rne(u, f, &nan);
+  double ax = fabs((double)x);
+  cands c = candidates(ax, f);
+  double d32 = floor((ax - c.lo) / c.q * 4294967296.0);
+  return encode(d32 + (double)r >= 4294967296.0 ? c.hi : c.lo, (u >> 31) != 0, f);
+}
+
+static void test_adam_lean(uint64_t seed0) {
+  uint64_t s = seed0 ^ 0x1EA7u;
+  const int64_t N = 777;
+  for (int k = 0; k < g_nisa; ++k) {
+    select_isa(g_isas[k]);
+    group g;
+    g_begin(&g, "adam lean storage: remainder == fp32 master bit for bit (ties included), bf16 "
+            "moments and master-free params rounded as documented [%s]",
+            mp_isa_name(g_isas[k]));
+    for (int mode = 0; mode < 7; ++mode) {
+      /* 0 remainder; 1 bf16 moments SR; 2 bf16 moments nearest; 3/4 no master bf16 RNE/SR;
+       * 5/6 no master fp16 RNE/SR */
+      const mp_dtype pt = mode >= 5 ? MP_F16 : MP_BF16;
+      const int mom16 = mode == 1 || mode == 2 || mode == 4 || mode == 6;
+      const int no_master = mode >= 3, sr_p = mode == 4 || mode == 6;
+      uint16_t* param = xmalloc((size_t)N * 2);
+      uint16_t* param2 = xmalloc((size_t)N * 2);
+      uint16_t* grad = xmalloc((size_t)N * 2);
+      float* master = xmalloc((size_t)N * 4);
+      int16_t* rem = xmalloc((size_t)N * 2);
+      float* m32 = xmalloc((size_t)N * 4);
+      float* v32 = xmalloc((size_t)N * 4);
+      uint16_t* m16 = xmalloc((size_t)N * 2);
+      uint16_t* v16 = xmalloc((size_t)N * 2);
+      for (int64_t i = 0; i < N; ++i) {
+        float x = adam_rand(&s, -8, 3);
+        if (i % 97 == 5) x = f32_of((bits_of(x) & 0xFFFE0000u) | 0x8000u); /* a tie above even */
+        if (i % 97 == 6) x = f32_of((bits_of(x) | 0x10000u) | 0x8000u);   /* above odd */
+        master[i] = x;
+        param[i] = (uint16_t)(pt == MP_BF16 ? mp_bf16_rne_bits(bits_of(x)) : mp_fp16_rne_bits(bits_of(x)));
+        if (pt == MP_BF16) master[i] = f32_of(mp_bf16_master_bits(bits_of(x)));
+        param[i] = (uint16_t)(pt == MP_BF16 ? mp_bf16_rne_bits(bits_of(master[i]))
+                                            : mp_fp16_rne_bits(bits_of(master[i])));
+        param2[i] = param[i];
+        rem[i] = (int16_t)mp_bf16_remainder(bits_of(master[i]), param[i]);
+        m32[i] = mom16 ? f32_of((uint32_t)mp_bf16_rne_bits(bits_of(adam_rand(&s, -20, -4))) << 16)
+                       : adam_rand(&s, -20, -4);
+        v32[i] = fabsf(mom16 ? f32_of((uint32_t)mp_bf16_rne_bits(bits_of(adam_rand(&s, -40, -8)))
+                                      << 16)
+                             : adam_rand(&s, -40, -8));
+        m16[i] = (uint16_t)(bits_of(m32[i]) >> 16);
+        v16[i] = (uint16_t)(bits_of(v32[i]) >> 16);
+      }
+      adam_cfg cfg = {2e-3f, 0.9, 0.999, 1e-8, 0.01, mode % 2, mode == 3};
+      for (int step = 0; step < 4; ++step) {
+        for (int64_t i = 0; i < N; ++i) {
+          grad[i] = (uint16_t)(pt == MP_BF16 ? mp_bf16_rne_bits(bits_of(adam_rand(&s, -10, 2)))
+                                             : mp_fp16_rne_bits(bits_of(adam_rand(&s, -10, 2))));
+        }
+        float stp = (float)step, stp2 = (float)step;
+        const ref_scalars hp = adam_scalars(&cfg, (float)(step + 1), 1.0f);
+        mp_adam_options op = adam_options(&hp, NULL);
+        op.seed = 0xC0FFEEull + (uint64_t)mode;
+        op.sr_params = sr_p;
+        op.moments_nearest = mode == 2;
+        const uint64_t stream = 3u + (uint64_t)mode;
+        /* the reference: on fp32 copies */
+        float* wp = xmalloc((size_t)N * 4);
+        float* wm = xmalloc((size_t)N * 4);
+        float* wv = xmalloc((size_t)N * 4);
+        for (int64_t i = 0; i < N; ++i) {
+          float p = no_master ? (pt == MP_BF16 ? f32_of((uint32_t)param[i] << 16)
+                                               : (float)decode(param[i], &FP16))
+                              : master[i];
+          float gv = pt == MP_BF16 ? f32_of((uint32_t)grad[i] << 16) : (float)decode(grad[i], &FP16);
+          float mv = mom16 ? f32_of((uint32_t)m16[i] << 16) : m32[i];
+          float vv = mom16 ? f32_of((uint32_t)v16[i] << 16) : v32[i];
+          ref_adam_elem(&hp, gv, &p, &mv, &vv);
+          wp[i] = p;
+          wm[i] = mv;
+          wv[i] = vv;
+        }
+        /* mpext, in three ranges */
+        mp_adam_tensor t = {param, pt, grad, pt, no_master ? NULL : master,
+                            mom16 ? (void*)m16 : (void*)m32, mom16 ? (void*)v16 : (void*)v32,
+                            &stp, N, NULL, mom16 ? MP_BF16 : MP_F32, mom16 ? MP_BF16 : MP_F32,
+                            stream};
+        mp_adam_tensor t2 = t;
+        float* master2 = NULL;
+        if (mode == 0) { /* the remainder run beside the master run */
+          t2.param = param2;
+          t2.master = NULL;
+          t2.remainder = rem;
+          t2.step = &stp2;
+          master2 = xmalloc((size_t)N * 4);
+          memcpy(master2, master, (size_t)N * 4);
+          t2.exp_avg = xmalloc((size_t)N * 4);
+          t2.exp_avg_sq = xmalloc((size_t)N * 4);
+          memcpy(t2.exp_avg, m32, (size_t)N * 4);
+          memcpy(t2.exp_avg_sq, v32, (size_t)N * 4);
+        }
+        const int64_t cuts[] = {0, 13, 500, N};
+        for (int c = 0; c < 3; ++c) {
+          g_check(&g, mp_adam_step(&t, cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
+                  "mode %d: status", mode);
+          if (mode == 0) {
+            g_check(&g, mp_adam_step(&t2, cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
+                    "remainder: status");
+          }
+        }
+        const uint64_t key_m = ref_key(op.seed, (uint64_t)step + 1u, 2u * stream);
+        const uint64_t key_p = ref_key(op.seed, (uint64_t)step + 1u, 2u * stream + 1u);
+        int bad = 0;
+        for (int64_t i = 0; i < N && bad < 5; ++i) {
+          const uint32_t rm = ref_bits(key_m, (uint64_t)i), rp = ref_bits(key_p, (uint64_t)i);
+          int nan;
+          if (mom16) {
+            const uint32_t wmb = mode == 2 ? ref_rne(bits_of(wm[i]), &BF16, &nan)
+                                           : ref_sr_fmt(bits_of(wm[i]), rm, &BF16);
+            const uint32_t wvb = mode == 2 ? ref_rne(bits_of(wv[i]), &BF16, &nan)
+                                           : ref_sr_fmt(bits_of(wv[i]), rm >> 16, &BF16);
+            if (m16[i] != wmb || v16[i] != wvb) {
+              bad++;
+              g_fail(&g, "mode %d step %d element %" PRId64 ": moments %04x %04x, want %04x %04x",
+                     mode, step, i, m16[i], v16[i], wmb, wvb);
+            }
+          } else if (bits_of(m32[i]) != bits_of(wm[i]) || bits_of(v32[i]) != bits_of(wv[i])) {
+            bad++;
+            g_fail(&g, "mode %d step %d element %" PRId64 ": fp32 moments differ", mode, step, i);
+          }
+          uint32_t want_p;
+          if (!no_master) {
+            uint32_t x = bits_of(wp[i]);
+            if ((x & 0x1FFFFu) == 0x8000u) x -= 1u; /* finite here */
+            want_p = ref_rne(x, &BF16, &nan);
+            if (bits_of(master[i]) != x) {
+              bad++;
+              g_fail(&g, "mode %d step %d element %" PRId64 ": master %08x, want %08x", mode, step,
+                     i, bits_of(master[i]), x);
+            }
+          } else {
+            want_p = sr_p ? ref_sr_fmt(bits_of(wp[i]), rp, pt == MP_BF16 ? &BF16 : &FP16)
+                          : ref_rne(bits_of(wp[i]), pt == MP_BF16 ? &BF16 : &FP16, &nan);
+          }
+          if (param[i] != want_p) {
+            bad++;
+            g_fail(&g, "mode %d step %d element %" PRId64 ": param %04x, want %04x", mode, step,
+                   i, param[i], want_p);
+          }
+          if (mode == 0) {
+            const uint32_t joined = mp_bf16_join(param2[i], (uint16_t)rem[i]);
+            if (param2[i] != param[i] || joined != bits_of(master[i]) ||
+                bits_of(((float*)t2.exp_avg)[i]) != bits_of(m32[i]) ||
+                bits_of(((float*)t2.exp_avg_sq)[i]) != bits_of(v32[i])) {
+              bad++;
+              g_fail(&g, "remainder step %d element %" PRId64 ": param %04x master %08x, want "
+                     "%04x %08x", step, i, param2[i], joined, param[i], bits_of(master[i]));
+            }
+          }
+          g.count++;
+        }
+        if (mode == 0) {
+          free(t2.exp_avg);
+          free(t2.exp_avg_sq);
+          free(master2);
+        }
+        free(wp);
+        free(wm);
+        free(wv);
+      }
+      free(param);
+      free(param2);
+      free(grad);
+      free(master);
+      free(rem);
+      free(m32);
+      free(v32);
+      free(m16);
+      free(v16);
+    }
+    g_end(&g);
+  }
+}
+
+/* 11j. The split of a bf16 param's master into param and remainder, over all 2^32 fp32 bit
+ *      patterns: the param is the round to nearest even; join(param, remainder) is the master
+ *      exactly, except for the 2^15 values exactly halfway above an even bf16, which are stored
+ *      one ulp lower (and give the same param); a NaN stays a NaN. */
+static void test_bf16_remainder_all(void) {
+  group g;
+  g_begin(&g, "bf16 remainder split/join over all 2^32 fp32 patterns");
+  uint64_t exact = 0, lowered = 0, nans = 0;
+  int bad = 0;
+  for (uint64_t k = 0; k <= 0xFFFFFFFFull; ++k) {
+    const uint32_t x = (uint32_t)k;
+    const uint32_t st = mp_bf16_master_bits(x);
+    const uint16_t p = mp_bf16_rne_bits(st);
+    const uint32_t back = mp_bf16_join(p, mp_bf16_remainder(st, p));
+    const int is_nan = (x & 0x7FFFFFFFu) > 0x7F800000u;
+    int ok;
+    if (is_nan) {
+      ok = (back & 0x7FFFFFFFu) > 0x7F800000u;
+      nans++;
+    } else if (st != x) {
+      ok = st == x - 1u && (x & 0x1FFFFu) == 0x8000u && back == st && p == mp_bf16_rne_bits(x);
+      lowered++;
+    } else {
+      ok = back == x && p == mp_bf16_rne_bits(x);
+      exact++;
+    }
+    if (!ok && bad++ < 5) {
+      g_fail(&g, "x %08x: stored %08x param %04x joined %08x", x, st, p, back);
+    }
+  }
+  g.count += 1;
+  /* low 17 bits 0x08000: 2^15 patterns, less the 2 x 2^6 of them with exponent 0xFF */
+  g_check(&g, lowered == 32768u - 128u, "%" PRIu64 " values stored one ulp lower", lowered);
+  printf("      bf16 remainders: %" PRIu64 " masters exact, %" PRIu64 " ties stored one ulp "
+         "lower, %" PRIu64 " NaNs\n", exact, lowered, nans);
+  g_end(&g);
 }
 
 int main(int argc, char** argv) {
@@ -3433,6 +3672,8 @@ int main(int argc, char** argv) {
   test_adam_sizes(o.seed);
   test_adam_ranges_and_steps(o.seed);
   test_adam_unscale_grads(o.seed);
+  test_adam_lean(o.seed);
+  test_bf16_remainder_all();
   test_adam_pow(o.seed);
   test_cast_dispatch(o.seed);
   test_grad_norm_arguments();

@@ -4,6 +4,7 @@
 #include "harness.h"
 #include "mpext/adam.h"
 #include "mpext/adam_cuda.h"
+#include "mpext/adam_rule.h"
 
 namespace {
 
@@ -89,7 +90,7 @@ Param make_param(Rng& r, const ParamSpec& s, bool mmapped) {
 }
 
 mp_adam_tensor tensor_of(Param& p) {
-  mp_adam_tensor t;
+  mp_adam_tensor t{};
   t.param = p.param.data();
   t.param_dtype = p.spec.pdtype;
   t.grad = p.grad.data();
@@ -459,7 +460,22 @@ EMU_TEST(adam_bad_arguments) {
       {"step null", [](mp_adam_tensor& t, mp_adam_options&) { t.step = nullptr; }},
       {"grad null", [](mp_adam_tensor& t, mp_adam_options&) { t.grad = nullptr; }},
       {"exp_avg_sq null", [](mp_adam_tensor& t, mp_adam_options&) { t.exp_avg_sq = nullptr; }},
-      {"master missing", [](mp_adam_tensor& t, mp_adam_options&) { t.master = nullptr; }},
+      {"master and remainder", [](mp_adam_tensor& t, mp_adam_options&) {
+         t.remainder = reinterpret_cast<int16_t*>(t.exp_avg);
+       }},
+      {"remainder for an fp16 param", [](mp_adam_tensor& t, mp_adam_options&) {
+         t.param_dtype = MP_F16;
+         t.grad_dtype = MP_F32;
+         t.master = nullptr;
+         t.remainder = reinterpret_cast<int16_t*>(t.exp_avg);
+       }},
+      {"exp_avg fp16", [](mp_adam_tensor& t, mp_adam_options&) { t.exp_avg_dtype = MP_F16; }},
+      {"exp_avg_sq dtype 7", [](mp_adam_tensor& t, mp_adam_options&) {
+         t.exp_avg_sq_dtype = 7;
+       }},
+      {"stream >= 2^32", [](mp_adam_tensor& t, mp_adam_options&) {
+         t.sr_stream = uint64_t{1} << 32;
+       }},
       {"param misaligned", [](mp_adam_tensor& t, mp_adam_options&) {
          t.param = static_cast<char*>(t.param) + 1;
        }},
@@ -509,3 +525,133 @@ EMU_TEST(adam_launch_failure) {
 }
 
 }  // namespace
+
+namespace {
+
+// Lean storage (adam.h): remainders, bf16 moments (stochastic or nearest), no master (nearest or
+// stochastic, bf16 and fp16), each as one param of a list with mixed storage, across chunk and
+// launch splits; CUDA against the core on the same inputs, every array bit for bit (the random
+// bits of stochastic rounding are a function of seed, step, stream and position only).
+struct Lean {
+  int pdtype, gdtype, storage;  // storage: 1 master, 2 remainder, 3 none
+  int md, vd;
+  int64_t n;
+  uint32_t stream;
+  std::vector<uint16_t> param, grad, m16, v16;
+  std::vector<float> master, m32, v32;
+  std::vector<int16_t> rem;
+  float step;
+};
+
+Lean make_lean(Rng& r, int pd, int gd, int storage, int md, int vd, int64_t n, uint32_t stream) {
+  Lean l{pd, gd, storage, md, vd, n, stream, {}, {}, {}, {}, {}, {}, {}, {}, 2.0f};
+  l.param.resize(n);
+  l.grad.resize(static_cast<size_t>(n) * (gd == MP_F32 ? 2 : 1));
+  l.master.resize(storage == 1 ? n : 0);
+  l.rem.resize(storage == 2 ? n : 0);
+  l.m32.resize(md == MP_F32 ? n : 0);
+  l.m16.resize(md == MP_BF16 ? n : 0);
+  l.v32.resize(vd == MP_F32 ? n : 0);
+  l.v16.resize(vd == MP_BF16 ? n : 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = r.uniform(-2.0f, 2.0f);
+    const uint32_t xb = pd == MP_BF16 ? mp_bf16_master_bits(bits_of(x)) : bits_of(x);
+    l.param[i] = pd == MP_BF16 ? mp_bf16_rne_bits(xb) : mp_fp16_rne_bits(xb);
+    if (storage == 1) l.master[i] = f32_of(xb);
+    if (storage == 2) l.rem[i] = static_cast<int16_t>(mp_bf16_remainder(xb, l.param[i]));
+    const float g = r.uniform(-1.0f, 1.0f) * 64.0f;
+    if (gd == MP_F32) {
+      memcpy(&l.grad[2 * i], &g, 4);
+    } else {
+      l.grad[i] = gd == MP_BF16 ? mp_bf16_rne_bits(bits_of(g)) : mp_fp16_rne_bits(bits_of(g));
+    }
+    const float m = r.uniform(-0.1f, 0.1f), v = r.uniform(0.0f, 0.01f);
+    if (md == MP_F32) l.m32[i] = m; else l.m16[i] = mp_bf16_rne_bits(bits_of(m));
+    if (vd == MP_F32) l.v32[i] = v; else l.v16[i] = mp_bf16_rne_bits(bits_of(v));
+  }
+  return l;
+}
+
+mp_adam_tensor lean_tensor(Lean& l) {
+  mp_adam_tensor t{};
+  t.param = l.param.data();
+  t.param_dtype = l.pdtype;
+  t.grad = l.grad.data();
+  t.grad_dtype = l.gdtype;
+  t.master = l.storage == 1 ? l.master.data() : nullptr;
+  t.remainder = l.storage == 2 ? l.rem.data() : nullptr;
+  t.exp_avg = l.md == MP_F32 ? static_cast<void*>(l.m32.data()) : static_cast<void*>(l.m16.data());
+  t.exp_avg_sq =
+      l.vd == MP_F32 ? static_cast<void*>(l.v32.data()) : static_cast<void*>(l.v16.data());
+  t.exp_avg_dtype = l.md;
+  t.exp_avg_sq_dtype = l.vd;
+  t.step = &l.step;
+  t.n = l.n;
+  t.sr_stream = l.stream;
+  return t;
+}
+
+bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || memcmp(a.data(), b.data(), a.size() * 4) == 0);
+}
+
+bool same_lean(const Lean& a, const Lean& b) {
+  return a.param == b.param && a.grad == b.grad && a.m16 == b.m16 && a.v16 == b.v16 &&
+         a.rem == b.rem && a.step == b.step && same_floats(a.master, b.master) &&
+         same_floats(a.m32, b.m32) && same_floats(a.v32, b.v32);
+}
+
+}  // namespace
+
+EMU_TEST(adam_lean_storage_matches_the_core) {
+  Rng r(900);
+  std::vector<Lean> cpu;
+  uint32_t stream = 0;
+  for (int pd : {MP_BF16, MP_F16}) {
+    for (int gd : {pd, static_cast<int>(MP_F32)}) {
+      for (int storage : {1, 2, 3}) {
+        if (storage == 2 && pd != MP_BF16) continue;
+        for (int mom = 0; mom < 4; ++mom) {
+          const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
+          cpu.push_back(make_lean(r, pd, gd, storage, mom & 1 ? MP_BF16 : MP_F32,
+                                  mom & 2 ? MP_BF16 : MP_F32, n, stream++));
+        }
+      }
+    }
+  }
+  for (int variant = 0; variant < 4; ++variant) {  // sr_params x moments_nearest
+    std::vector<Lean> gpu = cpu;
+    std::vector<mp_adam_tensor> tc, tg;
+    for (Lean& l : cpu) tc.push_back(lean_tensor(l));
+    for (Lean& l : gpu) tg.push_back(lean_tensor(l));
+    const float inv = 0.25f;
+    mp_adam_options o{};
+    o.beta1 = 0.9;
+    o.beta2 = 0.999;
+    o.eps = 1e-8;
+    o.weight_decay = 0.01;
+    o.decoupled = 1;
+    o.lr_value = 1e-2f;
+    o.inv_scale = &inv;
+    o.unscale_grads = variant == 1;
+    o.sr_params = variant & 1;
+    o.moments_nearest = variant == 2;
+    o.seed = 0xABCDEFull * (variant + 1);
+    set_context("sr_params %d moments_nearest %d", o.sr_params, o.moments_nearest);
+    for (size_t k = 0; k < tc.size(); ++k) {
+      CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+    }
+    CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+          "core steps");
+    Caps caps(3, 5);  // chunk and launch splits
+    CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+              MP_OK, "cuda status");
+    for (size_t k = 0; k < cpu.size(); ++k) {
+      const Lean& a = cpu[k];
+      CHECK(same_lean(a, gpu[k]), "param %zu (dtype %d grad %d storage %d moments %d/%d n %lld) "
+            "differs", k, a.pdtype, a.gdtype, a.storage, a.md, a.vd,
+            static_cast<long long>(a.n));
+    }
+    cpu = gpu;  // the next variant starts from this state (same on both sides)
+  }
+}

@@ -3,15 +3,15 @@
  * mpext/adam_cuda.h; the numerics, per-step scalars included, are mpext/adam_rule.h's, which
  * both tiers call.
  *
- * Per element, in fp32 (adam_rule.h has the exact order of operations):
+ * Per element, in fp32 (adam_rule.h has the exact order of operations), m, v and p read from
+ * their storage (bf16 moments widened, a remainder joined to its param):
  *   g = grad * inv_scale;  (unscale_grads: grad = g, rounded to its dtype);  if maximize: g = -g
  *   Adam (L2):      g = g + weight_decay * p
  *   AdamW:          p = p * (1 - lr * weight_decay)
  *   m = lerp(m, g, 1 - beta1);  v = v * beta2 + ((1 - beta2) * g) * g
  *   p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
- * which is torch.optim.Adam / AdamW's single-tensor path, with t the param's step count plus one.
- * A bf16/fp16 param is updated through its fp32 master and written as the master rounded to
- * nearest even. */
+ * which is torch.optim.Adam / AdamW's single-tensor path, with t the param's step count plus one,
+ * then m, v and p stored back (see mp_adam_tensor for the storage of each). */
 #ifndef MPEXT_ADAM_H
 #define MPEXT_ADAM_H
 
@@ -27,9 +27,24 @@ extern "C" {
  *   param:      n values of param_dtype, updated in place;
  *   grad:       n values of grad_dtype (param_dtype or MP_F32), read (and, with the options'
  *               unscale_grads, overwritten with the unscaled gradient);
- *   master:     n floats, read and written; non-NULL iff param_dtype != MP_F32 (when n > 0);
- *   exp_avg, exp_avg_sq: n floats each, read and written;
+ *   exp_avg, exp_avg_sq: n values each of exp_avg_dtype / exp_avg_sq_dtype (MP_F32, or MP_BF16:
+ *               stored with stochastic rounding), read and written;
  *   step:       one float, the param's step count before this step; never NULL.
+ * An fp32 param is its own value (master and remainder NULL). A bf16/fp16 param's fp32 value
+ * (the master) is kept in one of three ways:
+ *   master:     n floats, read and written; the param is written as its round to nearest even;
+ *   remainder:  (bf16 params only) n int16, the master's bits less the param's: the master is
+ *               (param << 16) + remainder, exactly, so a bf16 param with its remainder holds the
+ *               fp32 master in 4 bytes instead of 6 (see adam_rule.h, mp_bf16_split);
+ *   neither:    no master: the update is computed from the param's value and written back
+ *               rounded to nearest even, or stochastically with the options' sr_params.
+ * A bf16 param's fp32 master that lands exactly halfway between two bf16 values above an even
+ * one (low half 0x8000, param bit 0 clear: 1 of 2^17 values) is stored one fp32 ulp below, with
+ * a master as with a remainder, which 16 bits could not tell from the same point above an odd
+ * one: so the two modes compute the same bits, and the param is always the master's round to
+ * nearest even.
+ * sr_stream (< 2^32) numbers the param's stochastic-rounding streams (its position in the
+ * optimizer).
  * When n == 0 only step is used (the others may be NULL). */
 typedef struct mp_adam_tensor {
   void* param;
@@ -37,10 +52,14 @@ typedef struct mp_adam_tensor {
   void* grad;
   int32_t grad_dtype; /* an mp_dtype */
   float* master;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;
+  void* exp_avg_sq;
   float* step;
   int64_t n;
+  int16_t* remainder;
+  int32_t exp_avg_dtype;    /* an mp_dtype: MP_F32 or MP_BF16 */
+  int32_t exp_avg_sq_dtype; /* an mp_dtype: MP_F32 or MP_BF16 */
+  uint64_t sr_stream;
 } mp_adam_tensor;
 
 /* The settings of one call, shared by its params. lr, inv_scale and found_inf point at memory
@@ -59,6 +78,13 @@ typedef struct mp_adam_options {
   int32_t unscale_grads;  /* 1: write grad * inv_scale (rounded to the grad's dtype) back into
                              grad in the same pass, as torch's fused optimizers leave it; nothing
                              is written when inv_scale is NULL or 1 (the values would not change) */
+  int32_t sr_params;      /* 1: a param without master or remainder is written with stochastic
+                             rounding (bf16 or fp16), else to nearest even */
+  int32_t moments_nearest; /* 1: bf16 moments rounded to nearest even instead of stochastically
+                              (biased: for comparisons only) */
+  uint64_t seed;          /* stochastic rounding draws from the streams mp_sr_key(seed, t, 2k)
+                             (moments) and (seed, t, 2k + 1) (param), t the step count after this
+                             step, k the tensor's sr_stream, at the element's position */
 } mp_adam_options;
 
 /* Elements [start, start + count) of t's arrays, on the calling thread and the active ISA path:

@@ -55,6 +55,10 @@ typedef struct mp_adam_scalars {
   int32_t maximize;
   int32_t lerp_from_start; /* lerp_weight < 0.5: m + w * (g - m); else g - (g - m) * (1 - w) */
   int32_t write_grad;      /* unscale_grads with an inv_scale other than 1 */
+  int32_t sr_params;       /* a master-free param is rounded stochastically */
+  int32_t moments_nearest; /* bf16 moments rounded to nearest even */
+  uint64_t key_moments;    /* the stochastic-rounding streams of this param and step */
+  uint64_t key_param;
 } mp_adam_scalars;
 
 /* (*h, *l) = (ah + al) * (bh + bl) in double-double: the product of the high parts exactly
@@ -102,25 +106,32 @@ MP_HD int mp_adam_options_ok(const mp_adam_options* o) {
 /* 1 if t is a valid param (see mp_adam_tensor), each array aligned to its element size. */
 MP_HD int mp_adam_tensor_ok(const mp_adam_tensor* t) {
   const int32_t pd = t->param_dtype, gd = t->grad_dtype;
+  const int32_t md = t->exp_avg_dtype, vd = t->exp_avg_sq_dtype;
   if (pd < 0 || pd >= MP_DTYPE_COUNT || gd < 0 || gd >= MP_DTYPE_COUNT) return 0;
   if (gd != pd && gd != MP_F32) return 0;
+  if ((md != MP_F32 && md != MP_BF16) || (vd != MP_F32 && vd != MP_BF16)) return 0;
   if (t->n < 0 || t->step == 0 || ((uintptr_t)t->step & 3u) != 0u) return 0;
+  if (t->sr_stream > 0xFFFFFFFFu) return 0; /* 32 bits travel in the CUDA launch argument */
   if (t->n == 0) return 1;
   if (t->param == 0 || t->grad == 0 || t->exp_avg == 0 || t->exp_avg_sq == 0) return 0;
-  if ((t->master != 0) != (pd != MP_F32)) return 0;
+  if (pd == MP_F32 && (t->master != 0 || t->remainder != 0)) return 0;
+  if (t->master != 0 && t->remainder != 0) return 0;
+  if (t->remainder != 0 && pd != MP_BF16) return 0;
   return ((uintptr_t)t->param % (uintptr_t)MP_DTYPE_BYTES(pd)) == 0u &&
          ((uintptr_t)t->grad % (uintptr_t)MP_DTYPE_BYTES(gd)) == 0u &&
-         ((uintptr_t)t->exp_avg & 3u) == 0u && ((uintptr_t)t->exp_avg_sq & 3u) == 0u &&
-         ((uintptr_t)t->master & 3u) == 0u;
+         ((uintptr_t)t->exp_avg % (uintptr_t)MP_DTYPE_BYTES(md)) == 0u &&
+         ((uintptr_t)t->exp_avg_sq % (uintptr_t)MP_DTYPE_BYTES(vd)) == 0u &&
+         ((uintptr_t)t->master & 3u) == 0u && ((uintptr_t)t->remainder & 1u) == 0u;
 }
 
 /* The scalars of a step whose param has step count `step` before it (t = step + 1, in fp32 as
  * torch's float step tensor), learning rate lr and gradient multiplier inv_scale. */
 MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, float step,
-                                         float inv_scale) {
+                                         float inv_scale, uint64_t sr_stream) {
   mp_adam_scalars s;
   const double lr = (double)lr_f;
-  const double t = (double)MP_FADD(step, 1.0f);
+  const float t_f = MP_FADD(step, 1.0f);
+  const double t = (double)t_f;
   const double bc1 = MP_DSUB(1.0, mp_adam_pow(o->beta1, t));
   const double bc2 = MP_DSUB(1.0, mp_adam_pow(o->beta2, t));
   s.inv_scale = inv_scale;
@@ -137,13 +148,50 @@ MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, f
   s.maximize = o->maximize ? 1 : 0;
   s.lerp_from_start = s.lerp_weight < 0.5f ? 1 : 0;
   s.write_grad = o->unscale_grads && inv_scale != 1.0f ? 1 : 0;
+  s.sr_params = o->sr_params ? 1 : 0;
+  s.moments_nearest = o->moments_nearest ? 1 : 0;
+  /* The step count names the streams: a whole number (torch's float step), read as one. */
+  const uint64_t t_int = t_f >= 1.0f && t_f < 18446744073709551616.0f ? (uint64_t)t_f : 0u;
+  s.key_moments = mp_sr_key(o->seed, t_int, 2u * sr_stream);
+  s.key_param = mp_sr_key(o->seed, t_int, 2u * sr_stream + 1u);
   return s;
 }
 
-/* The scalars as the call's pointers give them (host or device memory of the running tier). */
-MP_HD mp_adam_scalars mp_adam_scalars_now(const mp_adam_options* o, const float* step) {
+/* The scalars of a param's step as the call's pointers give them (host or device memory of the
+ * running tier): its step count at `step`, its streams numbered sr_stream. */
+MP_HD mp_adam_scalars mp_adam_scalars_now(const mp_adam_options* o, const float* step,
+                                          uint64_t sr_stream) {
   return mp_adam_scalars_of(o, o->lr != 0 ? *o->lr : o->lr_value, *step,
-                            o->inv_scale != 0 ? *o->inv_scale : 1.0f);
+                            o->inv_scale != 0 ? *o->inv_scale : 1.0f, sr_stream);
+}
+
+/* ---- how the values are stored ---- */
+
+/* A bf16 param's new fp32 master, as stored: a value exactly halfway between two bf16 values
+ * above an even one (low half 0x8000 with bit 16 clear, not NaN/Inf) one ulp lower, so that it
+ * still rounds to the same even param and its remainder fits 16 bits (see mp_adam_tensor). */
+MP_HD uint32_t mp_bf16_master_bits(uint32_t x) {
+  const uint32_t tie_below_even = (x & 0x1FFFFu) == 0x8000u && (x & 0x7F800000u) != 0x7F800000u;
+  return x - (tie_below_even ? 1u : 0u);
+}
+
+/* The remainder of master bits x (as stored) under its bf16 param p = mp_bf16_rne_bits(x): the
+ * difference, in [-0x8000, 0x7FFF] for every stored master, and back. */
+MP_HD uint16_t mp_bf16_remainder(uint32_t x, uint16_t p) {
+  return (uint16_t)(x - ((uint32_t)p << 16));
+}
+
+MP_HD uint32_t mp_bf16_join(uint16_t p, uint16_t r) {
+  return ((uint32_t)p << 16) + (uint32_t)(int32_t)(int16_t)r;
+}
+
+/* A moment as stored in bf16: stochastically rounded with 16 random bits (unbiased, so a
+ * second moment decaying by beta2 = 0.999 still moves, which round to nearest cannot: 0.999 is
+ * within half a bf16 ulp of 1), or to nearest even when asked. */
+MP_HD uint16_t mp_adam_bf16_moment(float x, uint32_t r16, const mp_adam_scalars* s) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  return s->moments_nearest ? mp_bf16_rne_bits(u) : mp_bf16_sr_bits(u, r16);
 }
 
 /* The unscaled gradient of element value gin (widened to fp32): what the update uses, and what

@@ -80,26 +80,24 @@ MP_HD uint32_t mp_fp16_to_f32_bits(uint16_t h) {
   return r | sign;
 }
 
-/* fp32 bits -> fp16 bits, stochastic rounding with random bits r: a value between two adjacent
- * fp16 values rounds to the larger magnitude with probability (its distance from the smaller) /
- * (their distance), so the result is unbiased. Uses r's low 13 bits in fp16's normal range and up
- * to 24 bits in its subnormal range (where the grid is coarser relative to fp32). Values of
- * magnitude >= 65504 (the largest fp16), +-Inf and NaN convert as with mp_fp16_rne_bits, so a
- * finite value never becomes Inf by chance. */
+/* fp32 bits -> fp16 bits, stochastic rounding with 32 random bits r: the part of the magnitude
+ * below fp16's last kept bit, as a 32-bit binary fraction (truncated; exact in fp16's normal
+ * range), plus r carries into the kept part, so a value between two adjacent fp16 values rounds
+ * to the larger magnitude with probability (its distance from the smaller) / (their distance),
+ * to 32 bits: the result is unbiased. Values of magnitude >= 65504 (the largest fp16), +-Inf and
+ * NaN convert as with mp_fp16_rne_bits, so a finite value never becomes Inf by chance. */
 MP_HD uint16_t mp_fp16_sr_bits(uint32_t u, uint32_t r) {
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7FFFFFFFu;
-  /* Normal range: drop 13 mantissa bits, adding 13 random bits first (a carry rounds up). */
-  uint32_t normal = (a + 0xC8000000u + (r & 0x1FFFu)) >> 13;
-  /* Subnormal range: q = |x| / 2^-24 truncated, rounded up iff the random bits fall below the
-   * dropped remainder (probability remainder / 2^shift). */
+  /* Normal range: 13 mantissa bits dropped, r's top 13 bits added first (a carry may also bump
+   * the exponent, which is rounding up). */
+  uint32_t normal = (a + 0xC8000000u + (r >> 19)) >> 13;
+  /* Subnormal range: |x| / 2^-24 = m * 2^-shift as a 32.32 fixed-point number, plus r. */
   uint32_t e = a >> 23;
   uint32_t m = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
-  uint32_t ee = e ? e : 1u;
-  uint32_t shift = 126u - (ee < 113u ? ee : 112u);
-  shift = shift > 31u ? 31u : shift;
-  uint32_t mask = (1u << shift) - 1u;
-  uint32_t sub = (m >> shift) + (((r & mask) < (m & mask)) ? 1u : 0u);
+  uint32_t shift = 126u - (e ? e : 1u); /* >= 14 in this range */
+  uint64_t fixed = shift < 64u ? ((uint64_t)m << 32) >> shift : 0u;
+  uint32_t sub = (uint32_t)((fixed + r) >> 32);
   uint32_t out = a < 0x38800000u ? sub : normal;
   out = a >= 0x477FE000u ? (uint32_t)(mp_fp16_rne_bits(u) & 0x7FFFu) : out;
   return (uint16_t)(out | sign);
