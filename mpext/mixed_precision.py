@@ -492,15 +492,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._reset_iteration()
         return found_inf == 0
 
-    def _adam_state(self, q: torch.Tensor) -> Dict[str, Any]:
+    def _adam_state(self, q: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
         """The inner Adam's state of a param in torch's layout (``step``, ``exp_avg``,
         ``exp_avg_sq``), created on its first step with ``step`` a float32 tensor on the
-        device, as the fused kernel needs (torch's own format with ``capturable``/``fused``)."""
+        device, as the fused kernel needs (torch's own format with ``capturable``/``fused``),
+        and moments in the dtypes an inner ``mpext.optim`` group asks for (bf16 moments; the
+        masters are the inner optimizer's fp32 params, so remainders do not apply)."""
         state = self.optimizer.state[q]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
-            state["exp_avg"] = torch.zeros_like(q, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
+            for key, dtype_key in _mp_optim._MOMENTS:
+                state[key] = torch.zeros_like(q, dtype=group.get(dtype_key, torch.float32),
+                                              memory_format=torch.preserve_format)
+        _mp_optim._conform_state(q, state, group, _NAME)
         return state
 
     def _step_fused(self, entries, found_inf, inv, clipped) -> None:
@@ -509,6 +513,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._scaler._reduce_found_inf_(found_inf)
         force_decoupled = isinstance(self.optimizer, (torch.optim.AdamW, _mp_optim.AdamW))
         group_of = {id(q): g for g in self.optimizer.param_groups for q in g["params"]}
+        # a param's position in the inner optimizer: its stochastic-rounding stream (bf16 moments)
+        stream_of = {id(q): k for k, q in enumerate(
+            q for g in self.optimizer.param_groups for q in g["params"])}
         hypers: Dict[int, tuple] = {}
         items = []
         for p, q in entries:
@@ -519,9 +526,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 # generic path: no write-back.
                 hyper = hypers[id(group)] = _mp_optim.adam_hyper(
                     group, force_decoupled)._replace(unscale_grads=False)
-            # the inner optimizer's fp32 params are the masters: no stochastic rounding
-            items.append((p, p.grad, self._adam_state(q), q if q is not p else None,
-                          group["lr"], hyper, 0))
+            items.append((p, p.grad, self._adam_state(q, group), q if q is not p else None,
+                          group["lr"], hyper, stream_of[id(q)]))
         _mp_optim.fused_adam_step(items, self._lr_tensors, inv, found_inf)
 
     def _step_generic(self, entries, found_inf, inv) -> None:

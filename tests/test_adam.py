@@ -1227,6 +1227,7 @@ def test_constructor_defaults_match_torch():
         assert sig_o["master_weights"].default is True
         assert sig_o["unscale_grads"].default is True
         assert sig_o["stochastic_rounding"].default is False
+        assert sig_o["param_remainders"].default is False
         assert sig_o["exp_avg_dtype"].default is torch.float32
         assert sig_o["exp_avg_sq_dtype"].default is torch.float32
         assert sig_o["moment_rounding"].default == "stochastic" and sig_o["seed"].default == 0
@@ -1235,7 +1236,8 @@ def test_constructor_defaults_match_torch():
     assert Adam(p).defaults["weight_decay"] == 0
     ours = AdamW(p).param_groups[0]
     theirs = torch.optim.AdamW(p).param_groups[0]
-    mpext_keys = ("master_weights", "unscale_grads", "stochastic_rounding", "exp_avg_dtype",
+    mpext_keys = ("master_weights", "unscale_grads", "param_remainders", "stochastic_rounding",
+                  "exp_avg_dtype",
                   "exp_avg_sq_dtype", "moment_rounding", "seed")
     assert {k: v for k, v in ours.items() if k not in mpext_keys} == theirs
     assert AdamW._step_supports_amp_scaling is True and Adam._step_supports_amp_scaling is True
@@ -1257,16 +1259,14 @@ CTOR_BAD = [
     (dict(eps=-1.0), ValueError, r"Invalid epsilon value: -1.0"),
     (dict(eps=NAN), ValueError, r"Invalid epsilon value: nan"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay value: -0.1"),
-    (dict(master_weights="yes"), ValueError,
-     r"master_weights must be True, False or \"remainder\", got 'yes'"),
-    (dict(master_weights=None), ValueError,
-     r"master_weights must be True, False or \"remainder\", got None"),
+    (dict(master_weights="yes"), TypeError, r"master_weights must be a bool, got 'yes'"),
+    (dict(param_remainders=1), TypeError, r"param_remainders must be a bool, got 1"),
+    (dict(param_remainders=True, master_weights=False), ValueError,
+     r"param_remainders=True stores the masters compactly; it needs master_weights=True"),
     (dict(stochastic_rounding=1), TypeError, r"stochastic_rounding must be a bool"),
     (dict(stochastic_rounding=True), ValueError,
      r"stochastic_rounding=True rounds params that have no master; it needs "
-     r"master_weights=False, got master_weights=True"),
-    (dict(stochastic_rounding=True, master_weights="remainder"), ValueError,
-     r"it needs master_weights=False, got master_weights='remainder'"),
+     r"master_weights=False"),
     (dict(exp_avg_dtype=torch.float16), ValueError,
      r"exp_avg_dtype must be torch.float32 or torch.bfloat16, got torch.float16"),
     (dict(exp_avg_sq_dtype="bfloat16"), ValueError,

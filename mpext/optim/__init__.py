@@ -2,9 +2,9 @@
 weights for BF16/FP16 params, or leaner state.
 
 Drop-in for ``torch.optim.Adam`` / ``torch.optim.AdamW``: the same constructor arguments and
-defaults, the same param-group keys (plus mpext's: ``master_weights``, ``unscale_grads``,
-``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``moment_rounding``, ``stochastic_rounding``,
-``seed``), the same ``state_dict`` layout (``step``, ``exp_avg``, ``exp_avg_sq``, plus
+defaults, the same param-group keys (plus mpext's: ``master_weights``, ``param_remainders``,
+``unscale_grads``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``moment_rounding``,
+``stochastic_rounding``, ``seed``), the same ``state_dict`` layout (``step``, ``exp_avg``, ``exp_avg_sq``, plus
 ``master_param`` or ``param_remainder`` where one exists), and the same math. What differs is
 how a step runs:
 
@@ -17,10 +17,10 @@ how a step runs:
   a float32 scalar tensor on the param's device.
 * Leaner state, per param group (see docs/lean_state.md for the figures):
 
-  - ``master_weights="remainder"``: a BF16 param keeps only the low 16 bits of its FP32 master
+  - ``param_remainders=True``: a BF16 param keeps only the low 16 bits of its FP32 master
     (``state["param_remainder"]``, int16): the param is the master's high half, so the pair is
-    the master exactly -- the same bits as ``master_weights=True`` in 2 bytes instead of 4.
-    (FP16 params, which are not an FP32 value's high half, keep an FP32 master.)
+    the master exactly -- the same bits as ``param_remainders=False`` in 2 bytes instead of 4.
+    (An FP16 param is not an FP32 value's high half: refused.)
   - ``master_weights=False``: no master; the update is computed from the param and written
     back to nearest even (updates below half an ulp are lost), or with
     ``stochastic_rounding=True`` rounded stochastically, which is unbiased: small updates
@@ -100,13 +100,17 @@ class Adam(torch.optim.Optimizer):
             is always fused, sync-free and keeps ``step`` on the device).
         differentiable (bool): must be False.
         decoupled_weight_decay (bool): AdamW's decoupled decay (default False).
-        master_weights (bool or "remainder"): how a bfloat16/float16 param keeps its FP32 value.
-            True (default): an FP32 master copy (``state["master_param"]``, 4 bytes per
-            element). "remainder": for a bfloat16 param the master's low 16 bits
-            (``state["param_remainder"]``, int16, 2 bytes), with the same results as True bit
-            for bit; float16 params keep an FP32 master. False: nothing; the param is updated
-            from its own value and rounded back each step (see ``stochastic_rounding``). FP32
-            params never have a master.
+        master_weights (bool): keep the FP32 value of every bfloat16/float16 param (default
+            True): an FP32 master copy (``state["master_param"]``), or its remainder (see
+            ``param_remainders``). False: nothing; the param is updated from its own value and
+            rounded back each step (see ``stochastic_rounding``). FP32 params never have a
+            master.
+        param_remainders (bool): keep a bfloat16 param's master as the master's low 16 bits
+            (``state["param_remainder"]``, int16, 2 bytes per element instead of 4): the
+            param and its remainder are the master exactly, so the results are bitwise those
+            of ``param_remainders=False``. Needs ``master_weights=True``; a float16 param is
+            refused (its master is not an FP32 value's high half); FP32 params need none.
+            Default False.
         stochastic_rounding (bool): with ``master_weights=False``, write the updated param with
             stochastic rounding (unbiased: an update below half an ulp lands with a probability
             proportional to its size) instead of to nearest even (where it is lost). Default
@@ -139,8 +143,8 @@ class Adam(torch.optim.Optimizer):
                  foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
-                 master_weights: Union[bool, str] = True, unscale_grads: bool = True,
-                 stochastic_rounding: bool = False,
+                 master_weights: bool = True, unscale_grads: bool = True,
+                 param_remainders: bool = False, stochastic_rounding: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
                  moment_rounding: str = "stochastic", seed: int = 0) -> None:
@@ -151,6 +155,7 @@ class Adam(torch.optim.Optimizer):
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         master_weights=master_weights, unscale_grads=unscale_grads,
+                        param_remainders=param_remainders,
                         stochastic_rounding=stochastic_rounding, exp_avg_dtype=exp_avg_dtype,
                         exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding,
                         seed=seed)
@@ -214,18 +219,18 @@ class Adam(torch.optim.Optimizer):
         if group.get("differentiable", False):
             raise ValueError("%s: differentiable=True is not supported: the fused step is not "
                              "differentiable%s" % (self._name(), where))
-        for flag in ("unscale_grads", "stochastic_rounding"):
+        for flag in ("master_weights", "unscale_grads", "param_remainders",
+                     "stochastic_rounding"):
             if not isinstance(group.get(flag, False), bool):
                 raise TypeError("%s: %s must be a bool, got %r%s"
                                 % (self._name(), flag, group.get(flag), where))
         mw = group.get("master_weights", True)
-        if not (isinstance(mw, bool) or mw == "remainder"):
-            raise ValueError("%s: master_weights must be True, False or \"remainder\", got %r%s"
-                             % (self._name(), mw, where))
-        if group.get("stochastic_rounding", False) and mw is not False:
+        if group.get("param_remainders", False) and not mw:
+            raise ValueError("%s: param_remainders=True stores the masters compactly; it needs "
+                             "master_weights=True%s" % (self._name(), where))
+        if group.get("stochastic_rounding", False) and mw:
             raise ValueError("%s: stochastic_rounding=True rounds params that have no master; "
-                             "it needs master_weights=False, got master_weights=%r%s"
-                             % (self._name(), mw, where))
+                             "it needs master_weights=False%s" % (self._name(), where))
         for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             dt = group.get(key, _F32)
             if dt is not _F32 and dt is not torch.bfloat16:
@@ -254,6 +259,8 @@ class Adam(torch.optim.Optimizer):
                     raise TypeError("%s: params[%d]%s has dtype %s; only float32, bfloat16 and "
                                     "float16 params are supported"
                                     % (self._name(), j, where, _dtype_name(p.dtype)))
+                if p.dtype is torch.float16 and group["param_remainders"]:
+                    raise ValueError(_FP16_REMAINDER % (self._name(), "params[%d]%s" % (j, where)))
                 if not has_kernel("adam_step_", p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no adam_step_ kernel for"
@@ -569,18 +576,25 @@ class Adam(torch.optim.Optimizer):
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
 _STORAGE_KEYS = ("master_param", "param_remainder")
 # mpext's param-group keys beyond torch's (master_weights aside), with their defaults.
-_LEAN_DEFAULTS = {"unscale_grads": True, "stochastic_rounding": False,
+_LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_rounding": False,
                   "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
                   "moment_rounding": "stochastic", "seed": 0}
 
 
-def _storage_key(param: torch.Tensor, group: Dict[str, Any]) -> Optional[str]:
-    """The state entry that holds the param's fp32 value under its group's master_weights:
+_FP16_REMAINDER = ("%s: %s is float16, and param_remainders=True needs bfloat16 params (a "
+                   "float16 value is not the high half of an fp32 one); give float16 params a "
+                   "group with param_remainders=False, or master_weights=False with "
+                   "stochastic_rounding=True")
+
+
+def _storage_key(param: torch.Tensor, group: Dict[str, Any], where: str) -> Optional[str]:
+    """The state entry that holds the param's fp32 value under its group's settings:
     "master_param", "param_remainder" (bf16 params), or None (fp32 params; no master)."""
-    mode = group["master_weights"]
-    if param.dtype is _F32 or mode is False:
+    if param.dtype is _F32 or not group.get("master_weights", True):
         return None
-    if mode == "remainder" and param.dtype is torch.bfloat16:
+    if group.get("param_remainders", False):
+        if param.dtype is not torch.bfloat16:  # changed in place after construction
+            raise ValueError(_FP16_REMAINDER % (where, "a param"))
         return "param_remainder"
     return "master_param"
 
@@ -593,10 +607,10 @@ def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, 
     master or a zero remainder from the param itself, nothing without a master). The one
     conversion of optimizer state, for a group changed between steps and for load_state_dict."""
     for key, dtype_key in _MOMENTS:
-        t = state.get(key)
-        if t is not None and t.dtype != group[dtype_key]:
-            state[key] = t.to(group[dtype_key])
-    want = _storage_key(param, group)
+        t, dtype = state.get(key), group.get(dtype_key, _F32)
+        if t is not None and t.dtype != dtype:
+            state[key] = t.to(dtype)
+    want = _storage_key(param, group, where)
     if want is not None and want not in state:
         if want == "master_param":
             rem = state.get("param_remainder")
@@ -807,8 +821,9 @@ class AdamW(Adam):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, master_weights: Union[bool, str] = True,
-                 unscale_grads: bool = True, stochastic_rounding: bool = False,
+                 fused: Optional[bool] = None, master_weights: bool = True,
+                 unscale_grads: bool = True, param_remainders: bool = False,
+                 stochastic_rounding: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
                  moment_rounding: str = "stochastic", seed: int = 0) -> None:
@@ -816,7 +831,8 @@ class AdamW(Adam):
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights,
-                         unscale_grads=unscale_grads, stochastic_rounding=stochastic_rounding,
+                         unscale_grads=unscale_grads, param_remainders=param_remainders,
+                         stochastic_rounding=stochastic_rounding,
                          exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
                          moment_rounding=moment_rounding, seed=seed)
 
