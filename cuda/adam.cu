@@ -34,7 +34,7 @@ using namespace mp_cuda;  // the shared memory access and engine of access.cuh, 
 constexpr int kThreads = 256;      // threads per block of the main kernel
 constexpr int kStepThreads = 128;  // threads per block of the step kernel
 constexpr int64_t kVec = 8;        // elements per vectorized step (16-byte accesses)
-constexpr int kMaxPieces = 44;     // params (or pieces of one) per main launch
+constexpr int kMaxPieces = 40;     // params (or pieces of one) per main launch
 constexpr int kMaxSteps = 500;     // step counters per step launch
 
 static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16");
@@ -64,8 +64,8 @@ enum Storage : uint8_t { kF32Param = 0, kMaster = 1, kRemainder = 2, kNoMaster =
 // at a time; pos is its position in the param (its stochastic-rounding draw).
 template <int P, int G>
 MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* remainder,
-                              void* exp_avg, int md, void* exp_avg_sq, int vd, int storage,
-                              int64_t i, uint64_t pos, const mp_adam_scalars& s) {
+                              void* exp_avg, int md, void* exp_avg_sq, int vd, float* ema,
+                              int storage, int64_t i, uint64_t pos, const mp_adam_scalars& s) {
   const float g = mp_adam_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
   if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p;
@@ -92,10 +92,14 @@ MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* r
   } else {
     store1<2>(exp_avg_sq, i, mp_adam_bf16_moment(v, r_mv >> 16, &s));
   }
+  if (ema != nullptr && storage != kMaster && storage != kRemainder) {
+    ema[i] = mp_adam_ema(ema[i], p, &s);
+  }
   if (storage == kF32Param) {
     store1<4>(param, i, bits_from_f32(p));
   } else if (storage == kMaster || storage == kRemainder) {
     const uint32_t x = P == MP_BF16 ? mp_bf16_master_bits(bits_from_f32(p)) : bits_from_f32(p);
+    if (ema != nullptr) ema[i] = mp_adam_ema(ema[i], f32_from_bits(x), &s);
     const uint32_t q = P == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
     store1<2>(param, i, q);
     if (storage == kMaster) {
@@ -206,6 +210,7 @@ struct AdamArgs {
   void* grad[kMaxPieces];
   float* master[kMaxPieces];
   int16_t* remainder[kMaxPieces];
+  float* ema[kMaxPieces];
   void* exp_avg[kMaxPieces];
   void* exp_avg_sq[kMaxPieces];
   const float* step[kMaxPieces];
@@ -239,7 +244,9 @@ MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
   void* m = static_cast<char*>(a.exp_avg[k]) + r.start * MP_DTYPE_BYTES(md);
   void* v = static_cast<char*>(a.exp_avg_sq[k]) + r.start * MP_DTYPE_BYTES(vd);
   float* master = storage == kMaster ? a.master[k] + r.start : nullptr;
-  if ((storage == kF32Param || storage == kMaster) && md == MP_F32 && vd == MP_F32) {
+  float* ema = a.ema[k] != nullptr ? a.ema[k] + r.start : nullptr;
+  if ((storage == kF32Param || storage == kMaster) && md == MP_F32 && vd == MP_F32 &&
+      ema == nullptr) {
     // fp32 state: the 16-byte vectorized path
     adam_range<P, G>(param, grad, master, static_cast<float*>(m), static_cast<float*>(v), r.count,
                      s, tid, nthreads);
@@ -248,7 +255,7 @@ MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
   int16_t* remainder = storage == kRemainder ? a.remainder[k] + r.start : nullptr;
   const uint64_t first = static_cast<uint64_t>(a.offset[k] + r.start);
   for (int64_t i = tid; i < r.count; i += nthreads) {
-    adam_lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, storage, i,
+    adam_lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, ema, storage, i,
                         first + static_cast<uint64_t>(i), s);
   }
 }
@@ -328,6 +335,7 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
         a.grad[i] = static_cast<char*>(t.grad) + done * MP_DTYPE_BYTES(t.grad_dtype);
         a.master[i] = t.master != nullptr ? t.master + done : nullptr;
         a.remainder[i] = t.remainder != nullptr ? t.remainder + done : nullptr;
+        a.ema[i] = t.ema != nullptr ? t.ema + done : nullptr;
         a.exp_avg[i] = static_cast<char*>(t.exp_avg) + done * MP_DTYPE_BYTES(t.exp_avg_dtype);
         a.exp_avg_sq[i] =
             static_cast<char*>(t.exp_avg_sq) + done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype);

@@ -326,7 +326,9 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False,
                remainders: Optional[Sequence[torch.Tensor]] = None, master_free: bool = False,
                stochastic_rounding: bool = False, moments_round_nearest: bool = False,
-               seed: int = 0, sr_streams: Optional[Sequence[int]] = None) -> None:
+               seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
+               ema_params: Optional[Sequence[torch.Tensor]] = None,
+               ema_decay: float = 0.0) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
     ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
@@ -365,15 +367,25 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     rounding is reproducible: its bits depend only on ``seed`` (an int in [-2**63, 2**64)), the
     param's step count, its ``sr_streams`` entry (in [0, 2^32); default: its position in the
     list) and the element's position -- not on threads, CPU ISA or device.
+
+    EMA. ``ema_params[i]`` (float32, in the param's layout; an empty tensor for none) is moved
+    towards the param's new fp32 value in the same pass, ``ema = torch.lerp(ema, value, 1 -
+    ema_decay)`` (torch's formula, ``a + w * (b - a)`` for ``w < 0.5`` else ``b - (b - a) * (1 -
+    w)``, each operation rounded to fp32; torch's vectorized CPU kernel fuses the multiply-add
+    and can differ in the last bit), and copied from it on the param's first step (its step
+    count 0), as ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn`` averages:
+    the value is the master (as stored), or without one the fp32 update before rounding.
+    ``ema_decay`` is in [0, 1].
     """
     params, grads = list(params), list(grads)
     masters = [] if masters is None else list(masters)
     remainders = None if remainders is None else list(remainders)
+    ema_params = None if ema_params is None else list(ema_params)
     exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
     # A sparse tensor would dispatch to a backend with no kernel and a generic error.
     for name, ts in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
                      ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps),
-                     ("remainders", remainders or [])):
+                     ("remainders", remainders or []), ("ema_params", ema_params or [])):
         for i, t in enumerate(ts):
             if isinstance(t, torch.Tensor) and t.layout != torch.strided:
                 raise RuntimeError("mpext.adam_step_: %s[%d] must be a strided (dense) tensor, "
@@ -395,7 +407,7 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     unscale_grads=bool(unscale_grads), remainders=remainders,
                     master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
                     moments_round_nearest=bool(moments_round_nearest), seed=seed,
-                    sr_streams=sr_streams)
+                    sr_streams=sr_streams, ema_params=ema_params, ema_decay=float(ema_decay))
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -420,7 +432,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
                     unscale_grads=False, remainders=None, master_free=False,
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
-                    sr_streams=None):
+                    sr_streams=None, ema_params=None, ema_decay=0.0):
     """The checks of the C++ plan_adam, in its order and with its messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"
@@ -434,6 +446,9 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
     remainders = remainders or []
     torch._check_value(len(remainders) in (0, n), lambda: "mpext.%s: remainders must be empty or "
                        "have one entry per param (%d), got %d" % (op, n, len(remainders)))
+    ema_params = ema_params or []
+    torch._check_value(len(ema_params) in (0, n), lambda: "mpext.%s: ema_params must be empty or "
+                       "have one entry per param (%d), got %d" % (op, n, len(ema_params)))
     if sr_streams is not None:
         torch._check_value(len(sr_streams) == n, lambda: "mpext.%s: sr_streams must have one "
                            "entry per param (%d), got %d" % (op, n, len(sr_streams)))
@@ -445,6 +460,8 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
         top = 1.0 if hi == "1" else math.inf
         torch._check_value(math.isfinite(v) and 0.0 <= v < top,
                            lambda: "mpext.%s: %s must be in [0, %s), got %g" % (op, name, hi, v))
+    torch._check_value(math.isfinite(ema_decay) and 0.0 <= ema_decay <= 1.0,
+                       lambda: "mpext.%s: ema_decay must be in [0, 1], got %g" % (op, ema_decay))
 
     # With no params there is no device to agree with: each scalar is checked on its own.
     def device_for(t):
@@ -523,6 +540,14 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                            % (op, pn, _dtype_name(p.dtype), i,
                               " or a remainder (remainders[%d])" % i
                               if p.dtype == torch.bfloat16 else ""))
+        if ema_params:
+            e, en = ema_params[i], "ema_params[%d]" % i
+            check_device(e, en)
+            torch._check(e.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype float32, "
+                         "got %s" % (op, en, _dtype_name(e.dtype)))
+            if e.numel() > 0 or p.numel() == 0:
+                _check_fake_dense_named(e, op, en)
+                check_layout(e, en, pn, p)
     return None
 
 

@@ -1228,6 +1228,7 @@ def test_constructor_defaults_match_torch():
         assert sig_o["unscale_grads"].default is True
         assert sig_o["stochastic_rounding"].default is False
         assert sig_o["param_remainders"].default is False
+        assert sig_o["ema_decay"].default is None
         assert sig_o["exp_avg_dtype"].default is torch.float32
         assert sig_o["exp_avg_sq_dtype"].default is torch.float32
         assert sig_o["moment_rounding"].default == "stochastic" and sig_o["seed"].default == 0
@@ -1237,7 +1238,7 @@ def test_constructor_defaults_match_torch():
     ours = AdamW(p).param_groups[0]
     theirs = torch.optim.AdamW(p).param_groups[0]
     mpext_keys = ("master_weights", "unscale_grads", "param_remainders", "stochastic_rounding",
-                  "exp_avg_dtype",
+                  "exp_avg_dtype", "ema_decay",
                   "exp_avg_sq_dtype", "moment_rounding", "seed")
     assert {k: v for k, v in ours.items() if k not in mpext_keys} == theirs
     assert AdamW._step_supports_amp_scaling is True and Adam._step_supports_amp_scaling is True

@@ -59,7 +59,7 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
-    void* restrict v, const mp_dtype vd, int64_t start, int64_t n,
+    void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, int64_t n,
     const mp_adam_scalars* restrict hp, const int mk, const int write_grad) {
   const mp_adam_scalars s = *hp;
   const int sr_moments = md == MP_BF16 || vd == MP_BF16;
@@ -88,10 +88,13 @@ static inline __attribute__((always_inline)) void adam_loop(
     } else {
       ((float*)v)[i] = vi;
     }
+    /* ema is loop-invariant: the compiler unswitches this test out of the loop */
+    if (ema != NULL && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
     if (mk == MK_F32) {
       ((float*)param)[i] = p;
     } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
       const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
+      if (ema != NULL) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
       const uint16_t q = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
       ((uint16_t*)param)[i] = q;
       if (mk == MK_MASTER) {
@@ -124,12 +127,12 @@ static inline __attribute__((always_inline)) void adam_loop(
   }
 
 #define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG) \
-  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, start, n, hp, MK, WG)
+  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, n, hp, MK, WG)
 
 /* One function per (param dtype, grad dtype, master kind): its eight loops. */
 #define MP_ADAM_VARIANT(name, PT, GT, MK)                                                       \
   static void name(void* param, void* grad, float* master, int16_t* remainder, void* m,         \
-                   mp_dtype md, void* v, mp_dtype vd, int64_t start, int64_t n,                 \
+                   mp_dtype md, void* v, mp_dtype vd, float* ema, int64_t start, int64_t n,     \
                    const mp_adam_scalars* hp) {                                                 \
     MP_ADAM_MOMENTS(PT, GT, MK)                                                                 \
   }
@@ -151,7 +154,7 @@ MP_ADAM_VARIANT(adam_f16_f16_sr, MP_F16, MP_F16, MK_NONE_SR)
 MP_ADAM_VARIANT(adam_f16_f32_sr, MP_F16, MP_F32, MK_NONE_SR)
 
 typedef void (*adam_variant)(void*, void*, float*, int16_t*, void*, mp_dtype, void*, mp_dtype,
-                             int64_t, int64_t, const mp_adam_scalars*);
+                             float*, int64_t, int64_t, const mp_adam_scalars*);
 
 /* [param dtype][grad is fp32][master kind] */
 static const adam_variant VARIANTS[3][2][5] = {
@@ -177,6 +180,7 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
   int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;
   void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(md);
   void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
+  float* ema = t->ema != NULL ? t->ema + start : NULL;
   VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk](param, grad, master, remainder, m, md, v, vd,
-                                                  start, n, s);
+                                                  ema, start, n, s);
 }

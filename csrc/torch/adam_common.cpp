@@ -41,6 +41,10 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   TORCH_CHECK_VALUE(remainders.empty() || remainders.size() == n, "mpext.", op,
                     ": remainders must be empty or have one entry per param (", n, "), got ",
                     remainders.size());
+  const at::TensorList emas = storage.ema_params.value_or(at::TensorList());
+  TORCH_CHECK_VALUE(emas.empty() || emas.size() == n, "mpext.", op,
+                    ": ema_params must be empty or have one entry per param (", n, "), got ",
+                    emas.size());
   if (storage.sr_streams) {
     const at::IntArrayRef streams = *storage.sr_streams;
     TORCH_CHECK_VALUE(streams.size() == n, "mpext.", op,
@@ -55,6 +59,7 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
   check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
+  check_hyper(storage.ema_decay, op, "ema_decay", 0.0, false, 1.0, false);
   // With no params there is no device to agree with: each scalar is checked on its own.
   const Arg owner("params", 0);
   auto device_for = [&](const at::Tensor& t) { return n > 0 ? params[0].device() : t.device(); };
@@ -82,7 +87,8 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   o.unscale_grads = unscale_grads ? 1 : 0;
   o.sr_params = storage.stochastic_rounding ? 1 : 0;
   o.moments_nearest = storage.moments_round_nearest ? 1 : 0;
-  o.seed = static_cast<uint64_t>(storage.seed);  // any 64 bits: a negative seed is its 2's complement
+  o.seed = static_cast<uint64_t>(storage.seed);
+  o.ema_decay = storage.ema_decay;  // any 64 bits: a negative seed is its 2's complement
   // An lr on the CPU is read here (a host read, free), after the tensors are known not to
   // overlap: a bad value is refused before anything runs.
   auto check_lr_value = [&]() {
@@ -181,6 +187,18 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     t.exp_avg_sq_dtype = to_mp_dtype(v.scalar_type());
     t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
                                      : static_cast<uint64_t>(k);
+    if (!emas.empty()) {
+      const at::Tensor& e = emas[k];
+      const Arg en("ema_params", i);
+      check_device(e, op, en, device, owner);
+      check_dtype(e, op, en, {at::kFloat});
+      if (e.numel() > 0 || p.numel() == 0) {  // an empty tensor: no ema for this param
+        check_dense(e, op, en);
+        check_same_layout(e, en, p, pn, op);
+        if (e.numel() > 0) t.ema = static_cast<float*>(e.data_ptr());
+        ranges.push_back(byte_range(e, i, true, en));
+      }
+    }
     plan.tensors.push_back(t);
     ranges.push_back(byte_range(p, i, true, pn));
     ranges.push_back(byte_range(g, i, unscale_grads, gn));  // written back with unscale_grads

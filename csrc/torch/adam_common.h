@@ -29,6 +29,8 @@ struct AdamStorage {
   bool moments_round_nearest = false;  // bf16 moments to nearest even (biased; comparisons)
   int64_t seed = 0;
   at::OptionalIntArrayRef sr_streams;  // per param, < 2^32; default: the param's index
+  std::optional<at::TensorList> ema_params;  // fp32 EMAs of the params' values, or empty tensors
+  double ema_decay = 0.0;
 };
 
 // Checks every argument of adam_step_ before anything is written. Throws (naming the argument)
@@ -41,8 +43,9 @@ struct AdamStorage {
 // (with both: refused), a master or remainder for an fp32 param, a remainder for an fp16 param;
 // any tensor written by the op overlapping another tensor of the call (grads count as written
 // with unscale_grads); beta1, beta2 outside [0, 1); eps < 0; weight_decay < 0; any non-finite
-// hyperparameter; an sr_stream outside [0, 2^32) or a list of them of the wrong length; an lr on
-// the CPU that is negative or not finite.
+// hyperparameter; an sr_stream outside [0, 2^32) or a list of them of the wrong length; an
+// ema_decay outside [0, 1], an ema_params entry that is not float32 or not in the param's
+// layout (an empty one: none); an lr on the CPU that is negative or not finite.
 AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                    const at::Tensor& lr, double beta1, double beta2, double eps,
@@ -61,9 +64,10 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                const std::optional<at::Tensor>& found_inf, bool unscale_grads,
                std::optional<at::TensorList> remainders, bool master_free,
                bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
-               at::OptionalIntArrayRef sr_streams) {
+               at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> ema_params,
+               double ema_decay) {
   const AdamStorage storage{remainders, master_free, stochastic_rounding, moments_round_nearest,
-                            seed, sr_streams};
+                            seed,       sr_streams,  ema_params,          ema_decay};
   const AdamPlan plan = plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
                                   beta2, eps, weight_decay, decoupled, maximize, inv_scale,
                                   found_inf, unscale_grads, storage);

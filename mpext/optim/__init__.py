@@ -4,9 +4,9 @@ weights for BF16/FP16 params, or leaner state.
 Drop-in for ``torch.optim.Adam`` / ``torch.optim.AdamW``: the same constructor arguments and
 defaults, the same param-group keys (plus mpext's: ``master_weights``, ``param_remainders``,
 ``unscale_grads``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``moment_rounding``,
-``stochastic_rounding``, ``seed``), the same ``state_dict`` layout (``step``, ``exp_avg``, ``exp_avg_sq``, plus
-``master_param`` or ``param_remainder`` where one exists), and the same math. What differs is
-how a step runs:
+``stochastic_rounding``, ``seed``, ``ema_decay``), the same ``state_dict`` layout (``step``,
+``exp_avg``, ``exp_avg_sq``, plus ``master_param`` or ``param_remainder`` where one exists and
+``ema_param`` with an EMA), and the same math. What differs is how a step runs:
 
 * One ``adam_step_`` call per device and set of hyperparameters covers every param with a
   gradient, whatever its group or dtype: one pass over memory that reads the gradient, updates
@@ -32,6 +32,11 @@ how a step runs:
   Stochastic rounding is reproducible: its bits depend only on the group's ``seed``, the
   param's position in the optimizer, its step count and the element's position -- not on
   threads, CPU ISA or device, and a resumed run draws what the uninterrupted one would have.
+* ``ema_decay``: an exponential moving average of the FP32 masters (``state["ema_param"]``),
+  updated inside the same fused pass (4 more bytes per param, read and written), with
+  :meth:`Adam.ema_weights` to evaluate with it. ``torch.optim.swa_utils.AveragedModel`` averages
+  the model's BF16/FP16 params in their own precision, where an update of ``(1 - decay) *
+  (p - ema)`` is mostly below half an ulp and lost.
 * ``_step_supports_amp_scaling`` is set, so ``torch.amp.GradScaler`` and ``mpext.GradScaler``
   hand ``step`` the loss scale and the inf/NaN flag: the gradients are unscaled inside the
   kernel and an overflowing step is skipped on the device (nothing written, ``step`` not
@@ -47,6 +52,7 @@ updates its own shard with no communication. Their moments and masters are DTens
 param's mesh and placements (so ``torch.distributed.checkpoint`` saves and reshards them), and
 ``step`` is a plain scalar tensor on the param's device, as in torch.
 """
+import contextlib
 import math
 from collections import defaultdict
 from copy import deepcopy
@@ -122,6 +128,14 @@ class Adam(torch.optim.Optimizer):
             "nearest" (biased: small contributions to a moment can be lost; for comparisons).
         seed (int): the seed of the stochastic rounding, in [0, 2**64) (default 0). Two runs
             with one seed round identically.
+        ema_decay (float, optional): keep an EMA of every param's FP32 value (its master, or
+            the FP32 param; with no master, the FP32 update before rounding), ``ema =
+            torch.lerp(ema, value, 1 - ema_decay)`` after each applied step, starting as a copy
+            of the value after the param's first step -- what
+            ``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay))`` computes, in
+            FP32 (torch.lerp's formula with each operation rounded; see
+            ``mpext.ops.adam_step_``). In [0, 1]; None (default): no EMA. See
+            :meth:`ema_weights`.
         unscale_grads (bool): when a GradScaler hands the step its loss scale, also write the
             unscaled gradient back into ``.grad`` in the same pass (default True), which is what
             torch's fused optimizers leave there, so that code reading ``.grad`` after the step
@@ -147,7 +161,8 @@ class Adam(torch.optim.Optimizer):
                  param_remainders: bool = False, stochastic_rounding: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
-                 moment_rounding: str = "stochastic", seed: int = 0) -> None:
+                 moment_rounding: str = "stochastic", seed: int = 0,
+                 ema_decay: Optional[float] = None) -> None:
         if isinstance(betas, (list, tuple)) and len(betas) == 2:
             betas = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -158,7 +173,7 @@ class Adam(torch.optim.Optimizer):
                         param_remainders=param_remainders,
                         stochastic_rounding=stochastic_rounding, exp_avg_dtype=exp_avg_dtype,
                         exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding,
-                        seed=seed)
+                        seed=seed, ema_decay=ema_decay)
         self._check_group(defaults, "")
         self._init_caches()
         super().__init__(params, defaults)
@@ -240,6 +255,10 @@ class Adam(torch.optim.Optimizer):
         if rounding not in ("stochastic", "nearest"):
             raise ValueError("%s: moment_rounding must be \"stochastic\" or \"nearest\", got "
                              "%r%s" % (self._name(), rounding, where))
+        ema_decay = group.get("ema_decay")
+        if ema_decay is not None and not (_is_real(ema_decay) and 0.0 <= ema_decay <= 1.0):
+            raise ValueError("%s: ema_decay must be None or a number in [0, 1], got %r%s"
+                             % (self._name(), ema_decay, where))
         seed = group.get("seed", 0)
         if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 64):
             raise ValueError("%s: seed must be an int in [0, 2**64), got %r%s"
@@ -439,6 +458,41 @@ class Adam(torch.optim.Optimizer):
                     if state and "param_remainder" in state:
                         state["param_remainder"].zero_()
 
+    def ema_param(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of the FP32 EMA kept for ``param`` (see ``ema_decay``), or None when its
+        group keeps none or it has not been stepped yet."""
+        ema = (self.state.get(param) or {}).get("ema_param")
+        return None if ema is None else ema.detach().clone()
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """A context in which every param that has an EMA holds it (rounded to the param's
+        dtype to nearest even, as ``param.copy_(ema)``), for evaluation::
+
+            with opt.ema_weights():
+                evaluate(model)
+
+        On exit each param gets back its exact value (masters and remainders stay valid). Do
+        not step the optimizer inside. Raises ``RuntimeError`` if no param group keeps an EMA.
+        Params whose EMA does not exist yet (never stepped) are left as they are."""
+        if all(g.get("ema_decay") is None for g in self.param_groups):
+            raise RuntimeError("%s.ema_weights: no param group keeps an EMA; construct the "
+                               "optimizer with ema_decay=..." % self._name())
+        saved = []
+        try:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        ema = (self.state.get(p) or {}).get("ema_param")
+                        if ema is not None:
+                            saved.append((p, p.detach().clone()))
+                            p.copy_(ema)
+            yield self
+        finally:
+            with torch.no_grad():
+                for p, value in saved:
+                    p.copy_(value)
+
     def master_param(self, param: torch.Tensor) -> torch.Tensor:
         """The FP32 value the optimizer holds for ``param``: a copy of its master, its master
         rebuilt from the param and its remainder, or (no master, or an FP32 param, or no state
@@ -458,11 +512,17 @@ class Adam(torch.optim.Optimizer):
         """Loads a state saved by this class, by the other mpext Adam class, or by
         ``torch.optim.Adam`` / ``torch.optim.AdamW``.
 
-        Moments are converted to FP32 (and to the param's device and memory layout), ``step``
-        to a float32 scalar tensor on the param's device, and low-precision params get their
-        master from the state (``master_param``) or, when it has none (a torch checkpoint), from
-        the param itself. Every tensor is copied, so the loaded state never shares memory with
-        ``state_dict``. For a DTensor param the state may hold DTensors (placed otherwise:
+        The storage settings -- ``master_weights``, ``param_remainders``, ``exp_avg_dtype``,
+        ``exp_avg_sq_dtype`` -- are this optimizer's, and the loaded state is converted into
+        them (so a checkpoint with FP32 masters resumes with remainders, say); every other
+        group setting (lr, betas, ..., ``seed``, ``ema_decay``) comes from ``state_dict``, as in
+        torch. Moments are converted to the group's dtypes (FP32 -> BF16 to nearest even) and
+        to the param's device and memory layout, ``step`` to a float32 scalar tensor on the
+        param's device; a low-precision param's FP32 value comes from the state's
+        ``master_param`` or ``param_remainder`` or, when it has neither (a torch checkpoint),
+        from the param itself -- a master becomes a remainder only if the param is its round
+        to nearest even (load the model first), else a ``ValueError`` says so. Every tensor is
+        copied, so the loaded state never shares memory with ``state_dict``. For a DTensor param the state may hold DTensors (placed otherwise:
         redistributed) or full tensors of the param's global shape (each rank keeps its
         shard). Everything is checked first: on an error (a group or size mismatch,
         moments whose shape is not the param's, an amsgrad state, ...) nothing is modified.
@@ -489,6 +549,8 @@ class Adam(torch.optim.Optimizer):
             saved.setdefault("master_weights", master_default)
             for key, value in _LEAN_DEFAULTS.items():
                 saved.setdefault(key, self.defaults.get(key, value))
+            for key in _STORAGE_SETTINGS:  # how the state is kept: this optimizer's choice
+                saved[key] = group.get(key, saved[key])
             saved.setdefault("decoupled_weight_decay", False)
             saved.setdefault("maximize", False)
             if self._force_decoupled:
@@ -537,7 +599,7 @@ class Adam(torch.optim.Optimizer):
             raise TypeError("%s: step must be a number or a 1-element tensor, got %r"
                             % (where, step))
         low = param.dtype in _LOW_DTYPES
-        for name in ("exp_avg", "exp_avg_sq", "master_param", "param_remainder"):
+        for name in ("exp_avg", "exp_avg_sq", "master_param", "param_remainder", "ema_param"):
             if name not in value or (name in _STORAGE_KEYS and not low):
                 continue
             t = value[name]
@@ -560,7 +622,8 @@ class Adam(torch.optim.Optimizer):
                 raise TypeError("%s: %s must be a dense floating-point tensor, got %s %s"
                                 % (where, name, t.layout, t.dtype))
             # Moments in their saved precision (converted to the group's by _conform_state).
-            keep = t.dtype if name != "master_param" and t.dtype is torch.bfloat16 else _F32
+            keep = t.dtype if name in ("exp_avg", "exp_avg_sq") and t.dtype is torch.bfloat16 \
+                else _F32
             out[name] = _copy_like(param, t, keep)
         if "master_param" in out and "param_remainder" in out:
             raise ValueError("%s has both a master_param and a param_remainder" % where)
@@ -568,17 +631,18 @@ class Adam(torch.optim.Optimizer):
         # a remainder only if the param is its round, i.e. the model was loaded first).
         _conform_state(param, out, group, where, loading=True)
         for name, v in value.items():  # anything else is kept as torch keeps it
-            if name not in ("step", "exp_avg", "exp_avg_sq") + _STORAGE_KEYS:
+            if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS:
                 out[name] = v
         return out
 
 
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
 _STORAGE_KEYS = ("master_param", "param_remainder")
+_STORAGE_SETTINGS = ("master_weights", "param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype")
 # mpext's param-group keys beyond torch's (master_weights aside), with their defaults.
 _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_rounding": False,
                   "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
-                  "moment_rounding": "stochastic", "seed": 0}
+                  "moment_rounding": "stochastic", "seed": 0, "ema_decay": None}
 
 
 _FP16_REMAINDER = ("%s: %s is float16, and param_remainders=True needs bfloat16 params (a "
@@ -611,18 +675,26 @@ def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, 
         if t is not None and t.dtype != dtype:
             state[key] = t.to(dtype)
     want = _storage_key(param, group, where)
+    fresh = False  # a remainder made here from the param: the master is the param
     if want is not None and want not in state:
         if want == "master_param":
             rem = state.get("param_remainder")
             state[want] = _fp32_copy(param) if rem is None else _join_remainder(param, rem)
         else:
             master = state.get("master_param")
+            fresh = master is None
             state[want] = (_split_master(param, master, where) if master is not None
                            else torch.zeros_like(param, dtype=torch.int16,
                                                  memory_format=torch.preserve_format))
     for key in _STORAGE_KEYS:
         if key != want:
             state.pop(key, None)
+    if group.get("ema_decay") is None:
+        state.pop("ema_param", None)
+    elif "ema_param" not in state:  # from the fp32 value now (a first step copies it anyway)
+        rem = None if fresh else state.get("param_remainder")
+        state["ema_param"] = (_join_remainder(param, rem) if rem is not None
+                              else _fp32_copy(param, state.get("master_param")))
 
 
 def _u32(t: torch.Tensor) -> torch.Tensor:
@@ -712,6 +784,7 @@ class AdamHyper(NamedTuple):
     stochastic_rounding: bool
     moments_round_nearest: bool
     seed: int
+    ema_decay: float  # 0 when the group keeps no EMA (the kernel then has none to update)
 
 
 def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> AdamHyper:
@@ -727,7 +800,7 @@ def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> AdamHype
                      group.get("master_weights", True) is False,
                      bool(group.get("stochastic_rounding", False)),
                      group.get("moment_rounding", "stochastic") == "nearest",
-                     int(group.get("seed", 0)))
+                     int(group.get("seed", 0)), float(group.get("ema_decay") or 0.0))
 
 
 def _device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -772,7 +845,7 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
                                   torch.empty(0, dtype=torch.int16, device=device))
         dev_inv, dev_found, empty, empty16 = per_device[device]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        masters, remainders, streams = [], [], []
+        masters, remainders, streams, emas = [], [], [], []
         for p, g, state, storage, _, _, stream in entries:
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
@@ -789,6 +862,8 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
             masters.append(empty if storage is None or is_remainder else storage)
             remainders.append(storage if is_remainder else empty16)
             streams.append(stream)
+            ema = state.get("ema_param")
+            emas.append(empty if ema is None else _local(ema))
         if all(m is empty for m in masters):
             masters = []
         lr_t = lr_tensors.get((device, slots[device]), device, entries[0][4])
@@ -803,7 +878,9 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
                               master_free=hyper.master_free,
                               stochastic_rounding=hyper.stochastic_rounding,
                               moments_round_nearest=hyper.moments_round_nearest, seed=seed,
-                              sr_streams=streams)))
+                              sr_streams=streams,
+                              ema_params=None if all(e is empty for e in emas) else emas,
+                              ema_decay=hyper.ema_decay)))
     for args, kwargs in launches:
         torch.ops.mpext.adam_step_(*args, **kwargs)
     for g, copy in copied:  # the unscaled values back into the gradient's own layout
@@ -826,7 +903,8 @@ class AdamW(Adam):
                  stochastic_rounding: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
-                 moment_rounding: str = "stochastic", seed: int = 0) -> None:
+                 moment_rounding: str = "stochastic", seed: int = 0,
+                 ema_decay: Optional[float] = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -834,7 +912,7 @@ class AdamW(Adam):
                          unscale_grads=unscale_grads, param_remainders=param_remainders,
                          stochastic_rounding=stochastic_rounding,
                          exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
-                         moment_rounding=moment_rounding, seed=seed)
+                         moment_rounding=moment_rounding, seed=seed, ema_decay=ema_decay)
 
 
 from . import lr_scheduler  # noqa: E402  (mpext.optim.lr_scheduler, as torch.optim has it)

@@ -3400,7 +3400,7 @@ static void test_adam_lean(uint64_t seed0) {
     select_isa(g_isas[k]);
     group g;
     g_begin(&g, "adam lean storage: remainder == fp32 master bit for bit (ties included), bf16 "
-            "moments and master-free params rounded as documented [%s]",
+            "moments and master-free params rounded as documented, the ema of each [%s]",
             mp_isa_name(g_isas[k]));
     for (int mode = 0; mode < 7; ++mode) {
       /* 0 remainder; 1 bf16 moments SR; 2 bf16 moments nearest; 3/4 no master bf16 RNE/SR;
@@ -3417,7 +3417,10 @@ static void test_adam_lean(uint64_t seed0) {
       float* v32 = xmalloc((size_t)N * 4);
       uint16_t* m16 = xmalloc((size_t)N * 2);
       uint16_t* v16 = xmalloc((size_t)N * 2);
+      float* ema = xmalloc((size_t)N * 4);  /* an ema of the fp32 value, in every mode */
+      float* ema2 = xmalloc((size_t)N * 4); /* the remainder run's */
       for (int64_t i = 0; i < N; ++i) {
+        ema[i] = ema2[i] = adam_rand(&s, -8, 3); /* overwritten by the first step's copy */
         float x = adam_rand(&s, -8, 3);
         if (i % 97 == 5) x = f32_of((bits_of(x) & 0xFFFE0000u) | 0x8000u); /* a tie above even */
         if (i % 97 == 6) x = f32_of((bits_of(x) | 0x10000u) | 0x8000u);   /* above odd */
@@ -3448,6 +3451,9 @@ static void test_adam_lean(uint64_t seed0) {
         op.seed = 0xC0FFEEull + (uint64_t)mode;
         op.sr_params = sr_p;
         op.moments_nearest = mode == 2;
+        /* both of torch.lerp's forms: weight 1 - decay below 0.5 and not */
+        op.ema_decay = mode % 2 ? 0.3 : 0.75;
+        const float ema_w = step == 0 ? 1.0f : (float)(1.0 - op.ema_decay);
         const uint64_t stream = 3u + (uint64_t)mode;
         /* the reference: on fp32 copies */
         float* wp = xmalloc((size_t)N * 4);
@@ -3469,8 +3475,9 @@ static void test_adam_lean(uint64_t seed0) {
         mp_adam_tensor t = {param, pt, grad, pt, no_master ? NULL : master,
                             mom16 ? (void*)m16 : (void*)m32, mom16 ? (void*)v16 : (void*)v32,
                             &stp, N, NULL, mom16 ? MP_BF16 : MP_F32, mom16 ? MP_BF16 : MP_F32,
-                            stream};
+                            stream, ema};
         mp_adam_tensor t2 = t;
+        t2.ema = ema2;
         float* master2 = NULL;
         if (mode == 0) { /* the remainder run beside the master run */
           t2.param = param2;
@@ -3484,6 +3491,8 @@ static void test_adam_lean(uint64_t seed0) {
           memcpy(t2.exp_avg, m32, (size_t)N * 4);
           memcpy(t2.exp_avg_sq, v32, (size_t)N * 4);
         }
+        float* ema_before = xmalloc((size_t)N * 4);
+        memcpy(ema_before, ema, (size_t)N * 4);
         const int64_t cuts[] = {0, 13, 500, N};
         for (int c = 0; c < 3; ++c) {
           g_check(&g, mp_adam_step(&t, cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
@@ -3514,6 +3523,17 @@ static void test_adam_lean(uint64_t seed0) {
             g_fail(&g, "mode %d step %d element %" PRId64 ": fp32 moments differ", mode, step, i);
           }
           uint32_t want_p;
+          /* the ema follows the master as stored, or the fp32 update when there is none */
+          float ev = wp[i];
+          if (!no_master && (bits_of(ev) & 0x1FFFFu) == 0x8000u) ev = f32_of(bits_of(ev) - 1u);
+          const float ed = ev - ema_before[i];
+          const float want_ema = ema_w < 0.5f ? ema_before[i] + ema_w * ed
+                                              : ev - ed * (1.0f - ema_w);
+          if (bits_of(ema[i]) != bits_of(want_ema) || (mode == 0 && bits_of(ema2[i]) != bits_of(ema[i]))) {
+            bad++;
+            g_fail(&g, "mode %d step %d element %" PRId64 ": ema %08x, want %08x", mode, step, i,
+                   bits_of(ema[i]), bits_of(want_ema));
+          }
           if (!no_master) {
             uint32_t x = bits_of(wp[i]);
             if ((x & 0x1FFFFu) == 0x8000u) x -= 1u; /* finite here */
@@ -3552,7 +3572,10 @@ static void test_adam_lean(uint64_t seed0) {
         free(wp);
         free(wm);
         free(wv);
+        free(ema_before);
       }
+      free(ema);
+      free(ema2);
       free(param);
       free(param2);
       free(grad);

@@ -533,19 +533,21 @@ namespace {
 // launch splits; CUDA against the core on the same inputs, every array bit for bit (the random
 // bits of stochastic rounding are a function of seed, step, stream and position only).
 struct Lean {
-  int pdtype, gdtype, storage;  // storage: 1 master, 2 remainder, 3 none
+  int pdtype, gdtype, storage;  // storage: 0 an fp32 param, 1 master, 2 remainder, 3 none
   int md, vd;
   int64_t n;
   uint32_t stream;
-  std::vector<uint16_t> param, grad, m16, v16;
+  std::vector<uint16_t> param, grad, m16, v16;  // an fp32 param or grad: two halves a value
   std::vector<float> master, m32, v32;
   std::vector<int16_t> rem;
   float step;
+  std::vector<float> ema;  // empty: none
 };
 
 Lean make_lean(Rng& r, int pd, int gd, int storage, int md, int vd, int64_t n, uint32_t stream) {
-  Lean l{pd, gd, storage, md, vd, n, stream, {}, {}, {}, {}, {}, {}, {}, {}, 2.0f};
-  l.param.resize(n);
+  Lean l{pd, gd, storage, md, vd, n, stream, {}, {}, {}, {}, {}, {}, {}, {}, 2.0f, {}};
+  l.param.resize(static_cast<size_t>(n) * (pd == MP_F32 ? 2 : 1));
+  l.ema.resize(stream % 2 == 0 ? n : 0);
   l.grad.resize(static_cast<size_t>(n) * (gd == MP_F32 ? 2 : 1));
   l.master.resize(storage == 1 ? n : 0);
   l.rem.resize(storage == 2 ? n : 0);
@@ -556,7 +558,12 @@ Lean make_lean(Rng& r, int pd, int gd, int storage, int md, int vd, int64_t n, u
   for (int64_t i = 0; i < n; ++i) {
     const float x = r.uniform(-2.0f, 2.0f);
     const uint32_t xb = pd == MP_BF16 ? mp_bf16_master_bits(bits_of(x)) : bits_of(x);
-    l.param[i] = pd == MP_BF16 ? mp_bf16_rne_bits(xb) : mp_fp16_rne_bits(xb);
+    if (pd == MP_F32) {
+      memcpy(&l.param[2 * i], &x, 4);
+    } else {
+      l.param[i] = pd == MP_BF16 ? mp_bf16_rne_bits(xb) : mp_fp16_rne_bits(xb);
+    }
+    if (!l.ema.empty()) l.ema[i] = r.uniform(-2.0f, 2.0f);
     if (storage == 1) l.master[i] = f32_of(xb);
     if (storage == 2) l.rem[i] = static_cast<int16_t>(mp_bf16_remainder(xb, l.param[i]));
     const float g = r.uniform(-1.0f, 1.0f) * 64.0f;
@@ -588,6 +595,7 @@ mp_adam_tensor lean_tensor(Lean& l) {
   t.step = &l.step;
   t.n = l.n;
   t.sr_stream = l.stream;
+  t.ema = l.ema.empty() ? nullptr : l.ema.data();
   return t;
 }
 
@@ -598,7 +606,7 @@ bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
 bool same_lean(const Lean& a, const Lean& b) {
   return a.param == b.param && a.grad == b.grad && a.m16 == b.m16 && a.v16 == b.v16 &&
          a.rem == b.rem && a.step == b.step && same_floats(a.master, b.master) &&
-         same_floats(a.m32, b.m32) && same_floats(a.v32, b.v32);
+         same_floats(a.m32, b.m32) && same_floats(a.v32, b.v32) && same_floats(a.ema, b.ema);
 }
 
 }  // namespace
@@ -607,6 +615,11 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
   Rng r(900);
   std::vector<Lean> cpu;
   uint32_t stream = 0;
+  for (int mom = 0; mom < 4; ++mom) {  // fp32 params (with an ema every other one)
+    const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
+    cpu.push_back(make_lean(r, MP_F32, MP_F32, 0, mom & 1 ? MP_BF16 : MP_F32,
+                            mom & 2 ? MP_BF16 : MP_F32, n, stream++));
+  }
   for (int pd : {MP_BF16, MP_F16}) {
     for (int gd : {pd, static_cast<int>(MP_F32)}) {
       for (int storage : {1, 2, 3}) {
@@ -637,6 +650,7 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
     o.sr_params = variant & 1;
     o.moments_nearest = variant == 2;
     o.seed = 0xABCDEFull * (variant + 1);
+    o.ema_decay = variant & 2 ? 0.999 : 0.25;  // both of lerp's forms
     set_context("sr_params %d moments_nearest %d", o.sr_params, o.moments_nearest);
     for (size_t k = 0; k < tc.size(); ++k) {
       CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");

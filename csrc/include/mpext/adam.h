@@ -45,6 +45,11 @@ extern "C" {
  * nearest even.
  * sr_stream (< 2^32) numbers the param's stochastic-rounding streams (its position in the
  * optimizer).
+ * ema, when not NULL, is moved towards the param's new fp32 value in the same pass:
+ *   ema = lerp(ema, value, 1 - ema_decay)   (torch.lerp's two forms, each operation rounded)
+ * with a weight of 1 (a copy) on the param's first step, as torch.optim.swa_utils.AveragedModel
+ * starts; the value is the master as stored (a bf16 master after the tie rule below), or, with
+ * no master, the fp32 update before the param is rounded.
  * When n == 0 only step is used (the others may be NULL). */
 typedef struct mp_adam_tensor {
   void* param;
@@ -60,6 +65,7 @@ typedef struct mp_adam_tensor {
   int32_t exp_avg_dtype;    /* an mp_dtype: MP_F32 or MP_BF16 */
   int32_t exp_avg_sq_dtype; /* an mp_dtype: MP_F32 or MP_BF16 */
   uint64_t sr_stream;
+  float* ema; /* n floats, an exponential moving average of the fp32 value, or NULL for none */
 } mp_adam_tensor;
 
 /* The settings of one call, shared by its params. lr, inv_scale and found_inf point at memory
@@ -85,6 +91,7 @@ typedef struct mp_adam_options {
   uint64_t seed;          /* stochastic rounding draws from the streams mp_sr_key(seed, t, 2k)
                              (moments) and (seed, t, 2k + 1) (param), t the step count after this
                              step, k the tensor's sr_stream, at the element's position */
+  double ema_decay;       /* in [0, 1]: the decay of the tensors' ema arrays (if any) */
 } mp_adam_options;
 
 /* Elements [start, start + count) of t's arrays, on the calling thread and the active ISA path:

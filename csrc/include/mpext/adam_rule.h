@@ -59,6 +59,9 @@ typedef struct mp_adam_scalars {
   int32_t moments_nearest; /* bf16 moments rounded to nearest even */
   uint64_t key_moments;    /* the stochastic-rounding streams of this param and step */
   uint64_t key_param;
+  float ema_weight;        /* 1 - ema_decay (subtracted in double); 1 on the first step */
+  float ema_rest;          /* 1 - ema_weight, in fp32 */
+  int32_t ema_from_start;  /* ema_weight < 0.5, as lerp_from_start */
 } mp_adam_scalars;
 
 /* (*h, *l) = (ah + al) * (bh + bl) in double-double: the product of the high parts exactly
@@ -96,11 +99,12 @@ MP_HD int mp_adam_skip(const mp_adam_options* o) {
   return o->found_inf != 0 && *o->found_inf != 0.0f;
 }
 
-/* 1 if the options are valid: betas in [0, 1), eps and weight_decay finite and >= 0. */
+/* 1 if the options are valid: betas in [0, 1), eps and weight_decay finite and >= 0, ema_decay
+ * in [0, 1]. */
 MP_HD int mp_adam_options_ok(const mp_adam_options* o) {
   return o->beta1 >= 0.0 && o->beta1 < 1.0 && o->beta2 >= 0.0 && o->beta2 < 1.0 &&
          o->eps >= 0.0 && o->eps - o->eps == 0.0 && o->weight_decay >= 0.0 &&
-         o->weight_decay - o->weight_decay == 0.0;
+         o->weight_decay - o->weight_decay == 0.0 && o->ema_decay >= 0.0 && o->ema_decay <= 1.0;
 }
 
 /* 1 if t is a valid param (see mp_adam_tensor), each array aligned to its element size. */
@@ -121,7 +125,8 @@ MP_HD int mp_adam_tensor_ok(const mp_adam_tensor* t) {
          ((uintptr_t)t->grad % (uintptr_t)MP_DTYPE_BYTES(gd)) == 0u &&
          ((uintptr_t)t->exp_avg % (uintptr_t)MP_DTYPE_BYTES(md)) == 0u &&
          ((uintptr_t)t->exp_avg_sq % (uintptr_t)MP_DTYPE_BYTES(vd)) == 0u &&
-         ((uintptr_t)t->master & 3u) == 0u && ((uintptr_t)t->remainder & 1u) == 0u;
+         ((uintptr_t)t->master & 3u) == 0u && ((uintptr_t)t->remainder & 1u) == 0u &&
+         ((uintptr_t)t->ema & 3u) == 0u;
 }
 
 /* The scalars of a step whose param has step count `step` before it (t = step + 1, in fp32 as
@@ -154,6 +159,9 @@ MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, f
   const uint64_t t_int = t_f >= 1.0f && t_f < 18446744073709551616.0f ? (uint64_t)t_f : 0u;
   s.key_moments = mp_sr_key(o->seed, t_int, 2u * sr_stream);
   s.key_param = mp_sr_key(o->seed, t_int, 2u * sr_stream + 1u);
+  s.ema_weight = step == 0.0f ? 1.0f : (float)MP_DSUB(1.0, o->ema_decay);
+  s.ema_rest = MP_FSUB(1.0f, s.ema_weight);
+  s.ema_from_start = s.ema_weight < 0.5f ? 1 : 0;
   return s;
 }
 
@@ -200,6 +208,18 @@ MP_HD float mp_adam_unscaled(float gin, const mp_adam_scalars* s) {
   return MP_FMUL(gin, s->inv_scale);
 }
 
+/* torch.lerp(a, b, w) in fp32, with rest = 1 - w and from_start = w < 0.5: torch's two forms,
+ * chosen by the weight, each rounded as torch rounds it. */
+MP_HD float mp_lerp(float a, float b, float w, float rest, int32_t from_start) {
+  const float diff = MP_FSUB(b, a);
+  return from_start ? MP_FADD(a, MP_FMUL(w, diff)) : MP_FSUB(b, MP_FMUL(diff, rest));
+}
+
+/* The ema of an element after a step whose new fp32 value is x (see mp_adam_tensor). */
+MP_HD float mp_adam_ema(float ema, float x, const mp_adam_scalars* s) {
+  return mp_lerp(ema, x, s->ema_weight, s->ema_rest, s->ema_from_start);
+}
+
 /* One element: unscaled gradient g (mp_adam_unscaled), fp32 param or master value p, moments *m
  * and *v updated in place; returns the new p. */
 MP_HD float mp_adam_element(float g, float p, float* m, float* v, const mp_adam_scalars* s) {
@@ -209,9 +229,7 @@ MP_HD float mp_adam_element(float g, float p, float* m, float* v, const mp_adam_
   } else {
     g = MP_FADD(g, MP_FMUL(s->weight_decay, p));
   }
-  const float diff = MP_FSUB(g, *m);
-  *m = s->lerp_from_start ? MP_FADD(*m, MP_FMUL(s->lerp_weight, diff))
-                          : MP_FSUB(g, MP_FMUL(diff, s->lerp_rest));
+  *m = mp_lerp(*m, g, s->lerp_weight, s->lerp_rest, s->lerp_from_start);
   *v = MP_FADD(MP_FMUL(*v, s->beta2), MP_FMUL(MP_FMUL(s->one_minus_beta2, g), g));
   const float denom = MP_FADD(MP_FDIV(MP_FSQRT(*v), s->bc2_sqrt), s->eps);
   return MP_FADD(p, MP_FDIV(MP_FMUL(s->neg_step_size, *m), denom));

@@ -1,0 +1,440 @@
+"""The EMA of the FP32 masters kept inside the fused Adam step (``ema_decay``).
+
+References: the documented formula (torch.lerp's two forms, each operation rounded to float32)
+computed with numpy float32 over the masters mpext itself holds after each step (so the test
+checks the EMA arithmetic bit for bit, independently of the Adam arithmetic, which
+tests/test_adam.py checks against torch), a float64 EMA for the master-free modes (whose value,
+the fp32 update before rounding, is not observable), and torch's own
+``AveragedModel(get_ema_multi_avg_fn)`` for what a user gets today.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import mpext
+from mpext import ops
+from mpext.optim import Adam, AdamW
+
+from conftest import DEVICES  # noqa: F401  (the device fixture's parameters)
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def bits(t):
+    t = t.detach().contiguous().reshape(-1).cpu()
+    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def assert_bitwise(a, b, what=""):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(bits(a), bits(b)), what
+
+
+def lerp_f32(a, b, w):
+    """torch.lerp(a, b, w) as documented, each operation rounded to float32 (numpy)."""
+    a = a.detach().cpu().numpy().astype(np.float32)
+    b = b.detach().cpu().numpy().astype(np.float32)
+    w = np.float32(w)
+    d = np.subtract(b, a, dtype=np.float32)
+    if w < 0.5:
+        out = np.add(a, np.multiply(w, d, dtype=np.float32), dtype=np.float32)
+    else:
+        out = np.subtract(b, np.multiply(d, np.float32(np.float32(1) - w), dtype=np.float32),
+                          dtype=np.float32)
+    return torch.from_numpy(out)
+
+
+def params(dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(37, 5), (128,), (3, 4, 5, 6), (0, 3), (1,)]
+    out = [torch.randn(s, generator=g).to(dtype).to(device) for s in shapes]
+    out[2] = out[2].to(memory_format=torch.channels_last)
+    return [p.requires_grad_() for p in out]
+
+
+def grads(ps, step, dtype=None):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(p.shape, generator=g) * (10.0 ** (step % 5 - 3)))
+            .to(dtype or p.dtype).to(p.device).contiguous(memory_format=torch.preserve_format)
+            if p.dim() != 4 else
+            (torch.randn(p.shape, generator=g)).to(dtype or p.dtype).to(p.device)
+            .to(memory_format=torch.channels_last) for p in ps]
+
+
+MODES = {
+    "fp32": (F32, {}),
+    "bf16_master": (BF16, {}),
+    "bf16_remainder": (BF16, dict(param_remainders=True)),
+    "fp16_master": (F16, {}),
+    "bf16_master_bf16_moments": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
+}
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.3], ids=["w_below_half", "w_above_half"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_ema_follows_the_masters_bit_for_bit(device, mode, decay):
+    """After every step the EMA is lerp(previous EMA, the master as stored, 1 - decay), each
+    operation rounded as documented; a copy of the master after the first step."""
+    dtype, kw = MODES[mode]
+    ps = params(dtype, device)
+    opt = AdamW(ps, lr=1e-2, ema_decay=decay, **kw)
+    w = float(np.float32(1.0 - decay))
+    want = [None] * len(ps)
+    for step in range(40):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+        for i, p in enumerate(ps):
+            value = opt.master_param(p)
+            want[i] = value.cpu() if want[i] is None else lerp_f32(want[i], value, w)
+            got = opt.ema_param(p)
+            assert got.dtype == F32 and got.shape == p.shape and got.device == p.device
+            if p.dim() == 4:
+                assert got.is_contiguous(memory_format=torch.channels_last)
+            assert_bitwise(got.cpu().contiguous(), want[i].reshape(p.shape).contiguous(),
+                           "%s step %d param %d" % (mode, step, i))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
+def test_ema_without_masters_follows_the_fp32_updates(dtype, sr):
+    """With no master the EMA averages the fp32 update before it is rounded into the param:
+    it matches a float64 EMA of those updates (recomputed from the param before the step and
+    the new moments), and is much closer to it than an EMA of the rounded params would be."""
+    torch.manual_seed(3)
+    p = torch.randn(4096).to(dtype).requires_grad_()
+    opt = AdamW([p], lr=1e-3, weight_decay=0.0, ema_decay=0.95, master_weights=False,
+                stochastic_rounding=sr)
+    ema64 = ema_rounded = None
+    for step in range(60):
+        before = p.detach().double().clone()
+        p.grad = torch.randn(4096).to(dtype)
+        opt.step()
+        m = opt.state[p]["exp_avg"].double()
+        v = opt.state[p]["exp_avg_sq"].double()
+        t = step + 1
+        upd = before - 1e-3 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+        now = p.detach().double()
+        if ema64 is None:
+            ema64, ema_rounded = upd.clone(), now.clone()
+        else:
+            ema64 += 0.05 * (upd - ema64)
+            ema_rounded += 0.05 * (now - ema_rounded)
+    err = (opt.ema_param(p).double() - ema64).abs().max().item()
+    assert err < 1e-5, err
+    assert (ema_rounded - ema64).abs().max().item() > 10 * err
+
+
+def test_ema_of_a_bf16_model_beats_averaged_model_in_bf16():
+    """What a user gets today: AveragedModel on the bf16 model averages in bf16, where (1 -
+    decay) * (p - ema) is mostly below half an ulp and lost. mpext's EMA of the masters stays
+    with the EMA of an fp32 run (same data); AveragedModel(bf16) does not."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 64)
+    m16 = copy.deepcopy(base).to(BF16)
+    m32 = copy.deepcopy(m16).float()
+    ours = AdamW(m16.parameters(), lr=1e-3, ema_decay=0.999)
+    ref = torch.optim.AdamW(m32.parameters(), lr=1e-3, foreach=False)
+    avg32 = AveragedModel(m32, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    avg16 = AveragedModel(m16, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    for step in range(300):
+        x = torch.randn(32, 64)
+        for model, opt in ((m16, ours), (m32, ref)):
+            opt.zero_grad()
+            model(x.to(next(model.parameters()).dtype)).float().pow(2).mean().backward()
+            opt.step()
+        avg32.update_parameters(m32)
+        avg16.update_parameters(m16)
+    w32 = avg32.module.weight.detach()
+    ours_err = (ours.ema_param(m16.weight) - w32).abs().mean().item()
+    bf16_err = (avg16.module.weight.detach().float() - w32).abs().mean().item()
+    assert ours_err * 20 < bf16_err, (ours_err, bf16_err)
+
+
+def test_skipped_step_leaves_the_ema(device):
+    ps = params(BF16, device)
+    opt = AdamW(ps, lr=1e-2, ema_decay=0.9)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    before = [opt.ema_param(p) for p in ps]
+    for p, g in zip(ps, grads(ps, 7)):
+        p.grad = g
+    opt.step(grad_scale=torch.full((), 4.0, device=device),
+             found_inf=torch.ones((), device=device))
+    for p, b in zip(ps, before):
+        assert_bitwise(opt.ema_param(p), b)
+
+
+def test_ema_under_grad_scaler_matches_unscaled(device):
+    """The EMA of a run under a loss scale (a power of two: exact) equals the unscaled run's."""
+    a, b = params(BF16, device), params(BF16, device)
+    oa, ob = AdamW(a, lr=1e-2, ema_decay=0.99), AdamW(b, lr=1e-2, ema_decay=0.99)
+    scaler = mpext.GradScaler(device, init_scale=2.0 ** 10, growth_interval=1000)
+    scaler.scale(torch.zeros((), device=device))  # the scale is made by the first scale()
+    for step in range(10):
+        gs = grads(a, step)
+        for p, q, g in zip(a, b, gs):
+            p.grad = g.clone()
+            q.grad = (g.float() * 2.0 ** 10).to(g.dtype)
+        oa.step()
+        scaler.step(ob)
+        scaler.update()
+    for p, q in zip(a, b):
+        assert_bitwise(oa.ema_param(p), ob.ema_param(q))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(param_remainders=True)], ids=["master", "remainder"])
+def test_ema_weights_swaps_in_and_back_exactly(kw):
+    """Inside ema_weights() the params hold their EMA rounded to nearest even; after it they
+    are exactly what they were, so training continues as if the swap never happened (masters
+    and remainders still valid)."""
+    a, b = params(BF16), params(BF16)
+    oa, ob = AdamW(a, lr=1e-2, ema_decay=0.9, **kw), AdamW(b, lr=1e-2, ema_decay=0.9, **kw)
+    for step in range(20):
+        for opt, ps in ((oa, a), (ob, b)):
+            for p, g in zip(ps, grads(ps, step)):
+                p.grad = g
+            opt.step()
+        if step == 9:
+            before = [p.detach().clone() for p in a]
+            with oa.ema_weights() as o:
+                assert o is oa
+                for p in a:
+                    assert_bitwise(p.detach(), oa.ema_param(p).to(BF16))
+            for p, x in zip(a, before):
+                assert_bitwise(p.detach(), x)
+    for p, q in zip(a, b):
+        assert_bitwise(p.detach(), q.detach())
+        assert_bitwise(oa.master_param(p), ob.master_param(q))
+        assert_bitwise(oa.ema_param(p), ob.ema_param(q))
+
+
+def test_ema_weights_restores_after_an_exception():
+    ps = params(BF16)
+    opt = AdamW(ps, ema_decay=0.5)
+    for p, g in zip(ps, grads(ps, 0)):
+        p.grad = g
+    opt.step()
+    for p, g in zip(ps, grads(ps, 1)):
+        p.grad = g
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(KeyError):
+        with opt.ema_weights():
+            raise KeyError("evaluation failed")
+    for p, x in zip(ps, before):
+        assert_bitwise(p.detach(), x)
+
+
+def test_ema_weights_without_an_ema_is_refused():
+    opt = AdamW(params(BF16))
+    with pytest.raises(RuntimeError, match=r"ema_weights: no param group keeps an EMA; "
+                                           r"construct the optimizer with ema_decay"):
+        with opt.ema_weights():
+            pass
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, "0.9", float("nan"), True])
+def test_bad_ema_decay(bad):
+    with pytest.raises(ValueError, match=r"ema_decay must be None or a number in \[0, 1\], "
+                                         r"got %s" % repr(bad).replace(".", r"\.")):
+        AdamW(params(BF16), ema_decay=bad)
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    a, b = params(BF16), params(BF16)
+    oa = AdamW(a, lr=1e-2, ema_decay=0.9, param_remainders=True)
+    ob = AdamW(b, lr=1e-2, ema_decay=0.9, param_remainders=True)
+    for step in range(10):
+        for opt, ps in ((oa, a), (ob, b)):
+            for p, g in zip(ps, grads(ps, step)):
+                p.grad = g
+            opt.step()
+    torch.save({"model": [p.detach() for p in b], "opt": ob.state_dict()}, tmp_path / "ck.pt")
+    saved = torch.load(tmp_path / "ck.pt")
+    assert all("ema_param" in s for s in saved["opt"]["state"].values())
+    c = params(BF16, seed=9)
+    with torch.no_grad():
+        for p, x in zip(c, saved["model"]):
+            p.copy_(x)
+    oc = AdamW(c, lr=1e-2, ema_decay=0.9, param_remainders=True)
+    oc.load_state_dict(saved["opt"])
+    for step in range(10, 20):
+        for opt, ps in ((oa, a), (oc, c)):
+            for p, g in zip(ps, grads(ps, step)):
+                p.grad = g
+            opt.step()
+    for p, q in zip(a, c):
+        assert_bitwise(p.detach(), q.detach())
+        assert_bitwise(oa.ema_param(p), oc.ema_param(q))
+
+
+def test_state_dict_across_ema_settings():
+    """ema_decay is a setting of the state dict's (as lr is, in torch): a state with an EMA
+    brings it along; setting the group's ema_decay to None drops it at the next step. A state
+    without one (torch's AdamW) loaded into an optimizer asking for one (after the load, as
+    torch's hyperparameters are set) starts it from the param's fp32 value, then it follows
+    the masters."""
+    ps = params(BF16)
+    with_ema = AdamW(ps, lr=1e-2, ema_decay=0.9)
+    for p, g in zip(ps, grads(ps, 0)):
+        p.grad = g
+    with_ema.step()
+    without = AdamW(ps, lr=1e-2)
+    without.load_state_dict(with_ema.state_dict())
+    assert without.param_groups[0]["ema_decay"] == 0.9
+    for p in ps:
+        assert_bitwise(without.ema_param(p), with_ema.ema_param(p))
+    without.param_groups[0]["ema_decay"] = None
+    for p, g in zip(ps, grads(ps, 1)):
+        p.grad = g
+    without.step()
+    assert all("ema_param" not in s for s in without.state.values())
+
+    qs = [p.detach().float().requires_grad_() for p in ps]
+    torch_opt = torch.optim.AdamW(qs, lr=1e-2, foreach=False)
+    for q, g in zip(qs, grads(ps, 0)):
+        q.grad = g.float()
+    torch_opt.step()
+    again = AdamW(ps, lr=1e-2, ema_decay=0.9)
+    again.load_state_dict(torch_opt.state_dict())
+    assert again.param_groups[0]["ema_decay"] == 0.9  # torch's state has no such setting
+    for p in ps:
+        assert_bitwise(again.ema_param(p), p.detach().float())  # from the param, not zeros
+    for p, g in zip(ps, grads(ps, 1)):
+        p.grad = g
+    before = [again.ema_param(p) for p in ps]
+    again.step()
+    for p, e in zip(ps, before):
+        want = lerp_f32(e, again.master_param(p), float(np.float32(1.0 - 0.9)))
+        assert_bitwise(again.ema_param(p).contiguous(), want.reshape(p.shape).contiguous())
+
+
+def test_every_isa_path_and_thread_count_gives_the_same_ema(threads):
+    results = []
+    for name in mpext.build_info()["cpu_isas_supported"]:
+        for nthreads in (1, 2):
+            previous = mpext.cpu_isa()
+            mpext.set_cpu_isa(name)
+            torch.set_num_threads(nthreads)
+            try:
+                ps = [torch.randn(70001, generator=torch.Generator().manual_seed(1)).to(BF16)]
+                opt = AdamW(ps, lr=1e-2, ema_decay=0.9, param_remainders=True)
+                for step in range(3):
+                    ps[0].grad = torch.randn(70001, generator=torch.Generator().manual_seed(step)
+                                             ).to(BF16)
+                    opt.step()
+                results.append(opt.ema_param(ps[0]))
+            finally:
+                mpext.set_cpu_isa(previous)
+    for r in results[1:]:
+        assert_bitwise(r, results[0])
+
+
+def test_mixed_precision_optimizer_keeps_the_inner_ema():
+    """MixedPrecisionOptimizer around mpext.optim.AdamW(ema_decay=...): the fused path keeps
+    the EMA of its FP32 masters, the same bits as mpext.optim.AdamW on the bf16 model."""
+    torch.manual_seed(0)
+    a = torch.nn.Linear(16, 8).to(BF16)
+    b = copy.deepcopy(a)
+    plain = AdamW(a.parameters(), lr=1e-2, ema_decay=0.9)
+    mpo = mpext.MixedPrecisionOptimizer(AdamW(b.parameters(), lr=1e-2, ema_decay=0.9),
+                                        loss_scale=None)
+    for step in range(5):
+        x = torch.randn(4, 16).to(BF16)
+        plain.zero_grad()
+        a(x).float().pow(2).mean().backward()
+        plain.step()
+        mpo.zero_grad()
+        mpo.backward(b(x).float().pow(2).mean())
+        mpo.step()
+    inner = mpo.optimizer
+    for p, q in zip(a.parameters(), b.parameters()):
+        master = mpo.master_param(q)
+        assert_bitwise(plain.master_param(p), master)
+        assert_bitwise(plain.ema_param(p), inner.state[master]["ema_param"])
+
+
+def test_compiled_step_gives_the_eager_ema():
+    torch._dynamo.reset()
+    a, b = params(BF16), params(BF16)
+    oa = AdamW(a, lr=1e-2, ema_decay=0.9, param_remainders=True)
+    ob = AdamW(b, lr=1e-2, ema_decay=0.9, param_remainders=True)
+    step_a = torch.compile(oa.step)
+    for step in range(4):
+        for opt, ps in ((oa, a), (ob, b)):
+            for p, g in zip(ps, grads(ps, step)):
+                p.grad = g
+        step_a()
+        ob.step()
+    for p, q in zip(a, b):
+        assert_bitwise(oa.ema_param(p), ob.ema_param(q))
+    torch._dynamo.reset()
+
+
+# --- the op: every check through the real and the fake kernel, with one message --------------
+
+def _op_case(device):
+    p = torch.randn(6, device=device).to(BF16)
+    return dict(params=[p, torch.randn(3, device=device)],
+                grads=[torch.randn(6, device=device).to(BF16), torch.randn(3, device=device)],
+                exp_avgs=[torch.zeros(6, device=device), torch.zeros(3, device=device)],
+                exp_avg_sqs=[torch.zeros(6, device=device), torch.zeros(3, device=device)],
+                masters=[p.float(), torch.empty(0, device=device)],
+                steps=[torch.zeros((), device=device), torch.zeros((), device=device)],
+                ema_params=[torch.zeros(6, device=device), torch.zeros(3, device=device)])
+
+
+OP_BAD = [
+    (lambda kw: kw.update(ema_params=kw["ema_params"][:1]), ValueError,
+     r"ema_params must be empty or have one entry per param \(2\), got 1"),
+    (lambda kw: kw.update(ema_decay=1.5), ValueError, r"ema_decay must be in \[0, 1\], got 1.5"),
+    (lambda kw: kw.update(ema_decay=-1e-3), ValueError, r"ema_decay must be in \[0, 1\]"),
+    (lambda kw: kw["ema_params"].__setitem__(1, kw["ema_params"][1].double()), RuntimeError,
+     r"ema_params\[1\] must have dtype float32, got float64"),
+    (lambda kw: kw["ema_params"].__setitem__(0, torch.zeros(2, 3, device=kw["params"][0].device)),
+     ValueError, r"ema_params\[0\] \(sizes \[2, 3\], strides \[3, 1\]\) must match params\[0\] "
+                 r"\(sizes \[6\], strides \[1\]\)"),
+    (lambda kw: kw["ema_params"].__setitem__(0, torch.zeros(12, device=kw["params"][0].device)
+                                              [::2]),
+     RuntimeError, r"ema_params\[0\] must be dense and non-overlapping"),
+]
+
+
+@pytest.mark.parametrize("where", ["kernel", "meta"])
+@pytest.mark.parametrize("change,exc,match", OP_BAD, ids=[m[:40] for _, _, m in OP_BAD])
+def test_op_bad_ema_arguments_change_nothing(where, change, exc, match):
+    dev = "meta" if where == "meta" else "cpu"
+    kw = _op_case(dev)
+    kw.setdefault("ema_decay", 0.9)
+    change(kw)
+    tensors = [t for v in kw.values() if isinstance(v, list) for t in v]
+    before = [] if dev == "meta" else [t.clone() for t in tensors]
+    with pytest.raises(exc, match=match):
+        ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"],
+                       kw["masters"], kw["steps"], torch.full((), 1e-2, device=dev),
+                       ema_params=kw["ema_params"], ema_decay=kw["ema_decay"])
+    for t, b in zip(tensors, before):
+        assert torch.equal(bits(t), bits(b))
+
+
+def test_op_ema_overlapping_a_param_is_refused():
+    kw = _op_case("cpu")
+    kw["ema_params"][1] = kw["params"][1]  # fp32 param as its own EMA: both written
+    with pytest.raises(RuntimeError, match=r"overlap"):
+        ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"],
+                       kw["masters"], kw["steps"], 1e-2, ema_params=kw["ema_params"],
+                       ema_decay=0.9)
+
+
+def test_op_empty_ema_entry_means_none():
+    kw = _op_case("cpu")
+    kw["ema_params"][0] = torch.empty(0)
+    ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"],
+                   kw["masters"], kw["steps"], 1e-2, ema_params=kw["ema_params"], ema_decay=0.5)
+    assert_bitwise(kw["ema_params"][1], kw["params"][1].detach())  # the first step copies
