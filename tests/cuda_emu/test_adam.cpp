@@ -20,8 +20,12 @@ const char* dtype_name(int dtype) {
 struct ParamSpec {
   int pdtype, gdtype;
   int64_t n;
-  unsigned mis_param, mis_grad, mis_state;  // address offsets modulo 16 (master and moments share)
+  unsigned mis_param, mis_grad, mis_state;  // address offsets modulo 16 (of the moments)
   float step;                               // the step count before the call
+  int mis_master = -1;                      // the master's offset; -1: the moments'
+  unsigned master_offset() const {
+    return mis_master < 0 ? mis_state : static_cast<unsigned>(mis_master);
+  }
 };
 
 // One param's arrays on the "device" and the CPU reference's copies.
@@ -78,7 +82,7 @@ Param make_param(Rng& r, const ParamSpec& s, bool mmapped) {
   p.grad = Buf(p.r_grad.size(), s.mis_grad, mmapped);
   p.exp_avg = Buf(4 * static_cast<size_t>(n), s.mis_state, mmapped);
   p.exp_avg_sq = Buf(4 * static_cast<size_t>(n), s.mis_state, mmapped);
-  if (has_master) p.master = Buf(4 * static_cast<size_t>(n), s.mis_state, mmapped);
+  if (has_master) p.master = Buf(4 * static_cast<size_t>(n), s.master_offset(), mmapped);
   p.step = Buf(4, 0, mmapped);
   to_buf(p.param, p.r_param);
   to_buf(p.grad, p.r_grad);
@@ -140,9 +144,9 @@ void compare(Param& p, size_t k) {
   char what[160];
   const ParamSpec& s = p.spec;
   auto name = [&](const char* arr) {
-    snprintf(what, sizeof what, "param %zu (%s/%s, n %lld, offsets %u/%u/%u) %s", k,
+    snprintf(what, sizeof what, "param %zu (%s/%s, n %lld, offsets %u/%u/%u/%u) %s", k,
              dtype_name(s.pdtype), dtype_name(s.gdtype), static_cast<long long>(s.n), s.mis_param,
-             s.mis_grad, s.mis_state, arr);
+             s.mis_grad, s.mis_state, s.master_offset(), arr);
     return what;
   };
   same_bits(p.param.data(), p.r_param.data(), s.n, elem_bytes(s.pdtype), s.pdtype, true,
@@ -313,6 +317,123 @@ EMU_TEST(adam_sizes_and_alignments) {
       adam_case(specs, h, ++seed);
     }
   }
+}
+
+// A master whose offset modulo 16 differs from the moments' while param, grad and moments share
+// a 16-byte boundary: there is no common boundary, so everything goes one element at a time (a
+// vector path taken anyway makes 16-byte accesses to a misaligned master, which UBSan reports).
+EMU_TEST(adam_master_misaligned_from_moments) {
+  Hyper h = default_hyper();
+  h.inv_scale = 0.5f;
+  h.unscale_grads = true;
+  std::vector<ParamSpec> specs;
+  for (int pd : {MP_BF16, MP_F16}) {
+    for (int gd : {pd, static_cast<int>(MP_F32)}) {
+      for (unsigned mis_param : {0u, 12u}) {
+        const unsigned head = ((16u - mis_param) & 15u) / 2;  // elements before the boundary
+        const unsigned mis_grad = gd == MP_F32 ? (16u - 4 * head) & 15u : mis_param;
+        const unsigned mis_state = (16u - 4 * head) & 15u;
+        for (unsigned mis_master = 0; mis_master < 16; mis_master += 4) {
+          if (mis_master == mis_state) continue;
+          specs.push_back({pd, gd, 45, mis_param, mis_grad, mis_state, 1.0f,
+                           static_cast<int>(mis_master)});
+        }
+      }
+    }
+  }
+  set_context("master and moments at different offsets");
+  adam_case(specs, h, 350, 2);
+}
+
+// The bf16 master tie rule on every path that stores a bf16 master (adam.h): masters in [1, 2)
+// whose low 17 bits are 0x8001, positive grads, zero moments, the first step, no weight decay,
+// eps 0 and lr = 2^-23, so that every update subtracts exactly one fp32 ulp (m / sqrt(v) is 1 to
+// within an ulp or two) and lands exactly halfway above an even bf16 value: the rule stores the
+// master one ulp lower still. Every fourth element is a control whose low 17 bits are 0x18001
+// (it lands halfway above an odd value, which is kept), which shows the update is one ulp.
+bool tie_element(int64_t i) { return i % 4 != 3; }
+
+uint32_t tie_master_bits(Rng& r, int64_t i) {
+  return 0x3F800000u | (static_cast<uint32_t>(r.below(64)) << 17) |
+         (tie_element(i) ? 0x08001u : 0x18001u);
+}
+
+float tie_grad(Rng& r, int gdtype) {
+  const float g = r.uniform(0.25f, 4.0f);
+  if (gdtype != MP_BF16) return g;
+  return f32_of(static_cast<uint32_t>(mp_bf16_rne_bits(bits_of(g))) << 16);
+}
+
+// Whether new master bits x (as stored) are the rule's result for old bits x0: two ulps down for
+// a tie element, one for a control. Counts the elements that are not.
+int64_t tie_misses(const uint32_t* x0, const uint32_t* x, int64_t n) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += x[i] != x0[i] - (tie_element(i) ? 2u : 1u);
+  return bad;
+}
+
+mp_adam_options tie_options() {
+  mp_adam_options o{};
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.eps = 0.0;
+  o.lr_value = 0x1p-23f;
+  o.ema_decay = 0.5;
+  return o;
+}
+
+// The scalar path (no common 16-byte boundary) and the vector path (all aligned, 64 elements in
+// vectors and a scalar tail), bf16 and fp32 grads.
+EMU_TEST(adam_bf16_master_tie_rule) {
+  Hyper h = default_hyper();
+  h.eps = 0.0;
+  h.lr = 0x1p-23f;
+  Rng r(370);
+  const ParamSpec specs[] = {{MP_BF16, MP_BF16, 67, 0, 0, 4, 0.0f},  // scalar: moments misaligned
+                             {MP_BF16, MP_F32, 67, 0, 0, 0, 0.0f, 8},  // scalar: master
+                             {MP_BF16, MP_BF16, 67, 0, 0, 0, 0.0f},  // vector
+                             {MP_BF16, MP_F32, 67, 6, 12, 12, 0.0f}};  // vector after a head of 5
+  std::vector<Param> ps;
+  std::vector<mp_adam_tensor> ts;
+  for (const ParamSpec& s : specs) {
+    Param p = make_param(r, s, false);
+    for (int64_t i = 0; i < s.n; ++i) {
+      const uint32_t x = tie_master_bits(r, i);
+      p.r_master[i] = f32_of(x);
+      const uint16_t q = mp_bf16_rne_bits(x);
+      memcpy(&p.r_param[2 * i], &q, 2);
+      const float g = tie_grad(r, s.gdtype);
+      if (s.gdtype == MP_F32) {
+        memcpy(&p.r_grad[4 * i], &g, 4);
+      } else {
+        const uint16_t gb = static_cast<uint16_t>(bits_of(g) >> 16);
+        memcpy(&p.r_grad[2 * i], &gb, 2);
+      }
+      p.r_m[i] = 0.0f;
+      p.r_v[i] = 0.0f;
+    }
+    to_buf(p.param, p.r_param);
+    to_buf(p.grad, p.r_grad);
+    to_buf(p.master, p.r_master);
+    to_buf(p.exp_avg, p.r_m);
+    to_buf(p.exp_avg_sq, p.r_v);
+    ps.push_back(std::move(p));
+  }
+  for (Param& p : ps) {
+    const std::vector<float> x0 = p.r_master;
+    cpu_step(p, h);
+    const int64_t missed =
+        tie_misses(reinterpret_cast<const uint32_t*>(x0.data()),
+                   reinterpret_cast<const uint32_t*>(p.r_master.data()), p.spec.n);
+    CHECK(missed == 0, "core: %lld masters are not the lowered ties (or the one-ulp controls)",
+          static_cast<long long>(missed));
+    ts.push_back(tensor_of(p));
+  }
+  mp_adam_options o = tie_options();
+  set_context("masters landing on bf16 ties, scalar and vector paths");
+  CHECK(mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &o, nullptr) == MP_OK,
+        "status");
+  for (size_t k = 0; k < ps.size(); ++k) compare(ps[k], k);
 }
 
 // found_inf set: nothing is written (the arrays and step counts are write-protected), in every
@@ -505,21 +626,62 @@ EMU_TEST(adam_bad_arguments) {
         "something was written");
 }
 
-// A failed main launch: MP_ERR_CUDA and no step count advanced (the step launch never runs).
+// A failed launch, main or step: MP_ERR_CUDA, nothing launched after it, no step count advanced
+// by a launch that failed or never ran, the error left pending.
 EMU_TEST(adam_launch_failure) {
-  Caps caps(1, 0);
-  Rng r(800);
-  Param p = make_param(r, {MP_F32, MP_F32, 2 * kChunk, 0, 0, 0, 3.0f}, false);
-  mp_adam_tensor t = tensor_of(p);
   const mp_adam_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr, 0};
-  for (int64_t fail_at : {int64_t{0}, int64_t{1}}) {
-    set_context("launch %lld fails", static_cast<long long>(fail_at));
+  {
+    Caps caps(1, 0);  // one block per main launch: two, then the step launch
+    Rng r(800);
+    Param p = make_param(r, {MP_F32, MP_F32, 2 * kChunk, 0, 0, 0, 3.0f}, false);
+    mp_adam_tensor t = tensor_of(p);
+    for (int64_t fail_at : {int64_t{0}, int64_t{1}, int64_t{2}}) {
+      set_context("one param, launch %lld of 3 fails", static_cast<long long>(fail_at));
+      mp_emu::fail_launch_in(fail_at);
+      const int64_t l0 = mp_emu::launch_count();
+      CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_CUDA, "status");
+      mp_emu::fail_launch_in(-1);
+      CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "launched after the failure");
+      CHECK(*p.step.f32() == 3.0f, "the step advanced after a failed launch");
+      CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "error not pending");
+    }
+  }
+  // Five params, two pieces per main launch and two step counters per step launch (the cap
+  // covers both): main launches 0-2 (params 0-1, 2-3, 4), step launches 3-5 (the same pairs).
+  // Every launch fails in turn; the params of a main launch that did not run are untouched.
+  Caps caps(0, 2);
+  constexpr int kParams = 5;
+  const std::vector<ParamSpec> specs = {{MP_F32, MP_F32, 11, 0, 0, 0, 1.0f},
+                                        {MP_BF16, MP_BF16, 12, 2, 2, 4, 2.0f},
+                                        {MP_BF16, MP_F32, 13, 0, 0, 0, 3.0f},
+                                        {MP_F16, MP_F16, 14, 0, 0, 0, 4.0f},
+                                        {MP_F16, MP_F32, 15, 4, 4, 4, 5.0f}};
+  for (int64_t fail_at = 0; fail_at < 6; ++fail_at) {
+    set_context("five params, launch %lld of 6 fails", static_cast<long long>(fail_at));
+    Rng r(801);
+    std::vector<Param> ps;
+    std::vector<mp_adam_tensor> ts;
+    std::vector<std::vector<uint8_t>> before;
+    for (const ParamSpec& s : specs) ps.push_back(make_param(r, s, false));
+    for (Param& p : ps) {
+      ts.push_back(tensor_of(p));
+      before.push_back(p.param.snapshot());
+    }
     mp_emu::fail_launch_in(fail_at);
     const int64_t l0 = mp_emu::launch_count();
-    CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_CUDA, "status");
+    CHECK(mp_adam_step_multi_cuda(ts.data(), kParams, &o, nullptr) == MP_ERR_CUDA, "status");
     mp_emu::fail_launch_in(-1);
-    CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "launched after the failure");
-    CHECK(*p.step.f32() == 3.0f, "the step advanced after a failed launch");
+    CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "%lld launches: launched after the failure",
+          static_cast<long long>(mp_emu::launch_count() - l0));
+    for (int k = 0; k < kParams; ++k) {
+      const bool stepped = 3 + k / 2 < fail_at;
+      CHECK(*ps[k].step.f32() == specs[k].step + (stepped ? 1.0f : 0.0f),
+            "param %d: step %g, want %g", k, static_cast<double>(*ps[k].step.f32()),
+            static_cast<double>(specs[k].step + (stepped ? 1.0f : 0.0f)));
+      const bool updated = k / 2 < fail_at;
+      CHECK((ps[k].param.snapshot() == before[k]) != updated, "param %d %s", k,
+            updated ? "not updated by its main launch" : "updated by a launch that failed");
+    }
     CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "error not pending");
   }
 }
@@ -667,5 +829,79 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
             static_cast<long long>(a.n));
     }
     cpu = gpu;  // the next variant starts from this state (same on both sides)
+  }
+}
+
+// The tie rule on the lean path (adam_bf16_master_tie_rule's data): remainders with fp32 or bf16
+// moments, and masters with bf16 moments or an ema, bf16 and fp32 grads.
+EMU_TEST(adam_lean_bf16_master_tie_rule) {
+  struct Case {
+    int gd, storage, md, vd;
+    uint32_t stream;  // even: with an ema
+  };
+  const Case cases[] = {{MP_BF16, 2, MP_F32, MP_F32, 1},   {MP_F32, 2, MP_BF16, MP_BF16, 2},
+                        {MP_BF16, 2, MP_F32, MP_BF16, 3},  {MP_BF16, 1, MP_BF16, MP_BF16, 5},
+                        {MP_F32, 1, MP_F32, MP_BF16, 4},   {MP_BF16, 1, MP_F32, MP_F32, 6}};
+  Rng r(960);
+  std::vector<Lean> cpu;
+  std::vector<std::vector<uint32_t>> x0s;
+  for (const Case& c : cases) {
+    const int64_t n = 43;
+    Lean l = make_lean(r, MP_BF16, c.gd, c.storage, c.md, c.vd, n, c.stream);
+    std::vector<uint32_t> x0(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t x = tie_master_bits(r, i);
+      x0[i] = x;
+      l.param[i] = mp_bf16_rne_bits(x);
+      if (c.storage == 1) l.master[i] = f32_of(x);
+      if (c.storage == 2) {
+        l.rem[i] = static_cast<int16_t>(mp_bf16_remainder(x, l.param[i]));
+        CHECK(mp_bf16_join(l.param[i], static_cast<uint16_t>(l.rem[i])) == x, "remainder of %08x",
+              x);
+      }
+      const float g = tie_grad(r, c.gd);
+      if (c.gd == MP_F32) {
+        memcpy(&l.grad[2 * i], &g, 4);
+      } else {
+        l.grad[i] = static_cast<uint16_t>(bits_of(g) >> 16);
+      }
+    }
+    for (float& m : l.m32) m = 0.0f;
+    for (uint16_t& m : l.m16) m = 0;
+    for (float& v : l.v32) v = 0.0f;
+    for (uint16_t& v : l.v16) v = 0;
+    l.step = 0.0f;
+    cpu.push_back(l);
+    x0s.push_back(x0);
+  }
+  std::vector<Lean> gpu = cpu;
+  std::vector<mp_adam_tensor> tc, tg;
+  for (Lean& l : cpu) tc.push_back(lean_tensor(l));
+  for (Lean& l : gpu) tg.push_back(lean_tensor(l));
+  mp_adam_options o = tie_options();
+  o.seed = 0x5EEDull;
+  set_context("masters landing on bf16 ties, lean path");
+  for (size_t k = 0; k < tc.size(); ++k) {
+    CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+  }
+  CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+        "core steps");
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const Lean& l = cpu[k];
+    std::vector<uint32_t> x(l.n);
+    for (int64_t i = 0; i < l.n; ++i) {
+      x[i] = l.storage == 1 ? bits_of(l.master[i])
+                            : mp_bf16_join(l.param[i], static_cast<uint16_t>(l.rem[i]));
+    }
+    const int64_t missed = tie_misses(x0s[k].data(), x.data(), l.n);
+    CHECK(missed == 0, "core, case %zu: %lld masters are not the lowered ties (or the one-ulp "
+          "controls)", k, static_cast<long long>(missed));
+  }
+  CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+            MP_OK, "cuda status");
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const Lean& a = cpu[k];
+    CHECK(same_lean(a, gpu[k]), "case %zu (grad %d storage %d moments %d/%d) differs", k, a.gdtype,
+          a.storage, a.md, a.vd);
   }
 }

@@ -241,6 +241,42 @@ EMU_TEST(grad_norm_nan_inf_and_range) {
   }
 }
 
+// A failed launch, pass 1's or the finish's: MP_ERR_CUDA, nothing launched after it, *out
+// untouched, no workspace entry written from the failed launch on, the error left pending.
+EMU_TEST(grad_norm_launch_failure) {
+  Caps caps(1, 0);  // one block per pass-1 launch: 3 for these tensors, then the finish launch
+  Rng r(80);
+  std::vector<Tensor> ts;
+  ts.push_back(make_tensor(r, MP_F32, kChunk + 5, 0, Data::kExact));
+  ts.push_back(make_tensor(r, MP_BF16, 9, 2, Data::kExact));
+  const mp_norm_segment segs[2] = {{ts[0].dev.data(), MP_F32, ts[0].n},
+                                   {ts[1].dev.data(), MP_BF16, ts[1].n}};
+  const int64_t need = mp_grad_norm_workspace_cuda(segs, 2);
+  CHECK(need == 3, "workspace %lld doubles, want 3", static_cast<long long>(need));
+  for (int64_t fail_at = 0; fail_at <= need; ++fail_at) {
+    set_context("launch %lld of %lld fails", static_cast<long long>(fail_at),
+                static_cast<long long>(need + 1));
+    Buf ws(8 * static_cast<size_t>(need), 0), out(4, 0);
+    memset(ws.data(), 0xFF, ws.bytes());
+    *out.f32() = -1.0f;
+    mp_emu::fail_launch_in(fail_at);
+    const int64_t l0 = mp_emu::launch_count();
+    const mp_status st = mp_grad_norm_multi_cuda(segs, 2, nullptr, static_cast<double*>(ws.data()),
+                                                 need, out.f32(), nullptr);
+    mp_emu::fail_launch_in(-1);
+    CHECK(st == MP_ERR_CUDA, "status %d", st);
+    CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "%lld launches: launched after the failure",
+          static_cast<long long>(mp_emu::launch_count() - l0));
+    CHECK(bits_of(*out.f32()) == bits_of(-1.0f), "out written: %a",
+          static_cast<double>(*out.f32()));
+    const uint8_t* w = static_cast<const uint8_t*>(ws.data());
+    bool untouched = true;
+    for (int64_t i = 8 * fail_at; i < 8 * need; ++i) untouched = untouched && w[i] == 0xFF;
+    CHECK(untouched, "a workspace entry from the failed launch on was written");
+    CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "the error was not left pending");
+  }
+}
+
 EMU_TEST(grad_norm_bad_arguments) {
   Buf x(64, 0), ws(8 * 4, 0), out(4, 0);
   *out.f32() = -1.0f;

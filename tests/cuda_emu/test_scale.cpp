@@ -360,6 +360,31 @@ EMU_TEST(update_scale_rule_sequences) {
   scale_sequence("inexact factors", 3.0f, 1.7, 0.3, 2, 2, 1e-3, 1e9, true, true, 10, 300, 6);
 }
 
+// A failed launch: MP_ERR_CUDA, the scale state as it was, the error left pending.
+EMU_TEST(update_scale_launch_failure) {
+  ScaleState before{1024.0f, 1, 2, {3, 4}};
+  Buf dev(sizeof(ScaleState), 0), found(4, 0);
+  memcpy(dev.data(), &before, sizeof before);
+  *found.f32() = 0.0f;
+  ScaleState* d = static_cast<ScaleState*>(dev.data());
+  set_context("launch 0 fails");
+  mp_emu::fail_launch_in(0);
+  const int64_t l0 = mp_emu::launch_count();
+  // Growth due on this step (interval 2, tracker 1): a launch that ran would change the state.
+  CHECK(cuda_update(&d->scale, &d->growth, found.f32(), 2.0, 0.5, 2, &d->hyst, 2, 0, 0,
+                    d->stats, nullptr) == MP_ERR_CUDA, "status");
+  mp_emu::fail_launch_in(-1);
+  CHECK(mp_emu::launch_count() - l0 == 1, "%lld launches",
+        static_cast<long long>(mp_emu::launch_count() - l0));
+  CHECK(memcmp(dev.data(), &before, sizeof before) == 0, "the scale state was written");
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "the error was not left pending");
+  set_context("the same call, no failure");
+  CHECK(cuda_update(&d->scale, &d->growth, found.f32(), 2.0, 0.5, 2, &d->hyst, 2, 0, 0,
+                    d->stats, nullptr) == MP_OK, "status");
+  CHECK(d->scale == 2048.0f && d->growth == 0, "scale %g, growth tracker %d: want 2048, 0",
+        static_cast<double>(d->scale), d->growth);
+}
+
 EMU_TEST(update_scale_bad_arguments) {
   Buf dev(64, 0), found(4, 0);
   float* scale = dev.f32();
