@@ -539,6 +539,33 @@ def _dt_body(rank, out_dir):
                  and torch.equal(fresh.state[p]["master_param"].full_tensor(), m))
                 for p, m in zip(params, out[name]["masters"])]
 
+    # The lean modes on shards: remainders (+ bf16 moments, + an EMA), and no master with
+    # stochastic rounding. Each rank keeps shard-local state of each kind.
+    lean = {"remainder": dict(param_remainders=True),
+            "remainder_bf16_moments_ema": dict(param_remainders=True, ema_decay=0.9,
+                                               exp_avg_dtype=torch.bfloat16,
+                                               exp_avg_sq_dtype=torch.bfloat16),
+            "master_free_sr": dict(master_weights=False, stochastic_rounding=True,
+                                   exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)}
+    for mode, kw in lean.items():
+        params, opt, scaler, found = run(torch.bfloat16,
+                                         lambda ps: mpext.optim.AdamW(ps, **ADAM, **kw))
+        name = "lean_" + mode
+        record(name, params, opt, scaler, found)
+        out[name]["state"] = {k: (type(v).__name__, str(v.dtype),
+                                  tuple(v.placements) == tuple(params[0].placements)
+                                  if hasattr(v, "placements") else None)
+                              for k, v in opt.state[params[0]].items()}
+        out[name]["masters"] = [opt.master_param(p).full_tensor() for p in params]
+        if "ema_decay" in kw:
+            out[name]["ema"] = [opt.ema_param(p).full_tensor() for p in params]
+        # a checkpoint of this mode resumed with FP32 masters: converted shard by shard
+        fresh = mpext.optim.AdamW(params, **ADAM)
+        fresh.load_state_dict(opt.state_dict())
+        out[name]["as_masters"] = [fresh.state[p]["master_param"].full_tensor()
+                                   if "master_param" in fresh.state[p] else None
+                                   for p in params]
+
     # torch's own foreach AdamW: the scaler's unscale_ path unscales the local shards.
     params, opt, scaler, found = run(torch.float32,
                                      lambda ps: torch.optim.AdamW(ps, foreach=True, **ADAM))
@@ -648,6 +675,47 @@ def test_dtensor_mpext_adamw_and_scaler_match_torch_on_full_tensors(results, dty
             torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
             assert torch.equal(b, c)
         assert got["redistributed"] == [True] * len(SHAPES)
+
+
+@pytest.mark.parametrize("mode", ["remainder", "remainder_bf16_moments_ema", "master_free_sr"])
+def test_dtensor_lean_modes_keep_shard_local_state(results, mode):
+    """Every lean mode on sharded params: the state is DTensors placed as the param; ranks
+    agree; remainders give the FP32-master run's bits; a checkpoint resumes with masters."""
+    name = "lean_" + mode
+    for r in results:
+        assert r[name]["found"] == [s == DT_INF_STEP for s in range(DT_STEPS)]
+        for a, b in zip(results[0][name]["params"], r[name]["params"]):
+            assert torch.equal(a, b)
+    got = results[0][name]
+    state = got["state"]
+    assert state["step"][0] == "Tensor"
+    for key, dtype in (("exp_avg", "torch.float32" if mode == "remainder" else "torch.bfloat16"),
+                       ("exp_avg_sq",
+                        "torch.float32" if mode == "remainder" else "torch.bfloat16")):
+        assert state[key] == ("DTensor", dtype, True)
+    if mode.startswith("remainder"):
+        assert state["param_remainder"] == ("DTensor", "torch.int16", True)
+        assert "master_param" not in state
+        assert all(m is not None for m in got["as_masters"])  # loaded: each param has one
+        for a, b in zip(got["masters"], got["as_masters"]):
+            assert torch.equal(a, b)
+    else:
+        assert "param_remainder" not in state and "master_param" not in state
+    if mode == "remainder":
+        ref = results[0]["mpext_adamw_bfloat16"]
+        for a, b in zip(ref["params"], got["params"]):
+            assert torch.equal(a, b)
+        for a, b in zip(ref["masters"], got["masters"]):
+            assert torch.equal(a, b)
+    if mode == "remainder_bf16_moments_ema":
+        assert state["ema_param"] == ("DTensor", "torch.float32", True)
+        for e, m in zip(got["ema"], got["masters"]):
+            assert e.shape == m.shape and torch.isfinite(e).all()
+    # close to the FP32-master reference on the full tensors (bf16 moments and stochastic
+    # rounding move the result by a few bf16 ulps at most over these steps)
+    params, _, _, _ = _dt_reference(torch.bfloat16)
+    for a, b in zip(params, got["params"]):
+        torch.testing.assert_close(b.float(), a.float(), atol=0.05, rtol=0.05)
 
 
 def test_dtensor_unscale_path_with_torch_adamw(results):

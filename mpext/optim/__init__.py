@@ -512,8 +512,8 @@ class Adam(torch.optim.Optimizer):
         """Loads a state saved by this class, by the other mpext Adam class, or by
         ``torch.optim.Adam`` / ``torch.optim.AdamW``.
 
-        The storage settings -- ``master_weights``, ``param_remainders``, ``exp_avg_dtype``,
-        ``exp_avg_sq_dtype`` -- are this optimizer's, and the loaded state is converted into
+        The storage settings -- ``master_weights``, ``param_remainders``,
+        ``stochastic_rounding``, ``exp_avg_dtype``, ``exp_avg_sq_dtype`` -- are this optimizer's, and the loaded state is converted into
         them (so a checkpoint with FP32 masters resumes with remainders, say); every other
         group setting (lr, betas, ..., ``seed``, ``ema_decay``) comes from ``state_dict``, as in
         torch. Moments are converted to the group's dtypes (FP32 -> BF16 to nearest even) and
@@ -638,7 +638,8 @@ class Adam(torch.optim.Optimizer):
 
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
 _STORAGE_KEYS = ("master_param", "param_remainder")
-_STORAGE_SETTINGS = ("master_weights", "param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype")
+_STORAGE_SETTINGS = ("master_weights", "param_remainders", "stochastic_rounding", "exp_avg_dtype",
+                     "exp_avg_sq_dtype")
 # mpext's param-group keys beyond torch's (master_weights aside), with their defaults.
 _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_rounding": False,
                   "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
