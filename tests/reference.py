@@ -1,6 +1,7 @@
 """Independent pure-Python references used by the tests."""
 import math
 import struct
+from fractions import Fraction
 
 import numpy as np
 
@@ -55,6 +56,34 @@ def bf16_sr_reference(x_bits, r):
     return (x_bits >> 16) + up
 
 
+def fp16_sr_reference(x_bits, r):
+    """Stochastic rounding of one fp32 bit pattern to fp16 bits with 32 random bits r, written
+    from the value-based definition with exact rationals: lo and hi the fp16 values around
+    |x|, f = (|x| - lo) / (hi - lo), and |x| goes to hi iff floor(f * 2^32) + r >= 2^32 (so
+    with probability f, to 32 bits). The sign is kept (a negative value that goes to 0 gives
+    -0). Magnitudes >= 65504 (the largest fp16) and +-Inf round to nearest even, as a
+    conversion does; NaN gives None (any NaN is accepted)."""
+    x = struct.unpack("<f", struct.pack("<I", x_bits & MASK32))[0]
+    if math.isnan(x):
+        return None
+    sign = 0x8000 if x_bits & 0x80000000 else 0
+    a = abs(x)
+    if a >= 65504.0:
+        return sign | (0x7C00 if a >= 65520.0 else 0x7BFF)  # 65520 is halfway to "65536"
+    lo_bits, hi_bits = 0, 0x7BFF  # largest fp16 <= a, by bisection over the ordered patterns
+    while lo_bits < hi_bits:
+        mid = (lo_bits + hi_bits + 1) // 2
+        if fp16_bits_to_float(mid) <= a:
+            lo_bits = mid
+        else:
+            hi_bits = mid - 1
+    lo = Fraction(fp16_bits_to_float(lo_bits))
+    hi = Fraction(fp16_bits_to_float(lo_bits + 1))
+    f = (Fraction(a) - lo) / (hi - lo)
+    up = math.floor(f * 2 ** 32) + (r & MASK32) >= 2 ** 32
+    return sign | (lo_bits + (1 if up else 0))
+
+
 def fp16_bits_to_float(h):
     """fp16 bits -> Python float via the struct module's IEEE binary16 decoder."""
     return struct.unpack("<e", struct.pack("<H", h))[0]
@@ -62,6 +91,67 @@ def fp16_bits_to_float(h):
 
 def bf16_bits_to_f32_bits(h):
     return np.asarray(h, dtype=np.uint32) << 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Vectorised forms of the stochastic-rounding references above, for whole tensors (numpy). The
+# scalar functions are the definitions; tests/test_lean_state.py checks these against them.
+
+
+def _m32_array(x):
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x21F0AAAD)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0xD35A2D97)
+    return x ^ (x >> np.uint32(15))
+
+
+def sr_bits_array(key, positions):
+    """sr_bits(key, p) for every p of an integer array (values in [0, 2^64)): a uint32 array of
+    its shape."""
+    pos = np.asarray(positions, dtype=np.uint64)
+    lo = (pos & np.uint64(MASK32)).astype(np.uint32)
+    hi = (pos >> np.uint64(32)).astype(np.uint32)
+    x = _m32_array(lo ^ np.uint32(key & MASK32))
+    return _m32_array(x ^ hi ^ np.uint32(key >> 32))
+
+
+def bf16_sr_array(x_bits, r):
+    """bf16_sr_reference over arrays: (uint16 bf16 bits, NaN mask); where the mask is set the
+    bits are meaningless (any NaN is accepted)."""
+    x = np.asarray(x_bits, dtype=np.uint32)
+    r = np.asarray(r, dtype=np.uint32)
+    mag = x & np.uint32(0x7FFFFFFF)
+    nan = mag > np.uint32(0x7F800000)
+    carry = ((x & np.uint32(0xFFFF)) + (r & np.uint32(0xFFFF))) >= np.uint32(0x10000)
+    up = carry & (mag != np.uint32(0x7F800000))
+    return ((x >> np.uint32(16)) + up.astype(np.uint32)).astype(np.uint16), nan
+
+
+_FP16_VALUES = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+
+
+def fp16_sr_array(x_bits, r):
+    """fp16_sr_reference over arrays: (uint16 fp16 bits, NaN mask). In float64, which is exact
+    here: |x| - lo is exact (Sterbenz: lo <= |x| < 2 lo, or lo = 0), hi - lo is a power of two,
+    and floor(f * 2^32) + r < 2^33 is an integer."""
+    x = np.asarray(x_bits, dtype=np.uint32)
+    r = np.asarray(r, dtype=np.uint32).astype(np.float64)
+    xf = x.view(np.float32)
+    nan = np.isnan(xf)
+    a = np.abs(np.where(nan, np.float32(0), xf)).astype(np.float64)
+    top = len(_FP16_VALUES) - 1
+    idx = np.clip(np.searchsorted(_FP16_VALUES, a, side="right") - 1, 0, top - 1)
+    lo, hi = _FP16_VALUES[idx], _FP16_VALUES[idx + 1]
+    with np.errstate(invalid="ignore"):
+        f = (a - lo) / (hi - lo)
+        up = np.floor(f * 2.0 ** 32) + r >= 2.0 ** 32
+    out = (idx + up).astype(np.uint16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        nearest = np.abs(xf).astype(np.float16).view(np.uint16)  # numpy's cast: to nearest even
+    out = np.where(a >= 65504.0, nearest, out)
+    sign = ((x >> np.uint32(16)) & np.uint32(0x8000)).astype(np.uint16)
+    return out | sign, nan
 
 
 # ---------------------------------------------------------------------------------------------

@@ -544,6 +544,31 @@ OP_BAD = [
     (_put("eps", lambda kw, d: INF), ValueError, r"eps must be in \[0, inf\), got inf"),
     (_put("weight_decay", lambda kw, d: -0.1), ValueError,
      r"weight_decay must be in \[0, inf\), got -0.1"),
+    # leaner storage: remainders, master-free params, stochastic-rounding streams
+    (_put("remainders", lambda kw, d: [torch.empty(0, dtype=torch.int16, device=d)] * 2
+          + [torch.zeros(4, dtype=torch.int16, device=d)]), ValueError,
+     r"remainders\[2\] is given but params\[2\] is float16; only a bfloat16 param is its "
+     r"fp32 value's high half"),
+    (_put("remainders", lambda kw, d: [torch.empty(0, dtype=torch.int16, device=d),
+                                       torch.zeros(6, dtype=torch.int16, device=d),
+                                       torch.empty(0, dtype=torch.int16, device=d)]),
+     ValueError, r"params\[1\] has both a master \(masters\[1\]\) and a remainder "
+                 r"\(remainders\[1\]\); give one of them"),
+    (_put("remainders", lambda kw, d: [torch.empty(0, dtype=torch.int16, device=d),
+                                       torch.zeros(6, dtype=torch.int32, device=d),
+                                       torch.empty(0, dtype=torch.int16, device=d)]),
+     RuntimeError, r"remainders\[1\] must have dtype int16, got int32"),
+    (_put("remainders", lambda kw, d: [torch.empty(0, dtype=torch.int16, device=d)]),
+     ValueError, r"remainders must be empty or have one entry per param \(3\), got 1"),
+    (_put("sr_streams", lambda kw, d: [0, 1]), ValueError,
+     r"sr_streams must have one entry per param \(3\), got 2"),
+    (_put("sr_streams", lambda kw, d: [0, 2 ** 32, 2]), ValueError,
+     r"sr_streams\[1\] must be in \[0, 2\^32\), got 4294967296"),
+    (_put("sr_streams", lambda kw, d: [0, 1, -1]), ValueError,
+     r"sr_streams\[2\] must be in \[0, 2\^32\), got -1"),
+    (_set("masters", 2, lambda t, d: torch.empty(0, device=d)), ValueError,
+     r"params\[2\] is float16 and needs an fp32 master \(masters\[2\]\); pass "
+     r"master_free=True to update it in place without one"),
     # sparse
     (_set("grads", 0, lambda t, d: t.to_sparse()), RuntimeError,
      r"grads\[0\] must be a strided \(dense\) tensor"),

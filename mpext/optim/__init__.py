@@ -339,9 +339,14 @@ class Adam(torch.optim.Optimizer):
                 if _is_dtensor(p) or _is_dtensor(g):
                     g = self._local_grad(p, g, j, gi)
                 checked.append((p, g, group, hyper, stream))
+        # Every param's state in its group's form, converted on copies: a conversion refused
+        # for one param (a master that is not its param's round) leaves every state as it was.
+        staged = [self._state_of(p, group) for p, _, group, _, _ in checked]
         items = []
-        for p, g, group, hyper, stream in checked:
-            state = self._state_of(p, group)
+        for (p, g, group, hyper, stream), new in zip(checked, staged):
+            state = self.state[p]
+            state.clear()
+            state.update(new)
             storage = state.get("master_param")
             if storage is None:
                 storage = state.get("param_remainder")
@@ -391,11 +396,12 @@ class Adam(torch.optim.Optimizer):
                          % (self._name(), where, tuple(g.shape), tuple(p.shape)))
 
     def _state_of(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
-        """The param's state, created on its first step (a float32 step on its device, moments
-        in the group's dtypes and the param's layout, the master or remainder its group asks
-        for) and kept in the group's form: a group whose settings changed since (or a loaded
-        state) has its state converted here, before the step."""
-        state = self.state[p]
+        """The param's state as its step needs it, in a new dict (the caller stores it): created
+        on its first step (a float32 step on its device, moments in the group's dtypes and the
+        param's layout, the master or remainder its group asks for) and kept in the group's
+        form: a group whose settings changed since (or a loaded state) has its state converted
+        here, before the step."""
+        state = dict(self.state.get(p, {}))
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             for key, dtype_key in _MOMENTS:
