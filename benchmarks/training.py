@@ -2,6 +2,8 @@
 dtype, native AMP's autocast, the optimizer, the loss scaler, and how backward and step go.
 
 - ``MODES``: the modes by key (FP32, native AMP, mpext's wrapper and optimizer, naive BF16);
+  a mode with mpext's optimizer takes its lean-state options (``param_remainders``, ...) as
+  optimizer options;
 - ``Trainer``: a mode's optimizer and scaler over a model's params (``Trainer.for_mode``, or
   built directly), with ``autocast()``, ``backward(loss)``, ``step()`` and a ``state_dict``.
 
@@ -37,6 +39,8 @@ MODES = {
     "mpext_bf16": Mode(BF16, None, "mpext-wrapper", False, "mpext-bf16"),
     "mpext_fp16": Mode(FP16, None, "mpext-wrapper", True, "mpext-fp16"),
     "mpext_optim_fp16": Mode(FP16, None, "mpext-optim", True, "mpext-fp16"),
+    # mpext.optim.AdamW on BF16 params; its lean-state options come as optimizer options
+    "mpext_optim_bf16": Mode(BF16, None, "mpext-optim", False, "mpext-bf16"),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }

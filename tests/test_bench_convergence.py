@@ -87,3 +87,151 @@ def test_every_mode_trains_from_the_same_start(threads):
     assert runs["fp32"].final_grads is not None
     assert [g.shape for g in runs["fp32"].final_grads] == [p.shape for p in
                                                           gpt.GPT(cfg).parameters()]
+
+
+# ---------------------------------------------------------------------------------------------
+# The lean study
+
+
+def test_lean_verdicts_against_the_definition():
+    """The band is the reference's mean +- its seed range; a mode's mean is inside when within
+    it; cautionary modes must lie above it, exact modes equal seed for seed."""
+    finals = {"master": [2.0, 2.1, 2.3], "remainder": [2.0, 2.1, 2.3],
+              "sr": [2.3, 2.4, 2.5],                          # mean +0.267: inside
+              "sr_bf16m": [2.44, 2.45, 2.46],                 # +0.317: outside
+              "remainder_bf16m": [1.9, 1.9, 1.9],             # -0.233: inside
+              "rtn": [2.6, 2.6, 2.6],                         # +0.4: above the band
+              "bf16m_rtn": [2.1, 2.2, 2.3]}                   # inside: not shown worse
+    v = bc.lean_verdicts(finals)
+    assert v["center"] == pytest.approx(6.4 / 3) and v["half_width"] == pytest.approx(0.3)
+    m = v["modes"]
+    assert m["remainder"]["met"] and m["remainder"]["delta"] == 0.0
+    assert m["sr"]["inside"] and m["sr"]["met"]
+    assert not m["sr_bf16m"]["inside"] and not m["sr_bf16m"]["met"]
+    assert m["remainder_bf16m"]["met"]
+    assert m["rtn"]["met"] and not m["rtn"]["inside"]
+    assert m["bf16m_rtn"]["inside"] and not m["bf16m_rtn"]["met"]
+    # an "exact" mode that differs in one seed by one float32 ulp is not exact
+    finals["remainder"] = [2.0, math.nextafter(2.1, 3.0), 2.3]
+    assert not bc.lean_verdicts(finals)["modes"]["remainder"]["met"]
+
+
+def test_bitwise_comparison_of_runs():
+    """bits_differ counts elements whose bits differ (a one-ulp change, a NaN payload, -0.0 vs
+    0.0), and check_same_training refuses a run that differs in any loss or final bit."""
+    a = torch.tensor([1.0, -0.0, float("nan"), 3.0], dtype=torch.bfloat16)
+    b = a.clone()
+    assert bc.bits_differ([a], [b]) == 0
+    b.view(torch.int16)[0] += 1          # one bf16 ulp
+    b[1] = 0.0                           # -0.0 -> +0.0: equal as numbers, not as bits
+    assert bc.bits_differ([a], [b]) == 2
+    c = torch.tensor([float("nan")]).view(torch.int32) | 1  # another NaN payload
+    assert bc.bits_differ([torch.tensor([float("nan")])], [c.view(torch.float32)]) == 1
+    assert bc.bits_differ([a], [a.float()]) == 4  # dtype mismatch: every element
+
+    def run(params, masters, losses):
+        r = bc.Run("remainder", 1e-4, seed=0)
+        r.train_loss, r.eval_loss = list(losses), list(losses)
+        r.final_params, r.final_fp32 = params, masters
+        return r
+
+    m32 = [torch.randn(5)]
+    ref = run([a], m32, [3.0, 2.5])
+    bc.check_same_training(ref, run([a.clone()], [m32[0].clone()], [3.0, 2.5]))
+    bumped = m32[0].clone()
+    bumped.view(torch.int32)[2] += 1     # one fp32 ulp in one master
+    for other in (run([b], m32, [3.0, 2.5]), run([a], [bumped], [3.0, 2.5]),
+                  run([a], m32, [3.0, math.nextafter(2.5, 0.0)])):
+        with pytest.raises(AssertionError):
+            bc.check_same_training(ref, other)
+
+
+def test_moment_decay_demo():
+    """Gradient noise shrinking 10x: FP32 and stochastically rounded BF16 second moments track
+    the float64 expectation of the EMA; rounded to nearest, v never decreases after the drop
+    and ends several times too large."""
+    d = bc.moment_decay_demo(torch.device("cpu"), steps=800, n=4096, drop_at=50, every=10)
+    exp, fp32 = d["expected"], d["mean_v"]["fp32"]
+    sr, rn = d["mean_v"]["bf16_sr"], d["mean_v"]["bf16_nearest"]
+    # mean of 4096 EMAs of chi-square(1) draws: relative spread well under 2%
+    for i in range(len(exp)):
+        assert fp32[i] == pytest.approx(exp[i], rel=0.03), i
+        assert sr[i] == pytest.approx(fp32[i], rel=0.03), i
+    after = [v for s, v in zip(d["steps"], rn) if s > 60]
+    assert all(b >= a for a, b in zip(after, after[1:]))
+    assert rn[-1] > 1.5 * fp32[-1] and fp32[-1] < 0.8 * fp32[5]
+
+
+def test_study_selection():
+    """--study and --modes choose the studies and their modes; the references always run."""
+    import argparse
+    from types import SimpleNamespace
+
+    parser = bc.add_args(argparse.ArgumentParser())
+
+    def studies(*argv):
+        return bc._studies(SimpleNamespace(args=parser.parse_args(list(argv))))
+
+    assert studies() == (bc.MODE_KEYS, bc.LEAN_KEYS)
+    assert studies("--study", "lean") == (None, bc.LEAN_KEYS)
+    assert studies("--modes", "sr", "rtn") == (None, ["master", "sr", "rtn"])
+    assert studies("--modes", "mpext_bf16") == (["fp32", "mpext_bf16"], None)
+    assert studies("--study", "amp", "--modes", "sr") == (["fp32"], None)
+
+
+def test_lean_study_quick(threads):
+    """The benchmark's quick lean study, with its own checks and, independently here: the
+    remainder runs equal the FP32-master runs bit for bit (params, masters, every loss); the
+    stochastic-rounding modes' mean final loss lies inside the FP32-master runs' seed-to-seed
+    band; master-free round to nearest lies above it and leaves more weights unchanged; BF16
+    moments rounded to nearest never lower the second moment; every mode of a seed starts from
+    the same evaluation of the checkpoint; the seed changes the stochastic rounding."""
+    torch.set_num_threads(1)
+    ls = bc.LEAN_SETTINGS["quick"]
+    data, vocab = gpt.load_corpus()
+    tr, va = gpt.split_corpus(data)
+    cfg = gpt.GPTConfig.preset(ls.finetune.preset, len(vocab))
+    vg = torch.Generator().manual_seed(1)
+    vb = [gpt.get_batch(va, ls.finetune.batch_size, cfg.block_size, vg)
+          for _ in range(ls.finetune.eval_batches)]
+    res = bc.lean_study(ls, cfg, tr, vb, torch.device("cpu"), bc.LEAN_KEYS, fp32_gemm=True)
+    runs = res["runs"]
+    assert set(runs) == set(bc.LEAN_KEYS) and all(len(rs) == ls.seeds for rs in runs.values())
+    assert res["deterministic"] and res["remainder_checked"]
+
+    for ref, rem in zip(runs["master"], runs["remainder"]):
+        assert rem.train_loss == ref.train_loss and rem.eval_loss == ref.eval_loss
+        for a, b in zip(ref.final_params, rem.final_params):
+            assert a.dtype == b.dtype == torch.bfloat16
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for a, b in zip(ref.final_fp32, rem.final_fp32):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+    k = ls.finetune.final_k
+    ref = [sum(r.eval_loss[-k:]) / k for r in runs["master"]]
+    center, half = sum(ref) / len(ref), max(ref) - min(ref)
+    assert half > 0
+
+    def mean_final(key):
+        xs = [sum(r.eval_loss[-k:]) / k for r in runs[key]]
+        return sum(xs) / len(xs)
+
+    for key in ("remainder_bf16m", "sr_bf16m", "sr"):
+        assert abs(mean_final(key) - center) <= half, key
+        assert res["verdict"]["modes"][key]["met"], key
+    assert mean_final("rtn") > center + half
+    assert res["verdict"]["modes"]["rtn"]["met"]
+
+    def tail(r, attr):
+        xs = getattr(r, attr)[len(getattr(r, attr)) // 2:]
+        return sum(xs) / len(xs)
+
+    for m, n in zip(runs["master"], runs["rtn"]):
+        assert tail(n, "unchanged") > tail(m, "unchanged")
+    assert all(f == 0.0 for r in runs["bf16m_rtn"] for f in r.v_decreased)
+    assert all(max(r.v_decreased) > 0 for r in runs["remainder_bf16m"] + runs["master"])
+
+    for s in range(ls.seeds):
+        starts = {runs[key][s].eval_loss[0] for key in bc.LEAN_KEYS}
+        assert len(starts) == 1 and runs["master"][s].eval_steps[0] == 0
+    assert runs["sr"][0].train_loss != runs["sr"][1].train_loss
