@@ -1449,20 +1449,33 @@ def test_torch_state_dict_loads_into_mpext(device, pair):
 
 def test_torch_state_of_low_precision_params_gets_masters(device):
     """torch's AdamW over bf16 params keeps bf16 moments and no master: loading converts the
-    moments to fp32 and makes each master from its param."""
+    moments to fp32, and each master is made from its param at the next step -- so the model's
+    state may be loaded after the optimizer's (the usual order in some frameworks) and the
+    master still starts from the loaded weights."""
     tp = make_params(device, torch.bfloat16)
     topt = torch.optim.AdamW(tp, foreach=False)
     train(topt, tp, 5)
-    ours_p = [p.detach().clone().requires_grad_() for p in tp]
+    ours_p = [torch.zeros_like(p).requires_grad_() for p in tp]  # the model not loaded yet
     ours = AdamW(ours_p)
     ours.load_state_dict(topt.state_dict())
+    with torch.no_grad():  # now the model's state
+        for p, q in zip(ours_p, tp):
+            p.copy_(q)
     for p, q in zip(ours_p, tp):
         st, ts = ours.state[p], topt.state[q]
-        assert_bitwise(st["master_param"], p.detach().float())
+        assert "master_param" not in st
+        assert_bitwise(ours.master_param(p), p.detach().float())
         assert_bitwise(st["exp_avg"], ts["exp_avg"].float())
         assert_bitwise(st["exp_avg_sq"], ts["exp_avg_sq"].float())
         assert st["step"].item() == 5
+    ref_p = [p.detach().clone().requires_grad_() for p in tp]  # loaded in the other order
+    ref = AdamW(ref_p)
+    ref.load_state_dict(topt.state_dict())
     train(ours, ours_p, 3, start=5)
+    train(ref, ref_p, 3, start=5)
+    for p, q in zip(ours_p, ref_p):
+        assert_bitwise(ours.state[p]["master_param"], ref.state[q]["master_param"])
+        assert_bitwise(p.detach(), q.detach())
 
 
 def test_mpext_fp32_state_dict_loads_into_torch(device):

@@ -650,9 +650,8 @@ def test_torch_adamw_checkpoint_loads_into_remainder_mode():
         assert torch.equal(st["exp_avg"], tst["exp_avg"])
         assert torch.equal(st["exp_avg_sq"], tst["exp_avg_sq"])
         if p.dtype == BF16:
-            assert set(st) == {"step", "exp_avg", "exp_avg_sq", "param_remainder"}
-            assert not st["param_remainder"].any()
-            assert st["param_remainder"].stride() == p.stride()
+            # no fp32 value in a torch state: the remainder starts at the next step
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
             assert_same_bits(b.master_param(p), p.detach().float(), "master %d" % k)
     for step in range(200):
         grads = make_grads(pa, step, seed=2)
@@ -1215,8 +1214,8 @@ def test_param_changed_to_fp16_after_construction():
         params[1].data = params[1].data.to(FP16)
     set_grads(params, make_grads(params, 1))
     before = snapshot(opt, params[:1]) + [("p1", params[1].detach().clone())]
-    with pytest.raises(ValueError, match=r"the state of a param: a param is float16, and "
-                                         r"param_remainders=True needs bfloat16 params"):
+    with pytest.raises(ValueError, match=r"mpext.optim.AdamW: param 1 of group 0 is float16, "
+                                         r"and param_remainders=True needs bfloat16 params"):
         opt.step()
     assert_unchanged(opt, params[:1], before[:-1])
     assert_same_bits(params[1].detach(), before[-1][1], "param 1")
@@ -1346,3 +1345,46 @@ def test_mixed_precision_optimizer_keeps_bf16_moments():
             for key in ("exp_avg", "exp_avg_sq"):
                 assert inner[key].dtype == BF16
                 assert_same_bits(inner[key], plain.state[q][key], "step %d: %s" % (step, key))
+
+
+@pytest.mark.parametrize("saved_kw,loaded_kw", [
+    (dict(), dict(param_remainders=True)),
+    (dict(param_remainders=True), dict()),
+    (dict(), dict(param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
+    (dict(master_weights=False, stochastic_rounding=True), dict()),
+], ids=["master_into_remainder", "remainder_into_master", "master_into_bf16_moments",
+        "master_free_into_master"])
+def test_a_checkpoint_resumes_in_the_loading_optimizers_storage_mode(saved_kw, loaded_kw):
+    """The storage settings are the loading optimizer's: the checkpoint's state is converted
+    into them (the training settings, lr and the rest, come from the checkpoint, as in
+    torch). Masters <-> remainders then continue with the same bits as the saved run."""
+    pa = make_params(seed=8)
+    a = AdamW(pa, lr=1e-3, weight_decay=0.1, **saved_kw)
+    for step in range(5):
+        set_grads(pa, make_grads(pa, step))
+        a.step()
+    sd = roundtrip(a.state_dict())
+    pb = twin(pa)
+    b = AdamW(pb, lr=5.0, **loaded_kw)  # lr from the checkpoint
+    b.load_state_dict(sd)
+    group = b.param_groups[0]
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.1
+    for key in ("master_weights", "param_remainders", "stochastic_rounding"):
+        assert group[key] == loaded_kw.get(key, key == "master_weights"), key
+    assert group["exp_avg_dtype"] is loaded_kw.get("exp_avg_dtype", F32)
+    for p in pb:
+        st = b.state[p]
+        assert st["exp_avg"].dtype is loaded_kw.get("exp_avg_dtype", F32)
+        if p.dtype == BF16 and saved_kw.get("master_weights", True):
+            want = "param_remainder" if loaded_kw.get("param_remainders") else "master_param"
+            assert want in st and not ({"master_param", "param_remainder"} - {want}) & set(st)
+    if "exp_avg_dtype" not in loaded_kw and saved_kw.get("master_weights", True):
+        for step in range(5, 30):  # the modes compute the same bits
+            g = make_grads(pa, step)
+            set_grads(pa, g)
+            set_grads(pb, g)
+            a.step()
+            b.step()
+        for p, q in zip(pa, pb):
+            assert_same_bits(p.detach(), q.detach(), "param")
+            assert_same_bits(a.master_param(p), b.master_param(q), "master")

@@ -279,7 +279,8 @@ class Adam(torch.optim.Optimizer):
                                     "float16 params are supported"
                                     % (self._name(), j, where, _dtype_name(p.dtype)))
                 if p.dtype is torch.float16 and group["param_remainders"]:
-                    raise ValueError(_FP16_REMAINDER % (self._name(), "params[%d]%s" % (j, where)))
+                    raise ValueError(_FP16_REMAINDER % ("%s: params[%d]%s"
+                                                        % (self._name(), j, where)))
                 if not has_kernel("adam_step_", p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no adam_step_ kernel for"
@@ -338,12 +339,12 @@ class Adam(torch.optim.Optimizer):
                     self._bad_grad(p, g, j, gi)
                 if _is_dtensor(p) or _is_dtensor(g):
                     g = self._local_grad(p, g, j, gi)
-                checked.append((p, g, group, hyper, stream))
+                checked.append((p, g, group, hyper, stream, "param %d of group %d" % (j, gi)))
         # Every param's state in its group's form, converted on copies: a conversion refused
         # for one param (a master that is not its param's round) leaves every state as it was.
-        staged = [self._state_of(p, group) for p, _, group, _, _ in checked]
+        staged = [self._state_of(p, group, where) for p, _, group, _, _, where in checked]
         items = []
-        for (p, g, group, hyper, stream), new in zip(checked, staged):
+        for (p, g, group, hyper, stream, _), new in zip(checked, staged):
             state = self.state[p]
             state.clear()
             state.update(new)
@@ -395,7 +396,7 @@ class Adam(torch.optim.Optimizer):
         raise ValueError("%s: the gradient of %s has shape %s but the param has shape %s"
                          % (self._name(), where, tuple(g.shape), tuple(p.shape)))
 
-    def _state_of(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+    def _state_of(self, p: torch.Tensor, group: Dict[str, Any], where: str) -> Dict[str, Any]:
         """The param's state as its step needs it, in a new dict (the caller stores it): created
         on its first step (a float32 step on its device, moments in the group's dtypes and the
         param's layout, the master or remainder its group asks for) and kept in the group's
@@ -407,7 +408,7 @@ class Adam(torch.optim.Optimizer):
             for key, dtype_key in _MOMENTS:
                 state[key] = torch.zeros_like(p, dtype=group[dtype_key],
                                               memory_format=torch.preserve_format)
-        _conform_state(p, state, group, "%s: the state of a param" % self._name())
+        _conform_state(p, state, group, "%s: %s" % (self._name(), where))
         return state
 
     @torch.no_grad()
@@ -633,9 +634,17 @@ class Adam(torch.optim.Optimizer):
             out[name] = _copy_like(param, t, keep)
         if "master_param" in out and "param_remainder" in out:
             raise ValueError("%s has both a master_param and a param_remainder" % where)
-        # Into the group's form (a torch checkpoint's param becomes its master; a master becomes
-        # a remainder only if the param is its round, i.e. the model was loaded first).
-        _conform_state(param, out, group, where, loading=True)
+        # Into the group's form (a master becomes a remainder only if the param is its round,
+        # i.e. the model was loaded first).
+        _conform_state(param, out, group, where)
+        if not any(k in value for k in _STORAGE_KEYS):
+            # No fp32 value in the state (a torch checkpoint, a master-free one): the master (or
+            # remainder) and the EMA start from the param at the next step, so the model's
+            # state may be loaded before or after the optimizer's.
+            for key in _STORAGE_KEYS:
+                out.pop(key, None)
+            if "ema_param" not in value:
+                out.pop("ema_param", None)
         for name, v in value.items():  # anything else is kept as torch keeps it
             if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS:
                 out[name] = v
@@ -652,7 +661,7 @@ _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_
                   "moment_rounding": "stochastic", "seed": 0, "ema_decay": None}
 
 
-_FP16_REMAINDER = ("%s: %s is float16, and param_remainders=True needs bfloat16 params (a "
+_FP16_REMAINDER = ("%s is float16, and param_remainders=True needs bfloat16 params (a "
                    "float16 value is not the high half of an fp32 one); give float16 params a "
                    "group with param_remainders=False, or master_weights=False with "
                    "stochastic_rounding=True")
@@ -665,13 +674,13 @@ def _storage_key(param: torch.Tensor, group: Dict[str, Any], where: str) -> Opti
         return None
     if group.get("param_remainders", False):
         if param.dtype is not torch.bfloat16:  # changed in place after construction
-            raise ValueError(_FP16_REMAINDER % (where, "a param"))
+            raise ValueError(_FP16_REMAINDER % where)
         return "param_remainder"
     return "master_param"
 
 
 def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
-                   where: str, loading: bool = False) -> None:
+                   where: str) -> None:
     """Converts a param's state in place into its group's form: moments into the group's
     dtypes (to nearest even when narrowed), the fp32 value into the group's storage (a master
     from a remainder and the param, a remainder from a master whose round is the param, a new
