@@ -198,6 +198,7 @@ MP_CUDA_HD void load_group(const void* p, int64_t i0, int nv, bool vec, uint32_t
   if (vec && nv == 8) {
     load8<Bytes>(p, i0 / 8, x);
   } else {
+#pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = j < nv ? load1<Bytes>(p, i0 + j) : 0u;
   }
 }
@@ -207,7 +208,11 @@ MP_CUDA_HD void store_group(void* p, int64_t i0, int nv, bool vec, const uint32_
   if (vec && nv == 8) {
     store8<Bytes>(p, i0 / 8, y);
   } else {
-    for (int j = 0; j < nv; ++j) store1<Bytes>(p, i0 + j, y[j]);
+    // a constant trip count: y stays in registers (a loop to nv would index it dynamically)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < nv) store1<Bytes>(p, i0 + j, y[j]);
+    }
   }
 }
 
