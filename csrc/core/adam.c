@@ -112,9 +112,6 @@ static inline __attribute__((always_inline)) void adam_loop(
     if (q8) {
       mbuf[i] = mi;
       vbuf[i] = vi;
-      const uint32_t ma = bits_of_f32(mi) & 0x7FFFFFFFu, va = bits_of_f32(vi) & 0x7FFFFFFFu;
-      am = ma > am ? ma : am;
-      av = va > av ? va : av;
     } else if (md == MP_BF16) {
       ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
     } else {
@@ -145,6 +142,14 @@ static inline __attribute__((always_inline)) void adam_loop(
     }
   }
   if (q8) {
+    /* the block's absmax, from the buffers in L1: a loop of its own keeps the update's
+     * registers free */
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t ma = bits_of_f32(mbuf[i]) & 0x7FFFFFFFu;
+      const uint32_t va = bits_of_f32(vbuf[i]) & 0x7FFFFFFFu;
+      am = ma > am ? ma : am;
+      av = va > av ? va : av;
+    }
     q->am = am;
     q->av = av;
   }
@@ -183,8 +188,13 @@ static inline __attribute__((always_inline)) void adam_q8(
     adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
               master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
               mc + off, MP_I8, vc + off, MP_U8, start + off, len, hp, mk, write_grad, &q);
-    q8_store(mc + off, vc + off, mbuf, vbuf, len, mp_q8_ref_exp_m(q.am), mp_q8_ref_exp_v(q.av),
-             hp->key_q8, (uint64_t)(start + off), hp->moments_nearest);
+    const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
+    if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
+      q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, 0u, 1);
+    } else {
+      q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, (uint64_t)(start + off),
+               0);
+    }
     ms[k] = f32_of_bits(q.am);
     vs[k] = f32_of_bits(q.av);
   }

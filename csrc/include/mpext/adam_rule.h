@@ -257,15 +257,18 @@ MP_HD float mp_q8_ref(uint32_t ea) {
 /* The value of magnitude code c relative to R (exact in fp32): 2^(e - T) (1 + f / 2^mbits), or
  * 2^(1 - T) f / 2^mbits for e = 0, T = 2^ebits - 1. */
 MP_HD float mp_q8_rel(uint32_t c, uint32_t ebits, uint32_t mbits) {
+  /* The code's bits shifted into an fp32 mantissa and exponent are the normal value
+   * 2^(e - T) (1 + f / 2^mbits); a subnormal code (e = 0) is read as if its exponent were 1,
+   * 2^(1 - T) (1 + f / 2^mbits), less the implicit 2^(1 - T): exact, and fewer operations than
+   * two readings and a select. */
   const uint32_t t = (1u << ebits) - 1u;
-  const uint32_t e = c >> mbits, f = c & ((1u << mbits) - 1u);
-  const uint32_t bits = ((e + 127u - t) << 23) | (f << (23u - mbits));
-  float normal;
-  __builtin_memcpy(&normal, &bits, sizeof normal);
-  const uint32_t step_bits = (127u + 1u - t - mbits) << 23; /* 2^(1 - T - mbits), normal */
-  float step;
-  __builtin_memcpy(&step, &step_bits, sizeof step);
-  return e != 0u ? normal : MP_FMUL((float)(int32_t)f, step);
+  const uint32_t sub = c < (1u << mbits) ? 1u : 0u;
+  const uint32_t bits = (c << (23u - mbits)) + ((127u - t + sub) << 23);
+  const uint32_t one_bits = sub ? (128u - t) << 23 : 0u; /* 2^(1 - T), or +0 */
+  float x, one;
+  __builtin_memcpy(&x, &bits, sizeof x);
+  __builtin_memcpy(&one, &one_bits, sizeof one);
+  return MP_FSUB(x, one);
 }
 
 /* A code's value: the magnitude's relative value times R -- exact, as both are powers of two
@@ -288,30 +291,34 @@ MP_HD float mp_q8_decode_v(uint8_t c, float r) {
 /* The magnitude code of fp32 magnitude bits a (sign cleared) relative to reference exponent ea
  * (mp_q8_ref_exp): to nearest even, or stochastically with 16 random bits r16 (rounds up with
  * probability floor(dropped fraction * 2^16) / 2^16: unbiased to 2^-16 of a code step).
- * Values above the top code (none, for a block's own values) give the top code. */
+ * Values above the top code (none, for a block's own values) give the top code.
+ *
+ * One formula for both ranges: with ce = max(e, 1) - ea + T the value's code exponent and m24
+ * its significand (implicit bit included when e >= 1), the code is
+ * (max(ce - 1, 0) << mbits) + m24 / 2^sh, sh = 23 - mbits + max(1 - ce, 0), rounded: for a
+ * normal code (ce >= 1) m24 / 2^sh lies in [2^mbits, 2^(mbits+1)) and adds the implicit one to
+ * the exponent, so a carry out of the mantissa moves to the next binade, as it should. */
 MP_HD uint32_t mp_q8_encode(uint32_t a, uint32_t ea, uint32_t ebits, uint32_t mbits, uint32_t r16,
                             int nearest) {
-  const uint32_t t = (1u << ebits) - 1u, drop = 23u - mbits;
+  const int32_t t = (int32_t)(1u << ebits) - 1;
   const uint32_t top = (1u << (ebits + mbits)) - 1u;
   const uint32_t e = a >> 23;
-  /* Normal codes (e > ea - T): rebias the exponent and round the dropped mantissa bits; a
-   * carry moves to the next binade, which is rounding up. */
-  const uint32_t rb = a - ((ea - t) << 23);
-  const uint32_t add =
-      nearest ? ((1u << (drop - 1u)) - 1u) + ((rb >> drop) & 1u) : r16 << (drop - 16u);
-  const uint32_t normal = (rb + add) >> drop;
-  /* Subnormal codes: |x| / (R 2^(1 - T - mbits)) = m24 / 2^sh, sh = ea - max(e, 1) + 24 - T -
-   * mbits (>= 24 - mbits in this range), m24 the significand (implicit bit when e >= 1). */
+  const int32_t ce = (int32_t)(e != 0u ? e : 1u) - (int32_t)ea + t;
   const uint32_t m24 = (a & 0x7FFFFFu) | (e != 0u ? 0x800000u : 0u);
-  const int32_t sh0 = (int32_t)ea - (int32_t)(e != 0u ? e : 1u) + 24 - (int32_t)t - (int32_t)mbits;
-  const uint32_t sh = sh0 < 1 ? 1u : (sh0 > 25 ? 25u : (uint32_t)sh0); /* m24 < 2^24: 25 is 0 */
-  const uint32_t q = m24 >> sh, rem = m24 & ((1u << sh) - 1u), half = 1u << (sh - 1u);
-  const uint32_t sub_rn = q + ((rem > half) ? 1u : ((rem == half) ? (q & 1u) : 0u));
-  /* 16 fractional bits of m24 / 2^sh, truncated (0 once sh >= 40), plus r16 */
-  const int32_t s16 = sh0 - 8;
-  const uint32_t frac = s16 > 31 ? 0u : ((m24 << 8) >> (uint32_t)(s16 < 0 ? 0 : s16));
-  const uint32_t sub_sr = (frac + r16) >> 16;
-  const uint32_t code = e + t > ea ? normal : (nearest ? sub_rn : sub_sr);
+  const uint32_t base = ce > 1 ? (uint32_t)(ce - 1) << mbits : 0u;
+  const int32_t sh = (int32_t)(23u - mbits) + (ce < 1 ? 1 - ce : 0); /* >= 19 */
+  uint32_t frac_code;
+  if (nearest) {
+    const uint32_t s = sh > 25 ? 25u : (uint32_t)sh; /* m24 < 2^24: 25 gives 0, as any more */
+    const uint32_t q = m24 >> s, rem = m24 & ((1u << s) - 1u), half = 1u << (s - 1u);
+    frac_code = q + ((rem > half) ? 1u : ((rem == half) ? (q & 1u) : 0u));
+  } else {
+    /* m24 / 2^sh with 16 fractional bits, truncated (0 once sh >= 40), plus r16 */
+    const int32_t s16 = sh - 8;
+    const uint32_t fixed = s16 > 31 ? 0u : ((m24 << 8) >> (uint32_t)s16);
+    frac_code = (fixed + r16) >> 16;
+  }
+  const uint32_t code = base + frac_code;
   return code > top ? top : code;
 }
 
