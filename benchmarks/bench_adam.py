@@ -13,7 +13,7 @@ if __package__ in (None, ""):
 
 import torch
 
-import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
+import mpext  # loads the extension: registers torch.ops.mpext
 from common import (Alternate, Context, MiB, PhaseClock, Timing, check, combine_rooflines,
                     count_subnormals, expect_same, figure_title, fmt_count, fmt_ms, free_memory,
                     gpt2_shapes, load_average, markdown_table, payload_header, pct,
@@ -33,6 +33,11 @@ COPY_TARGET = 0.80   # >= 80% of the copy (memcpy) roofline at 16M+ params; repo
 TARGET_MIN_PARAMS = 16 << 20
 NOISE_RATIO = 0.95
 
+# 8-bit moment paths: >= this many times the best native path and >= this fraction of the
+# in-place roofline at 16M+ params (reported, never asserted)
+Q8_TARGETS = {"mpext_q8_rem": 2.0, "mpext_q8_sr": 2.5}
+Q8_INPLACE_TARGET = 0.80
+
 SIZES_FULL = [1 << 20, 16 << 20, 64 << 20]
 SIZES_QUICK = [1 << 20, 4 << 20, 16 << 20]
 
@@ -46,11 +51,15 @@ PATHS = [
      False),
     ("fused_un", "torch unscale_ + AdamW(fused) with found_inf", 36, False),
     ("foreach", "torch unscale_ + found_inf.item() + AdamW(foreach)", 88, False),
+    # 8-bit moments: int8/uint8 codes (1 + 1 B read, 1 + 1 written; the scales add 8/256)
+    ("mpext_q8_rem", "mpext check + adam_step_, bf16 remainder + 8-bit moments", 16, True),
+    ("mpext_q8_sr", "mpext check + adam_step_, no master (SR) + 8-bit moments", 12, True),
 ]
 PATH_LABEL = {k: lab for k, lab, _, _ in PATHS}
 PATH_BYTES = {k: b for k, _, b, _ in PATHS}
 NATIVE = [k for k, _, _, is_mp in PATHS if not is_mp]
 SHORT = {"mpext": "mpext", "mpext_chk": "mpext + check", "mpext_wb": "mpext + check + grads back",
+         "mpext_q8_rem": "mpext remainder + 8-bit", "mpext_q8_sr": "mpext SR + 8-bit",
          "fused_gs": "torch fused (GradScaler)",
          "fused_un": "torch unscale_ + fused", "foreach": "torch unscale_ + foreach"}
 
@@ -78,6 +87,17 @@ class Problem:
         self.m = [torch.zeros_like(p) for p in self.p32]
         self.v = [torch.zeros_like(p) for p in self.p32]
         self.steps = [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
+        # the 8-bit moment paths: bf16 params of their own, with a zero remainder or none
+        self.q8 = {}
+        for key in Q8_TARGETS:
+            self.q8[key] = dict(
+                p=[p.clone() for p in self.p16],
+                rem=[torch.zeros_like(p, dtype=torch.int16) for p in self.p16],
+                m=[torch.zeros_like(p, dtype=torch.int8) for p in self.p16],
+                v=[torch.zeros_like(p, dtype=torch.uint8) for p in self.p16],
+                ms=[torch.zeros(-(-p.numel() // 256), device=dev) for p in self.p16],
+                vs=[torch.zeros(-(-p.numel() // 256), device=dev) for p in self.p16],
+                steps=[torch.zeros(1, dtype=FP32, device=dev) for _ in shapes])
         self.lr = torch.full((1,), LR, dtype=FP32, device=dev)
         self.found = torch.zeros((), dtype=FP32, device=dev)
         self.one = torch.ones((), dtype=FP32, device=dev)
@@ -93,6 +113,7 @@ class Problem:
                     "mpext_wb": Alternate(0.5, 2.0, dev),
                     "fused_gs": Alternate(2.0, 0.5, dev), "fused_un": Alternate(0.5, 2.0, dev),
                     "foreach": Alternate(0.5, 2.0, dev)}
+        self.alt.update({k: Alternate(0.5, 2.0, dev) for k in Q8_TARGETS})
 
     def fns(self):
         """key -> callable doing one step of that path."""
@@ -147,9 +168,25 @@ class Problem:
             if not found.item():  # GradScaler._maybe_opt_step
                 opt_fe.step()
 
+        def q8(key):
+            q, sr = self.q8[key], key == "mpext_q8_sr"
+            empty = torch.empty(0, dtype=FP32, device=self.dev)
+
+            def f():
+                found.zero_()
+                unscale_mp(g16, found, one)
+                adam(q["p"], g16, q["m"], q["v"], [] if sr else [empty] * len(g16), q["steps"],
+                     lr, BETA1, BETA2, EPS, WEIGHT_DECAY, True, False,
+                     inv_scale=alt[key](), found_inf=found,
+                     remainders=None if sr else q["rem"], master_free=sr,
+                     stochastic_rounding=sr, exp_avg_scales=q["ms"], exp_avg_sq_scales=q["vs"],
+                     block_size=256)
+            return f
+
         return {"mpext": f_mpext, "mpext_chk": f_mpext_chk, "mpext_wb": f_mpext_wb,
                 "fused_gs": f_fused_gs,
-                "fused_un": f_fused_un, "foreach": f_foreach}
+                "fused_un": f_fused_un, "foreach": f_foreach,
+                **{k: q8(k) for k in Q8_TARGETS}}
 
     def native_state(self):
         """Every fp32 tensor the native paths own (params, grads, both optimizers' moments)."""
@@ -167,6 +204,8 @@ def _after_timing_checks(prob):
     steps = {float(s) for s in prob.steps}
     check(steps == {float(prob.mpext_calls)}, "mpext step counts %s after %d calls"
           % (sorted(steps), prob.mpext_calls))
+    for key, q in prob.q8.items():
+        check(all(bool(p.isfinite().all()) for p in q["p"]), "%s: non-finite params" % key)
     mp = count_subnormals(prob.p16 + prob.g16 + prob.masters + prob.m + prob.v)
     nat = count_subnormals(prob.native_state())
     return {"subnormals_mpext": mp, "subnormals_torch": nat, "mpext_calls": prob.mpext_calls,
@@ -186,8 +225,16 @@ def _sanity(dev):
         torch.optim.AdamW(ref, lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY,
                           foreach=False).step()
         prob.fns()[key]()
-        expect_same(key, prob.masters if key.startswith("mpext") else prob.p32, ref,
-                    rtol=1e-5, atol=1e-8)
+        if key == "mpext_q8_rem":  # the first step uses the fp32 moments: as the master path
+            q = prob.q8[key]
+            got = [mpext.optim._join_remainder(p, r) for p, r in zip(q["p"], q["rem"])]
+            expect_same(key, got, ref, rtol=1e-5, atol=1e-8)
+        elif key == "mpext_q8_sr":  # the param stochastically rounded: within one bf16 ulp
+            expect_same(key, [p.float() for p in prob.q8[key]["p"]], ref, rtol=2.0 ** -7,
+                        atol=1e-30)
+        else:
+            expect_same(key, prob.masters if key.startswith("mpext") else prob.p32, ref,
+                        rtol=1e-5, atol=1e-8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +361,35 @@ def run(ctx: Context) -> dict:
                          "—" if not targeted else ("yes" if sp_ok else "**no**"),
                          "—" if not targeted else ("yes" if fc_ok else "**no**")])
 
+    q8_headers = ["case", "8-bit path", "B/param", "vs best native", "bytes bound",
+                  "% in-place roof", "≥ target x",
+                  "≥ %d%% in-place" % round(100 * Q8_INPLACE_TARGET)]
+    q8_rows = []
+    for k, mtr in metrics.items():
+        t_best = Timing.from_json(mtr["paths"][mtr["best_native"]]["timing"]).median
+        targeted = mtr["params"] >= TARGET_MIN_PARAMS
+        for qk, target in Q8_TARGETS.items():
+            m = mtr["paths"][qk]
+            sp = t_best / Timing.from_json(m["timing"]).median
+            fi = m["frac_inplace_roofline"]
+            m["speedup_vs_best_native"] = sp
+            m["target"] = (target, Q8_INPLACE_TARGET)
+            if targeted:
+                m["target_speed_met"] = sp >= target
+                m["target_inplace_met"] = fi >= Q8_INPLACE_TARGET
+                if not m["target_speed_met"]:
+                    misses.append("%s: %s %.2fx the best native path (target %.1fx)"
+                                  % (case_label[k], SHORT[qk], sp, target))
+                if not m["target_inplace_met"]:
+                    misses.append("%s: %s at %s of the in-place roofline"
+                                  % (case_label[k], SHORT[qk], pct(fi)))
+            q8_rows.append([case_label[k], SHORT[qk], str(PATH_BYTES[qk]), "%.2fx" % sp,
+                            "%.2fx" % (PATH_BYTES[mtr["best_native"]] / PATH_BYTES[qk]),
+                            pct(fi), "—" if not targeted else
+                            ("%.1fx: %s" % (target, "yes" if sp >= target else "**no**")),
+                            "—" if not targeted else
+                            ("yes" if fi >= Q8_INPLACE_TARGET else "**no**")])
+
     sub = sum(d["subnormals_mpext"] + d["subnormals_torch"] for d in drift.values())
     md = section_head(ctx, TITLE)
     cores = ctx.machine.get("cpu_affinity") or ctx.machine.get("cpu_count") or 1
@@ -326,6 +402,9 @@ def run(ctx: Context) -> dict:
                             if busy else "."), ""]
     md += [roofline_line(roof), "",
            markdown_table(sum_headers, sum_rows), "",
+           "8-bit moments (docs/moments_8bit.md): the step with mpext's read-only inf check, "
+           "against the best native path of the same rounds.", "",
+           markdown_table(q8_headers, q8_rows), "",
            markdown_table(headers, rows), "",
            "%d samples per path; after the timings %d subnormal values in all states (%s "
            "elements checked), found_inf 0, mpext steps = calls. Method, paths, bytes counted "

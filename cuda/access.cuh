@@ -122,12 +122,19 @@ MP_CUDA_HD uint32_t narrow(float f) {
   }
 }
 
-// Eight consecutive elements starting at element 8 * v of a 16-byte aligned pointer, as raw bits
-// (16-bit ones zero-extended; little endian: element 2k is the low half of word k), and back.
+// Eight consecutive elements starting at element 8 * v of a 16-byte aligned pointer (8-byte for
+// 1-byte elements), as raw bits (8- and 16-bit ones zero-extended; little endian: element 2k is
+// the low half of word k), and back.
 template <int Bytes>
 MP_CUDA_HD void load8(const void* p, int64_t v, uint32_t x[8]) {
   const uint4* s = static_cast<const uint4*>(p);
-  if constexpr (Bytes == 4) {
+  if constexpr (Bytes == 1) {  // eight bytes, one 8-byte access (p 8-byte aligned)
+    const uint2 a = static_cast<const uint2*>(p)[v];
+    for (int j = 0; j < 4; ++j) {
+      x[j] = (a.x >> (8 * j)) & 0xFFu;
+      x[j + 4] = (a.y >> (8 * j)) & 0xFFu;
+    }
+  } else if constexpr (Bytes == 4) {
     const uint4 a = s[2 * v];
     const uint4 b = s[2 * v + 1];
     x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
@@ -144,7 +151,14 @@ MP_CUDA_HD void load8(const void* p, int64_t v, uint32_t x[8]) {
 template <int Bytes>
 MP_CUDA_HD void store8(void* p, int64_t v, const uint32_t y[8]) {
   uint4* d = static_cast<uint4*>(p);
-  if constexpr (Bytes == 4) {
+  if constexpr (Bytes == 1) {
+    uint2 a = make_uint2(0u, 0u);
+    for (int j = 0; j < 4; ++j) {
+      a.x |= (y[j] & 0xFFu) << (8 * j);
+      a.y |= (y[j + 4] & 0xFFu) << (8 * j);
+    }
+    static_cast<uint2*>(p)[v] = a;
+  } else if constexpr (Bytes == 4) {
     d[2 * v] = make_uint4(y[0], y[1], y[2], y[3]);
     d[2 * v + 1] = make_uint4(y[4], y[5], y[6], y[7]);
   } else {
@@ -153,13 +167,15 @@ MP_CUDA_HD void store8(void* p, int64_t v, const uint32_t y[8]) {
   }
 }
 
-// Element i, as raw bits (a 16-bit one zero-extended), and back.
+// Element i, as raw bits (an 8- or 16-bit one zero-extended), and back.
 template <int Bytes>
 MP_CUDA_HD uint32_t load1(const void* p, int64_t i) {
   if constexpr (Bytes == 4) {
     return static_cast<const uint32_t*>(p)[i];
-  } else {
+  } else if constexpr (Bytes == 2) {
     return static_cast<const uint16_t*>(p)[i];
+  } else {
+    return static_cast<const uint8_t*>(p)[i];
   }
 }
 
@@ -167,8 +183,36 @@ template <int Bytes>
 MP_CUDA_HD void store1(void* p, int64_t i, uint32_t y) {
   if constexpr (Bytes == 4) {
     static_cast<uint32_t*>(p)[i] = y;
-  } else {
+  } else if constexpr (Bytes == 2) {
     static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(y);
+  } else {
+    static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(y);
+  }
+}
+
+// Elements i0 .. i0 + 7 (i0 a multiple of 8), the first nv of them present: with one 8- or
+// 16-byte access per array slice when `vec` (p aligned to 8 elements) and all eight are there,
+// else one element at a time; absent ones read as 0 and are not written.
+template <int Bytes>
+MP_CUDA_HD void load_group(const void* p, int64_t i0, int nv, bool vec, uint32_t x[8]) {
+  if (vec && nv == 8) {
+    load8<Bytes>(p, i0 / 8, x);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = j < nv ? load1<Bytes>(p, i0 + j) : 0u;
+  }
+}
+
+template <int Bytes>
+MP_CUDA_HD void store_group(void* p, int64_t i0, int nv, bool vec, const uint32_t y[8]) {
+  if (vec && nv == 8) {
+    store8<Bytes>(p, i0 / 8, y);
+  } else {
+    // a constant trip count: y stays in registers (a loop to nv would index it dynamically)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < nv) store1<Bytes>(p, i0 + j, y[j]);
+    }
   }
 }
 

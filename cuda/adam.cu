@@ -20,6 +20,13 @@
 // rule's _rn intrinsics, which fast-math flags do not change), bf16/fp16 values widened exactly
 // and the new master rounded back to nearest even; with unscale_grads the unscaled gradient is
 // rounded back into the gradient the same way.
+//
+// 8-bit moments (adam_q8_chunk): the block's 256 threads take 2048 elements per pass, 8
+// consecutive ones each, so a block of moments (at most 2048 elements, a divisor of the chunk)
+// is the elements of 1 to 256 consecutive threads. Each thread decodes, updates and writes its
+// elements, keeping the new fp32 moments in registers; the block's absmax (a max of fp32 bits,
+// exact and order-free) is taken across its threads with warp shuffles, and across warps through
+// shared memory; then each thread encodes its elements. The same bits as the CPU's two sweeps.
 #include <cuda_runtime.h>
 
 #include "access.cuh"
@@ -34,10 +41,15 @@ using namespace mp_cuda;  // the shared memory access and engine of access.cuh, 
 constexpr int kThreads = 256;      // threads per block of the main kernel
 constexpr int kStepThreads = 128;  // threads per block of the step kernel
 constexpr int64_t kVec = 8;        // elements per vectorized step (16-byte accesses)
-constexpr int kMaxPieces = 40;     // params (or pieces of one) per main launch
+constexpr int kMaxPieces = 36;     // params (or pieces of one) per main launch
+constexpr int kWarps = kThreads / 32;
+constexpr int kQ8Group = 8;                        // elements per thread and pass (8-bit moments)
+constexpr int64_t kQ8Pass = kThreads * kQ8Group;  // elements per pass of a block
 constexpr int kMaxSteps = 500;     // step counters per step launch
 
 static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16");
+static_assert(kQ8Pass == MP_Q8_BLOCK_MAX && mp_cuda::kChunk % kQ8Pass == 0,
+              "a block of 8-bit moments must lie within one pass of one chunk");
 
 // Element i, on its own.
 template <int P, int G>
@@ -214,6 +226,8 @@ struct AdamArgs {
   void* exp_avg[kMaxPieces];
   void* exp_avg_sq[kMaxPieces];
   const float* step[kMaxPieces];
+  float* exp_avg_scale[kMaxPieces];  // 8-bit moments: the param's scales (from its first block)
+  float* exp_avg_sq_scale[kMaxPieces];
   uint32_t sr_stream[kMaxPieces];
   int64_t offset[kMaxPieces];  // the piece's first element in its param (stochastic rounding)
   uint8_t param_dtype[kMaxPieces];
@@ -281,6 +295,175 @@ MP_CUDA_HD void adam_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
   }
 }
 
+// ---- 8-bit moments ----
+
+// x's max over the `lanes` consecutive lanes (a power of two <= 32, aligned) of this thread's
+// group: every lane of the warp takes part.
+__device__ __forceinline__ uint32_t group_max(uint32_t x, int lanes) {
+  for (int off = 1; off < lanes; off <<= 1) {
+    const uint32_t y = __shfl_xor_sync(0xFFFFFFFFu, x, off);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+// Whether a chunk's array at p (elements of `bytes`) allows 8-element accesses: 16-byte aligned
+// (8-byte for 1-byte codes); a null array (absent) does not count.
+__device__ __forceinline__ bool group_aligned(const void* p, int bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  return (a & (bytes == 1 ? 7u : 15u)) == 0u;
+}
+
+// Every thread of the block runs the same passes (the shuffles and barriers need them all);
+// wmax is the block's shared memory for the absmax of blocks that span warps.
+template <int P, int G>
+__device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
+                              const mp_adam_scalars& s, uint32_t (*wmax)[kWarps]) {
+  constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
+  const int k = r.k, tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int storage = a.storage[k];
+  void* param = static_cast<char*>(a.param[k]) + r.start * kP;
+  void* grad = static_cast<char*>(a.grad[k]) + r.start * kG;
+  float* master = storage == kMaster ? a.master[k] + r.start : nullptr;
+  int16_t* remainder = storage == kRemainder ? a.remainder[k] + r.start : nullptr;
+  float* ema = a.ema[k] != nullptr ? a.ema[k] + r.start : nullptr;
+  uint8_t* mc = static_cast<uint8_t*>(a.exp_avg[k]) + r.start;
+  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq[k]) + r.start;
+  float* ms = a.exp_avg_scale[k];
+  float* vs = a.exp_avg_sq_scale[k];
+  const int64_t first = a.offset[k] + r.start;  // the chunk's first position in its param
+  const int64_t block = s.q8_block;
+  const int tpb = static_cast<int>(block / kQ8Group);  // threads per block of moments
+  const bool vec = group_aligned(param, kP) && group_aligned(grad, kG) &&
+                   (master == nullptr || group_aligned(master, 4)) &&
+                   (remainder == nullptr || group_aligned(remainder, 2)) &&
+                   (ema == nullptr || group_aligned(ema, 4)) && group_aligned(mc, 1) &&
+                   group_aligned(vc, 1);
+  for (int64_t base = 0; base < r.count; base += kQ8Pass) {
+    const int64_t i0 = base + static_cast<int64_t>(tid) * kQ8Group;
+    const int64_t left = r.count - i0;
+    const int nv = left <= 0 ? 0 : (left < kQ8Group ? static_cast<int>(left) : kQ8Group);
+    const int64_t qb = (first + i0) / block;  // this thread's block in the param
+    float mnew[kQ8Group], vnew[kQ8Group];
+    uint32_t am = 0u, av = 0u;
+    if (nv > 0) {
+      const float rm = mp_q8_ref(mp_q8_ref_exp_m(bits_from_f32(ms[qb])));
+      const float rv = mp_q8_ref(mp_q8_ref_exp_v(bits_from_f32(vs[qb])));
+      uint32_t gb[kQ8Group], pb[kQ8Group], wb[kQ8Group], mb[kQ8Group], vb[kQ8Group];
+      uint32_t eb[kQ8Group];
+      load_group<kG>(grad, i0, nv, vec, gb);
+      load_group<kP>(param, i0, nv, vec, pb);
+      if (storage == kMaster) load_group<4>(master, i0, nv, vec, wb);
+      if (storage == kRemainder) load_group<2>(remainder, i0, nv, vec, wb);
+      load_group<1>(mc, i0, nv, vec, mb);
+      load_group<1>(vc, i0, nv, vec, vb);
+      if (ema != nullptr) load_group<4>(ema, i0, nv, vec, eb);
+      uint32_t out[kQ8Group];
+#pragma unroll
+      for (int j = 0; j < kQ8Group; ++j) {
+        const float g = mp_adam_unscaled(widen<G>(gb[j]), &s);
+        gb[j] = narrow<G>(g);
+        float p = storage == kMaster      ? f32_from_bits(wb[j])
+                  : storage == kRemainder ? f32_from_bits(mp_bf16_join(
+                                                static_cast<uint16_t>(pb[j]),
+                                                static_cast<uint16_t>(wb[j])))
+                                          : widen<P>(pb[j]);
+        float m = mp_q8_decode_m(static_cast<uint8_t>(mb[j]), rm);
+        float v = mp_adam_q8_floor_v(m, mp_q8_decode_v(static_cast<uint8_t>(vb[j]), rv), &s);
+        p = mp_adam_element(g, p, &m, &v, &s);
+        mnew[j] = m;
+        vnew[j] = v;
+        if (j < nv) {
+          const uint32_t ma = bits_from_f32(m) & 0x7FFFFFFFu, va = bits_from_f32(v) & 0x7FFFFFFFu;
+          am = ma > am ? ma : am;
+          av = va > av ? va : av;
+        }
+        const uint64_t pos = static_cast<uint64_t>(first + i0 + j);
+        if (ema != nullptr && storage != kMaster && storage != kRemainder) {
+          eb[j] = bits_from_f32(mp_adam_ema(f32_from_bits(eb[j]), p, &s));
+        }
+        if (storage == kF32Param) {
+          out[j] = bits_from_f32(p);
+        } else if (storage == kMaster || storage == kRemainder) {
+          const uint32_t x =
+              P == MP_BF16 ? mp_bf16_master_bits(bits_from_f32(p)) : bits_from_f32(p);
+          if (ema != nullptr) {
+            eb[j] = bits_from_f32(mp_adam_ema(f32_from_bits(eb[j]), f32_from_bits(x), &s));
+          }
+          out[j] = P == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
+          wb[j] = storage == kMaster ? x
+                                     : mp_bf16_remainder(x, static_cast<uint16_t>(out[j]));
+        } else if (s.sr_params) {
+          const uint32_t rr = mp_sr_bits(s.key_param, pos);
+          out[j] = P == MP_BF16 ? mp_bf16_sr_bits(bits_from_f32(p), rr)
+                                : mp_fp16_sr_bits(bits_from_f32(p), rr);
+        } else {
+          out[j] = narrow<P>(p);
+        }
+      }
+      if (s.write_grad) store_group<kG>(grad, i0, nv, vec, gb);
+      store_group<kP>(param, i0, nv, vec, out);
+      if (storage == kMaster) store_group<4>(master, i0, nv, vec, wb);
+      if (storage == kRemainder) store_group<2>(remainder, i0, nv, vec, wb);
+      if (ema != nullptr) store_group<4>(ema, i0, nv, vec, eb);
+    }
+    // the block's absmax: its threads' lanes, then (a block over several warps) its warps'
+    am = group_max(am, tpb < 32 ? tpb : 32);
+    av = group_max(av, tpb < 32 ? tpb : 32);
+    if (tpb > 32) {
+      if (lane == 0) {
+        wmax[0][warp] = am;
+        wmax[1][warp] = av;
+      }
+      __syncthreads();
+      const int wpb = tpb / 32, w0 = (warp / wpb) * wpb;
+      for (int w = w0; w < w0 + wpb; ++w) {
+        am = wmax[0][w] > am ? wmax[0][w] : am;
+        av = wmax[1][w] > av ? wmax[1][w] : av;
+      }
+      __syncthreads();  // every warp has read before the next pass writes
+    }
+    if (nv > 0) {
+      const uint32_t em = mp_q8_ref_exp_m(am), ev = mp_q8_ref_exp_v(av);
+      uint32_t mo[kQ8Group], vo[kQ8Group];
+#pragma unroll
+      for (int j = 0; j < kQ8Group; ++j) {
+        const uint32_t rr = s.moments_nearest
+                                ? 0u
+                                : mp_sr_bits(s.key_q8, static_cast<uint64_t>(first + i0 + j));
+        mo[j] = mp_q8_encode_m(mnew[j], em, rr & 0xFFFFu, s.moments_nearest);
+        vo[j] = mp_q8_encode_v(vnew[j], ev, rr >> 16, s.moments_nearest);
+      }
+      store_group<1>(mc, i0, nv, vec, mo);
+      store_group<1>(vc, i0, nv, vec, vo);
+      if ((first + i0) % block == 0) {  // the block's first thread
+        ms[qb] = f32_from_bits(am);
+        vs[qb] = f32_from_bits(av);
+      }
+    }
+  }
+}
+
+__device__ void adam_q8_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
+                              const mp_adam_scalars& s, uint32_t (*wmax)[kWarps]) {
+  const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
+  if (pd == MP_F32) {
+    adam_q8_chunk<MP_F32, MP_F32>(a, r, s, wmax);
+  } else if (pd == MP_BF16) {
+    if (gd == MP_BF16) {
+      adam_q8_chunk<MP_BF16, MP_BF16>(a, r, s, wmax);
+    } else {
+      adam_q8_chunk<MP_BF16, MP_F32>(a, r, s, wmax);
+    }
+  } else {
+    if (gd == MP_F16) {
+      adam_q8_chunk<MP_F16, MP_F16>(a, r, s, wmax);
+    } else {
+      adam_q8_chunk<MP_F16, MP_F32>(a, r, s, wmax);
+    }
+  }
+}
+
 // What the block's thread 0 shares with the others.
 struct BlockScalars {
   mp_adam_scalars s;
@@ -289,6 +472,7 @@ struct BlockScalars {
 
 __global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_constant__ AdamArgs a) {
   __shared__ BlockScalars shared;
+  __shared__ uint32_t wmax[2][kWarps];
   const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, blockIdx.x);
   if (threadIdx.x == 0) {
     shared.skip = mp_adam_skip(&a.opt);
@@ -297,7 +481,11 @@ __global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_const
   __syncthreads();
   if (shared.skip) return;  // the same for every thread of the block
   const mp_adam_scalars s = shared.s;
-  adam_block(a, r, s, threadIdx.x, blockDim.x);
+  if (a.exp_avg_dtype[r.k] == MP_I8) {
+    adam_q8_block(a, r, s, wmax);
+  } else {
+    adam_block(a, r, s, threadIdx.x, blockDim.x);
+  }
 }
 
 __global__ void __launch_bounds__(kStepThreads) adam_step_kernel(const __grid_constant__ StepArgs a) {
@@ -313,6 +501,7 @@ mp_status check_call(const mp_adam_tensor* ts, int64_t nt, const mp_adam_options
   if (!mp_adam_options_ok(opt)) return MP_ERR_INVALID_ARGUMENT;
   for (int64_t k = 0; k < nt; ++k) {
     if (!mp_adam_tensor_ok(&ts[k])) return MP_ERR_INVALID_ARGUMENT;
+    if (mp_adam_q8(&ts[k]) && !mp_adam_q8_block_ok(opt->q8_block)) return MP_ERR_INVALID_ARGUMENT;
   }
   return MP_OK;
 }
@@ -340,6 +529,8 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
         a.exp_avg_sq[i] =
             static_cast<char*>(t.exp_avg_sq) + done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype);
         a.step[i] = t.step;
+        a.exp_avg_scale[i] = t.exp_avg_scale;
+        a.exp_avg_sq_scale[i] = t.exp_avg_sq_scale;
         a.sr_stream[i] = static_cast<uint32_t>(t.sr_stream);
         a.offset[i] = done;
         a.param_dtype[i] = static_cast<uint8_t>(t.param_dtype);

@@ -9,6 +9,8 @@ import torch
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOW_DTYPES = (torch.bfloat16, torch.float16)
+# The block sizes of Adam's 8-bit moments: mpext/adam.h's MP_Q8_BLOCK_MIN / MAX.
+Q8_BLOCK_MIN, Q8_BLOCK_MAX = 32, 2048
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 

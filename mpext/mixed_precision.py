@@ -496,14 +496,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The inner Adam's state of a param in torch's layout (``step``, ``exp_avg``,
         ``exp_avg_sq``), created on its first step with ``step`` a float32 tensor on the
         device, as the fused kernel needs (torch's own format with ``capturable``/``fused``),
-        and moments in the dtypes an inner ``mpext.optim`` group asks for (bf16 moments; the
-        masters are the inner optimizer's fp32 params, so remainders do not apply)."""
+        and moments in the dtypes an inner ``mpext.optim`` group asks for (bf16 or 8-bit moments;
+        the masters are the inner optimizer's fp32 params, so remainders do not apply)."""
         state = self.optimizer.state[q]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
-            for key, dtype_key in _mp_optim._MOMENTS:
-                state[key] = torch.zeros_like(q, dtype=group.get(dtype_key, torch.float32),
-                                              memory_format=torch.preserve_format)
+            _mp_optim.new_moments(q, state, group)
         _mp_optim._conform_state(q, state, group, _NAME)
         return state
 

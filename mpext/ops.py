@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ._common import PARAM_DTYPES as _PARAM_DTYPES, dtype_name as _dtype_name
+from ._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from ._common import is_dense as _is_dense, same_layout as _same_layout
 
 __all__ = ["to_bf16", "to_fp16", "to_fp32", "cast_"]
@@ -327,7 +328,9 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                remainders: Optional[Sequence[torch.Tensor]] = None, master_free: bool = False,
                stochastic_rounding: bool = False, moments_round_nearest: bool = False,
                seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
-               ema_params: Optional[Sequence[torch.Tensor]] = None,
+               exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
+               exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
+               block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
                ema_decay: float = 0.0) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
@@ -368,6 +371,13 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     param's step count, its ``sr_streams`` entry (in [0, 2^32); default: its position in the
     list) and the element's position -- not on threads, CPU ISA or device.
 
+    8-bit moments: ``exp_avgs[i]`` int8 and ``exp_avg_sqs[i]`` uint8 (together) hold codes, one
+    per element, of blocks of ``block_size`` elements (a power of two in [32, 2048]); each
+    block's float32 absmax is in ``exp_avg_scales[i]`` / ``exp_avg_sq_scales[i]``
+    (``ceil(numel / block_size)`` elements; an empty tensor for a param with other moments).
+    The step decodes them, updates in fp32 and writes each block's new codes and scale in the
+    same pass, rounding stochastically (or to nearest with ``moments_round_nearest``);
+    docs/moments_8bit.md has the format.
     EMA. ``ema_params[i]`` (float32, in the param's layout; an empty tensor for none) is moved
     towards the param's new fp32 value in the same pass, ``ema = torch.lerp(ema, value, 1 -
     ema_decay)`` (torch's formula, ``a + w * (b - a)`` for ``w < 0.5`` else ``b - (b - a) * (1 -
@@ -385,7 +395,9 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     # A sparse tensor would dispatch to a backend with no kernel and a generic error.
     for name, ts in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
                      ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps),
-                     ("remainders", remainders or []), ("ema_params", ema_params or [])):
+                     ("remainders", remainders or []), ("exp_avg_scales", exp_avg_scales or []),
+                     ("exp_avg_sq_scales", exp_avg_sq_scales or []),
+                     ("ema_params", ema_params or [])):
         for i, t in enumerate(ts):
             if isinstance(t, torch.Tensor) and t.layout != torch.strided:
                 raise RuntimeError("mpext.adam_step_: %s[%d] must be a strided (dense) tensor, "
@@ -398,6 +410,9 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     if sr_streams is not None:
         sr_streams = [_check_int(k, "adam_step_", "sr_streams[%d]" % i)
                       for i, k in enumerate(sr_streams)]
+    block_size = _check_int(block_size, "adam_step_", "block_size")
+    exp_avg_scales = None if exp_avg_scales is None else list(exp_avg_scales)
+    exp_avg_sq_scales = None if exp_avg_sq_scales is None else list(exp_avg_sq_scales)
     if not isinstance(lr, torch.Tensor):
         device = params[0].device if params else torch.device("cpu")
         lr = torch.full((), float(lr), dtype=torch.float32, device=device)
@@ -407,7 +422,9 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     unscale_grads=bool(unscale_grads), remainders=remainders,
                     master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
                     moments_round_nearest=bool(moments_round_nearest), seed=seed,
-                    sr_streams=sr_streams, ema_params=ema_params, ema_decay=float(ema_decay))
+                    sr_streams=sr_streams, exp_avg_scales=exp_avg_scales,
+                    exp_avg_sq_scales=exp_avg_sq_scales, block_size=block_size,
+                    ema_params=ema_params, ema_decay=float(ema_decay))
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -432,7 +449,8 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
                     unscale_grads=False, remainders=None, master_free=False,
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
-                    sr_streams=None, ema_params=None, ema_decay=0.0):
+                    sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
+                    block_size=256, ema_params=None, ema_decay=0.0):
     """The checks of the C++ plan_adam, in its order and with its messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"
@@ -455,6 +473,15 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
         for i, k in enumerate(sr_streams):
             torch._check_value(0 <= k <= 0xFFFFFFFF, lambda: "mpext.%s: sr_streams[%d] must be in "
                                "[0, 2^32), got %d" % (op, i, k))
+    scale_lists = (("exp_avg_scales", exp_avg_scales or []),
+                   ("exp_avg_sq_scales", exp_avg_sq_scales or []))
+    for name, ts in scale_lists:
+        torch._check_value(len(ts) in (0, n), lambda: "mpext.%s: %s must be empty or have one "
+                           "entry per param (%d), got %d" % (op, name, n, len(ts)))
+    torch._check_value(Q8_BLOCK_MIN <= block_size <= Q8_BLOCK_MAX
+                       and block_size & (block_size - 1) == 0,
+                       lambda: "mpext.%s: block_size must be a power of two in [%d, %d], got %d"
+                       % (op, Q8_BLOCK_MIN, Q8_BLOCK_MAX, block_size))
     for name, v, hi in (("beta1", beta1, "1"), ("beta2", beta2, "1"), ("eps", eps, "inf"),
                         ("weight_decay", weight_decay, "inf")):
         top = 1.0 if hi == "1" else math.inf
@@ -499,9 +526,15 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
         torch._check(g.dtype == p.dtype or g.dtype == torch.float32,
                      lambda: "mpext.%s: %s must have the dtype of %s (%s) or float32, got %s"
                      % (op, gn, pn, _dtype_name(p.dtype), _dtype_name(g.dtype)))
-        for t, name in ((m, mn), (v, vn)):
-            torch._check(t.dtype in (torch.float32, torch.bfloat16), lambda: "mpext.%s: %s must "
-                         "have dtype float32 or bfloat16, got %s" % (op, name, _dtype_name(t.dtype)))
+        for t, name, q in ((m, mn, torch.int8), (v, vn, torch.uint8)):
+            torch._check(t.dtype in (torch.float32, torch.bfloat16, q), lambda: "mpext.%s: %s "
+                         "must have dtype float32 or bfloat16 or %s, got %s"
+                         % (op, name, _dtype_name(q), _dtype_name(t.dtype)))
+        q8 = m.dtype == torch.int8
+        torch._check(q8 == (v.dtype == torch.uint8), lambda: "mpext.%s: %s is %s (8-bit moment "
+                     "codes), so %s must be %s, got %s"
+                     % (op, mn if q8 else vn, "int8" if q8 else "uint8", vn if q8 else mn,
+                        "uint8" if q8 else "int8", _dtype_name((v if q8 else m).dtype)))
         _check_fake_scalar(s, op, sn, torch.float32, 1, device, "params[0]")
         for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
             _check_fake_dense_named(t, op, name)
@@ -540,6 +573,28 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                            % (op, pn, _dtype_name(p.dtype), i,
                               " or a remainder (remainders[%d])" % i
                               if p.dtype == torch.bfloat16 else ""))
+        for name, ts in scale_lists:
+            sn = "%s[%d]" % (name, i)
+            if not ts:
+                torch._check_value(not q8, lambda: "mpext.%s: %s holds 8-bit codes, which need "
+                                   "%s (one float32 scale per block of %d elements); got none"
+                                   % (op, mn, name, block_size))
+                continue
+            sc = ts[i]
+            check_device(sc, sn)
+            torch._check(sc.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
+                         "float32, got %s" % (op, sn, _dtype_name(sc.dtype)))
+            if not q8:
+                torch._check_value(sc.numel() == 0, lambda: "mpext.%s: %s must be an empty "
+                                   "tensor (%s is not 8-bit), got %d elements"
+                                   % (op, sn, mn, sc.numel()))
+                continue
+            want = (p.numel() + block_size - 1) // block_size
+            torch._check_value(sc.numel() == want, lambda: "mpext.%s: %s must have %d elements "
+                               "(one per block of %d elements of %s), got %d"
+                               % (op, sn, want, block_size, pn, sc.numel()))
+            if want:
+                _check_fake_dense_named(sc, op, sn)
         if ema_params:
             e, en = ema_params[i], "ema_params[%d]" % i
             check_device(e, en)

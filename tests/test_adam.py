@@ -494,9 +494,9 @@ OP_BAD = [
     (_set("grads", 0, lambda t, d: t.bfloat16()), RuntimeError,
      r"grads\[0\] must have the dtype of params\[0\] \(float32\) or float32, got bfloat16"),
     (_set("exp_avgs", 1, lambda t, d: t.half()), RuntimeError,
-     r"exp_avgs\[1\] must have dtype float32 or bfloat16, got float16"),
+     r"exp_avgs\[1\] must have dtype float32 or bfloat16 or int8, got float16"),
     (_set("exp_avg_sqs", 2, lambda t, d: t.double()), RuntimeError,
-     r"exp_avg_sqs\[2\] must have dtype float32 or bfloat16, got float64"),
+     r"exp_avg_sqs\[2\] must have dtype float32 or bfloat16 or uint8, got float64"),
     (_set("masters", 1, lambda t, d: t.half()), RuntimeError,
      r"masters\[1\] must have dtype float32, got float16"),
     (_set("steps", 0, lambda t, d: t.double()), RuntimeError,
@@ -1264,7 +1264,7 @@ def test_constructor_defaults_match_torch():
     theirs = torch.optim.AdamW(p).param_groups[0]
     mpext_keys = ("master_weights", "unscale_grads", "param_remainders", "stochastic_rounding",
                   "exp_avg_dtype", "ema_decay",
-                  "exp_avg_sq_dtype", "moment_rounding", "seed")
+                  "exp_avg_sq_dtype", "moment_rounding", "seed", "block_size")
     assert {k: v for k, v in ours.items() if k not in mpext_keys} == theirs
     assert AdamW._step_supports_amp_scaling is True and Adam._step_supports_amp_scaling is True
     assert issubclass(AdamW, torch.optim.Optimizer)
@@ -1294,9 +1294,9 @@ CTOR_BAD = [
      r"stochastic_rounding=True rounds params that have no master; it needs "
      r"master_weights=False"),
     (dict(exp_avg_dtype=torch.float16), ValueError,
-     r"exp_avg_dtype must be torch.float32 or torch.bfloat16, got torch.float16"),
+     r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.int8, got torch.float16"),
     (dict(exp_avg_sq_dtype="bfloat16"), ValueError,
-     r"exp_avg_sq_dtype must be torch.float32 or torch.bfloat16, got 'bfloat16'"),
+     r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got 'bfloat16'"),
     (dict(moment_rounding="down"), ValueError,
      r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
     (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),

@@ -685,9 +685,9 @@ for _name, _idx, _val, _re in [
         ("grads", 2, torch.zeros(5, dtype=BF16), r"grads\[2\] must have the dtype of params\[2\] "
                                                  r"\(float16\) or float32, got bfloat16"),
         ("exp_avgs", 2, torch.zeros(5, dtype=F16), r"exp_avgs\[2\] must have dtype float32 or "
-                                                   r"bfloat16, got float16"),
+                                                   r"bfloat16 or int8, got float16"),
         ("exp_avg_sqs", 2, torch.zeros(5, dtype=F64), r"exp_avg_sqs\[2\] must have dtype "
-                                                      r"float32 or bfloat16, got float64"),
+                                                      r"float32 or bfloat16 or uint8, got float64"),
         ("masters", 2, torch.zeros(5, dtype=F16), r"masters\[2\] must have dtype float32, got "
                                                   r"float16"),
         ("steps", 2, torch.zeros((), dtype=torch.int64), r"steps\[2\] must have dtype float32, "

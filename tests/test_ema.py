@@ -49,7 +49,7 @@ def lerp_f32(a, b, w):
 
 def params(dtype, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(37, 5), (128,), (3, 4, 5, 6), (0, 3), (1,)]
+    shapes = [(37, 5), (128,), (3, 4, 5, 6), (0, 3), (1,), (64, 80)]  # the last: 8-bit moments
     out = [torch.randn(s, generator=g).to(dtype).to(device) for s in shapes]
     out[2] = out[2].to(memory_format=torch.channels_last)
     return [p.requires_grad_() for p in out]
@@ -70,6 +70,8 @@ MODES = {
     "bf16_remainder": (BF16, dict(param_remainders=True)),
     "fp16_master": (F16, {}),
     "bf16_master_bf16_moments": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
+    "bf16_remainder_8bit_moments": (BF16, dict(param_remainders=True, exp_avg_dtype=torch.int8,
+                                               exp_avg_sq_dtype=torch.uint8)),
 }
 
 

@@ -1150,10 +1150,11 @@ def test_fp16_param_with_remainders_is_refused():
 
 @pytest.mark.parametrize("change,exc,match", [
     (dict(exp_avg_dtype=torch.float16), ValueError,
-     r"exp_avg_dtype must be torch.float32 or torch.bfloat16, got torch.float16 "
+     r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.int8, got torch.float16 "
      r"\(param group 0\)"),
     (dict(exp_avg_sq_dtype=torch.float64), ValueError,
-     r"exp_avg_sq_dtype must be torch.float32 or torch.bfloat16, got torch.float64"),
+     r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got "
+     r"torch.float64"),
     (dict(moment_rounding="up"), ValueError, r"moment_rounding must be \"stochastic\" or "
                                              r"\"nearest\", got 'up' \(param group 0\)"),
     (dict(seed=2 ** 64), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),

@@ -36,6 +36,17 @@ MODE_BYTES = {
     "mpext-bf16": (2, 2, 4),
     "mpext-fp16": (2, 2, 4),
 }
+# mpext.optim.Adam/AdamW with 8-bit moments (Adam/AdamW only): (weights, gradients, masters)
+# per param, one byte per moment element plus an FP32 scale per block of 256, the options.
+Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+Q8_MODES = {
+    "mpext-bf16-8bit": ((2, 2, 4), torch.bfloat16, dict(Q8)),
+    "mpext-bf16-remainder-8bit": ((2, 2, 2), torch.bfloat16, dict(Q8, param_remainders=True)),
+    "mpext-bf16-sr-8bit": ((2, 2, 0), torch.bfloat16,
+                           dict(Q8, master_weights=False, stochastic_rounding=True)),
+    "mpext-fp16-sr-8bit": ((2, 2, 0), torch.float16,
+                           dict(Q8, master_weights=False, stochastic_rounding=True)),
+}
 AUTOCAST_COPY = {"fp32": 0, "amp-bf16": 2, "amp-fp16": 2, "mpext-bf16": 0, "mpext-fp16": 0}
 SCALER = {"fp32": 0, "amp-bf16": 0, "amp-fp16": 8, "mpext-bf16": 0, "mpext-fp16": 8}
 # FP32 param-sized state tensors, from torch.optim's code (names in the comments).
@@ -53,7 +64,7 @@ PARTITIONED = {0: set(), 1: {"master_weights", "optimizer_states"},
 
 
 def test_tables_cover_the_calculator():
-    assert set(MODE_BYTES) == set(MODES)
+    assert set(MODE_BYTES) | set(Q8_MODES) == set(MODES)
     assert set(STATES) == set(OPTIMIZERS)
 
 
@@ -173,7 +184,7 @@ def test_activations_tensor_by_tensor(d, dropout):
 
 def test_activations_follow_the_mode():
     shape = dict(batch=2, seq=64, hidden=96, layers=3, heads=4, vocab=42)
-    by_mode = {m: estimate(10 ** 6, "adamw", m, **shape).activations for m in MODES}
+    by_mode = {m: estimate(10 ** 6, "adamw", m, **shape).activations for m in MODE_BYTES}
     want16 = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=2, vocab=42)
     want32 = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=4, vocab=42)
     assert by_mode == {"fp32": want32, "amp-bf16": want16, "amp-fp16": want16,
@@ -272,7 +283,8 @@ def test_cli_json_matches_api(capsys):
                             "--mode", "all", "--json")
     assert code == 0
     data = json.loads(out)
-    assert [r["mode"] for r in data["results"]] == list(MODES)
+    # 'all' is every mode the optimizer has: not the 8-bit ones (mpext.optim.Adam/AdamW's)
+    assert [r["mode"] for r in data["results"]] == [m for m in MODES if m not in Q8_MODES]
     spec = memory.MODELS["gpt2"]
     for r in data["results"]:
         want = estimate(spec.params, "sgd", r["mode"], batch=4, seq=spec.seq, hidden=spec.hidden,
@@ -525,3 +537,63 @@ def test_agreement_gpt_training_modes(key):
     assert abs(sum(got.values()) - want.persistent) <= 0.10 * want.persistent, (got, want)
     for field in ("weights", "gradients", "master_weights", "optimizer_states"):
         assert got[field] == getattr(want, field), field
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit moments (mpext.optim.Adam/AdamW)
+
+
+@pytest.mark.parametrize("mode", list(Q8_MODES))
+@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("params,world", [(4096, 4), (4001, 4), (999, 1)])
+def test_q8_hand_computed(mode, zero, params, world):
+    b = estimate(params, "adamw", mode, zero=zero, world_size=world)
+    shard = -(-params // world)
+    w, g, m = Q8_MODES[mode][0]
+    n_state = shard if zero >= 1 else params
+    want = {"weights": w * (shard if zero >= 3 else params),
+            "gradients": g * (shard if zero >= 2 else params),
+            "master_weights": m * n_state,
+            # two moments: a byte per element, 4 bytes per block of 256
+            "optimizer_states": 2 * (n_state + 4 * -(-n_state // 256))}
+    for field, value in want.items():
+        assert getattr(b, field) == value, field
+
+
+def test_q8_budgets():
+    """The issue's budgets per param, with AdamW: master-free stochastic rounding + 8-bit
+    moments 2 + 2 + 2 * (1 + 4/256) = 6.03 <= 6.1; remainder + 8-bit 8.03 <= 8.1."""
+    per = {m: estimate(256 * 10 ** 6, "adamw", m).persistent / (256 * 10 ** 6) for m in Q8_MODES}
+    assert per == {"mpext-bf16-8bit": 10.03125, "mpext-bf16-remainder-8bit": 8.03125,
+                   "mpext-bf16-sr-8bit": 6.03125, "mpext-fp16-sr-8bit": 6.03125 + 8 / 256e6}
+    assert per["mpext-bf16-sr-8bit"] <= 6.1 and per["mpext-bf16-remainder-8bit"] <= 8.1
+
+
+def test_q8_modes_need_adam():
+    with pytest.raises(ValueError, match="mode: mpext-bf16-sr-8bit is mpext.optim.Adam/AdamW's "
+                                         "leaner state; the optimizer must be adam or adamw, got "
+                                         "'sgd'"):
+        estimate(10, "sgd", "mpext-bf16-sr-8bit")
+
+
+@pytest.mark.parametrize("mode", list(Q8_MODES))
+def test_q8_agreement_with_a_real_step(mode):
+    """One real step of mpext.optim.AdamW with 8-bit moments on a model whose tensors all have
+    at least 4096 elements, in whole blocks: the live tensors equal the estimate, component by
+    component (codes and scales counted as optimizer state)."""
+    _, dtype, options = Q8_MODES[mode]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.GELU(),
+                          nn.Linear(256, 256, bias=False), nn.GELU(),
+                          nn.Linear(256, 64, bias=False)).to(dtype)
+    opt = mpext.optim.AdamW(model.parameters(), lr=1e-3, **options)
+    scaler = mpext.GradScaler("cpu") if dtype == torch.float16 else None
+    loss = (model(torch.randn(16, 64, dtype=dtype)).float() - 1).pow(2).mean()
+    _backward_step(loss, opt, scaler)
+    assert all(st["exp_avg"].dtype == torch.int8 for st in opt.state.values())
+    got = memory.measure(model.parameters(), opt, scaler)
+    n = sum(p.numel() for p in model.parameters())
+    want = estimate(n, "adamw", mode)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+        assert got[field] == getattr(want, field), (field, got, want)
+    assert got["scaler"] >= want.scaler

@@ -55,14 +55,38 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
   }
 }
 
-/* The loop, always inlined into a caller with constant layout parameters. */
+/* What the loop over one block of 8-bit moments needs beside the arrays: the block's
+ * references (mp_q8_ref), the fp32 buffers its new moments go to, and their absmax (as the
+ * max of their magnitudes' bits). */
+typedef struct q8_sweep {
+  float rm, rv;
+  float* restrict mbuf;
+  float* restrict vbuf;
+  uint32_t am, av;
+} q8_sweep;
+
+/* The loop, always inlined into a caller with constant layout parameters. With 8-bit moments
+ * (md == MP_I8) it is the first sweep over a block: the codes decoded, the new fp32 moments
+ * written to q's buffers. */
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
     void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, int64_t n,
-    const mp_adam_scalars* restrict hp, const int mk, const int write_grad) {
+    const mp_adam_scalars* restrict hp, const int mk, const int write_grad,
+    q8_sweep* restrict q) {
   const mp_adam_scalars s = *hp;
   const int sr_moments = md == MP_BF16 || vd == MP_BF16;
+  const int q8 = md == MP_I8;
+  float rm = 0.0f, rv = 0.0f;
+  float* restrict mbuf = NULL;
+  float* restrict vbuf = NULL;
+  uint32_t am = 0u, av = 0u;
+  if (q8) {
+    rm = q->rm;
+    rv = q->rv;
+    mbuf = q->mbuf;
+    vbuf = q->vbuf;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t pos = (uint64_t)(start + i); /* the element's place in its param */
     const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
@@ -75,17 +99,27 @@ static inline __attribute__((always_inline)) void adam_loop(
     } else {
       p0 = load_as_f32(param, i, pt);
     }
-    float mi = load_as_f32(m, i, md), vi = load_as_f32(v, i, vd);
+    float mi, vi;
+    if (q8) {
+      mi = mp_q8_decode_m(((const uint8_t*)m)[i], rm);
+      vi = mp_adam_q8_floor_v(mi, mp_q8_decode_v(((const uint8_t*)v)[i], rv), &s);
+    } else {
+      mi = load_as_f32(m, i, md);
+      vi = load_as_f32(v, i, vd);
+    }
     const float p = mp_adam_element(g, p0, &mi, &vi, &s);
     const uint32_t r_mv = sr_moments ? mp_sr_bits(s.key_moments, pos) : 0u;
-    if (md == MP_BF16) {
+    if (q8) {
+      mbuf[i] = mi;
+      vbuf[i] = vi;
+    } else if (md == MP_BF16) {
       ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
     } else {
       ((float*)m)[i] = mi;
     }
-    if (vd == MP_BF16) {
+    if (!q8 && vd == MP_BF16) {
       ((uint16_t*)v)[i] = mp_adam_bf16_moment(vi, r_mv >> 16, &s);
-    } else {
+    } else if (!q8) {
       ((float*)v)[i] = vi;
     }
     /* ema is loop-invariant: the compiler unswitches this test out of the loop */
@@ -110,11 +144,78 @@ static inline __attribute__((always_inline)) void adam_loop(
                                             : mp_fp16_sr_bits(bits_of_f32(p), r);
     }
   }
+  if (q8) {
+    /* the block's absmax, from the buffers in L1: a loop of its own keeps the update's
+     * registers free */
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t ma = bits_of_f32(mbuf[i]) & 0x7FFFFFFFu;
+      const uint32_t va = bits_of_f32(vbuf[i]) & 0x7FFFFFFFu;
+      am = ma > am ? ma : am;
+      av = va > av ? va : av;
+    }
+    q->am = am;
+    q->av = av;
+  }
+}
+
+/* The second sweep over a block of 8-bit moments: its new fp32 moments (still in L1) written as
+ * codes relative to the block's new references; pos the block's first position in its param. */
+static inline __attribute__((always_inline)) void q8_store(
+    int8_t* restrict mc, uint8_t* restrict vc, const float* restrict mbuf,
+    const float* restrict vbuf, int64_t n, uint32_t em, uint32_t ev, uint64_t key, uint64_t pos,
+    int nearest) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t r = nearest ? 0u : mp_sr_bits(key, pos + (uint64_t)i);
+    mc[i] = (int8_t)mp_q8_encode_m(mbuf[i], em, r & 0xFFFFu, nearest);
+    vc[i] = mp_q8_encode_v(vbuf[i], ev, r >> 16, nearest);
+  }
+}
+
+/* 8-bit moments over elements [start, start + n) (start a multiple of the block size), block
+ * by block: the first sweep updates everything and leaves the block's new fp32 moments in two
+ * buffers that stay in L1, the second writes their codes and the block's scales. */
+static inline __attribute__((always_inline)) void adam_q8(
+    void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
+    float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
+    uint8_t* restrict vc, float* restrict ms, float* restrict vs, float* restrict ema,
+    int64_t start, int64_t n,
+    const mp_adam_scalars* restrict hp, const int mk, const int write_grad) {
+  const int64_t b = hp->q8_block;
+  _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
+  _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
+  const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
+  for (int64_t off = 0; off < n; off += b) {
+    const int64_t len = n - off < b ? n - off : b;
+    const int64_t k = (start + off) / b;
+    q8_sweep q = {mp_q8_ref(mp_q8_ref_exp_m(bits_of_f32(ms[k]))),
+                  mp_q8_ref(mp_q8_ref_exp_v(bits_of_f32(vs[k]))), mbuf, vbuf, 0u, 0u};
+    adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
+              master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
+              mc + off, MP_I8, vc + off, MP_U8, ema != NULL ? ema + off : NULL, start + off, len,
+              hp, mk, write_grad, &q);
+    const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
+    if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
+      q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, 0u, 1);
+    } else {
+      q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, (uint64_t)(start + off),
+               0);
+    }
+    ms[k] = f32_of_bits(q.am);
+    vs[k] = f32_of_bits(q.av);
+  }
 }
 
 /* The two compile-time choices left once the arrays' types are fixed: the moments' dtypes and
  * the write-back of the gradient. */
 #define MP_ADAM_MOMENTS(PT, GT, MK)                                                        \
+  if (md == MP_I8) {                                                                     \
+    if (hp->write_grad) {                                                                \
+      MP_ADAM_Q8(PT, GT, MK, 1);                                                         \
+    } else {                                                                             \
+      MP_ADAM_Q8(PT, GT, MK, 0);                                                         \
+    }                                                                                    \
+    return;                                                                              \
+  }                                                                                      \
   switch ((md == MP_BF16) << 2 | (vd == MP_BF16) << 1 | (hp->write_grad != 0)) {         \
     case 0: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 0); break;                           \
     case 1: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 1); break;                           \
@@ -127,13 +228,17 @@ static inline __attribute__((always_inline)) void adam_loop(
   }
 
 #define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG) \
-  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, n, hp, MK, WG)
+  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, n, hp, MK, WG, NULL)
 
-/* One function per (param dtype, grad dtype, master kind): its eight loops. */
+#define MP_ADAM_Q8(PT, GT, MK, WG)                                                         \
+  adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v, ms, vs, ema, start, n, \
+          hp, MK, WG)
+
+/* One function per (param dtype, grad dtype, master kind): its ten loops. */
 #define MP_ADAM_VARIANT(name, PT, GT, MK)                                                       \
   static void name(void* param, void* grad, float* master, int16_t* remainder, void* m,         \
-                   mp_dtype md, void* v, mp_dtype vd, float* ema, int64_t start, int64_t n,     \
-                   const mp_adam_scalars* hp) {                                                 \
+                   mp_dtype md, void* v, mp_dtype vd, float* ms, float* vs, float* ema,         \
+                   int64_t start, int64_t n, const mp_adam_scalars* hp) {                       \
     MP_ADAM_MOMENTS(PT, GT, MK)                                                                 \
   }
 
@@ -154,7 +259,7 @@ MP_ADAM_VARIANT(adam_f16_f16_sr, MP_F16, MP_F16, MK_NONE_SR)
 MP_ADAM_VARIANT(adam_f16_f32_sr, MP_F16, MP_F32, MK_NONE_SR)
 
 typedef void (*adam_variant)(void*, void*, float*, int16_t*, void*, mp_dtype, void*, mp_dtype,
-                             float*, int64_t, int64_t, const mp_adam_scalars*);
+                             float*, float*, float*, int64_t, int64_t, const mp_adam_scalars*);
 
 /* [param dtype][grad is fp32][master kind] */
 static const adam_variant VARIANTS[3][2][5] = {
@@ -182,5 +287,6 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
   void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
   float* ema = t->ema != NULL ? t->ema + start : NULL;
   VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk](param, grad, master, remainder, m, md, v, vd,
-                                                  ema, start, n, s);
+                                                  t->exp_avg_scale, t->exp_avg_sq_scale, ema,
+                                                  start, n, s);
 }

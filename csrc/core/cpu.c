@@ -181,6 +181,9 @@ mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
     return MP_ERR_INVALID_ARGUMENT;
   if (start < 0 || count < 0 || start > t->n || count > t->n - start)
     return MP_ERR_INVALID_ARGUMENT;
+  if (mp_adam_q8(t) && (!mp_adam_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
+                        (count % o->q8_block != 0 && start + count != t->n)))
+    return MP_ERR_INVALID_ARGUMENT; /* a block is updated whole, by one call */
   if (count == 0 || mp_adam_skip(o)) return MP_OK;
   const mp_adam_scalars s = mp_adam_scalars_now(o, t->step, t->sr_stream);
   active()->adam_step(t, start, count, &s);

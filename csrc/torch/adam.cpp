@@ -16,9 +16,15 @@ struct Cpu {
   static constexpr c10::DeviceType kDevice = c10::kCPU;
 
   static void adam_step(const AdamPlan& plan, const c10::Device&) {
-    parallel_segments(plan.tensors, kGrainSize, [&](size_t k, int64_t start, int64_t count) {
-      check_status(mp_adam_step(&plan.tensors[k], start, count, &plan.options), "adam_step_");
-    });
+    // Ranges of whole blocks (of 8-bit moments; the block size divides the grain), so that
+    // one call sees each block's every element.
+    const int64_t unit = plan.options.q8_block;
+    parallel_segments(
+        plan.tensors, kGrainSize / unit,
+        [&](size_t k, int64_t start, int64_t count) {
+          check_status(mp_adam_step(&plan.tensors[k], start, count, &plan.options), "adam_step_");
+        },
+        unit);
     check_status(mp_adam_advance_steps(plan.tensors.data(),
                                        static_cast<int64_t>(plan.tensors.size()), &plan.options),
                  "adam_step_");

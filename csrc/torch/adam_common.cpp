@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "mpext/adam_rule.h"
 
 namespace mpext {
 namespace {
@@ -55,6 +56,18 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                         ": sr_streams[", k, "] must be in [0, 2^32), got ", streams[k]);
     }
   }
+  const at::TensorList m_scales = storage.exp_avg_scales.value_or(at::TensorList());
+  const at::TensorList v_scales = storage.exp_avg_sq_scales.value_or(at::TensorList());
+  TORCH_CHECK_VALUE(m_scales.empty() || m_scales.size() == n, "mpext.", op,
+                    ": exp_avg_scales must be empty or have one entry per param (", n, "), got ",
+                    m_scales.size());
+  TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op,
+                    ": exp_avg_sq_scales must be empty or have one entry per param (", n,
+                    "), got ", v_scales.size());
+  const int64_t block = storage.block_size;
+  TORCH_CHECK_VALUE(mp_adam_q8_block_ok(block), "mpext.", op,
+                    ": block_size must be a power of two in [", MP_Q8_BLOCK_MIN, ", ",
+                    MP_Q8_BLOCK_MAX, "], got ", block);
   check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
   check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
   check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
@@ -87,8 +100,9 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   o.unscale_grads = unscale_grads ? 1 : 0;
   o.sr_params = storage.stochastic_rounding ? 1 : 0;
   o.moments_nearest = storage.moments_round_nearest ? 1 : 0;
-  o.seed = static_cast<uint64_t>(storage.seed);
-  o.ema_decay = storage.ema_decay;  // any 64 bits: a negative seed is its 2's complement
+  o.seed = static_cast<uint64_t>(storage.seed);  // any 64 bits (a negative seed: 2's complement)
+  o.q8_block = block;
+  o.ema_decay = storage.ema_decay;
   // An lr on the CPU is read here (a host read, free), after the tensors are known not to
   // overlap: a bad value is refused before anything runs.
   auto check_lr_value = [&]() {
@@ -104,7 +118,7 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   }
 
   std::vector<ByteRange> ranges;
-  ranges.reserve(6 * n + 3);
+  ranges.reserve(8 * n + 3);
   plan.tensors.reserve(n);
   for (size_t k = 0; k < n; ++k) {
     const int64_t i = static_cast<int64_t>(k);
@@ -122,8 +136,13 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat, "mpext.", op,
                 ": ", gn, " must have the dtype of ", pn, " (", dtype_name(p.scalar_type()),
                 ") or float32, got ", dtype_name(g.scalar_type()));
-    check_dtype(m, op, mn, {at::kFloat, at::kBFloat16});
-    check_dtype(v, op, vn, {at::kFloat, at::kBFloat16});
+    check_dtype(m, op, mn, {at::kFloat, at::kBFloat16, at::kChar});
+    check_dtype(v, op, vn, {at::kFloat, at::kBFloat16, at::kByte});
+    // 8-bit moments come as a pair: int8 codes of m with uint8 codes of v
+    const bool q8 = m.scalar_type() == at::kChar;
+    TORCH_CHECK(q8 == (v.scalar_type() == at::kByte), "mpext.", op, ": ", q8 ? mn : vn, " is ",
+                q8 ? "int8" : "uint8", " (8-bit moment codes), so ", q8 ? vn : mn, " must be ",
+                q8 ? "uint8" : "int8", ", got ", dtype_name((q8 ? v : m).scalar_type()));
     check_scalars(steps[k], op, Arg("steps", i), at::kFloat, 1, device, owner);
     check_dense(p, op, pn);
     check_dense(g, op, gn);
@@ -172,6 +191,36 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                       p.scalar_type() == at::kBFloat16 ? " or a remainder (remainders[" : "",
                       p.scalar_type() == at::kBFloat16 ? std::to_string(i) + "])" : "",
                       "; pass master_free=True to update it in place without one");
+    // The blocks' scales: ceil(n / block) float32 values for 8-bit moments, else none.
+    float* scale_ptr[2] = {nullptr, nullptr};
+    const at::TensorList scale_lists[2] = {m_scales, v_scales};
+    const char* scale_names[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
+    for (int j = 0; j < 2; ++j) {
+      const Arg sn(scale_names[j], i);
+      if (scale_lists[j].empty()) {
+        TORCH_CHECK_VALUE(!q8, "mpext.", op, ": ", mn, " holds 8-bit codes, which need ",
+                          scale_names[j], " (one float32 scale per block of ", block,
+                          " elements); got none");
+        continue;
+      }
+      const at::Tensor& sc = scale_lists[j][k];
+      check_device(sc, op, sn, device, owner);
+      check_dtype(sc, op, sn, {at::kFloat});
+      if (!q8) {
+        TORCH_CHECK_VALUE(sc.numel() == 0, "mpext.", op, ": ", sn, " must be an empty tensor (",
+                          mn, " is not 8-bit), got ", sc.numel(), " elements");
+        continue;
+      }
+      const int64_t want = (p.numel() + block - 1) / block;
+      TORCH_CHECK_VALUE(sc.numel() == want, "mpext.", op, ": ", sn, " must have ", want,
+                        " elements (one per block of ", block, " elements of ", pn, "), got ",
+                        sc.numel());
+      if (want == 0) continue;
+      check_dense(sc, op, sn);
+      ranges.push_back(byte_range(sc, i, true, sn));
+      scale_ptr[j] = static_cast<float*>(sc.data_ptr());
+    }
+
     mp_adam_tensor t{};
     t.param = p.data_ptr();
     t.param_dtype = to_mp_dtype(p.scalar_type());
@@ -187,6 +236,8 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     t.exp_avg_sq_dtype = to_mp_dtype(v.scalar_type());
     t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
                                      : static_cast<uint64_t>(k);
+    t.exp_avg_scale = scale_ptr[0];
+    t.exp_avg_sq_scale = scale_ptr[1];
     if (!emas.empty()) {
       const at::Tensor& e = emas[k];
       const Arg en("ema_params", i);

@@ -29,6 +29,10 @@ struct AdamStorage {
   bool moments_round_nearest = false;  // bf16 moments to nearest even (biased; comparisons)
   int64_t seed = 0;
   at::OptionalIntArrayRef sr_streams;  // per param, < 2^32; default: the param's index
+  // 8-bit moments (int8 exp_avg with uint8 exp_avg_sq): one float32 absmax per block of
+  // block_size elements, or empty tensors for params with other moments
+  std::optional<at::TensorList> exp_avg_scales, exp_avg_sq_scales;
+  int64_t block_size = 256;
   std::optional<at::TensorList> ema_params;  // fp32 EMAs of the params' values, or empty tensors
   double ema_decay = 0.0;
 };
@@ -36,7 +40,10 @@ struct AdamStorage {
 // Checks every argument of adam_step_ before anything is written. Throws (naming the argument)
 // on: lists of different lengths (masters and remainders may also be empty); a param that is
 // not float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32; exp_avg
-// or exp_avg_sq neither float32 nor bfloat16; masters, steps, lr, inv_scale, found_inf not
+// or exp_avg_sq neither float32 nor bfloat16, unless they are int8 and uint8 codes together,
+// which need exp_avg_scales / exp_avg_sq_scales entries of ceil(numel / block_size) float32
+// elements (others an empty tensor there); a block_size that is not a power of two in
+// [32, 2048]; masters, steps, lr, inv_scale, found_inf not
 // float32, remainders not int16; shape or memory-layout mismatches; non-dense tensors; tensors
 // on different devices (lr may also be on the CPU); lr, inv_scale, found_inf or a step with
 // more than one element; a bf16/fp16 param with no master and no remainder unless master_free
@@ -64,10 +71,13 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                const std::optional<at::Tensor>& found_inf, bool unscale_grads,
                std::optional<at::TensorList> remainders, bool master_free,
                bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
-               at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> ema_params,
-               double ema_decay) {
-  const AdamStorage storage{remainders, master_free, stochastic_rounding, moments_round_nearest,
-                            seed,       sr_streams,  ema_params,          ema_decay};
+               at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> exp_avg_scales,
+               std::optional<at::TensorList> exp_avg_sq_scales, int64_t block_size,
+               std::optional<at::TensorList> ema_params, double ema_decay) {
+  const AdamStorage storage{remainders,     master_free,       stochastic_rounding,
+                            moments_round_nearest, seed,       sr_streams,
+                            exp_avg_scales, exp_avg_sq_scales, block_size,
+                            ema_params,     ema_decay};
   const AdamPlan plan = plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
                                   beta2, eps, weight_decay, decoupled, maximize, inv_scale,
                                   found_inf, unscale_grads, storage);

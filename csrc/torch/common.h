@@ -76,9 +76,14 @@ inline void check_dtype(const at::Tensor& t, const char* op, Arg name,
               dtype_name(t.scalar_type()));
 }
 
-// The mp_dtype of a float32, bfloat16 or float16 tensor (callers check the dtype first).
+// The mp_dtype of a float32, bfloat16 or float16 tensor, or of the int8 / uint8 codes of Adam's
+// 8-bit moments (callers check the dtype first).
 inline mp_dtype to_mp_dtype(at::ScalarType t) {
-  return t == at::kFloat ? MP_F32 : (t == at::kBFloat16 ? MP_BF16 : MP_F16);
+  return t == at::kFloat      ? MP_F32
+         : t == at::kBFloat16 ? MP_BF16
+         : t == at::kChar     ? MP_I8
+         : t == at::kByte     ? MP_U8
+                              : MP_F16;
 }
 
 // t is on `device` (or, when cpu_ok, on the CPU); the one wording of a device mismatch.

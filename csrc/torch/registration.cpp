@@ -45,9 +45,11 @@ TORCH_LIBRARY(mpext, m) {
   // an empty tensor stands for "none", and an fp32 param takes none. Moments are float32 or
   // bfloat16 (stored with stochastic rounding unless moments_round_nearest). Stochastic
   // rounding is reproducible: its bits are a function of seed, the param's step count, its
-  // sr_streams entry (default: its index) and the element's position. ema_params[i] (fp32, or an
-  // empty tensor for none) moves towards the param's new fp32 value by 1 - ema_decay each step
-  // (a copy on its first step), in the same pass.
+  // sr_streams entry (default: its index) and the element's position. Moments may also be
+  // 8-bit codes, int8 exp_avg with uint8 exp_avg_sq, each block of block_size elements with its
+  // float32 absmax in exp_avg_scales / exp_avg_sq_scales (mpext/adam.h has the format).
+  // ema_params[i] (fp32, or an empty tensor for none) moves towards the param's new fp32 value
+  // by 1 - ema_decay each step (a copy on its first step), in the same pass.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, "
@@ -55,7 +57,8 @@ TORCH_LIBRARY(mpext, m) {
       "*, Tensor? inv_scale=None, Tensor? found_inf=None, bool unscale_grads=False, "
       "Tensor(g!)[]? remainders=None, bool master_free=False, bool stochastic_rounding=False, "
       "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
-      "Tensor(h!)[]? ema_params=None, float ema_decay=0.) -> ()");
+      "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None, "
+      "int block_size=256, Tensor(j!)[]? ema_params=None, float ema_decay=0.) -> ()");
   // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.

@@ -4,8 +4,9 @@ weights for BF16/FP16 params, or leaner state.
 Drop-in for ``torch.optim.Adam`` / ``torch.optim.AdamW``: the same constructor arguments and
 defaults, the same param-group keys (plus mpext's: ``master_weights``, ``param_remainders``,
 ``unscale_grads``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``moment_rounding``,
-``stochastic_rounding``, ``seed``, ``ema_decay``), the same ``state_dict`` layout (``step``,
-``exp_avg``, ``exp_avg_sq``, plus ``master_param`` or ``param_remainder`` where one exists and
+``stochastic_rounding``, ``seed``, ``block_size``, ``ema_decay``), the same ``state_dict``
+layout (``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` or ``param_remainder``
+where one exists, ``exp_avg_scale`` / ``exp_avg_sq_scale`` with 8-bit moments and
 ``ema_param`` with an EMA), and the same math. What differs is how a step runs:
 
 * One ``adam_step_`` call per device and set of hyperparameters covers every param with a
@@ -28,6 +29,11 @@ defaults, the same param-group keys (plus mpext's: ``master_weights``, ``param_r
   - ``exp_avg_dtype`` / ``exp_avg_sq_dtype=torch.bfloat16``: moments stored in BF16 with
     stochastic rounding (``moment_rounding="stochastic"``, unbiased; ``"nearest"`` is biased
     and kept for comparisons).
+  - ``exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8``: 8-bit block-quantized moments
+    (1 byte per element each, plus one FP32 absmax per block of ``block_size`` elements, in
+    ``state["exp_avg_scale"]`` / ``state["exp_avg_sq_scale"]``), decoded, updated in FP32 and
+    re-encoded with ``moment_rounding`` in the same pass; params of fewer than
+    ``MIN_8BIT_NUMEL`` elements keep FP32 moments. See docs/moments_8bit.md.
 
   Stochastic rounding is reproducible: its bits depend only on the group's ``seed``, the
   param's position in the optimizer, its step count and the element's position -- not on
@@ -63,7 +69,7 @@ import torch
 
 from .._common import LOW_DTYPES as _LOW_DTYPES, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
 from .._common import dtype_name as _dtype_name, has_kernel, is_dense, is_real as _is_real
-from .._common import same_layout
+from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN, same_layout
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -123,7 +129,12 @@ class Adam(torch.optim.Optimizer):
             False; True with a master is refused (the master makes it unnecessary).
         exp_avg_dtype, exp_avg_sq_dtype (torch.dtype): the storage of the first / second moment,
             ``torch.float32`` (default) or ``torch.bfloat16`` (half the memory; stored with
-            ``moment_rounding``). The update is computed in FP32 either way.
+            ``moment_rounding``), or together ``torch.int8`` / ``torch.uint8``: 8-bit codes
+            of blocks of ``block_size`` elements with one FP32 scale per block (a quarter of
+            the memory; params of fewer than ``MIN_8BIT_NUMEL`` elements keep FP32 moments;
+            not for DTensor params). The update is computed in FP32 either way.
+        block_size (int): elements per block of 8-bit moments, a power of two in [32, 2048]
+            (default 256: the scales then cost 1/32 byte per element and moment).
         moment_rounding (str): how BF16 moments are rounded: "stochastic" (default, unbiased) or
             "nearest" (biased: small contributions to a moment can be lost; for comparisons).
         seed (int): the seed of the stochastic rounding, in [0, 2**64) (default 0). Two runs
@@ -162,7 +173,7 @@ class Adam(torch.optim.Optimizer):
                  exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
                  moment_rounding: str = "stochastic", seed: int = 0,
-                 ema_decay: Optional[float] = None) -> None:
+                 block_size: int = 256, ema_decay: Optional[float] = None) -> None:
         if isinstance(betas, (list, tuple)) and len(betas) == 2:
             betas = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -173,7 +184,7 @@ class Adam(torch.optim.Optimizer):
                         param_remainders=param_remainders,
                         stochastic_rounding=stochastic_rounding, exp_avg_dtype=exp_avg_dtype,
                         exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding,
-                        seed=seed, ema_decay=ema_decay)
+                        seed=seed, block_size=block_size, ema_decay=ema_decay)
         self._check_group(defaults, "")
         self._init_caches()
         super().__init__(params, defaults)
@@ -246,11 +257,21 @@ class Adam(torch.optim.Optimizer):
         if group.get("stochastic_rounding", False) and mw:
             raise ValueError("%s: stochastic_rounding=True rounds params that have no master; "
                              "it needs master_weights=False%s" % (self._name(), where))
-        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        for key, q8 in (("exp_avg_dtype", torch.int8), ("exp_avg_sq_dtype", torch.uint8)):
             dt = group.get(key, _F32)
-            if dt is not _F32 and dt is not torch.bfloat16:
-                raise ValueError("%s: %s must be torch.float32 or torch.bfloat16, got %r%s"
-                                 % (self._name(), key, dt, where))
+            if dt is not _F32 and dt is not torch.bfloat16 and dt is not q8:
+                raise ValueError("%s: %s must be torch.float32, torch.bfloat16 or %s, got %r%s"
+                                 % (self._name(), key, q8, dt, where))
+        md, vd = group.get("exp_avg_dtype", _F32), group.get("exp_avg_sq_dtype", _F32)
+        if (md is torch.int8) != (vd is torch.uint8):
+            raise ValueError("%s: 8-bit moments come as a pair: exp_avg_dtype=torch.int8 with "
+                             "exp_avg_sq_dtype=torch.uint8, got %r and %r%s"
+                             % (self._name(), md, vd, where))
+        block = group.get("block_size", 256)
+        if not (isinstance(block, int) and not isinstance(block, bool)
+                and Q8_BLOCK_MIN <= block <= Q8_BLOCK_MAX and block & (block - 1) == 0):
+            raise ValueError("%s: block_size must be a power of two in [%d, %d], got %r%s"
+                             % (self._name(), Q8_BLOCK_MIN, Q8_BLOCK_MAX, block, where))
         rounding = group.get("moment_rounding", "stochastic")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError("%s: moment_rounding must be \"stochastic\" or \"nearest\", got "
@@ -281,6 +302,7 @@ class Adam(torch.optim.Optimizer):
                 if p.dtype is torch.float16 and group["param_remainders"]:
                     raise ValueError(_FP16_REMAINDER % ("%s: params[%d]%s"
                                                         % (self._name(), j, where)))
+                _check_q8_param(p, group, "%s: params[%d]%s" % (self._name(), j, where))
                 if not has_kernel("adam_step_", p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no adam_step_ kernel for"
@@ -405,9 +427,7 @@ class Adam(torch.optim.Optimizer):
         state = dict(self.state.get(p, {}))
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            for key, dtype_key in _MOMENTS:
-                state[key] = torch.zeros_like(p, dtype=group[dtype_key],
-                                              memory_format=torch.preserve_format)
+            new_moments(p, state, group)
         _conform_state(p, state, group, "%s: %s" % (self._name(), where))
         return state
 
@@ -520,7 +540,8 @@ class Adam(torch.optim.Optimizer):
         ``torch.optim.Adam`` / ``torch.optim.AdamW``.
 
         The storage settings -- ``master_weights``, ``param_remainders``,
-        ``stochastic_rounding``, ``exp_avg_dtype``, ``exp_avg_sq_dtype`` -- are this optimizer's, and the loaded state is converted into
+        ``stochastic_rounding``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``block_size`` -- are
+        this optimizer's, and the loaded state is converted into
         them (so a checkpoint with FP32 masters resumes with remainders, say); every other
         group setting (lr, betas, ..., ``seed``, ``ema_decay``) comes from ``state_dict``, as in
         torch. Moments are converted to the group's dtypes (FP32 -> BF16 to nearest even) and
@@ -616,6 +637,9 @@ class Adam(torch.optim.Optimizer):
             if t.shape != param.shape:
                 raise ValueError("%s: %s has shape %s but the param has shape %s"
                                  % (where, name, tuple(t.shape), tuple(param.shape)))
+            if name in _Q8_DTYPES and t.dtype in (torch.int8, torch.uint8):
+                out[name], out[name + "_scale"] = _import_codes(param, name, t, value, where)
+                continue
             if name == "param_remainder":
                 if t.dtype != torch.int16 or t.layout != torch.strided:
                     raise TypeError("%s: param_remainder must be a dense int16 tensor, got %s "
@@ -646,7 +670,8 @@ class Adam(torch.optim.Optimizer):
             if "ema_param" not in value:
                 out.pop("ema_param", None)
         for name, v in value.items():  # anything else is kept as torch keeps it
-            if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS:
+            if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS \
+                    + _SCALE_KEYS:
                 out[name] = v
         return out
 
@@ -654,11 +679,173 @@ class Adam(torch.optim.Optimizer):
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
 _STORAGE_KEYS = ("master_param", "param_remainder")
 _STORAGE_SETTINGS = ("master_weights", "param_remainders", "stochastic_rounding", "exp_avg_dtype",
-                     "exp_avg_sq_dtype")
+                     "exp_avg_sq_dtype", "block_size")
 # mpext's param-group keys beyond torch's (master_weights aside), with their defaults.
 _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_rounding": False,
                   "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
-                  "moment_rounding": "stochastic", "seed": 0, "ema_decay": None}
+                  "moment_rounding": "stochastic", "seed": 0, "block_size": 256,
+                  "ema_decay": None}
+
+# ---- 8-bit moments (docs/moments_8bit.md; the kernel's format is mpext/adam.h's) ----
+#
+# A param smaller than this keeps FP32 moments in a group with 8-bit ones: biases and norm
+# weights, a negligible share of a model's elements whose precision matters most (the size
+# bitsandbytes and torchao use).
+MIN_8BIT_NUMEL = 4096
+_Q8_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+# (exponent bits, mantissa bits) of each moment's code: adam_rule.h's MP_Q8_{M,V}_{E,M}BITS
+_Q8_FORMAT = {torch.int8: (3, 4), torch.uint8: (4, 4)}
+_Q8_TABLES: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _moment_dtype(param: torch.Tensor, group: Dict[str, Any], dtype_key: str) -> torch.dtype:
+    """The dtype a param's moment is kept in: its group's, but FP32 instead of 8-bit codes for
+    a param of fewer than MIN_8BIT_NUMEL elements."""
+    dt = group.get(dtype_key, _F32)
+    if dt in _Q8_FORMAT and param.numel() < MIN_8BIT_NUMEL:
+        return _F32
+    return dt
+
+
+def _check_q8_param(param: torch.Tensor, group: Dict[str, Any], where: str) -> None:
+    """8-bit moments are per local block of memory: a DTensor's shards would each have their
+    own blocks, which no DTensor placement describes, so they are refused."""
+    if _is_dtensor(param) and _moment_dtype(param, group, "exp_avg_dtype") is torch.int8:
+        raise NotImplementedError("%s is a DTensor; 8-bit moments are not supported for "
+                                  "DTensor (FSDP2) params: use exp_avg_dtype=exp_avg_sq_dtype="
+                                  "torch.bfloat16 for them" % where)
+
+
+def new_moments(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+    """Zero moments for a param's first step in its group's form: in the param's layout, with
+    zero scales for 8-bit codes (which decode to zero)."""
+    for key, dtype_key in _MOMENTS:
+        dt = _moment_dtype(param, group, dtype_key)
+        state[key] = torch.zeros_like(param, dtype=dt, memory_format=torch.preserve_format)
+        if dt in _Q8_FORMAT:
+            nblocks = _q8_blocks(param.numel(), group.get("block_size", 256))
+            state[key + "_scale"] = torch.zeros(nblocks, dtype=_F32, device=param.device)
+
+
+def _q8_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _q8_block_of(n: int, nblocks: int) -> Optional[int]:
+    """The block size of n elements in nblocks blocks: with power-of-two sizes only one gives
+    more than one block, and any size >= n gives one (then n itself). None if none fits."""
+    if nblocks == 1 and n >= 1:
+        return max(n, 1)
+    b = Q8_BLOCK_MIN
+    while b <= Q8_BLOCK_MAX:
+        if _q8_blocks(n, b) == nblocks:
+            return b
+        b *= 2
+    return None
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as a 1-D view: the order of the kernel's
+    blocks."""
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    return t.permute(order).view(-1)
+
+
+def _q8_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every magnitude code's value relative to its block's reference, by its definition
+    (float64, increasing with the code): 2^(e-T) (1 + f/2^M), or 2^(1-T) f/2^M for e = 0."""
+    key = (dtype, device)
+    if key not in _Q8_TABLES:
+        ebits, mbits = _Q8_FORMAT[dtype]
+        t = (1 << ebits) - 1
+        vals = [math.ldexp(1 + f / 2 ** mbits, e - t) if e else math.ldexp(f / 2 ** mbits, 1 - t)
+                for e in range(1 << ebits) for f in range(1 << mbits)]
+        _Q8_TABLES[key] = torch.tensor(vals, dtype=torch.float64, device=device)
+    return _Q8_TABLES[key]
+
+
+def _q8_ref(amax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each block's reference 2^(E - 127) (float64; NaN for a block that is not finite) from
+    the bits of its absmax (int64): E its exponent field rounded up to the code's precision, at
+    least 2^ebits."""
+    ebits, mbits = _Q8_FORMAT[dtype]
+    e = ((amax_bits + (1 << (23 - mbits)) - 1) >> 23).clamp_min(1 << ebits)
+    return torch.where(e >= 255, torch.full_like(e, math.nan, dtype=torch.float64),
+                       torch.pow(2.0, (e.clamp_max(254) - 127).double()))
+
+
+def _f32_bits(t: torch.Tensor) -> torch.Tensor:
+    """The magnitude bits of a float32 tensor, as int64."""
+    return t.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+
+
+def q8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 8-bit moment codes (int8: exp_avg, uint8: exp_avg_sq) with their
+    blocks' scales, in the codes' shape and layout: exact, as the kernel decodes them."""
+    flat = _flat_view(codes)
+    n = flat.numel()
+    block = _q8_block_of(n, scale.numel())
+    c = flat.view(torch.uint8).to(torch.int64)
+    signed = codes.dtype is torch.int8
+    table = _q8_table(codes.dtype, codes.device)
+    ref = _q8_ref(_f32_bits(scale.float()), codes.dtype)
+    val = table[c & 0x7F if signed else c] * ref.repeat_interleave(block)[:n]
+    if signed:
+        val = torch.where(c >= 128, -val, val)
+    out = torch.empty_like(codes, dtype=_F32, memory_format=torch.preserve_format)
+    _flat_view(out).copy_(val)
+    return out
+
+
+def q8_encode(x: torch.Tensor, dtype: torch.dtype, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit codes (``dtype`` int8 for exp_avg, uint8 for exp_avg_sq; x's shape and layout)
+    and blocks' scales (their absmax) of float32 values x, each rounded to the nearest code
+    (ties to the even code): what the kernel writes with moment_rounding="nearest". A block
+    that is not finite gets code 0 (it decodes to NaN whatever its codes)."""
+    flat = _flat_view(x.float())
+    n = flat.numel()
+    nb = _q8_blocks(n, block)
+    bits = _f32_bits(flat)
+    amax = torch.zeros(nb * block, dtype=torch.int64, device=x.device)
+    amax[:n] = bits
+    amax = amax.view(nb, block).amax(1) if n else amax.view(0)
+    scale = amax.to(torch.int32).view(_F32)
+    table = _q8_table(dtype, x.device)
+    y = flat.double().abs() / _q8_ref(amax, dtype).repeat_interleave(block)[:n]
+    lo = (torch.searchsorted(table, y.nan_to_num(0.0), right=True) - 1).clamp(0, len(table) - 1)
+    hi = (lo + 1).clamp_max(len(table) - 1)
+    d_lo, d_hi = y - table[lo], table[hi] - y
+    up = (hi > lo) & ((d_hi < d_lo) | ((d_hi == d_lo) & (lo % 2 == 1)))
+    code = torch.where(y.isnan(), torch.zeros_like(lo), torch.where(up, hi, lo))
+    if dtype is torch.int8:  # the sign bit, -0.0's included, as the kernel keeps it
+        code = code | ((flat.contiguous().view(torch.int32) < 0).long() << 7)
+    out = torch.empty_like(x, dtype=dtype, memory_format=torch.preserve_format)
+    _flat_view(out).view(torch.uint8).copy_(code)
+    return out, scale
+
+
+def _import_codes(param: torch.Tensor, name: str, t: torch.Tensor, value: Dict[str, Any],
+                  where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A loaded moment's 8-bit codes and its scales, checked and copied to the param."""
+    if t.dtype is not _Q8_DTYPES[name] or t.layout != torch.strided:
+        raise TypeError("%s: %s holds 8-bit codes, which must be a dense %s tensor, got %s %s"
+                        % (where, name, _Q8_DTYPES[name], t.layout, t.dtype))
+    if _is_dtensor(param) or _is_dtensor(t):
+        raise NotImplementedError("%s: 8-bit moments are not supported for DTensor params" % where)
+    skey = name + "_scale"
+    sc = value.get(skey)
+    if not (isinstance(sc, torch.Tensor) and sc.dtype is _F32 and sc.dim() == 1
+            and _q8_block_of(param.numel(), sc.numel()) is not None):
+        raise ValueError("%s: %s holds 8-bit codes, so %s must be a 1-D float32 tensor of one "
+                         "scale per block (a power-of-two block size in [%d, %d]), got %s"
+                         % (where, name, skey, Q8_BLOCK_MIN, Q8_BLOCK_MAX,
+                            tuple(sc.shape) if isinstance(sc, torch.Tensor) else sc))
+    codes = torch.empty_like(param, dtype=t.dtype, memory_format=torch.preserve_format)
+    _flat_view(codes).copy_(_flat_view(t.detach().to(param.device)))
+    return codes, sc.detach().to(device=param.device, copy=True)
 
 
 _FP16_REMAINDER = ("%s is float16, and param_remainders=True needs bfloat16 params (a "
@@ -682,14 +869,32 @@ def _storage_key(param: torch.Tensor, group: Dict[str, Any], where: str) -> Opti
 def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
                    where: str) -> None:
     """Converts a param's state in place into its group's form: moments into the group's
-    dtypes (to nearest even when narrowed), the fp32 value into the group's storage (a master
+    dtypes (to nearest even when narrowed; 8-bit codes decoded exactly, or encoded to the
+    nearest code with the group's block size), the fp32 value into the group's storage (a master
     from a remainder and the param, a remainder from a master whose round is the param, a new
     master or a zero remainder from the param itself, nothing without a master). The one
     conversion of optimizer state, for a group changed between steps and for load_state_dict."""
+    _check_q8_param(param, group, where)
     for key, dtype_key in _MOMENTS:
-        t, dtype = state.get(key), group.get(dtype_key, _F32)
-        if t is not None and t.dtype != dtype:
-            state[key] = t.to(dtype)
+        t, dtype = state.get(key), _moment_dtype(param, group, dtype_key)
+        skey = key + "_scale"
+        if t is None:
+            continue
+        if dtype in _Q8_FORMAT and t.dtype == dtype:
+            scale = state[skey]
+            if scale.numel() == _q8_blocks(param.numel(), group.get("block_size", 256)):
+                continue  # the group's form already (blocks of one size agree in number)
+        if t.dtype != dtype:
+            value = q8_decode(t, state[skey]) if t.dtype in _Q8_FORMAT else t
+            if dtype in _Q8_FORMAT:
+                state[key], state[skey] = q8_encode(value, dtype, group.get("block_size", 256))
+            else:
+                state[key] = value.to(dtype)
+        elif dtype in _Q8_FORMAT:  # another block size
+            state[key], state[skey] = q8_encode(q8_decode(t, state[skey]), dtype,
+                                                group.get("block_size", 256))
+        if dtype not in _Q8_FORMAT:
+            state.pop(skey, None)
     want = _storage_key(param, group, where)
     fresh = False  # a remainder made here from the param: the master is the param
     if want is not None and want not in state:
@@ -800,6 +1005,7 @@ class AdamHyper(NamedTuple):
     stochastic_rounding: bool
     moments_round_nearest: bool
     seed: int
+    block_size: int
     ema_decay: float  # 0 when the group keeps no EMA (the kernel then has none to update)
 
 
@@ -816,7 +1022,8 @@ def adam_hyper(group: Dict[str, Any], force_decoupled: bool = False) -> AdamHype
                      group.get("master_weights", True) is False,
                      bool(group.get("stochastic_rounding", False)),
                      group.get("moment_rounding", "stochastic") == "nearest",
-                     int(group.get("seed", 0)), float(group.get("ema_decay") or 0.0))
+                     int(group.get("seed", 0)), int(group.get("block_size", 256)),
+                     float(group.get("ema_decay") or 0.0))
 
 
 def _device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -839,7 +1046,8 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
 
     items: (param, grad, state, storage, lr, hyper, stream) per param: plain tensors (DTensors
     already as their local shards), ``state`` a dict with torch's ``exp_avg``, ``exp_avg_sq``
-    (float32 or bfloat16) and ``step`` (a step that is not a float32 scalar on the param's
+    (float32 or bfloat16, or int8 / uint8 codes with ``exp_avg_scale`` / ``exp_avg_sq_scale``)
+    and ``step`` (a step that is not a float32 scalar on the param's
     device is converted in place), ``storage`` the fp32 master (float32) or the remainder
     (int16) of a bf16/fp16 param, or None (an fp32 param, or none kept), ``lr`` a float or a
     tensor, ``hyper`` an :class:`AdamHyper`, ``stream`` the param's stochastic-rounding stream
@@ -861,7 +1069,7 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
                                   torch.empty(0, dtype=torch.int16, device=device))
         dev_inv, dev_found, empty, empty16 = per_device[device]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        masters, remainders, streams, emas = [], [], [], []
+        masters, remainders, streams, m_scales, v_scales, emas = [], [], [], [], [], []
         for p, g, state, storage, _, _, stream in entries:
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
@@ -878,10 +1086,13 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
             masters.append(empty if storage is None or is_remainder else storage)
             remainders.append(storage if is_remainder else empty16)
             streams.append(stream)
+            m_scales.append(state.get("exp_avg_scale", empty))
+            v_scales.append(state.get("exp_avg_sq_scale", empty))
             ema = state.get("ema_param")
             emas.append(empty if ema is None else _local(ema))
         if all(m is empty for m in masters):
             masters = []
+        q8 = any(m is not empty for m in m_scales)
         lr_t = lr_tensors.get((device, slots[device]), device, entries[0][4])
         slots[device] += 1
         seed = hyper.seed - 2 ** 64 if hyper.seed >= 2 ** 63 else hyper.seed  # the schema's int64
@@ -894,7 +1105,9 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
                               master_free=hyper.master_free,
                               stochastic_rounding=hyper.stochastic_rounding,
                               moments_round_nearest=hyper.moments_round_nearest, seed=seed,
-                              sr_streams=streams,
+                              sr_streams=streams, exp_avg_scales=m_scales if q8 else None,
+                              exp_avg_sq_scales=v_scales if q8 else None,
+                              block_size=hyper.block_size,
                               ema_params=None if all(e is empty for e in emas) else emas,
                               ema_decay=hyper.ema_decay)))
     for args, kwargs in launches:
@@ -920,7 +1133,7 @@ class AdamW(Adam):
                  exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
                  moment_rounding: str = "stochastic", seed: int = 0,
-                 ema_decay: Optional[float] = None) -> None:
+                 block_size: int = 256, ema_decay: Optional[float] = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -928,7 +1141,8 @@ class AdamW(Adam):
                          unscale_grads=unscale_grads, param_remainders=param_remainders,
                          stochastic_rounding=stochastic_rounding,
                          exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
-                         moment_rounding=moment_rounding, seed=seed, ema_decay=ema_decay)
+                         moment_rounding=moment_rounding, seed=seed, block_size=block_size,
+                         ema_decay=ema_decay)
 
 
 from . import lr_scheduler  # noqa: E402  (mpext.optim.lr_scheduler, as torch.optim has it)

@@ -2,8 +2,10 @@
 // seeded random order, and a block's threads as ucontext fibers on one OS thread. A thread runs
 // until it reaches a barrier or returns; when every thread of the block waits at the barrier it
 // opens (with the OR of their predicates), and the next round resumes them in a fresh random
-// order. A barrier that some threads can never reach (they have returned) is reported and aborts,
-// as it would hang or corrupt a real block. Also the few runtime calls the launchers make.
+// order. A warp shuffle is a barrier of the 32 threads of a warp: it opens once they all wait
+// at it. A barrier that some threads can never reach (they have returned, or wait elsewhere) is
+// reported and aborts, as it would hang or corrupt a real block. Also the few runtime calls the
+// launchers make.
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -58,7 +60,7 @@ void shuffle(std::vector<T>& v, Rng& rng) {
   for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[rng.below(i)]);
 }
 
-enum class State { kRunnable, kWaiting, kDone };
+enum class State { kRunnable, kWaiting, kWarpWaiting, kDone };
 
 constexpr size_t kStackBytes = 256 * 1024;
 constexpr unsigned kMaxThreadsPerBlock = 1024;
@@ -69,6 +71,8 @@ struct Fiber {
   State state = State::kRunnable;
   int predicate = 0;  // what it passed to the barrier it waits at
   int opened = 0;     // the barrier's result, once it opened
+  unsigned int shfl_value = 0, shfl_result = 0;  // a warp shuffle's operand and result
+  int shfl_lane_mask = 0;
   uint3 thread;
   void* fake_stack = nullptr;  // AddressSanitizer's handle while it is switched out
 };
@@ -186,6 +190,29 @@ void run_block(uint3 block, unsigned nthreads, Rng& rng) {
       enter_fiber(f);
     }
     rt.current = nullptr;
+    // Warp shuffles first: a warp whose threads all wait at one exchanges and runs on.
+    bool shuffled = false;
+    for (unsigned w = 0; w * 32 < nthreads; ++w) {
+      unsigned at = 0;
+      for (unsigned t = 32 * w; t < 32 * w + 32 && t < nthreads; ++t) {
+        at += rt.fibers[t].state == State::kWarpWaiting ? 1u : 0u;
+      }
+      if (at == 0) continue;
+      if (at != 32) {
+        fprintf(stderr, "cuda-emu: block (%u,%u,%u) warp %u: %u of 32 threads wait at a shuffle "
+                "but the others have returned or wait at __syncthreads\n", block.x, block.y,
+                block.z, w, at);
+        fatal("a warp shuffle not reached by every thread of its warp");
+      }
+      for (unsigned t = 32 * w; t < 32 * w + 32; ++t) {
+        Fiber& f = rt.fibers[t];
+        f.shfl_result = rt.fibers[32 * w + ((t - 32 * w) ^ static_cast<unsigned>(
+                                                  f.shfl_lane_mask & 31))].shfl_value;
+      }
+      for (unsigned t = 32 * w; t < 32 * w + 32; ++t) rt.fibers[t].state = State::kRunnable;
+      shuffled = true;
+    }
+    if (shuffled) continue;
     unsigned waiting = 0, any = 0;
     for (unsigned t = 0; t < nthreads; ++t) {
       if (rt.fibers[t].state == State::kWaiting) {
@@ -217,6 +244,17 @@ int barrier(int predicate) {
   f->state = State::kWaiting;
   leave_fiber(*f);
   return f->opened;
+}
+
+unsigned int shfl_xor(unsigned int mask, unsigned int value, int lane_mask, int width) {
+  Fiber* f = rt.current;
+  if (f == nullptr) fatal("__shfl_xor_sync called outside a kernel");
+  if (mask != 0xFFFFFFFFu || width != 32) fatal("__shfl_xor_sync: only the full mask and width 32");
+  f->shfl_value = value;
+  f->shfl_lane_mask = lane_mask;
+  f->state = State::kWarpWaiting;
+  leave_fiber(*f);
+  return f->shfl_result;
 }
 
 void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,

@@ -905,3 +905,202 @@ EMU_TEST(adam_lean_bf16_master_tie_rule) {
           a.storage, a.md, a.vd);
   }
 }
+namespace {
+
+// 8-bit moments (adam.h): int8/uint8 codes with a float32 scale per block. Each param's arrays
+// sit `mis` elements into their buffers, so some chunks take the 8-element accesses and others
+// one element at a time; sizes span chunks, end inside a block and inside a pass.
+struct Q8 {
+  int pdtype, gdtype, storage;  // storage: 0 fp32 param, 1 master, 2 remainder, 3 none
+  int64_t n, mis;
+  uint32_t stream;
+  std::vector<uint32_t> param;  // fp32 bits, or 16-bit values
+  std::vector<uint32_t> grad;
+  std::vector<float> master;
+  std::vector<int16_t> rem;
+  std::vector<uint8_t> mc, vc;
+  std::vector<float> ms, vs;
+  float step;
+  std::vector<float> ema;  // every other stream: an ema (empty: none)
+};
+
+int64_t q8_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+Q8 make_q8(Rng& r, int pd, int gd, int storage, int64_t n, int64_t block, int64_t mis,
+           uint32_t stream) {
+  Q8 q{pd, gd, storage, n, mis, stream, {}, {}, {}, {}, {}, {}, {}, {}, 4.0f, {}};
+  if (stream % 2 == 0) q.ema.assign(static_cast<size_t>(n + mis), 0.0f);
+  q.param.assign(static_cast<size_t>(n + mis), 0u);
+  q.grad.assign(static_cast<size_t>(n + mis), 0u);
+  q.master.assign(storage == 1 ? static_cast<size_t>(n + mis) : 0u, 0.0f);
+  q.rem.assign(storage == 2 ? static_cast<size_t>(n + mis) : 0u, 0);
+  q.mc.assign(static_cast<size_t>(n + mis), 0u);
+  q.vc.assign(static_cast<size_t>(n + mis), 0u);
+  q.ms.resize(static_cast<size_t>(q8_blocks(n, block)));
+  q.vs.resize(static_cast<size_t>(q8_blocks(n, block)));
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = r.uniform(-2.0f, 2.0f);
+    const uint32_t xb = pd == MP_BF16 ? mp_bf16_master_bits(bits_of(x)) : bits_of(x);
+    q.mc[mis + i] = static_cast<uint8_t>(r.below(256));
+    q.vc[mis + i] = static_cast<uint8_t>(r.below(256));
+    if (!q.ema.empty()) q.ema[mis + i] = r.uniform(-2.0f, 2.0f);
+    const float g = r.uniform(-1.0f, 1.0f) * ldexpf(1.0f, static_cast<int>(r.below(16)) - 8);
+    q.grad[mis + i] = gd == MP_F32 ? bits_of(g) : gd == MP_BF16 ? mp_bf16_rne_bits(bits_of(g))
+                                                                : mp_fp16_rne_bits(bits_of(g));
+    if (pd == MP_F32) {
+      q.param[mis + i] = bits_of(x);
+      continue;
+    }
+    q.param[mis + i] = pd == MP_BF16 ? mp_bf16_rne_bits(xb) : mp_fp16_rne_bits(xb);
+    if (storage == 1) q.master[mis + i] = f32_of(xb);
+    if (storage == 2) {
+      q.rem[mis + i] = static_cast<int16_t>(
+          mp_bf16_remainder(xb, static_cast<uint16_t>(q.param[mis + i])));
+    }
+  }
+  for (size_t b = 0; b < q.ms.size(); ++b) {
+    q.ms[b] = b % 7 == 3 ? 0.0f : ldexpf(r.uniform(1.0f, 2.0f), -static_cast<int>(r.below(30)));
+    q.vs[b] = b % 7 == 3 ? 0.0f : ldexpf(r.uniform(1.0f, 2.0f), -static_cast<int>(r.below(60)));
+  }
+  return q;
+}
+
+// The param's arrays as the C API takes them; 16-bit params and grads are copied into buffers of
+// their own (v), since Q8's vectors hold 32-bit words.
+struct Q8View {
+  std::vector<uint16_t> p16, g16;
+};
+
+mp_adam_tensor q8_tensor(Q8& q, Q8View& v) {
+  mp_adam_tensor t{};
+  const size_t m = static_cast<size_t>(q.mis);
+  if (q.pdtype != MP_F32) {
+    v.p16.assign(q.param.begin(), q.param.end());
+    t.param = v.p16.data() + m;
+  } else {
+    t.param = q.param.data() + m;
+  }
+  if (q.gdtype != MP_F32) {
+    v.g16.assign(q.grad.begin(), q.grad.end());
+    t.grad = v.g16.data() + m;
+  } else {
+    t.grad = q.grad.data() + m;
+  }
+  t.param_dtype = q.pdtype;
+  t.grad_dtype = q.gdtype;
+  t.master = q.storage == 1 ? q.master.data() + m : nullptr;
+  t.remainder = q.storage == 2 ? q.rem.data() + m : nullptr;
+  t.exp_avg = q.mc.data() + m;
+  t.exp_avg_sq = q.vc.data() + m;
+  t.exp_avg_dtype = MP_I8;
+  t.exp_avg_sq_dtype = MP_U8;
+  t.exp_avg_scale = q.ms.data();
+  t.exp_avg_sq_scale = q.vs.data();
+  t.step = &q.step;
+  t.n = q.n;
+  t.sr_stream = q.stream;
+  t.ema = q.ema.empty() ? nullptr : q.ema.data() + m;
+  return t;
+}
+
+// Back from the packed 16-bit buffers into q.
+void q8_unpack(Q8& q, const Q8View& v) {
+  if (q.pdtype != MP_F32) q.param.assign(v.p16.begin(), v.p16.end());
+  if (q.gdtype != MP_F32) q.grad.assign(v.g16.begin(), v.g16.end());
+}
+
+bool same_q8(const Q8& a, const Q8& b) {
+  return a.param == b.param && a.grad == b.grad && same_floats(a.master, b.master) &&
+         a.rem == b.rem && a.mc == b.mc && a.vc == b.vc && same_floats(a.ms, b.ms) &&
+         same_floats(a.vs, b.vs) && a.step == b.step && same_floats(a.ema, b.ema);
+}
+
+}  // namespace
+
+EMU_TEST(adam_q8_matches_the_core) {
+  Rng r(1600);
+  for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{512}, int64_t{2048}}) {
+    std::vector<Q8> cpu;
+    uint32_t stream = 0;
+    for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16), static_cast<int>(MP_F16)}) {
+      for (int gd : {pd, static_cast<int>(MP_F32)}) {
+        for (int storage : {0, 1, 2, 3}) {
+          if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
+          if (gd == MP_F32 && pd == MP_F32 && storage != 0) continue;
+          const int64_t sizes[] = {kChunk + 2048 + 77, 3 * block + 5, 2048, 1};
+          const int64_t n = sizes[stream % 4];
+          cpu.push_back(make_q8(r, pd, gd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
+          ++stream;
+        }
+      }
+    }
+    for (int variant = 0; variant < 3; ++variant) {
+      std::vector<Q8> gpu = cpu;
+      std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
+      std::vector<mp_adam_tensor> tc, tg;
+      for (size_t k = 0; k < cpu.size(); ++k) tc.push_back(q8_tensor(cpu[k], vc[k]));
+      for (size_t k = 0; k < gpu.size(); ++k) tg.push_back(q8_tensor(gpu[k], vg[k]));
+      const float inv = 0.5f;
+      mp_adam_options o{};
+      o.beta1 = 0.9;
+      o.beta2 = 0.99;
+      o.eps = 1e-8;
+      o.weight_decay = 0.01;
+      o.decoupled = variant != 1;
+      o.lr_value = 1e-2f;
+      o.inv_scale = &inv;
+      o.unscale_grads = variant == 1;
+      o.sr_params = variant != 2;
+      o.moments_nearest = variant == 2;
+      o.seed = 0x5EEDull + static_cast<uint64_t>(variant);
+      o.q8_block = block;
+      o.ema_decay = variant == 1 ? 0.25 : 0.999;  // both of lerp's forms
+      set_context("block %lld variant %d", static_cast<long long>(block), variant);
+      for (size_t k = 0; k < tc.size(); ++k) {
+        CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+      }
+      CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+            "core steps");
+      Caps caps(2, 4);  // chunk and launch splits
+      CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+                MP_OK, "cuda status");
+      for (size_t k = 0; k < cpu.size(); ++k) {
+        q8_unpack(cpu[k], vc[k]);
+        q8_unpack(gpu[k], vg[k]);
+        const Q8& a = cpu[k];
+        CHECK(same_q8(a, gpu[k]), "param %zu (dtype %d grad %d storage %d n %lld mis %lld) "
+              "differs", k, a.pdtype, a.gdtype, a.storage, static_cast<long long>(a.n),
+              static_cast<long long>(a.mis));
+      }
+      cpu = gpu;
+    }
+  }
+}
+
+// A skipped step writes no code and no scale; a bad block size launches nothing.
+EMU_TEST(adam_q8_skip_and_arguments) {
+  Rng r(1700);
+  Q8 q = make_q8(r, MP_BF16, MP_BF16, 2, 5000, 256, 0, 3);
+  Q8View v;
+  mp_adam_tensor t = q8_tensor(q, v);
+  const Q8 before = q;
+  const float one = 1.0f;
+  mp_adam_options o{};
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.lr_value = 1e-3f;
+  o.found_inf = &one;
+  o.q8_block = 256;
+  CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_OK, "status");
+  q8_unpack(q, v);
+  CHECK(same_q8(q, before), "a skipped step wrote something");
+  o.found_inf = nullptr;
+  for (int64_t bad : {int64_t{0}, int64_t{16}, int64_t{96}, int64_t{4096}}) {
+    o.q8_block = bad;
+    const int64_t l0 = mp_emu::launch_count();
+    CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+              mp_emu::launch_count() == l0, "block %lld not refused", static_cast<long long>(bad));
+  }
+  q8_unpack(q, v);
+  CHECK(same_q8(q, before), "a refused call wrote something");
+}

@@ -28,7 +28,10 @@ extern "C" {
  *   grad:       n values of grad_dtype (param_dtype or MP_F32), read (and, with the options'
  *               unscale_grads, overwritten with the unscaled gradient);
  *   exp_avg, exp_avg_sq: n values each of exp_avg_dtype / exp_avg_sq_dtype (MP_F32, or MP_BF16:
- *               stored with stochastic rounding), read and written;
+ *               stored with stochastic rounding), read and written; or, as a pair, MP_I8 and
+ *               MP_U8: 8-bit codes of blocks of the options' q8_block elements, each block
+ *               with its fp32 absmax in exp_avg_scale / exp_avg_sq_scale (ceil(n / q8_block)
+ *               floats each, read and written): see "8-bit moments" below;
  *   step:       one float, the param's step count before this step; never NULL.
  * An fp32 param is its own value (master and remainder NULL). A bf16/fp16 param's fp32 value
  * (the master) is kept in one of three ways:
@@ -50,7 +53,24 @@ extern "C" {
  * with a weight of 1 (a copy) on the param's first step, as torch.optim.swa_utils.AveragedModel
  * starts; the value is the master as stored (a bf16 master after the tie rule below), or, with
  * no master, the fp32 update before the param is rounded.
- * When n == 0 only step is used (the others may be NULL). */
+ * When n == 0 only step is used (the others may be NULL).
+ *
+ * 8-bit moments. Element i belongs to block i / q8_block; the block's codes are relative to a
+ * power of two R = 2^(E - 127), E the fp32 exponent field of its scale (the absmax of the
+ * block's values) rounded up to 5 significant bits, at least 2^ebits (so that no value of the
+ * block exceeds the largest code, and R is a normal float); a block whose scale is NaN or Inf
+ * reads as NaN. exp_avg (int8): bit 7 the sign, bits 6..0 an E3M4 magnitude; exp_avg_sq
+ * (uint8): an E4M4 magnitude. A magnitude code c = (e << 4) | f is worth
+ * R * 2^(e - T) * (1 + f / 16) for e >= 1 and R * 2^(1 - T) * f / 16 for e = 0, T = 7 (E3M4)
+ * or 15 (E4M4): a 5-significant-bit float whose top binade is the block's, decoded exactly (see
+ * adam_rule.h, mp_q8_decode_m/v; docs/moments_8bit.md says why these codes). A step decodes
+ * the old values, updates them in fp32 (the param's update uses these fp32 moments), takes each
+ * block's new absmax and writes the block's codes -- stochastically rounded (unbiased), or to
+ * nearest with the options' moments_nearest -- and its scale, all in one pass over memory. A
+ * second moment that decoded below m^2 * (1 - beta2) (1 - beta1^2 / beta2) / (1 - beta1)^2 is
+ * raised to it before the update: an exponential average of the same gradients never is
+ * (Cauchy-Schwarz), so only a v lost to the code (a small v beside a large one in its block)
+ * is, and m / sqrt(v) stays bounded. */
 typedef struct mp_adam_tensor {
   void* param;
   int32_t param_dtype; /* an mp_dtype */
@@ -62,9 +82,11 @@ typedef struct mp_adam_tensor {
   float* step;
   int64_t n;
   int16_t* remainder;
-  int32_t exp_avg_dtype;    /* an mp_dtype: MP_F32 or MP_BF16 */
-  int32_t exp_avg_sq_dtype; /* an mp_dtype: MP_F32 or MP_BF16 */
+  int32_t exp_avg_dtype;    /* an mp_dtype: MP_F32, MP_BF16, or MP_I8 (with MP_U8 below) */
+  int32_t exp_avg_sq_dtype; /* an mp_dtype: MP_F32, MP_BF16, or MP_U8 (with MP_I8 above) */
   uint64_t sr_stream;
+  float* exp_avg_scale;     /* 8-bit moments: one absmax per block, else NULL */
+  float* exp_avg_sq_scale;
   float* ema; /* n floats, an exponential moving average of the fp32 value, or NULL for none */
 } mp_adam_tensor;
 
@@ -89,18 +111,30 @@ typedef struct mp_adam_options {
   int32_t moments_nearest; /* 1: bf16 moments rounded to nearest even instead of stochastically
                               (biased: for comparisons only) */
   uint64_t seed;          /* stochastic rounding draws from the streams mp_sr_key(seed, t, 2k)
-                             (moments) and (seed, t, 2k + 1) (param), t the step count after this
-                             step, k the tensor's sr_stream, at the element's position */
+                             (bf16 moments), (seed, t, 2k + 1) (param) and (seed, t, 2^33 + k)
+                             (8-bit moments: 16 bits for exp_avg, 16 for exp_avg_sq), t the step
+                             count after this step, k the tensor's sr_stream, at the element's
+                             position */
+  int64_t q8_block;       /* elements per block of 8-bit moments: a power of two in
+                             [MP_Q8_BLOCK_MIN, MP_Q8_BLOCK_MAX]; read only for tensors that
+                             have them */
   double ema_decay;       /* in [0, 1]: the decay of the tensors' ema arrays (if any) */
 } mp_adam_options;
+
+/* The range of q8_block: below 32 the scales cost more than 0.25 bytes per element, above 2048
+ * a block no longer fits the 2048 elements a CUDA block holds in registers at once (nor its
+ * fp32 values half of a 32 KiB L1 cache on the CPU), for a saving under 0.004 bytes. */
+#define MP_Q8_BLOCK_MIN 32
+#define MP_Q8_BLOCK_MAX 2048
 
 /* Elements [start, start + count) of t's arrays, on the calling thread and the active ISA path:
  * unless *o->found_inf != 0, reads the grads, updates master (or the fp32 param), exp_avg and
  * exp_avg_sq, and writes the param, from the step count *t->step + 1 (t->step is only read: see
  * mp_adam_advance_steps). Every ISA path gives the same bits. Returns MP_ERR_INVALID_ARGUMENT
  * (writing nothing) for a NULL t or o, a bad dtype or master (as described above), a range
- * outside [0, t->n), a NULL array with count > 0, or options out of range. Arrays of one
- * tensor must not overlap each other or the options' scalars. */
+ * outside [0, t->n), a NULL array with count > 0, or options out of range; with 8-bit moments
+ * also for a bad q8_block, or a range that does not start on a block boundary or end on one
+ * (or at n). Arrays of one tensor must not overlap each other or the options' scalars. */
 mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
                        const mp_adam_options* o);
 

@@ -39,6 +39,14 @@
 #define MP_DDIV(a, b) ((a) / (b))
 #endif
 
+/* The codes of 8-bit moments (see mpext/adam.h and the functions below). */
+#define MP_Q8_M_EBITS 3u /* exp_avg: sign + E3M4 */
+#define MP_Q8_M_MBITS 4u
+#define MP_Q8_V_EBITS 4u /* exp_avg_sq: E4M4 */
+#define MP_Q8_V_MBITS 4u
+/* The stream of 8-bit moment rounding: above every 2k and 2k + 1 of the other streams. */
+#define MP_Q8_STREAM (UINT64_C(1) << 33)
+
 /* The fp32 scalars one step applies to every element of a param. */
 typedef struct mp_adam_scalars {
   float inv_scale;       /* 1 when the grads are not scaled */
@@ -62,6 +70,9 @@ typedef struct mp_adam_scalars {
   float ema_weight;        /* 1 - ema_decay (subtracted in double); 1 on the first step */
   float ema_rest;          /* 1 - ema_weight, in fp32 */
   int32_t ema_from_start;  /* ema_weight < 0.5, as lerp_from_start */
+  uint64_t key_q8;
+  int64_t q8_block;        /* elements per block of 8-bit moments */
+  float q8_inv_k;          /* 8-bit moments: v is raised to at least m * m * q8_inv_k */
 } mp_adam_scalars;
 
 /* (*h, *l) = (ah + al) * (bh + bl) in double-double: the product of the high parts exactly
@@ -107,13 +118,23 @@ MP_HD int mp_adam_options_ok(const mp_adam_options* o) {
          o->weight_decay - o->weight_decay == 0.0 && o->ema_decay >= 0.0 && o->ema_decay <= 1.0;
 }
 
+/* 1 if t has 8-bit moments (exp_avg MP_I8, exp_avg_sq MP_U8). */
+MP_HD int mp_adam_q8(const mp_adam_tensor* t) { return t->exp_avg_dtype == MP_I8; }
+
+/* 1 if b is a valid q8_block: a power of two in [MP_Q8_BLOCK_MIN, MP_Q8_BLOCK_MAX]. */
+MP_HD int mp_adam_q8_block_ok(int64_t b) {
+  return b >= MP_Q8_BLOCK_MIN && b <= MP_Q8_BLOCK_MAX && (b & (b - 1)) == 0;
+}
+
 /* 1 if t is a valid param (see mp_adam_tensor), each array aligned to its element size. */
 MP_HD int mp_adam_tensor_ok(const mp_adam_tensor* t) {
   const int32_t pd = t->param_dtype, gd = t->grad_dtype;
   const int32_t md = t->exp_avg_dtype, vd = t->exp_avg_sq_dtype;
   if (pd < 0 || pd >= MP_DTYPE_COUNT || gd < 0 || gd >= MP_DTYPE_COUNT) return 0;
   if (gd != pd && gd != MP_F32) return 0;
-  if ((md != MP_F32 && md != MP_BF16) || (vd != MP_F32 && vd != MP_BF16)) return 0;
+  const int q8 = md == MP_I8 && vd == MP_U8;
+  if (!q8 && ((md != MP_F32 && md != MP_BF16) || (vd != MP_F32 && vd != MP_BF16))) return 0;
+  if (!q8 && (t->exp_avg_scale != 0 || t->exp_avg_sq_scale != 0)) return 0;
   if (t->n < 0 || t->step == 0 || ((uintptr_t)t->step & 3u) != 0u) return 0;
   if (t->sr_stream > 0xFFFFFFFFu) return 0; /* 32 bits travel in the CUDA launch argument */
   if (t->n == 0) return 1;
@@ -121,6 +142,10 @@ MP_HD int mp_adam_tensor_ok(const mp_adam_tensor* t) {
   if (pd == MP_F32 && (t->master != 0 || t->remainder != 0)) return 0;
   if (t->master != 0 && t->remainder != 0) return 0;
   if (t->remainder != 0 && pd != MP_BF16) return 0;
+  if (q8 && (t->exp_avg_scale == 0 || t->exp_avg_sq_scale == 0 ||
+             ((uintptr_t)t->exp_avg_scale & 3u) != 0u ||
+             ((uintptr_t)t->exp_avg_sq_scale & 3u) != 0u))
+    return 0;
   return ((uintptr_t)t->param % (uintptr_t)MP_DTYPE_BYTES(pd)) == 0u &&
          ((uintptr_t)t->grad % (uintptr_t)MP_DTYPE_BYTES(gd)) == 0u &&
          ((uintptr_t)t->exp_avg % (uintptr_t)MP_DTYPE_BYTES(md)) == 0u &&
@@ -162,6 +187,18 @@ MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, f
   s.ema_weight = step == 0.0f ? 1.0f : (float)MP_DSUB(1.0, o->ema_decay);
   s.ema_rest = MP_FSUB(1.0f, s.ema_weight);
   s.ema_from_start = s.ema_weight < 0.5f ? 1 : 0;
+  s.key_q8 = mp_sr_key(o->seed, t_int, MP_Q8_STREAM + sr_stream);
+  s.q8_block = o->q8_block;
+  /* 1/K, K the bound of m^2 / v for exponential averages of the same gradients g_k:
+   * m^2 = (1-b1)^2 (sum b1^k g_k)^2 <= (1-b1)^2 (sum (b1^2/b2)^k) (sum b2^k g_k^2)
+   *     <= (1-b1)^2 / (1 - b1^2/b2) * v / (1-b2)   (Cauchy-Schwarz), when b1^2 < b2;
+   * one step keeps m^2 <= K v once it holds, so raising v to m^2 / K changes nothing an exact
+   * average could reach. No bound (0: no floor) when b1^2 >= b2. */
+  const double r = o->beta2 > 0.0 ? MP_DDIV(MP_DMUL(o->beta1, o->beta1), o->beta2)
+                                  : (o->beta1 > 0.0 ? 2.0 : 0.0);
+  s.q8_inv_k = r < 1.0 ? (float)MP_DDIV(MP_DMUL(MP_DSUB(1.0, o->beta2), MP_DSUB(1.0, r)),
+                                         MP_DMUL(MP_DSUB(1.0, o->beta1), MP_DSUB(1.0, o->beta1)))
+                       : 0.0f;
   return s;
 }
 
@@ -200,6 +237,128 @@ MP_HD uint16_t mp_adam_bf16_moment(float x, uint32_t r16, const mp_adam_scalars*
   uint32_t u;
   __builtin_memcpy(&u, &x, sizeof u);
   return s->moments_nearest ? mp_bf16_rne_bits(u) : mp_bf16_sr_bits(u, r16);
+}
+
+/* ---- 8-bit moments (see mpext/adam.h) ----
+ *
+ * A magnitude code of EBITS exponent and MBITS mantissa bits relative to a block reference
+ * R = 2^(E - 127); every function is integer arithmetic on fp32 bits and branch-free, so the
+ * CPU loops over them vectorize, and the CUDA kernels compute the same bits. */
+
+/* The reference exponent E of a block whose absmax has the fp32 bits amax (non-negative, as a
+ * uint32 max over the magnitudes' bits gives it): its exponent field once rounded up to the
+ * code's 1 + mbits significant bits, so that the absmax never exceeds the top code, and at
+ * least 2^ebits, so that R and every code's value are exact fp32 values. >= 255: NaN or Inf. */
+MP_HD uint32_t mp_q8_ref_exp(uint32_t amax, uint32_t ebits, uint32_t mbits) {
+  const uint32_t e = (amax + ((1u << (23u - mbits)) - 1u)) >> 23;
+  return e < (1u << ebits) ? (1u << ebits) : e;
+}
+
+/* R as an fp32 value; NaN for a block that is not finite (every element then reads as NaN). */
+MP_HD float mp_q8_ref(uint32_t ea) {
+  const uint32_t bits = ea >= 255u ? 0x7FC00000u : ea << 23;
+  float r;
+  __builtin_memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+/* The value of magnitude code c relative to R (exact in fp32): 2^(e - T) (1 + f / 2^mbits), or
+ * 2^(1 - T) f / 2^mbits for e = 0, T = 2^ebits - 1. */
+MP_HD float mp_q8_rel(uint32_t c, uint32_t ebits, uint32_t mbits) {
+  /* The code's bits shifted into an fp32 mantissa and exponent are the normal value
+   * 2^(e - T) (1 + f / 2^mbits); a subnormal code (e = 0) is read as if its exponent were 1,
+   * 2^(1 - T) (1 + f / 2^mbits), less the implicit 2^(1 - T): exact, and fewer operations than
+   * two readings and a select. */
+  const uint32_t t = (1u << ebits) - 1u;
+  const uint32_t sub = c < (1u << mbits) ? 1u : 0u;
+  const uint32_t bits = (c << (23u - mbits)) + ((127u - t + sub) << 23);
+  const uint32_t one_bits = sub ? (128u - t) << 23 : 0u; /* 2^(1 - T), or +0 */
+  float x, one;
+  __builtin_memcpy(&x, &bits, sizeof x);
+  __builtin_memcpy(&one, &one_bits, sizeof one);
+  return MP_FSUB(x, one);
+}
+
+/* A code's value: the magnitude's relative value times R -- exact, as both are powers of two
+ * times at most 1 + mbits significant bits and no product is below 2^(-125 - mbits) -- negated
+ * for an int8 code with bit 7 set. */
+MP_HD float mp_q8_decode_m(uint8_t c, float r) {
+  const float x = MP_FMUL(mp_q8_rel(c & 0x7Fu, MP_Q8_M_EBITS, MP_Q8_M_MBITS), r);
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  u |= (uint32_t)(c & 0x80u) << 24;
+  float y;
+  __builtin_memcpy(&y, &u, sizeof y);
+  return y;
+}
+
+MP_HD float mp_q8_decode_v(uint8_t c, float r) {
+  return MP_FMUL(mp_q8_rel(c, MP_Q8_V_EBITS, MP_Q8_V_MBITS), r);
+}
+
+/* The magnitude code of fp32 magnitude bits a (sign cleared) relative to reference exponent ea
+ * (mp_q8_ref_exp): to nearest even, or stochastically with 16 random bits r16 (rounds up with
+ * probability floor(dropped fraction * 2^16) / 2^16: unbiased to 2^-16 of a code step).
+ * Values above the top code (none, for a block's own values) give the top code.
+ *
+ * One formula for both ranges: with ce = max(e, 1) - ea + T the value's code exponent and m24
+ * its significand (implicit bit included when e >= 1), the code is
+ * (max(ce - 1, 0) << mbits) + m24 / 2^sh, sh = 23 - mbits + max(1 - ce, 0), rounded: for a
+ * normal code (ce >= 1) m24 / 2^sh lies in [2^mbits, 2^(mbits+1)) and adds the implicit one to
+ * the exponent, so a carry out of the mantissa moves to the next binade, as it should. */
+MP_HD uint32_t mp_q8_encode(uint32_t a, uint32_t ea, uint32_t ebits, uint32_t mbits, uint32_t r16,
+                            int nearest) {
+  const int32_t t = (int32_t)(1u << ebits) - 1;
+  const uint32_t top = (1u << (ebits + mbits)) - 1u;
+  const uint32_t e = a >> 23;
+  const int32_t ce = (int32_t)(e != 0u ? e : 1u) - (int32_t)ea + t;
+  const uint32_t m24 = (a & 0x7FFFFFu) | (e != 0u ? 0x800000u : 0u);
+  const uint32_t base = ce > 1 ? (uint32_t)(ce - 1) << mbits : 0u;
+  const int32_t sh = (int32_t)(23u - mbits) + (ce < 1 ? 1 - ce : 0); /* >= 19 */
+  uint32_t frac_code;
+  if (nearest) {
+    const uint32_t s = sh > 25 ? 25u : (uint32_t)sh; /* m24 < 2^24: 25 gives 0, as any more */
+    const uint32_t q = m24 >> s, rem = m24 & ((1u << s) - 1u), half = 1u << (s - 1u);
+    frac_code = q + ((rem > half) ? 1u : ((rem == half) ? (q & 1u) : 0u));
+  } else {
+    /* m24 / 2^sh with 16 fractional bits, truncated (0 once sh >= 40), plus r16 */
+    const int32_t s16 = sh - 8;
+    const uint32_t fixed = s16 > 31 ? 0u : ((m24 << 8) >> (uint32_t)s16);
+    frac_code = (fixed + r16) >> 16;
+  }
+  const uint32_t code = base + frac_code;
+  return code > top ? top : code;
+}
+
+/* The codes of a block: exp_avg's (int8) and exp_avg_sq's (uint8), from the new fp32 values
+ * and the references of the block's new absmax. */
+MP_HD uint8_t mp_q8_encode_m(float x, uint32_t ea, uint32_t r16, int nearest) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  const uint32_t c = mp_q8_encode(u & 0x7FFFFFFFu, ea, MP_Q8_M_EBITS, MP_Q8_M_MBITS, r16, nearest);
+  return (uint8_t)(c | ((u >> 24) & 0x80u));
+}
+
+MP_HD uint8_t mp_q8_encode_v(float x, uint32_t ea, uint32_t r16, int nearest) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  return (uint8_t)mp_q8_encode(u & 0x7FFFFFFFu, ea, MP_Q8_V_EBITS, MP_Q8_V_MBITS, r16, nearest);
+}
+
+/* A block's reference exponents from its absmax bits (exp_avg's, exp_avg_sq's). */
+MP_HD uint32_t mp_q8_ref_exp_m(uint32_t amax) {
+  return mp_q8_ref_exp(amax, MP_Q8_M_EBITS, MP_Q8_M_MBITS);
+}
+
+MP_HD uint32_t mp_q8_ref_exp_v(uint32_t amax) {
+  return mp_q8_ref_exp(amax, MP_Q8_V_EBITS, MP_Q8_V_MBITS);
+}
+
+/* A decoded second moment v raised to m^2 / K (see mp_adam_scalars_of): v itself whenever an
+ * exact average could have produced the pair (m, v); NaN stays NaN. */
+MP_HD float mp_adam_q8_floor_v(float m, float v, const mp_adam_scalars* s) {
+  const float w = MP_FMUL(MP_FMUL(m, m), s->q8_inv_k);
+  return w > v ? w : v;
 }
 
 /* The unscaled gradient of element value gin (widened to fp32): what the update uses, and what

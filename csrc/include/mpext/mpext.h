@@ -20,16 +20,20 @@ typedef enum mp_status {
 } mp_status;
 
 /* Element types of the tensors the kernels read and write: one enum for every op and both
- * tiers (CPU and CUDA). */
+ * tiers (CPU and CUDA). The values below MP_DTYPE_COUNT are the floating-point types every
+ * element-wise op takes; the 8-bit codes after it are only Adam's block-quantized moments
+ * (mpext/adam.h), so the other ops' range checks keep refusing them. */
 typedef enum mp_dtype {
   MP_F32 = 0,  /* IEEE binary32 */
   MP_BF16 = 1, /* bfloat16 bits */
   MP_F16 = 2,  /* IEEE binary16 bits */
-  MP_DTYPE_COUNT = 3
+  MP_DTYPE_COUNT = 3,
+  MP_I8 = 8,   /* int8 codes of a block-quantized signed value */
+  MP_U8 = 9    /* uint8 codes of a block-quantized non-negative value */
 } mp_dtype;
 
 /* Bytes per element of an mp_dtype. A macro, so that C, C++ and CUDA device code share it. */
-#define MP_DTYPE_BYTES(d) ((d) == MP_F32 ? 4 : 2)
+#define MP_DTYPE_BYTES(d) ((d) == MP_F32 ? 4 : ((d) == MP_I8 || (d) == MP_U8) ? 1 : 2)
 
 /* CPU instruction-set paths. Each is the same C source compiled with different flags. */
 typedef enum mp_isa {

@@ -10,6 +10,10 @@
 
 #if defined(__CUDACC__)
 #define MP_HD static inline __host__ __device__
+#elif defined(__GNUC__)
+/* Always inlined: a rule function left out of line stops the loop that calls it from
+ * vectorizing, and GCC's size heuristics drop some in a file with many loop variants. */
+#define MP_HD static inline __attribute__((always_inline))
 #else
 #define MP_HD static inline
 #endif

@@ -61,6 +61,17 @@ struct dim3 {
       : x(vx), y(vy), z(vz) {}
 };
 
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+
+inline uint2 make_uint2(unsigned int x, unsigned int y) {
+  uint2 r;
+  r.x = x;
+  r.y = y;
+  return r;
+}
+
 struct alignas(16) uint4 {
   unsigned int x, y, z, w;
 };
@@ -83,6 +94,8 @@ struct ThreadCoords {
 };
 extern ThreadCoords g_coords;
 int barrier(int predicate);  // __syncthreads_or; in emu.cpp
+// __shfl_xor_sync over the 32 threads of the calling thread's warp; in emu.cpp
+unsigned int shfl_xor(unsigned int mask, unsigned int value, int lane_mask, int width);
 }  // namespace mp_emu
 
 #define threadIdx (static_cast<const uint3&>(::mp_emu::g_coords.thread))
@@ -92,6 +105,14 @@ int barrier(int predicate);  // __syncthreads_or; in emu.cpp
 
 inline void __syncthreads() { (void)::mp_emu::barrier(0); }
 inline int __syncthreads_or(int predicate) { return ::mp_emu::barrier(predicate != 0); }
+
+// A warp collective: every thread of the warp (threads 32w .. 32w + 31 of the block, all of
+// them present) must call it, with the full mask and width 32 (the only form the kernels use);
+// the scheduler opens it once all have arrived, like a barrier of the warp.
+inline unsigned int __shfl_xor_sync(unsigned int mask, unsigned int var, int lane_mask,
+                                    int width = 32) {
+  return ::mp_emu::shfl_xor(mask, var, lane_mask, width);
+}
 
 // ---- bit casts ----
 

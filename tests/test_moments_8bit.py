@@ -1,0 +1,702 @@
+"""8-bit block-quantized Adam moments: mpext.optim.Adam/AdamW(exp_avg_dtype=torch.int8,
+exp_avg_sq_dtype=torch.uint8) and adam_step_ with int8/uint8 moments.
+
+References written independently of the kernel (which works on fp32 bits):
+- the format restated from its definition: every code's value from a table built in float64,
+  the nearest code and the stochastic choice found by comparing against those values, the
+  block reference from the absmax in float64;
+- a whole step of the quantized algorithm in numpy float32 arithmetic (one rounding per
+  operation, in the documented order), with the stochastic-rounding generator of
+  tests/reference.py, compared bit for bit with the kernel on every ISA path and thread count.
+Then the optimizer: state layout, small params, resume, state_dict across modes, the v floor,
+poisoned steps, bad options and inputs."""
+import io
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+import mpext
+from mpext import ops
+from mpext.optim import Adam, AdamW, MIN_8BIT_NUMEL, q8_decode, q8_encode
+
+from conftest import CUDA_OK
+from reference import sr_bits, sr_key
+from test_adam import assert_bitwise, assert_opt_unchanged, assert_opts_bitwise, snapshot_opt
+
+I8, U8, F32, BF16, F16 = torch.int8, torch.uint8, torch.float32, torch.bfloat16, torch.float16
+FMT = {"m": (3, 4, True), "v": (4, 4, False)}  # exponent bits, mantissa bits, signed
+
+
+# --------------------------------------------------------------------------------------------
+# The reference: the documented format and step, restated.
+
+def code_values(kind):
+    """Magnitude code -> value relative to the block reference, float64, by definition."""
+    eb, mb, _ = FMT[kind]
+    t = (1 << eb) - 1
+    return np.array([math.ldexp(1 + f / 2 ** mb, e - t) if e else math.ldexp(f / 2 ** mb, 1 - t)
+                     for e in range(1 << eb) for f in range(1 << mb)])
+
+
+VALUES = {k: code_values(k) for k in FMT}
+
+
+def ref_exp(kind, amax):
+    """The reference exponent field of a block with float32 absmax amax (255: not finite)."""
+    eb, mb, _ = FMT[kind]
+    a = float(amax)
+    if not math.isfinite(a):
+        return 255
+    field = 1 << eb
+    if a > 0:
+        fr, e = math.frexp(a)  # a = fr 2^e, fr in [0.5, 1)
+        fe = e - 1 + 127
+        if a > (2 - 2.0 ** -mb) * 2.0 ** (e - 1):
+            fe += 1
+        field = max(field, fe)
+    return field
+
+
+def ref_decode(kind, code, ea):
+    if ea >= 255:
+        return np.float32("nan")
+    _, _, signed = FMT[kind]
+    mag = code & 0x7F if signed else code
+    v = VALUES[kind][mag] * 2.0 ** (ea - 127)
+    return np.float32(-v if signed and code & 0x80 else v)
+
+
+def ref_encode(kind, x, ea, r16, nearest):
+    _, _, signed = FMT[kind]
+    vals = VALUES[kind]
+    ax = abs(float(x)) / 2.0 ** (ea - 127)
+    lo = int(np.searchsorted(vals, ax, side="right")) - 1
+    if lo >= len(vals) - 1 or vals[lo] == ax:
+        c = min(lo, len(vals) - 1)
+    else:
+        dl, dh = ax - vals[lo], vals[lo + 1] - ax
+        if nearest:
+            c = lo + 1 if dh < dl or (dh == dl and lo % 2) else lo
+        else:
+            frac = dl / (vals[lo + 1] - vals[lo])
+            c = lo + 1 if math.floor(frac * 65536) + r16 >= 65536 else lo
+    if signed and math.copysign(1.0, float(x)) < 0:
+        c |= 0x80
+    return c
+
+
+f32 = np.float32
+
+
+def scalars(lr, b1, b2, eps, wd, decoupled, t, inv_scale):
+    """The per-step scalars, from their definition in double (powers exact, via Fraction)."""
+    lr = float(f32(lr))
+    bc1 = 1.0 - float(Fraction(b1) ** int(t))
+    bc2 = 1.0 - float(Fraction(b2) ** int(t))
+    w = f32(1.0 - b1)
+    r = b1 * b1 / b2 if b2 > 0 else (2.0 if b1 > 0 else 0.0)
+    return dict(inv=f32(inv_scale), wd=f32(wd), decay=f32(1.0 - lr * wd) if decoupled else f32(1),
+                w=w, rest=f32(f32(1) - w), b2=f32(b2), omb2=f32(1.0 - b2), eps=f32(eps),
+                nstep=-f32(lr / bc1), bc2s=f32(math.sqrt(bc2)), decoupled=decoupled,
+                inv_k=f32(((1.0 - b2) * (1.0 - r)) / ((1.0 - b1) * (1.0 - b1))) if r < 1
+                else f32(0))
+
+
+def ref_element(g, p, m, v, s, maximize):
+    g = f32(g * s["inv"])
+    if maximize:
+        g = -g
+    if s["decoupled"]:
+        p = f32(p * s["decay"])
+    else:
+        g = f32(g + f32(s["wd"] * p))
+    diff = f32(g - m)
+    m = f32(m + f32(s["w"] * diff)) if s["w"] < 0.5 else f32(g - f32(diff * s["rest"]))
+    v = f32(f32(v * s["b2"]) + f32(f32(s["omb2"] * g) * g))
+    denom = f32(f32(np.sqrt(v) / s["bc2s"]) + s["eps"])
+    return f32(p + f32(f32(s["nstep"] * m) / denom)), m, v
+
+
+def bf16_bits(x):
+    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+
+def ref_step(p32, g32, mc, vc, ms, vs, step, hp, block, seed, stream, nearest, sr_param=None):
+    """One step of the quantized algorithm on flat numpy arrays: p32 the fp32 value of the param
+    (master, joined remainder, or the widened param), g32 the widened grad. Returns the new fp32
+    param values and the new codes and scales."""
+    n = len(p32)
+    t = int(step) + 1
+    s = scalars(hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
+                hp["decoupled"], t, hp.get("inv", 1.0))
+    key = sr_key(seed, t, (1 << 33) + stream)
+    p_new = np.empty(n, np.float32)
+    mc_new, vc_new = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    ms_new, vs_new = np.empty(len(ms), np.float32), np.empty(len(vs), np.float32)
+    for b in range(len(ms)):
+        lo, hi = b * block, min(n, (b + 1) * block)
+        em, ev = ref_exp("m", ms[b]), ref_exp("v", vs[b])
+        mnew, vnew = np.empty(hi - lo, np.float32), np.empty(hi - lo, np.float32)
+        for i in range(lo, hi):
+            m = ref_decode("m", int(mc[i]), em)
+            v = ref_decode("v", int(vc[i]), ev)
+            w = f32(f32(m * m) * s["inv_k"])
+            v = w if w > v else v
+            p_new[i], mnew[i - lo], vnew[i - lo] = ref_element(g32[i], p32[i], m, v, s,
+                                                              hp["maximize"])
+        ms_new[b], vs_new[b] = np.abs(mnew).max(), np.abs(vnew).max()
+        nem, nev = ref_exp("m", ms_new[b]), ref_exp("v", vs_new[b])
+        for i in range(lo, hi):
+            r = sr_bits(key, i)
+            mc_new[i] = ref_encode("m", mnew[i - lo], nem, r & 0xFFFF, nearest)
+            vc_new[i] = ref_encode("v", vnew[i - lo], nev, r >> 16, nearest)
+    return p_new, mc_new, vc_new, ms_new, vs_new
+
+
+# --------------------------------------------------------------------------------------------
+# The codec of the state conversions (q8_encode / q8_decode) against the restated format.
+
+def test_codec_against_the_definition_with_error_bounds():
+    gen = torch.Generator().manual_seed(1)
+    n, block = 4 * 256 + 77, 256
+    # blocks of very different scales, heavy tails, zeros, one all-zero block
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
+    x[256:512] *= 1e-20
+    x[512:768] = 0
+    x[5] = -0.0
+    for kind, dtype, vals in (("m", I8, x), ("v", U8, x * x)):
+        codes, scale = q8_encode(vals, dtype, block)
+        back = q8_decode(codes, scale)
+        c = codes.view(U8).numpy().astype(int)
+        for b in range(scale.numel()):
+            seg = vals[b * block:(b + 1) * block].numpy()
+            assert scale[b].item() == float(np.abs(seg).max())
+            ea = ref_exp(kind, scale[b].item())
+            for i, xv in enumerate(seg):
+                k = b * block + i
+                want = ref_encode(kind, xv, ea, 0, nearest=True)
+                assert c[k] == want, (kind, k, xv)
+                assert back[k].item() == ref_decode(kind, want, ea) or (
+                    np.isnan(back[k].item()) and ea == 255)
+            # the error bound of a nearest code: half the spacing of the codes around the value
+            # (relative 2^-4 above the smallest normal code; absolute half the subnormal step,
+            # 2^(-T-3) R, below)
+            eb, mb, _ = FMT[kind]
+            ref = 2.0 ** (ea - 127)
+            err = np.abs(back[b * block:(b + 1) * block].double().numpy() - seg.astype(np.float64))
+            bound = np.maximum(np.abs(seg) * 2.0 ** -(mb + 1), ref * 2.0 ** (-(2 ** eb - 1) - mb))
+            assert (err <= bound).all(), (kind, b, float((err / bound).max()))
+    # -0.0 keeps its sign bit in the signed code
+    assert codes.numel() and q8_encode(torch.tensor([-0.0, 1.0]), I8, 32)[0].view(U8)[0] == 0x80
+
+
+def test_codec_of_nonfinite_block_decodes_to_nan():
+    x = torch.ones(64)
+    x[3] = float("nan")
+    codes, scale = q8_encode(x, I8, 32)
+    back = q8_decode(codes, scale)
+    assert back[:32].isnan().all() and (back[32:] == 1).all()
+
+
+# --------------------------------------------------------------------------------------------
+# The op against the reference, bit for bit.
+
+HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, decoupled=True,
+             maximize=False)
+
+# (param dtype, grad dtype, storage, numel, block, nearest)
+OP_CASES = [
+    (F32, F32, "none", 1000, 256, False),
+    (BF16, BF16, "master", 777, 32, False),
+    (BF16, BF16, "remainder", 4096 + 77, 256, False),
+    (BF16, F32, "sr", 3000, 2048, False),
+    (F16, F16, "master", 513, 128, True),
+    (BF16, BF16, "rne", 700, 64, True),
+]
+
+
+def make_q8_case(pdt, gdt, storage, n, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    master = (torch.randn(n, generator=gen) * 0.5).float()
+    param = master.to(pdt) if pdt != F32 else master.clone()
+    if pdt == BF16:  # a master whose round is the param, as the kernel stores it
+        master = mpext.optim._join_remainder(param, mpext.optim._split_master(
+            param, master, "test"))
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(gdt)
+    nb = -(-n // block)
+    mc = torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int64).to(I8)
+    vc = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64).to(U8)
+    ms = torch.exp(torch.randn(nb, generator=gen) * 4 - 6).float()
+    vs = torch.exp(torch.randn(nb, generator=gen) * 4 - 12).float()
+    rem = torch.zeros(n, dtype=torch.int16)
+    if storage == "remainder":
+        rem = mpext.optim._split_master(param, master, "test")
+    return dict(param=param, grad=grad, master=master.clone(), rem=rem, mc=mc, vc=vc, ms=ms,
+                vs=vs, step=torch.full((), 3.0))
+
+
+def run_q8_op(c, storage, block, nearest, seed=11, stream=5, inv=None, found_inf=None,
+              device="cpu", **hp):
+    hp = dict(HYPER, **hp)
+    d = {k: v.to(device, copy=True) for k, v in c.items()}
+    low = d["param"].dtype != F32
+    masters = [d["master"]] if storage == "master" else [torch.empty(0, device=device)]
+    ops.adam_step_([d["param"]], [d["grad"]], [d["mc"]], [d["vc"]], masters, [d["step"]],
+                   hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
+                   hp["decoupled"], hp["maximize"], inv_scale=inv, found_inf=found_inf,
+                   remainders=[d["rem"]] if storage == "remainder" else None,
+                   master_free=low and storage in ("sr", "rne"),
+                   stochastic_rounding=storage == "sr", moments_round_nearest=nearest,
+                   seed=seed, sr_streams=[stream], exp_avg_scales=[d["ms"]],
+                   exp_avg_sq_scales=[d["vs"]], block_size=block)
+    return {k: v.cpu() for k, v in d.items()}
+
+
+def fp32_value(c, storage):
+    if storage == "master":
+        return c["master"].numpy()
+    if storage == "remainder":
+        return mpext.optim._join_remainder(c["param"], c["rem"]).numpy()
+    return c["param"].float().numpy()
+
+
+def check_against_reference(c0, c1, pdt, storage, block, nearest, seed=11, stream=5, steps=1):
+    """c1 is c0 after the op; every output compared bit for bit with ref_step."""
+    p_new, mc, vc, ms, vs = ref_step(fp32_value(c0, storage), c0["grad"].float().numpy(),
+                                     c0["mc"].view(U8).numpy(), c0["vc"].numpy(),
+                                     c0["ms"].numpy(), c0["vs"].numpy(), c0["step"].item(),
+                                     HYPER, block, seed, stream, nearest)
+    np.testing.assert_array_equal(c1["mc"].view(U8).numpy(), mc)
+    np.testing.assert_array_equal(c1["vc"].numpy(), vc)
+    np.testing.assert_array_equal(c1["ms"].numpy().view(np.uint32), ms.view(np.uint32))
+    np.testing.assert_array_equal(c1["vs"].numpy().view(np.uint32), vs.view(np.uint32))
+    pt = torch.from_numpy(p_new)
+    if pdt == F32:
+        assert_bitwise(c1["param"], pt)
+    elif storage in ("master", "remainder"):
+        x = pt.view(torch.int32)
+        if pdt == BF16:  # a tie above an even bf16 value is kept one ulp lower
+            x = x - (((x & 0x1FFFF) == 0x8000) & ((x & 0x7F800000) != 0x7F800000)).int()
+        assert_bitwise(c1["param"], x.view(F32).to(pdt))
+        got = c1["master"] if storage == "master" else \
+            mpext.optim._join_remainder(c1["param"], c1["rem"])
+        assert_bitwise(got, x.view(F32))
+    elif storage == "rne":
+        assert_bitwise(c1["param"], pt.to(pdt))
+    else:  # bf16 stochastic rounding: r's low 16 bits added below the kept half
+        key = sr_key(seed, int(c0["step"].item()) + 1, 2 * stream + 1)
+        want = [((bf16_bits(v) + (sr_bits(key, i) & 0xFFFF)) >> 16) & 0xFFFF
+                for i, v in enumerate(p_new)]
+        assert c1["param"].view(torch.int16).numpy().astype(np.uint16).tolist() == want
+
+
+@pytest.mark.parametrize("case", range(len(OP_CASES)))
+def test_op_matches_reference_bitwise(case):
+    pdt, gdt, storage, n, block, nearest = OP_CASES[case]
+    c = make_q8_case(pdt, gdt, storage, n, block, seed=case)
+    for step in range(2):
+        c1 = run_q8_op(c, storage, block, nearest)
+        check_against_reference(c, c1, pdt, storage, block, nearest)
+        c = c1
+
+
+def test_op_every_isa_path_and_thread_count_identical(isa, threads):
+    """Each path against the reference, on one thread and on two (the CPU splits at block
+    boundaries: 70,000 elements are two tasks of whole blocks)."""
+    pdt, gdt, storage, n, block, nearest = BF16, BF16, "sr", 70000, 256, False
+    c = make_q8_case(pdt, gdt, storage, n, block, seed=3)
+    out = []
+    for nt in (1, 2):
+        torch.set_num_threads(nt)
+        out.append(run_q8_op(c, storage, block, nearest))
+    for k in out[0]:
+        assert_bitwise(out[0][k], out[1][k], k)
+    check_against_reference(c, out[0], pdt, storage, block, nearest)
+
+
+def test_op_unscales_and_writes_the_grad():
+    c = make_q8_case(BF16, BF16, "master", 600, 64, seed=4)
+    scaled = dict(c, grad=(c["grad"].float() * 1024).to(BF16))
+    c1 = run_q8_op(scaled, "master", 64, False, inv=torch.full((), 1 / 1024))
+    c2 = run_q8_op(c, "master", 64, False)
+    for k in ("param", "master", "mc", "vc", "ms", "vs"):
+        assert_bitwise(c1[k], c2[k], k)
+
+
+def test_poisoned_step_writes_nothing(device):
+    c = make_q8_case(BF16, BF16, "remainder", 5000, 256, seed=5)
+    c1 = run_q8_op(c, "remainder", 256, False, found_inf=torch.ones((), device=device),
+                   device=device)
+    for k in c:
+        assert_bitwise(c1[k], c[k], k)
+
+
+def test_v_floor_bounds_the_update():
+    """A block whose large second moment leaves the others' v at code 0 while their m is not:
+    without the floor m / (sqrt(v) + eps) would be m / eps."""
+    n, lr = 256, 1e-3
+    c = dict(param=torch.ones(n), grad=torch.zeros(n), master=torch.empty(0),
+             rem=torch.empty(0, dtype=torch.int16),
+             mc=torch.full((n,), 0x7F, dtype=I8), vc=torch.zeros(n, dtype=U8),
+             ms=torch.tensor([1e-3]), vs=torch.tensor([1.0]), step=torch.full((), 9.0))
+    c["mc"][0], c["vc"][0] = 0, 0xFF
+    k = 0.01 / (0.001 * (1 - 0.81 / 0.999))
+    for t in (10, 11):  # the raised v is below the block's range again: the floor holds twice
+        c1 = run_q8_op(c, "none", 256, False, lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.0)
+        bound = lr * math.sqrt(k) * math.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+        upd = (c1["param"][1:] - c["param"][1:]).abs()
+        assert 0 < upd.max().item() <= bound * 1.001, t
+        c = c1
+
+
+# --------------------------------------------------------------------------------------------
+# The op's argument checks: a clear error, nothing written; the fake kernel says the same.
+
+def q8_call_args(device="cpu", n=300, block=64):
+    p = torch.randn(n, device=device)
+    return dict(params=[p], grads=[torch.randn(n, device=device)],
+                exp_avgs=[torch.zeros(n, dtype=I8, device=device)],
+                exp_avg_sqs=[torch.zeros(n, dtype=U8, device=device)], masters=[],
+                steps=[torch.zeros((), device=device)],
+                exp_avg_scales=[torch.zeros(-(-n // block), device=device)],
+                exp_avg_sq_scales=[torch.zeros(-(-n // block), device=device)], block_size=block)
+
+
+def call_op(a):
+    ops.adam_step_(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["masters"],
+                   a["steps"], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
+                   exp_avg_scales=a["exp_avg_scales"], exp_avg_sq_scales=a["exp_avg_sq_scales"],
+                   block_size=a["block_size"])
+
+
+OP_BAD = [
+    (lambda a: a.update(block_size=48), ValueError,
+     r"block_size must be a power of two in \[32, 2048\], got 48"),
+    (lambda a: a.update(block_size=4096), ValueError, r"block_size must be a power of two"),
+    (lambda a: a.update(block_size=16), ValueError, r"block_size must be a power of two"),
+    (lambda a: a.update(exp_avg_scales=None), ValueError,
+     r"exp_avgs\[0\] holds 8-bit codes, which need exp_avg_scales \(one float32 scale per "
+     r"block of 64 elements\); got none"),
+    (lambda a: a.update(exp_avg_sq_scales=[]), ValueError,
+     r"exp_avgs\[0\] holds 8-bit codes, which need exp_avg_sq_scales"),
+    (lambda a: a["exp_avg_scales"].__setitem__(0, torch.zeros(4)), ValueError,
+     r"exp_avg_scales\[0\] must have 5 elements \(one per block of 64 elements of "
+     r"params\[0\]\), got 4"),
+    (lambda a: a["exp_avg_sq_scales"].__setitem__(0, torch.zeros(5, dtype=torch.float64)),
+     RuntimeError, r"exp_avg_sq_scales\[0\] must have dtype float32, got float64"),
+    (lambda a: a["exp_avg_scales"].__setitem__(0, torch.zeros(10)[::2]), RuntimeError,
+     r"exp_avg_scales\[0\] must be dense and non-overlapping"),
+    (lambda a: a.update(exp_avg_scales=[]), ValueError, r"need exp_avg_scales"),
+    (lambda a: a.update(exp_avg_scales=a["exp_avg_scales"] * 2), ValueError,
+     r"exp_avg_scales must be empty or have one entry per param \(1\), got 2"),
+    (lambda a: a["exp_avg_sqs"].__setitem__(0, torch.zeros(300)), RuntimeError,
+     r"exp_avgs\[0\] is int8 \(8-bit moment codes\), so exp_avg_sqs\[0\] must be uint8, got "
+     r"float32"),
+    (lambda a: a["exp_avgs"].__setitem__(0, torch.zeros(300, dtype=BF16)), RuntimeError,
+     r"exp_avg_sqs\[0\] is uint8 \(8-bit moment codes\), so exp_avgs\[0\] must be int8, got "
+     r"bfloat16"),
+    (lambda a: a["exp_avgs"].__setitem__(0, torch.zeros(300, dtype=U8)), RuntimeError,
+     r"exp_avgs\[0\] must have dtype float32 or bfloat16 or int8, got uint8"),
+    (lambda a: (a["exp_avgs"].__setitem__(0, torch.zeros(300)),
+                a["exp_avg_sqs"].__setitem__(0, torch.zeros(300))), ValueError,
+     r"exp_avg_scales\[0\] must be an empty tensor \(exp_avgs\[0\] is not 8-bit\), got 5 "
+     r"elements"),
+    (lambda a: a["exp_avg_scales"].__setitem__(0, a["exp_avg_sq_scales"][0]), RuntimeError,
+     r"overlap"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(OP_BAD)))
+def test_op_bad_input_changes_nothing(case):
+    change, exc, match = OP_BAD[case]
+    a = q8_call_args()
+    change(a)
+    before = [t.clone() for k in ("params", "exp_avgs", "exp_avg_sqs", "steps")
+              for t in a[k]] + [t.clone() for t in a["exp_avg_scales"] or []]
+    with pytest.raises(exc, match=match):
+        call_op(a)
+    after = [t for k in ("params", "exp_avgs", "exp_avg_sqs", "steps")
+             for t in a[k]] + list(a["exp_avg_scales"] or [])
+    for x, y in zip(before, after):
+        assert_bitwise(x, y)
+
+
+@pytest.mark.parametrize("case", [i for i, b in enumerate(OP_BAD) if "overlap" not in b[2]])
+def test_fake_kernel_same_messages(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    change, exc, match = OP_BAD[case]
+    with FakeTensorMode():
+        a = q8_call_args()
+        change(a)
+        with pytest.raises(Exception, match=match):
+            call_op(a)
+
+
+def test_opcheck():
+    a = q8_call_args(n=700, block=128)
+    a["exp_avgs"][0] = torch.randint(-128, 128, (700,), dtype=I8)
+    a["exp_avg_scales"][0].fill_(0.5)
+    torch.library.opcheck(torch.ops.mpext.adam_step_.default,
+                          (a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"],
+                           a["masters"], a["steps"], torch.full((), 1e-3), 0.9, 0.999, 1e-8, 0.0,
+                           True, False),
+                          dict(exp_avg_scales=a["exp_avg_scales"],
+                               exp_avg_sq_scales=a["exp_avg_sq_scales"], block_size=128))
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizers.
+
+Q8 = dict(exp_avg_dtype=I8, exp_avg_sq_dtype=U8)
+
+
+def model_params(dtype=BF16, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64, 96), (96,), (40, 40, 3), (5000,)]
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype).to(device))
+            for s in shapes]
+
+
+def set_grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype).to(p.device)
+
+
+def train(opt, params, steps, first=0, scaler=None):
+    for k in range(first, first + steps):
+        set_grads(params, 1000 + k)
+        opt.step()
+
+
+LEAN = {
+    "master": dict(),
+    "remainder": dict(param_remainders=True),
+    "sr": dict(master_weights=False, stochastic_rounding=True),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LEAN))
+def test_optimizer_state_layout(device, mode):
+    params = model_params(device=device)
+    opt = AdamW(params, lr=1e-3, **LEAN[mode], **Q8)
+    train(opt, params, 2)
+    for p in params:
+        st = opt.state[p]
+        if p.numel() >= MIN_8BIT_NUMEL:
+            assert st["exp_avg"].dtype == I8 and st["exp_avg_sq"].dtype == U8
+            assert st["exp_avg"].shape == p.shape and st["exp_avg_sq"].shape == p.shape
+            for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+                assert st[k].dtype == F32 and st[k].shape == (-(-p.numel() // 256),)
+        else:  # small params keep fp32 moments
+            assert st["exp_avg"].dtype == F32 and "exp_avg_scale" not in st
+        assert ("master_param" in st) == (mode == "master")
+        assert ("param_remainder" in st) == (mode == "remainder")
+
+
+def test_optimizer_step_is_the_op_step():
+    """One optimizer step equals adam_step_ on the same state (the optimizer adds nothing)."""
+    params = model_params(F32)
+    opt = AdamW(params, lr=1e-3, **Q8, block_size=64)
+    train(opt, params, 3)
+    p = params[0]
+    st = {k: v.clone() for k, v in opt.state[p].items()}
+    before = p.detach().clone()
+    set_grads(params, 77)
+    opt.step()
+    c = dict(param=before, grad=p.grad, master=torch.empty(0), rem=torch.empty(0),
+             mc=st["exp_avg"].view(-1), vc=st["exp_avg_sq"].view(-1), ms=st["exp_avg_scale"],
+             vs=st["exp_avg_sq_scale"], step=st["step"])
+    c1 = run_q8_op({k: v.reshape(-1) if k in ("param", "grad") else v for k, v in c.items()},
+                   "none", 64, False, seed=0, stream=0, lr=1e-3, beta1=0.9, beta2=0.999,
+                   weight_decay=1e-2)
+    assert_bitwise(c1["param"], p.detach().reshape(-1))
+    assert_bitwise(c1["mc"], opt.state[p]["exp_avg"].view(-1))
+
+
+def test_resume_is_bit_exact(device):
+    params = model_params(device=device)
+    opt = AdamW(params, lr=1e-3, param_remainders=True, **Q8, seed=3)
+    train(opt, params, 3)
+    buf = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
+    train(opt, params, 4, first=3)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    params2 = [torch.nn.Parameter(t) for t in saved["params"]]
+    opt2 = AdamW(params2, lr=1e-3, param_remainders=True, **Q8, seed=3)
+    opt2.load_state_dict(saved["opt"])
+    train(opt2, params2, 4, first=3)
+    assert_opts_bitwise(opt, opt2)
+
+
+def test_state_dict_across_modes_both_ways():
+    """A checkpoint loads into the loading optimizer's moment storage (its dtypes and block
+    size are storage settings): fp32 moments quantized to the nearest code, codes decoded
+    exactly (then rounded to bf16), a torch AdamW checkpoint into 8-bit codes."""
+    params = model_params(F32)
+    fp32 = AdamW(params, lr=1e-3)
+    train(fp32, params, 3)
+    sd32 = fp32.state_dict()
+    q8 = AdamW(params, lr=1e-3, **Q8, block_size=128)
+    q8.load_state_dict(sd32)
+    assert q8.param_groups[0]["block_size"] == 128
+    st = q8.state[params[0]]
+    codes, scale = q8_encode(fp32.state[params[0]]["exp_avg"], I8, 128)
+    assert_bitwise(st["exp_avg"], codes)
+    assert_bitwise(st["exp_avg_scale"], scale)
+    sd8 = q8.state_dict()
+    for dt in (F32, BF16):
+        other = AdamW(params, lr=1e-3, exp_avg_dtype=dt, exp_avg_sq_dtype=dt)
+        other.load_state_dict(sd8)
+        want = q8_decode(st["exp_avg_sq"], st["exp_avg_sq_scale"]).to(dt)
+        assert_bitwise(other.state[params[0]]["exp_avg_sq"], want)
+        assert "exp_avg_sq_scale" not in other.state[params[0]]
+    tparams = model_params(F32)
+    torch_opt = torch.optim.AdamW(tparams, lr=1e-3)
+    train(torch_opt, tparams, 2)
+    q = AdamW(tparams, lr=1e-3, **Q8)
+    q.load_state_dict(torch_opt.state_dict())
+    assert q.state[tparams[0]]["exp_avg"].dtype == I8
+    train(q, tparams, 2, first=2)
+    assert q.state[tparams[0]]["exp_avg"].dtype == I8
+
+
+def test_checkpoint_loads_into_the_optimizers_block_size_and_group_change_requantizes():
+    params = model_params(F32)
+    opt = AdamW(params, lr=1e-3, **Q8, block_size=64)
+    train(opt, params, 2)
+    same = AdamW(model_params(F32), lr=1e-3, **Q8, block_size=64)
+    params2 = same.param_groups[0]["params"]
+    with torch.no_grad():
+        for a, b in zip(params2, params):
+            a.copy_(b)
+    same.load_state_dict(opt.state_dict())  # the same block size: resumes bit for bit
+    other = AdamW(params2, lr=1e-3, **Q8)  # block 256: the checkpoint's codes are re-made
+    other.load_state_dict(opt.state_dict())
+    assert other.param_groups[0]["block_size"] == 256
+    st = opt.state[params[0]]
+    want = q8_encode(q8_decode(st["exp_avg"], st["exp_avg_scale"]), I8, 256)
+    assert_bitwise(other.state[params2[0]]["exp_avg"], want[0])
+    train(opt, params, 1, first=2)
+    train(same, params2, 1, first=2)
+    assert_opts_bitwise(opt, same)
+    # a group's block size changed between steps: the codes are re-made at the next step
+    st = opt.state[params[0]]
+    want_m = q8_encode(q8_decode(st["exp_avg"], st["exp_avg_scale"]), I8, 512)
+    opt.param_groups[0]["block_size"] = 512
+    snap = [p.detach().clone() for p in params]
+    opt.step(found_inf=torch.ones(()))  # a skipped step: converts, then writes nothing
+    assert_bitwise(opt.state[params[0]]["exp_avg"], want_m[0])
+    assert opt.state[params[0]]["exp_avg_scale"].numel() == -(-params[0].numel() // 512)
+    for p, x in zip(params, snap):
+        assert_bitwise(p.detach(), x)
+    train(opt, params, 1, first=3)
+
+
+def test_poisoned_steps_change_nothing_under_a_scaler(device):
+    params = model_params(device=device)
+    opt = AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True, **Q8)
+    train(opt, params, 2)
+    snap = snapshot_opt(opt)
+    scaler = mpext.GradScaler(device)
+    scaler.scale(torch.ones((), device=device))
+    set_grads(params, 5)
+    params[0].grad[0, 0] = float("inf")
+    scaler.step(opt)
+    assert_opt_unchanged(opt, snap)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_small_updates_survive_in_expectation(rounding):
+    """The 8-bit second moment decays by beta2 = 0.999 per step on average, as in FP32; round
+    to nearest holds it still (0.999 is within half a code step of 1). The mean of 2^15
+    independent roundings has a relative standard deviation near 0.3% after 200 steps: the 2%
+    tolerance is more than 6 of them, and 9 times less than what nearest rounding loses."""
+    n = 1 << 15
+    params = [torch.nn.Parameter(torch.zeros(n))]
+    opt = Adam(params, lr=0.0, betas=(0.9, 0.999), moment_rounding=rounding, **Q8)
+    params[0].grad = torch.full((n,), 1.0)
+    opt.step()
+    v0 = q8_decode(opt.state[params[0]]["exp_avg_sq"],
+                   opt.state[params[0]]["exp_avg_sq_scale"]).double().mean().item()
+    params[0].grad = torch.zeros(n)
+    for _ in range(200):
+        opt.step()
+    v = q8_decode(opt.state[params[0]]["exp_avg_sq"],
+                  opt.state[params[0]]["exp_avg_sq_scale"]).double().mean().item()
+    if rounding == "stochastic":
+        assert v == pytest.approx(v0 * 0.999 ** 200, rel=0.02)
+    else:
+        assert v == pytest.approx(v0, rel=0.02)
+
+
+BAD_OPTIONS = [
+    (dict(exp_avg_dtype=I8), ValueError, r"8-bit moments come as a pair: exp_avg_dtype="
+     r"torch.int8 with exp_avg_sq_dtype=torch.uint8, got torch.int8 and torch.float32"),
+    (dict(exp_avg_sq_dtype=U8, exp_avg_dtype=BF16), ValueError, r"come as a pair"),
+    (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=I8), ValueError,
+     r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.int8, got torch.uint8"),
+    (dict(Q8, block_size=100), ValueError,
+     r"block_size must be a power of two in \[32, 2048\], got 100"),
+    (dict(Q8, block_size=4096), ValueError, r"block_size must be a power of two"),
+    (dict(Q8, block_size=256.0), ValueError, r"block_size must be a power of two"),
+    (dict(Q8, block_size=True), ValueError, r"block_size must be a power of two"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_OPTIONS)))
+def test_bad_options_are_refused(case):
+    kw, exc, match = BAD_OPTIONS[case]
+    with pytest.raises(exc, match=match):
+        AdamW(model_params(), **kw)
+
+
+def test_bad_group_change_changes_nothing():
+    params = model_params()
+    opt = AdamW(params, lr=1e-3, **Q8)
+    train(opt, params, 1)
+    snap = snapshot_opt(opt)
+    opt.param_groups[0]["block_size"] = 3
+    set_grads(params, 9)
+    with pytest.raises(ValueError, match=r"block_size must be a power of two"):
+        opt.step()
+    assert_opt_unchanged(opt, snap)
+
+
+def test_bad_checkpoint_scales_are_refused():
+    params = model_params(F32)
+    opt = AdamW(params, lr=1e-3, **Q8)
+    train(opt, params, 1)
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_scale"] = torch.zeros(7)  # no power-of-two block gives 7 blocks
+    with pytest.raises(ValueError, match=r"exp_avg holds 8-bit codes, so exp_avg_scale must be "
+                                         r"a 1-D float32 tensor of one scale per block"):
+        AdamW(params, lr=1e-3, **Q8).load_state_dict(sd)
+
+
+def test_mixed_precision_optimizer_takes_8bit_moments():
+    model = torch.nn.Linear(128, 64).to(BF16)
+    inner = AdamW(model.parameters(), lr=1e-3, **Q8)
+    opt = mpext.MixedPrecisionOptimizer(inner)
+    x = torch.randn(8, 128, dtype=BF16)
+    for _ in range(2):
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    st = inner.state[inner.param_groups[0]["params"][0]]
+    assert st["exp_avg"].dtype == I8 and st["exp_avg_scale"].numel() == 32
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="no CUDA device")
+def test_cuda_same_bits_as_cpu():
+    for case in range(len(OP_CASES)):
+        pdt, gdt, storage, n, block, nearest = OP_CASES[case]
+        c = make_q8_case(pdt, gdt, storage, n, block, seed=case)
+        a = run_q8_op(c, storage, block, nearest)
+        b = run_q8_op(c, storage, block, nearest, device="cuda")
+        for k in a:
+            assert_bitwise(a[k], b[k], k)
