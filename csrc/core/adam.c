@@ -55,16 +55,23 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
   }
 }
 
-/* The loop, always inlined into a caller with constant layout parameters. */
+/* The loop, always inlined into a caller with constant layout parameters. Elements [start,
+ * start + n) must share the high 32 bits of their position (mp_k_adam_step splits a range that
+ * does not), so that the positions the random bits are drawn at are 32-bit arithmetic. The
+ * arrays never overlap (mp_adam_step's contract): ivdep spares the vectorized loop the runtime
+ * alias checks GCC otherwise adds, and falls back from, once the loop is inlined. */
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
-    void* restrict v, const mp_dtype vd, int64_t start, int64_t n,
-    const mp_adam_scalars* restrict hp, const int mk, const int write_grad) {
-  const mp_adam_scalars s = *hp;
-  const int sr_moments = md == MP_BF16 || vd == MP_BF16;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t pos = (uint64_t)(start + i); /* the element's place in its param */
+    void* restrict v, const mp_dtype vd, int64_t start, uint32_t n,
+    const mp_adam_scalars* restrict hp, const int mk, const int write_grad, const int near) {
+  mp_adam_scalars s = *hp;
+  s.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
+  const int sr_moments = (md == MP_BF16 || vd == MP_BF16) && !near;
+  const uint32_t pos_lo = (uint32_t)start, pos_hi = (uint32_t)((uint64_t)start >> 32);
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t lo = pos_lo + i; /* the element's place in its param: pos_hi, lo */
     const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
     if (write_grad) store_from_f32(grad, i, gt, g);
     float p0;
@@ -77,7 +84,7 @@ static inline __attribute__((always_inline)) void adam_loop(
     }
     float mi = load_as_f32(m, i, md), vi = load_as_f32(v, i, vd);
     const float p = mp_adam_element(g, p0, &mi, &vi, &s);
-    const uint32_t r_mv = sr_moments ? mp_sr_bits(s.key_moments, pos) : 0u;
+    const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.key_moments, lo, pos_hi) : 0u;
     if (md == MP_BF16) {
       ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
     } else {
@@ -102,31 +109,42 @@ static inline __attribute__((always_inline)) void adam_loop(
     } else if (mk == MK_NONE_RNE) {
       store_from_f32(param, i, pt, p);
     } else {
-      const uint32_t r = mp_sr_bits(s.key_param, pos);
+      const uint32_t r = mp_sr_bits_hl(s.key_param, lo, pos_hi);
       ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
                                             : mp_fp16_sr_bits(bits_of_f32(p), r);
     }
   }
 }
 
-/* The two compile-time choices left once the arrays' types are fixed: the moments' dtypes and
- * the write-back of the gradient. */
+/* The compile-time choices left once the arrays' types are fixed: the moments' dtypes, the
+ * write-back of the gradient and, with a bf16 moment, how it is rounded (the per-element choice
+ * between the two roundings costs the bf16-moment loops, which are bound by their instruction
+ * count rather than by memory on a CPU with AVX-512, several percent). */
 #define MP_ADAM_MOMENTS(PT, GT, MK)                                                        \
-  switch ((md == MP_BF16) << 2 | (vd == MP_BF16) << 1 | (hp->write_grad != 0)) {         \
-    case 0: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 0); break;                           \
-    case 1: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 1); break;                           \
-    case 2: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0); break;                          \
-    case 3: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1); break;                          \
-    case 4: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0); break;                          \
-    case 5: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1); break;                          \
-    case 6: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0); break;                         \
-    default: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1); break;                        \
+  switch ((md == MP_BF16) << 3 | (vd == MP_BF16) << 2 |                                   \
+          (hp->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16)) << 1 |           \
+          (hp->write_grad != 0)) {                                                        \
+    case 0: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 0, 0); break;                        \
+    case 1: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 1, 0); break;                        \
+    case 4: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0, 0); break;                       \
+    case 5: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1, 0); break;                       \
+    case 6: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0, 1); break;                       \
+    case 7: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1, 1); break;                       \
+    case 8: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0, 0); break;                       \
+    case 9: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1, 0); break;                       \
+    case 10: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0, 1); break;                      \
+    case 11: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1, 1); break;                      \
+    case 12: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0, 0); break;                     \
+    case 13: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1, 0); break;                     \
+    case 14: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0, 1); break;                     \
+    default: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1, 1); break;                     \
   }
 
-#define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG) \
-  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, start, n, hp, MK, WG)
+#define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG, NEAR)                                            \
+  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, start, (uint32_t)n, hp, MK, \
+            WG, NEAR)
 
-/* One function per (param dtype, grad dtype, master kind): its eight loops. */
+/* One function per (param dtype, grad dtype, master kind): its fourteen loops. */
 #define MP_ADAM_VARIANT(name, PT, GT, MK)                                                       \
   static void name(void* param, void* grad, float* master, int16_t* remainder, void* m,         \
                    mp_dtype md, void* v, mp_dtype vd, int64_t start, int64_t n,                 \
@@ -171,12 +189,18 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
                  : t->remainder != NULL        ? MK_REMAINDER
                  : s->sr_params                ? MK_NONE_SR
                                                : MK_NONE_RNE;
-  void* param = (char*)t->param + start * MP_DTYPE_BYTES(pt);
-  void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(gt);
-  float* master = t->master != NULL ? t->master + start : NULL;
-  int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;
-  void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(md);
-  void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
-  VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk](param, grad, master, remainder, m, md, v, vd,
-                                                  start, n, s);
+  const adam_variant f = VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk];
+  while (n > 0) { /* pieces whose positions share their high 32 bits (see adam_loop) */
+    const int64_t to_next = (int64_t)(((uint64_t)start | 0xFFFFFFFFu) - (uint64_t)start) + 1;
+    const int64_t k = n < to_next ? n : to_next;
+    void* param = (char*)t->param + start * MP_DTYPE_BYTES(pt);
+    void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(gt);
+    float* master = t->master != NULL ? t->master + start : NULL;
+    int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;
+    void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(md);
+    void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
+    f(param, grad, master, remainder, m, md, v, vd, start, k, s);
+    start += k;
+    n -= k;
+  }
 }
