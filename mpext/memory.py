@@ -17,12 +17,13 @@ from typing import List, Optional, Sequence
 from .memory_estimate import (BENCH_GPT_PRESETS, BENCH_GPT_VOCAB, MODELS, MODES,  # noqa: F401
                               OPTIMIZERS, SCALER_SCALARS, Breakdown, ModelSpec, ModeSpec,
                               activation_bytes, estimate, gpt_params, llama_params, model_names,
-                              model_spec, optimizer_states)
+                              mode_supports, model_spec, optimizer_states)
 from .memory_measure import measure  # noqa: F401
 
 __all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCAB", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "optimizer_states", "activation_bytes",
-           "gpt_params", "llama_params", "measure", "model_names", "model_spec", "main"]
+           "gpt_params", "llama_params", "measure", "model_names", "model_spec", "mode_supports",
+           "main"]
 
 # ---------------------------------------------------------------------------------------------
 # The command line
@@ -59,7 +60,7 @@ def _list_arg(name: str, choices: Sequence[str]):
     def parse(text: str) -> List[str]:
         items = [s.strip() for s in text.split(",") if s.strip()]
         if items == ["all"]:
-            return list(choices)
+            return None  # every choice (for --mode: every mode the optimizer has)
         bad = [s for s in items if s not in choices]
         if not items or bad:
             raise argparse.ArgumentTypeError("unknown %s %r; choose from %s (comma-separated, "
@@ -96,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a known model (sets params and the activation shape)")
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                    help="default: %(default)s")
-    p.add_argument("--mode", type=_list_arg("mode", list(MODES)), default=list(MODES),
-                   help="one or more of %s, comma-separated, or 'all' (default)"
-                        % ", ".join(MODES))
+    p.add_argument("--mode", type=_list_arg("mode", list(MODES)), default=None,
+                   help="one or more of %s, comma-separated, or 'all' (default: every mode "
+                        "the optimizer has; the mpext-bf16-*/mpext-fp16-sr lean modes are "
+                        "mpext.optim.Adam/AdamW's)" % ", ".join(MODES))
     p.add_argument("--zero", type=_zero_arg, default=[0],
                    help="ZeRO stage(s) 0-3, comma-separated (default 0)")
     p.add_argument("--world-size", type=_count_arg(), default=1,
@@ -149,8 +151,16 @@ def _configs(args, parser) -> List[Breakdown]:
     if any(z > 0 for z in args.zero) and args.world_size == 1:
         print("note: ZeRO with --world-size 1 partitions over one device (no saving)",
               file=sys.stderr)
+    modes = args.mode
+    if modes is None:
+        modes = [m for m in MODES if mode_supports(m, args.optimizer)]
+    bad = [m for m in modes if not mode_supports(m, args.optimizer)]
+    if bad:
+        parser.error("argument --mode: %s %s mpext.optim.Adam/AdamW's leaner state, not "
+                     "available with --optimizer %s (use adam or adamw)"
+                     % (", ".join(bad), "is" if len(bad) == 1 else "are", args.optimizer))
     out = []
-    for mode in args.mode:
+    for mode in modes:
         for z in args.zero:
             out.append(estimate(params, args.optimizer, mode, zero=z, world_size=args.world_size,
                                 dropout=dropout, **shape))

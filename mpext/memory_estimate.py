@@ -7,20 +7,31 @@ states, loss-scaler scalars) and the memory that exists only while a step runs (
 for the backward pass, and autocast's low-precision weight copies). ``python -m mpext.memory``
 prints it as a table (``mpext.memory``); ``docs/memory.md`` documents every row.
 
-Bytes per parameter, per mode (ZeRO 0, one device; ``k`` = FP32 optimizer-state tensors per
-param: AdamW 2, SGD with momentum 1, ...)::
+Bytes per parameter, per mode (ZeRO 0, one device; ``k`` = optimizer-state tensors per param:
+AdamW 2, SGD with momentum 1, ...)::
 
-    mode         weights  grads  masters  optimizer states  transient (per step)
-    fp32            4       4       0          4k           activations in fp32
-    amp-bf16        4       4       0          4k           activations in bf16 + 2 B/param
-    amp-fp16        4       4       0          4k           bf16 -> fp16; + 2 scaler scalars
-    mpext-bf16      2       2       4          4k           activations in bf16
-    mpext-fp16      2       2       4          4k           as bf16; + 2 scaler scalars
+    mode                              weights grads masters states transient (per step)
+    fp32                                 4      4      0      4k   activations in fp32
+    amp-bf16                             4      4      0      4k   activations in bf16 + 2 B/param
+    amp-fp16                             4      4      0      4k   bf16 -> fp16; + 2 scaler scalars
+    mpext-bf16                           2      2      4      4k   activations in bf16
+    mpext-fp16                           2      2      4      4k   as bf16; + 2 scaler scalars
+    mpext-bf16-bf16moments               2      2      4      2k   as mpext-bf16
+    mpext-bf16-remainder                 2      2      2      4k   as mpext-bf16
+    mpext-bf16-remainder-bf16moments     2      2      2      2k   as mpext-bf16
+    mpext-bf16-sr-fp32moments            2      2      0      4k   as mpext-bf16
+    mpext-bf16-sr                        2      2      0      2k   as mpext-bf16
+    mpext-fp16-sr                        2      2      0      2k   as mpext-fp16
 
 Native AMP keeps the model in FP32 (its FP32 weights are the masters) and autocast casts each
 weight to 16 bits on every forward; those copies live until the backward has used them, so they
 are counted as step-time memory (``autocast_copies``), not as persistent memory. mpext keeps the
-model in BF16/FP16 with FP32 masters inside the optimizer and casts nothing per forward.
+model in BF16/FP16 with FP32 masters inside the optimizer and casts nothing per forward. The
+lean modes are ``mpext.optim.Adam``/``AdamW``'s leaner state (Adam/AdamW only): a BF16 param's
+master kept as its 16-bit remainder (``param_remainders=True``: the masters row is the
+remainders), moments stored in BF16 (``exp_avg_dtype=exp_avg_sq_dtype=torch.bfloat16``), or no
+master at all (``master_weights=False``; ``-sr`` for ``stochastic_rounding=True``, which is what
+makes that mode train well; round to nearest holds the same bytes).
 
 ZeRO (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", section 5): stage 1 partitions the optimizer states (the FP32 master weights are part of
@@ -41,13 +52,14 @@ is given). Activations are replicated data-parallel work and are not divided by 
 import dataclasses
 import math
 import numbers
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCAB", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "optimizer_states", "activation_bytes",
-           "gpt_params", "llama_params", "model_names", "model_spec"]
+           "gpt_params", "llama_params", "model_names", "model_spec", "mode_supports"]
 
 _FP32, _HALF = 4, 2
+_ADAM = ("adam", "adamw")  # the optimizers with mpext's lean state (mpext.optim.Adam / AdamW)
 SCALER_SCALARS = 2  # the loss scale (fp32) and the growth tracker (int32), kept between steps
 
 
@@ -62,6 +74,8 @@ class ModeSpec:
     autocast_copy: int   # per-forward low-precision weight copies (native AMP autocast)
     scaler: bool         # dynamic loss scaling (scale, growth tracker, found_inf)
     description: str
+    state: int = _FP32   # bytes per element of each optimizer-state tensor (moments)
+    optimizers: Optional[Tuple[str, ...]] = None  # the optimizers it exists for (None: all)
 
 
 MODES: Dict[str, ModeSpec] = {
@@ -75,10 +89,37 @@ MODES: Dict[str, ModeSpec] = {
                            "mpext: BF16 model, FP32 masters in the optimizer"),
     "mpext-fp16": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, True,
                            "mpext: FP16 model, FP32 masters + dynamic loss scaling"),
+    "mpext-bf16-bf16moments": ModeSpec(
+        _HALF, _HALF, _FP32, _HALF, 0, False,
+        "mpext.optim: BF16 model, FP32 masters, BF16 moments", _HALF, _ADAM),
+    "mpext-bf16-remainder": ModeSpec(
+        _HALF, _HALF, _HALF, _HALF, 0, False,
+        "mpext.optim: BF16 model, FP32 masters kept as 16-bit remainders", _FP32, _ADAM),
+    "mpext-bf16-remainder-bf16moments": ModeSpec(
+        _HALF, _HALF, _HALF, _HALF, 0, False,
+        "mpext.optim: BF16 model, 16-bit remainders, BF16 moments", _HALF, _ADAM),
+    "mpext-bf16-sr-fp32moments": ModeSpec(
+        _HALF, _HALF, 0, _HALF, 0, False,
+        "mpext.optim: BF16 model, no master (stochastic rounding), FP32 moments", _FP32,
+        _ADAM),
+    "mpext-bf16-sr": ModeSpec(
+        _HALF, _HALF, 0, _HALF, 0, False,
+        "mpext.optim: BF16 model, no master (stochastic rounding), BF16 moments", _HALF, _ADAM),
+    "mpext-fp16-sr": ModeSpec(
+        _HALF, _HALF, 0, _HALF, 0, True,
+        "mpext.optim: FP16 model, no master (stochastic rounding), BF16 moments + dynamic "
+        "loss scaling", _HALF, _ADAM),
 }
 
-# FP32 state tensors of the size of the param each optimizer keeps (torch.optim's defaults; the
-# scalar per-param ``step`` tensors are not counted).
+
+def mode_supports(mode: str, optimizer: str) -> bool:
+    """Whether precision ``mode`` exists for ``optimizer`` (the lean modes are
+    ``mpext.optim.Adam``/``AdamW``'s)."""
+    allowed = MODES[mode].optimizers
+    return allowed is None or optimizer in allowed
+
+# State tensors of the size of the param each optimizer keeps (torch.optim's defaults, FP32
+# unless a mode stores them narrower; the scalar per-param ``step`` tensors are not counted).
 OPTIMIZERS: Dict[str, int] = {
     "adamw": 2,             # exp_avg, exp_avg_sq
     "adam": 2,
@@ -299,7 +340,11 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
     Args:
         params: the number of parameters (an int, or an integral float such as ``7e9``).
         optimizer: a key of ``OPTIMIZERS`` ('adamw', 'sgd', 'sgd-momentum', ...).
-        mode: a key of ``MODES`` ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16').
+        mode: a key of ``MODES`` ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16', or
+            one of mpext.optim's lean modes, for 'adam' and 'adamw' only:
+            'mpext-bf16-bf16moments', 'mpext-bf16-remainder',
+            'mpext-bf16-remainder-bf16moments', 'mpext-bf16-sr-fp32moments', 'mpext-bf16-sr',
+            'mpext-fp16-sr').
         zero: ZeRO stage 0-3 (1: optimizer states and masters partitioned, 2: + gradients,
             3: + weights).
         world_size: data-parallel devices the partitions are spread over.
@@ -313,6 +358,10 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError("mode: unknown mode %r; choose one of %s" % (mode, ", ".join(MODES)))
     k = optimizer_states(optimizer)
+    if not mode_supports(mode, optimizer):
+        raise ValueError("mode: %s is mpext.optim.Adam/AdamW's leaner state; the optimizer "
+                         "must be %s, got %r" % (mode, " or ".join(MODES[mode].optimizers),
+                                                 optimizer))
     if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) \
             or zero not in (0, 1, 2, 3):
         raise ValueError("zero: the ZeRO stage must be 0, 1, 2 or 3, got %r" % (zero,))
@@ -347,7 +396,7 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
         weights=spec.weight * part(3),
         gradients=spec.grad * part(2),
         master_weights=spec.master * part(1),
-        optimizer_states=_FP32 * k * part(1),
+        optimizer_states=spec.state * k * part(1),
         scaler=_FP32 * SCALER_SCALARS if spec.scaler else 0,
         activations=acts,
         autocast_copies=spec.autocast_copy * n,

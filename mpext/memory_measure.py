@@ -18,9 +18,12 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
     - ``weights``: the model's ``params`` (an iterable of tensors, e.g. ``model.parameters()``);
     - ``gradients``: their ``.grad``, plus the ``.grad`` of any FP32 master an inner optimizer
       steps;
-    - ``master_weights``: state entries whose key names a master (``master_param``) and the
-      params of a wrapped inner optimizer (``optimizer.optimizer``) that are not model params;
-    - ``optimizer_states``: other state tensors as large as their param (moments, buffers);
+    - ``master_weights``: state entries whose key names a master (``master_param``) or a
+      master's remainder (``param_remainder``, what ``param_remainders=True`` keeps instead),
+      and the params of a wrapped inner optimizer (``optimizer.optimizer``) that are not model
+      params;
+    - ``optimizer_states``: other state tensors as large as their param (moments, buffers, in
+      whatever dtype they are stored);
     - ``scaler``: tensors held by ``scaler``, or by a scaler the optimizer keeps as
       ``.scaler`` (``mpext.MixedPrecisionOptimizer``);
     - ``other``: everything else the optimizer objects hold (``step`` scalars, cached lr
@@ -67,7 +70,7 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
             for name, v in st.items():
                 if not isinstance(v, torch.Tensor):
                     continue
-                if "master" in str(name):
+                if "master" in str(name) or "remainder" in str(name):
                     add("master_weights", v)
                 elif isinstance(q, torch.Tensor) and v.numel() == q.numel() and v.numel() > 1:
                     add("optimizer_states", v)
