@@ -2,7 +2,7 @@
 ways of stepping ``torch.optim.AdamW`` under a loss scaler, in the same run on the same device.
 Method, paths, bytes counted and columns: benchmarks/README.md, "AdamW step".
 
-    python benchmarks/bench_adam.py [--quick] [--device auto|cpu|cuda]
+    python benchmarks/bench_adam.py [--quick] [--device auto|cpu|cuda] [--only paths|lean]
 """
 import math
 import sys
@@ -21,7 +21,7 @@ from common import (Alternate, Context, MiB, PhaseClock, Timing, check, combine_
                     roofline_hlines, roofline_line, run_standalone, section_head)
 
 NAME = "bench_adam"
-TITLE = "AdamW step: mpext fused master-weight step vs PyTorch AMP"
+TITLE = "AdamW step: mpext's fused step (master weights, lean state) vs PyTorch AMP"
 
 BF16, FP32 = torch.bfloat16, torch.float32
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
@@ -238,6 +238,216 @@ def _sanity(dev):
 
 
 # ---------------------------------------------------------------------------------------------
+# Lean optimizer state: the whole step as a user runs it, under a GradScaler at scale 1 (BF16
+# training), in every storage mode of mpext.optim.AdamW, against native AMP's step and the in-place
+# roofline in the same rounds.
+
+LEAN_SIZES_FULL = [16 << 20, 64 << 20]
+LEAN_SIZES_QUICK = [16 << 20]
+# mpext.GradScaler's inf check at scale 1: mpext.ops.unscale_ with inv_scale 1 reads the bf16 grads
+LEAN_CHECK_BYTES = 2
+# key, label, mpext.optim.AdamW options, persistent B/param (param + grad + optimizer state),
+# B/param the fused pass moves, targets (x native, fraction of the in-place roofline) or None
+LEAN_MODES = [
+    ("master", "fp32 master + fp32 moments (default)", {}, 16, 28, None),
+    ("remainder", "remainder + fp32 moments", dict(param_remainders=True), 14, 26, None),
+    ("remainder_bf16m", "remainder + bf16 moments",
+     dict(param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), 10, 18, (1.6, 0.80)),
+    ("sr_bf16m", "no master, SR + bf16 moments",
+     dict(master_weights=False, stochastic_rounding=True, exp_avg_dtype=BF16,
+          exp_avg_sq_dtype=BF16), 8, 14, (2.0, 0.80)),
+    ("sr", "no master, SR + fp32 moments",
+     dict(master_weights=False, stochastic_rounding=True), 12, 22, None),
+    ("rne", "no master, round to nearest + fp32 moments (cautionary)",
+     dict(master_weights=False), 12, 22, None),
+]
+LEAN = {k: (lab, opts, state, step, tgt) for k, lab, opts, state, step, tgt in LEAN_MODES}
+# torch.amp.GradScaler.step + AdamW(fused=True) on fp32 params: the inf check reads and writes
+# back the fp32 grads (8), the fused kernel reads param, grad, m, v and writes param, m, v and
+# the unscaled grad (32). Persistent: fp32 param, grad, m, v.
+LEAN_NATIVE_STATE, LEAN_NATIVE_STEP = 16, 40
+
+
+class LeanProblem:
+    """One lean-state case of ``n`` params. Per mpext mode: a bf16 param (the same starting
+    values for all) with its own ``mpext.optim.AdamW`` (the mode's options) and
+    ``mpext.GradScaler(bf16_check_only=True)`` (scale held at 1); the bf16 gradient is one
+    tensor shared by all modes, which nothing writes at scale 1. Native: an fp32 copy of the
+    param and gradient under ``torch.optim.AdamW(fused=True)`` and
+    ``torch.amp.GradScaler(init_scale=1)`` (no growth: the scale stays 1). ``roof_numel``: the
+    buffer of the in-place roofline, timed in the same rounds (0: none)."""
+
+    def __init__(self, n, dev, seed, roof_numel=0):
+        gen = torch.Generator().manual_seed(seed)
+        p0 = (torch.randn(n, generator=gen) * PARAM_STD).to(BF16)
+        g0 = (torch.randn(n, generator=gen) * GRAD_STD).to(BF16)
+        self.n, self.dev = n, dev
+        self.grad = g0.to(dev)
+        kw = dict(lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY)
+        self.steppers = {}  # key -> (param, optimizer, scaler)
+        for key, (_, opts, _, _, _) in LEAN.items():
+            p = p0.to(dev, copy=True)
+            p.grad = self.grad
+            self.steppers[key] = (p, mpext.optim.AdamW([p], **kw, **opts),
+                                  mpext.GradScaler(dev.type, bf16_check_only=True))
+        p32 = p0.to(dev, FP32)
+        p32.grad = g0.to(dev, FP32)
+        self.steppers["native"] = (p32, torch.optim.AdamW([p32], fused=True, **kw),
+                                   torch.amp.GradScaler(dev.type, init_scale=1.0,
+                                                        growth_interval=1 << 30))
+        for _, _, scaler in self.steppers.values():
+            scaler.scale(torch.ones((), device=dev))  # makes the scale, as scaling a loss does
+        self.calls = {k: 0 for k in self.steppers}
+        self.roof = torch.zeros(roof_numel, dtype=FP32, device=dev) if roof_numel else None
+
+    def fns(self):
+        """key -> one training step's optimizer part: ``scaler.step(opt); scaler.update()``;
+        plus ``inplace`` (``x.add_(0.5)`` on the roofline buffer) when there is one."""
+        def stepper(key):
+            _, opt, scaler = self.steppers[key]
+
+            def f():
+                self.calls[key] += 1
+                scaler.step(opt)
+                scaler.update()
+            return f
+        out = {k: stepper(k) for k in self.steppers}
+        if self.roof is not None:
+            buf = self.roof
+            out["inplace"] = lambda: buf.add_(0.5)
+        return out
+
+    def after_timing_checks(self):
+        """Every step was taken (none skipped), the scales are still 1, the shared gradient was
+        never written, and no state went non-finite or subnormal."""
+        for key, (p, opt, scaler) in self.steppers.items():
+            st = opt.state[p]
+            check(float(st["step"]) == self.calls[key], "%s: step count %s after %d calls"
+                  % (key, float(st["step"]), self.calls[key]))
+            check(scaler.get_scale() == 1.0, "%s: the loss scale left 1" % key)
+            if isinstance(scaler, mpext.GradScaler):
+                check(int(scaler.skipped_steps()) == 0, "%s: skipped steps" % key)
+            tensors = [p] + [v for v in st.values() if isinstance(v, torch.Tensor)
+                             and v.numel() == p.numel() and v.is_floating_point()]
+            check(all(bool(t.isfinite().all()) for t in tensors), "%s: non-finite state" % key)
+        check(bool(self.grad.equal(self.steppers["native"][0].grad.to(BF16))),
+              "the shared bf16 gradient was written")
+        tensors = [t for p, opt, _ in self.steppers.values() for t in
+                   [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)
+                          and v.is_floating_point() and v.numel() == p.numel()]]
+        return {"calls": dict(self.calls), "subnormals": count_subnormals(tensors),
+                "elements_checked": sum(t.numel() for t in tensors)}
+
+
+def _lean_sanity(dev):
+    """One step of every lean case's stepper on 1M + 3 params against
+    torch.optim.AdamW(foreach=False) on fp32 copies fed the same gradient: the fp32-master
+    mode's master within rtol 1e-5 of the reference and the remainder mode's master and param
+    the same bits; every other mode's param and moments within one bf16 ulp of the reference's
+    (stochastic or nearest rounding of the same fp32 values); native's param within rtol 1e-5;
+    the gradient unchanged (scale 1: nothing is written back)."""
+    prob = LeanProblem((1 << 20) + 3, dev, seed=98)
+    p_ref = prob.steppers["native"][0].detach().clone()
+    p_ref.grad = prob.steppers["native"][0].grad.clone()
+    ref_opt = torch.optim.AdamW([p_ref], lr=LR, betas=(BETA1, BETA2), eps=EPS,
+                                weight_decay=WEIGHT_DECAY, foreach=False)
+    ref_opt.step()
+    ref_state = ref_opt.state[p_ref]
+    g_before = prob.grad.clone()
+    for f in prob.fns().values():
+        f()
+    expect_same("lean: native", prob.steppers["native"][0], p_ref, rtol=1e-5, atol=1e-8)
+    p_m, opt_m, _ = prob.steppers["master"]
+    expect_same("lean: master", opt_m.master_param(p_m), p_ref, rtol=1e-5, atol=1e-8)
+    p_r, opt_r, _ = prob.steppers["remainder"]
+    expect_same("lean: remainder vs master (bits)", [p_r, opt_r.master_param(p_r)],
+                [p_m, opt_m.master_param(p_m)])
+    ulp = dict(rtol=2.0 ** -7, atol=1e-30)  # one bf16 ulp of the value at most
+    for key in LEAN:
+        p, opt, _ = prob.steppers[key]
+        st = opt.state[p]
+        expect_same("lean: %s param" % key, p.float(), p_ref, **ulp)
+        expect_same("lean: %s moments" % key, [st["exp_avg"].float(), st["exp_avg_sq"].float()],
+                    [ref_state["exp_avg"], ref_state["exp_avg_sq"]], **ulp)
+    expect_same("lean: the gradient at scale 1", prob.grad, g_before)
+
+
+def _lean_metrics(times, n, roof_numel, roof):
+    """Per lean mode and native: timing, bytes, GB/s, speed vs native, the bytes bound, the
+    fractions of the in-place roofline timed in the same rounds and of the run's best."""
+    inplace_same = times["inplace"].gbps(8.0 * roof_numel)
+    t_native = times["native"].median
+    out = {"params": n, "inplace_gbps_same_rounds": inplace_same,
+           "inplace": times["inplace"].to_json(), "modes": {}}
+    for key in list(LEAN) + ["native"]:
+        if key == "native":
+            label, state, step = ("torch.amp.GradScaler + AdamW(fused=True), fp32 params",
+                                  LEAN_NATIVE_STATE, LEAN_NATIVE_STEP)
+            target = None
+        else:
+            label, _, state, fused, target = LEAN[key]
+            step = fused + LEAN_CHECK_BYTES
+        t = times[key]
+        gb = t.gbps(step * n)
+        row = {"label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
+               "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
+               "speedup_vs_native": t_native / t.median,
+               "bytes_bound_vs_native": LEAN_NATIVE_STEP / step,
+               "frac_inplace_same_rounds": gb / inplace_same,
+               "frac_inplace_best": gb / roof["inplace_gbps"],
+               "target": target}
+        if target is not None:
+            row["target_speed_met"] = row["speedup_vs_native"] >= target[0]
+            row["target_roofline_met"] = row["frac_inplace_same_rounds"] >= target[1]
+        out["modes"][key] = row
+    return out
+
+
+def _lean_report(lean):
+    """The lean section's Markdown lines and its missed targets."""
+    headers = ["params", "mode", "state B/param", "step B/param", "ms", "GB/s",
+               "% in-place (same rounds)", "% in-place (best)", "vs native", "bytes bound",
+               "target", "met"]
+    rows, misses = [], []
+    for size, mtr in lean.items():
+        for key in list(LEAN) + ["native"]:
+            m = mtr["modes"][key]
+            tgt = m["target"]
+            met = ""
+            if tgt is not None:
+                ok = m["target_speed_met"] and m["target_roofline_met"]
+                met = "yes" if ok else "**no**"
+                if not m["target_speed_met"]:
+                    misses.append("lean %s, %s params: %.2fx native (target %.1fx)"
+                                  % (key, fmt_count(int(size)), m["speedup_vs_native"], tgt[0]))
+                if not m["target_roofline_met"]:
+                    misses.append("lean %s, %s params: %s of the in-place roofline (target %s)"
+                                  % (key, fmt_count(int(size)),
+                                     pct(m["frac_inplace_same_rounds"]), pct(tgt[1])))
+            rows.append([fmt_count(int(size)) if key == "master" else "", m["label"],
+                         str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
+                         fmt_ms(Timing.from_json(m["timing"])), "%.1f" % m["gbps"],
+                         pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
+                         "—" if key == "native" else "%.2fx" % m["speedup_vs_native"],
+                         "—" if key == "native" else "%.2fx" % m["bytes_bound_vs_native"],
+                         "" if tgt is None else "≥ %.1fx, ≥ %s" % (tgt[0], pct(tgt[1])), met])
+        t_in = Timing.from_json(mtr["inplace"])
+        rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
+                     fmt_ms(t_in), "%.1f" % mtr["inplace_gbps_same_rounds"], "100%", "", "", "",
+                     "", ""])
+    md = ["### Lean optimizer state under a GradScaler (scale 1, BF16 training)", "",
+          "`scaler.step(opt); scaler.update()` with `mpext.GradScaler(bf16_check_only=True)` "
+          "and `mpext.optim.AdamW` in each storage mode (bf16 params and grads), against "
+          "`torch.amp.GradScaler(init_scale=1)` with `torch.optim.AdamW(fused=True)` on fp32 "
+          "params, and the in-place roofline, all interleaved in the same rounds. Step bytes "
+          "include the inf check (mpext: a read of the bf16 grads, 2; torch: a read and "
+          "write-back of the fp32 grads, 8); \"bytes bound\" = native's 40 / the mode's bytes. "
+          "Method: benchmarks/README.md, \"Lean optimizer state\".", "",
+          markdown_table(headers, rows)]
+    return md, misses
+
+
+# ---------------------------------------------------------------------------------------------
 # Benchmark
 
 
@@ -272,22 +482,29 @@ def _case_metrics(times, n, roof, peaks=None):
 def run(ctx: Context) -> dict:
     dev = ctx.device
     require_kernel(dev, "adam_step_")
-    sizes = SIZES_QUICK if ctx.quick else SIZES_FULL
+    only = getattr(ctx.args, "only", None)  # None (run_all): both sections
+    do_paths, do_lean = only in (None, "paths"), only in (None, "lean")
+    sizes = (SIZES_QUICK if ctx.quick else SIZES_FULL) if do_paths else []
+    lean_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_lean else []
     load_start = load_average()
     phase = PhaseClock()
     phases = phase.times
 
     roof_start = ctx.roofline()
     phase("roofline")
-    _sanity(dev)
+    if do_paths:
+        _sanity(dev)
+    if do_lean:
+        _lean_sanity(dev)
     phase("correctness")
 
     raw = {}      # case key -> (times, numel, peaks)
     drift = {}
     gpt_shapes = [shape for _, shape in gpt2_shapes(reduced=ctx.quick)]
     cases = [(str(n), "1 tensor", [(n,)]) for n in sizes]
-    cases.append(("gpt2", "GPT-2 %s list" % ("reduced" if ctx.quick else "small"),
-                  gpt_shapes))
+    if do_paths:
+        cases.append(("gpt2", "GPT-2 %s list" % ("reduced" if ctx.quick else "small"),
+                      gpt_shapes))
     bar = ctx.progress(total=len(cases), desc="adam cases")
     with bar:
         for ci, (key, label, shapes) in enumerate(cases):
@@ -306,9 +523,20 @@ def run(ctx: Context) -> dict:
             free_memory(dev)
             bar.update(1)
             phase("case_" + key)
+    lean_raw, lean_checks = {}, {}
+    roof_numel = roof_start["numel"]
+    for ci, n in enumerate(lean_sizes):
+        prob = LeanProblem(n, dev, seed=100 + ci, roof_numel=roof_numel)
+        times = ctx.time_fns(prob.fns(), desc="lean state (%s params)" % fmt_count(n))
+        lean_checks[str(n)] = prob.after_timing_checks()
+        lean_raw[str(n)] = times
+        del prob
+        free_memory(dev)
+        phase("lean_" + str(n))
     roof = combine_rooflines(roof_start, ctx.roofline())
     phase("roofline_end")
     metrics = {k: _case_metrics(t, n, roof, pk) for k, (t, n, pk) in raw.items()}
+    lean = {k: _lean_metrics(t, int(k), roof_numel, roof) for k, t in lean_raw.items()}
     seconds = phase.elapsed()
     load_end = load_average()
 
@@ -400,19 +628,30 @@ def run(ctx: Context) -> dict:
                             ": **other processes shared the cores**, so on lists the ratios "
                             "overstate mpext's lead (benchmarks/README.md, \"AdamW step\")."
                             if busy else "."), ""]
-    md += [roofline_line(roof), "",
-           markdown_table(sum_headers, sum_rows), "",
-           "8-bit moments (docs/moments_8bit.md): the step with mpext's read-only inf check, "
-           "against the best native path of the same rounds.", "",
-           markdown_table(q8_headers, q8_rows), "",
-           markdown_table(headers, rows), "",
-           "%d samples per path; after the timings %d subnormal values in all states (%s "
-           "elements checked), found_inf 0, mpext steps = calls. Method, paths, bytes counted "
-           "and columns: benchmarks/README.md, \"AdamW step\"."
-           % (ctx.repeats, sub,
-              "{:,}".format(sum(d["mpext_elements_checked"] + d["torch_elements_checked"]
-                                for d in drift.values()))),
-           ""]
+    md += [roofline_line(roof), ""]
+    if do_paths:
+        md += [markdown_table(sum_headers, sum_rows), "",
+               "8-bit moments (docs/moments_8bit.md): the step with mpext's read-only inf check, "
+               "against the best native path of the same rounds.", "",
+               markdown_table(q8_headers, q8_rows), "",
+               markdown_table(headers, rows), "",
+               "%d samples per path; after the timings %d subnormal values in all states (%s "
+               "elements checked), found_inf 0, mpext steps = calls. Method, paths, bytes "
+               "counted and columns: benchmarks/README.md, \"AdamW step\"."
+               % (ctx.repeats, sub,
+                  "{:,}".format(sum(d["mpext_elements_checked"] + d["torch_elements_checked"]
+                                    for d in drift.values()))),
+               ""]
+    if do_lean:
+        lean_md, lean_misses = _lean_report(lean)
+        misses += lean_misses
+        md += lean_md + ["",
+                         "%d samples per row, the rows of a size interleaved; after the timings "
+                         "every step taken (none skipped), scales 1, the shared gradient "
+                         "unwritten, %d subnormal values (%s elements checked)."
+                         % (ctx.repeats, sum(c["subnormals"] for c in lean_checks.values()),
+                            "{:,}".format(sum(c["elements_checked"]
+                                              for c in lean_checks.values()))), ""]
     md += report_footer(NAME, misses, seconds, phases)
     markdown = "\n".join(md)
 
@@ -426,30 +665,65 @@ def run(ctx: Context) -> dict:
         "target_min_params": TARGET_MIN_PARAMS,
         "cases": {k: dict(v, label=case_label[k]) for k, v in metrics.items()},
         "after_timing_checks": drift,
+        "lean_modes": {k: {"label": lab, "options": {o: str(v) for o, v in opts.items()},
+                           "state_bytes_per_param": st,
+                           "step_bytes_per_param": b + LEAN_CHECK_BYTES, "target": tgt}
+                       for k, (lab, opts, st, b, tgt) in LEAN.items()},
+        "lean": lean,
+        "lean_after_timing_checks": lean_checks,
         "load_average_start": load_start,
         "load_average_end": load_end,
         "targets_missed": misses,
     }
     return results(ctx, NAME, markdown, payload, seconds, misses,
-                   lambda: _plot(ctx, sizes, metrics, roof))
+                   lambda: _plot(ctx, sizes, metrics, roof, lean))
 
 
-def _plot(ctx, sizes, metrics, roof):
+def _plot(ctx, sizes, metrics, roof, lean):
     keys = [str(n) for n in sizes]
     hl = roofline_hlines(roof, COPY_TARGET)
-    gb = {SHORT[p]: (sizes, [metrics[k]["paths"][p]["gbps"] for k in keys]) for p, *_ in PATHS}
-    ns = {SHORT[p]: (sizes, [metrics[k]["paths"][p]["ns_per_param"] for k in keys])
-          for p, *_ in PATHS}
-    panels = [{"title": "bandwidth (bytes counted per path / median time)", "xlabel": "params",
-               "ylabel": "GB/s", "logx": True, "series": gb, "hlines": hl},
-              {"title": "time per parameter", "xlabel": "params", "ylabel": "ns / param",
-               "logx": True, "series": ns}]
+    panels = []
+    if keys:
+        gb = {SHORT[p]: (sizes, [metrics[k]["paths"][p]["gbps"] for k in keys])
+              for p, *_ in PATHS}
+        ns = {SHORT[p]: (sizes, [metrics[k]["paths"][p]["ns_per_param"] for k in keys])
+              for p, *_ in PATHS}
+        panels += [{"title": "bandwidth (bytes counted per path / median time)",
+                    "xlabel": "params", "ylabel": "GB/s", "logx": True, "series": gb,
+                    "hlines": hl},
+                   {"title": "time per parameter", "xlabel": "params", "ylabel": "ns / param",
+                    "logx": True, "series": ns}]
+    if lean:
+        ls = [int(k) for k in lean]
+        modes = list(LEAN) + ["native"]
+        label = lambda k: lean[str(ls[0])]["modes"][k]["label"]  # noqa: E731
+        panels += [{"title": "lean state: speed vs native (lines: bytes bounds)",
+                    "xlabel": "params", "ylabel": "x native", "logx": True,
+                    "series": {label(k): (ls, [lean[str(n)]["modes"][k]["speedup_vs_native"]
+                                               for n in ls]) for k in modes},
+                    "hlines": {"bound %s %.2fx" % (k, LEAN_NATIVE_STEP
+                                                   / (LEAN[k][3] + LEAN_CHECK_BYTES)):
+                               LEAN_NATIVE_STEP / (LEAN[k][3] + LEAN_CHECK_BYTES)
+                               for k in ("remainder_bf16m", "sr_bf16m")}},
+                   {"title": "lean state: fraction of in-place roofline (same rounds)",
+                    "xlabel": "params", "ylabel": "fraction", "logx": True,
+                    "series": {label(k): (ls, [lean[str(n)]["modes"][k]
+                                               ["frac_inplace_same_rounds"] for n in ls])
+                               for k in modes},
+                    "hlines": {"80%": 0.8}}]
     return plot_lines(ctx.out_dir / (NAME + ".png"), panels,
                       title=figure_title(ctx, TITLE, isa=True))
 
 
+def _add_args(parser):
+    parser.add_argument("--only", choices=("paths", "lean"), default=None,
+                        help="run one section: the op-level paths, or the lean-state modes "
+                             "under a GradScaler (default: both)")
+    return parser
+
+
 def main(argv=None):
-    return run_standalone(run, __doc__, None, argv)
+    return run_standalone(run, __doc__, _add_args, argv)
 
 
 if __name__ == "__main__":

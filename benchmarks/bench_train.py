@@ -1,4 +1,4 @@
-"""Training step, end to end: gpt.py's model trained in six modes (FP32, native AMP, mpext), the
+"""Training step, end to end: gpt.py's model trained in nine modes (FP32, native AMP, mpext), the
 same model, data and seeds, timed per iteration, with the peak memory and the persistent bytes
 per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes, columns and
 files: benchmarks/README.md, "Training step".
@@ -37,10 +37,16 @@ MODES = [
     ("mpext_bf16", "mpext BF16 params, MixedPrecisionOptimizer(AdamW)"),
     ("mpext_fp16", "mpext FP16 params, MixedPrecisionOptimizer(AdamW), dynamic scale"),
     ("mpext_optim_fp16", "mpext FP16 params, mpext.optim.AdamW + mpext.GradScaler"),
+    ("mpext_bf16_remainder", "mpext BF16 params, mpext.optim.AdamW(param_remainders=True)"),
+    ("mpext_bf16_remainder_bf16m", "mpext BF16 params, mpext.optim.AdamW, remainders + BF16 "
+     "moments"),
+    ("mpext_bf16_sr", "mpext BF16 params, mpext.optim.AdamW, no master (stochastic rounding) + "
+     "BF16 moments"),
 ]
 SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16",
          "mpext_bf16": "mpext BF16", "mpext_fp16": "mpext FP16",
-         "mpext_optim_fp16": "mpext.optim FP16"}
+         "mpext_optim_fp16": "mpext.optim FP16", "mpext_bf16_remainder": "remainder",
+         "mpext_bf16_remainder_bf16m": "rem. + bf16 m", "mpext_bf16_sr": "SR + bf16 m"}
 LABEL = dict(MODES)
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 
@@ -156,6 +162,10 @@ def run(ctx: Context) -> dict:
                   "(%+.1f%%, limit %d%%)" % (res["preset"], k, m["persistent_per_param_total"],
                                              m["predicted_per_param"], 100 * m["agreement"],
                                              round(100 * AGREEMENT)))
+            for part in MAIN_PARTS:  # the bytes per param of each mode: exactly the prediction
+                got, want = m["persistent_bytes"][part], m["predicted"][part]
+                check(got == want, "%s, %s: %s measured %d bytes, mpext.memory predicts %d"
+                      % (res["preset"], k, part, got, want))
     # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the CPU,
     # faster on a GPU; its persistent memory per param no more than AMP BF16's.
     for res in out:
@@ -178,11 +188,14 @@ def run(ctx: Context) -> dict:
                    lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
 
 
+MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states")
+
+
 def _main_per_param(m):
     """Weights + gradients + masters + optimizer states per param (the scalars, step counts
     and cached lr tensors, some 0.003 B/param here, left out)."""
     b = m["persistent_bytes_per_param"]
-    return b["weights"] + b["gradients"] + b["master_weights"] + b["optimizer_states"]
+    return sum(b[p] for p in MAIN_PARTS)
 
 
 def _ratio(x):

@@ -23,13 +23,15 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """How a mode trains: the params' dtype, autocast's (native AMP), the optimizer's kind (see
-    ``Trainer``), dynamic loss scaling, and the matching ``mpext.memory`` mode."""
+    ``Trainer``), dynamic loss scaling, the matching ``mpext.memory`` mode, and options for the
+    optimizer (``mpext.optim.AdamW``'s lean state)."""
 
     param_dtype: torch.dtype
     autocast: Optional[torch.dtype]
     kind: str
     scaled: bool
     memory_mode: Optional[str]
+    options: dict = dataclasses.field(default_factory=dict)
 
 
 MODES = {
@@ -41,6 +43,16 @@ MODES = {
     "mpext_optim_fp16": Mode(FP16, None, "mpext-optim", True, "mpext-fp16"),
     # mpext.optim.AdamW on BF16 params; its lean-state options come as optimizer options
     "mpext_optim_bf16": Mode(BF16, None, "mpext-optim", False, "mpext-bf16"),
+    # mpext.optim.AdamW's leaner state on BF16 params
+    "mpext_bf16_remainder": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-remainder",
+                                 dict(param_remainders=True)),
+    "mpext_bf16_remainder_bf16m": Mode(BF16, None, "mpext-optim", False,
+                                       "mpext-bf16-remainder-bf16moments",
+                                       dict(param_remainders=True, exp_avg_dtype=BF16,
+                                            exp_avg_sq_dtype=BF16)),
+    "mpext_bf16_sr": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-sr",
+                          dict(master_weights=False, stochastic_rounding=True,
+                               exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }
@@ -89,13 +101,13 @@ class Trainer:
     @classmethod
     def for_mode(cls, key: str, model: torch.nn.Module, device=None, **options) -> "Trainer":
         """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``), with the
-        mode's optimizer and scaler."""
+        mode's optimizer (and its options) and scaler."""
         mode = MODES[key]
         model.to(device=device, dtype=mode.param_dtype)
         if not mode.scaled:
             options.pop("scaler_options", None)
         tr = cls(model.parameters(), mode.kind, scaled=mode.scaled, autocast=mode.autocast,
-                 **options)
+                 **dict(mode.options, **options))
         tr.model = model
         return tr
 

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: %(default)s")
     p.add_argument("--mode", type=_list_arg("mode", list(MODES)), default=None,
                    help="one or more of %s, comma-separated, or 'all' (default: every mode "
-                        "the optimizer has; the mpext-*-8bit lean modes are "
+                        "the optimizer has; the mpext-bf16-*/mpext-fp16-sr* lean modes are "
                         "mpext.optim.Adam/AdamW's)" % ", ".join(MODES))
     p.add_argument("--zero", type=_zero_arg, default=[0],
                    help="ZeRO stage(s) 0-3, comma-separated (default 0)")

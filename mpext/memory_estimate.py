@@ -16,6 +16,12 @@ AdamW 2, SGD with momentum 1, ...)::
     amp-fp16                             4      4      0      4k   bf16 -> fp16; + 2 scaler scalars
     mpext-bf16                           2      2      4      4k   activations in bf16
     mpext-fp16                           2      2      4      4k   as bf16; + 2 scaler scalars
+    mpext-bf16-bf16moments               2      2      4      2k   as mpext-bf16
+    mpext-bf16-remainder                 2      2      2      4k   as mpext-bf16
+    mpext-bf16-remainder-bf16moments     2      2      2      2k   as mpext-bf16
+    mpext-bf16-sr-fp32moments            2      2      0      4k   as mpext-bf16
+    mpext-bf16-sr                        2      2      0      2k   as mpext-bf16
+    mpext-fp16-sr                        2      2      0      2k   as mpext-fp16
     mpext-bf16-8bit                      2      2      4   1.016k  as mpext-bf16
     mpext-bf16-remainder-8bit            2      2      2   1.016k  as mpext-bf16
     mpext-bf16-sr-8bit                   2      2      0   1.016k  as mpext-bf16
@@ -24,8 +30,12 @@ AdamW 2, SGD with momentum 1, ...)::
 Native AMP keeps the model in FP32 (its FP32 weights are the masters) and autocast casts each
 weight to 16 bits on every forward; those copies live until the backward has used them, so they
 are counted as step-time memory (``autocast_copies``), not as persistent memory. mpext keeps the
-model in BF16/FP16 with FP32 masters inside the optimizer and casts nothing per forward.
-The ``-8bit`` modes are ``mpext.optim.Adam``/``AdamW`` with 8-bit moments
+model in BF16/FP16 with FP32 masters inside the optimizer and casts nothing per forward. The
+lean modes are ``mpext.optim.Adam``/``AdamW``'s leaner state (Adam/AdamW only): a BF16 param's
+master kept as its 16-bit remainder (``param_remainders=True``: the masters row is the
+remainders), moments stored in BF16 (``exp_avg_dtype=exp_avg_sq_dtype=torch.bfloat16``), or no
+master at all (``master_weights=False``; ``-sr`` for ``stochastic_rounding=True``, which is what
+makes that mode train well; round to nearest holds the same bytes). The ``-8bit`` modes are ``mpext.optim.Adam``/``AdamW`` with 8-bit moments
 (``exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8``): one byte per element and moment
 plus an FP32 scale per block of 256 elements (docs/moments_8bit.md), with the master as an FP32
 copy, as its 16-bit remainder (``param_remainders=True``) or none (``master_weights=False``,
@@ -89,6 +99,26 @@ MODES: Dict[str, ModeSpec] = {
                            "mpext: BF16 model, FP32 masters in the optimizer"),
     "mpext-fp16": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, True,
                            "mpext: FP16 model, FP32 masters + dynamic loss scaling"),
+    "mpext-bf16-bf16moments": ModeSpec(
+        _HALF, _HALF, _FP32, _HALF, 0, False,
+        "mpext.optim: BF16 model, FP32 masters, BF16 moments", _HALF, _ADAM),
+    "mpext-bf16-remainder": ModeSpec(
+        _HALF, _HALF, _HALF, _HALF, 0, False,
+        "mpext.optim: BF16 model, FP32 masters kept as 16-bit remainders", _FP32, _ADAM),
+    "mpext-bf16-remainder-bf16moments": ModeSpec(
+        _HALF, _HALF, _HALF, _HALF, 0, False,
+        "mpext.optim: BF16 model, 16-bit remainders, BF16 moments", _HALF, _ADAM),
+    "mpext-bf16-sr-fp32moments": ModeSpec(
+        _HALF, _HALF, 0, _HALF, 0, False,
+        "mpext.optim: BF16 model, no master (stochastic rounding), FP32 moments", _FP32,
+        _ADAM),
+    "mpext-bf16-sr": ModeSpec(
+        _HALF, _HALF, 0, _HALF, 0, False,
+        "mpext.optim: BF16 model, no master (stochastic rounding), BF16 moments", _HALF, _ADAM),
+    "mpext-fp16-sr": ModeSpec(
+        _HALF, _HALF, 0, _HALF, 0, True,
+        "mpext.optim: FP16 model, no master (stochastic rounding), BF16 moments + dynamic "
+        "loss scaling", _HALF, _ADAM),
 }
 
 # mpext.optim.Adam/AdamW with 8-bit moments (block_size 256).
@@ -115,8 +145,9 @@ def mode_supports(mode: str, optimizer: str) -> bool:
     allowed = MODES[mode].optimizers
     return allowed is None or optimizer in allowed
 
-# FP32 state tensors of the size of the param each optimizer keeps (torch.optim's defaults; the
-# scalar per-param ``step`` tensors are not counted).
+
+# State tensors of the size of the param each optimizer keeps (torch.optim's defaults, FP32
+# unless a mode stores them narrower; the scalar per-param ``step`` tensors are not counted).
 OPTIMIZERS: Dict[str, int] = {
     "adamw": 2,             # exp_avg, exp_avg_sq
     "adam": 2,
@@ -338,7 +369,10 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
         params: the number of parameters (an int, or an integral float such as ``7e9``).
         optimizer: a key of ``OPTIMIZERS`` ('adamw', 'sgd', 'sgd-momentum', ...).
         mode: a key of ``MODES`` ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16', or
-            one of mpext.optim's lean modes, for 'adam' and 'adamw' only: 'mpext-bf16-8bit',
+            one of mpext.optim's lean modes, for 'adam' and 'adamw' only:
+            'mpext-bf16-bf16moments', 'mpext-bf16-remainder',
+            'mpext-bf16-remainder-bf16moments', 'mpext-bf16-sr-fp32moments', 'mpext-bf16-sr',
+            'mpext-fp16-sr', and with 8-bit moments 'mpext-bf16-8bit',
             'mpext-bf16-remainder-8bit', 'mpext-bf16-sr-8bit', 'mpext-fp16-sr-8bit').
         zero: ZeRO stage 0-3 (1: optimizer states and masters partitioned, 2: + gradients,
             3: + weights).

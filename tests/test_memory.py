@@ -28,13 +28,38 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpt  # noqa: E402  (benchmarks/gpt.py: the model and corpus)
 import training  # noqa: E402  (benchmarks/training.py: the training modes)
 
-# Bytes per param of (weights, gradients, master weights), written out per mode by hand.
+# Bytes per param of (weights, gradients, master weights) and per element of an optimizer-state
+# tensor, written out per mode by hand. The lean modes (mpext.optim.Adam/AdamW only): a bf16
+# param's master as its int16 remainder (2), bf16 moments (2), or no master.
 MODE_BYTES = {
-    "fp32": (4, 4, 0),
-    "amp-bf16": (4, 4, 0),
-    "amp-fp16": (4, 4, 0),
-    "mpext-bf16": (2, 2, 4),
-    "mpext-fp16": (2, 2, 4),
+    "fp32": (4, 4, 0, 4),
+    "amp-bf16": (4, 4, 0, 4),
+    "amp-fp16": (4, 4, 0, 4),
+    "mpext-bf16": (2, 2, 4, 4),
+    "mpext-fp16": (2, 2, 4, 4),
+    "mpext-bf16-bf16moments": (2, 2, 4, 2),
+    "mpext-bf16-remainder": (2, 2, 2, 4),
+    "mpext-bf16-remainder-bf16moments": (2, 2, 2, 2),
+    "mpext-bf16-sr-fp32moments": (2, 2, 0, 4),
+    "mpext-bf16-sr": (2, 2, 0, 2),
+    "mpext-fp16-sr": (2, 2, 0, 2),
+}
+LEAN = [m for m in MODE_BYTES if m.count("-") >= 2]
+# The mpext.optim.Adam/AdamW options of each lean mode, and its param dtype.
+LEAN_OPTIONS = {
+    "mpext-bf16-bf16moments": (torch.bfloat16, dict(exp_avg_dtype=torch.bfloat16,
+                                                    exp_avg_sq_dtype=torch.bfloat16)),
+    "mpext-bf16-remainder": (torch.bfloat16, dict(param_remainders=True)),
+    "mpext-bf16-remainder-bf16moments": (torch.bfloat16, dict(
+        param_remainders=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)),
+    "mpext-bf16-sr-fp32moments": (torch.bfloat16, dict(master_weights=False,
+                                                       stochastic_rounding=True)),
+    "mpext-bf16-sr": (torch.bfloat16, dict(master_weights=False, stochastic_rounding=True,
+                                           exp_avg_dtype=torch.bfloat16,
+                                           exp_avg_sq_dtype=torch.bfloat16)),
+    "mpext-fp16-sr": (torch.float16, dict(master_weights=False, stochastic_rounding=True,
+                                          exp_avg_dtype=torch.bfloat16,
+                                          exp_avg_sq_dtype=torch.bfloat16)),
 }
 # mpext.optim.Adam/AdamW with 8-bit moments (Adam/AdamW only): (weights, gradients, masters)
 # per param, one byte per moment element plus an FP32 scale per block of 256, the options.
@@ -47,8 +72,8 @@ Q8_MODES = {
     "mpext-fp16-sr-8bit": ((2, 2, 0), torch.float16,
                            dict(Q8, master_weights=False, stochastic_rounding=True)),
 }
-AUTOCAST_COPY = {"fp32": 0, "amp-bf16": 2, "amp-fp16": 2, "mpext-bf16": 0, "mpext-fp16": 0}
-SCALER = {"fp32": 0, "amp-bf16": 0, "amp-fp16": 8, "mpext-bf16": 0, "mpext-fp16": 8}
+AUTOCAST_COPY = {m: 2 if m.startswith("amp-") else 0 for m in MODE_BYTES}
+SCALER = {m: 8 if m in ("amp-fp16", "mpext-fp16", "mpext-fp16-sr") else 0 for m in MODE_BYTES}
 # FP32 param-sized state tensors, from torch.optim's code (names in the comments).
 STATES = {
     "adamw": 2, "adam": 2, "nadam": 2, "radam": 2,   # exp_avg, exp_avg_sq
@@ -65,6 +90,7 @@ PARTITIONED = {0: set(), 1: {"master_weights", "optimizer_states"},
 
 def test_tables_cover_the_calculator():
     assert set(MODE_BYTES) | set(Q8_MODES) == set(MODES)
+    assert set(LEAN) == set(LEAN_OPTIONS)
     assert set(STATES) == set(OPTIMIZERS)
 
 
@@ -73,11 +99,17 @@ def test_tables_cover_the_calculator():
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("params,world", [(4000, 4), (4001, 4), (999, 1)])
 def test_hand_computed(mode, optimizer, zero, params, world):
+    if mode in LEAN and optimizer not in ("adam", "adamw"):
+        with pytest.raises(ValueError, match="mode: %s is mpext.optim.Adam/AdamW's leaner "
+                                             "state; the optimizer must be adam or adamw"
+                                             % mode):
+            estimate(params, optimizer, mode, zero=zero, world_size=world)
+        return
     b = estimate(params, optimizer, mode, zero=zero, world_size=world)
     shard = -(-params // world)  # a partition holds ceil(params / world) elements
-    w, g, m = MODE_BYTES[mode]
+    w, g, m, st = MODE_BYTES[mode]
     want = {"weights": w, "gradients": g, "master_weights": m,
-            "optimizer_states": 4 * STATES[optimizer]}
+            "optimizer_states": st * STATES[optimizer]}
     for field, per_param in want.items():
         n = shard if field in PARTITIONED[zero] else params
         assert getattr(b, field) == per_param * n, field
@@ -116,6 +148,21 @@ def test_examples_by_hand():
         (2000, 500, 1000, 1000, 8)
     assert b.persistent == 4508
     assert b.bytes_per_param("persistent") == pytest.approx(4.508)
+
+
+def test_lean_examples_by_hand():
+    """The lean modes' bytes per param with AdamW: 2 + 2 + remainder 2 + moments 8 = 14, with
+    bf16 moments 2 + 2 + 2 + 4 = 10, no master + bf16 moments 2 + 2 + 4 = 8; under ZeRO-1 over
+    8 devices the remainders and moments are partitioned, the weights and gradients are not."""
+    per_param = {m: estimate(1000, "adamw", m).persistent / 1000 for m in LEAN}
+    assert per_param == {"mpext-bf16-bf16moments": 12, "mpext-bf16-remainder": 14,
+                         "mpext-bf16-remainder-bf16moments": 10,
+                         "mpext-bf16-sr-fp32moments": 12, "mpext-bf16-sr": 8,
+                         "mpext-fp16-sr": 8.008}
+    b = estimate(8000, "adamw", "mpext-bf16-remainder-bf16moments", zero=1, world_size=8)
+    assert (b.weights, b.gradients, b.master_weights, b.optimizer_states) == \
+        (16000, 16000, 2000, 4000)
+    assert b.bytes_per_param("persistent") == pytest.approx(2 + 2 + 6 / 8)
 
 
 def test_zero_paper_figure_1():
@@ -187,8 +234,9 @@ def test_activations_follow_the_mode():
     by_mode = {m: estimate(10 ** 6, "adamw", m, **shape).activations for m in MODE_BYTES}
     want16 = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=2, vocab=42)
     want32 = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=4, vocab=42)
-    assert by_mode == {"fp32": want32, "amp-bf16": want16, "amp-fp16": want16,
-                       "mpext-bf16": want16, "mpext-fp16": want16}
+    assert by_mode == dict({"fp32": want32, "amp-bf16": want16, "amp-fp16": want16,
+                            "mpext-bf16": want16, "mpext-fp16": want16},
+                           **{m: want16 for m in LEAN})
     b = estimate(10 ** 6, "adamw", "amp-bf16", zero=3, world_size=8, **shape)
     assert b.activations == want16  # not divided by ZeRO
     assert b.total == b.persistent + want16 + 2 * 10 ** 6
@@ -235,6 +283,9 @@ def test_bench_presets_match_benchmarks_gpt():
     (dict(params=10, mode="amp-int8"), ValueError, "mode: unknown mode 'amp-int8'"),
     (dict(params=10, mode=["fp32"]), ValueError, r"mode: unknown mode \['fp32'\]"),
     (dict(params=10, optimizer="lamb"), ValueError, "optimizer: unknown optimizer 'lamb'"),
+    (dict(params=10, optimizer="sgd", mode="mpext-bf16-sr"), ValueError,
+     "mode: mpext-bf16-sr is mpext.optim.Adam/AdamW's leaner state; the optimizer must be "
+     "adam or adamw, got 'sgd'"),
     (dict(params=10, zero=4), ValueError, "zero: the ZeRO stage must be 0, 1, 2 or 3"),
     (dict(params=10, zero=1.0), ValueError, "zero: the ZeRO stage"),
     (dict(params=10, world_size=0), ValueError, "world_size: must be >= 1"),
@@ -283,14 +334,26 @@ def test_cli_json_matches_api(capsys):
                             "--mode", "all", "--json")
     assert code == 0
     data = json.loads(out)
-    # 'all' is every mode the optimizer has: not the 8-bit ones (mpext.optim.Adam/AdamW's)
-    assert [r["mode"] for r in data["results"]] == [m for m in MODES if m not in Q8_MODES]
+    # 'all' is every mode the optimizer has: not the lean ones (mpext.optim.Adam/AdamW's)
+    assert [r["mode"] for r in data["results"]] == [m for m in MODES
+                                                    if m not in LEAN and m not in Q8_MODES]
     spec = memory.MODELS["gpt2"]
     for r in data["results"]:
         want = estimate(spec.params, "sgd", r["mode"], batch=4, seq=spec.seq, hidden=spec.hidden,
                         layers=spec.layers, heads=spec.heads, vocab=spec.vocab)
         assert r["total"] == want.total and r["activations"] == want.activations
         assert r["bytes_per_param"]["persistent"] == pytest.approx(want.persistent / spec.params)
+
+
+def test_cli_default_modes(capsys):
+    """Without --mode (or with 'all'): every mode the optimizer has, the lean ones with
+    Adam/AdamW only."""
+    for argv, want in ((["--params", "1e6"], list(MODES)),
+                       (["--params", "1e6", "--optimizer", "adam", "--mode", "all"], list(MODES)),
+                       (["--params", "1e6", "--optimizer", "rmsprop"],
+                        [m for m in MODES if m not in LEAN and m not in Q8_MODES])):
+        code, out, _ = run_main(capsys, *argv, "--json")
+        assert code == 0 and [r["mode"] for r in json.loads(out)["results"]] == want, argv
 
 
 def test_cli_png(capsys, tmp_path):
@@ -346,6 +409,9 @@ def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
     (["--params", "lots"], "argument --params: not a number: 'lots'"),
     (["--params", "1e6", "--mode", "fp8"], "argument --mode: unknown mode 'fp8'"),
     (["--params", "1e6", "--optimizer", "lamb"], "argument --optimizer: invalid choice: 'lamb'"),
+    (["--params", "1e6", "--optimizer", "sgd", "--mode", "fp32,mpext-bf16-remainder"],
+     "argument --mode: mpext-bf16-remainder is mpext.optim.Adam/AdamW's leaner state, not "
+     "available with --optimizer sgd"),
     (["--params", "1e6", "--zero", "4"], "argument --zero: ZeRO stage must be 0, 1, 2 or 3"),
     (["--params", "1e6", "--world-size", "0"], "argument --world-size: must be >= 1"),
     (["--params", "1e6", "--batch", "2"], "needs --seq, --hidden, --layers, --heads as well"),
@@ -459,7 +525,8 @@ def _one_step(mode, optimizer, wrapper=False):
             loss = (model(x).float() - y).pow(2).mean()
         _backward_step(loss, opt, scaler)
         return model, opt, scaler
-    dtype = torch.bfloat16 if mode == "mpext-bf16" else torch.float16
+    dtype, options = LEAN_OPTIONS.get(mode, (torch.bfloat16 if mode == "mpext-bf16"
+                                             else torch.float16, {}))
     model = model.to(dtype)
     loss = (model(x.to(dtype)).float() - y).pow(2).mean()
     if wrapper:
@@ -469,8 +536,9 @@ def _one_step(mode, optimizer, wrapper=False):
         opt.backward(loss)
         opt.step()
         return model, opt, None
-    opt = {"adamw": mpext.optim.AdamW, "adam": mpext.optim.Adam}[optimizer](model.parameters())
-    if mode == "mpext-fp16":
+    opt = {"adamw": mpext.optim.AdamW, "adam": mpext.optim.Adam}[optimizer](model.parameters(),
+                                                                          **options)
+    if dtype == torch.float16:
         scaler = mpext.GradScaler("cpu")
     _backward_step(loss, opt, scaler)
     return model, opt, scaler
@@ -486,16 +554,25 @@ def _backward_step(loss, opt, scaler):
 
 
 AGREEMENT = [(m, o, False) for m in ("fp32", "amp-bf16", "amp-fp16") for o in STATES] + \
-    [(m, o, False) for m in ("mpext-bf16", "mpext-fp16") for o in ("adamw", "adam")] + \
+    [(m, o, False) for m in ["mpext-bf16", "mpext-fp16"] + LEAN for o in ("adamw", "adam")] + \
     [(m, o, True) for m in ("mpext-bf16", "mpext-fp16") for o in STATES]
 
 
 @pytest.mark.parametrize("mode,optimizer,wrapper", AGREEMENT)
 def test_agreement_with_a_real_step(mode, optimizer, wrapper):
-    """The live tensors after one real step (params, grads, optimizer state with masters,
-    scaler), storage by storage, against the estimate: within 10% in total, and the large
-    components exact."""
+    """The live tensors after one real step (params, grads, optimizer state with masters or
+    remainders, scaler), storage by storage, against the estimate: within 10% in total, and the
+    large components exact (for the lean modes: mpext.optim's state in the mode's dtypes)."""
     model, opt, scaler = _one_step(mode, optimizer, wrapper)
+    if mode in LEAN:  # the state is the mode's, not mpext's defaults
+        dtype, options = LEAN_OPTIONS[mode]
+        moment = options.get("exp_avg_dtype", torch.float32)
+        for p in model.parameters():
+            st = opt.state[p]
+            assert p.dtype == dtype and st["exp_avg"].dtype == st["exp_avg_sq"].dtype == moment
+            assert ("param_remainder" in st) == options.get("param_remainders", False)
+            assert ("master_param" in st) == (options.get("master_weights", True)
+                                              and not options.get("param_remainders", False))
     got = memory.measure(model.parameters(), opt, scaler)
     n = sum(p.numel() for p in model.parameters())
     want = estimate(n, optimizer, mode)

@@ -65,30 +65,37 @@ typedef struct q8_sweep {
   uint32_t am, av;
 } q8_sweep;
 
-/* The loop, always inlined into a caller with constant layout parameters. With 8-bit moments
- * (md == MP_I8) it is the first sweep over a block: the codes decoded, the new fp32 moments
- * written to q's buffers. */
+/* The loop, always inlined into a caller with constant layout parameters. Elements [start,
+ * start + n) must share the high 32 bits of their position (mp_k_adam_step splits a range that
+ * does not), so that the positions the random bits are drawn at are 32-bit arithmetic. The
+ * arrays never overlap (mp_adam_step's contract): ivdep spares the vectorized loop the runtime
+ * alias checks GCC otherwise adds, and falls back from, once the loop is inlined. With 8-bit
+ * moments (md == MP_I8) it is the first sweep over a block: the codes decoded, the new fp32
+ * moments written to q's buffers. with_ema is a constant too: a run-time test of the ema
+ * pointer inside the loop keeps it scalar. */
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
-    void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, int64_t n,
-    const mp_adam_scalars* restrict hp, const int mk, const int write_grad,
-    q8_sweep* restrict q) {
-  const mp_adam_scalars s = *hp;
-  const int sr_moments = md == MP_BF16 || vd == MP_BF16;
+    void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, uint32_t n,
+    const mp_adam_scalars* restrict hp, const int mk, const int write_grad, const int near,
+    const int with_ema, q8_sweep* restrict q) {
+  mp_adam_scalars s = *hp;
+  s.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
+  const int sr_moments = (md == MP_BF16 || vd == MP_BF16) && !near;
   const int q8 = md == MP_I8;
   float rm = 0.0f, rv = 0.0f;
   float* restrict mbuf = NULL;
   float* restrict vbuf = NULL;
-  uint32_t am = 0u, av = 0u;
   if (q8) {
     rm = q->rm;
     rv = q->rv;
     mbuf = q->mbuf;
     vbuf = q->vbuf;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t pos = (uint64_t)(start + i); /* the element's place in its param */
+  const uint32_t pos_lo = (uint32_t)start, pos_hi = (uint32_t)((uint64_t)start >> 32);
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t lo = pos_lo + i; /* the element's place in its param: pos_hi, lo */
     const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
     if (write_grad) store_from_f32(grad, i, gt, g);
     float p0;
@@ -108,7 +115,7 @@ static inline __attribute__((always_inline)) void adam_loop(
       vi = load_as_f32(v, i, vd);
     }
     const float p = mp_adam_element(g, p0, &mi, &vi, &s);
-    const uint32_t r_mv = sr_moments ? mp_sr_bits(s.key_moments, pos) : 0u;
+    const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.key_moments, lo, pos_hi) : 0u;
     if (q8) {
       mbuf[i] = mi;
       vbuf[i] = vi;
@@ -122,24 +129,23 @@ static inline __attribute__((always_inline)) void adam_loop(
     } else if (!q8) {
       ((float*)v)[i] = vi;
     }
-    /* ema is loop-invariant: the compiler unswitches this test out of the loop */
-    if (ema != NULL && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
+    if (with_ema && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
     if (mk == MK_F32) {
       ((float*)param)[i] = p;
     } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
       const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
-      if (ema != NULL) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
-      const uint16_t q = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
-      ((uint16_t*)param)[i] = q;
+      if (with_ema) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
+      const uint16_t qb = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
+      ((uint16_t*)param)[i] = qb;
       if (mk == MK_MASTER) {
         master[i] = f32_of_bits(x);
       } else {
-        remainder[i] = (int16_t)mp_bf16_remainder(x, q);
+        remainder[i] = (int16_t)mp_bf16_remainder(x, qb);
       }
     } else if (mk == MK_NONE_RNE) {
       store_from_f32(param, i, pt, p);
     } else {
-      const uint32_t r = mp_sr_bits(s.key_param, pos);
+      const uint32_t r = mp_sr_bits_hl(s.key_param, lo, pos_hi);
       ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
                                             : mp_fp16_sr_bits(bits_of_f32(p), r);
     }
@@ -147,7 +153,8 @@ static inline __attribute__((always_inline)) void adam_loop(
   if (q8) {
     /* the block's absmax, from the buffers in L1: a loop of its own keeps the update's
      * registers free */
-    for (int64_t i = 0; i < n; ++i) {
+    uint32_t am = 0u, av = 0u;
+    for (uint32_t i = 0; i < n; ++i) {
       const uint32_t ma = bits_of_f32(mbuf[i]) & 0x7FFFFFFFu;
       const uint32_t va = bits_of_f32(vbuf[i]) & 0x7FFFFFFFu;
       am = ma > am ? ma : am;
@@ -178,8 +185,8 @@ static inline __attribute__((always_inline)) void adam_q8(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
     uint8_t* restrict vc, float* restrict ms, float* restrict vs, float* restrict ema,
-    int64_t start, int64_t n,
-    const mp_adam_scalars* restrict hp, const int mk, const int write_grad) {
+    int64_t start, int64_t n, const mp_adam_scalars* restrict hp, const int mk,
+    const int write_grad, const int with_ema) {
   const int64_t b = hp->q8_block;
   _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
@@ -191,8 +198,8 @@ static inline __attribute__((always_inline)) void adam_q8(
                   mp_q8_ref(mp_q8_ref_exp_v(bits_of_f32(vs[k]))), mbuf, vbuf, 0u, 0u};
     adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
               master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
-              mc + off, MP_I8, vc + off, MP_U8, ema != NULL ? ema + off : NULL, start + off, len,
-              hp, mk, write_grad, &q);
+              mc + off, MP_I8, vc + off, MP_U8, with_ema ? ema + off : NULL, start + off,
+              (uint32_t)len, hp, mk, write_grad, 0, with_ema, &q);
     const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
     if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
       q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, 0u, 1);
@@ -205,41 +212,57 @@ static inline __attribute__((always_inline)) void adam_q8(
   }
 }
 
-/* The two compile-time choices left once the arrays' types are fixed: the moments' dtypes and
- * the write-back of the gradient. */
-#define MP_ADAM_MOMENTS(PT, GT, MK)                                                        \
+/* The compile-time choices left once the arrays' types are fixed: the moments' dtypes, the
+ * write-back of the gradient, with a bf16 moment how it is rounded (the per-element choice
+ * between the two roundings costs the bf16-moment loops, which are bound by their instruction
+ * count rather than by memory on a CPU with AVX-512, several percent), and the ema. */
+#define MP_ADAM_MOMENTS(PT, GT, MK, EMA)                                                   \
   if (md == MP_I8) {                                                                     \
     if (hp->write_grad) {                                                                \
-      MP_ADAM_Q8(PT, GT, MK, 1);                                                         \
+      MP_ADAM_Q8(PT, GT, MK, 1, EMA);                                                    \
     } else {                                                                             \
-      MP_ADAM_Q8(PT, GT, MK, 0);                                                         \
+      MP_ADAM_Q8(PT, GT, MK, 0, EMA);                                                    \
     }                                                                                    \
     return;                                                                              \
   }                                                                                      \
-  switch ((md == MP_BF16) << 2 | (vd == MP_BF16) << 1 | (hp->write_grad != 0)) {         \
-    case 0: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 0); break;                           \
-    case 1: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 1); break;                           \
-    case 2: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0); break;                          \
-    case 3: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1); break;                          \
-    case 4: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0); break;                          \
-    case 5: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1); break;                          \
-    case 6: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0); break;                         \
-    default: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1); break;                        \
+  switch ((md == MP_BF16) << 3 | (vd == MP_BF16) << 2 |                                   \
+          (hp->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16)) << 1 |           \
+          (hp->write_grad != 0)) {                                                        \
+    case 0: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 0, 0, EMA); break;                   \
+    case 1: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_F32, 1, 0, EMA); break;                   \
+    case 4: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0, 0, EMA); break;                  \
+    case 5: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1, 0, EMA); break;                  \
+    case 6: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 0, 1, EMA); break;                  \
+    case 7: MP_ADAM_CALL(PT, GT, MK, MP_F32, MP_BF16, 1, 1, EMA); break;                  \
+    case 8: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0, 0, EMA); break;                  \
+    case 9: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1, 0, EMA); break;                  \
+    case 10: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 0, 1, EMA); break;                 \
+    case 11: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_F32, 1, 1, EMA); break;                 \
+    case 12: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0, 0, EMA); break;                \
+    case 13: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1, 0, EMA); break;                \
+    case 14: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 0, 1, EMA); break;                \
+    default: MP_ADAM_CALL(PT, GT, MK, MP_BF16, MP_BF16, 1, 1, EMA); break;                \
   }
 
-#define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG) \
-  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, n, hp, MK, WG, NULL)
+#define MP_ADAM_CALL(PT, GT, MK, MD, VD, WG, NEAR, EMA)                                  \
+  adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, (uint32_t)n, \
+            hp, MK, WG, NEAR, EMA, NULL)
 
-#define MP_ADAM_Q8(PT, GT, MK, WG)                                                         \
-  adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v, ms, vs, ema, start, n, \
-          hp, MK, WG)
+#define MP_ADAM_Q8(PT, GT, MK, WG, EMA)                                                  \
+  adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v, ms, vs, ema,   \
+          start, n, hp, MK, WG, EMA)
 
-/* One function per (param dtype, grad dtype, master kind): its ten loops. */
+/* One function per (param dtype, grad dtype, master kind): its loops, each twice (with and
+ * without an ema). */
 #define MP_ADAM_VARIANT(name, PT, GT, MK)                                                       \
   static void name(void* param, void* grad, float* master, int16_t* remainder, void* m,         \
                    mp_dtype md, void* v, mp_dtype vd, float* ms, float* vs, float* ema,         \
                    int64_t start, int64_t n, const mp_adam_scalars* hp) {                       \
-    MP_ADAM_MOMENTS(PT, GT, MK)                                                                 \
+    if (ema != NULL) {                                                                          \
+      MP_ADAM_MOMENTS(PT, GT, MK, 1)                                                            \
+    } else {                                                                                    \
+      MP_ADAM_MOMENTS(PT, GT, MK, 0)                                                            \
+    }                                                                                           \
   }
 
 MP_ADAM_VARIANT(adam_f32, MP_F32, MP_F32, MK_F32)
@@ -279,14 +302,20 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
                  : t->remainder != NULL        ? MK_REMAINDER
                  : s->sr_params                ? MK_NONE_SR
                                                : MK_NONE_RNE;
-  void* param = (char*)t->param + start * MP_DTYPE_BYTES(pt);
-  void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(gt);
-  float* master = t->master != NULL ? t->master + start : NULL;
-  int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;
-  void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(md);
-  void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
-  float* ema = t->ema != NULL ? t->ema + start : NULL;
-  VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk](param, grad, master, remainder, m, md, v, vd,
-                                                  t->exp_avg_scale, t->exp_avg_sq_scale, ema,
-                                                  start, n, s);
+  const adam_variant f = VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk];
+  while (n > 0) { /* pieces whose positions share their high 32 bits (see adam_loop) */
+    const int64_t to_next = (int64_t)(((uint64_t)start | 0xFFFFFFFFu) - (uint64_t)start) + 1;
+    const int64_t k = n < to_next ? n : to_next;
+    void* param = (char*)t->param + start * MP_DTYPE_BYTES(pt);
+    void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(gt);
+    float* master = t->master != NULL ? t->master + start : NULL;
+    int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;
+    void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(md);
+    void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(vd);
+    float* ema = t->ema != NULL ? t->ema + start : NULL;
+    f(param, grad, master, remainder, m, md, v, vd, t->exp_avg_scale, t->exp_avg_sq_scale, ema,
+      start, k, s);
+    start += k;
+    n -= k;
+  }
 }

@@ -11,8 +11,9 @@
 #if defined(__CUDACC__)
 #define MP_HD static inline __host__ __device__
 #elif defined(__GNUC__)
-/* Always inlined: a rule function left out of line stops the loop that calls it from
- * vectorizing, and GCC's size heuristics drop some in a file with many loop variants. */
+/* Always inlined: a loop of the C core vectorizes only if every helper it calls is inlined into
+ * it, and GCC's inlining budget otherwise leaves the larger ones (mp_sr_bits in the fused Adam
+ * loop) as calls, which keeps that loop scalar. */
 #define MP_HD static inline __attribute__((always_inline))
 #else
 #define MP_HD static inline
@@ -27,11 +28,11 @@ MP_HD uint16_t mp_bf16_rne_bits(uint32_t u) {
 
 /* fp32 bits -> bf16 bits, stochastic rounding with 16 random bits r (only r's low 16 bits are
  * used): rounds the magnitude up with probability (discarded low 16 bits) / 2^16. Inf and NaN
- * are handled as in mp_bf16_rne_bits (Inf has no discarded bits, so adding r cannot change it). */
+ * are handled as in mp_bf16_rne_bits (Inf has no discarded bits, so adding r < 2^16 cannot carry
+ * into the kept ones: it needs no test of its own). */
 MP_HD uint16_t mp_bf16_sr_bits(uint32_t u, uint32_t r) {
   uint32_t is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  uint32_t is_inf = (u & 0x7FFFFFFFu) == 0x7F800000u;
-  uint32_t up = (u + (is_inf ? 0u : (r & 0xFFFFu))) >> 16;
+  uint32_t up = (u + (r & 0xFFFFu)) >> 16;
   return (uint16_t)(is_nan ? ((u >> 16) | 0x0040u) : up);
 }
 
@@ -136,9 +137,17 @@ MP_HD uint64_t mp_sr_key(uint64_t seed, uint64_t step, uint64_t stream) {
   return mp_mix64(mp_mix64(mp_mix64(seed + 0x9E3779B97F4A7C15ull) ^ step) ^ stream);
 }
 
+/* mp_sr_bits at the position whose halves are lo and hi (pos = hi * 2^32 + lo): the same bits.
+ * A loop over positions that share one high half passes it as a loop invariant, so that its
+ * position arithmetic stays 32-bit: a 64-bit position among 16-bit arrays keeps GCC from
+ * vectorizing the loop at all. */
+MP_HD uint32_t mp_sr_bits_hl(uint64_t key, uint32_t lo, uint32_t hi) {
+  uint32_t x = mp_mix32(lo ^ (uint32_t)key);
+  return mp_mix32(x ^ hi ^ (uint32_t)(key >> 32));
+}
+
 MP_HD uint32_t mp_sr_bits(uint64_t key, uint64_t pos) {
-  uint32_t x = mp_mix32((uint32_t)pos ^ (uint32_t)key);
-  return mp_mix32(x ^ (uint32_t)(pos >> 32) ^ (uint32_t)(key >> 32));
+  return mp_sr_bits_hl(key, (uint32_t)pos, (uint32_t)(pos >> 32));
 }
 
 #endif /* MPEXT_NUMERICS_H */
