@@ -25,6 +25,7 @@ TITLE = "AdamW step: mpext's fused step (master weights, lean state) vs PyTorch 
 
 BF16, FP32 = torch.bfloat16, torch.float32
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
+EMA_DECAY = 0.999  # the lean section's EMA row and its native counterpart
 GRAD_STD = 1e-3
 PARAM_STD = 0.02
 
@@ -260,12 +261,32 @@ LEAN_MODES = [
      dict(master_weights=False, stochastic_rounding=True), 12, 22, None),
     ("rne", "no master, round to nearest + fp32 moments (cautionary)",
      dict(master_weights=False), 12, 22, None),
+    # the EMA reads and writes 4 + 4 B/param more in the same pass; compared with native + EMA
+    ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
+     "+ EMA)", dict(param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
+                    ema_decay=EMA_DECAY), 14, 26, None),
 ]
 LEAN = {k: (lab, opts, state, step, tgt) for k, lab, opts, state, step, tgt in LEAN_MODES}
+# The native steps each mode is compared with: key -> (label, persistent B/param, step B/param).
 # torch.amp.GradScaler.step + AdamW(fused=True) on fp32 params: the inf check reads and writes
 # back the fp32 grads (8), the fused kernel reads param, grad, m, v and writes param, m, v and
-# the unscaled grad (32). Persistent: fp32 param, grad, m, v.
-LEAN_NATIVE_STATE, LEAN_NATIVE_STEP = 16, 40
+# the unscaled grad (32). Persistent: fp32 param, grad, m, v. With an EMA, what
+# AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(decay)).update_parameters runs after the step:
+# torch._foreach_lerp_ on an fp32 copy (reads the copy and the param, writes the copy: 12).
+LEAN_NATIVE = {
+    "native": ("torch.amp.GradScaler + AdamW(fused=True), fp32 params", 16, 40),
+    "native_ema": ("the same + fp32 EMA (torch._foreach_lerp_, AveragedModel's EMA)", 20, 52),
+}
+
+
+def _lean_baseline(key):
+    """The native step a lean mode is compared with: with an EMA, native's with one."""
+    return "native_ema" if "ema_decay" in LEAN[key][1] else "native"
+
+
+def _lean_bound(key):
+    """The bytes bound of a lean mode: its baseline's step bytes over its own."""
+    return LEAN_NATIVE[_lean_baseline(key)][2] / (LEAN[key][3] + LEAN_CHECK_BYTES)
 
 
 class LeanProblem:
@@ -290,11 +311,13 @@ class LeanProblem:
             p.grad = self.grad
             self.steppers[key] = (p, mpext.optim.AdamW([p], **kw, **opts),
                                   mpext.GradScaler(dev.type, bf16_check_only=True))
-        p32 = p0.to(dev, FP32)
-        p32.grad = g0.to(dev, FP32)
-        self.steppers["native"] = (p32, torch.optim.AdamW([p32], fused=True, **kw),
-                                   torch.amp.GradScaler(dev.type, init_scale=1.0,
-                                                        growth_interval=1 << 30))
+        for key in LEAN_NATIVE:
+            p32 = p0.to(dev, FP32)
+            p32.grad = g0.to(dev, FP32)
+            self.steppers[key] = (p32, torch.optim.AdamW([p32], fused=True, **kw),
+                                  torch.amp.GradScaler(dev.type, init_scale=1.0,
+                                                       growth_interval=1 << 30))
+        self.native_ema = []  # native_ema's fp32 EMA: a copy of the param after its first step
         for _, _, scaler in self.steppers.values():
             scaler.scale(torch.ones((), device=dev))  # makes the scale, as scaling a loss does
         self.calls = {k: 0 for k in self.steppers}
@@ -310,7 +333,17 @@ class LeanProblem:
                 self.calls[key] += 1
                 scaler.step(opt)
                 scaler.update()
-            return f
+            if key != "native_ema":
+                return f
+            p = self.steppers[key][0]
+
+            def f_ema():  # AveragedModel's EMA update, after an applied step (always, at scale 1)
+                f()
+                if self.native_ema:
+                    torch._foreach_lerp_(self.native_ema, [p.detach()], 1.0 - EMA_DECAY)
+                else:
+                    self.native_ema.append(p.detach().clone())
+            return f_ema
         out = {k: stepper(k) for k in self.steppers}
         if self.roof is not None:
             buf = self.roof
@@ -332,6 +365,7 @@ class LeanProblem:
             check(all(bool(t.isfinite().all()) for t in tensors), "%s: non-finite state" % key)
         check(bool(self.grad.equal(self.steppers["native"][0].grad.to(BF16))),
               "the shared bf16 gradient was written")
+        check(bool(self.native_ema[0].isfinite().all()), "native_ema: non-finite EMA")
         tensors = [t for p, opt, _ in self.steppers.values() for t in
                    [p] + [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)
                           and v.is_floating_point() and v.numel() == p.numel()]]
@@ -357,6 +391,10 @@ def _lean_sanity(dev):
     for f in prob.fns().values():
         f()
     expect_same("lean: native", prob.steppers["native"][0], p_ref, rtol=1e-5, atol=1e-8)
+    # after the first step an EMA is a copy of the value: mpext's of the (joined) master
+    expect_same("lean: native EMA", prob.native_ema[0], p_ref, rtol=1e-5, atol=1e-8)
+    p_e, opt_e, _ = prob.steppers["remainder_bf16m_ema"]
+    expect_same("lean: EMA", opt_e.ema_param(p_e), p_ref, rtol=1e-5, atol=1e-8)
     p_m, opt_m, _ = prob.steppers["master"]
     expect_same("lean: master", opt_m.master_param(p_m), p_ref, rtol=1e-5, atol=1e-8)
     p_r, opt_r, _ = prob.steppers["remainder"]
@@ -376,23 +414,22 @@ def _lean_metrics(times, n, roof_numel, roof):
     """Per lean mode and native: timing, bytes, GB/s, speed vs native, the bytes bound, the
     fractions of the in-place roofline timed in the same rounds and of the run's best."""
     inplace_same = times["inplace"].gbps(8.0 * roof_numel)
-    t_native = times["native"].median
     out = {"params": n, "inplace_gbps_same_rounds": inplace_same,
            "inplace": times["inplace"].to_json(), "modes": {}}
-    for key in list(LEAN) + ["native"]:
-        if key == "native":
-            label, state, step = ("torch.amp.GradScaler + AdamW(fused=True), fp32 params",
-                                  LEAN_NATIVE_STATE, LEAN_NATIVE_STEP)
-            target = None
+    for key in list(LEAN) + list(LEAN_NATIVE):
+        if key in LEAN_NATIVE:
+            label, state, step = LEAN_NATIVE[key]
+            target, base = None, "native"
         else:
             label, _, state, fused, target = LEAN[key]
             step = fused + LEAN_CHECK_BYTES
+            base = _lean_baseline(key)
         t = times[key]
         gb = t.gbps(step * n)
         row = {"label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
                "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
-               "speedup_vs_native": t_native / t.median,
-               "bytes_bound_vs_native": LEAN_NATIVE_STEP / step,
+               "baseline": base, "speedup_vs_native": times[base].median / t.median,
+               "bytes_bound_vs_native": LEAN_NATIVE[base][2] / step,
                "frac_inplace_same_rounds": gb / inplace_same,
                "frac_inplace_best": gb / roof["inplace_gbps"],
                "target": target}
@@ -410,7 +447,7 @@ def _lean_report(lean):
                "target", "met"]
     rows, misses = [], []
     for size, mtr in lean.items():
-        for key in list(LEAN) + ["native"]:
+        for key in list(LEAN) + list(LEAN_NATIVE):
             m = mtr["modes"][key]
             tgt = m["target"]
             met = ""
@@ -442,6 +479,9 @@ def _lean_report(lean):
           "params, and the in-place roofline, all interleaved in the same rounds. Step bytes "
           "include the inf check (mpext: a read of the bf16 grads, 2; torch: a read and "
           "write-back of the fp32 grads, 8); \"bytes bound\" = native's 40 / the mode's bytes. "
+          "The EMA row is compared with native + an fp32 EMA updated as AveragedModel's "
+          "get_ema_multi_avg_fn does (torch._foreach_lerp_ after the step: 52 bytes); that "
+          "row's own \"vs native\" is its cost over native without one. "
           "Method: benchmarks/README.md, \"Lean optimizer state\".", "",
           markdown_table(headers, rows)]
     return md, misses
@@ -701,9 +741,7 @@ def _plot(ctx, sizes, metrics, roof, lean):
                     "xlabel": "params", "ylabel": "x native", "logx": True,
                     "series": {label(k): (ls, [lean[str(n)]["modes"][k]["speedup_vs_native"]
                                                for n in ls]) for k in modes},
-                    "hlines": {"bound %s %.2fx" % (k, LEAN_NATIVE_STEP
-                                                   / (LEAN[k][3] + LEAN_CHECK_BYTES)):
-                               LEAN_NATIVE_STEP / (LEAN[k][3] + LEAN_CHECK_BYTES)
+                    "hlines": {"bound %s %.2fx" % (k, _lean_bound(k)): _lean_bound(k)
                                for k in ("remainder_bf16m", "sr_bf16m")}},
                    {"title": "lean state: fraction of in-place roofline (same rounds)",
                     "xlabel": "params", "ylabel": "fraction", "logx": True,

@@ -42,11 +42,19 @@ MODES = [
      "moments"),
     ("mpext_bf16_sr", "mpext BF16 params, mpext.optim.AdamW, no master (stochastic rounding) + "
      "BF16 moments"),
+    ("mpext_bf16_remainder_8bit", "mpext BF16 params, mpext.optim.AdamW, remainders + 8-bit "
+     "moments"),
+    ("mpext_bf16_sr_8bit", "mpext BF16 params, mpext.optim.AdamW, no master (stochastic "
+     "rounding) + 8-bit moments"),
+    ("mpext_bf16_remainder_bf16m_ema", "mpext BF16 params, mpext.optim.AdamW, remainders + BF16 "
+     "moments + FP32 EMA of the masters (ema_decay=0.999)"),
 ]
 SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16",
          "mpext_bf16": "mpext BF16", "mpext_fp16": "mpext FP16",
          "mpext_optim_fp16": "mpext.optim FP16", "mpext_bf16_remainder": "remainder",
-         "mpext_bf16_remainder_bf16m": "rem. + bf16 m", "mpext_bf16_sr": "SR + bf16 m"}
+         "mpext_bf16_remainder_bf16m": "rem. + bf16 m", "mpext_bf16_sr": "SR + bf16 m",
+         "mpext_bf16_remainder_8bit": "rem. + 8-bit m", "mpext_bf16_sr_8bit": "SR + 8-bit m",
+         "mpext_bf16_remainder_bf16m_ema": "rem. + bf16 m + EMA"}
 LABEL = dict(MODES)
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 
@@ -107,10 +115,10 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
            "modes": {}}
     for k, tr in trainers.items():
         got = persistent[k]
-        est = memory.estimate(n, "adamw", training.MODES[k].memory_mode, batch=batch,
-                              seq=cfg.block_size,
-                              hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head,
-                              vocab=cfg.vocab_size, dropout=cfg.dropout > 0)
+        est = training.MODES[k].memory_estimate(
+            tr.tr.model.parameters(), batch=batch, seq=cfg.block_size, hidden=cfg.n_embd,
+            layers=cfg.n_layer, heads=cfg.n_head, vocab=cfg.vocab_size,
+            dropout=cfg.dropout > 0)
         total = sum(got.values())
         peak = None if extra[k] is None else total - got["gradients"] + extra[k]
         t = times[k]
@@ -188,12 +196,12 @@ def run(ctx: Context) -> dict:
                    lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
 
 
-MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states")
+MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
 
 
 def _main_per_param(m):
-    """Weights + gradients + masters + optimizer states per param (the scalars, step counts
-    and cached lr tensors, some 0.003 B/param here, left out)."""
+    """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
+    counts and cached lr tensors, some 0.003 B/param here, left out)."""
     b = m["persistent_bytes_per_param"]
     return sum(b[p] for p in MAIN_PARTS)
 
@@ -205,7 +213,7 @@ def _ratio(x):
 def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
     md = section_head(ctx, TITLE)
     headers = ["mode", "ms / iter", "vs AMP BF16", "vs AMP FP16", "peak MiB (est.)",
-               "persistent B/param", "weights", "grads", "masters", "opt. states",
+               "persistent B/param", "weights", "grads", "masters", "opt. states", "EMA",
                "scaler + other", "mpext.memory B/param", "agreement", "loss first → last",
                "skipped"]
     for res in results:
@@ -219,7 +227,8 @@ def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
                     m["peak_bytes"] / MiB, m["predicted_peak_bytes"] / MiB),
                 "%.2f" % m["persistent_per_param_total"], "%.2f" % b["weights"],
                 "%.2f" % b["gradients"], "%.2f" % b["master_weights"],
-                "%.2f" % b["optimizer_states"], "%.3f" % (b["scaler"] + b["other"]),
+                "%.2f" % b["optimizer_states"], "%.2f" % b["ema"],
+                "%.3f" % (b["scaler"] + b["other"]),
                 "%.2f" % m["predicted_per_param"], "%+.1f%%" % (100 * m["agreement"]),
                 "%.3f → %.3f" % (m["losses"][0], m["losses"][-1]),
                 "" if m["skipped_steps"] is None else str(m["skipped_steps"])])
@@ -265,9 +274,9 @@ def _plot_memory(ctx, res):
 
     parts = [("weights", "weights"), ("gradients", "gradients"),
              ("master_weights", "master weights"), ("optimizer_states", "optimizer states"),
-             ("small", "scaler + other")]
+             ("ema", "EMA"), ("small", "scaler + other")]
     keys = list(res["modes"])
-    fig, ax = plt.subplots(figsize=(10, 4.8))
+    fig, ax = plt.subplots(figsize=(12, 4.8))
     width = 0.38
     for side, off in (("measured", -width / 2), ("mpext.memory", width / 2)):
         bottom = [0.0] * len(keys)

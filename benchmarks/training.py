@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 import mpext
+from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -32,6 +33,13 @@ class Mode:
     scaled: bool
     memory_mode: Optional[str]
     options: dict = dataclasses.field(default_factory=dict)
+
+    def memory_estimate(self, params, **shape) -> "memory.Breakdown":
+        """``mpext.memory.estimate`` of this mode with AdamW for ``params`` (the model's
+        tensors, each counted as the optimizer keeps it), with its EMA if it keeps one;
+        ``shape``: the activation estimate's arguments."""
+        return memory.estimate([p.numel() for p in params], "adamw", self.memory_mode,
+                               ema=self.options.get("ema_decay") is not None, **shape)
 
 
 MODES = {
@@ -53,6 +61,19 @@ MODES = {
     "mpext_bf16_sr": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-sr",
                           dict(master_weights=False, stochastic_rounding=True,
                                exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
+    # ... with 8-bit moments (params under mpext.optim.MIN_8BIT_NUMEL keep FP32 ones)
+    "mpext_bf16_remainder_8bit": Mode(BF16, None, "mpext-optim", False,
+                                      "mpext-bf16-remainder-8bit",
+                                      dict(param_remainders=True, exp_avg_dtype=torch.int8,
+                                           exp_avg_sq_dtype=torch.uint8)),
+    "mpext_bf16_sr_8bit": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-sr-8bit",
+                               dict(master_weights=False, stochastic_rounding=True,
+                                    exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)),
+    # ... and an FP32 EMA of the masters, in the same pass
+    "mpext_bf16_remainder_bf16m_ema": Mode(BF16, None, "mpext-optim", False,
+                                           "mpext-bf16-remainder-bf16moments",
+                                           dict(param_remainders=True, exp_avg_dtype=BF16,
+                                                exp_avg_sq_dtype=BF16, ema_decay=0.999)),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }

@@ -11,6 +11,10 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 # The block sizes of Adam's 8-bit moments: mpext/adam.h's MP_Q8_BLOCK_MIN / MAX.
 Q8_BLOCK_MIN, Q8_BLOCK_MAX = 32, 2048
+# A param smaller than this keeps FP32 moments in a group with 8-bit ones: biases and norm
+# weights, a negligible share of a model's elements whose precision matters most (the size
+# bitsandbytes and torchao use). mpext.optim.MIN_8BIT_NUMEL; the memory estimate counts by it.
+MIN_8BIT_NUMEL = 4096
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 

@@ -29,12 +29,13 @@ __all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCA
 # The command line
 
 ROWS = [("weights", "weights"), ("gradients", "gradients"), ("master_weights", "master weights"),
-        ("optimizer_states", "optimizer states"), ("scaler", "loss scaler"),
+        ("optimizer_states", "optimizer states"), ("ema", "EMA of the weights (fp32)"),
+        ("scaler", "loss scaler"),
         ("persistent", "**persistent**"), ("activations", "activations (per step)"),
         ("autocast_copies", "autocast weight copies (per step)"),
         ("step_buffers", "FP32 master grads (during step)"), ("total", "**total**")]
 
-OPTIONAL_ROWS = ("scaler", "autocast_copies", "step_buffers")  # shown when not all zero
+OPTIONAL_ROWS = ("ema", "scaler", "autocast_copies", "step_buffers")  # shown when not all zero
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more of %s, comma-separated, or 'all' (default: every mode "
                         "the optimizer has; the mpext-bf16-*/mpext-fp16-sr* lean modes are "
                         "mpext.optim.Adam/AdamW's)" % ", ".join(MODES))
+    p.add_argument("--ema", action="store_true",
+                   help="keep an FP32 EMA of the weights (mpext: mpext.optim.Adam/AdamW's "
+                        "ema_decay; native: an FP32 AveragedModel)")
     p.add_argument("--zero", type=_zero_arg, default=[0],
                    help="ZeRO stage(s) 0-3, comma-separated (default 0)")
     p.add_argument("--world-size", type=_count_arg(), default=1,
@@ -153,17 +157,22 @@ def _configs(args, parser) -> List[Breakdown]:
               file=sys.stderr)
     modes = args.mode
     if modes is None:
-        modes = [m for m in MODES if mode_supports(m, args.optimizer)]
+        modes = [m for m in MODES if mode_supports(m, args.optimizer, args.ema)]
     bad = [m for m in modes if not mode_supports(m, args.optimizer)]
     if bad:
         parser.error("argument --mode: %s %s mpext.optim.Adam/AdamW's leaner state, not "
                      "available with --optimizer %s (use adam or adamw)"
                      % (", ".join(bad), "is" if len(bad) == 1 else "are", args.optimizer))
+    bad = [m for m in modes if not mode_supports(m, args.optimizer, args.ema)]
+    if bad:
+        parser.error("argument --ema: mpext keeps an EMA in mpext.optim.Adam/AdamW (ema_decay), "
+                     "not with --optimizer %s; drop --ema or the mode(s) %s"
+                     % (args.optimizer, ", ".join(bad)))
     out = []
     for mode in modes:
         for z in args.zero:
             out.append(estimate(params, args.optimizer, mode, zero=z, world_size=args.world_size,
-                                dropout=dropout, **shape))
+                                dropout=dropout, ema=args.ema, **shape))
     return out
 
 

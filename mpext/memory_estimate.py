@@ -39,8 +39,15 @@ makes that mode train well; round to nearest holds the same bytes). The ``-8bit`
 (``exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8``): one byte per element and moment
 plus an FP32 scale per block of 256 elements (docs/moments_8bit.md), with the master as an FP32
 copy, as its 16-bit remainder (``param_remainders=True``) or none (``master_weights=False``,
-``-sr``: ``stochastic_rounding=True``). Params under 4096 elements keep FP32 moments in those
-modes; the estimate counts every element as 8-bit (biases and norms are a negligible share).
+``-sr``: ``stochastic_rounding=True``). Params under 4096 elements (``MIN_8BIT_NUMEL``) keep
+FP32 moments in those modes: given the parameter count alone, the estimate counts every element
+as 8-bit (biases and norms are a negligible share); given the tensors' sizes, it counts each as
+the optimizer keeps it.
+
+An EMA of the weights (``ema=True``) is one more FP32 copy, 4 bytes per parameter: mpext's is
+``mpext.optim.Adam``/``AdamW``'s ``ema_decay`` (an EMA of the FP32 masters, kept in the optimizer
+state and partitioned with it by ZeRO), native's an FP32 ``torch.optim.swa_utils.AveragedModel``
+of the FP32 model (a model copy: partitioned only where the weights are, stage 3).
 
 ZeRO (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", section 5): stage 1 partitions the optimizer states (the FP32 master weights are part of
@@ -61,7 +68,9 @@ is given). Activations are replicated data-parallel work and are not divided by 
 import dataclasses
 import math
 import numbers
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from ._common import MIN_8BIT_NUMEL
 
 __all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCAB", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "optimizer_states", "activation_bytes",
@@ -86,6 +95,12 @@ class ModeSpec:
     state: int = _FP32   # bytes per element of each optimizer-state tensor (moments)
     optimizers: Optional[Tuple[str, ...]] = None  # the optimizers it exists for (None: all)
     state_block: int = 0  # elements per FP32 scale of each state tensor (0: no scales)
+
+    @property
+    def stepped_by_mpext(self) -> bool:
+        """16-bit weights stepped by mpext (with a master or without): an EMA, when asked
+        for, is the optimizer's."""
+        return self.weight == _HALF
 
 
 MODES: Dict[str, ModeSpec] = {
@@ -139,10 +154,12 @@ MODES.update({
 })
 
 
-def mode_supports(mode: str, optimizer: str) -> bool:
+def mode_supports(mode: str, optimizer: str, ema: bool = False) -> bool:
     """Whether precision ``mode`` exists for ``optimizer`` (the lean modes are
-    ``mpext.optim.Adam``/``AdamW``'s)."""
-    allowed = MODES[mode].optimizers
+    ``mpext.optim.Adam``/``AdamW``'s), with an EMA of the weights if ``ema`` (mpext's is
+    ``mpext.optim.Adam``/``AdamW``'s ``ema_decay``; ``MixedPrecisionOptimizer`` keeps none)."""
+    spec = MODES[mode]
+    allowed = _ADAM if ema and spec.stepped_by_mpext else spec.optimizers
     return allowed is None or optimizer in allowed
 
 
@@ -285,8 +302,9 @@ class Breakdown:
     autocast_copies: int
     step_buffers: int = 0
     activation_formula: str = ""
+    ema: int = 0                 # an FP32 EMA of the weights (``ema=True``)
 
-    PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "scaler")
+    PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "scaler")
     TRANSIENT = ("activations", "autocast_copies", "step_buffers")
 
     @property
@@ -358,15 +376,30 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     return n * per_layer + outside
 
 
-def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero: int = 0,
-             world_size: int = 1, batch: Optional[int] = None, seq: Optional[int] = None,
+def _sizes(params) -> Tuple[int, Optional[List[int]]]:
+    """(total, per-tensor sizes or None) of ``estimate``'s ``params``."""
+    if isinstance(params, (str, bytes)) or not hasattr(params, "__iter__"):
+        return _check_count("params", params), None
+    sizes = [_check_count("params[%d]" % i, v, 0) for i, v in enumerate(params)]
+    if sum(sizes) < 1:
+        raise ValueError("params: the tensors' sizes must add up to at least 1, got %r"
+                         % (sizes,))
+    return sum(sizes), sizes
+
+
+def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
+             mode: str = "mpext-bf16", *, zero: int = 0, world_size: int = 1,
+             batch: Optional[int] = None, seq: Optional[int] = None,
              hidden: Optional[int] = None, layers: Optional[int] = None,
              heads: Optional[int] = None, vocab: Optional[int] = None,
-             dropout: bool = True) -> Breakdown:
+             dropout: bool = True, ema: bool = False) -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
-        params: the number of parameters (an int, or an integral float such as ``7e9``).
+        params: the number of parameters (an int, or an integral float such as ``7e9``), or
+            the element count of each parameter tensor (e.g. ``[p.numel() for p in
+            model.parameters()]``): then the 8-bit modes keep FP32 moments for the tensors
+            under ``MIN_8BIT_NUMEL`` elements and per-tensor blocks, as the optimizer does.
         optimizer: a key of ``OPTIMIZERS`` ('adamw', 'sgd', 'sgd-momentum', ...).
         mode: a key of ``MODES`` ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16', or
             one of mpext.optim's lean modes, for 'adam' and 'adamw' only:
@@ -380,10 +413,13 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
         batch, seq, hidden, layers, heads: the activation estimate's shape; all five or none.
         vocab: adds the FP32 logits of the cross entropy to the activations.
         dropout: count the dropout masks (1 byte per element) as Korthikanti et al. do.
+        ema: add an FP32 EMA of the weights (mpext modes: ``ema_decay`` of
+            ``mpext.optim.Adam``/``AdamW``, so adam or adamw only; native modes: an FP32
+            ``AveragedModel``).
 
     Returns a :class:`Breakdown`. Raises ``ValueError`` / ``TypeError`` naming the argument.
     """
-    n = _check_count("params", params)
+    n, sizes = _sizes(params)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError("mode: unknown mode %r; choose one of %s" % (mode, ", ".join(MODES)))
     k = optimizer_states(optimizer)
@@ -391,6 +427,12 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
         raise ValueError("mode: %s is mpext.optim.Adam/AdamW's leaner state; the optimizer "
                          "must be %s, got %r" % (mode, " or ".join(MODES[mode].optimizers),
                                                  optimizer))
+    if not isinstance(ema, bool):
+        raise TypeError("ema: must be True or False, got %r" % (ema,))
+    if not mode_supports(mode, optimizer, ema):
+        raise ValueError("ema: mpext keeps an FP32 EMA of the weights in mpext.optim.Adam/AdamW "
+                         "(ema_decay=...); with optimizer %r, %s has none (use adam or adamw)"
+                         % (optimizer, mode))
     if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) \
             or zero not in (0, 1, 2, 3):
         raise ValueError("zero: the ZeRO stage must be 0, 1, 2 or 3, got %r" % (zero,))
@@ -420,13 +462,21 @@ def estimate(params, optimizer: str = "adamw", mode: str = "mpext-bf16", *, zero
         formula = ("Korthikanti et al. 2022: layers*(s*b*h*(16*d+2*m) + a*s^2*b*(2*d+m)) "
                    "+ s*b*h*(m+d)%s, d=%d, m=%d" % (" + 4*s*b*v" if vocab else "",
                                                     spec.activation, 1 if dropout else 0))
+    if not spec.state_block:
+        states = k * spec.state * part(1)
+    elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted
+        states = k * (spec.state * part(1) + _FP32 * -(-part(1) // spec.state_block))
+    else:  # as the optimizer keeps each tensor (small ones in FP32), then partitioned
+        states = k * sum(_FP32 * s if s < MIN_8BIT_NUMEL else
+                         spec.state * s + _FP32 * -(-s // spec.state_block) for s in sizes)
+        states = -(-states // w) if zero >= 1 else states
     return Breakdown(
         mode=mode, optimizer=optimizer, params=n, zero=zero, world_size=w,
         weights=spec.weight * part(3),
         gradients=spec.grad * part(2),
         master_weights=spec.master * part(1),
-        optimizer_states=k * (spec.state * part(1) + (
-            _FP32 * -(-part(1) // spec.state_block) if spec.state_block else 0)),
+        optimizer_states=states,
+        ema=0 if not ema else _FP32 * (part(1) if spec.stepped_by_mpext else part(3)),
         scaler=_FP32 * SCALER_SCALARS if spec.scaler else 0,
         activations=acts,
         autocast_copies=spec.autocast_copy * n,

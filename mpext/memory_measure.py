@@ -25,6 +25,8 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
     - ``optimizer_states``: other state tensors as large as their param (moments, buffers, in
       whatever dtype they are stored), and the per-block scales of 8-bit moments
       (``exp_avg_scale``, ``exp_avg_sq_scale``);
+    - ``ema``: the FP32 EMA of the weights the optimizer keeps (``ema_param``, with
+      ``ema_decay``);
     - ``scaler``: tensors held by ``scaler``, or by a scaler the optimizer keeps as
       ``.scaler`` (``mpext.MixedPrecisionOptimizer``);
     - ``other``: everything else the optimizer objects hold (``step`` scalars, cached lr
@@ -35,7 +37,7 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
     import torch
 
     out = {"weights": 0, "gradients": 0, "master_weights": 0, "optimizer_states": 0,
-           "scaler": 0, "other": 0}
+           "ema": 0, "scaler": 0, "other": 0}
     seen = set()
 
     def add(cat, t):
@@ -73,6 +75,8 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
                     continue
                 if "master" in str(name) or "remainder" in str(name):
                     add("master_weights", v)
+                elif name == "ema_param":
+                    add("ema", v)
                 elif isinstance(q, torch.Tensor) and v.numel() == q.numel() and v.numel() > 1:
                     add("optimizer_states", v)
                 elif str(name).endswith("_scale") and v.dim() == 1:  # 8-bit moments' blocks

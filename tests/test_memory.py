@@ -6,6 +6,7 @@ count; model presets against published parameter counts and against benchmarks/g
 models; bad arguments (API and command line); and the agreement check: one real training step
 per mode and optimizer on the CPU, the live tensors measured storage by storage and compared
 with the estimate (within 10%)."""
+import dataclasses
 import json
 import math
 import os
@@ -609,10 +610,9 @@ def test_agreement_gpt_training_modes(key):
     assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) / 3 < losses[0], losses
     assert all(p.dtype == training.MODES[key].param_dtype for p in tr.params)
     got = memory.measure(tr.params, tr.opt, tr.scaler)
-    n = sum(p.numel() for p in tr.model.parameters())
-    want = estimate(n, "adamw", training.MODES[key].memory_mode)
+    want = training.MODES[key].memory_estimate(tr.model.parameters())
     assert abs(sum(got.values()) - want.persistent) <= 0.10 * want.persistent, (got, want)
-    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+    for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
         assert got[field] == getattr(want, field), field
 
 
@@ -674,3 +674,109 @@ def test_q8_agreement_with_a_real_step(mode):
     for field in ("weights", "gradients", "master_weights", "optimizer_states"):
         assert got[field] == getattr(want, field), (field, got, want)
     assert got["scaler"] >= want.scaler
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-tensor sizes and the EMA of the weights
+
+
+def test_per_tensor_sizes_by_hand():
+    """Given the tensors' sizes, an 8-bit mode keeps FP32 moments for each tensor under
+    MIN_8BIT_NUMEL elements and one FP32 scale per started block of each larger one; every
+    other row (and every other mode) is the estimate of the total count."""
+    from mpext.optim import MIN_8BIT_NUMEL
+    assert MIN_8BIT_NUMEL == 4096
+    sizes = [0, 10, 4095, 4096, 4097, 70000]
+    n = sum(sizes)
+    b = estimate(sizes, "adamw", "mpext-bf16-sr-8bit")
+    # fp32 moments for 10 and 4095; codes + ceil(s/256) scales, two moments each, for the rest
+    by_hand = 2 * (4 * (10 + 4095) + (4096 + 16 * 4) + (4097 + 17 * 4) + (70000 + 274 * 4))
+    assert b.optimizer_states == by_hand
+    assert (b.params, b.weights, b.gradients, b.master_weights) == (n, 2 * n, 2 * n, 0)
+    assert estimate(n, "adamw", "mpext-bf16-sr-8bit").optimizer_states \
+        == 2 * (n + 4 * -(-n // 256)) != by_hand
+    for mode in ("fp32", "mpext-bf16", "mpext-bf16-remainder-bf16moments"):
+        assert estimate(sizes, "adamw", mode) == estimate(n, "adamw", mode)
+    # ZeRO-1 over 4: the per-tensor total partitioned
+    assert estimate(sizes, "adamw", "mpext-bf16-sr-8bit", zero=1,
+                    world_size=4).optimizer_states == -(-by_hand // 4)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ([], "params: the tensors' sizes must add up to at least 1"),
+    ([0, 0], "params: the tensors' sizes must add up to at least 1"),
+    ([5, -1], "params[1]: must be >= 0"),
+    ([5, 2.5], "params[1]: must be a whole number"),
+])
+def test_per_tensor_sizes_bad(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        estimate(bad, "adamw", "mpext-bf16-8bit")
+    with pytest.raises(TypeError, match=re.escape("params[0]: must be an integer")):
+        estimate(["7"], "adamw", "mpext-bf16")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_ema_by_hand(mode, zero):
+    """ema=True adds one FP32 copy of the weights, 4 B/param: mpext's lives in the optimizer
+    state (ZeRO partitions it from stage 1), native's AveragedModel is a model copy (partitioned
+    only at stage 3); nothing else changes."""
+    n, w = 1001, 4
+    plain = estimate(n, "adamw", mode, zero=zero, world_size=w)
+    b = estimate(n, "adamw", mode, zero=zero, world_size=w, ema=True)
+    mpext_mode = mode.startswith("mpext")
+    partitioned = zero >= (1 if mpext_mode else 3)
+    assert b.ema == 4 * (-(-n // w) if partitioned else n)
+    assert b.persistent == plain.persistent + b.ema and plain.ema == 0
+    assert dataclasses.replace(b, ema=0) == plain
+
+
+def test_ema_errors():
+    with pytest.raises(ValueError, match=re.escape(
+            "ema: mpext keeps an FP32 EMA of the weights in mpext.optim.Adam/AdamW "
+            "(ema_decay=...); with optimizer 'sgd', mpext-bf16 has none")):
+        estimate(10, "sgd", "mpext-bf16", ema=True)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="ema: must be True or False"):
+            estimate(10, "adamw", "mpext-bf16", ema=bad)
+    # native modes keep theirs outside the optimizer: any optimizer
+    assert estimate(10, "sgd", "amp-bf16", ema=True).ema == 40
+    assert not memory.mode_supports("mpext-fp16", "rmsprop", ema=True)
+    assert memory.mode_supports("mpext-fp16", "rmsprop")
+
+
+def test_cli_ema(capsys):
+    code, out, _ = run_main(capsys, "--params", "1e6", "--ema", "--json")
+    rows = json.loads(out)["results"]
+    assert code == 0 and [r["mode"] for r in rows] == list(MODES)
+    assert all(r["ema"] == 4 * 10 ** 6 for r in rows)
+    code, out, _ = run_main(capsys, "--params", "1e6", "--ema", "--optimizer", "sgd", "--json")
+    assert [r["mode"] for r in json.loads(out)["results"]] == ["fp32", "amp-bf16", "amp-fp16"]
+    code, out, _ = run_main(capsys, "--params", "1e6", "--ema", "--mode", "amp-bf16,mpext-bf16")
+    assert "| EMA of the weights (fp32)" in out
+    code, out, _ = run_main(capsys, "--params", "1e6", "--mode", "mpext-bf16")
+    assert "EMA" not in out  # the row shows only when some column has one
+    with pytest.raises(SystemExit) as exc:
+        memory.main(["--params", "1e6", "--ema", "--optimizer", "sgd", "--mode",
+                     "amp-bf16,mpext-bf16"])
+    assert exc.value.code == 2
+    assert "argument --ema: mpext keeps an EMA in mpext.optim.Adam/AdamW (ema_decay), not " \
+           "with --optimizer sgd; drop --ema or the mode(s) mpext-bf16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["mpext-bf16", "mpext-bf16-remainder-bf16moments",
+                                  "mpext-bf16-sr-8bit"])
+def test_ema_agreement_with_a_real_step(mode):
+    """mpext.optim.AdamW(ema_decay=...) after a real step: measure() finds the EMA (and only
+    it) in the ema row, equal to the estimate's, every other row unchanged."""
+    dtype, options = (torch.bfloat16, {}) if mode == "mpext-bf16" else \
+        (LEAN_OPTIONS[mode] if mode in LEAN_OPTIONS else Q8_MODES[mode][1:])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(dtype)
+    opt = mpext.optim.AdamW(model.parameters(), lr=1e-3, ema_decay=0.99, **options)
+    _backward_step(model(torch.randn(8, 64, dtype=dtype)).float().pow(2).mean(), opt, None)
+    got = memory.measure(model.parameters(), opt)
+    want = estimate([p.numel() for p in model.parameters()], "adamw", mode, ema=True)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
+        assert got[field] == getattr(want, field), (field, got, want)
+    assert got["ema"] == 4 * sum(p.numel() for p in model.parameters())

@@ -69,7 +69,7 @@ import torch
 
 from .._common import LOW_DTYPES as _LOW_DTYPES, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
 from .._common import dtype_name as _dtype_name, has_kernel, is_dense, is_real as _is_real
-from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN, same_layout
+from .._common import MIN_8BIT_NUMEL, Q8_BLOCK_MAX, Q8_BLOCK_MIN, same_layout
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -687,11 +687,6 @@ _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_
                   "ema_decay": None}
 
 # ---- 8-bit moments (docs/moments_8bit.md; the kernel's format is mpext/adam.h's) ----
-#
-# A param smaller than this keeps FP32 moments in a group with 8-bit ones: biases and norm
-# weights, a negligible share of a model's elements whose precision matters most (the size
-# bitsandbytes and torchao use).
-MIN_8BIT_NUMEL = 4096
 _Q8_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 _SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 # (exponent bits, mantissa bits) of each moment's code: adam_rule.h's MP_Q8_{M,V}_{E,M}BITS
