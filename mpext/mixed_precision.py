@@ -28,6 +28,7 @@ How it works (docs/mixed_precision.md has the user-facing account):
     device from the same ``found_inf``, after ``GradScaler._reduce_found_inf_`` (an all-reduce
     when ``sync_found_inf=True``).
 """
+import contextlib
 import inspect
 import math
 import warnings
@@ -198,6 +199,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The FP32 master of a model param, or ``None`` for an FP32 param (or one not in the
         optimizer)."""
         return self._master_of.get(id(param))
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """With an inner ``mpext.optim.Adam``/``AdamW(..., ema_decay=...)``, which keeps an
+        FP32 EMA of the masters in its fused step: a context in which every model param whose
+        master has an EMA holds it (rounded to the param's dtype to nearest even), for
+        evaluation::
+
+            with opt.ema_weights():
+                evaluate(model)
+
+        On exit each param (and each FP32 param, which is its own master) gets back its exact
+        value. Do not step inside. Raises ``RuntimeError`` when the inner optimizer keeps no
+        EMA (``torch.optim`` optimizers keep none)."""
+        inner = self.optimizer
+        if not isinstance(inner, _mp_optim.Adam) or \
+                all(g.get("ema_decay") is None for g in inner.param_groups):
+            raise RuntimeError("MixedPrecisionOptimizer.ema_weights: the inner optimizer (%s) "
+                               "keeps no EMA; wrap mpext.optim.Adam/AdamW(..., "
+                               "ema_decay=...)" % type(inner).__name__)
+        with _mp_optim._ema_swapped(inner, self._entries):
+            yield self
 
     # -----------------------------------------------------------------------------------------
     # Construction helpers.

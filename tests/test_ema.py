@@ -361,6 +361,48 @@ def test_mixed_precision_optimizer_keeps_the_inner_ema():
         assert_bitwise(plain.ema_param(p), inner.state[master]["ema_param"])
 
 
+def test_mixed_precision_optimizer_ema_weights():
+    """MixedPrecisionOptimizer.ema_weights() puts the inner optimizer's EMA into the model's
+    params (bf16 ones rounded to nearest even, the FP32 LayerNorm exactly), the same as
+    mpext.optim.AdamW's own ema_weights() on an identical model, and gives every param and
+    master back exactly; an inner optimizer with no EMA is refused."""
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+    a[0].to(BF16)
+    b = copy.deepcopy(a)
+    plain = AdamW(a.parameters(), lr=1e-2, ema_decay=0.8)
+    mpo = mpext.MixedPrecisionOptimizer(AdamW(b.parameters(), lr=1e-2, ema_decay=0.8),
+                                        loss_scale=None)
+    for step in range(4):
+        x = torch.randn(4, 16).to(BF16)
+        for opt, m in ((plain, a), (mpo, b)):
+            opt.zero_grad()
+            (mpo.backward if opt is mpo else torch.Tensor.backward)(
+                m(x).float().pow(2).mean())
+            opt.step()
+    before = [q.detach().clone() for q in b.parameters()]
+    masters = [mpo.master_param(q) for q in b.parameters()]
+    masters = [None if m is None else m.clone() for m in masters]
+    with plain.ema_weights(), mpo.ema_weights() as o:
+        assert o is mpo
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert_bitwise(q.detach(), p.detach())
+            assert_bitwise(q.detach(), plain.ema_param(p).to(q.dtype))
+    for q, x, m in zip(b.parameters(), before, masters):
+        assert_bitwise(q.detach(), x)
+        if m is not None:
+            assert_bitwise(mpo.master_param(q), m)
+    assert any(not torch.equal(plain.ema_param(p).to(p.dtype), x)
+               for p, x in zip(a.parameters(), before))  # the swap changed something
+    torch_inner = mpext.MixedPrecisionOptimizer(torch.optim.AdamW(copy.deepcopy(a).parameters()))
+    no_ema = mpext.MixedPrecisionOptimizer(AdamW(copy.deepcopy(a).parameters()))
+    for opt, name in ((torch_inner, "AdamW"), (no_ema, "AdamW")):
+        with pytest.raises(RuntimeError, match=r"MixedPrecisionOptimizer.ema_weights: the inner "
+                                               r"optimizer \(%s\) keeps no EMA" % name):
+            with opt.ema_weights():
+                pass
+
+
 def test_compiled_step_gives_the_eager_ema():
     torch._dynamo.reset()
     a, b = params(BF16), params(BF16)

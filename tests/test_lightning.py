@@ -208,6 +208,75 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
     assert t2.lr_scheduler_configs[0].scheduler.last_epoch == 14
 
 
+class EmaTiny(Tiny):
+    """Tiny with mpext.optim.AdamW(ema_decay=...) as its optimizer, recording the masters
+    (FP32 values) after every batch."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.masters = []
+
+    def on_train_batch_end(self, outputs, batch, i):
+        self.masters.append([m.clone() for m in plugin_masters(self.trainer)])
+
+    def configure_optimizers(self):
+        return mpext.optim.AdamW(self.parameters(), lr=LR, ema_decay=0.75)
+
+
+def ema_state(trainer_):
+    """The inner optimizer's FP32 EMA of each model param's master, in model order."""
+    wrapper = trainer_.optimizers[0]
+    inner = wrapper.optimizer
+    out = []
+    for p in trainer_.lightning_module.parameters():
+        m = wrapper.master_param(p)  # the master itself: the inner optimizer's param
+        out.append(inner.state[p if m is None else m]["ema_param"])
+    return out
+
+
+def test_ema_of_the_masters_through_the_plugin_and_a_checkpoint(tmp_path):
+    """mpext.optim.AdamW(ema_decay=0.75) returned by configure_optimizers, under the BF16
+    plugin (LayerNorm kept FP32) with a NaN step: the EMA follows the masters of the applied
+    steps (torch.lerp of them, the skipped step left out), ema_weights() on the trainer's
+    optimizer puts it into the model and back, and a resumed run's EMA equals the
+    uninterrupted run's bit for bit (it travels in the Lightning checkpoint)."""
+    def plugin():
+        return mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+
+    full = EmaTiny(overflow_at={5})
+    t_full = trainer(plugin(), 3)
+    t_full.fit(full, loader())
+    ema = None
+    for k, ms in enumerate(full.masters):
+        if k == 5:  # skipped: the masters did not move, nor may the EMA
+            assert all(torch.equal(a, b) for a, b in zip(ms, full.masters[4]))
+            continue
+        ema = [m.clone() for m in ms] if ema is None else \
+            [torch.lerp(e, m, 0.25) for e, m in zip(ema, ms)]
+    got = ema_state(t_full)
+    for a, b in zip(got, ema):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(a, m) for a, m in zip(got, full.masters[-1]))  # an average
+    before = [p.detach().clone() for p in full.parameters()]
+    with t_full.optimizers[0].ema_weights():
+        for p, e in zip(full.parameters(), got):
+            assert torch.equal(p.detach(), e.to(p.dtype))
+    assert all(torch.equal(p.detach(), x) for p, x in zip(full.parameters(), before))
+
+    first = EmaTiny(overflow_at={5})
+    t1 = trainer(plugin(), 2)
+    t1.fit(first, loader())
+    ckpt = str(tmp_path / "ema.ckpt")
+    t1.save_checkpoint(ckpt)
+    resumed = EmaTiny(overflow_at={5})
+    t2 = trainer(plugin(), 3)
+    t2.fit(resumed, loader(), ckpt_path=ckpt)
+    for a, b in zip(ema_state(t_full), ema_state(t2)):
+        assert torch.equal(a, b)
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_manual_optimization_and_value_clipping_refused():
     class Manual(Tiny):
         def __init__(self):

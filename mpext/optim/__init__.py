@@ -505,20 +505,8 @@ class Adam(torch.optim.Optimizer):
         if all(g.get("ema_decay") is None for g in self.param_groups):
             raise RuntimeError("%s.ema_weights: no param group keeps an EMA; construct the "
                                "optimizer with ema_decay=..." % self._name())
-        saved = []
-        try:
-            with torch.no_grad():
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        ema = (self.state.get(p) or {}).get("ema_param")
-                        if ema is not None:
-                            saved.append((p, p.detach().clone()))
-                            p.copy_(ema)
+        with _ema_swapped(self, [(p, p) for g in self.param_groups for p in g["params"]]):
             yield self
-        finally:
-            with torch.no_grad():
-                for p, value in saved:
-                    p.copy_(value)
 
     def master_param(self, param: torch.Tensor) -> torch.Tensor:
         """The FP32 value the optimizer holds for ``param``: a copy of its master, its master
@@ -685,6 +673,27 @@ _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_
                   "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
                   "moment_rounding": "stochastic", "seed": 0, "block_size": 256,
                   "ema_decay": None}
+
+@contextlib.contextmanager
+def _ema_swapped(opt: "Adam", pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]):
+    """For each (target, param) of ``pairs`` whose param has an EMA in ``opt``'s state: the
+    target holds the EMA (``target.copy_(ema)``) inside the context and gets back its exact
+    value on exit. ``ema_weights`` of mpext.optim and of MixedPrecisionOptimizer (whose
+    targets are the model params of the inner optimizer's masters)."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for target, p in pairs:
+                ema = (opt.state.get(p) or {}).get("ema_param")
+                if ema is not None:
+                    saved.append((target, target.detach().clone()))
+                    target.copy_(ema)
+        yield
+    finally:
+        with torch.no_grad():
+            for target, value in saved:
+                target.copy_(value)
+
 
 # ---- 8-bit moments (docs/moments_8bit.md; the kernel's format is mpext/adam.h's) ----
 _Q8_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
