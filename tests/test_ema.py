@@ -481,3 +481,26 @@ def test_op_empty_ema_entry_means_none():
     ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"],
                    kw["masters"], kw["steps"], 1e-2, ema_params=kw["ema_params"], ema_decay=0.5)
     assert_bitwise(kw["ema_params"][1], kw["params"][1].detach())  # the first step copies
+
+
+def test_op_first_step_copies_whatever_the_ema_held():
+    """On a param's first step the EMA becomes a copy of its new fp32 value, as
+    AveragedModel's first update copies: an ema_params buffer holding NaN, Inf, -0.0 or huge
+    values of the other sign (e.g. torch.empty) is overwritten, not lerped into NaN."""
+    p = torch.randn(6).to(BF16)
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), -3e38, 3e38, -0.0])
+    kw = dict(params=[p], grads=[torch.randn(6).to(BF16)], exp_avgs=[torch.zeros(6)],
+              exp_avg_sqs=[torch.zeros(6)], masters=[p.float()], steps=[torch.zeros(())])
+    ema = junk.clone()
+    ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"], kw["masters"],
+                   kw["steps"], torch.full((), 1e-2), ema_params=[ema], ema_decay=0.9)
+    assert_bitwise(ema, kw["masters"][0])
+    # later steps lerp, as torch.lerp does (an Inf that gets in stays one)
+    ema[1] = float("inf")
+    master_before = kw["masters"][0].clone()
+    ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"], kw["masters"],
+                   kw["steps"], torch.full((), 1e-2), ema_params=[ema], ema_decay=0.9)
+    assert not torch.equal(kw["masters"][0], master_before)
+    want = lerp_f32(torch.where(torch.arange(6) == 1, torch.tensor(float("inf")),
+                                master_before), kw["masters"][0], 0.1)
+    assert_bitwise(ema, want)

@@ -304,8 +304,7 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
                                                : MK_NONE_RNE;
   const adam_variant f = VARIANTS[pt][gt == MP_F32 && pt != MP_F32][mk];
   while (n > 0) { /* pieces whose positions share their high 32 bits (see adam_loop) */
-    const int64_t to_next = (int64_t)(((uint64_t)start | 0xFFFFFFFFu) - (uint64_t)start) + 1;
-    const int64_t k = n < to_next ? n : to_next;
+    const int64_t k = mp_sr_piece((uint64_t)start, n);
     void* param = (char*)t->param + start * MP_DTYPE_BYTES(pt);
     void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(gt);
     float* master = t->master != NULL ? t->master + start : NULL;

@@ -4103,6 +4103,37 @@ static void test_adam_q8_guards(void) {
   g_end(&g);
 }
 
+/* The pieces mp_k_adam_step cuts a range into for its 32-bit loops: they tile the range, stay
+ * in one 2^32 window of positions each and fit a 32-bit count -- a piece of 2^32 positions
+ * would read as 0 in it and be skipped (the arrays of such a range cannot be allocated here,
+ * so the cut itself is checked). */
+static void test_sr_pieces(void) {
+  group g;
+  g_begin(&g, "positions cut into 32-bit pieces: tiled, one window each, counts < 2^32");
+  const uint64_t w = (uint64_t)1 << 32;
+  const struct { uint64_t pos; int64_t n; } cases[] = {
+      {0, 1}, {0, (int64_t)w}, {0, (int64_t)w + 1}, {w, 3 * (int64_t)w + 7}, {w - 1, 2},
+      {w - 400, 777}, {5, (int64_t)w}, {7 * w + 123, (int64_t)1 << 34}, {(uint64_t)1 << 62, 1}};
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+    uint64_t pos = cases[c].pos;
+    int64_t n = cases[c].n, pieces = 0, covered = 0;
+    int ok = 1;
+    while (n > 0 && ok) {
+      const int64_t k = mp_sr_piece(pos, n);
+      ok = k >= 1 && k <= ((int64_t)1 << 31) && k <= n &&
+           ((pos >> 32) == ((pos + (uint64_t)k - 1) >> 32)) && (uint32_t)k == (uint64_t)k;
+      pos += (uint64_t)k;
+      n -= k;
+      covered += k;
+      ++pieces;
+    }
+    g_check(&g, ok && covered == cases[c].n, "case %zu: a bad piece after %" PRId64 " pieces", c,
+            pieces);
+  }
+  g_check(&g, mp_sr_piece(0, (int64_t)w + 1) == ((int64_t)1 << 31), "a whole window in halves");
+  g_end(&g);
+}
+
 /* The time of one bf16-param step per storage mode and ISA path on 2^16 + 3 elements (best of
  * 50 calls, one thread), printed beside the results: what the fused loop costs with its arrays
  * in the core's cache, i.e. without waiting for memory, the compute side of its bandwidth.
@@ -4265,6 +4296,7 @@ int main(int argc, char** argv) {
   test_adam_ranges_and_steps(o.seed);
   test_adam_unscale_grads(o.seed);
   test_adam_lean(o.seed);
+  test_sr_pieces();
   test_q8_codec(o.seed);
   test_adam_q8(o.seed);
   test_adam_q8_guards();

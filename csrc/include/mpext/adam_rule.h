@@ -70,6 +70,7 @@ typedef struct mp_adam_scalars {
   float ema_weight;        /* 1 - ema_decay (subtracted in double); 1 on the first step */
   float ema_rest;          /* 1 - ema_weight, in fp32 */
   int32_t ema_from_start;  /* ema_weight < 0.5, as lerp_from_start */
+  int32_t ema_copy;        /* the first step: the ema becomes the value, whatever it held */
   uint64_t key_q8;
   int64_t q8_block;        /* elements per block of 8-bit moments */
   float q8_inv_k;          /* 8-bit moments: v is raised to at least m * m * q8_inv_k */
@@ -187,6 +188,7 @@ MP_HD mp_adam_scalars mp_adam_scalars_of(const mp_adam_options* o, float lr_f, f
   s.ema_weight = step == 0.0f ? 1.0f : (float)MP_DSUB(1.0, o->ema_decay);
   s.ema_rest = MP_FSUB(1.0f, s.ema_weight);
   s.ema_from_start = s.ema_weight < 0.5f ? 1 : 0;
+  s.ema_copy = step == 0.0f ? 1 : 0;
   s.key_q8 = mp_sr_key(o->seed, t_int, MP_Q8_STREAM + sr_stream);
   s.q8_block = o->q8_block;
   /* 1/K, K the bound of m^2 / v for exponential averages of the same gradients g_k:
@@ -376,7 +378,18 @@ MP_HD float mp_lerp(float a, float b, float w, float rest, int32_t from_start) {
 
 /* The ema of an element after a step whose new fp32 value is x (see mp_adam_tensor). */
 MP_HD float mp_adam_ema(float ema, float x, const mp_adam_scalars* s) {
-  return mp_lerp(ema, x, s->ema_weight, s->ema_rest, s->ema_from_start);
+  /* a copy on the first step, as AveragedModel's first update: lerp with weight 1 would turn
+   * an ema that held an Inf or NaN (uninitialized memory, say) into NaN. Selected by a mask,
+   * not a branch, so that the CPU loops around it stay vectorized. */
+  const float l = mp_lerp(ema, x, s->ema_weight, s->ema_rest, s->ema_from_start);
+  uint32_t lb, xb;
+  __builtin_memcpy(&lb, &l, sizeof lb);
+  __builtin_memcpy(&xb, &x, sizeof xb);
+  const uint32_t copy = 0u - (uint32_t)s->ema_copy;
+  const uint32_t rb = (xb & copy) | (lb & ~copy);
+  float r;
+  __builtin_memcpy(&r, &rb, sizeof r);
+  return r;
 }
 
 /* One element: unscaled gradient g (mp_adam_unscaled), fp32 param or master value p, moments *m

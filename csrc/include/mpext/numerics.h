@@ -150,4 +150,13 @@ MP_HD uint32_t mp_sr_bits(uint64_t key, uint64_t pos) {
   return mp_sr_bits_hl(key, (uint32_t)pos, (uint32_t)(pos >> 32));
 }
 
+/* The length of the first piece of the positions [pos, pos + n) (n > 0) that share one high
+ * half, for a loop that uses mp_sr_bits_hl with a 32-bit count: at most 2^31, so that a piece
+ * starting at a multiple of 2^32 (whose window holds 2^32 positions) still fits the count. */
+MP_HD int64_t mp_sr_piece(uint64_t pos, int64_t n) {
+  const int64_t to_next = (int64_t)((pos | 0xFFFFFFFFu) - pos) + 1;
+  const int64_t most = to_next < ((int64_t)1 << 31) ? to_next : ((int64_t)1 << 31);
+  return n < most ? n : most;
+}
+
 #endif /* MPEXT_NUMERICS_H */
