@@ -608,11 +608,14 @@ def test_remainders_are_the_masters_bit_for_bit(device, config):
             b = cls(pb, param_remainders=True, **kw)
             b.load_state_dict(sd)
             assert _storage(b, pb) == ["param_remainder" if x else None for x in low]
-        elif step == 599:  # checkpoints converted: A to remainders, B to masters
+        elif step == 599:  # checkpoints converted: A to remainders, B to masters (a
+            # remainder is joined with its param at the next step: the model may load later)
             a, b = _convert(a, pa, cls, kw, True), _convert(b, pb, cls, kw, False)
             assert _storage(a, pa) == ["param_remainder" if x else None for x in low]
-            assert _storage(b, pb) == ["master_param" if x else None for x in low]
+            assert _storage(b, pb) == ["param_remainder" if x else None for x in low]
             assert_same_optimizers(a, pa, b, pb, "after the conversion")
+        elif step == 600:
+            assert _storage(b, pb) == ["master_param" if x else None for x in low]
         elif step == 899:  # and back, by changing the groups (converted at the next step)
             a.param_groups[0]["param_remainders"] = False
             b.param_groups[0]["param_remainders"] = True
@@ -731,9 +734,9 @@ def test_split_and_join_over_every_high_half():
     sd = opt.state_dict()
     sd["param_groups"][0]["param_remainders"] = False
     back = AdamW([param])
-    back.load_state_dict(sd)
-    assert set(back.state[param]) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
-    got = u32(back.state[param]["master_param"])
+    back.load_state_dict(sd)  # the remainder is joined with the param at the next step
+    assert set(back.state[param]) == {"step", "exp_avg", "exp_avg_sq", "param_remainder"}
+    got = u32(back.master_param(param))
     assert (got[~nan] == stored[~nan]).all() and np.isnan(got.view(np.float32)[nan]).all()
 
 
@@ -1378,6 +1381,8 @@ def test_a_checkpoint_resumes_in_the_loading_optimizers_storage_mode(saved_kw, l
         assert st["exp_avg"].dtype is loaded_kw.get("exp_avg_dtype", F32)
         if p.dtype == BF16 and saved_kw.get("master_weights", True):
             want = "param_remainder" if loaded_kw.get("param_remainders") else "master_param"
+            if saved_kw.get("param_remainders") and want == "master_param":
+                want = "param_remainder"  # joined with the param at the next step
             assert want in st and not ({"master_param", "param_remainder"} - {want}) & set(st)
     if "exp_avg_dtype" not in loaded_kw and saved_kw.get("master_weights", True):
         for step in range(5, 30):  # the modes compute the same bits
@@ -1389,3 +1394,59 @@ def test_a_checkpoint_resumes_in_the_loading_optimizers_storage_mode(saved_kw, l
         for p, q in zip(pa, pb):
             assert_same_bits(p.detach(), q.detach(), "param")
             assert_same_bits(a.master_param(p), b.master_param(q), "master")
+
+
+@pytest.mark.parametrize("saved_kw,loaded_kw", [
+    (dict(param_remainders=True), {}),
+    (dict(param_remainders=True, ema_decay=0.9), dict(ema_decay=0.9)),
+    ({}, dict(param_remainders=True)),
+    (dict(param_remainders=True), dict(param_remainders=True)),
+], ids=["remainder_into_master", "with_ema", "master_into_remainder", "remainder"])
+def test_model_loaded_after_the_optimizer(saved_kw, loaded_kw):
+    """torch lets a checkpoint's optimizer state be loaded before or after the model's: a
+    remainder checkpoint resumed with fp32 masters must then join each remainder with the
+    model's loaded weights, not with the fresh ones it found at load time. The resumed run
+    equals one that loaded the model first, bit for bit (a master that must become a
+    remainder needs the model first: its split checks the round, and refuses otherwise)."""
+    pa = make_params(seed=11)
+    a = AdamW(pa, lr=1e-3, **saved_kw)
+    for step in range(4):
+        set_grads(pa, make_grads(pa, step))
+        a.step()
+    osd, msd = roundtrip(a.state_dict()), [p.detach().clone() for p in pa]
+
+    def resume(model_first):
+        ps = make_params(seed=12)  # a fresh init, other values
+        opt = AdamW(ps, lr=1e-3, **loaded_kw)
+        if model_first:
+            with torch.no_grad():
+                for p, x in zip(ps, msd):
+                    p.copy_(x)
+        try:
+            opt.load_state_dict(osd)
+        except ValueError as exc:
+            return str(exc)
+        if not model_first:
+            with torch.no_grad():
+                for p, x in zip(ps, msd):
+                    p.copy_(x)
+        for step in range(4, 8):
+            set_grads(ps, make_grads(ps, step))
+            opt.step()
+        return ps, opt
+
+    first, late = resume(True), resume(False)
+    if saved_kw.get("param_remainders") or not loaded_kw.get("param_remainders"):
+        for (p, q) in zip(first[0], late[0]):
+            assert_same_bits(p.detach(), q.detach(), "param")
+            assert_same_bits(first[1].master_param(p), late[1].master_param(q), "master")
+            if loaded_kw.get("ema_decay"):
+                assert_same_bits(first[1].ema_param(p), late[1].ema_param(q), "ema")
+        # and both continue the saved run
+        for step in range(4, 8):
+            set_grads(pa, make_grads(pa, step))
+            a.step()
+        for p, q in zip(pa, first[0]):
+            assert_same_bits(p.detach(), q.detach(), "param vs the uninterrupted run")
+    else:
+        assert "does not round to the param's current value" in late

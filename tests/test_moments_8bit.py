@@ -700,3 +700,38 @@ def test_cuda_same_bits_as_cpu():
         b = run_q8_op(c, storage, block, nearest, device="cuda")
         for k in a:
             assert_bitwise(a[k], b[k], k)
+
+
+def test_codes_saved_in_another_memory_layout():
+    """Blocks follow memory order: 8-bit codes saved for a channels_last param and loaded for
+    a contiguous one (and back) are decoded in their own layout and requantized in the
+    param's: the codes are in the param's layout, every element keeps its value (to the
+    nearest code) at its logical index, and loaded into fp32 moments the values are exact."""
+    torch.manual_seed(0)
+    p = torch.randn(4, 16, 8, 8).to(BF16).to(memory_format=torch.channels_last)
+    p.requires_grad_()
+    opt = AdamW([p], lr=1e-3, **Q8)
+    g = torch.randn(4, 16, 8, 8)
+    g[0, 0] = torch.arange(1.0, 65.0).view(8, 8)  # a logical pattern the layouts place apart
+    p.grad = g.to(BF16).to(memory_format=torch.channels_last)
+    opt.step()
+    st = opt.state[p]
+    saved = {k: q8_decode(st[k], st[k + "_scale"]) for k in ("exp_avg", "exp_avg_sq")}
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        q = p.detach().clone(memory_format=fmt).requires_grad_()
+        o2 = AdamW([q], lr=1e-3, **Q8)
+        o2.load_state_dict(opt.state_dict())
+        s2 = o2.state[q]
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert s2[k].stride() == q.stride(), (fmt, k)  # in the param's layout
+            got = q8_decode(s2[k], s2[k + "_scale"])
+            want_codes, want_scale = q8_encode(
+                torch.empty_like(q, dtype=torch.float32).copy_(saved[k]), s2[k].dtype, 256)
+            assert torch.equal(got, q8_decode(want_codes, want_scale)), (fmt, k)
+            # the ramp, the largest values of their blocks in either layout: within a code step
+            assert torch.allclose(got[0, 0], saved[k][0, 0], rtol=2 ** -4, atol=0), (fmt, k)
+        # and fp32 moments: the exact decoded values, at their logical indices
+        o3 = AdamW([q], lr=1e-3)
+        o3.load_state_dict(opt.state_dict())
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(o3.state[q][k], saved[k]), (fmt, k)

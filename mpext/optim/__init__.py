@@ -626,7 +626,9 @@ class Adam(torch.optim.Optimizer):
                 raise ValueError("%s: %s has shape %s but the param has shape %s"
                                  % (where, name, tuple(t.shape), tuple(param.shape)))
             if name in _Q8_DTYPES and t.dtype in (torch.int8, torch.uint8):
-                out[name], out[name + "_scale"] = _import_codes(param, name, t, value, where)
+                out[name], scale = _import_codes(param, name, t, value, where)
+                if scale is not None:
+                    out[name + "_scale"] = scale
                 continue
             if name == "param_remainder":
                 if t.dtype != torch.int16 or t.layout != torch.strided:
@@ -646,6 +648,15 @@ class Adam(torch.optim.Optimizer):
             out[name] = _copy_like(param, t, keep)
         if "master_param" in out and "param_remainder" in out:
             raise ValueError("%s has both a master_param and a param_remainder" % where)
+        want = _storage_key(param, group, where)
+        if "param_remainder" in out and want == "master_param":
+            # A remainder becomes a master by joining it with the param, which the model's
+            # state may not hold yet (nothing here can tell): join it at the next step, when
+            # it surely does. The moments are converted now.
+            _conform_state(param, out, group, where, storage=False)
+            if group.get("ema_decay") is not None and "ema_param" not in out:
+                out.pop("ema_param", None)  # made from the joined value at that step
+            return _keep_unknown_keys(out, value)
         # Into the group's form (a master becomes a remainder only if the param is its round,
         # i.e. the model was loaded first).
         _conform_state(param, out, group, where)
@@ -657,11 +668,17 @@ class Adam(torch.optim.Optimizer):
                 out.pop(key, None)
             if "ema_param" not in value:
                 out.pop("ema_param", None)
-        for name, v in value.items():  # anything else is kept as torch keeps it
-            if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS \
-                    + _SCALE_KEYS:
-                out[name] = v
-        return out
+        return _keep_unknown_keys(out, value)
+
+
+def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any]) -> Dict[str, Any]:
+    """A loaded param state with the saved entries mpext does not know kept as torch keeps
+    them."""
+    for name, v in value.items():
+        if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS \
+                + _SCALE_KEYS:
+            out[name] = v
+    return out
 
 
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
@@ -832,8 +849,9 @@ def q8_encode(x: torch.Tensor, dtype: torch.dtype, block: int) -> Tuple[torch.Te
 
 
 def _import_codes(param: torch.Tensor, name: str, t: torch.Tensor, value: Dict[str, Any],
-                  where: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A loaded moment's 8-bit codes and its scales, checked and copied to the param."""
+                  where: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A loaded moment's 8-bit codes and its scales, checked and copied to the param; or, for
+    codes saved in another memory layout than the param's, their fp32 values and None."""
     if t.dtype is not _Q8_DTYPES[name] or t.layout != torch.strided:
         raise TypeError("%s: %s holds 8-bit codes, which must be a dense %s tensor, got %s %s"
                         % (where, name, _Q8_DTYPES[name], t.layout, t.dtype))
@@ -847,9 +865,26 @@ def _import_codes(param: torch.Tensor, name: str, t: torch.Tensor, value: Dict[s
                          "scale per block (a power-of-two block size in [%d, %d]), got %s"
                          % (where, name, skey, Q8_BLOCK_MIN, Q8_BLOCK_MAX,
                             tuple(sc.shape) if isinstance(sc, torch.Tensor) else sc))
+    t, sc = t.detach().to(param.device), sc.detach().to(device=param.device, copy=True)
     codes = torch.empty_like(param, dtype=t.dtype, memory_format=torch.preserve_format)
-    _flat_view(codes).copy_(_flat_view(t.detach().to(param.device)))
-    return codes, sc.detach().to(device=param.device, copy=True)
+    if not _same_memory_order(t, codes):
+        # The blocks follow memory order: codes saved in another layout (channels_last vs
+        # contiguous) group other elements, so they are decoded there (exactly), and
+        # _conform_state quantizes the values again in the param's layout if the group keeps
+        # 8-bit moments.
+        return torch.empty_like(codes, dtype=_F32).copy_(q8_decode(t, sc)), None
+    _flat_view(codes).copy_(_flat_view(t))
+    return codes, sc
+
+
+def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense tensors of one shape hold their elements in the same memory order
+    (what :func:`_flat_view` walks)."""
+    if a.stride() == b.stride():
+        return True
+    index = torch.arange(a.numel(), device=a.device).view(a.shape)
+    order = [_flat_view(torch.empty_like(t, dtype=torch.int64).copy_(index)) for t in (a, b)]
+    return torch.equal(*order)
 
 
 _FP16_REMAINDER = ("%s is float16, and param_remainders=True needs bfloat16 params (a "
@@ -871,13 +906,14 @@ def _storage_key(param: torch.Tensor, group: Dict[str, Any], where: str) -> Opti
 
 
 def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
-                   where: str) -> None:
+                   where: str, storage: bool = True) -> None:
     """Converts a param's state in place into its group's form: moments into the group's
     dtypes (to nearest even when narrowed; 8-bit codes decoded exactly, or encoded to the
     nearest code with the group's block size), the fp32 value into the group's storage (a master
     from a remainder and the param, a remainder from a master whose round is the param, a new
     master or a zero remainder from the param itself, nothing without a master). The one
-    conversion of optimizer state, for a group changed between steps and for load_state_dict."""
+    conversion of optimizer state, for a group changed between steps and for load_state_dict
+    (which converts the moments only, ``storage=False``: the rest reads the param)."""
     _check_q8_param(param, group, where)
     for key, dtype_key in _MOMENTS:
         t, dtype = state.get(key), _moment_dtype(param, group, dtype_key)
@@ -899,6 +935,8 @@ def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, 
                                                 group.get("block_size", 256))
         if dtype not in _Q8_FORMAT:
             state.pop(skey, None)
+    if not storage:
+        return
     want = _storage_key(param, group, where)
     fresh = False  # a remainder made here from the param: the master is the param
     if want is not None and want not in state:
