@@ -521,6 +521,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         device, as the fused kernel needs (torch's own format with ``capturable``/``fused``),
         and moments in the dtypes an inner ``mpext.optim`` group asks for (bf16 or 8-bit moments;
         the masters are the inner optimizer's fp32 params, so remainders do not apply)."""
+        if id(q) in self._model_of:  # a group whose options changed since construction
+            _check_inner_storage(self.optimizer, group, _NAME)
         state = self.optimizer.state[q]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
@@ -742,8 +744,31 @@ def _check_params(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]
                                  % (_NAME, where, name, p.layout, tuple(p.shape),
                                     tuple(p.stride()) if p.layout == torch.strided else ()))
             out.append((gi, j, p))
+        if any(p.dtype in _LOW for p in group["params"]):
+            _check_inner_storage(optimizer, group, "%s%s: group %d" % (_NAME, where, gi))
     _check_no_overlap([("param %d of group %d" % (j, gi), p) for gi, j, p in out], where)
     return out
+
+
+def _check_inner_storage(optimizer: torch.optim.Optimizer, group: Dict[str, Any],
+                         where: str) -> None:
+    """Refuses an inner mpext.optim group that asks for its own storage of the fp32 value
+    (remainders, or none): the wrapper's masters are the inner optimizer's fp32 params, so
+    those options would silently not apply and each param would hold a 4-byte master."""
+    if not isinstance(optimizer, _mp_optim.Adam):
+        return
+    asked = [text for key, text, default in (("param_remainders", "param_remainders=True", False),
+                                              ("master_weights", "master_weights=False", True))
+             if group.get(key, optimizer.defaults.get(key, default)) != default]
+    if asked:
+        raise ValueError(
+            "%s of the inner %s asks for %s, which MixedPrecisionOptimizer cannot honour: it "
+            "keeps FP32 masters as the inner optimizer's params (4 bytes per parameter). Use "
+            "%s directly on the model's params (with an mpext.GradScaler for FP16; in "
+            "Lightning, precision='bf16-true' instead of the mpext plugin), or drop the option "
+            "(BF16 or 8-bit moments and ema_decay are honoured)"
+            % (where, type(optimizer).__name__, " and ".join(asked),
+               "mpext.optim." + type(optimizer).__name__))
 
 
 def _check_no_overlap(named: List[Tuple[str, torch.Tensor]], where: str) -> None:

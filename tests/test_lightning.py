@@ -277,6 +277,20 @@ def test_ema_of_the_masters_through_the_plugin_and_a_checkpoint(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_lean_storage_options_under_the_plugin_are_refused():
+    """The plugin wraps each optimizer with FP32 masters, so mpext.optim.AdamW's remainder or
+    master-free storage cannot apply under it: fit refuses it, naming bf16-true as the way to
+    use them, instead of silently keeping 4-byte masters."""
+    class Lean(Tiny):
+        def configure_optimizers(self):
+            return mpext.optim.AdamW(self.parameters(), lr=LR, param_remainders=True)
+
+    t = trainer(mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm]), 1)
+    with pytest.raises(ValueError, match=r"asks for param_remainders=True, which "
+                                         r"MixedPrecisionOptimizer cannot honour.*bf16-true"):
+        t.fit(Lean(), loader())
+
+
 def test_manual_optimization_and_value_clipping_refused():
     class Manual(Tiny):
         def __init__(self):

@@ -972,3 +972,48 @@ def test_callers_param_group_dicts_are_left_alone():
     assert [g["lr"] for g in mpo.param_groups] == [0.1, 0.2]
     mpo.param_groups[0]["lr"] = 0.05  # what an LR scheduler does: the inner optimizer sees it
     assert inner.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("options,asked", [
+    (dict(param_remainders=True), "param_remainders=True"),
+    (dict(master_weights=False, stochastic_rounding=True), "master_weights=False"),
+    (dict(master_weights=False), "master_weights=False"),
+])
+def test_inner_mpext_storage_options_are_refused_not_ignored(options, asked):
+    """The wrapper's masters are the inner optimizer's FP32 params, so an inner mpext.optim
+    group asking for remainders or no master cannot be honoured: refused with the way out
+    (before, it was silently ignored and each param held a 4-byte master), at construction,
+    in add_param_group and when a group is changed before a step -- nothing modified. The
+    options it does honour (BF16 / 8-bit moments, ema_decay) and FP32-only groups pass."""
+    lin = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    before = [p.detach().clone() for p in lin.parameters()]
+    inner = mpext.optim.AdamW(lin.parameters(), lr=1e-2, **options)
+    groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                   for g in inner.param_groups])
+    msg = (r"group 0 of the inner AdamW asks for %s, which MixedPrecisionOptimizer cannot "
+           r"honour: .* Use mpext.optim.AdamW directly on the model's params" % asked)
+    with pytest.raises(ValueError, match=msg):
+        MPO(inner)
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, b)
+               for p, b in zip(lin.parameters(), before))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups] \
+        == groups_before and not inner.state
+
+    # honoured options, and an FP32-only group that asks for anything, pass
+    fine = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    norm = torch.nn.LayerNorm(4)
+    ok = MPO(mpext.optim.AdamW([{"params": fine.parameters(), "exp_avg_dtype": torch.bfloat16,
+                                 "exp_avg_sq_dtype": torch.bfloat16, "ema_decay": 0.9},
+                                {"params": norm.parameters(), **options}], lr=1e-2))
+    extra = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"add_param_group: group 0 of the inner AdamW asks for "
+                                         + asked):
+        ok.add_param_group({"params": list(extra.parameters()), **options})
+    assert len(ok.param_groups) == 2
+    # changed in place after construction: refused at the step, before anything is written
+    ok.backward(norm(fine(torch.randn(2, 8).to(torch.bfloat16)).float()).sum())
+    ok.param_groups[0].update(options)
+    masters = [ok.master_param(p).clone() for p in fine.parameters()]
+    with pytest.raises(ValueError, match=r"asks for %s" % asked):
+        ok.step()
+    assert all(torch.equal(ok.master_param(p), m) for p, m in zip(fine.parameters(), masters))
