@@ -77,7 +77,7 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
                     add("master_weights", v)
                 elif name == "ema_param":
                     add("ema", v)
-                elif isinstance(q, torch.Tensor) and v.numel() == q.numel() and v.numel() > 1:
+                elif name != "step" and isinstance(q, torch.Tensor) and v.numel() == q.numel():
                     add("optimizer_states", v)
                 elif str(name).endswith("_scale") and v.dim() == 1:  # 8-bit moments' blocks
                     add("optimizer_states", v)

@@ -780,3 +780,18 @@ def test_ema_agreement_with_a_real_step(mode):
     for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
         assert got[field] == getattr(want, field), (field, got, want)
     assert got["ema"] == 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", [(1,), (), (1, 1)])
+def test_measure_one_element_params(shape):
+    """The moments of a one-element (or 0-dim) param are optimizer state like any other's;
+    only the per-param ``step`` scalars are 'other'."""
+    big = nn.Parameter(torch.randn(64, 64))
+    tiny = nn.Parameter(torch.randn(shape))
+    opt = torch.optim.AdamW([big, tiny])
+    (big.sum() + tiny.sum()).backward()
+    opt.step()
+    got = memory.measure([big, tiny], opt)
+    want = estimate([big.numel(), tiny.numel()], "adamw", "fp32")
+    assert got["optimizer_states"] == want.optimizer_states == 8 * (64 * 64 + 1)
+    assert got["other"] == 2 * 4  # the two float32 step scalars
