@@ -559,12 +559,13 @@ def _dt_body(rank, out_dir):
         out[name]["masters"] = [opt.master_param(p).full_tensor() for p in params]
         if "ema_decay" in kw:
             out[name]["ema"] = [opt.ema_param(p).full_tensor() for p in params]
-        # a checkpoint of this mode resumed with FP32 masters: converted shard by shard
+        # a checkpoint of this mode resumed with FP32 masters: converted shard by shard (a
+        # remainder is joined with its param at the next step, which master_param() shows)
         fresh = mpext.optim.AdamW(params, **ADAM)
         fresh.load_state_dict(opt.state_dict())
-        out[name]["as_masters"] = [fresh.state[p]["master_param"].full_tensor()
-                                   if "master_param" in fresh.state[p] else None
-                                   for p in params]
+        out[name]["as_masters"] = [fresh.master_param(p).full_tensor()
+                                   if {"master_param", "param_remainder"} & set(fresh.state[p])
+                                   else None for p in params]
 
     # torch's own foreach AdamW: the scaler's unscale_ path unscales the local shards.
     params, opt, scaler, found = run(torch.float32,
