@@ -536,11 +536,13 @@ class Adam(torch.optim.Optimizer):
         to the param's device and memory layout, ``step`` to a float32 scalar tensor on the
         param's device; a low-precision param's FP32 value comes from the state's
         ``master_param`` or ``param_remainder`` or, when it has neither (a torch checkpoint),
-        from the param itself -- a master becomes a remainder only if the param is its round
-        to nearest even (load the model first), else a ``ValueError`` says so. Every tensor is
-        copied, so the loaded state never shares memory with ``state_dict``. For a DTensor param the state may hold DTensors (placed otherwise:
-        redistributed) or full tensors of the param's global shape (each rank keeps its
-        shard). Everything is checked first: on an error (a group or size mismatch,
+        from the param itself (at the next step) -- a master becomes a remainder only if the
+        param is its round to nearest even (load the model first), else a ``ValueError`` says
+        so, and a remainder becomes a master at the next step, joined with the param as it is
+        then (so the model may be loaded after the optimizer). Every tensor is copied, so the
+        loaded state never shares memory with ``state_dict``. For a DTensor param the state
+        may hold DTensors (placed otherwise: redistributed) or full tensors of the param's
+        global shape (each rank keeps its shard). Everything is checked first: on an error (a group or size mismatch,
         moments whose shape is not the param's, an amsgrad state, ...) nothing is modified.
         """
         state_dict = state_dict.copy()
