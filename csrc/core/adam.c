@@ -171,8 +171,11 @@ static inline __attribute__((always_inline)) void q8_store(
     int8_t* restrict mc, uint8_t* restrict vc, const float* restrict mbuf,
     const float* restrict vbuf, int64_t n, uint32_t em, uint32_t ev, uint64_t key, uint64_t pos,
     int nearest) {
+  /* a block never crosses a multiple of 2^32 (its size is a power of two no larger): the
+   * positions' high half is the loop's invariant, as in adam_loop */
+  const uint32_t pos_lo = (uint32_t)pos, pos_hi = (uint32_t)(pos >> 32);
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = nearest ? 0u : mp_sr_bits(key, pos + (uint64_t)i);
+    const uint32_t r = nearest ? 0u : mp_sr_bits_hl(key, pos_lo + (uint32_t)i, pos_hi);
     mc[i] = (int8_t)mp_q8_encode_m(mbuf[i], em, r & 0xFFFFu, nearest);
     vc[i] = mp_q8_encode_v(vbuf[i], ev, r >> 16, nearest);
   }

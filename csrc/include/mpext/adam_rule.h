@@ -299,36 +299,54 @@ MP_HD float mp_q8_decode_v(uint8_t c, float r) {
 }
 
 /* The magnitude code of fp32 magnitude bits a (sign cleared) relative to reference exponent ea
- * (mp_q8_ref_exp): to nearest even, or stochastically with 16 random bits r16 (rounds up with
- * probability floor(dropped fraction * 2^16) / 2^16: unbiased to 2^-16 of a code step).
- * Values above the top code (none, for a block's own values) give the top code.
+ * (mp_q8_ref_exp, up to 256 for a block that is not finite): to nearest even, or stochastically
+ * with 16 random bits r16 (rounds up with probability floor(dropped fraction * 2^16) / 2^16:
+ * unbiased to 2^-16 of a code step). Values above the top code (none, for a block's own values)
+ * give the top code. Valid for the two formats above (ebits 3 or 4, mbits 4).
  *
- * One formula for both ranges: with ce = max(e, 1) - ea + T the value's code exponent and m24
- * its significand (implicit bit included when e >= 1), the code is
- * (max(ce - 1, 0) << mbits) + m24 / 2^sh, sh = 23 - mbits + max(1 - ce, 0), rounded: for a
- * normal code (ce >= 1) m24 / 2^sh lies in [2^mbits, 2^(mbits+1)) and adds the implicit one to
- * the exponent, so a carry out of the mantissa moves to the next binade, as it should. */
+ * To nearest: with ce = max(e, 1) - ea + T the value's code exponent and m24 its significand
+ * (implicit bit included when e >= 1), the code is (max(ce - 1, 0) << mbits) + m24 / 2^sh,
+ * sh = 23 - mbits + max(1 - ce, 0), rounded: for a normal code (ce >= 1) m24 / 2^sh lies in
+ * [2^mbits, 2^(mbits+1)) and adds the implicit one to the exponent, so a carry out of the
+ * mantissa moves to the next binade, as it should.
+ *
+ * Stochastic, the same codes in fewer operations (the 8-bit step is bound by its instruction
+ * count on a CPU): a normal code is the fp32 bits rebiased by (ea - T) << 23 with r16 added
+ * below the kept mantissa bits, as bf16 stochastic rounding is; a subnormal code (a below
+ * 2^(1 - T) R) is the value in units of 2^-16 code steps, x 2^k, truncated by the float-to-int
+ * conversion. The power 2^k is two fp32 factors, as no one fp32 holds it for every ea, and the
+ * products are exact wherever the result is at least 1 (below, both give 0). */
 MP_HD uint32_t mp_q8_encode(uint32_t a, uint32_t ea, uint32_t ebits, uint32_t mbits, uint32_t r16,
                             int nearest) {
   const int32_t t = (int32_t)(1u << ebits) - 1;
   const uint32_t top = (1u << (ebits + mbits)) - 1u;
-  const uint32_t e = a >> 23;
-  const int32_t ce = (int32_t)(e != 0u ? e : 1u) - (int32_t)ea + t;
-  const uint32_t m24 = (a & 0x7FFFFFu) | (e != 0u ? 0x800000u : 0u);
-  const uint32_t base = ce > 1 ? (uint32_t)(ce - 1) << mbits : 0u;
-  const int32_t sh = (int32_t)(23u - mbits) + (ce < 1 ? 1 - ce : 0); /* >= 19 */
-  uint32_t frac_code;
+  uint32_t code;
   if (nearest) {
+    const uint32_t e = a >> 23;
+    const int32_t ce = (int32_t)(e != 0u ? e : 1u) - (int32_t)ea + t;
+    const uint32_t m24 = (a & 0x7FFFFFu) | (e != 0u ? 0x800000u : 0u);
+    const uint32_t base = ce > 1 ? (uint32_t)(ce - 1) << mbits : 0u;
+    const int32_t sh = (int32_t)(23u - mbits) + (ce < 1 ? 1 - ce : 0);
     const uint32_t s = sh > 25 ? 25u : (uint32_t)sh; /* m24 < 2^24: 25 gives 0, as any more */
     const uint32_t q = m24 >> s, rem = m24 & ((1u << s) - 1u), half = 1u << (s - 1u);
-    frac_code = q + ((rem > half) ? 1u : ((rem == half) ? (q & 1u) : 0u));
+    code = base + q + ((rem > half) ? 1u : ((rem == half) ? (q & 1u) : 0u));
   } else {
-    /* m24 / 2^sh with 16 fractional bits, truncated (0 once sh >= 40), plus r16 */
-    const int32_t s16 = sh - 8;
-    const uint32_t fixed = s16 > 31 ? 0u : ((m24 << 8) >> (uint32_t)s16);
-    frac_code = (fixed + r16) >> 16;
+    const uint32_t rebias = (ea - (uint32_t)t) << 23;
+    const uint32_t normal = (a - rebias + (r16 << (7u - mbits))) >> (23u - mbits);
+    /* 2^k = 2^16 / (the subnormal code step 2^(1 - T - mbits) R), k in [-104, 145] */
+    const int32_t k = 142 + t + (int32_t)mbits - (int32_t)ea;
+    const int32_t k1 = ((k + 256) >> 1) - 128;
+    const uint32_t s1_bits = (uint32_t)(k1 + 127) << 23, s2_bits = (uint32_t)(k - k1 + 127) << 23;
+    float x, s1, s2;
+    __builtin_memcpy(&x, &a, sizeof x);
+    __builtin_memcpy(&s1, &s1_bits, sizeof s1);
+    __builtin_memcpy(&s2, &s2_bits, sizeof s2);
+    const float y = MP_FMUL(MP_FMUL(x, s1), s2);
+    /* below 2^(16 + mbits) for a subnormal code; the bound keeps the conversion defined for
+     * the lanes that take the normal code (and for NaN) */
+    const uint32_t fixed = (uint32_t)(int32_t)(y < 16777216.0f ? y : 16777216.0f);
+    code = a < rebias + (1u << 23) ? (fixed + r16) >> 16 : normal;
   }
-  const uint32_t code = base + frac_code;
   return code > top ? top : code;
 }
 
