@@ -84,8 +84,18 @@ class BuildExt(cpp_extension.BuildExtension):
         objects = []
         for src, subdir, cflags, macros in core.compile_units():
             out_dir = os.path.join(self.build_temp, "core", subdir)
-            objects += cc.compile([src], output_dir=out_dir, macros=macros,
-                                  include_dirs=core.INCLUDE_DIRS, extra_postargs=cflags)
+            obj = cc.object_filenames([src], output_dir=out_dir)[0]
+            # distutils compiles every source on every build, and adam.c alone takes minutes:
+            # only what changed (the source, a header it includes, the command) is compiled
+            cmd = ([str(a) for a in cc.compiler_so] + list(cflags)
+                   + ["-D%s=%s" % m for m in macros] + ["-I" + d for d in core.INCLUDE_DIRS]
+                   + [src])
+            if not core.up_to_date(obj, cmd):  # not self.force: torch sets it for ninja
+                cc.compile([src], output_dir=out_dir, macros=macros,
+                           include_dirs=core.INCLUDE_DIRS,
+                           extra_postargs=list(cflags) + ["-MMD", "-MF", obj + ".d"])
+                core.record(obj, cmd)
+            objects.append(obj)
         lib_dir = os.path.join(self.build_temp, "core")
         cc.create_static_lib(objects, "mpext_core", output_dir=lib_dir)
         for ext in self.extensions:

@@ -39,3 +39,26 @@ def compile_units():
             yield src, isa, COMMON_CFLAGS + flags, COMMON_MACROS + [("MP_ISA_SUFFIX", isa)]
     for src in COMMON_SOURCES:
         yield src, "common", COMMON_CFLAGS, list(COMMON_MACROS)
+
+
+
+def up_to_date(obj, cmd):
+    """True if obj was compiled by cmd (a list of strings: compiler, flags, source), as record()
+    noted, and is newer than every file of the dependency list the compiler wrote beside it
+    (obj + ".d", from -MMD -MF)."""
+    stamp, dep = obj + ".cmd", obj + ".d"
+    if not (os.path.exists(obj) and os.path.exists(stamp) and os.path.exists(dep)):
+        return False
+    with open(stamp) as f:
+        if f.read() != " ".join(cmd):
+            return False
+    with open(dep) as f:
+        deps = f.read().replace("\\\n", " ").split(":", 1)[-1].split()
+    t = os.path.getmtime(obj)
+    return all(os.path.exists(d) and os.path.getmtime(d) <= t for d in deps)
+
+
+def record(obj, cmd):
+    """Notes that obj was just compiled by cmd (see up_to_date)."""
+    with open(obj + ".cmd", "w") as f:
+        f.write(" ".join(cmd))

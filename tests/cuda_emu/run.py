@@ -67,28 +67,13 @@ def cuda_include():
     return inc if ok else None
 
 
-def up_to_date(obj, cmd):
-    """True if obj was built by cmd and is newer than every file its .d lists."""
-    stamp, dep = obj + ".cmd", obj + ".d"
-    if not (os.path.exists(obj) and os.path.exists(stamp) and os.path.exists(dep)):
-        return False
-    with open(stamp) as f:
-        if f.read() != " ".join(cmd):
-            return False
-    with open(dep) as f:
-        deps = f.read().replace("\\\n", " ").split(":", 1)[-1].split()
-    t = os.path.getmtime(obj)
-    return all(os.path.exists(d) and os.path.getmtime(d) <= t for d in deps)
-
-
 def compile_job(cmd, obj):
-    if up_to_date(obj, cmd):
+    if core.up_to_date(obj, cmd):
         return cmd, 0, "", False
     os.makedirs(os.path.dirname(obj), exist_ok=True)
     _, rc, out = ctest.run_cmd(cmd + ["-MMD", "-MF", obj + ".d"])
     if rc == 0:
-        with open(obj + ".cmd", "w") as f:
-            f.write(" ".join(cmd))
+        core.record(obj, cmd)
     return cmd, rc, out, True
 
 
