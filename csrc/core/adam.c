@@ -56,12 +56,13 @@ static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
 }
 
 /* What the loop over one block of 8-bit moments needs beside the arrays: the block's
- * references (mp_q8_ref), the fp32 buffers its new moments go to, and their absmax (as the
- * max of their magnitudes' bits). */
+ * references (mp_q8_ref), the buffers its new fp32 moments and the random bits of their
+ * rounding go to, and their absmax (as the max of their magnitudes' bits). */
 typedef struct q8_sweep {
   float rm, rv;
   float* restrict mbuf;
   float* restrict vbuf;
+  uint32_t* restrict rbuf;
   uint32_t am, av;
 } q8_sweep;
 
@@ -71,8 +72,8 @@ typedef struct q8_sweep {
  * arrays never overlap (mp_adam_step's contract): ivdep spares the vectorized loop the runtime
  * alias checks GCC otherwise adds, and falls back from, once the loop is inlined. With 8-bit
  * moments (md == MP_I8) it is the first sweep over a block: the codes decoded, the new fp32
- * moments written to q's buffers. with_ema is a constant too: a run-time test of the ema
- * pointer inside the loop keeps it scalar. */
+ * moments and the random bits of their rounding written to q's buffers. with_ema is a constant
+ * too: a run-time test of the ema pointer inside the loop keeps it scalar. */
 static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
@@ -119,6 +120,9 @@ static inline __attribute__((always_inline)) void adam_loop(
     if (q8) {
       mbuf[i] = mi;
       vbuf[i] = vi;
+      /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
+       * (with a remainder, 10% off the step; with the param's own draw, 5%) */
+      q->rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
     } else if (md == MP_BF16) {
       ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
     } else {
@@ -166,24 +170,22 @@ static inline __attribute__((always_inline)) void adam_loop(
 }
 
 /* The second sweep over a block of 8-bit moments: its new fp32 moments (still in L1) written as
- * codes relative to the block's new references; pos the block's first position in its param. */
+ * codes relative to the block's new references, with the random bits the first sweep drew. */
 static inline __attribute__((always_inline)) void q8_store(
     int8_t* restrict mc, uint8_t* restrict vc, const float* restrict mbuf,
-    const float* restrict vbuf, int64_t n, uint32_t em, uint32_t ev, uint64_t key, uint64_t pos,
-    int nearest) {
-  /* a block never crosses a multiple of 2^32 (its size is a power of two no larger): the
-   * positions' high half is the loop's invariant, as in adam_loop */
-  const uint32_t pos_lo = (uint32_t)pos, pos_hi = (uint32_t)(pos >> 32);
+    const float* restrict vbuf, const uint32_t* restrict rbuf, int64_t n, uint32_t em,
+    uint32_t ev, int nearest) {
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = nearest ? 0u : mp_sr_bits_hl(key, pos_lo + (uint32_t)i, pos_hi);
+    const uint32_t r = nearest ? 0u : rbuf[i];
     mc[i] = (int8_t)mp_q8_encode_m(mbuf[i], em, r & 0xFFFFu, nearest);
     vc[i] = mp_q8_encode_v(vbuf[i], ev, r >> 16, nearest);
   }
 }
 
 /* 8-bit moments over elements [start, start + n) (start a multiple of the block size), block
- * by block: the first sweep updates everything and leaves the block's new fp32 moments in two
- * buffers that stay in L1, the second writes their codes and the block's scales. */
+ * by block: the first sweep updates everything and leaves the block's new fp32 moments and the
+ * random bits of their rounding in buffers that stay in L1, the second writes their codes and
+ * the block's scales. */
 static inline __attribute__((always_inline)) void adam_q8(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
@@ -193,22 +195,22 @@ static inline __attribute__((always_inline)) void adam_q8(
   const int64_t b = hp->q8_block;
   _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
+  _Alignas(64) uint32_t rbuf[MP_Q8_BLOCK_MAX];
   const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
   for (int64_t off = 0; off < n; off += b) {
     const int64_t len = n - off < b ? n - off : b;
     const int64_t k = (start + off) / b;
     q8_sweep q = {mp_q8_ref(mp_q8_ref_exp_m(bits_of_f32(ms[k]))),
-                  mp_q8_ref(mp_q8_ref_exp_v(bits_of_f32(vs[k]))), mbuf, vbuf, 0u, 0u};
+                  mp_q8_ref(mp_q8_ref_exp_v(bits_of_f32(vs[k]))), mbuf, vbuf, rbuf, 0u, 0u};
     adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
               master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
               mc + off, MP_I8, vc + off, MP_U8, with_ema ? ema + off : NULL, start + off,
               (uint32_t)len, hp, mk, write_grad, 0, with_ema, &q);
     const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
     if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
-      q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, 0u, 1);
+      q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 1);
     } else {
-      q8_store(mc + off, vc + off, mbuf, vbuf, len, em, ev, hp->key_q8, (uint64_t)(start + off),
-               0);
+      q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 0);
     }
     ms[k] = f32_of_bits(q.am);
     vs[k] = f32_of_bits(q.av);
