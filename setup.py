@@ -90,11 +90,14 @@ class BuildExt(cpp_extension.BuildExtension):
             cmd = ([str(a) for a in cc.compiler_so] + list(cflags)
                    + ["-D%s=%s" % m for m in macros] + ["-I" + d for d in core.INCLUDE_DIRS]
                    + [src])
-            if not core.up_to_date(obj, cmd):  # not self.force: torch sets it for ninja
+            # (not self.force: torch's BuildExtension sets it whenever ninja builds the rest;
+            # `make clean` is what rebuilds everything)
+            if not core.up_to_date(obj, cmd):
+                began = core.begin(obj)
                 cc.compile([src], output_dir=out_dir, macros=macros,
                            include_dirs=core.INCLUDE_DIRS,
                            extra_postargs=list(cflags) + ["-MMD", "-MF", obj + ".d"])
-                core.record(obj, cmd)
+                core.record(obj, cmd, began)
             objects.append(obj)
         lib_dir = os.path.join(self.build_temp, "core")
         cc.create_static_lib(objects, "mpext_core", output_dir=lib_dir)

@@ -6,6 +6,7 @@ once with baseline flags. No -march=native: the result must run on any CPU of th
 """
 import os
 import platform
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "core")]
@@ -44,8 +45,8 @@ def compile_units():
 
 def up_to_date(obj, cmd):
     """True if obj was compiled by cmd (a list of strings: compiler, flags, source), as record()
-    noted, and is newer than every file of the dependency list the compiler wrote beside it
-    (obj + ".d", from -MMD -MF)."""
+    noted, and every file of the dependency list the compiler wrote beside it (obj + ".d", from
+    -MMD -MF) is older than the object's time, which record() sets to when its compile began."""
     stamp, dep = obj + ".cmd", obj + ".d"
     if not (os.path.exists(obj) and os.path.exists(stamp) and os.path.exists(dep)):
         return False
@@ -55,10 +56,21 @@ def up_to_date(obj, cmd):
     with open(dep) as f:
         deps = f.read().replace("\\\n", " ").split(":", 1)[-1].split()
     t = os.path.getmtime(obj)
-    return all(os.path.exists(d) and os.path.getmtime(d) <= t for d in deps)
+    return all(os.path.exists(d) and os.path.getmtime(d) < t for d in deps)
 
 
-def record(obj, cmd):
-    """Notes that obj was just compiled by cmd (see up_to_date)."""
+def begin(obj):
+    """Call before compiling obj: forgets its command, so that a compile cut short never leaves
+    an object beside the stamp of another, and returns the time record() needs."""
+    if os.path.exists(obj + ".cmd"):
+        os.remove(obj + ".cmd")
+    return time.time()
+
+
+def record(obj, cmd, began):
+    """Notes that obj was just compiled by cmd, the compile having begun at `began` (begin()),
+    and dates obj then: a file edited while the compiler ran is newer, so the next build
+    compiles again."""
+    os.utime(obj, (began, began))
     with open(obj + ".cmd", "w") as f:
         f.write(" ".join(cmd))

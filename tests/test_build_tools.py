@@ -14,9 +14,12 @@ from build_tools import core  # noqa: E402
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def compile_(cmd, obj):
+def compile_(cmd, obj, while_compiling=None):
+    began = core.begin(obj)
     subprocess.run(cmd + ["-MMD", "-MF", obj + ".d"], check=True)
-    core.record(obj, cmd)
+    if while_compiling is not None:
+        while_compiling()
+    core.record(obj, cmd, began)
 
 
 def changed(path, obj, after=True):
@@ -58,4 +61,15 @@ def test_up_to_date_follows_source_headers_and_command(tmp_path):
     (inc / "used.h").write_text("#define VALUE 3\n")
     compile_(cmd, obj)
     os.remove(obj + ".d")  # no dependency list: nothing is known
+    assert not core.up_to_date(obj, cmd)
+
+    # a header edited while the compiler ran (after it read the old one): compiled again
+    compile_(cmd, obj)
+    assert core.up_to_date(obj, cmd)
+    compile_(cmd, obj, while_compiling=lambda: (inc / "used.h").write_text("#define VALUE 4\n"))
+    assert not core.up_to_date(obj, cmd)
+
+    # a compile cut short leaves no stamp: the old command cannot vouch for a new object
+    compile_(cmd, obj)
+    core.begin(obj)
     assert not core.up_to_date(obj, cmd)

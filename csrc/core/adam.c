@@ -121,7 +121,8 @@ static inline __attribute__((always_inline)) void adam_loop(
       mbuf[i] = mi;
       vbuf[i] = vi;
       /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
-       * (with a remainder, 10% off the step; with the param's own draw, 5%) */
+       * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
+       * with moments_nearest too, which is for comparisons only. */
       q->rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
     } else if (md == MP_BF16) {
       ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);

@@ -71,9 +71,10 @@ def compile_job(cmd, obj):
     if core.up_to_date(obj, cmd):
         return cmd, 0, "", False
     os.makedirs(os.path.dirname(obj), exist_ok=True)
+    began = core.begin(obj)
     _, rc, out = ctest.run_cmd(cmd + ["-MMD", "-MF", obj + ".d"])
     if rc == 0:
-        core.record(obj, cmd)
+        core.record(obj, cmd, began)
     return cmd, rc, out, True
 
 

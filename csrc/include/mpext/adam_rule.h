@@ -333,7 +333,7 @@ MP_HD uint32_t mp_q8_encode(uint32_t a, uint32_t ea, uint32_t ebits, uint32_t mb
   } else {
     const uint32_t rebias = (ea - (uint32_t)t) << 23;
     const uint32_t normal = (a - rebias + (r16 << (7u - mbits))) >> (23u - mbits);
-    /* 2^k = 2^16 / (the subnormal code step 2^(1 - T - mbits) R), k in [-104, 145] */
+    /* 2^k = 2^16 / (the subnormal code step 2^(1 - T - mbits) R), k in [-103, 145] */
     const int32_t k = 142 + t + (int32_t)mbits - (int32_t)ea;
     const int32_t k1 = ((k + 256) >> 1) - 128;
     const uint32_t s1_bits = (uint32_t)(k1 + 127) << 23, s2_bits = (uint32_t)(k - k1 + 127) << 23;
