@@ -42,7 +42,6 @@ def compile_units():
         yield src, "common", COMMON_CFLAGS, list(COMMON_MACROS)
 
 
-
 def up_to_date(obj, cmd):
     """True if obj was compiled by cmd (a list of strings: compiler, flags, source), as record()
     noted, and every file of the dependency list the compiler wrote beside it (obj + ".d", from

@@ -87,11 +87,13 @@ static inline __attribute__((always_inline)) void adam_loop(
   float rm = 0.0f, rv = 0.0f;
   float* restrict mbuf = NULL;
   float* restrict vbuf = NULL;
+  uint32_t* restrict rbuf = NULL;
   if (q8) {
     rm = q->rm;
     rv = q->rv;
     mbuf = q->mbuf;
     vbuf = q->vbuf;
+    rbuf = q->rbuf;
   }
   const uint32_t pos_lo = (uint32_t)start, pos_hi = (uint32_t)((uint64_t)start >> 32);
 #pragma GCC ivdep
@@ -123,7 +125,7 @@ static inline __attribute__((always_inline)) void adam_loop(
       /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
        * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
        * with moments_nearest too, which is for comparisons only. */
-      q->rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
+      rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
     } else if (md == MP_BF16) {
       ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
     } else {
