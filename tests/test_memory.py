@@ -667,7 +667,7 @@ def test_q8_agreement_with_a_real_step(mode):
     scaler = mpext.GradScaler("cpu") if dtype == torch.float16 else None
     loss = (model(torch.randn(16, 64, dtype=dtype)).float() - 1).pow(2).mean()
     _backward_step(loss, opt, scaler)
-    assert all(st["exp_avg"].dtype == torch.int8 for st in opt.state.values())
+    assert all(st["exp_avg_q8"].dtype == torch.int8 for st in opt.state.values())
     got = memory.measure(model.parameters(), opt, scaler)
     n = sum(p.numel() for p in model.parameters())
     want = estimate(n, "adamw", mode)

@@ -487,12 +487,15 @@ def test_optimizer_state_layout(device, mode):
     for p in params:
         st = opt.state[p]
         if p.numel() >= MIN_8BIT_NUMEL:
-            assert st["exp_avg"].dtype == I8 and st["exp_avg_sq"].dtype == U8
-            assert st["exp_avg"].shape == p.shape and st["exp_avg_sq"].shape == p.shape
-            for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+            # codes under keys of their own: no loader can read them as moment values
+            assert "exp_avg" not in st and "exp_avg_sq" not in st
+            assert st["exp_avg_q8"].dtype == I8 and st["exp_avg_sq_q8"].dtype == U8
+            assert st["exp_avg_q8"].shape == p.shape and st["exp_avg_sq_q8"].shape == p.shape
+            for k in ("exp_avg_q8_scale", "exp_avg_sq_q8_scale"):
                 assert st[k].dtype == F32 and st[k].shape == (-(-p.numel() // 256),)
         else:  # small params keep fp32 moments
-            assert st["exp_avg"].dtype == F32 and "exp_avg_scale" not in st
+            assert st["exp_avg"].dtype == F32 and "exp_avg_q8_scale" not in st
+            assert "exp_avg_q8" not in st
         assert ("master_param" in st) == (mode == "master")
         assert ("param_remainder" in st) == (mode == "remainder")
 
@@ -508,13 +511,13 @@ def test_optimizer_step_is_the_op_step():
     set_grads(params, 77)
     opt.step()
     c = dict(param=before, grad=p.grad, master=torch.empty(0), rem=torch.empty(0),
-             mc=st["exp_avg"].view(-1), vc=st["exp_avg_sq"].view(-1), ms=st["exp_avg_scale"],
-             vs=st["exp_avg_sq_scale"], step=st["step"])
+             mc=st["exp_avg_q8"].view(-1), vc=st["exp_avg_sq_q8"].view(-1),
+             ms=st["exp_avg_q8_scale"], vs=st["exp_avg_sq_q8_scale"], step=st["step"])
     c1 = run_q8_op({k: v.reshape(-1) if k in ("param", "grad") else v for k, v in c.items()},
                    "none", 64, False, seed=0, stream=0, lr=1e-3, beta1=0.9, beta2=0.999,
                    weight_decay=1e-2)
     assert_bitwise(c1["param"], p.detach().reshape(-1))
-    assert_bitwise(c1["mc"], opt.state[p]["exp_avg"].view(-1))
+    assert_bitwise(c1["mc"], opt.state[p]["exp_avg_q8"].view(-1))
 
 
 def test_resume_is_bit_exact(device):
@@ -546,23 +549,23 @@ def test_state_dict_across_modes_both_ways():
     assert q8.param_groups[0]["block_size"] == 128
     st = q8.state[params[0]]
     codes, scale = q8_encode(fp32.state[params[0]]["exp_avg"], I8, 128)
-    assert_bitwise(st["exp_avg"], codes)
-    assert_bitwise(st["exp_avg_scale"], scale)
+    assert_bitwise(st["exp_avg_q8"], codes)
+    assert_bitwise(st["exp_avg_q8_scale"], scale)
     sd8 = q8.state_dict()
     for dt in (F32, BF16):
         other = AdamW(params, lr=1e-3, exp_avg_dtype=dt, exp_avg_sq_dtype=dt)
         other.load_state_dict(sd8)
-        want = q8_decode(st["exp_avg_sq"], st["exp_avg_sq_scale"]).to(dt)
+        want = q8_decode(st["exp_avg_sq_q8"], st["exp_avg_sq_q8_scale"]).to(dt)
         assert_bitwise(other.state[params[0]]["exp_avg_sq"], want)
-        assert "exp_avg_sq_scale" not in other.state[params[0]]
+        assert "exp_avg_sq_q8_scale" not in other.state[params[0]]
     tparams = model_params(F32)
     torch_opt = torch.optim.AdamW(tparams, lr=1e-3)
     train(torch_opt, tparams, 2)
     q = AdamW(tparams, lr=1e-3, **Q8)
     q.load_state_dict(torch_opt.state_dict())
-    assert q.state[tparams[0]]["exp_avg"].dtype == I8
+    assert q.state[tparams[0]]["exp_avg_q8"].dtype == I8
     train(q, tparams, 2, first=2)
-    assert q.state[tparams[0]]["exp_avg"].dtype == I8
+    assert q.state[tparams[0]]["exp_avg_q8"].dtype == I8
 
 
 def test_checkpoint_loads_into_the_optimizers_block_size_and_group_change_requantizes():
@@ -579,19 +582,19 @@ def test_checkpoint_loads_into_the_optimizers_block_size_and_group_change_requan
     other.load_state_dict(opt.state_dict())
     assert other.param_groups[0]["block_size"] == 256
     st = opt.state[params[0]]
-    want = q8_encode(q8_decode(st["exp_avg"], st["exp_avg_scale"]), I8, 256)
-    assert_bitwise(other.state[params2[0]]["exp_avg"], want[0])
+    want = q8_encode(q8_decode(st["exp_avg_q8"], st["exp_avg_q8_scale"]), I8, 256)
+    assert_bitwise(other.state[params2[0]]["exp_avg_q8"], want[0])
     train(opt, params, 1, first=2)
     train(same, params2, 1, first=2)
     assert_opts_bitwise(opt, same)
     # a group's block size changed between steps: the codes are re-made at the next step
     st = opt.state[params[0]]
-    want_m = q8_encode(q8_decode(st["exp_avg"], st["exp_avg_scale"]), I8, 512)
+    want_m = q8_encode(q8_decode(st["exp_avg_q8"], st["exp_avg_q8_scale"]), I8, 512)
     opt.param_groups[0]["block_size"] = 512
     snap = [p.detach().clone() for p in params]
     opt.step(found_inf=torch.ones(()))  # a skipped step: converts, then writes nothing
-    assert_bitwise(opt.state[params[0]]["exp_avg"], want_m[0])
-    assert opt.state[params[0]]["exp_avg_scale"].numel() == -(-params[0].numel() // 512)
+    assert_bitwise(opt.state[params[0]]["exp_avg_q8"], want_m[0])
+    assert opt.state[params[0]]["exp_avg_q8_scale"].numel() == -(-params[0].numel() // 512)
     for p, x in zip(params, snap):
         assert_bitwise(p.detach(), x)
     train(opt, params, 1, first=3)
@@ -621,13 +624,13 @@ def test_small_updates_survive_in_expectation(rounding):
     opt = Adam(params, lr=0.0, betas=(0.9, 0.999), moment_rounding=rounding, **Q8)
     params[0].grad = torch.full((n,), 1.0)
     opt.step()
-    v0 = q8_decode(opt.state[params[0]]["exp_avg_sq"],
-                   opt.state[params[0]]["exp_avg_sq_scale"]).double().mean().item()
+    v0 = q8_decode(opt.state[params[0]]["exp_avg_sq_q8"],
+                   opt.state[params[0]]["exp_avg_sq_q8_scale"]).double().mean().item()
     params[0].grad = torch.zeros(n)
     for _ in range(200):
         opt.step()
-    v = q8_decode(opt.state[params[0]]["exp_avg_sq"],
-                  opt.state[params[0]]["exp_avg_sq_scale"]).double().mean().item()
+    v = q8_decode(opt.state[params[0]]["exp_avg_sq_q8"],
+                  opt.state[params[0]]["exp_avg_sq_q8_scale"]).double().mean().item()
     if rounding == "stochastic":
         assert v == pytest.approx(v0 * 0.999 ** 200, rel=0.02)
     else:
@@ -672,9 +675,9 @@ def test_bad_checkpoint_scales_are_refused():
     opt = AdamW(params, lr=1e-3, **Q8)
     train(opt, params, 1)
     sd = opt.state_dict()
-    sd["state"][0]["exp_avg_scale"] = torch.zeros(7)  # no power-of-two block gives 7 blocks
-    with pytest.raises(ValueError, match=r"exp_avg holds 8-bit codes, so exp_avg_scale must be "
-                                         r"a 1-D float32 tensor of one scale per block"):
+    sd["state"][0]["exp_avg_q8_scale"] = torch.zeros(7)  # no power-of-two block gives 7 blocks
+    with pytest.raises(ValueError, match=r"exp_avg_q8 holds 8-bit codes, so exp_avg_q8_scale "
+                                         r"must be a 1-D float32 tensor of one scale per block"):
         AdamW(params, lr=1e-3, **Q8).load_state_dict(sd)
 
 
@@ -688,7 +691,7 @@ def test_mixed_precision_optimizer_takes_8bit_moments():
         opt.step()
         opt.zero_grad()
     st = inner.state[inner.param_groups[0]["params"][0]]
-    assert st["exp_avg"].dtype == I8 and st["exp_avg_scale"].numel() == 32
+    assert st["exp_avg_q8"].dtype == I8 and st["exp_avg_q8_scale"].numel() == 32
 
 
 @pytest.mark.skipif(not CUDA_OK, reason="no CUDA device")
@@ -716,17 +719,18 @@ def test_codes_saved_in_another_memory_layout():
     p.grad = g.to(BF16).to(memory_format=torch.channels_last)
     opt.step()
     st = opt.state[p]
-    saved = {k: q8_decode(st[k], st[k + "_scale"]) for k in ("exp_avg", "exp_avg_sq")}
+    saved = {k: q8_decode(st[k + "_q8"], st[k + "_q8_scale"]) for k in ("exp_avg", "exp_avg_sq")}
     for fmt in (torch.contiguous_format, torch.channels_last):
         q = p.detach().clone(memory_format=fmt).requires_grad_()
         o2 = AdamW([q], lr=1e-3, **Q8)
         o2.load_state_dict(opt.state_dict())
         s2 = o2.state[q]
         for k in ("exp_avg", "exp_avg_sq"):
-            assert s2[k].stride() == q.stride(), (fmt, k)  # in the param's layout
-            got = q8_decode(s2[k], s2[k + "_scale"])
+            codes = s2[k + "_q8"]
+            assert codes.stride() == q.stride(), (fmt, k)  # in the param's layout
+            got = q8_decode(codes, s2[k + "_q8_scale"])
             want_codes, want_scale = q8_encode(
-                torch.empty_like(q, dtype=torch.float32).copy_(saved[k]), s2[k].dtype, 256)
+                torch.empty_like(q, dtype=torch.float32).copy_(saved[k]), codes.dtype, 256)
             assert torch.equal(got, q8_decode(want_codes, want_scale)), (fmt, k)
             # the ramp, the largest values of their blocks in either layout: within a code step
             assert torch.allclose(got[0, 0], saved[k][0, 0], rtol=2 ** -4, atol=0), (fmt, k)
@@ -735,3 +739,61 @@ def test_codes_saved_in_another_memory_layout():
         o3.load_state_dict(opt.state_dict())
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(o3.state[q][k], saved[k]), (fmt, k)
+
+
+def _old_layout(sd):
+    """A state_dict as mpext wrote it before coded state had keys of its own: 8-bit codes under
+    the moment's name, their scales under "<moment>_scale"."""
+    sd = {"state": {k: dict(v) for k, v in sd["state"].items()},
+          "param_groups": [dict(g) for g in sd["param_groups"]]}
+    for st in sd["state"].values():
+        for m in ("exp_avg", "exp_avg_sq"):
+            if m + "_q8" in st:
+                st[m] = st.pop(m + "_q8")
+                st[m + "_scale"] = st.pop(m + "_q8_scale")
+    return sd
+
+
+def test_checkpoints_with_codes_under_the_moment_names_still_load():
+    params = model_params(F32)
+    opt = AdamW(params, lr=1e-3, **Q8)
+    train(opt, params, 2)
+    old = _old_layout(opt.state_dict())
+    assert old["state"][0]["exp_avg"].dtype == I8 and "exp_avg_scale" in old["state"][0]
+    same = AdamW(params, lr=1e-3, **Q8)
+    same.load_state_dict(old)
+    for p in params:
+        assert same.state[p].keys() == opt.state[p].keys()
+        for k, v in opt.state[p].items():
+            assert_bitwise(same.state[p][k], v, k)
+    fp32 = AdamW(params, lr=1e-3)
+    fp32.load_state_dict(old)
+    st = opt.state[params[0]]
+    assert_bitwise(fp32.state[params[0]]["exp_avg"],
+                   q8_decode(st["exp_avg_q8"], st["exp_avg_q8_scale"]))
+    assert set(fp32.state[params[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_torch_adamw_never_takes_codes_for_moments():
+    """torch.optim.AdamW loading an 8-bit state finds no exp_avg and fails at its first step,
+    before writing anything, instead of stepping with codes as moment values; the other way,
+    torch's state becomes codes of its moments."""
+    params = model_params(F32)
+    opt = AdamW(params, lr=1e-3, **Q8)
+    train(opt, params, 2)
+    tparams = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    topt = torch.optim.AdamW(tparams, lr=1e-3)
+    topt.load_state_dict(opt.state_dict())
+    before = [p.detach().clone() for p in tparams]
+    set_grads(tparams, 5)
+    with pytest.raises(KeyError, match="exp_avg"):
+        topt.step()
+    for p, b in zip(tparams, before):
+        assert_bitwise(p.detach(), b)
+    ref = torch.optim.AdamW(tparams, lr=1e-3)
+    train(ref, tparams, 2)
+    back = AdamW(tparams, lr=1e-3, **Q8)
+    back.load_state_dict(ref.state_dict())
+    codes, scale = q8_encode(ref.state[tparams[0]]["exp_avg"], I8, 256)
+    assert_bitwise(back.state[tparams[0]]["exp_avg_q8"], codes)
+    assert_bitwise(back.state[tparams[0]]["exp_avg_q8_scale"], scale)

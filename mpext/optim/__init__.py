@@ -6,8 +6,9 @@ defaults, the same param-group keys (plus mpext's: ``master_weights``, ``param_r
 ``unscale_grads``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``moment_rounding``,
 ``stochastic_rounding``, ``seed``, ``block_size``, ``ema_decay``), the same ``state_dict``
 layout (``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` or ``param_remainder``
-where one exists, ``exp_avg_scale`` / ``exp_avg_sq_scale`` with 8-bit moments and
-``ema_param`` with an EMA), and the same math. What differs is how a step runs:
+where one exists and ``ema_param`` with an EMA; 8-bit moments, being codes, not values, are
+``exp_avg_q8`` / ``exp_avg_sq_q8`` with ``exp_avg_q8_scale`` / ``exp_avg_sq_q8_scale`` instead
+of ``exp_avg`` / ``exp_avg_sq``: see docs/lean_state.md, "State keys"), and the same math. What differs is how a step runs:
 
 * One ``adam_step_`` call per device and set of hyperparameters covers every param with a
   gradient, whatever its group or dtype: one pass over memory that reads the gradient, updates
@@ -31,7 +32,8 @@ where one exists, ``exp_avg_scale`` / ``exp_avg_sq_scale`` with 8-bit moments an
     and kept for comparisons).
   - ``exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8``: 8-bit block-quantized moments
     (1 byte per element each, plus one FP32 absmax per block of ``block_size`` elements, in
-    ``state["exp_avg_scale"]`` / ``state["exp_avg_sq_scale"]``), decoded, updated in FP32 and
+    ``state["exp_avg_q8_scale"]`` / ``state["exp_avg_sq_q8_scale"]``, the codes in
+    ``state["exp_avg_q8"]`` / ``state["exp_avg_sq_q8"]``), decoded, updated in FP32 and
     re-encoded with ``moment_rounding`` in the same pass; params of fewer than
     ``MIN_8BIT_NUMEL`` elements keep FP32 moments. See docs/moments_8bit.md.
 
@@ -600,9 +602,14 @@ class Adam(torch.optim.Optimizer):
         if "max_exp_avg_sq" in value:
             raise NotImplementedError("%s has max_exp_avg_sq (amsgrad), which %s does not "
                                       "support" % (where, self._name()))
-        for name in ("step", "exp_avg", "exp_avg_sq"):
-            if name not in value:
+        value = _upgrade_keys(value)
+        if "step" not in value:
+            raise ValueError("%s has no 'step' (it has %s)" % (where, sorted(value)))
+        for name in _Q8_DTYPES:
+            if name not in value and name + _Q8 not in value:
                 raise ValueError("%s has no %r (it has %s)" % (where, name, sorted(value)))
+            if name in value and name + _Q8 in value:
+                raise ValueError("%s has both %r and %r" % (where, name, name + _Q8))
         out: Dict[str, Any] = {}
         step = value["step"]
         if isinstance(step, torch.Tensor):
@@ -617,7 +624,8 @@ class Adam(torch.optim.Optimizer):
             raise TypeError("%s: step must be a number or a 1-element tensor, got %r"
                             % (where, step))
         low = param.dtype in _LOW_DTYPES
-        for name in ("exp_avg", "exp_avg_sq", "master_param", "param_remainder", "ema_param"):
+        for name in ("exp_avg", "exp_avg_q8", "exp_avg_sq", "exp_avg_sq_q8", "master_param",
+                     "param_remainder", "ema_param"):
             if name not in value or (name in _STORAGE_KEYS and not low):
                 continue
             t = value[name]
@@ -627,10 +635,13 @@ class Adam(torch.optim.Optimizer):
             if t.shape != param.shape:
                 raise ValueError("%s: %s has shape %s but the param has shape %s"
                                  % (where, name, tuple(t.shape), tuple(param.shape)))
-            if name in _Q8_DTYPES and t.dtype in (torch.int8, torch.uint8):
-                out[name], scale = _import_codes(param, name, t, value, where)
-                if scale is not None:
-                    out[name + "_scale"] = scale
+            if name.endswith(_Q8):
+                moment = name[:-len(_Q8)]
+                codes, scale = _import_codes(param, moment, t, value, where)
+                if scale is None:  # decoded
+                    out[moment] = codes
+                else:
+                    out[name], out[name + "_scale"] = codes, scale
                 continue
             if name == "param_remainder":
                 if t.dtype != torch.int16 or t.layout != torch.strided:
@@ -678,7 +689,7 @@ def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any]) -> Dict[str, 
     them."""
     for name, v in value.items():
         if name not in ("step", "exp_avg", "exp_avg_sq", "ema_param") + _STORAGE_KEYS \
-                + _SCALE_KEYS:
+                + _CODE_KEYS + _OLD_SCALE_KEYS:
             out[name] = v
     return out
 
@@ -715,8 +726,40 @@ def _ema_swapped(opt: "Adam", pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---- 8-bit moments (docs/moments_8bit.md; the kernel's format is mpext/adam.h's) ----
+# Coded state has keys of its own (docs/lean_state.md, "State keys"): torch's names hold only
+# values, so no loader can take a code for a moment. A moment's 8-bit codes are
+# "<moment>_q8", their blocks' scales "<moment>_q8_scale".
+_Q8, _Q8_SCALE = "_q8", "_q8_scale"
 _Q8_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
-_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+_CODE_KEYS = tuple(m + sfx for m in _Q8_DTYPES for sfx in (_Q8, _Q8_SCALE))
+# Checkpoints written before coded state had keys of its own: codes under the moment's name.
+_OLD_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+
+
+def _moment_of(state: Dict[str, Any], key: str) -> Tuple[Optional[torch.Tensor],
+                                                         Optional[torch.Tensor]]:
+    """A moment's stored tensor in a param's state and, for 8-bit codes, its blocks' scales
+    (None for values)."""
+    codes = state.get(key + _Q8)
+    if codes is not None:
+        return codes, state.get(key + _Q8_SCALE)
+    return state.get(key), None
+
+
+def _upgrade_keys(value: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved param state in the current key scheme: 8-bit codes saved under a moment's own
+    name (with "<moment>_scale") move to "<moment>_q8" / "<moment>_q8_scale"."""
+    if not any(isinstance(value.get(m), torch.Tensor) and value[m].dtype in _Q8_FORMAT
+               for m in _Q8_DTYPES):
+        return value
+    value = dict(value)
+    for m in _Q8_DTYPES:
+        t = value.get(m)
+        if isinstance(t, torch.Tensor) and t.dtype in _Q8_FORMAT and m + _Q8 not in value:
+            value[m + _Q8] = value.pop(m)
+            if m + "_scale" in value:
+                value[m + _Q8_SCALE] = value.pop(m + "_scale")
+    return value
 # (exponent bits, mantissa bits) of each moment's code: adam_rule.h's MP_Q8_{M,V}_{E,M}BITS
 _Q8_FORMAT = {torch.int8: (3, 4), torch.uint8: (4, 4)}
 _Q8_TABLES: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -745,10 +788,13 @@ def new_moments(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any
     zero scales for 8-bit codes (which decode to zero)."""
     for key, dtype_key in _MOMENTS:
         dt = _moment_dtype(param, group, dtype_key)
-        state[key] = torch.zeros_like(param, dtype=dt, memory_format=torch.preserve_format)
+        zeros = torch.zeros_like(param, dtype=dt, memory_format=torch.preserve_format)
         if dt in _Q8_FORMAT:
             nblocks = _q8_blocks(param.numel(), group.get("block_size", 256))
-            state[key + "_scale"] = torch.zeros(nblocks, dtype=_F32, device=param.device)
+            state[key + _Q8] = zeros
+            state[key + _Q8_SCALE] = torch.zeros(nblocks, dtype=_F32, device=param.device)
+        else:
+            state[key] = zeros
 
 
 def _q8_blocks(n: int, block: int) -> int:
@@ -850,23 +896,28 @@ def q8_encode(x: torch.Tensor, dtype: torch.dtype, block: int) -> Tuple[torch.Te
     return out, scale
 
 
-def _import_codes(param: torch.Tensor, name: str, t: torch.Tensor, value: Dict[str, Any],
+def _import_codes(param: torch.Tensor, moment: str, t: torch.Tensor, value: Dict[str, Any],
                   where: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A loaded moment's 8-bit codes and its scales, checked and copied to the param; or, for
-    codes saved in another memory layout than the param's, their fp32 values and None."""
-    if t.dtype is not _Q8_DTYPES[name] or t.layout != torch.strided:
+    codes saved in another memory layout than the param's, or full codes for a DTensor param,
+    their fp32 values and None."""
+    name, skey = moment + _Q8, moment + _Q8_SCALE
+    if t.dtype is not _Q8_DTYPES[moment] or t.layout != torch.strided:
         raise TypeError("%s: %s holds 8-bit codes, which must be a dense %s tensor, got %s %s"
-                        % (where, name, _Q8_DTYPES[name], t.layout, t.dtype))
-    if _is_dtensor(param) or _is_dtensor(t):
+                        % (where, name, _Q8_DTYPES[moment], t.layout, t.dtype))
+    if _is_dtensor(t):
         raise NotImplementedError("%s: 8-bit moments are not supported for DTensor params" % where)
-    skey = name + "_scale"
     sc = value.get(skey)
     if not (isinstance(sc, torch.Tensor) and sc.dtype is _F32 and sc.dim() == 1
-            and _q8_block_of(param.numel(), sc.numel()) is not None):
+            and not _is_dtensor(sc) and _q8_block_of(param.numel(), sc.numel()) is not None):
         raise ValueError("%s: %s holds 8-bit codes, so %s must be a 1-D float32 tensor of one "
                          "scale per block (a power-of-two block size in [%d, %d]), got %s"
                          % (where, name, skey, Q8_BLOCK_MIN, Q8_BLOCK_MAX,
                             tuple(sc.shape) if isinstance(sc, torch.Tensor) else sc))
+    if _is_dtensor(param):
+        # Full codes (a single-process checkpoint): their blocks span the whole tensor, so they
+        # are decoded whole (exactly) and each rank keeps its shard of the values.
+        return _copy_like(param, q8_decode(t.detach(), sc.detach()), _F32), None
     t, sc = t.detach().to(param.device), sc.detach().to(device=param.device, copy=True)
     codes = torch.empty_like(param, dtype=t.dtype, memory_format=torch.preserve_format)
     if not _same_memory_order(t, codes):
@@ -917,26 +968,26 @@ def _conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, 
     conversion of optimizer state, for a group changed between steps and for load_state_dict
     (which converts the moments only, ``storage=False``: the rest reads the param)."""
     _check_q8_param(param, group, where)
+    block = group.get("block_size", 256)
     for key, dtype_key in _MOMENTS:
-        t, dtype = state.get(key), _moment_dtype(param, group, dtype_key)
-        skey = key + "_scale"
+        dtype = _moment_dtype(param, group, dtype_key)
+        t, scale = _moment_of(state, key)
         if t is None:
             continue
-        if dtype in _Q8_FORMAT and t.dtype == dtype:
-            scale = state[skey]
-            if scale.numel() == _q8_blocks(param.numel(), group.get("block_size", 256)):
+        if scale is not None:
+            if t.dtype is dtype and scale.numel() == _q8_blocks(param.numel(), block):
                 continue  # the group's form already (blocks of one size agree in number)
-        if t.dtype != dtype:
-            value = q8_decode(t, state[skey]) if t.dtype in _Q8_FORMAT else t
-            if dtype in _Q8_FORMAT:
-                state[key], state[skey] = q8_encode(value, dtype, group.get("block_size", 256))
-            else:
-                state[key] = value.to(dtype)
-        elif dtype in _Q8_FORMAT:  # another block size
-            state[key], state[skey] = q8_encode(q8_decode(t, state[skey]), dtype,
-                                                group.get("block_size", 256))
-        if dtype not in _Q8_FORMAT:
-            state.pop(skey, None)
+            value = q8_decode(t, scale)
+        elif t.dtype is dtype:
+            continue
+        else:
+            value = t
+        for k in (key, key + _Q8, key + _Q8_SCALE):
+            state.pop(k, None)
+        if dtype in _Q8_FORMAT:
+            state[key + _Q8], state[key + _Q8_SCALE] = q8_encode(value, dtype, block)
+        else:
+            state[key] = value.to(dtype)
     if not storage:
         return
     want = _storage_key(param, group, where)
@@ -1090,7 +1141,8 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
 
     items: (param, grad, state, storage, lr, hyper, stream) per param: plain tensors (DTensors
     already as their local shards), ``state`` a dict with torch's ``exp_avg``, ``exp_avg_sq``
-    (float32 or bfloat16, or int8 / uint8 codes with ``exp_avg_scale`` / ``exp_avg_sq_scale``)
+    (float32 or bfloat16), or 8-bit ``exp_avg_q8`` / ``exp_avg_sq_q8`` codes with their
+    ``*_q8_scale``,
     and ``step`` (a step that is not a float32 scalar on the param's
     device is converted in place), ``storage`` the fp32 master (float32) or the remainder
     (int16) of a bf16/fp16 param, or None (an fp32 param, or none kept), ``lr`` a float or a
@@ -1123,15 +1175,17 @@ def fused_adam_step(items: Iterable[tuple], lr_tensors: LrTensors,
                 g = copy
             params.append(p)
             grads.append(g)
-            exp_avgs.append(_local(state["exp_avg"]))
-            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            m, ms = _moment_of(state, "exp_avg")
+            v, vs = _moment_of(state, "exp_avg_sq")
+            exp_avgs.append(_local(m))
+            exp_avg_sqs.append(_local(v))
             steps.append(_device_step(state, device))
             is_remainder = storage is not None and storage.dtype is torch.int16
             masters.append(empty if storage is None or is_remainder else storage)
             remainders.append(storage if is_remainder else empty16)
             streams.append(stream)
-            m_scales.append(state.get("exp_avg_scale", empty))
-            v_scales.append(state.get("exp_avg_sq_scale", empty))
+            m_scales.append(empty if ms is None else ms)
+            v_scales.append(empty if vs is None else vs)
             ema = state.get("ema_param")
             emas.append(empty if ema is None else _local(ema))
         if all(m is empty for m in masters):
