@@ -73,9 +73,13 @@ GLOBAL_BATCH = 8
 LOCAL_BATCH = GLOBAL_BATCH // WORLD
 
 
-def _mlp(dtype=torch.float32):
-    """Its last layer has one output row, so a 2-way Shard(0) leaves rank 1 empty shards."""
+def _mlp(dtype=torch.float32, wide=False):
+    """Its last layer has one output row, so a 2-way Shard(0) leaves rank 1 empty shards.
+    wide: a first layer large enough for 8-bit moments."""
     torch.manual_seed(0)
+    if wide:
+        m = nn.Sequential(nn.Linear(8, 1024), nn.Tanh(), nn.Linear(1024, 1))
+        return m.to(dtype)
     m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.Tanh(), nn.Linear(4, 1))
     return m.to(dtype)
 
@@ -767,7 +771,147 @@ def _fsdp_body(rank, mesh, out_dir):
                      "skipped": scaler.get_skipped_steps() if scaler else None,
                      "placements": [str(p.placements) for p in params]}
     out["fsdp_dcp"] = _dcp_checks(rank, mesh, out_dir)
+    out["fsdp_full_state_dict"] = _full_state_dict_checks(rank, mesh)
+    out["fsdp_one_to_two"] = _one_to_two_ranks_checks(rank, mesh, out_dir)
     return out
+
+
+def _fsdp_model(mesh, wide=False, **opt_kw):
+    """The BF16 MLP under FSDP2 (each Linear and the whole) with an mpext.optim.AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp(torch.bfloat16, wide)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, list(model.parameters()), mpext.optim.AdamW(model.parameters(), **ADAM,
+                                                              **opt_kw)
+
+
+# The formats FSDP2 takes (8-bit moments are refused on DTensor params), and what a
+# single-process checkpoint is loaded from.
+FSDP_FORMATS = {"master": {}, "remainder": dict(param_remainders=True),
+                "sr": dict(master_weights=False, stochastic_rounding=True),
+                "bf16_moments": dict(exp_avg_dtype=torch.bfloat16,
+                                     exp_avg_sq_dtype=torch.bfloat16),
+                "ema": dict(ema_decay=0.9)}
+ONE_PROCESS_FORMATS = dict(FSDP_FORMATS, q8=dict(exp_avg_dtype=torch.int8,
+                                                 exp_avg_sq_dtype=torch.uint8))
+DCP_PAIRS = [("q8", "bf16_moments"), ("q8", "master"), ("master", "remainder"),
+             ("remainder", "master"), ("sr", "remainder"), ("bf16_moments", "ema")]
+
+
+def _full(t):
+    """A state tensor in full, as a plain tensor (gloo gathers no int16: remainders go through
+    int32, exactly)."""
+    if not isinstance(t, DTensor):
+        return t.clone()
+    if t.dtype == torch.int16:
+        return t.to(torch.int32).full_tensor().to(torch.int16)
+    return t.full_tensor()
+
+
+def _full_state(opt, params):
+    """Every state entry of every param, as full plain tensors (in param order)."""
+    return [{k: _full(v) for k, v in opt.state[p].items()} for p in params]
+
+
+def _full_state_dict_checks(rank, mesh):
+    """get_optimizer_state_dict(full_state_dict=True) in every FSDP2 format: the gathered
+    entries against the sharded state's full tensors, and the gathered state loaded back with
+    set_optimizer_state_dict(full_state_dict=True) into a fresh run, whose state must then be
+    the original's, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    out = {}
+    for name, kw in FSDP_FORMATS.items():
+        model, params, opt = _fsdp_model(mesh, **kw)
+        _train(model, params, opt, None, range(2), torch.bfloat16, rank=rank)
+        try:
+            sd = get_optimizer_state_dict(model, opt, options=full)
+        except BaseException as exc:  # what the test reports
+            out[name] = "%s: %s" % (type(exc).__name__, exc)
+            continue
+        model2, params2, opt2 = _fsdp_model(mesh, **kw)
+        with torch.no_grad():
+            for a, b in zip(params2, params):
+                a.copy_(b)
+        set_optimizer_state_dict(model2, opt2, sd, options=full)
+        out[name] = {"gathered": [sd["state"][n] for n, _ in model.named_parameters()],
+                     "state": _full_state(opt, params), "loaded": _full_state(opt2, params2),
+                     "groups": sd["param_groups"]}
+    return out
+
+
+def _one_process_checkpoints(rank, out_dir):
+    """On rank 0 alone, one single-process run per format: a DCP checkpoint (no_dist) and its
+    torch.save twin. Returns the directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = os.path.join(out_dir, "one_process")
+    if rank == 0:
+        for name in {src for src, _ in DCP_PAIRS}:
+            model = _mlp(torch.bfloat16, wide=True)
+            opt = mpext.optim.AdamW(model.parameters(), **ADAM, **ONE_PROCESS_FORMATS[name])
+            _train(model, list(model.parameters()), opt, None, range(3), torch.bfloat16)
+            codes = [v for v in opt.state_dict()["state"][0].values() if v.dtype == torch.int8]
+            assert bool(codes) == (name == "q8")  # the first layer's moments are 8-bit
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name),
+                     no_dist=True)
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                       os.path.join(root, name + ".pt"))
+    dist.barrier()
+    return root
+
+
+def _one_to_two_ranks_checks(rank, mesh, out_dir):
+    """Single-process checkpoints into FSDP2 runs of other formats, through DCP with
+    mpext.dcp.LoadPlanner and through load_state_dict of the full-tensor state_dict, against
+    the same loads into a single-process optimizer (the reference conversion)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import mpext.dcp
+
+    root = _one_process_checkpoints(rank, out_dir)
+    out = {}
+    for src, dst in DCP_PAIRS:
+        saved = torch.load(os.path.join(root, src + ".pt"), weights_only=False)
+        ref_model = _mlp(torch.bfloat16, wide=True)
+        ref = mpext.optim.AdamW(ref_model.parameters(), **ADAM, **FSDP_FORMATS[dst])
+        ref_model.load_state_dict(saved["model"])
+        ref.load_state_dict(saved["optim"])
+        model, params, opt = _fsdp_model(mesh, wide=True, **FSDP_FORMATS[dst])
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=os.path.join(root, src),
+                 planner=mpext.dcp.LoadPlanner())
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        model2, params2, opt2 = _fsdp_model(mesh, wide=True, **FSDP_FORMATS[dst])
+        with torch.no_grad():
+            for a, b in zip(params2, ref_model.parameters()):
+                a.copy_(distribute_like(b, a))
+        try:
+            opt2.load_state_dict(saved["optim"])  # full tensors: each rank keeps its shard
+            direct = _full_state(opt2, params2)
+        except BaseException as exc:
+            direct = "%s: %s" % (type(exc).__name__, exc)
+        out[(src, dst)] = {"ref": _full_state(ref, list(ref_model.parameters())),
+                           "dcp": _full_state(opt, params), "direct": direct,
+                           "placements": [str(opt.state[p]["exp_avg"].placements)
+                                          for p in params]}
+    return out
+
+
+def distribute_like(full, like):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _dcp_checks(rank, mesh, out_dir):
@@ -776,15 +920,9 @@ def _dcp_checks(rank, mesh, out_dir):
     returns whether the resumed run equals the uninterrupted one, params and masters."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
 
     def make():
-        model = _mlp(torch.bfloat16)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, list(model.parameters()), mpext.optim.AdamW(model.parameters(), **ADAM)
+        return _fsdp_model(mesh)
 
     model, params, opt = make()
     _train(model, params, opt, None, range(3), torch.bfloat16, rank=rank)
@@ -922,3 +1060,41 @@ def test_the_example_runs_ddp_and_fsdp2(results):
     # 2 steps, a checkpoint, 2 more steps from it: the 4-step run, to the bit
     for r in results:
         assert r["example"]["resumed"] == r["example"]["ddp_fp16"]
+
+
+def _equal_bits(a, b):
+    if a.dtype != b.dtype and {a.dtype, b.dtype} == {torch.int16, torch.int32}:
+        return torch.equal(a.long(), b.long())  # a remainder, given to the gather as int32
+    return a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8),
+                                              b.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", sorted(FSDP_FORMATS))
+def test_fsdp2_full_state_dict_gathers_and_loads_back_bit_for_bit(results, name):
+    for r in results:
+        got = r["fsdp_full_state_dict"][name]
+        assert isinstance(got, dict), got
+        for gathered, state, loaded in zip(got["gathered"], got["state"], got["loaded"]):
+            assert set(gathered) == set(state) == set(loaded)
+            for k in state:
+                assert not isinstance(gathered[k], DTensor), k
+                assert _equal_bits(gathered[k], state[k]), (name, k)
+                assert _equal_bits(loaded[k], state[k]), (name, k)
+        for g in got["groups"]:
+            assert all(not isinstance(v, torch.dtype) for v in g.values())
+
+
+@pytest.mark.parametrize("src,dst", DCP_PAIRS)
+def test_one_process_checkpoint_into_two_fsdp2_ranks_of_another_format(results, src, dst):
+    """Through DCP with mpext.dcp.LoadPlanner and through load_state_dict of the full-tensor
+    state: the state each FSDP2 run ends with is the single-process conversion's, bit for
+    bit (8-bit codes decoded whole, each rank keeping its shard)."""
+    for r in results:
+        got = r["fsdp_one_to_two"][(src, dst)]
+        assert isinstance(got["direct"], list), got["direct"]
+        assert all("Shard" in p or "Replicate" in p for p in got["placements"])
+        for ref, via_dcp, direct in zip(got["ref"], got["dcp"], got["direct"]):
+            assert set(ref) == set(via_dcp) == set(direct)
+            for k in ref:
+                assert _equal_bits(via_dcp[k], ref[k]), (src, dst, k)
+                assert _equal_bits(direct[k], ref[k]), (src, dst, k)

@@ -261,6 +261,10 @@ class Adam(torch.optim.Optimizer):
                              "it needs master_weights=False%s" % (self._name(), where))
         for key, q8 in (("exp_avg_dtype", torch.int8), ("exp_avg_sq_dtype", torch.uint8)):
             dt = group.get(key, _F32)
+            if isinstance(dt, str) and dt in _FORMAT_BY_NAME:
+                # state_dict() names formats by string (torch's gather of full state dicts
+                # takes no dtype objects); groups keep the dtype, whichever they were given.
+                dt = group[key] = _FORMAT_BY_NAME[dt]
             if dt is not _F32 and dt is not torch.bfloat16 and dt is not q8:
                 raise ValueError("%s: %s must be torch.float32, torch.bfloat16 or %s, got %r%s"
                                  % (self._name(), key, q8, dt, where))
@@ -523,6 +527,31 @@ class Adam(torch.optim.Optimizer):
             return _fp32_copy(param)
 
     # -----------------------------------------------------------------------------------------
+    # state_dict: torch's, in values every client can carry.
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's ``state_dict``, with two changes that let torch's gather of full state
+        dicts (``get_optimizer_state_dict(..., full_state_dict=True)``) and its collectives
+        take it: the moment formats of the param groups are named by string ("float32",
+        "bfloat16", "int8", "uint8"; ``load_state_dict`` and the groups take either), and the
+        int16 ``param_remainder`` of a DTensor param is given as an int32 DTensor of the same
+        values (gloo and NCCL have no int16; any loader's cast back to int16 is exact)."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+                if isinstance(group.get(key), torch.dtype) and group[key] in _FORMAT_NAMES:
+                    group[key] = _FORMAT_NAMES[group[key]]
+        state = sd["state"]
+        for k, st in state.items():
+            rem = st.get("param_remainder") if isinstance(st, dict) else None
+            if _is_dtensor(rem):
+                st = state[k] = dict(st)  # the optimizer's own dict stays as it is
+                st["param_remainder"] = _DTensor.from_local(
+                    rem.to_local().to(torch.int32), rem.device_mesh, rem.placements,
+                    run_check=False, shape=rem.shape, stride=rem.stride())
+        return sd
+
+    # -----------------------------------------------------------------------------------------
     # state_dict loading: torch's procedure with mpext's own conversion of each param's state.
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -644,9 +673,13 @@ class Adam(torch.optim.Optimizer):
                     out[name], out[name + "_scale"] = codes, scale
                 continue
             if name == "param_remainder":
-                if t.dtype != torch.int16 or t.layout != torch.strided:
-                    raise TypeError("%s: param_remainder must be a dense int16 tensor, got %s "
-                                    "%s" % (where, t.layout, t.dtype))
+                if t.dtype not in (torch.int16, torch.int32) or t.layout != torch.strided:
+                    raise TypeError("%s: param_remainder must be a dense int16 tensor (or int32 "
+                                    "of int16 values), got %s %s" % (where, t.layout, t.dtype))
+                if t.dtype is torch.int32 and t.numel() and not bool(
+                        ((t >= -2 ** 15) & (t < 2 ** 15)).all()):
+                    raise ValueError("%s: param_remainder is int32 with values outside int16's "
+                                     "range; it must hold int16 values" % where)
                 if param.dtype != torch.bfloat16:
                     raise ValueError("%s: it has a param_remainder but the param is %s; only a "
                                      "bfloat16 param has one" % (where, _dtype_name(param.dtype)))
@@ -695,6 +728,9 @@ def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any]) -> Dict[str, 
 
 
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
+_FORMAT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8",
+                 torch.uint8: "uint8"}
+_FORMAT_BY_NAME = {v: k for k, v in _FORMAT_NAMES.items()}
 _STORAGE_KEYS = ("master_param", "param_remainder")
 _STORAGE_SETTINGS = ("master_weights", "param_remainders", "stochastic_rounding", "exp_avg_dtype",
                      "exp_avg_sq_dtype", "block_size")
