@@ -1450,3 +1450,76 @@ def test_model_loaded_after_the_optimizer(saved_kw, loaded_kw):
             assert_same_bits(p.detach(), q.detach(), "param vs the uninterrupted run")
     else:
         assert "does not round to the param's current value" in late
+
+
+def _stepped(steps=2, **kw):
+    params = make_params(seed=21)
+    opt = AdamW(params, lr=1e-3, **kw)
+    for step in range(steps):
+        set_grads(params, make_grads(params, step))
+        opt.step()
+    return params, opt
+
+
+def test_load_warns_when_the_checkpoint_replaces_what_the_optimizer_keeps_or_draws():
+    """The checkpoint's seed, moment_rounding and ema_decay win, as torch's settings do (the
+    resumed run draws and averages as the saved one), and a difference is warned about: an
+    optimizer built with an EMA that loads a checkpoint without one keeps none, and says so."""
+    import warnings
+
+    params, saved = _stepped()
+    sd = roundtrip(saved.state_dict())
+    other = AdamW(twin(params), lr=1e-3, ema_decay=0.99, seed=7, moment_rounding="nearest")
+    with pytest.warns(UserWarning) as record:
+        other.load_state_dict(sd)
+    got = " | ".join(str(w.message) for w in record)
+    for key, theirs, mine in (("ema_decay", None, 0.99), ("seed", 0, 7),
+                              ("moment_rounding", "stochastic", "nearest")):
+        assert ("param group 0 takes the checkpoint's %s=%r instead of this optimizer's %r"
+                % (key, theirs, mine)) in got
+    group = other.param_groups[0]
+    assert (group["ema_decay"], group["seed"], group["moment_rounding"]) == (
+        None, 0, "stochastic")
+    same = AdamW(twin(params), lr=5.0)  # lr differs as torch allows: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(sd)
+
+
+def test_master_free_round_to_nearest_warns():
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"master_weights=False without "
+                                         r"stochastic_rounding=True rounds every update"):
+        AdamW(make_params(), lr=1e-5, master_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdamW(make_params(), lr=1e-5, master_weights=False, stochastic_rounding=True)
+        AdamW([torch.zeros(4, requires_grad=True)], master_weights=False)  # FP32: exact
+
+
+def test_moment_formats_by_name_in_state_dicts_and_dtypes_in_groups():
+    """state_dict() names the moment formats by string (torch's gather of full state dicts
+    takes no dtype objects); the groups keep torch.dtype values, and a group edit or a
+    checkpoint may give either."""
+    params, opt = _stepped(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    sd = opt.state_dict()
+    assert (sd["param_groups"][0]["exp_avg_dtype"], sd["param_groups"][0]["exp_avg_sq_dtype"]) \
+        == ("bfloat16", "bfloat16")
+    assert opt.param_groups[0]["exp_avg_dtype"] is BF16
+    old = roundtrip(sd)
+    old["param_groups"][0]["exp_avg_dtype"] = old["param_groups"][0]["exp_avg_sq_dtype"] = BF16
+    for ckpt in (sd, old):  # checkpoints written with strings and with dtypes
+        back = AdamW(twin(params), lr=1e-3, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+        back.load_state_dict(roundtrip(ckpt))
+        assert back.param_groups[0]["exp_avg_dtype"] is BF16
+        assert back.state[back.param_groups[0]["params"][0]]["exp_avg"].dtype == BF16
+    for value in (F32, "float32"):  # a group edit: the moments are converted at the next step
+        opt.param_groups[0]["exp_avg_dtype"] = value
+        set_grads(params, make_grads(params, 9))
+        opt.step()
+        assert opt.param_groups[0]["exp_avg_dtype"] is F32
+        assert opt.state[params[0]]["exp_avg"].dtype == F32
+    opt.param_groups[0]["exp_avg_dtype"] = "bf16"
+    with pytest.raises(ValueError, match=r"exp_avg_dtype must be torch.float32, "):
+        opt.step()

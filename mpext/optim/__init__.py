@@ -62,6 +62,7 @@ param's mesh and placements (so ``torch.distributed.checkpoint`` saves and resha
 """
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
@@ -321,6 +322,14 @@ class Adam(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+        if group["master_weights"] is False and not group["stochastic_rounding"] \
+                and any(p.dtype in _LOW_DTYPES for p in group["params"]):
+            warnings.warn("%s: master_weights=False without stochastic_rounding=True rounds "
+                          "every update of the BF16/FP16 params%s to nearest even, which loses "
+                          "the updates below half an ulp: at small learning rates most weights "
+                          "stop moving (docs/lean_state.md, \"When round to nearest fails\"); "
+                          "pass stochastic_rounding=True" % (self._name(), where),
+                          UserWarning, stacklevel=3)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -562,8 +571,9 @@ class Adam(torch.optim.Optimizer):
         ``stochastic_rounding``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``block_size`` -- are
         this optimizer's, and the loaded state is converted into
         them (so a checkpoint with FP32 masters resumes with remainders, say); every other
-        group setting (lr, betas, ..., ``seed``, ``ema_decay``) comes from ``state_dict``, as in
-        torch. Moments are converted to the group's dtypes (FP32 -> BF16 to nearest even) and
+        group setting (lr, betas, ..., ``seed``, ``moment_rounding``, ``ema_decay``) comes from
+        ``state_dict``, as in torch (a ``UserWarning`` names each of those three that differs
+        from this optimizer's). Moments are converted to the group's dtypes (FP32 -> BF16 to nearest even) and
         to the param's device and memory layout, ``step`` to a float32 scalar tensor on the
         param's device; a low-precision param's FP32 value comes from the state's
         ``master_param`` or ``param_remainder`` or, when it has neither (a torch checkpoint),
@@ -617,7 +627,17 @@ class Adam(torch.optim.Optimizer):
                 new_state[param] = self._import_param_state(param, v, group_of[id(param)], k)
             else:
                 new_state[k] = v
+        replaced = [(gi, key, group.get(key), saved.get(key))
+                    for gi, (group, saved) in enumerate(zip(groups, new_groups))
+                    for key in _REPLACED_SETTINGS if group.get(key) != saved.get(key)]
         self.__setstate__({"state": new_state, "param_groups": new_groups})
+        for gi, key, mine, theirs in replaced:
+            # As in torch the checkpoint's settings win (a resumed run draws and averages as
+            # the saved one did), but these change what the optimizer keeps: say so.
+            warnings.warn("%s.load_state_dict: param group %d takes the checkpoint's %s=%r "
+                          "instead of this optimizer's %r; set param_groups[%d][%r] after "
+                          "loading to keep another" % (self._name(), gi, key, theirs, mine,
+                                                       gi, key), UserWarning, stacklevel=2)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -728,6 +748,9 @@ def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any]) -> Dict[str, 
 
 
 _MOMENTS = (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype"))
+# Settings load_state_dict takes from the checkpoint (as torch does) that change what the
+# optimizer keeps or draws, so that a difference is warned about.
+_REPLACED_SETTINGS = ("seed", "moment_rounding", "ema_decay")
 _FORMAT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8",
                  torch.uint8: "uint8"}
 _FORMAT_BY_NAME = {v: k for k, v in _FORMAT_NAMES.items()}
