@@ -1295,8 +1295,8 @@ CTOR_BAD = [
      r"master_weights=False"),
     (dict(exp_avg_dtype=torch.float16), ValueError,
      r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.int8, got torch.float16"),
-    (dict(exp_avg_sq_dtype="bfloat16"), ValueError,
-     r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got 'bfloat16'"),
+    (dict(exp_avg_sq_dtype="bf16"), ValueError,  # "bfloat16" names the format: accepted
+     r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got 'bf16'"),
     (dict(moment_rounding="down"), ValueError,
      r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
     (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),

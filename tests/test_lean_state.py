@@ -1238,14 +1238,18 @@ BAD_STATES = [
      lambda sd, ps: sd["state"][1].update(param_remainder=torch.zeros(6, dtype=torch.int16)),
      ValueError, r"the state of param 1: param_remainder has shape \(6,\) but the param has "
                  r"shape \(5,\)"),
-    ("an int32 param_remainder",
-     lambda sd, ps: sd["state"][0].update(param_remainder=torch.zeros(6, dtype=torch.int32)),
-     TypeError, r"the state of param 0: param_remainder must be a dense int16 tensor, got "
-                r"torch.strided torch.int32"),
+    ("an int64 param_remainder",
+     lambda sd, ps: sd["state"][0].update(param_remainder=torch.zeros(6, dtype=torch.int64)),
+     TypeError, r"the state of param 0: param_remainder must be a dense int16 tensor \(or "
+                r"int32 of int16 values\), got torch.strided torch.int64"),
+    ("an int32 param_remainder beyond int16",  # int32 is how state_dict() gives DTensor ones
+     lambda sd, ps: sd["state"][0].update(param_remainder=torch.full((6,), 2 ** 15,
+                                                                     dtype=torch.int32)),
+     ValueError, r"param_remainder is int32 with values outside int16's range"),
     ("a float param_remainder",
      lambda sd, ps: sd["state"][0].update(param_remainder=torch.zeros(6)),
-     TypeError, r"param_remainder must be a dense int16 tensor, got torch.strided "
-                r"torch.float32"),
+     TypeError, r"param_remainder must be a dense int16 tensor \(or int32 of int16 values\), "
+                r"got torch.strided torch.float32"),
     ("a param_remainder that is not a tensor",
      lambda sd, ps: sd["state"][1].update(param_remainder=[0] * 5),
      TypeError, r"the state of param 1: param_remainder must be a tensor, got list"),
