@@ -1527,3 +1527,13 @@ def test_moment_formats_by_name_in_state_dicts_and_dtypes_in_groups():
     opt.param_groups[0]["exp_avg_dtype"] = "bf16"
     with pytest.raises(ValueError, match=r"exp_avg_dtype must be torch.float32, "):
         opt.step()
+
+
+def test_mixed_precision_optimizer_takes_a_moment_format_by_name():
+    lin = torch.nn.Linear(8, 5).to(BF16)
+    mpo = mpext.MixedPrecisionOptimizer(AdamW(lin.parameters(), lr=1e-3))
+    mpo.optimizer.param_groups[0]["exp_avg_dtype"] = "bfloat16"
+    mpo.backward(lin(torch.ones(2, 8, dtype=BF16)).float().sum())
+    mpo.step()
+    inner = mpo.optimizer.state[mpo.master_param(lin.weight)]
+    assert inner["exp_avg"].dtype == BF16 and inner["exp_avg_sq"].dtype == F32

@@ -828,6 +828,8 @@ def _moment_dtype(param: torch.Tensor, group: Dict[str, Any], dtype_key: str) ->
     """The dtype a param's moment is kept in: its group's, but FP32 instead of 8-bit codes for
     a param of fewer than MIN_8BIT_NUMEL elements."""
     dt = group.get(dtype_key, _F32)
+    if isinstance(dt, str):  # a group edited by name that no check has normalized yet
+        dt = _FORMAT_BY_NAME.get(dt, dt)
     if dt in _Q8_FORMAT and param.numel() < MIN_8BIT_NUMEL:
         return _F32
     return dt
