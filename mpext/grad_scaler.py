@@ -484,6 +484,9 @@ class GradScaler(torch.amp.GradScaler):
             return torch.zeros((), dtype=torch.bool, device=dev)
         return _combine(found) != 0
 
+    # The skip-flag protocol (mpext/_skip.py): the record of the optimizer's latest step.
+    _mpext_skip_flag = last_step_skipped
+
     def skipped_steps(self) -> torch.Tensor:
         """The number of skipped iterations so far (``update()`` calls that found an inf/NaN)
         as a 0-dim int64 tensor on the scale's device: a snapshot, no host sync."""

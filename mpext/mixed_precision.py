@@ -185,6 +185,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ``skipped_steps()``, are live)."""
         return self._scaler
 
+    def _mpext_skip_flag(self, optimizer: Any = None) -> torch.Tensor:
+        """Whether the latest step was skipped (see mpext/_skip.py): its own scaler's record of
+        the iteration; the wrapper is the optimizer asked about, whatever is passed."""
+        return self._scaler.last_step_skipped()
+
     @property
     def scale(self) -> torch.Tensor:
         """The current loss scale as a 0-dim float32 tensor on the params' device (a

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import mpext
 from mpext.optim import lr_scheduler as S
@@ -395,6 +396,21 @@ def _roundtrip(obj):
     return buf
 
 
+def test_lr_is_rebound_at_once_after_a_wrapper_loads_its_state():
+    """A schedule made on a MixedPrecisionOptimizer watches the inner optimizer's loads (the
+    wrapper runs no load hooks of its own): right after the wrapper's load_state_dict the groups
+    hold the schedule's rate tensors again, so the next step reads the schedule's rate."""
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in BASES]
+    mpo = mpext.MixedPrecisionOptimizer(torch.optim.AdamW([{"params": [p], "lr": lr}
+                                                           for p, lr in zip(params, BASES)]))
+    sched = S.LinearLR(mpo, 0.5, 1.0, 4)
+    saved = mpo.state_dict()
+    sched.step(skipped=False)
+    mpo.load_state_dict(saved)
+    assert all(g["lr"] is v for g, v in zip(mpo.param_groups, sched._views))
+    assert lrs(mpo) == [f32(b * (0.5 + 0.5 / 4)) for b in BASES]
+
+
 def test_lr_is_rebound_after_replacement_and_get_last_lr_copies():
     params, opt = groups()
     sched = S.LinearLR(opt, 0.5, 1.0, 4)
@@ -463,6 +479,87 @@ def test_is_a_torch_lr_scheduler_and_drives_torch_fused_adamw():
         rsched.step()
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def _bits(tensors):
+    """The bit patterns of tensors (for bit-for-bit comparisons of any dtype)."""
+    return [t.detach().view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+            for t in tensors]
+
+
+def _compiled_steps(make, compiled, steps=20):
+    """Runs ``steps`` iterations of ``make()``'s (model, optimizer, one-step function) with a
+    warm-up cosine schedule, through torch.compile(opt.step) (a CompileCounter backend, which
+    runs the captured graphs as they are, so results stay bit for bit) or eagerly; step 5's
+    gradients overflow. Returns the rates after each step, the params' bits, the schedule's
+    count and the number of frames compiled after each step. The first-step warning would fail
+    the run: once a compiled step ran, the schedule must know it."""
+    lin, opt, step_fn = make()
+    sched = S.get_cosine_schedule_with_warmup(opt, 3, steps)
+    counter = CompileCounter()
+    step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+    rates, frames = [], []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*before any step")
+        for i in range(steps):
+            step_fn(lin, step, i, overflow=(i == 5))
+            sched.step()
+            rates.append(lrs(opt))
+            frames.append(counter.frame_count)
+    return rates, _bits(lin.parameters()), sched.last_epoch, frames
+
+
+def _mpext_adamw():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    return lin, mpext.optim.AdamW(lin.parameters(), lr=1e-2, weight_decay=0.1), _found_inf_step
+
+
+def _found_inf_step(lin, step, i, overflow):
+    gen = torch.Generator().manual_seed(i)
+    for p in lin.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    step(found_inf=torch.tensor(float(overflow)))  # as a GradScaler hands it
+
+
+def _mixed_precision():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(torch.float16)
+    mpo = mpext.MixedPrecisionOptimizer(mpext.optim.AdamW(lin.parameters(), lr=1e-2),
+                                        loss_scale="dynamic", init_scale=2.0 ** 8)
+
+    def one(lin, step, i, overflow):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 8, generator=gen).to(torch.float16), torch.randn(4, 4,
+                                                                              generator=gen)
+        mpo.zero_grad()
+        mpo.backward(((lin(x).float() - y) ** 2).mean())
+        if overflow:
+            lin.weight.grad.view(-1)[1] = float("inf")
+        step()
+
+    return lin, mpo, one
+
+
+@pytest.mark.parametrize("make", [_mpext_adamw, _mixed_precision],
+                         ids=["mpext_adamw", "mixed_precision_optimizer"])
+def test_compiled_step_with_schedule_does_not_recompile(make):
+    """torch.compile(opt.step) with a schedule attached: the step hook that records the skip
+    flag for the schedule changes nothing the compiled step reads, so no step after the second
+    compiles anything (the first compiles the step's setup: the optimizer's state, the
+    wrapper's lazily made scale; the second the steady step), where a count in the hook made
+    every step recompile until dynamo's limit sent it back to eager. The rates, the held step
+    and the params equal the eager run's bit for bit."""
+    torch._dynamo.reset()
+    eager_rates, eager_params, eager_count, _ = _compiled_steps(make, compiled=False)
+    rates, params, count, frames = _compiled_steps(make, compiled=True)
+    torch._dynamo.reset()
+    assert frames[1] == frames[-1], frames
+    if make is _mpext_adamw:
+        assert frames[-1] <= 2, frames  # the optimizer's own step, whole
+    assert count == eager_count == 19
+    assert rates == eager_rates
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from inside inductor

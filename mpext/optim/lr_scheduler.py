@@ -35,6 +35,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler as _TorchLRScheduler
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_post_hook
 
+from .._skip import skip_flag_source as _skip_flag_source
+
 __all__ = ["LRScheduler", "LambdaLR", "ConstantLR", "LinearLR", "CosineAnnealingLR",
            "SequentialLR", "get_linear_schedule_with_warmup", "get_cosine_schedule_with_warmup",
            "get_constant_schedule_with_warmup", "step_was_skipped"]
@@ -42,44 +44,37 @@ __all__ = ["LRScheduler", "LambdaLR", "ConstantLR", "LinearLR", "CosineAnnealing
 
 # ---------------------------------------------------------------------------------------------
 # Where each optimizer's latest skip flag is recorded: a step post-hook (global, so that it sees
-# wrappers too) notes the found_inf that the step received. Records are made only for the
-# optimizers a scheduler or step_was_skipped() asked about; for every other optimizer the hook is
-# one failed dictionary lookup.
+# wrappers too) notes the found_inf that the step received, or asks an optimizer that keeps its
+# own flag (the skip-flag protocol, mpext/_skip.py: a MixedPrecisionOptimizer). Records are made
+# only for the optimizers a scheduler or step_was_skipped() asked about; for every other
+# optimizer the hook is one failed dictionary lookup.
 
 
 class _Record:
-    __slots__ = ("flag", "steps", "__weakref__")
+    __slots__ = ("flag", "seen", "__weakref__")
 
     def __init__(self) -> None:
         self.flag: Any = None  # the latest step's found_inf (tensor), True (skipped), or None
-        self.steps = 0         # step() calls seen (host count: only for the first-step warning)
+        # Whether a step() was seen (only for the first-step warning). The hook only ever
+        # stores True, never reads it: under torch.compile a value the step reads becomes a
+        # guard, and a count would fail it, recompiling every step.
+        self.seen = False
 
 
 _records: "weakref.WeakKeyDictionary[Any, _Record]" = weakref.WeakKeyDictionary()
 _hook_handle = None
 
 
-_MPO = None
-
-
-def _mixed_precision_optimizer():
-    global _MPO
-    if _MPO is None:
-        from ..mixed_precision import MixedPrecisionOptimizer  # late: it imports mpext.optim
-        _MPO = MixedPrecisionOptimizer
-    return _MPO
-
-
 def _after_step(opt: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
     record = _records.get(opt)
-    wrapper = isinstance(opt, _mixed_precision_optimizer())
-    if record is None and wrapper:  # a scheduler made on the optimizer it wraps
-        record = _records.get(opt.optimizer)
+    own_flag = _skip_flag_source(opt)
+    if record is None and own_flag is not None:  # a scheduler made on the optimizer it wraps
+        record = next((_records[o] for o in _chain(opt)[1:] if o in _records), None)
     if record is None:
         return
-    record.steps += 1
-    if wrapper:
-        record.flag = opt.scaler.last_step_skipped()
+    record.seen = True
+    if own_flag is not None:
+        record.flag = own_flag()
         return
     flag = kwargs.get("found_inf")
     if flag is None:
@@ -138,14 +133,24 @@ def step_was_skipped(optimizer: Any, scaler: Any = None) -> torch.Tensor:
     ``optimizer`` may be wrapped (accelerate, Lightning, Fabric wrappers are looked through).
     """
     if scaler is not None:
-        if not hasattr(scaler, "last_step_skipped"):
+        if _skip_flag_source(scaler) is None:
             raise TypeError("step_was_skipped: scaler must be an mpext.GradScaler (torch's "
                             "GradScaler keeps no skip record), got %s" % type(scaler).__name__)
-        return scaler.last_step_skipped(_unwrap_for_scaler(optimizer))
-    for o in _chain(optimizer):
-        if isinstance(o, _mixed_precision_optimizer()):
-            return o.scaler.last_step_skipped()
+        return _skip_flag_source(scaler)(_unwrap_for_scaler(optimizer))
+    own_flag = _own_skip_flag(optimizer)
+    if own_flag is not None:
+        return own_flag()
     return _flag_as_bool(_record_for(optimizer).flag, _device_of(optimizer))
+
+
+def _own_skip_flag(optimizer: Any) -> Optional[Callable[..., torch.Tensor]]:
+    """The skip flag of the first of the optimizer and its wrapped ones that keeps its own
+    (a MixedPrecisionOptimizer), or None."""
+    for o in _chain(optimizer):
+        source = _skip_flag_source(o)
+        if source is not None:
+            return source
+    return None
 
 
 def _unwrap_for_scaler(optimizer: Any) -> Any:
@@ -208,7 +213,7 @@ class LRScheduler(_TorchLRScheduler):
                                                                            None)):
             raise TypeError("mpext.optim.lr_scheduler.%s: optimizer must be an optimizer, got %s"
                             % (name, type(optimizer).__name__))
-        if scaler is not None and not hasattr(scaler, "last_step_skipped"):
+        if scaler is not None and _skip_flag_source(scaler) is None:
             raise TypeError("mpext.optim.lr_scheduler.%s: scaler must be an mpext.GradScaler, "
                             "got %s" % (name, type(scaler).__name__))
         groups = optimizer.param_groups
@@ -276,12 +281,13 @@ class LRScheduler(_TorchLRScheduler):
     def _watch_loads(self) -> None:
         """Rebinds the rate tensors right after the optimizer loads a state (which replaces each
         group's ``lr`` with the saved one)."""
-        target = _unwrap_for_scaler(self.optimizer)
-        if not (isinstance(target, torch.optim.Optimizer)
-                and "_optimizer_load_state_dict_post_hooks" in target.__dict__):
+        # The first torch optimizer down the chain that runs load hooks (a wrapper such as
+        # MixedPrecisionOptimizer runs its inner optimizer's).
+        target = next((o for o in _chain(self.optimizer)
+                       if isinstance(o, torch.optim.Optimizer)
+                       and "_optimizer_load_state_dict_post_hooks" in o.__dict__), None)
+        if target is None:
             return
-        if isinstance(target, _mixed_precision_optimizer()):
-            target = target.optimizer  # its state_dict hooks live on the inner optimizer
         ref = weakref.ref(self)
 
         def rebind(_opt: Any) -> None:
@@ -332,7 +338,7 @@ class LRScheduler(_TorchLRScheduler):
 
     def _skip_flag(self) -> Any:
         record = self._record
-        if not self._warned and record.steps == 0:
+        if not self._warned and not record.seen:
             self._warned = True
             warnings.warn(
                 "mpext.optim.lr_scheduler.%s.step() was called before any step() of its "
@@ -340,10 +346,10 @@ class LRScheduler(_TorchLRScheduler):
                 "every call; call optimizer.step() first, or pass step(skipped=...)"
                 % type(self).__name__, UserWarning, stacklevel=3)
         if self._scaler is not None:
-            return self._scaler.last_step_skipped(_unwrap_for_scaler(self.optimizer))
-        for o in _chain(self.optimizer):
-            if isinstance(o, _mixed_precision_optimizer()):
-                return o.scaler.last_step_skipped()
+            return _skip_flag_source(self._scaler)(_unwrap_for_scaler(self.optimizer))
+        own_flag = _own_skip_flag(self.optimizer)
+        if own_flag is not None:
+            return own_flag()
         return record.flag
 
     def get_last_lr(self) -> List[torch.Tensor]:
