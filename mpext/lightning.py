@@ -49,7 +49,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "imported (%s). Install it with `pip install lightning`." % _exc) from _exc
 
 from . import ops as _mp_ops
-from .grad_scaler import GradScaler
+from .grad_scaler import GradScaler, _checked_state_dict
 from .mixed_precision import MixedPrecisionOptimizer, _make_scaler
 
 __all__ = ["MixedPrecision"]
@@ -441,9 +441,13 @@ class MixedPrecision(_Precision):
                              "trains in %s" % (_NAME, state_dict["dtype"], mine["dtype"]))
         scaler_state = state_dict.get("scaler")
         if scaler_state is not None:
+            if not isinstance(scaler_state, dict):
+                raise TypeError("%s.load_state_dict: 'scaler' must be a GradScaler state_dict, "
+                                "got %s" % (_NAME, type(scaler_state).__name__))
             if self._scaler is not None:
                 self._scaler.load_state_dict(scaler_state)
-            else:  # loaded into the scaler when it is made
+            else:  # checked now, loaded into the scaler when it is made
+                _checked_state_dict(scaler_state, 1)
                 self._scaler_state = dict(scaler_state)
 
     def __repr__(self) -> str:

@@ -414,6 +414,17 @@ def test_bad_arguments():
     fp16.wrap_optimizer(torch.optim.AdamW(m[0].parameters()))
     with pytest.raises(NotImplementedError, match="several optimizers"):
         fp16.wrap_optimizer(torch.optim.AdamW(m[3].parameters()))
+    with pytest.raises(NotImplementedError, match="several optimizers"):
+        fp16.wrap_optimizer(mpext.optim.AdamW(m[3].parameters()))
+    # a bad scaler state is refused when loaded, not at the first step
+    good = mpext.GradScaler("cpu").state_dict()
+    fresh = mpext.lightning.MixedPrecision("fp16")
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        fresh.load_state_dict({"dtype": "float16", "loss_scale": "dynamic",
+                               "scaler": dict(good, scale=-1.0)})
+    with pytest.raises(TypeError, match="'scaler' must be"):
+        fresh.load_state_dict({"dtype": "float16", "loss_scale": "dynamic", "scaler": 3})
+    assert "scaler" not in fresh.state_dict()
 
 
 
