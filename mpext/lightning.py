@@ -1,5 +1,6 @@
 """mpext.lightning: a Lightning precision plugin that trains with BF16/FP16 params, FP32 master
-weights, loss scaling, fused clipping after unscaling and the inf/NaN skip, all on the device.
+weights (or mpext's leaner storage), loss scaling, fused clipping after unscaling and the
+inf/NaN skip, all on the device.
 
     trainer = lightning.Trainer(plugins=[mpext.lightning.MixedPrecision("bf16")], ...)
     fabric = lightning.Fabric(plugins=[mpext.lightning.MixedPrecision("fp16")], ...)
@@ -11,14 +12,25 @@ so a BF16 run never skips an inf/NaN step; ``16-mixed`` refuses gradient clippin
 optimizer that unscales inside its step (a fused one).
 
 How: ``convert_module`` casts the model's floating params and buffers to the compute dtype
-(modules named in ``keep_fp32`` stay FP32, with their inputs cast to FP32 and outputs back);
-every optimizer is wrapped in an ``mpext.MixedPrecisionOptimizer`` (FP32 masters; Adam/AdamW,
-torch's or mpext's, take the fused ``adam_step_`` path, any other optimizer runs its own math on
-the masters); the loss is scaled through the wrapper (FP16: dynamic scale by default); clipping
-is the wrapper's ``clip_grad_norm_`` (the coefficient folded into the fused step); steps with an
-inf/NaN gradient are skipped on the device in BF16 too. The wrappers' ``state_dict`` carries the
-masters and the loss scale, so a Lightning checkpoint resumes bit for bit. Schedulers from
-``mpext.optim.lr_scheduler`` hold still on skipped steps (they read the wrapper's skip flag).
+(modules named in ``keep_fp32`` stay FP32, with their inputs cast to FP32 and outputs back).
+Two kinds of optimizer:
+
+* an ``mpext.optim`` optimizer keeps its own storage of the FP32 value (master, remainder, or
+  none) and takes ``grad_scale``/``found_inf`` in its fused step, so the plugin drives it
+  directly through one ``mpext.GradScaler`` (FP16: the dynamic scale; BF16: ``bf16_check_only``,
+  the scale held at 1): ``scaler.step`` runs the fused read-only inf/NaN check and hands
+  ``found_inf`` to the step, which is skipped on the device. Every storage format thus gets the
+  skip. Clipping measures the norm of the unscaled gradients (``mpext.ops.grad_norm``) and
+  folds the coefficient into the step's unscale. The scaler's state is the plugin's
+  ``state_dict``, which Lightning checkpoints.
+* any other optimizer is wrapped in an ``mpext.MixedPrecisionOptimizer`` (FP32 masters;
+  torch's Adam/AdamW take the fused ``adam_step_`` path, any other optimizer runs its own math
+  on the masters); the loss is scaled through the wrapper; clipping is the wrapper's
+  ``clip_grad_norm_``. The wrappers' ``state_dict`` carries the masters and the loss scale.
+
+Either way steps with an inf/NaN gradient are skipped on the device in BF16 too, a Lightning
+checkpoint resumes bit for bit, and schedulers from ``mpext.optim.lr_scheduler`` hold still on
+skipped steps (they read the ``found_inf`` the step received, or the wrapper's skip flag).
 """
 import contextlib
 import fnmatch
@@ -36,7 +48,9 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "mpext.lightning needs the Lightning package (lightning.pytorch), which could not be "
         "imported (%s). Install it with `pip install lightning`." % _exc) from _exc
 
-from .mixed_precision import MixedPrecisionOptimizer
+from . import ops as _mp_ops
+from .grad_scaler import GradScaler, _checked_state_dict
+from .mixed_precision import MixedPrecisionOptimizer, _make_scaler
 
 __all__ = ["MixedPrecision"]
 
@@ -44,6 +58,15 @@ _DTYPES = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "bfloat16": torc
            "fp16": torch.float16, "16": torch.float16, "16-true": torch.float16,
            "float16": torch.float16}
 _NAME = "mpext.lightning.MixedPrecision"
+
+
+def _drives_itself(optimizer: Any) -> bool:
+    """Whether the plugin steps ``optimizer`` as it is: an ``mpext.optim`` optimizer, which
+    keeps its own FP32 value (or a leaner one) and skips on ``found_inf`` in its fused step.
+    Other optimizers (torch's fused ones included) get the FP32-master wrapper."""
+    return (isinstance(optimizer, torch.optim.Optimizer)
+            and type(optimizer).__module__.startswith("mpext.optim")
+            and getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
@@ -59,7 +82,8 @@ def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
 
 
 class MixedPrecision(_Precision):
-    """Lightning precision plugin: BF16/FP16 model params with FP32 masters in the optimizer.
+    """Lightning precision plugin: BF16/FP16 model params with FP32 masters (or the leaner
+    storage of an ``mpext.optim`` optimizer), loss scaling, clipping and the inf/NaN skip.
 
     Args:
         precision: ``"bf16"`` or ``"fp16"`` (``"bf16-true"``/``"16-true"`` are accepted too).
@@ -74,16 +98,23 @@ class MixedPrecision(_Precision):
             (``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``, ...), as
             ``mpext.MixedPrecisionOptimizer`` takes them.
 
+    ``mpext.optim`` optimizers (every storage format: FP32 masters, ``param_remainders``,
+    BF16 or 8-bit moments, ``master_weights=False``) are stepped as they are, through the
+    plugin's ``mpext.GradScaler``: their fused step unscales, clips and skips on the device.
+    Any other optimizer is wrapped in an ``mpext.MixedPrecisionOptimizer`` (FP32 masters).
+
     With the Trainer, nothing else is needed: the optimizers from ``configure_optimizers`` are
-    wrapped when the Trainer connects the plugin, ``gradient_clip_val`` (algorithm ``"norm"``)
-    clips after unscaling without a host sync, and checkpoints hold the masters and
-    the scale. With Fabric, wrap the optimizer with :meth:`wrap_optimizer` after
-    ``fabric.setup_module`` (so that its params are already converted) and pass the wrapper to
+    taken over when the Trainer connects the plugin, ``gradient_clip_val`` (algorithm
+    ``"norm"``) clips after unscaling without a host sync, and checkpoints hold the masters and
+    the scale. With Fabric, pass an ``mpext.optim`` optimizer to ``fabric.setup_optimizers`` as
+    it is (keep the plugin in the state given to ``fabric.save``/``fabric.load``: it holds the
+    FP16 scale); wrap any other one with :meth:`wrap_optimizer` after ``fabric.setup_module``
+    (so that its params are already converted) and pass the wrapper to
     ``fabric.setup_optimizers``; its ``state_dict`` then holds the masters and the scale. Clip
     with :meth:`clip_gradients` (``fabric.clip_gradients`` runs torch's clipping on the
-    gradients as they are, scaled under FP16, and raises here). An optimizer handed to Fabric
-    unwrapped is wrapped at its first step (a warning says that its checkpoints will then lack
-    the masters and the scale).
+    gradients as they are, scaled under FP16, and raises here). A torch optimizer handed to
+    Fabric unwrapped is wrapped at its first step (a warning says that its checkpoints will
+    then lack the masters and the scale).
 
     FP16 loss scaling covers one optimizer (the scale of a backward pass belongs to the
     optimizer that steps it); with several, use BF16 or one plugin-wrapped optimizer.
@@ -114,7 +145,13 @@ class MixedPrecision(_Precision):
             warnings.simplefilter("ignore")
             self._make_wrapper(torch.optim.SGD([probe], lr=0.0))
         self._wrappers: Dict[int, MixedPrecisionOptimizer] = {}  # id(raw or wrapper) -> wrapper
-        self._unscaled_scale: Optional[float] = None
+        # The mpext.optim optimizers the plugin steps as they are, and the one scaler they
+        # share (made on the device of the first loss or step; its state may be loaded first).
+        self._direct: Dict[int, torch.optim.Optimizer] = {}
+        self._scaler: Optional[GradScaler] = None
+        self._scaler_state: Optional[Dict[str, Any]] = None
+        # id(optimizer stepped as it is) -> this iteration's clip coefficient (a device tensor)
+        self._clip_coef: Dict[int, torch.Tensor] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -174,13 +211,15 @@ class MixedPrecision(_Precision):
         return MixedPrecisionOptimizer(optimizer, loss_scale=self._loss_scale,
                                        **self._scaler_options)
 
-    def wrap_optimizer(self, optimizer: Any) -> MixedPrecisionOptimizer:
-        """The ``mpext.MixedPrecisionOptimizer`` that steps ``optimizer`` (made on the first
-        call; the same one after). ``optimizer``'s params must already be converted (call it
-        after ``convert_module``, e.g. after ``fabric.setup_module``). Framework wrappers
-        (Fabric's, Lightning's) are looked through."""
+    def wrap_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        """What the plugin steps for ``optimizer``: an ``mpext.optim`` optimizer itself (it
+        keeps its own storage and skips in its fused step), any other one the
+        ``mpext.MixedPrecisionOptimizer`` around it (made on the first call; the same one
+        after). ``optimizer``'s params must already be converted (call it after
+        ``convert_module``, e.g. after ``fabric.setup_module``). Framework wrappers (Fabric's,
+        Lightning's) are looked through."""
         opt = _unwrap(optimizer)
-        found = self._wrappers.get(id(opt))
+        found = self._wrappers.get(id(opt), self._direct.get(id(opt)))
         if found is not None:
             return found
         if isinstance(opt, MixedPrecisionOptimizer):
@@ -196,13 +235,16 @@ class MixedPrecision(_Precision):
                 "optimizer made over the converted module's params"
                 % (_NAME, str(self._dtype).replace("torch.", "")))
         self._check_one_scale()
+        if _drives_itself(opt):
+            self._direct[id(opt)] = opt
+            return opt
         wrapper = self._make_wrapper(opt)
         self._wrappers[id(opt)] = wrapper
         self._wrappers[id(wrapper)] = wrapper
         return wrapper
 
     def _check_one_scale(self) -> None:
-        if self._loss_scale is not None and self._wrappers:
+        if self._loss_scale is not None and (self._wrappers or self._direct):
             raise NotImplementedError(
                 "%s: FP16 loss scaling with several optimizers is not supported (each wrapper "
                 "keeps its own scale, and a backward pass can carry only one); use precision="
@@ -215,15 +257,18 @@ class MixedPrecision(_Precision):
 
     def connect(self, model: torch.nn.Module, optimizers: List[Any],
                 lr_schedulers: List[Any]):
-        """Trainer: wraps every optimizer (the wrappers replace them in the Trainer, so the
-        checkpoints save the wrappers' state)."""
+        """Trainer: takes over every optimizer: an ``mpext.optim`` one stays as it is, any
+        other is wrapped (the wrappers replace them in the Trainer, so the checkpoints save the
+        wrappers' state)."""
         return model, [self.wrap_optimizer(o) for o in optimizers], lr_schedulers
 
-    def _the_wrapper(self, optimizer: Any) -> MixedPrecisionOptimizer:
+    def _the_wrapper(self, optimizer: Any) -> torch.optim.Optimizer:
+        """What steps ``optimizer`` (see :meth:`wrap_optimizer`), taken over at its first step
+        if it was not before (Fabric)."""
         opt = _unwrap(optimizer)
-        found = self._wrappers.get(id(opt))
+        found = self._wrappers.get(id(opt), self._direct.get(id(opt)))
         if found is None:
-            if not isinstance(opt, MixedPrecisionOptimizer):
+            if not isinstance(opt, MixedPrecisionOptimizer) and not _drives_itself(opt):
                 warnings.warn(
                     "%s: wrapping %s at its first step: its checkpoints (state_dict) will not "
                     "hold the FP32 masters and the loss scale. With Fabric, pass "
@@ -232,18 +277,25 @@ class MixedPrecision(_Precision):
             found = self.wrap_optimizer(opt)
         return found
 
+    def _direct_scaler(self, device: torch.device) -> GradScaler:
+        """The scaler of the optimizers the plugin steps as they are (made on first use)."""
+        if self._scaler is None:
+            scaler = _make_scaler(self._loss_scale, device, self._scaler_options)
+            if self._scaler_state is not None:
+                scaler.load_state_dict(self._scaler_state)
+                self._scaler_state = None
+            self._scaler = scaler
+        return self._scaler
+
     def _scale_loss(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._loss_scale is None:
             return tensor
         wrappers = {id(w): w for w in self._wrappers.values()}
         if len(wrappers) == 1:
             return next(iter(wrappers.values())).scale_loss(tensor)
-        # Fabric, no optimizer stepped yet: the scale its wrapper will start with
-        if self._unscaled_scale is None:
-            probe = torch.zeros(1, dtype=self._dtype, requires_grad=True)
-            self._unscaled_scale = self._make_wrapper(
-                torch.optim.SGD([probe], lr=0.0)).get_scale()
-        return tensor * self._unscaled_scale
+        # An optimizer stepped as it is, or (Fabric) none stepped yet: the plugin's scaler,
+        # whose scale a wrapper made at the first step also starts with.
+        return self._direct_scaler(tensor.device).scale(tensor)
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if _in_trainer(module):
@@ -267,13 +319,23 @@ class MixedPrecision(_Precision):
     def optimizer_step(self, optimizer: Any, model: Any = None,
                        closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         """Trainer: runs the closure (forward and backward), the pre-step hooks and clipping,
-        then the wrapper's step (skipped on the device on an inf/NaN gradient). Fabric: the
-        wrapper's step."""
+        then the step (skipped on the device on an inf/NaN gradient). Fabric: the step."""
         wrapper = self._the_wrapper(optimizer)
+        direct = wrapper is _unwrap(optimizer) and id(wrapper) in self._direct
         if not _in_trainer(model):
+            if not direct:
+                if closure is not None:
+                    kwargs["closure"] = closure
+                return wrapper.step(**kwargs)
+            if kwargs:
+                raise TypeError("%s.optimizer_step: unexpected arguments %s"
+                                % (_NAME, sorted(kwargs)))
+            loss = None
             if closure is not None:
-                kwargs["closure"] = closure
-            return wrapper.step(**kwargs)
+                with torch.enable_grad():
+                    loss = closure()
+            self._step_direct(wrapper)
+            return loss
         if kwargs:
             raise TypeError("%s.optimizer_step: unexpected arguments %s" % (_NAME,
                                                                              sorted(kwargs)))
@@ -281,6 +343,10 @@ class MixedPrecision(_Precision):
         self._after_closure(model, optimizer)
         # As Lightning's own plugins: a training_step that returned None made no gradients.
         if closure_result is None and model.automatic_optimization:
+            self._clip_coef.pop(id(wrapper), None)
+            return closure_result
+        if direct:
+            self._step_direct(wrapper)
             return closure_result
         wrapper.step()
         inner = wrapper.optimizer
@@ -304,7 +370,45 @@ class MixedPrecision(_Precision):
                 "%s: gradient_clip_algorithm=%r is not supported: clamping the gradients before "
                 "the inf/NaN check would hide an overflow from it; use 'norm'"
                 % (_NAME, str(gradient_clip_algorithm)))
-        return self._the_wrapper(optimizer).clip_grad_norm_(float(clip_val))
+        wrapper = self._the_wrapper(optimizer)
+        if id(wrapper) not in self._direct:
+            return wrapper.clip_grad_norm_(float(clip_val))
+        return self._clip_direct(wrapper, float(clip_val))
+
+    def _inv_scale(self, opt: torch.optim.Optimizer) -> torch.Tensor:
+        """1 / scale, as GradScaler.unscale_ computes it, times the clip coefficient so far."""
+        inv = self._direct_scaler(_device_of(opt))._scale_on(_device_of(opt))
+        inv = inv.double().reciprocal().float()
+        coef = self._clip_coef.get(id(opt))
+        return inv if coef is None else inv * coef
+
+    def _clip_direct(self, opt: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ coefficient, from the norm of the unscaled gradients
+        (one read-only pass, on the device); the step applies it in its unscale."""
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=_device_of(opt))
+        norm = _mp_ops.grad_norm(grads, inv_scale=self._inv_scale(opt))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's expression
+        prev = self._clip_coef.get(id(opt))
+        self._clip_coef[id(opt)] = coef if prev is None else prev * coef
+        return norm
+
+    def _step_direct(self, opt: torch.optim.Optimizer) -> None:
+        """The GradScaler protocol: ``scaler.step`` runs the fused read-only inf/NaN check and
+        hands the optimizer ``found_inf`` (and the scale), so its fused step unscales and is
+        skipped on the device; the scale is then updated on the device."""
+        device = _device_of(opt)
+        scaler = self._direct_scaler(device)
+        scale = scaler._scale_on(device)
+        coef = self._clip_coef.pop(id(opt), None)
+        kwargs = {}
+        if coef is not None:
+            # The step unscales by 1 / grad_scale: the clip coefficient folded in. A NaN
+            # coefficient comes only from a NaN/Inf gradient, whose step is skipped anyway.
+            kwargs["grad_scale"] = scale / coef
+        scaler.step(opt, **kwargs)
+        scaler.update()
 
     def unscale_gradients(self, optimizer: Any) -> None:
         raise RuntimeError(
@@ -318,8 +422,15 @@ class MixedPrecision(_Precision):
     # masters and the scale; the plugin's own state is its configuration, checked on load.
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"dtype": str(self._dtype).replace("torch.", ""),
-                "loss_scale": self._loss_scale}
+        """The configuration, and the state of the scaler of the ``mpext.optim`` optimizers
+        stepped as they are (``"scaler"``, once there is one): the FP16 scale and the skip
+        counters."""
+        out = {"dtype": str(self._dtype).replace("torch.", ""), "loss_scale": self._loss_scale}
+        if self._scaler is not None:
+            out["scaler"] = self._scaler.state_dict()
+        elif self._scaler_state is not None:
+            out["scaler"] = self._scaler_state
+        return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not state_dict:
@@ -328,6 +439,16 @@ class MixedPrecision(_Precision):
         if state_dict.get("dtype", mine["dtype"]) != mine["dtype"]:
             raise ValueError("%s: the checkpoint was saved with %s params but this plugin "
                              "trains in %s" % (_NAME, state_dict["dtype"], mine["dtype"]))
+        scaler_state = state_dict.get("scaler")
+        if scaler_state is not None:
+            if not isinstance(scaler_state, dict):
+                raise TypeError("%s.load_state_dict: 'scaler' must be a GradScaler state_dict, "
+                                "got %s" % (_NAME, type(scaler_state).__name__))
+            if self._scaler is not None:
+                self._scaler.load_state_dict(scaler_state)
+            else:  # checked now, loaded into the scaler when it is made
+                _checked_state_dict(scaler_state, 1)
+                self._scaler_state = dict(scaler_state)
 
     def __repr__(self) -> str:
         return "%s(%r, keep_fp32=%r, loss_scale=%r)" % (
@@ -339,6 +460,13 @@ def _in_trainer(module: Any) -> bool:
     """Whether the call comes from Lightning's Trainer (a LightningModule attached to one)
     rather than from Fabric."""
     return isinstance(module, _pl.LightningModule) and module._trainer is not None
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
 
 
 def _unwrap(optimizer: Any) -> Any:

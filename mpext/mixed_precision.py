@@ -769,8 +769,8 @@ def _check_inner_storage(optimizer: torch.optim.Optimizer, group: Dict[str, Any]
         raise ValueError(
             "%s of the inner %s asks for %s, which MixedPrecisionOptimizer cannot honour: it "
             "keeps FP32 masters as the inner optimizer's params (4 bytes per parameter). Use "
-            "%s directly on the model's params (with an mpext.GradScaler for FP16; in "
-            "Lightning, precision='bf16-true' instead of the mpext plugin), or drop the option "
+            "%s directly on the model's params (with an mpext.GradScaler; in Lightning, "
+            "the mpext plugin steps it unwrapped), or drop the option "
             "(BF16 or 8-bit moments and ema_decay are honoured)"
             % (where, type(optimizer).__name__, " and ".join(asked),
                "mpext.optim." + type(optimizer).__name__))

@@ -2,6 +2,7 @@
 CPU: BF16 and FP16 runs against an independent plain-torch loop (FP32 masters, torch's AdamW,
 torch's clipping, torch's loss-scale rule), the inf/NaN skip holding the mpext schedule still,
 bit-identical resume from a checkpoint, Fabric, and what Lightning's own plugins refuse."""
+import functools
 import os
 
 import pytest
@@ -44,10 +45,11 @@ def warmup(e):
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, overflow_at=(), clip=None):
+    def __init__(self, overflow_at=(), clip=None, make_opt=torch.optim.AdamW):
         super().__init__()
         self.net = net()
         self.overflow_at = set(overflow_at)
+        self.make_opt = make_opt
         self.lrs, self.applied = [], []
 
     def training_step(self, batch, i):
@@ -61,7 +63,7 @@ class Tiny(pl.LightningModule):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"].item())
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=LR)
+        opt = self.make_opt(self.parameters(), lr=LR)
         return {"optimizer": opt,
                 "lr_scheduler": {"scheduler": S.LambdaLR(opt, warmup), "interval": "step"}}
 
@@ -174,27 +176,29 @@ def test_fp16_trainer_loss_scaling_against_plain_loop():
     assert t.optimizers[0].scaler.get_skipped_steps() == 2
 
 
+def fp16_run_and_resume(tmp_path, make_opt):
+    """FP16 (scale from 512, growth every 3 steps), overflows at steps 1 and 10: a 4-epoch
+    run, and a 2-epoch run checkpointed and resumed by a new Trainer for 2 more."""
+    def fit(epochs, ckpt_path=None):
+        model = Tiny(overflow_at={1, 10}, make_opt=make_opt)
+        t = trainer(mpext.lightning.MixedPrecision("fp16", init_scale=512.0, growth_interval=3),
+                    epochs, gradient_clip_val=0.5)
+        t.fit(model, loader(), ckpt_path=ckpt_path)
+        return t, model
+
+    t_full, full = fit(4)
+    t1, _ = fit(2)
+    ckpt = str(tmp_path / "half.ckpt")
+    t1.save_checkpoint(ckpt)
+    t2, resumed = fit(4, ckpt)
+    return t_full, full, t2, resumed
+
+
 def test_resume_from_checkpoint_is_bit_identical(tmp_path):
     """FP16 with skips in both halves: 2 epochs, checkpoint, a new Trainer resumes for 2 more;
     params, masters, moments, loss scale and schedule equal an uninterrupted 4-epoch run bit for
     bit."""
-    def plugin():
-        return mpext.lightning.MixedPrecision("fp16", init_scale=512.0, growth_interval=3)
-
-    full = Tiny(overflow_at={1, 10})
-    t_full = trainer(plugin(), 4, gradient_clip_val=0.5)
-    t_full.fit(full, loader())
-
-    first = Tiny(overflow_at={1, 10})
-    t1 = trainer(plugin(), 2, gradient_clip_val=0.5)
-    t1.fit(first, loader())
-    ckpt = str(tmp_path / "half.ckpt")
-    t1.save_checkpoint(ckpt)
-
-    resumed = Tiny(overflow_at={1, 10})
-    t2 = trainer(plugin(), 4, gradient_clip_val=0.5)
-    t2.fit(resumed, loader(), ckpt_path=ckpt)
-
+    t_full, full, t2, resumed = fp16_run_and_resume(tmp_path, torch.optim.AdamW)
     for a, b in zip(full.parameters(), resumed.parameters()):
         assert a.dtype == torch.float16 and torch.equal(a, b)
     for a, b in zip(plugin_masters(t_full), plugin_masters(t2)):
@@ -224,14 +228,11 @@ class EmaTiny(Tiny):
 
 
 def ema_state(trainer_):
-    """The inner optimizer's FP32 EMA of each model param's master, in model order."""
-    wrapper = trainer_.optimizers[0]
-    inner = wrapper.optimizer
-    out = []
-    for p in trainer_.lightning_module.parameters():
-        m = wrapper.master_param(p)  # the master itself: the inner optimizer's param
-        out.append(inner.state[p if m is None else m]["ema_param"])
-    return out
+    """The optimizer's FP32 EMA of each model param's master, in model order (the plugin steps
+    mpext.optim.AdamW as it is, so its state is keyed by the model's params)."""
+    opt = trainer_.optimizers[0]
+    assert isinstance(opt, mpext.optim.AdamW)
+    return [opt.state[p]["ema_param"] for p in trainer_.lightning_module.parameters()]
 
 
 def test_ema_of_the_masters_through_the_plugin_and_a_checkpoint(tmp_path):
@@ -277,20 +278,6 @@ def test_ema_of_the_masters_through_the_plugin_and_a_checkpoint(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_lean_storage_options_under_the_plugin_are_refused():
-    """The plugin wraps each optimizer with FP32 masters, so mpext.optim.AdamW's remainder or
-    master-free storage cannot apply under it: fit refuses it, naming bf16-true as the way to
-    use them, instead of silently keeping 4-byte masters."""
-    class Lean(Tiny):
-        def configure_optimizers(self):
-            return mpext.optim.AdamW(self.parameters(), lr=LR, param_remainders=True)
-
-    t = trainer(mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm]), 1)
-    with pytest.raises(ValueError, match=r"asks for param_remainders=True, which "
-                                         r"MixedPrecisionOptimizer cannot honour.*bf16-true"):
-        t.fit(Lean(), loader())
-
-
 def test_manual_optimization_and_value_clipping_refused():
     class Manual(Tiny):
         def __init__(self):
@@ -319,16 +306,23 @@ def test_manual_optimization_and_value_clipping_refused():
         t.fit(Tiny(), loader())
 
 
-def test_fabric_explicit_wrapper_checkpoint_resume(tmp_path):
-    """Fabric: setup_module, then the plugin's wrapper to setup_optimizers; the wrapper's
-    state_dict holds the masters and the scale, so fabric.save/load resume bit for bit."""
+@pytest.mark.parametrize("direct", [False, True], ids=["torch-wrapped", "mpext-direct"])
+def test_fabric_explicit_wrapper_checkpoint_resume(tmp_path, direct):
+    """Fabric, FP16 with an overflow: torch's AdamW through the plugin's wrapper (its
+    state_dict holds the masters and the scale), or a master-free mpext.optim.AdamW stepped as
+    it is (the plugin, in the saved state, holds the scale); fabric.save/load resume bit for
+    bit."""
     def run(steps, plugin, start=0, load=None, save=None):
         fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = fabric.setup_module(net())
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        if direct:
+            opt = mpext.optim.AdamW(model.parameters(), lr=LR, master_weights=False,
+                                    stochastic_rounding=True)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
         sched = S.LambdaLR(opt, warmup)
         opt = fabric.setup_optimizers(plugin.wrap_optimizer(opt))
-        state = {"model": model, "optimizer": opt, "sched": sched}
+        state = {"model": model, "optimizer": opt, "sched": sched, "precision": plugin}
         if load:
             fabric.load(load, state)
         for step in range(steps):
@@ -346,17 +340,24 @@ def test_fabric_explicit_wrapper_checkpoint_resume(tmp_path):
         return model, opt, sched
 
     def plugin():
-        return mpext.lightning.MixedPrecision("fp16", init_scale=512.0)
+        return mpext.lightning.MixedPrecision("fp16", init_scale=512.0, growth_interval=2)
 
-    full_model, full_opt, full_sched = run(6, plugin())
+    def scaler(opt, plugin_):
+        return plugin_._scaler if direct else opt.optimizer.scaler
+
+    full_plugin = plugin()
+    full_model, full_opt, full_sched = run(6, full_plugin)
     assert full_model.module[0].weight.dtype == torch.float16
-    assert full_opt.optimizer.scaler.get_skipped_steps() == 1
+    assert (type(full_opt.optimizer) is mpext.optim.AdamW) == direct
+    assert scaler(full_opt, full_plugin).get_skipped_steps() == 1
     path = str(tmp_path / "fabric.ckpt")
     run(3, plugin(), save=path)
-    model, opt, sched = run(3, plugin(), start=3, load=path)
+    resumed_plugin = plugin()
+    model, opt, sched = run(3, resumed_plugin, start=3, load=path)
     for a, b in zip(full_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
-    assert full_opt.optimizer.get_scale() == opt.optimizer.get_scale()
+    assert scaler(full_opt, full_plugin).get_scale() == \
+        scaler(opt, resumed_plugin).get_scale() != 512.0
     assert full_sched.last_epoch == sched.last_epoch == 5
 
 
@@ -413,6 +414,17 @@ def test_bad_arguments():
     fp16.wrap_optimizer(torch.optim.AdamW(m[0].parameters()))
     with pytest.raises(NotImplementedError, match="several optimizers"):
         fp16.wrap_optimizer(torch.optim.AdamW(m[3].parameters()))
+    with pytest.raises(NotImplementedError, match="several optimizers"):
+        fp16.wrap_optimizer(mpext.optim.AdamW(m[3].parameters()))
+    # a bad scaler state is refused when loaded, not at the first step
+    good = mpext.GradScaler("cpu").state_dict()
+    fresh = mpext.lightning.MixedPrecision("fp16")
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        fresh.load_state_dict({"dtype": "float16", "loss_scale": "dynamic",
+                               "scaler": dict(good, scale=-1.0)})
+    with pytest.raises(TypeError, match="'scaler' must be"):
+        fresh.load_state_dict({"dtype": "float16", "loss_scale": "dynamic", "scaler": 3})
+    assert "scaler" not in fresh.state_dict()
 
 
 
@@ -442,3 +454,247 @@ def test_example_fabric_train_and_resume(tmp_path, precision):
     run(small + ["--steps", "10", "--save", ckpt])
     assert same_run(run(small + ["--steps", "10", "--start", "10", "--resume", ckpt]), full,
                     precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# mpext.optim optimizers stepped as they are: every storage format gets the skip, clipping and
+# the schedule, compared with a run that never saw the NaN batch.
+
+BF = torch.bfloat16
+# name -> mpext.optim.AdamW storage options
+FORMATS = {
+    "fp32-master": {},
+    "remainder": dict(param_remainders=True),
+    "remainder-bf16-moments": dict(param_remainders=True, exp_avg_dtype=BF, exp_avg_sq_dtype=BF),
+    "bf16-moments": dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF),
+    "sr-bf16-moments": dict(master_weights=False, stochastic_rounding=True, exp_avg_dtype=BF,
+                            exp_avg_sq_dtype=BF),
+    "8bit": dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8),
+    "master-free-sr": dict(master_weights=False, stochastic_rounding=True),
+}
+NAN_BATCH = 5  # of 12 batches of 4
+GEN2 = torch.Generator().manual_seed(2)
+X2 = torch.randn(48, 8, generator=GEN2)
+Y2 = torch.randn(48, 1, generator=GEN2)
+
+
+def lean_net():
+    """Small, with one weight of 4096 elements so that 8-bit moments really are 8-bit."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 64),
+                         nn.Tanh(), nn.Linear(64, 1))
+
+
+def lean_loaders():
+    """The run's batches with batch NAN_BATCH all NaN, and the same batches without it."""
+    x = X2.clone()
+    rows = slice(NAN_BATCH * BATCH, (NAN_BATCH + 1) * BATCH)
+    x[rows] = float("nan")
+    keep = torch.ones(48, dtype=torch.bool)
+    keep[rows] = False
+
+    def dl(a, b):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(a, b),
+                                           batch_size=BATCH, shuffle=False)
+    return dl(x, Y2), dl(X2[keep], Y2[keep])
+
+
+def snapshot(opt, params):
+    """Every tensor of the optimizer's state and the params, cloned (in a fixed order)."""
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        for k in sorted(opt.state.get(p, {})):
+            v = opt.state[p][k]
+            if isinstance(v, torch.Tensor):
+                out.append(v.detach().clone())
+    return out
+
+
+def all_equal(a, b):
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y)
+                                    for x, y in zip(a, b))
+
+
+def finite(ts):
+    return all(bool(torch.isfinite(t.float()).all()) for t in ts if t.is_floating_point())
+
+
+class Lean(pl.LightningModule):
+    def __init__(self, options):
+        super().__init__()
+        self.net = lean_net()
+        self.options = options
+        self.lrs, self.snaps, self.scales = [], [], []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.mse_loss(self.net(x).float(), y.float())
+
+    def on_train_batch_end(self, outputs, batch, i):
+        opt = self.trainer.optimizers[0]
+        self.lrs.append(opt.param_groups[0]["lr"].item())
+        self.snaps.append(snapshot(opt, list(self.parameters())))
+        scaler = self.trainer.precision_plugin._scaler
+        self.scales.append(scaler.get_scale())
+
+    def configure_optimizers(self):
+        opt = mpext.optim.AdamW(self.parameters(), lr=LR, **self.options)
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": S.LambdaLR(opt, warmup), "interval": "step"}}
+
+
+def lean_fit(options, loader_, precision="bf16", clip=0.05, **plugin_kw):
+    model = Lean(options)
+    plugin = mpext.lightning.MixedPrecision(precision, keep_fp32=[nn.LayerNorm], **plugin_kw)
+    t = trainer(plugin, 1, gradient_clip_val=clip)
+    t.fit(model, loader_)
+    return t, model
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_trainer_nan_batch_skipped_in_every_lean_format(fmt):
+    """BF16 plugin, mpext.optim.AdamW in each storage format, clipping on, a NaN batch in the
+    middle: the plugin steps the optimizer as it is (no FP32-master wrapper); on the NaN step
+    params and every state tensor stay as they were and the schedule holds; nothing is NaN at
+    the end; and the run equals, bit for bit, one that never saw that batch (the step count
+    does not advance on the skip, so even the stochastic rounding draws the same bits after
+    it)."""
+    nan_loader, ref_loader = lean_loaders()
+    t, model = lean_fit(FORMATS[fmt], nan_loader)
+    opt = t.optimizers[0]
+    assert type(opt) is mpext.optim.AdamW  # not wrapped
+    assert model.net[0].weight.dtype == BF and model.net[1].weight.dtype == torch.float32
+    if fmt == "8bit":
+        assert opt.state[model.net[3].weight]["exp_avg"].dtype == torch.int8
+    if "remainder" in fmt:
+        assert "param_remainder" in opt.state[model.net[3].weight]
+    assert all_equal(model.snaps[NAN_BATCH], model.snaps[NAN_BATCH - 1])
+    assert not all_equal(model.snaps[NAN_BATCH + 1], model.snaps[NAN_BATCH])
+    assert model.lrs[NAN_BATCH] == model.lrs[NAN_BATCH - 1]
+    assert all(finite(s) for s in model.snaps)
+    sched = t.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 11
+    assert t.precision_plugin._scaler.get_skipped_steps() == 1
+
+    t_ref, ref = lean_fit(FORMATS[fmt], ref_loader)
+    assert all_equal(model.snaps[-1], ref.snaps[-1])
+    assert model.lrs[:NAN_BATCH] + model.lrs[NAN_BATCH + 1:] == ref.lrs
+    assert t_ref.lr_scheduler_configs[0].scheduler.last_epoch == 11
+
+
+def test_trainer_clipping_and_fp32_masters_match_torch():
+    """The direct path's numerics against an independent plain loop (FP32 masters stepped by
+    torch.optim.AdamW, torch's clip_grad_norm_, the schedule at the count of applied steps)."""
+    plugin = mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+
+    model = Tiny(overflow_at={5}, make_opt=mpext.optim.AdamW)
+    t = trainer(plugin, 3, gradient_clip_val=0.05)
+    t.fit(model, loader())
+    assert type(t.optimizers[0]) is mpext.optim.AdamW
+    masters, lrs, _, norms = reference(torch.bfloat16, 12, overflow_at={5}, clip=0.05)
+    assert sum(n > 0.05 for n in norms) >= 3  # clipping really engaged
+    assert_masters_close(plugin_masters(t), masters)
+    assert model.lrs == lrs
+
+
+@pytest.mark.parametrize("fmt", ["fp32-master", "master-free-sr"])
+def test_trainer_fp16_dynamic_scale_backs_off_on_the_nan_batch(fmt):
+    """FP16 params, mpext.optim.AdamW stepped as it is under the plugin's dynamic scale (from
+    1024, growth every 4 steps): the NaN step changes nothing, holds the schedule and halves
+    the scale; the other steps follow torch's rule; the weights stay finite and close to a run
+    that never saw the batch (its scale differs, so not bit for bit)."""
+    nan_loader, ref_loader = lean_loaders()
+    kw = dict(init_scale=1024.0, growth_interval=4)
+    t, model = lean_fit(FORMATS[fmt], nan_loader, precision="fp16", clip=1.0, **kw)
+    assert type(t.optimizers[0]) is mpext.optim.AdamW
+    assert model.net[0].weight.dtype == torch.float16
+    assert all_equal(model.snaps[NAN_BATCH], model.snaps[NAN_BATCH - 1])
+    assert model.lrs[NAN_BATCH] == model.lrs[NAN_BATCH - 1]
+    assert all(finite(s) for s in model.snaps)
+    want, scale, tracker = [], 1024.0, 0
+    for k in range(12):
+        if k == NAN_BATCH:
+            scale, tracker = scale * 0.5, 0
+        else:
+            tracker += 1
+            if tracker == 4:
+                scale, tracker = scale * 2.0, 0
+        want.append(scale)
+    assert model.scales == want
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == 11
+    _, ref = lean_fit(FORMATS[fmt], ref_loader, precision="fp16", clip=1.0, **kw)
+    for a, b in zip(list(model.parameters()), list(ref.parameters())):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_trainer_fp16_direct_resume_is_bit_identical(tmp_path):
+    """The scale of an optimizer stepped as it is lives in the plugin's state_dict, which the
+    Lightning checkpoint carries: a resumed FP16 run (NaN batches in both halves) equals the
+    uninterrupted one bit for bit, scale included."""
+    t_full, full, t2, resumed = fp16_run_and_resume(tmp_path, functools.partial(
+        mpext.optim.AdamW, master_weights=False, stochastic_rounding=True))
+    assert type(t2.optimizers[0]) is mpext.optim.AdamW
+    assert all_equal(snapshot(t_full.optimizers[0], list(full.parameters())),
+                     snapshot(t2.optimizers[0], list(resumed.parameters())))
+    assert t_full.precision_plugin._scaler.get_scale() == \
+        t2.precision_plugin._scaler.get_scale() != 512.0
+    assert full.lrs[8:] == resumed.lrs
+
+
+@pytest.mark.parametrize("fmt", ["remainder", "sr-bf16-moments", "8bit"])
+def test_fabric_nan_batch_skipped_in_lean_formats(fmt):
+    """Fabric, BF16: an mpext.optim.AdamW handed to setup_optimizers as it is, clipped with
+    plugin.clip_gradients and scheduled by an mpext schedule; the NaN batch changes nothing and
+    the run equals, bit for bit, one without that batch."""
+    def run(skip_nan):
+        plugin = mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+        fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = fabric.setup_module(lean_net())
+        opt = mpext.optim.AdamW(model.parameters(), lr=LR, **FORMATS[fmt])
+        sched = S.LambdaLR(opt, warmup)
+        opt = fabric.setup_optimizers(opt)
+        snaps, lrs = [], []
+        for k in range(12):
+            x, y = X2[k * BATCH:(k + 1) * BATCH], Y2[k * BATCH:(k + 1) * BATCH]
+            if k == NAN_BATCH:
+                if skip_nan:
+                    continue
+                x = torch.full_like(x, float("nan"))
+            fabric.backward(F.mse_loss(model(x), y))
+            plugin.clip_gradients(opt, 0.05)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            snaps.append(snapshot(opt.optimizer, list(model.parameters())))
+            lrs.append(opt.param_groups[0]["lr"].item())
+        return snaps, lrs, sched, plugin
+
+    snaps, lrs, sched, plugin = run(False)
+    assert all_equal(snaps[NAN_BATCH], snaps[NAN_BATCH - 1])
+    assert lrs[NAN_BATCH] == lrs[NAN_BATCH - 1]
+    assert all(finite(s) for s in snaps)
+    assert sched.last_epoch == 11 and plugin._scaler.get_skipped_steps() == 1
+    ref_snaps, ref_lrs, _, _ = run(True)
+    assert all_equal(snaps[-1], ref_snaps[-1])
+    assert lrs[:NAN_BATCH] + lrs[NAN_BATCH + 1:] == ref_lrs
+
+
+def test_torch_optimizers_keep_the_wrapper_and_the_bf16_true_route_has_no_skip():
+    """An optimizer that is not mpext's is still wrapped (FP32 masters); and what the plugin
+    adds over Lightning's own bf16-true with mpext.optim.AdamW: there a NaN batch makes every
+    weight NaN."""
+    plugin = mpext.lightning.MixedPrecision("bf16")
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(net())
+    assert isinstance(plugin.wrap_optimizer(torch.optim.AdamW(model.parameters())),
+                      mpext.MixedPrecisionOptimizer)
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    assert isinstance(plugin.wrap_optimizer(fused), mpext.MixedPrecisionOptimizer)
+
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    model = fabric.setup_module(net())
+    opt = fabric.setup_optimizers(mpext.optim.AdamW(model.parameters(), lr=LR,
+                                                    param_remainders=True))
+    fabric.backward(F.mse_loss(model(torch.full((BATCH, 8), float("nan"))), Y[:BATCH]))
+    opt.step()
+    assert all(bool(p.isnan().all()) for p in model.parameters())
