@@ -11,7 +11,7 @@ with the same schedule:
 
 Method, criteria and how to read the plots: docs/convergence.md and docs/lean_state.md.
 
-    python benchmarks/bench_convergence.py [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
+    python -m benchmarks.bench_convergence [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
         [--modes ...] [--seeds N]
 """
 import argparse
@@ -20,19 +20,16 @@ import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
+from .common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
                     results, run_standalone, save_figure, section_head)
-from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
+from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
-from training import Trainer
+from .training import Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"

@@ -2,19 +2,16 @@
 (``torch.nn.utils.get_total_norm``), plain and after unscaling, in the same run on the same
 device. Method, cases and columns: benchmarks/README.md, "Gradient norm".
 
-    python benchmarks/bench_grad_norm.py [--quick] [--device auto|cpu|cuda]
+    python -m benchmarks.bench_grad_norm [--quick] [--device auto|cpu|cuda]
 """
 import math
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines,
+from .common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines,
                     figure_title, fmt_ms, free_memory, gpt2_shapes, markdown_table,
                     payload_header, pct, report_footer, require_kernel, results, roofline_line,
                     run_standalone, save_figure, section_head, time_fns)

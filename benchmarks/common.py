@@ -1,7 +1,7 @@
 """What the mpext benchmarks share (the method: benchmarks/README.md).
 
 Every ``bench_*.py`` module here exposes ``NAME`` and ``run(ctx) -> dict``, and runs on its own
-(``python benchmarks/bench_x.py [--quick] [--device auto|cpu|cuda]``) or through ``run_all.py``.
+(``python -m benchmarks.bench_x [--quick] [--device auto|cpu|cuda]``) or through ``run_all.py``.
 This module holds the options and ``Context``, the timing (``time_fns``, ``time_pairs``), the
 rooflines, peak memory, the machine description, the shared inputs (``gpt2_shapes``,
 ``Alternate``), the one sanity guard (``check``, ``expect_same``) and the output (tables, JSON,

@@ -16,7 +16,7 @@ a seeded probabilistic grammar, so every run on every machine trains on the same
 - ``get_batch``: a deterministic random batch for a given ``torch.Generator`` state.
 - ``count_params``: the number of distinct parameters.
 
-    python benchmarks/gpt.py     # prints the corpus statistics and one forward pass per preset
+    python -m benchmarks.gpt     # prints the corpus statistics and one forward pass per preset
 """
 import dataclasses
 import functools
