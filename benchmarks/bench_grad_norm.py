@@ -11,10 +11,10 @@ import sys
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from .common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines,
-                    figure_title, fmt_ms, free_memory, gpt2_shapes, markdown_table,
-                    payload_header, pct, report_footer, require_kernel, results, roofline_line,
-                    run_standalone, save_figure, section_head, time_fns)
+from .common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines, figure_title,
+                     fmt_ms, free_memory, gpt2_shapes, markdown_table, payload_header, pct, pyplot,
+                     report_footer, require_kernel, results, roofline_line, run_standalone,
+                     save_figure, section_head, time_fns)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -176,10 +176,7 @@ def run(ctx: Context) -> dict:
 
 def _plot(ctx, rows, read, roof):
     """Grouped bars: GB/s of each contender per case, with the read roofline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = ["%s %s" % (r["list"], r["dtype"]) for r in rows]
     series = [("mpext grad_norm", "norm", "mpext_gbps"),

@@ -15,10 +15,10 @@ import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
 from .common import (Alternate, Context, MiB, PhaseClock, Timing, busy, check, combine_rooflines,
-                    count_subnormals, expect_same, figure_title, fmt_ms, free_memory,
-                    gpt2_shapes, markdown_table, pair_metrics, payload_header, pct,
-                    peak_memory_many, report_footer, require_kernel, results, roofline_line,
-                    run_standalone, save_figure, section_head, time_pairs)
+                     count_subnormals, expect_same, figure_title, fmt_ms, free_memory, gpt2_shapes,
+                     markdown_table, pair_metrics, payload_header, pct, peak_memory_many, pyplot,
+                     report_footer, require_kernel, results, roofline_line, run_standalone,
+                     save_figure, section_head, time_pairs)
 
 NAME = "bench_scaler"
 TITLE = "Loss-scaler unscale_: mpext vs PyTorch"
@@ -436,10 +436,7 @@ def _per_step(values):
 
 def _plot(ctx, row_specs, metrics, roof):
     """Grouped bars: GB/s of mpext and torch per case, with the rooflines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     import textwrap
 

@@ -14,8 +14,8 @@ import torch
 
 from mpext import memory
 from .common import (Context, MiB, PhaseClock, Timing, check, figure_title, fmt_ms, free_memory,
-                    markdown_table, payload_header, peak_memory_many, plot_lines, report_footer,
-                    results, run_standalone, save_figure, section_head)
+                     markdown_table, payload_header, peak_memory_many, plot_lines, pyplot,
+                     report_footer, results, run_standalone, save_figure, section_head)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 from . import training
 
@@ -264,10 +264,7 @@ def _plot_time(ctx, results):
 
 
 def _plot_memory(ctx, res):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     parts = [("weights", "weights"), ("gradients", "gradients"),
              ("master_weights", "master weights"), ("optimizer_states", "optimizer states"),

@@ -671,13 +671,20 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
-    """One PNG with one or more panels. Each panel: ``{"title", "xlabel", "ylabel", "logx",
-    "series": {label: (xs, ys)}, "hlines": {label: y}}``."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks never open a window)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
+    """One PNG with one or more panels. Each panel: ``{"title", "xlabel", "ylabel", "logx",
+    "series": {label: (xs, ys)}, "hlines": {label: y}}``."""
+    plt = pyplot()
 
     n = len(panels)
     ncols = min(ncols, n)

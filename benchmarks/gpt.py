@@ -15,8 +15,6 @@ a seeded probabilistic grammar, so every run on every machine trains on the same
 - ``load_corpus``: the character corpus as token ids plus the vocabulary.
 - ``get_batch``: a deterministic random batch for a given ``torch.Generator`` state.
 - ``count_params``: the number of distinct parameters.
-
-    python -m benchmarks.gpt     # prints the corpus statistics and one forward pass per preset
 """
 import dataclasses
 import functools
@@ -481,24 +479,3 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
     offs = torch.arange(block_size + 1)
     win = data[(ix[:, None] + offs[None, :]).to(data.device)].long()
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()
-
-
-def _main() -> None:
-    data, vocab = load_corpus()
-    print("corpus: %d characters, vocabulary %d: %r" % (len(data), len(vocab), "".join(vocab)))
-    print("unigram entropy: %.3f nats/char (%.3f bits)" % (unigram_entropy(data),
-                                                          unigram_entropy(data) / math.log(2)))
-    print(corpus_text()[:600])
-    g = torch.Generator().manual_seed(0)
-    for name in PRESETS:
-        cfg = GPTConfig.preset(name, len(vocab))
-        model = GPT(cfg)
-        x, y = get_batch(data, 2, cfg.block_size, g)
-        with torch.no_grad():
-            _, loss = model(x, y)
-        print("%-5s %s: %.2fM params, initial loss %.3f (ln V = %.3f)"
-              % (name, cfg, count_params(model) / 1e6, float(loss), math.log(len(vocab))))
-
-
-if __name__ == "__main__":
-    _main()
