@@ -36,7 +36,7 @@ test: build cuda-emu
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: build
-	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
 env: $(ENV_TARGET)
 

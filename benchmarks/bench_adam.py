@@ -2,19 +2,16 @@
 ways of stepping ``torch.optim.AdamW`` under a loss scaler, in the same run on the same device.
 Method, paths, bytes counted and columns: benchmarks/README.md, "AdamW step".
 
-    python benchmarks/bench_adam.py [--quick] [--device auto|cpu|cuda] [--only paths|lean]
+    python -m benchmarks.bench_adam [--quick] [--device auto|cpu|cuda] [--only paths|lean]
 """
 import math
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
-from common import (Alternate, Context, MiB, PhaseClock, Timing, check, combine_rooflines,
+from .common import (Alternate, Context, MiB, PhaseClock, Timing, check, combine_rooflines,
                     count_subnormals, expect_same, figure_title, fmt_count, fmt_ms, free_memory,
                     gpt2_shapes, load_average, markdown_table, payload_header, pct,
                     peak_memory_many, plot_lines, report_footer, require_kernel, results,

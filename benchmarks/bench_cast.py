@@ -2,19 +2,16 @@
 ``cast_`` vs ``copy_`` and ``torch._foreach_copy_``), in the same run on the same device.
 Method, cases and columns: benchmarks/README.md, "Casts".
 
-    python benchmarks/bench_cast.py [--quick] [--device auto|cpu|cuda]
+    python -m benchmarks.bench_cast [--quick] [--device auto|cpu|cuda]
 """
 import math
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import mpext
-from common import (Context, MiB, PhaseClock, Timing, busy, combine_rooflines, expect_same,
+from .common import (Context, MiB, PhaseClock, Timing, busy, combine_rooflines, expect_same,
                     figure_title, fmt_count, fmt_ms, free_memory, gpt2_shapes, markdown_table,
                     pair_metrics, payload_header, pct, peak_memory_many, plot_lines,
                     report_footer, results, roofline_hlines, roofline_line, run_standalone,

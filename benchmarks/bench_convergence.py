@@ -11,7 +11,7 @@ with the same schedule:
 
 Method, criteria and how to read the plots: docs/convergence.md and docs/lean_state.md.
 
-    python benchmarks/bench_convergence.py [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
+    python -m benchmarks.bench_convergence [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
         [--modes ...] [--seeds N]
 """
 import argparse
@@ -20,19 +20,16 @@ import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
-                    results, run_standalone, save_figure, section_head)
-from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
+from .common import (Context, PhaseClock, check, markdown_table, payload_header, pyplot,
+                     report_footer, results, run_standalone, save_figure, section_head)
+from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
-from training import Trainer
+from .training import Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
@@ -364,15 +361,6 @@ def underflow_stats(grads: List[torch.Tensor], scale: float):
 # Plots
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _label_axes(ax, title: str, xlabel: str, ylabel: str = "", fontsize: int = 7) -> None:
     ax.set_title(title)
     ax.set_xlabel(xlabel)
@@ -389,7 +377,7 @@ STYLE = {"fp32": ("black", "-"), "amp_bf16": ("tab:blue", "--"), "amp_fp16": ("t
 
 def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entropy: float,
               title: str):
-    plt = _plt()
+    plt = pyplot()
     ncols = 3
     fig, axes = plt.subplots(1, ncols, figsize=(6.0 * ncols, 4.4))
     ax = axes[0]
@@ -445,7 +433,7 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
 
 
 def plot_scale(path, runs: Dict[str, Run], title: str):
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     for k in ("amp_fp16", "mpext_fp16"):
         r = runs.get(k)
@@ -465,7 +453,7 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
 
 
 def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
-    plt = _plt()
+    plt = pyplot()
     lg = g.abs().log2()
     scale = stats["scale"]
     lgs = lg + math.log2(scale)
@@ -785,7 +773,7 @@ def plot_lean(path, res: dict, ls: LeanSetting, title: str):
     """Four panels: the mean validation loss of every lean mode with the noise band; each mode's
     difference from the reference (symlog); the weights a step left unchanged; the second
     moment of the synthetic shrinking-gradient demo."""
-    plt = _plt()
+    plt = pyplot()
     runs = res["runs"]
     steps = runs["master"][0].eval_steps
     center, half = band_curve(runs["master"])

@@ -2,7 +2,7 @@
 inf/NaN flag, on 2 gloo CPU ranks training a small MLP under DDP. Method and columns:
 benchmarks/README.md, "Distributed".
 
-    python benchmarks/bench_distributed.py [--quick]
+    python -m benchmarks.bench_distributed [--quick]
 """
 import os
 import statistics
@@ -10,10 +10,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
@@ -21,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
-from common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
+from .common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
                     results, run_standalone, section_head)
 
 NAME = "bench_distributed"

@@ -2,22 +2,19 @@
 (``torch.nn.utils.get_total_norm``), plain and after unscaling, in the same run on the same
 device. Method, cases and columns: benchmarks/README.md, "Gradient norm".
 
-    python benchmarks/bench_grad_norm.py [--quick] [--device auto|cpu|cuda]
+    python -m benchmarks.bench_grad_norm [--quick] [--device auto|cpu|cuda]
 """
 import math
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines,
-                    figure_title, fmt_ms, free_memory, gpt2_shapes, markdown_table,
-                    payload_header, pct, report_footer, require_kernel, results, roofline_line,
-                    run_standalone, save_figure, section_head, time_fns)
+from .common import (Alternate, Context, PhaseClock, Timing, check, combine_rooflines, figure_title,
+                     fmt_ms, free_memory, gpt2_shapes, markdown_table, payload_header, pct, pyplot,
+                     report_footer, require_kernel, results, roofline_line, run_standalone,
+                     save_figure, section_head, time_fns)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -179,10 +176,7 @@ def run(ctx: Context) -> dict:
 
 def _plot(ctx, rows, read, roof):
     """Grouped bars: GB/s of each contender per case, with the read roofline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = ["%s %s" % (r["list"], r["dtype"]) for r in rows]
     series = [("mpext grad_norm", "norm", "mpext_gbps"),

@@ -2,26 +2,23 @@
 on a large and a many-tensor gradient list, and the host reads per ``GradScaler`` step, in the
 same run on the same device. Method, cases and columns: benchmarks/README.md, "Loss scaler".
 
-    python benchmarks/bench_scaler.py [--quick] [--device auto|cpu|cuda]
+    python -m benchmarks.bench_scaler [--quick] [--device auto|cpu|cuda]
 """
 import collections
 import contextlib
 import math
 import random
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from common import (Alternate, Context, MiB, PhaseClock, Timing, busy, check, combine_rooflines,
-                    count_subnormals, expect_same, figure_title, fmt_ms, free_memory,
-                    gpt2_shapes, markdown_table, pair_metrics, payload_header, pct,
-                    peak_memory_many, report_footer, require_kernel, results, roofline_line,
-                    run_standalone, save_figure, section_head, time_pairs)
+from .common import (Alternate, Context, MiB, PhaseClock, Timing, busy, check, combine_rooflines,
+                     count_subnormals, expect_same, figure_title, fmt_ms, free_memory, gpt2_shapes,
+                     markdown_table, pair_metrics, payload_header, pct, peak_memory_many, pyplot,
+                     report_footer, require_kernel, results, roofline_line, run_standalone,
+                     save_figure, section_head, time_pairs)
 
 NAME = "bench_scaler"
 TITLE = "Loss-scaler unscale_: mpext vs PyTorch"
@@ -439,10 +436,7 @@ def _per_step(values):
 
 def _plot(ctx, row_specs, metrics, roof):
     """Grouped bars: GB/s of mpext and torch per case, with the rooflines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     import textwrap
 

@@ -3,24 +3,21 @@ same model, data and seeds, timed per iteration, with the peak memory and the pe
 per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes, columns and
 files: benchmarks/README.md, "Training step".
 
-    python benchmarks/bench_train.py [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
+    python -m benchmarks.bench_train [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
 """
 import dataclasses
 import itertools
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 from mpext import memory
-from common import (Context, MiB, PhaseClock, Timing, check, figure_title, fmt_ms, free_memory,
-                    markdown_table, payload_header, peak_memory_many, plot_lines, report_footer,
-                    results, run_standalone, save_figure, section_head)
-from gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
-import training
+from .common import (Context, MiB, PhaseClock, Timing, check, figure_title, fmt_ms, free_memory,
+                     markdown_table, payload_header, peak_memory_many, plot_lines, pyplot,
+                     report_footer, results, run_standalone, save_figure, section_head)
+from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
+from . import training
 
 NAME = "bench_train"
 TITLE = "Training step end to end: FP32 vs native AMP vs mpext on a GPT model"
@@ -267,10 +264,7 @@ def _plot_time(ctx, results):
 
 
 def _plot_memory(ctx, res):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     parts = [("weights", "weights"), ("gradients", "gradients"),
              ("master_weights", "master weights"), ("optimizer_states", "optimizer states"),

@@ -1,7 +1,7 @@
 """What the mpext benchmarks share (the method: benchmarks/README.md).
 
 Every ``bench_*.py`` module here exposes ``NAME`` and ``run(ctx) -> dict``, and runs on its own
-(``python benchmarks/bench_x.py [--quick] [--device auto|cpu|cuda]``) or through ``run_all.py``.
+(``python -m benchmarks.bench_x [--quick] [--device auto|cpu|cuda]``) or through ``run_all.py``.
 This module holds the options and ``Context``, the timing (``time_fns``, ``time_pairs``), the
 rooflines, peak memory, the machine description, the shared inputs (``gpt2_shapes``,
 ``Alternate``), the one sanity guard (``check``, ``expect_same``) and the output (tables, JSON,
@@ -530,22 +530,8 @@ def gpt2_shapes(reduced: bool = False) -> List[Tuple[str, tuple]]:
     148 tensors; HF naming, Conv1D weights are (in, out)); ``reduced``: 4 layers on an 8K
     vocabulary (35M parameters, 52 tensors), the --quick list."""
     spec = memory.MODELS["gpt2"]
-    n_layer, vocab = (4, 8192) if reduced else (spec.layers, spec.vocab)
-    d = spec.hidden
-    shapes = [("wte.weight", (vocab, d)), ("wpe.weight", (spec.seq, d))]
-    for i in range(n_layer):
-        p = "h.%d." % i
-        shapes += [
-            (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
-            (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
-            (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
-            (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
-            (p + "mlp.c_fc.weight", (d, 4 * d)), (p + "mlp.c_fc.bias", (4 * d,)),
-            (p + "mlp.c_proj.weight", (4 * d, d)), (p + "mlp.c_proj.bias", (d,)),
-        ]
-    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-    assert reduced or sum(math.prod(s) for _, s in shapes) == spec.params
-    return shapes
+    layers, vocab = (4, 8192) if reduced else (spec.layers, spec.vocab)
+    return memory.gpt_shapes(layers, spec.hidden, vocab, spec.seq)
 
 
 class Alternate:
@@ -685,13 +671,20 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
-    """One PNG with one or more panels. Each panel: ``{"title", "xlabel", "ylabel", "logx",
-    "series": {label: (xs, ys)}, "hlines": {label: y}}``."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks never open a window)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
+    """One PNG with one or more panels. Each panel: ``{"title", "xlabel", "ylabel", "logx",
+    "series": {label: (xs, ys)}, "hlines": {label: y}}``."""
+    plt = pyplot()
 
     n = len(panels)
     ncols = min(ncols, n)

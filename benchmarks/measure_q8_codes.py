@@ -22,7 +22,7 @@ measurements on benchmarks/gpt.py's character model:
 2. dynamic: AdamW whose state is stored in the code after every step (the same batches, the
    same initial weights), its final validation loss against FP32's.
 
-    python benchmarks/measure_q8_codes.py [--steps 300] [--block 256] [--preset q8] [--no-dynamic]
+    python -m benchmarks.measure_q8_codes [--steps 300] [--block 256] [--preset q8] [--no-dynamic]
 
 Pure torch (fp32 arithmetic, float64 tables); it does not use mpext's kernels.
 
@@ -35,16 +35,13 @@ AdamW8bit on FP32 params when torchao is importable (run this script with a Pyth
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from gpt import GPT, GPTConfig, get_batch, load_corpus, split_corpus
+from .gpt import GPT, GPTConfig, get_batch, load_corpus, split_corpus
 
 MIN_NUMEL = 4096  # smaller tensors keep fp32 moments (as mpext, torchao and bitsandbytes)
 

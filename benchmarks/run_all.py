@@ -1,6 +1,6 @@
 """Runs the mpext benchmark suite (what `make bench` calls).
 
-    python benchmarks/run_all.py [--quick] [--device auto|cpu|cuda] [--only NAME ...]
+    python -m benchmarks.run_all [--quick] [--device auto|cpu|cuda] [--only NAME ...]
 
 Runs every module in BENCHMARKS in order, each comparing mpext with native PyTorch in the same
 run, prints the Markdown summary on stdout (progress bars go to stderr), and writes
@@ -13,11 +13,8 @@ import importlib
 import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (Context, add_common_args, load_average, load_warning,  # noqa: E402
+from .common import (Context, add_common_args, load_average, load_warning,
                     machine_line, write_json, write_text)
 
 # Benchmark modules, run in this order. Each exposes NAME and run(ctx) -> dict with "markdown",
@@ -48,7 +45,7 @@ def main(argv=None) -> int:
         print("[run_all] %s ..." % name, file=sys.stderr, flush=True)
         t_start = time.perf_counter()
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module("." + name, __package__)
             res = module.run(ctx)
         except Exception as exc:  # report, keep going, fail at the end
             tb = traceback.format_exc()

@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .memory_estimate import (BENCH_GPT_PRESETS, BENCH_GPT_VOCAB, MODELS, MODES,  # noqa: F401
-                              OPTIMIZERS, SCALER_SCALARS, Breakdown, ModelSpec, ModeSpec,
-                              activation_bytes, estimate, gpt_params, llama_params, model_names,
-                              mode_supports, model_spec, optimizer_states)
+from .memory_estimate import (MODELS, MODES, OPTIMIZERS, SCALER_SCALARS,  # noqa: F401
+                              Breakdown, ModelSpec, ModeSpec, activation_bytes, estimate,
+                              gpt_params, gpt_shapes, llama_params, llama_shapes, model_names,
+                              mode_supports, model_spec, optimizer_states, unsupported)
 from .memory_measure import measure  # noqa: F401
 
-__all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCAB", "ModeSpec",
-           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "activation_bytes",
-           "gpt_params", "llama_params", "measure", "model_names", "model_spec", "mode_supports",
+__all__ = ["MODES", "OPTIMIZERS", "MODELS", "ModeSpec", "ModelSpec", "Breakdown", "estimate",
+           "optimizer_states", "activation_bytes", "gpt_params", "gpt_shapes", "llama_params",
+           "llama_shapes", "measure", "model_names", "model_spec", "mode_supports", "unsupported",
            "main"]
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def _configs(args, parser) -> List[Breakdown]:
     dropout = not args.no_dropout
     if args.model:
         m = model_spec(args.model)
-        params = m.params
+        params = list(m.sizes)  # per tensor: the 8-bit modes keep small ones in FP32
         dropout = dropout and m.dropout
         for k, v in (("seq", m.seq), ("hidden", m.hidden), ("layers", m.layers),
                      ("heads", m.heads), ("vocab", m.vocab)):
@@ -168,12 +168,20 @@ def _configs(args, parser) -> List[Breakdown]:
         parser.error("argument --ema: mpext keeps an EMA in mpext.optim.Adam/AdamW (ema_decay), "
                      "not with --optimizer %s; drop --ema or the mode(s) %s"
                      % (args.optimizer, ", ".join(bad)))
-    out = []
+    out, refused = [], []
     for mode in modes:
         for z in args.zero:
+            why = unsupported(mode, z)
+            if why:
+                refused.append({"mode": mode, "zero": z, "reason": why})
+                continue
             out.append(estimate(params, args.optimizer, mode, zero=z, world_size=args.world_size,
                                 dropout=dropout, ema=args.ema, **shape))
-    return out
+    if not out:
+        parser.error("argument --zero: %s" % "; ".join(
+            "%s with ZeRO-%d is not supported: %s" % (r["mode"], r["zero"], r["reason"])
+            for r in refused))
+    return out, refused
 
 
 def _unit(results: Sequence[Breakdown]) -> tuple:
@@ -270,14 +278,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    results = _configs(args, parser)
+    results, refused = _configs(args, parser)
     if args.png:
         _check_png(parser, args.png)
     what = args.model or "%s params" % format(results[0].params, ",")
     title = "%s, %s, world size %d" % (what, args.optimizer, args.world_size)
     if args.json:
         print(json.dumps({"model": args.model, "optimizer": args.optimizer,
-                          "results": [r.to_dict() for r in results]}, indent=1))
+                          "results": [r.to_dict() for r in results],
+                          "unsupported": refused}, indent=1))
     else:
         print("## Training memory per device: %s" % title)
         print()
@@ -287,6 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("Activations: %s." % (f if f else "not estimated (give --batch with --model, or "
                                     "--batch --seq --hidden --layers --heads)"))
         print("Per-step rows exist only while a step runs; see docs/memory.md for each row.")
+        for r in refused:
+            print("Not supported: %s ZeRO-%d/%d (%s)." % (r["mode"], r["zero"],
+                                                          args.world_size, r["reason"]))
     if args.png:
         try:
             plot(results, args.png, title)

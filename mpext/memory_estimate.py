@@ -41,8 +41,8 @@ plus an FP32 scale per block of 256 elements (docs/moments_8bit.md), with the ma
 copy, as its 16-bit remainder (``param_remainders=True``) or none (``master_weights=False``,
 ``-sr``: ``stochastic_rounding=True``). Params under 4096 elements (``MIN_8BIT_NUMEL``) keep
 FP32 moments in those modes: given the parameter count alone, the estimate counts every element
-as 8-bit (biases and norms are a negligible share); given the tensors' sizes, it counts each as
-the optimizer keeps it.
+as 8-bit; given the tensors' sizes (a known model's ``ModelSpec.sizes`` too), it counts each as
+the optimizer keeps it. FSDP2 (ZeRO-3) refuses 8-bit moments today (``unsupported``).
 
 An EMA of the weights (``ema=True``) is one more FP32 copy, 4 bytes per parameter: mpext's is
 ``mpext.optim.Adam``/``AdamW``'s ``ema_decay`` (an EMA of the FP32 masters, kept in the optimizer
@@ -72,9 +72,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ._common import MIN_8BIT_NUMEL
 
-__all__ = ["MODES", "OPTIMIZERS", "MODELS", "BENCH_GPT_PRESETS", "BENCH_GPT_VOCAB", "ModeSpec",
-           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "activation_bytes",
-           "gpt_params", "llama_params", "model_names", "model_spec", "mode_supports"]
+__all__ = ["MODES", "OPTIMIZERS", "MODELS", "ModeSpec", "ModelSpec", "Breakdown", "estimate",
+           "optimizer_states", "activation_bytes", "gpt_params", "gpt_shapes", "llama_params",
+           "llama_shapes", "model_names", "model_spec", "mode_supports", "unsupported"]
 
 _FP32, _HALF = 4, 2
 _ADAM = ("adam", "adamw")  # the optimizers with mpext's lean state (mpext.optim.Adam / AdamW)
@@ -154,6 +154,16 @@ MODES.update({
 })
 
 
+def unsupported(mode: str, zero: int) -> Optional[str]:
+    """Why ``mode`` cannot train under ZeRO stage ``zero`` today, or None when it can. Stage 3
+    is FSDP2 here, whose params are DTensors: mpext.optim refuses 8-bit moments on them (their
+    blocks would follow each rank's shard)."""
+    if zero == 3 and MODES[mode].state_block:
+        return ("8-bit moments are not supported for sharded (FSDP2 / DTensor) params; use "
+                "ZeRO 1-2 or BF16 moments")
+    return None
+
+
 def mode_supports(mode: str, optimizer: str, ema: bool = False) -> bool:
     """Whether precision ``mode`` exists for ``optimizer`` (the lean modes are
     ``mpext.optim.Adam``/``AdamW``'s), with an EMA of the weights if ``ema`` (mpext's is
@@ -205,6 +215,9 @@ class ModelSpec:
     seq: int
     note: str = ""
     dropout: bool = True  # whether the model trains with dropout (masks in the activations)
+    # each parameter tensor's element count: the 8-bit modes keep FP32 moments for the small
+    # ones (biases, norms), which a bare count cannot tell
+    sizes: Tuple[int, ...] = ()
 
 
 def gpt_params(layers: int, hidden: int, vocab: int, seq: int, bias: bool = True,
@@ -226,15 +239,52 @@ def llama_params(layers: int, hidden: int, ffn: int, vocab: int) -> int:
         + hidden
 
 
-def _gpt(name, layers, hidden, heads, vocab=50257, seq=1024, note="", dropout=True):
-    return ModelSpec(name, gpt_params(layers, hidden, vocab, seq), layers, hidden, heads,
-                     vocab, seq, note, dropout)
+def gpt_shapes(layers: int, hidden: int, vocab: int, seq: int) -> List[Tuple[str, tuple]]:
+    """(name, shape) of each parameter of the GPT-2 layout ``gpt_params`` counts (with biases,
+    tied head), named and shaped as transformers' ``GPT2LMHeadModel`` (Conv1D weights (in, out))."""
+    d = hidden
+    shapes = [("wte.weight", (vocab, d)), ("wpe.weight", (seq, d))]
+    for i in range(layers):
+        p = "h.%d." % i
+        shapes += [(p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
+                   (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
+                   (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
+                   (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
+                   (p + "mlp.c_fc.weight", (d, 4 * d)), (p + "mlp.c_fc.bias", (4 * d,)),
+                   (p + "mlp.c_proj.weight", (4 * d, d)), (p + "mlp.c_proj.bias", (d,))]
+    return shapes + [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+
+
+def llama_shapes(layers: int, hidden: int, ffn: int, vocab: int) -> List[Tuple[str, tuple]]:
+    """(name, shape) of each parameter of the LLaMA layout ``llama_params`` counts, named as
+    transformers' ``LlamaForCausalLM`` (full multi-head attention)."""
+    h = hidden
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = "model.layers.%d." % i
+        shapes += [(p + "self_attn.%s_proj.weight" % x, (h, h)) for x in "qkvo"]
+        shapes += [(p + "mlp.gate_proj.weight", (ffn, h)), (p + "mlp.up_proj.weight", (ffn, h)),
+                   (p + "mlp.down_proj.weight", (h, ffn)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def _sizes_of(shapes) -> Tuple[int, ...]:
+    return tuple(math.prod(shape) for _, shape in shapes)
+
+
+def _gpt(name, layers, hidden, heads, vocab=50257, seq=1024):
+    sizes = _sizes_of(gpt_shapes(layers, hidden, vocab, seq))
+    assert sum(sizes) == gpt_params(layers, hidden, vocab, seq)
+    return ModelSpec(name, sum(sizes), layers, hidden, heads, vocab, seq, sizes=sizes)
 
 
 def _llama(name, layers, hidden, heads, ffn, vocab=32000, seq=2048):
-    return ModelSpec(name, llama_params(layers, hidden, ffn, vocab), layers, hidden, heads,
-                     vocab, seq, "LLaMA layout; the activation formula is the GPT one "
-                     "(SwiGLU saves more in its MLP)", dropout=False)
+    sizes = _sizes_of(llama_shapes(layers, hidden, ffn, vocab))
+    assert sum(sizes) == llama_params(layers, hidden, ffn, vocab)
+    return ModelSpec(name, sum(sizes), layers, hidden, heads, vocab, seq,
+                     "LLaMA layout; the activation formula is the GPT one (SwiGLU saves more "
+                     "in its MLP)", dropout=False, sizes=sizes)
 
 
 MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
@@ -244,35 +294,15 @@ MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama-70b-mha", 80, 8192, 64, 28672),
 )}
 
-# The character GPT that benchmarks/gpt.py builds (and the tests train), by preset: the sizes are
-# the calculator's, as ``bench-<preset>``, and benchmarks/gpt.py takes them from here.
-BENCH_GPT_PRESETS: Dict[str, dict] = {
-    # unit tests and --quick: a few milliseconds per step on a CPU core
-    "tiny": dict(block_size=32, n_layer=2, n_head=2, n_embd=48),
-    # the default CPU convergence benchmark
-    "small": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
-    # a GPU run (the classic character-level GPT size)
-    "gpu": dict(block_size=256, n_layer=6, n_head=6, n_embd=384),
-}
-BENCH_GPT_VOCAB = 42  # characters in benchmarks/gpt.py's generated corpus (a test checks it)
-
-# No dropout: benchmarks/gpt.py trains these without it.
-_BENCH_MODELS: Dict[str, ModelSpec] = {
-    "bench-" + k: _gpt("bench-" + k, c["n_layer"], c["n_embd"], c["n_head"],
-                       vocab=BENCH_GPT_VOCAB, seq=c["block_size"],
-                       note="benchmarks/gpt.py preset %r" % k, dropout=False)
-    for k, c in BENCH_GPT_PRESETS.items()}
-
-
 def model_names() -> List[str]:
-    """The names ``model_spec`` knows: ``MODELS``, then ``bench-<preset>`` for each of
-    ``BENCH_GPT_PRESETS``."""
-    return sorted(MODELS) + list(_BENCH_MODELS)
+    """The names ``model_spec`` knows (``MODELS``): published models only. A model of your own
+    is estimated from its tensors: ``estimate([p.numel() for p in model.parameters()], ...)``."""
+    return sorted(MODELS)
 
 
 def model_spec(name: str) -> ModelSpec:
     """A known model by name (see ``model_names``)."""
-    spec = (MODELS.get(name) or _BENCH_MODELS.get(name)) if isinstance(name, str) else None
+    spec = MODELS.get(name) if isinstance(name, str) else None
     if spec is None:
         raise ValueError("model: unknown model %r; choose one of %s"
                          % (name, ", ".join(model_names())))
@@ -437,6 +467,9 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
             or zero not in (0, 1, 2, 3):
         raise ValueError("zero: the ZeRO stage must be 0, 1, 2 or 3, got %r" % (zero,))
     zero = int(zero)
+    why = unsupported(mode, zero)
+    if why:
+        raise ValueError("zero: %s under ZeRO-3 is not supported: %s" % (mode, why))
     w = _check_count("world_size", world_size)
     shape = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers, "heads": heads}
     given = [name for name, v in shape.items() if v is not None]

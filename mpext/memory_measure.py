@@ -22,15 +22,14 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
       master's remainder (``param_remainder``, what ``param_remainders=True`` keeps instead),
       and the params of a wrapped inner optimizer (``optimizer.optimizer``) that are not model
       params;
-    - ``optimizer_states``: other state tensors as large as their param (moments, buffers, in
-      whatever dtype they are stored), and the per-block scales of 8-bit moments
-      (``exp_avg_scale``, ``exp_avg_sq_scale``);
+    - ``optimizer_states``: every other per-param state tensor but the scalars (moments and
+      buffers in whatever format they are stored, 8-bit codes with their per-block scales);
     - ``ema``: the FP32 EMA of the weights the optimizer keeps (``ema_param``, with
       ``ema_decay``);
     - ``scaler``: tensors held by ``scaler``, or by a scaler the optimizer keeps as
       ``.scaler`` (``mpext.MixedPrecisionOptimizer``);
-    - ``other``: everything else the optimizer objects hold (``step`` scalars, cached lr
-      tensors, ...).
+    - ``other``: everything else the optimizer objects hold (``step`` and other per-param
+      scalars, cached lr tensors, ...).
 
     Use it after a step (before ``zero_grad``) to compare with :func:`estimate`.
     """
@@ -77,12 +76,10 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
                     add("master_weights", v)
                 elif name == "ema_param":
                     add("ema", v)
-                elif name != "step" and isinstance(q, torch.Tensor) and v.numel() == q.numel():
+                elif name == "step" or (v.dim() == 0 and v.numel() != getattr(q, "numel", int)()):
+                    add("other", v)  # per-param scalars: the step count, NAdam's mu_product
+                else:  # moments in any format, with their block scales, whatever their keys
                     add("optimizer_states", v)
-                elif str(name).endswith("_scale") and v.dim() == 1:  # 8-bit moments' blocks
-                    add("optimizer_states", v)
-                else:
-                    add("other", v)
     for sc in [scaler] + [getattr(o, "scaler", None) for o in chain]:
         if isinstance(sc, torch.amp.GradScaler):
             for t in _tensors_in(vars(sc)):

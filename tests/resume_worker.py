@@ -24,12 +24,11 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (ROOT, os.path.join(ROOT, "benchmarks")):  # mpext; the training recipe
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
+import mpext  # noqa: E402
 import mpext.checkpoint as ckpt  # noqa: E402
-from training import Trainer  # noqa: E402
 
 PATTERN = "step_*.pt"
 VARIANTS = ("adamw-gradscaler-fp16", "mpo-fp16", "mpo-bf16")
@@ -51,24 +50,52 @@ def make_model(dtype):
                                torch.nn.Linear(32, 4)).to(dtype)
 
 
-class AdamWScaler(Trainer):
+class AdamWScaler:
     """mpext.optim.AdamW (FP32 masters for low-precision params) + mpext.GradScaler."""
 
     def __init__(self, model, lr=1e-2, weight_decay=1e-2, **scaler_options):
-        super().__init__(model.parameters(), "mpext-optim", scaled=True,
-                         scaler_options=scaler_options, lr=lr, weight_decay=weight_decay)
+        self.opt = mpext.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scaler = mpext.GradScaler("cpu", **scaler_options)
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_dict(self):
+        return {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state):
+        self.opt.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
 
 
-class MixedPrecision(Trainer):
+class MixedPrecision:
     """mpext.MixedPrecisionOptimizer around torch.optim.AdamW (its fused path) or
-    torch.optim.Adamax (its generic path), dynamic loss scaling; ``step()`` (which also sets the
-    gradients to None) returns whether the step was applied."""
+    torch.optim.Adamax (its generic path), dynamic loss scaling (its state_dict holds the
+    scaler's); ``step()`` also sets the gradients to None."""
 
     def __init__(self, model, inner="adamw", lr=1e-2, weight_decay=1e-2, **scaler_options):
         cls = {"adamw": torch.optim.AdamW, "adamax": torch.optim.Adamax}[inner]
-        super().__init__(model.parameters(), "mpext-wrapper", scaled=True, inner=cls,
-                         scaler_options=scaler_options, lr=lr, weight_decay=weight_decay)
-        self.mpo = self.opt
+        self.opt = mpext.MixedPrecisionOptimizer(
+            cls(model.parameters(), lr=lr, weight_decay=weight_decay), loss_scale="dynamic",
+            **scaler_options)
+
+    def backward(self, loss):
+        self.opt.backward(loss)
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_dict(self):
+        return {"optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, state):
+        self.opt.load_state_dict(state["optimizer"])
 
 
 SCALING = dict(init_scale=2.0 ** 10, growth_interval=5)

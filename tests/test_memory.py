@@ -2,8 +2,8 @@
 
 Hand-computed byte counts for every mode, optimizer and ZeRO stage; the ZeRO paper's own figure;
 the activation formula against Korthikanti et al.'s closed form and against a tensor-by-tensor
-count; model presets against published parameter counts and against benchmarks/gpt.py's real
-models; bad arguments (API and command line); and the agreement check: one real training step
+count; model presets against published parameter counts and against transformers' own models
+(per tensor); bad arguments (API and command line); and the agreement check: one real training step
 per mode and optimizer on the CPU, the live tensors measured storage by storage and compared
 with the estimate (within 10%)."""
 import dataclasses
@@ -24,10 +24,6 @@ from mpext import memory
 from mpext.memory import MODES, OPTIMIZERS, estimate
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import gpt  # noqa: E402  (benchmarks/gpt.py: the model and corpus)
-import training  # noqa: E402  (benchmarks/training.py: the training modes)
 
 # Bytes per param of (weights, gradients, master weights) and per element of an optimizer-state
 # tensor, written out per mode by hand. The lean modes (mpext.optim.Adam/AdamW only): a bf16
@@ -254,20 +250,30 @@ def test_presets_published_counts(name, count):
     assert memory.MODELS[name].params == count
 
 
-def test_bench_presets_match_benchmarks_gpt():
-    """benchmarks/gpt.py builds bench-<preset> on its corpus's vocabulary, and the calculator's
-    parameter count (the GPT formula) is that of the real model."""
-    _, vocab = gpt.load_corpus()
-    assert [n for n in memory.model_names() if n.startswith("bench-")] == \
-        ["bench-" + k for k in gpt.PRESETS]
-    for name in gpt.PRESETS:
-        spec = memory.model_spec("bench-" + name)
-        cfg = gpt.GPTConfig.preset(name, len(vocab))
-        assert (spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab) == \
-            (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size)
-        assert spec.params == gpt.count_params(gpt.GPT(cfg))
-    with pytest.raises(ValueError, match="model: unknown model 'bench-huge'"):
-        memory.model_spec("bench-huge")
+def _hf_sizes(model):
+    """(name, numel) of a transformers model's parameters, its top-level prefix dropped."""
+    return [(n.split(".", 1)[1] if n.startswith("transformer.") else n, p.numel())
+            for n, p in model.named_parameters()]
+
+
+def test_preset_tensors_are_transformers_models():
+    """A preset's per-tensor sizes are those of transformers' model of the same config (built on
+    the meta device: no weights, nothing downloaded), tensor by tensor."""
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=1000, tie_word_embeddings=False))
+    spec = memory.model_spec("gpt2")
+    assert _hf_sizes(gpt2) == [(n, math.prod(s)) for n, s in memory.gpt_shapes(12, 768, 50257,
+                                                                                1024)]
+    assert list(spec.sizes) == [k for _, k in _hf_sizes(gpt2)]
+    assert _hf_sizes(llama) == [(n, math.prod(s)) for n, s in memory.llama_shapes(2, 256, 688,
+                                                                                  1000)]
+    assert sum(memory.model_spec("llama-7b").sizes) == memory.model_spec("llama-7b").params
+    with pytest.raises(ValueError, match="model: unknown model 'bench-tiny'"):
+        memory.model_spec("bench-tiny")  # benchmark models are no presets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,34 +592,96 @@ def test_agreement_with_a_real_step(mode, optimizer, wrapper):
     assert got["scaler"] >= want.scaler  # scale and growth tracker (+ mpext extras)
 
 
-@pytest.mark.parametrize("key", [k for k, m in training.MODES.items() if m.memory_mode])
-def test_agreement_gpt_training_modes(key):
-    """The modes of benchmarks/bench_train.py (benchmarks/training.py) on gpt.py's tiny model,
-    whose head is tied to its embedding: each trains (finite, falling loss, dtype kept), and
-    after a step the live tensors agree with the estimate as the benchmark requires (within 10%
-    in total, the large components exact)."""
-    data, vocab = gpt.load_corpus(60_000)
-    cfg = gpt.GPTConfig.preset("tiny", len(vocab))
+TINY_GPT2 = dict(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=500)
+
+
+def _tiny_gpt2_step(mode):
+    """One real AdamW step of transformers' GPT-2 (``TINY_GPT2``: its head tied to its
+    embedding, its norms and biases under MIN_8BIT_NUMEL) in ``mode``; returns (model,
+    optimizer, scaler)."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    tr = training.Trainer.for_mode(key, gpt.GPT(cfg, fp32_gemm=True), lr=3e-3,
-                                   weight_decay=0.01, fused=True,
-                                   scaler_options=dict(init_scale=2.0 ** 10))
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for i in range(21):
-        x, y = gpt.get_batch(data, 4, cfg.block_size, g)
-        with tr.autocast():
-            _, loss = tr.model(x, y)
-        tr.backward(loss)
-        tr.step(zero_grad=i < 20)  # the last step keeps its gradients, as the benchmark measures
-        losses.append(float(loss.detach()))
-    assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) / 3 < losses[0], losses
-    assert all(p.dtype == training.MODES[key].param_dtype for p in tr.params)
-    got = memory.measure(tr.params, tr.opt, tr.scaler)
-    want = training.MODES[key].memory_estimate(tr.model.parameters())
-    assert abs(sum(got.values()) - want.persistent) <= 0.10 * want.persistent, (got, want)
-    for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
-        assert got[field] == getattr(want, field), field
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        **TINY_GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, TINY_GPT2["vocab_size"], (2, TINY_GPT2["n_positions"]))
+    if mode in ("fp32", "amp-bf16", "amp-fp16"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu") if mode == "amp-fp16" else None
+        dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(mode)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = model(ids, labels=ids).loss
+    else:
+        dtype, options = (Q8_MODES[mode][1:] if mode in Q8_MODES else LEAN_OPTIONS.get(
+            mode, (torch.float16 if "fp16" in mode else torch.bfloat16, {})))
+        model.to(dtype)
+        opt = mpext.optim.AdamW(model.parameters(), lr=1e-3, **options)
+        scaler = mpext.GradScaler("cpu") if dtype == torch.float16 else None
+        loss = model(ids, labels=ids).loss.float()
+    _backward_step(loss, opt, scaler)
+    return model, opt, scaler
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_agreement_tied_gpt2(mode):
+    """transformers' tiny GPT-2 after one step, every mode: the live tensors equal the estimate
+    of its per-tensor sizes (``gpt_shapes``), component by component, the tied head counted
+    once and the small tensors' FP32 moments in the 8-bit modes."""
+    model, opt, scaler = _tiny_gpt2_step(mode)
+    sizes = [math.prod(shape) for _, shape in memory.gpt_shapes(
+        TINY_GPT2["n_layer"], TINY_GPT2["n_embd"], TINY_GPT2["vocab_size"],
+        TINY_GPT2["n_positions"])]
+    assert sorted(sizes) == sorted(p.numel() for p in model.parameters())
+    got = memory.measure(model.parameters(), opt, scaler)
+    want = estimate(sizes, "adamw", mode)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+        assert got[field] == getattr(want, field), (field, got, want)
+    assert got["scaler"] >= want.scaler
+
+
+def test_cli_model_counts_each_tensor():
+    """``--model NAME`` estimates the model's tensors, not its bare count: in an 8-bit mode the
+    FP32 moments of GPT-2's norms and biases are counted, as transformers' GPT-2 has them."""
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        sizes = [p.numel() for p in transformers.GPT2LMHeadModel(
+            transformers.GPT2Config()).parameters()]
+    out = _python_m("--model", "gpt2", "--mode", "mpext-bf16-sr-8bit,mpext-bf16-sr",
+                    "--zero", "0,1", "--world-size", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)["results"]
+    for r in got:
+        want = estimate(sizes, "adamw", r["mode"], zero=r["zero"], world_size=4)
+        assert r["optimizer_states"] == want.optimizer_states and r["total"] == want.total
+    bare = estimate(sum(sizes), "adamw", "mpext-bf16-sr-8bit")
+    assert got[0]["optimizer_states"] > bare.optimizer_states
+
+
+@pytest.mark.parametrize("mode", list(Q8_MODES))
+def test_q8_zero3_unsupported(capsys, mode):
+    """FSDP2 (ZeRO-3) refuses 8-bit moments: the estimate says so instead of a figure, the
+    command line marks the combination and still shows the others."""
+    with pytest.raises(ValueError, match="zero: %s under ZeRO-3 is not supported: 8-bit "
+                                         "moments are not supported for sharded" % mode):
+        estimate(10 ** 6, "adamw", mode, zero=3, world_size=4)
+    assert memory.unsupported(mode, 3) and not memory.unsupported(mode, 2)
+    code, out, _ = run_main(capsys, "--params", "1e6", "--mode", mode + ",mpext-bf16-sr",
+                            "--zero", "2,3", "--world-size", "4")
+    assert code == 0
+    assert "%s ZeRO-2/4" % mode in out and "mpext-bf16-sr ZeRO-3/4" in out
+    assert "%s ZeRO-3/4" % mode not in out.split("\n")[2]  # no column for it
+    assert "Not supported: %s ZeRO-3/4 (8-bit moments" % mode in out
+    code, out, _ = run_main(capsys, "--params", "1e6", "--mode", mode + ",mpext-bf16-sr",
+                            "--zero", "3", "--world-size", "4", "--json")
+    assert code == 0 and [r["mode"] for r in json.loads(out)["unsupported"]] == [mode]
+    assert [r["mode"] for r in json.loads(out)["results"]] == ["mpext-bf16-sr"]
+
+
+def test_q8_zero3_alone_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--params", "1e6", "--mode", "mpext-bf16-sr-8bit", "--zero", "3"])
+    assert e.value.code == 2
+    assert "argument --zero: mpext-bf16-sr-8bit with ZeRO-3 is not supported" in \
+        capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,7 +689,7 @@ def test_agreement_gpt_training_modes(key):
 
 
 @pytest.mark.parametrize("mode", list(Q8_MODES))
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 @pytest.mark.parametrize("params,world", [(4096, 4), (4001, 4), (999, 1)])
 def test_q8_hand_computed(mode, zero, params, world):
     b = estimate(params, "adamw", mode, zero=zero, world_size=world)
@@ -676,6 +744,25 @@ def test_q8_agreement_with_a_real_step(mode):
     assert got["scaler"] >= want.scaler
 
 
+def test_measure_counts_state_whatever_its_keys():
+    """Every per-param state tensor but the scalars is optimizer state, whatever a format names
+    its keys (8-bit codes and block scales renamed here): the measurement follows no key names."""
+    _, dtype, options = Q8_MODES["mpext-bf16-sr-8bit"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.Linear(256, 64)).to(dtype)
+    opt = mpext.optim.AdamW(model.parameters(), lr=1e-3, **options)
+    _backward_step((model(torch.randn(4, 64, dtype=dtype)).float() - 1).pow(2).mean(), opt, None)
+    want = memory.measure(model.parameters(), opt)
+    renamed = type("Renamed", (), {})()
+    renamed.param_groups = opt.param_groups
+    renamed.state = {p: {("codes_%d" % i if v.dim() else k): v
+                         for i, (k, v) in enumerate(st.items())}
+                     for p, st in opt.state.items()}
+    got = memory.measure(model.parameters(), renamed)
+    assert got["optimizer_states"] == want["optimizer_states"] == estimate(
+        [p.numel() for p in model.parameters()], "adamw", "mpext-bf16-sr-8bit").optimizer_states
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-tensor sizes and the EMA of the weights
 
@@ -715,8 +802,8 @@ def test_per_tensor_sizes_bad(bad, message):
         estimate(["7"], "adamw", "mpext-bf16")
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("mode,zero", [(m, z) for m in MODES for z in range(4)
+                                       if not memory.unsupported(m, z)])
 def test_ema_by_hand(mode, zero):
     """ema=True adds one FP32 copy of the weights, 4 B/param: mpext's lives in the optimizer
     state (ZeRO partitions it from stage 1), native's AveragedModel is a model copy (partitioned
