@@ -63,6 +63,7 @@ build: env
 	@$(PY) -c "import mpext, json; print('mpext build:', json.dumps(mpext.build_info()))"
 
 # The C core's own tests under AddressSanitizer + UndefinedBehaviorSanitizer (no torch needed).
+# Its sanitized core objects (build/core/asan-ubsan) are the ones cuda-emu links: compiled once.
 ctest:
 	python3 tests/c/run.py
 
