@@ -24,13 +24,14 @@ PY := $(PYTHON)
 ENV_TARGET := env-external
 else
 PY := $(VENV)/bin/python
-ENV_TARGET := $(VENV)/.stamp
+ENV_TARGET := $(VENV)/.stamp venv-path
 endif
 
 # Run everything from the source tree: the extension is built in place (mpext/_C*.so).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test bench build env env-external ctest ctest-valgrind cuda-check cuda-emu clean
+.PHONY: test bench build env env-external venv-path ctest ctest-valgrind cuda-check cuda-emu \
+	clean
 
 test: build cuda-emu
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -47,6 +48,14 @@ $(VENV)/.stamp: Makefile
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q $(TEST_DEPS) $(BENCH_DEPS)
 	touch $@
+
+# The checkout on the import path of the Makefile's own .venv (a .pth file in its site-packages):
+# `.venv/bin/python` then imports mpext, built in place, from any directory, with no second
+# compile and no PYTHONPATH. (An environment given with PYTHON= is left as it is.)
+venv-path: $(VENV)/.stamp
+	@$(VENV)/bin/python -c "import os, sys, sysconfig; \
+	  open(os.path.join(sysconfig.get_path('purelib'), 'mpext-checkout.pth'), 'w').write(sys.argv[1] + '\n')" \
+	  "$(CURDIR)"
 
 # An environment given with PYTHON=: it must have torch; missing helpers are installed if the
 # package index is reachable, and otherwise the tests that need them skip.

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,28 @@ def test_c_tests_and_cuda_emulation_share_one_core_build(monkeypatch, tmp_path, 
     # and each still compiles its own sources
     assert any("test_core.c" in j[0] for j in c_jobs)
     assert any(j[0].endswith(".cu") for j in e_jobs)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
+def test_the_makefiles_venv_imports_mpext_from_any_directory(tmp_path):
+    """`make` puts the checkout on its own .venv's path: that venv's python imports this
+    checkout's mpext from another directory with no PYTHONPATH. The venv here is a fresh one
+    (no pip) that sees this interpreter's packages, torch among them, through a .pth of its own."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, stdout=subprocess.PIPE,
+                             universal_newlines=True).stdout.strip()
+    here = [p for p in sys.path if p.endswith("site-packages")]
+    (Path(purelib) / "parent.pth").write_text("\n".join(here) + "\n")
+    (venv / ".stamp").touch()  # the venv counts as made: make installs nothing
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHON", "MAKEFLAGS")}
+    subprocess.run(["make", "-s", "-C", core.ROOT, "venv-path", "VENV=" + str(venv)], check=True,
+                   env=env)
+    proc = subprocess.run([py, "-c", "import mpext; print(mpext.__file__)"], cwd=str(tmp_path),
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True)
+    assert proc.returncode == 0, proc.stdout
+    assert os.path.realpath(proc.stdout.strip()) == os.path.realpath(
+        os.path.join(core.ROOT, "mpext", "__init__.py"))
