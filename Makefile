@@ -2,6 +2,8 @@
 #
 #   make test                      build everything needed, run the whole test suite
 #   make bench [BENCH_ARGS=--quick] build, run the benchmark against native PyTorch AMP
+#   make gpu-check OUT=dir         on a GPU machine without network: build with CUDA, run the
+#                                  CUDA tests and the GPU benchmark, results in dir (docs/gpu_check.md)
 #
 # By default a virtual environment .venv is created with $(TORCH_SPEC) and the test/bench
 # dependencies. To use an environment that already has PyTorch (e.g. a CUDA machine):
@@ -31,7 +33,7 @@ endif
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: test bench build env env-external venv-path ctest ctest-valgrind cuda-check cuda-emu \
-	clean
+	gpu-check clean
 
 test: build cuda-emu
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -95,6 +97,13 @@ cuda-check:
 	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	    -c $$f -o build/cuda-check/$$(basename $$f .cu).o || exit 1; \
 	done
+
+# For a lent GPU machine (docs/gpu_check.md): no env step (it would call pip; there is no network
+# there). The python is PYTHON, else .venv's if there is one, else python3.
+GPU_PY := $(if $(PYTHON),$(PYTHON),$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3))
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=dir" >&2; exit 2; }
+	$(GPU_PY) build_tools/gpu_check.py --out "$(OUT)" --python "$(GPU_PY)" $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build mpext/_C*.so tests/c/build results
