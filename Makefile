@@ -2,6 +2,8 @@
 #
 #   make test                      build everything needed, run the whole test suite
 #   make bench [BENCH_ARGS=--quick] build, run the benchmark against native PyTorch AMP
+#   make gpu-check OUT=dir         on a GPU machine without network: build with CUDA, run the
+#                                  CUDA tests and the GPU benchmark, results in dir (docs/gpu_check.md)
 #
 # By default a virtual environment .venv is created with $(TORCH_SPEC) and the test/bench
 # dependencies. To use an environment that already has PyTorch (e.g. a CUDA machine):
@@ -24,13 +26,14 @@ PY := $(PYTHON)
 ENV_TARGET := env-external
 else
 PY := $(VENV)/bin/python
-ENV_TARGET := $(VENV)/.stamp
+ENV_TARGET := $(VENV)/.stamp venv-path
 endif
 
 # Run everything from the source tree: the extension is built in place (mpext/_C*.so).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test bench build env env-external ctest ctest-valgrind cuda-check cuda-emu clean
+.PHONY: test bench build env env-external venv-path ctest ctest-valgrind cuda-check cuda-emu \
+	gpu-check clean
 
 test: build cuda-emu
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -48,6 +51,14 @@ $(VENV)/.stamp: Makefile
 	$(VENV)/bin/pip install -q $(TEST_DEPS) $(BENCH_DEPS)
 	touch $@
 
+# The checkout on the import path of the Makefile's own .venv (a .pth file in its site-packages):
+# `.venv/bin/python` then imports mpext, built in place, from any directory, with no second
+# compile and no PYTHONPATH. (An environment given with PYTHON= is left as it is.)
+venv-path: $(VENV)/.stamp
+	@$(VENV)/bin/python -c "import os, sys, sysconfig; \
+	  open(os.path.join(sysconfig.get_path('purelib'), 'mpext-checkout.pth'), 'w').write(sys.argv[1] + '\n')" \
+	  "$(CURDIR)"
+
 # An environment given with PYTHON=: it must have torch; missing helpers are installed if the
 # package index is reachable, and otherwise the tests that need them skip.
 env-external:
@@ -63,6 +74,7 @@ build: env
 	@$(PY) -c "import mpext, json; print('mpext build:', json.dumps(mpext.build_info()))"
 
 # The C core's own tests under AddressSanitizer + UndefinedBehaviorSanitizer (no torch needed).
+# Its sanitized core objects (build/core/asan-ubsan) are the ones cuda-emu links: compiled once.
 ctest:
 	python3 tests/c/run.py
 
@@ -85,6 +97,13 @@ cuda-check:
 	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	    -c $$f -o build/cuda-check/$$(basename $$f .cu).o || exit 1; \
 	done
+
+# For a lent GPU machine (docs/gpu_check.md): no env step (it would call pip; there is no network
+# there). The python is PYTHON, else .venv's if there is one, else python3.
+GPU_PY := $(if $(PYTHON),$(PYTHON),$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3))
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=dir" >&2; exit 2; }
+	$(GPU_PY) build_tools/gpu_check.py --out "$(OUT)" --python "$(GPU_PY)" $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build mpext/_C*.so tests/c/build results

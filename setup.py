@@ -72,40 +72,59 @@ CUDA_ARCHS = os.environ.get("TORCH_CUDA_ARCH_LIST", "detected") if WITH_CUDA els
 
 
 class BuildExt(cpp_extension.BuildExtension):
-    """Compiles the C core as C (one static library holding every ISA build), then the
-    extension."""
+    """Compiles the C core as C (one static library holding every ISA build) while ninja
+    compiles the C++ binding, then links the extension."""
 
     def build_extensions(self):
+        from concurrent.futures import ThreadPoolExecutor
+
         from setuptools._distutils.ccompiler import new_compiler
         from setuptools._distutils.sysconfig import customize_compiler
 
         cc = new_compiler(force=self.force)
         customize_compiler(cc)
-        objects = []
-        for src, subdir, cflags, macros in core.compile_units():
-            out_dir = os.path.join(self.build_temp, "core", subdir)
-            obj = cc.object_filenames([src], output_dir=out_dir)[0]
-            # distutils compiles every source on every build, and adam.c alone takes minutes:
-            # only what changed (the source, a header it includes, the command) is compiled
-            cmd = ([str(a) for a in cc.compiler_so] + list(cflags)
-                   + ["-D%s=%s" % m for m in macros] + ["-I" + d for d in core.INCLUDE_DIRS]
-                   + [src])
-            # (not self.force: torch's BuildExtension sets it whenever ninja builds the rest;
-            # `make clean` is what rebuilds everything)
-            if not core.up_to_date(obj, cmd):
-                began = core.begin(obj)
-                cc.compile([src], output_dir=out_dir, macros=macros,
-                           include_dirs=core.INCLUDE_DIRS,
-                           extra_postargs=list(cflags) + ["-MMD", "-MF", obj + ".d"])
-                core.record(obj, cmd, began)
-            objects.append(obj)
+        # Every unit in parallel, each compiled only if it changed (the source, a header it
+        # includes, the command): distutils would compile them all, one after another, on every
+        # build. (Not self.force: torch's BuildExtension sets it whenever ninja builds the rest;
+        # `make clean` is what rebuilds everything.) It runs beside ninja's C++ compiles, so
+        # neither waits for the other's slowest unit with cores idle.
         lib_dir = os.path.join(self.build_temp, "core")
-        cc.create_static_lib(objects, "mpext_core", output_dir=lib_dir)
-        for ext in self.extensions:
-            ext.extra_objects.append(cc.library_filename("mpext_core", lib_type="static",
-                                                         output_dir=lib_dir))
-            ext.depends += objects
-        super().build_extensions()
+        jobs = core.core_jobs(cc.compiler_so, lib_dir)
+        objects = [obj for _, _, obj in jobs]
+        self._core_library = cc.library_filename("mpext_core", lib_type="static",
+                                                 output_dir=lib_dir)
+
+        def build_core():
+            core.compile_all(jobs, log=lambda line: print(line, flush=True))
+            cc.create_static_lib(objects, "mpext_core", output_dir=lib_dir)
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            self._core_built = pool.submit(build_core)
+            for ext in self.extensions:
+                ext.depends += objects
+            super().build_extensions()  # build_extension() below waits for the core
+
+    def build_extension(self, ext):
+        from setuptools._distutils.errors import CompileError
+
+        compile_cxx = self.compiler.compile  # torch's ninja compile, set by build_extensions
+
+        def compile_then_wait_for_core(*args, **kwargs):
+            objs = compile_cxx(*args, **kwargs)
+            try:
+                self._core_built.result()
+            except core.CompileError as exc:
+                raise CompileError("the C core failed to compile:\n%s" % exc) from None
+            if self._core_library not in ext.extra_objects:
+                # distutils reads extra_objects after compiling, to link them
+                ext.extra_objects.append(self._core_library)
+            return objs
+
+        self.compiler.compile = compile_then_wait_for_core
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_cxx
 
 
 def extension():

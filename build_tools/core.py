@@ -1,12 +1,19 @@
-"""How the C core is compiled: one source of truth for setup.py and the C tests (tests/c/run.py).
+"""How the C core is compiled: one source of truth for setup.py, the C tests (tests/c/run.py) and
+the CUDA emulation harness (tests/cuda_emu/run.py), which all compile it through core_jobs() and
+compile_all() (parallel, incremental).
 
 The core is C11, compiled as C (not C++). The kernel sources are compiled once per CPU ISA path
 with that path's flags and MP_ISA_SUFFIX; cpu.c (dispatch and the public entry points) is compiled
 once with baseline flags. No -march=native: the result must run on any CPU of the architecture.
 """
+import contextlib
+import fcntl
 import os
 import platform
+import shlex
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "core")]
@@ -73,3 +80,91 @@ def record(obj, cmd, began):
     os.utime(obj, (began, began))
     with open(obj + ".cmd", "w") as f:
         f.write(" ".join(cmd))
+
+
+def object_path(out_dir, subdir, src):
+    """Where the object of `src` (a path relative to ROOT) for `subdir` goes under out_dir: the
+    source's relative path is kept, as distutils does."""
+    return os.path.join(out_dir, subdir, os.path.splitext(src)[0] + ".o")
+
+
+def macro_flags(macros):
+    """-D flags for (name, value) pairs; a value of None defines the bare name."""
+    return ["-D%s" % n if v is None else "-D%s=%s" % (n, v) for n, v in macros]
+
+
+def core_jobs(cc, out_dir, extra=()):
+    """The compile jobs (source, command, object) of every core unit, for the compiler command
+    `cc` (a list) with `extra` flags last (so that a sanitizer build's -O1 overrides -O3; the ISA
+    flags stay), objects under out_dir. setup.py, tests/c/run.py and tests/cuda_emu/run.py all
+    compile the core through this, so one flag set gives one command, and its objects can be
+    shared."""
+    includes = ["-I" + d for d in INCLUDE_DIRS]
+    jobs = []
+    for src, subdir, cflags, macros in compile_units():
+        obj = object_path(os.path.abspath(out_dir), subdir, src)
+        jobs.append((src, list(cc) + ["-c", os.path.join(ROOT, src), "-o", obj] + macro_flags(macros)
+                     + includes + list(cflags) + list(extra), obj))
+    return jobs
+
+
+class CompileError(RuntimeError):
+    """Some units failed to compile; the message holds each failing command and its output."""
+
+
+def _compile_one(job):
+    src, cmd, obj = job
+    if up_to_date(obj, cmd):
+        return job, None, "", 0.0
+    os.makedirs(os.path.dirname(obj), exist_ok=True)
+    began = begin(obj)
+    proc = subprocess.run(cmd + ["-MMD", "-MF", obj + ".d"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True)
+    if proc.returncode == 0:
+        record(obj, cmd, began)
+    return job, proc.returncode, proc.stdout, time.time() - began
+
+
+def compile_all(jobs, workers=None, log=print, lock=None):
+    """Compiles, in parallel (`workers` processes, default os.cpu_count()), every job
+    (source, command, object) whose object is not up_to_date(); the largest sources start
+    first, so that the slowest units do not run last and alone. Each unit is recorded as soon as
+    it compiled, so when one fails the others stay valid and the next build compiles only what
+    failed. Prints each compiled unit's time (and the compiler's output) through `log`; returns
+    the number compiled; raises CompileError naming every failure. `lock`: a file held
+    exclusively meanwhile, so that two builds sharing objects never write the same one at once."""
+    order = sorted(jobs, key=lambda j: -os.path.getsize(os.path.join(ROOT, j[0])))
+    failures, compiled = [], 0
+    with _locked(lock):
+        workers = max(1, min(workers or os.cpu_count() or 1, len(order) or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            # reported as each finishes, so that a long build shows its progress
+            for done in as_completed([pool.submit(_compile_one, job) for job in order]):
+                (src, cmd, obj), rc, output, seconds = done.result()
+                if rc is None:
+                    continue
+                compiled += 1
+                if rc != 0:
+                    failures.append("compile failed (status %d): %s\n%s"
+                                    % (rc, " ".join(shlex.quote(c) for c in cmd), output.rstrip()))
+                    continue
+                if output.strip():  # warnings
+                    log(output.rstrip())
+                log("compiled %s -> %s in %.1f s" % (src, os.path.relpath(obj, ROOT), seconds))
+    if failures:
+        raise CompileError("\n".join(failures))
+    return compiled
+
+
+@contextlib.contextmanager
+def _locked(path):
+    if path is None:
+        yield
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

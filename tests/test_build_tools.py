@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,91 @@ def test_up_to_date_follows_source_headers_and_command(tmp_path):
     compile_(cmd, obj)
     core.begin(obj)
     assert not core.up_to_date(obj, cmd)
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler on PATH")
+def test_compile_all_in_parallel_keeps_the_good_objects_when_one_fails(tmp_path):
+    """A failing unit fails the build with the compiler's message; the units that compiled are
+    recorded, so the next build compiles only what failed, and a build with nothing changed
+    compiles nothing."""
+    srcs = {}
+    for name, body in (("a", "int a(void) { return 1; }\n"), ("b", "int b(void) { return }\n"),
+                       ("c", "int c(void) { return 3; }\n")):
+        srcs[name] = tmp_path / (name + ".c")
+        srcs[name].write_text(body)
+    out = tmp_path / "out"
+    jobs = [(str(src), [CC, "-c", str(src), "-o", str(out / (n + ".o"))], str(out / (n + ".o")))
+            for n, src in srcs.items()]
+    lines = []
+    with pytest.raises(core.CompileError) as err:
+        core.compile_all(jobs, workers=3, log=lines.append)
+    assert "b.c" in str(err.value) and "error" in str(err.value)
+    assert "a.c" not in str(err.value)
+    ok = {n: core.up_to_date(obj, cmd) for n, (_, cmd, obj) in zip(srcs, jobs)}
+    assert ok == {"a": True, "b": False, "c": True}
+    assert any("compiled" in line and "a.c" in line for line in lines)
+
+    srcs["b"].write_text("int b(void) { return 2; }\n")
+    assert core.compile_all(jobs, workers=3, log=lines.append) == 1
+    assert core.compile_all(jobs, workers=3, log=lines.append) == 0
+    assert all(core.up_to_date(obj, cmd) for _, cmd, obj in jobs)
+
+
+def _load(path, name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("sanitize", [True, False])
+def test_c_tests_and_cuda_emulation_share_one_core_build(monkeypatch, tmp_path, sanitize):
+    """tests/c/run.py and tests/cuda_emu/run.py ask for the same core objects, compiled by the
+    same commands, so a CI run that runs both compiles the core once per flag set."""
+    ctest = _load(os.path.join(core.ROOT, "tests", "c", "run.py"), "ctest_run_t")
+    emu = _load(os.path.join(core.ROOT, "tests", "cuda_emu", "run.py"), "emu_run_t")
+    asked = {}
+
+    def fake_compile_all(jobs, workers=None, log=print, lock=None):
+        asked.setdefault("calls", []).append((list(jobs), lock))
+        return 0
+
+    monkeypatch.setattr(core, "compile_all", fake_compile_all)
+    for module in (ctest, emu.ctest):
+        monkeypatch.setattr(module, "link", lambda cmd: None)
+    ctest.build(["cc"], str(tmp_path / "ctest"), sanitize)
+    emu.build(["cc"], ["c++"], str(tmp_path / "emu"), sanitize, None)
+    (c_jobs, c_lock), (e_jobs, e_lock) = asked["calls"]
+    c_core = [j for j in c_jobs if j[0].startswith("csrc/core/")]
+    e_core = [j for j in e_jobs if j[0].startswith("csrc/core/")]
+    assert len(c_core) == len(list(core.compile_units())) and c_core == e_core
+    assert c_lock == e_lock and c_lock.startswith(os.path.join(core.ROOT, "build", "core"))
+    # and each still compiles its own sources
+    assert any("test_core.c" in j[0] for j in c_jobs)
+    assert any(j[0].endswith(".cu") for j in e_jobs)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
+def test_the_makefiles_venv_imports_mpext_from_any_directory(tmp_path):
+    """`make` puts the checkout on its own .venv's path: that venv's python imports this
+    checkout's mpext from another directory with no PYTHONPATH. The venv here is a fresh one
+    (no pip) that sees this interpreter's packages, torch among them, through a .pth of its own."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, stdout=subprocess.PIPE,
+                             universal_newlines=True).stdout.strip()
+    here = [p for p in sys.path if p.endswith("site-packages")]
+    (Path(purelib) / "parent.pth").write_text("\n".join(here) + "\n")
+    (venv / ".stamp").touch()  # the venv counts as made: make installs nothing
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHON", "MAKEFLAGS")}
+    subprocess.run(["make", "-s", "-C", core.ROOT, "venv-path", "VENV=" + str(venv)], check=True,
+                   env=env)
+    proc = subprocess.run([py, "-c", "import mpext; print(mpext.__file__)"], cwd=str(tmp_path),
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True)
+    assert proc.returncode == 0, proc.stdout
+    assert os.path.realpath(proc.stdout.strip()) == os.path.realpath(
+        os.path.join(core.ROOT, "mpext", "__init__.py"))

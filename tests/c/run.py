@@ -4,7 +4,9 @@
 The core is compiled exactly as setup.py compiles it, from build_tools/core.py (sources, per-ISA
 flags, macros): every kernel source once per ISA path into its own object directory, cpu.c once.
 By default everything is built with AddressSanitizer and UndefinedBehaviorSanitizer at -O1 (the
-ISA flags are kept); the objects go under tests/c/build/ (git-ignored).
+ISA flags are kept). The core's objects go under build/core/<flag set>/, shared with the CUDA
+emulation harness, and the test's under build/ctest/; each is compiled again only when its
+source, a header it includes or its command changed.
 
     python3 tests/c/run.py                          # ASan + UBSan build, run
     python3 tests/c/run.py --no-sanitize            # plain -O3 build, run
@@ -21,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -46,9 +47,7 @@ def find_cc():
     sys.exit("run.py: no C compiler found (set CC, or install cc/gcc)")
 
 
-def macro_flags(macros):
-    return ["-D%s" % name if value is None else "-D%s=%s" % (name, value)
-            for name, value in macros]
+macro_flags = core.macro_flags
 
 
 def run_cmd(cmd):
@@ -57,45 +56,54 @@ def run_cmd(cmd):
     return cmd, proc.returncode, proc.stdout
 
 
-def build(cc, out_dir, sanitize):
-    """Compiles the core and the test into out_dir; returns the path of the test binary."""
-    extra = SANITIZE_CFLAGS if sanitize else ["-g"]
-    includes = ["-I" + d for d in core.INCLUDE_DIRS]
-    jobs, objects = [], []
-    for src, subdir, cflags, macros in core.compile_units():
-        # Same layout as setup.py (distutils keeps the source's relative path under out_dir).
-        obj = os.path.join(out_dir, subdir, os.path.splitext(src)[0] + ".o")
-        os.makedirs(os.path.dirname(obj), exist_ok=True)
-        # The sanitizer flags come last so that -O1 overrides the core's -O3; the ISA flags stay.
-        jobs.append(cc + ["-c", os.path.join(ROOT, src), "-o", obj] + macro_flags(macros)
-                    + includes + list(cflags) + extra)
-        objects.append(obj)
-    test_obj = os.path.join(out_dir, "test", "test_core.o")
-    os.makedirs(os.path.dirname(test_obj), exist_ok=True)
-    # The test itself is baseline code (it runs on every CPU); it sees the core's macros so that
-    # it can tell "not compiled in" from "CPU lacks it".
-    test_opt = [] if sanitize else ["-O2"]
-    jobs.append(cc + ["-c", TEST_SOURCE, "-o", test_obj] + macro_flags(core.COMMON_MACROS)
-                + includes + TEST_CFLAGS + test_opt + extra)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(run_cmd, jobs))
-    failed = False
-    for cmd, rc, output in results:
-        if output.strip():
-            print(output.rstrip())
-        if rc != 0:
-            print("run.py: compile failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in cmd)))
-            failed = True
-    if failed:
+def core_extra(sanitize):
+    """The flags a test build adds to the core's own (last, so that -O1 overrides -O3)."""
+    return SANITIZE_CFLAGS if sanitize else ["-g"]
+
+
+def core_objects(cc, sanitize, own_jobs=()):
+    """Compiles the core for a test build, and the build's own jobs (source, command, object)
+    in the same parallel pool, each only if it changed; returns the core's objects and how many
+    objects were compiled. The C tests and the CUDA emulation harness share the core's objects:
+    one directory per flag set under build/core/, so a CI run compiles the sanitized core once."""
+    out_dir = os.path.join(ROOT, "build", "core", "asan-ubsan" if sanitize else "plain")
+    jobs = core.core_jobs(cc, out_dir, core_extra(sanitize))
+    compiled = compile_or_exit(jobs + list(own_jobs), lock=os.path.join(out_dir, ".lock"))
+    return [obj for _, _, obj in jobs], compiled
+
+
+def compile_or_exit(jobs, lock=None):
+    """core.compile_all, exiting with the compiler's messages if a unit fails."""
+    try:
+        return core.compile_all(jobs, log=print, lock=lock)
+    except core.CompileError as exc:
+        print("run.py: %s" % exc)
         sys.exit(1)
-    exe = os.path.join(out_dir, "test_core")
-    link = cc + ["-o", exe] + objects + [test_obj] + (SANITIZE_LDFLAGS if sanitize else []) + ["-lm"]
-    _, rc, output = run_cmd(link)
+
+
+def link(cmd):
+    _, rc, output = run_cmd(cmd)
     if output.strip():
         print(output.rstrip())
     if rc != 0:
-        print("run.py: link failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in link)))
+        print("run.py: link failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in cmd)))
         sys.exit(1)
+
+
+def build(cc, out_dir, sanitize):
+    """Compiles the core and the test into out_dir; returns the path of the test binary."""
+    test_obj = os.path.join(out_dir, "test", "test_core.o")
+    # The test itself is baseline code (it runs on every CPU); it sees the core's macros so that
+    # it can tell "not compiled in" from "CPU lacks it".
+    test_opt = [] if sanitize else ["-O2"]
+    test_job = (os.path.relpath(TEST_SOURCE, ROOT),
+                cc + ["-c", TEST_SOURCE, "-o", test_obj] + macro_flags(core.COMMON_MACROS)
+                + ["-I" + d for d in core.INCLUDE_DIRS] + TEST_CFLAGS + test_opt
+                + core_extra(sanitize), test_obj)
+    objects, _ = core_objects(cc, sanitize, [test_job])
+    exe = os.path.join(out_dir, "test_core")
+    link(cc + ["-o", exe] + objects + [test_obj] + (SANITIZE_LDFLAGS if sanitize else [])
+         + ["-lm"])
     return exe
 
 
@@ -110,7 +118,7 @@ def main():
     sanitize = not (args.no_sanitize or args.valgrind)
 
     cc = find_cc()
-    out_dir = os.path.join(HERE, "build", "asan-ubsan" if sanitize else "plain")
+    out_dir = os.path.join(ROOT, "build", "ctest", "asan-ubsan" if sanitize else "plain")
     t0 = time.time()
     exe = build(cc, out_dir, sanitize)
     t_build = time.time() - t0

@@ -5,8 +5,9 @@ cuda/*.cu are compiled with the host C++ compiler against the shim in tests/cuda
 C core they are compared with is compiled exactly as setup.py and tests/c/run.py compile it (from
 build_tools/core.py); the tests call the public mp_*_cuda functions and the core's mp_* ones on
 the same inputs. By default everything is built with AddressSanitizer and
-UndefinedBehaviorSanitizer at -O1, as the C core's tests are; objects go under build/cuda-emu/
-and are rebuilt only when a source, a header it includes or its flags changed.
+UndefinedBehaviorSanitizer at -O1, as the C core's tests are; the core's objects are the C tests'
+(build/core/<flag set>/, so CI compiles them once), the harness's own go under build/cuda-emu/;
+each is rebuilt only when its source, a header it includes or its flags changed.
 
     python3 tests/cuda_emu/run.py                      # ASan + UBSan build, run
     python3 tests/cuda_emu/run.py --no-sanitize        # -O2, no sanitizers
@@ -27,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -67,67 +67,38 @@ def cuda_include():
     return inc if ok else None
 
 
-def compile_job(cmd, obj):
-    if core.up_to_date(obj, cmd):
-        return cmd, 0, "", False
-    os.makedirs(os.path.dirname(obj), exist_ok=True)
-    began = core.begin(obj)
-    _, rc, out = ctest.run_cmd(cmd + ["-MMD", "-MF", obj + ".d"])
-    if rc == 0:
-        core.record(obj, cmd, began)
-    return cmd, rc, out, True
-
-
 def build(cc, cxx, out_dir, sanitize, nv_inc):
+    """Compiles the harness (the core's objects are the C tests', tests/c/run.py) and links it;
+    returns the binary's path and the number of objects compiled."""
     extra = ctest.SANITIZE_CFLAGS if sanitize else ["-g", "-O2"]
-    core_inc = ["-I" + d for d in core.INCLUDE_DIRS]
-    jobs, objects = [], []
-    for src, subdir, cflags, macros in core.compile_units():
-        obj = os.path.join(out_dir, "core", subdir, os.path.splitext(src)[0] + ".o")
-        # The sanitizer flags come last so that -O1 overrides the core's -O3 (as tests/c/run.py).
-        jobs.append((cc + ["-c", os.path.join(ROOT, src), "-o", obj] + ctest.macro_flags(macros)
-                     + core_inc + list(cflags) + extra, obj))
     cuda_inc = ["-I" + SHIM_INCLUDE, "-I" + os.path.join(ROOT, "csrc", "include"),
                 "-I" + os.path.join(ROOT, "cuda")]
+    jobs = []
     for src in CUDA_SOURCES:
         obj = os.path.join(out_dir, "cuda", os.path.basename(src)[:-3] + ".o")
-        jobs.append((cxx + ["-x", "c++", "-c", src, "-o", obj] + cuda_inc + CXXFLAGS + extra, obj))
+        jobs.append((src, cxx + ["-x", "c++", "-c", src, "-o", obj] + cuda_inc + CXXFLAGS + extra,
+                     obj))
     test_flags = [] if nv_inc is None else ["-DMP_EMU_NV_REFERENCE=1"]
     for src in TEST_SOURCES:
         obj = os.path.join(out_dir, "test", os.path.basename(src)[:-4] + ".o")
-        jobs.append((cxx + ["-c", src, "-o", obj] + cuda_inc + test_flags + CXXFLAGS + extra, obj))
+        jobs.append((src, cxx + ["-c", src, "-o", obj] + cuda_inc + test_flags + CXXFLAGS + extra,
+                     obj))
     if nv_inc is not None:
         # NVIDIA's headers, compiled for the host (their host code paths), in their own object.
         obj = os.path.join(out_dir, "test", "nv_reference.o")
-        jobs.append((cxx + ["-c", NV_REFERENCE, "-o", obj, "-I" + nv_inc, "-std=c++17", "-w"]
-                     + extra, obj))
-    objects = [obj for _, obj in jobs]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda j: compile_job(*j), jobs))
-    failed = False
-    for cmd, rc, output, _ in results:
-        if output.strip():
-            print(output.rstrip())
-        if rc != 0:
-            print("run.py: compile failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in cmd)))
-            failed = True
-    if failed:
-        sys.exit(1)
+        jobs.append((NV_REFERENCE, cxx + ["-c", NV_REFERENCE, "-o", obj, "-I" + nv_inc,
+                                          "-std=c++17", "-w"] + extra, obj))
+    core_objects, compiled = ctest.core_objects(cc, sanitize, jobs)
     exe = os.path.join(out_dir, "test_cuda_emu")
-    link = cxx + ["-o", exe] + objects + (ctest.SANITIZE_LDFLAGS if sanitize else []) + ["-lm"]
-    _, rc, output = ctest.run_cmd(link)
-    if output.strip():
-        print(output.rstrip())
-    if rc != 0:
-        print("run.py: link failed (%d): %s" % (rc, " ".join(shlex.quote(c) for c in link)))
-        sys.exit(1)
-    return exe, sum(1 for r in results if r[3])
+    ctest.link(cxx + ["-o", exe] + core_objects + [obj for _, _, obj in jobs]
+               + (ctest.SANITIZE_LDFLAGS if sanitize else []) + ["-lm"])
+    return exe, compiled
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-sanitize", action="store_true",
-                        help="plain -O2 build, no sanitizers")
+                        help="no sanitizers: the harness at -O2, the core as the plain C tests build it")
     parser.add_argument("test_args", nargs="*", help="arguments for the test binary (after --)")
     args = parser.parse_args()
     sanitize = not args.no_sanitize

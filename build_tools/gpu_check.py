@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""One command for a lent GPU machine: build, run every CUDA test and the GPU benchmark, and
+leave the results in one folder (what `make gpu-check OUT=dir` runs).
+
+    python3 build_tools/gpu_check.py --out DIR [--python PY] [--budget 450]
+
+Meant for a machine with a GPU, nvcc and a CUDA build of torch but no network: it never calls
+pip or anything else that fetches. A test dependency that is missing is reported in the summary
+and the tests that need it skip (or fail to collect, reported) with a reason. Phases, each under
+its own timeout (cut to what is left of --budget), so that a hung phase still leaves its log:
+
+    env    versions of python, torch, CUDA, the GPU, the test dependencies    -> env.txt
+    build  setup.py build_ext --inplace; MPEXT_FORCE_CUDA=1 when a GPU is
+           visible (a CUDA build that silently fell back would test nothing),
+           MPEXT_FORCE_CUDA=0 when none is                                    -> build.log
+    tests  pytest over tests/ restricted to the CUDA tests (-k cuda: the
+           `cuda` device parameter and the tests named for CUDA)              -> tests.log, junit.xml
+    bench  benchmarks/run_all.py --quick --device cuda (GPU only)             -> bench.log,
+                                                                                 bench.md, bench.json
+and summary.md, which says what ran, what was cut or skipped and why. At most 8 files, flat in
+DIR, named in letters, digits and ._- alone. Exits 0 when every phase that ran passed.
+"""
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What the phases write; nothing else goes into the folder.
+FILES = ["summary.md", "env.txt", "build.log", "tests.log", "junit.xml", "bench.log", "bench.md",
+         "bench.json"]
+# Seconds per phase by default; together under 8 minutes with what the script itself takes.
+TIMEOUTS = {"env": 30, "build": 210, "tests": 150, "bench": 60}
+TEST_DEPS = ["pytest", "numpy", "hypothesis", "lightning", "accelerate", "transformers", "ninja",
+             "matplotlib", "tqdm"]
+
+ENV_SCRIPT = r"""
+import importlib, platform, sys
+print("python", sys.version.split()[0], sys.executable)
+print("platform", platform.platform())
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+print("torch.cuda.is_available()", torch.cuda.is_available())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print("device %d: %s, capability %d.%d, %.1f GiB, %d SMs"
+          % (i, p.name, p.major, p.minor, p.total_memory / 2**30, p.multi_processor_count))
+for name in sys.argv[1:]:
+    try:
+        m = importlib.import_module(name)
+        print("module %s %s" % (name, getattr(m, "__version__", "?")))
+    except Exception as exc:
+        print("module %s MISSING (%s)" % (name, type(exc).__name__))
+"""
+
+
+def gpu_present():
+    """A GPU is there when nvidia-smi lists one (asked without importing torch, which the
+    script's own python may lack)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False, "nvidia-smi not found"
+    try:
+        out = subprocess.run([smi, "-L"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             universal_newlines=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, "nvidia-smi -L failed (%s)" % exc
+    gpus = [line for line in out.splitlines() if line.startswith("GPU ")]
+    return (True, "; ".join(gpus)) if gpus else (False, "nvidia-smi lists no GPU")
+
+
+def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT):
+    """Runs cmd (a list) with its output in log_path; a run past `timeout` seconds is stopped,
+    with every process it started (its own process group): SIGTERM, then SIGKILL. Returns
+    {name, status: passed|failed|timed out, rc, seconds, cmd}."""
+    t0 = time.time()
+    with open(log_path, "ab") as log:
+        log.write(("$ %s\n" % " ".join(shlex.quote(c) for c in cmd)).encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(timeout, 0.01))
+            status = "passed" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            rc, status = proc.returncode, "timed out"
+            log.write(("\n*** gpu_check: %s cut after its %.0f s timeout\n"
+                       % (name, timeout)).encode())
+    return {"name": name, "status": status, "rc": rc, "seconds": time.time() - t0,
+            "timeout": timeout, "cmd": cmd}
+
+
+def _stop(proc):
+    """SIGTERM to the phase's process group, SIGKILL if it has not ended 5 s later, and SIGKILL
+    to whatever of the group outlived its leader."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def plan(py, gpu, out, bench_dir):
+    """The phases: (name, command, log file, environment changes), or (name, None, reason) for
+    one that is skipped."""
+    phases = [("env", [py, "-c", ENV_SCRIPT] + TEST_DEPS, "env.txt", {})]
+    phases.append(("build", [py, "setup.py", "-q", "build_ext", "--inplace"], "build.log",
+                   {"MPEXT_FORCE_CUDA": "1" if gpu else "0"}))
+    phases.append(("tests", [py, "-m", "pytest", "tests", "-k", "cuda", "-q", "-rs",
+                             "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                             "--junitxml", os.path.join(out, "junit.xml")], "tests.log", {}))
+    if gpu:
+        phases.append(("bench", [py, "benchmarks/run_all.py", "--quick", "--device", "cuda",
+                                 "--no-progress", "--no-plots", "--out", bench_dir],
+                       "bench.log", {}))
+    else:
+        phases.append(("bench", None, "no GPU: the GPU benchmark needs one (the CPU benchmark "
+                                      "is `make bench`)"))
+    return phases
+
+
+def junit_counts(path):
+    """(tests, failures, errors, skipped) and the distinct skip reasons from pytest's junit XML."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None, []
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = [sum(int(s.get(k, 0)) for s in suites)
+              for k in ("tests", "failures", "errors", "skipped")]
+    reasons = {}
+    for case in root.iter("testcase"):
+        for sk in case.findall("skipped"):
+            msg = (sk.get("message") or "").strip()
+            reasons[msg] = reasons.get(msg, 0) + 1
+    return counts, sorted(reasons.items(), key=lambda kv: -kv[1])
+
+
+def summary(results, gpu, gpu_note, out, budget, total):
+    lines = ["# mpext GPU check", ""]
+    lines.append(("GPU found: %s" % gpu_note) if gpu else
+                 "**No GPU found** (%s): built without CUDA (MPEXT_FORCE_CUDA=0), the CUDA tests "
+                 "are reported as skipped, the GPU benchmark did not run." % gpu_note)
+    lines += ["", "Total %.0f s of a %.0f s budget. No pip or network call is made." % (total, budget),
+              "", "| phase | status | seconds | timeout | output |", "|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append("| %s | skipped: %s | | | |" % (r["name"], r["skipped"]))
+            continue
+        status = r["status"] if r["status"] != "failed" else "failed (exit %s)" % r["rc"]
+        if r["status"] == "timed out":
+            status = "**TIMED OUT**: cut after %.0f s" % r["timeout"]
+        lines.append("| %s | %s | %.1f | %.0f | %s |"
+                     % (r["name"], status, r["seconds"], r["timeout"], ", ".join(r["files"])))
+    counts, reasons = junit_counts(os.path.join(out, "junit.xml"))
+    if counts is not None:
+        lines += ["", "CUDA tests: %d collected, %d failed, %d errors, %d skipped." % tuple(counts)]
+        if reasons:
+            lines += ["", "Skip reasons:"] + ["- %d x %s" % (n, m or "(none given)")
+                                              for m, n in reasons[:10]]
+    missing = []
+    env_txt = os.path.join(out, "env.txt")
+    if os.path.exists(env_txt):
+        with open(env_txt) as f:
+            missing = [line.split()[1] for line in f
+                       if line.startswith("module ") and " MISSING " in line]
+    if missing:
+        lines += ["", "Not installed (not fetched: no network; what needs them skips): "
+                  + ", ".join(missing)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for the result files")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the python with (CUDA) torch to build and test with")
+    parser.add_argument("--budget", type=float, default=450,
+                        help="seconds for all phases together (default %(default)s)")
+    parser.add_argument("--no-build", action="store_true",
+                        help="test the extension already built in place, as it is")
+    parser.add_argument("--timeout", action="append", default=[], metavar="PHASE=SECONDS",
+                        help="a phase's own timeout (defaults: %s)"
+                        % ", ".join("%s=%d" % kv for kv in TIMEOUTS.items()))
+    args = parser.parse_args(argv)
+    timeouts = dict(TIMEOUTS)
+    for item in args.timeout:
+        name, _, value = item.partition("=")
+        if name not in timeouts or not value:
+            parser.error("--timeout %r: expected PHASE=SECONDS with PHASE one of %s"
+                         % (item, ", ".join(timeouts)))
+        timeouts[name] = float(value)
+
+    t0 = time.time()
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    for name in FILES:  # results of an earlier run would read as this one's
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    gpu, gpu_note = gpu_present()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PIP_NO_INDEX="1")
+    # The checkout first on the path (the extension is built in place); no user site packages.
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    bench_dir = tempfile.mkdtemp(prefix="mpext-gpu-bench-")
+    results = []
+    try:
+        for phase in plan(args.python, gpu, out, bench_dir):
+            name = phase[0]
+            if phase[1] is None:
+                results.append({"name": name, "skipped": phase[2]})
+                continue
+            _, cmd, log_name, extra_env = phase
+            if name == "build" and args.no_build:
+                results.append({"name": name, "skipped": "--no-build: the extension built in "
+                                "place is tested as it is", "status": "passed"})
+                continue
+            left = args.budget - (time.time() - t0)
+            if name in ("tests", "bench") and results[1].get("status") != "passed":
+                results.append({"name": name, "skipped": "the build did not pass (build.log)"})
+                continue
+            if left <= 1:
+                results.append({"name": name, "skipped": "no time left of the %.0f s budget"
+                                % args.budget})
+                continue
+            r = run_phase(name, cmd, os.path.join(out, log_name), min(timeouts[name], left),
+                          env=dict(env, **extra_env))
+            r["files"] = [log_name]
+            if name == "tests" and os.path.exists(os.path.join(out, "junit.xml")):
+                r["files"].append("junit.xml")
+            if name == "bench":
+                for src, dst in (("summary.md", "bench.md"), ("summary.json", "bench.json")):
+                    if os.path.exists(os.path.join(bench_dir, src)):
+                        shutil.copyfile(os.path.join(bench_dir, src), os.path.join(out, dst))
+                        r["files"].append(dst)
+            results.append(r)
+            print("gpu_check: %s %s in %.1f s" % (name, r["status"], r["seconds"]), flush=True)
+    finally:
+        shutil.rmtree(bench_dir, ignore_errors=True)
+    text = summary(results, gpu, gpu_note, out, args.budget, time.time() - t0)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all(r.get("status", "passed") == "passed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""build_tools/gpu_check.py (`make gpu-check OUT=dir`), with its phases stubbed by tiny commands:
+its timeouts, its result folder, what it says with no GPU. The real phases (a build, the CUDA
+tests, the benchmark) are what the script runs on a lent GPU machine."""
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from build_tools import gpu_check  # noqa: E402
+
+PY = sys.executable
+
+
+def py(code):
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_phase_past_its_timeout_is_cut_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    cmd = py("""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(%r, "w").write(str(child.pid))
+        print("phase started", flush=True)
+        time.sleep(600)
+    """ % str(pid_file))
+    log = tmp_path / "phase.log"
+    r = gpu_check.run_phase("build", cmd, str(log), timeout=2)
+    assert r["status"] == "timed out" and r["rc"] != 0
+    text = log.read_text()
+    assert "phase started" in text and "build cut after its 2 s timeout" in text
+    assert not alive(int(pid_file.read_text()))  # the phase's own child went with it
+
+
+def test_a_phase_reports_its_exit_status(tmp_path):
+    log = tmp_path / "x.log"
+    assert gpu_check.run_phase("env", py("print('hi')"), str(log), 60)["status"] == "passed"
+    r = gpu_check.run_phase("env", py("import sys; sys.exit(3)"), str(log), 60)
+    assert (r["status"], r["rc"]) == ("failed", 3)
+    assert log.read_text().count("$ ") == 2  # each command heads its output
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
+failures="0" skipped="2" tests="2"><testcase classname="t" name="test_x[cuda]"><skipped
+type="pytest.skip" message="no CUDA device">x</skipped></testcase><testcase classname="t"
+name="test_y[cuda]"><skipped type="pytest.skip" message="no CUDA device">x</skipped></testcase>
+</testsuite></testsuites>"""
+
+
+REAL_PLAN = gpu_check.plan
+
+
+def stub_plan(build_seconds=0):
+    def plan(python, gpu, out, bench_dir):
+        real = {p[0]: p for p in REAL_PLAN(python, gpu, out, bench_dir)}
+        junit = os.path.join(out, "junit.xml")
+        return [
+            ("env", py("print('module lightning MISSING (ModuleNotFoundError)')"), "env.txt", {}),
+            ("build", py("import os, time; print('MPEXT_FORCE_CUDA=' + os.environ"
+                         "['MPEXT_FORCE_CUDA'], flush=True); time.sleep(%d)" % build_seconds),
+             "build.log", real["build"][3]),
+            ("tests", py("open(%r, 'w').write(%r)" % (junit, JUNIT)), "tests.log", {}),
+            real["bench"],
+        ]
+    return plan
+
+
+def result_files(out):
+    names = sorted(os.listdir(out))
+    assert len(names) <= 8 and set(names) <= set(gpu_check.FILES), names
+    for name in names:
+        assert os.path.isfile(os.path.join(out, name)) and re.fullmatch(r"[A-Za-z0-9._-]+", name)
+    return names
+
+
+def test_no_gpu_dry_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: (False, "nvidia-smi not found"))
+    monkeypatch.setattr(gpu_check, "plan", stub_plan())
+    out = tmp_path / "out"
+    assert gpu_check.main(["--out", str(out)]) == 0
+    assert result_files(out) == ["build.log", "env.txt", "junit.xml", "summary.md", "tests.log"]
+    summary = (out / "summary.md").read_text()
+    assert "**No GPU found** (nvidia-smi not found)" in summary
+    assert "MPEXT_FORCE_CUDA=0" in (out / "build.log").read_text()
+    assert "| bench | skipped: no GPU" in summary
+    assert "2 collected, 0 failed, 0 errors, 2 skipped" in summary
+    assert "- 2 x no CUDA device" in summary
+    assert "Not installed (not fetched: no network; what needs them skips): lightning" in summary
+
+
+def test_a_hung_build_is_cut_and_the_summary_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: (True, "GPU 0: Fake"))
+    monkeypatch.setattr(gpu_check, "plan", stub_plan(build_seconds=600))
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / "junit.xml").write_text("stale")  # an earlier run's results are not reported
+    assert gpu_check.main(["--out", str(out), "--timeout", "build=1"]) == 1
+    result_files(out)
+    summary = (out / "summary.md").read_text()
+    assert "GPU found: GPU 0: Fake" in summary
+    assert re.search(r"\| build \| \*\*TIMED OUT\*\*: cut after 1 s \|", summary)
+    assert "| tests | skipped: the build did not pass" in summary
+    assert "| bench | skipped: the build did not pass" in summary
+    assert "MPEXT_FORCE_CUDA=1" in (out / "build.log").read_text()
+    assert not (out / "junit.xml").exists()
+
+
+def test_the_budget_cuts_the_phases_that_remain(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: (False, "none"))
+    monkeypatch.setattr(gpu_check, "plan", stub_plan(build_seconds=600))
+    out = tmp_path / "out"
+    assert gpu_check.main(["--out", str(out), "--budget", "3"]) == 1
+    assert re.search(r"\| build \| \*\*TIMED OUT\*\*", (out / "summary.md").read_text())
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_real_plan(gpu, tmp_path):
+    """What runs there: the CUDA tests only, a build that must have CUDA when a GPU is there
+    (and cannot try to when none is), the benchmark on the GPU; no pip, no fetch."""
+    phases = {p[0]: p for p in gpu_check.plan("python3", gpu, str(tmp_path), "/tmp/b")}
+    assert phases["build"][3] == {"MPEXT_FORCE_CUDA": "1" if gpu else "0"}
+    tests = phases["tests"][1]
+    assert tests[tests.index("-k") + 1] == "cuda" and tests[tests.index("pytest") + 1] == "tests"
+    if gpu:
+        bench = phases["bench"][1]
+        assert "benchmarks/run_all.py" in bench and bench[bench.index("--device") + 1] == "cuda"
+        assert "--quick" in bench
+    else:
+        assert phases["bench"][1] is None
+    for p in phases.values():
+        words = " ".join(p[1] or [])
+        assert not re.search(r"\bpip\b|install|curl|wget", words), words
+    files = [p[2] for p in phases.values() if p[1] is not None] + ["summary.md", "junit.xml",
+                                                                   "bench.md", "bench.json"]
+    assert set(files) <= set(gpu_check.FILES) and len(gpu_check.FILES) <= 8
+
+
+def test_no_build_tests_the_extension_as_it_is(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: (False, "none"))
+    monkeypatch.setattr(gpu_check, "plan", stub_plan(build_seconds=600))
+    out = tmp_path / "out"
+    assert gpu_check.main(["--out", str(out), "--no-build"]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "| build | skipped: --no-build" in summary and "| tests | passed" in summary
+    assert not (out / "build.log").exists()
