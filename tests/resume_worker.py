@@ -83,13 +83,15 @@ class MixedPrecision:
         self.opt = mpext.MixedPrecisionOptimizer(
             cls(model.parameters(), lr=lr, weight_decay=weight_decay), loss_scale="dynamic",
             **scaler_options)
+        self.scaler = self.opt.scaler
 
     def backward(self, loss):
         self.opt.backward(loss)
 
     def step(self):
-        self.opt.step()
+        applied = self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        return applied
 
     def state_dict(self):
         return {"optimizer": self.opt.state_dict()}

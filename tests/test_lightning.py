@@ -565,7 +565,7 @@ def test_trainer_nan_batch_skipped_in_every_lean_format(fmt):
     assert type(opt) is mpext.optim.AdamW  # not wrapped
     assert model.net[0].weight.dtype == BF and model.net[1].weight.dtype == torch.float32
     if fmt == "8bit":
-        assert opt.state[model.net[3].weight]["exp_avg"].dtype == torch.int8
+        assert opt.state[model.net[3].weight]["exp_avg_q8"].dtype == torch.int8
     if "remainder" in fmt:
         assert "param_remainder" in opt.state[model.net[3].weight]
     assert all_equal(model.snaps[NAN_BATCH], model.snaps[NAN_BATCH - 1])

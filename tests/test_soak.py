@@ -141,8 +141,8 @@ class MixedPrecision(Checked, resume_worker.MixedPrecision):
         assert applied.dtype == torch.bool and bool(applied) == self.expect_applied
 
     def state_of(self, p):
-        q = self.mpo.master_param(p)
-        st = self.mpo.optimizer.state.get(q, {})
+        q = self.opt.master_param(p)
+        st = self.opt.optimizer.state.get(q, {})
         return {**st, "master_param": q} if st else {}
 
 
