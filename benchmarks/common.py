@@ -1,11 +1,11 @@
 """What the mpext benchmarks share (the method: benchmarks/README.md).
 
-Every ``bench_*.py`` module here exposes ``NAME`` and ``run(ctx) -> dict``, and runs on its own
-(``python -m benchmarks.bench_x [--quick] [--device auto|cpu|cuda]``) or through ``run_all.py``.
-This module holds the options and ``Context``, the timing (``time_fns``, ``time_pairs``), the
-rooflines, peak memory, the machine description, the shared inputs (``gpt2_shapes``,
-``Alternate``), the one sanity guard (``check``, ``expect_same``) and the output (tables, JSON,
-plots, ``results``). Targets are reported, never enforced.
+Every ``bench_*.py`` module exposes ``NAME`` and ``run(ctx) -> dict`` and runs on its own
+(``python -m benchmarks.bench_x [--quick] [--device auto|cpu|cuda]``) or through ``run_all``.
+Here: the options and ``Context``; the timing (``time_fns``, ``time_pairs``); the rooflines; peak
+memory; the machine description; the shared inputs (``gpt2_shapes``, ``Alternate``); the sanity
+guard (``check``, ``expect_same``); and ``Bench``, one benchmark's clock, rooflines, targets,
+report and files. Targets are reported, never enforced.
 """
 import argparse
 import dataclasses
@@ -26,27 +26,23 @@ import torch
 from mpext import memory
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results"
-
 GB = 1e9
 MiB = float(1 << 20)
 
-# ---------------------------------------------------------------------------------------------
-# Options and context
 
+# ---- options and context
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--quick", action="store_true",
-                        help="reduced sizes and repeats (a smoke run, figures are noisier)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when a GPU is visible and mpext was built with CUDA")
-    parser.add_argument("--out", default=str(DEFAULT_OUT),
-                        help="directory for JSON, Markdown and PNG results (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed samples per measurement (default: 11, or 5 with --quick)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads(N) (default: torch's default, all cores)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    a = parser.add_argument
+    a("--quick", action="store_true", help="reduced sizes and repeats (a noisier smoke run)")
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto",
+      help="auto: cuda when a GPU is visible and mpext was built with CUDA")
+    a("--out", default=str(DEFAULT_OUT), help="directory for the results (default: %(default)s)")
+    a("--repeats", type=int, default=None,
+      help="timed samples per measurement (default: 11, or 5 with --quick)")
+    a("--threads", type=int, default=None, help="torch.set_num_threads(N) (default: torch's)")
+    a("--no-progress", action="store_true", help="no progress bars")
+    a("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
 
 
@@ -97,29 +93,24 @@ class Context:
     def progress(self, iterable=None, **kw):
         return progress(iterable, disable=not self.show_progress, **kw)
 
-    def time_fns(self, fns: Dict[str, Callable[[], object]], *, repeats: Optional[int] = None,
-                 warmup: Optional[int] = None, desc: Optional[str] = None) -> Dict[str, "Timing"]:
-        return time_fns(fns, device=self.device, repeats=repeats or self.repeats,
-                        warmup=self.warmup if warmup is None else warmup,
+    def time_fns(self, fns: Dict[str, Callable[[], object]], *, desc: Optional[str] = None
+                 ) -> Dict[str, "Timing"]:
+        return time_fns(fns, device=self.device, repeats=self.repeats, warmup=self.warmup,
                         desc=desc, show_progress=self.show_progress)
 
-    def roofline(self) -> dict:
+    def roofline(self, read: bool = False) -> dict:
         """Measures the roofline now (each benchmark measures its own, next to its timings)."""
         return measure_roofline(self.device, quick=self.quick, repeats=self.repeats,
-                                show_progress=self.show_progress)
+                                read=read, show_progress=self.show_progress)
 
 
-# ---------------------------------------------------------------------------------------------
-# Timing
-
+# ---- timing
 
 @dataclasses.dataclass
 class Timing:
-    """Seconds per call. ``inner`` calls were timed together in each of the ``len(samples)``
-    samples (so that short calls are not dominated by timer resolution). ``cpu_busy`` (CPU
-    device only): median over samples of process CPU time / wall time, i.e. how many cores were
-    busy on average; about 1.0 for a single-threaded kernel, about the thread count for a
-    well-parallelized one (waiting threads that spin count too)."""
+    """Seconds per call: ``inner`` calls timed together in each sample. ``cpu_busy`` (CPU
+    only): the median over samples of process CPU time / wall time, how many cores were busy
+    (about 1.0 single-threaded; waiting threads that spin count too)."""
 
     median: float
     q1: float
@@ -135,23 +126,17 @@ class Timing:
         return self.q3 - self.q1
 
     @classmethod
-    def from_samples(cls, samples: Sequence[float], inner: int,
-                     cpu_busy: Optional[Sequence[float]] = None) -> "Timing":
+    def from_samples(cls, samples, inner, cpu_busy=None) -> "Timing":
         s = sorted(samples)
-        if len(s) >= 4:
-            q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive")
-        else:
-            q1, q3 = s[0], s[-1]
-        return cls(median=statistics.median(s), q1=q1, q3=q3, min=s[0], max=s[-1], inner=inner,
-                   samples=list(samples),
-                   cpu_busy=statistics.median(cpu_busy) if cpu_busy else None)
+        q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) >= 4 else \
+            (s[0], None, s[-1])
+        return cls(statistics.median(s), q1, q3, s[0], s[-1], inner, list(samples),
+                   statistics.median(cpu_busy) if cpu_busy else None)
 
     @classmethod
     def from_json(cls, d: dict) -> "Timing":
-        """The inverse of ``to_json``."""
-        return cls(median=d["median_s"], q1=d["q1_s"], q3=d["q3_s"], min=d["min_s"],
-                   max=d["max_s"], inner=d["inner"], samples=d["samples_s"],
-                   cpu_busy=d.get("cpu_busy"))
+        return cls(d["median_s"], d["q1_s"], d["q3_s"], d["min_s"], d["max_s"], d["inner"],
+                   d["samples_s"], d.get("cpu_busy"))
 
     def gbps(self, nbytes: float) -> float:
         return nbytes / self.median / GB
@@ -165,8 +150,7 @@ class Timing:
 def _sample(fn: Callable, inner: int, device: torch.device) -> Tuple[float, Optional[float]]:
     """(seconds per call over ``inner`` back-to-back calls, CPU time / wall time or None)."""
     if device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
         start.record()
         for _ in range(inner):
@@ -174,52 +158,48 @@ def _sample(fn: Callable, inner: int, device: torch.device) -> Tuple[float, Opti
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / inner, None
-    c0 = time.process_time()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(inner):
         fn()
-    wall = time.perf_counter() - t0
-    cpu = time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return wall / inner, (cpu / wall if wall > 0 else None)
 
 
 def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repeats: int = 15,
              warmup: int = 2, min_sample_s: Optional[float] = None, max_inner: int = 1000,
              desc: Optional[str] = None, show_progress: bool = True) -> Dict[str, Timing]:
-    """Times each callable: ``warmup`` untimed calls, then ``repeats`` samples, the callables
-    interleaved round by round (rotating the order each round) so that drifting background load
-    affects them alike. A sample runs a callable ``inner`` times back to back, ``inner`` chosen
-    so that one sample lasts about ``min_sample_s``. Returns median/IQR seconds per call."""
+    """Times each callable: ``warmup`` untimed calls (the last one sizes the samples), then
+    ``repeats`` samples of ``inner`` back-to-back calls lasting about ``min_sample_s``, the
+    callables interleaved round by round with the order rotating, so that drifting background
+    load hits them alike."""
     if min_sample_s is None:
         min_sample_s = 2e-3 if device.type == "cuda" else 5e-3
     labels = list(fns)
     inner = {}
     for label in labels:
-        fn = fns[label]
         for _ in range(max(1, warmup) - 1):
-            fn()
-        t, _ = _sample(fn, 1, device)  # the last warm-up call also sizes the samples
+            fns[label]()
+        t, _ = _sample(fns[label], 1, device)
         inner[label] = int(min(max_inner, max(1, math.ceil(min_sample_s / max(t, 1e-9)))))
-    samples: Dict[str, List[float]] = {label: [] for label in labels}
-    busy: Dict[str, List[float]] = {label: [] for label in labels}
-    bar = progress(total=repeats * len(labels), desc=desc, leave=False,
-                   disable=not show_progress)
-    with bar:
+    samples = {label: [] for label in labels}
+    busy_ = {label: [] for label in labels}
+    with progress(total=repeats * len(labels), desc=desc, leave=False,
+                  disable=not show_progress) as bar:
         for r in range(repeats):
             k = r % len(labels)
             for label in labels[k:] + labels[:k]:
                 t, b = _sample(fns[label], inner[label], device)
                 samples[label].append(t)
                 if b is not None:
-                    busy[label].append(b)
+                    busy_[label].append(b)
                 bar.update(1)
-    return {label: Timing.from_samples(samples[label], inner[label], busy[label])
+    return {label: Timing.from_samples(samples[label], inner[label], busy_[label])
             for label in labels}
 
 
 def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                desc: str) -> Dict[str, Tuple[Timing, Optional[Timing]]]:
-    """``time_fns`` for ``key -> (mpext fn, torch fn or None)``, every callable interleaved;
+    """``time_fns`` over ``key -> (mpext fn, torch fn or None)``, every callable interleaved;
     returns ``key -> (mpext timing, torch timing or None)``."""
     fns = {}
     for key, (f_mp, f_t) in pairs.items():
@@ -230,123 +210,99 @@ def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callabl
     return {key: (t[key + "/mpext"], t.get(key + "/torch")) for key in pairs}
 
 
-def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict) -> dict:
-    """One mpext-vs-torch row: both timings, GB/s, the speed ratio (> 1: mpext faster) and the
-    fractions of both rooflines (torch's None where it has no contender)."""
-    gb_mp = t_mp.gbps(nbytes)
-    gb_t = t_torch.gbps(nbytes) if t_torch is not None else None
-    return {
-        "bytes": nbytes,
-        "mpext": t_mp.to_json(),
-        "torch": t_torch.to_json() if t_torch is not None else None,
-        "mpext_gbps": gb_mp,
-        "torch_gbps": gb_t,
-        "speed_ratio": (t_torch.median / t_mp.median) if t_torch is not None else None,
-        "mpext_frac_inplace_roofline": gb_mp / roof["inplace_gbps"],
-        "mpext_frac_copy_roofline": gb_mp / roof["copy_gbps"],
-        "torch_frac_inplace_roofline": (gb_t / roof["inplace_gbps"]) if gb_t else None,
-        "torch_frac_copy_roofline": (gb_t / roof["copy_gbps"]) if gb_t else None,
-    }
+def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict,
+                 torch_bytes: Optional[float] = None) -> dict:
+    """One mpext-vs-torch row: both timings, GB/s (torch's over ``torch_bytes`` when its side
+    moves more), the speed ratio (> 1: mpext faster) and the fractions of every roofline
+    measured (torch's None where it has no contender)."""
+    gb = {"mpext": t_mp.gbps(nbytes),
+          "torch": t_torch.gbps(torch_bytes or nbytes) if t_torch is not None else None}
+    out = {"bytes": nbytes, "torch_bytes": torch_bytes or nbytes, "mpext": t_mp.to_json(),
+           "torch": t_torch.to_json() if t_torch is not None else None,
+           "mpext_gbps": gb["mpext"], "torch_gbps": gb["torch"],
+           "speed_ratio": (t_torch.median / t_mp.median) if t_torch is not None else None}
+    for kind in ("inplace", "copy", "read"):
+        if kind + "_gbps" in roof:
+            for side in ("mpext", "torch"):
+                out["%s_frac_%s_roofline" % (side, kind)] = \
+                    gb[side] / roof[kind + "_gbps"] if gb[side] else None
+    return out
 
 
-def busy(m: dict) -> str:
-    """'1.0 / 1.9': the cores busy (CPU time / wall time) of a ``pair_metrics`` row's mpext and
-    torch calls; empty off the CPU."""
-    b_mp = m["mpext"].get("cpu_busy")
-    if b_mp is None:
-        return ""
-    b_t = (m["torch"] or {}).get("cpu_busy")
-    return "%.1f / %s" % (b_mp, "—" if b_t is None else "%.1f" % b_t)
-
-
-# ---------------------------------------------------------------------------------------------
-# Roofline
-
+# ---- rooflines
 
 def last_level_cache_bytes(device: torch.device) -> int:
-    """Size of the largest cache in front of memory (CPU: the biggest cache level of cpu0 from
-    sysfs; CUDA: the L2). Falls back to 64 MiB."""
+    """The largest cache in front of memory (CPU: cpu0's biggest cache level from sysfs; CUDA:
+    the L2); 64 MiB when unknown."""
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return int(getattr(props, "L2_cache_size", 0) or (64 << 20))
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+                   or (64 << 20))
     best = 0
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for idx in sorted(base.glob("index*")) if base.exists() else []:
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             text = (idx / "size").read_text().strip().upper()
-        except OSError:
+            best = max(best, int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20,
+                                                        "G": 1 << 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
             continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            size = int(text.rstrip("KMG")) * mult
-        except ValueError:
-            continue
-        best = max(best, size)
     return best or (64 << 20)
 
 
 def roofline_numel(device: torch.device, quick: bool) -> int:
     """fp32 elements per roofline buffer: at least 16x (quick: 4x) the last-level cache, and at
     least 64M (quick: 32M) elements."""
-    llc = last_level_cache_bytes(device)
     factor, floor = (4, 32 << 20) if quick else (16, 64 << 20)
-    return max(floor, factor * llc // 4)
+    return max(floor, factor * last_level_cache_bytes(device) // 4)
 
 
 def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int = 15,
-                     numel: Optional[int] = None, show_progress: bool = True) -> dict:
-    """Streaming bandwidth on ``device``, measured now:
-
-    - ``copy``: ``y.copy_(x)`` on fp32 buffers, counted as 4 bytes read + 4 written per element.
-      Understates what memory delivers (on CPU writing a fresh destination line also reads it).
-    - ``inplace``: ``x.add_(0.5)`` on one fp32 buffer, 8 bytes per element: the reference
-      bandwidth ("the roofline").
-
-    Buffers are far larger than the last-level cache (see ``roofline_numel``)."""
+                     numel: Optional[int] = None, read: bool = False,
+                     show_progress: bool = True) -> dict:
+    """Streaming bandwidth on ``device``, measured now, over buffers far larger than the
+    last-level cache: ``copy``, ``y.copy_(x)`` (4 bytes read + 4 written per element: understates
+    memory, since writing a fresh destination line also reads it); ``inplace``, ``x.add_(0.5)``
+    (8 bytes per element: the reference); with ``read``, ``x.sum()`` (4 bytes per element)."""
     n = numel or roofline_numel(device, quick)
     x = torch.zeros(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     y.zero_()  # touch every page before timing
-    t = time_fns({"copy": lambda: y.copy_(x), "inplace": lambda: x.add_(0.5)}, device=device,
-                 repeats=repeats, warmup=2, min_sample_s=0.0, desc="roofline",
-                 show_progress=show_progress)
+    fns = {"copy": lambda: y.copy_(x), "inplace": lambda: x.add_(0.5)}
+    if read:
+        fns["read"] = lambda: x.sum()
+    t = time_fns(fns, device=device, repeats=repeats, warmup=2, min_sample_s=0.0,
+                 desc="roofline", show_progress=show_progress)
     del x, y
     gc.collect()
-    nbytes = 8.0 * n
-    res = {
-        "numel": n,
-        "buffer_mib": 4.0 * n / MiB,
-        "llc_bytes": last_level_cache_bytes(device),
-        "copy_gbps": t["copy"].gbps(nbytes),
-        "inplace_gbps": t["inplace"].gbps(nbytes),
-        "copy": t["copy"].to_json(),
-        "inplace": t["inplace"].to_json(),
-        "reference": "inplace",
-    }
+    res = {"numel": n, "buffer_mib": 4.0 * n / MiB, "llc_bytes": last_level_cache_bytes(device),
+           "reference": "inplace"}
+    for kind, tk in t.items():
+        res[kind + "_gbps"] = tk.gbps((4.0 if kind == "read" else 8.0) * n)
+        res[kind] = tk.to_json()
     return res
 
 
 def combine_rooflines(*measurements: dict) -> dict:
-    """One roofline from several measurements in the run (e.g. before and after a benchmark):
-    per kind, the measurement with the highest median bandwidth (background load only ever
-    lowers it). All measurements are kept under ``measurements``."""
-    best_copy = max(measurements, key=lambda r: r["copy_gbps"])
-    best_inplace = max(measurements, key=lambda r: r["inplace_gbps"])
-    res = dict(best_inplace)
-    res.pop("measurements", None)
-    res["copy_gbps"] = best_copy["copy_gbps"]
-    res["copy"] = best_copy["copy"]
-    res["measurements"] = [{k: v for k, v in m.items() if k != "measurements"}
-                           for m in measurements]
+    """One roofline from several measurements in the run (before and after a benchmark): per
+    kind the best median bandwidth (background load only ever lowers it); all are kept under
+    ``measurements``."""
+    ms = [{k: v for k, v in m.items() if k != "measurements"} for m in measurements]
+    res = dict(ms[0], measurements=ms)
+    for kind in ("inplace", "copy", "read"):
+        if kind + "_gbps" in res:
+            best = max(ms, key=lambda m: m[kind + "_gbps"])
+            res[kind + "_gbps"], res[kind] = best[kind + "_gbps"], best[kind]
     return res
 
 
-def roofline_hlines(roof: dict, target: float) -> Dict[str, float]:
-    """The horizontal lines of a GB/s plot: both rooflines and ``target`` x the copy one."""
-    return {"in-place roofline %.1f GB/s" % roof["inplace_gbps"]: roof["inplace_gbps"],
-            "copy roofline %.1f GB/s" % roof["copy_gbps"]: roof["copy_gbps"],
-            "%d%% of copy (target) %.1f GB/s" % (round(100 * target), target * roof["copy_gbps"]):
-                target * roof["copy_gbps"]}
+def roofline_hlines(roof: dict, target: Optional[float] = None) -> Dict[str, float]:
+    """The horizontal lines of a GB/s plot: the rooflines and ``target`` x the copy one."""
+    out = {"%s roofline %.1f GB/s" % (k, roof[k + "_gbps"]): roof[k + "_gbps"]
+           for k in ("read", "inplace", "copy") if k + "_gbps" in roof}
+    if target:
+        out["%d%% of copy (target) %.1f GB/s" % (round(100 * target),
+                                                 target * roof["copy_gbps"])] = \
+            target * roof["copy_gbps"]
+    return out
 
 
 def roofline_line(roof: dict) -> str:
@@ -354,23 +310,30 @@ def roofline_line(roof: dict) -> str:
             "(reference), copy y.copy_(x) %.1f GB/s (ratio %.2f)"
             % (fmt_count(roof["numel"]), roof["buffer_mib"], roof["inplace_gbps"],
                roof["copy_gbps"], roof["inplace_gbps"] / roof["copy_gbps"]))
-    ms = roof.get("measurements")
-    if ms and len(ms) > 1:
+    if "read_gbps" in roof:
+        line += ", read x.sum() %.1f GB/s" % roof["read_gbps"]
+    ms = roof.get("measurements") or []
+    if len(ms) > 1:
         line += "; best of %d measurements in this run (in-place %s, copy %s GB/s)" % (
             len(ms), " / ".join("%.1f" % m["inplace_gbps"] for m in ms),
             " / ".join("%.1f" % m["copy_gbps"] for m in ms))
     return line
 
 
-# ---------------------------------------------------------------------------------------------
-# Peak memory
+# ---- peak memory
+
+def _walk(nodes):
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children)
 
 
-def _cpu_peaks_profiler(fns: Dict[str, Callable[[], object]]) -> Dict[str, Optional[float]]:
+def _cpu_peaks_profiler(fns: Dict[object, Callable[[], object]]) -> Dict[object, Optional[float]]:
     """Peak bytes held through torch's CPU allocator while each callable runs (its result
-    included), from the profiler's allocation records (running ``total_allocated``), all in one
-    profiler session (starting one costs seconds). None where this torch's profiler does not
-    expose the records."""
+    included), from one profiler session's allocation records (starting one costs seconds);
+    None where this torch's profiler does not expose them."""
     none = {k: None for k in fns}
     try:
         from torch._C._profiler import _EventType
@@ -386,35 +349,22 @@ def _cpu_peaks_profiler(fns: Dict[str, Callable[[], object]]) -> Dict[str, Optio
     try:
         res = dict(none)
         for root in _walk(prof.profiler.kineto_results.experimental_event_tree()):
-            if root.name not in tags:
-                continue
-            allocs = sorted((n.start_time_ns, int(n.extra_fields.alloc_size),
-                             int(n.extra_fields.total_allocated))
-                            for n in _walk(root.children) if n.tag == _EventType.Allocation)
-            if not allocs:
-                res[tags[root.name]] = 0.0
-                continue
-            base = allocs[0][2] - allocs[0][1]
-            res[tags[root.name]] = float(max(0, max(a[2] for a in allocs) - base))
+            if root.name in tags:
+                allocs = sorted((n.start_time_ns, int(n.extra_fields.alloc_size),
+                                 int(n.extra_fields.total_allocated))
+                                for n in _walk(root.children) if n.tag == _EventType.Allocation)
+                res[tags[root.name]] = float(max(0, max(a[2] for a in allocs) - (
+                    allocs[0][2] - allocs[0][1]))) if allocs else 0.0
         return res
     except (AttributeError, RuntimeError):
         return none
 
 
-def _walk(nodes):
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        yield node
-        stack.extend(node.children)
-
-
-def peak_memory_many(fns: Dict[str, Callable[[], object]],
-                     device: torch.device) -> Dict[str, Optional[float]]:
+def peak_memory_many(fns: Dict[object, Callable[[], object]],
+                     device: torch.device) -> Dict[object, Optional[float]]:
     """Bytes each callable needs at its peak above what was allocated before it ran (a result
-    it returns counts; it is dropped afterwards), as seen by torch's allocator: on CUDA the
-    caching allocator's peak statistics, on CPU the profiler's allocation records (None where
-    unavailable). mpext allocates through torch, so both sides are measured alike."""
+    it returns counts), as torch's allocator sees it: on CUDA its peak statistics, on CPU the
+    profiler's allocation records (None where unavailable)."""
     gc.collect()
     if device.type != "cuda":
         return _cpu_peaks_profiler(fns)
@@ -430,30 +380,25 @@ def peak_memory_many(fns: Dict[str, Callable[[], object]],
     return res
 
 
-# ---------------------------------------------------------------------------------------------
-# Machine description
+def peak_pairs(pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
+               device: torch.device) -> Dict[str, List[Optional[float]]]:
+    """``peak_memory_many`` over ``time_pairs``' input: ``key -> [mpext bytes, torch bytes]``."""
+    fns = {(k, side): f for k, fs in pairs.items() for side, f in enumerate(fs) if f is not None}
+    out = {k: [None, None] for k in pairs}
+    for (k, side), v in peak_memory_many(fns, device).items():
+        out[k][side] = v
+    return out
 
 
-def _cpu_model() -> str:
+# ---- machine description
+
+def _proc_field(path: str, prefix: str) -> Optional[str]:
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.lower().startswith(prefix)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _mem_total_gib() -> Optional[float]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
-    return None
+        return None
 
 
 def load_average() -> Optional[List[float]]:
@@ -466,28 +411,25 @@ def load_average() -> Optional[List[float]]:
 def machine_info(device: torch.device) -> dict:
     import mpext
 
+    mem = _proc_field("/proc/meminfo", "memtotal")
     info = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+        or platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
         "llc_bytes_cpu": last_level_cache_bytes(torch.device("cpu")),
-        "mem_total_gib": _mem_total_gib(),
-        "load_average": load_average(),
-        "torch_version": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "mpext_build_info": mpext.build_info(),
-        "device": str(device),
-        "gpu_name": None,
+        "mem_total_gib": int(mem.split()[0]) / (1 << 20) if mem else None,
+        "load_average": load_average(), "torch_version": torch.__version__,
+        "torch_cuda": torch.version.cuda, "mpext_build_info": mpext.build_info(),
+        "device": str(device), "gpu_name": None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info["gpu_name"] = props.name
-        info["gpu_memory_gib"] = props.total_memory / (1 << 30)
-        info["gpu_capability"] = "%d.%d" % (props.major, props.minor)
+        info.update(gpu_name=props.name, gpu_memory_gib=props.total_memory / (1 << 30),
+                    gpu_capability="%d.%d" % (props.major, props.minor))
     elif torch.cuda.is_available():
         info["gpu_name"] = torch.cuda.get_device_name(0) + " (not used)"
     return info
@@ -495,53 +437,46 @@ def machine_info(device: torch.device) -> dict:
 
 def machine_line(info: dict) -> str:
     b = info["mpext_build_info"]
-    parts = [
-        "CPU %s (%s cores, torch threads %s)" % (info["cpu_model"], info["cpu_count"],
-                                                info["torch_threads"]),
-        "torch %s" % info["torch_version"],
-        "mpext %s, CPU ISA %s, CUDA built: %s" % (b.get("mpext_version"), b.get("cpu_isa_active"),
-                                                  b.get("cuda_built")),
-        "device %s%s" % (info["device"],
-                         (" (%s)" % info["gpu_name"]) if info.get("gpu_name") else ""),
-    ]
+    line = ("CPU %s (%s cores, torch threads %s); torch %s; mpext %s, CPU ISA %s, CUDA built: %s; "
+            "device %s%s" % (info["cpu_model"], info["cpu_count"], info["torch_threads"],
+                             info["torch_version"], b.get("mpext_version"),
+                             b.get("cpu_isa_active"), b.get("cuda_built"), info["device"],
+                             " (%s)" % info["gpu_name"] if info.get("gpu_name") else ""))
     if info.get("load_average") is not None:
-        parts.append("load average at start %s" % "/".join("%.2f" % v
-                                                           for v in info["load_average"]))
-    return "; ".join(parts)
+        line += "; load average at start " + "/".join("%.2f" % v for v in info["load_average"])
+    return line
+
+
+def busy_cores(info: dict) -> int:
+    return info.get("cpu_affinity") or info.get("cpu_count") or 1
 
 
 def load_warning(info: dict) -> Optional[str]:
-    """A warning when the machine was busy at start (other processes share the cores, so timings
-    mostly measure contention)."""
+    """A warning when the machine was busy at start (timings then mostly measure contention)."""
     la = info.get("load_average")
-    cores = info.get("cpu_affinity") or info.get("cpu_count") or 1
-    if la and la[0] > 0.5 * cores:
+    if la and la[0] > 0.5 * busy_cores(info):
         return ("WARNING: 1-minute load average %.2f on %d cores at start: other processes share "
-                "the CPU, timings are noisy and understate bandwidth." % (la[0], cores))
+                "the CPU, timings are noisy and understate bandwidth." % (la[0], busy_cores(info)))
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs
-
+# ---- inputs
 
 def gpt2_shapes(reduced: bool = False) -> List[Tuple[str, tuple]]:
     """(name, shape) of GPT-2 small's parameters, the calculator's ``gpt2`` (124M parameters in
-    148 tensors; HF naming, Conv1D weights are (in, out)); ``reduced``: 4 layers on an 8K
-    vocabulary (35M parameters, 52 tensors), the --quick list."""
+    148 tensors); ``reduced``: 4 layers on an 8K vocabulary (35M, 52 tensors), for --quick."""
     spec = memory.MODELS["gpt2"]
     layers, vocab = (4, 8192) if reduced else (spec.layers, spec.vocab)
     return memory.gpt_shapes(layers, spec.hidden, vocab, spec.seq)
 
 
 class Alternate:
-    """``a``, ``b``, ``a``, ``b``, ... as 0-dim float32 tensors: the inverse scales of repeated
-    timed calls, so that with ``a * b == 1`` the tensors they scale stay where they started
-    (times 1 or ``a``: ``factor()``) whatever the number of calls."""
+    """``a``, ``b``, ``a``, ... as 0-dim float32 tensors: the inverse scales of repeated timed
+    calls, so that with ``a * b == 1`` the tensors they scale stay where they started (times 1
+    or ``a``: ``factor()``) whatever the number of calls."""
 
     def __init__(self, a: float, b: float, device: torch.device):
-        self.vals = [torch.full((), a, dtype=torch.float32, device=device),
-                     torch.full((), b, dtype=torch.float32, device=device)]
+        self.vals = [torch.full((), v, dtype=torch.float32, device=device) for v in (a, b)]
         self.calls = 0
 
     def __call__(self) -> torch.Tensor:
@@ -549,7 +484,6 @@ class Alternate:
         return self.vals[(self.calls - 1) % 2]
 
     def factor(self) -> float:
-        """What the values handed out so far multiply to."""
         return float(self.vals[0]) if self.calls % 2 else 1.0
 
 
@@ -559,10 +493,8 @@ def count_subnormals(tensors: Sequence[torch.Tensor]) -> int:
     return sum(int(((t.float().abs() < tiny) & (t != 0)).sum()) for t in tensors)
 
 
-# ---------------------------------------------------------------------------------------------
-# The sanity guard: the full correctness suites are tests/; a benchmark checks only that what it
-# times computes what the reference computes, once, before timing.
-
+# ---- the sanity guard: correctness is tests/' job; a benchmark checks once, before timing,
+# that what it times computes what its reference computes.
 
 class CorrectnessError(AssertionError):
     """What a benchmark timed is wrong: run_all reports it and exits non-zero."""
@@ -574,33 +506,45 @@ def check(ok: bool, message: str) -> None:
 
 
 def expect_same(name: str, got, want, rtol: float = 0.0, atol: float = 0.0) -> None:
-    """``got`` equals ``want`` (tensors or lists of them, same dtypes): exactly by default (NaN
-    equal to NaN), else within ``rtol``/``atol`` (``torch.testing.assert_close``)."""
+    """``got`` equals ``want`` (tensors or lists of them): exactly by default (NaN equal to
+    NaN), else within ``rtol``/``atol``."""
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
     except AssertionError as exc:
         raise CorrectnessError("%s: %s" % (name, exc)) from None
 
 
-# ---------------------------------------------------------------------------------------------
-# Output
-
+# ---- output
 
 def fmt_count(n: int) -> str:
     for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= div and n % div == 0:
             return "%d%s" % (n // div, unit)
-    if n >= 1 << 20:
-        return "%.1fM" % (n / (1 << 20))
-    return str(n)
+    return "%.1fM" % (n / (1 << 20)) if n >= 1 << 20 else str(n)
+
+
+def fmt_ms(t: Timing) -> str:
+    """'12.34 ±0.56' (median ms, ± half the IQR)."""
+    return "%.3g ±%.2g" % (t.median * 1e3, t.iqr * 1e3 / 2)
+
+
+def pct(x: Optional[float]) -> str:
+    """A fraction as a whole percentage, rounded down (so 79.8% never shows as a met 80%)."""
+    return "" if x is None else "%d%%" % math.floor(100.0 * x + 1e-9)
+
+
+def ratio(x: Optional[float]) -> str:
+    return "—" if x is None else "%.2fx" % x
+
+
+def yes_no(ok: Optional[bool]) -> str:
+    return "—" if ok is None else ("yes" if ok else "**no**")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
                    align: Optional[str] = None) -> str:
-    """A GitHub Markdown table; ``align`` is one char per column ('l' or 'r', default: first
-    column left, others right)."""
-    if align is None:
-        align = "l" + "r" * (len(headers) - 1)
+    """A GitHub Markdown table; ``align``: 'l' or 'r' per column (default: first left)."""
+    align = align or "l" + "r" * (len(headers) - 1)
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
@@ -613,34 +557,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
-def section_head(ctx, title: str) -> List[str]:
-    """The opening lines of a benchmark's Markdown section: its title and, when it runs on its
-    own (run_all prints them once for the whole suite), the machine line and any load warning."""
-    md = ["## %s" % title, ""]
-    if not ctx.in_suite:
-        md += [machine_line(ctx.machine), ""]
-        warn = load_warning(ctx.machine)
-        if warn:
-            md += [warn, ""]
-    return md
+PAIR_HEADERS = ["mpext ms", "torch ms", "mpext GB/s", "torch GB/s", "speed mpext/torch",
+                "mpext % in-place roof", "mpext % copy roof", "cores busy mpext/torch",
+                "peak MiB mpext/torch"]
 
 
-def report_footer(name: str, misses: Sequence[str], seconds: float,
-                  phases: Dict[str, float]) -> List[str]:
-    """The closing lines every benchmark section ends with: the targets it missed, then where
-    its time went."""
-    lines = ["Targets missed: " + "; ".join(misses) + ".", ""] if misses else []
-    lines.append("(%s: %.0f s: %s)" % (name, seconds, ", ".join("%s %.0f s" % kv
-                                                            for kv in phases.items())))
-    return lines
-
-
-def payload_header(ctx, name: str, title: str, device, seconds: float,
-                   phases: Dict[str, float], roof: dict) -> dict:
-    """The fields every benchmark's JSON starts with (the run's settings, machine, roofline)."""
-    return {"name": name, "title": title, "quick": ctx.quick, "device": str(device),
-            "repeats": ctx.repeats, "warmup": ctx.warmup, "seconds": seconds,
-            "phase_seconds": phases, "machine": ctx.machine, "roofline": roof}
+def pair_cells(m: dict, peak: Optional[Sequence[Optional[float]]] = None) -> List[str]:
+    """The ``PAIR_HEADERS`` cells of a ``pair_metrics`` row (``peak``: mpext's and torch's
+    bytes, or None)."""
+    t = m["torch"]
+    b_mp, b_t = m["mpext"].get("cpu_busy"), (t or {}).get("cpu_busy")
+    peak_s = "" if not peak or peak[0] is None else "%.1f / %s" % (
+        peak[0] / MiB, "—" if peak[1] is None else "%.1f" % (peak[1] / MiB))
+    return [fmt_ms(Timing.from_json(m["mpext"])), fmt_ms(Timing.from_json(t)) if t else "—",
+            "%.1f" % m["mpext_gbps"], "—" if t is None else "%.1f" % m["torch_gbps"],
+            "—" if t is None else "%.2f" % m["speed_ratio"],
+            pct(m["mpext_frac_inplace_roofline"]), pct(m["mpext_frac_copy_roofline"]),
+            "" if b_mp is None else "%.1f / %s" % (b_mp, "—" if b_t is None else "%.1f" % b_t),
+            peak_s]
 
 
 def _json_default(o):
@@ -681,63 +615,8 @@ def pyplot():
     return plt
 
 
-def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
-    """One PNG with one or more panels. Each panel: ``{"title", "xlabel", "ylabel", "logx",
-    "series": {label: (xs, ys)}, "hlines": {label: y}}``."""
-    plt = pyplot()
-
-    n = len(panels)
-    ncols = min(ncols, n)
-    nrows = (n + ncols - 1) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
-    styles = ["-", "--", "-.", ":"]
-    for ax, panel in zip(axes.flat, panels):
-        for i, (label, (xs, ys)) in enumerate(panel.get("series", {}).items()):
-            ax.plot(xs, ys, marker="o", linestyle=styles[i % len(styles)], label=label)
-        colors = ["black", "grey", "tab:red"]
-        for i, (label, y) in enumerate(panel.get("hlines", {}).items()):
-            ax.axhline(y, color=colors[i % len(colors)], linestyle=":" if i else "--",
-                       linewidth=1, label=label)
-        if panel.get("logx"):
-            ax.set_xscale("log", base=2)
-        ax.set_title(panel.get("title", ""))
-        ax.set_xlabel(panel.get("xlabel", ""))
-        ax.set_ylabel(panel.get("ylabel", ""))
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
-    return save_figure(fig, path, title, fontsize=10)
-
-
-def results(ctx, name: str, markdown: str, payload: dict, seconds: float,
-            misses: Sequence[str] = (), plot: Optional[Callable[[], object]] = None) -> dict:
-    """Writes a benchmark's ``<name>.json`` and ``<name>.md`` and, unless --no-plots, the PNG
-    file(s) ``plot()`` returns; returns what ``run(ctx)`` returns."""
-    files = [write_json(ctx.out_dir / (name + ".json"), payload),
-             write_text(ctx.out_dir / (name + ".md"), markdown)]
-    if plot is not None and ctx.plots:
-        out = plot()
-        files += out if isinstance(out, list) else [out]
-    return {"name": name, "markdown": markdown, "json": payload, "files": [str(f) for f in files],
-            "seconds": seconds, "targets_missed": list(misses)}
-
-
-def figure_title(ctx, title: str, isa: bool = False) -> str:
-    """A figure's title with the machine its figures come from (device, threads, torch, with
-    ``isa`` mpext's CPU instruction set, and a note when the run was --quick)."""
-    m = ctx.machine
-    return "%s on %s, %s threads, torch %s%s%s" % (
-        title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
-        m["torch_version"],
-        ", mpext ISA %s" % m["mpext_build_info"].get("cpu_isa_active") if isa else "",
-        " (quick)" if ctx.quick else "")
-
-
 def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
-    """Titles, lays out and writes a matplotlib figure as a PNG (creating its directory), then
-    closes it; returns the path."""
+    """Titles, lays out, writes (creating its directory) and closes a figure; returns the path."""
     import matplotlib.pyplot as plt
 
     if title:
@@ -750,47 +629,86 @@ def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# Progress
+def hlines(ax, lines: Dict[str, float]) -> None:
+    colors = ["black", "grey", "tab:red", "tab:purple"]
+    for i, (label, y) in enumerate(lines.items()):
+        ax.axhline(y, color=colors[i % len(colors)], linestyle=":" if i else "--", linewidth=1,
+                   label=label)
 
 
-class _NullBar:
-    def __init__(self, iterable=None):
-        self._it = iterable
+def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
+    """One PNG of panels, each ``{"title", "xlabel", "ylabel", "logx", "series": {label: (xs,
+    ys)}, "hlines": {label: y}}``."""
+    plt = pyplot()
+    ncols = min(ncols, len(panels))
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for i, (label, (xs, ys)) in enumerate(panel.get("series", {}).items()):
+            ax.plot(xs, ys, marker="o", linestyle=["-", "--", "-.", ":"][i % 4], label=label)
+        hlines(ax, panel.get("hlines", {}))
+        if panel.get("logx"):
+            ax.set_xscale("log", base=2)
+        ax.set(title=panel.get("title", ""), xlabel=panel.get("xlabel", ""),
+               ylabel=panel.get("ylabel", ""))
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    return save_figure(fig, path, title, fontsize=10)
 
-    def __iter__(self):
-        return iter(self._it if self._it is not None else ())
 
-    def __enter__(self):
-        return self
+def plot_bars(path: Path, labels: Sequence[str], series: Dict[str, Sequence[float]],
+              lines: Dict[str, float], ylabel: str, title: str,
+              notes: Optional[Sequence[str]] = None) -> Path:
+    """Grouped bars, one group per label and one bar per series, with horizontal lines;
+    ``notes``: a text above each group."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    w = 0.8 / len(series)
+    for k, (name, ys) in enumerate(series.items()):
+        ax.bar([i + (k - (len(series) - 1) / 2) * w for i in range(len(labels))], ys, w,
+               label=name)
+    for i, note in enumerate(notes or []):
+        ax.text(i, max(ys[i] for ys in series.values()), note, ha="center", va="bottom",
+                fontsize=8)
+    hlines(ax, lines)
+    ax.set_xticks(list(range(len(labels))))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path, title)
 
-    def __exit__(self, *exc):
-        return False
 
-    def update(self, n=1):
-        pass
+def figure_title(ctx, title: str, isa: bool = False) -> str:
+    """A figure's title with the machine its figures come from."""
+    m = ctx.machine
+    return "%s on %s, %s threads, torch %s%s%s" % (
+        title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
+        m["torch_version"],
+        ", mpext ISA %s" % m["mpext_build_info"].get("cpu_isa_active") if isa else "",
+        " (quick)" if ctx.quick else "")
 
-    def set_postfix_str(self, s=""):
-        pass
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def progress(iterable=None, *, disable: bool = False, **kw):
-    """A tqdm progress bar on stderr (stdout stays clean for the Markdown summary); a no-op
-    when disabled or when tqdm is missing."""
-    if disable:
-        return _NullBar(iterable)
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NullBar(iterable)
-    kw.setdefault("file", sys.stderr)
-    kw.setdefault("dynamic_ncols", True)
-    return tqdm(iterable, **kw)
+    """A tqdm progress bar on stderr (stdout stays clean for the Markdown summary)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=disable, file=sys.stderr, dynamic_ncols=True, **kw)
 
 
 class PhaseClock:
-    """Where a benchmark's time goes: ``clock(name)`` records the seconds since the previous call
-    (or since the clock was made) under ``name`` in ``times``; ``elapsed()`` is the total."""
+    """Where a benchmark's time goes: ``clock(name)`` records the seconds since the previous
+    call (or since the clock was made) under ``name`` in ``times``."""
 
     def __init__(self) -> None:
         self._t0 = self._start = time.perf_counter()
@@ -805,6 +723,69 @@ class PhaseClock:
         self._start = now
 
 
+class Bench:
+    """One benchmark's run: its clock (``phase(name)``), its rooflines (``start_roofline``
+    before the timings, ``end_roofline`` after: the better of the two counts), the targets it
+    missed (``target``) and its report (``finish``)."""
+
+    def __init__(self, ctx: Context, name: str, title: str):
+        self.ctx, self.name, self.title = ctx, name, title
+        self.phase = PhaseClock()
+        self.misses: List[str] = []
+        self.roof: Optional[dict] = None
+        self._roofs: List[dict] = []
+
+    def start_roofline(self, read: bool = False) -> dict:
+        self._read = read
+        self._roofs.append(self.ctx.roofline(read))
+        self.phase("roofline")
+        return self._roofs[0]
+
+    def end_roofline(self) -> dict:
+        self.roof = combine_rooflines(*self._roofs, self.ctx.roofline(self._read))
+        self.phase("roofline_end")
+        return self.roof
+
+    def target(self, ok: bool, miss: str) -> bool:
+        """Records ``miss`` when ``ok`` is false; returns ``ok``."""
+        if not ok:
+            self.misses.append(miss)
+        return ok
+
+    def finish(self, lines: Sequence[str], payload: dict, plot: Optional[Callable] = None,
+               device=None) -> dict:
+        """Writes ``<name>.json`` (the run's settings, machine and roofline, then ``payload``),
+        ``<name>.md`` (the title, outside run_all the machine line, the roofline, ``lines``, the
+        missed targets and where the time went) and, unless --no-plots, the PNG file(s)
+        ``plot()`` returns; returns what ``run(ctx)`` returns."""
+        ctx, seconds, phases = self.ctx, self.phase.elapsed(), self.phase.times
+        md = ["## %s" % self.title, ""]
+        if not ctx.in_suite:
+            md += [machine_line(ctx.machine), ""] + ([load_warning(ctx.machine), ""]
+                                                      if load_warning(ctx.machine) else [])
+        if self.roof:
+            md += [roofline_line(self.roof), ""]
+        md += list(lines) + [""]
+        if self.misses:
+            md += ["Targets missed: " + "; ".join(self.misses) + ".", ""]
+        md.append("(%s: %.0f s: %s)" % (self.name, seconds, ", ".join(
+            "%s %.0f s" % kv for kv in phases.items())))
+        markdown = "\n".join(md)
+        payload = {"name": self.name, "title": self.title, "quick": ctx.quick,
+                   "device": str(device or ctx.device), "repeats": ctx.repeats,
+                   "warmup": ctx.warmup, "seconds": seconds, "phase_seconds": phases,
+                   "machine": ctx.machine, "roofline": self.roof, **payload,
+                   "targets_missed": self.misses}
+        files = [write_json(ctx.out_dir / (self.name + ".json"), payload),
+                 write_text(ctx.out_dir / (self.name + ".md"), markdown)]
+        if plot is not None and ctx.plots:
+            out = plot()
+            files += out if isinstance(out, list) else [out]
+        return {"name": self.name, "markdown": markdown, "json": payload,
+                "files": [str(f) for f in files], "seconds": seconds,
+                "targets_missed": list(self.misses)}
+
+
 def run_standalone(run: Callable, doc: str, add_args: Optional[Callable] = None,
                    argv=None) -> int:
     """``main()`` of a benchmark module run on its own: the common options (plus the module's
@@ -814,19 +795,3 @@ def run_standalone(run: Callable, doc: str, add_args: Optional[Callable] = None,
         parser = add_args(parser)
     print(run(Context(parser.parse_args(argv)))["markdown"])
     return 0
-
-
-def fmt_ms(t: Timing) -> str:
-    """'12.34 ±0.56' (median ms, ± half the IQR)."""
-    return "%.3g ±%.2g" % (t.median * 1e3, t.iqr * 1e3 / 2)
-
-
-def pct(x: Optional[float]) -> str:
-    """A fraction as a whole percentage, rounded down (so 79.8% never shows as a met 80%)."""
-    return "" if x is None else "%d%%" % math.floor(100.0 * x + 1e-9)
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
