@@ -1,7 +1,7 @@
-"""Training step, end to end: gpt.py's model trained in nine modes (FP32, native AMP, mpext), the
-same model, data and seeds, timed per iteration, with the peak memory and the persistent bytes
-per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes, columns and
-files: benchmarks/README.md, "Training step".
+"""Training step, end to end: gpt.py's model trained in twelve modes (FP32, native AMP, mpext),
+the same model, data and seeds, timed per iteration, with the peak memory and the persistent
+bytes per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes,
+columns and files: benchmarks/README.md, "Training step".
 
     python -m benchmarks.bench_train [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
 """
@@ -9,52 +9,43 @@ import dataclasses
 import itertools
 import sys
 
-
 import torch
 
 from mpext import memory
-from .common import (Context, MiB, PhaseClock, Timing, check, figure_title, fmt_ms, free_memory,
-                     markdown_table, payload_header, peak_memory_many, plot_lines, pyplot,
-                     report_footer, results, run_standalone, save_figure, section_head)
+from .common import (MiB, Bench, Timing, check, figure_title, fmt_ms, free_memory,
+                     markdown_table, peak_memory_many, plot_lines, pyplot, ratio,
+                     run_standalone, save_figure)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 from . import training
 
 NAME = "bench_train"
 TITLE = "Training step end to end: FP32 vs native AMP vs mpext on a GPT model"
-
 LR, WEIGHT_DECAY, INIT_SCALE = 1e-3, 0.01, 2.0 ** 10
 AGREEMENT = 0.10     # measured persistent memory within 10% of mpext.memory's estimate
 POOL = 16            # batches in the pool every mode cycles through
-
-# key (training.MODES), label
-MODES = [
-    ("fp32", "FP32, AdamW(fused)"),
-    ("amp_bf16", "native AMP BF16 autocast, AdamW(fused)"),
-    ("amp_fp16", "native AMP FP16 autocast + GradScaler, AdamW(fused)"),
-    ("mpext_bf16", "mpext BF16 params, MixedPrecisionOptimizer(AdamW)"),
-    ("mpext_fp16", "mpext FP16 params, MixedPrecisionOptimizer(AdamW), dynamic scale"),
-    ("mpext_optim_fp16", "mpext FP16 params, mpext.optim.AdamW + mpext.GradScaler"),
-    ("mpext_bf16_remainder", "mpext BF16 params, mpext.optim.AdamW(param_remainders=True)"),
-    ("mpext_bf16_remainder_bf16m", "mpext BF16 params, mpext.optim.AdamW, remainders + BF16 "
-     "moments"),
-    ("mpext_bf16_sr", "mpext BF16 params, mpext.optim.AdamW, no master (stochastic rounding) + "
-     "BF16 moments"),
-    ("mpext_bf16_remainder_8bit", "mpext BF16 params, mpext.optim.AdamW, remainders + 8-bit "
-     "moments"),
-    ("mpext_bf16_sr_8bit", "mpext BF16 params, mpext.optim.AdamW, no master (stochastic "
-     "rounding) + 8-bit moments"),
-    ("mpext_bf16_remainder_bf16m_ema", "mpext BF16 params, mpext.optim.AdamW, remainders + BF16 "
-     "moments + FP32 EMA of the masters (ema_decay=0.999)"),
+_OPT = "mpext BF16 params, mpext.optim.AdamW"
+MODES = [  # key (training.MODES), label, short label
+    ("fp32", "FP32, AdamW(fused)", "FP32"),
+    ("amp_bf16", "native AMP BF16 autocast, AdamW(fused)", "AMP BF16"),
+    ("amp_fp16", "native AMP FP16 autocast + GradScaler, AdamW(fused)", "AMP FP16"),
+    ("mpext_bf16", "mpext BF16 params, MixedPrecisionOptimizer(AdamW)", "mpext BF16"),
+    ("mpext_fp16", "mpext FP16 params, MixedPrecisionOptimizer(AdamW), dynamic scale",
+     "mpext FP16"),
+    ("mpext_optim_fp16", "mpext FP16 params, mpext.optim.AdamW + mpext.GradScaler",
+     "mpext.optim FP16"),
+    ("mpext_bf16_remainder", _OPT + "(param_remainders=True)", "remainder"),
+    ("mpext_bf16_remainder_bf16m", _OPT + ", remainders + BF16 moments", "rem. + bf16 m"),
+    ("mpext_bf16_sr", _OPT + ", no master (stochastic rounding) + BF16 moments", "SR + bf16 m"),
+    ("mpext_bf16_remainder_8bit", _OPT + ", remainders + 8-bit moments", "rem. + 8-bit m"),
+    ("mpext_bf16_sr_8bit", _OPT + ", no master (stochastic rounding) + 8-bit moments",
+     "SR + 8-bit m"),
+    ("mpext_bf16_remainder_bf16m_ema", _OPT + ", remainders + BF16 moments + FP32 EMA of the "
+     "masters (ema_decay=0.999)", "rem. + bf16 m + EMA"),
 ]
-SHORT = {"fp32": "FP32", "amp_bf16": "AMP BF16", "amp_fp16": "AMP FP16",
-         "mpext_bf16": "mpext BF16", "mpext_fp16": "mpext FP16",
-         "mpext_optim_fp16": "mpext.optim FP16", "mpext_bf16_remainder": "remainder",
-         "mpext_bf16_remainder_bf16m": "rem. + bf16 m", "mpext_bf16_sr": "SR + bf16 m",
-         "mpext_bf16_remainder_8bit": "rem. + 8-bit m", "mpext_bf16_sr_8bit": "SR + 8-bit m",
-         "mpext_bf16_remainder_bf16m_ema": "rem. + bf16 m + EMA"}
-LABEL = dict(MODES)
+LABEL = {k: lab for k, lab, _ in MODES}
+SHORT = {k: s for k, _, s in MODES}
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
-
+MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
 # (label, gpt.py preset, batch size, GPTConfig overrides) per run kind. "gpt2-body": GPT-2
 # small's 12 layers x 768 on the character vocabulary (85M params).
 _GPT2_BODY = ("gpt2-body", "gpu", 16, dict(n_layer=12, n_head=12, n_embd=768))
@@ -99,43 +90,37 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
     gen = torch.Generator().manual_seed(1234)
     batches = [tuple(t.to(dev) for t in get_batch(data, batch, cfg.block_size, gen))
                for _ in range(POOL)]
-    trainers = {k: Run(k, cfg, batches, dev, fp32_gemm) for k, _ in MODES}
+    trainers = {k: Run(k, cfg, batches, dev, fp32_gemm) for k, _, _ in MODES}
     n = count_params(trainers["fp32"].tr.model)
     times = ctx.time_fns({k: tr.step for k, tr in trainers.items()},
                          desc="%s (%.2fM params, batch %d)" % (label, n / 1e6, batch))
     bar.update(1)
     persistent = {k: tr.measure() for k, tr in trainers.items()}
-    # Peak during a step: grads do not exist between steps (zero_grad(set_to_none=True)).
+    # peak during a step: grads do not exist between steps (zero_grad(set_to_none=True))
     extra = peak_memory_many({k: tr.step for k, tr in trainers.items()}, dev)
     bar.update(1)
     out = {"preset": label, "batch": batch, "params": n, "config": dataclasses.asdict(cfg),
            "modes": {}}
     for k, tr in trainers.items():
-        got = persistent[k]
+        got, t = persistent[k], times[k]
         est = training.MODES[k].memory_estimate(
             tr.tr.model.parameters(), batch=batch, seq=cfg.block_size, hidden=cfg.n_embd,
             layers=cfg.n_layer, heads=cfg.n_head, vocab=cfg.vocab_size,
             dropout=cfg.dropout > 0)
         total = sum(got.values())
-        peak = None if extra[k] is None else total - got["gradients"] + extra[k]
-        t = times[k]
         out["modes"][k] = {
             "label": LABEL[k], "timing": t.to_json(), "ms": t.median * 1e3,
             "persistent_bytes": got, "persistent_total": total,
             "persistent_bytes_per_param": {c: v / n for c, v in got.items()},
             "persistent_per_param_total": total / n,
             "predicted": est.to_dict(), "predicted_per_param": est.persistent / n,
-            "agreement": total / est.persistent - 1.0,
-            "step_extra_peak_bytes": extra[k], "peak_bytes": peak,
+            "agreement": total / est.persistent - 1.0, "step_extra_peak_bytes": extra[k],
+            "peak_bytes": None if extra[k] is None else total - got["gradients"] + extra[k],
             "predicted_peak_bytes": est.persistent + est.transient,
-            "losses": [float(v) for v in tr.losses],
-            "skipped_steps": tr.tr.skipped_steps(),
-        }
-    amp = {"bf16": times["amp_bf16"].median, "fp16": times["amp_fp16"].median}
-    for k, m in out["modes"].items():
-        m["vs_amp_bf16"] = amp["bf16"] / times[k].median
-        m["vs_amp_fp16"] = amp["fp16"] / times[k].median if k in FP16_MODES + ("amp_fp16",) \
-            else None
+            "losses": [float(v) for v in tr.losses], "skipped_steps": tr.tr.skipped_steps(),
+            "vs_amp_bf16": times["amp_bf16"].median / t.median,
+            "vs_amp_fp16": times["amp_fp16"].median / t.median
+            if k in FP16_MODES + ("amp_fp16",) else None}
     del trainers, batches
     free_memory(dev)
     return out
@@ -148,18 +133,23 @@ def add_args(parser):
     return parser
 
 
-def run(ctx: Context) -> dict:
+def _main_per_param(m):
+    """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
+    counts and cached lr tensors, some 0.003 B/param here, left out)."""
+    return sum(m["persistent_bytes_per_param"][p] for p in MAIN_PARTS)
+
+
+def run(ctx) -> dict:
+    b = Bench(ctx, NAME, TITLE)
     fp32_gemm = not ctx.is_cuda and not getattr(ctx.args, "native_lowp_gemm", False)
-    kind = ("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")
-    sizes = SIZES[kind]
+    sizes = SIZES[("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")]
     data, vocab = load_corpus()
-    out, misses, phase = [], [], PhaseClock()
+    out = []
     with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
         for size in sizes:
             out.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
-            phase(size[0])
-    seconds, phases = phase.elapsed(), phase.times
-
+            b.phase(size[0])
+    md = []
     for res in out:
         for k, m in res["modes"].items():
             check(abs(m["agreement"]) <= AGREEMENT,
@@ -171,101 +161,64 @@ def run(ctx: Context) -> dict:
                 got, want = m["persistent_bytes"][part], m["predicted"][part]
                 check(got == want, "%s, %s: %s measured %d bytes, mpext.memory predicts %d"
                       % (res["preset"], k, part, got, want))
-    # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the CPU,
-    # faster on a GPU; its persistent memory per param no more than AMP BF16's.
-    for res in out:
+        # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the
+        # CPU, faster on a GPU; its persistent memory per param no more than AMP BF16's.
         mp, amp = res["modes"]["mpext_bf16"], res["modes"]["amp_bf16"]
-        speed_ok = mp["vs_amp_bf16"] > 1.0 if ctx.is_cuda else mp["vs_amp_bf16"] >= 1.0
-        mem_ok = _main_per_param(mp) <= _main_per_param(amp)
-        res["target_speed_met"], res["target_memory_met"] = speed_ok, mem_ok
-        if not speed_ok:
-            misses.append("%s: mpext BF16 step %.2fx AMP BF16's speed" % (res["preset"],
-                                                                          mp["vs_amp_bf16"]))
-        if not mem_ok:
-            misses.append("%s: mpext BF16 keeps %.2f B/param > AMP BF16's %.2f" % (
-                res["preset"], _main_per_param(mp), _main_per_param(amp)))
-
-    markdown = _markdown(ctx, out, misses, seconds, phases, fp32_gemm)
-    payload = {**payload_header(ctx, NAME, TITLE, ctx.device, seconds, phases, None),
-               "fp32_gemm": fp32_gemm, "lr": LR, "weight_decay": WEIGHT_DECAY,
-               "init_scale": INIT_SCALE, "sizes": out, "targets_missed": misses}
-    return results(ctx, NAME, markdown, payload, seconds, misses,
-                   lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
-
-
-MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
-
-
-def _main_per_param(m):
-    """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
-    counts and cached lr tensors, some 0.003 B/param here, left out)."""
-    b = m["persistent_bytes_per_param"]
-    return sum(b[p] for p in MAIN_PARTS)
-
-
-def _ratio(x):
-    return "—" if x is None else "%.2fx" % x
-
-
-def _markdown(ctx, results, misses, seconds, phases, fp32_gemm):
-    md = section_head(ctx, TITLE)
-    headers = ["mode", "ms / iter", "vs AMP BF16", "vs AMP FP16", "peak MiB (est.)",
-               "persistent B/param", "weights", "grads", "masters", "opt. states", "EMA",
-               "scaler + other", "mpext.memory B/param", "agreement", "loss first → last",
-               "skipped"]
-    for res in results:
+        res["target_speed_met"] = b.target(
+            mp["vs_amp_bf16"] > 1.0 if ctx.is_cuda else mp["vs_amp_bf16"] >= 1.0,
+            "%s: mpext BF16 step %.2fx AMP BF16's speed" % (res["preset"], mp["vs_amp_bf16"]))
+        res["target_memory_met"] = b.target(
+            _main_per_param(mp) <= _main_per_param(amp),
+            "%s: mpext BF16 keeps %.2f B/param > AMP BF16's %.2f"
+            % (res["preset"], _main_per_param(mp), _main_per_param(amp)))
         rows = []
         for k, m in res["modes"].items():
-            b = m["persistent_bytes_per_param"]
-            rows.append([
-                SHORT[k], fmt_ms(Timing.from_json(m["timing"])),
-                _ratio(m["vs_amp_bf16"]), _ratio(m["vs_amp_fp16"]),
-                "—" if m["peak_bytes"] is None else "%.1f (%.1f)" % (
-                    m["peak_bytes"] / MiB, m["predicted_peak_bytes"] / MiB),
-                "%.2f" % m["persistent_per_param_total"], "%.2f" % b["weights"],
-                "%.2f" % b["gradients"], "%.2f" % b["master_weights"],
-                "%.2f" % b["optimizer_states"], "%.2f" % b["ema"],
-                "%.3f" % (b["scaler"] + b["other"]),
-                "%.2f" % m["predicted_per_param"], "%+.1f%%" % (100 * m["agreement"]),
-                "%.3f → %.3f" % (m["losses"][0], m["losses"][-1]),
-                "" if m["skipped_steps"] is None else str(m["skipped_steps"])])
+            p = m["persistent_bytes_per_param"]
+            rows.append([SHORT[k], fmt_ms(Timing.from_json(m["timing"])), ratio(m["vs_amp_bf16"]),
+                         ratio(m["vs_amp_fp16"]), "—" if m["peak_bytes"] is None else
+                         "%.1f (%.1f)" % (m["peak_bytes"] / MiB, m["predicted_peak_bytes"] / MiB),
+                         "%.2f" % m["persistent_per_param_total"]]
+                        + ["%.2f" % p[part] for part in MAIN_PARTS]
+                        + ["%.3f" % (p["scaler"] + p["other"]), "%.2f" % m["predicted_per_param"],
+                           "%+.1f%%" % (100 * m["agreement"]),
+                           "%.3f → %.3f" % (m["losses"][0], m["losses"][-1]),
+                           "" if m["skipped_steps"] is None else str(m["skipped_steps"])])
         md += ["**%s: %s params, batch %d × %d tokens**" % (
-                   res["preset"], "{:,}".format(res["params"]), res["batch"],
-                   res["config"]["block_size"]), "",
-               markdown_table(headers, rows), ""]
-    md += ["%d samples per mode; peak from the %s; %s. Method, modes and columns: "
-           "benchmarks/README.md, \"Training step\"."
-           % (ctx.repeats, "CUDA allocator peak" if ctx.is_cuda else
-              "CPU profiler's allocation records",
-              "BF16/FP16 GEMMs computed in FP32 from operands rounded to BF16/FP16 (gpt.Linear; "
-              "--native-lowp-gemm for PyTorch's own)" if fp32_gemm else
-              ("PyTorch's own BF16/FP16 GEMMs" if not ctx.is_cuda else "CUDA GEMMs")), ""]
-    md += report_footer(NAME, misses, seconds, phases)
-    return "\n".join(md)
+            res["preset"], "{:,}".format(res["params"]), res["batch"],
+            res["config"]["block_size"]), "",
+            markdown_table(["mode", "ms / iter", "vs AMP BF16", "vs AMP FP16", "peak MiB (est.)",
+                            "persistent B/param", "weights", "grads", "masters", "opt. states",
+                            "EMA", "scaler + other", "mpext.memory B/param", "agreement",
+                            "loss first → last", "skipped"], rows), ""]
+    md.append("%d samples per mode; %s. Method, modes and columns: benchmarks/README.md, "
+              "\"Training step\"." % (ctx.repeats, "BF16/FP16 GEMMs in FP32 from rounded "
+                                      "operands (gpt.Linear; --native-lowp-gemm for PyTorch's)"
+                                      if fp32_gemm else "native BF16/FP16 GEMMs"))
+    payload = {"fp32_gemm": fp32_gemm, "lr": LR, "weight_decay": WEIGHT_DECAY,
+               "init_scale": INIT_SCALE, "sizes": out}
+    return b.finish(md, payload, lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
 
 
 def _plot_time(ctx, results):
     xs = [r["params"] for r in results]
-    ms = {SHORT[k]: (xs, [r["modes"][k]["ms"] for r in results]) for k, _ in MODES}
-    ratio = {SHORT[k]: (xs, [r["modes"][k]["vs_amp_bf16"] for r in results])
-             for k, _ in MODES if k != "amp_bf16"}
     last = results[-1]
-    loss = {SHORT[k]: (list(range(1, len(m["losses"]) + 1)), m["losses"])
-            for k, m in last["modes"].items()}
-    panels = [{"title": "time per iteration", "xlabel": "params", "ylabel": "ms",
-               "logx": True, "series": ms},
+    panels = [{"title": "time per iteration", "xlabel": "params", "ylabel": "ms", "logx": True,
+               "series": {SHORT[k]: (xs, [r["modes"][k]["ms"] for r in results])
+                          for k in SHORT}},
               {"title": "speed vs native AMP BF16 (> 1: faster)", "xlabel": "params",
-               "ylabel": "AMP BF16 time / time", "logx": True, "series": ratio,
-               "hlines": {"AMP BF16": 1.0}},
+               "ylabel": "AMP BF16 time / time", "logx": True, "hlines": {"AMP BF16": 1.0},
+               "series": {SHORT[k]: (xs, [r["modes"][k]["vs_amp_bf16"] for r in results])
+                          for k in SHORT if k != "amp_bf16"}},
               {"title": "training loss of the timed steps (%s)" % last["preset"],
-               "xlabel": "step", "ylabel": "loss", "series": loss}]
+               "xlabel": "step", "ylabel": "loss",
+               "series": {SHORT[k]: (list(range(1, len(m["losses"]) + 1)), m["losses"])
+                          for k, m in last["modes"].items()}}]
     return plot_lines(ctx.out_dir / "train_step_time.png", panels,
                       title=figure_title(ctx, TITLE))
 
 
 def _plot_memory(ctx, res):
     plt = pyplot()
-
     parts = [("weights", "weights"), ("gradients", "gradients"),
              ("master_weights", "master weights"), ("optimizer_states", "optimizer states"),
              ("ema", "EMA"), ("small", "scaler + other")]

@@ -1,14 +1,7 @@
-"""The training modes the benchmarks and tests compare, written once: for a mode, the model's
-dtype, native AMP's autocast, the optimizer, the loss scaler, and how backward and step go.
-
-- ``MODES``: the modes by key (FP32, native AMP, mpext's wrapper and optimizer, naive BF16);
-  a mode with mpext's optimizer takes its lean-state options (``param_remainders``, ...) as
-  optimizer options;
-- ``Trainer``: a mode's optimizer and scaler over a model's params (``Trainer.for_mode``, or
-  built directly), with ``autocast()``, ``backward(loss)``, ``step()`` and a ``state_dict``.
-
-bench_train.py and bench_convergence.py train gpt.py's model with it, tests/resume_worker.py a
-small MLP.
+"""The training modes bench_train and bench_convergence compare, written once: for a mode, the
+model's dtype, native AMP's autocast, the optimizer, the loss scaler, and how backward and step
+go (``MODES``; ``Trainer``, a mode's optimizer and scaler over a model's params). A mode with
+mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer options.
 """
 import dataclasses
 from typing import Optional
@@ -19,6 +12,10 @@ import mpext
 from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+_REM = dict(param_remainders=True)
+_BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+_Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+_SR = dict(master_weights=False, stochastic_rounding=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +32,15 @@ class Mode:
     options: dict = dataclasses.field(default_factory=dict)
 
     def memory_estimate(self, params, **shape) -> "memory.Breakdown":
-        """``mpext.memory.estimate`` of this mode with AdamW for ``params`` (the model's
-        tensors, each counted as the optimizer keeps it), with its EMA if it keeps one;
-        ``shape``: the activation estimate's arguments."""
+        """``mpext.memory.estimate`` of this mode with AdamW for ``params`` (each counted as the
+        optimizer keeps it), with its EMA if it keeps one; ``shape``: the activation estimate's
+        arguments."""
         return memory.estimate([p.numel() for p in params], "adamw", self.memory_mode,
                                ema=self.options.get("ema_decay") is not None, **shape)
+
+
+def _optim(memory_mode, options=None, param_dtype=BF16, scaled=False):
+    return Mode(param_dtype, None, "mpext-optim", scaled, memory_mode, options or {})
 
 
 MODES = {
@@ -48,49 +49,30 @@ MODES = {
     "amp_fp16": Mode(FP32, FP16, "torch", True, "amp-fp16"),
     "mpext_bf16": Mode(BF16, None, "mpext-wrapper", False, "mpext-bf16"),
     "mpext_fp16": Mode(FP16, None, "mpext-wrapper", True, "mpext-fp16"),
-    "mpext_optim_fp16": Mode(FP16, None, "mpext-optim", True, "mpext-fp16"),
+    "mpext_optim_fp16": _optim("mpext-fp16", param_dtype=FP16, scaled=True),
     # mpext.optim.AdamW on BF16 params; its lean-state options come as optimizer options
-    "mpext_optim_bf16": Mode(BF16, None, "mpext-optim", False, "mpext-bf16"),
-    # mpext.optim.AdamW's leaner state on BF16 params
-    "mpext_bf16_remainder": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-remainder",
-                                 dict(param_remainders=True)),
-    "mpext_bf16_remainder_bf16m": Mode(BF16, None, "mpext-optim", False,
-                                       "mpext-bf16-remainder-bf16moments",
-                                       dict(param_remainders=True, exp_avg_dtype=BF16,
-                                            exp_avg_sq_dtype=BF16)),
-    "mpext_bf16_sr": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-sr",
-                          dict(master_weights=False, stochastic_rounding=True,
-                               exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
-    # ... with 8-bit moments (params under mpext.optim.MIN_8BIT_NUMEL keep FP32 ones)
-    "mpext_bf16_remainder_8bit": Mode(BF16, None, "mpext-optim", False,
-                                      "mpext-bf16-remainder-8bit",
-                                      dict(param_remainders=True, exp_avg_dtype=torch.int8,
-                                           exp_avg_sq_dtype=torch.uint8)),
-    "mpext_bf16_sr_8bit": Mode(BF16, None, "mpext-optim", False, "mpext-bf16-sr-8bit",
-                               dict(master_weights=False, stochastic_rounding=True,
-                                    exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)),
+    "mpext_optim_bf16": _optim("mpext-bf16"),
+    "mpext_bf16_remainder": _optim("mpext-bf16-remainder", _REM),
+    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(_REM, **_BF16M)),
+    "mpext_bf16_sr": _optim("mpext-bf16-sr", dict(_SR, **_BF16M)),
+    # 8-bit moments (params under mpext.optim.MIN_8BIT_NUMEL keep FP32 ones)
+    "mpext_bf16_remainder_8bit": _optim("mpext-bf16-remainder-8bit", dict(_REM, **_Q8)),
+    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(_SR, **_Q8)),
     # ... and an FP32 EMA of the masters, in the same pass
-    "mpext_bf16_remainder_bf16m_ema": Mode(BF16, None, "mpext-optim", False,
-                                           "mpext-bf16-remainder-bf16moments",
-                                           dict(param_remainders=True, exp_avg_dtype=BF16,
-                                                exp_avg_sq_dtype=BF16, ema_decay=0.999)),
+    "mpext_bf16_remainder_bf16m_ema": _optim("mpext-bf16-remainder-bf16moments",
+                                             dict(_REM, ema_decay=0.999, **_BF16M)),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }
 
 
 class Trainer:
-    """An optimizer and a loss scaler over ``params``, by ``kind``:
-
-    - ``"torch"``: ``inner(params)`` (``fused=True`` with ``fused``); ``scaled``: a
-      ``torch.amp.GradScaler``;
-    - ``"mpext-wrapper"``: ``mpext.MixedPrecisionOptimizer(inner(params))`` (its own scaler;
-      ``scaled``: a dynamic loss scale);
-    - ``"mpext-optim"``: ``mpext.optim.AdamW(params)`` (FP32 masters in its state); ``scaled``:
-      an ``mpext.GradScaler``.
-
-    ``optim_options`` go to the optimizer, ``scaler_options`` (``init_scale``, ...) to the
-    scaler; ``autocast`` is the dtype native AMP computes in (None: no autocast)."""
+    """An optimizer and a loss scaler over ``params``, by ``kind``: ``"torch"``,
+    ``inner(params)`` (``fused=True`` with ``fused``) and, ``scaled``, a ``torch.amp.GradScaler``;
+    ``"mpext-wrapper"``, ``mpext.MixedPrecisionOptimizer(inner(params))`` (its own scaler;
+    ``scaled``: a dynamic loss scale); ``"mpext-optim"``, ``mpext.optim.AdamW(params)`` and,
+    ``scaled``, an ``mpext.GradScaler``. ``optim_options`` go to the optimizer,
+    ``scaler_options`` to the scaler; ``autocast``: native AMP's compute dtype (or None)."""
 
     def __init__(self, params, kind: str = "torch", *, scaled: bool = False,
                  inner=torch.optim.AdamW, fused: bool = False,
@@ -107,10 +89,10 @@ class Trainer:
             if scaled:
                 self.scaler = torch.amp.GradScaler(self.device_type, **scaler_options)
         elif kind == "mpext-wrapper":
-            inner_opt = inner(self.params, **optim_options)
-            self.opt = (mpext.MixedPrecisionOptimizer(inner_opt, loss_scale="dynamic",
-                                                      **scaler_options) if scaled else
-                        mpext.MixedPrecisionOptimizer(inner_opt, loss_scale=None))
+            self.opt = mpext.MixedPrecisionOptimizer(
+                inner(self.params, **optim_options),
+                **(dict(loss_scale="dynamic", **scaler_options) if scaled else
+                   dict(loss_scale=None)))
             self.scaler = self.opt.scaler
         elif kind == "mpext-optim":
             self.opt = mpext.optim.AdamW(self.params, **optim_options)
@@ -172,14 +154,3 @@ class Trainer:
         if isinstance(self.scaler, mpext.GradScaler):
             return int(self.scaler.skipped_steps().item())
         return None
-
-    def state_dict(self) -> dict:
-        state = {"optimizer": self.opt.state_dict()}
-        if self.scaler is not None and self.kind != "mpext-wrapper":  # the wrapper's has it
-            state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
