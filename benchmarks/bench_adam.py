@@ -16,7 +16,7 @@ import sys
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
-from .common import (Alternate, Bench, MiB, Timing, busy_cores, check, count_subnormals,
+from .common import (Alternate, Bench, MiB, busy_cores, check, count_subnormals,
                      expect_same, figure_title, fmt_count, fmt_ms, free_memory, gpt2_shapes,
                      load_average, markdown_table, pct, peak_memory_many, plot_lines,
                      require_kernel, roofline_hlines, run_standalone, yes_no)
@@ -269,7 +269,7 @@ def _paths_report(b: Bench, metrics, case_label):
             m = paths[pk]
             rows.append([case_label[k] if pk == "mpext" else "",
                          SHORT[pk] + (" (best native)" if pk == best else ""),
-                         str(m["bytes_per_param"]), fmt_ms(Timing.from_json(m["timing"])),
+                         str(m["bytes_per_param"]), fmt_ms(m["timing"]),
                          "%.3g" % m["ns_per_param"], "%.1f" % m["gbps"],
                          pct(m["frac_inplace_roofline"]), pct(m["frac_copy_roofline"]),
                          # the 8-bit paths are mpext's own: the 8-bit table compares them
@@ -491,13 +491,13 @@ def _lean_report(b: Bench, lean):
                 met = yes_no(m["target_speed_met"] and m["target_roofline_met"])
             rows.append([fmt_count(int(size)) if key == "master" else "", m["label"],
                          str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
-                         fmt_ms(Timing.from_json(m["timing"])), "%.1f" % m["gbps"],
+                         fmt_ms(m["timing"]), "%.1f" % m["gbps"],
                          pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
                          "—" if key == "native" else "%.2fx" % m["speedup_vs_native"],
                          "—" if key == "native" else "%.2fx" % m["bytes_bound_vs_native"],
                          "" if tgt is None else "≥ %.1fx, ≥ %s" % (tgt[0], pct(tgt[1])), met])
         rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
-                     fmt_ms(Timing.from_json(mtr["inplace"])),
+                     fmt_ms(mtr["inplace"]),
                      "%.1f" % mtr["inplace_gbps_same_rounds"], "100%", "", "", "", "", ""])
     return ["### Lean optimizer state under a GradScaler (scale 1, BF16 training)", "",
             "`scaler.step(opt); scaler.update()`, `mpext.GradScaler(bf16_check_only=True)` and "

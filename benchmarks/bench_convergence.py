@@ -13,7 +13,6 @@ Method, criteria and how to read the plots: docs/convergence.md and docs/lean_st
     python -m benchmarks.bench_convergence [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
         [--modes ...] [--seeds N]
 """
-import contextlib
 import dataclasses
 import math
 import sys
@@ -487,7 +486,8 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
     _label_axes(ax, "validation loss / FP32's (same lr)", "step")
     ax = axes[2]
     for src, attr, lab in ((runs, "unchanged", "naive BF16: weights a step left unchanged"),
-                           (runs, "below_half_ulp", "FP32: updates < half a BF16 ulp of the weight"),
+                           (runs, "below_half_ulp",
+                            "FP32: updates < half a BF16 ulp of the weight"),
                            (low, "unchanged", "naive BF16" + lowtag),
                            (low, "below_half_ulp", "FP32 (< half ulp)" + lowtag)):
         for k, r in src.items():

@@ -11,51 +11,42 @@ import tempfile
 import time
 from datetime import timedelta
 
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
-from .common import (Context, PhaseClock, check, markdown_table, payload_header, report_footer,
-                    results, run_standalone, section_head)
+from .common import Bench, check, markdown_table, run_standalone
 
 NAME = "bench_distributed"
 TITLE = "sync_found_inf: the cost of one all-reduce of the inf/NaN flag per step (2 CPU ranks)"
-WORLD = 2
-WIDTH, LOCAL_BATCH = 256, 32
-TIMEOUT_S = 300
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
-                         nn.Linear(WIDTH, 1))
+WORLD, WIDTH, LOCAL_BATCH, TIMEOUT_S = 2, 256, 32, 300
 
 
 def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    rendezvous = "file://" + os.path.join(os.path.dirname(out_path), "rendezvous")
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(
+        os.path.dirname(out_path), "rendezvous"), rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=120))
     try:
-        model = nn.parallel.DistributedDataParallel(_model())
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(
+            nn.Linear(64, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
+            nn.Linear(WIDTH, 1)))
         opt = mpext.optim.AdamW(model.parameters(), lr=1e-4)
-        scalers = {False: mpext.GradScaler("cpu", init_scale=2.0 ** 10),
-                   True: mpext.GradScaler("cpu", init_scale=2.0 ** 10, sync_found_inf=True)}
+        scalers = {s: mpext.GradScaler("cpu", init_scale=2.0 ** 10, sync_found_inf=s)
+                   for s in (False, True)}
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(LOCAL_BATCH, 64, generator=g), torch.randn(LOCAL_BATCH, 1, generator=g)
+        flag = torch.zeros(())
 
         def step(scaler):
             opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             scaler.step(opt)
             scaler.update()
-
-        flag = torch.zeros(())
 
         def timed(fn):
             dist.barrier()
@@ -72,9 +63,9 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
             samples["off"].append(timed(lambda: step(scalers[False])))
             samples["on"].append(timed(lambda: step(scalers[True])))
             samples["reduce"].append(timed(lambda: scalers[True]._reduce_found_inf_(flag)))
-        skipped = [scalers[s].get_skipped_steps() for s in (False, True)]
         if rank == 0:
-            torch.save({"samples": samples, "skipped": skipped,
+            torch.save({"samples": samples,
+                        "skipped": [scalers[s].get_skipped_steps() for s in (False, True)],
                         "params": sum(p.numel() for p in model.parameters())}, out_path)
         dist.barrier()
     except BaseException:
@@ -90,8 +81,8 @@ def _measure(rounds: int, inner: int) -> dict:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "rank0.pt")
-        ctx = mp.start_processes(_worker, args=(out_path, rounds, inner),
-                                 nprocs=WORLD, join=False, start_method=method)
+        ctx = mp.start_processes(_worker, args=(out_path, rounds, inner), nprocs=WORLD,
+                                 join=False, start_method=method)
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
@@ -100,8 +91,7 @@ def _measure(rounds: int, inner: int) -> dict:
                         p.kill()
                 raise RuntimeError("the 2-rank run did not finish within %d s" % TIMEOUT_S)
         res = torch.load(out_path, weights_only=False)
-    res["start_method"] = method
-    return res
+    return dict(res, start_method=method)
 
 
 def _stats(xs):
@@ -109,15 +99,13 @@ def _stats(xs):
     return {"median_s": statistics.median(xs), "iqr_s": q[2] - q[0], "samples_s": xs}
 
 
-def run(ctx: Context) -> dict:
-    rounds = ctx.repeats
-    inner = 10 if ctx.quick else 40
-    clock = PhaseClock()
+def run(ctx) -> dict:
+    b = Bench(ctx, NAME, TITLE)
+    rounds, inner = ctx.repeats, 10 if ctx.quick else 40
     res = _measure(rounds, inner)
-    seconds = clock.elapsed()
+    b.phase("2-rank run")
     s = {k: _stats(v) for k, v in res["samples"].items()}
     off, on, red = (s[k]["median_s"] for k in ("off", "on", "reduce"))
-    delta = on - off
     check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s"
           % res["skipped"])
 
@@ -125,26 +113,20 @@ def run(ctx: Context) -> dict:
         return "%.1f ±%.1f" % (t["median_s"] * 1e6, t["iqr_s"] * 1e6 / 2)
 
     rows = [["step, sync_found_inf=False", us(s["off"]), "—"],
-            ["step, sync_found_inf=True", us(s["on"]), "%+.1f%%" % (100 * delta / off)],
+            ["step, sync_found_inf=True", us(s["on"]), "%+.1f%%" % (100 * (on - off) / off)],
             ["found_inf all-reduce alone", us(s["reduce"]), "%.1f%%" % (100 * red / off)]]
-    md = section_head(ctx, TITLE)
-    md += [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
-           "2 gloo ranks (started with `%s`), a %s-parameter MLP (batch %d per rank); %d rounds "
-           "of %d steps (or calls). Measured difference per step: %+.1f µs; the flag's "
-           "all-reduce alone: %.1f µs (%.1f%% of a step). Method: benchmarks/README.md, "
-           "\"Distributed\"."
-           % (res["start_method"], "{:,}".format(res["params"]), LOCAL_BATCH, rounds, inner,
-              delta * 1e6, red * 1e6, 100 * red / off), ""]
-    md += report_footer(NAME, [], seconds, {"2-rank run": seconds})
-    markdown = "\n".join(md)
-    payload = {**payload_header(ctx, NAME, TITLE, "cpu (2 gloo ranks)", seconds,
-                                {"2-rank run": seconds}, None),
-               "world_size": WORLD, "params": res["params"], "local_batch": LOCAL_BATCH,
+    md = [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
+          "2 gloo ranks (started with `%s`), a %s-parameter MLP (batch %d per rank); %d rounds of "
+          "%d steps (or calls). Measured difference per step: %+.1f µs; the flag's all-reduce "
+          "alone: %.1f µs (%.1f%% of a step). Method: benchmarks/README.md, \"Distributed\"."
+          % (res["start_method"], "{:,}".format(res["params"]), LOCAL_BATCH, rounds, inner,
+             (on - off) * 1e6, red * 1e6, 100 * red / off)]
+    payload = {"world_size": WORLD, "params": res["params"], "local_batch": LOCAL_BATCH,
                "rounds": rounds, "inner": inner, "start_method": res["start_method"],
                "step_sync_off": s["off"], "step_sync_on": s["on"], "reduce_alone": s["reduce"],
-               "delta_per_step_s": delta, "delta_fraction": delta / off,
+               "delta_per_step_s": on - off, "delta_fraction": (on - off) / off,
                "reduce_fraction": red / off}
-    return results(ctx, NAME, markdown, payload, seconds)
+    return b.finish(md, payload, device="cpu (2 gloo ranks)")
 
 
 def main(argv=None):

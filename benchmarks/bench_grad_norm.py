@@ -12,7 +12,7 @@ import torch
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
 from .common import (Alternate, Bench, check, figure_title, fmt_ms, free_memory, gpt2_shapes,
                      markdown_table, pair_metrics, pct, plot_bars, require_kernel,
-                     roofline_hlines, run_standalone, Timing)
+                     roofline_hlines, run_standalone)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -116,8 +116,8 @@ def run(ctx) -> dict:
                                                   t_mult * r["bytes"])
             e = r["errors"]["plain" if kind == "norm" else "inv"]
             table.append(["%s %s, %s" % (r["label"], r["dtype"], what),
-                          fmt_ms(Timing.from_json(m["mpext"])),
-                          fmt_ms(Timing.from_json(m["torch"])), "%.2fx" % m["speed_ratio"],
+                          fmt_ms(m["mpext"]),
+                          fmt_ms(m["torch"]), "%.2fx" % m["speed_ratio"],
                           "%.1f" % m["mpext_gbps"], pct(m["mpext_frac_read_roofline"]),
                           pct(m["torch_frac_read_roofline"]),
                           "%.1e / %.1e" % (e["mpext"], e["torch"])])

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from mpext import memory
-from .common import (MiB, Bench, Timing, check, figure_title, fmt_ms, free_memory,
+from .common import (MiB, Bench, check, figure_title, fmt_ms, free_memory,
                      markdown_table, peak_memory_many, plot_lines, pyplot, ratio,
                      run_standalone, save_figure)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
@@ -174,7 +174,7 @@ def run(ctx) -> dict:
         rows = []
         for k, m in res["modes"].items():
             p = m["persistent_bytes_per_param"]
-            rows.append([SHORT[k], fmt_ms(Timing.from_json(m["timing"])), ratio(m["vs_amp_bf16"]),
+            rows.append([SHORT[k], fmt_ms(m["timing"]), ratio(m["vs_amp_bf16"]),
                          ratio(m["vs_amp_fp16"]), "—" if m["peak_bytes"] is None else
                          "%.1f (%.1f)" % (m["peak_bytes"] / MiB, m["predicted_peak_bytes"] / MiB),
                          "%.2f" % m["persistent_per_param_total"]]

@@ -133,11 +133,6 @@ class Timing:
         return cls(statistics.median(s), q1, q3, s[0], s[-1], inner, list(samples),
                    statistics.median(cpu_busy) if cpu_busy else None)
 
-    @classmethod
-    def from_json(cls, d: dict) -> "Timing":
-        return cls(d["median_s"], d["q1_s"], d["q3_s"], d["min_s"], d["max_s"], d["inner"],
-                   d["samples_s"], d.get("cpu_busy"))
-
     def gbps(self, nbytes: float) -> float:
         return nbytes / self.median / GB
 
@@ -523,9 +518,10 @@ def fmt_count(n: int) -> str:
     return "%.1fM" % (n / (1 << 20)) if n >= 1 << 20 else str(n)
 
 
-def fmt_ms(t: Timing) -> str:
-    """'12.34 ±0.56' (median ms, ± half the IQR)."""
-    return "%.3g ±%.2g" % (t.median * 1e3, t.iqr * 1e3 / 2)
+def fmt_ms(t) -> str:
+    """'12.34 ±0.56': median ms ± half the IQR of a ``Timing`` or its JSON form."""
+    d = t.to_json() if isinstance(t, Timing) else t
+    return "%.3g ±%.2g" % (d["median_s"] * 1e3, d["iqr_s"] * 1e3 / 2)
 
 
 def pct(x: Optional[float]) -> str:
@@ -569,7 +565,7 @@ def pair_cells(m: dict, peak: Optional[Sequence[Optional[float]]] = None) -> Lis
     b_mp, b_t = m["mpext"].get("cpu_busy"), (t or {}).get("cpu_busy")
     peak_s = "" if not peak or peak[0] is None else "%.1f / %s" % (
         peak[0] / MiB, "—" if peak[1] is None else "%.1f" % (peak[1] / MiB))
-    return [fmt_ms(Timing.from_json(m["mpext"])), fmt_ms(Timing.from_json(t)) if t else "—",
+    return [fmt_ms(m["mpext"]), fmt_ms(t) if t else "—",
             "%.1f" % m["mpext_gbps"], "—" if t is None else "%.1f" % m["torch_gbps"],
             "—" if t is None else "%.2f" % m["speed_ratio"],
             pct(m["mpext_frac_inplace_roofline"]), pct(m["mpext_frac_copy_roofline"]),
@@ -706,34 +702,22 @@ def progress(iterable=None, *, disable: bool = False, **kw):
     return tqdm(iterable, disable=disable, file=sys.stderr, dynamic_ncols=True, **kw)
 
 
-class PhaseClock:
-    """Where a benchmark's time goes: ``clock(name)`` records the seconds since the previous
-    call (or since the clock was made) under ``name`` in ``times``."""
-
-    def __init__(self) -> None:
-        self._t0 = self._start = time.perf_counter()
-        self.times: Dict[str, float] = {}
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.times[name] = now - self._start
-        self._start = now
-
-
 class Bench:
-    """One benchmark's run: its clock (``phase(name)``), its rooflines (``start_roofline``
-    before the timings, ``end_roofline`` after: the better of the two counts), the targets it
-    missed (``target``) and its report (``finish``)."""
+    """One benchmark's run: where its time goes (``phase(name)`` records the seconds since the
+    previous call), its rooflines (``start_roofline`` before the timings, ``end_roofline``
+    after: the better counts), the targets it missed (``target``) and its report (``finish``)."""
 
     def __init__(self, ctx: Context, name: str, title: str):
         self.ctx, self.name, self.title = ctx, name, title
-        self.phase = PhaseClock()
+        self._t0 = self._start = time.perf_counter()
+        self.phases: Dict[str, float] = {}
         self.misses: List[str] = []
         self.roof: Optional[dict] = None
         self._roofs: List[dict] = []
+
+    def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self._start = now - self._start, now
 
     def start_roofline(self, read: bool = False) -> dict:
         self._read = read
@@ -758,7 +742,7 @@ class Bench:
         ``<name>.md`` (the title, outside run_all the machine line, the roofline, ``lines``, the
         missed targets and where the time went) and, unless --no-plots, the PNG file(s)
         ``plot()`` returns; returns what ``run(ctx)`` returns."""
-        ctx, seconds, phases = self.ctx, self.phase.elapsed(), self.phase.times
+        ctx, seconds, phases = self.ctx, time.perf_counter() - self._t0, self.phases
         md = ["## %s" % self.title, ""]
         if not ctx.in_suite:
             md += [machine_line(ctx.machine), ""] + ([load_warning(ctx.machine), ""]

@@ -20,6 +20,11 @@ moments, and torchao's AdamW8bit when it is importable.
     python -m benchmarks.measure_q8_codes [--steps 300] [--block 256] [--preset q8]
     python -m benchmarks.measure_q8_codes --convergence --preset small --steps 600 --seeds 3
 """
+if not __package__:  # run by path (python benchmarks/measure_q8_codes.py): as the module
+    import os, runpy, sys  # noqa: E401
+    sys.path[0] = os.path.dirname(sys.path[0])
+    runpy.run_module("benchmarks.measure_q8_codes", run_name="__main__")
+    sys.exit()
 import argparse
 import json
 import math

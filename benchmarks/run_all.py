@@ -2,32 +2,29 @@
 
     python -m benchmarks.run_all [--quick] [--device auto|cpu|cuda] [--only NAME ...]
 
-Runs every module in BENCHMARKS in order, each comparing mpext with native PyTorch in the same
-run, prints the Markdown summary on stdout (progress bars go to stderr), and writes
-results/summary.md and results/summary.json next to each benchmark's own JSON / Markdown / PNG.
-Exits non-zero if any benchmark raised (a failed sanity check included); the others still
-run. Performance targets are reported in the tables, never turned into a failure.
+Runs every module of BENCHMARKS in order, prints the Markdown summary on stdout (progress bars
+go to stderr) and writes results/summary.md and results/summary.json next to each benchmark's
+own files. Exits non-zero if any benchmark raised (a failed sanity check included); the others
+still run. Performance targets are reported in the tables, never turned into a failure.
 """
+if not __package__:  # run by path (python benchmarks/run_all.py): as the package module
+    import os, runpy, sys  # noqa: E401
+    sys.path[0] = os.path.dirname(sys.path[0])
+    runpy.run_module("benchmarks.run_all", run_name="__main__")
+    sys.exit()
 import argparse
 import importlib
 import sys
 import time
 import traceback
 
-from .common import (Context, add_common_args, load_average, load_warning,
-                    machine_line, write_json, write_text)
+from .common import (Context, add_common_args, load_average, load_warning, machine_line,
+                     write_json, write_text)
 
-# Benchmark modules, run in this order. Each exposes NAME and run(ctx) -> dict with "markdown",
-# "json", "files", "seconds" (see bench_cast.py). Add new benchmarks here.
-BENCHMARKS = [
-    "bench_cast",
-    "bench_scaler",
-    "bench_adam",
-    "bench_distributed",
-    "bench_train",
-    "bench_grad_norm",
-    "bench_convergence",
-]
+# Each module exposes NAME and run(ctx) -> dict with "markdown", "json", "files", "seconds",
+# "targets_missed" (common.Bench.finish). Add new benchmarks here.
+BENCHMARKS = ["bench_cast", "bench_scaler", "bench_adam", "bench_distributed", "bench_train",
+              "bench_grad_norm", "bench_convergence"]
 
 
 def main(argv=None) -> int:
@@ -38,15 +35,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ctx = Context(args)
     ctx.in_suite = True
-    names = args.only or BENCHMARKS
-
     sections, results, errors = [], {}, {}
-    for name in names:
+    for name in args.only or BENCHMARKS:
         print("[run_all] %s ..." % name, file=sys.stderr, flush=True)
         t_start = time.perf_counter()
         try:
-            module = importlib.import_module("." + name, __package__)
-            res = module.run(ctx)
+            res = importlib.import_module("." + name, __package__).run(ctx)
         except Exception as exc:  # report, keep going, fail at the end
             tb = traceback.format_exc()
             print(tb, file=sys.stderr, flush=True)
@@ -57,29 +51,23 @@ def main(argv=None) -> int:
             continue
         dt = time.perf_counter() - t_start
         print("[run_all] %s done in %.1f s" % (name, dt), file=sys.stderr, flush=True)
-        results[name] = {"seconds": dt, "files": res.get("files", []),
-                         "targets_missed": res.get("targets_missed", []), "result": res["json"]}
+        results[name] = {"seconds": dt, "files": res["files"],
+                         "targets_missed": res["targets_missed"], "result": res["json"]}
         sections.append(res["markdown"])
-
     total = time.perf_counter() - t0
+    warn, la_end = load_warning(ctx.machine), load_average()
     head = ["# mpext benchmarks%s" % (" (quick)" if ctx.quick else ""), "",
-            machine_line(ctx.machine), ""]
-    warn = load_warning(ctx.machine)
-    if warn:
-        head += [warn, ""]
-    la_end = load_average()
-    tail = ["", "Total %.0f s; load average at end %s. %s" % (
+            machine_line(ctx.machine), ""] + ([warn, ""] if warn else [])
+    tail = "Total %.0f s; load average at end %s. %s" % (
         total, "/".join("%.2f" % v for v in la_end) if la_end else "n/a",
-        ("%d benchmark(s) FAILED: %s" % (len(errors), ", ".join(sorted(errors))))
-        if errors else "All benchmarks ran.")]
-    summary = "\n".join(head) + "\n" + "\n\n".join(sections) + "\n" + "\n".join(tail) + "\n"
+        "%d benchmark(s) FAILED: %s" % (len(errors), ", ".join(sorted(errors))) if errors
+        else "All benchmarks ran.")
+    summary = "\n".join(head) + "\n" + "\n\n".join(sections) + "\n\n" + tail + "\n"
     print(summary)
     write_text(ctx.out_dir / "summary.md", summary)
     write_json(ctx.out_dir / "summary.json", {
-        "quick": ctx.quick, "device": str(ctx.device), "seconds": total,
-        "machine": ctx.machine, "load_average_end": la_end,
-        "benchmarks": results, "errors": errors,
-    })
+        "quick": ctx.quick, "device": str(ctx.device), "seconds": total, "machine": ctx.machine,
+        "load_average_end": la_end, "benchmarks": results, "errors": errors})
     print("[run_all] wrote %s and %s (%.0f s)" % (ctx.out_dir / "summary.md",
                                                   ctx.out_dir / "summary.json", total),
           file=sys.stderr)
