@@ -12,8 +12,10 @@ probabilistic grammar, so every run on every machine trains on the same bytes.
 - ``load_corpus`` (token ids and vocabulary), ``split_corpus``, ``get_batch`` (a deterministic
   batch for a ``torch.Generator`` state), ``count_params``, ``unigram_entropy``.
 """
+import bisect
 import dataclasses
 import functools
+import itertools
 import math
 import random
 from typing import Dict, List, Optional, Tuple
@@ -219,22 +221,10 @@ class _Grammar:
     def pick(self, items):
         """Zipf-like choice: item k has weight 1 / (k + 2)."""
         n = len(items)
-        cum = self._weights.get(n)
-        if cum is None:
-            cum, acc = [], 0.0
-            for k in range(n):
-                acc += 1.0 / (k + 2)
-                cum.append(acc)
-            self._weights[n] = cum
-        x = self.r.random() * cum[-1]
-        lo, hi = 0, n - 1
-        while lo < hi:  # first index with cum > x
-            mid = (lo + hi) // 2
-            if cum[mid] > x:
-                hi = mid
-            else:
-                lo = mid + 1
-        return items[lo]
+        if n not in self._weights:
+            self._weights[n] = list(itertools.accumulate(1.0 / (k + 2) for k in range(n)))
+        cum = self._weights[n]
+        return items[min(bisect.bisect_right(cum, self.r.random() * cum[-1]), n - 1)]
 
     def chance(self, p: float) -> bool:
         return self.r.random() < p
