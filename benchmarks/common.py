@@ -243,21 +243,16 @@ def last_level_cache_bytes(device: torch.device) -> int:
     return best or (64 << 20)
 
 
-def roofline_numel(device: torch.device, quick: bool) -> int:
-    """fp32 elements per roofline buffer: at least 16x (quick: 4x) the last-level cache, and at
-    least 64M (quick: 32M) elements."""
-    factor, floor = (4, 32 << 20) if quick else (16, 64 << 20)
-    return max(floor, factor * last_level_cache_bytes(device) // 4)
-
-
 def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int = 15,
                      numel: Optional[int] = None, read: bool = False,
                      show_progress: bool = True) -> dict:
-    """Streaming bandwidth on ``device``, measured now, over buffers far larger than the
-    last-level cache: ``copy``, ``y.copy_(x)`` (4 bytes read + 4 written per element: understates
-    memory, since writing a fresh destination line also reads it); ``inplace``, ``x.add_(0.5)``
-    (8 bytes per element: the reference); with ``read``, ``x.sum()`` (4 bytes per element)."""
-    n = numel or roofline_numel(device, quick)
+    """Streaming bandwidth on ``device``, measured now, over fp32 buffers of at least 16x
+    (quick: 4x) the last-level cache and 64M (32M) elements: ``copy``, ``y.copy_(x)`` (4 bytes
+    read + 4 written per element: understates memory, since writing a fresh destination line
+    also reads it); ``inplace``, ``x.add_(0.5)`` (8 bytes: the reference); with ``read``,
+    ``x.sum()`` (4 bytes)."""
+    factor, floor = (4, 32 << 20) if quick else (16, 64 << 20)
+    n = numel or max(floor, factor * last_level_cache_bytes(device) // 4)
     x = torch.zeros(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     y.zero_()  # touch every page before timing
@@ -318,11 +313,9 @@ def roofline_line(roof: dict) -> str:
 # ---- peak memory
 
 def _walk(nodes):
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
+    for node in nodes:
         yield node
-        stack.extend(node.children)
+        yield from _walk(node.children)
 
 
 def _cpu_peaks_profiler(fns: Dict[object, Callable[[], object]]) -> Dict[object, Optional[float]]:
@@ -585,7 +578,6 @@ def _json_default(o):
 
 def write_json(path: Path, payload: dict) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, default=_json_default, allow_nan=True)
@@ -595,10 +587,8 @@ def write_json(path: Path, payload: dict) -> Path:
 
 
 def write_text(path: Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text if text.endswith("\n") else text + "\n")
-    return path
+    Path(path).write_text(text if text.endswith("\n") else text + "\n")
+    return Path(path)
 
 
 def pyplot():
