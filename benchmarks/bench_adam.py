@@ -63,10 +63,8 @@ NATIVE = [p[0] for p in PATHS if not p[4]]
 
 
 class Problem:
-    """The tensors of one case. mpext: bf16 params and grads, fp32 masters, moments and steps
-    (and, per 8-bit path, bf16 params of its own with a zero remainder or none). torch: fp32
-    params and grads (the same starting values, shared by the native paths), one
-    AdamW(fused=True) and one AdamW(foreach=True) over them, each with its own state."""
+    """The tensors of one case, both sides from the same values (benchmarks/README.md, "AdamW
+    step"); the native paths share the fp32 params and grads, each optimizer its own state."""
 
     def __init__(self, shapes, dev, seed):
         g = torch.Generator().manual_seed(seed)
@@ -342,11 +340,9 @@ def _lean_bound(key):
 
 
 class LeanProblem:
-    """One lean case of ``n`` params. Per mpext mode: a bf16 param (the same starting values for
-    all) with its own ``mpext.optim.AdamW`` and ``mpext.GradScaler(bf16_check_only=True)``
-    (scale held at 1); one bf16 gradient shared by all, which nothing writes at scale 1.
-    Native: fp32 copies under ``AdamW(fused=True)`` and ``torch.amp.GradScaler(init_scale=1)``
-    (no growth). ``roof_numel``: the in-place roofline's buffer, timed in the same rounds."""
+    """One lean case of ``n`` params: per mode a param, optimizer and scaler (scale 1), one
+    bf16 gradient shared by the mpext modes; ``roof_numel``: the in-place roofline's buffer,
+    timed in the same rounds (benchmarks/README.md, "Lean optimizer state")."""
 
     def __init__(self, n, dev, seed, roof_numel=0):
         gen = torch.Generator().manual_seed(seed)
@@ -416,10 +412,7 @@ class LeanProblem:
 
 def _lean_sanity(dev):
     """One step of every lean stepper on 1M + 3 params against AdamW(foreach=False) on fp32
-    copies fed the same gradient: the fp32-master mode's master and native's param within rtol
-    1e-5, the remainder mode's master and param the same bits as the master mode's, every
-    mode's param and moments within one bf16 ulp, both EMAs a copy of the value, the gradient
-    unchanged (scale 1: nothing is written back)."""
+    copies (the tolerances: benchmarks/README.md, "Lean optimizer state")."""
     prob = LeanProblem((1 << 20) + 3, dev, seed=98)
     p_ref = prob.steppers["native"][0].detach().clone()
     p_ref.grad = prob.steppers["native"][0].grad.clone()

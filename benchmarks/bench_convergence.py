@@ -207,12 +207,9 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
           track_moments: bool = False, keep_grads: bool = False, keep_final: bool = False,
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
           bar=None) -> Run:
-    """Trains one mode (training.MODES, or a lean mode) on the shared batch sequence, from the
-    shared initial weights or (``init``) a checkpoint, then also evaluated before the first
-    step. ``seed`` (lean modes): the stochastic-rounding seed and the batch order
-    ``st.data_seed + seed``. ``track_updates`` / ``track_moments``: record ``Run.unchanged``,
-    ``below_half_ulp`` / ``v_decreased``; ``keep_grads`` / ``keep_final``: keep the last
-    step's gradients / the final params, FP32 values and model state."""
+    """Trains one mode (training.MODES or LEAN_MODES) from the shared weights or ``init`` (then
+    evaluated at step 0 too); ``seed`` (lean): rounding seed and batch order; ``track_*``: the
+    per-step counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr, seed)
     base, options = (LEAN_BASE, dict(LEAN_OPTIONS[mode])) if mode in LEAN_OPTIONS else (mode, {})
@@ -585,11 +582,8 @@ def same_training(ref: Run, other: Run) -> Optional[str]:
 
 
 def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
-    """The noise band and each mode's place in it. ``finals``: per mode, its final loss for
-    each seed. The band is the reference's mean ± its seed-to-seed range (max - min); a mode
-    is inside when its mean is at most that range from the reference's. Criteria: "exact"
-    modes equal the reference seed for seed, "band" modes are inside, "cautionary" modes
-    are expected above the band."""
+    """The noise band (the reference's mean ± its seed-to-seed range) and each mode's place in
+    it, from ``finals``, per mode its final loss per seed; criteria: docs/lean_state.md."""
     ref = finals["master"]
     center, half = sum(ref) / len(ref), max(ref) - min(ref)
     modes = {}
@@ -636,11 +630,9 @@ def moment_decay_demo(device, steps: int = 2000, n: int = 4096, drop_at: int = 1
 
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
                train_data, val_batches, modes: List[str], fp32_gemm: bool) -> dict:
-    """Pretrains once in FP32, fine-tunes from that checkpoint in every lean mode of ``modes``
-    (the reference "master" always) for each seed, checks that the remainder runs equal the
-    reference runs bit for bit, and places every mode in the reference's noise band. The
-    bitwise check needs deterministic training: a second reference run of seed 0 tells
-    whether it is (a non-deterministic device skips the check, and says so)."""
+    """Pretrains once in FP32, fine-tunes in every lean mode for each seed and checks the
+    remainder runs against the reference bit for bit, if training is deterministic here: a
+    second reference run of seed 0 tells (otherwise the check is skipped, and said so)."""
     dev = ctx.device
     modes = [k for k in LEAN_KEYS if k in modes or k == "master"]
     total = pre.steps + ft.steps * (len(modes) * seeds + 1)

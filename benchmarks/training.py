@@ -67,12 +67,10 @@ MODES = {
 
 
 class Trainer:
-    """An optimizer and a loss scaler over ``params``, by ``kind``: ``"torch"``,
-    ``inner(params)`` (``fused=True`` with ``fused``) and, ``scaled``, a ``torch.amp.GradScaler``;
-    ``"mpext-wrapper"``, ``mpext.MixedPrecisionOptimizer(inner(params))`` (its own scaler;
-    ``scaled``: a dynamic loss scale); ``"mpext-optim"``, ``mpext.optim.AdamW(params)`` and,
-    ``scaled``, an ``mpext.GradScaler``. ``optim_options`` go to the optimizer,
-    ``scaler_options`` to the scaler; ``autocast``: native AMP's compute dtype (or None)."""
+    """An optimizer and a loss scaler over ``params``, by ``kind``: ``"torch"`` (``inner``, and
+    a torch GradScaler if ``scaled``), ``"mpext-wrapper"`` (``MixedPrecisionOptimizer(inner)``,
+    a dynamic scale if ``scaled``) or ``"mpext-optim"`` (``mpext.optim.AdamW``, and an
+    ``mpext.GradScaler`` if ``scaled``); ``autocast``: native AMP's compute dtype or None."""
 
     def __init__(self, params, kind: str = "torch", *, scaled: bool = False,
                  inner=torch.optim.AdamW, fused: bool = False,
