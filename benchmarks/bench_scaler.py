@@ -28,6 +28,19 @@ NOISE_RATIO = 0.95
 N_SMALL, SMALL_MAX, SMALL_SEED = 10_000, 2000, 20240601
 GRAD_STD = 1e-3  # gradient-like magnitudes; x0.5 / x2 keeps them far from the subnormal range
 T_UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_
+CASES = [  # key, list, scaled (inv_scale 0.5 / 2; else 1: check only), group, target, label
+    ("gpt2_fp32", "gpt2_fp32", True, "big", "copy", "GPT-2 list fp32, inv_scale 0.5/2"),
+    ("gpt2_bf16", "gpt2_bf16", True, "big", "copy", "GPT-2 list bf16, inv_scale 0.5/2"),
+    ("gpt2_fp32_check", "gpt2_fp32", False, "big", None,
+     "GPT-2 list fp32, inv_scale 1 (check only, reads)"),
+    ("small_fp32", "small_fp32", True, "small", "speed", "10,000 small fp32, inv_scale 0.5/2"),
+    ("small_mixed", "small_mixed", True, "small", "speed",
+     "10,000 small fp32+bf16 (torch: 2 calls), inv_scale 0.5/2"),
+    ("small_fp32_check", "small_fp32", False, "small", "speed",
+     "10,000 small fp32, inv_scale 1 (check only, reads)"),
+    ("tiny_fp32", "tiny_fp32", True, "small", None,
+     "10,000 × 1-element fp32, inv_scale 0.5/2 (fixed cost per tensor)"),
+]
 
 
 def _group_by_dtype(tensors):
@@ -195,18 +208,15 @@ def run(ctx) -> dict:
     peaks = {} if ctx.quick else peak_pairs(
         {name: _make_fns(grads, alts[name], found, one) for name, grads in lists.items()}, dev)
     b.phase("peak_memory")
-    cases = {}  # key -> (mpext timing, torch timing, bytes)
-    for group, specs, desc in (
-            ("big", [("gpt2_fp32", "gpt2_fp32", True), ("gpt2_bf16", "gpt2_bf16", True),
-                     ("gpt2_fp32_check", "gpt2_fp32", False)], "GPT-2 list"),
-            ("small", [("small_fp32", "small_fp32", True), ("small_mixed", "small_mixed", True),
-                       ("small_fp32_check", "small_fp32", False),
-                       ("tiny_fp32", "tiny_fp32", True)], "%d tensors" % N_SMALL)):
+    cases = {}  # key -> (mpext timing, torch timing, bytes), (elements, tensors)
+    for group, desc in (("big", "GPT-2 list"), ("small", "%d tensors" % N_SMALL)):
+        specs = [c for c in CASES if c[3] == group]
         res = time_pairs(ctx, {key: _make_fns(lists[ln], alts[ln] if scaled else None, found,
-                                              one) for key, ln, scaled in specs}, desc=desc)
-        for key, ln, scaled in specs:
-            cases[key] = res[key] + (sum(t.numel() * t.element_size() for t in lists[ln])
-                                     * (2 if scaled else 1),)
+                                              one) for key, ln, scaled, *_ in specs}, desc=desc)
+        for key, ln, scaled, *_ in specs:
+            cases[key] = (res[key] + (sum(t.numel() * t.element_size() for t in lists[ln])
+                                      * (2 if scaled else 1),),
+                          (sum(t.numel() for t in lists[ln]), len(lists[ln])))
         b.phase(group)
     # After the timed calls every tensor must hold exactly its starting values x 1 or x 0.5
     # (x0.5 / x2 are exact for normal numbers): no drift towards zero, no subnormals.
@@ -223,25 +233,11 @@ def run(ctx) -> dict:
     del lists, big32, refs
     free_memory(dev)
     roof = b.end_roofline()
-    metrics = {k: pair_metrics(tm, tt, nb, roof) for k, (tm, tt, nb) in cases.items()}
+    metrics = {k: pair_metrics(*c[0], roof) for k, c in cases.items()}
 
-    n_small = sum(small_sizes)
-    ns = "{:,}".format(N_SMALL)
-    specs = [  # key, label, elements, tensors, target kind
-        ("gpt2_fp32", "GPT-2 list fp32, inv_scale 0.5/2", big_total, len(shapes), "copy"),
-        ("gpt2_bf16", "GPT-2 list bf16, inv_scale 0.5/2", big_total, len(shapes), "copy"),
-        ("gpt2_fp32_check", "GPT-2 list fp32, inv_scale 1 (check only, reads)", big_total,
-         len(shapes), None),
-        ("small_fp32", "%s small fp32, inv_scale 0.5/2" % ns, n_small, N_SMALL, "speed"),
-        ("small_mixed", "%s small fp32+bf16 (torch: 2 calls), inv_scale 0.5/2" % ns, n_small,
-         N_SMALL, "speed"),
-        ("small_fp32_check", "%s small fp32, inv_scale 1 (check only, reads)" % ns, n_small,
-         N_SMALL, "speed"),
-        ("tiny_fp32", "%s × 1-element fp32, inv_scale 0.5/2 (fixed cost per tensor)" % ns,
-         N_SMALL, N_SMALL, None)]
     rows, cases_json = [], []
-    for key, label, n, ntens, target in specs:
-        m = metrics[key]
+    for key, _, _, _, target, label in CASES:
+        m, (n, ntens) = metrics[key], cases[key][1]
         r, fc = m["speed_ratio"], m["mpext_frac_copy_roofline"]
         met, mark = None, "—"
         if target == "copy":
@@ -280,12 +276,13 @@ def run(ctx) -> dict:
                           "Inf step skipped"], sync_rows, align="lrrr")]
     payload = {"copy_target_fraction": COPY_TARGET, "speed_target": SPEED_TARGET,
                "gpt2_list": {"elements": big_total, "tensors": len(shapes), "reduced": ctx.quick},
-               "small_list": {"tensors": N_SMALL, "elements": n_small, "max_size": SMALL_MAX,
+               "small_list": {"tensors": N_SMALL, "elements": sum(small_sizes),
+                              "max_size": SMALL_MAX,
                               "seed": SMALL_SEED},
                "cases": cases_json, "drift_check": drift, "host_syncs": syncs}
-    shown = [s for s in specs if s[0] != "tiny_fp32"]  # GB/s means nothing for 1-element ones
+    shown = [c for c in CASES if c[0] != "tiny_fp32"]  # GB/s means nothing for 1-element ones
     return b.finish(md, payload, lambda: plot_bars(
-        ctx.out_dir / (NAME + ".png"), [textwrap.fill(s[1], 24) for s in shown],
+        ctx.out_dir / (NAME + ".png"), [textwrap.fill(s[5], 24) for s in shown],
         {"mpext unscale_": [metrics[s[0]]["mpext_gbps"] for s in shown],
          "torch _amp_foreach_non_finite_check_and_unscale_":
              [metrics[s[0]]["torch_gbps"] for s in shown]},
