@@ -54,26 +54,6 @@ static mp_pv_tile pv_at(const adam_piece* a, int64_t i) {
   return at;
 }
 
-/* Asks for the cache lines of bytes [p, p + bytes) ahead of their stage. */
-static inline void prefetch_range(const void* p, int64_t bytes) {
-#ifndef MP_NO_PREFETCH
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o, 1, 3);
-#endif
-}
-
-/* The next tile's arrays, elements [i, i + len). */
-static void prefetch_tile(const adam_piece* a, int64_t i, int64_t len) {
-  const mp_adam_tensor* t = a->t;
-  prefetch_range((const char*)t->grad + i * MP_DTYPE_BYTES(a->gt), len * MP_DTYPE_BYTES(a->gt));
-  prefetch_range((const char*)t->param + i * MP_DTYPE_BYTES(a->pt), len * MP_DTYPE_BYTES(a->pt));
-  if (t->master != NULL) prefetch_range(t->master + i, len * 4);
-  if (t->remainder != NULL) prefetch_range(t->remainder + i, len * 2);
-  prefetch_range((const char*)t->exp_avg + i * MP_DTYPE_BYTES(a->md), len * MP_DTYPE_BYTES(a->md));
-  prefetch_range((const char*)t->exp_avg_sq + i * MP_DTYPE_BYTES(a->vd),
-                 len * MP_DTYPE_BYTES(a->vd));
-  if (t->ema != NULL) prefetch_range(t->ema + i, len * 4);
-}
-
 /* Elements [start, start + n) of one piece, fp32 or bf16 moments, tile by tile. */
 static void adam_tiles(const adam_piece* a, int64_t start, int64_t n) {
   _Alignas(64) float gbuf[MP_TILE];
@@ -89,9 +69,6 @@ static void adam_tiles(const adam_piece* a, int64_t start, int64_t n) {
   for (int64_t off = 0; off < n; off += MP_TILE) {
     const int64_t i = start + off;
     const uint32_t len = (uint32_t)(n - off < MP_TILE ? n - off : MP_TILE), lo = (uint32_t)i;
-    if (n - off > MP_TILE) {
-      prefetch_tile(a, i + MP_TILE, n - off - MP_TILE < MP_TILE ? n - off - MP_TILE : MP_TILE);
-    }
     const mp_pv_tile at = pv_at(a, i);
     void* m_at = (char*)t->exp_avg + i * MP_DTYPE_BYTES(a->md);
     void* v_at = (char*)t->exp_avg_sq + i * MP_DTYPE_BYTES(a->vd);
@@ -127,7 +104,8 @@ static void adam_q8_blocks(const adam_piece* a, int64_t start, int64_t n) {
   for (int64_t boff = 0; boff < n; boff += b) {
     const int64_t i0 = start + boff, k = i0 / b;
     const uint32_t blen = (uint32_t)(n - boff < b ? n - boff : b);
-    const float rm = mp_q8_ref_m_of(t->exp_avg_scale[k]), rv = mp_q8_ref_v_of(t->exp_avg_sq_scale[k]);
+    const float rm = mp_q8_ref_m_of(t->exp_avg_scale[k]);
+    const float rv = mp_q8_ref_v_of(t->exp_avg_sq_scale[k]);
     for (uint32_t off = 0; off < blen; off += MP_TILE) {
       const int64_t i = i0 + off;
       const uint32_t len = blen - off < MP_TILE ? blen - off : MP_TILE;

@@ -4346,7 +4346,9 @@ static void test_codecs(uint64_t seed0) {
       for (uint32_t i = 0; i < MP_TILE; ++i) {
         const uint32_t u = bits_of(x[i]), st = k == 0 ? ref_master_stored(u) : u;
         g.count++;
-        if (!isnan(x[i]) && bits_of(y[i]) != st) g_fail(&g, "master %08x stored %08x", u, bits_of(y[i]));
+        if (!isnan(x[i]) && bits_of(y[i]) != st) {
+          g_fail(&g, "master %08x stored %08x", u, bits_of(y[i]));
+        }
         g_check(&g, same_rne(st, h[i], fmts[k]), "master %08x: param %04x", u, h[i]);
       }
       /* nearest, without a master */
@@ -4354,7 +4356,8 @@ static void test_codecs(uint64_t seed0) {
       mp_pv_encode(MP_PV_NONE_RNE, dts[k], &an, x, MP_TILE, key, lo, hi);
       for (uint32_t i = 0; i < MP_TILE; ++i) {
         g.count++;
-        g_check(&g, same_rne(bits_of(x[i]), h2[i], fmts[k]), "rne %08x: %04x", bits_of(x[i]), h2[i]);
+        g_check(&g, same_rne(bits_of(x[i]), h2[i], fmts[k]), "rne %08x: %04x", bits_of(x[i]),
+                h2[i]);
       }
       /* stochastic: bf16 against the reference at the element's position; fp16 one of the
        * two neighbours (the value or the next magnitude up, RNE of the value is either) */
@@ -4383,7 +4386,8 @@ static void test_codecs(uint64_t seed0) {
       const uint32_t u = bits_of(x[i]), st = ref_master_stored(u);
       g.count++;
       if (isnan(x[i])) {
-        g_check(&g, isnan(back[i]) && isnan(y[i]), "remainder NaN %08x -> %08x", u, bits_of(back[i]));
+        g_check(&g, isnan(back[i]) && isnan(y[i]), "remainder NaN %08x -> %08x", u,
+                bits_of(back[i]));
         continue;
       }
       g_check(&g, bits_of(back[i]) == st && bits_of(y[i]) == st && same_rne(st, h[i], &BF16),
@@ -4510,149 +4514,166 @@ typedef struct fused_state {
   int16_t* rem;
 } fused_state;
 
-static void test_adam_fused_vs_generic(uint64_t seed0) {
+/* fp32 bits u stored as dtype t (to nearest even). */
+static uint32_t fused_narrow(mp_dtype t, uint32_t u) {
+  return t == MP_F32 ? u : t == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
+}
+
+static void fused_alloc(fused_state* st, int n) {
+  const size_t sizes[9] = {4, 4, 4, 4, 4, 4, 2, 4, 4};
+  void** arrays[9] = {&st->p, &st->g, &st->m, &st->v, (void**)&st->master, (void**)&st->ema,
+                      (void**)&st->rem, (void**)&st->ms, (void**)&st->vs};
+  for (int k = 0; k < 9; ++k) *arrays[k] = xmalloc((size_t)(k >= 7 ? 4 : n) * sizes[k]);
+}
+
+static void fused_free(fused_state* st) {
+  free(st->p);
+  free(st->g);
+  free(st->m);
+  free(st->v);
+  free(st->master);
+  free(st->ema);
+  free(st->rem);
+  free(st->ms);
+  free(st->vs);
+}
+
+/* A mode as the tests below step it. */
+typedef struct fused_mode {
+  mp_dtype pt, gt, md, vd;
+  int kind, wb, nearest, ema;
+} fused_mode;
+
+/* Three steps of mode fm from one random state through kt's adam_step and its
+ * adam_step_generic, each range split in two; 1 if every byte agrees. */
+static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t s, int variant) {
   enum { N = 3 * 256 + 77 };
+  const mp_dtype pt = fm->pt, gt = fm->gt, md = fm->md, vd = fm->vd;
+  fused_state st[2];
+  fused_alloc(&st[0], N);
+  fused_alloc(&st[1], N);
+  for (int i = 0; i < N; ++i) {
+    const double u = (double)(splitmix64(&s) >> 11) * 0x1p-53 - 0.5;
+    float gv = (float)(1e-3 * (u + 0.1));
+    if (i % 101 == 7) gv = NAN;
+    if (i % 103 == 9) gv = -INFINITY;
+    uint32_t pb = bits_of((float)(0.05 * u));
+    if (i % 16 == 3) pb = (pb & ~0x1FFFFu) | 0x08000u; /* a tie above an even bf16 */
+    a_put(st[0].p, pt, (size_t)i, fused_narrow(pt, pb));
+    a_put(st[0].g, gt, (size_t)i, fused_narrow(gt, bits_of(gv)));
+    st[0].master[i] = f32_of(pb);
+    st[0].ema[i] = f32_of(pb);
+    st[0].rem[i] = (int16_t)(splitmix64(&s) & 0x7FFF);
+    if (md == MP_I8) {
+      ((uint8_t*)st[0].m)[i] = (uint8_t)splitmix64(&s);
+      ((uint8_t*)st[0].v)[i] = (uint8_t)splitmix64(&s);
+    } else {
+      a_put(st[0].m, md, (size_t)i, fused_narrow(md, bits_of((float)(1e-4 * u))));
+      a_put(st[0].v, vd, (size_t)i, fused_narrow(vd, bits_of((float)(1e-8 * (u + 0.5)))));
+    }
+  }
+  for (int b = 0; b < 4; ++b) {
+    st[0].ms[b] = 1e-4f * (float)(b + 1);
+    st[0].vs[b] = 1e-8f * (float)(b + 1);
+  }
+  memcpy(st[1].p, st[0].p, N * 4);
+  memcpy(st[1].g, st[0].g, N * 4);
+  memcpy(st[1].m, st[0].m, N * 4);
+  memcpy(st[1].v, st[0].v, N * 4);
+  memcpy(st[1].master, st[0].master, N * 4);
+  memcpy(st[1].ema, st[0].ema, N * 4);
+  memcpy(st[1].rem, st[0].rem, N * 2);
+  memcpy(st[1].ms, st[0].ms, 16);
+  memcpy(st[1].vs, st[0].vs, 16);
+  mp_adam_options o;
+  memset(&o, 0, sizeof o);
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.eps = 1e-8;
+  o.weight_decay = 0.01;
+  o.decoupled = (variant & 1) == 0;
+  o.maximize = (variant % 7) == 3;
+  o.lr_value = 1e-3f;
+  o.unscale_grads = fm->wb;
+  o.sr_params = fm->kind == MP_PV_NONE_SR;
+  o.moments_nearest = fm->nearest;
+  o.seed = s;
+  o.q8_block = 256;
+  o.ema_decay = 0.99;
+  float step[2] = {0.0f, 0.0f};
+  for (int it = 0; it < 3; ++it) {
+    const float inv = it == 1 ? 2.0f : 0.5f;
+    const mp_adam_scalars sc = mp_adam_scalars_of(&o, 1e-3f, step[0], inv, 5u);
+    for (int c = 0; c < 2; ++c) {
+      mp_adam_tensor t;
+      memset(&t, 0, sizeof t);
+      t.param = st[c].p;
+      t.param_dtype = pt;
+      t.grad = st[c].g;
+      t.grad_dtype = gt;
+      t.master = fm->kind == MP_PV_MASTER ? st[c].master : NULL;
+      t.remainder = fm->kind == MP_PV_REMAINDER ? st[c].rem : NULL;
+      t.exp_avg = st[c].m;
+      t.exp_avg_sq = st[c].v;
+      t.exp_avg_dtype = md;
+      t.exp_avg_sq_dtype = vd;
+      t.exp_avg_scale = md == MP_I8 ? st[c].ms : NULL;
+      t.exp_avg_sq_scale = md == MP_I8 ? st[c].vs : NULL;
+      t.ema = fm->ema ? st[c].ema : NULL;
+      t.step = &step[c];
+      t.n = N;
+      t.sr_stream = 5u;
+      /* two ranges: [0, 256) and the rest, as threads would split it */
+      (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 0, 256, &sc);
+      (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 256, N - 256, &sc);
+      step[c] += 1.0f;
+    }
+  }
+  const size_t pb = a_size(pt), gb = a_size(gt);
+  const size_t mb = md == MP_I8 ? 1u : a_size(md), vb = vd == MP_U8 ? 1u : a_size(vd);
+  const int same = memcmp(st[0].p, st[1].p, N * pb) == 0 &&
+                   memcmp(st[0].g, st[1].g, N * gb) == 0 &&
+                   memcmp(st[0].m, st[1].m, N * mb) == 0 &&
+                   memcmp(st[0].v, st[1].v, N * vb) == 0 &&
+                   memcmp(st[0].master, st[1].master, N * 4) == 0 &&
+                   memcmp(st[0].ema, st[1].ema, N * 4) == 0 &&
+                   memcmp(st[0].rem, st[1].rem, N * 2) == 0 &&
+                   memcmp(st[0].ms, st[1].ms, 16) == 0 && memcmp(st[0].vs, st[1].vs, 16) == 0;
+  fused_free(&st[0]);
+  fused_free(&st[1]);
+  return same;
+}
+
+static void test_adam_fused_vs_generic(uint64_t seed0) {
   const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
   group g;
   g_begin(&g, "adam: hand-fused loops = the tile pipeline, every storage mode and ISA path");
   int modes = 0;
   for (int k = 0; k < g_nisa; ++k) {
     const mp_kernel_table* kt = kernels_of(g_isas[k]);
-    for (int pi = 0; pi < 3; ++pi) {
-      for (int gi = 0; gi < 2; ++gi) {
-        const mp_dtype pt = dts[pi], gt = gi ? MP_F32 : pt;
-        if (gi && pt == MP_F32) continue;
-        for (int kind = 0; kind < 5; ++kind) { /* formats.h MP_PV_* */
-          if ((pt == MP_F32) != (kind == MP_PV_F32)) continue;
-          if (kind == MP_PV_REMAINDER && pt != MP_BF16) continue;
-          for (int mom = 0; mom < 4; ++mom) { /* fp32, bf16, mixed, 8-bit */
-            for (int flags = 0; flags < 8; ++flags) { /* write-back, nearest, ema */
-              const int wb = flags & 1, nearest = (flags >> 1) & 1, with_ema = flags >> 2;
-              const mp_dtype md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
-              const mp_dtype vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
-              uint64_t s = seed0 ^ ((uint64_t)(modes + 1) * 0x9E3779B97F4A7C15ull);
-              fused_state st[2];
-              for (int c = 0; c < 2; ++c) {
-                st[c].p = xmalloc(N * 4);
-                st[c].g = xmalloc(N * 4);
-                st[c].m = xmalloc(N * 4);
-                st[c].v = xmalloc(N * 4);
-                st[c].master = xmalloc(N * 4);
-                st[c].ema = xmalloc(N * 4);
-                st[c].rem = xmalloc(N * 2);
-                st[c].ms = xmalloc(4 * 4);
-                st[c].vs = xmalloc(4 * 4);
-              }
-              for (int i = 0; i < N; ++i) {
-                const double u = (double)(splitmix64(&s) >> 11) * 0x1p-53 - 0.5;
-                float pv = (float)(0.05 * u), gv = (float)(1e-3 * (u + 0.1)), mv = (float)(1e-4 * u);
-                float vv = (float)(1e-8 * (u + 0.5));
-                if (i % 101 == 7) gv = NAN;
-                if (i % 103 == 9) gv = -INFINITY;
-                uint32_t pb = bits_of(pv);
-                if (i % 16 == 3) pb = (pb & ~0x1FFFFu) | 0x08000u; /* a tie above an even */
-                pv = f32_of(pb);
-                a_put(st[0].p, pt, (size_t)i, pt == MP_F32 ? pb : pt == MP_BF16 ? mp_bf16_rne_bits(pb) : mp_fp16_rne_bits(pb));
-                a_put(st[0].g, gt, (size_t)i, gt == MP_F32 ? bits_of(gv) : gt == MP_BF16 ? mp_bf16_rne_bits(bits_of(gv)) : mp_fp16_rne_bits(bits_of(gv)));
-                st[0].master[i] = pv;
-                st[0].ema[i] = pv;
-                st[0].rem[i] = (int16_t)(splitmix64(&s) & 0x7FFF);
-                if (md == MP_I8) {
-                  ((uint8_t*)st[0].m)[i] = (uint8_t)splitmix64(&s);
-                  ((uint8_t*)st[0].v)[i] = (uint8_t)splitmix64(&s);
-                } else {
-                  a_put(st[0].m, md, (size_t)i, md == MP_F32 ? bits_of(mv) : mp_bf16_rne_bits(bits_of(mv)));
-                  a_put(st[0].v, vd, (size_t)i, vd == MP_F32 ? bits_of(vv) : mp_bf16_rne_bits(bits_of(vv)));
-                }
-              }
-              for (int b = 0; b < 4; ++b) {
-                st[0].ms[b] = 1e-4f * (float)(b + 1);
-                st[0].vs[b] = 1e-8f * (float)(b + 1);
-              }
-              memcpy(st[1].p, st[0].p, N * 4);
-              memcpy(st[1].g, st[0].g, N * 4);
-              memcpy(st[1].m, st[0].m, N * 4);
-              memcpy(st[1].v, st[0].v, N * 4);
-              memcpy(st[1].master, st[0].master, N * 4);
-              memcpy(st[1].ema, st[0].ema, N * 4);
-              memcpy(st[1].rem, st[0].rem, N * 2);
-              memcpy(st[1].ms, st[0].ms, 16);
-              memcpy(st[1].vs, st[0].vs, 16);
-              mp_adam_options o;
-              memset(&o, 0, sizeof o);
-              o.beta1 = 0.9;
-              o.beta2 = 0.999;
-              o.eps = 1e-8;
-              o.weight_decay = 0.01;
-              o.decoupled = (modes & 1) == 0;
-              o.maximize = (modes % 7) == 3;
-              o.lr_value = 1e-3f;
-              o.unscale_grads = wb;
-              o.sr_params = kind == MP_PV_NONE_SR;
-              o.moments_nearest = nearest;
-              o.seed = seed0;
-              o.q8_block = 256;
-              o.ema_decay = 0.99;
-              float step[2] = {0.0f, 0.0f};
-              for (int it = 0; it < 3; ++it) {
-                const mp_adam_scalars sc = mp_adam_scalars_of(&o, 1e-3f, step[0], it == 1 ? 2.0f : 0.5f, 5u);
-                for (int c = 0; c < 2; ++c) {
-                  mp_adam_tensor t;
-                  memset(&t, 0, sizeof t);
-                  t.param = st[c].p;
-                  t.param_dtype = pt;
-                  t.grad = st[c].g;
-                  t.grad_dtype = gt;
-                  t.master = kind == MP_PV_MASTER ? st[c].master : NULL;
-                  t.remainder = kind == MP_PV_REMAINDER ? st[c].rem : NULL;
-                  t.exp_avg = st[c].m;
-                  t.exp_avg_sq = st[c].v;
-                  t.exp_avg_dtype = md;
-                  t.exp_avg_sq_dtype = vd;
-                  t.exp_avg_scale = md == MP_I8 ? st[c].ms : NULL;
-                  t.exp_avg_sq_scale = md == MP_I8 ? st[c].vs : NULL;
-                  t.ema = with_ema ? st[c].ema : NULL;
-                  t.step = &step[c];
-                  t.n = N;
-                  t.sr_stream = 5u;
-                  /* two ranges: [0, 256) and the rest, as threads would split it */
-                  (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 0, 256, &sc);
-                  (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 256, N - 256, &sc);
-                  step[c] += 1.0f;
-                }
-              }
-              const size_t pb = a_size(pt), gb = a_size(gt);
-              const size_t mb = md == MP_I8 ? 1u : a_size(md), vb = vd == MP_U8 ? 1u : a_size(vd);
-              const int same = memcmp(st[0].p, st[1].p, N * pb) == 0 &&
-                               memcmp(st[0].g, st[1].g, N * gb) == 0 &&
-                               memcmp(st[0].m, st[1].m, N * mb) == 0 &&
-                               memcmp(st[0].v, st[1].v, N * vb) == 0 &&
-                               memcmp(st[0].master, st[1].master, N * 4) == 0 &&
-                               memcmp(st[0].ema, st[1].ema, N * 4) == 0 &&
-                               memcmp(st[0].rem, st[1].rem, N * 2) == 0 &&
-                               memcmp(st[0].ms, st[1].ms, 16) == 0 &&
-                               memcmp(st[0].vs, st[1].vs, 16) == 0;
-              g.count++;
-              g_check(&g, same, "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d "
-                      "ema %d: the fused step differs from the pipeline",
-                      mp_isa_name(g_isas[k]), U_NAME[pi], gi ? "fp32" : U_NAME[pi], kind,
-                      (int)md, (int)vd, wb, nearest, with_ema);
-              modes++;
-              for (int c = 0; c < 2; ++c) {
-                free(st[c].p);
-                free(st[c].g);
-                free(st[c].m);
-                free(st[c].v);
-                free(st[c].master);
-                free(st[c].ema);
-                free(st[c].rem);
-                free(st[c].ms);
-                free(st[c].vs);
-              }
-            }
-          }
-        }
-      }
+    /* every valid mode: param and grad dtype, storage, moments (fp32, bf16, mixed, 8-bit),
+     * write-back, nearest, ema */
+    for (int code = 0; code < 3 * 2 * 5 * 4 * 8; ++code) {
+      const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
+      const int flags = code / 120;
+      fused_mode fm;
+      fm.pt = dts[pi];
+      fm.gt = gi ? MP_F32 : fm.pt;
+      fm.kind = kind;
+      fm.md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
+      fm.vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
+      fm.wb = flags & 1;
+      fm.nearest = (flags >> 1) & 1;
+      fm.ema = flags >> 2;
+      if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
+      if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
+      const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
+      g.count++;
+      g_check(&g, fused_same(kt, &fm, s, code),
+              "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d: the fused "
+              "step differs from the pipeline", mp_isa_name(g_isas[k]), U_NAME[pi],
+              U_NAME[gi ? 0 : pi], kind, (int)fm.md, (int)fm.vd, fm.wb, fm.nearest, fm.ema);
+      modes++;
     }
   }
   printf("      %d modes x paths compared\n", modes);
