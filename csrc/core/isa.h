@@ -33,6 +33,10 @@ typedef struct mp_kernel_table {
   /* One fused Adam/AdamW step over elements [start, start + n) of t, arguments already
    * checked (adam.c). */
   void (*adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s);
+  /* The same step through the engine's tile pipeline alone, never a hand-fused loop: the same
+   * bits (the C tests compare the two on every mode). */
+  void (*adam_step_generic)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                            const mp_adam_scalars* s);
   /* Sum over n elements of (x * inv_scale)^2 in double, in a fixed order (norm.c). */
   double (*grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
   double (*grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
@@ -56,6 +60,13 @@ int MP_ISA_FN(mp_k_unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);
 void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
                                const mp_adam_scalars* s);
+void MP_ISA_FN(mp_k_adam_step_generic)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                                       const mp_adam_scalars* s);
+/* Steps a piece (positions sharing their high 32 bits) of t through the hand-fused loop kept
+ * for its mode (adam_fused.c), kind its param storage (formats.h MP_PV_*); returns 0, having
+ * done nothing, when the mode has none. */
+int MP_ISA_FN(mp_k_adam_fused)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s, int kind);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_fp16)(const uint16_t* x, int64_t n, float inv_scale);

@@ -15,6 +15,7 @@ const mp_kernel_table MP_ISA_FN(mp_kernels) = {
     .unscale_bf16 = MP_ISA_FN(mp_k_unscale_bf16),
     .unscale_fp16 = MP_ISA_FN(mp_k_unscale_fp16),
     .adam_step = MP_ISA_FN(mp_k_adam_step),
+    .adam_step_generic = MP_ISA_FN(mp_k_adam_step_generic),
     .grad_norm_sumsq_f32 = MP_ISA_FN(mp_k_grad_norm_sumsq_f32),
     .grad_norm_sumsq_bf16 = MP_ISA_FN(mp_k_grad_norm_sumsq_bf16),
     .grad_norm_sumsq_fp16 = MP_ISA_FN(mp_k_grad_norm_sumsq_fp16),

@@ -4228,6 +4228,458 @@ static void test_bf16_remainder_all(void) {
   g_end(&g);
 }
 
+/* 11m. The engine's codecs (csrc/core/formats.h), each on its own, against this file's
+ *      references: every bf16 and fp16 pattern widened (the field decoder) and narrowed back
+ *      to nearest even (the RNE reference: the same pattern, a NaN quiet with its sign); the
+ *      gradient decode (the product in double, rounded once) and its write-back; the param
+ *      storages (master with the tie rule restated, remainder, nearest, stochastic with the
+ *      documented generator at each element's position) decoded back to what they stored; the
+ *      bf16 moment encode with the shared draw (exp_avg the low 16 bits, exp_avg_sq the high);
+ *      every 8-bit code of both formats decoded and a block of them encoded back to the same
+ *      codes and scale. Compiled into the test as baseline code: the ISA builds run the same
+ *      source, and the step tests above compare every path bit for bit. */
+#include "formats.h"
+
+/* The stored master of fp32 bits x, restated from adam.h: a finite value whose low 17 bits
+ * are 0x08000 is stored one ulp lower. */
+static uint32_t ref_master_stored(uint32_t x) {
+  return ((x & 0x1FFFFu) == 0x08000u && (x & 0x7F800000u) != 0x7F800000u) ? x - 1u : x;
+}
+
+static int same_rne(uint32_t u, uint32_t got, const fmt* f) {
+  int nan;
+  const uint32_t want = ref_rne(u, f, &nan);
+  return nan ? nan_result_problem(u, got, f) == NULL : got == want;
+}
+
+static void test_codecs(uint64_t seed0) {
+  uint64_t s = seed0 ^ 0xC0DEC5ull;
+  enum { N = 65536 };
+  float* x = xmalloc(N * sizeof(float));
+  float* y = xmalloc(N * sizeof(float));
+  double* yd = xmalloc(MP_TILE * sizeof(double));
+  uint16_t* h = xmalloc(N * sizeof(uint16_t));
+  uint16_t* h2 = xmalloc(N * sizeof(uint16_t));
+  int16_t* rem = xmalloc(N * sizeof(int16_t));
+  uint32_t* r = xmalloc(N * sizeof(uint32_t));
+  group g;
+
+  g_begin(&g, "codecs: every bf16/fp16 pattern widened and narrowed back");
+  const fmt* fmts[2] = {&BF16, &FP16};
+  const mp_dtype dts[2] = {MP_BF16, MP_F16};
+  for (int k = 0; k < 2; ++k) {
+    for (uint32_t i = 0; i < N; ++i) h[i] = (uint16_t)i;
+    mp_fmt_widen(x, h, N, dts[k]);
+    const mp_pv_tile at = {h2, NULL, NULL};
+    mp_pv_encode(MP_PV_NONE_RNE, dts[k], &at, x, N, 0, 0, 0);
+    for (uint32_t i = 0; i < N; ++i) {
+      const double want = decode(i, fmts[k]);
+      const int nan = is_nan_fmt(i, fmts[k]);
+      g.count++;
+      if (nan ? !isnan(x[i]) || !!signbit(x[i]) != (int)(i >> 15)
+              : (double)x[i] != want || !!signbit(x[i]) != !!signbit(want)) {
+        g_fail(&g, "%s %04x widened to %08x", k ? "fp16" : "bf16", i, bits_of(x[i]));
+      }
+      g_check(&g, nan ? nan_result_problem(bits_of(x[i]), h2[i], fmts[k]) == NULL : h2[i] == i,
+              "%s %04x narrowed back to %04x", k ? "fp16" : "bf16", i, h2[i]);
+    }
+  }
+  g_end(&g);
+
+  g_begin(&g, "codecs: gradient decode (unscale) and write-back, fp32/bf16/fp16");
+  const float invs[3] = {0.5f, 1.0f / 3.0f, 65536.0f};
+  for (int dt = 0; dt < 3; ++dt) {
+    const mp_dtype t = dt == 0 ? MP_F32 : dts[dt - 1];
+    for (int inv_k = 0; inv_k < 3; ++inv_k) {
+      for (int wb = 0; wb < 2; ++wb) {
+        mp_adam_scalars sc;
+        memset(&sc, 0, sizeof sc);
+        sc.inv_scale = invs[inv_k];
+        sc.write_grad = wb;
+        float* gf = (float*)r; /* the fp32 grads live in r */
+        for (uint32_t i = 0; i < MP_TILE; ++i) {
+          const uint32_t u = (uint32_t)splitmix64(&s);
+          if (t == MP_F32) gf[i] = f32_of(u); else h[i] = (uint16_t)u;
+        }
+        for (uint32_t i = 0; i < MP_TILE; ++i) {
+          yd[i] = t == MP_F32 ? (double)gf[i] : decode(h[i], t == MP_BF16 ? &BF16 : &FP16);
+        }
+        const float* gd = mp_grad_decode(x, t == MP_F32 ? (void*)gf : (void*)h, t, MP_TILE, &sc);
+        for (uint32_t i = 0; i < MP_TILE; ++i) {
+          const float want = (float)(yd[i] * (double)sc.inv_scale);
+          g.count++;
+          if (isnan(want) ? !isnan(gd[i]) : bits_of(gd[i]) != bits_of(want)) {
+            g_fail(&g, "dtype %d inv %g: %a -> %08x", (int)t, sc.inv_scale, yd[i],
+                   bits_of(gd[i]));
+          }
+          if (!wb || t == MP_F32) {
+            g_check(&g, t != MP_F32 || wb || (double)gf[i] == yd[i] || isnan(yd[i]),
+                    "fp32 grad written without write-back");
+            continue;
+          }
+          g_check(&g, same_rne(bits_of(gd[i]), h[i], t == MP_BF16 ? &BF16 : &FP16),
+                  "dtype %d: %08x written back as %04x", (int)t, bits_of(gd[i]), h[i]);
+        }
+      }
+    }
+  }
+  g_end(&g);
+
+  g_begin(&g, "codecs: param storages (master, remainder, nearest, stochastic) round trips");
+  const uint64_t key = ref_key(seed0, 3, 7);
+  const uint32_t lo0 = 0xFFFFFF00u - 3u * MP_TILE, hi = 5u; /* lo + i reaches 2^32 - 256 */
+  for (uint32_t tile = 0; tile < 3; ++tile) {
+    const uint32_t lo = lo0 + tile * MP_TILE;
+    for (uint32_t i = 0; i < MP_TILE; ++i) {
+      uint32_t u = (uint32_t)splitmix64(&s);
+      if (i % 8u == 0u) u = (u & ~0x1FFFFu) | 0x08000u; /* a tie above an even bf16 */
+      if (i % 97u == 1u) u = (u & 0x80000000u) | 0x7F800000u;
+      x[i] = f32_of(u);
+    }
+    for (int k = 0; k < 2; ++k) {
+      /* master: the param its round to nearest even, the master as stored */
+      memcpy(y, x, MP_TILE * sizeof(float));
+      const mp_pv_tile am = {h, y, NULL};
+      g_check(&g, mp_pv_decode(MP_PV_MASTER, dts[k], &am, NULL, MP_TILE) == y,
+              "master decoded to another array");
+      mp_pv_encode(MP_PV_MASTER, dts[k], &am, y, MP_TILE, key, lo, hi);
+      for (uint32_t i = 0; i < MP_TILE; ++i) {
+        const uint32_t u = bits_of(x[i]), st = k == 0 ? ref_master_stored(u) : u;
+        g.count++;
+        if (!isnan(x[i]) && bits_of(y[i]) != st) {
+          g_fail(&g, "master %08x stored %08x", u, bits_of(y[i]));
+        }
+        g_check(&g, same_rne(st, h[i], fmts[k]), "master %08x: param %04x", u, h[i]);
+      }
+      /* nearest, without a master */
+      const mp_pv_tile an = {h2, NULL, NULL};
+      mp_pv_encode(MP_PV_NONE_RNE, dts[k], &an, x, MP_TILE, key, lo, hi);
+      for (uint32_t i = 0; i < MP_TILE; ++i) {
+        g.count++;
+        g_check(&g, same_rne(bits_of(x[i]), h2[i], fmts[k]), "rne %08x: %04x", bits_of(x[i]),
+                h2[i]);
+      }
+      /* stochastic: bf16 against the reference at the element's position; fp16 one of the
+       * two neighbours (the value or the next magnitude up, RNE of the value is either) */
+      mp_pv_encode(MP_PV_NONE_SR, dts[k], &an, x, MP_TILE, key, lo, hi);
+      for (uint32_t i = 0; i < MP_TILE; ++i) {
+        const uint32_t u = bits_of(x[i]);
+        const uint32_t rb = ref_bits(key, ((uint64_t)hi << 32) + lo + i);
+        g.count++;
+        if (k == 0) {
+          int nan;
+          const uint32_t want = ref_sr(u, rb & 0xFFFFu, &nan);
+          g_check(&g, nan ? nan_result_problem(u, h2[i], &BF16) == NULL : h2[i] == want,
+                  "bf16 sr %08x at %u: %04x, want %04x", u, lo + i, h2[i], want);
+        } else {
+          g_check(&g, h2[i] == mp_fp16_sr_bits(u, rb), "fp16 sr %08x at %u: %04x", u, lo + i,
+                  h2[i]);
+        }
+      }
+    }
+    /* remainder: split, then joined back to the stored master */
+    memcpy(y, x, MP_TILE * sizeof(float));
+    const mp_pv_tile ar = {h, NULL, rem};
+    mp_pv_encode(MP_PV_REMAINDER, MP_BF16, &ar, y, MP_TILE, key, lo, hi);
+    float* back = mp_pv_decode(MP_PV_REMAINDER, MP_BF16, &ar, x + MP_TILE, MP_TILE);
+    for (uint32_t i = 0; i < MP_TILE; ++i) {
+      const uint32_t u = bits_of(x[i]), st = ref_master_stored(u);
+      g.count++;
+      if (isnan(x[i])) {
+        g_check(&g, isnan(back[i]) && isnan(y[i]), "remainder NaN %08x -> %08x", u,
+                bits_of(back[i]));
+        continue;
+      }
+      g_check(&g, bits_of(back[i]) == st && bits_of(y[i]) == st && same_rne(st, h[i], &BF16),
+              "remainder %08x: param %04x rem %04x joined %08x", u, h[i], (uint16_t)rem[i],
+              bits_of(back[i]));
+    }
+  }
+  g_end(&g);
+
+  g_begin(&g, "codecs: bf16 moments from one draw (exp_avg low 16 bits, exp_avg_sq high 16)");
+  for (uint32_t i = 0; i < MP_TILE; ++i) x[i] = f32_of((uint32_t)splitmix64(&s));
+  mp_mom_draw(r, MP_TILE, key, lo0, hi);
+  for (int shift = 0; shift <= 16; shift += 16) {
+    mp_mom_encode_bf16(h, x, MP_TILE, r, (uint32_t)shift, 0);
+    mp_mom_encode_bf16(h2, x, MP_TILE, r, (uint32_t)shift, 1);
+    for (uint32_t i = 0; i < MP_TILE; ++i) {
+      const uint32_t u = bits_of(x[i]);
+      const uint32_t rb = ref_bits(key, ((uint64_t)hi << 32) + lo0 + i);
+      int nan;
+      const uint32_t want = ref_sr(u, (rb >> shift) & 0xFFFFu, &nan);
+      g.count++;
+      g_check(&g, r[i] == rb, "draw at %u: %08x, want %08x", lo0 + i, r[i], rb);
+      g_check(&g, nan ? nan_result_problem(u, h[i], &BF16) == NULL : h[i] == want,
+              "sr shift %d %08x: %04x, want %04x", shift, u, h[i], want);
+      g_check(&g, same_rne(u, h2[i], &BF16), "nearest %08x: %04x", u, h2[i]);
+    }
+    float* wide = mp_mom_decode(MP_BF16, h, y, MP_TILE);
+    for (uint32_t i = 0; i < MP_TILE; ++i) {
+      g_check(&g, bits_of(wide[i]) == (uint32_t)h[i] << 16, "bf16 moment %04x decoded %08x", h[i],
+              bits_of(wide[i]));
+    }
+  }
+  g_end(&g);
+
+  g_begin(&g, "codecs: every 8-bit code decoded, a block of them encoded back");
+  {
+    /* one block holding every code of both formats (m: 256 signed codes, v: 256): decoded
+     * under references from a scale whose exponent field is ea, the v floor off */
+    const int eas[3] = {16, 127, 200};
+    for (int j = 0; j < 3; ++j) {
+      const int ea = eas[j];
+      uint8_t mc[256], vc[256], mc2[256], vc2[256];
+      for (int c = 0; c < 256; ++c) {
+        mc[c] = (uint8_t)c;
+        vc[c] = (uint8_t)c;
+      }
+      mp_adam_scalars sc;
+      memset(&sc, 0, sizeof sc);
+      /* scales: the absmax of the block, the top code's value */
+      const float ms = (float)q8_value(&Q8_M, 127, ea), vs = (float)q8_value(&Q8_V, 255, ea);
+      mp_q8_decode_tile(mc, vc, x, y, 256, mp_q8_ref_m_of(ms), mp_q8_ref_v_of(vs), &sc);
+      for (int c = 0; c < 256; ++c) {
+        g.count++;
+        g_check(&g, (double)x[c] == q8_decode_ref(&Q8_M, c, ea) &&
+                        !!signbit(x[c]) == ((c & 0x80) != 0),
+                "m code %02x at %d: %a", c, ea, x[c]);
+        g_check(&g, (double)y[c] == q8_decode_ref(&Q8_V, c, ea), "v code %02x at %d: %a", c, ea,
+                y[c]);
+      }
+      for (int nearest = 0; nearest < 2; ++nearest) {
+        float ms2 = 0.0f, vs2 = 0.0f;
+        mp_q8_encode_block(mc2, vc2, x, y, 256, &ms2, &vs2, key, lo0, hi, nearest);
+        g_check(&g, bits_of(ms2) == bits_of(ms) && bits_of(vs2) == bits_of(vs),
+                "scales %a %a, want %a %a", ms2, vs2, ms, vs);
+        g_check(&g, q8_ref_exp_ref(&Q8_M, ms2) == ea && q8_ref_exp_ref(&Q8_V, vs2) == ea,
+                "reference exponent of the encoded block moved from %d", ea);
+        for (int c = 0; c < 256; ++c) {
+          g.count++;
+          g_check(&g, mc2[c] == c && vc2[c] == c, "codes %02x re-encoded as %02x %02x", c,
+                  mc2[c], vc2[c]);
+        }
+      }
+    }
+    /* values between codes: the block encode against the per-value reference, stochastic
+     * with the 8-bit stream's draw at each position */
+    for (int i = 0; i < 256; ++i) {
+      x[i] = f32_of((uint32_t)(splitmix64(&s) % 0x3F000000u) | (i & 1 ? 0x80000000u : 0u));
+      y[i] = f32_of((uint32_t)(splitmix64(&s) % 0x3F000000u));
+    }
+    uint8_t mc2[256], vc2[256];
+    float ms2, vs2;
+    for (int nearest = 0; nearest < 2; ++nearest) {
+      mp_q8_encode_block(mc2, vc2, x, y, 256, &ms2, &vs2, key, lo0, hi, nearest);
+      const int em = q8_ref_exp_ref(&Q8_M, ms2), ev = q8_ref_exp_ref(&Q8_V, vs2);
+      for (int i = 0; i < 256; ++i) {
+        const uint32_t rb = ref_bits(key, ((uint64_t)hi << 32) + lo0 + (uint32_t)i);
+        g.count++;
+        g_check(&g, mc2[i] == q8_encode_full_ref(&Q8_M, x[i], em, rb & 0xFFFFu, nearest) &&
+                        vc2[i] == q8_encode_full_ref(&Q8_V, y[i], ev, rb >> 16, nearest),
+                "value %d (nearest %d): codes %02x %02x", i, nearest, mc2[i], vc2[i]);
+      }
+    }
+  }
+  g_end(&g);
+  free(x);
+  free(y);
+  free(yd);
+  free(h);
+  free(h2);
+  free(rem);
+  free(r);
+}
+
+/* 11n. The hand-fused loops the engine keeps (csrc/core/adam_fused.c) against its tile
+ *      pipeline alone (the kernel table's adam_step_generic): every valid storage mode (param
+ *      and grad dtype, master / remainder / none with either rounding, fp32 / bf16 / 8-bit
+ *      moments, write-back, bf16 moments to nearest, ema) on every ISA path, three steps from
+ *      the same random state with NaN/Inf/ties among the values, the range also stepped from
+ *      an offset; every byte of every array must agree. The modes without a fused loop check
+ *      that the dispatch falls through to the pipeline unchanged. */
+#include "isa.h"
+
+static const mp_kernel_table* kernels_of(mp_isa isa) {
+#if defined(MP_X86_PATHS)
+  if (isa == MP_ISA_AVX2) return &mp_kernels__avx2;
+  if (isa == MP_ISA_AVX512) return &mp_kernels__avx512;
+#endif
+  return &mp_kernels__scalar;
+}
+
+typedef struct fused_state {
+  void *p, *g, *m, *v;
+  float *master, *ema, *ms, *vs;
+  int16_t* rem;
+} fused_state;
+
+/* fp32 bits u stored as dtype t (to nearest even). */
+static uint32_t fused_narrow(mp_dtype t, uint32_t u) {
+  return t == MP_F32 ? u : t == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
+}
+
+static void fused_alloc(fused_state* st, int n) {
+  const size_t sizes[9] = {4, 4, 4, 4, 4, 4, 2, 4, 4};
+  void** arrays[9] = {&st->p, &st->g, &st->m, &st->v, (void**)&st->master, (void**)&st->ema,
+                      (void**)&st->rem, (void**)&st->ms, (void**)&st->vs};
+  for (int k = 0; k < 9; ++k) *arrays[k] = xmalloc((size_t)(k >= 7 ? 4 : n) * sizes[k]);
+}
+
+static void fused_free(fused_state* st) {
+  free(st->p);
+  free(st->g);
+  free(st->m);
+  free(st->v);
+  free(st->master);
+  free(st->ema);
+  free(st->rem);
+  free(st->ms);
+  free(st->vs);
+}
+
+/* A mode as the tests below step it. */
+typedef struct fused_mode {
+  mp_dtype pt, gt, md, vd;
+  int kind, wb, nearest, ema;
+} fused_mode;
+
+/* Three steps of mode fm from one random state through kt's adam_step and its
+ * adam_step_generic, each range split in two; 1 if every byte agrees. */
+static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t s, int variant) {
+  enum { N = 3 * 256 + 77 };
+  const mp_dtype pt = fm->pt, gt = fm->gt, md = fm->md, vd = fm->vd;
+  fused_state st[2];
+  fused_alloc(&st[0], N);
+  fused_alloc(&st[1], N);
+  for (int i = 0; i < N; ++i) {
+    const double u = (double)(splitmix64(&s) >> 11) * 0x1p-53 - 0.5;
+    float gv = (float)(1e-3 * (u + 0.1));
+    if (i % 101 == 7) gv = NAN;
+    if (i % 103 == 9) gv = -INFINITY;
+    uint32_t pb = bits_of((float)(0.05 * u));
+    if (i % 16 == 3) pb = (pb & ~0x1FFFFu) | 0x08000u; /* a tie above an even bf16 */
+    a_put(st[0].p, pt, (size_t)i, fused_narrow(pt, pb));
+    a_put(st[0].g, gt, (size_t)i, fused_narrow(gt, bits_of(gv)));
+    st[0].master[i] = f32_of(pb);
+    st[0].ema[i] = f32_of(pb);
+    st[0].rem[i] = (int16_t)(splitmix64(&s) & 0x7FFF);
+    if (md == MP_I8) {
+      ((uint8_t*)st[0].m)[i] = (uint8_t)splitmix64(&s);
+      ((uint8_t*)st[0].v)[i] = (uint8_t)splitmix64(&s);
+    } else {
+      a_put(st[0].m, md, (size_t)i, fused_narrow(md, bits_of((float)(1e-4 * u))));
+      a_put(st[0].v, vd, (size_t)i, fused_narrow(vd, bits_of((float)(1e-8 * (u + 0.5)))));
+    }
+  }
+  for (int b = 0; b < 4; ++b) {
+    st[0].ms[b] = 1e-4f * (float)(b + 1);
+    st[0].vs[b] = 1e-8f * (float)(b + 1);
+  }
+  memcpy(st[1].p, st[0].p, N * 4);
+  memcpy(st[1].g, st[0].g, N * 4);
+  memcpy(st[1].m, st[0].m, N * 4);
+  memcpy(st[1].v, st[0].v, N * 4);
+  memcpy(st[1].master, st[0].master, N * 4);
+  memcpy(st[1].ema, st[0].ema, N * 4);
+  memcpy(st[1].rem, st[0].rem, N * 2);
+  memcpy(st[1].ms, st[0].ms, 16);
+  memcpy(st[1].vs, st[0].vs, 16);
+  mp_adam_options o;
+  memset(&o, 0, sizeof o);
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.eps = 1e-8;
+  o.weight_decay = 0.01;
+  o.decoupled = (variant & 1) == 0;
+  o.maximize = (variant % 7) == 3;
+  o.lr_value = 1e-3f;
+  o.unscale_grads = fm->wb;
+  o.sr_params = fm->kind == MP_PV_NONE_SR;
+  o.moments_nearest = fm->nearest;
+  o.seed = s;
+  o.q8_block = 256;
+  o.ema_decay = 0.99;
+  float step[2] = {0.0f, 0.0f};
+  for (int it = 0; it < 3; ++it) {
+    const float inv = it == 1 ? 2.0f : 0.5f;
+    const mp_adam_scalars sc = mp_adam_scalars_of(&o, 1e-3f, step[0], inv, 5u);
+    for (int c = 0; c < 2; ++c) {
+      mp_adam_tensor t;
+      memset(&t, 0, sizeof t);
+      t.param = st[c].p;
+      t.param_dtype = pt;
+      t.grad = st[c].g;
+      t.grad_dtype = gt;
+      t.master = fm->kind == MP_PV_MASTER ? st[c].master : NULL;
+      t.remainder = fm->kind == MP_PV_REMAINDER ? st[c].rem : NULL;
+      t.exp_avg = st[c].m;
+      t.exp_avg_sq = st[c].v;
+      t.exp_avg_dtype = md;
+      t.exp_avg_sq_dtype = vd;
+      t.exp_avg_scale = md == MP_I8 ? st[c].ms : NULL;
+      t.exp_avg_sq_scale = md == MP_I8 ? st[c].vs : NULL;
+      t.ema = fm->ema ? st[c].ema : NULL;
+      t.step = &step[c];
+      t.n = N;
+      t.sr_stream = 5u;
+      /* two ranges: [0, 256) and the rest, as threads would split it */
+      (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 0, 256, &sc);
+      (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 256, N - 256, &sc);
+      step[c] += 1.0f;
+    }
+  }
+  const size_t pb = a_size(pt), gb = a_size(gt);
+  const size_t mb = md == MP_I8 ? 1u : a_size(md), vb = vd == MP_U8 ? 1u : a_size(vd);
+  const int same = memcmp(st[0].p, st[1].p, N * pb) == 0 &&
+                   memcmp(st[0].g, st[1].g, N * gb) == 0 &&
+                   memcmp(st[0].m, st[1].m, N * mb) == 0 &&
+                   memcmp(st[0].v, st[1].v, N * vb) == 0 &&
+                   memcmp(st[0].master, st[1].master, N * 4) == 0 &&
+                   memcmp(st[0].ema, st[1].ema, N * 4) == 0 &&
+                   memcmp(st[0].rem, st[1].rem, N * 2) == 0 &&
+                   memcmp(st[0].ms, st[1].ms, 16) == 0 && memcmp(st[0].vs, st[1].vs, 16) == 0;
+  fused_free(&st[0]);
+  fused_free(&st[1]);
+  return same;
+}
+
+static void test_adam_fused_vs_generic(uint64_t seed0) {
+  const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
+  group g;
+  g_begin(&g, "adam: hand-fused loops = the tile pipeline, every storage mode and ISA path");
+  int modes = 0;
+  for (int k = 0; k < g_nisa; ++k) {
+    const mp_kernel_table* kt = kernels_of(g_isas[k]);
+    /* every valid mode: param and grad dtype, storage, moments (fp32, bf16, mixed, 8-bit),
+     * write-back, nearest, ema */
+    for (int code = 0; code < 3 * 2 * 5 * 4 * 8; ++code) {
+      const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
+      const int flags = code / 120;
+      fused_mode fm;
+      fm.pt = dts[pi];
+      fm.gt = gi ? MP_F32 : fm.pt;
+      fm.kind = kind;
+      fm.md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
+      fm.vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
+      fm.wb = flags & 1;
+      fm.nearest = (flags >> 1) & 1;
+      fm.ema = flags >> 2;
+      if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
+      if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
+      const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
+      g.count++;
+      g_check(&g, fused_same(kt, &fm, s, code),
+              "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d: the fused "
+              "step differs from the pipeline", mp_isa_name(g_isas[k]), U_NAME[pi],
+              U_NAME[gi ? 0 : pi], kind, (int)fm.md, (int)fm.vd, fm.wb, fm.nearest, fm.ema);
+      modes++;
+    }
+  }
+  printf("      %d modes x paths compared\n", modes);
+  g_end(&g);
+}
+
 int main(int argc, char** argv) {
   /* Before anything selects a path: the initial active path must be the best one. */
   mp_isa initial_active = mp_cpu_isa_active();
@@ -4302,6 +4754,8 @@ int main(int argc, char** argv) {
   test_adam_q8_guards();
   time_adam_lean();
   test_bf16_remainder_all();
+  test_codecs(o.seed);
+  test_adam_fused_vs_generic(o.seed);
   test_adam_pow(o.seed);
   test_cast_dispatch(o.seed);
   test_grad_norm_arguments();

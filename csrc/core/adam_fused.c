@@ -1,0 +1,332 @@
+/* Hand-fused Adam/AdamW loops, kept for the storage modes where they measurably beat the
+ * engine's tile pipeline (adam.c): one loop body per mode that loads, updates and stores every
+ * array of an element at once. The engine's stages each run a loop of their own, and on a CPU
+ * whose Adam loop waits on its divider (two divisions and a square root per element) the fused
+ * loop hides the conversions, roundings and random draws under that wait, where the pipeline
+ * adds them. Each row of MP_ADAM_FUSED_ROWS below says what it gained, measured with
+ * benchmarks/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
+ * process). Every row computes the same bits as the pipeline: tests/c/test_core.c compares the
+ * two on every row and ISA path. Compiled once per ISA path (see isa.h). */
+#include <string.h>
+
+#include "isa.h"
+#include "formats.h"
+#include "mpext/adam_rule.h"
+#include "mpext/numerics.h"
+
+#ifndef MP_ISA_SUFFIX
+#error "adam_fused.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
+#endif
+
+/* Where a param's fp32 value lives: formats.h's MP_PV_* kinds. */
+enum {
+  MK_F32 = MP_PV_F32,
+  MK_MASTER = MP_PV_MASTER,
+  MK_REMAINDER = MP_PV_REMAINDER,
+  MK_NONE_RNE = MP_PV_NONE_RNE,
+  MK_NONE_SR = MP_PV_NONE_SR
+};
+
+#define f32_of_bits mp_fmt_f32
+#define bits_of_f32 mp_fmt_bits
+
+static inline float load_as_f32(const void* p, int64_t i, mp_dtype t) {
+  return mp_fmt_load(p, (uint32_t)i, t);
+}
+
+static inline void store_from_f32(void* p, int64_t i, mp_dtype t, float f) {
+  mp_fmt_store_rne(p, (uint32_t)i, t, f);
+}
+
+/* What the loop over one block of 8-bit moments needs beside the arrays: the block's
+ * references (mp_q8_ref), the buffers its new fp32 moments and the random bits of their
+ * rounding go to, and their absmax (as the max of their magnitudes' bits). */
+typedef struct q8_sweep {
+  float rm, rv;
+  float* restrict mbuf;
+  float* restrict vbuf;
+  uint32_t* restrict rbuf;
+  uint32_t am, av;
+} q8_sweep;
+
+/* The loop, always inlined into a caller with constant layout parameters. Elements [start,
+ * start + n) must share the high 32 bits of their position (mp_k_adam_step splits a range that
+ * does not), so that the positions the random bits are drawn at are 32-bit arithmetic. The
+ * arrays never overlap (mp_adam_step's contract): ivdep spares the vectorized loop the runtime
+ * alias checks GCC otherwise adds, and falls back from, once the loop is inlined. With 8-bit
+ * moments (md == MP_I8) it is the first sweep over a block: the codes decoded, the new fp32
+ * moments and the random bits of their rounding written to q's buffers. with_ema is a constant
+ * too: a run-time test of the ema pointer inside the loop keeps it scalar. */
+static inline __attribute__((always_inline)) void adam_loop(
+    void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
+    float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
+    void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, uint32_t n,
+    const mp_adam_scalars* restrict hp, const int mk, const int write_grad, const int near,
+    const int with_ema, q8_sweep* restrict q) {
+  mp_adam_scalars s = *hp;
+  s.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
+  const int sr_moments = (md == MP_BF16 || vd == MP_BF16) && !near;
+  const int q8 = md == MP_I8;
+  float rm = 0.0f, rv = 0.0f;
+  float* restrict mbuf = NULL;
+  float* restrict vbuf = NULL;
+  uint32_t* restrict rbuf = NULL;
+  if (q8) {
+    rm = q->rm;
+    rv = q->rv;
+    mbuf = q->mbuf;
+    vbuf = q->vbuf;
+    rbuf = q->rbuf;
+  }
+  const uint32_t pos_lo = (uint32_t)start, pos_hi = (uint32_t)((uint64_t)start >> 32);
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t lo = pos_lo + i; /* the element's place in its param: pos_hi, lo */
+    const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
+    if (write_grad) store_from_f32(grad, i, gt, g);
+    float p0;
+    if (mk == MK_MASTER) {
+      p0 = master[i];
+    } else if (mk == MK_REMAINDER) {
+      p0 = f32_of_bits(mp_bf16_join(((const uint16_t*)param)[i], (uint16_t)remainder[i]));
+    } else {
+      p0 = load_as_f32(param, i, pt);
+    }
+    float mi, vi;
+    if (q8) {
+      mi = mp_q8_decode_m(((const uint8_t*)m)[i], rm);
+      vi = mp_adam_q8_floor_v(mi, mp_q8_decode_v(((const uint8_t*)v)[i], rv), &s);
+    } else {
+      mi = load_as_f32(m, i, md);
+      vi = load_as_f32(v, i, vd);
+    }
+    const float p = mp_adam_element(g, p0, &mi, &vi, &s);
+    const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.key_moments, lo, pos_hi) : 0u;
+    if (q8) {
+      mbuf[i] = mi;
+      vbuf[i] = vi;
+      /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
+       * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
+       * with moments_nearest too, which is for comparisons only. */
+      rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
+    } else if (md == MP_BF16) {
+      ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
+    } else {
+      ((float*)m)[i] = mi;
+    }
+    if (!q8 && vd == MP_BF16) {
+      ((uint16_t*)v)[i] = mp_adam_bf16_moment(vi, r_mv >> 16, &s);
+    } else if (!q8) {
+      ((float*)v)[i] = vi;
+    }
+    if (with_ema && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
+    if (mk == MK_F32) {
+      ((float*)param)[i] = p;
+    } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
+      const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
+      if (with_ema) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
+      const uint16_t qb = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
+      ((uint16_t*)param)[i] = qb;
+      if (mk == MK_MASTER) {
+        master[i] = f32_of_bits(x);
+      } else {
+        remainder[i] = (int16_t)mp_bf16_remainder(x, qb);
+      }
+    } else if (mk == MK_NONE_RNE) {
+      store_from_f32(param, i, pt, p);
+    } else {
+      const uint32_t r = mp_sr_bits_hl(s.key_param, lo, pos_hi);
+      ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
+                                            : mp_fp16_sr_bits(bits_of_f32(p), r);
+    }
+  }
+  if (q8) {
+    /* the block's absmax, from the buffers in L1: a loop of its own keeps the update's
+     * registers free */
+    uint32_t am = 0u, av = 0u;
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t ma = bits_of_f32(mbuf[i]) & 0x7FFFFFFFu;
+      const uint32_t va = bits_of_f32(vbuf[i]) & 0x7FFFFFFFu;
+      am = ma > am ? ma : am;
+      av = va > av ? va : av;
+    }
+    q->am = am;
+    q->av = av;
+  }
+}
+
+/* The second sweep over a block of 8-bit moments: its new fp32 moments (still in L1) written as
+ * codes relative to the block's new references, with the random bits the first sweep drew. */
+static inline __attribute__((always_inline)) void q8_store(
+    int8_t* restrict mc, uint8_t* restrict vc, const float* restrict mbuf,
+    const float* restrict vbuf, const uint32_t* restrict rbuf, int64_t n, uint32_t em,
+    uint32_t ev, int nearest) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t r = nearest ? 0u : rbuf[i];
+    mc[i] = (int8_t)mp_q8_encode_m(mbuf[i], em, r & 0xFFFFu, nearest);
+    vc[i] = mp_q8_encode_v(vbuf[i], ev, r >> 16, nearest);
+  }
+}
+
+/* 8-bit moments over elements [start, start + n) (start a multiple of the block size), block
+ * by block: the first sweep updates everything and leaves the block's new fp32 moments and the
+ * random bits of their rounding in buffers that stay in L1, the second writes their codes and
+ * the block's scales. */
+static inline __attribute__((always_inline)) void adam_q8(
+    void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
+    float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
+    uint8_t* restrict vc, float* restrict ms, float* restrict vs, float* restrict ema,
+    int64_t start, int64_t n, const mp_adam_scalars* restrict hp, const int mk,
+    const int write_grad, const int with_ema) {
+  const int64_t b = hp->q8_block;
+  _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
+  _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
+  _Alignas(64) uint32_t rbuf[MP_Q8_BLOCK_MAX];
+  const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
+  for (int64_t off = 0; off < n; off += b) {
+    const int64_t len = n - off < b ? n - off : b;
+    const int64_t k = (start + off) / b;
+    q8_sweep q = {mp_q8_ref(mp_q8_ref_exp_m(bits_of_f32(ms[k]))),
+                  mp_q8_ref(mp_q8_ref_exp_v(bits_of_f32(vs[k]))), mbuf, vbuf, rbuf, 0u, 0u};
+    adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
+              master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
+              mc + off, MP_I8, vc + off, MP_U8, with_ema ? ema + off : NULL, start + off,
+              (uint32_t)len, hp, mk, write_grad, 0, with_ema, &q);
+    const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
+    if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
+      q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 1);
+    } else {
+      q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 0);
+    }
+    ms[k] = f32_of_bits(q.am);
+    vs[k] = f32_of_bits(q.av);
+  }
+}
+
+/* The kept modes, one row each, named as benchmarks/adam_engine_ab.c names them: param
+ * dtype, grad dtype, param storage, exp_avg and exp_avg_sq dtypes (MP_I8, MP_U8: the 8-bit
+ * pair), write_grad, bf16 moments to nearest, ema. The comment is the measured gain: the
+ * pipeline's time over this loop's (avx512 on an AMD Zen 4, one thread, 16M elements, the
+ * median of 15 interleaved rounds [quartiles]; benchmarks/adam_engine_ab.c). A row is kept where
+ * the pipeline alone was slower than this loop, and than the adam.c before the pipeline, by more
+ * than the spread in at least two of three such runs on this shared 2-core machine (ratios near
+ * 1 are rows whose third run came out within the noise). A mode not listed runs the pipeline:
+ * the fp16 modes (where the pipeline is as fast as the fused loop or faster), the bf16 modes
+ * with an fp32 grad, moments of two dtypes or an ema not listed here. */
+#define MP_ADAM_FUSED_ROWS(X)                                                                      \
+  /* 1.331 [1.284, 1.453] (pipeline / fused) */                                                    \
+  X(fp32, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 0, 0, 0)                                         \
+  /* 1.026 [0.864, 1.169] (pipeline / fused) */                                                    \
+  X(fp32_wb, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 1, 0, 0)                                      \
+  /* 1.615 [1.474, 1.725] (pipeline / fused) */                                                    \
+  X(fp32_bf16m, MP_F32, MP_F32, MK_F32, MP_BF16, MP_BF16, 0, 0, 0)                                 \
+  /* 1.129 [1.026, 1.214] (pipeline / fused) */                                                    \
+  X(fp32_ema, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 0, 0, 1)                                     \
+  /* 1.175 [1.133, 1.303] (pipeline / fused) */                                                    \
+  X(master, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0, 0, 0)                                  \
+  /* 1.225 [1.201, 1.268] (pipeline / fused) */                                                    \
+  X(master_wb, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 1, 0, 0)                               \
+  /* 1.132 [1.061, 1.389] (pipeline / fused) */                                                    \
+  X(master_g32, MP_BF16, MP_F32, MK_MASTER, MP_F32, MP_F32, 0, 0, 0)                               \
+  /* 1.259 [1.059, 1.357] (pipeline / fused) */                                                    \
+  X(master_g32_wb, MP_BF16, MP_F32, MK_MASTER, MP_F32, MP_F32, 1, 0, 0)                            \
+  /* 1.462 [1.291, 1.494] (pipeline / fused) */                                                    \
+  X(master_bf16m, MP_BF16, MP_BF16, MK_MASTER, MP_BF16, MP_BF16, 0, 0, 0)                          \
+  /* 1.312 [1.271, 1.335] (pipeline / fused) */                                                    \
+  X(master_bf16m_wb, MP_BF16, MP_BF16, MK_MASTER, MP_BF16, MP_BF16, 1, 0, 0)                       \
+  /* 1.282 [1.047, 1.383] (pipeline / fused) */                                                    \
+  X(master_ema, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0, 0, 1)                              \
+  /* 1.392 [1.333, 1.429] (pipeline / fused) */                                                    \
+  X(remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 0, 0, 0)                            \
+  /* 1.299 [1.133, 1.352] (pipeline / fused) */                                                    \
+  X(remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 1, 0, 0)                         \
+  /* 1.474 [1.395, 1.591] (pipeline / fused) */                                                    \
+  X(remainder_g32, MP_BF16, MP_F32, MK_REMAINDER, MP_F32, MP_F32, 0, 0, 0)                         \
+  /* 1.208 [1.037, 1.257] (pipeline / fused) */                                                    \
+  X(remainder_bf16m, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 0)                    \
+  /* 1.276 [1.142, 1.327] (pipeline / fused) */                                                    \
+  X(bf16m_nearest, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 1, 0)                      \
+  /* 1.382 [1.356, 1.465] (pipeline / fused) */                                                    \
+  X(remainder_bf16m_g32, MP_BF16, MP_F32, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 0)                 \
+  /* 1.392 [1.306, 1.434] (pipeline / fused) */                                                    \
+  X(remainder_bf16m_ema, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 1)                \
+  /* 1.152 [1.129, 1.182] (pipeline / fused) */                                                    \
+  X(remainder_bf16m_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 1, 0, 0)                 \
+  /* 1.413 [1.342, 1.535] (pipeline / fused) */                                                    \
+  X(sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 0)                                     \
+  /* 1.177 [1.097, 1.445] (pipeline / fused) */                                                    \
+  X(sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 1, 0, 0)                                  \
+  /* 1.381 [1.261, 1.575] (pipeline / fused) */                                                    \
+  X(sr_g32, MP_BF16, MP_F32, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 0)                                  \
+  /* 1.008 [0.957, 1.290] (pipeline / fused) */                                                    \
+  X(sr_ema, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 1)                                 \
+  /* 1.322 [1.263, 1.354] (pipeline / fused) */                                                    \
+  X(sr_bf16m, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0, 0, 0)                             \
+  /* 1.426 [1.271, 1.535] (pipeline / fused) */                                                    \
+  X(sr_bf16m_ema, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0, 0, 1)                         \
+  /* 1.231 [1.042, 1.292] (pipeline / fused) */                                                    \
+  X(sr_bf16m_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 1, 0, 0)                          \
+  /* 1.351 [1.289, 1.492] (pipeline / fused) */                                                    \
+  X(rne, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 0, 0, 0)                                   \
+  /* 1.329 [1.212, 1.421] (pipeline / fused) */                                                    \
+  X(rne_wb, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 1, 0, 0)                                \
+  /* 1.051 [1.002, 1.096] (pipeline / fused) */                                                    \
+  X(q8_remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 0, 0, 0)                           \
+  /* 0.981 [0.955, 1.022] (pipeline / fused) */                                                    \
+  X(q8_remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 1, 0, 0)                        \
+  /* 1.096 [1.069, 1.137] (pipeline / fused) */                                                    \
+  X(q8_master, MP_BF16, MP_BF16, MK_MASTER, MP_I8, MP_U8, 0, 0, 0)                                 \
+  /* 1.118 [1.046, 1.192] (pipeline / fused) */                                                    \
+  X(q8_sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 0, 0, 0)                                    \
+  /* 1.078 [1.000, 1.110] (pipeline / fused) */                                                    \
+  X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1, 0, 0)
+
+/* One function per row over a piece (positions sharing their high 32 bits). */
+#define MP_FUSED_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                                \
+  static void fused_##name(const mp_adam_tensor* t, int64_t start, int64_t n,               \
+                           const mp_adam_scalars* s) {                                      \
+    void* param = (char*)t->param + start * MP_DTYPE_BYTES(PT);                             \
+    void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(GT);                               \
+    float* master = t->master != NULL ? t->master + start : NULL;                           \
+    int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;                \
+    void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(MD);                               \
+    void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(VD);                            \
+    float* ema = t->ema != NULL ? t->ema + start : NULL;                                    \
+    if (MD == MP_I8) {                                                                      \
+      adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,             \
+              t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA);        \
+    } else {                                                                                \
+      adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start,           \
+                (uint32_t)n, s, MK, WG, NEAR, EMA, NULL);                                   \
+    }                                                                                       \
+  }
+MP_ADAM_FUSED_ROWS(MP_FUSED_FN)
+
+typedef void (*fused_fn)(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*);
+
+typedef struct fused_row {
+  int32_t pt, gt, mk, md, vd, wg, near, ema;
+  fused_fn f;
+} fused_row;
+
+#define MP_FUSED_ROW(name, PT, GT, MK, MD, VD, WG, NEAR, EMA) \
+  {PT, GT, MK, MD, VD, WG, NEAR, EMA, fused_##name},
+static const fused_row ROWS[] = {MP_ADAM_FUSED_ROWS(MP_FUSED_ROW)};
+
+int MP_ISA_FN(mp_k_adam_fused)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s, int kind) {
+  const int32_t md = t->exp_avg_dtype, vd = t->exp_avg_sq_dtype;
+  /* the rounding of bf16 moments is a choice only where there are some (8-bit codes choose
+   * theirs outside the loop) */
+  const int32_t near = s->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16);
+  const int32_t wg = s->write_grad != 0, ema = t->ema != NULL;
+  for (size_t k = 0; k < sizeof ROWS / sizeof ROWS[0]; ++k) {
+    const fused_row* r = &ROWS[k];
+    if (r->pt == t->param_dtype && r->gt == t->grad_dtype && r->mk == kind && r->md == md &&
+        r->vd == vd && r->wg == wg && r->near == near && r->ema == ema) {
+      r->f(t, start, n, s);
+      return 1;
+    }
+  }
+  return 0;
+}
