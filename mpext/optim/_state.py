@@ -14,6 +14,8 @@ from .._common import LOW_DTYPES, Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from .._common import dtype_name, is_real
 from . import formats as F
 from ._tensors import F32, copy_like, flat_view, is_dtensor, same_memory_order
+# Names of the step's path (conform_state runs for every param at every step), bound here.
+from .formats import STORAGE_KEYS, moment_format, moment_of, param_format, q8_blocks
 
 Moments = Tuple[F.Quantity, ...]
 
@@ -57,12 +59,12 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     check_q8_param(param, group, moments, where)
     block = group.get("block_size", 256)
     for q in moments:
-        fmt, dtype = F.moment_format(param, group, q)
-        t, scale = F.moment_of(state, q.name)
+        fmt, dtype = moment_format(param, group, q)
+        t, scale = moment_of(state, q.name)
         if t is None:
             continue
         if scale is not None:
-            if t.dtype is dtype and scale.numel() == F.q8_blocks(param.numel(), block):
+            if t.dtype is dtype and scale.numel() == q8_blocks(param.numel(), block):
                 continue  # the group's form already (blocks of one size agree in number)
             value = F.Q8.decode(t, scale)
         elif t.dtype is dtype:
@@ -75,7 +77,7 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
         state.update(fmt.encode(value, q, block))
     if not storage:
         return
-    want = F.param_format(param, group, where)
+    want = param_format(param, group, where)
     # What the EMA starts from: the group's storage, or the param itself when there is none or
     # it was made from the param just now (the same value, without reading it back).
     source = want if want.key is not None else None
@@ -87,7 +89,7 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
         state[want.key] = want.encode(param, value, where)
         if have is None:
             source = None
-    for key in F.STORAGE_KEYS:
+    for key in STORAGE_KEYS:
         if key != want.key:
             state.pop(key, None)
     if group.get("ema_decay") is None:

@@ -366,6 +366,8 @@ def moment_format(param: torch.Tensor, group: Dict[str, Any],
     group's, but FP32 instead of 8-bit codes for a param of fewer than MIN_8BIT_NUMEL
     elements."""
     dt = group.get(quantity.setting, F32)
+    if dt is F32:  # the common case first: this runs for every moment at every step
+        return FP32, F32
     if not isinstance(dt, torch.dtype):  # a group edited by name that no check has seen yet
         dt = moment_dtype(dt, quantity)
     fmt = FORMAT_OF_DTYPE.get(dt)
