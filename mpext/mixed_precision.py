@@ -40,6 +40,8 @@ import torch
 
 from . import ops as _mp_ops
 from . import optim as _mp_optim
+from .optim import _engine as _mp_engine, _state as _mp_state
+from .optim._base import FusedOptimizer as _FusedOptimizer, ema_swapped as _ema_swapped
 from ._common import LOW_DTYPES as _LOW, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
 from ._common import dtype_name as _dtype_name, has_kernel as _has_kernel, is_dense
 from ._common import is_real as _is_real, same_layout
@@ -49,6 +51,8 @@ __all__ = ["MixedPrecisionOptimizer"]
 
 _FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, _mp_optim.Adam, _mp_optim.AdamW)
 _NAME = "mpext.MixedPrecisionOptimizer"
+# The fused path steps every inner Adam/AdamW (torch's or mpext's) with adam_step_: its moments.
+_ADAM_MOMENTS = _mp_optim.Adam.moments
 # GradScaler options that only make sense for a dynamic scale, and those the wrapper sets itself.
 _DYNAMIC_ONLY = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
                  "hysteresis", "min_scale", "max_scale")
@@ -219,12 +223,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         value. Do not step inside. Raises ``RuntimeError`` when the inner optimizer keeps no
         EMA (``torch.optim`` optimizers keep none)."""
         inner = self.optimizer
-        if not isinstance(inner, _mp_optim.Adam) or \
+        if not isinstance(inner, _FusedOptimizer) or \
                 all(g.get("ema_decay") is None for g in inner.param_groups):
             raise RuntimeError("MixedPrecisionOptimizer.ema_weights: the inner optimizer (%s) "
                                "keeps no EMA; wrap mpext.optim.Adam/AdamW(..., "
                                "ema_decay=...)" % type(inner).__name__)
-        with _mp_optim._ema_swapped(inner, self._entries):
+        with _ema_swapped(inner, self._entries):
             yield self
 
     # -----------------------------------------------------------------------------------------
@@ -531,8 +535,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state = self.optimizer.state[q]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
-            _mp_optim.new_moments(q, state, group)
-        _mp_optim._conform_state(q, state, group, _NAME)
+            _mp_state.new_moments(q, state, group, _ADAM_MOMENTS)
+        _mp_state.conform_state(q, state, group, _ADAM_MOMENTS, _NAME)
         return state
 
     def _step_fused(self, entries, found_inf, inv, clipped) -> None:
@@ -552,11 +556,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if hyper is None:
                 # The model's gradients are left as backward made them (scaled), as on the
                 # generic path: no write-back.
-                hyper = hypers[id(group)] = _mp_optim.adam_hyper(
+                hyper = hypers[id(group)] = _mp_engine.adam_hyper(
                     group, force_decoupled)._replace(unscale_grads=False)
-            items.append((p, p.grad, self._adam_state(q, group), q if q is not p else None,
-                          group["lr"], hyper, stream_of[id(q)]))
-        _mp_optim.fused_adam_step(items, self._lr_tensors, inv, found_inf)
+            items.append(_mp_engine.StepItem(p, p.grad, self._adam_state(q, group),
+                                             q if q is not p else None, group["lr"], hyper,
+                                             stream_of[id(q)]))
+        _mp_engine.fused_adam_step(items, self._lr_tensors, inv, found_inf)
 
     def _step_generic(self, entries, found_inf, inv) -> None:
         low = [(p, q) for p, q in entries if p is not q]
@@ -760,7 +765,7 @@ def _check_inner_storage(optimizer: torch.optim.Optimizer, group: Dict[str, Any]
     """Refuses an inner mpext.optim group that asks for its own storage of the fp32 value
     (remainders, or none): the wrapper's masters are the inner optimizer's fp32 params, so
     those options would silently not apply and each param would hold a 4-byte master."""
-    if not isinstance(optimizer, _mp_optim.Adam):
+    if not isinstance(optimizer, _FusedOptimizer):
         return
     asked = [text for key, text, default in (("param_remainders", "param_remainders=True", False),
                                               ("master_weights", "master_weights=False", True))

@@ -223,7 +223,7 @@ def make_q8_case(pdt, gdt, storage, n, block, seed):
     master = (torch.randn(n, generator=gen) * 0.5).float()
     param = master.to(pdt) if pdt != F32 else master.clone()
     if pdt == BF16:  # a master whose round is the param, as the kernel stores it
-        master = mpext.optim._join_remainder(param, mpext.optim._split_master(
+        master = mpext.optim.formats.join_remainder(param, mpext.optim.formats.split_master(
             param, master, "test"))
     grad = (torch.randn(n, generator=gen) * 1e-2).to(gdt)
     nb = -(-n // block)
@@ -233,7 +233,7 @@ def make_q8_case(pdt, gdt, storage, n, block, seed):
     vs = torch.exp(torch.randn(nb, generator=gen) * 4 - 12).float()
     rem = torch.zeros(n, dtype=torch.int16)
     if storage == "remainder":
-        rem = mpext.optim._split_master(param, master, "test")
+        rem = mpext.optim.formats.split_master(param, master, "test")
     return dict(param=param, grad=grad, master=master.clone(), rem=rem, mc=mc, vc=vc, ms=ms,
                 vs=vs, step=torch.full((), 3.0))
 
@@ -259,7 +259,7 @@ def fp32_value(c, storage):
     if storage == "master":
         return c["master"].numpy()
     if storage == "remainder":
-        return mpext.optim._join_remainder(c["param"], c["rem"]).numpy()
+        return mpext.optim.formats.join_remainder(c["param"], c["rem"]).numpy()
     return c["param"].float().numpy()
 
 
@@ -282,7 +282,7 @@ def check_against_reference(c0, c1, pdt, storage, block, nearest, seed=11, strea
             x = x - (((x & 0x1FFFF) == 0x8000) & ((x & 0x7F800000) != 0x7F800000)).int()
         assert_bitwise(c1["param"], x.view(F32).to(pdt))
         got = c1["master"] if storage == "master" else \
-            mpext.optim._join_remainder(c1["param"], c1["rem"])
+            mpext.optim.formats.join_remainder(c1["param"], c1["rem"])
         assert_bitwise(got, x.view(F32))
     elif storage == "rne":
         assert_bitwise(c1["param"], pt.to(pdt))
@@ -477,6 +477,32 @@ LEAN = {
     "remainder": dict(param_remainders=True),
     "sr": dict(master_weights=False, stochastic_rounding=True),
 }
+
+
+@pytest.mark.parametrize("name", ["q8", "object"])
+def test_moment_formats_by_their_names(name):
+    """The 8-bit code by its format name ("q8" for both moments) or its object is the
+    int8 / uint8 pair: the groups keep those dtypes, state_dict() names them as before, and the
+    steps are bitwise the dtypes' steps; the value formats' names and objects are theirs."""
+    fmt = "q8" if name == "q8" else mpext.optim.formats.Q8
+    a, b = model_params(), model_params()
+    oa = AdamW(a, lr=1e-3, **Q8)
+    ob = AdamW(b, lr=1e-3, exp_avg_dtype=fmt, exp_avg_sq_dtype=fmt)
+    assert ob.param_groups[0]["exp_avg_dtype"] is I8
+    assert ob.param_groups[0]["exp_avg_sq_dtype"] is U8
+    train(oa, a, 3)
+    train(ob, b, 3)
+    assert_opts_bitwise(oa, ob)
+    group = ob.state_dict()["param_groups"][0]
+    assert (group["exp_avg_dtype"], group["exp_avg_sq_dtype"]) == ("int8", "uint8")
+    for value, dtype in ((mpext.optim.formats.BF16, BF16), (mpext.optim.formats.FP32, F32),
+                         ("bfloat16", BF16)):
+        ob.param_groups[0]["exp_avg_dtype"] = ob.param_groups[0]["exp_avg_sq_dtype"] = value
+        train(ob, b, 1, first=3)
+        assert ob.param_groups[0]["exp_avg_dtype"] is dtype
+        assert ob.state[b[-1]]["exp_avg"].dtype == dtype and "exp_avg_q8" not in ob.state[b[-1]]
+    with pytest.raises(ValueError, match=r"8-bit moments come as a pair"):
+        AdamW(model_params(), exp_avg_dtype="q8")
 
 
 @pytest.mark.parametrize("mode", sorted(LEAN))

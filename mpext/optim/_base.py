@@ -1,0 +1,541 @@
+"""The base of mpext's fused optimizers: :class:`FusedOptimizer` owns everything that does not
+depend on the update rule -- the param groups and their format settings, the state and its
+conversion, ``state_dict`` / ``load_state_dict``, the EMA, the GradScaler protocol
+(``_step_supports_amp_scaling``, ``grad_scale`` / ``found_inf``) and DTensor params. A rule
+class (:class:`mpext.optim.Adam`) adds its defaults, its hyperparameter checks, its moment
+quantities and its launch; docs/contributing.md, "Python optimizer package", lists what it
+provides.
+
+Shared with ``mpext.mixed_precision``: :class:`FusedOptimizer` (to recognize mpext's
+optimizers) and :func:`ema_swapped`.
+"""
+import contextlib
+import math
+import warnings
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .._common import LOW_DTYPES, PARAM_DTYPES, LrTensors
+from .._common import dtype_name, has_kernel, is_dense, is_real
+from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
+from . import formats as F
+from ._engine import StepItem
+from ._state import check_q8_param, conform_state, import_param_state, new_moments
+from ._tensors import DTensor, F32, is_dtensor, local
+
+_STRIDED = torch.strided
+
+# Settings load_state_dict takes from the checkpoint (as torch does) that change what the
+# optimizer keeps or draws, so that a difference is warned about.
+_REPLACED_SETTINGS = ("seed", "moment_rounding", "ema_decay")
+# The settings that choose the formats: how the state is kept, this optimizer's choice when a
+# checkpoint is loaded (the moment settings are the rule's, FusedOptimizer.moments).
+_PARAM_FORMAT_SETTINGS = ("master_weights", "param_remainders", "stochastic_rounding")
+# mpext's param-group keys beyond torch's (master_weights and the moment settings aside), with
+# their defaults.
+_LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_rounding": False,
+                  "moment_rounding": "stochastic", "seed": 0, "block_size": 256,
+                  "ema_decay": None}
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose step is one fused kernel launch per device and set of
+    hyperparameters, with mpext's state formats (mpext.optim.formats). Not used directly: a rule
+    class (:class:`mpext.optim.Adam`) subclasses it; see docs/contributing.md."""
+
+    _step_supports_amp_scaling = True
+    # The rule's moment quantities, in the order its kernel takes them.
+    moments: Tuple[F.Quantity, ...] = ()
+
+    # -----------------------------------------------------------------------------------------
+    # What a rule provides.
+
+    def _check_rule(self, group: Dict[str, Any], where: str) -> None:
+        """Checks the rule's own hyperparameters of a group (raises; changes nothing)."""
+        raise NotImplementedError
+
+    def _fill_group(self, group: Dict[str, Any]) -> None:
+        """Gives a group (unpickled, or loaded from a checkpoint) the rule's keys it lacks."""
+
+    def _hyper(self, group: Dict[str, Any]) -> Any:
+        """The group's hyperparameters as its launch takes them (a hashable value: params with
+        equal ones share a launch)."""
+        raise NotImplementedError
+
+    def _launch(self, items: List[StepItem], inv_scale: Optional[torch.Tensor],
+                found_inf: Optional[torch.Tensor]) -> None:
+        """Steps the items (mpext.optim._engine)."""
+        raise NotImplementedError
+
+    def _check_saved_state(self, value: Dict[str, Any], where: str) -> None:
+        """Refuses a saved param state the rule cannot continue from."""
+
+    # -----------------------------------------------------------------------------------------
+    # Construction and validation.
+
+    def _name(self) -> str:
+        return "mpext.optim." + type(self).__name__
+
+    def _init_caches(self) -> None:
+        self._lr_tensors = LrTensors()
+
+    def _moment_settings(self) -> Tuple[str, ...]:
+        return tuple(q.setting for q in self.moments)
+
+    def _check_group(self, group: Dict[str, Any], where: str) -> None:
+        """Checks a group's settings (raises before anything changes). Messages of the checks
+        torch also makes are torch's."""
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+            if not lr.is_floating_point():
+                raise TypeError("%s: a Tensor lr must be floating point, got %s"
+                                % (self._name(), lr.dtype))
+        elif not is_real(lr):
+            raise TypeError("%s: lr must be a float or a 1-element Tensor, got %r%s"
+                            % (self._name(), lr, where))
+        elif not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        elif not math.isfinite(lr):
+            raise ValueError("%s: lr must be finite, got %r%s" % (self._name(), lr, where))
+        self._check_rule(group, where)
+        if group.get("differentiable", False):
+            raise ValueError("%s: differentiable=True is not supported: the fused step is not "
+                             "differentiable%s" % (self._name(), where))
+        self._check_formats(group, where)
+        rounding = group.get("moment_rounding", "stochastic")
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError("%s: moment_rounding must be \"stochastic\" or \"nearest\", got "
+                             "%r%s" % (self._name(), rounding, where))
+        ema_decay = group.get("ema_decay")
+        if ema_decay is not None and not (is_real(ema_decay) and 0.0 <= ema_decay <= 1.0):
+            raise ValueError("%s: ema_decay must be None or a number in [0, 1], got %r%s"
+                             % (self._name(), ema_decay, where))
+        seed = group.get("seed", 0)
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 64):
+            raise ValueError("%s: seed must be an int in [0, 2**64), got %r%s"
+                             % (self._name(), seed, where))
+
+    def _check_formats(self, group: Dict[str, Any], where: str) -> None:
+        """Checks the settings that choose the group's param and moment formats; a moment
+        format given by name or format object is kept as its torch dtype."""
+        for flag in ("master_weights", "unscale_grads", "param_remainders",
+                     "stochastic_rounding"):
+            if not isinstance(group.get(flag, False), bool):
+                raise TypeError("%s: %s must be a bool, got %r%s"
+                                % (self._name(), flag, group.get(flag), where))
+        mw = group.get("master_weights", True)
+        if group.get("param_remainders", False) and not mw:
+            raise ValueError("%s: param_remainders=True stores the masters compactly; it needs "
+                             "master_weights=True%s" % (self._name(), where))
+        if group.get("stochastic_rounding", False) and mw:
+            raise ValueError("%s: stochastic_rounding=True rounds params that have no master; "
+                             "it needs master_weights=False%s" % (self._name(), where))
+        dtypes = []
+        for q in self.moments:
+            code = F.Q8.storage_dtype(q)
+            dt = group.get(q.setting, F32)
+            if not isinstance(dt, torch.dtype):
+                # state_dict() names formats by string (torch's gather of full state dicts
+                # takes no dtype objects); groups keep the dtype, whichever they were given.
+                named = F.moment_dtype(dt, q)
+                if isinstance(named, torch.dtype):
+                    dt = group[q.setting] = named
+            if dt is not F32 and dt is not torch.bfloat16 and dt is not code:
+                raise ValueError("%s: %s must be torch.float32, torch.bfloat16 or %s, got %r%s"
+                                 % (self._name(), q.setting, code, dt, where))
+            dtypes.append(dt)
+        coded = [dt is F.Q8.storage_dtype(q) for q, dt in zip(self.moments, dtypes)]
+        if any(coded) and not all(coded):  # one kernel launch codes all moments or none
+            raise ValueError("%s: 8-bit moments come as a pair: %s, got %s%s"
+                             % (self._name(), " with ".join(
+                                 "%s=%s" % (q.setting, F.Q8.storage_dtype(q))
+                                 for q in self.moments),
+                                " and ".join(repr(dt) for dt in dtypes), where))
+        block = group.get("block_size", 256)
+        if not (isinstance(block, int) and not isinstance(block, bool)
+                and Q8_BLOCK_MIN <= block <= Q8_BLOCK_MAX and block & (block - 1) == 0):
+            raise ValueError("%s: block_size must be a power of two in [%d, %d], got %r%s"
+                             % (self._name(), Q8_BLOCK_MIN, Q8_BLOCK_MAX, block, where))
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = " (param group %d)" % (len(self.param_groups) - 1)
+        try:
+            self._check_group(group, where)
+            for j, p in enumerate(group["params"]):
+                if p.layout != torch.strided:
+                    raise ValueError("%s: params[%d]%s is a %s tensor; only dense params are "
+                                     "supported" % (self._name(), j, where, p.layout))
+                if p.dtype not in PARAM_DTYPES:
+                    raise TypeError("%s: params[%d]%s has dtype %s; only float32, bfloat16 and "
+                                    "float16 params are supported"
+                                    % (self._name(), j, where, dtype_name(p.dtype)))
+                if p.dtype is torch.float16 and group["param_remainders"]:
+                    raise ValueError(F.FP16_REMAINDER % ("%s: params[%d]%s"
+                                                         % (self._name(), j, where)))
+                check_q8_param(p, group, self.moments,
+                               "%s: params[%d]%s" % (self._name(), j, where))
+                if not has_kernel(self._op, p.device):
+                    raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
+                                     "has no %s kernel for"
+                                     % (self._name(), j, where, p.device, self._op))
+                if not is_dense(p) or not is_dense(local(p)):
+                    raise ValueError("%s: params[%d]%s must be dense and non-overlapping (e.g. "
+                                     "contiguous or channels_last); got sizes %s and strides %s"
+                                     % (self._name(), j, where, tuple(p.shape),
+                                        tuple(p.stride())))
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        if group["master_weights"] is False and not group["stochastic_rounding"] \
+                and any(p.dtype in LOW_DTYPES for p in group["params"]):
+            warnings.warn("%s: master_weights=False without stochastic_rounding=True rounds "
+                          "every update of the BF16/FP16 params%s to nearest even, which loses "
+                          "the updates below half an ulp: at small learning rates most weights "
+                          "stop moving (docs/lean_state.md, \"When round to nearest fails\"); "
+                          "pass stochastic_rounding=True" % (self._name(), where),
+                          UserWarning, stacklevel=3)
+
+    def _fill_defaults(self, group: Dict[str, Any]) -> None:
+        """Gives a group the format keys it lacks (this optimizer's defaults), then the rule's."""
+        group.setdefault("master_weights", self.defaults.get("master_weights", True))
+        for key in self._moment_settings():
+            group.setdefault(key, self.defaults.get(key, F32))
+        for key, value in _LEAN_DEFAULTS.items():
+            group.setdefault(key, self.defaults.get(key, value))
+        self._fill_group(group)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if not hasattr(self, "_lr_tensors"):
+            self._init_caches()
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            self._fill_defaults(group)
+
+    # -----------------------------------------------------------------------------------------
+    # The step.
+
+    def _items(self) -> List[StepItem]:
+        """Every param with a gradient, checked, as a :class:`StepItem` of the engine, with
+        DTensors as their local shards. Raises before anything is written (state is created
+        lazily, which changes no value a reader relies on)."""
+        checked = []
+        stream = -1  # the param's position in the optimizer: its stochastic-rounding stream
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, " (param group %d)" % gi)
+            hyper = self._hyper(group)
+            for j, p in enumerate(group["params"]):
+                stream += 1
+                g = p.grad
+                if g is None:
+                    continue
+                pdt, gdt, device = p.dtype, g.dtype, p.device
+                if not (g.layout == _STRIDED and (gdt is pdt or gdt is F32)
+                        and pdt in PARAM_DTYPES and g.device == device
+                        and g.shape == p.shape):
+                    self._bad_grad(p, g, j, gi)
+                if is_dtensor(p) or is_dtensor(g):
+                    g = self._local_grad(p, g, j, gi)
+                checked.append((p, g, group, hyper, stream, "param %d of group %d" % (j, gi)))
+        # Every param's state in its group's form, converted on copies: a conversion refused
+        # for one param (a master that is not its param's round) leaves every state as it was.
+        staged = [self._state_of(p, group, where) for p, _, group, _, _, where in checked]
+        items = []
+        for (p, g, group, hyper, stream, _), new in zip(checked, staged):
+            state = self.state[p]
+            state.clear()
+            state.update(new)
+            storage = state.get("master_param")
+            if storage is None:
+                storage = state.get("param_remainder")
+            items.append(StepItem(local(p), g, state,
+                                  None if storage is None else local(storage),
+                                  group["lr"], hyper, stream))
+        return items
+
+    def _local_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> torch.Tensor:
+        """The local shard of a DTensor param's gradient, which must be a DTensor sharded as
+        the param is (what FSDP2 and DTensor's autograd produce)."""
+        where = "param %d of group %d" % (j, gi)
+        if not (is_dtensor(p) and is_dtensor(g)):
+            raise TypeError("%s: %s is a %s but its gradient is a %s; a DTensor param needs a "
+                            "DTensor gradient and a plain param a plain one"
+                            % (self._name(), where, type(p).__name__, type(g).__name__))
+        if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+            raise ValueError("%s: the gradient of %s is placed as %s on %s but the param as %s "
+                             "on %s; redistribute the gradient to the param's placements"
+                             % (self._name(), where, tuple(g.placements), g.device_mesh,
+                                tuple(p.placements), p.device_mesh))
+        gl = local(g)
+        if gl.shape != local(p).shape:
+            raise ValueError("%s: the local shard of the gradient of %s has shape %s but the "
+                             "param's has %s" % (self._name(), where, tuple(gl.shape),
+                                                 tuple(local(p).shape)))
+        return gl
+
+    def _bad_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> None:
+        """Raises the error for a param / gradient pair the kernel cannot take."""
+        where = "param %d of group %d" % (j, gi)
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                "%s does not support sparse gradients (%s has a %s gradient); use "
+                "torch.optim.SparseAdam for sparse params" % (self._name(), where, g.layout))
+        if p.dtype not in PARAM_DTYPES:  # changed in place after construction
+            raise TypeError("%s: %s has dtype %s; only float32, bfloat16 and float16 params are "
+                            "supported" % (self._name(), where, dtype_name(p.dtype)))
+        if g.dtype != p.dtype and g.dtype != torch.float32:
+            raise TypeError(
+                "%s: the gradient of %s has dtype %s; it must have the param's dtype (%s) or "
+                "float32" % (self._name(), where, dtype_name(g.dtype),
+                             dtype_name(p.dtype)))
+        if g.device != p.device:
+            raise ValueError("%s: the gradient of %s is on %s but the param is on %s"
+                             % (self._name(), where, g.device, p.device))
+        raise ValueError("%s: the gradient of %s has shape %s but the param has shape %s"
+                         % (self._name(), where, tuple(g.shape), tuple(p.shape)))
+
+    def _state_of(self, p: torch.Tensor, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """The param's state as its step needs it, in a new dict (the caller stores it): created
+        on its first step (a float32 step on its device, moments in the group's formats and the
+        param's layout, the master or remainder its group asks for) and kept in the group's
+        form: a group whose settings changed since (or a loaded state) has its state converted
+        here, before the step."""
+        state = dict(self.state.get(p, {}))
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            new_moments(p, state, group, self.moments)
+        conform_state(p, state, group, self.moments, "%s: %s" % (self._name(), where))
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, *,
+             grad_scale: Optional[torch.Tensor] = None,
+             found_inf: Optional[torch.Tensor] = None) -> Optional[float]:
+        """Performs one optimization step.
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+            grad_scale (Tensor, optional): the loss scale the gradients carry; they are
+                unscaled inside the kernel (multiplied by ``1 / grad_scale``). Defaults to the
+                ``grad_scale`` attribute a GradScaler sets.
+            found_inf (Tensor, optional): a one-element flag; when non-zero the step is skipped
+                on the device (params, masters, moments and steps unchanged). Defaults to the
+                ``found_inf`` attribute a GradScaler sets.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            if found_inf:  # a host-side flag (e.g. a scaler that recorded no inf checks)
+                return loss
+            found_inf = None
+
+        items = self._items()
+        if not items:
+            return loss
+        inv_scale = None
+        if grad_scale is not None:
+            if isinstance(grad_scale, torch.Tensor):
+                # As GradScaler.unscale_ computes it: the reciprocal in double, rounded to fp32.
+                inv_scale = grad_scale.detach().double().reciprocal().float()
+            else:
+                inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
+        self._launch(items, inv_scale, found_inf)
+        return loss
+
+    # -----------------------------------------------------------------------------------------
+    # The FP32 values: masters and EMA.
+
+    def reset_masters(self) -> None:
+        """Re-makes every FP32 master from its (low-precision) param (a remainder becomes 0:
+        the master is the param), e.g. after the model's params were loaded or changed outside
+        the optimizer."""
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if state and "master_param" in state:
+                        state["master_param"].copy_(p)
+                    if state and "param_remainder" in state:
+                        state["param_remainder"].zero_()
+
+    def ema_param(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of the FP32 EMA kept for ``param`` (see ``ema_decay``), or None when its
+        group keeps none or it has not been stepped yet."""
+        ema = (self.state.get(param) or {}).get("ema_param")
+        return None if ema is None else ema.detach().clone()
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """A context in which every param that has an EMA holds it (rounded to the param's
+        dtype to nearest even, as ``param.copy_(ema)``), for evaluation::
+
+            with opt.ema_weights():
+                evaluate(model)
+
+        On exit each param gets back its exact value (masters and remainders stay valid). Do
+        not step the optimizer inside. Raises ``RuntimeError`` if no param group keeps an EMA.
+        Params whose EMA does not exist yet (never stepped) are left as they are."""
+        if all(g.get("ema_decay") is None for g in self.param_groups):
+            raise RuntimeError("%s.ema_weights: no param group keeps an EMA; construct the "
+                               "optimizer with ema_decay=..." % self._name())
+        with ema_swapped(self, [(p, p) for g in self.param_groups for p in g["params"]]):
+            yield self
+
+    def master_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The FP32 value the optimizer holds for ``param``: a copy of its master, its master
+        rebuilt from the param and its remainder, or (no master, or an FP32 param, or no state
+        yet) the param widened to FP32."""
+        state = self.state.get(param) or {}
+        with torch.no_grad():
+            if "master_param" in state:
+                return state["master_param"].detach().clone()
+            return (F.stored_param_format(state) or F.FP32_PARAM).decode(param, state)
+
+    # -----------------------------------------------------------------------------------------
+    # state_dict: torch's, in values every client can carry.
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's ``state_dict``, with two changes that let torch's gather of full state
+        dicts (``get_optimizer_state_dict(..., full_state_dict=True)``) and its collectives
+        take it: the moment formats of the param groups are named by string ("float32",
+        "bfloat16", "int8", "uint8"; ``load_state_dict`` and the groups take either), and the
+        int16 ``param_remainder`` of a DTensor param is given as an int32 DTensor of the same
+        values (gloo and NCCL have no int16; any loader's cast back to int16 is exact)."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            for key in self._moment_settings():
+                if isinstance(group.get(key), torch.dtype) and group[key] in F.DTYPE_NAMES:
+                    group[key] = F.DTYPE_NAMES[group[key]]
+        state = sd["state"]
+        for k, st in state.items():
+            rem = st.get("param_remainder") if isinstance(st, dict) else None
+            if is_dtensor(rem):
+                st = state[k] = dict(st)  # the optimizer's own dict stays as it is
+                st["param_remainder"] = DTensor.from_local(
+                    rem.to_local().to(torch.int32), rem.device_mesh, rem.placements,
+                    run_check=False, shape=rem.shape, stride=rem.stride())
+        return sd
+
+    # -----------------------------------------------------------------------------------------
+    # state_dict loading: torch's procedure with mpext's own conversion of each param's state.
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state saved by this class, by another mpext optimizer of the same rule, or
+        by torch's optimizer of the rule (``torch.optim.Adam`` / ``torch.optim.AdamW``).
+
+        The storage settings -- ``master_weights``, ``param_remainders``,
+        ``stochastic_rounding``, the moment formats (``exp_avg_dtype``, ``exp_avg_sq_dtype``),
+        ``block_size`` -- are this optimizer's, and the loaded state is converted into
+        them (so a checkpoint with FP32 masters resumes with remainders, say); every other
+        group setting (lr, betas, ..., ``seed``, ``moment_rounding``, ``ema_decay``) comes from
+        ``state_dict``, as in torch (a ``UserWarning`` names each of those three that differs
+        from this optimizer's). Moments are converted to the group's formats (FP32 -> BF16 to
+        nearest even) and to the param's device and memory layout, ``step`` to a float32 scalar
+        tensor on the param's device; a low-precision param's FP32 value comes from the state's
+        ``master_param`` or ``param_remainder`` or, when it has neither (a torch checkpoint),
+        from the param itself (at the next step) -- a master becomes a remainder only if the
+        param is its round to nearest even (load the model first), else a ``ValueError`` says
+        so, and a remainder becomes a master at the next step, joined with the param as it is
+        then (so the model may be loaded after the optimizer). Every tensor is copied, so the
+        loaded state never shares memory with ``state_dict``. For a DTensor param the state
+        may hold DTensors (placed otherwise: redistributed) or full tensors of the param's
+        global shape (each rank keeps its shard). Everything is checked first: on an error (a
+        group or size mismatch, moments whose shape is not the param's, an amsgrad state, ...)
+        nothing is modified.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        storage = _PARAM_FORMAT_SETTINGS + self._moment_settings() + ("block_size",)
+        new_groups = []
+        for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            self._fill_defaults(saved)
+            for key in storage:  # how the state is kept: this optimizer's choice
+                saved[key] = group.get(key, saved[key])
+            self._check_group(saved, " (loaded param group %d)" % gi)
+            new_groups.append(saved)
+
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                          chain.from_iterable(g["params"] for g in groups)))
+        group_of = {id(p): g for g in new_groups for p in g["params"]}
+        new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            if k in id_map:
+                param = id_map[k]
+                new_state[param] = self._import_param_state(param, v, group_of[id(param)], k)
+            else:
+                new_state[k] = v
+        replaced = [(gi, key, group.get(key), saved.get(key))
+                    for gi, (group, saved) in enumerate(zip(groups, new_groups))
+                    for key in _REPLACED_SETTINGS if group.get(key) != saved.get(key)]
+        self.__setstate__({"state": new_state, "param_groups": new_groups})
+        for gi, key, mine, theirs in replaced:
+            # As in torch the checkpoint's settings win (a resumed run draws and averages as
+            # the saved one did), but these change what the optimizer keeps: say so.
+            warnings.warn("%s.load_state_dict: param group %d takes the checkpoint's %s=%r "
+                          "instead of this optimizer's %r; set param_groups[%d][%r] after "
+                          "loading to keep another" % (self._name(), gi, key, theirs, mine,
+                                                       gi, key), UserWarning, stacklevel=2)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
+                            key: Any) -> Dict[str, Any]:
+        where = "%s.load_state_dict: the state of param %r" % (self._name(), key)
+        if not isinstance(value, dict):
+            raise TypeError("%s must be a dict, got %s" % (where, type(value).__name__))
+        if len(value) == 0:
+            return {}
+        self._check_saved_state(value, where)
+        return import_param_state(param, value, group, self.moments, where)
+
+
+@contextlib.contextmanager
+def ema_swapped(opt: torch.optim.Optimizer, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]):
+    """For each (target, param) of ``pairs`` whose param has an EMA in ``opt``'s state: the
+    target holds the EMA (``target.copy_(ema)``) inside the context and gets back its exact
+    value on exit. ``ema_weights`` of mpext.optim and of MixedPrecisionOptimizer (whose
+    targets are the model params of the inner optimizer's masters)."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for target, p in pairs:
+                ema = (opt.state.get(p) or {}).get("ema_param")
+                if ema is not None:
+                    saved.append((target, target.detach().clone()))
+                    target.copy_(ema)
+        yield
+    finally:
+        with torch.no_grad():
+            for target, value in saved:
+                target.copy_(value)

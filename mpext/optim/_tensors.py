@@ -1,0 +1,68 @@
+"""Where a state tensor lives: DTensor shards and memory order. The helpers every other module
+of mpext.optim uses to make a tensor in a param's device, layout and placement; no format and
+no rule knowledge here."""
+from typing import Any, Optional
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support
+    DTensor = None
+
+F32 = torch.float32
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself, sharing memory), or a plain tensor as is."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def copy_like(param: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of ``dtype`` in the param's device and memory layout, holding ``src``. For
+    a DTensor param the copy is a DTensor placed as the param, and ``src`` may be a DTensor
+    placed otherwise (redistributed) or a plain tensor of the param's global shape (each rank
+    keeps its own shard, without communication)."""
+    out = torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    src = src.detach()
+    if is_dtensor(out):
+        if not is_dtensor(src):
+            from torch.distributed.tensor import distribute_tensor
+            src = distribute_tensor(src.to(out.device), out.device_mesh, out.placements,
+                                    src_data_rank=None)
+        elif src.device_mesh != out.device_mesh or src.placements != out.placements:
+            src = src.redistribute(out.device_mesh, out.placements)
+    elif is_dtensor(src):
+        src = src.full_tensor()
+    return out.copy_(src)
+
+
+def fp32_copy(param: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An fp32 :func:`copy_like` of ``src`` (default: the param itself)."""
+    return copy_like(param, param if src is None else src, F32)
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as a 1-D view: the order of the kernel's
+    blocks."""
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    return t.permute(order).view(-1)
+
+
+def same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense tensors of one shape hold their elements in the same memory order
+    (what :func:`flat_view` walks)."""
+    if a.stride() == b.stride():
+        return True
+    index = torch.arange(a.numel(), device=a.device).view(a.shape)
+    order = [flat_view(torch.empty_like(t, dtype=torch.int64).copy_(index)) for t in (a, b)]
+    return torch.equal(*order)
