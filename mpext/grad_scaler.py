@@ -33,7 +33,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Union
 
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import ops as _mp_ops
 from ._common import PARAM_DTYPES, has_kernel
@@ -365,6 +365,9 @@ class GradScaler(torch.amp.GradScaler):
     # step / update.
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        release = getattr(optimizer, "_grad_release", None)
+        if release is not None:  # before torch's "already called since the last update()"
+            raise RuntimeError(release.refusal("scaler.step(optimizer)"))
         retval = super().step(optimizer, *args, **kwargs)
         if self._enabled:
             state = self._per_optimizer_states.get(id(optimizer))
@@ -372,6 +375,19 @@ class GradScaler(torch.amp.GradScaler):
                 self._stepped_states[id(optimizer)] = state
                 self._stepped_since_update.append(id(optimizer))
         return retval
+
+    def _record_released_step(self, optimizer: torch.optim.Optimizer,
+                              found_inf: torch.Tensor) -> None:
+        """Records a step ``optimizer`` made itself inside backward (gradient release,
+        mpext.optim._release) with this backward's ``found_inf``, as ``step()`` records one, so
+        that ``update()`` and the skip flag see it."""
+        if not self._enabled:
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.STEPPED
+        self._stepped_states[id(optimizer)] = state
+        self._stepped_since_update.append(id(optimizer))
 
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """Updates the scale factor, as ``torch.amp.GradScaler.update`` does (see there), with

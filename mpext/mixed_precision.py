@@ -365,6 +365,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                             % (_NAME, type(loss).__name__))
         self.scale_loss(loss).backward(**kwargs)
 
+    def release_grads(self, **kwargs: Any) -> None:
+        """Refused: a released step (mpext.optim's ``release_grads``) steps the params from
+        their gradients inside backward, and this wrapper's inner optimizer holds masters whose
+        gradients are copied from the model's only at ``step()``."""
+        raise NotImplementedError(
+            "%s does not support gradient release: its inner optimizer steps FP32 masters whose "
+            "gradients exist only once step() copies them; use an mpext.optim optimizer's "
+            "release_grads() on the model params (it keeps the masters itself)" % _NAME)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model params (and of the masters): set to ``None``
         (default) or zeroed."""

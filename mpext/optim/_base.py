@@ -226,10 +226,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -----------------------------------------------------------------------------------------
     # The step.
 
-    def _items(self) -> List[StepItem]:
-        """Every param with a gradient, checked, as a :class:`StepItem` of the engine, with
-        DTensors as their local shards. Raises before anything is written (state is created
-        lazily, which changes no value a reader relies on)."""
+    def _items(self, only: Optional[set] = None) -> List[StepItem]:
+        """Every param with a gradient (of those whose ids are in ``only``, if given), checked,
+        as a :class:`StepItem` of the engine, with DTensors as their local shards. Raises
+        before anything is written (state is created lazily, which changes no value a reader
+        relies on)."""
         checked = []
         stream = -1  # the param's position in the optimizer: its stochastic-rounding stream
         for gi, group in enumerate(self.param_groups):
@@ -238,7 +239,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for j, p in enumerate(group["params"]):
                 stream += 1
                 g = p.grad
-                if g is None:
+                if g is None or (only is not None and id(p) not in only):
                     continue
                 pdt, gdt, device = p.dtype, g.dtype, p.device
                 if not (g.layout == _STRIDED and (gdt is pdt or gdt is F32)
@@ -333,6 +334,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 on the device (params, masters, moments and steps unchanged). Defaults to the
                 ``found_inf`` attribute a GradScaler sets.
         """
+        if self._grad_release is not None:
+            raise RuntimeError(self._grad_release.refusal("%s.step()" % self._name()))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -358,6 +361,37 @@ class FusedOptimizer(torch.optim.Optimizer):
                 inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
         self._launch(items, inv_scale, found_inf)
         return loss
+
+    # -----------------------------------------------------------------------------------------
+    # Gradient release (mpext.optim._release): the step inside the backward pass.
+
+    _grad_release = None  # the GradRelease while one is active
+
+    def release_grads(self, *, bucket_bytes: int = 4 * 2 ** 20, scaler=None,
+                      max_grad_norm: Optional[float] = None, clip: str = "exact"):
+        """Steps the params inside every backward pass from now on, as their gradients
+        complete, and frees each gradient once stepped (docs/gradient_release.md). Returns the
+        :class:`~mpext.optim._release.GradRelease`; its ``remove()`` ends the release.
+
+        Params are stepped in buckets of about ``bucket_bytes`` of gradients (one fused launch
+        each); the last, partial bucket when the backward ends. With no clipping and no inf/NaN
+        the result has the same bits as ``step()`` after backward. ``step()`` (and so
+        ``scaler.step``) is refused meanwhile; ``zero_grad()`` has nothing left to clear.
+
+        Args:
+            bucket_bytes: gradient bytes per launch (default 4 MiB; 0: one launch per param).
+            scaler: an ``mpext.GradScaler`` whose scale the loss carries: each bucket is
+                unscaled in the kernel and checked for inf/NaN on the device; from the first
+                bucket with one, that bucket and every later one of the backward change
+                nothing, and the step is recorded as skipped (``scaler.update()`` backs off).
+            max_grad_norm: clip the gradients' global (unscaled) norm to this.
+            clip: "exact" (default): the norm is computed in a first backward pass, so every
+                step goes through ``release.backward(loss)``; "previous": one pass, clipping
+                with the previous step's global norm (the first step is not clipped).
+        """
+        from ._release import GradRelease
+        return GradRelease(self, bucket_bytes=bucket_bytes, scaler=scaler,
+                           max_grad_norm=max_grad_norm, clip=clip)
 
     # -----------------------------------------------------------------------------------------
     # The FP32 values: masters and EMA.

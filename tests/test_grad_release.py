@@ -1,0 +1,455 @@
+"""Gradient release (``optimizer.release_grads()``): the fused step inside the backward pass.
+
+The reference of every released run is the same optimizer stepping after backward
+(``loss.backward(); opt.step()``) on an identical model, which tests/test_adam.py and friends
+check against torch and float64 references: with no clipping and no inf/NaN the released run
+must give the same bits, for every param and moment format.
+"""
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import mpext
+from mpext.optim import Adam, AdamW
+from mpext.optim import lr_scheduler as mp_sched
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def bits(t):
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output head (one Parameter used twice), a 64x80 layer (big
+    enough for 8-bit moments), an optional checkpointed block."""
+
+    def __init__(self, dtype=F32, ckpt=None):
+        super().__init__()
+        self.emb = nn.Embedding(50, 80)
+        self.body = nn.Sequential(nn.Linear(80, 64), nn.Tanh(), nn.Linear(64, 80))
+        self.norm = nn.LayerNorm(80)
+        self.ckpt = ckpt
+        self.to(dtype)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        if self.ckpt is None:
+            h = h + self.body(h)
+        else:
+            h = h + checkpoint(self.body, h, use_reentrant=self.ckpt)
+        return self.norm(h) @ self.emb.weight.t()  # the tied head
+
+
+def loss_of(model, step):
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, 50, (6, 7), generator=g)
+    target = torch.randint(0, 50, (6 * 7,), generator=g)
+    return nn.functional.cross_entropy(model(idx).float().reshape(-1, 50), target)
+
+
+FORMATS = {
+    "fp32": (F32, {}),
+    "bf16-master": (BF16, {}),
+    "fp16-master": (F16, {}),
+    "bf16-remainder": (BF16, dict(param_remainders=True)),
+    "bf16-master-free-rne": (BF16, dict(master_weights=False)),
+    "bf16-master-free-sr": (BF16, dict(master_weights=False, stochastic_rounding=True, seed=7)),
+    "bf16-moments": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, seed=3)),
+    "q8-moments": (F32, dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)),
+    "ema": (BF16, dict(param_remainders=True, ema_decay=0.9)),
+}
+
+
+def pair(fmt, cls=AdamW, ckpt=None, **extra):
+    dtype, kw = FORMATS[fmt]
+    torch.manual_seed(0)
+    model = Tied(dtype, ckpt)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # master-free round to nearest warns
+        kw = dict(kw, lr=3e-3, **extra)
+        return model, cls(model.parameters(), **kw), twin, cls(twin.parameters(), **kw)
+
+
+def train_both(model, opt, twin, topt, steps, bucket_bytes=20000, released=None):
+    """Releases ``topt``'s gradients, then makes ``steps`` steps of the reference (backward,
+    then step) and of the released twin (one backward, or ``released(step)``), checking after
+    each that both hold the same bits. Returns the GradRelease."""
+    release = topt.release_grads(bucket_bytes=bucket_bytes)
+    for step in range(steps):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if released is None:
+            loss_of(twin, step).backward()
+        else:
+            released(step)
+        assert_same_state(model, opt, twin, topt)
+    return release
+
+
+def assert_same_state(model, opt, twin, topt):
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert same_bits(p, q), name
+        s, t = opt.state[p], topt.state[q]
+        assert s.keys() == t.keys(), name
+        for k in s:
+            assert same_bits(s[k], t[k]), (name, k)
+        assert q.grad is None, name
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("bucket_bytes", [0, 20000, 2 ** 22])
+def test_released_run_has_the_bits_of_step_after_backward(fmt, bucket_bytes):
+    model, opt, twin, topt = pair(fmt)
+    release = train_both(model, opt, twin, topt, 3, bucket_bytes)
+    assert release.backward_passes == 3
+    n = len(list(model.parameters()))
+    assert release.buckets_stepped == (3 * n if bucket_bytes == 0 else
+                                       3 if bucket_bytes == 2 ** 22 else
+                                       release.buckets_stepped)
+    assert 3 < release.buckets_stepped or bucket_bytes == 2 ** 22
+
+
+def test_adam_with_l2_decay_and_param_groups():
+    torch.manual_seed(0)
+    model = Tied(BF16)
+    twin = copy.deepcopy(model)
+
+    def groups(m):
+        return [dict(params=list(m.emb.parameters()) + list(m.norm.parameters())),
+                dict(params=list(m.body.parameters()), lr=1e-2, weight_decay=0.1)]
+    opt, topt = Adam(groups(model), lr=3e-3), Adam(groups(twin), lr=3e-3)
+    train_both(model, opt, twin, topt, 3, 5000)
+
+
+def test_the_tied_weight_is_stepped_once_with_its_whole_gradient():
+    model, opt, twin, topt = pair("fp32")
+    topt.release_grads(bucket_bytes=0)
+    order = []
+    for p in twin.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: order.append(p))
+    loss_of(twin, 0).backward()
+    assert len(order) == len(list(twin.parameters()))  # the tied weight's hook fired once
+    assert topt.state[twin.emb.weight]["step"].item() == 1
+    loss_of(model, 0).backward()
+    opt.step()
+    assert same_bits(model.emb.weight, twin.emb.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scaling and inf/NaN gradients.
+
+
+class OnGrad(torch.autograd.Function):
+    """Identity whose backward hands the gradient flowing into its input to ``OnGrad.action``
+    when one is set (to make it inf, or to fail)."""
+    action = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g if OnGrad.action is None else OnGrad.action(g)
+
+
+@contextlib.contextmanager
+def on_grad(action):
+    OnGrad.action = action
+    try:
+        yield
+    finally:
+        OnGrad.action = None
+
+
+def poisoned():
+    return on_grad(lambda g: g * float("inf"))
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 1:  # the inf reaches layers 0 and 1, whose grads come last in backward
+                x = OnGrad.apply(x)
+        return x.square().mean()
+
+
+def test_a_bucket_with_an_inf_and_every_later_one_change_nothing():
+    torch.manual_seed(0)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    release = opt.release_grads(bucket_bytes=0, scaler=scaler)
+    sched = mp_sched.LambdaLR(opt, lambda s: 1.0 / (1 + s), scaler=scaler)
+    # the clean reference, for the params stepped before the inf appeared
+    ref_opt = AdamW(ref.parameters(), lr=1e-2)
+    ref_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    ref_scaler.scale(ref(x)).backward()
+    ref_scaler.step(ref_opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with poisoned(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler before optimizer" warning
+        scaler.scale(model(x)).backward()
+        scaler.update()
+        sched.step()
+    stepped = {id(p) for layer in model.layers[2:] for p in layer.parameters()}
+    for p, r, b in zip(model.parameters(), ref.parameters(), before):
+        if id(p) in stepped:  # earlier buckets keep their update
+            assert same_bits(p, r)
+            assert opt.state[p]["step"].item() == 1
+        else:  # the bucket with the inf and every later one: nothing changed
+            assert same_bits(p, b)
+            assert opt.state[p]["step"].item() == 0
+        assert p.grad is None
+    assert release.buckets_stepped == 8
+    assert scaler.get_scale() == 2.0 ** 9  # backed off as after a skipped step
+    assert scaler.last_step_skipped(opt).item()
+    assert sched.step_count.item() == 0  # held still
+    # the next, clean iteration steps everything and the schedule moves on
+    scaler.scale(model(x)).backward()
+    scaler.update()
+    sched.step()
+    assert not scaler.last_step_skipped(opt).item()
+    assert sched.step_count.item() == 1
+    assert scaler.get_scale() == 2.0 ** 9
+    assert all(opt.state[p]["step"].item() in (1, 2) for p in model.parameters())
+
+
+@pytest.mark.parametrize("fmt", ["bf16-master", "bf16-remainder", "q8-moments", "ema"])
+def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
+    model, opt, twin, topt = pair(fmt)
+    scaler, tscaler = mpext.GradScaler("cpu"), mpext.GradScaler("cpu")
+    topt.release_grads(bucket_bytes=20000, scaler=tscaler)
+    for step in range(3):
+        scaler.scale(loss_of(model, step)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        tscaler.scale(loss_of(twin, step)).backward()
+        tscaler.update()
+        assert scaler.get_scale() == tscaler.get_scale()
+    assert_same_state(model, opt, twin, topt)
+
+
+def test_a_released_step_makes_no_host_read():
+    from conftest import HostReads
+    model, _, twin, topt = pair("bf16-remainder")
+    scaler = mpext.GradScaler("cpu")
+    topt.release_grads(bucket_bytes=20000, scaler=scaler, max_grad_norm=1.0, clip="previous")
+    for step in range(2):
+        loss = scaler.scale(loss_of(twin, step))
+        with HostReads().counting() as reads:
+            loss.backward()
+            scaler.update()
+        assert reads.count == 0, reads.calls
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals.
+
+
+def test_step_and_scaler_step_are_refused_while_released():
+    model, _, twin, topt = pair("fp32")
+    scaler = mpext.GradScaler("cpu")
+    release = topt.release_grads(scaler=scaler)
+    scaler.scale(loss_of(twin, 0)).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) is refused while .* released"):
+        topt.step()
+    with pytest.raises(RuntimeError, match=r"scaler.step\(optimizer\) is refused"):
+        scaler.step(topt)
+    scaler.update()
+    release.remove()
+    loss_of(twin, 1).backward()
+    assert twin.emb.weight.grad is not None
+    topt.step()  # stepping by hand again
+    assert topt.state[twin.emb.weight]["step"].item() == 2
+
+
+def test_bad_settings_are_refused_before_anything_changes():
+    model, opt, twin, topt = pair("fp32")
+    with pytest.raises(TypeError, match="mpext.GradScaler"):
+        topt.release_grads(scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        topt.release_grads(bucket_bytes=-1)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        topt.release_grads(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="clip"):
+        topt.release_grads(max_grad_norm=1.0, clip="sometimes")
+    assert topt._grad_release is None
+    topt.release_grads()
+    with pytest.raises(RuntimeError, match="already released"):
+        topt.release_grads()
+    # a param that already has a gradient (accumulated before release)
+    loss_of(model, 0).backward()
+    with pytest.raises(RuntimeError, match="already has a gradient"):
+        opt.release_grads()
+    # a frozen param would never be stepped
+    frozen = nn.Linear(3, 3)
+    frozen.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match="param 1 of group 0 is not a leaf that requires grad"):
+        AdamW(frozen.parameters()).release_grads()
+
+
+def test_mixed_precision_optimizer_is_refused():
+    model = nn.Linear(4, 4).to(BF16)
+    mpo = mpext.MixedPrecisionOptimizer(AdamW(model.parameters()))
+    with pytest.raises(NotImplementedError, match="MixedPrecisionOptimizer"):
+        mpo.release_grads()
+    with pytest.raises(ValueError, match="MixedPrecisionOptimizer"):
+        mpo.optimizer.release_grads()  # its params are the FP32 masters
+
+
+def test_nested_backward_is_refused():
+    """A backward started inside another's (reentrant checkpoint runs one) is refused, in
+    either order of the params' hooks."""
+    for reentrant_first in (False, True):
+        torch.manual_seed(0)
+        model = Tied(F32, ckpt=True)
+        if reentrant_first:  # the checkpointed block's params are hooked first in backward
+            model.norm.requires_grad_(False)
+            model.emb.requires_grad_(False)
+            model.emb.weight.requires_grad_(True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        AdamW(params).release_grads(bucket_bytes=0)
+        with pytest.raises(RuntimeError, match="use_reentrant=False"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_of(model, 0).backward()
+
+
+def test_a_failed_backward_does_not_block_the_next():
+    model, opt, twin, topt = pair("fp32")
+    topt.release_grads(bucket_bytes=0)
+
+    out = twin(torch.zeros(2, 3, dtype=torch.long))
+
+    def fail(g):
+        raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), on_grad(fail):
+        (OnGrad.apply(twin.emb.weight).sum() + out.sum()).backward()
+    loss_of(twin, 1).backward()  # the next backward steps as usual
+    assert twin.body[0].weight.grad is None
+
+
+def test_checkpoint_without_reentrance_has_the_same_bits():
+    model, opt, twin, topt = pair("bf16-remainder", ckpt=False)
+    train_both(model, opt, twin, topt, 2)
+
+
+def test_compiled_model_has_the_same_bits():
+    model, opt, twin, topt = pair("bf16-master")
+    compiled = torch.compile(twin, backend="aot_eager")
+    train_both(model, opt, twin, topt, 2, released=lambda step: loss_of(compiled, step).backward())
+
+
+# ---------------------------------------------------------------------------------------------
+# Clipping.
+
+
+def test_exact_clipping_matches_clip_grad_norm_then_step():
+    torch.manual_seed(0)
+    model = Tied(F32)
+    twin = copy.deepcopy(model)
+    opt, topt = AdamW(model.parameters(), lr=1e-2), AdamW(twin.parameters(), lr=1e-2)
+    release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5)
+    with pytest.raises(RuntimeError, match=r"release.backward\(loss\)"):
+        loss_of(twin, 0).backward()
+    release.remove()
+    for p in twin.parameters():
+        p.grad = None
+    release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5)
+    for step in range(3):
+        loss_of(model, step).backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        release.backward(loss_of(twin, step))
+        assert torch.allclose(release.last_grad_norm, norm, rtol=1e-5)
+    assert norm > 0.5  # it did clip
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6)
+        assert q.grad is None
+    assert release.backward_passes == 6  # two per step: the cost of the exact mode
+
+
+def test_previous_norm_clipping_uses_the_last_steps_norm():
+    torch.manual_seed(0)
+    model = Tied(F32)
+    twin = copy.deepcopy(model)
+    opt, topt = AdamW(model.parameters(), lr=1e-2), AdamW(twin.parameters(), lr=1e-2)
+    release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5, clip="previous")
+    prev = None
+    for step in range(3):
+        loss_of(model, step).backward()
+        norm = nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        if prev is not None:  # the previous step's norm clips this one
+            nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, prev)
+        prev = norm
+        opt.step()
+        opt.zero_grad()
+        loss_of(twin, step).backward()
+        assert torch.allclose(release.last_grad_norm, norm, rtol=1e-5)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_exact_clipping_with_an_inf_skips_the_whole_step():
+    torch.manual_seed(0)
+    model = Chain()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = mpext.GradScaler("cpu")
+    opt = AdamW(model.parameters(), lr=1e-2)
+    release = opt.release_grads(bucket_bytes=0, scaler=scaler, max_grad_norm=1.0)
+    with poisoned():
+        release.backward(scaler.scale(model(torch.randn(5, 8))))
+    scaler.update()
+    for p, b in zip(model.parameters(), before):  # the norm pass saw the inf: nothing moved
+        assert same_bits(p, b)
+    assert scaler.last_step_skipped(opt).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: the gradients are not all alive at once.
+
+
+def test_gradient_bytes_are_not_all_alive_at_once():
+    peaks = {}
+    for released in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        params = list(model.parameters())
+        opt = AdamW(params)
+        if released:
+            opt.release_grads(bucket_bytes=2 * 64 * 64 * 4)
+        live = []
+        for p in params:  # registered after release's hooks, so they run after them
+            p.register_post_accumulate_grad_hook(lambda _: live.append(
+                sum(q.grad.nbytes for q in params if q.grad is not None)))
+        model(torch.randn(4, 64)).sum().backward()
+        peaks[released] = max(live)
+        if not released:
+            opt.step()
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert peaks[False] == total
+    # at most one bucket (two weights) plus the gradient that filled it
+    assert peaks[True] <= 2 * 64 * 64 * 4 + 64 * 4 + 64 * 64 * 4
+    assert peaks[True] < total / 2
