@@ -438,12 +438,12 @@ def test_gradient_bytes_are_not_all_alive_at_once():
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
         params = list(model.parameters())
         opt = AdamW(params)
-        if released:
-            opt.release_grads(bucket_bytes=2 * 64 * 64 * 4)
         live = []
-        for p in params:  # registered after release's hooks, so they run after them
+        for p in params:  # registered before release's hooks: each new gradient is counted
             p.register_post_accumulate_grad_hook(lambda _: live.append(
                 sum(q.grad.nbytes for q in params if q.grad is not None)))
+        if released:
+            opt.release_grads(bucket_bytes=2 * 64 * 64 * 4)
         model(torch.randn(4, 64)).sum().backward()
         peaks[released] = max(live)
         if not released:
@@ -453,3 +453,29 @@ def test_gradient_bytes_are_not_all_alive_at_once():
     # at most one bucket (two weights) plus the gradient that filled it
     assert peaks[True] <= 2 * 64 * 64 * 4 + 64 * 4 + 64 * 64 * 4
     assert peaks[True] < total / 2
+
+
+def test_lr_schedules_see_released_steps():
+    """torch's schedulers (no "lr_scheduler.step() before optimizer.step()" warning) and the
+    device-side ones (counting each released step) follow released steps; the optimizer's
+    step hooks run once per step."""
+    model, _, twin, topt = pair("fp32")
+    topt.release_grads(bucket_bytes=20000)
+    torch_sched = torch.optim.lr_scheduler.StepLR(topt, step_size=1, gamma=0.5)
+    calls = []
+    topt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    topt.register_step_post_hook(lambda *a: calls.append("post"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            loss_of(twin, step).backward()
+            torch_sched.step()
+    assert topt.param_groups[0]["lr"] == 3e-3 / 4
+    assert calls == ["pre", "post"] * 2
+    model2, _, twin2, topt2 = pair("fp32")
+    topt2.release_grads(bucket_bytes=20000)
+    sched = mp_sched.LambdaLR(topt2, lambda s: 1.0 / (1 + s))
+    for step in range(2):
+        loss_of(twin2, step).backward()
+        sched.step()
+    assert sched.step_count.item() == 2
