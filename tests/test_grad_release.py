@@ -479,3 +479,26 @@ def test_lr_schedules_see_released_steps():
         loss_of(twin2, step).backward()
         sched.step()
     assert sched.step_count.item() == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The examples, run as users run them (in process, shorter).
+
+
+@pytest.mark.parametrize("argv", [["--steps", "60"], ["--fp16", "--clip", "previous",
+                                                      "--steps", "60"],
+                                  ["--clip", "exact", "--steps", "60"]])
+def test_plain_loop_example_trains_through_a_nan(argv):
+    from framework_examples import example
+    loss = example("grad_release_train").main(argv + ["--nan-at", "10"])
+    assert loss < 0.2  # it learned (the start is ~0.64), and the NaN step changed nothing
+
+
+def test_lightning_manual_optimization_example():
+    pytest.importorskip("lightning")
+    from framework_examples import example
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, model = example("lightning_grad_release").main(["--epochs", "2"])
+    assert loss < 0.3
+    assert all(p.grad is None for p in model.parameters())
