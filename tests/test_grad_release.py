@@ -427,6 +427,28 @@ def test_exact_clipping_with_an_inf_skips_the_whole_step():
     assert scaler.last_step_skipped(opt).item()
 
 
+def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step():
+    torch.manual_seed(0)
+    model = Chain()
+    scaler = mpext.GradScaler("cpu")
+    opt = AdamW(model.parameters(), lr=1e-2)
+    release = opt.release_grads(bucket_bytes=0, scaler=scaler, max_grad_norm=1.0,
+                                clip="previous")
+    x = torch.randn(5, 8)
+    with poisoned():
+        scaler.scale(model(x)).backward()
+    scaler.update()
+    assert release.last_grad_norm.item() == 0.0  # none before: the next step is not clipped
+    scaler.scale(model(x)).backward()
+    scaler.update()
+    norm = release.last_grad_norm
+    with poisoned():
+        scaler.scale(model(x)).backward()
+    scaler.update()
+    assert release.last_grad_norm.item() == norm.item() > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: the gradients are not all alive at once.
 

@@ -63,7 +63,8 @@ param's mesh and placements (so ``torch.distributed.checkpoint`` saves and resha
 The package, one job per module (docs/contributing.md, "Python optimizer package"):
 ``adam`` the Adam/AdamW rules; ``formats`` the state formats and their Python codecs;
 ``_state`` state creation and conversion; ``_engine`` the fused launch planner; ``_base`` the
-shared optimizer base; ``lr_scheduler`` device-side schedules.
+shared optimizer base; ``lr_scheduler`` device-side schedules; ``_release`` gradient release
+(``release_grads()``: the step inside backward, docs/gradient_release.md).
 """
 from .adam import Adam, AdamW
 from .formats import MIN_8BIT_NUMEL, q8_decode, q8_encode

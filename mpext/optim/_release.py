@@ -325,8 +325,9 @@ class GradRelease:
             return
         if self.max_grad_norm is not None and self.clip == "previous":
             norm = self._sumsq.sqrt().to(F32)
-            if self._norm is not None and self._found is not None:
-                norm = torch.where(self._found.to(norm.device) != 0, self._norm, norm)
+            if self._found is not None:  # a skipped step keeps the norm before it (0: none)
+                prev = torch.zeros_like(norm) if self._norm is None else self._norm
+                norm = torch.where(self._found.to(norm.device) != 0, prev, norm)
             self._norm = norm
         found = self._found
         if found is not None:
