@@ -134,6 +134,36 @@ def test_adam_with_l2_decay_and_param_groups():
     train_both(model, opt, twin, topt, 3, 5000)
 
 
+def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step():
+    model, opt, twin, topt = pair("bf16-remainder")
+    scaler, tscaler = mpext.GradScaler("cpu"), mpext.GradScaler("cpu")
+    release = topt.release_grads(bucket_bytes=20000, scaler=tscaler, max_grad_norm=1.0,
+                                 clip="previous")
+    head_only = twin.emb.weight.sum()  # a last micro-batch that leaves the body without grads
+    for micro in range(3):
+        scaler.scale(loss_of(model, micro)).backward()
+    norm = nn.utils.get_total_norm([p.grad.float() for p in model.parameters()])
+    scaler.step(opt)
+    scaler.update()
+    for micro in range(2):
+        with release.accumulate():
+            tscaler.scale(loss_of(twin, micro)).backward()
+    assert twin.body[0].weight.grad is not None  # accumulated, not stepped
+    tscaler.scale(loss_of(twin, 2)).backward()
+    tscaler.update()
+    assert_same_state(model, opt, twin, topt)  # the first step is not clipped
+    assert torch.allclose(release.last_grad_norm, norm / scaler.get_scale(), rtol=1e-4)
+    with release.accumulate():
+        loss_of(twin, 99).backward()
+    (head_only * 0).backward()  # steps the params with only accumulated gradients too
+    assert all(p.grad is None for p in twin.parameters())
+    with release.accumulate():
+        loss_of(twin, 98).backward()
+    release.clip = "exact"
+    with pytest.raises(RuntimeError, match="cannot follow accumulate"):
+        release.backward(loss_of(twin, 97))
+
+
 def test_the_tied_weight_is_stepped_once_with_its_whole_gradient():
     model, opt, twin, topt = pair("fp32")
     topt.release_grads(bucket_bytes=0)

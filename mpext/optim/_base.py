@@ -24,6 +24,7 @@ from .._common import dtype_name, has_kernel, is_dense, is_real
 from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from . import formats as F
 from ._engine import StepItem
+from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
 from ._tensors import DTensor, F32, is_dtensor, local
 
@@ -367,7 +368,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     _grad_release = None  # the GradRelease while one is active
 
-    def release_grads(self, *, bucket_bytes: int = 4 * 2 ** 20, scaler=None,
+    def release_grads(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, scaler=None,
                       max_grad_norm: Optional[float] = None, clip: str = "exact"):
         """Steps the params inside every backward pass from now on, as their gradients
         complete, and frees each gradient once stepped (docs/gradient_release.md). Returns the
@@ -376,7 +377,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         Params are stepped in buckets of about ``bucket_bytes`` of gradients (one fused launch
         each); the last, partial bucket when the backward ends. With no clipping and no inf/NaN
         the result has the same bits as ``step()`` after backward. ``step()`` (and so
-        ``scaler.step``) is refused meanwhile; ``zero_grad()`` has nothing left to clear.
+        ``scaler.step``) is refused meanwhile; ``zero_grad()`` has nothing left to clear;
+        gradient accumulation goes through the handle's ``accumulate()``.
 
         Args:
             bucket_bytes: gradient bytes per launch (default 4 MiB; 0: one launch per param).
@@ -389,7 +391,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 step goes through ``release.backward(loss)``; "previous": one pass, clipping
                 with the previous step's global norm (the first step is not clipped).
         """
-        from ._release import GradRelease
         return GradRelease(self, bucket_bytes=bucket_bytes, scaler=scaler,
                            max_grad_norm=max_grad_norm, clip=clip)
 

@@ -23,6 +23,7 @@ skipped step then changes nothing at all) and steps in a second; ``clip="previou
 the global norm of the previous backward (one pass). The clip coefficient is folded into the
 kernel's gradient multiplier (``inv_scale``), on the device.
 """
+import contextlib
 import math
 import weakref
 from typing import Any, Dict, List, Optional
@@ -102,6 +103,8 @@ class GradRelease:
         self._pending = 0
         self._task: Optional[int] = None  # the graph task of the open backward, None: none open
         self._token = lambda: None
+        self._paused = False       # inside accumulate()
+        self._accumulated = False  # accumulate() ran since the last step
         self._last_task = -1
         self._norm_pass = False           # exact clipping: the pass that measures the norm
         self._norm_ready = False          # exact clipping: the norm of this step is known
@@ -134,6 +137,11 @@ class GradRelease:
         gradients, freeing each as soon as it is read, and checks them for inf/NaN; the second
         steps every param with the clipped gradient."""
         if self.max_grad_norm is not None and self.clip == "exact":
+            if self._accumulated:
+                raise RuntimeError(
+                    "%s: clip=\"exact\" cannot follow accumulate(): its norm pass frees the "
+                    "accumulated gradients before the pass that steps; use clip=\"previous\""
+                    % self._name)
             retain = kwargs.pop("retain_graph", None)
             self._norm_pass = True
             try:
@@ -148,6 +156,28 @@ class GradRelease:
             return
         loss.backward(**kwargs)
 
+    @contextlib.contextmanager
+    def accumulate(self):
+        """A context in which backward passes only accumulate the gradients (nothing is
+        stepped or freed): gradient accumulation over micro-batches, whose last backward,
+        outside the context, steps with the sum (the same bits as accumulating and then
+        ``step()``)::
+
+            for x in micro_batches[:-1]:
+                with release.accumulate():
+                    loss_fn(model(x)).backward()
+            loss_fn(model(micro_batches[-1])).backward()   # steps
+
+        The accumulated gradients are alive until that step, as without release."""
+        if self._task is not None:
+            raise RuntimeError("%s: accumulate() during a backward pass" % self._name)
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
+        self._accumulated = True
+
     def remove(self) -> None:
         """Ends the release: the hooks go, ``step()`` works again."""
         if self._task is not None:
@@ -161,14 +191,17 @@ class GradRelease:
 
     def refusal(self, what: str) -> str:
         return ("%s is refused while the optimizer's gradients are released: each backward "
-                "steps the params as their gradients complete and frees the gradients (so "
-                "gradient accumulation over several backward passes is not possible either); "
-                "call remove() on the GradRelease to step by hand again" % what)
+                "steps the params as their gradients complete and frees the gradients (to "
+                "accumulate over micro-batches, run all but the last backward inside "
+                "release.accumulate()); call remove() on the GradRelease to step by hand "
+                "again" % what)
 
     # -----------------------------------------------------------------------------------------
     # The hooks.
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self._paused:
+            return
         task = _task_id()
         if self._task is not None and task != self._task and self._token() is None:
             self._abandon()  # the open backward failed: its callback will never run
@@ -313,6 +346,12 @@ class GradRelease:
     def _end(self, token: "_Token") -> None:
         """The end of a backward pass: the last bucket, then the step's records."""
         try:
+            if self._accumulated and not self._norm_pass:
+                # Params that had gradients accumulated but none from this backward: step()
+                # would step them too.
+                queued = {id(p) for p in self._bucket}
+                self._bucket += [p for group in self._opt.param_groups for p in group["params"]
+                                 if p.grad is not None and id(p) not in queued]
             self._flush()
         finally:
             self._last_task, self._task = self._task, None
@@ -329,6 +368,7 @@ class GradRelease:
                 prev = torch.zeros_like(norm) if self._norm is None else self._norm
                 norm = torch.where(self._found.to(norm.device) != 0, prev, norm)
             self._norm = norm
+        self._accumulated = False
         found = self._found
         if found is not None:
             self.scaler._record_released_step(opt, found)
