@@ -73,8 +73,9 @@ class GradRelease:
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             raise NotImplementedError(
-                "%s: not supported with more than one process: the hooks fire before DDP or "
-                "FSDP has reduced the gradient, so each rank would step its own" % name)
+                "%s: not supported with more than one process: under DDP the hooks fire before "
+                "the gradient is reduced, so each rank would step its own, and FSDP2's sharded "
+                "params are not supported (docs/gradient_release.md)" % name)
         params = []
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -112,6 +113,7 @@ class GradRelease:
         self._inv_scale: Optional[torch.Tensor] = None
         self._sumsq: Optional[torch.Tensor] = None
         self._norm: Optional[torch.Tensor] = None  # the latest step's global norm (clipping)
+        self._mult: Optional[torch.Tensor] = None  # this backward's gradient multiplier
         self._one: Dict[torch.device, torch.Tensor] = {}
         self.buckets_stepped = 0  # counters: buckets launched / backward passes seen
         self.backward_passes = 0
@@ -251,6 +253,7 @@ class GradRelease:
         self._token = weakref.ref(token)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(token))
         if self._norm_ready:  # exact clipping's stepping pass: the norm pass set up the step
+            self._mult = self._multiplier()
             return
         self._run_pre_hooks(opt)
         device = self._state_device(opt)
@@ -264,6 +267,8 @@ class GradRelease:
             self._inv_scale = self._found = None
         if clipping:
             self._sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        if not self._norm_pass:
+            self._mult = self._multiplier()
 
     def _run_pre_hooks(self, opt) -> None:
         """The optimizer's step pre-hooks (global, then its own), when a step begins."""
@@ -293,7 +298,9 @@ class GradRelease:
             items = opt._items(only={id(p) for p in bucket})
             if self._found is not None:
                 self._check_finite(bucket)
-            opt._launch(items, self._multiplier(bucket), self._found)
+            if self.max_grad_norm is not None and self.clip == "previous":
+                self._add_norm(bucket)  # the norm that clips the next step
+            opt._launch(items, self._mult, self._found)
             self.buckets_stepped += 1
             for p in bucket:
                 p.grad = None
@@ -327,19 +334,13 @@ class GradRelease:
             n = _ops.grad_norm(grads, inv_scale=inv).to(self._sumsq.device, torch.float64)
             self._sumsq.add_(n * n)
 
-    def _multiplier(self, bucket) -> Optional[torch.Tensor]:
-        """The kernel's gradient multiplier: 1/scale, times the clip coefficient."""
-        if self.max_grad_norm is None:
+    def _multiplier(self) -> Optional[torch.Tensor]:
+        """The kernel's gradient multiplier for this backward's buckets: 1/scale, times the
+        clip coefficient (made once per backward, on the device)."""
+        if self.max_grad_norm is None or self._norm is None:  # "previous" has none at first
             return self._inv_scale
-        if self.clip == "previous":
-            self._add_norm(bucket)
-            norm = self._norm
-            if norm is None:  # the first step: no previous norm, no clipping
-                return self._inv_scale
-        else:
-            norm = self._norm
         # torch.nn.utils.clip_grad_norm_'s coefficient
-        coef = (self.max_grad_norm / (norm.to(F32) + 1e-6)).clamp(max=1.0)
+        coef = (self.max_grad_norm / (self._norm.to(F32) + 1e-6)).clamp(max=1.0)
         return coef if self._inv_scale is None else self._inv_scale * coef.to(
             self._inv_scale.device)
 
