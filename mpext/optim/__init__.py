@@ -63,7 +63,10 @@ DTensor params (FSDP2's sharded ones, or any ``torch.distributed.tensor.DTensor`
 through their local shards, as torch's fused AdamW does: the update is element-wise, so each rank
 updates its own shard with no communication. Their moments and masters are DTensors with the
 param's mesh and placements (so ``torch.distributed.checkpoint`` saves and reshards them), and
-``step`` is a plain scalar tensor on the param's device, as in torch.
+``step`` is a plain scalar tensor on the param's device, as in torch. Stochastic rounding draws
+each element's bits at its position in the whole param (a Shard(0) shard's global offset), so a
+sharded run rounds as one process; under ``ZeroRedundancyOptimizer`` call
+``use_global_sr_streams(zero)`` so that each param keeps the stream one process gives it.
 
 The package, one job per module (docs/contributing.md, "Python optimizer package"):
 ``adam`` the Adam/AdamW rules, ``lion`` and ``sgd`` the Lion and SGD rules; ``formats`` the
@@ -74,9 +77,10 @@ shared optimizer base; ``lr_scheduler`` device-side schedules.
 from .adam import Adam, AdamW
 from .lion import Lion
 from .sgd import SGD
+from ._base import use_global_sr_streams
 from .formats import MIN_8BIT_NUMEL, q8_decode, q8_encode
 from . import formats
 from . import lr_scheduler  # mpext.optim.lr_scheduler, as torch.optim has it
 
 __all__ = ["Adam", "AdamW", "Lion", "SGD", "formats", "lr_scheduler", "MIN_8BIT_NUMEL",
-           "q8_decode", "q8_encode"]
+           "q8_decode", "q8_encode", "use_global_sr_streams"]

@@ -99,6 +99,9 @@ class StepItem(NamedTuple):
     lr: Union[float, torch.Tensor]
     hyper: Any  # AdamHyper, or another rule's (see AdamHyper)
     stream: int  # the param's stochastic-rounding stream, in [0, 2^32)
+    # the position of the param's first element in its whole parameter (a DTensor's shard:
+    # its global offset), added to every element's stochastic-rounding position
+    offset: int = 0
 
 
 def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -130,6 +133,7 @@ class _Launch(NamedTuple):
     steps: list
     remainders: list
     streams: list
+    offsets: list
     scales: list
     emas: list
 
@@ -150,7 +154,8 @@ def _op_call(launch: _Launch, lr: torch.Tensor, hyper: Any,
                   else launch.remainders,
                   master_free=hyper.master_free, stochastic_rounding=hyper.stochastic_rounding,
                   moments_round_nearest=hyper.moments_round_nearest, seed=seed,
-                  sr_streams=launch.streams, block_size=hyper.block_size,
+                  sr_streams=launch.streams,
+                  offsets=launch.offsets if any(launch.offsets) else None, block_size=hyper.block_size,
                   ema_params=None if all(e is empty for e in launch.emas) else launch.emas,
                   ema_decay=hyper.ema_decay)
     for name, scales in zip(hyper.scale_names, launch.scales):
@@ -167,7 +172,7 @@ def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
     assembled before the first launch, so a failing check leaves everything unchanged."""
     calls: Dict[tuple, List[StepItem]] = {}
     for item in items:
-        p, _, _, _, lr, hyper, _ = item  # unpacked: cheaper than seven field reads per param
+        p, _, _, _, lr, hyper, _, _ = item  # unpacked: cheaper than field reads per param
         lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
         calls.setdefault((p.device, lr_key, type(hyper), hyper), []).append(item)
     launches = []
@@ -182,9 +187,9 @@ def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
         dev_inv, dev_found, empty, empty16 = per_device[device]
         quantities = hyper.quantities()
         nlists = len(hyper.scale_names)
-        launch = _Launch([], [], [[] for _ in range(nlists)], [], [], [], [],
+        launch = _Launch([], [], [[] for _ in range(nlists)], [], [], [], [], [],
                          [[] for _ in range(nlists)], [])
-        for p, g, state, storage, _, _, stream in entries:
+        for p, g, state, storage, _, _, stream, offset in entries:
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
                 copy = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -202,6 +207,7 @@ def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
             launch.masters.append(empty if storage is None or is_remainder else storage)
             launch.remainders.append(storage if is_remainder else empty16)
             launch.streams.append(stream)
+            launch.offsets.append(offset)
             ema = state.get("ema_param")
             launch.emas.append(empty if ema is None else local(ema))
         lr_t = lr_tensors.get((device, slots[device]), device, entries[0].lr)
