@@ -1155,18 +1155,25 @@ def _sr_body(rank, out_dir):
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     out = {}
-    for name in SR_CASES:
+    # HSDP (a 2-D mesh: Replicate x Shard(0)) with a replicate dimension of 1, in the 2-rank
+    # group: the same offsets through the 2-D placements.
+    runs = [(name, name, mesh) for name in SR_CASES]
+    if world == 2:
+        runs.append(("hsdp_sr_bf16_moments", "sr_bf16_moments",
+                     init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))))
+    for label, name, run_mesh in runs:
         model = _sr_mlp()
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+                fully_shard(layer, mesh=run_mesh, mp_policy=policy)
+        fully_shard(model, mesh=run_mesh, mp_policy=policy)
         params = list(model.parameters())
         opt = _sr_opt(name, params)
         _sr_train(model, opt)
-        out[name] = {"params": [p.detach().full_tensor() for p in params],
-                     "state": _full_state(opt, params),
-                     "local_numel": [p.to_local().numel() for p in params]}
+        out[label] = {"params": [p.detach().full_tensor() for p in params],
+                      "state": _full_state(opt, params),
+                      "local_numel": [p.to_local().numel() for p in params],
+                      "placements": [str(p.placements) for p in params]}
 
     # A shard that is not one run of the whole param: refused where bits depend on the
     # position, stepped where they do not.
@@ -1217,18 +1224,21 @@ def _sr_reference(name):
     return params, _full_state(opt, params)
 
 
-@pytest.mark.parametrize("world", SR_WORLDS)
-@pytest.mark.parametrize("name", list(SR_CASES))
-def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, name, world):
-    """After 6 steps under FSDP2 (uneven and empty shards, blocks cut by shards), every rank
-    holds one process's params and state, bit for bit."""
+@pytest.mark.parametrize("world,label,name",
+                         [(w, n, n) for w in SR_WORLDS for n in SR_CASES]
+                         + [(2, "hsdp_sr_bf16_moments", "sr_bf16_moments")])
+def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, world, label, name):
+    """After 6 steps under FSDP2 (uneven and empty shards, blocks cut by shards; and HSDP's
+    2-D placements), every rank holds one process's params and state, bit for bit."""
     sr_results = sr_runs[world]
-    assert any(n == 0 for n in sr_results[-1][name]["local_numel"])  # an empty shard
+    assert any(n == 0 for n in sr_results[-1][label]["local_numel"])  # an empty shard
+    if label.startswith("hsdp"):
+        assert sr_results[0][label]["placements"][0] == "(Replicate(), Shard(dim=0))"
     params, state = _sr_reference(name)
     init = list(_sr_mlp().parameters())
     assert any(not torch.equal(a, b) for a, b in zip(params, init))  # training moved them
     for r in sr_results:
-        got = r[name]
+        got = r[label]
         for i, (a, b) in enumerate(zip(params, got["params"])):
             assert _equal_bits(a.detach(), b), "%s: param %d" % (name, i)
         for i, (sa, sb) in enumerate(zip(state, got["state"])):
