@@ -35,13 +35,13 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 # Spawning.
 
 
-def _entry(rank, out_dir, body):
+def _entry(rank, out_dir, body, world=WORLD):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     # The rendezvous goes through a file in the run's own directory: no port to pick (and lose
     # to another process between picking and binding); gloo's own sockets bind on loopback.
     dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"),
-                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=90))
+                            rank=rank, world_size=world, timeout=timedelta(seconds=90))
     try:
         results = body(rank, out_dir)
         torch.save(results, os.path.join(out_dir, "rank%d.pt" % rank))
@@ -50,9 +50,9 @@ def _entry(rank, out_dir, body):
         dist.destroy_process_group()
 
 
-def _spawn(body, out_dir):
-    """Runs body(rank, out_dir) on WORLD gloo ranks; returns what each rank returned."""
-    ctx = mp.start_processes(_entry, args=(str(out_dir), body), nprocs=WORLD,
+def _spawn(body, out_dir, world=WORLD):
+    """Runs body(rank, out_dir) on `world` gloo ranks; returns what each rank returned."""
+    ctx = mp.start_processes(_entry, args=(str(out_dir), body, world), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
@@ -61,9 +61,9 @@ def _spawn(body, out_dir):
                 if p.is_alive():
                     p.kill()
             pytest.fail("the %d-rank run did not finish within %d s (a hung collective?)"
-                        % (WORLD, SPAWN_TIMEOUT_S))
+                        % (world, SPAWN_TIMEOUT_S))
     return [torch.load(os.path.join(out_dir, "rank%d.pt" % r), weights_only=False)
-            for r in range(WORLD)]
+            for r in range(world)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1098,3 +1098,182 @@ def test_one_process_checkpoint_into_two_fsdp2_ranks_of_another_format(results, 
             for k in ref:
                 assert _equal_bits(via_dcp[k], ref[k]), (src, dst, k)
                 assert _equal_bits(direct[k], ref[k]), (src, dst, k)
+
+
+# --------------------------------------------------------------------------------------------
+# Stochastic rounding on any mesh: a sharded run draws the bits of one process. Every rank
+# trains on the same full batch, so the reduced gradients are one process's (an fp32
+# reduce-scatter of equal bf16 values, divided by the world size, is exact).
+
+SR_STEPS = range(6)
+SR_LR = dict(lr=1e-2)
+SR_CASES = {  # name -> (rule, keywords): every format whose bits depend on the position
+    "remainder_bf16_moments": ("AdamW", dict(param_remainders=True,
+                                             exp_avg_dtype=torch.bfloat16,
+                                             exp_avg_sq_dtype=torch.bfloat16)),
+    "sr_bf16_moments": ("AdamW", dict(master_weights=False, stochastic_rounding=True,
+                                      exp_avg_dtype=torch.bfloat16,
+                                      exp_avg_sq_dtype=torch.bfloat16)),
+    "sr_fp32_moments": ("AdamW", dict(master_weights=False, stochastic_rounding=True)),
+    "sr_bf16_moments_ema": ("AdamW", dict(master_weights=False, stochastic_rounding=True,
+                                          exp_avg_dtype=torch.bfloat16,
+                                          exp_avg_sq_dtype=torch.bfloat16, ema_decay=0.9)),
+    "lion_sr": ("Lion", dict(master_weights=False, stochastic_rounding=True, lr=1e-3)),
+    "sgd_sr_bf16_momentum": ("SGD", dict(master_weights=False, stochastic_rounding=True,
+                                         momentum=0.9, momentum_dtype=torch.bfloat16)),
+}
+
+
+def _sr_mlp():
+    """Dims no world size of 2 or 3 divides: shards are uneven, the 37 x 8 and 19 x 37 weights
+    are cut inside a 256-element block, and the last layer's one row leaves empty shards."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 37), nn.Tanh(), nn.Linear(37, 19), nn.Tanh(),
+                         nn.Linear(19, 1)).to(torch.bfloat16)
+
+
+def _sr_opt(name, params):
+    rule, kw = SR_CASES[name]
+    return getattr(mpext.optim, rule)(params, **dict(SR_LR, seed=7, **kw))
+
+
+def _sr_train(model, opt, steps=SR_STEPS):
+    for step in steps:
+        x, y = _batch(step)  # the full batch on every rank
+        opt.zero_grad(set_to_none=True)
+        ((model(x.to(torch.bfloat16)).float() - y) ** 2).mean().backward()
+        opt.step()
+
+
+def _sr_body(rank, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    out = {}
+    # HSDP (a 2-D mesh: Replicate x Shard(0)) with a replicate dimension of 1, in the 2-rank
+    # group: the same offsets through the 2-D placements.
+    runs = [(name, name, mesh) for name in SR_CASES]
+    if world == 2:
+        runs.append(("hsdp_sr_bf16_moments", "sr_bf16_moments",
+                     init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))))
+    for label, name, run_mesh in runs:
+        model = _sr_mlp()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=run_mesh, mp_policy=policy)
+        fully_shard(model, mesh=run_mesh, mp_policy=policy)
+        params = list(model.parameters())
+        opt = _sr_opt(name, params)
+        _sr_train(model, opt)
+        out[label] = {"params": [p.detach().full_tensor() for p in params],
+                      "state": _full_state(opt, params),
+                      "local_numel": [p.to_local().numel() for p in params],
+                      "placements": [str(p.placements) for p in params]}
+
+    # A shard that is not one run of the whole param: refused where bits depend on the
+    # position, stepped where they do not.
+    full = torch.randn(4, 6).to(torch.bfloat16)
+    refused = {}
+    for label, kw in (("sr", dict(master_weights=False, stochastic_rounding=True)),
+                      ("master", {})):
+        p = nn.Parameter(distribute_tensor(full, mesh, [Shard(1)]))
+        p.grad = distribute_tensor(torch.ones(4, 6, dtype=torch.bfloat16), mesh, [Shard(1)])
+        opt = mpext.optim.AdamW([p], **kw)
+        before = p.detach().full_tensor()
+        try:
+            opt.step()
+            refused[label] = None
+        except ValueError as e:
+            refused[label] = str(e)
+            refused[label + "_unchanged"] = torch.equal(p.detach().full_tensor(), before)
+    out["refused"] = refused
+
+    if world == 2:  # ZeRO: each rank steps a partition; the global order gives the streams
+        for label, use_global in (("zero", True), ("zero_local_streams", False)):
+            model = _sr_mlp()
+            params = list(model.parameters())
+            zero = ZeroRedundancyOptimizer(params, optimizer_class=mpext.optim.AdamW,
+                                           **SR_LR, seed=7, **SR_CASES["sr_bf16_moments"][1])
+            if use_global:
+                assert mpext.optim.use_global_sr_streams(zero) is zero
+            _sr_train(model, zero)
+            out[label] = {"params": [p.detach().clone() for p in params],
+                          "partition": [len(g["params"]) for g in zero.optim.param_groups]}
+    return out
+
+
+SR_WORLDS = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def sr_runs(tmp_path_factory):
+    """world size -> what each rank of that group returned."""
+    return {w: _spawn(_sr_body, tmp_path_factory.mktemp("sr%d" % w), w) for w in SR_WORLDS}
+
+
+def _sr_reference(name):
+    model = _sr_mlp()
+    params = list(model.parameters())
+    opt = _sr_opt(name, params)
+    _sr_train(model, opt)
+    return params, _full_state(opt, params)
+
+
+@pytest.mark.parametrize("world,label,name",
+                         [(w, n, n) for w in SR_WORLDS for n in SR_CASES]
+                         + [(2, "hsdp_sr_bf16_moments", "sr_bf16_moments")])
+def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, world, label, name):
+    """After 6 steps under FSDP2 (uneven and empty shards, blocks cut by shards; and HSDP's
+    2-D placements), every rank holds one process's params and state, bit for bit."""
+    sr_results = sr_runs[world]
+    assert any(n == 0 for n in sr_results[-1][label]["local_numel"])  # an empty shard
+    if label.startswith("hsdp"):
+        assert sr_results[0][label]["placements"][0] == "(Replicate(), Shard(dim=0))"
+    params, state = _sr_reference(name)
+    init = list(_sr_mlp().parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(params, init))  # training moved them
+    for r in sr_results:
+        got = r[label]
+        for i, (a, b) in enumerate(zip(params, got["params"])):
+            assert _equal_bits(a.detach(), b), "%s: param %d" % (name, i)
+        for i, (sa, sb) in enumerate(zip(state, got["state"])):
+            assert sorted(sa) == sorted(sb), name
+            for key in sa:
+                assert _equal_bits(sa[key], sb[key]), "%s: param %d %s" % (name, i, key)
+
+
+@pytest.mark.parametrize("world", SR_WORLDS)
+def test_dtensor_placement_without_global_positions_is_refused_for_stochastic_rounding(
+        sr_runs, world):
+    refused = sr_runs[world][0]["refused"]
+    assert "Shard(dim=1)" in refused["sr"] and "param 0 of group 0" in refused["sr"]
+    assert refused["sr_unchanged"]
+    assert refused["master"] is None  # FP32 masters and moments draw no bits: any placement
+
+
+def test_zero_with_global_sr_streams_gives_the_bits_of_one_process(sr_runs):
+    """ZeroRedundancyOptimizer(optimizer_class=mpext.optim.AdamW) in master-free SR with BF16
+    moments at 2 ranks, after use_global_sr_streams: one process's params; without it the
+    partition's own numbering of the streams rounds otherwise (the control that shows the test
+    can fail)."""
+    sr_results = sr_runs[2]
+    params, _ = _sr_reference("sr_bf16_moments")
+    for r in sr_results:
+        assert 0 < r["zero"]["partition"][0] < len(params)  # each rank steps a part
+        for i, (a, b) in enumerate(zip(params, r["zero"]["params"])):
+            assert _equal_bits(a.detach(), b), "param %d" % i
+    assert any(not _equal_bits(a.detach(), b)
+               for a, b in zip(params, sr_results[0]["zero_local_streams"]["params"]))
+
+
+def test_use_global_sr_streams_takes_only_a_zero_of_an_mpext_optimizer():
+    opt = mpext.optim.AdamW([nn.Parameter(torch.zeros(3))])
+    with pytest.raises(TypeError, match="use_global_sr_streams: zero must be a "
+                                        "ZeroRedundancyOptimizer"):
+        mpext.optim.use_global_sr_streams(opt)
+    assert not hasattr(opt, "_sr_stream_index")

@@ -1,4 +1,5 @@
-// CUDA implementation of adam_step_: validate (plan_adam, shared with the CPU op), then hand raw
+// CUDA implementation of adam_step_, lion_step_ and sgd_step_: validate (plan_step, shared with
+// the CPU ops), then hand raw
 // device pointers to the multi-tensor launcher of mpext/adam_cuda.h on the current stream of the
 // params' device. The skip decision (found_inf), the step counts, inv_scale and a device lr are
 // read by the kernels themselves, so nothing here waits for the device: the op is free of host
@@ -39,23 +40,27 @@ bool stream_is_capturing(cudaStream_t stream) {
 struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
-  static void adam_step(const AdamPlan& plan, const c10::Device& device) {
+  static void step(const AdamPlan& plan, const c10::Device& device, const char* op) {
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // A host lr becomes a kernel argument. Inside a CUDA graph it would be frozen at its value
     // at capture time, silently ignoring later changes to the tensor: refuse that.
     TORCH_CHECK(plan.options.lr != nullptr || !stream_is_capturing(stream),
-                "mpext.adam_step_: lr is on the CPU, so its value would be frozen into the CUDA "
+                "mpext.", op, ": lr is on the CPU, so its value would be frozen into the CUDA "
                 "graph being captured; put lr on ", device, " to capture this op");
     check_cuda_status(mp_adam_step_multi_cuda(plan.tensors.data(),
                                               static_cast<int64_t>(plan.tensors.size()),
                                               &plan.options, stream),
-                      "adam_step_");
+                      op);
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mpext, CUDA, m) { m.impl("adam_step_", &adam_step<Cuda>); }
+TORCH_LIBRARY_IMPL(mpext, CUDA, m) {
+  m.impl("adam_step_", &adam_step<Cuda>);
+  m.impl("lion_step_", &lion_step<Cuda>);
+  m.impl("sgd_step_", &sgd_step<Cuda>);
+}
 
 }  // namespace mpext

@@ -12,6 +12,7 @@ optimizers) and :func:`ema_swapped`.
 import contextlib
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
@@ -26,7 +27,7 @@ from . import formats as F
 from ._engine import StepItem
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
-from ._tensors import DTensor, F32, is_dtensor, local
+from ._tensors import DTensor, F32, is_dtensor, local, shard_offset
 
 _STRIDED = torch.strided
 
@@ -83,6 +84,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_caches(self) -> None:
         self._lr_tensors = LrTensors()
+
+    def _moments_of(self, group: Dict[str, Any]) -> Tuple[F.Quantity, ...]:
+        """The moment quantities a group's params keep: the rule's ``moments`` (SGD keeps none
+        without momentum)."""
+        return self.moments
 
     def _moment_settings(self) -> Tuple[str, ...]:
         return tuple(q.setting for q in self.moments)
@@ -181,7 +187,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.dtype is torch.float16 and group["param_remainders"]:
                     raise ValueError(F.FP16_REMAINDER % ("%s: params[%d]%s"
                                                          % (self._name(), j, where)))
-                check_q8_param(p, group, self.moments,
+                check_q8_param(p, group, self._moments_of(group),
                                "%s: params[%d]%s" % (self._name(), j, where))
                 if not has_kernel(self._op, p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
@@ -233,7 +239,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         before anything is written (state is created lazily, which changes no value a reader
         relies on)."""
         checked = []
-        stream = -1  # the param's position in the optimizer: its stochastic-rounding stream
+        # The param's stochastic-rounding stream: its position in the optimizer, or in the
+        # whole model's optimizer where this one steps a partition (use_global_sr_streams).
+        index = getattr(self, "_sr_stream_index", None)
+        index = None if index is None else index()
+        stream = -1
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, " (param group %d)" % gi)
             hyper = self._hyper(group)
@@ -247,14 +257,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                         and pdt in PARAM_DTYPES and g.device == device
                         and g.shape == p.shape):
                     self._bad_grad(p, g, j, gi)
+                offset = 0
                 if is_dtensor(p) or is_dtensor(g):
                     g = self._local_grad(p, g, j, gi)
-                checked.append((p, g, group, hyper, stream, "param %d of group %d" % (j, gi)))
+                    offset = self._shard_offset(p, group, j, gi)
+                sr = stream if index is None else self._global_stream(index, p, j, gi)
+                checked.append((p, g, group, hyper, sr, offset,
+                                "param %d of group %d" % (j, gi)))
         # Every param's state in its group's form, converted on copies: a conversion refused
         # for one param (a master that is not its param's round) leaves every state as it was.
-        staged = [self._state_of(p, group, where) for p, _, group, _, _, where in checked]
+        staged = [self._state_of(p, group, where) for p, _, group, _, _, _, where in checked]
         items = []
-        for (p, g, group, hyper, stream, _), new in zip(checked, staged):
+        for (p, g, group, hyper, stream, offset, _), new in zip(checked, staged):
             state = self.state[p]
             state.clear()
             state.update(new)
@@ -263,8 +277,46 @@ class FusedOptimizer(torch.optim.Optimizer):
                 storage = state.get("param_remainder")
             items.append(StepItem(local(p), g, state,
                                   None if storage is None else local(storage),
-                                  group["lr"], hyper, stream))
+                                  group["lr"], hyper, stream, offset))
         return items
+
+    def _draws_bits(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        """Whether the step of ``p`` draws stochastic-rounding bits (which depend on its
+        elements' positions): a master-free SR param, or a 16-bit or 8-bit moment rounded
+        stochastically."""
+        if group.get("stochastic_rounding", False) and not group.get("master_weights", True) \
+                and p.dtype in LOW_DTYPES:
+            return True
+        return group.get("moment_rounding", "stochastic") == "stochastic" and any(
+            F.moment_format(p, group, q)[0] is not F.FP32 for q in self._moments_of(group))
+
+    def _shard_offset(self, p: torch.Tensor, group: Dict[str, Any], j: int, gi: int) -> int:
+        """The global offset of a DTensor param's local shard (_tensors.shard_offset); a
+        placement whose shard is not one run of the whole param is refused where the step
+        draws bits by position, and position-free formats take any placement."""
+        offset = shard_offset(p)
+        if offset is not None:
+            return offset
+        if not self._draws_bits(p, group):
+            return 0
+        raise ValueError(
+            "%s: param %d of group %d is a DTensor placed as %s on a mesh of shape %s, with "
+            "sizes %s and strides %s: stochastic rounding (master-free SR or 16-bit moments) "
+            "draws its bits by the element's position in the whole param, which is supported "
+            "for Replicate and Shard(0) placements (FSDP2, HSDP) with dim 0 outermost in "
+            "memory; use FP32 moments with masters or remainders, or moment_rounding="
+            "\"nearest\", for this placement"
+            % (self._name(), j, gi, tuple(p.placements), tuple(p.device_mesh.shape),
+               tuple(p.shape), tuple(p.stride())))
+
+    def _global_stream(self, index: Dict[torch.Tensor, int], p: torch.Tensor, j: int,
+                       gi: int) -> int:
+        stream = index.get(p)
+        if stream is None:
+            raise ValueError("%s: param %d of group %d is not among the params of the "
+                             "optimizer that use_global_sr_streams numbers its streams by"
+                             % (self._name(), j, gi))
+        return stream
 
     def _local_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> torch.Tensor:
         """The local shard of a DTensor param's gradient, which must be a DTensor sharded as
@@ -316,8 +368,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = dict(self.state.get(p, {}))
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            new_moments(p, state, group, self.moments)
-        conform_state(p, state, group, self.moments, "%s: %s" % (self._name(), where))
+            new_moments(p, state, group, self._moments_of(group))
+        conform_state(p, state, group, self._moments_of(group),
+                      "%s: %s" % (self._name(), where))
         return state
 
     @torch.no_grad()
@@ -552,7 +605,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(value) == 0:
             return {}
         self._check_saved_state(value, where)
-        return import_param_state(param, value, group, self.moments, where)
+        return import_param_state(param, value, group, self._moments_of(group), where)
+
+
+def use_global_sr_streams(zero: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Makes the mpext optimizer that ``zero`` (a
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``) built for this rank's partition draw
+    each param's stochastic-rounding bits from the stream one process would: the param's
+    position among all of ``zero``'s params (ZeRO's own global order, ``_param_to_index``,
+    which follows params added later too), not its position in the partition. Call it on every
+    rank after constructing ``zero``; returns ``zero``. Needed only for formats that round
+    stochastically (master-free SR, 16-bit moments); docs/distributed.md."""
+    local_opt = getattr(zero, "optim", None)
+    if not isinstance(local_opt, FusedOptimizer) or not hasattr(zero, "_param_to_index"):
+        raise TypeError("use_global_sr_streams: zero must be a ZeroRedundancyOptimizer whose "
+                        "optimizer_class is an mpext.optim optimizer, got %s (optim %s)"
+                        % (type(zero).__name__, type(local_opt).__name__))
+    ref = weakref.ref(zero)  # the wrapper owns the local optimizer, not the other way round
+
+    def index():
+        wrapper = ref()
+        if wrapper is None:
+            raise RuntimeError("use_global_sr_streams: the ZeroRedundancyOptimizer this "
+                               "optimizer numbers its streams by no longer exists")
+        return wrapper._param_to_index
+
+    local_opt._sr_stream_index = index
+    return zero
 
 
 @contextlib.contextmanager

@@ -6,9 +6,9 @@ from typing import Any, Optional
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # a torch built without distributed support
-    DTensor = None
+    DTensor = Shard = None
 
 F32 = torch.float32
 
@@ -23,6 +23,26 @@ def local(t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return t.to_local()
     return t
+
+
+def shard_offset(t: torch.Tensor) -> Optional[int]:
+    """The position, in the whole tensor's memory order, of the first element of a DTensor's
+    local shard (0 for a plain tensor): what the kernels add to an element's position in the
+    shard so that its random bits are the unsharded tensor's. None when the shard is not one
+    run of the whole tensor's memory: a placement other than Replicate and Shard(0) (FSDP2 on
+    one mesh dimension, HSDP's replicate x shard, ...), or a dim 0 that is not outermost."""
+    if not is_dtensor(t):
+        return 0
+    placements = t.placements
+    if all(pl.is_replicate() for pl in placements):
+        return 0
+    if not all(pl.is_replicate() or (type(pl) is Shard and pl.dim == 0) for pl in placements):
+        return None
+    if t.size(0) > 1 and t.stride(0) * t.size(0) != t.numel():
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _, start = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+    return int(start[0]) * t.stride(0) if start else 0
 
 
 def copy_like(param: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
