@@ -233,6 +233,8 @@ FORMATS = {f.name: f for f in (
     _format("remainder-bf16", "remainder", "bfloat16", twin="master-bf16"),
     _format("remainder-q8", "remainder", "q8", twin="master-q8"),
     _format("nearest", "nearest"),
+    _format("nearest-bf16", "nearest", "bfloat16"),
+    _format("nearest-q8", "nearest", "q8"),
     _format("stochastic", "stochastic"),
     _format("stochastic-bf16", "stochastic", "bfloat16"),
     _format("stochastic-q8", "stochastic", "q8"),
