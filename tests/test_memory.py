@@ -1055,14 +1055,14 @@ def test_grad_release_agrees_with_live_tensors():
     params = [torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(6)]
     opt = mpext.optim.AdamW(params, lr=1e-3)
     bucket = 2 * params[0].numel() * 2
-    release = opt.release_grads(bucket_bytes=bucket)
     peak = []
 
-    def watch(_):
+    def watch(_):  # registered first, so it runs before the release's hook frees a bucket
         peak.append(sum(q.grad.numel() * q.grad.element_size() for q in params
                         if q.grad is not None))
 
     hooks = [p.register_post_accumulate_grad_hook(watch) for p in params]
+    release = opt.release_grads(bucket_bytes=bucket)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(2):
         h = x
