@@ -56,12 +56,18 @@ class RuleInfo:
     # the largest step a param takes, in units of lr (Adam's normalized update is about 1;
     # SGD's is the gradient itself): the scale of a lossy format's error per step
     update_scale: float = 1.0
+    # A lossy format's error per step, in units of the step (lr x update_scale), per moment
+    # format: Adam's normalized update moves by a fraction of the moments' rounding; Lion's
+    # sign can flip (2 steps at worst).
+    lossy: Tuple[Tuple[str, float], ...] = (("float32", 1e-3), ("bfloat16", 0.05), ("q8", 0.5))
     # mpext-only constructor kwargs the reference does not take (it is given the others)
     mpext_only: Tuple[str, ...] = ()
+    # False: these kwargs keep no moment (SGD without momentum), whatever the class declares
+    keeps_moments: bool = True
 
     @property
     def moments(self) -> Tuple[F.Quantity, ...]:
-        return tuple(self.cls.moments)
+        return tuple(self.cls.moments) if self.keeps_moments else ()
 
     def make(self, params, **kw) -> torch.optim.Optimizer:
         return self.cls(params, **dict(self.kwargs, **kw))
@@ -136,12 +142,13 @@ COMMON_ERRORS = (
     (dict(lr=-1e-3), ValueError, r"Invalid learning rate: -0.001"),
     (dict(lr=INF), ValueError, r"lr must be finite"),
     (dict(lr="0.1"), TypeError, r"lr must be a float or a 1-element Tensor"),
-    (dict(differentiable=True), ValueError, r"differentiable=True is not supported"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay value: -0.1"),
 )
+# torch.optim's differentiable=True, refused by the fused step (Lion, as lion-pytorch, has none)
+DIFFERENTIABLE = (dict(differentiable=True), ValueError, r"differentiable=True is not supported")
 
 ADAM_ERRORS = _error_inputs(
-    *COMMON_ERRORS,
+    *COMMON_ERRORS, DIFFERENTIABLE,
     (dict(betas=(1.0, 0.9)), ValueError, r"Invalid beta parameter at index 0: 1.0"),
     (dict(betas=(0.9, -0.1)), ValueError, r"Invalid beta parameter at index 1: -0.1"),
     (dict(betas=(0.9,)), ValueError, r"betas must be a pair of floats"),
@@ -172,7 +179,9 @@ def _lion() -> RuleInfo:
     lion = importlib.import_module("lion_pytorch").Lion
     return RuleInfo("lion", mpext.optim.Lion, dict(lr=1e-4, betas=(0.9, 0.99),
                                                    weight_decay=0.1),
-                    lion, _error_inputs(
+                    lion, update_scale=1.5,
+                    lossy=(("float32", 1e-3), ("bfloat16", 2.0), ("q8", 2.0)),
+                    error_inputs=_error_inputs(
                         *COMMON_ERRORS,
                         (dict(betas=(1.5, 0.99)), ValueError, r"Invalid beta parameter at "
                                                               r"index 0: 1.5"),
@@ -180,15 +189,15 @@ def _lion() -> RuleInfo:
                                                                r"index 1: -0.1")))
 
 
-def _sgd(momentum: float, nesterov: bool = False) -> Callable[[], RuleInfo]:
+def _sgd(momentum: float) -> Callable[[], RuleInfo]:
     def make() -> RuleInfo:
-        kw = dict(lr=1e-2, momentum=momentum, weight_decay=0.05, nesterov=nesterov)
-        if momentum and not nesterov:
+        kw = dict(lr=1e-2, momentum=momentum, weight_decay=0.05)
+        if momentum:
             kw["dampening"] = 0.1
-        return RuleInfo("sgd" if not momentum else ("sgd-nesterov" if nesterov
-                                                     else "sgd-momentum"),
-                        mpext.optim.SGD, kw, torch.optim.SGD, _error_inputs(
-                            *COMMON_ERRORS,
+        return RuleInfo("sgd" if momentum else "sgd-plain", mpext.optim.SGD, kw,
+                        torch.optim.SGD, update_scale=10.0 if momentum else 5.0,
+                        keeps_moments=bool(momentum), error_inputs=_error_inputs(
+                            *COMMON_ERRORS, DIFFERENTIABLE,
                             (dict(momentum=-0.5), ValueError, r"Invalid momentum value: -0.5"),
                             (dict(momentum=0.0, nesterov=True), ValueError,
                              r"Nesterov momentum requires a momentum and zero dampening")))
@@ -196,9 +205,8 @@ def _sgd(momentum: float, nesterov: bool = False) -> Callable[[], RuleInfo]:
 
 
 _optional_rule("lion", _lion)
-_optional_rule("sgd", _sgd(0.0))
-_optional_rule("sgd-momentum", _sgd(0.9))
-_optional_rule("sgd-nesterov", _sgd(0.9, nesterov=True))
+_optional_rule("sgd", _sgd(0.9))  # a momentum_buffer
+_optional_rule("sgd-plain", _sgd(0.0))  # no state at all
 
 
 # ---- The formats ----------------------------------------------------------------------------
@@ -259,16 +267,19 @@ def pairs() -> Iterator[Tuple[RuleInfo, FormatInfo]]:
                 yield rule, fmt
 
 
-def conversions() -> Iterator[Tuple[RuleInfo, FormatInfo, FormatInfo, torch.dtype]]:
-    """Every (rule, saved format, loading format, param dtype): a checkpoint of one format
-    loaded by an optimizer of another of the same rule, on params both formats take."""
+def conversions() -> Iterator[Tuple[RuleInfo, FormatInfo, torch.dtype]]:
+    """Every (rule, saved format, param dtype): a checkpoint of that format, for loading by an
+    optimizer of each other format of the rule that takes the dtype (:func:`loaders`)."""
     for rule, a in pairs():
-        for b in FORMATS.values():
-            if not applies(rule, b):
-                continue
-            for dt in a.param_dtypes:
-                if dt in b.param_dtypes:
-                    yield rule, a, b, dt
+        for dt in a.param_dtypes:
+            yield rule, a, dt
+
+
+def loaders(rule: RuleInfo, dtype: torch.dtype) -> Iterator[FormatInfo]:
+    """The formats of ``rule`` for params of ``dtype``."""
+    for b in FORMATS.values():
+        if applies(rule, b) and dtype in b.param_dtypes:
+            yield b
 
 
 def pair_id(pair) -> str:
@@ -315,11 +326,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
+_TORCH_GROUP_DEFAULTS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
+
+
 def snapshot(opt, params):
     """Copies of every param, every state tensor and every group setting but the params."""
     state = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
               for k, v in sorted(opt.state[p].items())} for p in params]
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    # torch's own group keys at their defaults where a group lacks them (torch's __setstate__
+    # adds them on load: not a difference in behaviour)
+    groups = [dict(_TORCH_GROUP_DEFAULTS, **{k: v for k, v in g.items() if k != "params"})
+              for g in opt.param_groups]
     return [p.detach().clone() for p in params], state, groups
 
 
@@ -336,7 +353,9 @@ def assert_same(snap_a, snap_b, what: str = "") -> None:
                 assert same_bits(x[k], y[k]), "%s: state %r of param %d differs" % (what, k, i)
             else:
                 assert x[k] == y[k], "%s: state %r of param %d differs" % (what, k, i)
-    assert ga == gb, what
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        diff = {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)}
+        assert not diff, "%s: group %d's settings differ: %s" % (what, i, diff)
 
 
 def fp32_value(opt, p: torch.Tensor) -> torch.Tensor:
