@@ -267,6 +267,22 @@ def pairs() -> Iterator[Tuple[RuleInfo, FormatInfo]]:
                 yield rule, fmt
 
 
+def covering_pairs() -> Iterator[Tuple[RuleInfo, FormatInfo]]:
+    """Per rule, one pair per param format, the moment formats taken in turn so that each
+    appears: for the tests too slow to run over every pair (torch.compile's tracing), which
+    the formats' combinations do not change beyond their parts."""
+    for rule in RULES.values():
+        used: Dict[str, int] = {}
+        by_param: Dict[str, list] = {}
+        for r, f in pairs():
+            if r is rule:
+                by_param.setdefault(f.param_format, []).append(f)
+        for fmts in by_param.values():
+            f = min(fmts, key=lambda f: used.get(f.moment_format, 0))
+            used[f.moment_format] = used.get(f.moment_format, 0) + 1
+            yield rule, f
+
+
 def conversions() -> Iterator[Tuple[RuleInfo, FormatInfo, torch.dtype]]:
     """Every (rule, saved format, param dtype): a checkpoint of that format, for loading by an
     optimizer of each other format of the rule that takes the dtype (:func:`loaders`)."""

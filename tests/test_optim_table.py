@@ -318,10 +318,14 @@ def test_same_bits_for_every_thread_count_and_isa(rule, fmt, threads):
 
 # ---- torch.compile ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+COVERING = list(T.covering_pairs())
+
+
+@pytest.mark.parametrize("rule,fmt", COVERING, ids=[T.pair_id(p) for p in COVERING])
 def test_compiled_step(rule, fmt):
     """torch.compile(opt.step) for 20 steps: no graph break, at most 2 compiles (the first
-    step's state setup, then the steady step), and the eager run's bits."""
+    step's state setup, then the steady step), and the eager run's bits. (Over the covering
+    pairs: every param format and every moment format of each rule; a compile costs seconds.)"""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ps, qs = T.make_params(fmt.param_dtypes, shapes=SMALL), T.make_params(fmt.param_dtypes,
