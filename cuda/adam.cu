@@ -1,5 +1,8 @@
-// The fused Adam/AdamW step on CUDA devices: the kernels and the launcher behind
-// mpext/adam_cuda.h.
+// The fused optimizer step on CUDA devices (Adam/AdamW, Lion, SGD: the options' rule): the
+// kernels and the launcher behind mpext/adam_cuda.h. One chunk kernel for every rule, a
+// template over the rule's functor (AdamRule, LionRule, SgdRule below: the per-element update of
+// its rule header over fp32 values); the storage paths are the rule's only through how many
+// moments it keeps. Adam's fp32 state also takes the 16-byte vectorized path.
 //
 // Work layout: the multi-tensor engine (multi_tensor.cuh) packs the params into launches, one
 // chunk per block. Thread 0 of a block computes its param's scalars with mpext/adam_rule.h (the
@@ -32,6 +35,8 @@
 #include "access.cuh"
 #include "mpext/adam_cuda.h"
 #include "mpext/adam_rule.h"
+#include "mpext/lion_rule.h"
+#include "mpext/sgd_rule.h"
 #include "multi_tensor.cuh"
 
 namespace {
@@ -50,6 +55,32 @@ constexpr int kMaxSteps = 500;     // step counters per step launch
 static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16");
 static_assert(kQ8Pass == MP_Q8_BLOCK_MAX && mp_cuda::kChunk % kQ8Pass == 0,
               "a block of 8-bit moments must lie within one pass of one chunk");
+
+// The rules: each the update of one element (g, p and moments m, v in fp32; v unused by a rule
+// with one moment, m too by SGD without momentum) with its scalars beside the storage's s.
+struct AdamRule {
+  static constexpr bool kVectorPath = true;
+  MP_CUDA_HD float operator()(float g, float p, float* m, float* v,
+                              const mp_adam_scalars& s) const {
+    return mp_adam_element(g, p, m, v, &s);
+  }
+};
+
+struct LionRule {
+  static constexpr bool kVectorPath = false;
+  mp_lion_scalars r;
+  MP_CUDA_HD float operator()(float g, float p, float* m, float*, const mp_adam_scalars&) const {
+    return mp_lion_element(g, p, m, &r);
+  }
+};
+
+struct SgdRule {
+  static constexpr bool kVectorPath = false;
+  mp_sgd_scalars r;
+  MP_CUDA_HD float operator()(float g, float p, float* m, float*, const mp_adam_scalars&) const {
+    return mp_sgd_element(g, p, m, &r);
+  }
+};
 
 // Element i, on its own.
 template <int P, int G>
@@ -74,10 +105,11 @@ enum Storage : uint8_t { kF32Param = 0, kMaster = 1, kRemainder = 2, kNoMaster =
 
 // Element i of a param in any storage (adam.h: remainders, bf16 moments, no master), one element
 // at a time; pos is its position in the param (its stochastic-rounding draw).
-template <int P, int G>
+template <int P, int G, class Rule>
 MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* remainder,
                               void* exp_avg, int md, void* exp_avg_sq, int vd, float* ema,
-                              int storage, int64_t i, uint64_t pos, const mp_adam_scalars& s) {
+                              int storage, int64_t i, uint64_t pos, const mp_adam_scalars& s,
+                              const Rule& rule, int nmom) {
   const float g = mp_adam_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
   if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p;
@@ -89,20 +121,30 @@ MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* r
   } else {
     p = widen<P>(load1<MP_DTYPE_BYTES(P)>(param, i));
   }
-  float m = md == MP_F32 ? widen<MP_F32>(load1<4>(exp_avg, i)) : widen<MP_BF16>(load1<2>(exp_avg, i));
-  float v = vd == MP_F32 ? widen<MP_F32>(load1<4>(exp_avg_sq, i))
-                         : widen<MP_BF16>(load1<2>(exp_avg_sq, i));
-  p = mp_adam_element(g, p, &m, &v, &s);
-  const uint32_t r_mv = md == MP_BF16 || vd == MP_BF16 ? mp_sr_bits(s.key_moments, pos) : 0u;
-  if (md == MP_F32) {
-    store1<4>(exp_avg, i, bits_from_f32(m));
-  } else {
-    store1<2>(exp_avg, i, mp_adam_bf16_moment(m, r_mv, &s));
+  float m = 0.0f, v = 0.0f;
+  if (nmom >= 1) {
+    m = md == MP_F32 ? widen<MP_F32>(load1<4>(exp_avg, i)) : widen<MP_BF16>(load1<2>(exp_avg, i));
   }
-  if (vd == MP_F32) {
-    store1<4>(exp_avg_sq, i, bits_from_f32(v));
-  } else {
-    store1<2>(exp_avg_sq, i, mp_adam_bf16_moment(v, r_mv >> 16, &s));
+  if (nmom >= 2) {
+    v = vd == MP_F32 ? widen<MP_F32>(load1<4>(exp_avg_sq, i))
+                     : widen<MP_BF16>(load1<2>(exp_avg_sq, i));
+  }
+  p = rule(g, p, &m, &v, s);
+  const bool bf16 = (nmom >= 1 && md == MP_BF16) || (nmom >= 2 && vd == MP_BF16);
+  const uint32_t r_mv = bf16 ? mp_sr_bits(s.key_moments, pos) : 0u;
+  if (nmom >= 1) {
+    if (md == MP_F32) {
+      store1<4>(exp_avg, i, bits_from_f32(m));
+    } else {
+      store1<2>(exp_avg, i, mp_adam_bf16_moment(m, r_mv, &s));
+    }
+  }
+  if (nmom >= 2) {
+    if (vd == MP_F32) {
+      store1<4>(exp_avg_sq, i, bits_from_f32(v));
+    } else {
+      store1<2>(exp_avg_sq, i, mp_adam_bf16_moment(v, r_mv >> 16, &s));
+    }
   }
   if (ema != nullptr && storage != kMaster && storage != kRemainder) {
     ema[i] = mp_adam_ema(ema[i], p, &s);
@@ -226,10 +268,11 @@ struct AdamArgs {
   void* exp_avg[kMaxPieces];
   void* exp_avg_sq[kMaxPieces];
   const float* step[kMaxPieces];
-  float* exp_avg_scale[kMaxPieces];  // 8-bit moments: the param's scales (from its first block)
+  float* exp_avg_scale[kMaxPieces];  // 8-bit moments: the scales from the piece's first block
   float* exp_avg_sq_scale[kMaxPieces];
   uint32_t sr_stream[kMaxPieces];
-  int64_t offset[kMaxPieces];  // the piece's first element in its param (stochastic rounding)
+  int64_t offset[kMaxPieces];  // the piece's first position in its whole param (the tensor's
+                               // offset plus the piece's start: stochastic rounding)
   uint8_t param_dtype[kMaxPieces];
   uint8_t grad_dtype[kMaxPieces];
   uint8_t exp_avg_dtype[kMaxPieces];
@@ -248,19 +291,21 @@ struct StepArgs {
 
 static_assert(sizeof(StepArgs) <= 4096, "the step argument must fit the 4 KB limit");
 
-template <int P, int G>
+template <int P, int G, class Rule>
 MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_adam_scalars& s, int64_t tid, int64_t nthreads) {
+                           const mp_adam_scalars& s, const Rule& rule, int nmom, int64_t tid,
+                           int64_t nthreads) {
   const int k = r.k;
   void* param = static_cast<char*>(a.param[k]) + r.start * MP_DTYPE_BYTES(P);
   void* grad = static_cast<char*>(a.grad[k]) + r.start * MP_DTYPE_BYTES(G);
   const int md = a.exp_avg_dtype[k], vd = a.exp_avg_sq_dtype[k], storage = a.storage[k];
-  void* m = static_cast<char*>(a.exp_avg[k]) + r.start * MP_DTYPE_BYTES(md);
-  void* v = static_cast<char*>(a.exp_avg_sq[k]) + r.start * MP_DTYPE_BYTES(vd);
+  void* m = nmom >= 1 ? static_cast<char*>(a.exp_avg[k]) + r.start * MP_DTYPE_BYTES(md) : nullptr;
+  void* v =
+      nmom >= 2 ? static_cast<char*>(a.exp_avg_sq[k]) + r.start * MP_DTYPE_BYTES(vd) : nullptr;
   float* master = storage == kMaster ? a.master[k] + r.start : nullptr;
   float* ema = a.ema[k] != nullptr ? a.ema[k] + r.start : nullptr;
-  if ((storage == kF32Param || storage == kMaster) && md == MP_F32 && vd == MP_F32 &&
-      ema == nullptr) {
+  if (Rule::kVectorPath && (storage == kF32Param || storage == kMaster) && md == MP_F32 &&
+      vd == MP_F32 && ema == nullptr) {
     // fp32 state: the 16-byte vectorized path
     adam_range<P, G>(param, grad, master, static_cast<float*>(m), static_cast<float*>(v), r.count,
                      s, tid, nthreads);
@@ -270,27 +315,29 @@ MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
   const uint64_t first = static_cast<uint64_t>(a.offset[k] + r.start);
   for (int64_t i = tid; i < r.count; i += nthreads) {
     adam_lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, ema, storage, i,
-                        first + static_cast<uint64_t>(i), s);
+                        first + static_cast<uint64_t>(i), s, rule, nmom);
   }
 }
 
 // The element work of a block (range r, scalars s, not skipped) for thread tid of nthreads.
+template <class Rule>
 MP_CUDA_HD void adam_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_adam_scalars& s, int64_t tid, int64_t nthreads) {
+                           const mp_adam_scalars& s, const Rule& rule, int nmom, int64_t tid,
+                           int64_t nthreads) {
   const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
   if (pd == MP_F32) {
-    adam_chunk<MP_F32, MP_F32>(a, r, s, tid, nthreads);
+    adam_chunk<MP_F32, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
   } else if (pd == MP_BF16) {
     if (gd == MP_BF16) {
-      adam_chunk<MP_BF16, MP_BF16>(a, r, s, tid, nthreads);
+      adam_chunk<MP_BF16, MP_BF16>(a, r, s, rule, nmom, tid, nthreads);
     } else {
-      adam_chunk<MP_BF16, MP_F32>(a, r, s, tid, nthreads);
+      adam_chunk<MP_BF16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
     }
   } else {
     if (gd == MP_F16) {
-      adam_chunk<MP_F16, MP_F16>(a, r, s, tid, nthreads);
+      adam_chunk<MP_F16, MP_F16>(a, r, s, rule, nmom, tid, nthreads);
     } else {
-      adam_chunk<MP_F16, MP_F32>(a, r, s, tid, nthreads);
+      adam_chunk<MP_F16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
     }
   }
 }
@@ -316,9 +363,10 @@ __device__ __forceinline__ bool group_aligned(const void* p, int bytes) {
 
 // Every thread of the block runs the same passes (the shuffles and barriers need them all);
 // wmax is the block's shared memory for the absmax of blocks that span warps.
-template <int P, int G>
+template <int P, int G, class Rule>
 __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                              const mp_adam_scalars& s, uint32_t (*wmax)[kWarps]) {
+                              const mp_adam_scalars& s, const Rule& rule, bool pair,
+                              uint32_t (*wmax)[kWarps]) {
   constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
   const int k = r.k, tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int storage = a.storage[k];
@@ -328,7 +376,7 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
   int16_t* remainder = storage == kRemainder ? a.remainder[k] + r.start : nullptr;
   float* ema = a.ema[k] != nullptr ? a.ema[k] + r.start : nullptr;
   uint8_t* mc = static_cast<uint8_t*>(a.exp_avg[k]) + r.start;
-  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq[k]) + r.start;
+  uint8_t* vc = pair ? static_cast<uint8_t*>(a.exp_avg_sq[k]) + r.start : nullptr;
   float* ms = a.exp_avg_scale[k];
   float* vs = a.exp_avg_sq_scale[k];
   const int64_t first = a.offset[k] + r.start;  // the chunk's first position in its param
@@ -338,25 +386,25 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
                    (master == nullptr || group_aligned(master, 4)) &&
                    (remainder == nullptr || group_aligned(remainder, 2)) &&
                    (ema == nullptr || group_aligned(ema, 4)) && group_aligned(mc, 1) &&
-                   group_aligned(vc, 1);
+                   (vc == nullptr || group_aligned(vc, 1));
   for (int64_t base = 0; base < r.count; base += kQ8Pass) {
     const int64_t i0 = base + static_cast<int64_t>(tid) * kQ8Group;
     const int64_t left = r.count - i0;
     const int nv = left <= 0 ? 0 : (left < kQ8Group ? static_cast<int>(left) : kQ8Group);
-    const int64_t qb = (first + i0) / block;  // this thread's block in the param
+    const int64_t qb = (r.start + i0) / block;  // this thread's block in the piece's scales
     float mnew[kQ8Group], vnew[kQ8Group];
     uint32_t am = 0u, av = 0u;
     if (nv > 0) {
       const float rm = mp_q8_ref(mp_q8_ref_exp_m(bits_from_f32(ms[qb])));
-      const float rv = mp_q8_ref(mp_q8_ref_exp_v(bits_from_f32(vs[qb])));
+      const float rv = pair ? mp_q8_ref(mp_q8_ref_exp_v(bits_from_f32(vs[qb]))) : 0.0f;
       uint32_t gb[kQ8Group], pb[kQ8Group], wb[kQ8Group], mb[kQ8Group], vb[kQ8Group];
-      uint32_t eb[kQ8Group];
+      uint32_t eb[kQ8Group] = {};
       load_group<kG>(grad, i0, nv, vec, gb);
       load_group<kP>(param, i0, nv, vec, pb);
       if (storage == kMaster) load_group<4>(master, i0, nv, vec, wb);
       if (storage == kRemainder) load_group<2>(remainder, i0, nv, vec, wb);
       load_group<1>(mc, i0, nv, vec, mb);
-      load_group<1>(vc, i0, nv, vec, vb);
+      if (pair) load_group<1>(vc, i0, nv, vec, vb);
       if (ema != nullptr) load_group<4>(ema, i0, nv, vec, eb);
       uint32_t out[kQ8Group];
 #pragma unroll
@@ -369,8 +417,10 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
                                                 static_cast<uint16_t>(wb[j])))
                                           : widen<P>(pb[j]);
         float m = mp_q8_decode_m(static_cast<uint8_t>(mb[j]), rm);
-        float v = mp_adam_q8_floor_v(m, mp_q8_decode_v(static_cast<uint8_t>(vb[j]), rv), &s);
-        p = mp_adam_element(g, p, &m, &v, &s);
+        float v =
+            pair ? mp_adam_q8_floor_v(m, mp_q8_decode_v(static_cast<uint8_t>(vb[j]), rv), &s)
+                 : 0.0f;
+        p = rule(g, p, &m, &v, s);
         mnew[j] = m;
         vnew[j] = v;
         if (j < nv) {
@@ -432,41 +482,58 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
                                 ? 0u
                                 : mp_sr_bits(s.key_q8, static_cast<uint64_t>(first + i0 + j));
         mo[j] = mp_q8_encode_m(mnew[j], em, rr & 0xFFFFu, s.moments_nearest);
-        vo[j] = mp_q8_encode_v(vnew[j], ev, rr >> 16, s.moments_nearest);
+        vo[j] = pair ? mp_q8_encode_v(vnew[j], ev, rr >> 16, s.moments_nearest) : 0u;
       }
       store_group<1>(mc, i0, nv, vec, mo);
-      store_group<1>(vc, i0, nv, vec, vo);
-      if ((first + i0) % block == 0) {  // the block's first thread
+      if (pair) store_group<1>(vc, i0, nv, vec, vo);
+      if ((r.start + i0) % block == 0) {  // the block's first thread
         ms[qb] = f32_from_bits(am);
-        vs[qb] = f32_from_bits(av);
+        if (pair) vs[qb] = f32_from_bits(av);
       }
     }
   }
 }
 
+template <class Rule>
 __device__ void adam_q8_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                              const mp_adam_scalars& s, uint32_t (*wmax)[kWarps]) {
+                              const mp_adam_scalars& s, const Rule& rule, bool pair,
+                              uint32_t (*wmax)[kWarps]) {
   const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
   if (pd == MP_F32) {
-    adam_q8_chunk<MP_F32, MP_F32>(a, r, s, wmax);
+    adam_q8_chunk<MP_F32, MP_F32>(a, r, s, rule, pair, wmax);
   } else if (pd == MP_BF16) {
     if (gd == MP_BF16) {
-      adam_q8_chunk<MP_BF16, MP_BF16>(a, r, s, wmax);
+      adam_q8_chunk<MP_BF16, MP_BF16>(a, r, s, rule, pair, wmax);
     } else {
-      adam_q8_chunk<MP_BF16, MP_F32>(a, r, s, wmax);
+      adam_q8_chunk<MP_BF16, MP_F32>(a, r, s, rule, pair, wmax);
     }
   } else {
     if (gd == MP_F16) {
-      adam_q8_chunk<MP_F16, MP_F16>(a, r, s, wmax);
+      adam_q8_chunk<MP_F16, MP_F16>(a, r, s, rule, pair, wmax);
     } else {
-      adam_q8_chunk<MP_F16, MP_F32>(a, r, s, wmax);
+      adam_q8_chunk<MP_F16, MP_F32>(a, r, s, rule, pair, wmax);
     }
   }
 }
 
-// What the block's thread 0 shares with the others.
+// A block's work under one rule: the 8-bit path or the others.
+template <class Rule>
+__device__ void rule_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
+                           const mp_adam_scalars& s, const Rule& rule,
+                           uint32_t (*wmax)[kWarps]) {
+  const int nmom = mp_rule_moments(&a.opt);
+  if (nmom >= 1 && a.exp_avg_dtype[r.k] == MP_I8) {
+    adam_q8_block(a, r, s, rule, nmom >= 2, wmax);
+  } else {
+    adam_block(a, r, s, rule, nmom, threadIdx.x, blockDim.x);
+  }
+}
+
+// What the block's thread 0 shares with the others: the storage's scalars and the rule's.
 struct BlockScalars {
   mp_adam_scalars s;
+  mp_lion_scalars lion;
+  mp_sgd_scalars sgd;
   int32_t skip;
 };
 
@@ -476,15 +543,22 @@ __global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_const
   const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, blockIdx.x);
   if (threadIdx.x == 0) {
     shared.skip = mp_adam_skip(&a.opt);
-    if (!shared.skip) shared.s = mp_adam_scalars_now(&a.opt, a.step[r.k], a.sr_stream[r.k]);
+    if (!shared.skip) {
+      shared.s = mp_adam_scalars_now(&a.opt, a.step[r.k], a.sr_stream[r.k]);
+      const float lr = a.opt.lr != nullptr ? *a.opt.lr : a.opt.lr_value;
+      if (a.opt.rule == MP_RULE_LION) shared.lion = mp_lion_scalars_of(&a.opt, lr);
+      if (a.opt.rule == MP_RULE_SGD) shared.sgd = mp_sgd_scalars_of(&a.opt, lr, *a.step[r.k]);
+    }
   }
   __syncthreads();
   if (shared.skip) return;  // the same for every thread of the block
   const mp_adam_scalars s = shared.s;
-  if (a.exp_avg_dtype[r.k] == MP_I8) {
-    adam_q8_block(a, r, s, wmax);
+  if (a.opt.rule == MP_RULE_LION) {
+    rule_block(a, r, s, LionRule{shared.lion}, wmax);
+  } else if (a.opt.rule == MP_RULE_SGD) {
+    rule_block(a, r, s, SgdRule{shared.sgd}, wmax);
   } else {
-    adam_block(a, r, s, threadIdx.x, blockDim.x);
+    rule_block(a, r, s, AdamRule{}, wmax);
   }
 }
 
@@ -499,9 +573,12 @@ mp_status check_call(const mp_adam_tensor* ts, int64_t nt, const mp_adam_options
   if (nt < 0 || (nt > 0 && (ts == nullptr || opt == nullptr))) return MP_ERR_INVALID_ARGUMENT;
   if (nt == 0) return MP_OK;
   if (!mp_adam_options_ok(opt)) return MP_ERR_INVALID_ARGUMENT;
+  const int nmom = mp_rule_moments(opt);
   for (int64_t k = 0; k < nt; ++k) {
-    if (!mp_adam_tensor_ok(&ts[k])) return MP_ERR_INVALID_ARGUMENT;
-    if (mp_adam_q8(&ts[k]) && !mp_adam_q8_block_ok(opt->q8_block)) return MP_ERR_INVALID_ARGUMENT;
+    if (!mp_step_tensor_ok(&ts[k], nmom)) return MP_ERR_INVALID_ARGUMENT;
+    if (nmom >= 1 && mp_adam_q8(&ts[k]) &&
+        (!mp_adam_q8_block_ok(opt->q8_block) || ts[k].offset % opt->q8_block != 0))
+      return MP_ERR_INVALID_ARGUMENT;
   }
   return MP_OK;
 }
@@ -525,14 +602,20 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
         a.master[i] = t.master != nullptr ? t.master + done : nullptr;
         a.remainder[i] = t.remainder != nullptr ? t.remainder + done : nullptr;
         a.ema[i] = t.ema != nullptr ? t.ema + done : nullptr;
-        a.exp_avg[i] = static_cast<char*>(t.exp_avg) + done * MP_DTYPE_BYTES(t.exp_avg_dtype);
-        a.exp_avg_sq[i] =
-            static_cast<char*>(t.exp_avg_sq) + done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype);
+        a.exp_avg[i] = t.exp_avg != nullptr ? static_cast<char*>(t.exp_avg) +
+                                                  done * MP_DTYPE_BYTES(t.exp_avg_dtype)
+                                            : nullptr;
+        a.exp_avg_sq[i] = t.exp_avg_sq != nullptr ? static_cast<char*>(t.exp_avg_sq) +
+                                                        done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype)
+                                                  : nullptr;
         a.step[i] = t.step;
-        a.exp_avg_scale[i] = t.exp_avg_scale;
-        a.exp_avg_sq_scale[i] = t.exp_avg_sq_scale;
+        // a piece starts on a chunk boundary, a multiple of every block size
+        const int64_t blocks_done = mp_adam_q8(&t) ? done / opt->q8_block : 0;
+        a.exp_avg_scale[i] = t.exp_avg_scale != nullptr ? t.exp_avg_scale + blocks_done : nullptr;
+        a.exp_avg_sq_scale[i] =
+            t.exp_avg_sq_scale != nullptr ? t.exp_avg_sq_scale + blocks_done : nullptr;
         a.sr_stream[i] = static_cast<uint32_t>(t.sr_stream);
-        a.offset[i] = done;
+        a.offset[i] = t.offset + done;
         a.param_dtype[i] = static_cast<uint8_t>(t.param_dtype);
         a.grad_dtype[i] = static_cast<uint8_t>(t.grad_dtype);
         a.exp_avg_dtype[i] = static_cast<uint8_t>(t.exp_avg_dtype);

@@ -8,10 +8,13 @@ import contextlib
 import io
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
 import mpext
+
+from test_adam import assert_bitwise, opt_tensors, snapshot_opt
 
 NAN, INF = float("nan"), float("inf")
 
@@ -41,32 +44,8 @@ MOMENT_FORMATS = {
 }
 
 
-def bits(t):
-    t = t.detach()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.contiguous().reshape(-1).view(torch.uint8).cpu()
-
-
-def assert_bitwise(a, b, what=""):
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    assert torch.equal(bits(a), bits(b)), what
-
-
-def opt_tensors(opt):
-    """Every tensor an optimizer holds, in a fixed order, with a name."""
-    out = []
-    for gi, group in enumerate(opt.param_groups):
-        for j, p in enumerate(group["params"]):
-            out.append(("param %d.%d" % (gi, j), p))
-            for k, v in sorted(opt.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    out.append(("%s %d.%d" % (k, gi, j), v))
-    return out
-
-
 def snapshot(opt):
-    return [(name, t.detach().clone()) for name, t in opt_tensors(opt)]
+    return snapshot_opt(opt)
 
 
 def assert_same(now, then):
@@ -292,6 +271,24 @@ def check_compiled_step(rule):
     assert_same(results[1], results[0])
 
 
+def check_op_bad_input(op, base, change, exc, match, device):
+    """A call of ``op`` with keyword arguments ``base`` (CPU tensors) changed by ``change``
+    raises ``exc`` matching ``match`` and writes nothing, through the real kernel (cpu) or the
+    fake one (meta)."""
+    kw = dict(base, **change)
+    def to(v):
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    kw = {k: [to(t) for t in v] if isinstance(v, list) else to(v) for k, v in kw.items()}
+    tensors = [t for v in kw.values() for t in (v if isinstance(v, list) else [v])
+               if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in tensors] if device != "meta" else []
+    with pytest.raises(exc, match=match):
+        op(**kw)
+    for a, b in zip(tensors, before):
+        assert_bitwise(a, b)
+
+
 @contextlib.contextmanager
 def isa(name):
     previous = mpext.cpu_isa()
@@ -300,3 +297,53 @@ def isa(name):
         yield
     finally:
         mpext.set_cpu_isa(previous)
+
+
+def rule_tests(rule, resume_formats=(("fp32", "float32"), ("bf16_remainder", "q8"),
+                                     ("bf16_stochastic", "bfloat16"),
+                                     ("fp16_master", "bfloat16_nearest"))):
+    """The tests every rule passes, as test functions for a rule's test module to take into
+    its namespace (``globals().update(rule_tests(RULE))``): one place to add a check."""
+    moments = sorted(MOMENT_FORMATS) if rule.moment_setting else [None]
+
+    @pytest.mark.parametrize("moment_fmt", moments)
+    @pytest.mark.parametrize("param_fmt", sorted(PARAM_FORMATS))
+    def test_every_format(param_fmt, moment_fmt):
+        check_every_format_moves_and_is_finite(rule, param_fmt, moment_fmt)
+
+    def test_isa_paths_agree():
+        check_isa_paths_agree(rule)
+
+    def test_thread_count_invariance():
+        check_thread_count_invariance(rule)
+
+    @pytest.mark.parametrize("scaler_name", sorted(SCALERS))
+    def test_grad_scaler(scaler_name):
+        check_grad_scaler(rule, scaler_name)
+
+    def test_compiled_step():
+        check_compiled_step(rule)
+
+    tests = dict(test_every_format=test_every_format, test_isa_paths_agree=test_isa_paths_agree,
+                 test_thread_count_invariance=test_thread_count_invariance,
+                 test_grad_scaler=test_grad_scaler, test_compiled_step=test_compiled_step)
+    if rule.moment_setting is None:
+        return tests
+
+    @pytest.mark.parametrize("moment_fmt", moments)
+    def test_remainder_equals_master(moment_fmt):
+        check_remainder_equals_master(rule, moment_fmt)
+
+    @pytest.mark.parametrize("param_fmt,moment_fmt", list(resume_formats))
+    def test_state_dict_resume(param_fmt, moment_fmt):
+        check_state_dict_resume(rule, param_fmt, moment_fmt)
+
+    @pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("float32", "q8"),
+                                         ("q8", "float32"), ("bfloat16", "float32")])
+    def test_state_conversion(src, dst):
+        check_state_conversion(rule, src, dst)
+
+    tests.update(test_remainder_equals_master=test_remainder_equals_master,
+                 test_state_dict_resume=test_state_dict_resume,
+                 test_state_conversion=test_state_conversion)
+    return tests

@@ -1776,3 +1776,41 @@ def test_op_unscale_grads_writes_the_unscaled_gradient(device):
             assert_bitwise(ga, g0)
             want = g0 if inv == 1.0 else (g0.float() * inv).to(dtype)
             assert_bitwise(gb, want)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
+def test_op_offsets_shards_round_as_the_whole(fmt):
+    """offsets: a param stepped as two halves (offsets 0 and n/2, the second half off the hand-
+    fused loops' path) gets the bits of the whole, in the stochastic-rounding formats; an
+    offset off the 8-bit block grid is refused."""
+    n, block = 4096, 256
+    gen = torch.Generator().manual_seed(9)
+    p0 = torch.randn(n, generator=gen).bfloat16()
+    grads = [torch.randn(n, generator=gen).bfloat16() for _ in range(3)]
+    q8 = fmt == "q8"
+    m0 = torch.zeros(n, dtype=torch.int8 if q8 else torch.bfloat16)
+    v0 = torch.zeros(n, dtype=torch.uint8 if q8 else torch.bfloat16)
+    out = []
+    for pieces in ([(0, n)], [(0, n // 2), (n // 2, n)]):
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        ms, vs = torch.zeros(n // block), torch.zeros(n // block)
+        steps = [torch.zeros(()) for _ in pieces]
+        for g in grads:
+            extra = dict(exp_avg_scales=[ms[a // block:b // block] for a, b in pieces],
+                         exp_avg_sq_scales=[vs[a // block:b // block] for a, b in pieces]
+                         ) if q8 else {}
+            ops.adam_step_([p[a:b] for a, b in pieces], [g[a:b] for a, b in pieces],
+                           [m[a:b] for a, b in pieces], [v[a:b] for a, b in pieces], [], steps,
+                           1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, master_free=True,
+                           stochastic_rounding=True, seed=5, sr_streams=[1] * len(pieces),
+                           offsets=[a for a, _ in pieces], block_size=block, **extra)
+        out.append((p, m, v, ms, vs))
+    for a, b in zip(*out):
+        assert_bitwise(a, b)
+    if q8:
+        with pytest.raises(ValueError, match=r"offsets\[0\] \(8\) must be a multiple of "
+                                             r"block_size \(256\)"):
+            ops.adam_step_([p0.clone()], [grads[0]], [m0.clone()], [v0.clone()], [],
+                           [torch.zeros(())], 1e-2, master_free=True,
+                           exp_avg_scales=[torch.zeros(16)], exp_avg_sq_scales=[torch.zeros(16)],
+                           offsets=[8])

@@ -1,4 +1,5 @@
-// CUDA implementation of adam_step_: validate (plan_adam, shared with the CPU op), then hand raw
+// CUDA implementation of adam_step_, lion_step_ and sgd_step_: validate (plan_step, shared with
+// the CPU ops), then hand raw
 // device pointers to the multi-tensor launcher of mpext/adam_cuda.h on the current stream of the
 // params' device. The skip decision (found_inf), the step counts, inv_scale and a device lr are
 // read by the kernels themselves, so nothing here waits for the device: the op is free of host
@@ -56,6 +57,10 @@ struct Cuda {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mpext, CUDA, m) { m.impl("adam_step_", &adam_step<Cuda>); }
+TORCH_LIBRARY_IMPL(mpext, CUDA, m) {
+  m.impl("adam_step_", &adam_step<Cuda>);
+  m.impl("lion_step_", &lion_step<Cuda>);
+  m.impl("sgd_step_", &sgd_step<Cuda>);
+}
 
 }  // namespace mpext

@@ -1,5 +1,10 @@
 """mpext.optim: Adam and AdamW on the fused ``mpext.ops.adam_step_`` kernel, with FP32 master
-weights for BF16/FP16 params, or leaner state.
+weights for BF16/FP16 params, or leaner state; Lion (``Lion``, lion-pytorch's arguments and
+update, bit for bit on FP32 params, op ``lion_step_``) and SGD (``SGD``, torch.optim.SGD's
+arguments and update, state ``momentum_buffer``, op ``sgd_step_``) on the same engine with the
+same storage options (``master_weights``, ``param_remainders``, ``stochastic_rounding``,
+``seed``, ``ema_decay``, ``unscale_grads``, ``moment_rounding``, ``block_size``; their moment
+settings ``exp_avg_dtype`` / ``momentum_dtype``), GradScaler protocol and state_dict handling.
 
 Drop-in for ``torch.optim.Adam`` / ``torch.optim.AdamW``: the same constructor arguments and
 defaults, the same param-group keys (plus mpext's: ``master_weights``, ``param_remainders``,
@@ -61,7 +66,8 @@ param's mesh and placements (so ``torch.distributed.checkpoint`` saves and resha
 ``step`` is a plain scalar tensor on the param's device, as in torch.
 
 The package, one job per module (docs/contributing.md, "Python optimizer package"):
-``adam`` the Adam/AdamW rules; ``formats`` the state formats and their Python codecs;
+``adam`` the Adam/AdamW rules, ``lion`` and ``sgd`` the Lion and SGD rules; ``formats`` the
+state formats and their Python codecs;
 ``_state`` state creation and conversion; ``_engine`` the fused launch planner; ``_base`` the
 shared optimizer base; ``lr_scheduler`` device-side schedules.
 """
@@ -72,5 +78,5 @@ from .formats import MIN_8BIT_NUMEL, q8_decode, q8_encode
 from . import formats
 from . import lr_scheduler  # mpext.optim.lr_scheduler, as torch.optim has it
 
-__all__ = ["Adam", "AdamW", "Lion", "SGD", "formats", "lr_scheduler", "MIN_8BIT_NUMEL", "q8_decode",
-           "q8_encode"]
+__all__ = ["Adam", "AdamW", "Lion", "SGD", "formats", "lr_scheduler", "MIN_8BIT_NUMEL",
+           "q8_decode", "q8_encode"]

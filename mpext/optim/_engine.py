@@ -51,6 +51,18 @@ class AdamHyper(NamedTuple):
                 self.maximize)
 
 
+# The storage fields every rule's hyper ends with, as (name, type): AdamHyper's, and the
+# fields rule_hyper gives another rule's.
+STORAGE_FIELDS = [(name, AdamHyper.__annotations__[name])
+                  for name in AdamHyper._fields[AdamHyper._fields.index("unscale_grads"):]]
+
+
+def rule_hyper(name: str, fields: List[tuple]) -> type:
+    """The NamedTuple base of a rule's hyper: its own fields, then STORAGE_FIELDS (the rule
+    subclasses it with op, scale_names, quantities and rule_args, as AdamHyper has them)."""
+    return NamedTuple(name, list(fields) + STORAGE_FIELDS)
+
+
 def storage_hyper(group: Dict[str, Any]) -> tuple:
     """The storage fields every rule's hyper ends with (see :class:`AdamHyper`), as Python
     values, with mpext's defaults for a group without mpext's keys."""

@@ -3,33 +3,23 @@ update, its one moment (``exp_avg``) and its launch (``lion_step_`` through
 mpext.optim._engine). Everything else -- groups, state formats, state_dict, EMA, GradScaler
 protocol, DTensors -- is mpext.optim._base's."""
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .._common import is_real as _is_real
 from ._base import FusedOptimizer
-from ._engine import StepItem, fused_step, storage_hyper
+from ._engine import StepItem, fused_step, rule_hyper, storage_hyper
 from .formats import Quantity
 
 __all__ = ["Lion"]
 
 
-class LionHyper(NamedTuple):
-    """What the params of one ``lion_step_`` call share besides device and learning rate (the
-    storage fields as :class:`~mpext.optim._engine.AdamHyper`'s)."""
-    beta1: float
-    beta2: float
-    weight_decay: float
-    maximize: bool
-    unscale_grads: bool
-    master_free: bool
-    stochastic_rounding: bool
-    moments_round_nearest: bool
-    seed: int
-    block_size: int
-    ema_decay: float
-
+class LionHyper(rule_hyper("_LionFields", [("beta1", float), ("beta2", float),
+                                            ("weight_decay", float), ("maximize", bool)])):
+    """What the params of one ``lion_step_`` call share besides device and learning rate (then
+    the storage fields of :class:`~mpext.optim._engine.AdamHyper`)."""
+    __slots__ = ()
     op = "lion_step_"
     scale_names = ("exp_avg_scales",)
 

@@ -2,13 +2,13 @@
 checks and update, its momentum buffer (``momentum_buffer``, none without momentum) and its
 launch (``sgd_step_`` through mpext.optim._engine). Everything else is mpext.optim._base's."""
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .._common import is_real as _is_real
 from ._base import FusedOptimizer
-from ._engine import StepItem, fused_step, storage_hyper
+from ._engine import StepItem, fused_step, rule_hyper, storage_hyper
 from ._tensors import F32
 from . import formats as F
 from .formats import Quantity
@@ -16,22 +16,12 @@ from .formats import Quantity
 __all__ = ["SGD"]
 
 
-class SGDHyper(NamedTuple):
-    """What the params of one ``sgd_step_`` call share besides device and learning rate (the
-    storage fields as :class:`~mpext.optim._engine.AdamHyper`'s)."""
-    momentum: float
-    dampening: float
-    weight_decay: float
-    nesterov: bool
-    maximize: bool
-    unscale_grads: bool
-    master_free: bool
-    stochastic_rounding: bool
-    moments_round_nearest: bool
-    seed: int
-    block_size: int
-    ema_decay: float
-
+class SGDHyper(rule_hyper("_SGDFields", [("momentum", float), ("dampening", float),
+                                          ("weight_decay", float), ("nesterov", bool),
+                                          ("maximize", bool)])):
+    """What the params of one ``sgd_step_`` call share besides device and learning rate (then
+    the storage fields of :class:`~mpext.optim._engine.AdamHyper`)."""
+    __slots__ = ()
     op = "sgd_step_"
     scale_names = ("momentum_buffer_scales",)
 

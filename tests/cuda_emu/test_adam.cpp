@@ -1104,3 +1104,188 @@ EMU_TEST(adam_q8_skip_and_arguments) {
   q8_unpack(q, v);
   CHECK(same_q8(q, before), "a refused call wrote something");
 }
+
+// ---- Lion and SGD: the rule template of cuda/adam.cu ----
+// Every storage (fp32 param, master, remainder, none to nearest or stochastic) and moment format
+// (fp32, bf16 stochastic or nearest, the signed 8-bit code alone) of the lean and 8-bit paths,
+// for each rule (SGD also without momentum: no moment at all), with offsets that put some
+// tensors across the 2^32 boundary of the positions, across chunk and launch splits; CUDA
+// against the core, every array bit for bit.
+namespace {
+
+struct RuleCase {
+  const char* name;
+  int rule;
+  double b1, b2, wd, dampening;
+  int nesterov, maximize;
+};
+
+const RuleCase kRuleCases[] = {
+    {"lion", MP_RULE_LION, 0.9, 0.99, 0.1, 0.0, 0, 0},
+    {"lion_maximize", MP_RULE_LION, 0.95, 0.98, 0.0, 0.0, 0, 1},
+    {"sgd_nesterov", MP_RULE_SGD, 0.9, 0.0, 0.01, 0.0, 1, 0},
+    {"sgd_dampening", MP_RULE_SGD, 0.5, 0.0, 0.0, 0.25, 0, 1},
+    {"sgd_plain", MP_RULE_SGD, 0.0, 0.0, 0.01, 0.0, 0, 0},
+};
+
+mp_adam_options rule_options(const RuleCase& c, int variant, const float* inv) {
+  mp_adam_options o{};
+  o.rule = c.rule;
+  o.beta1 = c.b1;
+  o.beta2 = c.b2;
+  o.weight_decay = c.wd;
+  o.dampening = c.dampening;
+  o.nesterov = c.nesterov;
+  o.maximize = c.maximize;
+  o.decoupled = c.rule == MP_RULE_LION;
+  o.lr_value = 1e-2f;
+  o.inv_scale = inv;
+  o.unscale_grads = variant == 1;
+  o.sr_params = variant & 1;
+  o.moments_nearest = variant == 2;
+  o.seed = 0xC0FFEEull * (variant + 1);
+  o.ema_decay = variant & 2 ? 0.999 : 0.25;
+  return o;
+}
+
+// A tensor's offset: 0, an odd one, or one that puts its positions across 2^32 (a multiple of
+// `align` for 8-bit moments).
+int64_t offset_of(uint32_t stream, int64_t align) {
+  const int64_t offs[] = {0, 12345 * align, (int64_t{1} << 32) - 3 * align};
+  return offs[stream % 3];
+}
+
+}  // namespace
+
+EMU_TEST(rules_lean_storage_match_the_core) {
+  for (const RuleCase& c : kRuleCases) {
+    Rng r(2000 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
+    const int nmom = c.rule == MP_RULE_LION || c.b1 != 0.0 ? 1 : 0;
+    std::vector<Lean> cpu;
+    std::vector<int64_t> offsets;
+    uint32_t stream = 0;
+    auto add = [&](int pd, int gd, int storage, int md) {
+      const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
+      Lean l = make_lean(r, pd, gd, storage, md, MP_F32, n, stream);
+      if (stream % 4 == 1) l.step = 0.0f;  // SGD's first step: the buffer takes the gradient
+      cpu.push_back(l);
+      offsets.push_back(offset_of(stream, 1));
+      ++stream;
+    };
+    for (int md : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16)}) {
+      add(MP_F32, MP_F32, 0, md);
+      for (int pd : {MP_BF16, MP_F16}) {
+        for (int gd : {pd, static_cast<int>(MP_F32)}) {
+          for (int storage : {1, 2, 3}) {
+            if (storage == 2 && pd != MP_BF16) continue;
+            add(pd, gd, storage, md);
+          }
+        }
+      }
+    }
+    for (int variant = 0; variant < 4; ++variant) {
+      std::vector<Lean> gpu = cpu;
+      std::vector<mp_adam_tensor> tc, tg;
+      for (size_t k = 0; k < cpu.size(); ++k) {
+        for (auto* side : {&tc, &tg}) {
+          mp_adam_tensor t = lean_tensor(side == &tc ? cpu[k] : gpu[k]);
+          t.exp_avg_sq = nullptr;
+          if (nmom == 0) t.exp_avg = nullptr;
+          t.offset = offsets[k];
+          side->push_back(t);
+        }
+      }
+      const float inv = 0.25f;
+      const mp_adam_options o = rule_options(c, variant, &inv);
+      set_context("%s variant %d", c.name, variant);
+      for (size_t k = 0; k < tc.size(); ++k) {
+        CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+      }
+      CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+            "core steps");
+      Caps caps(3, 5);  // chunk and launch splits
+      CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+                MP_OK, "cuda status");
+      for (size_t k = 0; k < cpu.size(); ++k) {
+        const Lean& a = cpu[k];
+        CHECK(same_lean(a, gpu[k]), "param %zu (dtype %d grad %d storage %d moment %d n %lld "
+              "offset %lld) differs", k, a.pdtype, a.gdtype, a.storage, a.md,
+              static_cast<long long>(a.n), static_cast<long long>(offsets[k]));
+      }
+      cpu = gpu;
+    }
+  }
+}
+
+EMU_TEST(rules_q8_match_the_core) {
+  for (const RuleCase& c : kRuleCases) {
+    if (c.rule == MP_RULE_SGD && c.b1 == 0.0) continue;  // no moment to code
+    Rng r(2600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
+    for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{2048}}) {
+      std::vector<Q8> cpu;
+      uint32_t stream = 0;
+      for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16),
+                     static_cast<int>(MP_F16)}) {
+        for (int storage : {0, 1, 2, 3}) {
+          if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
+          const int64_t sizes[] = {kChunk + 2048 + 77, 3 * block + 5, 2048, 1};
+          const int64_t n = sizes[stream % 4];
+          cpu.push_back(make_q8(r, pd, pd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
+          ++stream;
+        }
+      }
+      for (int variant = 0; variant < 3; ++variant) {
+        std::vector<Q8> gpu = cpu;
+        std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
+        std::vector<mp_adam_tensor> tc, tg;
+        for (size_t k = 0; k < cpu.size(); ++k) {
+          for (int side = 0; side < 2; ++side) {
+            mp_adam_tensor t = side == 0 ? q8_tensor(cpu[k], vc[k]) : q8_tensor(gpu[k], vg[k]);
+            t.exp_avg_sq = nullptr;
+            t.exp_avg_sq_scale = nullptr;
+            t.offset = offset_of(static_cast<uint32_t>(k), block);
+            (side == 0 ? tc : tg).push_back(t);
+          }
+        }
+        const float inv = 0.5f;
+        mp_adam_options o = rule_options(c, variant, &inv);
+        o.q8_block = block;
+        set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
+        for (size_t k = 0; k < tc.size(); ++k) {
+          CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+        }
+        CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+              "core steps");
+        Caps caps(2, 4);
+        CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+                  MP_OK, "cuda status");
+        for (size_t k = 0; k < cpu.size(); ++k) {
+          q8_unpack(cpu[k], vc[k]);
+          q8_unpack(gpu[k], vg[k]);
+          const Q8& a = cpu[k];
+          CHECK(same_q8(a, gpu[k]), "param %zu (dtype %d storage %d n %lld mis %lld) differs", k,
+                a.pdtype, a.storage, static_cast<long long>(a.n), static_cast<long long>(a.mis));
+        }
+        cpu = gpu;
+      }
+    }
+  }
+}
+
+// An offset off the block grid with 8-bit moments is refused, launching nothing.
+EMU_TEST(rules_q8_unaligned_offset_refused) {
+  Rng r(2700);
+  Q8 q = make_q8(r, MP_F32, MP_F32, 0, 1000, 256, 0, 1);
+  Q8View v;
+  mp_adam_tensor t = q8_tensor(q, v);
+  t.exp_avg_sq = nullptr;
+  t.exp_avg_sq_scale = nullptr;
+  t.offset = 100;
+  const float inv = 1.0f;
+  mp_adam_options o = rule_options(kRuleCases[0], 0, &inv);
+  o.q8_block = 256;
+  const int64_t l0 = mp_emu::launch_count();
+  CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+            mp_emu::launch_count() == l0, "an unaligned offset was not refused");
+  CHECK(mp_adam_step(&t, 0, t.n, &o) == MP_ERR_INVALID_ARGUMENT, "the core took it");
+}

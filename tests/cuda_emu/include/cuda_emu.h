@@ -144,6 +144,7 @@ inline float __fsub_rn(float a, float b) { return mp_emu::canonical(a - b); }
 inline float __fmul_rn(float a, float b) { return mp_emu::canonical(a * b); }
 inline float __fdiv_rn(float a, float b) { return mp_emu::canonical(a / b); }
 inline float __fsqrt_rn(float a) { return mp_emu::canonical(sqrtf(a)); }
+inline float __fmaf_rn(float a, float b, float c) { return mp_emu::canonical(fmaf(a, b, c)); }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
