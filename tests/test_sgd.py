@@ -201,3 +201,34 @@ def test_offsets_shards_round_as_the_whole(fmt):
 globals().update(RC.rule_tests(RULE))
 globals().update({name + "_without_momentum": test
                   for name, test in RC.rule_tests(PLAIN).items()})
+
+
+@pytest.mark.parametrize("opts", [dict(momentum=0.9, nesterov=True), dict()], ids=["momentum",
+                                                                                 "plain"])
+def test_checkpoints_move_between_torch_and_mpext(opts):
+    """A torch.optim.SGD state dict (no step count; a None buffer without momentum) loads into
+    mpext's SGD and the run continues as torch's does; mpext's loads back into torch's."""
+    gen = torch.Generator().manual_seed(8)
+    a, b = _pair(opts, [(300,), (7, 3)], gen)
+    ref = torch.optim.SGD(b, lr=0.05, **opts)
+    for _ in range(3):
+        for y in b:
+            y.grad = torch.randn(y.shape, generator=gen)
+        ref.step()
+    for x, y in zip(a, b):
+        x.data.copy_(y.detach())
+    opt = SGD(a, lr=0.05, **opts)
+    opt.load_state_dict(ref.state_dict())
+    back = torch.optim.SGD([torch.nn.Parameter(y.detach().clone()) for y in b], lr=0.05, **opts)
+    for _ in range(3):
+        for x, y in zip(a, b):
+            y.grad = torch.randn(y.shape, generator=gen)
+            x.grad = y.grad.clone()
+        ref.step()
+        opt.step()
+    for x, y in zip(a, b):
+        RC.assert_bitwise(x, y)
+    back.load_state_dict(opt.state_dict())
+    if opts:
+        for x, y in zip(a, back.param_groups[0]["params"]):
+            RC.assert_bitwise(back.state[y]["momentum_buffer"], opt.state[x]["momentum_buffer"])

@@ -113,6 +113,15 @@ class SGD(FusedOptimizer):
     def _moments_of(self, group: Dict[str, Any]):
         return self.moments if group["momentum"] != 0 else ()
 
+    def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
+                            key: Any) -> Dict[str, Any]:
+        if isinstance(value, dict) and "momentum_buffer" in value and "step" not in value:
+            # torch.optim.SGD's state: a buffer (None without momentum) and no step count. A
+            # saved state means a stepped param: step 1 (the buffer is not made anew).
+            value = {k: v for k, v in value.items() if v is not None}
+            value["step"] = torch.tensor(1.0)
+        return super()._import_param_state(param, value, group, key)
+
     def _hyper(self, group: Dict[str, Any]) -> SGDHyper:
         return SGDHyper(float(group["momentum"]), float(group["dampening"]),
                         float(group["weight_decay"]), bool(group.get("nesterov", False)),

@@ -690,6 +690,20 @@ EMU_TEST(adam_launch_failure) {
 
 namespace {
 
+// One step of the same params on the core (tc) and on the "device" (tg), the latter with the
+// launch caps (chunks, pieces) that force chunk and launch splits.
+void step_core_and_cuda(std::vector<mp_adam_tensor>& tc, std::vector<mp_adam_tensor>& tg,
+                        const mp_adam_options& o, int chunks, int pieces) {
+  for (size_t k = 0; k < tc.size(); ++k) {
+    CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+  }
+  CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+        "core steps");
+  Caps caps(chunks, pieces);
+  CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+            MP_OK, "cuda status");
+}
+
 // Lean storage (adam.h): remainders, bf16 moments (stochastic or nearest), no master (nearest or
 // stochastic, bf16 and fp16), each as one param of a list with mixed storage, across chunk and
 // launch splits; CUDA against the core on the same inputs, every array bit for bit (the random
@@ -814,14 +828,7 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
     o.seed = 0xABCDEFull * (variant + 1);
     o.ema_decay = variant & 2 ? 0.999 : 0.25;  // both of lerp's forms
     set_context("sr_params %d moments_nearest %d", o.sr_params, o.moments_nearest);
-    for (size_t k = 0; k < tc.size(); ++k) {
-      CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
-    }
-    CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
-          "core steps");
-    Caps caps(3, 5);  // chunk and launch splits
-    CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
-              MP_OK, "cuda status");
+    step_core_and_cuda(tc, tg, o, 3, 5);  // chunk and launch splits
     for (size_t k = 0; k < cpu.size(); ++k) {
       const Lean& a = cpu[k];
       CHECK(same_lean(a, gpu[k]), "param %zu (dtype %d grad %d storage %d moments %d/%d n %lld) "
@@ -1056,14 +1063,7 @@ EMU_TEST(adam_q8_matches_the_core) {
       o.q8_block = block;
       o.ema_decay = variant == 1 ? 0.25 : 0.999;  // both of lerp's forms
       set_context("block %lld variant %d", static_cast<long long>(block), variant);
-      for (size_t k = 0; k < tc.size(); ++k) {
-        CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
-      }
-      CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
-            "core steps");
-      Caps caps(2, 4);  // chunk and launch splits
-      CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
-                MP_OK, "cuda status");
+      step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
       for (size_t k = 0; k < cpu.size(); ++k) {
         q8_unpack(cpu[k], vc[k]);
         q8_unpack(gpu[k], vg[k]);
@@ -1198,14 +1198,7 @@ EMU_TEST(rules_lean_storage_match_the_core) {
       const float inv = 0.25f;
       const mp_adam_options o = rule_options(c, variant, &inv);
       set_context("%s variant %d", c.name, variant);
-      for (size_t k = 0; k < tc.size(); ++k) {
-        CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
-      }
-      CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
-            "core steps");
-      Caps caps(3, 5);  // chunk and launch splits
-      CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
-                MP_OK, "cuda status");
+      step_core_and_cuda(tc, tg, o, 3, 5);  // chunk and launch splits
       for (size_t k = 0; k < cpu.size(); ++k) {
         const Lean& a = cpu[k];
         CHECK(same_lean(a, gpu[k]), "param %zu (dtype %d grad %d storage %d moment %d n %lld "
@@ -1251,14 +1244,7 @@ EMU_TEST(rules_q8_match_the_core) {
         mp_adam_options o = rule_options(c, variant, &inv);
         o.q8_block = block;
         set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
-        for (size_t k = 0; k < tc.size(); ++k) {
-          CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
-        }
-        CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
-              "core steps");
-        Caps caps(2, 4);
-        CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
-                  MP_OK, "cuda status");
+        step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
         for (size_t k = 0; k < cpu.size(); ++k) {
           q8_unpack(cpu[k], vc[k]);
           q8_unpack(gpu[k], vg[k]);
