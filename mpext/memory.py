@@ -14,15 +14,19 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .memory_estimate import (MODELS, MODES, OPTIMIZERS, SCALER_SCALARS,  # noqa: F401
-                              Breakdown, ModelSpec, ModeSpec, activation_bytes, estimate,
+from .memory_estimate import (ALIASES, DEFAULT_BUCKET_BYTES, FORMAT_MODES,  # noqa: F401
+                              MODELS, MODES, OPTIMIZERS, RULES, SCALER_SCALARS, Breakdown,
+                              ModelSpec, ModeSpec, activation_bytes, estimate, format_mode,
+                              format_mode_name,
                               gpt_params, gpt_shapes, llama_params, llama_shapes, model_names,
-                              mode_supports, model_spec, optimizer_states, unsupported)
+                              mode_supports, model_spec, optimizer_states, rule_states,
+                              unsupported)
 from .memory_measure import measure  # noqa: F401
 
-__all__ = ["MODES", "OPTIMIZERS", "MODELS", "ModeSpec", "ModelSpec", "Breakdown", "estimate",
-           "optimizer_states", "activation_bytes", "gpt_params", "gpt_shapes", "llama_params",
-           "llama_shapes", "measure", "model_names", "model_spec", "mode_supports", "unsupported",
+__all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
+           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "rule_states",
+           "format_mode", "format_mode_name", "activation_bytes", "gpt_params", "gpt_shapes",
+           "llama_params", "llama_shapes", "measure", "model_names", "model_spec", "mode_supports", "unsupported",
            "main"]
 
 # ---------------------------------------------------------------------------------------------
@@ -33,9 +37,10 @@ ROWS = [("weights", "weights"), ("gradients", "gradients"), ("master_weights", "
         ("scaler", "loss scaler"),
         ("persistent", "**persistent**"), ("activations", "activations (per step)"),
         ("autocast_copies", "autocast weight copies (per step)"),
+        ("grad_bucket", "released gradients, one bucket (per step)"),
         ("step_buffers", "FP32 master grads (during step)"), ("total", "**total**")]
 
-OPTIONAL_ROWS = ("ema", "scaler", "autocast_copies", "step_buffers")  # shown when not all zero
+OPTIONAL_ROWS = ("ema", "scaler", "autocast_copies", "grad_bucket", "step_buffers")  # shown when not all zero
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -98,13 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a known model (sets params and the activation shape)")
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                    help="default: %(default)s")
-    p.add_argument("--mode", type=_list_arg("mode", list(MODES)), default=None,
+    p.add_argument("--rule", choices=list(RULES),
+                   help="mpext.optim's optimizer instead of --optimizer: its moments are the "
+                        "state, every mode and format exists for it")
+    p.add_argument("--momentum", type=float, default=0.0,
+                   help="SGD's momentum, with --rule sgd (default 0: no momentum_buffer)")
+    p.add_argument("--mode", type=_list_arg("mode", list(MODES) + list(FORMAT_MODES)),
+                   default=None,
                    help="one or more of %s, comma-separated, or 'all' (default: every mode "
                         "the optimizer has; the mpext-bf16-*/mpext-fp16-sr* lean modes are "
-                        "mpext.optim.Adam/AdamW's)" % ", ".join(MODES))
+                        "mpext.optim.Adam/AdamW's); or any format of mpext.optim as "
+                        "mpext-<fp32|bf16|fp16>-<param format>-<moment format>, e.g. %s"
+                        % (", ".join(MODES), ", ".join(list(FORMAT_MODES)[:3])))
     p.add_argument("--ema", action="store_true",
                    help="keep an FP32 EMA of the weights (mpext: mpext.optim.Adam/AdamW's "
                         "ema_decay; native: an FP32 AveragedModel)")
+    p.add_argument("--grad-release", action="store_true",
+                   help="the step inside backward (mpext.optim's release_grads): no gradient "
+                        "persists; one bucket of them is alive during the backward")
+    p.add_argument("--bucket-bytes", type=_count_arg(0), default=DEFAULT_BUCKET_BYTES,
+                   help="the release's bucket, in bytes (default 4 MiB)")
     p.add_argument("--zero", type=_zero_arg, default=[0],
                    help="ZeRO stage(s) 0-3, comma-separated (default 0)")
     p.add_argument("--world-size", type=_count_arg(), default=1,
@@ -155,15 +173,25 @@ def _configs(args, parser) -> List[Breakdown]:
     if any(z > 0 for z in args.zero) and args.world_size == 1:
         print("note: ZeRO with --world-size 1 partitions over one device (no saving)",
               file=sys.stderr)
+    if args.momentum and args.rule != "sgd":
+        parser.error("argument --momentum: SGD's momentum, only with --rule sgd")
+    if args.momentum < 0:
+        parser.error("argument --momentum: must be >= 0, got %r" % args.momentum)
+    if args.grad_release and args.rule is None and args.optimizer not in ("adam", "adamw"):
+        parser.error("argument --grad-release: the release is mpext.optim's; give --rule, or "
+                     "--optimizer adam or adamw")
+    if args.grad_release and args.world_size > 1:
+        parser.error("argument --grad-release: not supported with more than one process "
+                     "(--world-size %d)" % args.world_size)
     modes = args.mode
     if modes is None:
-        modes = [m for m in MODES if mode_supports(m, args.optimizer, args.ema)]
-    bad = [m for m in modes if not mode_supports(m, args.optimizer)]
+        modes = [m for m in MODES if mode_supports(m, args.optimizer, args.ema, args.rule)]
+    bad = [m for m in modes if not mode_supports(m, args.optimizer, rule=args.rule)]
     if bad:
         parser.error("argument --mode: %s %s mpext.optim.Adam/AdamW's leaner state, not "
                      "available with --optimizer %s (use adam or adamw)"
                      % (", ".join(bad), "is" if len(bad) == 1 else "are", args.optimizer))
-    bad = [m for m in modes if not mode_supports(m, args.optimizer, args.ema)]
+    bad = [m for m in modes if not mode_supports(m, args.optimizer, args.ema, args.rule)]
     if bad:
         parser.error("argument --ema: mpext keeps an EMA in mpext.optim.Adam/AdamW (ema_decay), "
                      "not with --optimizer %s; drop --ema or the mode(s) %s"
@@ -176,7 +204,9 @@ def _configs(args, parser) -> List[Breakdown]:
                 refused.append({"mode": mode, "zero": z, "reason": why})
                 continue
             out.append(estimate(params, args.optimizer, mode, zero=z, world_size=args.world_size,
-                                dropout=dropout, ema=args.ema, **shape))
+                                dropout=dropout, ema=args.ema, rule=args.rule,
+                                momentum=args.momentum, grad_release=args.grad_release,
+                                bucket_bytes=args.bucket_bytes, **shape))
     if not out:
         parser.error("argument --zero: %s" % "; ".join(
             "%s with ZeRO-%d is not supported: %s" % (r["mode"], r["zero"], r["reason"])
@@ -282,9 +312,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.png:
         _check_png(parser, args.png)
     what = args.model or "%s params" % format(results[0].params, ",")
-    title = "%s, %s, world size %d" % (what, args.optimizer, args.world_size)
+    optimizer = results[0].optimizer if args.rule is None else \
+        "mpext.optim %s" % results[0].optimizer
+    title = "%s, %s%s, world size %d" % (what, optimizer,
+                                          ", gradient release" if args.grad_release else "",
+                                          args.world_size)
     if args.json:
-        print(json.dumps({"model": args.model, "optimizer": args.optimizer,
+        print(json.dumps({"model": args.model, "optimizer": results[0].optimizer,
+                          "rule": args.rule, "grad_release": args.grad_release,
                           "results": [r.to_dict() for r in results],
                           "unsupported": refused}, indent=1))
     else:

@@ -27,6 +27,15 @@ AdamW 2, SGD with momentum 1, ...)::
     mpext-bf16-sr-8bit                   2      2      0   1.016k  as mpext-bf16
     mpext-fp16-sr-8bit                   2      2      0   1.016k  as mpext-fp16
 
+The mpext modes are not written by hand: each is a state format of ``mpext.optim.formats`` (a
+param format: where the FP32 value lives, and a moment format) on params of one dtype, with the
+formats' own bytes (:func:`format_mode`); ``FORMAT_MODES`` holds every one by the name of its
+parts (``mpext-bf16-remainder-q8``, ...) and the names above are aliases of some of them
+(``ALIASES``). The state is those bytes times the moments of the rule (``RULES``: Adam 2, Lion
+1, SGD 0 or 1 with momentum; ``estimate(..., rule=...)``), or of ``optimizer`` (torch's).
+``grad_release=True`` (mpext.optim's ``release_grads``): no gradient persists; one bucket of
+them is alive during the backward (``grad_bucket``).
+
 Native AMP keeps the model in FP32 (its FP32 weights are the masters) and autocast casts each
 weight to 16 bits on every forward; those copies live until the backward has used them, so they
 are counted as step-time memory (``autocast_copies``), not as persistent memory. mpext keeps the
@@ -71,14 +80,24 @@ import numbers
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ._common import MIN_8BIT_NUMEL
+from .optim import formats as _F
+from .optim._base import _LEAN_DEFAULTS
 
-__all__ = ["MODES", "OPTIMIZERS", "MODELS", "ModeSpec", "ModelSpec", "Breakdown", "estimate",
-           "optimizer_states", "activation_bytes", "gpt_params", "gpt_shapes", "llama_params",
-           "llama_shapes", "model_names", "model_spec", "mode_supports", "unsupported"]
+__all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
+           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "rule_states",
+           "format_mode", "format_mode_name", "activation_bytes", "gpt_params", "gpt_shapes", "llama_params",
+           "llama_shapes", "model_names", "model_spec", "mode_supports", "unsupported",
+           "DEFAULT_BUCKET_BYTES"]
 
 _FP32, _HALF = 4, 2
 _ADAM = ("adam", "adamw")  # the optimizers with mpext's lean state (mpext.optim.Adam / AdamW)
 SCALER_SCALARS = 2  # the loss scale (fp32) and the growth tracker (int32), kept between steps
+Q8_BLOCK = _LEAN_DEFAULTS["block_size"]  # mpext.optim's default block_size
+DEFAULT_BUCKET_BYTES = 4 * 2 ** 20  # release_grads' default bucket
+# The param dtypes of mpext's modes, by their short names: (bytes per element, formats).
+_PARAM_DTYPES = {"fp32": (_FP32, ("fp32_param",)),
+                 "bf16": (_HALF, ("master", "remainder", "nearest", "stochastic")),
+                 "fp16": (_HALF, ("master", "nearest", "stochastic"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +113,11 @@ class ModeSpec:
     description: str
     state: int = _FP32   # bytes per element of each optimizer-state tensor (moments)
     optimizers: Optional[Tuple[str, ...]] = None  # the optimizers it exists for (None: all)
-    state_block: int = 0  # elements per FP32 scale of each state tensor (0: no scales)
+    state_block: int = 0  # elements per block of metadata of each state tensor (0: none)
+    state_meta: int = 0   # bytes of metadata per block (8-bit codes: one FP32 scale)
+    # the mpext.optim.formats it is, for the modes of mpext.optim (None: a native mode)
+    param_format: Optional[str] = None
+    moment_format: Optional[str] = None
 
     @property
     def stepped_by_mpext(self) -> bool:
@@ -103,6 +126,118 @@ class ModeSpec:
         return self.weight == _HALF
 
 
+def format_mode(dtype: str, param_format: str, moment_format: str, description: str = "",
+                optimizers: Optional[Tuple[str, ...]] = _ADAM) -> ModeSpec:
+    """The mode of mpext.optim's state formats (mpext.optim.formats): params of ``dtype``
+    ('fp32', 'bf16', 'fp16') whose FP32 value lives as ``param_format`` says, every moment
+    stored in ``moment_format``; the bytes are the formats' own (``bytes_per_element``, and
+    for 8-bit codes ``meta_bytes_per_block`` per block of the default ``block_size``)."""
+    size, allowed = _PARAM_DTYPES[dtype]
+    if param_format not in allowed:
+        raise ValueError("param_format: %s params have no %r format (they take %s)"
+                         % (dtype, param_format, ", ".join(allowed)))
+    pf, mf = _F.PARAM_FORMATS[param_format], _F.MOMENT_FORMATS[moment_format]
+    meta = mf.meta_bytes_per_block * len(mf.meta)
+    return ModeSpec(size, size, pf.bytes_per_element, size, 0, dtype == "fp16",
+                    description or "mpext.optim: %s params, %s, %s moments"
+                    % (dtype, param_format, moment_format),
+                    mf.bytes_per_element, optimizers, Q8_BLOCK if meta else 0, meta,
+                    param_format, moment_format)
+
+
+def format_mode_name(dtype: str, param_format: str, moment_format: str) -> str:
+    """The FORMAT_MODES name of a format: mpext-<dtype>-<param format>-<moment format>."""
+    return "mpext-%s-%s-%s" % (dtype, "param" if param_format == "fp32_param" else param_format,
+                               moment_format)
+
+
+# Every format of mpext.optim, by a name of its parts: mpext-<dtype>-<param format>-<moment
+# format> (e.g. mpext-bf16-remainder-q8, mpext-fp32-param-bfloat16).
+FORMAT_MODES: Dict[str, ModeSpec] = {
+    format_mode_name(d, pf, mf): format_mode(d, pf, mf)
+    for d, (_, pfs) in _PARAM_DTYPES.items() for pf in pfs for mf in _F.MOMENT_FORMATS}
+
+# The named modes of the calculator that are formats: (dtype, param format, moment format,
+# description).
+_NAMED = {
+    "mpext-bf16": ("bf16", "master", "float32",
+                   "mpext: BF16 model, FP32 masters in the optimizer"),
+    "mpext-fp16": ("fp16", "master", "float32",
+                   "mpext: FP16 model, FP32 masters + dynamic loss scaling"),
+    "mpext-bf16-bf16moments": ("bf16", "master", "bfloat16",
+                               "mpext.optim: BF16 model, FP32 masters, BF16 moments"),
+    "mpext-bf16-remainder": ("bf16", "remainder", "float32",
+                             "mpext.optim: BF16 model, FP32 masters kept as 16-bit remainders"),
+    "mpext-bf16-remainder-bf16moments": (
+        "bf16", "remainder", "bfloat16",
+        "mpext.optim: BF16 model, 16-bit remainders, BF16 moments"),
+    "mpext-bf16-sr-fp32moments": (
+        "bf16", "stochastic", "float32",
+        "mpext.optim: BF16 model, no master (stochastic rounding), FP32 moments"),
+    "mpext-bf16-sr": ("bf16", "stochastic", "bfloat16",
+                      "mpext.optim: BF16 model, no master (stochastic rounding), BF16 moments"),
+    "mpext-fp16-sr": ("fp16", "stochastic", "bfloat16",
+                      "mpext.optim: FP16 model, no master (stochastic rounding), BF16 moments + "
+                      "dynamic loss scaling"),
+    "mpext-bf16-8bit": ("bf16", "master", "q8",
+                        "mpext.optim: BF16 model, FP32 masters, 8-bit moments"),
+    "mpext-bf16-remainder-8bit": ("bf16", "remainder", "q8",
+                                  "mpext.optim: BF16 model, 16-bit remainders, 8-bit moments"),
+    "mpext-bf16-sr-8bit": ("bf16", "stochastic", "q8",
+                           "mpext.optim: BF16 model, no master (stochastic rounding), 8-bit "
+                           "moments"),
+    "mpext-fp16-sr-8bit": ("fp16", "stochastic", "q8",
+                           "mpext.optim: FP16 model, no master (stochastic rounding), 8-bit "
+                           "moments + dynamic loss scaling"),
+}
+# Each named mode's format: (dtype, param format, moment format).
+ALIASES: Dict[str, Tuple[str, str, str]] = {k: v[:3] for k, v in _NAMED.items()}
+# FP32 masters with FP32 moments exist for every optimizer (MixedPrecisionOptimizer wraps any);
+# the leaner formats are mpext.optim's.
+_ANY_OPTIMIZER = ("mpext-bf16", "mpext-fp16")
+
+MODES: Dict[str, ModeSpec] = {
+    format_mode_name(d, pf, mf): format_mode(d, pf, mf)
+    for d, (_, pfs) in _PARAM_DTYPES.items() for pf in pfs for mf in _F.MOMENT_FORMATS}
+
+# The named modes of the calculator that are formats: (dtype, param format, moment format).
+ALIASES: Dict[str, Tuple[str, str, str]] = {
+    "mpext-bf16": ("bf16", "master", "float32"),
+    "mpext-fp16": ("fp16", "master", "float32"),
+    "mpext-bf16-bf16moments": ("bf16", "master", "bfloat16"),
+    "mpext-bf16-remainder": ("bf16", "remainder", "float32"),
+    "mpext-bf16-remainder-bf16moments": ("bf16", "remainder", "bfloat16"),
+    "mpext-bf16-sr-fp32moments": ("bf16", "stochastic", "float32"),
+    "mpext-bf16-sr": ("bf16", "stochastic", "bfloat16"),
+    "mpext-fp16-sr": ("fp16", "stochastic", "bfloat16"),
+    "mpext-bf16-8bit": ("bf16", "master", "q8"),
+    "mpext-bf16-remainder-8bit": ("bf16", "remainder", "q8"),
+    "mpext-bf16-sr-8bit": ("bf16", "stochastic", "q8"),
+    "mpext-fp16-sr-8bit": ("fp16", "stochastic", "q8"),
+}
+_DESCRIPTIONS = {
+    "mpext-bf16": "mpext: BF16 model, FP32 masters in the optimizer",
+    "mpext-fp16": "mpext: FP16 model, FP32 masters + dynamic loss scaling",
+    "mpext-bf16-bf16moments": "mpext.optim: BF16 model, FP32 masters, BF16 moments",
+    "mpext-bf16-remainder": "mpext.optim: BF16 model, FP32 masters kept as 16-bit remainders",
+    "mpext-bf16-remainder-bf16moments": "mpext.optim: BF16 model, 16-bit remainders, BF16 "
+                                        "moments",
+    "mpext-bf16-sr-fp32moments": "mpext.optim: BF16 model, no master (stochastic rounding), "
+                                 "FP32 moments",
+    "mpext-bf16-sr": "mpext.optim: BF16 model, no master (stochastic rounding), BF16 moments",
+    "mpext-fp16-sr": "mpext.optim: FP16 model, no master (stochastic rounding), BF16 moments + "
+                     "dynamic loss scaling",
+    "mpext-bf16-8bit": "mpext.optim: BF16 model, FP32 masters, 8-bit moments",
+    "mpext-bf16-remainder-8bit": "mpext.optim: BF16 model, 16-bit remainders, 8-bit moments",
+    "mpext-bf16-sr-8bit": "mpext.optim: BF16 model, no master (stochastic rounding), 8-bit "
+                          "moments",
+    "mpext-fp16-sr-8bit": "mpext.optim: FP16 model, no master (stochastic rounding), 8-bit "
+                          "moments + dynamic loss scaling",
+}
+# FP32 masters with FP32 moments exist for every optimizer (MixedPrecisionOptimizer wraps any);
+# the leaner formats are mpext.optim's.
+_ANY_OPTIMIZER = ("mpext-bf16", "mpext-fp16")
+
 MODES: Dict[str, ModeSpec] = {
     "fp32": ModeSpec(_FP32, _FP32, 0, _FP32, 0, False,
                      "FP32 weights, grads and activations"),
@@ -110,67 +245,67 @@ MODES: Dict[str, ModeSpec] = {
                          "native AMP: FP32 model, torch.autocast(bfloat16)"),
     "amp-fp16": ModeSpec(_FP32, _FP32, 0, _HALF, _HALF, True,
                          "native AMP: FP32 model, torch.autocast(float16) + GradScaler"),
-    "mpext-bf16": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, False,
-                           "mpext: BF16 model, FP32 masters in the optimizer"),
-    "mpext-fp16": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, True,
-                           "mpext: FP16 model, FP32 masters + dynamic loss scaling"),
-    "mpext-bf16-bf16moments": ModeSpec(
-        _HALF, _HALF, _FP32, _HALF, 0, False,
-        "mpext.optim: BF16 model, FP32 masters, BF16 moments", _HALF, _ADAM),
-    "mpext-bf16-remainder": ModeSpec(
-        _HALF, _HALF, _HALF, _HALF, 0, False,
-        "mpext.optim: BF16 model, FP32 masters kept as 16-bit remainders", _FP32, _ADAM),
-    "mpext-bf16-remainder-bf16moments": ModeSpec(
-        _HALF, _HALF, _HALF, _HALF, 0, False,
-        "mpext.optim: BF16 model, 16-bit remainders, BF16 moments", _HALF, _ADAM),
-    "mpext-bf16-sr-fp32moments": ModeSpec(
-        _HALF, _HALF, 0, _HALF, 0, False,
-        "mpext.optim: BF16 model, no master (stochastic rounding), FP32 moments", _FP32,
-        _ADAM),
-    "mpext-bf16-sr": ModeSpec(
-        _HALF, _HALF, 0, _HALF, 0, False,
-        "mpext.optim: BF16 model, no master (stochastic rounding), BF16 moments", _HALF, _ADAM),
-    "mpext-fp16-sr": ModeSpec(
-        _HALF, _HALF, 0, _HALF, 0, True,
-        "mpext.optim: FP16 model, no master (stochastic rounding), BF16 moments + dynamic "
-        "loss scaling", _HALF, _ADAM),
 }
+MODES.update({name: format_mode(*row, None if name in _ANY_OPTIMIZER else _ADAM)
+              for name, row in _NAMED.items()})
 
-# mpext.optim.Adam/AdamW with 8-bit moments (block_size 256).
-_Q8 = dict(state=1, optimizers=_ADAM, state_block=256)
-MODES.update({
-    "mpext-bf16-8bit": ModeSpec(_HALF, _HALF, _FP32, _HALF, 0, False,
-                                "mpext.optim: BF16 model, FP32 masters, 8-bit moments", **_Q8),
-    "mpext-bf16-remainder-8bit": ModeSpec(
-        _HALF, _HALF, _HALF, _HALF, 0, False,
-        "mpext.optim: BF16 model, 16-bit remainders, 8-bit moments", **_Q8),
-    "mpext-bf16-sr-8bit": ModeSpec(
-        _HALF, _HALF, 0, _HALF, 0, False,
-        "mpext.optim: BF16 model, no master (stochastic rounding), 8-bit moments", **_Q8),
-    "mpext-fp16-sr-8bit": ModeSpec(
-        _HALF, _HALF, 0, _HALF, 0, True,
-        "mpext.optim: FP16 model, no master (stochastic rounding), 8-bit moments + dynamic "
-        "loss scaling", **_Q8),
-})
+
+def _spec(mode: str) -> ModeSpec:
+    spec = MODES.get(mode) if isinstance(mode, str) else None
+    return spec if spec is not None else FORMAT_MODES[mode]
+
+
+def known_mode(mode) -> bool:
+    """Whether ``mode`` names a mode: one of ``MODES`` or of ``FORMAT_MODES``."""
+    return isinstance(mode, str) and (mode in MODES or mode in FORMAT_MODES)
 
 
 def unsupported(mode: str, zero: int) -> Optional[str]:
     """Why ``mode`` cannot train under ZeRO stage ``zero`` today, or None when it can. Stage 3
     is FSDP2 here, whose params are DTensors: mpext.optim refuses 8-bit moments on them (their
     blocks would follow each rank's shard)."""
-    if zero == 3 and MODES[mode].state_block:
+    if zero == 3 and _spec(mode).state_block:
         return ("8-bit moments are not supported for sharded (FSDP2 / DTensor) params; use "
                 "ZeRO 1-2 or BF16 moments")
     return None
 
 
-def mode_supports(mode: str, optimizer: str, ema: bool = False) -> bool:
+def mode_supports(mode: str, optimizer: str, ema: bool = False,
+                  rule: Optional[str] = None) -> bool:
     """Whether precision ``mode`` exists for ``optimizer`` (the lean modes are
     ``mpext.optim.Adam``/``AdamW``'s), with an EMA of the weights if ``ema`` (mpext's is
-    ``mpext.optim.Adam``/``AdamW``'s ``ema_decay``; ``MixedPrecisionOptimizer`` keeps none)."""
-    spec = MODES[mode]
+    ``mpext.optim.Adam``/``AdamW``'s ``ema_decay``; ``MixedPrecisionOptimizer`` keeps none).
+    With ``rule`` (one of ``RULES``: the optimizer is mpext.optim's) every mode exists, an EMA
+    too."""
+    if rule is not None:
+        return True
+    spec = _spec(mode)
     allowed = _ADAM if ema and spec.stepped_by_mpext else spec.optimizers
     return allowed is None or optimizer in allowed
+
+
+# mpext.optim's rules and the moments each keeps per param (their classes' ``moments``): the
+# state tensors a format stores. SGD keeps its momentum_buffer only with a momentum.
+RULES: Dict[str, Tuple[str, ...]] = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
+    "sgd": ("momentum_buffer",),
+}
+
+
+def rule_states(rule: str, momentum: float = 0.0) -> int:
+    """The number of moment tensors mpext.optim's ``rule`` keeps per param (see ``RULES``)."""
+    if not isinstance(rule, str) or rule not in RULES:
+        raise ValueError("rule: unknown rule %r; choose one of %s" % (rule, ", ".join(RULES)))
+    if not isinstance(momentum, numbers.Real) or isinstance(momentum, bool) \
+            or not 0.0 <= momentum:
+        raise ValueError("momentum: must be a number >= 0, got %r" % (momentum,))
+    if momentum and rule != "sgd":
+        raise ValueError("momentum: SGD's option; rule %r has none" % rule)
+    if rule == "sgd" and not momentum:
+        return 0
+    return len(RULES[rule])
 
 
 # State tensors of the size of the param each optimizer keeps (torch.optim's defaults, FP32
@@ -333,9 +468,10 @@ class Breakdown:
     step_buffers: int = 0
     activation_formula: str = ""
     ema: int = 0                 # an FP32 EMA of the weights (``ema=True``)
+    grad_bucket: int = 0         # gradient release: the one bucket of gradients alive
 
     PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "scaler")
-    TRANSIENT = ("activations", "autocast_copies", "step_buffers")
+    TRANSIENT = ("activations", "autocast_copies", "grad_bucket", "step_buffers")
 
     @property
     def persistent(self) -> int:
@@ -343,9 +479,11 @@ class Breakdown:
 
     @property
     def transient(self) -> int:
-        """The larger of the forward/backward peak (activations + autocast copies) and the
-        optimizer step's buffers: the two are not alive at the same time."""
-        return max((self.activations or 0) + self.autocast_copies, self.step_buffers)
+        """The larger of the forward/backward peak (activations + autocast copies, + the
+        released gradients' bucket) and the optimizer step's buffers: the two are not alive at
+        the same time."""
+        return max((self.activations or 0) + self.autocast_copies + self.grad_bucket,
+                   self.step_buffers)
 
     @property
     def total(self) -> int:
@@ -422,7 +560,9 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              batch: Optional[int] = None, seq: Optional[int] = None,
              hidden: Optional[int] = None, layers: Optional[int] = None,
              heads: Optional[int] = None, vocab: Optional[int] = None,
-             dropout: bool = True, ema: bool = False) -> Breakdown:
+             dropout: bool = True, ema: bool = False, rule: Optional[str] = None,
+             momentum: float = 0.0, grad_release: bool = False,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -430,8 +570,12 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
             the element count of each parameter tensor (e.g. ``[p.numel() for p in
             model.parameters()]``): then the 8-bit modes keep FP32 moments for the tensors
             under ``MIN_8BIT_NUMEL`` elements and per-tensor blocks, as the optimizer does.
-        optimizer: a key of ``OPTIMIZERS`` ('adamw', 'sgd', 'sgd-momentum', ...).
-        mode: a key of ``MODES`` ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16', or
+        optimizer: a key of ``OPTIMIZERS`` ('adamw', 'sgd', 'sgd-momentum', ...): a torch
+            optimizer (inside ``MixedPrecisionOptimizer`` in the mpext modes), or for 'adam' /
+            'adamw' mpext.optim's.
+        mode: a key of ``MODES`` or of ``FORMAT_MODES`` (every format of mpext.optim, by its
+            parts: ``mpext-<fp32|bf16|fp16>-<param format>-<moment format>``; the lean modes
+            of ``MODES`` are aliases of some of them) ('fp32', 'amp-bf16', 'amp-fp16', 'mpext-bf16', 'mpext-fp16', or
             one of mpext.optim's lean modes, for 'adam' and 'adamw' only:
             'mpext-bf16-bf16moments', 'mpext-bf16-remainder',
             'mpext-bf16-remainder-bf16moments', 'mpext-bf16-sr-fp32moments', 'mpext-bf16-sr',
@@ -446,20 +590,37 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         ema: add an FP32 EMA of the weights (mpext modes: ``ema_decay`` of
             ``mpext.optim.Adam``/``AdamW``, so adam or adamw only; native modes: an FP32
             ``AveragedModel``).
+        rule: mpext.optim's optimizer, a key of ``RULES`` ('adam', 'adamw', 'lion', 'sgd'),
+            instead of ``optimizer``: every mode and format exists for it, its moments are the
+            state (``rule_states``), its step needs no FP32 gradient buffers, and an EMA is
+            its ``ema_decay``.
+        momentum: SGD's momentum (with ``rule='sgd'``): a momentum_buffer when not 0.
+        grad_release: the step runs inside the backward pass (``release_grads()`` of
+            mpext.optim, one process only): no gradient persists between steps; during the
+            backward one bucket of them is alive (``grad_bucket``: ``bucket_bytes`` of
+            gradients, or all of them when they are fewer).
+        bucket_bytes: the release's bucket (default 4 MiB, as ``release_grads``).
 
     Returns a :class:`Breakdown`. Raises ``ValueError`` / ``TypeError`` naming the argument.
     """
     n, sizes = _sizes(params)
-    if not isinstance(mode, str) or mode not in MODES:
+    if not known_mode(mode):
         raise ValueError("mode: unknown mode %r; choose one of %s" % (mode, ", ".join(MODES)))
-    k = optimizer_states(optimizer)
-    if not mode_supports(mode, optimizer):
+    if rule is not None:
+        k = rule_states(rule, momentum)
+        optimizer = rule + ("-momentum" if momentum else "")
+    else:
+        if momentum:
+            raise ValueError("momentum: SGD's option of rule='sgd'; for torch's SGD use "
+                             "optimizer='sgd-momentum'")
+        k = optimizer_states(optimizer)
+    if not mode_supports(mode, optimizer, rule=rule):
         raise ValueError("mode: %s is mpext.optim.Adam/AdamW's leaner state; the optimizer "
-                         "must be %s, got %r" % (mode, " or ".join(MODES[mode].optimizers),
+                         "must be %s, got %r" % (mode, " or ".join(_spec(mode).optimizers),
                                                  optimizer))
     if not isinstance(ema, bool):
         raise TypeError("ema: must be True or False, got %r" % (ema,))
-    if not mode_supports(mode, optimizer, ema):
+    if not mode_supports(mode, optimizer, ema, rule):
         raise ValueError("ema: mpext keeps an FP32 EMA of the weights in mpext.optim.Adam/AdamW "
                          "(ema_decay=...); with optimizer %r, %s has none (use adam or adamw)"
                          % (optimizer, mode))
@@ -479,14 +640,24 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if vocab is not None and not given:
         raise ValueError("vocab: only used by the activation estimate, which needs batch, "
                          "seq, hidden, layers and heads")
-    spec = MODES[mode]
+    spec = _spec(mode)
+    if not isinstance(grad_release, bool):
+        raise TypeError("grad_release: must be True or False, got %r" % (grad_release,))
+    bucket = _check_count("bucket_bytes", bucket_bytes, 0)
+    if grad_release and rule is None and optimizer not in _ADAM:
+        raise ValueError("grad_release: the release is mpext.optim's (release_grads()); give "
+                         "rule=... or optimizer 'adam' / 'adamw', got optimizer %r" % optimizer)
+    if grad_release and w > 1:
+        raise ValueError("grad_release: not supported with more than one process (the "
+                         "release steps before DDP/FSDP reduce the gradients), got "
+                         "world_size=%d" % w)
 
     def part(stage: int) -> int:  # elements per device of a tensor partitioned from `stage` on
         return -(-n // w) if zero >= stage else n
 
     # MixedPrecisionOptimizer's generic path (any optimizer but Adam/AdamW) makes FP32
     # gradients for the masters during step() and frees them after: one per master element.
-    fused = optimizer in ("adam", "adamw")
+    fused = rule is not None or optimizer in ("adam", "adamw")
     step_buffers = 0 if (fused or spec.master == 0) else _FP32 * part(1)
     acts, formula = None, ""
     if given:
@@ -498,21 +669,23 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if not spec.state_block:
         states = k * spec.state * part(1)
     elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted
-        states = k * (spec.state * part(1) + _FP32 * -(-part(1) // spec.state_block))
+        states = k * (spec.state * part(1) + spec.state_meta * -(-part(1) // spec.state_block))
     else:  # as the optimizer keeps each tensor (small ones in FP32), then partitioned
         states = k * sum(_FP32 * s if s < MIN_8BIT_NUMEL else
-                         spec.state * s + _FP32 * -(-s // spec.state_block) for s in sizes)
+                         spec.state * s + spec.state_meta * -(-s // spec.state_block)
+                         for s in sizes)
         states = -(-states // w) if zero >= 1 else states
     return Breakdown(
         mode=mode, optimizer=optimizer, params=n, zero=zero, world_size=w,
         weights=spec.weight * part(3),
-        gradients=spec.grad * part(2),
+        gradients=0 if grad_release else spec.grad * part(2),
         master_weights=spec.master * part(1),
         optimizer_states=states,
-        ema=0 if not ema else _FP32 * (part(1) if spec.stepped_by_mpext else part(3)),
+        ema=0 if not ema else _FP32 * (part(1) if spec.stepped_by_mpext or rule else part(3)),
         scaler=_FP32 * SCALER_SCALARS if spec.scaler else 0,
         activations=acts,
         autocast_copies=spec.autocast_copy * n,
         step_buffers=step_buffers,
         activation_formula=formula,
+        grad_bucket=min(bucket, spec.grad * n) if grad_release else 0,
     )

@@ -882,3 +882,199 @@ def test_measure_one_element_params(shape):
     want = estimate([big.numel(), tiny.numel()], "adamw", "fp32")
     assert got["optimizer_states"] == want.optimizer_states == 8 * (64 * 64 + 1)
     assert got["other"] == 2 * 4  # the two float32 step scalars
+
+
+# ---------------------------------------------------------------------------------------------
+# The modes derived from mpext.optim.formats, per rule; gradient release
+
+import warnings  # noqa: E402
+
+import optim_table as T  # noqa: E402  (the rules x formats table of the optimizer tests)
+
+_DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _mode_of(fmt, dtype):
+    """The FORMAT_MODES name of a table format on params of ``dtype``."""
+    return memory.format_mode_name(_DTYPE_NAME[dtype], fmt.param_format, fmt.moment_format)
+
+
+def _rule_of(rule):
+    """(memory's rule, momentum) of a table rule."""
+    return rule.name.split("-")[0], rule.kwargs.get("momentum", 0.0)
+
+
+def test_every_mode_of_the_table_exists_and_its_aliases_are_formats():
+    """Each (format, param dtype) of the optimizer tests' table is a FORMAT_MODES entry with the
+    table's bytes (written there by hand) per element: the param's, its FP32 value's storage,
+    each moment's, 8-bit codes' block; every mpext lean name of MODES is one of them."""
+    names = set()
+    for fmt in T.FORMATS.values():
+        for dt in fmt.param_dtypes:
+            spec = memory.FORMAT_MODES[_mode_of(fmt, dt)]
+            names.add(_mode_of(fmt, dt))
+            assert (spec.weight, spec.grad) == (dt.itemsize, dt.itemsize)
+            assert spec.master == fmt.storage_bytes
+            assert spec.state == fmt.moment_bytes
+            assert spec.state_block == fmt.block and spec.state_meta == (4 if fmt.block else 0)
+            assert spec.scaler == (dt == torch.float16)
+    assert names == set(memory.FORMAT_MODES)
+    for alias, (dt, pf, mf) in memory.ALIASES.items():
+        a, f = MODES[alias], memory.FORMAT_MODES[memory.format_mode_name(dt, pf, mf)]
+        assert dataclasses.replace(a, description="", optimizers=None) == \
+            dataclasses.replace(f, description="", optimizers=None), alias
+    # the hand-written bytes of this file's tables, for the aliases
+    for mode, (w, g, m, st) in MODE_BYTES.items():
+        if mode in memory.ALIASES:
+            spec = MODES[mode]
+            assert (spec.weight, spec.grad, spec.master, spec.state) == (w, g, m, st), mode
+
+
+def test_rules_are_the_optimizer_classes_moments():
+    """RULES lists each rule's moments as its mpext.optim class keeps them (for the classes in
+    this tree), and the table's rules are all among them."""
+    classes = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}
+    assert set(classes) == set(memory.RULES)
+    found = 0
+    for rule, name in classes.items():
+        cls = getattr(mpext.optim, name, None)
+        if cls is not None:
+            found += 1
+            assert tuple(q.name for q in cls.moments) == memory.RULES[rule], rule
+    assert found >= 2
+    assert {_rule_of(r)[0] for r in T.RULES.values()} <= set(memory.RULES)
+    assert memory.rule_states("sgd") == 0 and memory.rule_states("sgd", 0.9) == 1
+    assert memory.rule_states("lion") == 1 and memory.rule_states("adamw") == 2
+
+
+TABLE_LIVE = [(r, f, dt) for r, f in T.pairs() for dt in f.param_dtypes]
+
+
+@pytest.mark.parametrize("rule,fmt,dtype", TABLE_LIVE, ids=[T.pair_id(c) for c in TABLE_LIVE])
+def test_every_rule_and_format_agrees_with_live_tensors(rule, fmt, dtype):
+    """Every (rule, format) pair of the optimizer tests' table after two real steps, with an
+    EMA: the live tensors (memory.measure) equal the estimate of the params' sizes for that
+    rule and format, component by component (8-bit codes with their scales, the small tensors'
+    FP32 moments)."""
+    params = T.make_params((dtype,))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*master_weights=False without")
+        opt = rule.make(params, ema_decay=0.9, **fmt.kwargs_for(rule))
+    for s in range(2):
+        T.set_grads(params, T.make_grads(params, s))
+        opt.step()
+    got = memory.measure(params, opt)
+    name, momentum = _rule_of(rule)
+    want = estimate([p.numel() for p in params], mode=_mode_of(fmt, dtype), rule=name,
+                    momentum=momentum, ema=True)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
+        assert got[field] == getattr(want, field), (field, got, want)
+
+
+def test_rule_by_hand():
+    """--rule: the rule's moments are the state (Lion 1, SGD 0 or 1 with momentum, Adam 2), in
+    any mode; no FP32 gradient buffers (mpext.optim's step is fused); an EMA in any mode."""
+    n = 1000
+    assert estimate(n, mode="mpext-bf16-sr", rule="lion").persistent == n * (2 + 2 + 2)
+    assert estimate(n, mode="mpext-bf16-8bit", rule="sgd").optimizer_states == 0
+    b = estimate(n, mode="mpext-bf16-8bit", rule="sgd", momentum=0.9)
+    assert b.optimizer_states == n + 4 * 4 and b.optimizer == "sgd-momentum"
+    b = estimate(n, mode="mpext-fp16-master-float32", rule="sgd", momentum=0.5, ema=True)
+    assert (b.master_weights, b.optimizer_states, b.ema, b.step_buffers, b.scaler) == \
+        (4 * n, 4 * n, 4 * n, 0, 8)
+    assert estimate(n, mode="fp32", rule="adam", ema=True, zero=3, world_size=4).ema == 4 * 250
+    for kw, match in ((dict(rule="rmsprop"), "rule: unknown rule 'rmsprop'"),
+                      (dict(rule="lion", momentum=0.9), "momentum: SGD's option"),
+                      (dict(rule="sgd", momentum=-1), "momentum: must be a number >= 0"),
+                      (dict(momentum=0.9), "momentum: SGD's option of rule='sgd'"),
+                      (dict(mode="mpext-fp16-remainder-q8"), "mode: unknown mode")):
+        with pytest.raises(ValueError, match=match):
+            estimate(n, **dict(dict(mode="mpext-bf16"), **kw))
+
+
+def test_grad_release_by_hand():
+    """--grad-release: no gradient persists; one bucket (bucket_bytes, or every gradient when
+    they are fewer) is alive during the backward, on top of the activations."""
+    b = estimate(10 ** 6, "adamw", "mpext-bf16", grad_release=True)
+    assert b.gradients == 0 and b.persistent == 10 ** 6 * (2 + 4 + 8)
+    assert b.grad_bucket == 2 * 10 ** 6 and b.total == b.persistent + 2 * 10 ** 6
+    b = estimate(10 ** 7, mode="mpext-bf16-remainder-q8", rule="lion", grad_release=True,
+                 batch=1, seq=8, hidden=16, layers=1, heads=2)
+    assert b.grad_bucket == 4 * 2 ** 20
+    assert b.transient == b.activations + 4 * 2 ** 20
+    assert estimate(1000, "adam", "fp32", grad_release=True, bucket_bytes=100).grad_bucket == 100
+    for kw, exc, match in ((dict(optimizer="sgd"), ValueError, "grad_release: the release is "
+                                                               "mpext.optim's"),
+                           (dict(world_size=2), ValueError, "more than one process"),
+                           (dict(bucket_bytes=-1), ValueError, "bucket_bytes: must be >= 0"),
+                           (dict(grad_release=1), TypeError, "grad_release: must be True")):
+        with pytest.raises(exc, match=match):
+            estimate(1000, **dict(dict(mode="mpext-bf16", grad_release=True), **kw))
+
+
+def test_cli_rule_and_grad_release(capsys):
+    code, out, _ = run_main(capsys, "--params", "1e6", "--rule", "sgd", "--momentum", "0.9",
+                            "--mode", "mpext-bf16-remainder-q8,mpext-bf16-sr", "--grad-release",
+                            "--bucket-bytes", "65536", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["rule"] == "sgd" and data["grad_release"] is True
+    for r in data["results"]:
+        want = estimate(10 ** 6, mode=r["mode"], rule="sgd", momentum=0.9, grad_release=True,
+                        bucket_bytes=65536)
+        assert r["total"] == want.total and r["grad_bucket"] == 65536 and r["gradients"] == 0
+    code, out, _ = run_main(capsys, "--params", "1e6", "--rule", "lion", "--json")
+    assert [r["mode"] for r in json.loads(out)["results"]] == list(MODES)
+    code, out, _ = run_main(capsys, "--params", "1e6", "--rule", "adamw", "--grad-release")
+    assert "released gradients, one bucket" in out and "gradient release" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "1e6", "--momentum", "0.9"], "argument --momentum: SGD's momentum"),
+    (["--params", "1e6", "--rule", "sgd", "--momentum", "-1"], "must be >= 0"),
+    (["--params", "1e6", "--rule", "rmsprop"], "argument --rule: invalid choice"),
+    (["--params", "1e6", "--grad-release", "--optimizer", "sgd"],
+     "argument --grad-release: the release is mpext.optim's"),
+    (["--params", "1e6", "--grad-release", "--rule", "adam", "--world-size", "2"],
+     "not supported with more than one process"),
+])
+def test_cli_rule_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        memory.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(mpext.optim.Adam, "release_grads"),
+                    reason="this tree has no gradient release (mpext.optim's release_grads)")
+def test_grad_release_agrees_with_live_tensors():
+    """A released backward (release_grads with a bucket of exactly two gradients): the live
+    gradients never exceed one bucket, reach it, and none persists; the rest equals the
+    estimate."""
+    torch.manual_seed(0)
+    params = [torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(6)]
+    opt = mpext.optim.AdamW(params, lr=1e-3)
+    bucket = 2 * params[0].numel() * 2
+    peak = []
+
+    def watch(_):  # registered first, so it runs before the release's hook frees a bucket
+        peak.append(sum(q.grad.numel() * q.grad.element_size() for q in params
+                        if q.grad is not None))
+
+    hooks = [p.register_post_accumulate_grad_hook(watch) for p in params]
+    release = opt.release_grads(bucket_bytes=bucket)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    for _ in range(2):
+        h = x
+        for p in params:
+            h = torch.tanh(h @ p)
+        h.float().pow(2).mean().backward()
+    for hk in hooks:
+        hk.remove()
+    release.remove()
+    want = estimate([p.numel() for p in params], "adamw", "mpext-bf16", grad_release=True,
+                    bucket_bytes=bucket)
+    assert max(peak) <= want.grad_bucket and want.grad_bucket in peak
+    got = memory.measure(params, opt)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+        assert got[field] == getattr(want, field), (field, got, want)

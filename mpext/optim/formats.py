@@ -293,13 +293,16 @@ def stored_param_format(state: Dict[str, Any]) -> Optional[ParamFormat]:
 class MomentFormat:
     """How a moment quantity is stored: ``code`` None for values under the quantity's own
     name (of ``dtype``), else the code's suffix, with ``meta`` the suffixes of its metadata;
-    ``bytes_per_element`` of the values or codes (metadata aside)."""
-    __slots__ = ("name", "dtype", "code", "meta", "bytes_per_element")
+    ``bytes_per_element`` of the values or codes (metadata aside), ``meta_bytes_per_block``
+    of each metadata entry per block of ``block_size`` elements (0: no blocks)."""
+    __slots__ = ("name", "dtype", "code", "meta", "bytes_per_element", "meta_bytes_per_block")
 
     def __init__(self, name: str, bytes_per_element: int, dtype: Optional[torch.dtype] = None,
-                 code: Optional[str] = None, meta: Tuple[str, ...] = ()) -> None:
+                 code: Optional[str] = None, meta: Tuple[str, ...] = (),
+                 meta_bytes_per_block: int = 0) -> None:
         self.name, self.dtype, self.code, self.meta = name, dtype, code, meta
         self.bytes_per_element = bytes_per_element
+        self.meta_bytes_per_block = meta_bytes_per_block
 
     def __repr__(self) -> str:
         return "mpext.optim.formats.MomentFormat(%r)" % self.name
@@ -336,7 +339,7 @@ class MomentFormat:
 
 FP32 = MomentFormat("float32", 4, dtype=F32)
 BF16 = MomentFormat("bfloat16", 2, dtype=BF16_DTYPE)
-Q8 = MomentFormat("q8", 1, code="q8", meta=("scale",))
+Q8 = MomentFormat("q8", 1, code="q8", meta=("scale",), meta_bytes_per_block=4)  # fp32 absmax
 MOMENT_FORMATS = {f.name: f for f in (FP32, BF16, Q8)}
 # The format each storage dtype belongs to (the groups keep dtypes).
 FORMAT_OF_DTYPE = {F32: FP32, BF16_DTYPE: BF16, torch.int8: Q8, torch.uint8: Q8}

@@ -1,0 +1,383 @@
+"""Generic optimizer tests over the rules x formats table (tests/optim_table.py): every valid
+(rule, format) pair runs every test here, each against an independent reference -- the rule's
+reference optimizer (torch.optim's, or the rule's published implementation), a bit-for-bit twin
+run (uninterrupted vs resumed, remainder vs master, 1 vs 2 threads, one ISA vs another, eager vs
+compiled), torch's own rounding (``Tensor.to``) or a float32 / float64 recomputation.
+
+Kept small (a few thousand elements, a few steps) so the whole table runs in a couple of
+minutes on two cores.
+"""
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import mpext
+from mpext.optim import formats as F
+
+import optim_table as T
+from optim_table import BF16, F16, F32, LOW
+from test_ema import lerp_f32
+
+PAIRS = list(T.pairs())
+PAIR_IDS = [T.pair_id(p) for p in PAIRS]
+SCALERS = {"torch": torch.amp.GradScaler, "mpext": mpext.GradScaler}
+STEPS = 4
+
+
+def build(rule, fmt, params, **kw):
+    """The pair's optimizer over params (master-free round to nearest warns, as documented)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*master_weights=False without")
+        return rule.make(params, **dict(fmt.kwargs_for(rule), **kw))
+
+
+def train(opt, params, steps, start=0, seed=0):
+    for s in range(start, start + steps):
+        T.set_grads(params, T.make_grads(params, s, seed))
+        opt.step()
+
+
+def pair_params(fmt, seed=0):
+    return T.make_params(fmt.param_dtypes, seed)
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An upper bound of one ulp of ``dtype`` at |x| (float64)."""
+    eps = {BF16: 2.0 ** -7, F16: 2.0 ** -10, F32: 2.0 ** -23}[dtype]
+    return x.double().abs() * eps + torch.finfo(dtype).tiny
+
+
+# ---- Against the reference optimizer ---------------------------------------------------------
+
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_tracks_the_reference_optimizer(rule, fmt):
+    """The FP32 value (FP32 param, master, param + remainder) follows the reference optimizer
+    stepped in FP32 on the same (upcast) gradients: within the existing parity tolerances for
+    the exact formats, moments included; for the lossy ones (narrow moments, no master) within
+    what their rounding can move a param in STEPS steps."""
+    params = pair_params(fmt)
+    ref_params = [p.detach().float().clone().requires_grad_() for p in params]
+    opt, ref = build(rule, fmt, params), rule.make_reference(ref_params)
+    lr = rule.kwargs["lr"]
+    for s in range(STEPS):
+        grads = T.make_grads(params, s)
+        T.set_grads(params, grads)
+        T.set_grads(ref_params, [g.float() for g in grads])
+        opt.step()
+        ref.step()
+    for i, (p, q) in enumerate(zip(params, ref_params)):
+        got = T.fp32_value(opt, p)
+        if fmt.exact:
+            torch.testing.assert_close(got, q.detach(), rtol=rule.rtol, atol=rule.atol,
+                                       msg=lambda m: "param %d: %s" % (i, m))
+            for m in rule.moments:
+                if m.name in ref.state[q]:
+                    torch.testing.assert_close(T.moment_value(opt, p, m), ref.state[q][m.name],
+                                               rtol=rule.rtol, atol=rule.atol)
+            continue
+        # Each step the moment format's error moves the update by a fraction of the step size
+        # (lr times the rule's largest normalized update), and a master-free param is rounded
+        # once more (within an ulp of where it was).
+        err = (got.double() - q.detach().double()).abs()
+        frac = dict(rule.lossy)[fmt.moment_format]
+        step = rule.update_scale * lr
+        path = q.detach().abs() + STEPS * step  # the largest magnitude the param passed
+        bound = STEPS * (frac * step + _ulp(path, p.dtype))
+        assert bool((err <= bound).all()), "param %d: max error %g over bound %g" % (
+            i, err.max().item(), bound.max().item())
+
+
+# ---- Exactness between formats ---------------------------------------------------------------
+
+TWINS = [(r, f) for r, f in PAIRS if f.twin is not None]
+
+
+@pytest.mark.parametrize("rule,fmt", TWINS, ids=[T.pair_id(p) for p in TWINS])
+def test_remainder_is_the_fp32_master_bitwise(rule, fmt):
+    """BF16 params with 16-bit remainders give the bits of FP32 masters (the twin format): the
+    params, the joined FP32 value and the master, the moments, the steps."""
+    twin = T.FORMATS[fmt.twin]
+    pa, pb = pair_params(fmt), pair_params(fmt)
+    a, b = build(rule, fmt, pa), build(rule, twin, pb)
+    for s in range(STEPS):
+        for opt, ps in ((a, pa), (b, pb)):
+            T.set_grads(ps, T.make_grads(ps, s))
+            opt.step()
+        for i, (p, q) in enumerate(zip(pa, pb)):
+            assert T.same_bits(p, q), "step %d param %d" % (s, i)
+            assert "param_remainder" in a.state[p] and "master_param" in b.state[q]
+            assert T.same_bits(T.fp32_value(a, p), b.state[q]["master_param"]), (s, i)
+            for m in rule.moments:
+                assert T.same_bits(T.moment_value(a, p, m), T.moment_value(b, q, m)), (s, i, m)
+            assert T.same_bits(a.state[p]["step"], b.state[q]["step"])
+
+
+# ---- Skipped steps -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+@pytest.mark.parametrize("scaler_name", sorted(SCALERS))
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_poisoned_step_changes_nothing(rule, fmt, scaler_name, kind):
+    """Under either GradScaler a step whose gradients hold an inf or NaN writes nothing: the
+    params, every state tensor (the step count included) keep their bits; the scale backs off;
+    the next clean step goes on."""
+    params = pair_params(fmt)
+    opt = build(rule, fmt, params)
+    scaler = SCALERS[scaler_name]("cpu", init_scale=2.0 ** 8, growth_interval=100)
+    for s in range(4):
+        targets = T.make_grads(params, s)
+        opt.zero_grad()
+        loss = sum((p.float() * g.float()).sum() for p, g in zip(params, targets))
+        scaler.scale(loss).backward()
+        if s == 2:
+            params[1].grad[5] = float(kind)
+        before, scale = T.snapshot(opt, params), scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if s == 2:
+            T.assert_same(before, T.snapshot(opt, params), "poisoned step")
+            assert scaler.get_scale() == scale * 0.5
+        else:
+            assert any(not T.same_bits(a, b) for a, b in zip(before[0], params))
+    assert all(opt.state[p]["step"].item() == 3 for p in params)
+
+
+# ---- Resume ----------------------------------------------------------------------------------
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_resume_is_bit_exact(rule, fmt):
+    """Saved after 2 steps (torch.save of the model's params and opt.state_dict()), loaded into
+    a fresh optimizer over fresh params, and continued for 2: the bits of the uninterrupted run
+    (stochastic rounding draws what it would have drawn)."""
+    ps = pair_params(fmt)
+    full = build(rule, fmt, ps, seed=7)
+    train(full, ps, STEPS)
+    qs = pair_params(fmt)
+    half = build(rule, fmt, qs, seed=7)
+    train(half, qs, STEPS // 2)
+    saved_params, saved = _roundtrip([p.detach() for p in qs]), _roundtrip(half.state_dict())
+    rs = [t.clone().requires_grad_() for t in saved_params]
+    resumed = build(rule, fmt, rs, seed=0)  # the checkpoint's seed wins, as in torch
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*takes the checkpoint's seed")
+        resumed.load_state_dict(saved)
+    train(resumed, rs, STEPS - STEPS // 2, start=STEPS // 2)
+    T.assert_same(T.snapshot(full, ps), T.snapshot(resumed, rs), "resumed")
+
+
+# ---- State dict conversions between formats --------------------------------------------------
+
+CONVERSIONS = list(T.conversions())
+
+
+def _holds(b, a):
+    """Whether moment format b holds every value of moment format a (of one block size)."""
+    return b == "float32" or b == a
+
+
+@pytest.mark.parametrize("rule,a,dtype", CONVERSIONS, ids=[T.pair_id(c) for c in CONVERSIONS])
+def test_state_dict_converts_between_formats(rule, a, dtype):
+    """Format a's checkpoint loaded by an optimizer of each format b of the rule (a itself
+    included): the params are not touched by the load; the FP32 value b keeps is a's exactly
+    (a master, a remainder of it, or the param where a kept none); each moment is a's exactly
+    where b can hold it, else a's rounded to nearest (even) in b (torch's own rounding for
+    bf16); then b steps on."""
+    ps = T.make_params((dtype,))
+    saver = build(rule, a, ps)
+    train(saver, ps, 2)
+    sd = _roundtrip(saver.state_dict())
+    for b in T.loaders(rule, dtype):
+        qs = [p.detach().clone().requires_grad_() for p in ps]
+        loader = build(rule, b, qs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*takes the checkpoint's")
+            loader.load_state_dict(sd)
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            what = "%s into %s, param %d" % (a.name, b.name, i)
+            assert T.same_bits(q.detach(), p.detach()), "the load changed " + what
+            if b.keeps_value or F.stored_param_format(loader.state[q]) is not None:
+                assert T.same_bits(T.fp32_value(loader, q), T.fp32_value(saver, p)), what
+            for m in rule.moments:
+                want = T.moment_value(saver, p, m)
+                got = T.moment_value(loader, q, m)
+                fmt_b = F.moment_format(q, loader.param_groups[0], m)[0].name
+                fmt_a = F.moment_format(p, saver.param_groups[0], m)[0].name
+                if _holds(fmt_b, fmt_a):
+                    assert T.same_bits(got, want), (what, m.name)
+                elif fmt_b == "bfloat16":
+                    assert T.same_bits(got, want.to(BF16).float()), (what, m.name)
+                else:  # 8-bit codes: within a code step of the block's absmax scale
+                    amax = want.abs().max()
+                    assert bool(((got - want).abs() <= amax * 2.0 ** -4 + 1e-30).all()), (
+                        what, m.name)
+                    codes, scale = F.q8_encode(want, F.Q8.storage_dtype(m), b.block)
+                    assert T.same_bits(got, F.q8_decode(codes, scale)), (what, m.name)
+        train(loader, qs, 1, start=2)
+        for q in qs:
+            assert loader.state[q]["step"].item() == 3, b.name
+            assert bool(q.detach().isfinite().all()), b.name
+
+
+# ---- Bad options -----------------------------------------------------------------------------
+
+def format_errors(rule):
+    """The format options every rule refuses (mpext.optim._base's checks), per its moments."""
+    out = [
+        (dict(master_weights="yes"), TypeError, r"master_weights must be a bool, got 'yes'"),
+        (dict(param_remainders=True, master_weights=False), ValueError,
+         r"param_remainders=True stores the masters compactly; it needs master_weights=True"),
+        (dict(stochastic_rounding=True), ValueError,
+         r"stochastic_rounding=True rounds params that have no master"),
+        (dict(moment_rounding="down"), ValueError, r"moment_rounding must be"),
+        (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),
+        (dict(ema_decay=1.5), ValueError, r"ema_decay must be None or a number in \[0, 1\]"),
+        (dict(block_size=100), ValueError, r"block_size must be a power of two"),
+    ]
+    for q in rule.moments:
+        out.append(({q.setting: torch.float16}, ValueError,
+                    r"%s must be torch.float32, torch.bfloat16 or %s, got torch.float16"
+                    % (q.setting, F.Q8.storage_dtype(q))))
+    if len(rule.moments) > 1:
+        out.append(({rule.moments[0].setting: "q8"}, ValueError,
+                    r"8-bit moments come as a pair"))
+    return [T.ErrorInput(*e) for e in out]
+
+
+ERRORS = [(rule, e) for rule in T.RULES.values()
+          for e in list(rule.error_inputs) + format_errors(rule)]
+
+
+@pytest.mark.parametrize("rule,err", ERRORS,
+                         ids=["%s-%s" % (r.name, "-".join(map(str, e.kwargs)))
+                              + str(i) for i, (r, e) in enumerate(ERRORS)])
+def test_bad_options_raise_and_change_nothing(rule, err):
+    """A bad option: the constructor raises the error naming it; set in a param group of a
+    trained optimizer, the next step raises it before anything is written."""
+    with pytest.raises(err.exc, match=err.match):
+        rule.make([torch.zeros(3, requires_grad=True)], **err.kwargs)
+    params = T.make_params((F32, BF16), shapes=((5, 7), (64, 80)))
+    opt = rule.make(params)
+    train(opt, params, 2)
+    T.set_grads(params, T.make_grads(params, 2))
+    before = T.snapshot(opt, params)
+    opt.param_groups[0].update(err.kwargs)
+    with pytest.raises(err.exc, match=err.match):
+        opt.step()
+    after = T.snapshot(opt, params)
+    T.assert_same((before[0], before[1], []), (after[0], after[1], []), "refused step")
+
+
+@pytest.mark.parametrize("rule", list(T.RULES.values()), ids=list(T.RULES))
+def test_fp16_params_with_remainders_are_refused(rule):
+    p = torch.zeros(8, dtype=F16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"param_remainders=True needs bfloat16 params"):
+        rule.make([p], param_remainders=True)
+
+
+# ---- Reproducibility -------------------------------------------------------------------------
+
+def _big_run(rule, fmt, threads, isa):
+    """Two steps on params big enough for the CPU kernel to split one across threads (its
+    tasks are 2^16 elements or more), on ``threads`` threads and ISA path ``isa``."""
+    previous = mpext.cpu_isa()
+    ps = T.make_params(fmt.param_dtypes, seed=3, shapes=((2 ** 17 + 5,), (37, 5)))
+    opt = build(rule, fmt, ps, seed=11)
+    try:
+        mpext.set_cpu_isa(isa)
+        for s in range(2):
+            T.set_grads(ps, T.make_grads(ps, s))
+            torch.set_num_threads(threads)
+            opt.step()
+            torch.set_num_threads(1)
+    finally:
+        mpext.set_cpu_isa(previous)
+    return T.snapshot(opt, ps)
+
+
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_same_bits_for_every_thread_count_and_isa(rule, fmt, threads):
+    """1 and 2 threads, on every CPU ISA path this machine runs: the same bits."""
+    isas = mpext.build_info()["cpu_isas_supported"]
+    first = _big_run(rule, fmt, 1, isas[0])
+    for isa in isas:
+        for n in (1, 2):
+            if (isa, n) != (isas[0], 1):
+                T.assert_same(first, _big_run(rule, fmt, n, isa), "%s, %d threads" % (isa, n))
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+
+COVERING = list(T.covering_pairs())
+
+
+@pytest.mark.parametrize("rule,fmt", COVERING, ids=[T.pair_id(p) for p in COVERING])
+def test_compiled_step(rule, fmt):
+    """torch.compile(opt.step) for 20 steps: no graph break, at most 2 compiles (the first
+    step's state setup, then the steady step), and the eager run's bits. (Over the covering
+    pairs: every param format and every moment format of each rule; a compile costs seconds.)"""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ps, qs = T.make_params(fmt.param_dtypes, shapes=SMALL), T.make_params(fmt.param_dtypes,
+                                                                          shapes=SMALL)
+    eager, comp = build(rule, fmt, ps), build(rule, fmt, qs)
+    counter = CompileCounter()
+    step = torch.compile(comp.step, backend=counter)
+    for s in range(20):
+        grads = T.make_grads(ps, s)
+        T.set_grads(ps, grads)
+        T.set_grads(qs, grads)
+        eager.step()
+        step()
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
+    assert not breaks, breaks
+    assert 1 <= counter.frame_count <= 2, counter.frame_count
+    T.assert_same(T.snapshot(eager, ps), T.snapshot(comp, qs), "compiled")
+
+
+SMALL = ((37, 5), (64, 80))
+
+
+# ---- EMA -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_ema(rule, fmt):
+    """ema_decay: after each step the EMA is lerp(previous, the FP32 value, 1 - decay) in
+    float32 (a copy of the value after the first step), bit for bit where the format keeps that
+    value; without a master (the value is the update before rounding, not kept) it is within
+    an ulp of the params' float64 EMA."""
+    decay = 0.9
+    w = float(np.float32(1.0 - decay))
+    params = pair_params(fmt)
+    opt = build(rule, fmt, params, ema_decay=decay)
+    want = [None] * len(params)
+    ema64 = [None] * len(params)
+    for s in range(STEPS):
+        T.set_grads(params, T.make_grads(params, s))
+        opt.step()
+        for i, p in enumerate(params):
+            got = opt.state[p]["ema_param"]
+            assert got.dtype == F32 and got.shape == p.shape
+            if fmt.keeps_value:
+                value = T.fp32_value(opt, p)
+                want[i] = value.clone() if want[i] is None else lerp_f32(want[i], value, w)
+                assert T.same_bits(got.contiguous(), want[i].reshape(p.shape).contiguous()), (
+                    s, i)
+            else:
+                now = p.detach().double()
+                ema64[i] = now.clone() if ema64[i] is None else ema64[i] + (now - ema64[i]) * w
+                err = (got.double() - ema64[i]).abs()
+                path = ema64[i].abs() + STEPS * rule.update_scale * rule.kwargs["lr"]
+                assert bool((err <= _ulp(path, p.dtype)).all()), (
+                    s, i, err.max().item())
