@@ -17,7 +17,7 @@ TORCH_SPEC ?= torch==2.13.0
 NVCC ?= nvcc
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
-TEST_DEPS := pytest numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
+TEST_DEPS := pytest numpy hypothesis lion-pytorch==0.2.5 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
 BENCH_DEPS := matplotlib tqdm
 BUILD_DEPS := ninja setuptools wheel
 

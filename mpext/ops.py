@@ -331,7 +331,7 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
                block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-               ema_decay: float = 0.0) -> None:
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
     ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
@@ -386,45 +386,150 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     count 0), as ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn`` averages:
     the value is the master (as stored), or without one the fp32 update before rounding.
     ``ema_decay`` is in [0, 1].
+    Shards. ``offsets[i]`` (default 0) is the position of the tensor's first element in its
+    whole parameter: the random bits are drawn at that position plus the element's, so that a
+    shard rounds as the unsharded param would (with 8-bit moments, a multiple of
+    ``block_size``).
     """
+    (params, grads, (exp_avgs, exp_avg_sqs), masters, steps, lr,
+     kw) = _prepare_step("adam_step_", params, grads, (("exp_avgs", exp_avgs),
+                                                       ("exp_avg_sqs", exp_avg_sqs)),
+                         masters, steps, lr, remainders, ema_params, seed, sr_streams,
+                         (("exp_avg_scales", exp_avg_scales),
+                          ("exp_avg_sq_scales", exp_avg_sq_scales)),
+                         block_size, offsets, inv_scale, found_inf)
+    _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr,
+                    float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+                    bool(maximize), inv_scale=inv_scale, found_inf=found_inf,
+                    unscale_grads=bool(unscale_grads), master_free=bool(master_free),
+                    stochastic_rounding=bool(stochastic_rounding),
+                    moments_round_nearest=bool(moments_round_nearest),
+                    ema_decay=float(ema_decay), **kw)
+
+
+def _prepare_step(op, params, grads, moments, masters, steps, lr, remainders, ema_params, seed,
+                  sr_streams, scales, block_size, offsets, inv_scale, found_inf):
+    """The arguments of any rule's step op as the schema takes them (lists, an lr tensor, a
+    64-bit seed), sparse tensors refused with a clear error: (params, grads, moment lists,
+    masters, steps, lr, the storage keywords by their op names)."""
     params, grads = list(params), list(grads)
     masters = [] if masters is None else list(masters)
     remainders = None if remainders is None else list(remainders)
     ema_params = None if ema_params is None else list(ema_params)
-    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
+    moment_lists = tuple(list(ts) for _, ts in moments)
+    scale_lists = tuple(None if ts is None else list(ts) for _, ts in scales)
+    steps = list(steps)
     # A sparse tensor would dispatch to a backend with no kernel and a generic error.
-    for name, ts in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
-                     ("exp_avg_sqs", exp_avg_sqs), ("masters", masters), ("steps", steps),
-                     ("remainders", remainders or []), ("exp_avg_scales", exp_avg_scales or []),
-                     ("exp_avg_sq_scales", exp_avg_sq_scales or []),
-                     ("ema_params", ema_params or [])):
+    named = ([("params", params), ("grads", grads)]
+             + [(name, ts) for (name, _), ts in zip(moments, moment_lists)]
+             + [("masters", masters), ("steps", steps), ("remainders", remainders or [])]
+             + [(name, ts or []) for (name, _), ts in zip(scales, scale_lists)]
+             + [("ema_params", ema_params or [])])
+    for name, ts in named:
         for i, t in enumerate(ts):
             if isinstance(t, torch.Tensor) and t.layout != torch.strided:
-                raise RuntimeError("mpext.adam_step_: %s[%d] must be a strided (dense) tensor, "
-                                   "got layout %s" % (name, i, t.layout))
+                raise RuntimeError("mpext.%s: %s[%d] must be a strided (dense) tensor, "
+                                   "got layout %s" % (op, name, i, t.layout))
     for name, t in (("lr", lr), ("inv_scale", inv_scale), ("found_inf", found_inf)):
         if isinstance(t, torch.Tensor) and t.layout != torch.strided:
-            raise RuntimeError("mpext.adam_step_: %s must be a strided (dense) tensor, got "
-                               "layout %s" % (name, t.layout))
-    seed = _seed64(seed, "adam_step_")
+            raise RuntimeError("mpext.%s: %s must be a strided (dense) tensor, got "
+                               "layout %s" % (op, name, t.layout))
+    seed = _seed64(seed, op)
     if sr_streams is not None:
-        sr_streams = [_check_int(k, "adam_step_", "sr_streams[%d]" % i)
-                      for i, k in enumerate(sr_streams)]
-    block_size = _check_int(block_size, "adam_step_", "block_size")
-    exp_avg_scales = None if exp_avg_scales is None else list(exp_avg_scales)
-    exp_avg_sq_scales = None if exp_avg_sq_scales is None else list(exp_avg_sq_scales)
+        sr_streams = [_check_int(k, op, "sr_streams[%d]" % i) for i, k in enumerate(sr_streams)]
+    if offsets is not None:
+        offsets = [_check_int(k, op, "offsets[%d]" % i) for i, k in enumerate(offsets)]
+    block_size = _check_int(block_size, op, "block_size")
     if not isinstance(lr, torch.Tensor):
         device = params[0].device if params else torch.device("cpu")
         lr = torch.full((), float(lr), dtype=torch.float32, device=device)
-    _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr,
-                    float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-                    bool(maximize), inv_scale=inv_scale, found_inf=found_inf,
-                    unscale_grads=bool(unscale_grads), remainders=remainders,
+    kw = dict(remainders=remainders, seed=seed, sr_streams=sr_streams, block_size=block_size,
+              ema_params=ema_params, offsets=offsets)
+    for (name, _), ts in zip(scales, scale_lists):
+        kw[name] = ts
+    return params, grads, moment_lists, masters, steps, lr, kw
+
+
+__all__ += ["lion_step_", "sgd_step_"]
+
+
+def lion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               exp_avgs: Sequence[torch.Tensor], masters: Optional[Sequence[torch.Tensor]],
+               steps: Sequence[torch.Tensor], lr, beta1: float = 0.9, beta2: float = 0.99,
+               weight_decay: float = 0.0, maximize: bool = False, *,
+               inv_scale: Optional[torch.Tensor] = None,
+               found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False,
+               remainders: Optional[Sequence[torch.Tensor]] = None, master_free: bool = False,
+               stochastic_rounding: bool = False, moments_round_nearest: bool = False,
+               seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
+               exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
+               block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+    """One Lion step (lion-pytorch's update) for every param of the lists, in one pass over
+    memory, with the storage of :func:`adam_step_` (masters, remainders, master-free params
+    with stochastic rounding, fused unscale, on-device skip, ema, sr_streams, offsets). Per
+    element, in fp32 and lion-pytorch's order (torch's ``add(x, alpha=a)`` is one fused
+    multiply-add, as here)::
+
+        g = grad * inv_scale;  g = -g if maximize
+        p = p * (1 - lr * weight_decay)
+        p = p - lr * sign(exp_avg * beta1 + (1 - beta1) * g)
+        exp_avg = exp_avg * beta2 + (1 - beta2) * g
+
+    with beta1, beta2 in [0, 1]. One moment, ``exp_avgs[i]``: float32, bfloat16 (stochastic
+    rounding, or to nearest with ``moments_round_nearest``) or int8 block codes with one
+    float32 absmax per block in ``exp_avg_scales[i]`` (the signed code of adam_step_'s
+    exp_avg). ``steps[i]`` advances by one (it names the random streams)."""
+    (params, grads, (exp_avgs,), masters, steps, lr,
+     kw) = _prepare_step("lion_step_", params, grads, (("exp_avgs", exp_avgs),), masters,
+                         steps, lr, remainders, ema_params, seed, sr_streams,
+                         (("exp_avg_scales", exp_avg_scales),), block_size, offsets,
+                         inv_scale, found_inf)
+    _ops.lion_step_(params, grads, exp_avgs, masters, steps, lr, float(beta1), float(beta2),
+                    float(weight_decay), bool(maximize), inv_scale=inv_scale,
+                    found_inf=found_inf, unscale_grads=bool(unscale_grads),
                     master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
-                    moments_round_nearest=bool(moments_round_nearest), seed=seed,
-                    sr_streams=sr_streams, exp_avg_scales=exp_avg_scales,
-                    exp_avg_sq_scales=exp_avg_sq_scales, block_size=block_size,
-                    ema_params=ema_params, ema_decay=float(ema_decay))
+                    moments_round_nearest=bool(moments_round_nearest),
+                    ema_decay=float(ema_decay), **kw)
+
+
+def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+              momentum_buffers: Sequence[torch.Tensor],
+              masters: Optional[Sequence[torch.Tensor]], steps: Sequence[torch.Tensor], lr,
+              momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+              nesterov: bool = False, maximize: bool = False, *,
+              inv_scale: Optional[torch.Tensor] = None,
+              found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False,
+              remainders: Optional[Sequence[torch.Tensor]] = None, master_free: bool = False,
+              stochastic_rounding: bool = False, moments_round_nearest: bool = False,
+              seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
+              momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
+              block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
+              ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+    """One SGD step (torch.optim.SGD's update) for every param of the lists, in one pass over
+    memory, with the storage of :func:`adam_step_`. Per element, in fp32 and torch's order
+    (each ``add(x, alpha=a)`` one fused multiply-add, as torch's CPU kernels compute it)::
+
+        g = grad * inv_scale;  g = -g if maximize;  g = g + weight_decay * p (if weight_decay)
+        with momentum: buf = g on the param's first step (steps[i] == 0), else
+                       buf = buf * momentum + (1 - dampening) * g;
+                       g = g + momentum * buf with nesterov, else buf
+        p = p - lr * g
+
+    ``momentum_buffers`` is empty when ``momentum`` is 0 (no buffer is kept), else one buffer
+    per param: float32, bfloat16 or int8 block codes with ``momentum_buffer_scales``.
+    ``nesterov`` needs a momentum and zero dampening (torch's check)."""
+    (params, grads, (buffers,), masters, steps, lr,
+     kw) = _prepare_step("sgd_step_", params, grads, (("momentum_buffers", momentum_buffers),),
+                         masters, steps, lr, remainders, ema_params, seed, sr_streams,
+                         (("momentum_buffer_scales", momentum_buffer_scales),), block_size,
+                         offsets, inv_scale, found_inf)
+    _ops.sgd_step_(params, grads, buffers, masters, steps, lr, float(momentum),
+                   float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
+                   inv_scale=inv_scale, found_inf=found_inf, unscale_grads=bool(unscale_grads),
+                   master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
+                   moments_round_nearest=bool(moments_round_nearest),
+                   ema_decay=float(ema_decay), **kw)
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -444,19 +549,91 @@ def _check_fake_dense_named(t: torch.Tensor, op: str, name: str) -> None:
                  "on it first." % (op, name, _sizes(t), _strides(t)))
 
 
+def _check_hyper_fake(op, name, v, lo, hi, hi_open=True, lo_open=False):
+    """The C++ check_hyper: v finite and in [lo, hi) (the ends as asked), with its message."""
+    ok = (math.isfinite(v) and (lo < v if lo_open else lo <= v)
+          and (v < hi if hi_open else v <= hi))
+    torch._check_value(ok, lambda: "mpext.%s: %s must be in %s%g, %g%s, got %g"
+                       % (op, name, "(" if lo_open else "[", lo, hi, ")" if hi_open else "]", v))
+
+
 @torch.library.register_fake("mpext::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                     weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
                     unscale_grads=False, remainders=None, master_free=False,
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
                     sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0):
+                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
     """The checks of the C++ plan_adam, in its order and with its messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"
+
+    def check_rule():
+        for name, v, hi in (("beta1", beta1, 1.0), ("beta2", beta2, 1.0), ("eps", eps, math.inf),
+                            ("weight_decay", weight_decay, math.inf)):
+            _check_hyper_fake(op, name, v, 0.0, hi)
+
+    _step_fake(op, (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)),
+               (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
+               params, grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
+               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+
+
+@torch.library.register_fake("mpext::lion_step_")
+def _lion_step_fake(params, grads, exp_avgs, masters, steps, lr, beta1, beta2, weight_decay,
+                    maximize, *, inv_scale=None, found_inf=None, unscale_grads=False,
+                    remainders=None, master_free=False, stochastic_rounding=False,
+                    moments_round_nearest=False, seed=0, sr_streams=None, exp_avg_scales=None,
+                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+    """The checks of the C++ plan_lion (see _adam_step_fake)."""
+    op = "lion_step_"
+
+    def check_rule():
+        _check_hyper_fake(op, "beta1", beta1, 0.0, 1.0, False)
+        _check_hyper_fake(op, "beta2", beta2, 0.0, 1.0, False)
+        _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
+
+    _step_fake(op, (("exp_avgs", exp_avgs),), (("exp_avg_scales", exp_avg_scales),), params,
+               grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
+               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+
+
+@torch.library.register_fake("mpext::sgd_step_")
+def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum, dampening,
+                   weight_decay, nesterov, maximize, *, inv_scale=None, found_inf=None,
+                   unscale_grads=False, remainders=None, master_free=False,
+                   stochastic_rounding=False, moments_round_nearest=False, seed=0,
+                   sr_streams=None, momentum_buffer_scales=None, block_size=256,
+                   ema_params=None, ema_decay=0.0, offsets=None):
+    """The checks of the C++ plan_sgd (see _adam_step_fake)."""
+    op = "sgd_step_"
+    torch._check_value(momentum != 0.0 or len(momentum_buffers) == 0,
+                       lambda: "mpext.%s: momentum is 0, which keeps no buffer, so "
+                       "momentum_buffers must be empty, got %d tensors"
+                       % (op, len(momentum_buffers)))
+
+    def check_rule():
+        _check_hyper_fake(op, "momentum", momentum, 0.0, math.inf)
+        _check_hyper_fake(op, "dampening", dampening, -math.inf, math.inf, lo_open=True)
+        _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
+        torch._check_value(not nesterov or (momentum > 0 and dampening == 0),
+                           lambda: "mpext.%s: Nesterov momentum requires a momentum and zero "
+                           "dampening" % op)
+
+    moments = (("momentum_buffers", momentum_buffers),) if momentum != 0.0 else ()
+    _step_fake(op, moments, (("momentum_buffer_scales", momentum_buffer_scales),), params,
+               grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
+               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+
+
+def _step_fake(op, moments, scales, params, grads, masters, steps, lr, check_rule, inv_scale,
+               found_inf, remainders, master_free, sr_streams, block_size, ema_params,
+               ema_decay, offsets):
+    """The checks of the C++ plan_step for any rule: ``moments`` its (name, list) pairs (as
+    many as it keeps), ``scales`` the (name, list) of their 8-bit scales."""
     n = len(params)
-    for name, ts in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                     ("steps", steps)):
+    nmom = len(moments)
+    for name, ts in (("grads", grads),) + tuple(moments) + (("steps", steps),):
         torch._check_value(len(ts) == n, lambda: "mpext.%s: %s must have one entry per param "
                            "(%d), got %d" % (op, name, n, len(ts)))
     torch._check_value(len(masters) in (0, n), lambda: "mpext.%s: masters must be empty or have "
@@ -473,8 +650,14 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
         for i, k in enumerate(sr_streams):
             torch._check_value(0 <= k <= 0xFFFFFFFF, lambda: "mpext.%s: sr_streams[%d] must be in "
                                "[0, 2^32), got %d" % (op, i, k))
-    scale_lists = (("exp_avg_scales", exp_avg_scales or []),
-                   ("exp_avg_sq_scales", exp_avg_sq_scales or []))
+    if offsets is not None:
+        torch._check_value(len(offsets) == n, lambda: "mpext.%s: offsets must have one entry per "
+                           "param (%d), got %d" % (op, n, len(offsets)))
+        for i, k in enumerate(offsets):
+            torch._check_value(k >= 0, lambda: "mpext.%s: offsets[%d] must be >= 0 (the position "
+                               "of the tensor's first element in its whole param), got %d"
+                               % (op, i, k))
+    scale_lists = tuple((name, ts or []) for name, ts in scales)
     for name, ts in scale_lists:
         torch._check_value(len(ts) in (0, n), lambda: "mpext.%s: %s must be empty or have one "
                            "entry per param (%d), got %d" % (op, name, n, len(ts)))
@@ -482,11 +665,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                        and block_size & (block_size - 1) == 0,
                        lambda: "mpext.%s: block_size must be a power of two in [%d, %d], got %d"
                        % (op, Q8_BLOCK_MIN, Q8_BLOCK_MAX, block_size))
-    for name, v, hi in (("beta1", beta1, "1"), ("beta2", beta2, "1"), ("eps", eps, "inf"),
-                        ("weight_decay", weight_decay, "inf")):
-        top = 1.0 if hi == "1" else math.inf
-        torch._check_value(math.isfinite(v) and 0.0 <= v < top,
-                           lambda: "mpext.%s: %s must be in [0, %s), got %g" % (op, name, hi, v))
+    check_rule()
     torch._check_value(math.isfinite(ema_decay) and 0.0 <= ema_decay <= 1.0,
                        lambda: "mpext.%s: ema_decay must be in [0, 1], got %g" % (op, ema_decay))
 
@@ -515,30 +694,38 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                                                                     _sizes(p), _strides(p)))
 
     for i in range(n):
-        p, g, m, v, s = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i]
-        pn, gn, mn, vn = ("params[%d]" % i, "grads[%d]" % i, "exp_avgs[%d]" % i,
-                          "exp_avg_sqs[%d]" % i)
+        p, g, s = params[i], grads[i], steps[i]
+        pn, gn = "params[%d]" % i, "grads[%d]" % i
+        mv = [(ts[i], "%s[%d]" % (name, i)) for name, ts in moments]
         sn, wn = "steps[%d]" % i, "masters[%d]" % i
-        for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
+        for t, name in [(p, pn), (g, gn)] + mv:
             check_device(t, name)
         torch._check(p.dtype in _PARAM_DTYPES, lambda: "mpext.%s: %s must have dtype float32 "
                      "or bfloat16 or float16, got %s" % (op, pn, _dtype_name(p.dtype)))
         torch._check(g.dtype == p.dtype or g.dtype == torch.float32,
                      lambda: "mpext.%s: %s must have the dtype of %s (%s) or float32, got %s"
                      % (op, gn, pn, _dtype_name(p.dtype), _dtype_name(g.dtype)))
-        for t, name, q in ((m, mn, torch.int8), (v, vn, torch.uint8)):
+        for (t, name), q in zip(mv, (torch.int8, torch.uint8)):
             torch._check(t.dtype in (torch.float32, torch.bfloat16, q), lambda: "mpext.%s: %s "
                          "must have dtype float32 or bfloat16 or %s, got %s"
                          % (op, name, _dtype_name(q), _dtype_name(t.dtype)))
-        q8 = m.dtype == torch.int8
-        torch._check(q8 == (v.dtype == torch.uint8), lambda: "mpext.%s: %s is %s (8-bit moment "
-                     "codes), so %s must be %s, got %s"
-                     % (op, mn if q8 else vn, "int8" if q8 else "uint8", vn if q8 else mn,
-                        "uint8" if q8 else "int8", _dtype_name((v if q8 else m).dtype)))
+        q8 = nmom >= 1 and mv[0][0].dtype == torch.int8
+        mn = mv[0][1] if nmom >= 1 else ""
+        if nmom >= 2:
+            (m, _), (v, vn) = mv
+            torch._check(q8 == (v.dtype == torch.uint8), lambda: "mpext.%s: %s is %s (8-bit "
+                         "moment codes), so %s must be %s, got %s"
+                         % (op, mn if q8 else vn, "int8" if q8 else "uint8", vn if q8 else mn,
+                            "uint8" if q8 else "int8", _dtype_name((v if q8 else m).dtype)))
+        offset = offsets[i] if offsets is not None else 0
+        torch._check_value(not q8 or offset % block_size == 0, lambda: "mpext.%s: offsets[%d] "
+                           "(%d) must be a multiple of block_size (%d) for %s's 8-bit codes: a "
+                           "block is coded whole, by one tensor"
+                           % (op, i, offset, block_size, mn))
         _check_fake_scalar(s, op, sn, torch.float32, 1, device, "params[0]")
-        for t, name in ((p, pn), (g, gn), (m, mn), (v, vn)):
+        for t, name in [(p, pn), (g, gn)] + mv:
             _check_fake_dense_named(t, op, name)
-        for t, name in ((g, gn), (m, mn), (v, vn)):
+        for t, name in [(g, gn)] + mv:
             check_layout(t, name, pn, p)
         low = p.dtype != torch.float32
 
@@ -573,10 +760,10 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                            % (op, pn, _dtype_name(p.dtype), i,
                               " or a remainder (remainders[%d])" % i
                               if p.dtype == torch.bfloat16 else ""))
-        for name, ts in scale_lists:
+        for j, (name, ts) in enumerate(scale_lists):
             sn = "%s[%d]" % (name, i)
             if not ts:
-                torch._check_value(not q8, lambda: "mpext.%s: %s holds 8-bit codes, which need "
+                torch._check_value(not q8 or j >= nmom, lambda: "mpext.%s: %s holds 8-bit codes, which need "
                                    "%s (one float32 scale per block of %d elements); got none"
                                    % (op, mn, name, block_size))
                 continue
@@ -584,10 +771,11 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
             check_device(sc, sn)
             torch._check(sc.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
                          "float32, got %s" % (op, sn, _dtype_name(sc.dtype)))
-            if not q8:
+            if not q8 or j >= nmom:
                 torch._check_value(sc.numel() == 0, lambda: "mpext.%s: %s must be an empty "
                                    "tensor (%s is not 8-bit), got %d elements"
-                                   % (op, sn, mn, sc.numel()))
+                                   % (op, sn, mn if j < nmom else "the rule keeps no such moment",
+                                      sc.numel()))
                 continue
             want = (p.numel() + block_size - 1) // block_size
             torch._check_value(sc.numel() == want, lambda: "mpext.%s: %s must have %d elements "

@@ -177,16 +177,27 @@ mp_status mp_update_scale(const mp_scale_update* u) {
 
 mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
                        const mp_adam_options* o) {
-  if (t == NULL || o == NULL || !mp_adam_tensor_ok(t) || !mp_adam_options_ok(o))
+  if (t == NULL || o == NULL || !mp_adam_options_ok(o) ||
+      !mp_step_tensor_ok(t, mp_rule_moments(o)))
     return MP_ERR_INVALID_ARGUMENT;
   if (start < 0 || count < 0 || start > t->n || count > t->n - start)
     return MP_ERR_INVALID_ARGUMENT;
-  if (mp_adam_q8(t) && (!mp_adam_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
-                        (count % o->q8_block != 0 && start + count != t->n)))
+  if (mp_rule_moments(o) > 0 && mp_adam_q8(t) &&
+      (!mp_adam_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
+       t->offset % o->q8_block != 0 || (count % o->q8_block != 0 && start + count != t->n)))
     return MP_ERR_INVALID_ARGUMENT; /* a block is updated whole, by one call */
   if (count == 0 || mp_adam_skip(o)) return MP_OK;
   const mp_adam_scalars s = mp_adam_scalars_now(o, t->step, t->sr_stream);
-  active()->adam_step(t, start, count, &s);
+  const float lr = o->lr != 0 ? *o->lr : o->lr_value;
+  if (o->rule == MP_RULE_LION) {
+    const mp_lion_scalars r = mp_lion_scalars_of(o, lr);
+    active()->lion_step(t, start, count, &s, &r);
+  } else if (o->rule == MP_RULE_SGD) {
+    const mp_sgd_scalars r = mp_sgd_scalars_of(o, lr, *t->step);
+    active()->sgd_step(t, start, count, &s, &r);
+  } else {
+    active()->adam_step(t, start, count, &s);
+  }
   return MP_OK;
 }
 

@@ -302,6 +302,45 @@ static inline void mp_q8_encode_block(uint8_t* restrict mc, uint8_t* restrict vc
   *vs = mp_fmt_f32(av);
 }
 
+/* ---- one signed 8-bit moment alone (Lion's exp_avg, SGD's momentum buffer): the int8 codes
+ * of exp_avg above, with one absmax per block; rounded with the low 16 bits of the same
+ * stream as exp_avg of the pair. */
+
+/* m[i] = the value of code mc[i] under the block reference rm. */
+static inline void mp_q8_decode_tile_m(const uint8_t* restrict mc, float* restrict m, uint32_t n,
+                                       float rm) {
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) m[i] = mp_q8_decode_m(mc[i], rm);
+}
+
+MP_FMT_INLINE void mp_q8_codes_m_(uint8_t* restrict mc, const float* restrict m, uint32_t n,
+                                  uint32_t em, uint64_t key, uint32_t lo, uint32_t hi,
+                                  int nearest) {
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t r = nearest ? 0u : mp_sr_bits_hl(key, lo + i, hi);
+    mc[i] = mp_q8_encode_m(m[i], em, r & 0xFFFFu, nearest);
+  }
+}
+
+/* Encodes one whole block of n new values m as mp_q8_encode_block encodes exp_avg. */
+static inline void mp_q8_encode_block_m(uint8_t* restrict mc, const float* restrict m, uint32_t n,
+                                        float* restrict ms, uint64_t key, uint32_t lo,
+                                        uint32_t hi, int nearest) {
+  uint32_t am = 0u;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t ma = mp_fmt_bits(m[i]) & 0x7FFFFFFFu;
+    am = ma > am ? ma : am;
+  }
+  const uint32_t em = mp_q8_ref_exp_m(am);
+  if (nearest) {
+    mp_q8_codes_m_(mc, m, n, em, key, lo, hi, 1);
+  } else {
+    mp_q8_codes_m_(mc, m, n, em, key, lo, hi, 0);
+  }
+  *ms = mp_fmt_f32(am);
+}
+
 /* ---- the ema of the fp32 value (an fp32 array, updated in place) ---- */
 
 /* ema[i] moves towards x[i] (mp_adam_ema). */

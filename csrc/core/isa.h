@@ -10,6 +10,8 @@
 #include <stdint.h>
 
 #include "mpext/adam_rule.h"
+#include "mpext/lion_rule.h"
+#include "mpext/sgd_rule.h"
 #include "mpext/mpext.h"
 
 #define MP_CAT_(a, b) a##__##b
@@ -37,6 +39,12 @@ typedef struct mp_kernel_table {
    * bits (the C tests compare the two on every mode). */
   void (*adam_step_generic)(const mp_adam_tensor* t, int64_t start, int64_t n,
                             const mp_adam_scalars* s);
+  /* One Lion / SGD step over elements [start, start + n) of t through the same pipeline, the
+   * rule's scalars beside the storage's s (adam.c). */
+  void (*lion_step)(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s,
+                    const mp_lion_scalars* r);
+  void (*sgd_step)(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s,
+                   const mp_sgd_scalars* r);
   /* Sum over n elements of (x * inv_scale)^2 in double, in a fixed order (norm.c). */
   double (*grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
   double (*grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
@@ -62,6 +70,10 @@ void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n
                                const mp_adam_scalars* s);
 void MP_ISA_FN(mp_k_adam_step_generic)(const mp_adam_tensor* t, int64_t start, int64_t n,
                                        const mp_adam_scalars* s);
+void MP_ISA_FN(mp_k_lion_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s, const mp_lion_scalars* r);
+void MP_ISA_FN(mp_k_sgd_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                              const mp_adam_scalars* s, const mp_sgd_scalars* r);
 /* Steps a piece (positions sharing their high 32 bits) of t through the hand-fused loop kept
  * for its mode (adam_fused.c), kind its param storage (formats.h MP_PV_*); returns 0, having
  * done nothing, when the mode has none. */

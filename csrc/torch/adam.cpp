@@ -1,5 +1,6 @@
-// CPU implementation of adam_step_: validate (plan_adam), then the C core over every param's
-// elements, split across threads; the C core reads found_inf, the step counts, lr and inv_scale
+// CPU implementation of adam_step_, lion_step_ and sgd_step_: validate (plan_step), then the C
+// core (mp_adam_step, which steps by the options' rule) over every param's elements, split
+// across threads; the C core reads found_inf, the step counts, lr and inv_scale
 // itself (the same rule as the CUDA kernels), and the step counts advance once every element
 // is done.
 #include <ATen/ATen.h>
@@ -15,24 +16,28 @@ namespace {
 struct Cpu {
   static constexpr c10::DeviceType kDevice = c10::kCPU;
 
-  static void adam_step(const AdamPlan& plan, const c10::Device&) {
+  static void step(const AdamPlan& plan, const c10::Device&, const char* op) {
     // Ranges of whole blocks (of 8-bit moments; the block size divides the grain), so that
     // one call sees each block's every element.
     const int64_t unit = plan.options.q8_block;
     parallel_segments(
         plan.tensors, kGrainSize / unit,
         [&](size_t k, int64_t start, int64_t count) {
-          check_status(mp_adam_step(&plan.tensors[k], start, count, &plan.options), "adam_step_");
+          check_status(mp_adam_step(&plan.tensors[k], start, count, &plan.options), op);
         },
         unit);
     check_status(mp_adam_advance_steps(plan.tensors.data(),
                                        static_cast<int64_t>(plan.tensors.size()), &plan.options),
-                 "adam_step_");
+                 op);
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mpext, CPU, m) { m.impl("adam_step_", &adam_step<Cpu>); }
+TORCH_LIBRARY_IMPL(mpext, CPU, m) {
+  m.impl("adam_step_", &adam_step<Cpu>);
+  m.impl("lion_step_", &lion_step<Cpu>);
+  m.impl("sgd_step_", &sgd_step<Cpu>);
+}
 
 }  // namespace mpext

@@ -18,22 +18,20 @@ void check_hyper(double value, const char* op, const char* name, double lo, bool
 
 }  // namespace
 
-AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                   const at::Tensor& lr, double beta1, double beta2, double eps,
-                   double weight_decay, bool decoupled, bool maximize,
+AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList grads,
+                   at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
                    const std::optional<at::Tensor>& inv_scale,
                    const std::optional<at::Tensor>& found_inf, bool unscale_grads,
                    const AdamStorage& storage) {
-  const char* op = "adam_step_";
+  const char* op = rule.op;
+  const int nmom = rule.nmoments;
   const size_t n = params.size();
   auto same_len = [&](at::TensorList l, const char* name) {
     TORCH_CHECK_VALUE(l.size() == n, "mpext.", op, ": ", name, " must have one entry per param (",
                       n, "), got ", l.size());
   };
   same_len(grads, "grads");
-  same_len(exp_avgs, "exp_avgs");
-  same_len(exp_avg_sqs, "exp_avg_sqs");
+  for (int j = 0; j < nmom; ++j) same_len(rule.moments[j], rule.moment_names[j]);
   same_len(steps, "steps");
   TORCH_CHECK_VALUE(masters.empty() || masters.size() == n, "mpext.", op,
                     ": masters must be empty or have one entry per param (", n, "), got ",
@@ -56,22 +54,29 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                         ": sr_streams[", k, "] must be in [0, 2^32), got ", streams[k]);
     }
   }
+  if (storage.offsets) {
+    const at::IntArrayRef offsets = *storage.offsets;
+    TORCH_CHECK_VALUE(offsets.size() == n, "mpext.", op,
+                      ": offsets must have one entry per param (", n, "), got ", offsets.size());
+    for (size_t k = 0; k < n; ++k) {
+      TORCH_CHECK_VALUE(offsets[k] >= 0 && offsets[k] <= INT64_MAX - params[k].numel(), "mpext.",
+                        op, ": offsets[", k, "] must be >= 0 (the position of the tensor's first "
+                        "element in its whole param), got ", offsets[k]);
+    }
+  }
   const at::TensorList m_scales = storage.exp_avg_scales.value_or(at::TensorList());
   const at::TensorList v_scales = storage.exp_avg_sq_scales.value_or(at::TensorList());
-  TORCH_CHECK_VALUE(m_scales.empty() || m_scales.size() == n, "mpext.", op,
-                    ": exp_avg_scales must be empty or have one entry per param (", n, "), got ",
-                    m_scales.size());
-  TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op,
-                    ": exp_avg_sq_scales must be empty or have one entry per param (", n,
+  TORCH_CHECK_VALUE(m_scales.empty() || m_scales.size() == n, "mpext.", op, ": ",
+                    rule.scale_names[0], " must be empty or have one entry per param (", n,
+                    "), got ", m_scales.size());
+  TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op, ": ",
+                    rule.scale_names[1], " must be empty or have one entry per param (", n,
                     "), got ", v_scales.size());
   const int64_t block = storage.block_size;
   TORCH_CHECK_VALUE(mp_adam_q8_block_ok(block), "mpext.", op,
                     ": block_size must be a power of two in [", MP_Q8_BLOCK_MIN, ", ",
                     MP_Q8_BLOCK_MAX, "], got ", block);
-  check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
-  check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
-  check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
-  check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
+  if (rule.check_rule) rule.check_rule();
   check_hyper(storage.ema_decay, op, "ema_decay", 0.0, false, 1.0, false);
   // With no params there is no device to agree with: each scalar is checked on its own.
   const Arg owner("params", 0);
@@ -87,12 +92,6 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
 
   AdamPlan plan{};
   mp_adam_options& o = plan.options;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.eps = eps;
-  o.weight_decay = weight_decay;
-  o.decoupled = decoupled ? 1 : 0;
-  o.maximize = maximize ? 1 : 0;
   o.lr = lr.device() == device ? lr.const_data_ptr<float>() : nullptr;
   o.lr_value = 0.0f;
   o.inv_scale = inv_scale ? inv_scale->const_data_ptr<float>() : nullptr;
@@ -124,33 +123,42 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     const int64_t i = static_cast<int64_t>(k);
     const at::Tensor& p = params[k];
     const at::Tensor& g = grads[k];
-    const at::Tensor& m = exp_avgs[k];
-    const at::Tensor& v = exp_avg_sqs[k];
-    const Arg pn("params", i), gn("grads", i), mn("exp_avgs", i), vn("exp_avg_sqs", i);
+    // A rule's missing moments are stood in for by the param (never read nor written).
+    const at::Tensor& m = nmom >= 1 ? rule.moments[0][k] : p;
+    const at::Tensor& v = nmom >= 2 ? rule.moments[1][k] : p;
+    const Arg pn("params", i), gn("grads", i), mn(rule.moment_names[0], i);
+    const Arg vn(rule.moment_names[1], i);
     const Arg wn("masters", i);
     check_device(p, op, pn, device, owner);
     check_device(g, op, gn, device, owner);
-    check_device(m, op, mn, device, owner);
-    check_device(v, op, vn, device, owner);
+    if (nmom >= 1) check_device(m, op, mn, device, owner);
+    if (nmom >= 2) check_device(v, op, vn, device, owner);
     check_dtype(p, op, pn, {at::kFloat, at::kBFloat16, at::kHalf});
     TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat, "mpext.", op,
                 ": ", gn, " must have the dtype of ", pn, " (", dtype_name(p.scalar_type()),
                 ") or float32, got ", dtype_name(g.scalar_type()));
-    check_dtype(m, op, mn, {at::kFloat, at::kBFloat16, at::kChar});
-    check_dtype(v, op, vn, {at::kFloat, at::kBFloat16, at::kByte});
-    // 8-bit moments come as a pair: int8 codes of m with uint8 codes of v
-    const bool q8 = m.scalar_type() == at::kChar;
-    TORCH_CHECK(q8 == (v.scalar_type() == at::kByte), "mpext.", op, ": ", q8 ? mn : vn, " is ",
-                q8 ? "int8" : "uint8", " (8-bit moment codes), so ", q8 ? vn : mn, " must be ",
-                q8 ? "uint8" : "int8", ", got ", dtype_name((q8 ? v : m).scalar_type()));
+    if (nmom >= 1) check_dtype(m, op, mn, {at::kFloat, at::kBFloat16, at::kChar});
+    if (nmom >= 2) check_dtype(v, op, vn, {at::kFloat, at::kBFloat16, at::kByte});
+    // 8-bit moments come as a pair: int8 codes of m with uint8 codes of v (or m alone)
+    const bool q8 = nmom >= 1 && m.scalar_type() == at::kChar;
+    if (nmom >= 2) {
+      TORCH_CHECK(q8 == (v.scalar_type() == at::kByte), "mpext.", op, ": ", q8 ? mn : vn,
+                  " is ", q8 ? "int8" : "uint8", " (8-bit moment codes), so ", q8 ? vn : mn,
+                  " must be ", q8 ? "uint8" : "int8", ", got ",
+                  dtype_name((q8 ? v : m).scalar_type()));
+    }
+    const int64_t offset = storage.offsets ? (*storage.offsets)[k] : 0;
+    TORCH_CHECK_VALUE(!q8 || offset % block == 0, "mpext.", op, ": offsets[", i, "] (", offset,
+                      ") must be a multiple of block_size (", block, ") for ", mn,
+                      "'s 8-bit codes: a block is coded whole, by one tensor");
     check_scalars(steps[k], op, Arg("steps", i), at::kFloat, 1, device, owner);
     check_dense(p, op, pn);
     check_dense(g, op, gn);
-    check_dense(m, op, mn);
-    check_dense(v, op, vn);
+    if (nmom >= 1) check_dense(m, op, mn);
+    if (nmom >= 2) check_dense(v, op, vn);
     check_same_layout(g, gn, p, pn, op);
-    check_same_layout(m, mn, p, pn, op);
-    check_same_layout(v, vn, p, pn, op);
+    if (nmom >= 1) check_same_layout(m, mn, p, pn, op);
+    if (nmom >= 2) check_same_layout(v, vn, p, pn, op);
     // The param's fp32 value: itself (fp32), a master, a remainder (bf16), or nothing
     // (master_free). An empty tensor in masters or remainders stands for "none".
     const bool low = p.scalar_type() != at::kFloat;
@@ -194,11 +202,11 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     // The blocks' scales: ceil(n / block) float32 values for 8-bit moments, else none.
     float* scale_ptr[2] = {nullptr, nullptr};
     const at::TensorList scale_lists[2] = {m_scales, v_scales};
-    const char* scale_names[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
+    const char* const* scale_names = rule.scale_names;
     for (int j = 0; j < 2; ++j) {
       const Arg sn(scale_names[j], i);
       if (scale_lists[j].empty()) {
-        TORCH_CHECK_VALUE(!q8, "mpext.", op, ": ", mn, " holds 8-bit codes, which need ",
+        TORCH_CHECK_VALUE(!q8 || j >= nmom, "mpext.", op, ": ", mn, " holds 8-bit codes, which need ",
                           scale_names[j], " (one float32 scale per block of ", block,
                           " elements); got none");
         continue;
@@ -206,9 +214,10 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
       const at::Tensor& sc = scale_lists[j][k];
       check_device(sc, op, sn, device, owner);
       check_dtype(sc, op, sn, {at::kFloat});
-      if (!q8) {
+      if (!q8 || j >= nmom) {
         TORCH_CHECK_VALUE(sc.numel() == 0, "mpext.", op, ": ", sn, " must be an empty tensor (",
-                          mn, " is not 8-bit), got ", sc.numel(), " elements");
+                          j >= nmom ? "the rule keeps no such moment" : mn, " is not 8-bit",
+                          "), got ", sc.numel(), " elements");
         continue;
       }
       const int64_t want = (p.numel() + block - 1) / block;
@@ -227,13 +236,14 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     t.grad = g.data_ptr();
     t.grad_dtype = to_mp_dtype(g.scalar_type());
     t.master = master;
-    t.exp_avg = m.data_ptr();
-    t.exp_avg_sq = v.data_ptr();
+    t.exp_avg = nmom >= 1 && p.numel() > 0 ? m.data_ptr() : nullptr;
+    t.exp_avg_sq = nmom >= 2 && p.numel() > 0 ? v.data_ptr() : nullptr;
     t.step = static_cast<float*>(steps[k].data_ptr());
     t.n = p.numel();
     t.remainder = remainder;
-    t.exp_avg_dtype = to_mp_dtype(m.scalar_type());
-    t.exp_avg_sq_dtype = to_mp_dtype(v.scalar_type());
+    t.exp_avg_dtype = nmom >= 1 ? to_mp_dtype(m.scalar_type()) : MP_F32;
+    t.exp_avg_sq_dtype = nmom >= 2 ? to_mp_dtype(v.scalar_type()) : (q8 ? MP_U8 : MP_F32);
+    t.offset = offset;
     t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
                                      : static_cast<uint64_t>(k);
     t.exp_avg_scale = scale_ptr[0];
@@ -253,8 +263,8 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
     plan.tensors.push_back(t);
     ranges.push_back(byte_range(p, i, true, pn));
     ranges.push_back(byte_range(g, i, unscale_grads, gn));  // written back with unscale_grads
-    ranges.push_back(byte_range(m, i, true, mn));
-    ranges.push_back(byte_range(v, i, true, vn));
+    if (nmom >= 1) ranges.push_back(byte_range(m, i, true, mn));
+    if (nmom >= 2) ranges.push_back(byte_range(v, i, true, vn));
     ranges.push_back(byte_range(steps[k], i, true, Arg("steps", i)));
   }
   ranges.push_back(byte_range(lr, -1, false, "lr"));
@@ -262,6 +272,98 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
   if (found_inf) ranges.push_back(byte_range(*found_inf, -1, false, "found_inf"));
   check_no_overlap(std::move(ranges), op, "", "");
   check_lr_value();
+  return plan;
+}
+
+namespace {
+const char* const kAdamScales[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
+}  // namespace
+
+AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                   const at::Tensor& lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool decoupled, bool maximize,
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                   const AdamStorage& storage) {
+  const char* op = "adam_step_";
+  auto check = [&]() {
+    check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
+    check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
+    check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
+    check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
+  };
+  const RuleLists rule{op, 2, {exp_avgs, exp_avg_sqs}, {"exp_avgs", "exp_avg_sqs"}, kAdamScales,
+                       check};
+  AdamPlan plan = plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
+                            unscale_grads, storage);
+  mp_adam_options& o = plan.options;
+  o.rule = MP_RULE_ADAM;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.eps = eps;
+  o.weight_decay = weight_decay;
+  o.decoupled = decoupled ? 1 : 0;
+  o.maximize = maximize ? 1 : 0;
+  return plan;
+}
+
+AdamPlan plan_lion(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+                   double beta1, double beta2, double weight_decay, bool maximize,
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                   const AdamStorage& storage) {
+  const char* op = "lion_step_";
+  auto check = [&]() {
+    check_hyper(beta1, op, "beta1", 0.0, false, 1.0, false);
+    check_hyper(beta2, op, "beta2", 0.0, false, 1.0, false);
+    check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
+  };
+  const RuleLists rule{op, 1, {exp_avgs, at::TensorList()}, {"exp_avgs", "exp_avg_sqs"},
+                       kAdamScales, check};
+  AdamPlan plan = plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
+                            unscale_grads, storage);
+  mp_adam_options& o = plan.options;
+  o.rule = MP_RULE_LION;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.weight_decay = weight_decay;
+  o.decoupled = 1;
+  o.maximize = maximize ? 1 : 0;
+  return plan;
+}
+
+AdamPlan plan_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  bool maximize, const std::optional<at::Tensor>& inv_scale,
+                  const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                  const AdamStorage& storage) {
+  const char* op = "sgd_step_";
+  static const char* const scales[2] = {"momentum_buffer_scales", "unused_scales"};
+  auto check = [&]() {
+    check_hyper(momentum, op, "momentum", 0.0, false, INFINITY, true);
+    check_hyper(dampening, op, "dampening", -INFINITY, true, INFINITY, true);
+    check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
+    TORCH_CHECK_VALUE(!nesterov || (momentum > 0.0 && dampening == 0.0), "mpext.", op,
+                      ": Nesterov momentum requires a momentum and zero dampening");
+  };
+  const int nmom = momentum != 0.0 ? 1 : 0;
+  TORCH_CHECK_VALUE(nmom == 1 || momentum_buffers.empty(), "mpext.", op,
+                    ": momentum is 0, which keeps no buffer, so momentum_buffers must be empty, "
+                    "got ", momentum_buffers.size(), " tensors");
+  const RuleLists rule{op, nmom, {momentum_buffers, at::TensorList()},
+                       {"momentum_buffers", "unused"}, scales, check};
+  AdamPlan plan = plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
+                            unscale_grads, storage);
+  mp_adam_options& o = plan.options;
+  o.rule = MP_RULE_SGD;
+  o.beta1 = momentum;
+  o.dampening = dampening;
+  o.nesterov = nesterov ? 1 : 0;
+  o.weight_decay = weight_decay;
+  o.maximize = maximize ? 1 : 0;
   return plan;
 }
 

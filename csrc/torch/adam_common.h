@@ -1,8 +1,11 @@
-// Validation and planning shared by the CPU (adam.cpp) and CUDA (adam_cuda.cpp) adam_step_.
+// Validation and planning shared by the CPU (adam.cpp) and CUDA (adam_cuda.cpp) ops of every
+// optimizer rule: adam_step_, lion_step_, sgd_step_ -- one planner (plan_step) for the storage
+// every rule shares, each rule adding the checks of its hyperparameters and its options.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -35,6 +38,22 @@ struct AdamStorage {
   int64_t block_size = 256;
   std::optional<at::TensorList> ema_params;  // fp32 EMAs of the params' values, or empty tensors
   double ema_decay = 0.0;
+  // per param, >= 0: its first element's position in the whole param (a shard's start) for the
+  // random bits; with 8-bit moments a multiple of block_size. Default: all 0.
+  at::OptionalIntArrayRef offsets;
+};
+
+// What a rule's call keeps per element: its op's name, its moment lists (nmoments of them:
+// 2 for Adam, 1 for Lion and SGD with momentum, 0 for plain SGD) with their argument names and
+// those of their 8-bit scales, and the checks of its hyperparameters (run where plan_step
+// reaches them, after the lists' lengths).
+struct RuleLists {
+  const char* op;
+  int nmoments;
+  at::TensorList moments[2];
+  const char* moment_names[2];
+  const char* const* scale_names;  // two names
+  std::function<void()> check_rule;
 };
 
 // Checks every argument of adam_step_ before anything is written. Throws (naming the argument)
@@ -61,8 +80,42 @@ AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList e
                    const std::optional<at::Tensor>& found_inf, bool unscale_grads,
                    const AdamStorage& storage);
 
-// adam_step_ for one backend: validate everything, then Backend::adam_step(plan, device) runs the
-// kernels (Backend::kDevice: the device type it implements).
+// The checks and plan of any rule's call (plan_adam's, for the moments the rule keeps; the
+// options' rule hyperparameters are left for the caller to fill).
+AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList grads,
+                   at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                   const AdamStorage& storage);
+
+// lion_step_: beta1, beta2 in [0, 1], weight_decay >= 0 (decoupled), one moment (exp_avgs,
+// float32, bfloat16 or int8 codes with exp_avg_scales).
+AdamPlan plan_lion(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+                   double beta1, double beta2, double weight_decay, bool maximize,
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                   const AdamStorage& storage);
+
+// sgd_step_: momentum >= 0 (0: no buffer, momentum_buffers empty), a finite dampening,
+// weight_decay >= 0, nesterov only with a momentum and no dampening (torch's check).
+AdamPlan plan_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  bool maximize, const std::optional<at::Tensor>& inv_scale,
+                  const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+                  const AdamStorage& storage);
+
+// Runs a validated plan on one backend: Backend::step(plan, device, op) runs the kernels
+// (Backend::kDevice: the device type it implements).
+template <class Backend>
+void run_plan(const AdamPlan& plan, at::TensorList params, const char* op) {
+  if (plan.tensors.empty()) return;
+  check_backend(params[0].device(), Backend::kDevice, op, Arg("params", 0));
+  Backend::step(plan, params[0].device(), op);
+}
+
+// The ops for one backend: validate everything, then run_plan.
 template <class Backend>
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
@@ -73,17 +126,59 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
                at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> exp_avg_scales,
                std::optional<at::TensorList> exp_avg_sq_scales, int64_t block_size,
-               std::optional<at::TensorList> ema_params, double ema_decay) {
+               std::optional<at::TensorList> ema_params, double ema_decay,
+               at::OptionalIntArrayRef offsets) {
   const AdamStorage storage{remainders,     master_free,       stochastic_rounding,
                             moments_round_nearest, seed,       sr_streams,
                             exp_avg_scales, exp_avg_sq_scales, block_size,
-                            ema_params,     ema_decay};
-  const AdamPlan plan = plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
-                                  beta2, eps, weight_decay, decoupled, maximize, inv_scale,
-                                  found_inf, unscale_grads, storage);
-  if (plan.tensors.empty()) return;
-  check_backend(params[0].device(), Backend::kDevice, "adam_step_", Arg("params", 0));
-  Backend::adam_step(plan, params[0].device());
+                            ema_params,     ema_decay,         offsets};
+  run_plan<Backend>(plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
+                              beta2, eps, weight_decay, decoupled, maximize, inv_scale,
+                              found_inf, unscale_grads, storage),
+                    params, "adam_step_");
+}
+
+template <class Backend>
+void lion_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+               at::TensorList masters, at::TensorList steps, const at::Tensor& lr, double beta1,
+               double beta2, double weight_decay, bool maximize,
+               const std::optional<at::Tensor>& inv_scale,
+               const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+               std::optional<at::TensorList> remainders, bool master_free,
+               bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
+               at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> exp_avg_scales,
+               int64_t block_size, std::optional<at::TensorList> ema_params, double ema_decay,
+               at::OptionalIntArrayRef offsets) {
+  const AdamStorage storage{remainders,     master_free,  stochastic_rounding,
+                            moments_round_nearest, seed,  sr_streams,
+                            exp_avg_scales, std::nullopt, block_size,
+                            ema_params,     ema_decay,    offsets};
+  run_plan<Backend>(plan_lion(params, grads, exp_avgs, masters, steps, lr, beta1, beta2,
+                              weight_decay, maximize, inv_scale, found_inf, unscale_grads,
+                              storage),
+                    params, "lion_step_");
+}
+
+template <class Backend>
+void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+              at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+              double momentum, double dampening, double weight_decay, bool nesterov,
+              bool maximize, const std::optional<at::Tensor>& inv_scale,
+              const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+              std::optional<at::TensorList> remainders, bool master_free,
+              bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
+              at::OptionalIntArrayRef sr_streams,
+              std::optional<at::TensorList> momentum_buffer_scales, int64_t block_size,
+              std::optional<at::TensorList> ema_params, double ema_decay,
+              at::OptionalIntArrayRef offsets) {
+  const AdamStorage storage{remainders,            master_free,  stochastic_rounding,
+                            moments_round_nearest, seed,         sr_streams,
+                            momentum_buffer_scales, std::nullopt, block_size,
+                            ema_params,            ema_decay,    offsets};
+  run_plan<Backend>(plan_sgd(params, grads, momentum_buffers, masters, steps, lr, momentum,
+                             dampening, weight_decay, nesterov, maximize, inv_scale, found_inf,
+                             unscale_grads, storage),
+                    params, "sgd_step_");
 }
 
 }  // namespace mpext

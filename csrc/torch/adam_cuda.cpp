@@ -39,18 +39,18 @@ bool stream_is_capturing(cudaStream_t stream) {
 struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
-  static void adam_step(const AdamPlan& plan, const c10::Device& device) {
+  static void step(const AdamPlan& plan, const c10::Device& device, const char* op) {
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // A host lr becomes a kernel argument. Inside a CUDA graph it would be frozen at its value
     // at capture time, silently ignoring later changes to the tensor: refuse that.
     TORCH_CHECK(plan.options.lr != nullptr || !stream_is_capturing(stream),
-                "mpext.adam_step_: lr is on the CPU, so its value would be frozen into the CUDA "
+                "mpext.", op, ": lr is on the CPU, so its value would be frozen into the CUDA "
                 "graph being captured; put lr on ", device, " to capture this op");
     check_cuda_status(mp_adam_step_multi_cuda(plan.tensors.data(),
                                               static_cast<int64_t>(plan.tensors.size()),
                                               &plan.options, stream),
-                      "adam_step_");
+                      op);
   }
 };
 

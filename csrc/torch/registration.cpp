@@ -58,7 +58,35 @@ TORCH_LIBRARY(mpext, m) {
       "Tensor(g!)[]? remainders=None, bool master_free=False, bool stochastic_rounding=False, "
       "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
       "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None, "
-      "int block_size=256, Tensor(j!)[]? ema_params=None, float ema_decay=0.) -> ()");
+      "int block_size=256, Tensor(j!)[]? ema_params=None, float ema_decay=0., "
+      "int[]? offsets=None) -> ()");
+  // offsets (all three rules): per param, the position of its first element in its whole
+  // param (a shard's start, default 0), so that a shard draws the random bits the unsharded
+  // param would; with 8-bit moments a multiple of block_size.
+  // Lion (lion-pytorch's update, decoupled weight decay p *= 1 - lr * weight_decay) over the
+  // same storage as adam_step_, with one moment: exp_avgs float32, bfloat16, or int8 codes of
+  // blocks with their float32 absmax in exp_avg_scales.
+  m.def(
+      "lion_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, float beta1, float beta2, "
+      "float weight_decay, bool maximize, *, Tensor? inv_scale=None, Tensor? found_inf=None, "
+      "bool unscale_grads=False, Tensor(g!)[]? remainders=None, bool master_free=False, "
+      "bool stochastic_rounding=False, bool moments_round_nearest=False, int seed=0, "
+      "int[]? sr_streams=None, Tensor(h!)[]? exp_avg_scales=None, int block_size=256, "
+      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
+  // SGD (torch.optim.SGD: momentum, dampening, nesterov, L2 weight_decay, maximize) over the
+  // same storage; momentum_buffers (float32, bfloat16, or int8 codes with
+  // momentum_buffer_scales) empty when momentum is 0. A buffer takes the gradient on its
+  // param's first step (steps[i] == 0), as torch's is created.
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] momentum_buffers, "
+      "Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, float momentum, float dampening, "
+      "float weight_decay, bool nesterov, bool maximize, *, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None, bool unscale_grads=False, Tensor(g!)[]? remainders=None, "
+      "bool master_free=False, bool stochastic_rounding=False, "
+      "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
+      "Tensor(h!)[]? momentum_buffer_scales=None, int block_size=256, "
+      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
   // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.

@@ -66,9 +66,11 @@ The package, one job per module (docs/contributing.md, "Python optimizer package
 shared optimizer base; ``lr_scheduler`` device-side schedules.
 """
 from .adam import Adam, AdamW
+from .lion import Lion
+from .sgd import SGD
 from .formats import MIN_8BIT_NUMEL, q8_decode, q8_encode
 from . import formats
 from . import lr_scheduler  # mpext.optim.lr_scheduler, as torch.optim has it
 
-__all__ = ["Adam", "AdamW", "formats", "lr_scheduler", "MIN_8BIT_NUMEL", "q8_decode",
+__all__ = ["Adam", "AdamW", "Lion", "SGD", "formats", "lr_scheduler", "MIN_8BIT_NUMEL", "q8_decode",
            "q8_encode"]

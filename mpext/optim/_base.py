@@ -83,6 +83,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _init_caches(self) -> None:
         self._lr_tensors = LrTensors()
 
+    def _moments_of(self, group: Dict[str, Any]) -> Tuple[F.Quantity, ...]:
+        """The moment quantities a group's params keep: the rule's ``moments`` (SGD keeps none
+        without momentum)."""
+        return self.moments
+
     def _moment_settings(self) -> Tuple[str, ...]:
         return tuple(q.setting for q in self.moments)
 
@@ -180,7 +185,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.dtype is torch.float16 and group["param_remainders"]:
                     raise ValueError(F.FP16_REMAINDER % ("%s: params[%d]%s"
                                                          % (self._name(), j, where)))
-                check_q8_param(p, group, self.moments,
+                check_q8_param(p, group, self._moments_of(group),
                                "%s: params[%d]%s" % (self._name(), j, where))
                 if not has_kernel(self._op, p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
@@ -314,8 +319,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = dict(self.state.get(p, {}))
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            new_moments(p, state, group, self.moments)
-        conform_state(p, state, group, self.moments, "%s: %s" % (self._name(), where))
+            new_moments(p, state, group, self._moments_of(group))
+        conform_state(p, state, group, self._moments_of(group),
+                      "%s: %s" % (self._name(), where))
         return state
 
     @torch.no_grad()
@@ -517,7 +523,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(value) == 0:
             return {}
         self._check_saved_state(value, where)
-        return import_param_state(param, value, group, self.moments, where)
+        return import_param_state(param, value, group, self._moments_of(group), where)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,9 @@ typedef struct mp_adam_tensor {
   float* exp_avg_scale;     /* 8-bit moments: one absmax per block, else NULL */
   float* exp_avg_sq_scale;
   float* ema; /* n floats, an exponential moving average of the fp32 value, or NULL for none */
+  int64_t offset; /* >= 0: the position of element 0 in the whole param (a shard's start), added
+                     to the element positions of the random bits so that a shard rounds as the
+                     unsharded param would; with 8-bit moments a multiple of q8_block */
 } mp_adam_tensor;
 
 /* The settings of one call, shared by its params. lr, inv_scale and found_inf point at memory
@@ -119,7 +122,20 @@ typedef struct mp_adam_options {
                              [MP_Q8_BLOCK_MIN, MP_Q8_BLOCK_MAX]; read only for tensors that
                              have them */
   double ema_decay;       /* in [0, 1]: the decay of the tensors' ema arrays (if any) */
+  /* The update rule (0, Adam/AdamW, when zero-initialized) and what its hyperparameters are:
+   *   MP_RULE_ADAM: the above;
+   *   MP_RULE_LION: beta1, beta2 in [0, 1], weight_decay (decoupled), maximize (mpext/lion_rule.h);
+   *     one moment, exp_avg (exp_avg_sq NULL; 8-bit: MP_I8 codes with exp_avg_scale);
+   *   MP_RULE_SGD: beta1 the momentum (>= 0), dampening, nesterov, weight_decay (L2), maximize
+   *     (mpext/sgd_rule.h); the moment exp_avg is the momentum buffer, none (NULL) when the
+   *     momentum is 0; eps is not read. */
+  int32_t rule;
+  double dampening;
+  int32_t nesterov;
 } mp_adam_options;
+
+/* The rules of mp_adam_options.rule. */
+enum { MP_RULE_ADAM = 0, MP_RULE_LION = 1, MP_RULE_SGD = 2, MP_RULE_COUNT = 3 };
 
 /* The range of q8_block: below 32 the scales cost more than 0.25 bytes per element, above 2048
  * a block no longer fits the 2048 elements a CUDA block holds in registers at once (nor its
@@ -127,14 +143,15 @@ typedef struct mp_adam_options {
 #define MP_Q8_BLOCK_MIN 32
 #define MP_Q8_BLOCK_MAX 2048
 
-/* Elements [start, start + count) of t's arrays, on the calling thread and the active ISA path:
+/* Elements [start, start + count) of t's arrays, stepped by the options' rule (Adam, Lion, SGD:
+ * the moments it keeps, see mp_adam_options.rule), on the calling thread and the active ISA path:
  * unless *o->found_inf != 0, reads the grads, updates master (or the fp32 param), exp_avg and
  * exp_avg_sq, and writes the param, from the step count *t->step + 1 (t->step is only read: see
  * mp_adam_advance_steps). Every ISA path gives the same bits. Returns MP_ERR_INVALID_ARGUMENT
  * (writing nothing) for a NULL t or o, a bad dtype or master (as described above), a range
  * outside [0, t->n), a NULL array with count > 0, or options out of range; with 8-bit moments
- * also for a bad q8_block, or a range that does not start on a block boundary or end on one
- * (or at n). Arrays of one tensor must not overlap each other or the options' scalars. */
+ * also for a bad q8_block, or a range or t->offset that does not start on a block boundary, or
+ * a range that does not end on one (or at n). Arrays of one tensor must not overlap each other or the options' scalars. */
 mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
                        const mp_adam_options* o);
 

@@ -1,0 +1,123 @@
+"""mpext.optim.sgd: the SGD rule (``mpext.optim.SGD``): torch.optim.SGD's arguments, defaults,
+checks and update, its momentum buffer (``momentum_buffer``, none without momentum) and its
+launch (``sgd_step_`` through mpext.optim._engine). Everything else is mpext.optim._base's."""
+import math
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .._common import is_real as _is_real
+from ._base import FusedOptimizer
+from ._engine import StepItem, fused_step, rule_hyper, storage_hyper
+from ._tensors import F32
+from . import formats as F
+from .formats import Quantity
+
+__all__ = ["SGD"]
+
+
+class SGDHyper(rule_hyper("_SGDFields", [("momentum", float), ("dampening", float),
+                                          ("weight_decay", float), ("nesterov", bool),
+                                          ("maximize", bool)])):
+    """What the params of one ``sgd_step_`` call share besides device and learning rate (then
+    the storage fields of :class:`~mpext.optim._engine.AdamHyper`)."""
+    __slots__ = ()
+    op = "sgd_step_"
+    scale_names = ("momentum_buffer_scales",)
+
+    def quantities(self) -> tuple:
+        return ("momentum_buffer",) if self.momentum != 0.0 else ()
+
+    def rule_args(self) -> tuple:
+        return (self.momentum, self.dampening, self.weight_decay, self.nesterov, self.maximize)
+
+
+class SGD(FusedOptimizer):
+    """SGD with torch.optim.SGD's arguments, defaults, checks and math (momentum, dampening,
+    Nesterov, L2 weight decay, maximize), on mpext's fused kernel, with mpext's storage
+    options. The momentum buffer is ``state["momentum_buffer"]`` (torch's key), a copy of the
+    gradient after the param's first step as torch makes it; with ``momentum=0`` there is none.
+
+    Args:
+        params: iterable of params or of dicts defining param groups, as
+            :class:`mpext.optim.Adam`.
+        lr (float or 1-element Tensor): learning rate (default 1e-3).
+        momentum (float): momentum factor (default 0).
+        dampening (float): dampening for momentum (default 0).
+        weight_decay (float): L2 penalty (default 0).
+        nesterov (bool): Nesterov momentum (default False; needs a momentum and zero dampening).
+        maximize (bool): maximize the objective (default False).
+        foreach, fused: accepted for compatibility with torch and ignored (always fused).
+        differentiable (bool): must be False.
+        momentum_dtype: the buffer's storage: ``torch.float32`` (default), ``torch.bfloat16``
+            (rounded per ``moment_rounding``) or ``"q8"`` / ``torch.int8`` (signed 8-bit block
+            codes, state ``momentum_buffer_q8`` / ``momentum_buffer_q8_scale``); only with a
+            momentum.
+        master_weights, param_remainders, stochastic_rounding, moment_rounding, seed,
+        block_size, ema_decay, unscale_grads: as :class:`mpext.optim.Adam`'s.
+
+    ``state["step"]`` (which torch's SGD does not keep) counts the param's steps: it names the
+    stochastic-rounding streams and tells the kernel the buffer's first step.
+    """
+
+    _op = "sgd_step_"
+    moments = (Quantity("momentum_buffer", "momentum_dtype", True),)
+
+    def __init__(self, params, lr: Union[float, torch.Tensor] = 1e-3, momentum: float = 0,
+                 dampening: float = 0, weight_decay: float = 0, nesterov: bool = False, *,
+                 maximize: bool = False, foreach: Optional[bool] = None,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 master_weights: bool = True, unscale_grads: bool = True,
+                 param_remainders: bool = False, stochastic_rounding: bool = False,
+                 momentum_dtype: torch.dtype = torch.float32,
+                 moment_rounding: str = "stochastic", seed: int = 0, block_size: int = 256,
+                 ema_decay: Optional[float] = None) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        foreach=foreach, differentiable=differentiable, fused=fused,
+                        master_weights=master_weights, unscale_grads=unscale_grads,
+                        param_remainders=param_remainders,
+                        stochastic_rounding=stochastic_rounding, momentum_dtype=momentum_dtype,
+                        moment_rounding=moment_rounding, seed=seed, block_size=block_size,
+                        ema_decay=ema_decay)
+        self._check_group(defaults, "")
+        self._init_caches()
+        super().__init__(params, defaults)
+
+    def _check_rule(self, group: Dict[str, Any], where: str) -> None:
+        momentum = group.get("momentum")
+        if not _is_real(momentum) or not 0.0 <= momentum or not math.isfinite(momentum):
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        dampening = group.get("dampening")
+        if not _is_real(dampening) or not math.isfinite(dampening):
+            raise ValueError("%s: dampening must be a finite number, got %r%s"
+                             % (self._name(), dampening, where))
+        wd = group.get("weight_decay")
+        if not _is_real(wd) or not 0.0 <= wd or not math.isfinite(wd):
+            raise ValueError(f"Invalid weight_decay value: {wd}")
+        if group.get("nesterov", False) and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        dt = group.get("momentum_dtype", F32)
+        if not isinstance(dt, torch.dtype):
+            dt = F.moment_dtype(dt, self.moments[0])
+        if momentum == 0 and dt is not F32:
+            raise ValueError("%s: momentum_dtype=%r stores the momentum buffer, but momentum=0 "
+                             "keeps none; leave momentum_dtype at torch.float32 or give a "
+                             "momentum%s" % (self._name(), dt, where))
+
+    def _fill_group(self, group: Dict[str, Any]) -> None:
+        group.setdefault("maximize", False)
+        group.setdefault("nesterov", False)
+        group.setdefault("dampening", 0)
+
+    def _moments_of(self, group: Dict[str, Any]):
+        return self.moments if group["momentum"] != 0 else ()
+
+    def _hyper(self, group: Dict[str, Any]) -> SGDHyper:
+        return SGDHyper(float(group["momentum"]), float(group["dampening"]),
+                        float(group["weight_decay"]), bool(group.get("nesterov", False)),
+                        bool(group.get("maximize", False)), *storage_hyper(group))
+
+    def _launch(self, items: List[StepItem], inv_scale: Optional[torch.Tensor],
+                found_inf: Optional[torch.Tensor]) -> None:
+        fused_step(items, self._lr_tensors, inv_scale, found_inf)

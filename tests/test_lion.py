@@ -1,0 +1,294 @@
+"""mpext.ops.lion_step_ and mpext.optim.Lion: bit for bit lion-pytorch's Lion on FP32 params (its
+order of operations; torch's add(x, alpha=a) is one fused multiply-add, on every length, tails
+included), every param storage and moment format of the engine, opcheck and fake kernels,
+offsets for sharded stochastic rounding, and the checks every rule passes (rule_checks.py)."""
+import pytest
+import torch
+from lion_pytorch import Lion as RefLion
+from lion_pytorch.lion_pytorch import update_fn as ref_update
+
+import mpext
+from mpext import ops
+from mpext.optim import Lion
+
+import rule_checks as RC
+from conftest import isa_params
+
+# Round-to-nearest master-free params are one of the formats under test: its advice is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
+
+RULE = RC.Rule(Lion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), "exp_avg_dtype",
+               "exp_avg")
+F32 = torch.float32
+
+
+def f32(x):
+    """x rounded to an fp32 value, as a Python float: the lr mpext keeps in an fp32 tensor."""
+    return float(torch.tensor(x, dtype=F32))
+
+
+# --------------------------------------------------------------------------------------------
+# The op against lion-pytorch's update_fn.
+
+SIZES = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 100, 511, 512, 513, 1000, 4099]
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1, 1.5])
+@pytest.mark.parametrize("betas", [(0.9, 0.99), (0.95, 0.98), (0.0, 1.0), (1.0, 0.5)])
+def test_op_bitwise_lion_pytorch(wd, betas):
+    gen = torch.Generator().manual_seed(0)
+    lr = f32(3e-4)
+    for n in SIZES:
+        p = torch.randn(n, generator=gen)
+        m = torch.zeros(n)
+        p_ref, m_ref = p.clone(), m.clone()
+        step = torch.zeros(())
+        for k in range(6):
+            g = torch.randn(n, generator=gen) * (10.0 ** (k - 3))
+            if k == 4:
+                g[::3] = 0.0  # update signs of exactly 0
+            ref_update(p_ref, g, m_ref, lr, wd, *betas)
+            ops.lion_step_([p], [g], [m], [], [step], lr, *betas, wd)
+            RC.assert_bitwise(p, p_ref, "param n=%d k=%d" % (n, k))
+            RC.assert_bitwise(m, m_ref, "exp_avg n=%d k=%d" % (n, k))
+        assert step.item() == 6
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_op_every_isa_path_bitwise_lion_pytorch(isa):
+    gen = torch.Generator().manual_seed(1)
+    with RC.isa(isa):
+        for n in SIZES:
+            p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+            p_ref, m_ref = p.clone(), m.clone()
+            g = torch.randn(n, generator=gen)
+            ref_update(p_ref, g, m_ref, f32(1e-3), 0.2, 0.9, 0.99)
+            ops.lion_step_([p], [g], [m], [], [torch.zeros(())], f32(1e-3), 0.9, 0.99, 0.2)
+            RC.assert_bitwise(p, p_ref)
+            RC.assert_bitwise(m, m_ref)
+
+
+def test_op_maximize_is_the_negated_gradient():
+    gen = torch.Generator().manual_seed(2)
+    p, m, g = (torch.randn(777, generator=gen) for _ in range(3))
+    a, b = (p.clone(), m.clone()), (p.clone(), m.clone())
+    ops.lion_step_([a[0]], [g], [a[1]], [], [torch.zeros(())], 1e-3, 0.9, 0.99, 0.1, True)
+    ops.lion_step_([b[0]], [-g], [b[1]], [], [torch.zeros(())], 1e-3, 0.9, 0.99, 0.1, False)
+    RC.assert_bitwise(a[0], b[0])
+    RC.assert_bitwise(a[1], b[1])
+
+
+def test_op_fused_unscale_and_skip():
+    gen = torch.Generator().manual_seed(3)
+    p, m, g = (torch.randn(300, generator=gen) for _ in range(3))
+    a = [p.clone(), m.clone(), (g * 1024).clone()]
+    b = [p.clone(), m.clone(), g.clone()]
+    ops.lion_step_([a[0]], [a[2]], [a[1]], [], [torch.zeros(())], 1e-3, inv_scale=torch.tensor(
+        1 / 1024), found_inf=torch.zeros(()), unscale_grads=True)
+    ops.lion_step_([b[0]], [b[2]], [b[1]], [], [torch.zeros(())], 1e-3)
+    for x, y in zip(a, b):
+        RC.assert_bitwise(x, y)
+    before = [t.clone() for t in a]
+    s = torch.zeros(())
+    ops.lion_step_([a[0]], [a[2]], [a[1]], [], [s], 1e-3, found_inf=torch.ones(()))
+    for x, y in zip(a, before):
+        RC.assert_bitwise(x, y)
+    assert s.item() == 0
+
+
+def _op_case(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(17, generator=gen)
+    params = [torch.randn(33, generator=gen), master.bfloat16(), torch.randn(5).half()]
+    grads = [torch.randn(33, generator=gen), torch.randn(17, generator=gen).bfloat16(),
+             torch.randn(5, generator=gen)]
+    exp_avgs = [torch.zeros(33), torch.zeros(17, dtype=torch.bfloat16), torch.zeros(5)]
+    masters = [torch.empty(0), master, params[2].float()]
+    steps = [torch.zeros(()) for _ in range(3)]
+    return params, grads, exp_avgs, masters, steps
+
+
+def test_opcheck():
+    params, grads, ms, masters, steps = _op_case()
+    lr, inv = torch.full((), 1e-3), torch.full((), 0.5)
+    q8p, q8g = torch.randn(512), torch.randn(512)
+    q8m, q8s = torch.zeros(512, dtype=torch.int8), torch.zeros(2)
+    cases = [
+        ((params, grads, ms, masters, steps, lr, 0.9, 0.99, 0.01, False), {}),
+        ((params, grads, ms, masters, steps, lr, 0.8, 0.9, 0.1, True),
+         {"inv_scale": inv, "found_inf": torch.zeros(()), "unscale_grads": True}),
+        ((params, grads, ms, masters, steps, lr, 0.9, 0.99, 0.0, False),
+         {"found_inf": torch.ones(())}),
+        (([q8p], [q8g], [q8m], [], [torch.zeros(())], lr, 0.9, 0.99, 0.0, False),
+         {"exp_avg_scales": [q8s], "offsets": [256]}),
+        (([], [], [], [], [], lr, 0.9, 0.99, 0.0, False), {}),
+    ]
+    for args, kwargs in cases:
+        torch.library.opcheck(torch.ops.mpext.lion_step_.default, args, kwargs)
+
+
+def test_fake_tensor_mode_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        p, g, m = [torch.empty(4, 6)], [torch.empty(4, 6)], [torch.empty(4, 6)]
+        s = [torch.zeros(())]
+        assert ops.lion_step_(p, g, m, [], s, 1e-3) is None
+        with pytest.raises(ValueError, match=r"beta2 must be in \[0, 1\], got 1.5"):
+            ops.lion_step_(p, g, m, [], s, 1e-3, beta2=1.5)
+        with pytest.raises(ValueError, match=r"exp_avgs must have one entry per param"):
+            ops.lion_step_(p, g, [], [], s, 1e-3)
+
+
+BAD = [
+    (dict(beta1=-0.1), ValueError, r"beta1 must be in \[0, 1\], got -0.1"),
+    (dict(weight_decay=float("nan")), ValueError, r"weight_decay must be in"),
+    (dict(exp_avgs=[]), ValueError, r"exp_avgs must have one entry per param \(1\), got 0"),
+    (dict(exp_avgs=[torch.zeros(512, dtype=torch.uint8)]), RuntimeError,
+     r"exp_avgs\[0\] must have dtype float32 or bfloat16 or int8, got uint8"),
+    (dict(exp_avgs=[torch.zeros(512, dtype=torch.int8)]), ValueError,
+     r"exp_avgs\[0\] holds 8-bit codes, which need exp_avg_scales"),
+    (dict(exp_avgs=[torch.zeros(512, dtype=torch.int8)], exp_avg_scales=[torch.zeros(2)],
+          offsets=[100]), ValueError,
+     r"offsets\[0\] \(100\) must be a multiple of block_size \(256\)"),
+    (dict(offsets=[-1]), ValueError, r"offsets\[0\] must be >= 0"),
+    (dict(offsets=[0, 0]), ValueError, r"offsets must have one entry per param \(1\), got 2"),
+]
+
+
+@pytest.mark.parametrize("where", ["kernel", "meta"])
+@pytest.mark.parametrize("change,exc,match", BAD, ids=range(len(BAD)))
+def test_op_bad_input_changes_nothing(where, change, exc, match):
+    base = dict(params=[torch.randn(512)], grads=[torch.randn(512)], exp_avgs=[torch.randn(512)],
+                 masters=[], steps=[torch.zeros(())], lr=torch.full((), 1e-3), beta1=0.9,
+                 beta2=0.99, weight_decay=0.0)
+    RC.check_op_bad_input(ops.lion_step_, base, change, exc, match, "meta" if where == "meta" else "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# offsets: a shard draws the random bits of its position in the whole param.
+
+def _sharded(fmt, n, offsets):
+    """(whole, shards) after 3 steps of the same update on one tensor of n elements stepped
+    whole and as the pieces starting at `offsets`."""
+    gen = torch.Generator().manual_seed(4)
+    p0 = torch.randn(n, generator=gen).bfloat16()
+    grads = [torch.randn(n, generator=gen).bfloat16() for _ in range(3)]
+    if fmt == "q8":
+        m0, kw = torch.zeros(n, dtype=torch.int8), dict(block_size=256)
+        sc0 = torch.zeros(n // 256)
+    else:
+        m0, kw, sc0 = torch.zeros(n, dtype=torch.bfloat16), {}, None
+    out = []
+    for cuts in ([0], offsets):
+        p, m = p0.clone(), m0.clone()
+        sc = None if sc0 is None else sc0.clone()
+        bounds = list(cuts) + [n]
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        steps = [torch.zeros(()) for _ in pieces]
+        for g in grads:
+            extra = dict(kw)
+            if sc is not None:
+                extra["exp_avg_scales"] = [sc[a // 256:b // 256 + (b % 256 > 0)]
+                                           for a, b in pieces]
+            ops.lion_step_([p[a:b] for a, b in pieces], [g[a:b] for a, b in pieces],
+                           [m[a:b] for a, b in pieces], [], steps, 1e-2, 0.9, 0.99, 0.1,
+                           master_free=True, stochastic_rounding=True, seed=11,
+                           sr_streams=[5] * len(pieces), offsets=[a for a, _ in pieces],
+                           **extra)
+        out.append((p, m, sc))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
+def test_offsets_shards_round_as_the_whole(fmt):
+    n = 4096
+    (pw, mw, sw), (ps, ms, ss) = _sharded(fmt, n, [0, n // 2])
+    RC.assert_bitwise(pw, ps)
+    RC.assert_bitwise(mw, ms)
+    if sw is not None:
+        RC.assert_bitwise(sw, ss)
+    if fmt == "bfloat16":  # unaligned pieces too, where no block constrains them
+        (pw, mw, _), (ps, ms, _) = _sharded(fmt, n, [0, 1000, 3001])
+        RC.assert_bitwise(pw, ps)
+        RC.assert_bitwise(mw, ms)
+
+
+def test_offsets_change_the_draws():
+    """Without the offset the second half would draw the first half's bits: they differ."""
+    gen = torch.Generator().manual_seed(5)
+    p0, g = torch.randn(2048, generator=gen).bfloat16(), torch.randn(2048, generator=gen)
+    out = []
+    for off in (0, 1024):
+        p = p0[1024:].clone()
+        ops.lion_step_([p], [g[1024:].bfloat16()], [torch.zeros(1024)], [], [torch.zeros(())],
+                       1e-2, master_free=True, stochastic_rounding=True, offsets=[off])
+        out.append(p)
+    assert not torch.equal(out[0], out[1])
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer class.
+
+@pytest.mark.parametrize("opts", [dict(), dict(weight_decay=0.1), dict(betas=(0.95, 0.98),
+                                                                       weight_decay=1.0),
+                                  dict(lr=f32(1e-2), decoupled_weight_decay=True,
+                                       weight_decay=1e-4)])
+def test_class_bitwise_lion_pytorch(opts):
+    opts = dict(opts)
+    opts.setdefault("lr", f32(3e-4))
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(257, 3), (1,), (64,), (1000,)]
+    ws = [torch.randn(s, generator=gen) for s in shapes]
+    a = [torch.nn.Parameter(w.clone()) for w in ws]
+    b = [torch.nn.Parameter(w.clone()) for w in ws]
+    o1, o2 = Lion(a, **opts), RefLion(b, **opts)
+    for _ in range(12):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=gen)
+            y.grad = x.grad.clone()
+        o1.step()
+        o2.step()
+    for x, y in zip(a, b):
+        RC.assert_bitwise(x, y)
+        RC.assert_bitwise(o1.state[x]["exp_avg"], o2.state[y]["exp_avg"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_class_master_is_lion_pytorch_on_fp32(dtype):
+    """A low-precision param's FP32 master follows lion-pytorch on an FP32 copy fed the same
+    (widened) gradients, bit for bit (bf16 masters after the tie rule of mpext/adam.h: compared
+    through their rounded params)."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(999, generator=gen).to(dtype)
+    p = torch.nn.Parameter(w.clone())
+    q = torch.nn.Parameter(w.float())
+    o1, o2 = Lion([p], lr=f32(1e-3), weight_decay=0.1), RefLion([q], lr=f32(1e-3),
+                                                                   weight_decay=0.1)
+    for _ in range(8):
+        p.grad = torch.randn(999, generator=gen).to(dtype)
+        q.grad = p.grad.float()
+        o1.step()
+        o2.step()
+    RC.assert_bitwise(p.detach(), q.detach().to(dtype))
+    RC.assert_bitwise(o1.state[p]["exp_avg"], o2.state[q]["exp_avg"])
+
+
+def test_class_arguments():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = Lion(p)
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["weight_decay"]) == (1e-4, (0.9, 0.99), 0.0)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.5"):
+        Lion(p, betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="Invalid weight_decay value: -1"):
+        Lion(p, weight_decay=-1)
+    with pytest.raises(ValueError, match="Invalid learning rate: -0.1"):
+        Lion(p, lr=-0.1)
+    with pytest.raises(ValueError, match="use_triton"):
+        Lion(p, use_triton=True)
+    with pytest.raises(ValueError, match="exp_avg_dtype must be"):
+        Lion(p, exp_avg_dtype=torch.float16)
+    assert "Lion" in mpext.optim.__all__
+
+
+globals().update(RC.rule_tests(RULE))  # the checks every rule passes

@@ -1,0 +1,203 @@
+"""mpext.ops.sgd_step_ and mpext.optim.SGD: torch.optim.SGD's arguments, checks and math (within
+Adam's parity tolerances; on this build's CPU kernels the bits agree too), the buffer's first
+step as torch's clone, momentum=0 keeping no buffer, every param storage and buffer format,
+opcheck and fake kernels, offsets, and the checks every rule passes (rule_checks.py)."""
+import pytest
+import torch
+
+import mpext
+from mpext import ops
+from mpext.optim import SGD
+
+import rule_checks as RC
+from conftest import isa_params
+
+# Round-to-nearest master-free params are one of the formats under test: its advice is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
+
+RULE = RC.Rule(SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2), "momentum_dtype",
+               "momentum_buffer")
+PLAIN = RC.Rule(SGD, dict(lr=1e-2, weight_decay=1e-2), None, "momentum_buffer")
+
+CONFIGS = [dict(), dict(momentum=0.9), dict(momentum=0.9, dampening=0.1),
+           dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+           dict(momentum=0.5, weight_decay=0.1, maximize=True), dict(weight_decay=0.3)]
+
+
+def _pair(opts, shapes, gen):
+    ws = [torch.randn(s, generator=gen) for s in shapes]
+    a = [torch.nn.Parameter(w.clone()) for w in ws]
+    b = [torch.nn.Parameter(w.clone()) for w in ws]
+    return a, b
+
+
+@pytest.mark.parametrize("opts", CONFIGS, ids=range(len(CONFIGS)))
+def test_class_matches_torch_sgd(opts):
+    gen = torch.Generator().manual_seed(0)
+    a, b = _pair(opts, [(257, 3), (1,), (17,), (1000,)], gen)
+    o1, o2 = SGD(a, lr=0.05, **opts), torch.optim.SGD(b, lr=0.05, **opts)
+    for _ in range(30):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=gen)
+            y.grad = x.grad.clone()
+        o1.step()
+        o2.step()
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for x, y in zip(a, b):
+        RC.assert_bitwise(x, y)  # both fuse each add(alpha=) on this build
+        if opts.get("momentum"):
+            RC.assert_bitwise(o1.state[x]["momentum_buffer"], o2.state[y]["momentum_buffer"])
+        else:
+            assert "momentum_buffer" not in o1.state[x]
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_op_every_isa_path_matches_torch(isa):
+    gen = torch.Generator().manual_seed(1)
+    opts = dict(momentum=0.9, nesterov=True, weight_decay=0.05)
+    with RC.isa(isa):
+        for n in [1, 7, 8, 15, 16, 17, 33, 100, 513, 4099]:
+            a, b = _pair(opts, [(n,)], gen)
+            o1, o2 = SGD(a, lr=0.1, **opts), torch.optim.SGD(b, lr=0.1, **opts)
+            for _ in range(3):
+                a[0].grad = torch.randn(n, generator=gen)
+                b[0].grad = a[0].grad.clone()
+                o1.step()
+                o2.step()
+            RC.assert_bitwise(a[0], b[0])
+
+
+def test_first_step_copies_the_gradient():
+    """torch creates the buffer as a clone of the (decayed) gradient: no dampening on step 1."""
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = SGD([p], lr=0.5, momentum=0.9, dampening=0.5, weight_decay=0.25)
+    p.grad = torch.full((5,), 2.0)
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch.full((5,), 2.25),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(p.detach(), torch.full((5,), 1 - 0.5 * 2.25), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_tracks_torch_fp32(dtype):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(999, generator=gen).to(dtype)
+    p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.float())
+    opts = dict(lr=0.01, momentum=0.9, weight_decay=0.01)
+    o1, o2 = SGD([p], **opts), torch.optim.SGD([q], **opts)
+    for _ in range(10):
+        p.grad = torch.randn(999, generator=gen).to(dtype)
+        q.grad = p.grad.float()
+        o1.step()
+        o2.step()
+    torch.testing.assert_close(o1.state[p]["master_param"], q.detach(), rtol=1e-5, atol=1e-6)
+    RC.assert_bitwise(p.detach(), o1.state[p]["master_param"].to(dtype))
+
+
+def test_class_arguments():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    g = SGD(p).param_groups[0]
+    assert (g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"],
+            g["maximize"]) == (1e-3, 0, 0, 0, False, False)
+    with pytest.raises(ValueError, match="Invalid momentum value: -0.1"):
+        SGD(p, momentum=-0.1)
+    with pytest.raises(ValueError, match="Invalid weight_decay value: -1"):
+        SGD(p, weight_decay=-1)
+    with pytest.raises(ValueError, match="Invalid learning rate: -0.1"):
+        SGD(p, lr=-0.1)
+    for kw in (dict(nesterov=True), dict(nesterov=True, momentum=0.9, dampening=0.1)):
+        with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero "
+                                             "dampening"):
+            SGD(p, **kw)
+    for dt in (torch.bfloat16, "q8"):
+        with pytest.raises(ValueError, match="momentum=0 keeps none"):
+            SGD(p, momentum_dtype=dt)
+    SGD(p, momentum=0.9, momentum_dtype="q8")
+    assert "SGD" in mpext.optim.__all__
+
+
+# --------------------------------------------------------------------------------------------
+# The op.
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(17, generator=gen)
+    params = [torch.randn(33, generator=gen), master.bfloat16()]
+    grads = [torch.randn(33, generator=gen), torch.randn(17, generator=gen).bfloat16()]
+    bufs = [torch.zeros(33), torch.zeros(17, dtype=torch.bfloat16)]
+    masters = [torch.empty(0), master]
+    steps = [torch.zeros(()), torch.ones(())]
+    lr = torch.full((), 1e-3)
+    cases = [
+        ((params, grads, bufs, masters, steps, lr, 0.9, 0.0, 0.01, True, False), {}),
+        ((params, grads, [], masters, steps, lr, 0.0, 0.0, 0.01, False, True),
+         {"inv_scale": torch.full((), 0.5), "found_inf": torch.zeros(())}),
+        ((params, grads, bufs, masters, steps, lr, 0.9, 0.5, 0.0, False, False),
+         {"found_inf": torch.ones(())}),
+        (([torch.randn(512)], [torch.randn(512)], [torch.zeros(512, dtype=torch.int8)], [],
+          [torch.zeros(())], lr, 0.9, 0.0, 0.0, False, False),
+         {"momentum_buffer_scales": [torch.zeros(2)]}),
+        (([], [], [], [], [], lr, 0.9, 0.0, 0.0, False, False), {}),
+    ]
+    for args, kwargs in cases:
+        torch.library.opcheck(torch.ops.mpext.sgd_step_.default, args, kwargs)
+
+
+BAD = [
+    (dict(momentum=-1.0), ValueError, r"momentum must be in \[0, inf\), got -1"),
+    (dict(nesterov=True, dampening=0.5), ValueError, r"Nesterov momentum requires"),
+    (dict(momentum=0.0), ValueError, r"momentum is 0, which keeps no buffer, so "
+                                     r"momentum_buffers must be empty, got 1 tensors"),
+    (dict(momentum_buffers=[]), ValueError, r"momentum_buffers must have one entry per param"),
+    (dict(momentum_buffers=[torch.zeros(512, dtype=torch.int8)]), ValueError,
+     r"momentum_buffers\[0\] holds 8-bit codes, which need momentum_buffer_scales"),
+    (dict(momentum_buffers=[torch.zeros(512, dtype=torch.int8)],
+          momentum_buffer_scales=[torch.zeros(2)], offsets=[128]), ValueError,
+     r"offsets\[0\] \(128\) must be a multiple of block_size \(256\)"),
+]
+
+
+@pytest.mark.parametrize("where", ["kernel", "meta"])
+@pytest.mark.parametrize("change,exc,match", BAD, ids=range(len(BAD)))
+def test_op_bad_input_changes_nothing(where, change, exc, match):
+    base = dict(params=[torch.randn(512)], grads=[torch.randn(512)],
+                 momentum_buffers=[torch.randn(512)], masters=[], steps=[torch.zeros(())],
+                 lr=torch.full((), 1e-3), momentum=0.9, dampening=0.0, weight_decay=0.0,
+                 nesterov=False)
+    RC.check_op_bad_input(ops.sgd_step_, base, change, exc, match, "meta" if where == "meta" else "cpu")
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
+def test_offsets_shards_round_as_the_whole(fmt):
+    """A param stepped as two halves with offsets 0 and n/2 gets the bits of the whole."""
+    n = 4096
+    gen = torch.Generator().manual_seed(4)
+    p0 = torch.randn(n, generator=gen).bfloat16()
+    grads = [torch.randn(n, generator=gen).bfloat16() for _ in range(3)]
+    q8 = fmt == "q8"
+    b0 = torch.zeros(n, dtype=torch.int8 if q8 else torch.bfloat16)
+    out = []
+    for pieces in ([(0, n)], [(0, n // 2), (n // 2, n)]):
+        p, b = p0.clone(), b0.clone()
+        sc = torch.zeros(n // 256)
+        steps = [torch.zeros(()) for _ in pieces]
+        for g in grads:
+            extra = dict(momentum_buffer_scales=[sc[x // 256:y // 256] for x, y in pieces]
+                         ) if q8 else {}
+            ops.sgd_step_([p[x:y] for x, y in pieces], [g[x:y] for x, y in pieces],
+                          [b[x:y] for x, y in pieces], [], steps, 0.1, 0.9, 0.0, 0.01, False,
+                          master_free=True, stochastic_rounding=True, seed=3,
+                          sr_streams=[2] * len(pieces), offsets=[x for x, _ in pieces],
+                          **extra)
+        out.append((p, b, sc))
+    for a, c in zip(out[0], out[1]):
+        RC.assert_bitwise(a, c)
+
+
+# --------------------------------------------------------------------------------------------
+# The checks every rule passes, with momentum (a buffer in every format) and without (none).
+
+globals().update(RC.rule_tests(RULE))
+globals().update({name + "_without_momentum": test
+                  for name, test in RC.rule_tests(PLAIN).items()})
