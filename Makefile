@@ -17,8 +17,9 @@ TORCH_SPEC ?= torch==2.13.0
 NVCC ?= nvcc
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
-TEST_DEPS := pytest numpy hypothesis lion-pytorch==0.2.5 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
-BENCH_DEPS := matplotlib tqdm
+TEST_DEPS := pytest numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
+# lion-pytorch: bench_adam's native Lion, and tests/test_lion.py's reference (both lists go in)
+BENCH_DEPS := matplotlib tqdm lion-pytorch==0.2.5
 BUILD_DEPS := ninja setuptools wheel
 
 ifdef PYTHON
@@ -64,7 +65,7 @@ venv-path: $(VENV)/.stamp
 env-external:
 	@$(PY) -c "import torch" 2>/dev/null || { echo "PYTHON=$(PY) has no torch: install PyTorch into it first" >&2; exit 1; }
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
-	@for m in numpy hypothesis matplotlib tqdm ninja lightning accelerate transformers; do \
+	@for m in numpy hypothesis matplotlib tqdm lion_pytorch ninja lightning accelerate transformers; do \
 	  $(PY) -c "import $$m" 2>/dev/null || $(PY) -m pip install -q $$m 2>/dev/null || \
 	  echo "note: $$m is not installed and could not be; what needs it is skipped"; done
 

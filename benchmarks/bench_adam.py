@@ -1,9 +1,10 @@
-"""AdamW step: mpext's fused master-weight step (``adam_step_``) against native PyTorch AMP's
-ways of stepping ``torch.optim.AdamW`` under a loss scaler, and mpext.optim.AdamW's lean states
-under a GradScaler, in the same run on the same device. Method, paths, bytes counted and
-columns: benchmarks/README.md, "AdamW step" and "Lean optimizer state".
+"""Optimizer step: mpext's fused AdamW step (``adam_step_``) against native PyTorch AMP's ways
+of stepping ``torch.optim.AdamW`` under a loss scaler, and every rule of mpext.optim (AdamW,
+Lion, SGD) in every param/moment format under a GradScaler against the rule's native optimizer,
+in the same run on the same device. Method, paths, bytes counted and columns:
+benchmarks/README.md, "AdamW step" and "Rules x formats".
 
-    python -m benchmarks.bench_adam [--quick] [--device auto|cpu|cuda] [--only paths|lean]
+    python -m benchmarks.bench_adam [--quick] [--device auto|cpu|cuda] [--only paths|rules]
 """
 if not __package__:  # run by path (python benchmarks/bench_adam.py): as the package module
     import os, runpy, sys  # noqa: E401
@@ -22,11 +23,11 @@ from .common import (Alternate, Bench, MiB, busy_cores, check, count_subnormals,
                      require_kernel, roofline_hlines, run_standalone, yes_no)
 
 NAME = "bench_adam"
-TITLE = "AdamW step: mpext's fused step (master weights, lean state) vs PyTorch AMP"
+TITLE = "Optimizer step: mpext's fused steps (AdamW paths; rules x formats) vs PyTorch AMP"
 BF16, FP32 = torch.bfloat16, torch.float32
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
 HYPER = dict(lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY)
-EMA_DECAY = 0.999  # the lean section's EMA row and its native counterpart
+EMA_DECAY = 0.999  # the EMA rows and their native counterparts
 GRAD_STD, PARAM_STD = 1e-3, 0.02
 SPEED_TARGET = 1.3   # >= 1.3x the best native path at 16M+ params; reported, never asserted
 COPY_TARGET = 0.80   # >= 80% of the copy roofline at 16M+ params; reported only
@@ -293,74 +294,100 @@ def _paths_report(b: Bench, metrics, case_label):
                             "% copy roof", "mpext speedup", "cores busy", "peak MiB"], rows)]
 
 
-# ---- Lean optimizer state: the whole step as a user runs it, under a GradScaler at scale 1
-# (BF16 training), in every storage mode of mpext.optim.AdamW, against native AMP's step and the
-# in-place roofline in the same rounds.
+# ---- Rules x formats: the whole step as a user runs it, ``scaler.step(opt); scaler.update()``
+# under a GradScaler at scale 1 (BF16 training), for every rule (mpext.optim.AdamW, Lion, SGD)
+# in every param/moment format, against the rule's native optimizer on fp32 params and the
+# in-place roofline, in the same rounds (benchmarks/README.md, "Rules x formats").
 
 LEAN_SIZES_FULL = [16 << 20, 64 << 20]
 LEAN_SIZES_QUICK = [16 << 20]
-LEAN_CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
-_BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
-# key, label, mpext.optim.AdamW options, persistent B/param (param + grad + optimizer state),
-# B/param the fused pass moves, targets (x native, fraction of the in-place roofline) or None
-LEAN_MODES = [
-    ("master", "fp32 master + fp32 moments (default)", {}, 16, 28, None),
-    ("remainder", "remainder + fp32 moments", dict(param_remainders=True), 14, 26, None),
-    ("remainder_bf16m", "remainder + bf16 moments", dict(param_remainders=True, **_BF16M), 10,
-     18, (1.6, 0.80)),
-    ("sr_bf16m", "no master, SR + bf16 moments",
-     dict(master_weights=False, stochastic_rounding=True, **_BF16M), 8, 14, (2.0, 0.80)),
-    ("sr", "no master, SR + fp32 moments", dict(master_weights=False, stochastic_rounding=True),
-     12, 22, None),
-    ("rne", "no master, round to nearest + fp32 moments (cautionary)",
-     dict(master_weights=False), 12, 22, None),
-    # the EMA reads and writes 4 + 4 B/param more in the same pass; compared with native + EMA
-    ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
-     "+ EMA)", dict(param_remainders=True, ema_decay=EMA_DECAY, **_BF16M), 14, 26, None),
-]
-LEAN = {k: (lab, opts, state, step, tgt) for k, lab, opts, state, step, tgt in LEAN_MODES}
-# The native steps a mode is compared with: key -> (label, persistent B/param, step B/param).
-# torch.amp.GradScaler.step + AdamW(fused=True) on fp32 params: the inf check reads and writes
-# back the fp32 grads (8), the fused kernel reads param, grad, m, v and writes param, m, v and
-# the unscaled grad (32). With an EMA, what AveragedModel(multi_avg_fn=
-# get_ema_multi_avg_fn(decay)) runs after the step: torch._foreach_lerp_ on an fp32 copy (12).
-LEAN_NATIVE = {
-    "native": ("torch.amp.GradScaler + AdamW(fused=True), fp32 params", 16, 40),
-    "native_ema": ("the same + fp32 EMA (torch._foreach_lerp_, AveragedModel's EMA)", 20, 52),
+CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
+# rule -> (mpext.optim class, the moments' dtype options, hyperparameters, the native optimizer
+# on fp32 params (None: imported on use), its label, the bytes per param its step moves after
+# torch GradScaler's inf check (8: reads and writes back the fp32 grads), its state bytes)
+RULES = {
+    "adamw": ("AdamW", ("exp_avg_dtype", "exp_avg_sq_dtype"), HYPER,
+              lambda ps, h: torch.optim.AdamW(ps, fused=True, **h), "AdamW(fused=True)",
+              # reads param, grad, m, v; writes param, m, v and the unscaled grad
+              32, 8),
+    "lion": ("Lion", ("exp_avg_dtype",), dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2),
+             lambda ps, h: __import__("lion_pytorch").Lion(ps, **h), "lion-pytorch Lion",
+             # not fused: the scaler's unscale_ and found_inf.item(), then p.mul_ 8, clone m 8,
+             # mul_ 8, add(g) 12, sgn_ 8, p.add_ 12, m.mul_ 8, m.add_(g) 12
+             76, 4),
+    "sgd": ("SGD", ("momentum_dtype",), dict(lr=1e-3, momentum=0.9, weight_decay=1e-2),
+            lambda ps, h: torch.optim.SGD(ps, fused=True, **h), "SGD(momentum, fused=True)",
+            # reads param, grad, buffer; writes param, buffer and the unscaled grad
+            24, 4),
 }
+NATIVE_CHECK_BYTES = 8
+# param format -> (options, persistent B/param beyond param + grad, B/param of the step's
+# param traffic): a master reads and writes 4 + 4 and writes the param 2; a remainder reads and
+# writes param and remainder 2 + 2 + 2 + 2; none reads and writes the param
+PARAM_FORMATS = {"master": ({}, 4, 10), "remainder": (dict(param_remainders=True), 2, 8),
+                 "sr": (dict(master_weights=False, stochastic_rounding=True), 0, 4),
+                 "rne": (dict(master_weights=False), 0, 4)}
+MOMENT_FORMATS = {"fp32": (FP32, 4), "bf16": (BF16, 2), "q8": (torch.int8, 1)}  # 8/256 scales
+# key, label, param format, moment format, EMA (4 + 4 B/param more in the same pass, compared
+# with native + an EMA), targets (x native, fraction of the in-place roofline) or None
+FORMATS = [
+    ("master", "fp32 master + fp32 moments (default)", "master", "fp32", False, None),
+    ("remainder", "remainder + fp32 moments", "remainder", "fp32", False, None),
+    ("remainder_bf16m", "remainder + bf16 moments", "remainder", "bf16", False, (1.6, 0.80)),
+    ("sr_bf16m", "no master, SR + bf16 moments", "sr", "bf16", False, (2.0, 0.80)),
+    ("sr", "no master, SR + fp32 moments", "sr", "fp32", False, None),
+    ("rne", "no master, round to nearest + fp32 moments (cautionary)", "rne", "fp32", False,
+     None),
+    ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, None),
+    ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, None),
+    ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
+     "+ EMA)", "remainder", "bf16", True, None),
+]
+FMT = {f[0]: f[1:] for f in FORMATS}
 
 
-def _lean_baseline(key):
-    return "native_ema" if "ema_decay" in LEAN[key][1] else "native"
+def _mpext_bytes(rule, fmt):
+    """(persistent, step) B/param of a rule's format: bf16 param and grad, the param format,
+    its moments, the EMA; the step adds the check's 2."""
+    _, pf, mf, ema, _ = FMT[fmt]
+    nm, mom = len(RULES[rule][1]), MOMENT_FORMATS[mf][1]
+    state, traffic = PARAM_FORMATS[pf][1:]
+    return 2 + 2 + state + nm * mom + 4 * ema, 2 + traffic + 2 * nm * mom + 8 * ema + CHECK_BYTES
 
 
-def _lean_bound(key):
-    """The bytes bound of a lean mode: its baseline's step bytes over its own."""
-    return LEAN_NATIVE[_lean_baseline(key)][2] / (LEAN[key][3] + LEAN_CHECK_BYTES)
+def _native_bytes(rule, ema=False):
+    """(persistent, step) B/param of the native step on fp32 params; an EMA adds an fp32 copy
+    and torch._foreach_lerp_ on it (what AveragedModel's EMA runs): 4, and 4 + 4 + 4."""
+    return 8 + RULES[rule][6] + 4 * ema, NATIVE_CHECK_BYTES + RULES[rule][5] + 12 * ema
 
 
-class LeanProblem:
-    """One lean case of ``n`` params: per mode a param, optimizer and scaler (scale 1), one
-    bf16 gradient shared by the mpext modes; ``roof_numel``: the in-place roofline's buffer,
-    timed in the same rounds (benchmarks/README.md, "Lean optimizer state")."""
+class RuleProblem:
+    """One rule's case of ``n`` params: per format a param, optimizer and scaler (scale 1),
+    one bf16 gradient shared by the mpext formats, the native steppers on fp32 copies, and
+    ``roof_numel``: the in-place roofline's buffer, timed in the same rounds."""
 
-    def __init__(self, n, dev, seed, roof_numel=0):
+    def __init__(self, rule, n, dev, seed, roof_numel=0):
+        cls, mopts, hyper, native, *_ = RULES[rule]
         gen = torch.Generator().manual_seed(seed)
         p0 = (torch.randn(n, generator=gen) * PARAM_STD).to(BF16)
         g0 = (torch.randn(n, generator=gen) * GRAD_STD).to(BF16)
-        self.grad = g0.to(dev)
+        self.rule, self.hyper, self.grad = rule, hyper, g0.to(dev)
         self.steppers = {}  # key -> (param, optimizer, scaler)
-        for key, (_, opts, _, _, _) in LEAN.items():
+        for key, (_, pf, mf, ema, _) in FMT.items():
             p = p0.to(dev, copy=True)
             p.grad = self.grad
-            self.steppers[key] = (p, mpext.optim.AdamW([p], **HYPER, **opts),
+            opts = dict(PARAM_FORMATS[pf][0], **{o: MOMENT_FORMATS[mf][0] for o in mopts})
+            if mf == "q8" and rule == "adamw":
+                opts["exp_avg_sq_dtype"] = torch.uint8
+            if ema:
+                opts["ema_decay"] = EMA_DECAY
+            self.steppers[key] = (p, getattr(mpext.optim, cls)([p], **hyper, **opts),
                                   mpext.GradScaler(dev.type, bf16_check_only=True))
-        for key in LEAN_NATIVE:
+        for key in ("native", "native_ema"):
             p32 = p0.to(dev, FP32)
             p32.grad = g0.to(dev, FP32)
-            self.steppers[key] = (p32, torch.optim.AdamW([p32], fused=True, **HYPER),
-                                  torch.amp.GradScaler(dev.type, init_scale=1.0,
-                                                       growth_interval=1 << 30))
+            self.steppers[key] = (p32, native([p32], hyper), torch.amp.GradScaler(
+                dev.type, init_scale=1.0, growth_interval=1 << 30))
         self.native_ema = []  # native_ema's fp32 EMA: a copy of the param after its first step
         for _, _, scaler in self.steppers.values():
             scaler.scale(torch.ones((), device=dev))  # makes the scale, as scaling a loss does
@@ -394,95 +421,108 @@ class LeanProblem:
         tensors = []
         for key, (p, opt, scaler) in self.steppers.items():
             st = opt.state[p]
-            check(float(st["step"]) == self.calls[key], "%s: step count %s after %d calls"
-                  % (key, float(st["step"]), self.calls[key]))
-            check(scaler.get_scale() == 1.0, "%s: the loss scale left 1" % key)
+            if "step" in st:  # lion-pytorch and torch's SGD count no steps
+                check(float(st["step"]) == self.calls[key], "%s %s: step count %s after %d "
+                      "calls" % (self.rule, key, float(st["step"]), self.calls[key]))
+            check(scaler.get_scale() == 1.0, "%s %s: the loss scale left 1" % (self.rule, key))
             if isinstance(scaler, mpext.GradScaler):
-                check(int(scaler.skipped_steps()) == 0, "%s: skipped steps" % key)
+                check(int(scaler.skipped_steps()) == 0, "%s %s: skipped steps" % (self.rule, key))
             own = [p] + [v for v in st.values() if isinstance(v, torch.Tensor)
                          and v.numel() == p.numel() and v.is_floating_point()]
-            check(all(bool(t.isfinite().all()) for t in own), "%s: non-finite state" % key)
+            check(all(bool(t.isfinite().all()) for t in own), "%s %s: non-finite state"
+                  % (self.rule, key))
             tensors += own
         check(bool(self.grad.equal(self.steppers["native"][0].grad.to(BF16))),
-              "the shared bf16 gradient was written")
+              "%s: the shared bf16 gradient was written" % self.rule)
         check(bool(self.native_ema[0].isfinite().all()), "native_ema: non-finite EMA")
         return {"calls": dict(self.calls), "subnormals": count_subnormals(tensors),
                 "elements_checked": sum(t.numel() for t in tensors)}
 
 
-def _lean_sanity(dev):
-    """One step of every lean stepper on 1M + 3 params against AdamW(foreach=False) on fp32
-    copies (the tolerances: benchmarks/README.md, "Lean optimizer state")."""
-    prob = LeanProblem((1 << 20) + 3, dev, seed=98)
-    p_ref = prob.steppers["native"][0].detach().clone()
-    p_ref.grad = prob.steppers["native"][0].grad.clone()
-    ref_opt = torch.optim.AdamW([p_ref], foreach=False, **HYPER)
+def _rule_sanity(rule, dev):
+    """One step of every stepper of ``rule`` on 1M + 3 params against the rule's reference
+    (torch's AdamW and SGD with foreach=False, lion-pytorch's Lion) on fp32 copies (the
+    tolerances: benchmarks/README.md, "Rules x formats")."""
+    prob = RuleProblem(rule, (1 << 20) + 3, dev, seed=98)
+    native = prob.steppers["native"][0]
+    p_ref = native.detach().clone()
+    p_ref.grad = native.grad.clone()
+    ref_opt = (RULES[rule][3] if rule == "lion" else
+               lambda ps, h: getattr(torch.optim, RULES[rule][0])(ps, foreach=False, **h))(
+        [p_ref], prob.hyper)
     ref_opt.step()
     ref_state = ref_opt.state[p_ref]
     g_before = prob.grad.clone()
     for f in prob.fns().values():
         f()
-    close = dict(rtol=1e-5, atol=1e-8)
-    expect_same("lean: native", prob.steppers["native"][0], p_ref, **close)
-    expect_same("lean: native EMA", prob.native_ema[0], p_ref, **close)
+    close, ulp = dict(rtol=1e-5, atol=1e-8), dict(rtol=2.0 ** -7, atol=1e-30)  # ulp: bf16's
+    name = "%s: " % rule
+    expect_same(name + "native", native, p_ref, **close)
+    expect_same(name + "native EMA", prob.native_ema[0], p_ref, **close)
     p_e, opt_e, _ = prob.steppers["remainder_bf16m_ema"]
-    expect_same("lean: EMA", opt_e.ema_param(p_e), p_ref, **close)
+    expect_same(name + "EMA", opt_e.ema_param(p_e), p_ref, **close)
     p_m, opt_m, _ = prob.steppers["master"]
-    expect_same("lean: master", opt_m.master_param(p_m), p_ref, **close)
+    expect_same(name + "master", opt_m.master_param(p_m), p_ref, **close)
     p_r, opt_r, _ = prob.steppers["remainder"]
-    expect_same("lean: remainder vs master (bits)", [p_r, opt_r.master_param(p_r)],
+    expect_same(name + "remainder vs master (bits)", [p_r, opt_r.master_param(p_r)],
                 [p_m, opt_m.master_param(p_m)])
-    ulp = dict(rtol=2.0 ** -7, atol=1e-30)  # one bf16 ulp of the value at most
-    for key in LEAN:
+    moments = [k for k in ref_state if k != "step"]
+    for key, (_, _, mf, _, _) in FMT.items():
         p, opt, _ = prob.steppers[key]
-        st = opt.state[p]
-        expect_same("lean: %s param" % key, p.float(), p_ref, **ulp)
-        expect_same("lean: %s moments" % key, [st["exp_avg"].float(), st["exp_avg_sq"].float()],
-                    [ref_state["exp_avg"], ref_state["exp_avg_sq"]], **ulp)
-    expect_same("lean: the gradient at scale 1", prob.grad, g_before)
+        expect_same(name + key + " param", p.float(), p_ref, **ulp)
+        if mf != "q8":  # the 8-bit codes keep other keys (docs/moments_8bit.md)
+            expect_same(name + key + " moments", [opt.state[p][k].float() for k in moments],
+                        [ref_state[k] for k in moments], **ulp)
+    expect_same(name + "the gradient at scale 1", prob.grad, g_before)
 
 
-def _lean_metrics(times, n, roof_numel, roof):
-    """Per lean mode and native: timing, bytes, GB/s, speed vs its baseline, the bytes bound,
+def _rule_metrics(rule, times, n, roof_numel, roof):
+    """Per format and native: timing, bytes, GB/s, speed vs its baseline, the bytes bound,
     the fractions of the in-place roofline timed in the same rounds and of the run's best."""
     inplace_same = times["inplace"].gbps(8.0 * roof_numel)
-    out = {"params": n, "inplace_gbps_same_rounds": inplace_same,
+    out = {"rule": rule, "params": n, "inplace_gbps_same_rounds": inplace_same,
            "inplace": times["inplace"].to_json(), "modes": {}}
-    for key in list(LEAN) + list(LEAN_NATIVE):
-        if key in LEAN_NATIVE:
-            (label, state, step), target, base = LEAN_NATIVE[key], None, "native"
+    for key in list(FMT) + ["native", "native_ema"]:
+        if key.startswith("native"):
+            label, target, base = "%s: torch.amp.GradScaler + %s, fp32 params%s" % (
+                rule, RULES[rule][4], " + fp32 EMA (torch._foreach_lerp_)"
+                if key == "native_ema" else ""), None, "native"
+            state, step = _native_bytes(rule, key == "native_ema")
         else:
-            label, _, state, fused, target = LEAN[key]
-            step, base = fused + LEAN_CHECK_BYTES, _lean_baseline(key)
+            label, target, base = FMT[key][0], FMT[key][4], \
+                "native_ema" if FMT[key][3] else "native"
+            state, step = _mpext_bytes(rule, key)
         t = times[key]
         gb = t.gbps(step * n)
         row = out["modes"][key] = {
             "label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
             "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
             "baseline": base, "speedup_vs_native": times[base].median / t.median,
-            "bytes_bound_vs_native": LEAN_NATIVE[base][2] / step,
+            "bytes_bound_vs_native": _native_bytes(rule, base == "native_ema")[1] / step,
             "frac_inplace_same_rounds": gb / inplace_same,
-            "frac_inplace_best": gb / roof["inplace_gbps"], "target": target}
-        if target is not None:
+            "frac_inplace_best": gb / roof["inplace_gbps"],
+            "target": target if rule == "adamw" else None}
+        if row["target"] is not None:
             row["target_speed_met"] = row["speedup_vs_native"] >= target[0]
             row["target_roofline_met"] = row["frac_inplace_same_rounds"] >= target[1]
     return out
 
 
-def _lean_report(b: Bench, lean):
+def _rules_report(b: Bench, results):
     rows = []
-    for size, mtr in lean.items():
+    for mtr in results:
+        size, rule = fmt_count(mtr["params"]), mtr["rule"]
         for key, m in mtr["modes"].items():
             tgt, met = m["target"], ""
             if tgt is not None:
-                b.target(m["target_speed_met"], "lean %s, %s params: %.2fx native (target %.1fx)"
-                         % (key, fmt_count(int(size)), m["speedup_vs_native"], tgt[0]))
-                b.target(m["target_roofline_met"], "lean %s, %s params: %s of the in-place "
-                         "roofline (target %s)" % (key, fmt_count(int(size)),
+                b.target(m["target_speed_met"], "%s %s, %s params: %.2fx native (target %.1fx)"
+                         % (rule, key, size, m["speedup_vs_native"], tgt[0]))
+                b.target(m["target_roofline_met"], "%s %s, %s params: %s of the in-place "
+                         "roofline (target %s)" % (rule, key, size,
                                                    pct(m["frac_inplace_same_rounds"]),
                                                    pct(tgt[1])))
                 met = yes_no(m["target_speed_met"] and m["target_roofline_met"])
-            rows.append([fmt_count(int(size)) if key == "master" else "", m["label"],
+            rows.append(["%s, %s" % (size, rule) if key == "master" else "", m["label"],
                          str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
                          fmt_ms(m["timing"]), "%.1f" % m["gbps"],
                          pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
@@ -492,32 +532,33 @@ def _lean_report(b: Bench, lean):
         rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
                      fmt_ms(mtr["inplace"]),
                      "%.1f" % mtr["inplace_gbps_same_rounds"], "100%", "", "", "", "", ""])
-    return ["### Lean optimizer state under a GradScaler (scale 1, BF16 training)", "",
+    return ["### Rules x formats under a GradScaler (scale 1, BF16 training)", "",
             "`scaler.step(opt); scaler.update()`, `mpext.GradScaler(bf16_check_only=True)` and "
-            "`mpext.optim.AdamW` in each mode (bf16 params and grads) against "
-            "`torch.amp.GradScaler(init_scale=1)` and `AdamW(fused=True)` on fp32 params and the "
-            "in-place roofline, in the same rounds. Step bytes include the inf check (mpext 2, "
-            "torch 8); \"bytes bound\" = native's 40 / the mode's; the EMA row is against native "
-            "+ an fp32 EMA (52). Method: benchmarks/README.md, \"Lean optimizer state\".", "",
-            markdown_table(["params", "mode", "state B/param", "step B/param", "ms", "GB/s",
-                            "% in-place (same rounds)", "% in-place (best)", "vs native",
-                            "bytes bound", "target", "met"], rows)]
+            "`mpext.optim.AdamW` / `Lion` / `SGD` in each format (bf16 params and grads) "
+            "against `torch.amp.GradScaler(init_scale=1)` and the rule's native optimizer on "
+            "fp32 params and the in-place roofline, in the same rounds. Step bytes include the "
+            "inf check (mpext 2, torch 8); \"bytes bound\" = native's step bytes / the mode's; "
+            "the EMA rows are against native + an fp32 EMA. Method: benchmarks/README.md, "
+            "\"Rules x formats\".", "",
+            markdown_table(["params, rule", "mode", "state B/param", "step B/param", "ms",
+                            "GB/s", "% in-place (same rounds)", "% in-place (best)",
+                            "vs native", "bytes bound", "target", "met"], rows)]
 
 
 def run(ctx) -> dict:
     dev = ctx.device
     require_kernel(dev, "adam_step_")
     only = getattr(ctx.args, "only", None)  # None (run_all): both sections
-    do_paths, do_lean = only in (None, "paths"), only in (None, "lean")
+    do_paths, do_rules = only in (None, "paths"), only in (None, "rules", "lean")
     sizes = (SIZES_QUICK if ctx.quick else SIZES_FULL) if do_paths else []
-    lean_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_lean else []
+    rule_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_rules else []
     load_start = load_average()
     b = Bench(ctx, NAME, TITLE)
     roof_numel = b.start_roofline()["numel"]
     if do_paths:
         _sanity(dev)
-    if do_lean:
-        _lean_sanity(dev)
+    for rule in RULES if do_rules else ():
+        _rule_sanity(rule, dev)
     b.phase("correctness")
     raw, drift = {}, {}  # case key -> (times, numel, peaks); after-timing checks
     gpt_shapes = [shape for _, shape in gpt2_shapes(reduced=ctx.quick)]
@@ -541,17 +582,19 @@ def run(ctx) -> dict:
             free_memory(dev)
             bar.update(1)
             b.phase("case_" + key)
-    lean_raw, lean_checks = {}, {}
-    for ci, n in enumerate(lean_sizes):
-        prob = LeanProblem(n, dev, seed=100 + ci, roof_numel=roof_numel)
-        lean_raw[str(n)] = ctx.time_fns(prob.fns(), desc="lean state (%s params)" % fmt_count(n))
-        lean_checks[str(n)] = prob.after_timing_checks()
-        del prob
-        free_memory(dev)
-        b.phase("lean_" + str(n))
+    rule_raw, rule_checks = [], {}
+    for ci, n in enumerate(rule_sizes):
+        for rule in RULES:
+            prob = RuleProblem(rule, n, dev, seed=100 + ci, roof_numel=roof_numel)
+            rule_raw.append((rule, n, ctx.time_fns(prob.fns(), desc="%s formats (%s params)"
+                                                   % (rule, fmt_count(n)))))
+            rule_checks["%s %d" % (rule, n)] = prob.after_timing_checks()
+            del prob
+            free_memory(dev)
+            b.phase("%s_%d" % (rule, n))
     roof = b.end_roofline()
     metrics = {k: _case_metrics(t, n, roof, pk) for k, (t, n, pk) in raw.items()}
-    lean = {k: _lean_metrics(t, int(k), roof_numel, roof) for k, t in lean_raw.items()}
+    rules = [_rule_metrics(r, t, n, roof_numel, roof) for r, n, t in rule_raw]
     load_end = load_average()
 
     case_label = {k: ("%s params, 1 tensor" % fmt_count(int(k)) if k != "gpt2" else
@@ -574,13 +617,13 @@ def run(ctx) -> dict:
                                 for d in drift.values()),
                "{:,}".format(sum(d["mpext_elements_checked"] + d["torch_elements_checked"]
                                  for d in drift.values()))), ""]
-    if do_lean:
-        md += _lean_report(b, lean) + [
-            "", "%d samples per row, a size's rows interleaved; after the timings every step "
+    if do_rules:
+        md += _rules_report(b, rules) + [
+            "", "%d samples per row, a rule's rows interleaved; after the timings every step "
             "taken, scales 1, the shared gradient unwritten, %d subnormal values (%s elements "
-            "checked)." % (ctx.repeats, sum(c["subnormals"] for c in lean_checks.values()),
+            "checked)." % (ctx.repeats, sum(c["subnormals"] for c in rule_checks.values()),
                            "{:,}".format(sum(c["elements_checked"]
-                                             for c in lean_checks.values())))]
+                                             for c in rule_checks.values())))]
     payload = {
         "hyperparameters": dict(HYPER, grad_std=GRAD_STD),
         "paths": {k: {"label": PATH_LABEL[k], "bytes_per_param": PATH_BYTES[k]} for k in SHORT},
@@ -588,16 +631,16 @@ def run(ctx) -> dict:
         "target_min_params": TARGET_MIN_PARAMS,
         "cases": {k: dict(v, label=case_label[k]) for k, v in metrics.items()},
         "after_timing_checks": drift,
-        "lean_modes": {k: {"label": lab, "options": {o: str(v) for o, v in opts.items()},
-                           "state_bytes_per_param": st,
-                           "step_bytes_per_param": by + LEAN_CHECK_BYTES, "target": tgt}
-                       for k, (lab, opts, st, by, tgt) in LEAN.items()},
-        "lean": lean, "lean_after_timing_checks": lean_checks,
+        "rules": {r: {"class": c, "hyperparameters": h, "native": lab}
+                  for r, (c, _, h, _, lab, _, _) in RULES.items()},
+        "formats": {k: {"label": lab, "param": pf, "moments": mf, "ema": ema, "target": tgt}
+                    for k, (lab, pf, mf, ema, tgt) in FMT.items()},
+        "rule_results": rules, "rule_after_timing_checks": rule_checks,
         "load_average_start": load_start, "load_average_end": load_end}
-    return b.finish(md, payload, lambda: _plot(ctx, sizes, metrics, roof, lean))
+    return b.finish(md, payload, lambda: _plot(ctx, sizes, metrics, roof, rules))
 
 
-def _plot(ctx, sizes, metrics, roof, lean):
+def _plot(ctx, sizes, metrics, roof, rules):
     keys, panels = [str(n) for n in sizes], []
     if keys:
         for title, field, ylabel, hl in (
@@ -607,36 +650,27 @@ def _plot(ctx, sizes, metrics, roof, lean):
             panels.append({"title": title, "xlabel": "params", "ylabel": ylabel, "logx": True,
                            "hlines": hl, "series": {SHORT[p]: (sizes, [
                                metrics[k]["paths"][p][field] for k in keys]) for p in SHORT}})
-    if lean:
-        ls = [int(k) for k in lean]
-        modes = lean[str(ls[0])]["modes"]
-
-        def series(field):
-            return {modes[k]["label"]: (ls, [lean[str(n)]["modes"][k][field] for n in ls])
-                    for k in list(LEAN) + ["native"]}
-
-        panels += [{"title": "lean state: speed vs native (lines: bytes bounds)",
-                    "xlabel": "params", "ylabel": "x native", "logx": True,
-                    "series": series("speedup_vs_native"),
-                    "hlines": {"bound %s %.2fx" % (k, _lean_bound(k)): _lean_bound(k)
-                               for k in ("remainder_bf16m", "sr_bf16m")}},
-                   {"title": "lean state: fraction of in-place roofline (same rounds)",
-                    "xlabel": "params", "ylabel": "fraction", "logx": True,
-                    "series": series("frac_inplace_same_rounds"), "hlines": {"80%": 0.8}}]
+    for rule in RULES if rules else ():
+        res = [r for r in rules if r["rule"] == rule]
+        ns = [r["params"] for r in res]
+        bounds = {"bound %s %.2fx" % (k, res[0]["modes"][k]["bytes_bound_vs_native"]):
+                  res[0]["modes"][k]["bytes_bound_vs_native"] for k in ("remainder_bf16m",
+                                                                        "sr_bf16m")}
+        panels.append({"title": "%s: speed vs native (lines: bytes bounds)" % rule,
+                       "xlabel": "params", "ylabel": "x native", "logx": True, "hlines": bounds,
+                       "series": {FMT[k][0] if k in FMT else k: (ns, [
+                           r["modes"][k]["speedup_vs_native"] for r in res])
+                           for k in list(FMT) + ["native"]}})
     return plot_lines(ctx.out_dir / (NAME + ".png"), panels,
                       title=figure_title(ctx, TITLE, isa=True))
 
 
 def _add_args(parser):
-    parser.add_argument("--only", choices=("paths", "lean"), default=None,
-                        help="run one section: the op-level paths, or the lean-state modes "
-                             "under a GradScaler (default: both)")
+    parser.add_argument("--only", choices=("paths", "rules", "lean"), default=None,
+                        help="run one section: the op-level AdamW paths, or every rule's "
+                             "formats under a GradScaler ('lean' is 'rules'; default: both)")
     return parser
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, _add_args, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__, _add_args))

@@ -129,9 +129,5 @@ def run(ctx) -> dict:
     return b.finish(md, payload, device="cpu (2 gloo ranks)")
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, None, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__))

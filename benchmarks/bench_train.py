@@ -249,9 +249,5 @@ def _plot_memory(ctx, res):
     return save_figure(fig, ctx.out_dir / "train_memory.png", figure_title(ctx, TITLE))
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, add_args, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__, add_args))

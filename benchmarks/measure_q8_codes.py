@@ -148,27 +148,6 @@ def guard_factor(b1: float, b2: float) -> float:
     return 0.0 if r >= 1 else (1 - b2) * (1 - r) / (1 - b1) ** 2
 
 
-class PlainAdamW:
-    """AdamW in plain fp32 torch ops, whose moments the static measurement reads."""
-
-    def __init__(self, params, lr):
-        self.params, self.t = list(params), 0
-        self.param_groups = [{"lr": lr}]
-        self.states = [{"m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        self.t += 1
-        lr = self.param_groups[0]["lr"]
-        bc1, bc2 = 1 - B1 ** self.t, 1 - B2 ** self.t
-        for p, st in zip(self.params, self.states):
-            g = p.grad
-            p.mul_(1 - lr * WD)
-            st["m"] = st["m"].lerp(g, 1 - B1)
-            st["v"] = st["v"] * B2 + (1 - B2) * g * g
-            p.add_(-(lr / bc1) * st["m"] / (st["v"].sqrt() / math.sqrt(bc2) + EPS))
-
-
 CONVERGENCE = [
     ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)"),
     ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments"),
@@ -179,9 +158,7 @@ CONVERGENCE = [
 
 
 def _optimizer(mode, params, lr, seed):
-    """The optimizer of a mode (``plain`` or CONVERGENCE); None if it cannot run here."""
-    if mode == "plain":
-        return PlainAdamW(params, lr)
+    """The optimizer of a mode of CONVERGENCE; None if it cannot run here."""
     import mpext
 
     kw = dict(lr=lr, betas=(B1, B2), eps=EPS, weight_decay=WD)
@@ -204,7 +181,7 @@ def _optimizer(mode, params, lr, seed):
 
 def train(args, data, mode, seed, snapshots=None):
     """The final validation loss (mean of the last four evaluations) of one mode and seed, or
-    None if it cannot run here; ``snapshots`` collects the plain run's moments."""
+    None if it cannot run here; ``snapshots`` collects the moments of the large params."""
     torch.manual_seed(args.seed + seed)
     cfg = GPTConfig.preset(args.preset, data["vocab"]) if args.preset in ("tiny", "small") \
         else GPTConfig(vocab_size=data["vocab"], block_size=64, n_layer=3, n_head=4, n_embd=128)
@@ -231,8 +208,8 @@ def train(args, data, mode, seed, snapshots=None):
         loss.backward()
         opt.step()
         if snapshots is not None and step + 1 in args.snapshot_steps:
-            snapshots.append([(st["m"].clone(), st["v"].clone())
-                              for p, st in zip(opt.params, opt.states) if p.numel() >= MIN_NUMEL])
+            snapshots.append([(opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                              for p in model.parameters() if p.numel() >= MIN_NUMEL])
         if step + 1 >= args.steps - 40 and (step + 1) % 10 == 0:
             evals.append(evaluate(model, data, cfg))
     return sum(evals) / len(evals)
@@ -344,7 +321,7 @@ def main():
         return
     t0 = time.time()
     snaps = []
-    fp32 = [train(args, data, "plain", 0, snapshots=snaps)]
+    fp32 = [train(args, data, "torch-fp32", 0, snapshots=snaps)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
     mcodes, vcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True),
                                normalized([v for s in snaps for _, v in s], args.block, False))
