@@ -32,10 +32,6 @@ GRAD_STD, PARAM_STD = 1e-3, 0.02
 SPEED_TARGET = 1.3   # >= 1.3x the best native path at 16M+ params; reported, never asserted
 COPY_TARGET = 0.80   # >= 80% of the copy roofline at 16M+ params; reported only
 TARGET_MIN_PARAMS = 16 << 20
-# 8-bit moment paths: >= this many times the best native path and >= this fraction of the
-# in-place roofline at 16M+ params (reported, never asserted)
-Q8_TARGETS = {"mpext_q8_rem": 2.0, "mpext_q8_sr": 2.5}
-Q8_INPLACE_TARGET = 0.80
 SIZES_FULL = [1 << 20, 16 << 20, 64 << 20]
 SIZES_QUICK = [1 << 20, 4 << 20, 16 << 20]
 PATHS = [  # key, label, short label, bytes per param, mpext?
@@ -51,11 +47,6 @@ PATHS = [  # key, label, short label, bytes per param, mpext?
      False),
     ("foreach", "torch unscale_ + found_inf.item() + AdamW(foreach)", "torch unscale_ + foreach",
      88, False),
-    # 8-bit moments: int8/uint8 codes (1 + 1 B read, 1 + 1 written; the scales add 8/256)
-    ("mpext_q8_rem", "mpext check + adam_step_, bf16 remainder + 8-bit moments",
-     "mpext remainder + 8-bit", 16, True),
-    ("mpext_q8_sr", "mpext check + adam_step_, no master (SR) + 8-bit moments",
-     "mpext SR + 8-bit", 12, True),
 ]
 PATH_LABEL = {p[0]: p[1] for p in PATHS}
 SHORT = {p[0]: p[2] for p in PATHS}
@@ -84,14 +75,6 @@ class Problem:
             return [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
 
         self.steps = steps()
-        self.q8 = {key: dict(
-            p=[p.clone() for p in self.p16],
-            rem=[torch.zeros_like(p, dtype=torch.int16) for p in self.p16],
-            m=[torch.zeros_like(p, dtype=torch.int8) for p in self.p16],
-            v=[torch.zeros_like(p, dtype=torch.uint8) for p in self.p16],
-            ms=[torch.zeros(-(-p.numel() // 256), device=dev) for p in self.p16],
-            vs=[torch.zeros(-(-p.numel() // 256), device=dev) for p in self.p16],
-            steps=steps()) for key in Q8_TARGETS}
         self.lr = torch.full((1,), LR, dtype=FP32, device=dev)
         self.found = torch.zeros((), dtype=FP32, device=dev)
         self.one = torch.ones((), dtype=FP32, device=dev)
@@ -143,25 +126,10 @@ class Problem:
             if not found.item():  # GradScaler._maybe_opt_step
                 opt_fe.step()
 
-        def q8(key):
-            q, sr = self.q8[key], key == "mpext_q8_sr"
-            empty = torch.empty(0, dtype=FP32, device=self.dev)
-
-            def f():
-                found.zero_()
-                unscale_mp(g16, found, one)
-                adam(q["p"], g16, q["m"], q["v"], [] if sr else [empty] * len(g16), q["steps"],
-                     self.lr, BETA1, BETA2, EPS, WEIGHT_DECAY, True, False,
-                     inv_scale=alt[key](), found_inf=found,
-                     remainders=None if sr else q["rem"], master_free=sr,
-                     stochastic_rounding=sr, exp_avg_scales=q["ms"], exp_avg_sq_scales=q["vs"],
-                     block_size=256)
-            return f
-
         return {"mpext": mpext_step("mpext", False), "mpext_chk": mpext_step("mpext_chk", True),
                 "mpext_wb": mpext_step("mpext_wb", True, unscale_grads=True),
                 "fused_gs": fused("fused_gs", False), "fused_un": fused("fused_un", True),
-                "foreach": f_foreach, **{k: q8(k) for k in Q8_TARGETS}}
+                "foreach": f_foreach}
 
     def after_timing_checks(self):
         """No subnormals anywhere, found_inf still 0, mpext's steps advanced once per call."""
@@ -170,8 +138,6 @@ class Problem:
         steps = {float(s) for s in self.steps}
         check(steps == {float(self.mpext_calls)}, "mpext step counts %s after %d calls"
               % (sorted(steps), self.mpext_calls))
-        for key, q in self.q8.items():
-            check(all(bool(p.isfinite().all()) for p in q["p"]), "%s: non-finite params" % key)
         native = self.p32 + self.g32 + [st[k] for opt in (self.opt_fused, self.opt_foreach)
                                         for st in opt.state.values()
                                         for k in ("exp_avg", "exp_avg_sq")]
@@ -192,16 +158,8 @@ def _sanity(dev):
             p.grad = g * 0.5
         torch.optim.AdamW(ref, foreach=False, **HYPER).step()
         prob.fns()[key]()
-        if key == "mpext_q8_rem":  # the first step uses the fp32 moments: as the master path
-            q = prob.q8[key]
-            got = [mpext.optim.formats.join_remainder(p, r) for p, r in zip(q["p"], q["rem"])]
-            expect_same(key, got, ref, rtol=1e-5, atol=1e-8)
-        elif key == "mpext_q8_sr":  # the param stochastically rounded: within one bf16 ulp
-            expect_same(key, [p.float() for p in prob.q8[key]["p"]], ref, rtol=2.0 ** -7,
-                        atol=1e-30)
-        else:
-            expect_same(key, prob.masters if key.startswith("mpext") else prob.p32, ref,
-                        rtol=1e-5, atol=1e-8)
+        expect_same(key, prob.masters if key.startswith("mpext") else prob.p32, ref,
+                    rtol=1e-5, atol=1e-8)
 
 
 def _case_metrics(times, n, roof, peaks=None):
@@ -225,8 +183,8 @@ def _case_metrics(times, n, roof, peaks=None):
 
 
 def _paths_report(b: Bench, metrics, case_label):
-    """The op-level section's tables (summary, 8-bit, every path), recording missed targets."""
-    sum_rows, q8_rows, rows = [], [], []
+    """The op-level section's tables (summary, every path), recording missed targets."""
+    sum_rows, rows = [], []
     for k, mtr in metrics.items():
         mp, paths, best = mtr["paths"]["mpext"], mtr["paths"], mtr["best_native"]
         targeted = mtr["params"] >= TARGET_MIN_PARAMS
@@ -243,27 +201,6 @@ def _paths_report(b: Bench, metrics, case_label):
                          "%.2fx" % paths["fused_gs"]["mpext_speedup"], "%.1f" % mp["gbps"],
                          pct(fc), pct(mp["frac_inplace_roofline"]),
                          yes_no(mtr["target_speed_met"]), yes_no(mtr["target_copy_met"])])
-        for qk, target in Q8_TARGETS.items():
-            m = paths[qk]
-            sp_q = paths[best]["timing"]["median_s"] / m["timing"]["median_s"]
-            fi = m["frac_inplace_roofline"]
-            # the time per param the speed target allows, against this path's own: where the
-            # path takes as long in cache (the 1M row) as from memory, its instructions bound it
-            m.update(speedup_vs_best_native=sp_q, target=(target, Q8_INPLACE_TARGET),
-                     target_ns_per_param=paths[best]["ns_per_param"] / target)
-            ok_s = ok_i = None
-            if targeted:
-                ok_s = m["target_speed_met"] = b.target(
-                    sp_q >= target, "%s: %s %.2fx the best native path (target %.1fx)"
-                    % (case_label[k], SHORT[qk], sp_q, target))
-                ok_i = m["target_inplace_met"] = b.target(
-                    fi >= Q8_INPLACE_TARGET, "%s: %s at %s of the in-place roofline"
-                    % (case_label[k], SHORT[qk], pct(fi)))
-            q8_rows.append([case_label[k], SHORT[qk], str(PATH_BYTES[qk]), "%.2fx" % sp_q,
-                            "%.2fx" % (PATH_BYTES[best] / PATH_BYTES[qk]),
-                            "%.3g" % m["ns_per_param"], "%.3g" % m["target_ns_per_param"],
-                            pct(fi), "—" if ok_s is None else "%.1fx: %s" % (target, yes_no(ok_s)),
-                            yes_no(ok_i)])
         for pk in PATH_LABEL:
             m = paths[pk]
             rows.append([case_label[k] if pk == "mpext" else "",
@@ -271,9 +208,7 @@ def _paths_report(b: Bench, metrics, case_label):
                          str(m["bytes_per_param"]), fmt_ms(m["timing"]),
                          "%.3g" % m["ns_per_param"], "%.1f" % m["gbps"],
                          pct(m["frac_inplace_roofline"]), pct(m["frac_copy_roofline"]),
-                         # the 8-bit paths are mpext's own: the 8-bit table compares them
-                         "—" if pk == "mpext" or pk in Q8_TARGETS
-                         else "%.2fx" % m["mpext_speedup"],
+                         "—" if pk == "mpext" else "%.2fx" % m["mpext_speedup"],
                          "" if m["timing"]["cpu_busy"] is None else
                          "%.1f" % m["timing"]["cpu_busy"],
                          "" if m["peak_bytes"] is None else "%.0f" % (m["peak_bytes"] / MiB)])
@@ -282,14 +217,6 @@ def _paths_report(b: Bench, metrics, case_label):
                             "mpext GB/s", "% copy roof", "% in-place roof",
                             "≥ %.1fx" % SPEED_TARGET, "≥ %d%% copy" % round(100 * COPY_TARGET)],
                            sum_rows), "",
-            "8-bit moments (docs/moments_8bit.md), with mpext's read-only inf check, against the "
-            "best native path; \"ns/param for the target\": its time per param over the target "
-            "ratio. A path as slow per param in cache (the smallest case) as from memory is "
-            "bound by its instructions.", "",
-            markdown_table(["case", "8-bit path", "B/param", "vs best native", "bytes bound",
-                            "ns/param", "ns/param for the target x", "% in-place roof",
-                            "≥ target x", "≥ %d%% in-place" % round(100 * Q8_INPLACE_TARGET)],
-                           q8_rows), "",
             markdown_table(["case", "path", "B/param", "ms", "ns/param", "GB/s", "% in-place roof",
                             "% copy roof", "mpext speedup", "cores busy", "peak MiB"], rows)]
 
@@ -338,8 +265,9 @@ FORMATS = [
     ("sr", "no master, SR + fp32 moments", "sr", "fp32", False, None),
     ("rne", "no master, round to nearest + fp32 moments (cautionary)", "rne", "fp32", False,
      None),
-    ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, None),
-    ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, None),
+    # 8-bit moments (docs/moments_8bit.md)
+    ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, (2.0, 0.80)),
+    ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, (2.5, 0.80)),
     ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
      "+ EMA)", "remainder", "bf16", True, None),
 ]

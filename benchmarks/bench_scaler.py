@@ -1,5 +1,6 @@
 """Loss scaler: ``mpext.unscale_`` against ``torch._amp_foreach_non_finite_check_and_unscale_``
-on a large and a many-tensor gradient list, in the same run on the same device. Method, cases and columns: benchmarks/README.md, "Loss scaler".
+on a large and a many-tensor gradient list, in the same run on the same device. Method,
+cases and columns: benchmarks/README.md, "Loss scaler".
 
     python -m benchmarks.bench_scaler [--quick] [--device auto|cpu|cuda]
 """
