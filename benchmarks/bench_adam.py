@@ -229,6 +229,17 @@ def _paths_report(b: Bench, metrics, case_label):
 LEAN_SIZES_FULL = [16 << 20, 64 << 20]
 LEAN_SIZES_QUICK = [16 << 20]
 CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
+
+
+def _lion(params, hyper):
+    try:
+        from lion_pytorch import Lion
+    except ImportError:
+        raise RuntimeError("bench_adam: the Lion rows need lion-pytorch (pip install "
+                           "lion-pytorch==0.2.5; make's environment has it)") from None
+    return Lion(params, **hyper)
+
+
 # rule -> (mpext.optim class, the moments' dtype options, hyperparameters, the native optimizer
 # on fp32 params (None: imported on use), its label, the bytes per param its step moves after
 # torch GradScaler's inf check (8: reads and writes back the fp32 grads), its state bytes)
@@ -238,7 +249,7 @@ RULES = {
               # reads param, grad, m, v; writes param, m, v and the unscaled grad
               32, 8),
     "lion": ("Lion", ("exp_avg_dtype",), dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2),
-             lambda ps, h: __import__("lion_pytorch").Lion(ps, **h), "lion-pytorch Lion",
+             _lion, "lion-pytorch Lion",
              # not fused: the scaler's unscale_ and found_inf.item(), then p.mul_ 8, clone m 8,
              # mul_ 8, add(g) 12, sgn_ 8, p.add_ 12, m.mul_ 8, m.add_(g) 12
              76, 4),
@@ -375,9 +386,8 @@ def _rule_sanity(rule, dev):
     native = prob.steppers["native"][0]
     p_ref = native.detach().clone()
     p_ref.grad = native.grad.clone()
-    ref_opt = (RULES[rule][3] if rule == "lion" else
-               lambda ps, h: getattr(torch.optim, RULES[rule][0])(ps, foreach=False, **h))(
-        [p_ref], prob.hyper)
+    ref_opt = _lion([p_ref], prob.hyper) if rule == "lion" else \
+        getattr(torch.optim, RULES[rule][0])([p_ref], foreach=False, **prob.hyper)
     ref_opt.step()
     ref_state = ref_opt.state[p_ref]
     g_before = prob.grad.clone()
