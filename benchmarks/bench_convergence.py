@@ -24,6 +24,7 @@ import torch
 from .common import Bench, check, markdown_table, pyplot, run_standalone, save_figure
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
+from . import training
 from .training import Trainer
 
 NAME = "bench_convergence"
@@ -181,6 +182,13 @@ class Run:
                     seed=self.seed, seconds=self.seconds)
 
 
+def val_batches(val_data, st: Setting, cfg: GPTConfig, device) -> list:
+    """The held-out batches every evaluation of a setting uses."""
+    vgen = torch.Generator().manual_seed(st.data_seed + 1)
+    return [tuple(t.to(device) for t in get_batch(val_data, st.batch_size, cfg.block_size, vgen))
+            for _ in range(st.eval_batches)]
+
+
 @torch.no_grad()
 def evaluate(tr: Trainer, batches) -> float:
     """Mean loss over the fixed validation batches, in the mode's own precision."""
@@ -207,14 +215,18 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
           lr: Optional[float] = None, fp32_gemm: bool = False, track_updates: bool = False,
           track_moments: bool = False, keep_grads: bool = False, keep_final: bool = False,
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
-          bar=None) -> Run:
-    """Trains one mode (training.MODES or LEAN_MODES) from the shared weights or ``init`` (then
-    evaluated at step 0 too); ``seed`` (lean): rounding seed and batch order; ``track_*``: the
-    per-step counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state."""
+          base: Optional[str] = None, options: Optional[dict] = None, bar=None) -> Run:
+    """Trains one mode (training.MODES or LEAN_MODES; or ``base``, a training.MODES key, with
+    ``options`` for its Trainer) from the shared weights or ``init`` (then evaluated at step 0
+    too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_*``: the per-step
+    counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state. The one
+    training loop of the convergence studies (measure_q8_codes --convergence runs on it too)."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr, seed)
-    base, options = (LEAN_BASE, dict(LEAN_OPTIONS[mode])) if mode in LEAN_OPTIONS else (mode, {})
-    if seed is not None:
+    if base is None:
+        base, options = (LEAN_BASE, LEAN_OPTIONS[mode]) if mode in LEAN_OPTIONS else (mode, {})
+    options = dict(options or {})
+    if seed is not None and training.MODES[base].kind == "mpext-optim":
         options["seed"] = seed
     torch.manual_seed(st.seed)
     model = GPT(cfg, fp32_gemm=fp32_gemm)  # FP32 init for all
@@ -240,12 +252,9 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
         run.eval_loss.append(evaluate(tr, val_batches))
     t0 = time.perf_counter()
     for step in range(st.steps):
-        for group in tr.opt.param_groups:
-            group["lr"] = st.lr_at(step, lr)
+        tr.set_lr(st.lr_at(step, lr))
         x, y = (t.to(device, non_blocking=True) for t in get_batch(
             train_data, st.batch_size, cfg.block_size, gen))
-        with tr.autocast():
-            _, loss = tr.model(x, y)
         if track_updates:
             before = [p.detach().clone() for p in params] if low else None
             before32 = fp32_values() if has_fp32 else None
@@ -253,10 +262,11 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             v_before = [(p, tr.opt.state[p]["exp_avg_sq"].clone()) for p in params
                         if "exp_avg_sq" in tr.opt.state.get(p, {})]
         scale = tr.get_scale()  # the scale this step's backward uses
-        tr.backward(loss)
-        if keep_grads and step == st.steps - 1:
+        last_grads = keep_grads and step == st.steps - 1
+        loss, applied = tr.train_step(x, y, zero_grad=not last_grads)
+        if last_grads:  # kept after the step: the fp32 reference's step leaves them as they are
             run.final = {"grads": [p.grad.detach().clone() for p in params]}
-        applied = tr.step()
+            tr.opt.zero_grad(set_to_none=True)
         if scale is not None:
             run.scale.append(scale)
             # torch's GradScaler says nothing of a skip but lowers its scale
@@ -279,7 +289,7 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                   % (mode, run.eval_loss[-1], step + 1))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str("%s loss %.3f" % (SHORT[mode], run.train_loss[-1]))
+            bar.set_postfix_str("%s loss %.3f" % (SHORT.get(mode, mode), run.train_loss[-1]))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - t0
@@ -866,9 +876,7 @@ def _run(ctx, st, amp_modes, pre, ft, seeds, lean_modes, fp32_gemm) -> dict:
     b.phase("corpus")
 
     def val_batches_for(s: Setting, cfg: GPTConfig):
-        vgen = torch.Generator().manual_seed(s.data_seed + 1)
-        return [tuple(t.to(dev) for t in get_batch(val_data, s.batch_size, cfg.block_size,
-                                                    vgen)) for _ in range(s.eval_batches)]
+        return val_batches(val_data, s, cfg, dev)
 
     md, payload, plots = [], {}, []
     fig_title = "%s: %%s; %s, torch %s" % (

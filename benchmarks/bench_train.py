@@ -68,12 +68,7 @@ class Run:
         self.losses = []  # device tensors: read once at the end
 
     def step(self, zero_grad=True):
-        x, y = next(self.batches)
-        with self.tr.autocast():
-            _, loss = self.tr.model(x, y)
-        self.tr.backward(loss)
-        self.tr.step(zero_grad)
-        self.losses.append(loss.detach())
+        self.losses.append(self.tr.train_step(*next(self.batches), zero_grad)[0].detach())
 
     def measure(self):
         """Persistent bytes after one more step, before zero_grad (grads alive)."""

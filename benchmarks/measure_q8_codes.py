@@ -12,8 +12,8 @@ model at a few steps, quantized and decoded blockwise: the relative RMS error of
 the update m / (sqrt(v) + eps), the share of v decoded to 0 where m is not, and a block-size
 sweep. Pure torch (float64 tables); it does not use mpext's kernels.
 
-``--convergence`` trains instead with the real optimizers over ``--seeds`` seeds, same weights,
-batches and schedule: torch.optim.AdamW on FP32 params (the reference), mpext.optim.AdamW on
+``--convergence`` trains instead with the real optimizers over ``--seeds`` seeds on
+bench_convergence's training loop (same weights, batches and schedule): torch.optim.AdamW on FP32 params (the reference), mpext.optim.AdamW on
 BF16 params with an FP32 master, with a remainder and 8-bit moments, master-free SR with 8-bit
 moments, and torchao's AdamW8bit when it is importable.
 
@@ -148,66 +148,44 @@ def guard_factor(b1: float, b2: float) -> float:
     return 0.0 if r >= 1 else (1 - b2) * (1 - r) / (1 - b1) ** 2
 
 
+# --convergence: key, label, training.MODES key, Trainer options; bench_convergence's loop
 CONVERGENCE = [
-    ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)"),
-    ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments"),
-    ("mpext-remainder-8bit", "mpext AdamW, BF16 params, remainder + 8-bit moments"),
-    ("mpext-sr-8bit", "mpext AdamW, BF16 params, no master (SR) + 8-bit moments"),
-    ("torchao-8bit", "torchao.optim.AdamW8bit, FP32 params"),
+    ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)", "fp32", {}),
+    ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments", "mpext_optim_bf16",
+     {}),
+    ("mpext-remainder-8bit", "mpext AdamW, BF16 params, remainder + 8-bit moments",
+     "mpext_bf16_remainder_8bit", {}),
+    ("mpext-sr-8bit", "mpext AdamW, BF16 params, no master (SR) + 8-bit moments",
+     "mpext_bf16_sr_8bit", {}),
+    ("torchao-8bit", "torchao.optim.AdamW8bit, FP32 params", "fp32", dict(block_size=256)),
 ]
 
 
-def _optimizer(mode, params, lr, seed):
-    """The optimizer of a mode of CONVERGENCE; None if it cannot run here."""
-    import mpext
-
-    kw = dict(lr=lr, betas=(B1, B2), eps=EPS, weight_decay=WD)
-    q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8, seed=seed)
-    if mode == "torch-fp32":
-        return torch.optim.AdamW(params, **kw)
-    if mode == "mpext-master":
-        return mpext.optim.AdamW(params, **kw)
-    if mode == "mpext-remainder-8bit":
-        return mpext.optim.AdamW(params, param_remainders=True, **q8, **kw)
-    if mode == "mpext-sr-8bit":
-        return mpext.optim.AdamW(params, master_weights=False, stochastic_rounding=True, **q8,
-                                 **kw)
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError:
-        return None
-    return AdamW8bit(params, block_size=256, **kw)
+def _config(args, vocab):
+    return GPTConfig.preset(args.preset, vocab) if args.preset in ("tiny", "small") else \
+        GPTConfig(vocab_size=vocab, block_size=64, n_layer=3, n_head=4, n_embd=128)
 
 
-def train(args, data, mode, seed, snapshots=None):
-    """The final validation loss (mean of the last four evaluations) of one mode and seed, or
-    None if it cannot run here; ``snapshots`` collects the moments of the large params."""
-    torch.manual_seed(args.seed + seed)
-    cfg = GPTConfig.preset(args.preset, data["vocab"]) if args.preset in ("tiny", "small") \
-        else GPTConfig(vocab_size=data["vocab"], block_size=64, n_layer=3, n_head=4, n_embd=128)
-    low = mode.startswith("mpext")
-    model = GPT(cfg, fp32_gemm=low)
-    if low:
-        model = model.to(torch.bfloat16)
-    opt = _optimizer(mode, model.parameters(), args.lr, seed)
-    if opt is None:
-        return None
-    bgen = torch.Generator().manual_seed(4321 + seed)
+def train(args, data, snapshots):
+    """FP32 torch.optim.AdamW on the model: the final validation loss (mean of the last
+    evaluations); ``snapshots`` collects the moments of the large params."""
+    torch.manual_seed(args.seed)
+    cfg = _config(args, data["vocab"])
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(B1, B2), eps=EPS,
+                            weight_decay=WD)
+    bgen = torch.Generator().manual_seed(4321)
     evals = []
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (
-            1 + math.cos(math.pi * step / args.steps)))
         for group in opt.param_groups:
-            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
+            group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (
+                1 + math.cos(math.pi * step / args.steps)))
         x, y = get_batch(data["train"], 16, cfg.block_size, bgen)
         _, loss = model(x, y)
         model.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if snapshots is not None and step + 1 in args.snapshot_steps:
+        if step + 1 in args.snapshot_steps:
             snapshots.append([(opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
                               for p in model.parameters() if p.numel() >= MIN_NUMEL])
         if step + 1 >= args.steps - 40 and (step + 1) % 10 == 0:
@@ -223,14 +201,29 @@ def evaluate(model, data, cfg):
 
 
 def convergence(args, data):
+    """Per mode the final validation losses of ``--seeds`` seeds: bench_convergence.train (the
+    convergence studies' loop) from the same weights, seed s fixing the batch order and the
+    rounding; the mean of the last four evaluations, every 10 steps."""
+    from .bench_convergence import Setting, train as train_mode, val_batches
+
+    st = Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
+                 betas=(B1, B2), weight_decay=WD, eval_interval=10, final_k=4, seed=args.seed)
+    cfg = _config(args, data["vocab"])
+    val = val_batches(data["val"], st, cfg, torch.device("cpu"))
     out = {}
-    for mode, _ in CONVERGENCE:
+    for mode, _, base, options in CONVERGENCE:
+        if mode == "torchao-8bit":
+            try:
+                from torchao.optim import AdamW8bit
+            except ImportError:
+                print("  %-22s not run: torchao is not importable here" % mode, flush=True)
+                continue
+            options = dict(options, inner=AdamW8bit)
         t0 = time.time()
-        losses = [train(args, data, mode, s) for s in range(args.seeds)]
-        if losses[0] is None:
-            print("  %-22s not run: torchao is not importable here" % mode, flush=True)
-            continue
-        out[mode] = losses
+        losses = out[mode] = [
+            train_mode(mode, st, cfg, data["train"], val, torch.device("cpu"), fp32_gemm=True,
+                       seed=s, base=base, options=options).final_loss(st.final_k)
+            for s in range(args.seeds)]
         ref = out["torch-fp32"]
         print("  %-22s %s  mean %.4f (FP32 %.4f, band %.4f..%.4f; %.0f s)"
               % (mode, ["%.4f" % x for x in losses], sum(losses) / len(losses),
@@ -321,7 +314,7 @@ def main():
         return
     t0 = time.time()
     snaps = []
-    fp32 = [train(args, data, "torch-fp32", 0, snapshots=snaps)]
+    fp32 = [train(args, data, snaps)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
     mcodes, vcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True),
                                normalized([v for s in snaps for _, v in s], args.block, False))

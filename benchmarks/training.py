@@ -1,6 +1,7 @@
-"""The training modes bench_train and bench_convergence compare, written once: for a mode, the
-model's dtype, native AMP's autocast, the optimizer, the loss scaler, and how backward and step
-go (``MODES``; ``Trainer``, a mode's optimizer and scaler over a model's params). A mode with
+"""The training modes bench_train, bench_convergence and measure_q8_codes compare, written once:
+for a mode, the model's dtype, native AMP's autocast, the optimizer, the loss scaler, and how a
+training step goes (``MODES``; ``Trainer``, a mode's optimizer and scaler over a model's params,
+and its ``train_step``). A mode with
 mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer options.
 """
 import dataclasses
@@ -116,6 +117,21 @@ class Trainer:
         """The mode's autocast region for the forward (a no-op without one)."""
         return torch.autocast(self.device_type, dtype=self.autocast_dtype or BF16,
                               enabled=self.autocast_dtype is not None)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+
+    def train_step(self, x, y, zero_grad: bool = True):
+        """One training step of ``.model`` on a batch: forward under the mode's autocast,
+        backward, step. Returns (the loss, ``step``'s result)."""
+        with self.autocast():
+            _, loss = self.model(x, y)
+        self.backward(loss)
+        return loss, self.step(zero_grad)
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.kind == "mpext-wrapper":
