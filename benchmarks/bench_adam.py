@@ -141,11 +141,9 @@ class Problem:
         native = self.p32 + self.g32 + [st[k] for opt in (self.opt_fused, self.opt_foreach)
                                         for st in opt.state.values()
                                         for k in ("exp_avg", "exp_avg_sq")]
-        return {"subnormals_mpext": count_subnormals(self.p16 + self.g16 + self.masters + self.m
-                                                     + self.v),
-                "subnormals_torch": count_subnormals(native), "mpext_calls": self.mpext_calls,
-                "mpext_elements_checked": 5 * self.numel,
-                "torch_elements_checked": sum(t.numel() for t in native)}
+        mine = self.p16 + self.g16 + self.masters + self.m + self.v
+        return {"subnormals": count_subnormals(mine + native), "mpext_calls": self.mpext_calls,
+                "elements_checked": sum(t.numel() for t in mine + native)}
 
 
 def _sanity(dev):
@@ -162,63 +160,97 @@ def _sanity(dev):
                     rtol=1e-5, atol=1e-8)
 
 
-def _case_metrics(times, n, roof, peaks=None):
-    """Per path: timing, bytes, GB/s, fractions of both rooflines, ratio mpext / path."""
-    best = min(NATIVE, key=lambda k: times[k].median)
-    out = {"params": n, "best_native": best, "paths": {}}
-    for key, t in times.items():
-        gb = t.gbps(PATH_BYTES[key] * n)
-        out["paths"][key] = {
-            "label": PATH_LABEL[key], "bytes_per_param": PATH_BYTES[key],
-            "bytes": PATH_BYTES[key] * n, "timing": t.to_json(), "ns_per_param": t.median / n * 1e9,
-            "gbps": gb, "frac_inplace_roofline": gb / roof["inplace_gbps"],
-            "frac_copy_roofline": gb / roof["copy_gbps"],
-            "mpext_speedup": t.median / times["mpext"].median,
-            "peak_bytes": (peaks or {}).get(key)}
-    out["speedup_vs_best_native"] = times[best].median / times["mpext"].median
-    out["speedup_with_check_vs_best_native"] = times[best].median / times["mpext_chk"].median
-    # the ratio if both sides moved their bytes at the same bandwidth
-    out["bytes_bound_vs_best_native"] = PATH_BYTES[best] / PATH_BYTES["mpext"]
+ROOF_NAME = {"frac_copy_best": "copy", "frac_inplace_same_rounds": "in-place"}
+
+
+def _metrics(case, times, n, modes, roof, inplace_n=0, peaks=None):
+    """One case's rows, the paths' and the rules' alike: per mode (key -> (label, state B/param
+    or None, step B/param, baseline key, target: (x baseline, roofline fraction, its field) or
+    None)) timing, bytes, GB/s, speed and bytes bound against its baseline, the fractions of
+    the run's best rooflines and, where the in-place roofline's buffer of ``inplace_n``
+    elements was timed in the same rounds, of that one."""
+    same = times["inplace"].gbps(8.0 * inplace_n) if inplace_n else None
+    out = {"case": case, "params": n, "inplace_gbps_same_rounds": same,
+           "inplace": times["inplace"].to_json() if inplace_n else None, "modes": {}}
+    for key, (label, state, step, base, target) in modes.items():
+        t = times[key]
+        gb = t.gbps(step * n)
+        row = out["modes"][key] = {
+            "label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
+            "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
+            "baseline": base, "speedup_vs_baseline": times[base].median / t.median,
+            "bytes_bound_vs_baseline": modes[base][2] / step,
+            "frac_inplace_same_rounds": gb / same if same else None,
+            "frac_inplace_best": gb / roof["inplace_gbps"],
+            "frac_copy_best": gb / roof["copy_gbps"], "peak_bytes": (peaks or {}).get(key),
+            "target": target}
+        if target is not None:
+            row["target_speed_met"] = row["speedup_vs_baseline"] >= target[0]
+            row["target_roofline_met"] = row[target[2]] >= target[1]
     return out
 
 
-def _paths_report(b: Bench, metrics, case_label):
-    """The op-level section's tables (summary, every path), recording missed targets."""
-    sum_rows, rows = [], []
-    for k, mtr in metrics.items():
-        mp, paths, best = mtr["paths"]["mpext"], mtr["paths"], mtr["best_native"]
-        targeted = mtr["params"] >= TARGET_MIN_PARAMS
-        sp, fc = mtr["speedup_vs_best_native"], mp["frac_copy_roofline"]
-        mtr["target_speed_met"] = mtr["target_copy_met"] = None
-        if targeted:
-            mtr["target_speed_met"] = b.target(sp >= SPEED_TARGET, "%s: mpext %.2fx the best "
-                                               "native path" % (case_label[k], sp))
-            mtr["target_copy_met"] = b.target(fc >= COPY_TARGET, "%s: mpext at %s of the copy "
-                                              "roofline" % (case_label[k], pct(fc)))
-        sum_rows.append([case_label[k], SHORT[best], "%.2fx" % sp,
-                         "%.2fx" % mtr["bytes_bound_vs_best_native"],
-                         "%.2fx" % mtr["speedup_with_check_vs_best_native"],
-                         "%.2fx" % paths["fused_gs"]["mpext_speedup"], "%.1f" % mp["gbps"],
-                         pct(fc), pct(mp["frac_inplace_roofline"]),
-                         yes_no(mtr["target_speed_met"]), yes_no(mtr["target_copy_met"])])
-        for pk in PATH_LABEL:
-            m = paths[pk]
-            rows.append([case_label[k] if pk == "mpext" else "",
-                         SHORT[pk] + (" (best native)" if pk == best else ""),
-                         str(m["bytes_per_param"]), fmt_ms(m["timing"]),
-                         "%.3g" % m["ns_per_param"], "%.1f" % m["gbps"],
-                         pct(m["frac_inplace_roofline"]), pct(m["frac_copy_roofline"]),
-                         "—" if pk == "mpext" else "%.2fx" % m["mpext_speedup"],
-                         "" if m["timing"]["cpu_busy"] is None else
-                         "%.1f" % m["timing"]["cpu_busy"],
-                         "" if m["peak_bytes"] is None else "%.0f" % (m["peak_bytes"] / MiB)])
-    return [markdown_table(["case", "best native path", "mpext vs best native", "bytes bound",
-                            "mpext + check vs best native", "mpext vs GradScaler.step + fused",
-                            "mpext GB/s", "% copy roof", "% in-place roof",
-                            "≥ %.1fx" % SPEED_TARGET, "≥ %d%% copy" % round(100 * COPY_TARGET)],
-                           sum_rows), "",
-            markdown_table(["case", "path", "B/param", "ms", "ns/param", "GB/s", "% in-place roof",
-                            "% copy roof", "mpext speedup", "cores busy", "peak MiB"], rows)]
+def _report(b: Bench, results):
+    """One table of the cases' rows (``_metrics``), recording missed targets."""
+    rows = []
+    for mtr in results:
+        for i, (key, m) in enumerate(mtr["modes"].items()):
+            tgt, met, busy, peak = m["target"], "", m["timing"]["cpu_busy"], m["peak_bytes"]
+            if tgt is not None:
+                where, roof = "%s, %s" % (mtr["case"], m["label"]), ROOF_NAME[tgt[2]]
+                b.target(m["target_speed_met"], "%s: %.2fx its baseline (target %.1fx)"
+                         % (where, m["speedup_vs_baseline"], tgt[0]))
+                b.target(m["target_roofline_met"], "%s: %s of the %s roofline (target %s)"
+                         % (where, pct(m[tgt[2]]), roof, pct(tgt[1])))
+                met = yes_no(m["target_speed_met"] and m["target_roofline_met"])
+            is_base = key == m["baseline"]
+            rows.append(["" if i else mtr["case"], m["label"] + (" (baseline)" if is_base
+                                                                 else ""),
+                         "" if m["state_bytes_per_param"] is None else
+                         str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
+                         fmt_ms(m["timing"]), "%.3g" % m["ns_per_param"], "%.1f" % m["gbps"],
+                         pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
+                         pct(m["frac_copy_best"]),
+                         "—" if is_base else "%.2fx" % m["speedup_vs_baseline"],
+                         "—" if is_base else "%.2fx" % m["bytes_bound_vs_baseline"],
+                         "" if busy is None else "%.1f" % busy,
+                         "" if peak is None else "%.0f" % (peak / MiB),
+                         "" if tgt is None else "≥ %.1fx, ≥ %s %s" % (tgt[0], pct(tgt[1]), roof),
+                         met])
+        if mtr["inplace"] is not None:
+            rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
+                         fmt_ms(mtr["inplace"]), "", "%.1f" % mtr["inplace_gbps_same_rounds"],
+                         "100%"] + [""] * 8)
+    return markdown_table(["case", "path / mode", "state B/param", "step B/param", "ms",
+                           "ns/param", "GB/s", "% in-place (same rounds)", "% in-place (best)",
+                           "% copy (best)", "vs baseline", "bytes bound", "cores busy",
+                           "peak MiB", "target", "met"], rows)
+
+
+def _path_modes(times, n):
+    """The op-level paths as ``_metrics`` modes: the baseline is the fastest native path."""
+    best = min(NATIVE, key=lambda k: times[k].median)
+    return {k: (SHORT[k], None, PATH_BYTES[k], best,
+                (SPEED_TARGET, COPY_TARGET, "frac_copy_best")
+                if k == "mpext" and n >= TARGET_MIN_PARAMS else None) for k in PATH_LABEL}
+
+
+def _rule_modes(rule):
+    """A rule's formats and natives as ``_metrics`` modes (AdamW's formats carry targets)."""
+    out = {}
+    for key in list(FMT) + ["native", "native_ema"]:
+        if key.startswith("native"):
+            label = "torch.amp.GradScaler + %s, fp32 params%s" % (
+                RULES[rule][4], " + fp32 EMA (torch._foreach_lerp_)"
+                if key == "native_ema" else "")
+            out[key] = (label,) + _native_bytes(rule, key == "native_ema") + ("native", None)
+        else:
+            tgt = FMT[key][4] if rule == "adamw" else None
+            out[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
+                "native_ema" if FMT[key][3] else "native",
+                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
+    return out
+
 
 
 # ---- Rules x formats: the whole step as a user runs it, ``scaler.step(opt); scaler.update()``
@@ -310,7 +342,7 @@ class RuleProblem:
         gen = torch.Generator().manual_seed(seed)
         p0 = (torch.randn(n, generator=gen) * PARAM_STD).to(BF16)
         g0 = (torch.randn(n, generator=gen) * GRAD_STD).to(BF16)
-        self.rule, self.hyper, self.grad = rule, hyper, g0.to(dev)
+        self.rule, self.hyper, self.grad, self.numel = rule, hyper, g0.to(dev), n
         self.steppers = {}  # key -> (param, optimizer, scaler)
         for key, (_, pf, mf, ema, _) in FMT.items():
             p = p0.to(dev, copy=True)
@@ -414,75 +446,6 @@ def _rule_sanity(rule, dev):
     expect_same(name + "the gradient at scale 1", prob.grad, g_before)
 
 
-def _rule_metrics(rule, times, n, roof_numel, roof):
-    """Per format and native: timing, bytes, GB/s, speed vs its baseline, the bytes bound,
-    the fractions of the in-place roofline timed in the same rounds and of the run's best."""
-    inplace_same = times["inplace"].gbps(8.0 * roof_numel)
-    out = {"rule": rule, "params": n, "inplace_gbps_same_rounds": inplace_same,
-           "inplace": times["inplace"].to_json(), "modes": {}}
-    for key in list(FMT) + ["native", "native_ema"]:
-        if key.startswith("native"):
-            label, target, base = "%s: torch.amp.GradScaler + %s, fp32 params%s" % (
-                rule, RULES[rule][4], " + fp32 EMA (torch._foreach_lerp_)"
-                if key == "native_ema" else ""), None, "native"
-            state, step = _native_bytes(rule, key == "native_ema")
-        else:
-            label, target, base = FMT[key][0], FMT[key][4], \
-                "native_ema" if FMT[key][3] else "native"
-            state, step = _mpext_bytes(rule, key)
-        t = times[key]
-        gb = t.gbps(step * n)
-        row = out["modes"][key] = {
-            "label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
-            "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
-            "baseline": base, "speedup_vs_native": times[base].median / t.median,
-            "bytes_bound_vs_native": _native_bytes(rule, base == "native_ema")[1] / step,
-            "frac_inplace_same_rounds": gb / inplace_same,
-            "frac_inplace_best": gb / roof["inplace_gbps"],
-            "target": target if rule == "adamw" else None}
-        if row["target"] is not None:
-            row["target_speed_met"] = row["speedup_vs_native"] >= target[0]
-            row["target_roofline_met"] = row["frac_inplace_same_rounds"] >= target[1]
-    return out
-
-
-def _rules_report(b: Bench, results):
-    rows = []
-    for mtr in results:
-        size, rule = fmt_count(mtr["params"]), mtr["rule"]
-        for key, m in mtr["modes"].items():
-            tgt, met = m["target"], ""
-            if tgt is not None:
-                b.target(m["target_speed_met"], "%s %s, %s params: %.2fx native (target %.1fx)"
-                         % (rule, key, size, m["speedup_vs_native"], tgt[0]))
-                b.target(m["target_roofline_met"], "%s %s, %s params: %s of the in-place "
-                         "roofline (target %s)" % (rule, key, size,
-                                                   pct(m["frac_inplace_same_rounds"]),
-                                                   pct(tgt[1])))
-                met = yes_no(m["target_speed_met"] and m["target_roofline_met"])
-            rows.append(["%s, %s" % (size, rule) if key == "master" else "", m["label"],
-                         str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
-                         fmt_ms(m["timing"]), "%.1f" % m["gbps"],
-                         pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
-                         "—" if key == "native" else "%.2fx" % m["speedup_vs_native"],
-                         "—" if key == "native" else "%.2fx" % m["bytes_bound_vs_native"],
-                         "" if tgt is None else "≥ %.1fx, ≥ %s" % (tgt[0], pct(tgt[1])), met])
-        rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
-                     fmt_ms(mtr["inplace"]),
-                     "%.1f" % mtr["inplace_gbps_same_rounds"], "100%", "", "", "", "", ""])
-    return ["### Rules x formats under a GradScaler (scale 1, BF16 training)", "",
-            "`scaler.step(opt); scaler.update()`, `mpext.GradScaler(bf16_check_only=True)` and "
-            "`mpext.optim.AdamW` / `Lion` / `SGD` in each format (bf16 params and grads) "
-            "against `torch.amp.GradScaler(init_scale=1)` and the rule's native optimizer on "
-            "fp32 params and the in-place roofline, in the same rounds. Step bytes include the "
-            "inf check (mpext 2, torch 8); \"bytes bound\" = native's step bytes / the mode's; "
-            "the EMA rows are against native + an fp32 EMA. Method: benchmarks/README.md, "
-            "\"Rules x formats\".", "",
-            markdown_table(["params, rule", "mode", "state B/param", "step B/param", "ms",
-                            "GB/s", "% in-place (same rounds)", "% in-place (best)",
-                            "vs native", "bytes bound", "target", "met"], rows)]
-
-
 def run(ctx) -> dict:
     dev = ctx.device
     require_kernel(dev, "adam_step_")
@@ -498,47 +461,43 @@ def run(ctx) -> dict:
     for rule in RULES if do_rules else ():
         _rule_sanity(rule, dev)
     b.phase("correctness")
-    raw, drift = {}, {}  # case key -> (times, numel, peaks); after-timing checks
+    # (group, case label, the problem, its modes, the in-place buffer timed along, peaks?)
     gpt_shapes = [shape for _, shape in gpt2_shapes(reduced=ctx.quick)]
-    cases = [(str(n), "1 tensor", [(n,)]) for n in sizes]
+    jobs = [("paths", "%s params, 1 tensor" % fmt_count(n),
+             lambda n=n, ci=ci: Problem([(n,)], dev, seed=ci), _path_modes, 0, n == sizes[-1])
+            for ci, n in enumerate(sizes)]
     if do_paths:
-        cases.append(("gpt2", "GPT-2 %s list" % ("reduced" if ctx.quick else "small"),
-                      gpt_shapes))
-    with ctx.progress(total=len(cases), desc="adam cases") as bar:
-        for ci, (key, label, shapes) in enumerate(cases):
-            prob = Problem(shapes, dev, seed=ci)
+        jobs.append(("paths", "GPT-2 %s list: %.1fM params, %d tensors" % (
+            "reduced (4 layers, 8K vocab)" if ctx.quick else "small",
+            sum(math.prod(s) for s in gpt_shapes) / 1e6, len(gpt_shapes)),
+            lambda: Problem(gpt_shapes, dev, seed=len(sizes)), _path_modes, 0, False))
+    jobs += [(rule, "%s params, %s" % (fmt_count(n), rule),
+              lambda n=n, ci=ci, rule=rule: RuleProblem(rule, n, dev, seed=100 + ci,
+                                                        roof_numel=roof_numel),
+              lambda t, n, rule=rule: _rule_modes(rule), roof_numel, False)
+             for ci, n in enumerate(rule_sizes) for rule in RULES]
+    raw, checks = [], {}
+    with ctx.progress(total=len(jobs), desc="adam cases") as bar:
+        for group, label, make, modes, inplace_n, peak in jobs:
+            prob = make()
             fns = prob.fns()
             peaks = None
-            if key == str(sizes[-1]):  # peak memory at the largest single size
+            if peak:  # peak memory at the largest single size
                 for f in fns.values():  # create the optimizers' state first
                     f()
                 peaks = peak_memory_many(fns, dev)
-            times = ctx.time_fns(fns, desc="%s (%s params)" % (label, fmt_count(prob.numel)))
-            drift[key] = prob.after_timing_checks()
-            raw[key] = (times, prob.numel, peaks)
+            times = ctx.time_fns(fns, desc=label)
+            checks[label] = prob.after_timing_checks()
+            raw.append((group, label, times, prob.numel, modes(times, prob.numel), inplace_n,
+                        peaks))
             del prob, fns
             free_memory(dev)
             bar.update(1)
-            b.phase("case_" + key)
-    rule_raw, rule_checks = [], {}
-    for ci, n in enumerate(rule_sizes):
-        for rule in RULES:
-            prob = RuleProblem(rule, n, dev, seed=100 + ci, roof_numel=roof_numel)
-            rule_raw.append((rule, n, ctx.time_fns(prob.fns(), desc="%s formats (%s params)"
-                                                   % (rule, fmt_count(n)))))
-            rule_checks["%s %d" % (rule, n)] = prob.after_timing_checks()
-            del prob
-            free_memory(dev)
-            b.phase("%s_%d" % (rule, n))
+            b.phase(label)
     roof = b.end_roofline()
-    metrics = {k: _case_metrics(t, n, roof, pk) for k, (t, n, pk) in raw.items()}
-    rules = [_rule_metrics(r, t, n, roof_numel, roof) for r, n, t in rule_raw]
+    results = [dict(_metrics(label, t, n, modes, roof, inplace_n, peaks), group=group)
+               for group, label, t, n, modes, inplace_n, peaks in raw]
     load_end = load_average()
-
-    case_label = {k: ("%s params, 1 tensor" % fmt_count(int(k)) if k != "gpt2" else
-                      "GPT-2 %s list: %.1fM params, %d tensors"
-                      % ("reduced (4 layers, 8K vocab)" if ctx.quick else "small",
-                         metrics[k]["params"] / 1e6, len(gpt_shapes))) for k in metrics}
     md = []
     if load_start and load_end:
         cores = busy_cores(ctx.machine)
@@ -547,57 +506,49 @@ def run(ctx) -> dict:
                   ": **other processes shared the cores**, so on lists the ratios overstate "
                   "mpext's lead (benchmarks/README.md, \"AdamW step\")."
                   if max(load_start[0], load_end[0]) > 0.5 * cores else "."), ""]
-    if do_paths:
-        md += _paths_report(b, metrics, case_label) + [
-            "", "%d samples per path; after the timings %d subnormal values in all states (%s "
-            "elements checked), found_inf 0, mpext steps = calls."
-            % (ctx.repeats, sum(d["subnormals_mpext"] + d["subnormals_torch"]
-                                for d in drift.values()),
-               "{:,}".format(sum(d["mpext_elements_checked"] + d["torch_elements_checked"]
-                                 for d in drift.values()))), ""]
-    if do_rules:
-        md += _rules_report(b, rules) + [
-            "", "%d samples per row, a rule's rows interleaved; after the timings every step "
-            "taken, scales 1, the shared gradient unwritten, %d subnormal values (%s elements "
-            "checked)." % (ctx.repeats, sum(c["subnormals"] for c in rule_checks.values()),
-                           "{:,}".format(sum(c["elements_checked"]
-                                             for c in rule_checks.values())))]
+    md += [_report(b, results), "",
+           "%d samples per row, a case's rows interleaved. After the timings %d subnormal "
+           "values (%s elements checked); the paths' found_inf 0 and mpext steps = calls; the "
+           "rules' every step taken, scales 1, the shared gradient unwritten. Method, paths, "
+           "formats, bytes and columns: benchmarks/README.md, \"AdamW step\" and \"Rules x "
+           "formats\"." % (ctx.repeats, sum(c["subnormals"] for c in checks.values()),
+                            "{:,}".format(sum(c["elements_checked"] for c in checks.values())))]
     payload = {
         "hyperparameters": dict(HYPER, grad_std=GRAD_STD),
         "paths": {k: {"label": PATH_LABEL[k], "bytes_per_param": PATH_BYTES[k]} for k in SHORT},
         "speed_target": SPEED_TARGET, "copy_target_fraction": COPY_TARGET,
         "target_min_params": TARGET_MIN_PARAMS,
-        "cases": {k: dict(v, label=case_label[k]) for k, v in metrics.items()},
-        "after_timing_checks": drift,
         "rules": {r: {"class": c, "hyperparameters": h, "native": lab}
                   for r, (c, _, h, _, lab, _, _) in RULES.items()},
         "formats": {k: {"label": lab, "param": pf, "moments": mf, "ema": ema, "target": tgt}
                     for k, (lab, pf, mf, ema, tgt) in FMT.items()},
-        "rule_results": rules, "rule_after_timing_checks": rule_checks,
+        "cases": results, "after_timing_checks": checks,
         "load_average_start": load_start, "load_average_end": load_end}
-    return b.finish(md, payload, lambda: _plot(ctx, sizes, metrics, roof, rules))
+    return b.finish(md, payload, lambda: _plot(ctx, results, roof))
 
 
-def _plot(ctx, sizes, metrics, roof, rules):
-    keys, panels = [str(n) for n in sizes], []
-    if keys:
-        for title, field, ylabel, hl in (
-                ("bandwidth (bytes counted per path / median time)", "gbps", "GB/s",
-                 roofline_hlines(roof, COPY_TARGET)),
-                ("time per parameter", "ns_per_param", "ns / param", {})):
-            panels.append({"title": title, "xlabel": "params", "ylabel": ylabel, "logx": True,
-                           "hlines": hl, "series": {SHORT[p]: (sizes, [
-                               metrics[k]["paths"][p][field] for k in keys]) for p in SHORT}})
-    for rule in RULES if rules else ():
-        res = [r for r in rules if r["rule"] == rule]
-        ns = [r["params"] for r in res]
-        bounds = {"bound %s %.2fx" % (k, res[0]["modes"][k]["bytes_bound_vs_native"]):
-                  res[0]["modes"][k]["bytes_bound_vs_native"] for k in ("remainder_bf16m",
-                                                                        "sr_bf16m")}
+def _plot(ctx, results, roof):
+    panels, single = [], [r for r in results if r["case"].endswith("1 tensor")]
+    ns = [r["params"] for r in single]
+    for title, field, ylabel, hl in (
+            ("bandwidth (bytes counted per path / median time)", "gbps", "GB/s",
+             roofline_hlines(roof, COPY_TARGET)),
+            ("time per parameter", "ns_per_param", "ns / param", {})) if single else ():
+        panels.append({"title": title, "xlabel": "params", "ylabel": ylabel, "logx": True,
+                       "hlines": hl, "series": {SHORT[p]: (ns, [r["modes"][p][field]
+                                                                for r in single])
+                                                for p in SHORT}})
+    for rule in RULES:
+        res = [r for r in results if r["group"] == rule]
+        if not res:
+            continue
+        bounds = {"bound %s %.2fx" % (k, res[0]["modes"][k]["bytes_bound_vs_baseline"]):
+                  res[0]["modes"][k]["bytes_bound_vs_baseline"] for k in ("remainder_bf16m",
+                                                                          "sr_bf16m")}
         panels.append({"title": "%s: speed vs native (lines: bytes bounds)" % rule,
                        "xlabel": "params", "ylabel": "x native", "logx": True, "hlines": bounds,
-                       "series": {FMT[k][0] if k in FMT else k: (ns, [
-                           r["modes"][k]["speedup_vs_native"] for r in res])
+                       "series": {FMT[k][0] if k in FMT else k: ([r["params"] for r in res], [
+                           r["modes"][k]["speedup_vs_baseline"] for r in res])
                            for k in list(FMT) + ["native"]}})
     return plot_lines(ctx.out_dir / (NAME + ".png"), panels,
                       title=figure_title(ctx, TITLE, isa=True))

@@ -816,9 +816,7 @@ def add_args(parser):
     a("--seeds", type=int, default=None, help="seeds per lean mode (default 3; at least 2)")
     a("--ft-steps", type=int, default=None, help="fine-tuning steps (lean)")
     a("--ft-lr", type=float, default=None, help="fine-tuning peak lr (lean)")
-    a("--native-lowp-gemm", action="store_true",
-      help="CPU: use torch's own BF16/FP16 matmuls (slow without AVX512-BF16)")
-    return parser
+    return training.add_gemm_arg(parser)
 
 
 def _override(st: Setting, steps: Optional[int], lr: Optional[float], flag: str) -> Setting:
@@ -857,7 +855,7 @@ def run(ctx) -> dict:
     seeds = getattr(a, "seeds", None)
     if seeds is not None and seeds < 2:
         raise SystemExit("--seeds must be at least 2 (the noise band is their spread)")
-    fp32_gemm = not ctx.is_cuda and not getattr(a, "native_lowp_gemm", False)
+    fp32_gemm = training.fp32_gemm(ctx)
     threads_before = torch.get_num_threads()
     if not ctx.is_cuda and not a.threads:
         torch.set_num_threads(CPU_THREADS)

@@ -121,13 +121,6 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
     return out
 
 
-def add_args(parser):
-    parser.add_argument("--native-lowp-gemm", action="store_true",
-                        help="on the CPU, use PyTorch's BF16/FP16 GEMMs instead of computing "
-                             "them in FP32 from rounded operands (gpt.Linear)")
-    return parser
-
-
 def _main_per_param(m):
     """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
     counts and cached lr tensors, some 0.003 B/param here, left out)."""
@@ -136,7 +129,7 @@ def _main_per_param(m):
 
 def run(ctx) -> dict:
     b = Bench(ctx, NAME, TITLE)
-    fp32_gemm = not ctx.is_cuda and not getattr(ctx.args, "native_lowp_gemm", False)
+    fp32_gemm = training.fp32_gemm(ctx)
     sizes = SIZES[("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")]
     data, vocab = load_corpus()
     out = []
@@ -245,4 +238,4 @@ def _plot_memory(ctx, res):
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__, add_args))
+    sys.exit(run_standalone(run, __doc__, training.add_gemm_arg))

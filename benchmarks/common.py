@@ -114,10 +114,6 @@ class Timing:
     samples: List[float]
     cpu_busy: Optional[float] = None
 
-    @property
-    def iqr(self) -> float:
-        return self.q3 - self.q1
-
     @classmethod
     def from_samples(cls, samples, inner, cpu_busy=None) -> "Timing":
         s = sorted(samples)
@@ -130,7 +126,7 @@ class Timing:
         return nbytes / self.median / GB
 
     def to_json(self) -> dict:
-        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "iqr_s": self.iqr,
+        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "iqr_s": self.q3 - self.q1,
                 "min_s": self.min, "max_s": self.max, "inner": self.inner,
                 "samples_s": self.samples, "cpu_busy": self.cpu_busy}
 
@@ -556,13 +552,7 @@ def _json_default(o):
 
 
 def write_json(path: Path, payload: dict) -> Path:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=_json_default, allow_nan=True)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(payload, indent=1, default=_json_default))
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -594,13 +584,6 @@ def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
     return path
 
 
-def hlines(ax, lines: Dict[str, float]) -> None:
-    colors = ["black", "grey", "tab:red", "tab:purple"]
-    for i, (label, y) in enumerate(lines.items()):
-        ax.axhline(y, color=colors[i % len(colors)], linestyle=":" if i else "--", linewidth=1,
-                   label=label)
-
-
 def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
     """One PNG of panels ``{"title", "xlabel", "ylabel", "logx", "series": {label: (xs, ys)},
     "hlines": {label: y}}``."""
@@ -611,7 +594,9 @@ def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: in
     for ax, panel in zip(axes.flat, panels):
         for i, (label, (xs, ys)) in enumerate(panel.get("series", {}).items()):
             ax.plot(xs, ys, marker="o", linestyle=["-", "--", "-.", ":"][i % 4], label=label)
-        hlines(ax, panel.get("hlines", {}))
+        for i, (label, y) in enumerate(panel.get("hlines", {}).items()):
+            ax.axhline(y, color=["black", "grey", "tab:red", "tab:purple"][i % 4],
+                       linestyle=":" if i else "--", linewidth=1, label=label)
         if panel.get("logx"):
             ax.set_xscale("log", base=2)
         ax.set(title=panel.get("title", ""), xlabel=panel.get("xlabel", ""),

@@ -168,3 +168,16 @@ class Trainer:
         if isinstance(self.scaler, mpext.GradScaler):
             return int(self.scaler.skipped_steps().item())
         return None
+
+
+def add_gemm_arg(parser):
+    parser.add_argument("--native-lowp-gemm", action="store_true",
+                        help="on the CPU, use PyTorch's BF16/FP16 GEMMs (slow without "
+                             "AVX512-BF16) instead of computing them in FP32 from rounded "
+                             "operands (gpt.Linear)")
+    return parser
+
+
+def fp32_gemm(ctx) -> bool:
+    """Whether a training benchmark computes BF16/FP16 GEMMs in FP32 (the CPU, by default)."""
+    return not ctx.is_cuda and not getattr(ctx.args, "native_lowp_gemm", False)
