@@ -449,7 +449,8 @@ def _rule_sanity(rule, dev):
 def run(ctx) -> dict:
     dev = ctx.device
     require_kernel(dev, "adam_step_")
-    only = getattr(ctx.args, "only", None)  # None (run_all): both sections
+    only = getattr(ctx.args, "only", None)  # run_all's --only (a list) runs both sections
+    only = only if isinstance(only, str) else None
     do_paths, do_rules = only in (None, "paths"), only in (None, "rules", "lean")
     sizes = (SIZES_QUICK if ctx.quick else SIZES_FULL) if do_paths else []
     rule_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_rules else []

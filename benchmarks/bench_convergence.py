@@ -215,12 +215,14 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
           lr: Optional[float] = None, fp32_gemm: bool = False, track_updates: bool = False,
           track_moments: bool = False, keep_grads: bool = False, keep_final: bool = False,
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
-          base: Optional[str] = None, options: Optional[dict] = None, bar=None) -> Run:
+          base: Optional[str] = None, options: Optional[dict] = None, on_step=None,
+          bar=None) -> Run:
     """Trains one mode (training.MODES or LEAN_MODES; or ``base``, a training.MODES key, with
     ``options`` for its Trainer) from the shared weights or ``init`` (then evaluated at step 0
     too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_*``: the per-step
-    counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state. The one
-    training loop of the convergence studies (measure_q8_codes --convergence runs on it too)."""
+    counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state;
+    ``on_step(step, trainer)`` after each step. The one training loop of the convergence
+    studies (measure_q8_codes trains on it too)."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr, seed)
     if base is None:
@@ -287,6 +289,8 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             run.eval_loss.append(evaluate(tr, val_batches))
             check(math.isfinite(run.eval_loss[-1]), "%s: validation loss became %r at step %d"
                   % (mode, run.eval_loss[-1], step + 1))
+        if on_step is not None:
+            on_step(step, tr)
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str("%s loss %.3f" % (SHORT.get(mode, mode), run.train_loss[-1]))

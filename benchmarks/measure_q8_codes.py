@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .gpt import GPT, GPTConfig, get_batch, load_corpus, split_corpus
+from .gpt import GPTConfig, load_corpus, split_corpus
 
 MIN_NUMEL = 4096  # smaller tensors keep fp32 moments (as mpext, torchao and bitsandbytes)
 B1, B2, EPS, WD = 0.9, 0.99, 1e-8, 0.01
@@ -166,50 +166,28 @@ def _config(args, vocab):
         GPTConfig(vocab_size=vocab, block_size=64, n_layer=3, n_head=4, n_embd=128)
 
 
-def train(args, data, snapshots):
-    """FP32 torch.optim.AdamW on the model: the final validation loss (mean of the last
-    evaluations); ``snapshots`` collects the moments of the large params."""
-    torch.manual_seed(args.seed)
-    cfg = _config(args, data["vocab"])
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(B1, B2), eps=EPS,
-                            weight_decay=WD)
-    bgen = torch.Generator().manual_seed(4321)
-    evals = []
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (
-                1 + math.cos(math.pi * step / args.steps)))
-        x, y = get_batch(data["train"], 16, cfg.block_size, bgen)
-        _, loss = model(x, y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step + 1 in args.snapshot_steps:
-            snapshots.append([(opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
-                              for p in model.parameters() if p.numel() >= MIN_NUMEL])
-        if step + 1 >= args.steps - 40 and (step + 1) % 10 == 0:
-            evals.append(evaluate(model, data, cfg))
-    return sum(evals) / len(evals)
+def _setting(args):
+    """The training of both measurements: AdamW(0.9, 0.99), batch 16, warm-up then cosine."""
+    from .bench_convergence import Setting
+
+    return Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
+                   betas=(B1, B2), weight_decay=WD, eval_interval=10, final_k=4, seed=args.seed)
 
 
-@torch.no_grad()
-def evaluate(model, data, cfg):
-    g = torch.Generator().manual_seed(7)
-    losses = [model(*get_batch(data["val"], 32, cfg.block_size, g))[1].item() for _ in range(8)]
-    return sum(losses) / len(losses)
+def train(args, data, mode, seed, base, options=None, on_step=None):
+    """bench_convergence.train (the convergence studies' loop) of one mode and seed, from the
+    same weights for every seed, seed s fixing the batch order and the rounding."""
+    from .bench_convergence import train as train_mode, val_batches
+
+    st, cfg, cpu = _setting(args), _config(args, data["vocab"]), torch.device("cpu")
+    return train_mode(mode, st, cfg, data["train"], val_batches(data["val"], st, cfg, cpu), cpu,
+                      fp32_gemm=True, seed=seed, base=base, options=options,
+                      on_step=on_step).final_loss(st.final_k)
 
 
 def convergence(args, data):
-    """Per mode the final validation losses of ``--seeds`` seeds: bench_convergence.train (the
-    convergence studies' loop) from the same weights, seed s fixing the batch order and the
-    rounding; the mean of the last four evaluations, every 10 steps."""
-    from .bench_convergence import Setting, train as train_mode, val_batches
-
-    st = Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
-                 betas=(B1, B2), weight_decay=WD, eval_interval=10, final_k=4, seed=args.seed)
-    cfg = _config(args, data["vocab"])
-    val = val_batches(data["val"], st, cfg, torch.device("cpu"))
+    """Per mode the final validation losses of ``--seeds`` seeds (the mean of the last four
+    evaluations, every 10 steps)."""
     out = {}
     for mode, _, base, options in CONVERGENCE:
         if mode == "torchao-8bit":
@@ -220,10 +198,8 @@ def convergence(args, data):
                 continue
             options = dict(options, inner=AdamW8bit)
         t0 = time.time()
-        losses = out[mode] = [
-            train_mode(mode, st, cfg, data["train"], val, torch.device("cpu"), fp32_gemm=True,
-                       seed=s, base=base, options=options).final_loss(st.final_k)
-            for s in range(args.seeds)]
+        losses = out[mode] = [train(args, data, mode, s, base, options)
+                              for s in range(args.seeds)]
         ref = out["torch-fp32"]
         print("  %-22s %s  mean %.4f (FP32 %.4f, band %.4f..%.4f; %.0f s)"
               % (mode, ["%.4f" % x for x in losses], sum(losses) / len(losses),
@@ -314,7 +290,13 @@ def main():
         return
     t0 = time.time()
     snaps = []
-    fp32 = [train(args, data, snaps)]
+    def snapshot(step, tr):  # the moments of the large params
+        if step + 1 in args.snapshot_steps:
+            snaps.append([(tr.opt.state[p]["exp_avg"].clone(),
+                           tr.opt.state[p]["exp_avg_sq"].clone())
+                          for p in tr.params if p.numel() >= MIN_NUMEL])
+
+    fp32 = [train(args, data, "torch-fp32", 0, "fp32", on_step=snapshot)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
     mcodes, vcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True),
                                normalized([v for s in snaps for _, v in s], args.block, False))
