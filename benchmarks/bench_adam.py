@@ -70,11 +70,7 @@ class Problem:
         self.masters = [p.clone() for p in self.p32]
         self.m, self.v = [torch.zeros_like(p) for p in self.p32], \
             [torch.zeros_like(p) for p in self.p32]
-
-        def steps():
-            return [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
-
-        self.steps = steps()
+        self.steps = [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
         self.lr = torch.full((1,), LR, dtype=FP32, device=dev)
         self.found = torch.zeros((), dtype=FP32, device=dev)
         self.one = torch.ones((), dtype=FP32, device=dev)
