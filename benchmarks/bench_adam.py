@@ -211,7 +211,8 @@ def _report(b: Bench, results):
                          "—" if is_base else "%.2fx" % m["bytes_bound_vs_baseline"],
                          "" if busy is None else "%.1f" % busy,
                          "" if peak is None else "%.0f" % (peak / MiB),
-                         "" if tgt is None else "≥ %.1fx, ≥ %s %s" % (tgt[0], pct(tgt[1]), roof),
+                         "" if tgt is None else
+                         "≥ %.1fx, ≥ %s %s" % (tgt[0], pct(tgt[1]), roof),
                          met])
         if mtr["inplace"] is not None:
             rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",

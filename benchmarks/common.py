@@ -126,7 +126,8 @@ class Timing:
         return nbytes / self.median / GB
 
     def to_json(self) -> dict:
-        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "iqr_s": self.q3 - self.q1,
+        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3,
+                "iqr_s": self.q3 - self.q1,
                 "min_s": self.min, "max_s": self.max, "inner": self.inner,
                 "samples_s": self.samples, "cpu_busy": self.cpu_busy}
 

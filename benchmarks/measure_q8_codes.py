@@ -12,10 +12,10 @@ model at a few steps, quantized and decoded blockwise: the relative RMS error of
 the update m / (sqrt(v) + eps), the share of v decoded to 0 where m is not, and a block-size
 sweep. Pure torch (float64 tables); it does not use mpext's kernels.
 
-``--convergence`` trains instead with the real optimizers over ``--seeds`` seeds on
-bench_convergence's training loop (same weights, batches and schedule): torch.optim.AdamW on FP32 params (the reference), mpext.optim.AdamW on
+``--convergence`` trains instead with the real optimizers over ``--seeds`` seeds, same weights,
+batches and schedule: torch.optim.AdamW on FP32 params (the reference), mpext.optim.AdamW on
 BF16 params with an FP32 master, with a remainder and 8-bit moments, master-free SR with 8-bit
-moments, and torchao's AdamW8bit when it is importable.
+moments, and torchao's AdamW8bit when it is importable. Both train on bench_convergence.train.
 
     python -m benchmarks.measure_q8_codes [--steps 300] [--block 256] [--preset q8]
     python -m benchmarks.measure_q8_codes --convergence --preset small --steps 600 --seeds 3
