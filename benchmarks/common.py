@@ -418,13 +418,14 @@ def busy_cores(info: dict) -> int:
     return info.get("cpu_affinity") or info.get("cpu_count") or 1
 
 
-def load_warning(info: dict) -> Optional[str]:
-    """A warning when the machine was busy at start."""
-    la = info.get("load_average")
+def machine_header(info: dict) -> List[str]:
+    """Markdown lines: the machine, and a warning when it was busy at start."""
+    la, out = info.get("load_average"), [machine_line(info), ""]
     if la and la[0] > 0.5 * busy_cores(info):
-        return ("WARNING: 1-minute load average %.2f on %d cores at start: other processes share "
-                "the CPU, timings are noisy and understate bandwidth." % (la[0], busy_cores(info)))
-    return None
+        out += ["WARNING: 1-minute load average %.2f on %d cores at start: other processes share "
+                "the CPU, timings are noisy and understate bandwidth." % (la[0], busy_cores(info)),
+                ""]
+    return out
 
 
 # ---- inputs
@@ -672,8 +673,7 @@ class Bench:
         ctx, seconds, phases = self.ctx, time.perf_counter() - self._t0, self.phases
         md = ["## %s" % self.title, ""]
         if not ctx.in_suite:
-            md += [machine_line(ctx.machine), ""] + ([load_warning(ctx.machine), ""]
-                                                      if load_warning(ctx.machine) else [])
+            md += machine_header(ctx.machine)
         if self.roof:
             md += [roofline_line(self.roof), ""]
         md += list(lines) + [""]
