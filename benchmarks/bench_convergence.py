@@ -25,7 +25,7 @@ from .common import Bench, check, markdown_table, pyplot, run_standalone, save_f
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
 from . import training
-from .training import Trainer
+from .training import BF16M, SR, Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
@@ -51,21 +51,19 @@ MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 # options. Criterion: "reference"; "exact" (bitwise the reference); "band" (mean final loss
 # within the reference's noise band); "cautionary" (expected worse).
 LEAN_BASE = "mpext_optim_bf16"
-_BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
-_SR = dict(master_weights=False, stochastic_rounding=True)
 LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
     ("master", "FP32 master (reference)", "FP32 master", "black", "-", {}, "reference"),
     ("remainder", "remainder: BF16 param + int16 remainder", "remainder", "tab:gray", "--",
      dict(param_remainders=True), "exact"),
     ("remainder_bf16m", "remainder + BF16 moments (SR)", "remainder + BF16 m,v (SR)",
-     "tab:green", "-", dict(param_remainders=True, **_BF16M), "band"),
+     "tab:green", "-", dict(param_remainders=True, **BF16M), "band"),
     ("sr_bf16m", "no master, SR params + BF16 moments (SR)", "no master SR + BF16 m,v (SR)",
-     "tab:blue", "-", dict(_SR, **_BF16M), "band"),
-    ("sr", "no master, SR params, FP32 moments", "no master SR", "tab:cyan", "--", _SR, "band"),
+     "tab:blue", "-", dict(SR, **BF16M), "band"),
+    ("sr", "no master, SR params, FP32 moments", "no master SR", "tab:cyan", "--", SR, "band"),
     ("rtn", "no master, params rounded to nearest", "no master, nearest", "tab:red", ":",
      dict(master_weights=False), "cautionary"),
     ("bf16m_rtn", "remainder + BF16 moments rounded to nearest", "BF16 m,v nearest",
-     "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest", **_BF16M),
+     "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest", **BF16M),
      "cautionary"),
 ]
 LEAN_KEYS = [m[0] for m in LEAN_MODES]

@@ -14,9 +14,11 @@ from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _REM = dict(param_remainders=True)
-_BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+# mpext.optim.AdamW's option sets (BF16 moments; no master, stochastic rounding), which
+# bench_convergence's lean modes combine too
+BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 _Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
-_SR = dict(master_weights=False, stochastic_rounding=True)
+SR = dict(master_weights=False, stochastic_rounding=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +56,14 @@ MODES = {
     # mpext.optim.AdamW on BF16 params; its lean-state options come as optimizer options
     "mpext_optim_bf16": _optim("mpext-bf16"),
     "mpext_bf16_remainder": _optim("mpext-bf16-remainder", _REM),
-    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(_REM, **_BF16M)),
-    "mpext_bf16_sr": _optim("mpext-bf16-sr", dict(_SR, **_BF16M)),
+    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(_REM, **BF16M)),
+    "mpext_bf16_sr": _optim("mpext-bf16-sr", dict(SR, **BF16M)),
     # 8-bit moments (params under mpext.optim.MIN_8BIT_NUMEL keep FP32 ones)
     "mpext_bf16_remainder_8bit": _optim("mpext-bf16-remainder-8bit", dict(_REM, **_Q8)),
-    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(_SR, **_Q8)),
+    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(SR, **_Q8)),
     # ... and an FP32 EMA of the masters, in the same pass
     "mpext_bf16_remainder_bf16m_ema": _optim("mpext-bf16-remainder-bf16moments",
-                                             dict(_REM, ema_decay=0.999, **_BF16M)),
+                                             dict(_REM, ema_decay=0.999, **BF16M)),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }
