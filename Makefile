@@ -17,8 +17,9 @@ TORCH_SPEC ?= torch==2.13.0
 NVCC ?= nvcc
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
-TEST_DEPS := pytest numpy hypothesis lion-pytorch==0.2.5 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
-BENCH_DEPS := matplotlib tqdm
+TEST_DEPS := pytest numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
+# lion-pytorch: bench_adam's native Lion, and tests/test_lion.py's reference (both lists go in)
+BENCH_DEPS := matplotlib tqdm lion-pytorch==0.2.5
 BUILD_DEPS := ninja setuptools wheel
 
 ifdef PYTHON
@@ -32,7 +33,7 @@ endif
 # Run everything from the source tree: the extension is built in place (mpext/_C*.so).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test bench build env env-external venv-path ctest ctest-valgrind cuda-check cuda-emu \
+.PHONY: test bench build env env-external venv-path build-force ctest ctest-valgrind cuda-check cuda-emu \
 	gpu-check clean
 
 test: build cuda-emu
@@ -64,14 +65,36 @@ venv-path: $(VENV)/.stamp
 env-external:
 	@$(PY) -c "import torch" 2>/dev/null || { echo "PYTHON=$(PY) has no torch: install PyTorch into it first" >&2; exit 1; }
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
-	@for m in numpy hypothesis matplotlib tqdm ninja lightning accelerate transformers; do \
+	@for m in numpy hypothesis matplotlib tqdm lion_pytorch ninja lightning accelerate transformers; do \
 	  $(PY) -c "import $$m" 2>/dev/null || $(PY) -m pip install -q $$m 2>/dev/null || \
 	  echo "note: $$m is not installed and could not be; what needs it is skipped"; done
 
-# Incremental (ninja) in-place build of mpext._C against the environment's torch.
-build: env
+# Incremental (ninja) in-place build of mpext._C against the environment's torch. setup.py and
+# the build_info print each start Python and import torch (seconds), so they run only when the
+# stamp is out of date: a build source newer than it, a new environment, no mpext/_C*.so, or
+# another BUILD_KEY (the interpreter and the environment knobs setup.py reads). A no-op build
+# prints the build_info stored by the last real one.
+BUILD_STAMP := build/.stamp-build
+BUILD_INFO := build/build_info.txt
+BUILD_SOURCES := setup.py $(wildcard build_tools/*.py) $(shell find csrc cuda -type f)
+BUILD_KEY := $(PY) $(MPEXT_FORCE_CUDA) $(TORCH_CUDA_ARCH_LIST) $(CUDA_HOME) $(NVCC) $(CC) $(CXX)
+BUILD_FORCE := $(if $(and $(wildcard mpext/_C*.so),$(wildcard $(BUILD_INFO))),,build-force)
+ifneq ($(strip $(BUILD_KEY)),$(strip $(shell cat $(BUILD_STAMP) 2>/dev/null)))
+BUILD_FORCE := build-force
+endif
+
+build: env $(BUILD_STAMP)
+	@cat $(BUILD_INFO)
+
+# The stamp takes the time the build began, so that a source edited during the build is newer.
+$(BUILD_STAMP): $(BUILD_SOURCES) $(if $(PYTHON),,$(VENV)/.stamp) $(BUILD_FORCE)
+	@mkdir -p build && touch $@.began
 	$(PY) setup.py -q build_ext --inplace
-	@$(PY) -c "import mpext, json; print('mpext build:', json.dumps(mpext.build_info()))"
+	@$(PY) -c "import mpext, json; print('mpext build:', json.dumps(mpext.build_info()))" \
+	  > $(BUILD_INFO)
+	@echo '$(strip $(BUILD_KEY))' > $@ && touch -r $@.began $@ && rm $@.began
+
+build-force:
 
 # The C core's own tests under AddressSanitizer + UndefinedBehaviorSanitizer (no torch needed).
 # Its sanitized core objects (build/core/asan-ubsan) are the ones cuda-emu links: compiled once.

@@ -1,9 +1,10 @@
-"""AdamW step: mpext's fused master-weight step (``adam_step_``) against native PyTorch AMP's
-ways of stepping ``torch.optim.AdamW`` under a loss scaler, and mpext.optim.AdamW's lean states
-under a GradScaler, in the same run on the same device. Method, paths, bytes counted and
-columns: benchmarks/README.md, "AdamW step" and "Lean optimizer state".
+"""Optimizer step: mpext's fused AdamW step (``adam_step_``) against native PyTorch AMP's ways
+of stepping ``torch.optim.AdamW`` under a loss scaler, and every rule of mpext.optim (AdamW,
+Lion, SGD) in every param/moment format under a GradScaler against the rule's native optimizer,
+in the same run on the same device. Method, paths, bytes counted and columns:
+benchmarks/README.md, "AdamW step" and "Rules x formats".
 
-    python -m benchmarks.bench_adam [--quick] [--device auto|cpu|cuda] [--only paths|lean]
+    python -m benchmarks.bench_adam [--quick] [--device auto|cpu|cuda] [--only paths|rules]
 """
 if not __package__:  # run by path (python benchmarks/bench_adam.py): as the package module
     import os, runpy, sys  # noqa: E401
@@ -22,19 +23,15 @@ from .common import (Alternate, Bench, MiB, busy_cores, check, count_subnormals,
                      require_kernel, roofline_hlines, run_standalone, yes_no)
 
 NAME = "bench_adam"
-TITLE = "AdamW step: mpext's fused step (master weights, lean state) vs PyTorch AMP"
+TITLE = "Optimizer step: mpext's fused steps (AdamW paths; rules x formats) vs PyTorch AMP"
 BF16, FP32 = torch.bfloat16, torch.float32
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
 HYPER = dict(lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY)
-EMA_DECAY = 0.999  # the lean section's EMA row and its native counterpart
+EMA_DECAY = 0.999  # the EMA rows and their native counterparts
 GRAD_STD, PARAM_STD = 1e-3, 0.02
 SPEED_TARGET = 1.3   # >= 1.3x the best native path at 16M+ params; reported, never asserted
 COPY_TARGET = 0.80   # >= 80% of the copy roofline at 16M+ params; reported only
 TARGET_MIN_PARAMS = 16 << 20
-# 8-bit moment paths: >= this many times the best native path and >= this fraction of the
-# in-place roofline at 16M+ params (reported, never asserted)
-Q8_TARGETS = {"mpext_q8_rem": 2.0, "mpext_q8_sr": 2.5}
-Q8_INPLACE_TARGET = 0.80
 SIZES_FULL = [1 << 20, 16 << 20, 64 << 20]
 SIZES_QUICK = [1 << 20, 4 << 20, 16 << 20]
 PATHS = [  # key, label, short label, bytes per param, mpext?
@@ -50,11 +47,6 @@ PATHS = [  # key, label, short label, bytes per param, mpext?
      False),
     ("foreach", "torch unscale_ + found_inf.item() + AdamW(foreach)", "torch unscale_ + foreach",
      88, False),
-    # 8-bit moments: int8/uint8 codes (1 + 1 B read, 1 + 1 written; the scales add 8/256)
-    ("mpext_q8_rem", "mpext check + adam_step_, bf16 remainder + 8-bit moments",
-     "mpext remainder + 8-bit", 16, True),
-    ("mpext_q8_sr", "mpext check + adam_step_, no master (SR) + 8-bit moments",
-     "mpext SR + 8-bit", 12, True),
 ]
 PATH_LABEL = {p[0]: p[1] for p in PATHS}
 SHORT = {p[0]: p[2] for p in PATHS}
@@ -78,19 +70,7 @@ class Problem:
         self.masters = [p.clone() for p in self.p32]
         self.m, self.v = [torch.zeros_like(p) for p in self.p32], \
             [torch.zeros_like(p) for p in self.p32]
-
-        def steps():
-            return [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
-
-        self.steps = steps()
-        self.q8 = {key: dict(
-            p=[p.clone() for p in self.p16],
-            rem=[torch.zeros_like(p, dtype=torch.int16) for p in self.p16],
-            m=[torch.zeros_like(p, dtype=torch.int8) for p in self.p16],
-            v=[torch.zeros_like(p, dtype=torch.uint8) for p in self.p16],
-            ms=[torch.zeros(-(-p.numel() // 256), device=dev) for p in self.p16],
-            vs=[torch.zeros(-(-p.numel() // 256), device=dev) for p in self.p16],
-            steps=steps()) for key in Q8_TARGETS}
+        self.steps = [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
         self.lr = torch.full((1,), LR, dtype=FP32, device=dev)
         self.found = torch.zeros((), dtype=FP32, device=dev)
         self.one = torch.ones((), dtype=FP32, device=dev)
@@ -142,25 +122,10 @@ class Problem:
             if not found.item():  # GradScaler._maybe_opt_step
                 opt_fe.step()
 
-        def q8(key):
-            q, sr = self.q8[key], key == "mpext_q8_sr"
-            empty = torch.empty(0, dtype=FP32, device=self.dev)
-
-            def f():
-                found.zero_()
-                unscale_mp(g16, found, one)
-                adam(q["p"], g16, q["m"], q["v"], [] if sr else [empty] * len(g16), q["steps"],
-                     self.lr, BETA1, BETA2, EPS, WEIGHT_DECAY, True, False,
-                     inv_scale=alt[key](), found_inf=found,
-                     remainders=None if sr else q["rem"], master_free=sr,
-                     stochastic_rounding=sr, exp_avg_scales=q["ms"], exp_avg_sq_scales=q["vs"],
-                     block_size=256)
-            return f
-
         return {"mpext": mpext_step("mpext", False), "mpext_chk": mpext_step("mpext_chk", True),
                 "mpext_wb": mpext_step("mpext_wb", True, unscale_grads=True),
                 "fused_gs": fused("fused_gs", False), "fused_un": fused("fused_un", True),
-                "foreach": f_foreach, **{k: q8(k) for k in Q8_TARGETS}}
+                "foreach": f_foreach}
 
     def after_timing_checks(self):
         """No subnormals anywhere, found_inf still 0, mpext's steps advanced once per call."""
@@ -169,16 +134,12 @@ class Problem:
         steps = {float(s) for s in self.steps}
         check(steps == {float(self.mpext_calls)}, "mpext step counts %s after %d calls"
               % (sorted(steps), self.mpext_calls))
-        for key, q in self.q8.items():
-            check(all(bool(p.isfinite().all()) for p in q["p"]), "%s: non-finite params" % key)
         native = self.p32 + self.g32 + [st[k] for opt in (self.opt_fused, self.opt_foreach)
                                         for st in opt.state.values()
                                         for k in ("exp_avg", "exp_avg_sq")]
-        return {"subnormals_mpext": count_subnormals(self.p16 + self.g16 + self.masters + self.m
-                                                     + self.v),
-                "subnormals_torch": count_subnormals(native), "mpext_calls": self.mpext_calls,
-                "mpext_elements_checked": 5 * self.numel,
-                "torch_elements_checked": sum(t.numel() for t in native)}
+        mine = self.p16 + self.g16 + self.masters + self.m + self.v
+        return {"subnormals": count_subnormals(mine + native), "mpext_calls": self.mpext_calls,
+                "elements_checked": sum(t.numel() for t in mine + native)}
 
 
 def _sanity(dev):
@@ -191,176 +152,210 @@ def _sanity(dev):
             p.grad = g * 0.5
         torch.optim.AdamW(ref, foreach=False, **HYPER).step()
         prob.fns()[key]()
-        if key == "mpext_q8_rem":  # the first step uses the fp32 moments: as the master path
-            q = prob.q8[key]
-            got = [mpext.optim.formats.join_remainder(p, r) for p, r in zip(q["p"], q["rem"])]
-            expect_same(key, got, ref, rtol=1e-5, atol=1e-8)
-        elif key == "mpext_q8_sr":  # the param stochastically rounded: within one bf16 ulp
-            expect_same(key, [p.float() for p in prob.q8[key]["p"]], ref, rtol=2.0 ** -7,
-                        atol=1e-30)
-        else:
-            expect_same(key, prob.masters if key.startswith("mpext") else prob.p32, ref,
-                        rtol=1e-5, atol=1e-8)
+        expect_same(key, prob.masters if key.startswith("mpext") else prob.p32, ref,
+                    rtol=1e-5, atol=1e-8)
 
 
-def _case_metrics(times, n, roof, peaks=None):
-    """Per path: timing, bytes, GB/s, fractions of both rooflines, ratio mpext / path."""
-    best = min(NATIVE, key=lambda k: times[k].median)
-    out = {"params": n, "best_native": best, "paths": {}}
-    for key, t in times.items():
-        gb = t.gbps(PATH_BYTES[key] * n)
-        out["paths"][key] = {
-            "label": PATH_LABEL[key], "bytes_per_param": PATH_BYTES[key],
-            "bytes": PATH_BYTES[key] * n, "timing": t.to_json(), "ns_per_param": t.median / n * 1e9,
-            "gbps": gb, "frac_inplace_roofline": gb / roof["inplace_gbps"],
-            "frac_copy_roofline": gb / roof["copy_gbps"],
-            "mpext_speedup": t.median / times["mpext"].median,
-            "peak_bytes": (peaks or {}).get(key)}
-    out["speedup_vs_best_native"] = times[best].median / times["mpext"].median
-    out["speedup_with_check_vs_best_native"] = times[best].median / times["mpext_chk"].median
-    # the ratio if both sides moved their bytes at the same bandwidth
-    out["bytes_bound_vs_best_native"] = PATH_BYTES[best] / PATH_BYTES["mpext"]
+ROOF_NAME = {"frac_copy_best": "copy", "frac_inplace_same_rounds": "in-place"}
+
+
+def _metrics(case, times, n, modes, roof, inplace_n=0, peaks=None):
+    """One case's rows, the paths' and the rules' alike: per mode (key -> (label, state B/param
+    or None, step B/param, baseline key, target: (x baseline, roofline fraction, its field) or
+    None)) timing, bytes, GB/s, speed and bytes bound against its baseline, the fractions of
+    the run's best rooflines and, where the in-place roofline's buffer of ``inplace_n``
+    elements was timed in the same rounds, of that one."""
+    same = times["inplace"].gbps(8.0 * inplace_n) if inplace_n else None
+    out = {"case": case, "params": n, "inplace_gbps_same_rounds": same,
+           "inplace": times["inplace"].to_json() if inplace_n else None, "modes": {}}
+    for key, (label, state, step, base, target) in modes.items():
+        t = times[key]
+        gb = t.gbps(step * n)
+        row = out["modes"][key] = {
+            "label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
+            "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
+            "baseline": base, "speedup_vs_baseline": times[base].median / t.median,
+            "bytes_bound_vs_baseline": modes[base][2] / step,
+            "frac_inplace_same_rounds": gb / same if same else None,
+            "frac_inplace_best": gb / roof["inplace_gbps"],
+            "frac_copy_best": gb / roof["copy_gbps"], "peak_bytes": (peaks or {}).get(key),
+            "target": target}
+        if target is not None:
+            row["target_speed_met"] = row["speedup_vs_baseline"] >= target[0]
+            row["target_roofline_met"] = row[target[2]] >= target[1]
     return out
 
 
-def _paths_report(b: Bench, metrics, case_label):
-    """The op-level section's tables (summary, 8-bit, every path), recording missed targets."""
-    sum_rows, q8_rows, rows = [], [], []
-    for k, mtr in metrics.items():
-        mp, paths, best = mtr["paths"]["mpext"], mtr["paths"], mtr["best_native"]
-        targeted = mtr["params"] >= TARGET_MIN_PARAMS
-        sp, fc = mtr["speedup_vs_best_native"], mp["frac_copy_roofline"]
-        mtr["target_speed_met"] = mtr["target_copy_met"] = None
-        if targeted:
-            mtr["target_speed_met"] = b.target(sp >= SPEED_TARGET, "%s: mpext %.2fx the best "
-                                               "native path" % (case_label[k], sp))
-            mtr["target_copy_met"] = b.target(fc >= COPY_TARGET, "%s: mpext at %s of the copy "
-                                              "roofline" % (case_label[k], pct(fc)))
-        sum_rows.append([case_label[k], SHORT[best], "%.2fx" % sp,
-                         "%.2fx" % mtr["bytes_bound_vs_best_native"],
-                         "%.2fx" % mtr["speedup_with_check_vs_best_native"],
-                         "%.2fx" % paths["fused_gs"]["mpext_speedup"], "%.1f" % mp["gbps"],
-                         pct(fc), pct(mp["frac_inplace_roofline"]),
-                         yes_no(mtr["target_speed_met"]), yes_no(mtr["target_copy_met"])])
-        for qk, target in Q8_TARGETS.items():
-            m = paths[qk]
-            sp_q = paths[best]["timing"]["median_s"] / m["timing"]["median_s"]
-            fi = m["frac_inplace_roofline"]
-            # the time per param the speed target allows, against this path's own: where the
-            # path takes as long in cache (the 1M row) as from memory, its instructions bound it
-            m.update(speedup_vs_best_native=sp_q, target=(target, Q8_INPLACE_TARGET),
-                     target_ns_per_param=paths[best]["ns_per_param"] / target)
-            ok_s = ok_i = None
-            if targeted:
-                ok_s = m["target_speed_met"] = b.target(
-                    sp_q >= target, "%s: %s %.2fx the best native path (target %.1fx)"
-                    % (case_label[k], SHORT[qk], sp_q, target))
-                ok_i = m["target_inplace_met"] = b.target(
-                    fi >= Q8_INPLACE_TARGET, "%s: %s at %s of the in-place roofline"
-                    % (case_label[k], SHORT[qk], pct(fi)))
-            q8_rows.append([case_label[k], SHORT[qk], str(PATH_BYTES[qk]), "%.2fx" % sp_q,
-                            "%.2fx" % (PATH_BYTES[best] / PATH_BYTES[qk]),
-                            "%.3g" % m["ns_per_param"], "%.3g" % m["target_ns_per_param"],
-                            pct(fi), "—" if ok_s is None else "%.1fx: %s" % (target, yes_no(ok_s)),
-                            yes_no(ok_i)])
-        for pk in PATH_LABEL:
-            m = paths[pk]
-            rows.append([case_label[k] if pk == "mpext" else "",
-                         SHORT[pk] + (" (best native)" if pk == best else ""),
-                         str(m["bytes_per_param"]), fmt_ms(m["timing"]),
-                         "%.3g" % m["ns_per_param"], "%.1f" % m["gbps"],
-                         pct(m["frac_inplace_roofline"]), pct(m["frac_copy_roofline"]),
-                         # the 8-bit paths are mpext's own: the 8-bit table compares them
-                         "—" if pk == "mpext" or pk in Q8_TARGETS
-                         else "%.2fx" % m["mpext_speedup"],
-                         "" if m["timing"]["cpu_busy"] is None else
-                         "%.1f" % m["timing"]["cpu_busy"],
-                         "" if m["peak_bytes"] is None else "%.0f" % (m["peak_bytes"] / MiB)])
-    return [markdown_table(["case", "best native path", "mpext vs best native", "bytes bound",
-                            "mpext + check vs best native", "mpext vs GradScaler.step + fused",
-                            "mpext GB/s", "% copy roof", "% in-place roof",
-                            "≥ %.1fx" % SPEED_TARGET, "≥ %d%% copy" % round(100 * COPY_TARGET)],
-                           sum_rows), "",
-            "8-bit moments (docs/moments_8bit.md), with mpext's read-only inf check, against the "
-            "best native path; \"ns/param for the target\": its time per param over the target "
-            "ratio. A path as slow per param in cache (the smallest case) as from memory is "
-            "bound by its instructions.", "",
-            markdown_table(["case", "8-bit path", "B/param", "vs best native", "bytes bound",
-                            "ns/param", "ns/param for the target x", "% in-place roof",
-                            "≥ target x", "≥ %d%% in-place" % round(100 * Q8_INPLACE_TARGET)],
-                           q8_rows), "",
-            markdown_table(["case", "path", "B/param", "ms", "ns/param", "GB/s", "% in-place roof",
-                            "% copy roof", "mpext speedup", "cores busy", "peak MiB"], rows)]
+def _report(b: Bench, results):
+    """One table of the cases' rows (``_metrics``), recording missed targets."""
+    rows = []
+    for mtr in results:
+        for i, (key, m) in enumerate(mtr["modes"].items()):
+            tgt, met, busy, peak = m["target"], "", m["timing"]["cpu_busy"], m["peak_bytes"]
+            if tgt is not None:
+                where, roof = "%s, %s" % (mtr["case"], m["label"]), ROOF_NAME[tgt[2]]
+                b.target(m["target_speed_met"], "%s: %.2fx its baseline (target %.1fx)"
+                         % (where, m["speedup_vs_baseline"], tgt[0]))
+                b.target(m["target_roofline_met"], "%s: %s of the %s roofline (target %s)"
+                         % (where, pct(m[tgt[2]]), roof, pct(tgt[1])))
+                met = yes_no(m["target_speed_met"] and m["target_roofline_met"])
+            is_base = key == m["baseline"]
+            rows.append(["" if i else mtr["case"], m["label"] + (" (baseline)" if is_base
+                                                                 else ""),
+                         "" if m["state_bytes_per_param"] is None else
+                         str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
+                         fmt_ms(m["timing"]), "%.3g" % m["ns_per_param"], "%.1f" % m["gbps"],
+                         pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
+                         pct(m["frac_copy_best"]),
+                         "—" if is_base else "%.2fx" % m["speedup_vs_baseline"],
+                         "—" if is_base else "%.2fx" % m["bytes_bound_vs_baseline"],
+                         "" if busy is None else "%.1f" % busy,
+                         "" if peak is None else "%.0f" % (peak / MiB),
+                         "" if tgt is None else
+                         "≥ %.1fx, ≥ %s %s" % (tgt[0], pct(tgt[1]), roof),
+                         met])
+        if mtr["inplace"] is not None:
+            rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
+                         fmt_ms(mtr["inplace"]), "", "%.1f" % mtr["inplace_gbps_same_rounds"],
+                         "100%"] + [""] * 8)
+    return markdown_table(["case", "path / mode", "state B/param", "step B/param", "ms",
+                           "ns/param", "GB/s", "% in-place (same rounds)", "% in-place (best)",
+                           "% copy (best)", "vs baseline", "bytes bound", "cores busy",
+                           "peak MiB", "target", "met"], rows)
 
 
-# ---- Lean optimizer state: the whole step as a user runs it, under a GradScaler at scale 1
-# (BF16 training), in every storage mode of mpext.optim.AdamW, against native AMP's step and the
-# in-place roofline in the same rounds.
+def _path_modes(times, n):
+    """The op-level paths as ``_metrics`` modes: the baseline is the fastest native path."""
+    best = min(NATIVE, key=lambda k: times[k].median)
+    return {k: (SHORT[k], None, PATH_BYTES[k], best,
+                (SPEED_TARGET, COPY_TARGET, "frac_copy_best")
+                if k == "mpext" and n >= TARGET_MIN_PARAMS else None) for k in PATH_LABEL}
+
+
+def _rule_modes(rule):
+    """A rule's formats and natives as ``_metrics`` modes (AdamW's formats carry targets)."""
+    out = {}
+    for key in list(FMT) + ["native", "native_ema"]:
+        if key.startswith("native"):
+            label = "torch.amp.GradScaler + %s, fp32 params%s" % (
+                RULES[rule][4], " + fp32 EMA (torch._foreach_lerp_)"
+                if key == "native_ema" else "")
+            out[key] = (label,) + _native_bytes(rule, key == "native_ema") + ("native", None)
+        else:
+            tgt = FMT[key][4] if rule == "adamw" else None
+            out[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
+                "native_ema" if FMT[key][3] else "native",
+                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
+    return out
+
+
+
+# ---- Rules x formats: the whole step as a user runs it, ``scaler.step(opt); scaler.update()``
+# under a GradScaler at scale 1 (BF16 training), for every rule (mpext.optim.AdamW, Lion, SGD)
+# in every param/moment format, against the rule's native optimizer on fp32 params and the
+# in-place roofline, in the same rounds (benchmarks/README.md, "Rules x formats").
 
 LEAN_SIZES_FULL = [16 << 20, 64 << 20]
 LEAN_SIZES_QUICK = [16 << 20]
-LEAN_CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
-_BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
-# key, label, mpext.optim.AdamW options, persistent B/param (param + grad + optimizer state),
-# B/param the fused pass moves, targets (x native, fraction of the in-place roofline) or None
-LEAN_MODES = [
-    ("master", "fp32 master + fp32 moments (default)", {}, 16, 28, None),
-    ("remainder", "remainder + fp32 moments", dict(param_remainders=True), 14, 26, None),
-    ("remainder_bf16m", "remainder + bf16 moments", dict(param_remainders=True, **_BF16M), 10,
-     18, (1.6, 0.80)),
-    ("sr_bf16m", "no master, SR + bf16 moments",
-     dict(master_weights=False, stochastic_rounding=True, **_BF16M), 8, 14, (2.0, 0.80)),
-    ("sr", "no master, SR + fp32 moments", dict(master_weights=False, stochastic_rounding=True),
-     12, 22, None),
-    ("rne", "no master, round to nearest + fp32 moments (cautionary)",
-     dict(master_weights=False), 12, 22, None),
-    # the EMA reads and writes 4 + 4 B/param more in the same pass; compared with native + EMA
-    ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
-     "+ EMA)", dict(param_remainders=True, ema_decay=EMA_DECAY, **_BF16M), 14, 26, None),
-]
-LEAN = {k: (lab, opts, state, step, tgt) for k, lab, opts, state, step, tgt in LEAN_MODES}
-# The native steps a mode is compared with: key -> (label, persistent B/param, step B/param).
-# torch.amp.GradScaler.step + AdamW(fused=True) on fp32 params: the inf check reads and writes
-# back the fp32 grads (8), the fused kernel reads param, grad, m, v and writes param, m, v and
-# the unscaled grad (32). With an EMA, what AveragedModel(multi_avg_fn=
-# get_ema_multi_avg_fn(decay)) runs after the step: torch._foreach_lerp_ on an fp32 copy (12).
-LEAN_NATIVE = {
-    "native": ("torch.amp.GradScaler + AdamW(fused=True), fp32 params", 16, 40),
-    "native_ema": ("the same + fp32 EMA (torch._foreach_lerp_, AveragedModel's EMA)", 20, 52),
+CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
+
+
+def _lion(params, hyper):
+    try:
+        from lion_pytorch import Lion
+    except ImportError:
+        raise RuntimeError("bench_adam: the Lion rows need lion-pytorch (pip install "
+                           "lion-pytorch==0.2.5; make's environment has it)") from None
+    return Lion(params, **hyper)
+
+
+# rule -> (mpext.optim class, the moments' dtype options, hyperparameters, the native optimizer
+# on fp32 params (None: imported on use), its label, the bytes per param its step moves after
+# torch GradScaler's inf check (8: reads and writes back the fp32 grads), its state bytes)
+RULES = {
+    "adamw": ("AdamW", ("exp_avg_dtype", "exp_avg_sq_dtype"), HYPER,
+              lambda ps, h: torch.optim.AdamW(ps, fused=True, **h), "AdamW(fused=True)",
+              # reads param, grad, m, v; writes param, m, v and the unscaled grad
+              32, 8),
+    "lion": ("Lion", ("exp_avg_dtype",), dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2),
+             _lion, "lion-pytorch Lion",
+             # not fused: the scaler's unscale_ and found_inf.item(), then p.mul_ 8, clone m 8,
+             # mul_ 8, add(g) 12, sgn_ 8, p.add_ 12, m.mul_ 8, m.add_(g) 12
+             76, 4),
+    "sgd": ("SGD", ("momentum_dtype",), dict(lr=1e-3, momentum=0.9, weight_decay=1e-2),
+            lambda ps, h: torch.optim.SGD(ps, fused=True, **h), "SGD(momentum, fused=True)",
+            # reads param, grad, buffer; writes param, buffer and the unscaled grad
+            24, 4),
 }
+NATIVE_CHECK_BYTES = 8
+# param format -> (options, persistent B/param beyond param + grad, B/param of the step's
+# param traffic): a master reads and writes 4 + 4 and writes the param 2; a remainder reads and
+# writes param and remainder 2 + 2 + 2 + 2; none reads and writes the param
+PARAM_FORMATS = {"master": ({}, 4, 10), "remainder": (dict(param_remainders=True), 2, 8),
+                 "sr": (dict(master_weights=False, stochastic_rounding=True), 0, 4),
+                 "rne": (dict(master_weights=False), 0, 4)}
+MOMENT_FORMATS = {"fp32": (FP32, 4), "bf16": (BF16, 2), "q8": (torch.int8, 1)}  # 8/256 scales
+# key, label, param format, moment format, EMA (4 + 4 B/param more in the same pass, compared
+# with native + an EMA), targets (x native, fraction of the in-place roofline) or None
+FORMATS = [
+    ("master", "fp32 master + fp32 moments (default)", "master", "fp32", False, None),
+    ("remainder", "remainder + fp32 moments", "remainder", "fp32", False, None),
+    ("remainder_bf16m", "remainder + bf16 moments", "remainder", "bf16", False, (1.6, 0.80)),
+    ("sr_bf16m", "no master, SR + bf16 moments", "sr", "bf16", False, (2.0, 0.80)),
+    ("sr", "no master, SR + fp32 moments", "sr", "fp32", False, None),
+    ("rne", "no master, round to nearest + fp32 moments (cautionary)", "rne", "fp32", False,
+     None),
+    # 8-bit moments (docs/moments_8bit.md)
+    ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, (2.0, 0.80)),
+    ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, (2.5, 0.80)),
+    ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
+     "+ EMA)", "remainder", "bf16", True, None),
+]
+FMT = {f[0]: f[1:] for f in FORMATS}
 
 
-def _lean_baseline(key):
-    return "native_ema" if "ema_decay" in LEAN[key][1] else "native"
+def _mpext_bytes(rule, fmt):
+    """(persistent, step) B/param of a rule's format: bf16 param and grad, the param format,
+    its moments, the EMA; the step adds the check's 2."""
+    _, pf, mf, ema, _ = FMT[fmt]
+    nm, mom = len(RULES[rule][1]), MOMENT_FORMATS[mf][1]
+    state, traffic = PARAM_FORMATS[pf][1:]
+    return 2 + 2 + state + nm * mom + 4 * ema, 2 + traffic + 2 * nm * mom + 8 * ema + CHECK_BYTES
 
 
-def _lean_bound(key):
-    """The bytes bound of a lean mode: its baseline's step bytes over its own."""
-    return LEAN_NATIVE[_lean_baseline(key)][2] / (LEAN[key][3] + LEAN_CHECK_BYTES)
+def _native_bytes(rule, ema=False):
+    """(persistent, step) B/param of the native step on fp32 params; an EMA adds an fp32 copy
+    and torch._foreach_lerp_ on it (what AveragedModel's EMA runs): 4, and 4 + 4 + 4."""
+    return 8 + RULES[rule][6] + 4 * ema, NATIVE_CHECK_BYTES + RULES[rule][5] + 12 * ema
 
 
-class LeanProblem:
-    """One lean case of ``n`` params: per mode a param, optimizer and scaler (scale 1), one
-    bf16 gradient shared by the mpext modes; ``roof_numel``: the in-place roofline's buffer,
-    timed in the same rounds (benchmarks/README.md, "Lean optimizer state")."""
+class RuleProblem:
+    """One rule's case of ``n`` params: per format a param, optimizer and scaler (scale 1),
+    one bf16 gradient shared by the mpext formats, the native steppers on fp32 copies, and
+    ``roof_numel``: the in-place roofline's buffer, timed in the same rounds."""
 
-    def __init__(self, n, dev, seed, roof_numel=0):
+    def __init__(self, rule, n, dev, seed, roof_numel=0):
+        cls, mopts, hyper, native, *_ = RULES[rule]
         gen = torch.Generator().manual_seed(seed)
         p0 = (torch.randn(n, generator=gen) * PARAM_STD).to(BF16)
         g0 = (torch.randn(n, generator=gen) * GRAD_STD).to(BF16)
-        self.grad = g0.to(dev)
+        self.rule, self.hyper, self.grad, self.numel = rule, hyper, g0.to(dev), n
         self.steppers = {}  # key -> (param, optimizer, scaler)
-        for key, (_, opts, _, _, _) in LEAN.items():
+        for key, (_, pf, mf, ema, _) in FMT.items():
             p = p0.to(dev, copy=True)
             p.grad = self.grad
-            self.steppers[key] = (p, mpext.optim.AdamW([p], **HYPER, **opts),
+            opts = dict(PARAM_FORMATS[pf][0], **{o: MOMENT_FORMATS[mf][0] for o in mopts})
+            if mf == "q8" and rule == "adamw":
+                opts["exp_avg_sq_dtype"] = torch.uint8
+            if ema:
+                opts["ema_decay"] = EMA_DECAY
+            self.steppers[key] = (p, getattr(mpext.optim, cls)([p], **hyper, **opts),
                                   mpext.GradScaler(dev.type, bf16_check_only=True))
-        for key in LEAN_NATIVE:
+        for key in ("native", "native_ema"):
             p32 = p0.to(dev, FP32)
             p32.grad = g0.to(dev, FP32)
-            self.steppers[key] = (p32, torch.optim.AdamW([p32], fused=True, **HYPER),
-                                  torch.amp.GradScaler(dev.type, init_scale=1.0,
-                                                       growth_interval=1 << 30))
+            self.steppers[key] = (p32, native([p32], hyper), torch.amp.GradScaler(
+                dev.type, init_scale=1.0, growth_interval=1 << 30))
         self.native_ema = []  # native_ema's fp32 EMA: a copy of the param after its first step
         for _, _, scaler in self.steppers.values():
             scaler.scale(torch.ones((), device=dev))  # makes the scale, as scaling a loss does
@@ -394,170 +389,113 @@ class LeanProblem:
         tensors = []
         for key, (p, opt, scaler) in self.steppers.items():
             st = opt.state[p]
-            check(float(st["step"]) == self.calls[key], "%s: step count %s after %d calls"
-                  % (key, float(st["step"]), self.calls[key]))
-            check(scaler.get_scale() == 1.0, "%s: the loss scale left 1" % key)
+            if "step" in st:  # lion-pytorch and torch's SGD count no steps
+                check(float(st["step"]) == self.calls[key], "%s %s: step count %s after %d "
+                      "calls" % (self.rule, key, float(st["step"]), self.calls[key]))
+            check(scaler.get_scale() == 1.0, "%s %s: the loss scale left 1" % (self.rule, key))
             if isinstance(scaler, mpext.GradScaler):
-                check(int(scaler.skipped_steps()) == 0, "%s: skipped steps" % key)
+                check(int(scaler.skipped_steps()) == 0, "%s %s: skipped steps" % (self.rule, key))
             own = [p] + [v for v in st.values() if isinstance(v, torch.Tensor)
                          and v.numel() == p.numel() and v.is_floating_point()]
-            check(all(bool(t.isfinite().all()) for t in own), "%s: non-finite state" % key)
+            check(all(bool(t.isfinite().all()) for t in own), "%s %s: non-finite state"
+                  % (self.rule, key))
             tensors += own
         check(bool(self.grad.equal(self.steppers["native"][0].grad.to(BF16))),
-              "the shared bf16 gradient was written")
+              "%s: the shared bf16 gradient was written" % self.rule)
         check(bool(self.native_ema[0].isfinite().all()), "native_ema: non-finite EMA")
         return {"calls": dict(self.calls), "subnormals": count_subnormals(tensors),
                 "elements_checked": sum(t.numel() for t in tensors)}
 
 
-def _lean_sanity(dev):
-    """One step of every lean stepper on 1M + 3 params against AdamW(foreach=False) on fp32
-    copies (the tolerances: benchmarks/README.md, "Lean optimizer state")."""
-    prob = LeanProblem((1 << 20) + 3, dev, seed=98)
-    p_ref = prob.steppers["native"][0].detach().clone()
-    p_ref.grad = prob.steppers["native"][0].grad.clone()
-    ref_opt = torch.optim.AdamW([p_ref], foreach=False, **HYPER)
+def _rule_sanity(rule, dev):
+    """One step of every stepper of ``rule`` on 1M + 3 params against the rule's reference
+    (torch's AdamW and SGD with foreach=False, lion-pytorch's Lion) on fp32 copies (the
+    tolerances: benchmarks/README.md, "Rules x formats")."""
+    prob = RuleProblem(rule, (1 << 20) + 3, dev, seed=98)
+    native = prob.steppers["native"][0]
+    p_ref = native.detach().clone()
+    p_ref.grad = native.grad.clone()
+    ref_opt = _lion([p_ref], prob.hyper) if rule == "lion" else \
+        getattr(torch.optim, RULES[rule][0])([p_ref], foreach=False, **prob.hyper)
     ref_opt.step()
     ref_state = ref_opt.state[p_ref]
     g_before = prob.grad.clone()
     for f in prob.fns().values():
         f()
-    close = dict(rtol=1e-5, atol=1e-8)
-    expect_same("lean: native", prob.steppers["native"][0], p_ref, **close)
-    expect_same("lean: native EMA", prob.native_ema[0], p_ref, **close)
+    close, ulp = dict(rtol=1e-5, atol=1e-8), dict(rtol=2.0 ** -7, atol=1e-30)  # ulp: bf16's
+    name = "%s: " % rule
+    expect_same(name + "native", native, p_ref, **close)
+    expect_same(name + "native EMA", prob.native_ema[0], p_ref, **close)
     p_e, opt_e, _ = prob.steppers["remainder_bf16m_ema"]
-    expect_same("lean: EMA", opt_e.ema_param(p_e), p_ref, **close)
+    expect_same(name + "EMA", opt_e.ema_param(p_e), p_ref, **close)
     p_m, opt_m, _ = prob.steppers["master"]
-    expect_same("lean: master", opt_m.master_param(p_m), p_ref, **close)
+    expect_same(name + "master", opt_m.master_param(p_m), p_ref, **close)
     p_r, opt_r, _ = prob.steppers["remainder"]
-    expect_same("lean: remainder vs master (bits)", [p_r, opt_r.master_param(p_r)],
+    expect_same(name + "remainder vs master (bits)", [p_r, opt_r.master_param(p_r)],
                 [p_m, opt_m.master_param(p_m)])
-    ulp = dict(rtol=2.0 ** -7, atol=1e-30)  # one bf16 ulp of the value at most
-    for key in LEAN:
+    moments = [k for k in ref_state if k != "step"]
+    for key, (_, _, mf, _, _) in FMT.items():
         p, opt, _ = prob.steppers[key]
-        st = opt.state[p]
-        expect_same("lean: %s param" % key, p.float(), p_ref, **ulp)
-        expect_same("lean: %s moments" % key, [st["exp_avg"].float(), st["exp_avg_sq"].float()],
-                    [ref_state["exp_avg"], ref_state["exp_avg_sq"]], **ulp)
-    expect_same("lean: the gradient at scale 1", prob.grad, g_before)
-
-
-def _lean_metrics(times, n, roof_numel, roof):
-    """Per lean mode and native: timing, bytes, GB/s, speed vs its baseline, the bytes bound,
-    the fractions of the in-place roofline timed in the same rounds and of the run's best."""
-    inplace_same = times["inplace"].gbps(8.0 * roof_numel)
-    out = {"params": n, "inplace_gbps_same_rounds": inplace_same,
-           "inplace": times["inplace"].to_json(), "modes": {}}
-    for key in list(LEAN) + list(LEAN_NATIVE):
-        if key in LEAN_NATIVE:
-            (label, state, step), target, base = LEAN_NATIVE[key], None, "native"
-        else:
-            label, _, state, fused, target = LEAN[key]
-            step, base = fused + LEAN_CHECK_BYTES, _lean_baseline(key)
-        t = times[key]
-        gb = t.gbps(step * n)
-        row = out["modes"][key] = {
-            "label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
-            "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
-            "baseline": base, "speedup_vs_native": times[base].median / t.median,
-            "bytes_bound_vs_native": LEAN_NATIVE[base][2] / step,
-            "frac_inplace_same_rounds": gb / inplace_same,
-            "frac_inplace_best": gb / roof["inplace_gbps"], "target": target}
-        if target is not None:
-            row["target_speed_met"] = row["speedup_vs_native"] >= target[0]
-            row["target_roofline_met"] = row["frac_inplace_same_rounds"] >= target[1]
-    return out
-
-
-def _lean_report(b: Bench, lean):
-    rows = []
-    for size, mtr in lean.items():
-        for key, m in mtr["modes"].items():
-            tgt, met = m["target"], ""
-            if tgt is not None:
-                b.target(m["target_speed_met"], "lean %s, %s params: %.2fx native (target %.1fx)"
-                         % (key, fmt_count(int(size)), m["speedup_vs_native"], tgt[0]))
-                b.target(m["target_roofline_met"], "lean %s, %s params: %s of the in-place "
-                         "roofline (target %s)" % (key, fmt_count(int(size)),
-                                                   pct(m["frac_inplace_same_rounds"]),
-                                                   pct(tgt[1])))
-                met = yes_no(m["target_speed_met"] and m["target_roofline_met"])
-            rows.append([fmt_count(int(size)) if key == "master" else "", m["label"],
-                         str(m["state_bytes_per_param"]), str(m["step_bytes_per_param"]),
-                         fmt_ms(m["timing"]), "%.1f" % m["gbps"],
-                         pct(m["frac_inplace_same_rounds"]), pct(m["frac_inplace_best"]),
-                         "—" if key == "native" else "%.2fx" % m["speedup_vs_native"],
-                         "—" if key == "native" else "%.2fx" % m["bytes_bound_vs_native"],
-                         "" if tgt is None else "≥ %.1fx, ≥ %s" % (tgt[0], pct(tgt[1])), met])
-        rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
-                     fmt_ms(mtr["inplace"]),
-                     "%.1f" % mtr["inplace_gbps_same_rounds"], "100%", "", "", "", "", ""])
-    return ["### Lean optimizer state under a GradScaler (scale 1, BF16 training)", "",
-            "`scaler.step(opt); scaler.update()`, `mpext.GradScaler(bf16_check_only=True)` and "
-            "`mpext.optim.AdamW` in each mode (bf16 params and grads) against "
-            "`torch.amp.GradScaler(init_scale=1)` and `AdamW(fused=True)` on fp32 params and the "
-            "in-place roofline, in the same rounds. Step bytes include the inf check (mpext 2, "
-            "torch 8); \"bytes bound\" = native's 40 / the mode's; the EMA row is against native "
-            "+ an fp32 EMA (52). Method: benchmarks/README.md, \"Lean optimizer state\".", "",
-            markdown_table(["params", "mode", "state B/param", "step B/param", "ms", "GB/s",
-                            "% in-place (same rounds)", "% in-place (best)", "vs native",
-                            "bytes bound", "target", "met"], rows)]
+        expect_same(name + key + " param", p.float(), p_ref, **ulp)
+        if mf != "q8":  # the 8-bit codes keep other keys (docs/moments_8bit.md)
+            expect_same(name + key + " moments", [opt.state[p][k].float() for k in moments],
+                        [ref_state[k] for k in moments], **ulp)
+    expect_same(name + "the gradient at scale 1", prob.grad, g_before)
 
 
 def run(ctx) -> dict:
     dev = ctx.device
     require_kernel(dev, "adam_step_")
-    only = getattr(ctx.args, "only", None)  # None (run_all): both sections
-    do_paths, do_lean = only in (None, "paths"), only in (None, "lean")
+    only = getattr(ctx.args, "only", None)  # run_all's --only (a list) runs both sections
+    only = only if isinstance(only, str) else None
+    do_paths, do_rules = only in (None, "paths"), only in (None, "rules", "lean")
     sizes = (SIZES_QUICK if ctx.quick else SIZES_FULL) if do_paths else []
-    lean_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_lean else []
+    rule_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_rules else []
     load_start = load_average()
     b = Bench(ctx, NAME, TITLE)
     roof_numel = b.start_roofline()["numel"]
     if do_paths:
         _sanity(dev)
-    if do_lean:
-        _lean_sanity(dev)
+    for rule in RULES if do_rules else ():
+        _rule_sanity(rule, dev)
     b.phase("correctness")
-    raw, drift = {}, {}  # case key -> (times, numel, peaks); after-timing checks
+    # (group, case label, the problem, its modes, the in-place buffer timed along, peaks?)
     gpt_shapes = [shape for _, shape in gpt2_shapes(reduced=ctx.quick)]
-    cases = [(str(n), "1 tensor", [(n,)]) for n in sizes]
+    jobs = [("paths", "%s params, 1 tensor" % fmt_count(n),
+             lambda n=n, ci=ci: Problem([(n,)], dev, seed=ci), _path_modes, 0, n == sizes[-1])
+            for ci, n in enumerate(sizes)]
     if do_paths:
-        cases.append(("gpt2", "GPT-2 %s list" % ("reduced" if ctx.quick else "small"),
-                      gpt_shapes))
-    with ctx.progress(total=len(cases), desc="adam cases") as bar:
-        for ci, (key, label, shapes) in enumerate(cases):
-            prob = Problem(shapes, dev, seed=ci)
+        jobs.append(("paths", "GPT-2 %s list: %.1fM params, %d tensors" % (
+            "reduced (4 layers, 8K vocab)" if ctx.quick else "small",
+            sum(math.prod(s) for s in gpt_shapes) / 1e6, len(gpt_shapes)),
+            lambda: Problem(gpt_shapes, dev, seed=len(sizes)), _path_modes, 0, False))
+    jobs += [(rule, "%s params, %s" % (fmt_count(n), rule),
+              lambda n=n, ci=ci, rule=rule: RuleProblem(rule, n, dev, seed=100 + ci,
+                                                        roof_numel=roof_numel),
+              lambda t, n, rule=rule: _rule_modes(rule), roof_numel, False)
+             for ci, n in enumerate(rule_sizes) for rule in RULES]
+    raw, checks = [], {}
+    with ctx.progress(total=len(jobs), desc="adam cases") as bar:
+        for group, label, make, modes, inplace_n, peak in jobs:
+            prob = make()
             fns = prob.fns()
             peaks = None
-            if key == str(sizes[-1]):  # peak memory at the largest single size
+            if peak:  # peak memory at the largest single size
                 for f in fns.values():  # create the optimizers' state first
                     f()
                 peaks = peak_memory_many(fns, dev)
-            times = ctx.time_fns(fns, desc="%s (%s params)" % (label, fmt_count(prob.numel)))
-            drift[key] = prob.after_timing_checks()
-            raw[key] = (times, prob.numel, peaks)
+            times = ctx.time_fns(fns, desc=label)
+            checks[label] = prob.after_timing_checks()
+            raw.append((group, label, times, prob.numel, modes(times, prob.numel), inplace_n,
+                        peaks))
             del prob, fns
             free_memory(dev)
             bar.update(1)
-            b.phase("case_" + key)
-    lean_raw, lean_checks = {}, {}
-    for ci, n in enumerate(lean_sizes):
-        prob = LeanProblem(n, dev, seed=100 + ci, roof_numel=roof_numel)
-        lean_raw[str(n)] = ctx.time_fns(prob.fns(), desc="lean state (%s params)" % fmt_count(n))
-        lean_checks[str(n)] = prob.after_timing_checks()
-        del prob
-        free_memory(dev)
-        b.phase("lean_" + str(n))
+            b.phase(label)
     roof = b.end_roofline()
-    metrics = {k: _case_metrics(t, n, roof, pk) for k, (t, n, pk) in raw.items()}
-    lean = {k: _lean_metrics(t, int(k), roof_numel, roof) for k, t in lean_raw.items()}
+    results = [dict(_metrics(label, t, n, modes, roof, inplace_n, peaks), group=group)
+               for group, label, t, n, modes, inplace_n, peaks in raw]
     load_end = load_average()
-
-    case_label = {k: ("%s params, 1 tensor" % fmt_count(int(k)) if k != "gpt2" else
-                      "GPT-2 %s list: %.1fM params, %d tensors"
-                      % ("reduced (4 layers, 8K vocab)" if ctx.quick else "small",
-                         metrics[k]["params"] / 1e6, len(gpt_shapes))) for k in metrics}
     md = []
     if load_start and load_end:
         cores = busy_cores(ctx.machine)
@@ -566,77 +504,60 @@ def run(ctx) -> dict:
                   ": **other processes shared the cores**, so on lists the ratios overstate "
                   "mpext's lead (benchmarks/README.md, \"AdamW step\")."
                   if max(load_start[0], load_end[0]) > 0.5 * cores else "."), ""]
-    if do_paths:
-        md += _paths_report(b, metrics, case_label) + [
-            "", "%d samples per path; after the timings %d subnormal values in all states (%s "
-            "elements checked), found_inf 0, mpext steps = calls."
-            % (ctx.repeats, sum(d["subnormals_mpext"] + d["subnormals_torch"]
-                                for d in drift.values()),
-               "{:,}".format(sum(d["mpext_elements_checked"] + d["torch_elements_checked"]
-                                 for d in drift.values()))), ""]
-    if do_lean:
-        md += _lean_report(b, lean) + [
-            "", "%d samples per row, a size's rows interleaved; after the timings every step "
-            "taken, scales 1, the shared gradient unwritten, %d subnormal values (%s elements "
-            "checked)." % (ctx.repeats, sum(c["subnormals"] for c in lean_checks.values()),
-                           "{:,}".format(sum(c["elements_checked"]
-                                             for c in lean_checks.values())))]
+    md += [_report(b, results), "",
+           "%d samples per row, a case's rows interleaved. After the timings %d subnormal "
+           "values (%s elements checked); the paths' found_inf 0 and mpext steps = calls; the "
+           "rules' every step taken, scales 1, the shared gradient unwritten. Method, paths, "
+           "formats, bytes and columns: benchmarks/README.md, \"AdamW step\" and \"Rules x "
+           "formats\"." % (ctx.repeats, sum(c["subnormals"] for c in checks.values()),
+                            "{:,}".format(sum(c["elements_checked"] for c in checks.values())))]
     payload = {
         "hyperparameters": dict(HYPER, grad_std=GRAD_STD),
         "paths": {k: {"label": PATH_LABEL[k], "bytes_per_param": PATH_BYTES[k]} for k in SHORT},
         "speed_target": SPEED_TARGET, "copy_target_fraction": COPY_TARGET,
         "target_min_params": TARGET_MIN_PARAMS,
-        "cases": {k: dict(v, label=case_label[k]) for k, v in metrics.items()},
-        "after_timing_checks": drift,
-        "lean_modes": {k: {"label": lab, "options": {o: str(v) for o, v in opts.items()},
-                           "state_bytes_per_param": st,
-                           "step_bytes_per_param": by + LEAN_CHECK_BYTES, "target": tgt}
-                       for k, (lab, opts, st, by, tgt) in LEAN.items()},
-        "lean": lean, "lean_after_timing_checks": lean_checks,
+        "rules": {r: {"class": c, "hyperparameters": h, "native": lab}
+                  for r, (c, _, h, _, lab, _, _) in RULES.items()},
+        "formats": {k: {"label": lab, "param": pf, "moments": mf, "ema": ema, "target": tgt}
+                    for k, (lab, pf, mf, ema, tgt) in FMT.items()},
+        "cases": results, "after_timing_checks": checks,
         "load_average_start": load_start, "load_average_end": load_end}
-    return b.finish(md, payload, lambda: _plot(ctx, sizes, metrics, roof, lean))
+    return b.finish(md, payload, lambda: _plot(ctx, results, roof))
 
 
-def _plot(ctx, sizes, metrics, roof, lean):
-    keys, panels = [str(n) for n in sizes], []
-    if keys:
-        for title, field, ylabel, hl in (
-                ("bandwidth (bytes counted per path / median time)", "gbps", "GB/s",
-                 roofline_hlines(roof, COPY_TARGET)),
-                ("time per parameter", "ns_per_param", "ns / param", {})):
-            panels.append({"title": title, "xlabel": "params", "ylabel": ylabel, "logx": True,
-                           "hlines": hl, "series": {SHORT[p]: (sizes, [
-                               metrics[k]["paths"][p][field] for k in keys]) for p in SHORT}})
-    if lean:
-        ls = [int(k) for k in lean]
-        modes = lean[str(ls[0])]["modes"]
-
-        def series(field):
-            return {modes[k]["label"]: (ls, [lean[str(n)]["modes"][k][field] for n in ls])
-                    for k in list(LEAN) + ["native"]}
-
-        panels += [{"title": "lean state: speed vs native (lines: bytes bounds)",
-                    "xlabel": "params", "ylabel": "x native", "logx": True,
-                    "series": series("speedup_vs_native"),
-                    "hlines": {"bound %s %.2fx" % (k, _lean_bound(k)): _lean_bound(k)
-                               for k in ("remainder_bf16m", "sr_bf16m")}},
-                   {"title": "lean state: fraction of in-place roofline (same rounds)",
-                    "xlabel": "params", "ylabel": "fraction", "logx": True,
-                    "series": series("frac_inplace_same_rounds"), "hlines": {"80%": 0.8}}]
+def _plot(ctx, results, roof):
+    panels, single = [], [r for r in results if r["case"].endswith("1 tensor")]
+    ns = [r["params"] for r in single]
+    for title, field, ylabel, hl in (
+            ("bandwidth (bytes counted per path / median time)", "gbps", "GB/s",
+             roofline_hlines(roof, COPY_TARGET)),
+            ("time per parameter", "ns_per_param", "ns / param", {})) if single else ():
+        panels.append({"title": title, "xlabel": "params", "ylabel": ylabel, "logx": True,
+                       "hlines": hl, "series": {SHORT[p]: (ns, [r["modes"][p][field]
+                                                                for r in single])
+                                                for p in SHORT}})
+    for rule in RULES:
+        res = [r for r in results if r["group"] == rule]
+        if not res:
+            continue
+        bounds = {"bound %s %.2fx" % (k, res[0]["modes"][k]["bytes_bound_vs_baseline"]):
+                  res[0]["modes"][k]["bytes_bound_vs_baseline"] for k in ("remainder_bf16m",
+                                                                          "sr_bf16m")}
+        panels.append({"title": "%s: speed vs native (lines: bytes bounds)" % rule,
+                       "xlabel": "params", "ylabel": "x native", "logx": True, "hlines": bounds,
+                       "series": {FMT[k][0] if k in FMT else k: ([r["params"] for r in res], [
+                           r["modes"][k]["speedup_vs_baseline"] for r in res])
+                           for k in list(FMT) + ["native"]}})
     return plot_lines(ctx.out_dir / (NAME + ".png"), panels,
                       title=figure_title(ctx, TITLE, isa=True))
 
 
 def _add_args(parser):
-    parser.add_argument("--only", choices=("paths", "lean"), default=None,
-                        help="run one section: the op-level paths, or the lean-state modes "
-                             "under a GradScaler (default: both)")
+    parser.add_argument("--only", choices=("paths", "rules", "lean"), default=None,
+                        help="run one section: the op-level AdamW paths, or every rule's "
+                             "formats under a GradScaler ('lean' is 'rules'; default: both)")
     return parser
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, _add_args, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__, _add_args))

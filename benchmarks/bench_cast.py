@@ -10,9 +10,9 @@ import sys
 import torch
 
 import mpext
-from .common import (PAIR_HEADERS, Bench, expect_same, figure_title, fmt_count, free_memory,
-                     gpt2_shapes, markdown_table, pair_cells, pair_metrics, pct, peak_pairs,
-                     plot_lines, roofline_hlines, run_standalone, time_pairs, yes_no)
+from .common import (PAIR_HEADERS, Bench, expect_same, fmt_count, free_memory, gpt2_shapes,
+                     markdown_table, pair_cells, pair_metrics, pct, peak_pairs, run_standalone,
+                     time_pairs, yes_no)
 
 NAME = "bench_cast"
 TITLE = "Casts: mpext vs PyTorch"
@@ -134,31 +134,8 @@ def run(ctx) -> dict:
     payload = {"bytes_per_element": BYTES_PER_ELEM, "copy_target_fraction": COPY_TARGET,
                "gpt2_small": {"params": total, "tensors": len(shapes)}, "cases": cases,
                "sweep": {str(n): sweep[n] for n in sizes}}
-    return b.finish(md, payload, lambda: _plot(ctx, sizes, sweep, roof))
-
-
-def _plot(ctx, sizes, sweep, roof):
-    def gb(key, side):
-        return sizes, [sweep[n][key][side + "_gbps"] for n in sizes]
-
-    panels = []
-    for key, label in SWEEP_CASES[:4]:
-        series = {"mpext": gb(key, "mpext"), "torch": gb(key, "torch")}
-        if key in ("bf16", "fp16"):
-            series["mpext cast_ (preallocated)"] = gb(key + "_pre", "mpext")
-            series["torch copy_ (preallocated)"] = gb(key + "_pre", "torch")
-        if key == "bf16":
-            series["mpext stochastic"] = gb("bf16_sr", "mpext")
-        panels.append({"title": label, "xlabel": "elements", "ylabel": "GB/s (read + write)",
-                       "logx": True, "series": series,
-                       "hlines": roofline_hlines(roof, COPY_TARGET)})
-    return plot_lines(ctx.out_dir / (NAME + ".png"), panels,
-                      title=figure_title(ctx, TITLE, isa=True))
-
-
-def main(argv=None):
-    return run_standalone(run, __doc__, None, argv)
+    return b.finish(md, payload)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__))

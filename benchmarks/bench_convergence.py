@@ -24,14 +24,14 @@ import torch
 from .common import Bench, check, markdown_table, pyplot, run_standalone, save_figure
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
-from .training import Trainer
+from . import training
+from .training import BF16M, SR, Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
 BF16, FP16 = torch.bfloat16, torch.float16
 
-# key, label, short label, plot colour and line style
-MODES = [
+MODES = [  # key, label, short label, plot colour and line style
     ("fp32", "1. FP32 params, torch AdamW (reference)", "FP32", "black", "-"),
     ("amp_bf16", "2. native AMP: BF16 autocast, FP32 params, AdamW(fused)", "AMP BF16",
      "tab:blue", "--"),
@@ -51,23 +51,20 @@ MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 # options. Criterion: "reference"; "exact" (bitwise the reference); "band" (mean final loss
 # within the reference's noise band); "cautionary" (expected worse).
 LEAN_BASE = "mpext_optim_bf16"
-_BF16_MOMENTS = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
     ("master", "FP32 master (reference)", "FP32 master", "black", "-", {}, "reference"),
     ("remainder", "remainder: BF16 param + int16 remainder", "remainder", "tab:gray", "--",
      dict(param_remainders=True), "exact"),
     ("remainder_bf16m", "remainder + BF16 moments (SR)", "remainder + BF16 m,v (SR)",
-     "tab:green", "-", dict(param_remainders=True, **_BF16_MOMENTS), "band"),
+     "tab:green", "-", dict(param_remainders=True, **BF16M), "band"),
     ("sr_bf16m", "no master, SR params + BF16 moments (SR)", "no master SR + BF16 m,v (SR)",
-     "tab:blue", "-", dict(master_weights=False, stochastic_rounding=True, **_BF16_MOMENTS),
-     "band"),
-    ("sr", "no master, SR params, FP32 moments", "no master SR", "tab:cyan", "--",
-     dict(master_weights=False, stochastic_rounding=True), "band"),
+     "tab:blue", "-", dict(SR, **BF16M), "band"),
+    ("sr", "no master, SR params, FP32 moments", "no master SR", "tab:cyan", "--", SR, "band"),
     ("rtn", "no master, params rounded to nearest", "no master, nearest", "tab:red", ":",
      dict(master_weights=False), "cautionary"),
     ("bf16m_rtn", "remainder + BF16 moments rounded to nearest", "BF16 m,v nearest",
-     "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest",
-                              **_BF16_MOMENTS), "cautionary"),
+     "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest", **BF16M),
+     "cautionary"),
 ]
 LEAN_KEYS = [m[0] for m in LEAN_MODES]
 LEAN_OPTIONS = {m[0]: m[5] for m in LEAN_MODES}
@@ -104,14 +101,12 @@ class Setting:
     init_scale: float = 2.0 ** 16  # loss scaling, identical for torch's and mpext's scalers
     growth_interval: int = 100
 
-    def lr_at(self, step: int, lr: Optional[float] = None) -> float:
+    def lr_at(self, step: int, lr: float) -> float:
         """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_frac`` x lr."""
-        base = self.lr if lr is None else lr
         if step < self.warmup:
-            return base * (step + 1) / self.warmup
+            return lr * (step + 1) / self.warmup
         t = (step - self.warmup) / max(1, self.steps - 1 - self.warmup)
-        return base * (self.min_lr_frac + (1 - self.min_lr_frac) * 0.5 * (1 + math.cos(math.pi
-                                                                                     * t)))
+        return lr * (self.min_lr_frac + (1 - self.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 SETTINGS = {
@@ -146,31 +141,32 @@ LEAN_SEEDS = 3
 
 
 def _half_ulp_bf16(p: torch.Tensor) -> torch.Tensor:
-    """Half the spacing of BF16 numbers at each element of the FP32 ``p`` (a smaller update
-    leaves ``p.to(bfloat16)`` unchanged)."""
-    b = p.detach().to(BF16).float().abs()
-    b = torch.where(b < torch.finfo(BF16).tiny, torch.full_like(b, torch.finfo(BF16).tiny), b)
+    """Half the BF16 spacing at each element of ``p`` (a smaller update rounds away)."""
+    b = p.detach().to(BF16).float().abs().clamp_min(torch.finfo(BF16).tiny)
     return torch.exp2(torch.floor(torch.log2(b)) - 8)  # ulp = 2^(e - 7); half of it
+
+
+def _series():
+    return dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class Run:
-    """The record of one mode's training: curves, scales, skips, lost updates, time. Per step:
-    ``unchanged``, the BF16/FP16 params a step left alone; ``below_half_ulp``, the FP32 values
-    (params or masters) it moved less than half a BF16 ulp; ``v_decreased``, the exp_avg_sq
-    elements it lowered (fractions)."""
+    """One mode's training record. Per step: ``unchanged``, the BF16/FP16 params it left alone;
+    ``below_half_ulp``, the FP32 values it moved less than half a BF16 ulp; ``v_decreased``,
+    the exp_avg_sq elements it lowered (fractions)."""
 
     mode: str
     lr: float
     seed: Optional[int] = None
-    eval_steps: list = dataclasses.field(default_factory=list)
-    eval_loss: list = dataclasses.field(default_factory=list)
-    train_loss: list = dataclasses.field(default_factory=list)
-    scale: list = dataclasses.field(default_factory=list)
-    skipped: list = dataclasses.field(default_factory=list)
-    unchanged: list = dataclasses.field(default_factory=list)
-    below_half_ulp: list = dataclasses.field(default_factory=list)
-    v_decreased: list = dataclasses.field(default_factory=list)
+    eval_steps: list = _series()
+    eval_loss: list = _series()
+    train_loss: list = _series()
+    scale: list = _series()
+    skipped: list = _series()
+    unchanged: list = _series()
+    below_half_ulp: list = _series()
+    v_decreased: list = _series()
     seconds: float = 0.0
     final: Optional[dict] = None  # grads, params, fp32 (masters or FP32 params), state
 
@@ -182,6 +178,13 @@ class Run:
              if f.name != "final"}
         return dict(d, label=LABEL[self.mode], final_loss=self.final_loss(k), lr=self.lr,
                     seed=self.seed, seconds=self.seconds)
+
+
+def val_batches(val_data, st: Setting, cfg: GPTConfig, device) -> list:
+    """The held-out batches every evaluation of a setting uses."""
+    vgen = torch.Generator().manual_seed(st.data_seed + 1)
+    return [tuple(t.to(device) for t in get_batch(val_data, st.batch_size, cfg.block_size, vgen))
+            for _ in range(st.eval_batches)]
 
 
 @torch.no_grad()
@@ -202,18 +205,28 @@ def _tail_mean(xs: List[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
+def _frac(pairs, n) -> float:
+    return sum(int(x.sum()) for x in pairs) / n
+
+
 def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, device, *,
           lr: Optional[float] = None, fp32_gemm: bool = False, track_updates: bool = False,
           track_moments: bool = False, keep_grads: bool = False, keep_final: bool = False,
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
+          base: Optional[str] = None, options: Optional[dict] = None, on_step=None,
           bar=None) -> Run:
-    """Trains one mode (training.MODES or LEAN_MODES) from the shared weights or ``init`` (then
-    evaluated at step 0 too); ``seed`` (lean): rounding seed and batch order; ``track_*``: the
-    per-step counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state."""
+    """Trains one mode (training.MODES or LEAN_MODES; or ``base``, a training.MODES key, with
+    ``options`` for its Trainer) from the shared weights or ``init`` (then evaluated at step 0
+    too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_*``: the per-step
+    counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state;
+    ``on_step(step, trainer)`` after each step. The one training loop of the convergence
+    studies (measure_q8_codes trains on it too)."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr, seed)
-    base, options = (LEAN_BASE, dict(LEAN_OPTIONS[mode])) if mode in LEAN_OPTIONS else (mode, {})
-    if seed is not None:
+    if base is None:
+        base, options = (LEAN_BASE, LEAN_OPTIONS[mode]) if mode in LEAN_OPTIONS else (mode, {})
+    options = dict(options or {})
+    if seed is not None and training.MODES[base].kind == "mpext-optim":
         options["seed"] = seed
     torch.manual_seed(st.seed)
     model = GPT(cfg, fp32_gemm=fp32_gemm)  # FP32 init for all
@@ -224,6 +237,7 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                           scaler_options=dict(init_scale=st.init_scale,
                                               growth_interval=st.growth_interval), **options)
     params = tr.params
+    n = sum(p.numel() for p in params)
     low = params[0].dtype is not torch.float32
     # an FP32 value to watch: the param itself, or a master mpext's optimizer keeps
     has_fp32 = not low or (tr.kind == "mpext-optim" and options.get("master_weights", True))
@@ -238,12 +252,9 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
         run.eval_loss.append(evaluate(tr, val_batches))
     t0 = time.perf_counter()
     for step in range(st.steps):
-        for group in tr.opt.param_groups:
-            group["lr"] = st.lr_at(step, lr)
-        x, y = get_batch(train_data, st.batch_size, cfg.block_size, gen)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with tr.autocast():
-            _, loss = tr.model(x, y)
+        tr.set_lr(st.lr_at(step, lr))
+        x, y = (t.to(device, non_blocking=True) for t in get_batch(
+            train_data, st.batch_size, cfg.block_size, gen))
         if track_updates:
             before = [p.detach().clone() for p in params] if low else None
             before32 = fp32_values() if has_fp32 else None
@@ -251,34 +262,36 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             v_before = [(p, tr.opt.state[p]["exp_avg_sq"].clone()) for p in params
                         if "exp_avg_sq" in tr.opt.state.get(p, {})]
         scale = tr.get_scale()  # the scale this step's backward uses
-        tr.backward(loss)
-        if keep_grads and step == st.steps - 1:
+        last_grads = keep_grads and step == st.steps - 1
+        loss, applied = tr.train_step(x, y, zero_grad=not last_grads)
+        if last_grads:  # kept after the step: the fp32 reference's step leaves them as they are
             run.final = {"grads": [p.grad.detach().clone() for p in params]}
-        applied = tr.step()
+            tr.opt.zero_grad(set_to_none=True)
         if scale is not None:
             run.scale.append(scale)
             # torch's GradScaler says nothing of a skip but lowers its scale
             if (not bool(applied)) if applied is not None else tr.get_scale() < scale:
                 run.skipped.append(step)
-        n = sum(p.numel() for p in params)
         if track_updates and low:
-            run.unchanged.append(sum(int((p.detach() == b).sum())
-                                     for p, b in zip(params, before)) / n)
+            run.unchanged.append(_frac((p.detach() == b for p, b in zip(params, before)), n))
         if track_updates and has_fp32:  # updates a BF16 weight rounded to nearest can't take
-            run.below_half_ulp.append(sum(int(((a - b).abs() < _half_ulp_bf16(b)).sum())
-                                          for a, b in zip(fp32_values(), before32)) / n)
+            run.below_half_ulp.append(_frac(((a - b).abs() < _half_ulp_bf16(b)
+                                             for a, b in zip(fp32_values(), before32)), n))
         if track_moments and v_before:
-            lowered = sum(int((tr.opt.state[p]["exp_avg_sq"] < v).sum()) for p, v in v_before)
-            run.v_decreased.append(lowered / sum(v.numel() for _, v in v_before))
+            run.v_decreased.append(_frac((tr.opt.state[p]["exp_avg_sq"] < v
+                                          for p, v in v_before),
+                                         sum(v.numel() for _, v in v_before)))
         run.train_loss.append(float(loss.detach()))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
             run.eval_loss.append(evaluate(tr, val_batches))
             check(math.isfinite(run.eval_loss[-1]), "%s: validation loss became %r at step %d"
                   % (mode, run.eval_loss[-1], step + 1))
+        if on_step is not None:
+            on_step(step, tr)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str("%s loss %.3f" % (SHORT[mode], run.train_loss[-1]))
+            bar.set_postfix_str("%s loss %.3f" % (SHORT.get(mode, mode), run.train_loss[-1]))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - t0
@@ -298,24 +311,22 @@ BF16_MIN_NORMAL = 2.0 ** -126
 
 def underflow_stats(grads: List[torch.Tensor], scale: float):
     """Fractions of the non-zero FP32 gradient elements that cast to zero / a subnormal in FP16
-    (unscaled, and times ``scale``), to zero in BF16, and overflow FP16 after scaling, counted
-    by casting. Returns ``(stats, the non-zero gradient elements)``."""
+    (unscaled, and times ``scale``), to zero in BF16, and overflow FP16 after scaling. Returns
+    ``(stats, the non-zero gradient elements)``."""
     g = torch.cat([t.detach().float().flatten() for t in grads]).cpu()
     g = g[g != 0]
-    n = g.numel()
     h, hs = g.to(FP16), (g * scale).to(FP16)
 
     def frac(mask):
-        return int(mask.sum()) / n
+        return int(mask.sum()) / g.numel()
 
-    return {"elements": n, "scale": scale, "fp16_zero": frac(h == 0),
+    return {"elements": g.numel(), "scale": scale, "fp16_zero": frac(h == 0),
             "fp16_subnormal": frac((h != 0) & (h.abs() < FP16_MIN_NORMAL)),
             "fp16_scaled_zero": frac(hs == 0),
             "fp16_scaled_subnormal": frac((hs != 0) & (hs.abs() < FP16_MIN_NORMAL)),
             "fp16_scaled_overflow": frac(torch.isinf(hs)), "bf16_zero": frac(g.to(BF16) == 0),
-            "log2_abs_min": float(g.abs().min().log2()),
-            "log2_abs_median": float(g.abs().median().log2()),
-            "log2_abs_max": float(g.abs().max().log2())}, g
+            **{"log2_abs_" + k: float(getattr(g.abs(), k)().log2())
+               for k in ("min", "median", "max")}}, g
 
 
 def _config_text(cfg: GPTConfig) -> str:
@@ -327,7 +338,6 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
               val_batches_for, fig_title: str):
     """The amp study: its Markdown lines, JSON fields and plot function."""
     data, vocab, train_data, entropy = corpus
-    dev = ctx.device
     cfg = GPTConfig.preset(st.preset, len(vocab))
     val_batches = val_batches_for(st, cfg)
 
@@ -335,9 +345,9 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
         out = {}
         with ctx.progress(total=st.steps * len(keys), desc=desc) as bar:
             for k in keys:
-                out[k] = train(k, st, cfg, train_data, val_batches, dev, fp32_gemm=fp32_gemm,
-                               track_updates=k in ("fp32", "bf16_naive"), bar=bar,
-                               keep_grads=k == "fp32" and "lr" not in kw, **kw)
+                out[k] = train(k, st, cfg, train_data, val_batches, ctx.device,
+                               fp32_gemm=fp32_gemm, track_updates=k in ("fp32", "bf16_naive"),
+                               bar=bar, keep_grads=k == "fp32" and "lr" not in kw, **kw)
                 if "lr" not in kw:
                     b.phase(k)
         if "lr" in kw:
@@ -359,7 +369,6 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
                                 runs[scale_src].scale[-1] if scale_src else st.init_scale)
     uf["scale_from"] = scale_src or "init_scale"
     b.phase("underflow")
-
     meaningful = not ctx.quick
     nm = "" if meaningful else " (n/m)"
 
@@ -373,14 +382,12 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
         return ("worse: yes" if r > 1 + TOLERANCE else "worse: no") + nm \
             if key == "bf16_naive" else "—"
 
-    rows = [[LABEL[m], "%g" % r.lr, "%.4f" % r.final_loss(k), "%.4f" % ratio[m],
-             verdict(m, ratio[m]), str(len(r.skipped)) if m in ("amp_fp16", "mpext_fp16")
-             else "—", "%.1f" % r.seconds, "%.1f" % (1e3 * r.seconds / st.steps)]
-            for m, r in runs.items()]
-    rows += [[LABEL[m] + " (low lr)", "%g" % r.lr, "%.4f" % r.final_loss(k),
-              "%.4f" % low_ratio[m], verdict(m, low_ratio[m]) if m != "fp32" else
-              "— (reference)", "—", "%.1f" % r.seconds, "%.1f" % (1e3 * r.seconds / st.steps)]
-             for m, r in low.items()]
+    rows = [[LABEL[m] + tag, "%g" % r.lr, "%.4f" % r.final_loss(k), "%.4f" % rat[m],
+             "— (reference)" if tag and m == "fp32" else verdict(m, rat[m]),
+             str(len(r.skipped)) if m in ("amp_fp16", "mpext_fp16") and not tag else "—",
+             "%.1f" % r.seconds, "%.1f" % (1e3 * r.seconds / st.steps)]
+            for src, rat, tag in ((runs, ratio, ""), (low, low_ratio, " (low lr)"))
+            for m, r in src.items()]
     if "bf16_naive" in runs and meaningful:
         b.target((low_ratio or ratio)["bf16_naive"] > 1 + TOLERANCE,
                  "naive BF16 not measurably worse than FP32, even at lr x%g" % LOW_LR_FACTOR)
@@ -455,20 +462,21 @@ def _line(ax, key, xs, ys, **kw):
     ax.plot(xs, ys, color=c, linestyle=ls, **kw)
 
 
+def _percent_per_step(ax, key, ys, **kw):
+    _line(ax, key, range(1, len(ys) + 1), [100 * y for y in ys], **kw)
+
+
 def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entropy: float,
               title: str):
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(18.0, 4.4))
+    fig, axes = pyplot().subplots(1, 3, figsize=(18.0, 4.4))
     faint = dict(alpha=0.5, linewidth=2.5)
     lowtag = ", lr x%g" % LOW_LR_FACTOR
-    ax = axes[0]
-    for k, r in runs.items():
-        _line(ax, k, r.eval_steps, r.eval_loss, label=SHORT[k])
-    for k, r in low.items():
-        _line(ax, k, r.eval_steps, r.eval_loss, label=SHORT[k] + lowtag, **faint)
-    ax.axhline(entropy, color="grey", linewidth=1, linestyle=":",
-               label="unigram entropy %.2f" % entropy)
-    _label_axes(ax, "validation loss (held-out 10%)", "step", "cross-entropy (nats/char)")
+    for src, extra, tag in ((runs, {}, ""), (low, faint, lowtag)):
+        for k, r in src.items():
+            _line(axes[0], k, r.eval_steps, r.eval_loss, label=SHORT[k] + tag, **extra)
+    axes[0].axhline(entropy, color="grey", linewidth=1, linestyle=":",
+                    label="unigram entropy %.2f" % entropy)
+    _label_axes(axes[0], "validation loss (held-out 10%)", "step", "cross-entropy (nats/char)")
     ax = axes[1]
     if "fp32" in runs:
         for src, extra, tag in ((runs, {}, ""), (low, faint, " / FP32" + lowtag)):
@@ -481,25 +489,22 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
         ax.set_ylim(min(0.97, min(ys) - 0.005), max(1.05, max(ys) + 0.01))
         ax.set_xlim(left=st.steps * 0.2)
     _label_axes(ax, "validation loss / FP32's (same lr)", "step")
-    ax = axes[2]
     for src, attr, lab in ((runs, "unchanged", "naive BF16: weights a step left unchanged"),
                            (runs, "below_half_ulp",
                             "FP32: updates < half a BF16 ulp of the weight"),
                            (low, "unchanged", "naive BF16" + lowtag),
                            (low, "below_half_ulp", "FP32 (< half ulp)" + lowtag)):
         for k, r in src.items():
-            ys = getattr(r, attr)
-            if ys:
-                _line(ax, k, range(1, len(ys) + 1), [100 * v for v in ys],
-                      alpha=1.0 if src is runs else 0.5, label=lab)
-    ax.set_ylim(0, 100)
-    _label_axes(ax, "lost updates in BF16 without master weights", "step", "% of weights")
+            if getattr(r, attr):
+                _percent_per_step(axes[2], k, getattr(r, attr), label=lab,
+                                  alpha=1.0 if src is runs else 0.5)
+    axes[2].set_ylim(0, 100)
+    _label_axes(axes[2], "lost updates in BF16 without master weights", "step", "% of weights")
     return save_figure(fig, path, title)
 
 
 def plot_scale(path, runs: Dict[str, Run], title: str):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8.5, 4.4))
+    fig, ax = pyplot().subplots(figsize=(8.5, 4.4))
     for k in ("amp_fp16", "mpext_fp16"):
         r = runs.get(k)
         if r is not None:
@@ -515,11 +520,11 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
 
 
 def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
-    plt = pyplot()
     lg = g.abs().log2()
     scale = stats["scale"]
     lgs = lg + math.log2(scale)
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, axes = pyplot().subplots(1, 2, figsize=(14, 4.6),
+                                  gridspec_kw={"width_ratios": [1, 1.3]})
     for ax, (lo, hi), zoom in ((axes[0], (-140, 20), False),
                                (axes[1], (math.floor(float(lg.min())) - 2,
                                           max(18, math.ceil(float(lgs.max())) + 1)), True)):
@@ -537,9 +542,7 @@ def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
                               (math.log2(BF16_MIN_NORMAL), "green", "--",
                                "BF16 min normal 2^-126")):
             ax.axvline(x, color=c, linestyle=ls, linewidth=1, label=lab)
-        ax.set_xlim(lo, hi)
-        ax.set_yscale("log")
-        ax.set(xlabel="log2 |gradient|", ylabel="elements")
+        ax.set(xlim=(lo, hi), yscale="log", xlabel="log2 |gradient|", ylabel="elements")
         ax.grid(True, alpha=0.3)
         if zoom:
             ax.set_title("zoom: FP16 zero %.3g%% unscaled, %.3g%% scaled; subnormal %.3g%% / %.3g%%"
@@ -567,8 +570,8 @@ def bits_differ(a: Optional[List[torch.Tensor]], b: Optional[List[torch.Tensor]]
 
 
 def same_training(ref: Run, other: Run) -> Optional[str]:
-    """None if ``other`` trained exactly as ``ref`` did (the same loss at every step and
-    evaluation, bitwise the same final params and FP32 values), else what differs."""
+    """None if ``other`` trained exactly as ``ref`` did (every loss, the final params and FP32
+    values bit for bit), else what differs."""
     for name, x, y in (("training losses", ref.train_loss, other.train_loss),
                        ("validation losses", ref.eval_loss, other.eval_loss)):
         if x != y:
@@ -583,14 +586,13 @@ def same_training(ref: Run, other: Run) -> Optional[str]:
 
 def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
     """The noise band (the reference's mean ± its seed-to-seed range) and each mode's place in
-    it, from ``finals``, per mode its final loss per seed; criteria: docs/lean_state.md."""
+    it, from each mode's final loss per seed; criteria: docs/lean_state.md."""
     ref = finals["master"]
     center, half = sum(ref) / len(ref), max(ref) - min(ref)
     modes = {}
     for key, xs in finals.items():
         mean = sum(xs) / len(xs)
-        delta = mean - center
-        crit = LEAN_CRITERION[key]
+        delta, crit = mean - center, LEAN_CRITERION[key]
         modes[key] = {"finals": list(xs), "mean": mean, "delta": delta,
                       "inside": abs(delta) <= half, "criterion": crit,
                       "met": {"reference": True, "exact": list(xs) == list(ref),
@@ -600,9 +602,9 @@ def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
 
 def moment_decay_demo(device, steps: int = 2000, n: int = 4096, drop_at: int = 100,
                       factor: float = 0.1, every: int = 10, beta2: float = 0.999) -> dict:
-    """The second moment of a BF16 param whose gradients (normal noise) shrink ``1/factor``-fold
-    at step ``drop_at``, kept in FP32, in BF16 rounded stochastically and to nearest: the mean
-    of exp_avg_sq every ``every`` steps, with its expectation (float64)."""
+    """The second moment of a BF16 param whose gradient noise shrinks ``1/factor``-fold at step
+    ``drop_at``, kept in FP32, in BF16 rounded stochastically and to nearest: the mean of
+    exp_avg_sq every ``every`` steps, with its expectation (float64)."""
     import mpext
 
     out = {"steps": list(range(every, steps + 1, every)), "drop_at": drop_at, "factor": factor,
@@ -633,23 +635,20 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTCon
     """Pretrains once in FP32, fine-tunes in every lean mode for each seed and checks the
     remainder runs against the reference bit for bit, if training is deterministic here: a
     second reference run of seed 0 tells (otherwise the check is skipped, and said so)."""
-    dev = ctx.device
     modes = [k for k in LEAN_KEYS if k in modes or k == "master"]
-    total = pre.steps + ft.steps * (len(modes) * seeds + 1)
-    with ctx.progress(total=total, desc="lean state") as bar:
-        base = train("fp32", pre, cfg, train_data, val_batches, dev, fp32_gemm=fp32_gemm,
-                     keep_final=True, bar=bar)
+    kw = dict(fp32_gemm=fp32_gemm)
+    with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1),
+                      desc="lean state") as bar:
+        kw["bar"] = bar
+        base = train("fp32", pre, cfg, train_data, val_batches, ctx.device, keep_final=True, **kw)
         b.phase("lean_pretrain")
-        init = base.final["state"]
-        runs = {k: [] for k in modes}
-        for s in range(seeds):
-            for k in modes:
-                runs[k].append(train(k, ft, cfg, train_data, val_batches, dev,
-                                     fp32_gemm=fp32_gemm, init=init, seed=s, track_updates=True,
-                                     track_moments=True, bar=bar,
-                                     keep_final=LEAN_CRITERION[k] in ("reference", "exact")))
-        repeat = train("master", ft, cfg, train_data, val_batches, dev, fp32_gemm=fp32_gemm,
-                       init=init, seed=0, keep_final=True, bar=bar)
+        kw["init"] = base.final["state"]
+        runs = {k: [train(k, ft, cfg, train_data, val_batches, ctx.device, seed=s,
+                          track_updates=True, track_moments=True,
+                          keep_final=LEAN_CRITERION[k] in ("reference", "exact"), **kw)
+                    for s in range(seeds)] for k in modes}
+        repeat = train("master", ft, cfg, train_data, val_batches, ctx.device, seed=0,
+                       keep_final=True, **kw)
     deterministic = same_training(runs["master"][0], repeat) is None
     checked = deterministic and "remainder" in runs
     if checked:
@@ -657,11 +656,11 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTCon
             diff = same_training(ref, rem)
             check(diff is None, "remainder vs master, seed %s: %s" % (rem.seed, diff))
     b.phase("lean_finetune")
-    finals = {k: [r.final_loss(ft.final_k) for r in rs] for k, rs in runs.items()}
-    demo = moment_decay_demo(dev)
+    demo = moment_decay_demo(ctx.device)
     b.phase("lean_moment_demo")
     return {"pretrain": base, "runs": runs, "deterministic": deterministic,
-            "remainder_checked": checked, "verdict": lean_verdicts(finals), "demo": demo}
+            "remainder_checked": checked, "demo": demo, "verdict": lean_verdicts(
+                {k: [r.final_loss(ft.final_k) for r in rs] for k, rs in runs.items()})}
 
 
 def _seed_mean(runs: List[Run], attr: str) -> float:
@@ -757,7 +756,6 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
 def plot_lean(path, res: dict, seeds: int, title: str):
     """The mean validation loss of every lean mode with the noise band; each mode's difference
     from the reference (symlog); the weights a step left unchanged; the synthetic demo."""
-    plt = pyplot()
     runs = res["runs"]
     steps = runs["master"][0].eval_steps
 
@@ -766,46 +764,39 @@ def plot_lean(path, res: dict, seeds: int, title: str):
 
     center = mean_curve(runs["master"])
     half = [max(v) - min(v) for v in zip(*(r.eval_loss for r in runs["master"]))]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    ax = axes[0][0]
+    fig, ((ax, ax_d), (ax_u, ax_v)) = pyplot().subplots(2, 2, figsize=(13, 9))
     ax.fill_between(steps, [c - h for c, h in zip(center, half)],
                     [c + h for c, h in zip(center, half)], color="grey", alpha=0.25,
                     label="noise band: FP32 master mean ± seed range")
+    lin = max(max(half), 1e-6)
+    ax_d.fill_between(steps, [-h for h in half], half, color="grey", alpha=0.25,
+                      label="noise band")
     for k, rs in runs.items():
         _line(ax, k, steps, mean_curve(rs), label=SHORT[k])
+        _line(ax_d, k, steps, [a - c for a, c in zip(mean_curve(rs), center)], label=SHORT[k])
+        if rs[0].unchanged and k in ("master", "sr", "sr_bf16m", "rtn"):
+            _percent_per_step(ax_u, k, mean_curve(rs, "unchanged"),
+                              label="%s: BF16 weights unchanged" % SHORT[k])
     _label_axes(ax, "validation loss, mean of %d seeds (step 0: the pretrained model)" % seeds,
                 "fine-tuning step", "cross-entropy (nats/char)")
     ax.legend(fontsize=7, loc="lower left")
-    ax = axes[0][1]
-    lin = max(max(half), 1e-6)
-    ax.fill_between(steps, [-h for h in half], half, color="grey", alpha=0.25,
-                    label="noise band")
-    for k, rs in runs.items():
-        _line(ax, k, steps, [a - c for a, c in zip(mean_curve(rs), center)], label=SHORT[k])
-    ax.set_yscale("symlog", linthresh=2 * lin)
-    _label_axes(ax, "difference from the FP32 master's mean (symlog; linear within ±%.1g)"
+    ax_d.set_yscale("symlog", linthresh=2 * lin)
+    _label_axes(ax_d, "difference from the FP32 master's mean (symlog; linear within ±%.1g)"
                 % (2 * lin), "fine-tuning step", "Δ loss")
-    ax = axes[1][0]
-    for k, rs in runs.items():
-        ys = mean_curve(rs, "unchanged")
-        if ys and k in ("master", "sr", "sr_bf16m", "rtn"):
-            _line(ax, k, range(1, len(ys) + 1), [100 * y for y in ys],
-                  label="%s: BF16 weights unchanged" % SHORT[k])
     ys = mean_curve(runs["master"], "below_half_ulp")
-    ax.plot(range(1, len(ys) + 1), [100 * y for y in ys], color="tab:purple", linewidth=1,
-            label="FP32 master: updates < half a BF16 ulp")
-    ax.set_ylim(0, 100)
-    _label_axes(ax, "weights a step left unchanged", "fine-tuning step", "% of weights")
-    ax = axes[1][1]
+    ax_u.plot(range(1, len(ys) + 1), [100 * y for y in ys], color="tab:purple", linewidth=1,
+              label="FP32 master: updates < half a BF16 ulp")
+    ax_u.set_ylim(0, 100)
+    _label_axes(ax_u, "weights a step left unchanged", "fine-tuning step", "% of weights")
     demo = res["demo"]
-    ax.plot(demo["steps"], demo["expected"], color="grey", linewidth=4, alpha=0.4,
-            label="expectation")
+    ax_v.plot(demo["steps"], demo["expected"], color="grey", linewidth=4, alpha=0.4,
+              label="expectation")
     for kind, c, ls, lab in (("fp32", "black", "-", "FP32 moments"),
                              ("bf16_sr", "tab:green", "--", "BF16, stochastic rounding"),
                              ("bf16_nearest", "tab:orange", "-.", "BF16, round to nearest")):
-        ax.plot(demo["steps"], demo["mean_v"][kind], color=c, linestyle=ls, label=lab)
-    ax.set_yscale("log")
-    _label_axes(ax, "second moment, gradients %gx smaller from step %d (beta2 %g)"
+        ax_v.plot(demo["steps"], demo["mean_v"][kind], color=c, linestyle=ls, label=lab)
+    ax_v.set_yscale("log")
+    _label_axes(ax_v, "second moment, gradients %gx smaller from step %d (beta2 %g)"
                 % (1 / demo["factor"], demo["drop_at"], demo["beta2"]), "step",
                 "mean exp_avg_sq (synthetic, %d elements)" % demo["n"])
     return save_figure(fig, path, title)
@@ -827,9 +818,7 @@ def add_args(parser):
     a("--seeds", type=int, default=None, help="seeds per lean mode (default 3; at least 2)")
     a("--ft-steps", type=int, default=None, help="fine-tuning steps (lean)")
     a("--ft-lr", type=float, default=None, help="fine-tuning peak lr (lean)")
-    a("--native-lowp-gemm", action="store_true",
-      help="CPU: use torch's own BF16/FP16 matmuls (slow without AVX512-BF16)")
-    return parser
+    return training.add_gemm_arg(parser)
 
 
 def _override(st: Setting, steps: Optional[int], lr: Optional[float], flag: str) -> Setting:
@@ -846,16 +835,20 @@ def _override(st: Setting, steps: Optional[int], lr: Optional[float], flag: str)
     return st
 
 
+def _selected(study: str, name: str, keys: List[str], ref: str, named) -> Optional[List[str]]:
+    """A study's modes (its reference first), or None when it does not run."""
+    keys = [k for k in keys if named is None or k in named]
+    if study not in ("all", name) or not (keys or study == name):
+        return None
+    return [ref] + [k for k in keys if k != ref]
+
+
 def run(ctx) -> dict:
     a = ctx.args
     kind = "quick" if ctx.quick else ("cuda" if ctx.is_cuda else "cpu")
     study, named = getattr(a, "study", None) or "all", getattr(a, "modes", None)
-    amp = [k for k in MODE_KEYS if named is None or k in named]
-    lean = [k for k in LEAN_KEYS if named is None or k in named]
-    amp = ["fp32"] + [k for k in amp if k != "fp32"] if study in ("all", "amp") and (
-        amp or study == "amp") else None
-    lean = ["master"] + [k for k in lean if k != "master"] if study in ("all", "lean") and (
-        lean or study == "lean") else None
+    amp = _selected(study, "amp", MODE_KEYS, "fp32", named)
+    lean = _selected(study, "lean", LEAN_KEYS, "master", named)
     st = _override(SETTINGS[kind], getattr(a, "steps", None), getattr(a, "lr", None), "")
     if getattr(a, "preset", None):
         st.preset = a.preset
@@ -864,13 +857,12 @@ def run(ctx) -> dict:
     seeds = getattr(a, "seeds", None)
     if seeds is not None and seeds < 2:
         raise SystemExit("--seeds must be at least 2 (the noise band is their spread)")
-    seeds = seeds or LEAN_SEEDS
-    fp32_gemm = not ctx.is_cuda and not getattr(a, "native_lowp_gemm", False)
+    fp32_gemm = training.fp32_gemm(ctx)
     threads_before = torch.get_num_threads()
     if not ctx.is_cuda and not a.threads:
         torch.set_num_threads(CPU_THREADS)
     try:
-        return _run(ctx, st, amp, pre, ft, seeds, lean, fp32_gemm)
+        return _run(ctx, st, amp, pre, ft, seeds or LEAN_SEEDS, lean, fp32_gemm)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -884,9 +876,7 @@ def _run(ctx, st, amp_modes, pre, ft, seeds, lean_modes, fp32_gemm) -> dict:
     b.phase("corpus")
 
     def val_batches_for(s: Setting, cfg: GPTConfig):
-        vgen = torch.Generator().manual_seed(s.data_seed + 1)
-        return [tuple(t.to(dev) for t in get_batch(val_data, s.batch_size, cfg.block_size,
-                                                    vgen)) for _ in range(s.eval_batches)]
+        return val_batches(val_data, s, cfg, dev)
 
     md, payload, plots = [], {}, []
     fig_title = "%s: %%s; %s, torch %s" % (
@@ -911,9 +901,5 @@ def _run(ctx, st, amp_modes, pre, ft, seeds, lean_modes, fp32_gemm) -> dict:
     return b.finish(md, payload, lambda: [f for fn in plots for f in fn()])
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, add_args, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__, add_args))

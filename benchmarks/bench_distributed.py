@@ -5,7 +5,6 @@ benchmarks/README.md, "Distributed".
     python -m benchmarks.bench_distributed [--quick]
 """
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -17,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
-from .common import Bench, check, markdown_table, run_standalone
+from .common import Bench, Timing, check, markdown_table, run_standalone
 
 NAME = "bench_distributed"
 TITLE = "sync_found_inf: the cost of one all-reduce of the inf/NaN flag per step (2 CPU ranks)"
@@ -94,17 +93,12 @@ def _measure(rounds: int, inner: int) -> dict:
     return dict(res, start_method=method)
 
 
-def _stats(xs):
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return {"median_s": statistics.median(xs), "iqr_s": q[2] - q[0], "samples_s": xs}
-
-
 def run(ctx) -> dict:
     b = Bench(ctx, NAME, TITLE)
     rounds, inner = ctx.repeats, 10 if ctx.quick else 40
     res = _measure(rounds, inner)
     b.phase("2-rank run")
-    s = {k: _stats(v) for k, v in res["samples"].items()}
+    s = {k: Timing.from_samples(v, inner).to_json() for k, v in res["samples"].items()}
     off, on, red = (s[k]["median_s"] for k in ("off", "on", "reduce"))
     check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s"
           % res["skipped"])
@@ -129,9 +123,5 @@ def run(ctx) -> dict:
     return b.finish(md, payload, device="cpu (2 gloo ranks)")
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, None, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__))

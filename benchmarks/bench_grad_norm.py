@@ -10,9 +10,8 @@ import sys
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from .common import (Alternate, Bench, check, figure_title, fmt_ms, free_memory, gpt2_shapes,
-                     markdown_table, pair_metrics, pct, plot_bars, require_kernel,
-                     roofline_hlines, run_standalone)
+from .common import (Alternate, Bench, check, fmt_ms, free_memory, gpt2_shapes,
+                     markdown_table, pair_metrics, pct, require_kernel, run_standalone)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -127,20 +126,7 @@ def run(ctx) -> dict:
           "%d samples per row; the read roofline is the reference here. Method, cases and "
           "columns: benchmarks/README.md, \"Gradient norm\"." % ctx.repeats]
     payload = {"inv_scale": INV, "rows": rows}
-    return b.finish(md, payload, lambda: plot_bars(
-        ctx.out_dir / (NAME + ".png"), ["%s %s" % (r["list"], r["dtype"]) for r in rows],
-        {name: [r["metrics"][kind][key] for r in rows] for name, kind, key in (
-            ("mpext grad_norm", "norm", "mpext_gbps"),
-            ("torch get_total_norm", "norm", "torch_gbps"),
-            ("mpext grad_norm(inv_scale)", "after_unscale", "mpext_gbps"),
-            ("torch unscale_ + get_total_norm", "after_unscale", "torch_gbps"))},
-        {k: v for k, v in roofline_hlines(roof).items() if not k.startswith("copy")},
-        "GB/s (bytes each side moves / median time)", figure_title(ctx, TITLE)))
-
-
-def main(argv=None):
-    return run_standalone(run, __doc__, None, argv)
-
+    return b.finish(md, payload)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__))

@@ -1,23 +1,19 @@
 """Loss scaler: ``mpext.unscale_`` against ``torch._amp_foreach_non_finite_check_and_unscale_``
-on a large and a many-tensor gradient list, and the host reads per ``GradScaler`` step, in the
-same run on the same device. Method, cases and columns: benchmarks/README.md, "Loss scaler".
+on a large and a many-tensor gradient list, in the same run on the same device. Method,
+cases and columns: benchmarks/README.md, "Loss scaler".
 
     python -m benchmarks.bench_scaler [--quick] [--device auto|cpu|cuda]
 """
-import collections
-import contextlib
 import math
 import random
 import sys
-import textwrap
 
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
 from .common import (PAIR_HEADERS, Alternate, Bench, check, count_subnormals, expect_same,
-                     figure_title, free_memory, gpt2_shapes, markdown_table, pair_cells,
-                     pair_metrics, pct, peak_pairs, plot_bars, require_kernel, roofline_hlines,
-                     run_standalone, time_pairs, yes_no)
+                     free_memory, gpt2_shapes, markdown_table, pair_cells, pair_metrics, pct,
+                     peak_pairs, require_kernel, run_standalone, time_pairs, yes_no)
 
 NAME = "bench_scaler"
 TITLE = "Loss-scaler unscale_: mpext vs PyTorch"
@@ -65,103 +61,6 @@ def _make_fns(grads, alt, found, one):
     return f_mp, f_t
 
 
-# ---- host syncs per optimizer step
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Counts calls of the torch.Tensor methods that read a value back to the host (.item(),
-    bool(t), float(t), int(t), .tolist()): one per host sync on an accelerator."""
-    counts = collections.Counter()
-    saved = {n: getattr(torch.Tensor, n) for n in ("item", "__bool__", "__float__", "__int__",
-                                                   "__index__", "tolist")}
-
-    def wrap(name, fn):
-        def counted(self, *a, **k):
-            counts[name] += 1
-            return fn(self, *a, **k)
-        return counted
-
-    for n, fn in saved.items():
-        setattr(torch.Tensor, n, wrap(n, fn))
-    try:
-        yield counts
-    finally:
-        for n, fn in saved.items():
-            setattr(torch.Tensor, n, fn)
-
-
-def measure_host_syncs(dev, steps=3):
-    """Host reads per optimizer step (unscale, inf check, skip decision, step; update apart) on
-    three paths. The last step has an Inf in one gradient: it must be skipped."""
-    def run_path(label, make_opt, step_fn, update_fn):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                    torch.nn.Linear(128, 16)).to(dev)
-        opt = make_opt(model.parameters())
-        per_step, per_update, skipped_ok = [], [], None
-        for s in range(steps):
-            opt.zero_grad(set_to_none=True)
-            loss = model(torch.randn(32, 64, device=dev)).square().mean()
-            (loss * step_fn.scale()).backward()
-            if s == steps - 1:  # an overflow in one gradient
-                next(model.parameters()).grad.view(-1)[3] = float("inf")
-            before = [p.detach().clone() for p in model.parameters()]
-            with count_host_reads() as c:
-                step_fn(opt)
-            with count_host_reads() as cu:
-                update_fn()
-            per_step.append(sum(c.values()))
-            per_update.append(sum(cu.values()))
-            skipped_ok = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        return {"label": label, "per_step": per_step, "per_update": per_update,
-                "inf_step_skipped": skipped_ok}
-
-    def torch_path(label, make_opt):
-        scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 10)
-
-        def step(opt):
-            scaler.step(opt)
-        step.scale = lambda: scaler.scale(torch.ones((), device=dev))
-        return run_path(label, make_opt, step, scaler.update)
-
-    def mpext_path():  # unscale_ + a fused optimizer reading found_inf on the device
-        scale = torch.full((), 2.0 ** 10, dtype=FP32, device=dev)
-        tracker = torch.zeros((), dtype=torch.int32, device=dev)
-        found = torch.zeros((), dtype=FP32, device=dev)
-
-        def step(opt):
-            found.zero_()
-            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            torch.ops.mpext.unscale_(grads, found, scale.double().reciprocal().float())
-            opt.found_inf = found  # the fused step skips itself on the device
-            opt.step()
-            del opt.found_inf
-            torch.ops.mpext.update_scale_(scale, tracker, found, 2.0, 0.5, 2000)
-        step.scale = lambda: scale
-        res = run_path("mpext unscale_ + AdamW(fused=True) reading found_inf on the device + "
-                       "mpext update_scale_", adamw, step, lambda: None)
-        return dict(res, update_in_step=True)
-
-    def adamw(ps):
-        return torch.optim.AdamW(ps, lr=1e-3, fused=True)
-
-    paths = {}
-    for key, fn in (("torch_sgd", lambda: torch_path(
-            "torch GradScaler.step + SGD (non-fused: _amp_foreach_non_finite_check_and_unscale_, "
-            "then found_inf on the host)", lambda ps: torch.optim.SGD(ps, lr=0.1))),
-                    ("torch_fused", lambda: torch_path(
-                        "torch GradScaler.step + AdamW(fused=True) (_step_supports_amp_scaling: "
-                        "found_inf stays on the device)", adamw)),
-                    ("mpext_fused", mpext_path)):
-        try:
-            paths[key] = fn()
-        except (RuntimeError, NotImplementedError) as exc:
-            paths[key] = {"label": key, "error": "%s: %s" % (type(exc).__name__, exc)}
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return paths
-
-
 def run(ctx) -> dict:
     dev = ctx.device
     require_kernel(dev, "unscale_")
@@ -192,8 +91,6 @@ def run(ctx) -> dict:
             T_UNSCALE(group, f_t, inv)
         expect_same(name, g_mp + [f_mp], g_t + [f_t])
     b.phase("correctness")
-    syncs = measure_host_syncs(dev)
-    b.phase("host_syncs")
 
     found = torch.zeros((), dtype=FP32, device=dev)
     one = torch.ones((), dtype=FP32, device=dev)
@@ -255,45 +152,22 @@ def run(ctx) -> dict:
                                peak_bytes_mpext=peak[0] if peak else None,
                                peak_bytes_torch=peak[1] if peak else None))
 
-    def per_step(values):
-        return str(values[0]) if len(set(values)) == 1 else ", ".join(map(str, values))
-
-    sync_rows = [[p["label"], "failed: " + p["error"], "", ""] if "error" in p else
-                 [p["label"], per_step(p["per_step"]),
-                  "(in step)" if p.get("update_in_step") else per_step(p["per_update"]),
-                  yes_no(p["inf_step_skipped"])] for p in syncs.values()]
     tiny = metrics["tiny_fp32"]
     md = [markdown_table(["case", "tensors", "elements"] + PAIR_HEADERS + ["target"], rows), "",
           "%d samples per row%s. Fixed cost per tensor (the 1-element row): mpext %.2f µs, "
           "torch %.2f µs. After the timings every tensor held exactly its starting values × 1 "
-          "or × 0.5. Method, cases and columns: benchmarks/README.md, \"Loss scaler\"."
+          "or × 0.5. Method, cases and columns: benchmarks/README.md, \"Loss scaler\" (the host "
+          "reads per step: tests/test_grad_scaler.py::test_host_syncs)."
           % (ctx.repeats, "; peak memory not measured with --quick" if ctx.quick else "",
              tiny["mpext"]["median_s"] / N_SMALL * 1e6,
-             tiny["torch"]["median_s"] / N_SMALL * 1e6), "",
-          "Host reads of a device value per optimizer step; the last step has an Inf in one "
-          "gradient and must be skipped:", "",
-          markdown_table(["path", "host reads per step (step() only)", "per update()",
-                          "Inf step skipped"], sync_rows, align="lrrr")]
+             tiny["torch"]["median_s"] / N_SMALL * 1e6)]
     payload = {"copy_target_fraction": COPY_TARGET, "speed_target": SPEED_TARGET,
                "gpt2_list": {"elements": big_total, "tensors": len(shapes), "reduced": ctx.quick},
                "small_list": {"tensors": N_SMALL, "elements": sum(small_sizes),
                               "max_size": SMALL_MAX,
                               "seed": SMALL_SEED},
-               "cases": cases_json, "drift_check": drift, "host_syncs": syncs}
-    shown = [c for c in CASES if c[0] != "tiny_fp32"]  # GB/s means nothing for 1-element ones
-    return b.finish(md, payload, lambda: plot_bars(
-        ctx.out_dir / (NAME + ".png"), [textwrap.fill(s[5], 24) for s in shown],
-        {"mpext unscale_": [metrics[s[0]]["mpext_gbps"] for s in shown],
-         "torch _amp_foreach_non_finite_check_and_unscale_":
-             [metrics[s[0]]["torch_gbps"] for s in shown]},
-        roofline_hlines(roof, COPY_TARGET), "GB/s (bytes counted / median time)",
-        figure_title(ctx, TITLE, isa=True),
-        notes=["%.2fx" % metrics[s[0]]["speed_ratio"] for s in shown]))
-
-
-def main(argv=None):
-    return run_standalone(run, __doc__, None, argv)
-
+               "cases": cases_json, "drift_check": drift}
+    return b.finish(md, payload)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__))

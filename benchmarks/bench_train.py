@@ -68,12 +68,7 @@ class Run:
         self.losses = []  # device tensors: read once at the end
 
     def step(self, zero_grad=True):
-        x, y = next(self.batches)
-        with self.tr.autocast():
-            _, loss = self.tr.model(x, y)
-        self.tr.backward(loss)
-        self.tr.step(zero_grad)
-        self.losses.append(loss.detach())
+        self.losses.append(self.tr.train_step(*next(self.batches), zero_grad)[0].detach())
 
     def measure(self):
         """Persistent bytes after one more step, before zero_grad (grads alive)."""
@@ -126,13 +121,6 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
     return out
 
 
-def add_args(parser):
-    parser.add_argument("--native-lowp-gemm", action="store_true",
-                        help="on the CPU, use PyTorch's BF16/FP16 GEMMs instead of computing "
-                             "them in FP32 from rounded operands (gpt.Linear)")
-    return parser
-
-
 def _main_per_param(m):
     """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
     counts and cached lr tensors, some 0.003 B/param here, left out)."""
@@ -141,7 +129,7 @@ def _main_per_param(m):
 
 def run(ctx) -> dict:
     b = Bench(ctx, NAME, TITLE)
-    fp32_gemm = not ctx.is_cuda and not getattr(ctx.args, "native_lowp_gemm", False)
+    fp32_gemm = training.fp32_gemm(ctx)
     sizes = SIZES[("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")]
     data, vocab = load_corpus()
     out = []
@@ -249,9 +237,5 @@ def _plot_memory(ctx, res):
     return save_figure(fig, ctx.out_dir / "train_memory.png", figure_title(ctx, TITLE))
 
 
-def main(argv=None):
-    return run_standalone(run, __doc__, add_args, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone(run, __doc__, training.add_gemm_arg))

@@ -1,12 +1,8 @@
-"""What the mpext benchmarks share (the method: benchmarks/README.md).
-
-Every ``bench_*.py`` module exposes ``NAME`` and ``run(ctx) -> dict`` and runs on its own
-(``python -m benchmarks.bench_x [--quick] [--device auto|cpu|cuda]``) or through ``run_all``.
-Here: the options and ``Context``; the timing (``time_fns``, ``time_pairs``); the rooflines; peak
-memory; the machine description; the shared inputs (``gpt2_shapes``, ``Alternate``); the sanity
-guard (``check``, ``expect_same``); and ``Bench``, one benchmark's clock, rooflines, targets,
-report and files. Targets are reported, never enforced.
-"""
+"""What the mpext benchmarks share (the method: benchmarks/README.md): options and ``Context``,
+timing, rooflines, peak memory, the machine, shared inputs, the sanity guard, tables and plots,
+and ``Bench`` (one benchmark's clock, rooflines, targets, report and files). Every ``bench_*.py``
+exposes ``NAME`` and ``run(ctx) -> dict`` and runs alone (``python -m benchmarks.bench_x``) or
+through ``run_all``. Targets are reported, never enforced."""
 import argparse
 import dataclasses
 import datetime
@@ -47,8 +43,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto -> cuda when a GPU is visible and mpext was built with CUDA, else cpu. An explicit
-    'cuda' that cannot run is an error, not a silent fallback."""
+    """auto: cuda when usable, else cpu; an explicit 'cuda' that cannot run is an error."""
     import mpext
 
     cuda_built = bool(mpext.build_info().get("cuda_built"))
@@ -72,7 +67,7 @@ def require_kernel(device: torch.device, op: str) -> None:
 
 
 class Context:
-    """What one benchmark run shares: options, device, output directory, machine info."""
+    """What one run shares: options, device, output directory, machine info."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -99,7 +94,6 @@ class Context:
                         desc=desc, show_progress=self.show_progress)
 
     def roofline(self, read: bool = False) -> dict:
-        """Measures the roofline now (each benchmark measures its own, next to its timings)."""
         return measure_roofline(self.device, quick=self.quick, repeats=self.repeats,
                                 read=read, show_progress=self.show_progress)
 
@@ -108,9 +102,8 @@ class Context:
 
 @dataclasses.dataclass
 class Timing:
-    """Seconds per call: ``inner`` calls timed together in each sample. ``cpu_busy`` (CPU
-    only): the median over samples of process CPU time / wall time, how many cores were busy
-    (about 1.0 single-threaded; waiting threads that spin count too)."""
+    """Seconds per call, ``inner`` calls per sample; ``cpu_busy`` (CPU): the median process CPU
+    time / wall time, the cores busy (spinning threads count too)."""
 
     median: float
     q1: float
@@ -120,10 +113,6 @@ class Timing:
     inner: int
     samples: List[float]
     cpu_busy: Optional[float] = None
-
-    @property
-    def iqr(self) -> float:
-        return self.q3 - self.q1
 
     @classmethod
     def from_samples(cls, samples, inner, cpu_busy=None) -> "Timing":
@@ -137,7 +126,8 @@ class Timing:
         return nbytes / self.median / GB
 
     def to_json(self) -> dict:
-        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "iqr_s": self.iqr,
+        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3,
+                "iqr_s": self.q3 - self.q1,
                 "min_s": self.min, "max_s": self.max, "inner": self.inner,
                 "samples_s": self.samples, "cpu_busy": self.cpu_busy}
 
@@ -163,10 +153,8 @@ def _sample(fn: Callable, inner: int, device: torch.device) -> Tuple[float, Opti
 def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repeats: int = 15,
              warmup: int = 2, min_sample_s: Optional[float] = None, max_inner: int = 1000,
              desc: Optional[str] = None, show_progress: bool = True) -> Dict[str, Timing]:
-    """Times each callable: ``warmup`` untimed calls (the last one sizes the samples), then
-    ``repeats`` samples of ``inner`` back-to-back calls lasting about ``min_sample_s``, the
-    callables interleaved round by round with the order rotating, so that drifting background
-    load hits them alike."""
+    """``warmup`` untimed calls (the last sizes the samples), then ``repeats`` samples of about
+    ``min_sample_s`` each, the callables interleaved with the order rotating every round."""
     if min_sample_s is None:
         min_sample_s = 2e-3 if device.type == "cuda" else 5e-3
     labels = list(fns)
@@ -194,8 +182,7 @@ def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repe
 
 def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                desc: str) -> Dict[str, Tuple[Timing, Optional[Timing]]]:
-    """``time_fns`` over ``key -> (mpext fn, torch fn or None)``, every callable interleaved;
-    returns ``key -> (mpext timing, torch timing or None)``."""
+    """``time_fns`` over ``key -> (mpext fn, torch fn or None)``, all interleaved."""
     fns = {}
     for key, (f_mp, f_t) in pairs.items():
         fns[key + "/mpext"] = f_mp
@@ -207,9 +194,8 @@ def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callabl
 
 def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict,
                  torch_bytes: Optional[float] = None) -> dict:
-    """One mpext-vs-torch row: both timings, GB/s (torch's over ``torch_bytes`` when its side
-    moves more), the speed ratio (> 1: mpext faster) and the fractions of every roofline
-    measured (torch's None where it has no contender)."""
+    """One mpext-vs-torch row: timings, GB/s (torch's over ``torch_bytes`` if it moves more), the
+    speed ratio (> 1: mpext faster) and the fractions of every roofline measured."""
     gb = {"mpext": t_mp.gbps(nbytes),
           "torch": t_torch.gbps(torch_bytes or nbytes) if t_torch is not None else None}
     out = {"bytes": nbytes, "torch_bytes": torch_bytes or nbytes, "mpext": t_mp.to_json(),
@@ -227,8 +213,7 @@ def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: d
 # ---- rooflines
 
 def last_level_cache_bytes(device: torch.device) -> int:
-    """The largest cache in front of memory (CPU: cpu0's biggest cache level from sysfs; CUDA:
-    the L2); 64 MiB when unknown."""
+    """The largest cache (CPU: cpu0's from sysfs; CUDA: the L2); 64 MiB when unknown."""
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
                    or (64 << 20))
@@ -246,11 +231,8 @@ def last_level_cache_bytes(device: torch.device) -> int:
 def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int = 15,
                      numel: Optional[int] = None, read: bool = False,
                      show_progress: bool = True) -> dict:
-    """Streaming bandwidth on ``device``, measured now, over fp32 buffers of at least 16x
-    (quick: 4x) the last-level cache and 64M (32M) elements: ``copy``, ``y.copy_(x)`` (4 bytes
-    read + 4 written per element: understates memory, since writing a fresh destination line
-    also reads it); ``inplace``, ``x.add_(0.5)`` (8 bytes: the reference); with ``read``,
-    ``x.sum()`` (4 bytes)."""
+    """Streaming GB/s over fp32 buffers of >= 16x (quick 4x) the LLC and 64M (32M) elements:
+    ``copy`` y.copy_(x), ``inplace`` x.add_(0.5) (the reference; both 8 B), ``read`` x.sum()."""
     factor, floor = (4, 32 << 20) if quick else (16, 64 << 20)
     n = numel or max(floor, factor * last_level_cache_bytes(device) // 4)
     x = torch.zeros(n, dtype=torch.float32, device=device)
@@ -272,8 +254,7 @@ def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int 
 
 
 def combine_rooflines(*measurements: dict) -> dict:
-    """One roofline from several measurements in the run (before and after a benchmark): per
-    kind the best median bandwidth (background load only ever lowers it); all are kept under
+    """Per kind the best of several measurements (load only lowers it); all under
     ``measurements``."""
     ms = [{k: v for k, v in m.items() if k != "measurements"} for m in measurements]
     res = dict(ms[0], measurements=ms)
@@ -285,7 +266,7 @@ def combine_rooflines(*measurements: dict) -> dict:
 
 
 def roofline_hlines(roof: dict, target: Optional[float] = None) -> Dict[str, float]:
-    """The horizontal lines of a GB/s plot: the rooflines and ``target`` x the copy one."""
+    """A GB/s plot's lines: the rooflines and ``target`` x the copy one."""
     out = {"%s roofline %.1f GB/s" % (k, roof[k + "_gbps"]): roof[k + "_gbps"]
            for k in ("read", "inplace", "copy") if k + "_gbps" in roof}
     if target:
@@ -319,9 +300,8 @@ def _walk(nodes):
 
 
 def _cpu_peaks_profiler(fns: Dict[object, Callable[[], object]]) -> Dict[object, Optional[float]]:
-    """Peak bytes held through torch's CPU allocator while each callable runs (its result
-    included), from one profiler session's allocation records (starting one costs seconds);
-    None where this torch's profiler does not expose them."""
+    """Peak bytes through torch's CPU allocator while each callable runs, from one profiler
+    session's allocation records; None where this torch does not expose them."""
     none = {k: None for k in fns}
     try:
         from torch._C._profiler import _EventType
@@ -350,9 +330,8 @@ def _cpu_peaks_profiler(fns: Dict[object, Callable[[], object]]) -> Dict[object,
 
 def peak_memory_many(fns: Dict[object, Callable[[], object]],
                      device: torch.device) -> Dict[object, Optional[float]]:
-    """Bytes each callable needs at its peak above what was allocated before it ran (a result
-    it returns counts), as torch's allocator sees it: on CUDA its peak statistics, on CPU the
-    profiler's allocation records (None where unavailable)."""
+    """Bytes each callable needs at its peak above what was allocated before (its result
+    counts), as torch's allocator sees it (CUDA: its statistics; CPU: the profiler's)."""
     gc.collect()
     if device.type != "cuda":
         return _cpu_peaks_profiler(fns)
@@ -370,7 +349,7 @@ def peak_memory_many(fns: Dict[object, Callable[[], object]],
 
 def peak_pairs(pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                device: torch.device) -> Dict[str, List[Optional[float]]]:
-    """``peak_memory_many`` over ``time_pairs``' input: ``key -> [mpext bytes, torch bytes]``."""
+    """``peak_memory_many`` over ``time_pairs``' input: ``key -> [mpext, torch bytes]``."""
     fns = {(k, side): f for k, fs in pairs.items() for side, f in enumerate(fs) if f is not None}
     out = {k: [None, None] for k in pairs}
     for (k, side), v in peak_memory_many(fns, device).items():
@@ -439,29 +418,29 @@ def busy_cores(info: dict) -> int:
     return info.get("cpu_affinity") or info.get("cpu_count") or 1
 
 
-def load_warning(info: dict) -> Optional[str]:
-    """A warning when the machine was busy at start (timings then mostly measure contention)."""
-    la = info.get("load_average")
+def machine_header(info: dict) -> List[str]:
+    """Markdown lines: the machine, and a warning when it was busy at start."""
+    la, out = info.get("load_average"), [machine_line(info), ""]
     if la and la[0] > 0.5 * busy_cores(info):
-        return ("WARNING: 1-minute load average %.2f on %d cores at start: other processes share "
-                "the CPU, timings are noisy and understate bandwidth." % (la[0], busy_cores(info)))
-    return None
+        out += ["WARNING: 1-minute load average %.2f on %d cores at start: other processes share "
+                "the CPU, timings are noisy and understate bandwidth." % (la[0], busy_cores(info)),
+                ""]
+    return out
 
 
 # ---- inputs
 
 def gpt2_shapes(reduced: bool = False) -> List[Tuple[str, tuple]]:
-    """(name, shape) of GPT-2 small's parameters, the calculator's ``gpt2`` (124M parameters in
-    148 tensors); ``reduced``: 4 layers on an 8K vocabulary (35M, 52 tensors), for --quick."""
+    """GPT-2 small's (name, shape)s (124M params, 148 tensors); ``reduced``: 4 layers, 8K
+    vocabulary (35M, 52 tensors)."""
     spec = memory.MODELS["gpt2"]
     layers, vocab = (4, 8192) if reduced else (spec.layers, spec.vocab)
     return memory.gpt_shapes(layers, spec.hidden, vocab, spec.seq)
 
 
 class Alternate:
-    """``a``, ``b``, ``a``, ... as 0-dim float32 tensors: the inverse scales of repeated timed
-    calls, so that with ``a * b == 1`` the tensors they scale stay where they started (times 1
-    or ``a``: ``factor()``) whatever the number of calls."""
+    """``a``, ``b``, ``a``, ... as 0-dim tensors: with ``a * b == 1`` what they scale stays
+    within x1 or x``a`` (``factor()``) of its start, whatever the number of calls."""
 
     def __init__(self, a: float, b: float, device: torch.device):
         self.vals = [torch.full((), v, dtype=torch.float32, device=device) for v in (a, b)]
@@ -494,8 +473,7 @@ def check(ok: bool, message: str) -> None:
 
 
 def expect_same(name: str, got, want, rtol: float = 0.0, atol: float = 0.0) -> None:
-    """``got`` equals ``want`` (tensors or lists of them): exactly by default (NaN equal to
-    NaN), else within ``rtol``/``atol``."""
+    """``got`` equals ``want`` (tensors or lists): exactly by default, NaN equal to NaN."""
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
     except AssertionError as exc:
@@ -532,7 +510,7 @@ def yes_no(ok: Optional[bool]) -> str:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
                    align: Optional[str] = None) -> str:
-    """A GitHub Markdown table; ``align``: 'l' or 'r' per column (default: first left)."""
+    """A GitHub Markdown table; ``align``: 'l' or 'r' per column."""
     align = align or "l" + "r" * (len(headers) - 1)
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -552,8 +530,7 @@ PAIR_HEADERS = ["mpext ms", "torch ms", "mpext GB/s", "torch GB/s", "speed mpext
 
 
 def pair_cells(m: dict, peak: Optional[Sequence[Optional[float]]] = None) -> List[str]:
-    """The ``PAIR_HEADERS`` cells of a ``pair_metrics`` row (``peak``: mpext's and torch's
-    bytes, or None)."""
+    """The ``PAIR_HEADERS`` cells of a ``pair_metrics`` row (``peak``: both sides' bytes)."""
     t = m["torch"]
     b_mp, b_t = m["mpext"].get("cpu_busy"), (t or {}).get("cpu_busy")
     peak_s = "" if not peak or peak[0] is None else "%.1f / %s" % (
@@ -577,13 +554,7 @@ def _json_default(o):
 
 
 def write_json(path: Path, payload: dict) -> Path:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=_json_default, allow_nan=True)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(payload, indent=1, default=_json_default))
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -592,7 +563,7 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (benchmarks never open a window)."""
+    """matplotlib.pyplot on the file-only Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -602,7 +573,7 @@ def pyplot():
 
 
 def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
-    """Titles, lays out, writes (creating its directory) and closes a figure; returns the path."""
+    """Titles, lays out, writes and closes a figure."""
     import matplotlib.pyplot as plt
 
     if title:
@@ -615,16 +586,9 @@ def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
     return path
 
 
-def hlines(ax, lines: Dict[str, float]) -> None:
-    colors = ["black", "grey", "tab:red", "tab:purple"]
-    for i, (label, y) in enumerate(lines.items()):
-        ax.axhline(y, color=colors[i % len(colors)], linestyle=":" if i else "--", linewidth=1,
-                   label=label)
-
-
 def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
-    """One PNG of panels, each ``{"title", "xlabel", "ylabel", "logx", "series": {label: (xs,
-    ys)}, "hlines": {label: y}}``."""
+    """One PNG of panels ``{"title", "xlabel", "ylabel", "logx", "series": {label: (xs, ys)},
+    "hlines": {label: y}}``."""
     plt = pyplot()
     ncols = min(ncols, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
@@ -632,7 +596,9 @@ def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: in
     for ax, panel in zip(axes.flat, panels):
         for i, (label, (xs, ys)) in enumerate(panel.get("series", {}).items()):
             ax.plot(xs, ys, marker="o", linestyle=["-", "--", "-.", ":"][i % 4], label=label)
-        hlines(ax, panel.get("hlines", {}))
+        for i, (label, y) in enumerate(panel.get("hlines", {}).items()):
+            ax.axhline(y, color=["black", "grey", "tab:red", "tab:purple"][i % 4],
+                       linestyle=":" if i else "--", linewidth=1, label=label)
         if panel.get("logx"):
             ax.set_xscale("log", base=2)
         ax.set(title=panel.get("title", ""), xlabel=panel.get("xlabel", ""),
@@ -643,30 +609,6 @@ def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: in
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     return save_figure(fig, path, title, fontsize=10)
-
-
-def plot_bars(path: Path, labels: Sequence[str], series: Dict[str, Sequence[float]],
-              lines: Dict[str, float], ylabel: str, title: str,
-              notes: Optional[Sequence[str]] = None) -> Path:
-    """Grouped bars, one group per label and one bar per series, with horizontal lines;
-    ``notes``: a text above each group."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    w = 0.8 / len(series)
-    for k, (name, ys) in enumerate(series.items()):
-        ax.bar([i + (k - (len(series) - 1) / 2) * w for i in range(len(labels))], ys, w,
-               label=name)
-    for i, note in enumerate(notes or []):
-        ax.text(i, max(ys[i] for ys in series.values()), note, ha="center", va="bottom",
-                fontsize=8)
-    hlines(ax, lines)
-    ax.set_xticks(list(range(len(labels))))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, path, title)
 
 
 def figure_title(ctx, title: str, isa: bool = False) -> str:
@@ -686,16 +628,15 @@ def free_memory(device: torch.device) -> None:
 
 
 def progress(iterable=None, *, disable: bool = False, **kw):
-    """A tqdm progress bar on stderr (stdout stays clean for the Markdown summary)."""
+    """A tqdm bar on stderr (stdout is the Markdown summary's)."""
     from tqdm.auto import tqdm
 
     return tqdm(iterable, disable=disable, file=sys.stderr, dynamic_ncols=True, **kw)
 
 
 class Bench:
-    """One benchmark's run: where its time goes (``phase(name)`` records the seconds since the
-    previous call), its rooflines (``start_roofline`` before the timings, ``end_roofline``
-    after: the better counts), the targets it missed (``target``) and its report (``finish``)."""
+    """One benchmark's run: its phases (``phase`` records the seconds since the last), rooflines
+    (before and after the timings, the better counts), missed targets and report."""
 
     def __init__(self, ctx: Context, name: str, title: str):
         self.ctx, self.name, self.title = ctx, name, title
@@ -721,22 +662,18 @@ class Bench:
         return self.roof
 
     def target(self, ok: bool, miss: str) -> bool:
-        """Records ``miss`` when ``ok`` is false; returns ``ok``."""
         if not ok:
             self.misses.append(miss)
         return ok
 
     def finish(self, lines: Sequence[str], payload: dict, plot: Optional[Callable] = None,
                device=None) -> dict:
-        """Writes ``<name>.json`` (the run's settings, machine and roofline, then ``payload``),
-        ``<name>.md`` (the title, outside run_all the machine line, the roofline, ``lines``, the
-        missed targets and where the time went) and, unless --no-plots, the PNG file(s)
-        ``plot()`` returns; returns what ``run(ctx)`` returns."""
+        """Writes ``<name>.json`` (settings, machine, roofline, ``payload``), ``<name>.md`` and the
+        PNGs ``plot()`` returns; returns what ``run(ctx)`` returns."""
         ctx, seconds, phases = self.ctx, time.perf_counter() - self._t0, self.phases
         md = ["## %s" % self.title, ""]
         if not ctx.in_suite:
-            md += [machine_line(ctx.machine), ""] + ([load_warning(ctx.machine), ""]
-                                                      if load_warning(ctx.machine) else [])
+            md += machine_header(ctx.machine)
         if self.roof:
             md += [roofline_line(self.roof), ""]
         md += list(lines) + [""]
@@ -762,8 +699,7 @@ class Bench:
 
 def run_standalone(run: Callable, doc: str, add_args: Optional[Callable] = None,
                    argv=None) -> int:
-    """``main()`` of a benchmark module run on its own: the common options (plus the module's
-    own, from ``add_args(parser)``), ``run(ctx)``, its Markdown on stdout."""
+    """A module run on its own: the common options and ``add_args``'s, ``run``, its Markdown."""
     parser = add_common_args(argparse.ArgumentParser(description=doc.splitlines()[0]))
     if add_args is not None:
         parser = add_args(parser)

@@ -1,17 +1,7 @@
-"""A small GPT-style character model and its corpus, for the mixed-precision benchmarks.
-
-Nothing is downloaded: the corpus is generated here (``load_corpus``) from a seeded
-probabilistic grammar, so every run on every machine trains on the same bytes.
-
-- ``GPTConfig`` and ``PRESETS``: model sizes ("tiny" for ``--quick`` and the lean study, "small"
-  for the CPU benchmark, "gpu" for a GPU).
-- ``GPT``: token + position embeddings, pre-LayerNorm blocks (causal self-attention through
-  ``F.scaled_dot_product_attention``, GELU MLP), a final LayerNorm and a head **tied** to the
-  token embedding. Its parameters may be float32, bfloat16 or float16, on CPU or CUDA; the loss
-  is computed in float32 (the logits are upcast first, as autocast does).
-- ``load_corpus`` (token ids and vocabulary), ``split_corpus``, ``get_batch`` (a deterministic
-  batch for a ``torch.Generator`` state), ``count_params``, ``unigram_entropy``.
-"""
+"""A small GPT-style character model (``GPT``, ``GPTConfig``, ``PRESETS``: pre-LayerNorm blocks,
+a head tied to the token embedding, float32/bfloat16/float16 params, the loss in float32) and
+its corpus, generated from a seeded grammar (``load_corpus``: nothing is downloaded, every
+machine trains on the same bytes), with ``split_corpus``, ``get_batch``, ``unigram_entropy``."""
 import bisect
 import dataclasses
 import functools
@@ -27,8 +17,7 @@ import torch.nn.functional as F
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a ``GPT``: ``vocab_size`` (the corpus vocabulary's length), ``block_size`` (the
-    longest context), ``n_embd`` a multiple of ``n_head``, ``dropout`` (0 disables it)."""
+    """Shape of a ``GPT`` (``n_embd`` a multiple of ``n_head``; ``dropout`` 0 disables it)."""
 
     vocab_size: int
     block_size: int
@@ -44,7 +33,6 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, vocab_size: int, **overrides) -> "GPTConfig":
-        """The named preset (a key of ``PRESETS``), any field overridden by keyword."""
         if name not in PRESETS:
             raise ValueError("unknown GPT preset %r; choose one of %s" % (name, sorted(PRESETS)))
         return cls(vocab_size=vocab_size, **dict(PRESETS[name], **overrides))
@@ -59,13 +47,9 @@ PRESETS: Dict[str, dict] = {
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can compute a BF16/FP16 GEMM as a GPU tensor core does, at FP32 speed.
-
-    With ``fp32_gemm = True`` and a low-precision compute dtype (the weight's, or autocast's),
-    the operands are rounded to that dtype, multiplied and accumulated in float32 and the result
-    rounded back: products of BF16/FP16 numbers are exact in float32, so this differs from a
-    GEMM with float32 accumulation only in the order of the sums (the backward likewise). CPUs
-    without AVX512-BF16/AMX run PyTorch's BF16/FP16 matmuls some 10x slower than FP32."""
+    """With ``fp32_gemm`` and a BF16/FP16 compute dtype (the weight's or autocast's), a GEMM as
+    a tensor core does it: rounded operands, exact products, float32 sums, the result rounded
+    back; at FP32 speed on CPUs whose BF16/FP16 matmuls are some 10x slower."""
 
     fp32_gemm = False
 
@@ -123,10 +107,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-style decoder for character modelling, the head's weight **is** the token
-    embedding. Weights N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)),
-    biases 0, so equal seeds give equal models. ``.to(dtype)`` trains it in bfloat16 or
-    float16; ``fp32_gemm=True``: see ``Linear``."""
+    """The decoder; weights N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)), biases
+    0, so equal seeds give equal models; ``fp32_gemm``: see ``Linear``."""
 
     def __init__(self, config: GPTConfig, *, fp32_gemm: bool = False):
         super().__init__()
@@ -153,8 +135,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``idx``: (batch, time) token ids. Returns ``(logits, loss)``: the logits in the
-        compute dtype and the mean cross-entropy against ``targets`` in float32 (or None)."""
+        """(logits in the compute dtype, mean cross-entropy in float32 or None)."""
         b, t = idx.shape
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
         for blk in self.blocks:
@@ -166,7 +147,6 @@ class GPT(nn.Module):
 
 
 def count_params(model: nn.Module) -> int:
-    """Number of distinct parameter elements (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters())
 
 

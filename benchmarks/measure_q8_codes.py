@@ -15,7 +15,7 @@ sweep. Pure torch (float64 tables); it does not use mpext's kernels.
 ``--convergence`` trains instead with the real optimizers over ``--seeds`` seeds, same weights,
 batches and schedule: torch.optim.AdamW on FP32 params (the reference), mpext.optim.AdamW on
 BF16 params with an FP32 master, with a remainder and 8-bit moments, master-free SR with 8-bit
-moments, and torchao's AdamW8bit when it is importable.
+moments, and torchao's AdamW8bit when it is importable. Both train on bench_convergence.train.
 
     python -m benchmarks.measure_q8_codes [--steps 300] [--block 256] [--preset q8]
     python -m benchmarks.measure_q8_codes --convergence --preset small --steps 600 --seeds 3
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .gpt import GPT, GPTConfig, get_batch, load_corpus, split_corpus
+from .gpt import GPTConfig, load_corpus, split_corpus
 
 MIN_NUMEL = 4096  # smaller tensors keep fp32 moments (as mpext, torchao and bitsandbytes)
 B1, B2, EPS, WD = 0.9, 0.99, 1e-8, 0.01
@@ -148,112 +148,58 @@ def guard_factor(b1: float, b2: float) -> float:
     return 0.0 if r >= 1 else (1 - b2) * (1 - r) / (1 - b1) ** 2
 
 
-class PlainAdamW:
-    """AdamW in plain fp32 torch ops, whose moments the static measurement reads."""
-
-    def __init__(self, params, lr):
-        self.params, self.t = list(params), 0
-        self.param_groups = [{"lr": lr}]
-        self.states = [{"m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        self.t += 1
-        lr = self.param_groups[0]["lr"]
-        bc1, bc2 = 1 - B1 ** self.t, 1 - B2 ** self.t
-        for p, st in zip(self.params, self.states):
-            g = p.grad
-            p.mul_(1 - lr * WD)
-            st["m"] = st["m"].lerp(g, 1 - B1)
-            st["v"] = st["v"] * B2 + (1 - B2) * g * g
-            p.add_(-(lr / bc1) * st["m"] / (st["v"].sqrt() / math.sqrt(bc2) + EPS))
-
-
+# --convergence: key, label, training.MODES key, Trainer options; bench_convergence's loop
 CONVERGENCE = [
-    ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)"),
-    ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments"),
-    ("mpext-remainder-8bit", "mpext AdamW, BF16 params, remainder + 8-bit moments"),
-    ("mpext-sr-8bit", "mpext AdamW, BF16 params, no master (SR) + 8-bit moments"),
-    ("torchao-8bit", "torchao.optim.AdamW8bit, FP32 params"),
+    ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)", "fp32", {}),
+    ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments", "mpext_optim_bf16",
+     {}),
+    ("mpext-remainder-8bit", "mpext AdamW, BF16 params, remainder + 8-bit moments",
+     "mpext_bf16_remainder_8bit", {}),
+    ("mpext-sr-8bit", "mpext AdamW, BF16 params, no master (SR) + 8-bit moments",
+     "mpext_bf16_sr_8bit", {}),
+    ("torchao-8bit", "torchao.optim.AdamW8bit, FP32 params", "fp32", dict(block_size=256)),
 ]
 
 
-def _optimizer(mode, params, lr, seed):
-    """The optimizer of a mode (``plain`` or CONVERGENCE); None if it cannot run here."""
-    if mode == "plain":
-        return PlainAdamW(params, lr)
-    import mpext
-
-    kw = dict(lr=lr, betas=(B1, B2), eps=EPS, weight_decay=WD)
-    q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8, seed=seed)
-    if mode == "torch-fp32":
-        return torch.optim.AdamW(params, **kw)
-    if mode == "mpext-master":
-        return mpext.optim.AdamW(params, **kw)
-    if mode == "mpext-remainder-8bit":
-        return mpext.optim.AdamW(params, param_remainders=True, **q8, **kw)
-    if mode == "mpext-sr-8bit":
-        return mpext.optim.AdamW(params, master_weights=False, stochastic_rounding=True, **q8,
-                                 **kw)
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError:
-        return None
-    return AdamW8bit(params, block_size=256, **kw)
+def _config(args, vocab):
+    return GPTConfig.preset(args.preset, vocab) if args.preset in ("tiny", "small") else \
+        GPTConfig(vocab_size=vocab, block_size=64, n_layer=3, n_head=4, n_embd=128)
 
 
-def train(args, data, mode, seed, snapshots=None):
-    """The final validation loss (mean of the last four evaluations) of one mode and seed, or
-    None if it cannot run here; ``snapshots`` collects the plain run's moments."""
-    torch.manual_seed(args.seed + seed)
-    cfg = GPTConfig.preset(args.preset, data["vocab"]) if args.preset in ("tiny", "small") \
-        else GPTConfig(vocab_size=data["vocab"], block_size=64, n_layer=3, n_head=4, n_embd=128)
-    low = mode.startswith("mpext")
-    model = GPT(cfg, fp32_gemm=low)
-    if low:
-        model = model.to(torch.bfloat16)
-    opt = _optimizer(mode, model.parameters(), args.lr, seed)
-    if opt is None:
-        return None
-    bgen = torch.Generator().manual_seed(4321 + seed)
-    evals = []
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (
-            1 + math.cos(math.pi * step / args.steps)))
-        for group in opt.param_groups:
-            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
-        x, y = get_batch(data["train"], 16, cfg.block_size, bgen)
-        _, loss = model(x, y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if snapshots is not None and step + 1 in args.snapshot_steps:
-            snapshots.append([(st["m"].clone(), st["v"].clone())
-                              for p, st in zip(opt.params, opt.states) if p.numel() >= MIN_NUMEL])
-        if step + 1 >= args.steps - 40 and (step + 1) % 10 == 0:
-            evals.append(evaluate(model, data, cfg))
-    return sum(evals) / len(evals)
+def _setting(args):
+    """The training of both measurements: AdamW(0.9, 0.99), batch 16, warm-up then cosine."""
+    from .bench_convergence import Setting
+
+    return Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
+                   betas=(B1, B2), weight_decay=WD, eval_interval=10, final_k=4, seed=args.seed)
 
 
-@torch.no_grad()
-def evaluate(model, data, cfg):
-    g = torch.Generator().manual_seed(7)
-    losses = [model(*get_batch(data["val"], 32, cfg.block_size, g))[1].item() for _ in range(8)]
-    return sum(losses) / len(losses)
+def train(args, data, mode, seed, base, options=None, on_step=None):
+    """bench_convergence.train (the convergence studies' loop) of one mode and seed, from the
+    same weights for every seed, seed s fixing the batch order and the rounding."""
+    from .bench_convergence import train as train_mode, val_batches
+
+    st, cfg, cpu = _setting(args), _config(args, data["vocab"]), torch.device("cpu")
+    return train_mode(mode, st, cfg, data["train"], val_batches(data["val"], st, cfg, cpu), cpu,
+                      fp32_gemm=True, seed=seed, base=base, options=options,
+                      on_step=on_step).final_loss(st.final_k)
 
 
 def convergence(args, data):
+    """Per mode the final validation losses of ``--seeds`` seeds (the mean of the last four
+    evaluations, every 10 steps)."""
     out = {}
-    for mode, _ in CONVERGENCE:
+    for mode, _, base, options in CONVERGENCE:
+        if mode == "torchao-8bit":
+            try:
+                from torchao.optim import AdamW8bit
+            except ImportError:
+                print("  %-22s not run: torchao is not importable here" % mode, flush=True)
+                continue
+            options = dict(options, inner=AdamW8bit)
         t0 = time.time()
-        losses = [train(args, data, mode, s) for s in range(args.seeds)]
-        if losses[0] is None:
-            print("  %-22s not run: torchao is not importable here" % mode, flush=True)
-            continue
-        out[mode] = losses
+        losses = out[mode] = [train(args, data, mode, s, base, options)
+                              for s in range(args.seeds)]
         ref = out["torch-fp32"]
         print("  %-22s %s  mean %.4f (FP32 %.4f, band %.4f..%.4f; %.0f s)"
               % (mode, ["%.4f" % x for x in losses], sum(losses) / len(losses),
@@ -344,7 +290,13 @@ def main():
         return
     t0 = time.time()
     snaps = []
-    fp32 = [train(args, data, "plain", 0, snapshots=snaps)]
+    def snapshot(step, tr):  # the moments of the large params
+        if step + 1 in args.snapshot_steps:
+            snaps.append([(tr.opt.state[p]["exp_avg"].clone(),
+                           tr.opt.state[p]["exp_avg_sq"].clone())
+                          for p in tr.params if p.numel() >= MIN_NUMEL])
+
+    fp32 = [train(args, data, "torch-fp32", 0, "fp32", on_step=snapshot)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
     mcodes, vcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True),
                                normalized([v for s in snaps for _, v in s], args.block, False))

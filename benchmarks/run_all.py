@@ -18,8 +18,8 @@ import sys
 import time
 import traceback
 
-from .common import (Context, add_common_args, load_average, load_warning, machine_line,
-                     write_json, write_text)
+from .common import (Context, add_common_args, load_average, machine_header, write_json,
+                     write_text)
 
 # Each module exposes NAME and run(ctx) -> dict with "markdown", "json", "files", "seconds",
 # "targets_missed" (common.Bench.finish). Add new benchmarks here.
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
                          "targets_missed": res["targets_missed"], "result": res["json"]}
         sections.append(res["markdown"])
     total = time.perf_counter() - t0
-    warn, la_end = load_warning(ctx.machine), load_average()
-    head = ["# mpext benchmarks%s" % (" (quick)" if ctx.quick else ""), "",
-            machine_line(ctx.machine), ""] + ([warn, ""] if warn else [])
+    la_end = load_average()
+    head = ["# mpext benchmarks%s" % (" (quick)" if ctx.quick else ""), ""] + \
+        machine_header(ctx.machine)
     tail = "Total %.0f s; load average at end %s. %s" % (
         total, "/".join("%.2f" % v for v in la_end) if la_end else "n/a",
         "%d benchmark(s) FAILED: %s" % (len(errors), ", ".join(sorted(errors))) if errors

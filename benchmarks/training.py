@@ -1,6 +1,7 @@
-"""The training modes bench_train and bench_convergence compare, written once: for a mode, the
-model's dtype, native AMP's autocast, the optimizer, the loss scaler, and how backward and step
-go (``MODES``; ``Trainer``, a mode's optimizer and scaler over a model's params). A mode with
+"""The training modes bench_train, bench_convergence and measure_q8_codes compare, written once:
+for a mode, the model's dtype, native AMP's autocast, the optimizer, the loss scaler, and how a
+training step goes (``MODES``; ``Trainer``, a mode's optimizer and scaler over a model's params,
+and its ``train_step``). A mode with
 mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer options.
 """
 import dataclasses
@@ -13,9 +14,11 @@ from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _REM = dict(param_remainders=True)
-_BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+# mpext.optim.AdamW's option sets (BF16 moments; no master, stochastic rounding), which
+# bench_convergence's lean modes combine too
+BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 _Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
-_SR = dict(master_weights=False, stochastic_rounding=True)
+SR = dict(master_weights=False, stochastic_rounding=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +56,14 @@ MODES = {
     # mpext.optim.AdamW on BF16 params; its lean-state options come as optimizer options
     "mpext_optim_bf16": _optim("mpext-bf16"),
     "mpext_bf16_remainder": _optim("mpext-bf16-remainder", _REM),
-    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(_REM, **_BF16M)),
-    "mpext_bf16_sr": _optim("mpext-bf16-sr", dict(_SR, **_BF16M)),
+    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(_REM, **BF16M)),
+    "mpext_bf16_sr": _optim("mpext-bf16-sr", dict(SR, **BF16M)),
     # 8-bit moments (params under mpext.optim.MIN_8BIT_NUMEL keep FP32 ones)
     "mpext_bf16_remainder_8bit": _optim("mpext-bf16-remainder-8bit", dict(_REM, **_Q8)),
-    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(_SR, **_Q8)),
+    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(SR, **_Q8)),
     # ... and an FP32 EMA of the masters, in the same pass
     "mpext_bf16_remainder_bf16m_ema": _optim("mpext-bf16-remainder-bf16moments",
-                                             dict(_REM, ema_decay=0.999, **_BF16M)),
+                                             dict(_REM, ema_decay=0.999, **BF16M)),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }
@@ -117,6 +120,21 @@ class Trainer:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype or BF16,
                               enabled=self.autocast_dtype is not None)
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+
+    def train_step(self, x, y, zero_grad: bool = True):
+        """One training step of ``.model`` on a batch: forward under the mode's autocast,
+        backward, step. Returns (the loss, ``step``'s result)."""
+        with self.autocast():
+            _, loss = self.model(x, y)
+        self.backward(loss)
+        return loss, self.step(zero_grad)
+
     def backward(self, loss: torch.Tensor) -> None:
         if self.kind == "mpext-wrapper":
             self.opt.backward(loss)
@@ -152,3 +170,16 @@ class Trainer:
         if isinstance(self.scaler, mpext.GradScaler):
             return int(self.scaler.skipped_steps().item())
         return None
+
+
+def add_gemm_arg(parser):
+    parser.add_argument("--native-lowp-gemm", action="store_true",
+                        help="on the CPU, use PyTorch's BF16/FP16 GEMMs (slow without "
+                             "AVX512-BF16) instead of computing them in FP32 from rounded "
+                             "operands (gpt.Linear)")
+    return parser
+
+
+def fp32_gemm(ctx) -> bool:
+    """Whether a training benchmark computes BF16/FP16 GEMMs in FP32 (the CPU, by default)."""
+    return not ctx.is_cuda and not getattr(ctx.args, "native_lowp_gemm", False)

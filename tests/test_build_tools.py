@@ -162,3 +162,42 @@ def test_the_makefiles_venv_imports_mpext_from_any_directory(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert os.path.realpath(proc.stdout.strip()) == os.path.realpath(
         os.path.join(core.ROOT, "mpext", "__init__.py"))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
+def test_a_noop_make_build_starts_no_python_and_a_changed_header_rebuilds(tmp_path):
+    """`make build` runs setup.py (and the build_info print, each a Python start importing torch)
+    only when a build source changed: here on a copy of the Makefile with a stand-in Python that
+    logs its calls, a second build calls nothing, a touched header builds again."""
+    for d in ("csrc/core", "cuda", "build_tools", "mpext"):
+        (tmp_path / d).mkdir(parents=True)
+    shutil.copy(os.path.join(core.ROOT, "Makefile"), tmp_path / "Makefile")
+    (tmp_path / "setup.py").write_text("")
+    (tmp_path / "csrc/core/x.h").write_text("")
+    (tmp_path / "cuda/x.cu").write_text("")
+    log = tmp_path / "calls.log"
+    py = tmp_path / "python"
+    py.write_text('#!/bin/sh\necho "$*" >> %s\n[ "$1" = setup.py ] && touch mpext/_C.so\n'
+                  '[ "$1" = -c ] && echo "mpext build: {}"\nexit 0\n' % log)
+    py.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS")}
+
+    def build():
+        log.write_text("")
+        out = subprocess.run(["make", "-s", "-C", str(tmp_path), "build", "PYTHON=" + str(py)],
+                             check=True, env=env, stdout=subprocess.PIPE,
+                             universal_newlines=True).stdout
+        assert "mpext build: {}" in out  # printed on a no-op build too, from the stored file
+        return [c for c in log.read_text().splitlines() if "import mpext" in c or
+                c.startswith("setup.py")]
+
+    assert len(build()) == 2  # setup.py, then the build_info print
+    assert build() == []
+    stamp = tmp_path / "build" / ".stamp-build"
+    t = os.path.getmtime(stamp) - 10  # the stamp made earlier, the header edited after it
+    os.utime(stamp, (t, t))
+    os.utime(tmp_path / "csrc/core/x.h", (t + 5, t + 5))
+    assert len(build()) == 2
+    assert build() == []
+    (tmp_path / "mpext/_C.so").unlink()  # the extension gone: built again
+    assert len(build()) == 2

@@ -4,7 +4,7 @@
  * whose Adam loop waits on its divider (two divisions and a square root per element) the fused
  * loop hides the conversions, roundings and random draws under that wait, where the pipeline
  * adds them. Each row of MP_ADAM_FUSED_ROWS below says what it gained, measured with
- * benchmarks/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
+ * tools/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
  * process). Every row computes the same bits as the pipeline: tests/c/test_core.c compares the
  * two on every row and ISA path. Compiled once per ISA path (see isa.h). */
 #include <string.h>
@@ -203,11 +203,11 @@ static inline __attribute__((always_inline)) void adam_q8(
   }
 }
 
-/* The kept modes, one row each, named as benchmarks/adam_engine_ab.c names them: param
+/* The kept modes, one row each, named as tools/adam_engine_ab.c names them: param
  * dtype, grad dtype, param storage, exp_avg and exp_avg_sq dtypes (MP_I8, MP_U8: the 8-bit
  * pair), write_grad, bf16 moments to nearest, ema. The comment is the measured gain: the
  * pipeline's time over this loop's (avx512 on an AMD Zen 4, one thread, 16M elements, the
- * median of 15 interleaved rounds [quartiles]; benchmarks/adam_engine_ab.c). A row is kept where
+ * median of 15 interleaved rounds [quartiles]; tools/adam_engine_ab.c). A row is kept where
  * the pipeline alone was slower than this loop, and than the adam.c before the pipeline, by more
  * than the spread in at least two of three such runs on this shared 2-core machine (ratios near
  * 1 are rows whose third run came out within the noise). A mode not listed runs the pipeline:

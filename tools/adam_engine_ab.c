@@ -12,7 +12,7 @@
  *   gcc $F $ISA -DMP_ISA_SUFFIX=old -c /tmp/adam_old.c -o /tmp/old.o
  *   gcc $F $ISA -DMP_ISA_SUFFIX=new -c csrc/core/adam.c -o /tmp/new.o
  *   gcc $F $ISA -DMP_ISA_SUFFIX=new -c csrc/core/adam_fused.c -o /tmp/fused.o
- *   gcc $F -O2 benchmarks/adam_engine_ab.c /tmp/old.o /tmp/new.o /tmp/fused.o -lm -o /tmp/ab
+ *   gcc $F -O2 tools/adam_engine_ab.c /tmp/old.o /tmp/new.o /tmp/fused.o -lm -o /tmp/ab
  *   /tmp/ab [numel=16M] [rounds=15] [modes: a comma list, default all]
  * (ISA="" and -DMP_ISA_SUFFIX as you like for the other paths; without an old build, compile
  * the harness with -DNO_OLD and old is the generic step.) */

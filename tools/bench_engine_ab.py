@@ -1,7 +1,7 @@
 """A/B of two builds of mpext._C on the Adam step, one storage mode at a time: the speed of a
 change to the C core measured against the build before it, in the same run.
 
-    python -m benchmarks.bench_engine_ab --old DIR [--new DIR] [--rounds 7] [--numel N]
+    python tools/bench_engine_ab.py --old DIR [--new DIR] [--rounds 7] [--numel N]
         [--threads 1] [--isa avx512] [--modes master,sr_bf16m,...]
 
 DIR is a directory holding a built ``mpext._C*.so`` (the new one defaults to this checkout's
@@ -131,7 +131,7 @@ def main():
     env = dict(os.environ)
     if args.isa:
         env["MPEXT_CPU_ISA"] = args.isa
-    worker = [sys.executable, "-m", "benchmarks.bench_engine_ab", "--worker",
+    worker = [sys.executable, os.path.abspath(__file__), "--worker",
               "--samples", str(args.samples), "--numel", str(args.numel),
               "--threads", str(args.threads), "--modes", args.modes]
     times = {"old": [], "new": []}
