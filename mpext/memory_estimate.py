@@ -82,6 +82,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ._common import MIN_8BIT_NUMEL
 from .optim import formats as _F
 from .optim._base import _LEAN_DEFAULTS
+from .optim._release import DEFAULT_BUCKET_BYTES
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "optimizer_states", "rule_states",
@@ -93,7 +94,6 @@ _FP32, _HALF = 4, 2
 _ADAM = ("adam", "adamw")  # the optimizers with mpext's lean state (mpext.optim.Adam / AdamW)
 SCALER_SCALARS = 2  # the loss scale (fp32) and the growth tracker (int32), kept between steps
 Q8_BLOCK = _LEAN_DEFAULTS["block_size"]  # mpext.optim's default block_size
-DEFAULT_BUCKET_BYTES = 4 * 2 ** 20  # release_grads' default bucket
 # The param dtypes of mpext's modes, by their short names: (bytes per element, formats).
 _PARAM_DTYPES = {"fp32": (_FP32, ("fp32_param",)),
                  "bf16": (_HALF, ("master", "remainder", "nearest", "stochastic")),

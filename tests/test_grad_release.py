@@ -123,6 +123,37 @@ def test_released_run_has_the_bits_of_step_after_backward(fmt, bucket_bytes):
     assert 3 < release.buckets_stepped or bucket_bytes == 2 ** 22
 
 
+
+# Release is the base's, so every rule takes it: Lion and SGD in their lean formats.
+OTHER_RULES = {
+    "lion-sr-bf16": (mpext.optim.Lion, "bf16-master-free-sr", dict(exp_avg_dtype=BF16)),
+    "lion-remainder-q8": (mpext.optim.Lion, "bf16-remainder", dict(exp_avg_dtype="q8")),
+    "sgd-sr-bf16": (mpext.optim.SGD, "bf16-master-free-sr",
+                    dict(momentum=0.9, momentum_dtype=BF16)),
+    "sgd-nesterov-q8": (mpext.optim.SGD, "bf16-master",
+                        dict(momentum=0.9, nesterov=True, momentum_dtype="q8")),
+    "sgd-no-momentum-ema": (mpext.optim.SGD, "ema", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_RULES))
+def test_other_rules_released_have_the_bits_of_step_after_backward(case):
+    cls, fmt, extra = OTHER_RULES[case]
+    dtype, kw = FORMATS[fmt]
+    kw = {k: v for k, v in kw.items() if not k.startswith("exp_avg")}
+    torch.manual_seed(0)
+    model = Tied(dtype, None)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = dict(kw, lr=3e-3, **extra)
+        opt, topt = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
+    release = train_both(model, opt, twin, topt, 3)
+    assert release.backward_passes == 3 and release.buckets_stepped > 3
+    key = opt.moments[0].name if opt.param_groups[0].get("momentum", 1) else None
+    if "q8" in case:  # the 8-bit code is exercised, not a fallback to FP32
+        assert key + "_q8" in opt.state[model.body[0].weight]
+
 def test_adam_with_l2_decay_and_param_groups():
     torch.manual_seed(0)
     model = Tied(BF16)
