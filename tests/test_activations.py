@@ -246,3 +246,258 @@ def test_opcheck():
                                       "test_aot_dispatch_dynamic"))
     ops.fp8_dequantize(q, s)
     assert torch.equal(u8(q), u8(q0)) and torch.equal(s, s0)
+
+
+# --------------------------------------------------------------------------------------------
+# mpext.activations: compressed saved tensors against the uncompressed backward pass.
+
+import contextlib  # noqa: E402
+import warnings  # noqa: E402
+
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from mpext import activations as act  # noqa: E402
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 256)).to(dtype)
+
+
+def grads(model, x, ctx=None, fwd=None):
+    model.zero_grad()
+    with ctx if ctx is not None else contextlib.nullcontext():
+        y = fwd(x) if fwd is not None else model(x)
+    y.float().square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def rel_errors(ref, got):
+    return [((a.float() - b.float()).norm() / a.float().norm()).item() for a, b in zip(ref, got)]
+
+
+X = torch.randn(8, 32, 256, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_linear_policy_compresses_linear_inputs_gradients_close(fp8):
+    m = mlp()
+    ref = grads(m, X)
+    ctx = act.fp8_saved_tensors(fp8_dtype=fp8)
+    got = grads(m, X, ctx)
+    # saved: x and the GELU output for the two linears (compressed), the GELU input (not)
+    assert ctx.stats["compressed"] == 2 and ctx.stats["saved"] == 4
+    assert ctx.stats["bytes_after"] < 0.27 * ctx.stats["bytes_before"]
+    w1, b1, w2, b2 = rel_errors(ref, got)
+    tol = 0.05 if fp8 == torch.float8_e4m3fn else 0.1
+    assert 0 < w1 < tol and 0 < w2 < tol
+    assert b2 == 0.0  # the last bias's gradient reads no saved activation
+
+
+def test_exactly_the_restored_values_are_used():
+    """The backward pass sees fp8_dequantize(fp8_quantize(x)): the same as a forward pass on
+    the rounded input with nothing compressed."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64)
+    q, s = ops.fp8_quantize(X.contiguous())
+    xr = ops.fp8_dequantize(q, s)
+    lin.zero_grad()
+    with act.fp8_saved_tensors():
+        lin(X).sum().backward()
+    got = lin.weight.grad.clone()
+    lin.zero_grad()
+    lin(xr).sum().backward()
+    assert torch.equal(got, lin.weight.grad)
+
+
+def test_size_and_callable_policies_never_touch_params_or_exact_tensors():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 256)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 256))
+    params = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + [emb.weight]}
+    asked = []
+
+    def everything(t):
+        asked.append((t.dtype, t.untyped_storage().data_ptr(), t.numel()))
+        return True
+
+    idx = torch.randint(0, 1000, (16, 64))
+    for policy in (everything, "size"):
+        with act.fp8_saved_tensors(policy, min_bytes=1) as ctx:
+            m(emb(idx)).sum().backward()
+        assert ctx.stats["compressed"] >= 2
+    assert asked and all(d.is_floating_point for d, _, _ in asked)
+    assert not any(ptr in params for _, ptr, _ in asked)
+    assert emb.weight.grad is not None and torch.isfinite(emb.weight.grad).all()
+
+
+def test_params_under_autocast_casts_are_not_compressed():
+    m = mlp()
+    asked = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with act.fp8_saved_tensors(lambda t: asked.append(t.detach().clone()) or True):
+            m(X).float().sum().backward()
+    assert len(asked) == 3  # x, the GELU's input and output; not the bf16 weight copies
+    for t in asked:
+        for w in (m[0].weight, m[2].weight):
+            for c in (w, w.t()):
+                assert t.shape != c.shape or not torch.equal(t, c.detach().to(t.dtype))
+
+
+def test_autocast_gradients_close_to_autocast_uncompressed():
+    m = mlp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = grads(m, X)
+        ctx = act.fp8_saved_tensors()
+        got = grads(m, X, ctx)
+    assert ctx.stats["compressed"] == 2
+    assert max(rel_errors(ref, got)) < 0.05
+
+
+def test_bf16_model_and_shared_input_compressed_once():
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(256, 256).bfloat16() for _ in range(3))
+    x = X.bfloat16()
+    with act.fp8_saved_tensors() as ctx:
+        (q(x) * k(x) + v(x)).float().sum().backward()
+    assert ctx.stats["compressed"] == 1  # x, saved by three linears
+    assert ctx.stats["bytes_after"] < 0.55 * ctx.stats["bytes_before"]
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_nan_and_inf_reach_the_gradients(fp8):
+    m = mlp()
+    for bad in (float("nan"), float("inf")):
+        x = X.clone()
+        x[0, 0, 5] = bad
+        g = grads(m, x, act.fp8_saved_tensors(fp8_dtype=fp8))
+        assert not torch.isfinite(g[0]).all()
+        scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt = mpext.optim.AdamW(m.parameters(), lr=1e-3)
+        before = [p.detach().clone() for p in m.parameters()]
+        m.zero_grad()
+        with act.fp8_saved_tensors(fp8_dtype=fp8):
+            loss = m(x).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() < 2.0 ** 10  # the overflow was seen: step skipped, backed off
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_inside_the_context(reentrant):
+    """A checkpointed region saves nothing to compress (it is recomputed); the rest is."""
+    m = mlp()
+    head = torch.nn.Linear(256, 256)
+    x = X.clone().requires_grad_()
+    fwd = lambda x: head(checkpoint(m, x, use_reentrant=reentrant)).sin()  # noqa: E731
+    model = torch.nn.ModuleList([m, head])
+    ref = grads(model, x, fwd=fwd)
+    ctx = act.fp8_saved_tensors()
+    got = grads(model, x, ctx, fwd=fwd)
+    assert ctx.stats["compressed"] == 1  # the head's input; m's tensors are recomputed
+    errs = rel_errors(ref, got)
+    assert max(errs) < 0.05 and errs[-2] > 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_context_inside_a_checkpointed_function(reentrant):
+    """Inside the checkpointed function the compression hooks are the innermost, so they store
+    what checkpointing would have dropped (compressed) and the region is not recomputed:
+    gradients as with compression alone."""
+    m = mlp()
+    x = X.clone().requires_grad_()
+    ctx = act.fp8_saved_tensors(warn_unmatched=False)
+
+    def inner(x):
+        with ctx:
+            return m(x)
+    ref = grads(m, x, act.fp8_saved_tensors())
+    got = grads(m, x, fwd=lambda x: checkpoint(inner, x, use_reentrant=reentrant))
+    assert max(rel_errors(ref, got)) < 1e-6
+
+
+def test_torch_compile_runs_uncompressed():
+    """A compiled graph's saved tensors are traced with it and stay uncompressed (documented)."""
+    m = mlp()
+    ref = grads(m, X)
+    cm = torch.compile(m, backend="aot_eager")
+    ctx = act.fp8_saved_tensors()
+    got = grads(m, X, ctx, fwd=cm)
+    assert ctx.stats["compressed"] == 0
+    assert max(rel_errors(ref, got)) < 1e-6
+
+
+def test_wrapper_trains_with_mpext_optimizer_like_uncompressed():
+    losses = {}
+    for compress in (False, True):
+        m = mlp(3)
+        model = act.FP8Activations(m) if compress else m
+        opt = mpext.optim.AdamW(m.parameters(), lr=3e-3)
+        torch.manual_seed(7)
+        target = torch.randn(256, 256)
+        out = []
+        for _ in range(30):
+            x = torch.randn(64, 256)
+            loss = (model(x) - x @ target * 0.05).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        losses[compress] = out
+        if compress:
+            assert model.stats["compressed"] == 2
+    assert losses[True][-1] < 0.5 * losses[True][0]
+    assert abs(losses[True][-1] - losses[False][-1]) < 0.05 * losses[False][-1]
+
+
+def test_bad_arguments_and_policies_that_match_nothing():
+    with pytest.raises(ValueError, match="policy must be"):
+        act.fp8_saved_tensors("everything")
+    with pytest.raises(ValueError, match="fp8_dtype must be"):
+        act.fp8_saved_tensors(fp8_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_size must be"):
+        act.fp8_saved_tensors(block_size=0)
+    x = torch.randn(64, 256, requires_grad=True)
+    with pytest.warns(UserWarning, match="compressed none"):
+        with act.fp8_saved_tensors():
+            y = (x.sin() * 2).exp()  # no linear layer
+    y.sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with act.fp8_saved_tensors(warn_unmatched=False):
+            (x.sin()).sum().backward()
+    # fp64 and tiny tensors are left alone, not an error
+    with act.fp8_saved_tensors("size", min_bytes=1, warn_unmatched=False) as ctx:
+        torch.nn.functional.linear(x.double(), torch.randn(8, 256, dtype=torch.float64)).sum()
+    assert ctx.stats["compressed"] == 0
+
+
+def _ddp_body(rank, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    m = mlp(0)
+    ddp = DDP(act.FP8Activations(m))
+    torch.manual_seed(100 + rank)
+    x = torch.randn(4, 256)
+    ddp(x).square().mean().backward()
+    return [p.grad.clone() for p in m.parameters()], x
+
+
+def test_ddp_gloo_two_ranks(tmp_path):
+    torch_dist = pytest.importorskip("torch.distributed")
+    if not torch_dist.is_available() or not torch_dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from test_distributed import _spawn
+    results = _spawn(_ddp_body, tmp_path)
+    # every rank holds the mean of the ranks' gradients, each computed from compressed tensors
+    m = mlp(0)
+    each = []
+    for _, x in results:
+        each.append(grads(m, x, act.fp8_saved_tensors()))
+    mean = [(a + b) / 2 for a, b in zip(*each)]
+    for g, _ in results:
+        for a, b in zip(g, mean):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
