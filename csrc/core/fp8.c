@@ -2,8 +2,6 @@
  * over one block with the dtype and the format constant (fp8_rows() is instantiated per pair), so
  * that the integer code of fp8_rule.h vectorizes: the amax is an unsigned max over bits, the
  * conversions are selects. The random bits of stochastic rounding are drawn lane by lane. */
-#include <string.h>
-
 #include "isa.h"
 #include "mpext/fp8_rule.h"
 #include "mpext/numerics.h"
@@ -11,26 +9,6 @@
 #ifndef MP_ISA_SUFFIX
 #error "fp8.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
 #endif
-
-static inline __attribute__((always_inline)) uint32_t load_bits(const void* x, int64_t i,
-                                                                int dtype) {
-  if (dtype == MP_F32) {
-    uint32_t u;
-    memcpy(&u, (const float*)x + i, sizeof u);
-    return u;
-  }
-  const uint16_t h = ((const uint16_t*)x)[i];
-  return dtype == MP_BF16 ? mp_bf16_to_f32_bits(h) : mp_fp16_to_f32_bits(h);
-}
-
-static inline __attribute__((always_inline)) void store_bits(void* out, int64_t i, uint32_t u,
-                                                             int dtype) {
-  if (dtype == MP_F32) {
-    memcpy((float*)out + i, &u, sizeof u);
-  } else {
-    ((uint16_t*)out)[i] = dtype == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
-  }
-}
 
 static inline __attribute__((always_inline)) void quantize_rows(
     const void* x, int dtype, uint8_t* restrict q, float* restrict scales, int64_t rows,
@@ -41,19 +19,19 @@ static inline __attribute__((always_inline)) void quantize_rows(
       const int64_t start = r * cols + b * block;
       const int64_t n = cols - b * block < block ? cols - b * block : block;
       uint32_t amax = 0;
-      for (int64_t i = 0; i < n; ++i) amax = mp_fp8_amax_bits(amax, load_bits(x, start + i, dtype));
+      for (int64_t i = 0; i < n; ++i) amax = mp_fp8_amax_bits(amax, mp_fp8_load_bits(x, start + i, dtype));
       const float s = mp_fp8_block_scale(amax, fmt, pow2);
       const float inv = 1.0f / s;
       scales[r * nblocks + b] = s;
       if (sr) {
         const uint64_t pos = position + (uint64_t)start;
         for (int64_t i = 0; i < n; ++i) {
-          q[start + i] = (uint8_t)mp_fp8_quantize_bits(load_bits(x, start + i, dtype), inv, fmt, 1,
+          q[start + i] = (uint8_t)mp_fp8_quantize_bits(mp_fp8_load_bits(x, start + i, dtype), inv, fmt, 1,
                                                        mp_sr_bits(key, pos + (uint64_t)i));
         }
       } else {
         for (int64_t i = 0; i < n; ++i) {
-          q[start + i] = (uint8_t)mp_fp8_quantize_bits(load_bits(x, start + i, dtype), inv, fmt, 0,
+          q[start + i] = (uint8_t)mp_fp8_quantize_bits(mp_fp8_load_bits(x, start + i, dtype), inv, fmt, 0,
                                                        0u);
         }
       }
@@ -71,7 +49,7 @@ static inline __attribute__((always_inline)) void dequantize_rows(
       const int64_t n = cols - b * block < block ? cols - b * block : block;
       const float s = scales[r * nblocks + b];
       for (int64_t i = 0; i < n; ++i) {
-        store_bits(out, start + i, mp_fp8_dequantize_bits(q[start + i], s, fmt), dtype);
+        mp_fp8_store_bits(out, start + i, mp_fp8_dequantize_bits(q[start + i], s, fmt), dtype);
       }
     }
   }

@@ -14,8 +14,10 @@
 #define MPEXT_FP8_RULE_H
 
 #include <stdint.h>
+#include <string.h>
 
-#include "mpext/numerics.h" /* MP_HD, mp_fp16_to_f32_bits */
+#include "mpext/mpext.h"    /* mp_dtype */
+#include "mpext/numerics.h" /* MP_HD, the 16-bit conversions */
 
 #define MP_FP8_E4M3 0 /* torch.float8_e4m3fn: 4 exponent bits, 3 mantissa bits, max 448 */
 #define MP_FP8_E5M2 1 /* torch.float8_e5m2: 5 exponent bits, 2 mantissa bits, max 57344 */
@@ -30,7 +32,7 @@ MP_HD uint32_t mp_fp8_sub_rne(uint32_t a, uint32_t bias_k) {
   uint32_t e = a >> 23;
   uint32_t m = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
   uint32_t shift = bias_k - (e ? e : 1u);
-  shift = shift > 31u ? 31u : shift;
+  shift = shift - 1u > 30u ? 31u : shift; /* into [1, 31]: values out of range are discarded */
   uint32_t q = m >> shift;
   uint32_t rem = m & ((1u << shift) - 1u);
   uint32_t half = 1u << (shift - 1u);
@@ -139,6 +141,26 @@ MP_HD uint32_t mp_fp8_dequantize_bits(uint32_t h, float scale, int fmt) {
   x.u = mp_fp8_to_f32_bits(h, fmt);
   x.f = x.f * scale;
   return x.u;
+}
+
+/* Element i of x (an fp32, bf16 or fp16 array, dtype an mp_dtype) as fp32 bits, exact. */
+MP_HD uint32_t mp_fp8_load_bits(const void* x, int64_t i, int dtype) {
+  if (dtype == MP_F32) {
+    uint32_t u;
+    memcpy(&u, (const float*)x + i, sizeof u);
+    return u;
+  }
+  const uint16_t h = ((const uint16_t*)x)[i];
+  return dtype == MP_BF16 ? mp_bf16_to_f32_bits(h) : mp_fp16_to_f32_bits(h);
+}
+
+/* Stores fp32 bits u as element i of out (fp32, or bf16 / fp16 rounded to nearest even). */
+MP_HD void mp_fp8_store_bits(void* out, int64_t i, uint32_t u, int dtype) {
+  if (dtype == MP_F32) {
+    memcpy((float*)out + i, &u, sizeof u);
+  } else {
+    ((uint16_t*)out)[i] = dtype == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
+  }
 }
 
 #endif /* MPEXT_FP8_RULE_H */
