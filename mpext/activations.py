@@ -2,7 +2,7 @@
 per block of their last dimension (``mpext.ops.fp8_quantize``) and restored when the backward
 pass needs them.
 
-    with mpext.activations.fp8_saved_tensors():          # default: inputs of linear layers
+    with mpext.activations.fp8_saved_tensors():          # default: the "matmul" policy
         loss = model(x).sum()
     loss.backward()
 
@@ -10,16 +10,21 @@ pass needs them.
 
 Policies pick which saved tensors are compressed:
 
-- ``"linear"`` (default): the inputs of linear layers and matrix products (``F.linear``,
-  ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``einsum``): the activations that
-  dominate a transformer's saved bytes and that a matmul's backward reads only to form a
-  gradient, where an FP8 rounding error averages out.
+- ``"matmul"`` (default): what the matrix products of a network save, and the activation
+  functions between them: the inputs of linear layers and products (``F.linear``, ``matmul``/``@``,
+  ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``einsum``: ``LINEAR_FUNCTIONS``), everything attention
+  (``F.scaled_dot_product_attention``) saves (q, k, v, its output, the probabilities of the math
+  path), and what the functions of ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save.
+  These dominate a transformer's saved bytes, and the backward pass reads them only to form
+  gradients, where an FP8 rounding error averages out; normalization inputs, softmax-loss
+  outputs and everything else stay exact.
+- ``"linear"``: the inputs of ``LINEAR_FUNCTIONS`` only.
 - ``"size"``: every floating saved tensor of at least ``min_bytes``.
 - a callable ``policy(tensor) -> bool``, asked about every floating saved tensor.
 
 Whatever the policy, a tensor is saved untouched when it is a parameter, shares a parameter's
-storage, or is derived from one by a view or a cast (compressing it frees nothing: the parameter
-stays alive); when autograd saves it for exact use (integer and boolean tensors: indices, masks);
+storage, or is derived from one by a view or a cast, or is a leaf of the graph such as the batch
+(compressing what stays alive anyway frees nothing); when autograd saves it for exact use (integer and boolean tensors: indices, masks);
 when it is smaller than ``min_numel`` elements, not float32/bfloat16/float16, or when its blocks
 would not make it smaller. A tensor saved several times (one input of three projections) is
 compressed once. NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a loss scaler still
@@ -40,13 +45,25 @@ from torch.overrides import TorchFunctionMode
 
 from . import ops
 
-__all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS"]
+__all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS", "ATTENTION_FUNCTIONS",
+           "ACTIVATION_FUNCTIONS", "POLICIES"]
 
 # The functions whose activation inputs the "linear" policy compresses.
 LINEAR_FUNCTIONS = frozenset([
     torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
     torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm,
     torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum])
+# Every floating tensor saved while one of these runs is an attention intermediate.
+ATTENTION_FUNCTIONS = frozenset([torch.nn.functional.scaled_dot_product_attention])
+F = torch.nn.functional
+ACTIVATION_FUNCTIONS = frozenset([
+    F.gelu, F.silu, F.relu, torch.relu, torch.Tensor.relu, F.mish, F.softplus, F.elu, F.selu,
+    F.leaky_relu, F.hardswish, torch.tanh, torch.Tensor.tanh, torch.sigmoid,
+    torch.Tensor.sigmoid, F.glu])
+del F
+POLICIES = ("matmul", "linear", "size")
+_KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
+             ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS])
 
 _VIEW_OR_CAST = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
                  "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
@@ -120,11 +137,12 @@ class _Recorder(TorchFunctionMode):
         for a in flat:
             if isinstance(a, torch.nn.Parameter):
                 st.param_ptrs.add(_storage_ptr(a))
-        if func not in LINEAR_FUNCTIONS:
+        kind = _KIND.get(func)
+        if kind is None:
             return func(*args, **kwargs)
         acts = [(a.numel(), a.shape[-1] if a.dim() else 0) for a in flat
                 if not isinstance(a, torch.nn.Parameter) and a.is_floating_point()]
-        st.linear_stack.append(acts)
+        st.linear_stack.append((kind, acts))
         try:
             return func(*args, **kwargs)
         finally:
@@ -142,7 +160,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     policy selects (see the module's documentation) and restored for the backward pass.
 
     Args:
-        policy: ``"linear"`` (default), ``"size"`` or a callable ``(tensor) -> bool``.
+        policy: ``"matmul"`` (default), ``"linear"``, ``"size"`` or a callable
+            ``(tensor) -> bool``.
         fp8_dtype: ``torch.float8_e4m3fn`` (default; 3 mantissa bits) or ``torch.float8_e5m2``.
         block_size: elements of the last dimension per scale (128, as DeepSeek-V3's 1x128).
         pow2_scale: round every scale up to a power of two.
@@ -154,14 +173,14 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         warn_unmatched: warn when the policy compressed nothing.
     """
 
-    def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "linear", *,
+    def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "matmul", *,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, block_size: int = 128,
                  pow2_scale: bool = False, stochastic: bool = False, seed: int = 0,
                  min_bytes: int = 1 << 16, min_numel: int = 1024, params=None,
                  warn_unmatched: bool = True):
-        if not (callable(policy) or policy in ("linear", "size")):
-            raise ValueError("mpext.activations: policy must be 'linear', 'size' or a callable "
-                             "(tensor) -> bool, got %r" % (policy,))
+        if not (callable(policy) or policy in POLICIES):
+            raise ValueError("mpext.activations: policy must be one of %s or a callable "
+                             "(tensor) -> bool, got %r" % (", ".join(map(repr, POLICIES)), policy))
         if fp8_dtype not in ops.FP8_DTYPES:
             raise ValueError("mpext.activations: fp8_dtype must be torch.float8_e4m3fn or "
                              "torch.float8_e5m2, got %s" % (fp8_dtype,))
@@ -188,12 +207,18 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         packed = 1 + 4.0 / max(1, min(self.block_size, cols))
         if packed > 0.75 * t.element_size():
             return False  # blocks too short to save anything
-        if _is_param_like(t, st.param_ptrs):
-            return False
-        if self.policy == "linear":
+        if t.grad_fn is None or _is_param_like(t, st.param_ptrs):
+            return False  # a leaf (the batch the caller holds) or a parameter: stays alive
+        if self.policy in ("matmul", "linear"):
             if not st.linear_stack:
                 return False
-            return any(t.numel() == n and t.shape[-1] == c for n, c in st.linear_stack[-1])
+            kind, acts = st.linear_stack[-1]
+            if kind != "linear" and self.policy == "linear":
+                return False
+            # attention: all it saves; the others: the tensors shaped as an activation argument
+            # (not a weight's cast, transpose or view)
+            return kind == "attention" or any(t.numel() == n and t.shape[-1] == c
+                                              for n, c in acts)
         if self.policy == "size":
             return t.numel() * t.element_size() >= self.min_bytes
         return bool(self.policy(t))
@@ -226,6 +251,17 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     def _unpack(obj):
         return obj.restore() if isinstance(obj, _Packed) else obj
 
+    def pack(self, t: torch.Tensor):
+        """The pack hook of the innermost active use of this context, to call from a hook of
+        one's own (a measurement wrapping the compression): returns what the backward pass will
+        hold, ``t`` itself or an object with ``nbytes`` and ``restore()``."""
+        if not self._stack:
+            raise RuntimeError("mpext.activations: pack() needs the context to be active")
+        _, _, st, cache = self._stack[-1]
+        return self._pack(t, st, cache)
+
+    unpack = _unpack
+
     # -- the context
 
     def __enter__(self):
@@ -243,11 +279,11 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         except BaseException:
             hooks.__exit__(None, None, None)
             raise
-        self._stack.append((hooks, recorder))
+        self._stack.append((hooks, recorder, st, cache))
         return self
 
     def __exit__(self, *exc):
-        hooks, recorder = self._stack.pop()
+        hooks, recorder, _, _ = self._stack.pop()
         recorder.__exit__(*exc)
         hooks.__exit__(*exc)
         if (exc[0] is None and self.warn_unmatched and self.stats["saved"] > 0
@@ -261,7 +297,7 @@ class FP8Activations(torch.nn.Module):
     """Wraps a module so that its forward pass runs under :class:`fp8_saved_tensors` (same
     arguments); its parameters are never compressed. ``stats`` holds the last forward's counts."""
 
-    def __init__(self, module: torch.nn.Module, policy="linear", **kwargs):
+    def __init__(self, module: torch.nn.Module, policy="matmul", **kwargs):
         super().__init__()
         self.module = module
         kwargs.pop("params", None)

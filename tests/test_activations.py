@@ -281,12 +281,13 @@ X = torch.randn(8, 32, 256, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("fp8", FP8)
-def test_linear_policy_compresses_linear_inputs_gradients_close(fp8):
+def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close(fp8):
     m = mlp()
     ref = grads(m, X)
     ctx = act.fp8_saved_tensors(fp8_dtype=fp8)
     got = grads(m, X, ctx)
-    # saved: x and the GELU output for the two linears (compressed), the GELU input (not)
+    # saved: the batch x (a leaf: kept), the GELU input, its output (the second linear's input),
+    # and the loss's input (kept)
     assert ctx.stats["compressed"] == 2 and ctx.stats["saved"] == 4
     assert ctx.stats["bytes_after"] < 0.27 * ctx.stats["bytes_before"]
     w1, b1, w2, b2 = rel_errors(ref, got)
@@ -295,16 +296,28 @@ def test_linear_policy_compresses_linear_inputs_gradients_close(fp8):
     assert b2 == 0.0  # the last bias's gradient reads no saved activation
 
 
+def test_linear_policy_leaves_activation_function_inputs():
+    m = mlp()
+    with act.fp8_saved_tensors("linear") as ctx:
+        m(X).sum().backward()
+    assert ctx.stats["compressed"] == 1  # the GELU output (second linear's input) only
+    h = X.clone().requires_grad_()
+    with act.fp8_saved_tensors() as ctx:
+        torch.nn.functional.scaled_dot_product_attention(h * 1, h * 2, h * 3).sum().backward()
+    assert ctx.stats["compressed"] >= 3  # q, k, v (and whatever else attention keeps)
+
+
 def test_exactly_the_restored_values_are_used():
     """The backward pass sees fp8_dequantize(fp8_quantize(x)): the same as a forward pass on
     the rounded input with nothing compressed."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 64)
-    q, s = ops.fp8_quantize(X.contiguous())
+    h = X.clone().requires_grad_() * 1.0  # an activation (a leaf such as the batch is kept)
+    q, s = ops.fp8_quantize(h.detach())
     xr = ops.fp8_dequantize(q, s)
     lin.zero_grad()
     with act.fp8_saved_tensors():
-        lin(X).sum().backward()
+        lin(h).sum().backward()
     got = lin.weight.grad.clone()
     lin.zero_grad()
     lin(xr).sum().backward()
@@ -339,7 +352,7 @@ def test_params_under_autocast_casts_are_not_compressed():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with act.fp8_saved_tensors(lambda t: asked.append(t.detach().clone()) or True):
             m(X).float().sum().backward()
-    assert len(asked) == 3  # x, the GELU's input and output; not the bf16 weight copies
+    assert len(asked) == 2  # the GELU's input and output; not the bf16 weight copies
     for t in asked:
         for w in (m[0].weight, m[2].weight):
             for c in (w, w.t()):
@@ -359,7 +372,7 @@ def test_autocast_gradients_close_to_autocast_uncompressed():
 def test_bf16_model_and_shared_input_compressed_once():
     torch.manual_seed(0)
     q, k, v = (torch.nn.Linear(256, 256).bfloat16() for _ in range(3))
-    x = X.bfloat16()
+    x = X.bfloat16().requires_grad_() * 1.0
     with act.fp8_saved_tensors() as ctx:
         (q(x) * k(x) + v(x)).float().sum().backward()
     assert ctx.stats["compressed"] == 1  # x, saved by three linears
