@@ -2,7 +2,7 @@
 per block of their last dimension (``mpext.ops.fp8_quantize``) and restored when the backward
 pass needs them.
 
-    with mpext.activations.fp8_saved_tensors():          # default: the "matmul" policy
+    with mpext.activations.fp8_saved_tensors():          # default: the "layers" policy
         loss = model(x).sum()
     loss.backward()
 
@@ -10,14 +10,15 @@ pass needs them.
 
 Policies pick which saved tensors are compressed:
 
-- ``"matmul"`` (default): what the matrix products of a network save, and the activation
-  functions between them: the inputs of linear layers and products (``F.linear``, ``matmul``/``@``,
-  ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``einsum``: ``LINEAR_FUNCTIONS``), everything attention
-  (``F.scaled_dot_product_attention``) saves (q, k, v, its output, the probabilities of the math
-  path), and what the functions of ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save.
-  These dominate a transformer's saved bytes, and the backward pass reads them only to form
-  gradients, where an FP8 rounding error averages out; normalization inputs, softmax-loss
-  outputs and everything else stay exact.
+- ``"layers"`` (default): the activations the standard layers save: the inputs of linear
+  layers and products (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``,
+  ``einsum``: ``LINEAR_FUNCTIONS``), everything attention (``F.scaled_dot_product_attention``)
+  saves (q, k, v, its output, the probabilities of the math path), what the functions of
+  ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save, and the inputs of the
+  normalizations of ``NORM_FUNCTIONS`` (layer norm, RMS norm, group norm; their statistics stay
+  exact). These are nearly all of a transformer's saved bytes (the inputs of linear layers
+  alone are under half), and the backward pass reads them only to form gradients, where an FP8
+  rounding error averages out; the loss's softmax, masks, indices and statistics stay exact.
 - ``"linear"``: the inputs of ``LINEAR_FUNCTIONS`` only.
 - ``"size"``: every floating saved tensor of at least ``min_bytes``.
 - a callable ``policy(tensor) -> bool``, asked about every floating saved tensor.
@@ -46,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from . import ops
 
 __all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS", "ATTENTION_FUNCTIONS",
-           "ACTIVATION_FUNCTIONS", "POLICIES"]
+           "ACTIVATION_FUNCTIONS", "NORM_FUNCTIONS", "POLICIES"]
 
 # The functions whose activation inputs the "linear" policy compresses.
 LINEAR_FUNCTIONS = frozenset([
@@ -60,10 +61,12 @@ ACTIVATION_FUNCTIONS = frozenset([
     F.gelu, F.silu, F.relu, torch.relu, torch.Tensor.relu, F.mish, F.softplus, F.elu, F.selu,
     F.leaky_relu, F.hardswish, torch.tanh, torch.Tensor.tanh, torch.sigmoid,
     torch.Tensor.sigmoid, F.glu])
+NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm])
 del F
-POLICIES = ("matmul", "linear", "size")
+POLICIES = ("layers", "linear", "size")
 _KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
-             ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS])
+             ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS] +
+             [(f, "norm") for f in NORM_FUNCTIONS])
 
 _VIEW_OR_CAST = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
                  "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
@@ -160,7 +163,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     policy selects (see the module's documentation) and restored for the backward pass.
 
     Args:
-        policy: ``"matmul"`` (default), ``"linear"``, ``"size"`` or a callable
+        policy: ``"layers"`` (default), ``"linear"``, ``"size"`` or a callable
             ``(tensor) -> bool``.
         fp8_dtype: ``torch.float8_e4m3fn`` (default; 3 mantissa bits) or ``torch.float8_e5m2``.
         block_size: elements of the last dimension per scale (128, as DeepSeek-V3's 1x128).
@@ -173,7 +176,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         warn_unmatched: warn when the policy compressed nothing.
     """
 
-    def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "matmul", *,
+    def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "layers", *,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, block_size: int = 128,
                  pow2_scale: bool = False, stochastic: bool = False, seed: int = 0,
                  min_bytes: int = 1 << 16, min_numel: int = 1024, params=None,
@@ -209,7 +212,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             return False  # blocks too short to save anything
         if t.grad_fn is None or _is_param_like(t, st.param_ptrs):
             return False  # a leaf (the batch the caller holds) or a parameter: stays alive
-        if self.policy in ("matmul", "linear"):
+        if self.policy in ("layers", "linear"):
             if not st.linear_stack:
                 return False
             kind, acts = st.linear_stack[-1]
@@ -297,7 +300,7 @@ class FP8Activations(torch.nn.Module):
     """Wraps a module so that its forward pass runs under :class:`fp8_saved_tensors` (same
     arguments); its parameters are never compressed. ``stats`` holds the last forward's counts."""
 
-    def __init__(self, module: torch.nn.Module, policy="matmul", **kwargs):
+    def __init__(self, module: torch.nn.Module, policy="layers", **kwargs):
         super().__init__()
         self.module = module
         kwargs.pop("params", None)

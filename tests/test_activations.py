@@ -305,6 +305,12 @@ def test_linear_policy_leaves_activation_function_inputs():
     with act.fp8_saved_tensors() as ctx:
         torch.nn.functional.scaled_dot_product_attention(h * 1, h * 2, h * 3).sum().backward()
     assert ctx.stats["compressed"] >= 3  # q, k, v (and whatever else attention keeps)
+    ln = torch.nn.LayerNorm(256)
+    ref = grads(ln, h * 1)
+    with act.fp8_saved_tensors() as ctx:
+        got = grads(ln, h * 1)
+    assert ctx.stats["compressed"] == 1  # the input; the mean and 1/std stay exact
+    assert 0 < max(rel_errors(ref, got)) < 0.05
 
 
 def test_exactly_the_restored_values_are_used():
