@@ -53,7 +53,7 @@ MP_HD uint32_t mp_fp8_rne_bits(uint32_t u, int fmt) {
   uint32_t r = a < (e5 ? 0x38800000u : 0x3C800000u) ? sub : normal;
   /* E5M2 from 65536 up is Inf; E4M3 past 448 by more than half its ulp saturates */
   r = a >= (e5 ? 0x47800000u : 0x43E80000u) ? (e5 ? 0x7Cu : 0x7Eu) : r;
-  r = a > 0x7F800000u || (!e5 && a == 0x7F800000u) ? 0x7Fu : r; /* NaN; E4M3's Inf */
+  r = ((a > 0x7F800000u) | ((e5 == 0) & (a == 0x7F800000u))) ? 0x7Fu : r; /* NaN; E4M3's Inf */
   return r | sign;
 }
 
