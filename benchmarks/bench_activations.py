@@ -1,10 +1,9 @@
 """Saved activations, measured from autograd's saved-tensor hooks, per precision mode, with and
 without mpext.activations' FP8 compression; the gradient error it costs; a short convergence run.
 
-Bytes count each storage once (a tensor saved by several ops, views of one buffer), and leave
-out what stays alive anyway (parameters, their views and casts, leaf inputs such as the batch).
-The peak is the step's live-tensor peak (forward + backward) from torch's allocator. Step times
-are measured too, but only mean something on a quiet machine.
+Bytes count each storage once and leave out what stays alive anyway (parameters, their views
+and casts, leaves such as the batch); the peak is the step's live-tensor peak from torch's
+allocator. Step times are measured too, but only mean something on a quiet machine.
 
     python -m benchmarks.bench_activations [--quick] [--converge-steps 300] [--out results]
 """
@@ -37,25 +36,22 @@ class Saved:
         stored = self.ctx.pack(t) if self.ctx is not None else t
         if t.grad_fn is None or act._is_param_like(t, self.params):
             return stored  # alive anyway: a parameter, its view or cast, the batch
-        if isinstance(stored, torch.Tensor):
-            key = stored.untyped_storage().data_ptr()
-            if key in self.seen:
-                return stored
-            n = stored.untyped_storage().nbytes()
-            if stored.dtype == torch.float32:
-                self.fp32_by[stored.grad_fn.name() if stored.grad_fn else "no grad_fn"] += n
-        else:
-            key, n = id(stored), stored.nbytes
+        plain = isinstance(stored, torch.Tensor)
+        key = stored.untyped_storage().data_ptr() if plain else id(stored)
+        if key in self.seen:
+            return stored
+        n = stored.untyped_storage().nbytes() if plain else stored.nbytes
+        if plain and stored.dtype == torch.float32:
+            self.fp32_by[stored.grad_fn.name() if stored.grad_fn else "no grad_fn"] += n
         self.seen.add(key)
         self.bytes += n
         return stored
 
-    def unpack(self, obj):
-        return act.fp8_saved_tensors.unpack(obj)
+    unpack = staticmethod(act.fp8_saved_tensors.unpack)
 
 
 def models(quick):
-    """name -> (build(dtype), batch(), loss(model, batch), layers, tokens per batch)."""
+    """name -> (build(), batch(), loss(model, batch), layers, tokens per batch)."""
     ids, vocab = gpt.load_corpus()
     cfg = gpt.GPTConfig(vocab_size=len(vocab), block_size=64 if quick else 128,
                         n_layer=2 if quick else 4, n_head=4, n_embd=128 if quick else 256)
@@ -107,12 +103,10 @@ def measure(quick):
         for mode in MODES:
             for compress in (False, True):
                 torch.manual_seed(0)
-                model = build()
-                if mode == "bf16":
-                    model = model.to(torch.bfloat16)
+                dt = torch.bfloat16 if mode == "bf16" else torch.float32
+                model = build().to(dt)
                 ctx = act.fp8_saved_tensors(params=model) if compress else None
                 meter = Saved(model, ctx)
-                dt = torch.bfloat16 if mode == "bf16" else torch.float32
                 xb = tuple(t.to(dt) if t.is_floating_point() else t for t in batch())
                 step(model, xb, loss_fn, mode, ctx, meter)
                 grads[mode, compress] = {g: [p.grad.float() for p in ps]
@@ -124,8 +118,7 @@ def measure(quick):
                                     max_inner=1, show_progress=False)[0]
                 rows.append(dict(model=name, mode=mode, fp8=compress, saved=meter.bytes,
                                  per_token_layer=meter.bytes / tokens / layers, peak=peak,
-                                 step_s=t.median,
-                                 fp32_top=meter.fp32_by.most_common(3)))
+                                 step_s=t.median, fp32_top=meter.fp32_by.most_common(3)))
             errors[name, mode] = {
                 g: max((a - b).norm().item() / max(a.norm().item(), 1e-30)
                        for a, b in zip(grads[mode, False][g], grads[mode, True][g]))
@@ -136,8 +129,7 @@ def measure(quick):
 def converge(steps, seeds=(0, 1, 2)):
     """The benchmark GPT ("small"), bf16 params stepped by mpext.optim.AdamW (FP32 masters)."""
     ids, vocab = gpt.load_corpus()
-    train, val = gpt.split_corpus(ids)
-    cfg = gpt.GPTConfig.preset("small", len(vocab))
+    (train, val), cfg = gpt.split_corpus(ids), gpt.GPTConfig.preset("small", len(vocab))
     out = {}
     for compress in (False, True):
         for seed in seeds:
@@ -154,9 +146,8 @@ def converge(steps, seeds=(0, 1, 2)):
                 opt.step()
             with torch.no_grad():
                 vgen = torch.Generator().manual_seed(123)
-                out[compress, seed] = statistics.mean(
-                    model(*gpt.get_batch(val, 64, cfg.block_size, vgen))[1].item()
-                    for _ in range(4))
+                out[compress, seed] = statistics.mean(model(*gpt.get_batch(
+                    val, 64, cfg.block_size, vgen))[1].item() for _ in range(4))
     return out
 
 
@@ -186,16 +177,15 @@ def table(rows, errors, conv):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--converge-steps", type=int, default=0)
+    p.add_argument("--quick", action="store_true")  # smaller models
+    p.add_argument("--converge-steps", type=int, default=0)  # 0: no convergence run
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--threads", type=int, default=1, help="1: two threads spin on a busy machine")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows, errors = measure(a.quick)
     conv = converge(a.converge_steps) if a.converge_steps else {}
-    ids, vocab = gpt.load_corpus()
-    est = activation_bytes(8, 128, 256, 4, 4, 2, len(vocab), dropout=False)
+    est = activation_bytes(8, 128, 256, 4, 4, 2, len(gpt.load_corpus()[1]), dropout=False)
     text = table(rows, errors, conv) + (
         "\n\nmpext.memory's estimate for the benchmark GPT in bf16: %.2f MiB" % (est / common.MiB))
     print(text)
