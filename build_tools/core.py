@@ -21,7 +21,7 @@ INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 # Compiled once per ISA path.
 KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/adam.c",
                   "csrc/core/adam_fused.c",
-                  "csrc/core/norm.c", "csrc/core/table.c"]
+                  "csrc/core/norm.c", "csrc/core/table.c", "csrc/core/fp8.c"]
 # Compiled once.
 COMMON_SOURCES = ["csrc/core/cpu.c"]
 

@@ -849,3 +849,87 @@ def _grad_norm_fake(tensors, *, inv_scale=None):
     if inv_scale is not None:
         _check_fake_scalar(inv_scale, op, "inv_scale", torch.float32, 1, device, "tensors[0]")
     return torch.empty((), dtype=torch.float32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 with one scale per block of the last dimension (the storage of mpext.activations).
+
+__all__ += ["fp8_quantize", "fp8_dequantize", "FP8_DTYPES"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_quantize(x: torch.Tensor, *, block_size: int = 128,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False,
+                 stochastic: bool = False, seed: int = 0, offset: int = 0):
+    """``(q, scales)``: ``x`` (float32, bfloat16 or float16, contiguous, at least 1-d) in FP8
+    with one float32 scale per block of ``block_size`` elements of the last dimension (the last
+    block of a row may be shorter). A block's scale is its largest finite ``|x|`` divided by the
+    format's largest value (448 for ``float8_e4m3fn``, 57344 for ``float8_e5m2``), rounded up to
+    a power of two when ``pow2_scale``, and at least ``2**-126``; ``q`` is
+    ``(x.float() * (1 / scale)).to(fp8_dtype)`` bit for bit, or rounded stochastically with the
+    random bits of stream position ``offset + i`` (``i`` the element's flat index) under
+    ``seed``, as :func:`to_bf16`. ``scales`` has shape ``x.shape[:-1] + (nblocks,)``.
+
+    NaN stays NaN; Inf stays Inf in E5M2 and becomes NaN in E4M3 (which has no Inf), so a
+    non-finite value never comes back finite. Non-contiguous inputs are rejected (copy them
+    with ``.contiguous()``).
+    """
+    _check_strided(x, "fp8_quantize", "x")
+    return _ops.fp8_quantize(x, block_size=_check_int(block_size, "fp8_quantize", "block_size"),
+                             fp8_dtype=fp8_dtype, pow2_scale=pow2_scale, stochastic=stochastic,
+                             seed=_seed64(seed, "fp8_quantize"),
+                             offset=_offset63(offset, "fp8_quantize"))
+
+
+def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, *, block_size: int = 128,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of :func:`fp8_quantize`: ``(q.float() * scale).to(dtype)`` for each block
+    (dtype float32, bfloat16 or float16, round to nearest even)."""
+    _check_strided(q, "fp8_dequantize", "q")
+    return _ops.fp8_dequantize(q, scales,
+                               block_size=_check_int(block_size, "fp8_dequantize", "block_size"),
+                               dtype=dtype)
+
+
+def _fp8_scale_shape(shape, block_size):
+    return tuple(shape[:-1]) + ((shape[-1] + block_size - 1) // block_size,)
+
+
+def _check_fake_rows(t, op, name):
+    torch._check(t.dim() >= 1, lambda: "mpext.%s: %s must have at least one dimension (the "
+                 "blocks run along the last one)" % (op, name))
+    torch._check(t.is_contiguous(), lambda: "mpext.%s: %s must be contiguous (the blocks run "
+                 "along its last dimension); call .contiguous() on it first" % (op, name))
+
+
+@torch.library.register_fake("mpext::fp8_quantize")
+def _fp8_quantize_fake(x, *, block_size=128, fp8_dtype=None, pow2_scale=False, stochastic=False,
+                       seed=0, offset=0):
+    op = "fp8_quantize"
+    _check_fake_rows(x, op, "x")
+    torch._check(x.dtype in _PARAM_DTYPES, lambda: "mpext.%s: x must have dtype float32 or "
+                 "bfloat16 or float16, got %s" % (op, _dtype_name(x.dtype)))
+    torch._check(block_size >= 1, lambda: "mpext.%s: block_size must be >= 1" % op)
+    fp8 = torch.float8_e4m3fn if fp8_dtype is None else fp8_dtype
+    torch._check(fp8 in FP8_DTYPES, lambda: "mpext.%s: fp8_dtype must be float8_e4m3fn or "
+                 "float8_e5m2" % op)
+    return (torch.empty(x.shape, dtype=fp8, device=x.device),
+            torch.empty(_fp8_scale_shape(x.shape, block_size), dtype=torch.float32,
+                        device=x.device))
+
+
+@torch.library.register_fake("mpext::fp8_dequantize")
+def _fp8_dequantize_fake(q, scales, *, block_size=128, dtype=None):
+    op = "fp8_dequantize"
+    _check_fake_rows(q, op, "q")
+    torch._check(q.dtype in FP8_DTYPES, lambda: "mpext.%s: q must have dtype float8_e4m3fn or "
+                 "float8_e5m2, got %s" % (op, _dtype_name(q.dtype)))
+    torch._check(block_size >= 1, lambda: "mpext.%s: block_size must be >= 1" % op)
+    torch._check(tuple(scales.shape) == _fp8_scale_shape(q.shape, block_size),
+                 lambda: "mpext.%s: scales must have shape %s" % (
+                     op, _fp8_scale_shape(q.shape, block_size)))
+    out = torch.float32 if dtype is None else dtype
+    torch._check(out in _PARAM_DTYPES, lambda: "mpext.%s: dtype must be float32, bfloat16 or "
+                 "float16" % op)
+    return torch.empty(q.shape, dtype=out, device=q.device)

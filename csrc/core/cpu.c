@@ -7,6 +7,7 @@
 #include "isa.h"
 #include "mpext/adam.h"
 #include "mpext/cast.h"
+#include "mpext/fp8.h"
 #include "mpext/norm.h"
 #include "mpext/scale.h"
 #include "mpext/scale_rule.h"
@@ -239,5 +240,34 @@ mp_status mp_grad_norm_finish(const double* partials, int64_t n, float* out) {
    * payload would depend on which NaN the vector sums met first (so on the ISA path): every NaN
    * result is the one canonical quiet NaN, as on CUDA. */
   *out = sum != sum ? canonical_nan_f32() : (float)__builtin_sqrt(sum);
+  return MP_OK;
+}
+
+static int fp8_args_ok(int dtype, int64_t rows, int64_t cols, int64_t block, int fmt,
+                       const void* a, const void* b, const void* c) {
+  if (rows < 0 || cols < 0 || block < 1) return 0;
+  if (dtype != MP_F32 && dtype != MP_BF16 && dtype != MP_F16) return 0;
+  if (fmt != MP_FP8_E4M3 && fmt != MP_FP8_E5M2) return 0;
+  if (rows > 0 && cols > INT64_MAX / rows) return 0;
+  return rows * cols == 0 || (a != NULL && b != NULL && c != NULL);
+}
+
+mp_status mp_fp8_quantize(const void* x, mp_dtype dtype, uint8_t* q, float* scales, int64_t rows,
+                          int64_t cols, int64_t block, int fmt, int pow2, int stochastic,
+                          uint64_t seed, uint64_t position) {
+  if (!fp8_args_ok((int)dtype, rows, cols, block, fmt, x, q, scales))
+    return MP_ERR_INVALID_ARGUMENT;
+  if (rows * cols == 0) return MP_OK;
+  active()->fp8_quantize(x, (int)dtype, q, scales, rows, cols, block, fmt, pow2 != 0,
+                         stochastic != 0, mp_sr_key(seed, 0, 0), position);
+  return MP_OK;
+}
+
+mp_status mp_fp8_dequantize(const uint8_t* q, const float* scales, void* out, mp_dtype out_dtype,
+                            int64_t rows, int64_t cols, int64_t block, int fmt) {
+  if (!fp8_args_ok((int)out_dtype, rows, cols, block, fmt, q, scales, out))
+    return MP_ERR_INVALID_ARGUMENT;
+  if (rows * cols == 0) return MP_OK;
+  active()->fp8_dequantize(q, scales, out, (int)out_dtype, rows, cols, block, fmt);
   return MP_OK;
 }

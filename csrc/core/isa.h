@@ -49,6 +49,13 @@ typedef struct mp_kernel_table {
   double (*grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
   double (*grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
   double (*grad_norm_sumsq_fp16)(const uint16_t* x, int64_t n, float inv_scale);
+  /* FP8 block quantization of rows x cols elements, arguments already checked (fp8.c); key is
+   * the stochastic-rounding stream's (mp_sr_key), position element (0, 0)'s. */
+  void (*fp8_quantize)(const void* x, int dtype, uint8_t* q, float* scales, int64_t rows,
+                       int64_t cols, int64_t block, int fmt, int pow2, int sr, uint64_t key,
+                       uint64_t position);
+  void (*fp8_dequantize)(const uint8_t* q, const float* scales, void* out, int dtype,
+                         int64_t rows, int64_t cols, int64_t block, int fmt);
 } mp_kernel_table;
 
 extern const mp_kernel_table mp_kernels__scalar;
@@ -82,6 +89,11 @@ int MP_ISA_FN(mp_k_adam_fused)(const mp_adam_tensor* t, int64_t start, int64_t n
 double MP_ISA_FN(mp_k_grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
 double MP_ISA_FN(mp_k_grad_norm_sumsq_fp16)(const uint16_t* x, int64_t n, float inv_scale);
+void MP_ISA_FN(mp_k_fp8_quantize)(const void* x, int dtype, uint8_t* q, float* scales,
+                                  int64_t rows, int64_t cols, int64_t block, int fmt, int pow2,
+                                  int sr, uint64_t key, uint64_t position);
+void MP_ISA_FN(mp_k_fp8_dequantize)(const uint8_t* q, const float* scales, void* out, int dtype,
+                                    int64_t rows, int64_t cols, int64_t block, int fmt);
 #endif
 
 #endif /* MPEXT_CORE_ISA_H */

@@ -21,4 +21,6 @@ const mp_kernel_table MP_ISA_FN(mp_kernels) = {
     .grad_norm_sumsq_f32 = MP_ISA_FN(mp_k_grad_norm_sumsq_f32),
     .grad_norm_sumsq_bf16 = MP_ISA_FN(mp_k_grad_norm_sumsq_bf16),
     .grad_norm_sumsq_fp16 = MP_ISA_FN(mp_k_grad_norm_sumsq_fp16),
+    .fp8_quantize = MP_ISA_FN(mp_k_fp8_quantize),
+    .fp8_dequantize = MP_ISA_FN(mp_k_fp8_dequantize),
 };

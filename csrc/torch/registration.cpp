@@ -91,6 +91,18 @@ TORCH_LIBRARY(mpext, m) {
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.
   m.def("grad_norm(Tensor[] tensors, *, Tensor? inv_scale=None) -> Tensor");
+  // FP8 with one float32 scale per block of block_size elements of the last dimension (x
+  // contiguous): scale = finite amax / fp8 max (rounded up to a power of two with pow2_scale, at
+  // least 2^-126), q = fp8(x * (1 / scale)) to nearest even or stochastically (seed, offset as
+  // to_bf16), scales of shape x.shape[:-1] + (ceil(x.shape[-1] / block_size),). fp8_dtype:
+  // float8_e4m3fn (default) or float8_e5m2. NaN/Inf stay non-finite.
+  m.def(
+      "fp8_quantize(Tensor x, *, int block_size=128, ScalarType? fp8_dtype=None, "
+      "bool pow2_scale=False, bool stochastic=False, int seed=0, int offset=0) -> (Tensor, Tensor)");
+  // The inverse: float(q) * scale, rounded to nearest even to dtype (default float32).
+  m.def(
+      "fp8_dequantize(Tensor q, Tensor scales, *, int block_size=128, ScalarType? dtype=None) "
+      "-> Tensor");
 }
 
 namespace {

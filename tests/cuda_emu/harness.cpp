@@ -179,6 +179,10 @@ bool same_bits(const void* got, const void* want, int64_t n, int bytes, int dtyp
       w = static_cast<const uint32_t*>(want)[i];
       gn = is_nan32(g);
       wn = is_nan32(w);
+    } else if (bytes == 1) {  // fp8 codes: compared as raw bytes
+      g = static_cast<const uint8_t*>(got)[i];
+      w = static_cast<const uint8_t*>(want)[i];
+      gn = wn = false;
     } else {
       g = static_cast<const uint16_t*>(got)[i];
       w = static_cast<const uint16_t*>(want)[i];

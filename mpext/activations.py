@@ -1,0 +1,316 @@
+"""Saved activations in FP8: tensors autograd keeps for the backward pass, stored with one scale
+per block of their last dimension (``mpext.ops.fp8_quantize``) and restored when the backward
+pass needs them.
+
+    with mpext.activations.fp8_saved_tensors():          # default: the "layers" policy
+        loss = model(x).sum()
+    loss.backward()
+
+    model = mpext.activations.FP8Activations(model, policy="size", min_bytes=1 << 20)
+
+Policies pick which saved tensors are compressed:
+
+- ``"layers"`` (default): the activations the standard layers save: the inputs of linear
+  layers and products (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``,
+  ``einsum``: ``LINEAR_FUNCTIONS``), everything attention (``F.scaled_dot_product_attention``)
+  saves (q, k, v, its output, the probabilities of the math path), what the functions of
+  ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save, and the inputs of the
+  normalizations of ``NORM_FUNCTIONS`` (layer norm, RMS norm, group norm; their statistics stay
+  exact). These are nearly all of a transformer's saved bytes (the inputs of linear layers
+  alone are under half), and the backward pass reads them only to form gradients, where an FP8
+  rounding error averages out; the loss's softmax, masks, indices and statistics stay exact.
+- ``"linear"``: the inputs of ``LINEAR_FUNCTIONS`` only.
+- ``"size"``: every floating saved tensor of at least ``min_bytes``.
+- a callable ``policy(tensor) -> bool``, asked about every floating saved tensor.
+
+Whatever the policy, a tensor is saved untouched when it is a parameter, shares a parameter's
+storage, or is derived from one by a view or a cast, or is a leaf of the graph such as the batch
+(compressing what stays alive anyway frees nothing); when autograd saves it for exact use (integer and boolean tensors: indices, masks);
+when it is smaller than ``min_numel`` elements, not float32/bfloat16/float16, or when its blocks
+would not make it smaller. A tensor saved several times (one input of three projections) is
+compressed once. NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a loss scaler still
+sees an overflow in the gradients they produce.
+
+A policy that matched nothing by the end of a forward pass warns once (it usually means the
+model computes its products in a way the policy does not see). ``stats`` counts what was seen
+and stored.
+"""
+import contextlib
+import functools
+import warnings
+import weakref
+from typing import Callable, Optional, Union
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import ops
+
+__all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS", "ATTENTION_FUNCTIONS",
+           "ACTIVATION_FUNCTIONS", "NORM_FUNCTIONS", "POLICIES"]
+
+# The functions whose activation inputs the "linear" policy compresses.
+LINEAR_FUNCTIONS = frozenset([
+    torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm,
+    torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum])
+# Every floating tensor saved while one of these runs is an attention intermediate.
+ATTENTION_FUNCTIONS = frozenset([torch.nn.functional.scaled_dot_product_attention])
+F = torch.nn.functional
+ACTIVATION_FUNCTIONS = frozenset([
+    F.gelu, F.silu, F.relu, torch.relu, torch.Tensor.relu, F.mish, F.softplus, F.elu, F.selu,
+    F.leaky_relu, F.hardswish, torch.tanh, torch.Tensor.tanh, torch.sigmoid,
+    torch.Tensor.sigmoid, F.glu])
+NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm])
+del F
+POLICIES = ("layers", "linear", "size")
+_KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
+             ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS] +
+             [(f, "norm") for f in NORM_FUNCTIONS])
+
+_VIEW_OR_CAST = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
+                 "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
+                 "AliasBackward0", "UnsafeViewBackward0")
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (fake, functional)
+        return -1
+
+
+def _is_param_like(t: torch.Tensor, param_ptrs) -> bool:
+    """A parameter, a tensor sharing a parameter's storage, or a view or cast of one."""
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return True
+    if _storage_ptr(t) in param_ptrs:
+        return True
+    base = t._base
+    if base is not None and (isinstance(base, torch.nn.Parameter) or
+                             (base.is_leaf and base.requires_grad)):
+        return True
+    fn = t.grad_fn
+    for _ in range(3):  # a short chain of views and casts down to an AccumulateGrad
+        if fn is None or fn.name() not in _VIEW_OR_CAST:
+            return False
+        nexts = [f for f, _ in fn.next_functions if f is not None]
+        if len(nexts) != 1:
+            return False
+        fn = nexts[0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+class _Packed:
+    """One compressed tensor: its FP8 codes, their scales, and how to rebuild it."""
+    __slots__ = ("q", "scales", "shape", "dtype", "block", "nbytes")
+
+    def __init__(self, t: torch.Tensor, block: int, fp8_dtype, pow2: bool, stochastic: bool,
+                 seed: int, offset: int):
+        x = t.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()  # the blocks run along the last dimension of the row-major copy
+        self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
+                                               pow2_scale=pow2, stochastic=stochastic, seed=seed,
+                                               offset=offset)
+        self.shape, self.dtype, self.block = t.shape, t.dtype, block
+        self.nbytes = self.q.numel() + 4 * self.scales.numel()
+
+    def restore(self) -> torch.Tensor:
+        return ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
+
+
+class _Recorder(TorchFunctionMode):
+    """Notes parameters as they are used and, for the "linear" policy, which call of a matrix
+    product is running and which of its arguments are activations."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = self.state
+        flat = [a for a in args if isinstance(a, torch.Tensor)]
+        if func is torch.einsum:
+            flat += [a for a in args if isinstance(a, (list, tuple))
+                     for a in a if isinstance(a, torch.Tensor)]
+        for a in flat:
+            if isinstance(a, torch.nn.Parameter):
+                st.param_ptrs.add(_storage_ptr(a))
+        kind = _KIND.get(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        acts = [(a.numel(), a.shape[-1] if a.dim() else 0) for a in flat
+                if not isinstance(a, torch.nn.Parameter) and a.is_floating_point()]
+        st.linear_stack.append((kind, acts))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            st.linear_stack.pop()
+
+
+class _State:
+    def __init__(self):
+        self.param_ptrs = set()
+        self.linear_stack = []
+
+
+class fp8_saved_tensors(contextlib.ContextDecorator):
+    """Context manager (and decorator): tensors autograd saves inside it are stored in FP8 as the
+    policy selects (see the module's documentation) and restored for the backward pass.
+
+    Args:
+        policy: ``"layers"`` (default), ``"linear"``, ``"size"`` or a callable
+            ``(tensor) -> bool``.
+        fp8_dtype: ``torch.float8_e4m3fn`` (default; 3 mantissa bits) or ``torch.float8_e5m2``.
+        block_size: elements of the last dimension per scale (128, as DeepSeek-V3's 1x128).
+        pow2_scale: round every scale up to a power of two.
+        stochastic: stochastic rounding (counter-based, reproducible from ``seed``).
+        min_bytes: the ``"size"`` policy's threshold.
+        min_numel: tensors smaller than this are never compressed.
+        params: parameters (or a module) whose storage is never compressed; parameters the
+            forward pass uses are recognised without it.
+        warn_unmatched: warn when the policy compressed nothing.
+    """
+
+    def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "layers", *,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, block_size: int = 128,
+                 pow2_scale: bool = False, stochastic: bool = False, seed: int = 0,
+                 min_bytes: int = 1 << 16, min_numel: int = 1024, params=None,
+                 warn_unmatched: bool = True):
+        if not (callable(policy) or policy in POLICIES):
+            raise ValueError("mpext.activations: policy must be one of %s or a callable "
+                             "(tensor) -> bool, got %r" % (", ".join(map(repr, POLICIES)), policy))
+        if fp8_dtype not in ops.FP8_DTYPES:
+            raise ValueError("mpext.activations: fp8_dtype must be torch.float8_e4m3fn or "
+                             "torch.float8_e5m2, got %s" % (fp8_dtype,))
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError("mpext.activations: block_size must be an int >= 1, got %r"
+                             % (block_size,))
+        self.policy, self.fp8_dtype, self.block_size = policy, fp8_dtype, block_size
+        self.pow2_scale, self.stochastic, self.seed = pow2_scale, stochastic, seed
+        self.min_bytes, self.min_numel, self.warn_unmatched = min_bytes, min_numel, warn_unmatched
+        if isinstance(params, torch.nn.Module):
+            params = list(params.parameters())
+        self._fixed_params = {_storage_ptr(p) for p in (params or ())}
+        self.stats = {}
+        self._stack = []
+
+    # -- the hooks
+
+    def _wants(self, t: torch.Tensor, st: _State) -> bool:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False  # integer, boolean (exact use), fp64, already fp8
+        if t.layout != torch.strided or t.dim() == 0 or t.numel() < self.min_numel:
+            return False
+        cols = t.shape[-1]
+        packed = 1 + 4.0 / max(1, min(self.block_size, cols))
+        if packed > 0.75 * t.element_size():
+            return False  # blocks too short to save anything
+        if t.grad_fn is None or _is_param_like(t, st.param_ptrs):
+            return False  # a leaf (the batch the caller holds) or a parameter: stays alive
+        if self.policy in ("layers", "linear"):
+            if not st.linear_stack:
+                return False
+            kind, acts = st.linear_stack[-1]
+            if kind != "linear" and self.policy == "linear":
+                return False
+            # attention: all it saves; the others: the tensors shaped as an activation argument
+            # (not a weight's cast, transpose or view)
+            return kind == "attention" or any(t.numel() == n and t.shape[-1] == c
+                                              for n, c in acts)
+        if self.policy == "size":
+            return t.numel() * t.element_size() >= self.min_bytes
+        return bool(self.policy(t))
+
+    def _pack(self, t: torch.Tensor, st: _State, cache: dict):
+        if torch.compiler.is_compiling():
+            # A compiled graph's saved tensors are traced with it: this hook's bookkeeping
+            # (weak references, a cache, a Python policy) does not trace, so they stay as they are.
+            return t
+        s = self.stats
+        s["saved"] = s.get("saved", 0) + 1
+        if not self._wants(t, st):
+            return t
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        hit = cache.get(key)
+        if hit is not None and hit[0]() is not None:
+            return hit[1]
+        packed = _Packed(t, self.block_size, self.fp8_dtype, self.pow2_scale, self.stochastic,
+                         self.seed, self._offset)
+        self._offset += t.numel()
+        # Alive as long as the memory holds these values: a view dies with its call (linear's
+        # reshape of a 3-d input), its base lives on while the caller keeps it.
+        cache[key] = (weakref.ref(t._base if t._base is not None else t), packed)
+        s["compressed"] = s.get("compressed", 0) + 1
+        s["bytes_before"] = s.get("bytes_before", 0) + t.numel() * t.element_size()
+        s["bytes_after"] = s.get("bytes_after", 0) + packed.nbytes
+        return packed
+
+    @staticmethod
+    def _unpack(obj):
+        return obj.restore() if isinstance(obj, _Packed) else obj
+
+    def pack(self, t: torch.Tensor):
+        """The pack hook of the innermost active use of this context, to call from a hook of
+        one's own (a measurement wrapping the compression): returns what the backward pass will
+        hold, ``t`` itself or an object with ``nbytes`` and ``restore()``."""
+        if not self._stack:
+            raise RuntimeError("mpext.activations: pack() needs the context to be active")
+        _, _, st, cache = self._stack[-1]
+        return self._pack(t, st, cache)
+
+    unpack = _unpack
+
+    # -- the context
+
+    def __enter__(self):
+        st = _State()
+        st.param_ptrs |= self._fixed_params
+        cache = {}
+        self._offset = getattr(self, "_offset", 0)
+        self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0}
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self._pack, st=st, cache=cache), self._unpack)
+        recorder = _Recorder(st)
+        hooks.__enter__()
+        try:
+            recorder.__enter__()
+        except BaseException:
+            hooks.__exit__(None, None, None)
+            raise
+        self._stack.append((hooks, recorder, st, cache))
+        return self
+
+    def __exit__(self, *exc):
+        hooks, recorder, _, _ = self._stack.pop()
+        recorder.__exit__(*exc)
+        hooks.__exit__(*exc)
+        if (exc[0] is None and self.warn_unmatched and self.stats["saved"] > 0
+                and self.stats["compressed"] == 0):
+            warnings.warn("mpext.activations: the policy %r compressed none of the %d tensors "
+                          "autograd saved" % (self.policy, self.stats["saved"]), stacklevel=2)
+        return False
+
+
+class FP8Activations(torch.nn.Module):
+    """Wraps a module so that its forward pass runs under :class:`fp8_saved_tensors` (same
+    arguments); its parameters are never compressed. ``stats`` holds the last forward's counts."""
+
+    def __init__(self, module: torch.nn.Module, policy="layers", **kwargs):
+        super().__init__()
+        self.module = module
+        kwargs.pop("params", None)
+        # one context for every call, so that stochastic rounding moves on through its stream
+        self.ctx = fp8_saved_tensors(policy, params=module, **kwargs)
+
+    @property
+    def stats(self):
+        return self.ctx.stats
+
+    def forward(self, *args, **kwargs):
+        with self.ctx:
+            return self.module(*args, **kwargs)

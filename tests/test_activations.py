@@ -1,0 +1,522 @@
+"""FP8 block quantization (fp8_quantize / fp8_dequantize) against torch's own FP8 conversions, bit
+for bit and exhaustively over the 16-bit inputs; and mpext.activations (compressed saved
+tensors) against the uncompressed backward pass, composed with checkpointing, autocast,
+torch.compile, DDP and the mpext optimizers."""
+import math
+
+import pytest
+import torch
+
+import mpext
+from mpext import ops
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+MIN_SCALE = 2.0 ** -126
+
+
+# --------------------------------------------------------------------------------------------
+# References: torch's conversions, with the scale rule written out in torch ops.
+
+def ref_scales(x, block, fp8, pow2=False):
+    """amax of the finite |x| per block / fp8 max (rounded up to 2^k with pow2), >= 2^-126."""
+    xf = x.float()
+    a = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
+    cols = x.shape[-1]
+    nb = (cols + block - 1) // block
+    pad = nb * block - cols
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+    amax = a.reshape(*x.shape[:-1], nb, block).amax(-1)
+    s = amax / FMAX[fp8]
+    if pow2:
+        m, e = torch.frexp(s)
+        s = torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
+    return torch.clamp(s, min=MIN_SCALE)
+
+
+def expand(s, block, cols):
+    return s.repeat_interleave(block, -1)[..., :cols]
+
+
+def ref_quantize(x, scales, block, fp8):
+    """torch's cast for finite x; a non-finite x gives NaN in E4M3 (torch would saturate an
+    Inf to 448, hiding the overflow) and its own value in E5M2."""
+    inv = 1.0 / scales
+    q = (x.float() * expand(inv, block, x.shape[-1])).to(fp8)
+    if fp8 == torch.float8_e4m3fn:
+        bad = ~torch.isfinite(x)
+        u8(q)[bad] = (u8(q)[bad] & 0x80) | 0x7F
+    return q
+
+
+def u8(t):
+    return t.view(torch.uint8)
+
+
+def assert_fp8_equal(ours, ref):
+    """Bit for bit, except that any NaN matches any NaN (payload and sign are not promised)."""
+    bad = (u8(ours) != u8(ref)) & ~(torch.isnan(ours.float()) & torch.isnan(ref.float()))
+    if bad.any():
+        i = bad.flatten().nonzero()[0, 0].item()
+        raise AssertionError("%d mismatches; first at %d: ours 0x%02x, torch 0x%02x"
+                             % (int(bad.sum()), i, u8(ours).flatten()[i].item(),
+                                u8(ref).flatten()[i].item()))
+
+
+def all_16bit(dtype):
+    """Every non-NaN value of a 16-bit dtype."""
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[~torch.isnan(x)]
+
+
+def pivots(dtype):
+    """Block maxima that put every scale exponent the dtype can reach in play."""
+    lo, hi = (-133, 127) if dtype == torch.bfloat16 else (-24, 15)
+    return [2.0 ** e for e in range(lo, hi + 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# The ops, exhaustively.
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_every_16bit_input_every_scale_exponent(dtype, fp8, pow2):
+    """Blocks of two: [v, pivot] for every non-NaN 16-bit v and pivots 2^e over the dtype's
+    range, so every input meets every scale exponent (v's own when |v| is the larger)."""
+    v = all_16bit(dtype)
+    for chunk in range(0, len(pivots(dtype)), 40):
+        p = torch.tensor(pivots(dtype)[chunk:chunk + 40], dtype=dtype)
+        x = torch.stack([v.repeat(len(p)), p.repeat_interleave(len(v))], -1).contiguous()
+        q, s = ops.fp8_quantize(x, block_size=2, fp8_dtype=fp8, pow2_scale=pow2)
+        rs = ref_scales(x, 2, fp8, pow2)
+        assert torch.equal(s.view(torch.int32), rs.view(torch.int32))
+        assert_fp8_equal(q, ref_quantize(x, rs, 2, fp8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_every_code_many_scales(fp8, dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
+    scales = torch.cat([torch.tensor([2.0 ** e for e in range(-126, 120, 3)]),
+                        torch.rand(64) * 10, torch.tensor([MIN_SCALE, 1.0, 3.0e35])])
+    q = codes.repeat(len(scales)).reshape(len(scales), 256).contiguous()
+    out = ops.fp8_dequantize(q, scales[:, None].contiguous(), block_size=256, dtype=dtype)
+    ref = (q.float() * scales[:, None]).to(dtype)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       ref[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("block", [1, 3, 32, 128, 200])
+def test_blocks_and_tails_every_length(isa, block):
+    torch.manual_seed(block)
+    for cols in list(range(1, 70)) + [127, 128, 129, 255, 256, 257, 400, 1000]:
+        x = (torch.randn(3, 2, cols) * torch.logspace(-8, 8, cols)).to(torch.float32)
+        for fp8 in FP8:
+            q, s = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8)
+            rs = ref_scales(x, block, fp8)
+            assert s.shape == (3, 2, (cols + block - 1) // block)
+            assert torch.equal(s, rs)
+            assert_fp8_equal(q, ref_quantize(x, rs, block, fp8))
+            back = ops.fp8_dequantize(q, s, block_size=block)
+            assert torch.equal(back, q.float() * expand(s, block, cols))
+
+
+def test_float32_inputs_special_values(isa):
+    bits = [0, 0x80000000, 1, 0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000,
+            0x43E00000, 0x43E80000, 0x43F00000, 0x47600000, 0x47700000, 0x3C800000, 0x3A000000,
+            0x3B800000]
+    import numpy as np
+    v = torch.tensor(np.array(bits, dtype=np.uint32).view(np.int32)).view(torch.float32)
+    x = torch.cat([v, torch.randn(4096) * 1e3, torch.randn(4096) * 1e-30]).reshape(-1, 16)
+    for fp8 in FP8:
+        for pow2 in (False, True):
+            q, s = ops.fp8_quantize(x.contiguous(), block_size=16, fp8_dtype=fp8, pow2_scale=pow2)
+            rs = ref_scales(x, 16, fp8, pow2)
+            assert torch.equal(s, rs)
+            assert_fp8_equal(q, ref_quantize(x, rs, 16, fp8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_nan_and_inf_stay_non_finite(fp8):
+    x = torch.randn(4, 256)
+    x[0, 3], x[1, 200], x[2, 0], x[3, 255] = float("nan"), float("inf"), -float("inf"), 1e30
+    q, s = ops.fp8_quantize(x, fp8_dtype=fp8)
+    back = ops.fp8_dequantize(q, s)
+    assert torch.isnan(back[0, 3]) and not torch.isfinite(back[1, 200])
+    assert not torch.isfinite(back[2, 0])
+    if fp8 == torch.float8_e5m2:
+        assert back[1, 200] == float("inf") and back[2, 0] == -float("inf")
+    # the other elements of those blocks are unharmed: the non-finite value sets no scale
+    finite = torch.isfinite(x)
+    assert torch.isfinite(back[finite]).all()
+    err = (back - x)[finite].abs().max()
+    assert err <= 1e30 / 8
+
+
+def test_stochastic_rounding_brackets_unbiased_reproducible(isa):
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    q0, s = ops.fp8_quantize(x)
+    y = x.float() * expand(1.0 / s, 128, 256)
+    acc = torch.zeros_like(y)
+    n = 200
+    for seed in range(n):
+        q, s2 = ops.fp8_quantize(x, stochastic=True, seed=seed)
+        assert torch.equal(s2, s)
+        v = q.float()
+        # one of the two fp8 neighbours of y
+        lo = torch.minimum(v, y)
+        hi = torch.maximum(v, y)
+        assert ((hi - lo) <= (y.abs() / 8 + 2.0 ** -9)).all()
+        acc += v
+    rel = ((acc / n - y).abs().mean() / y.abs().mean()).item()
+    rne = ((q0.float() - y).abs().mean() / y.abs().mean()).item()
+    assert rel < rne / 4, (rel, rne)
+    a, _ = ops.fp8_quantize(x, stochastic=True, seed=5, offset=0)
+    b, _ = ops.fp8_quantize(x[8:].contiguous(), stochastic=True, seed=5, offset=8 * 256)
+    assert torch.equal(u8(a[8:]), u8(b))
+
+
+def test_every_isa_and_thread_count_same_bits(threads):
+    torch.manual_seed(1)
+    x = torch.randn(300, 513, dtype=torch.float16)
+    outs = []
+    prev = mpext.cpu_isa()
+    try:
+        for name in mpext.build_info()["cpu_isas_supported"]:
+            mpext.set_cpu_isa(name)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for sr in (False, True):
+                    q, s = ops.fp8_quantize(x, stochastic=sr, seed=3)
+                    outs.append((sr, u8(q).clone(), s, ops.fp8_dequantize(q, s, dtype=x.dtype)))
+    finally:
+        mpext.set_cpu_isa(prev)
+    for sr, q, s, d in outs:
+        ref = next(o for o in outs if o[0] == sr)
+        assert torch.equal(q, ref[1]) and torch.equal(s, ref[2]) and torch.equal(d, ref[3])
+
+
+def test_empty_and_zero_blocks():
+    q, s = ops.fp8_quantize(torch.zeros(0, 5))
+    assert q.shape == (0, 5) and s.shape == (0, 1)
+    q, s = ops.fp8_quantize(torch.zeros(3, 0))
+    assert q.shape == (3, 0) and s.shape == (3, 0)
+    q, s = ops.fp8_quantize(torch.zeros(2, 10))
+    assert torch.equal(s, torch.full((2, 1), MIN_SCALE)) and (q.float() == 0).all()
+
+
+def test_bad_inputs_name_the_argument():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        ops.fp8_quantize(x.t())
+    with pytest.raises(RuntimeError, match="x must have dtype float32 or bfloat16 or float16"):
+        ops.fp8_quantize(x.double())
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        ops.fp8_quantize(x, block_size=0)
+    with pytest.raises(ValueError, match="fp8_dtype must be"):
+        ops.fp8_quantize(x, fp8_dtype=torch.float16)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        ops.fp8_quantize(torch.tensor(1.0))
+    q, s = ops.fp8_quantize(x, block_size=4)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        ops.fp8_dequantize(q, s, block_size=8)
+    with pytest.raises(RuntimeError, match="q must have dtype float8"):
+        ops.fp8_dequantize(x, s, block_size=4)
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+        ops.fp8_dequantize(q, s, block_size=4, dtype=torch.float64)
+
+
+def test_opcheck():
+    x = torch.randn(3, 200, dtype=torch.bfloat16)
+    for kwargs in ({}, {"fp8_dtype": torch.float8_e5m2, "block_size": 64},
+                   {"pow2_scale": True, "stochastic": True, "seed": 4, "offset": 9}):
+        torch.library.opcheck(torch.ops.mpext.fp8_quantize.default, (x,), kwargs)
+    q, s = ops.fp8_quantize(x)
+    # test_schema compares fp8 inputs before and after with an op torch lacks for fp8 (mul):
+    # the other checks run, and the no-mutation promise is checked by hand.
+    q0, s0 = q.clone(), s.clone()
+    torch.library.opcheck(torch.ops.mpext.fp8_dequantize.default, (q, s),
+                          {"dtype": torch.bfloat16},
+                          test_utils=("test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    ops.fp8_dequantize(q, s)
+    assert torch.equal(u8(q), u8(q0)) and torch.equal(s, s0)
+
+
+# --------------------------------------------------------------------------------------------
+# mpext.activations: compressed saved tensors against the uncompressed backward pass.
+
+import contextlib  # noqa: E402
+import warnings  # noqa: E402
+
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from mpext import activations as act  # noqa: E402
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 256)).to(dtype)
+
+
+def grads(model, x, ctx=None, fwd=None):
+    model.zero_grad()
+    with ctx if ctx is not None else contextlib.nullcontext():
+        y = fwd(x) if fwd is not None else model(x)
+    y.float().square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def rel_errors(ref, got):
+    return [((a.float() - b.float()).norm() / a.float().norm()).item() for a, b in zip(ref, got)]
+
+
+X = torch.randn(8, 32, 256, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close(fp8):
+    m = mlp()
+    ref = grads(m, X)
+    ctx = act.fp8_saved_tensors(fp8_dtype=fp8)
+    got = grads(m, X, ctx)
+    # saved: the batch x (a leaf: kept), the GELU input, its output (the second linear's input),
+    # and the loss's input (kept)
+    assert ctx.stats["compressed"] == 2 and ctx.stats["saved"] == 4
+    assert ctx.stats["bytes_after"] < 0.27 * ctx.stats["bytes_before"]
+    w1, b1, w2, b2 = rel_errors(ref, got)
+    tol = 0.05 if fp8 == torch.float8_e4m3fn else 0.1
+    assert 0 < w1 < tol and 0 < w2 < tol
+    assert b2 == 0.0  # the last bias's gradient reads no saved activation
+
+
+def test_linear_policy_leaves_activation_function_inputs():
+    m = mlp()
+    with act.fp8_saved_tensors("linear") as ctx:
+        m(X).sum().backward()
+    assert ctx.stats["compressed"] == 1  # the GELU output (second linear's input) only
+    h = X.clone().requires_grad_()
+    with act.fp8_saved_tensors() as ctx:
+        torch.nn.functional.scaled_dot_product_attention(h * 1, h * 2, h * 3).sum().backward()
+    assert ctx.stats["compressed"] >= 3  # q, k, v (and whatever else attention keeps)
+    ln = torch.nn.LayerNorm(256)
+    ref = grads(ln, h * 1)
+    with act.fp8_saved_tensors() as ctx:
+        got = grads(ln, h * 1)
+    assert ctx.stats["compressed"] == 1  # the input; the mean and 1/std stay exact
+    assert 0 < max(rel_errors(ref, got)) < 0.05
+
+
+def test_exactly_the_restored_values_are_used():
+    """The backward pass sees fp8_dequantize(fp8_quantize(x)): the same as a forward pass on
+    the rounded input with nothing compressed."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64)
+    h = X.clone().requires_grad_() * 1.0  # an activation (a leaf such as the batch is kept)
+    q, s = ops.fp8_quantize(h.detach())
+    xr = ops.fp8_dequantize(q, s)
+    lin.zero_grad()
+    with act.fp8_saved_tensors():
+        lin(h).sum().backward()
+    got = lin.weight.grad.clone()
+    lin.zero_grad()
+    lin(xr).sum().backward()
+    assert torch.equal(got, lin.weight.grad)
+
+
+def test_size_and_callable_policies_never_touch_params_or_exact_tensors():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 256)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 256))
+    params = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + [emb.weight]}
+    asked = []
+
+    def everything(t):
+        asked.append((t.dtype, t.untyped_storage().data_ptr(), t.numel()))
+        return True
+
+    idx = torch.randint(0, 1000, (16, 64))
+    for policy in (everything, "size"):
+        with act.fp8_saved_tensors(policy, min_bytes=1) as ctx:
+            m(emb(idx)).sum().backward()
+        assert ctx.stats["compressed"] >= 2
+    assert asked and all(d.is_floating_point for d, _, _ in asked)
+    assert not any(ptr in params for _, ptr, _ in asked)
+    assert emb.weight.grad is not None and torch.isfinite(emb.weight.grad).all()
+
+
+def test_params_under_autocast_casts_are_not_compressed():
+    m = mlp()
+    asked = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with act.fp8_saved_tensors(lambda t: asked.append(t.detach().clone()) or True):
+            m(X).float().sum().backward()
+    assert len(asked) == 2  # the GELU's input and output; not the bf16 weight copies
+    for t in asked:
+        for w in (m[0].weight, m[2].weight):
+            for c in (w, w.t()):
+                assert t.shape != c.shape or not torch.equal(t, c.detach().to(t.dtype))
+
+
+def test_autocast_gradients_close_to_autocast_uncompressed():
+    m = mlp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = grads(m, X)
+        ctx = act.fp8_saved_tensors()
+        got = grads(m, X, ctx)
+    assert ctx.stats["compressed"] == 2
+    assert max(rel_errors(ref, got)) < 0.05
+
+
+def test_bf16_model_and_shared_input_compressed_once():
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(256, 256).bfloat16() for _ in range(3))
+    x = X.bfloat16().requires_grad_() * 1.0
+    with act.fp8_saved_tensors() as ctx:
+        (q(x) * k(x) + v(x)).float().sum().backward()
+    assert ctx.stats["compressed"] == 1  # x, saved by three linears
+    assert ctx.stats["bytes_after"] < 0.55 * ctx.stats["bytes_before"]
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_nan_and_inf_reach_the_gradients(fp8):
+    m = mlp()
+    for bad in (float("nan"), float("inf")):
+        x = X.clone()
+        x[0, 0, 5] = bad
+        g = grads(m, x, act.fp8_saved_tensors(fp8_dtype=fp8))
+        assert not torch.isfinite(g[0]).all()
+        scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt = mpext.optim.AdamW(m.parameters(), lr=1e-3)
+        before = [p.detach().clone() for p in m.parameters()]
+        m.zero_grad()
+        with act.fp8_saved_tensors(fp8_dtype=fp8):
+            loss = m(x).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() < 2.0 ** 10  # the overflow was seen: step skipped, backed off
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_inside_the_context(reentrant):
+    """A checkpointed region saves nothing to compress (it is recomputed); the rest is."""
+    m = mlp()
+    head = torch.nn.Linear(256, 256)
+    x = X.clone().requires_grad_()
+    fwd = lambda x: head(checkpoint(m, x, use_reentrant=reentrant)).sin()  # noqa: E731
+    model = torch.nn.ModuleList([m, head])
+    ref = grads(model, x, fwd=fwd)
+    ctx = act.fp8_saved_tensors()
+    got = grads(model, x, ctx, fwd=fwd)
+    assert ctx.stats["compressed"] == 1  # the head's input; m's tensors are recomputed
+    errs = rel_errors(ref, got)
+    assert max(errs) < 0.05 and errs[-2] > 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_context_inside_a_checkpointed_function(reentrant):
+    """Inside the checkpointed function the compression hooks are the innermost, so they store
+    what checkpointing would have dropped (compressed) and the region is not recomputed:
+    gradients as with compression alone."""
+    m = mlp()
+    x = X.clone().requires_grad_()
+    ctx = act.fp8_saved_tensors(warn_unmatched=False)
+
+    def inner(x):
+        with ctx:
+            return m(x)
+    ref = grads(m, x, act.fp8_saved_tensors())
+    got = grads(m, x, fwd=lambda x: checkpoint(inner, x, use_reentrant=reentrant))
+    assert max(rel_errors(ref, got)) < 1e-6
+
+
+def test_torch_compile_runs_uncompressed():
+    """A compiled graph's saved tensors are traced with it and stay uncompressed (documented)."""
+    m = mlp()
+    ref = grads(m, X)
+    cm = torch.compile(m, backend="aot_eager")
+    ctx = act.fp8_saved_tensors()
+    got = grads(m, X, ctx, fwd=cm)
+    assert ctx.stats["compressed"] == 0
+    assert max(rel_errors(ref, got)) < 1e-6
+
+
+def test_wrapper_trains_with_mpext_optimizer_like_uncompressed():
+    losses = {}
+    for compress in (False, True):
+        m = mlp(3)
+        model = act.FP8Activations(m) if compress else m
+        opt = mpext.optim.AdamW(m.parameters(), lr=3e-3)
+        torch.manual_seed(7)
+        target = torch.randn(256, 256)
+        out = []
+        for _ in range(30):
+            x = torch.randn(64, 256)
+            loss = (model(x) - x @ target * 0.05).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        losses[compress] = out
+        if compress:
+            assert model.stats["compressed"] == 2
+    assert losses[True][-1] < 0.5 * losses[True][0]
+    assert abs(losses[True][-1] - losses[False][-1]) < 0.05 * losses[False][-1]
+
+
+def test_bad_arguments_and_policies_that_match_nothing():
+    with pytest.raises(ValueError, match="policy must be"):
+        act.fp8_saved_tensors("everything")
+    with pytest.raises(ValueError, match="fp8_dtype must be"):
+        act.fp8_saved_tensors(fp8_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_size must be"):
+        act.fp8_saved_tensors(block_size=0)
+    x = torch.randn(64, 256, requires_grad=True)
+    with pytest.warns(UserWarning, match="compressed none"):
+        with act.fp8_saved_tensors():
+            y = (x.sin() * 2).exp()  # no linear layer
+    y.sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with act.fp8_saved_tensors(warn_unmatched=False):
+            (x.sin()).sum().backward()
+    # fp64 and tiny tensors are left alone, not an error
+    with act.fp8_saved_tensors("size", min_bytes=1, warn_unmatched=False) as ctx:
+        torch.nn.functional.linear(x.double(), torch.randn(8, 256, dtype=torch.float64)).sum()
+    assert ctx.stats["compressed"] == 0
+
+
+def _ddp_body(rank, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    m = mlp(0)
+    ddp = DDP(act.FP8Activations(m))
+    torch.manual_seed(100 + rank)
+    x = torch.randn(4, 256)
+    ddp(x).square().mean().backward()
+    return [p.grad.clone() for p in m.parameters()], x
+
+
+def test_ddp_gloo_two_ranks(tmp_path):
+    torch_dist = pytest.importorskip("torch.distributed")
+    if not torch_dist.is_available() or not torch_dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from test_distributed import _spawn
+    results = _spawn(_ddp_body, tmp_path)
+    # every rank holds the mean of the ranks' gradients, each computed from compressed tensors
+    m = mlp(0)
+    each = []
+    for _, x in results:
+        each.append(grads(m, x, act.fp8_saved_tensors()))
+    mean = [(a + b) / 2 for a, b in zip(*each)]
+    for g, _ in results:
+        for a, b in zip(g, mean):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
