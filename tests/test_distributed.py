@@ -1132,6 +1132,17 @@ def _sr_mlp():
                          nn.Linear(19, 1)).to(torch.bfloat16)
 
 
+def _sr_shard(model, mesh):
+    """FSDP2 over each linear layer and the root, reducing in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def _sr_opt(name, params):
     rule, kw = SR_CASES[name]
     return getattr(mpext.optim, rule)(params, **dict(SR_LR, seed=7, **kw))
@@ -1147,13 +1158,11 @@ def _sr_train(model, opt, steps=SR_STEPS):
 
 def _sr_body(rank, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import Shard, distribute_tensor
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     out = {}
     # HSDP (a 2-D mesh: Replicate x Shard(0)) with a replicate dimension of 1, in the 2-rank
     # group: the same offsets through the 2-D placements.
@@ -1162,11 +1171,7 @@ def _sr_body(rank, out_dir):
         runs.append(("hsdp_sr_bf16_moments", "sr_bf16_moments",
                      init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))))
     for label, name, run_mesh in runs:
-        model = _sr_mlp()
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=run_mesh, mp_policy=policy)
-        fully_shard(model, mesh=run_mesh, mp_policy=policy)
+        model = _sr_shard(_sr_mlp(), run_mesh)
         params = list(model.parameters())
         opt = _sr_opt(name, params)
         _sr_train(model, opt)
@@ -1300,15 +1305,9 @@ RESHARD_SAVED, RESHARD_RESUMED = range(3), range(3, 6)
 def _reshard_setup(name, mesh=None):
     """The SR tests' model and data; FSDP2 (reduce in fp32) on `mesh`, a plain module without.
     The refused 8-bit case takes a first layer large enough for 8-bit moments."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     model = _mlp(torch.bfloat16, wide=True) if name in RESHARD_REFUSED else _sr_mlp()
     if mesh is not None:
-        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        _sr_shard(model, mesh)
     rule, kw = dict(RESHARD_CASES, **RESHARD_REFUSED)[name]
     opt = getattr(mpext.optim, rule)(list(model.parameters()), **dict(SR_LR, seed=7, **kw))
     return model, opt
