@@ -82,6 +82,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _name(self) -> str:
         return "mpext.optim." + type(self).__name__
 
+    def __init__(self, params, defaults: Dict[str, Any]) -> None:
+        # Every rule's defaults are checked before torch's constructor sees any param, so a bad
+        # argument raises with nothing built.
+        self._check_group(defaults, "")
+        self._init_caches()
+        super().__init__(params, defaults)
+
     def _init_caches(self) -> None:
         self._lr_tensors = LrTensors()
 

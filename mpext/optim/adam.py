@@ -114,8 +114,6 @@ class Adam(FusedOptimizer):
                         stochastic_rounding=stochastic_rounding, exp_avg_dtype=exp_avg_dtype,
                         exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding,
                         seed=seed, block_size=block_size, ema_decay=ema_decay)
-        self._check_group(defaults, "")
-        self._init_caches()
         super().__init__(params, defaults)
 
     # -----------------------------------------------------------------------------------------

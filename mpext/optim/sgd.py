@@ -80,8 +80,6 @@ class SGD(FusedOptimizer):
                         stochastic_rounding=stochastic_rounding, momentum_dtype=momentum_dtype,
                         moment_rounding=moment_rounding, seed=seed, block_size=block_size,
                         ema_decay=ema_decay)
-        self._check_group(defaults, "")
-        self._init_caches()
         super().__init__(params, defaults)
 
     def _check_rule(self, group: Dict[str, Any], where: str) -> None:
