@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
   const char* only = argc > 3 ? argv[3] : NULL;
   const int dts[3] = {MP_F32, MP_BF16, MP_F16};
   const step_fn fns[3] = {mp_k_adam_step__old, mp_k_adam_step__new, mp_k_adam_step_generic__new};
-  printf("numel %lld, %d rounds; per mode: median ms of old, new, generic; new/old, "
+  printf("numel %lld, %d rounds; per mode: median ns per element of old, new, generic; new/old, "
          "generic/new and generic/old: median [q1, q3] of the per-round ratios\n", (long long)n, rounds);
   for (size_t k = 0; k < sizeof MODES / sizeof *MODES; ++k) {
     const mode* M = &MODES[k];
@@ -172,9 +172,10 @@ int main(int argc, char** argv) {
     }
     for (int j = 0; j < 3; ++j) qsort(tm[j], rounds, sizeof(double), cmp);
     for (int j = 0; j < 3; ++j) qsort(ratio[j], rounds, sizeof(double), cmp);
-    printf("%-20s old %7.2f new %7.2f generic %7.2f ms | new/old %.3f [%.3f, %.3f] | "
+    printf("%-20s old %6.3f new %6.3f generic %6.3f ns | new/old %.3f [%.3f, %.3f] | "
            "generic/new %.3f [%.3f, %.3f] | generic/old %.3f [%.3f, %.3f]\n",
-           M->name, 1e3 * tm[0][rounds / 2], 1e3 * tm[1][rounds / 2], 1e3 * tm[2][rounds / 2],
+           M->name, 1e9 * tm[0][rounds / 2] / (double)n, 1e9 * tm[1][rounds / 2] / (double)n,
+           1e9 * tm[2][rounds / 2] / (double)n,
            ratio[0][rounds / 2], ratio[0][rounds / 4], ratio[0][3 * rounds / 4],
            ratio[1][rounds / 2], ratio[1][rounds / 4], ratio[1][3 * rounds / 4],
            ratio[2][rounds / 2], ratio[2][rounds / 4], ratio[2][3 * rounds / 4]);
