@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "isa.h"
+#include "adam_bf16x32.h"
 #include "formats.h"
 #include "mpext/adam_rule.h"
 #include "mpext/numerics.h"
@@ -62,9 +63,16 @@ static inline __attribute__((always_inline)) void adam_loop(
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
     void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, uint32_t n,
     const mp_adam_scalars* restrict hp, const int mk, const int write_grad, const int near,
-    const int with_ema, q8_sweep* restrict q) {
+    const int with_ema, const int usual, q8_sweep* restrict q) {
   mp_adam_scalars s = *hp;
   s.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
+  if (usual) { /* the same values too (see mp_adam_usual), as constants */
+    s.decoupled = 1;
+    s.maximize = 0;
+    s.lerp_from_start = 1;
+    s.ema_copy = 0;
+    s.ema_from_start = 1;
+  }
   const int sr_moments = (md == MP_BF16 || vd == MP_BF16) && !near;
   const int q8 = md == MP_I8;
   float rm = 0.0f, rv = 0.0f;
@@ -79,65 +87,79 @@ static inline __attribute__((always_inline)) void adam_loop(
     rbuf = q->rbuf;
   }
   const uint32_t pos_lo = (uint32_t)start, pos_hi = (uint32_t)((uint64_t)start >> 32);
+  uint32_t i = 0;
+  while (i < n) {
+    uint32_t stop = n;
+#if defined(MP_BF16X32)
+    /* the rows adam_bf16x32.h steps 32 elements at a time: the loop below takes its tail and
+     * any block of it with a NaN */
+    if (usual && pt == MP_BF16 && gt == MP_BF16 && md == MP_BF16 && vd == MP_BF16 &&
+        (mk == MK_REMAINDER || mk == MK_NONE_SR) && !write_grad && !with_ema) {
+      i = x32_adam_bf16((uint16_t*)param, (const uint16_t*)grad, remainder, (uint16_t*)m,
+                        (uint16_t*)v, i, n, pos_lo, pos_hi, &s, near);
+      stop = n - i < 32u ? n : i + 32u;
+    }
+#endif
 #pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint32_t lo = pos_lo + i; /* the element's place in its param: pos_hi, lo */
-    const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
-    if (write_grad) store_from_f32(grad, i, gt, g);
-    float p0;
-    if (mk == MK_MASTER) {
-      p0 = master[i];
-    } else if (mk == MK_REMAINDER) {
-      p0 = f32_of_bits(mp_bf16_join(((const uint16_t*)param)[i], (uint16_t)remainder[i]));
-    } else {
-      p0 = load_as_f32(param, i, pt);
-    }
-    float mi, vi;
-    if (q8) {
-      mi = mp_q8_decode_m(((const uint8_t*)m)[i], rm);
-      vi = mp_adam_q8_floor_v(mi, mp_q8_decode_v(((const uint8_t*)v)[i], rv), &s);
-    } else {
-      mi = load_as_f32(m, i, md);
-      vi = load_as_f32(v, i, vd);
-    }
-    const float p = mp_adam_element(g, p0, &mi, &vi, &s);
-    const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.key_moments, lo, pos_hi) : 0u;
-    if (q8) {
-      mbuf[i] = mi;
-      vbuf[i] = vi;
-      /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
-       * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
-       * with moments_nearest too, which is for comparisons only. */
-      rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
-    } else if (md == MP_BF16) {
-      ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
-    } else {
-      ((float*)m)[i] = mi;
-    }
-    if (!q8 && vd == MP_BF16) {
-      ((uint16_t*)v)[i] = mp_adam_bf16_moment(vi, r_mv >> 16, &s);
-    } else if (!q8) {
-      ((float*)v)[i] = vi;
-    }
-    if (with_ema && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
-    if (mk == MK_F32) {
-      ((float*)param)[i] = p;
-    } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
-      const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
-      if (with_ema) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
-      const uint16_t qb = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
-      ((uint16_t*)param)[i] = qb;
+    for (; i < stop; ++i) {
+      const uint32_t lo = pos_lo + i; /* the element's place in its param: pos_hi, lo */
+      const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
+      if (write_grad) store_from_f32(grad, i, gt, g);
+      float p0;
       if (mk == MK_MASTER) {
-        master[i] = f32_of_bits(x);
+        p0 = master[i];
+      } else if (mk == MK_REMAINDER) {
+        p0 = f32_of_bits(mp_bf16_join(((const uint16_t*)param)[i], (uint16_t)remainder[i]));
       } else {
-        remainder[i] = (int16_t)mp_bf16_remainder(x, qb);
+        p0 = load_as_f32(param, i, pt);
       }
-    } else if (mk == MK_NONE_RNE) {
-      store_from_f32(param, i, pt, p);
-    } else {
-      const uint32_t r = mp_sr_bits_hl(s.key_param, lo, pos_hi);
-      ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
-                                            : mp_fp16_sr_bits(bits_of_f32(p), r);
+      float mi, vi;
+      if (q8) {
+        mi = mp_q8_decode_m(((const uint8_t*)m)[i], rm);
+        vi = mp_adam_q8_floor_v(mi, mp_q8_decode_v(((const uint8_t*)v)[i], rv), &s);
+      } else {
+        mi = load_as_f32(m, i, md);
+        vi = load_as_f32(v, i, vd);
+      }
+      const float p = mp_adam_element(g, p0, &mi, &vi, &s);
+      const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.key_moments, lo, pos_hi) : 0u;
+      if (q8) {
+        mbuf[i] = mi;
+        vbuf[i] = vi;
+        /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
+         * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
+         * with moments_nearest too, which is for comparisons only. */
+        rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
+      } else if (md == MP_BF16) {
+        ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
+      } else {
+        ((float*)m)[i] = mi;
+      }
+      if (!q8 && vd == MP_BF16) {
+        ((uint16_t*)v)[i] = mp_adam_bf16_moment(vi, r_mv >> 16, &s);
+      } else if (!q8) {
+        ((float*)v)[i] = vi;
+      }
+      if (with_ema && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
+      if (mk == MK_F32) {
+        ((float*)param)[i] = p;
+      } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
+        const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
+        if (with_ema) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
+        const uint16_t qb = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
+        ((uint16_t*)param)[i] = qb;
+        if (mk == MK_MASTER) {
+          master[i] = f32_of_bits(x);
+        } else {
+          remainder[i] = (int16_t)mp_bf16_remainder(x, qb);
+        }
+      } else if (mk == MK_NONE_RNE) {
+        store_from_f32(param, i, pt, p);
+      } else {
+        const uint32_t r = mp_sr_bits_hl(s.key_param, lo, pos_hi);
+        ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
+                                              : mp_fp16_sr_bits(bits_of_f32(p), r);
+      }
     }
   }
   if (q8) {
@@ -177,7 +199,7 @@ static inline __attribute__((always_inline)) void adam_q8(
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
     uint8_t* restrict vc, float* restrict ms, float* restrict vs, float* restrict ema,
     int64_t start, int64_t n, const mp_adam_scalars* restrict hp, const int mk,
-    const int write_grad, const int with_ema) {
+    const int write_grad, const int with_ema, const int usual) {
   const int64_t b = hp->q8_block;
   _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
@@ -191,7 +213,7 @@ static inline __attribute__((always_inline)) void adam_q8(
     adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
               master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
               mc + off, MP_I8, vc + off, MP_U8, with_ema ? ema + off : NULL, start + off,
-              (uint32_t)len, hp, mk, write_grad, 0, with_ema, &q);
+              (uint32_t)len, hp, mk, write_grad, 0, with_ema, usual, &q);
     const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
     if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
       q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 1);
@@ -281,7 +303,24 @@ static inline __attribute__((always_inline)) void adam_q8(
   /* 1.078 [1.000, 1.110] (pipeline / fused) */                                                    \
   X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1, 0, 0)
 
+/* 1 if a step's runtime choices are AdamW's usual ones (decoupled weight decay, not maximized,
+ * beta1 > 0.5, past an ema's first step). The loop is built twice per row: once with these as
+ * constants, which leaves out the other side of each choice and the masks that select it (on a
+ * core that issues 512-bit integer and blend work on two ports only, that work is what the
+ * loop waits on), and once for any choice. */
+static inline int mp_adam_usual(const mp_adam_scalars* s) {
+  return s->decoupled && !s->maximize && s->lerp_from_start && !s->ema_copy && s->ema_from_start;
+}
+
 /* One function per row over a piece (positions sharing their high 32 bits). */
+#define MP_FUSED_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, USUAL)                           \
+  if (MD == MP_I8) {                                                                      \
+    adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,             \
+            t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA, USUAL); \
+  } else {                                                                                \
+    adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start,           \
+              (uint32_t)n, s, MK, WG, NEAR, EMA, USUAL, NULL);                            \
+  }
 #define MP_FUSED_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                                \
   static void fused_##name(const mp_adam_tensor* t, int64_t start, int64_t n,               \
                            const mp_adam_scalars* s) {                                      \
@@ -292,12 +331,10 @@ static inline __attribute__((always_inline)) void adam_q8(
     void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(MD);                               \
     void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(VD);                            \
     float* ema = t->ema != NULL ? t->ema + start : NULL;                                    \
-    if (MD == MP_I8) {                                                                      \
-      adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,             \
-              t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA);        \
+    if (mp_adam_usual(s)) {                                                                 \
+      MP_FUSED_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 1)                                   \
     } else {                                                                                \
-      adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start,           \
-                (uint32_t)n, s, MK, WG, NEAR, EMA, NULL);                                   \
+      MP_FUSED_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 0)                                   \
     }                                                                                       \
   }
 MP_ADAM_FUSED_ROWS(MP_FUSED_FN)

@@ -4668,11 +4668,15 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
       if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
       if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
       const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
-      g.count++;
-      g_check(&g, fused_same(kt, &fm, s, code),
-              "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d: the fused "
-              "step differs from the pipeline", mp_isa_name(g_isas[k]), U_NAME[pi],
-              U_NAME[gi ? 0 : pi], kind, (int)fm.md, (int)fm.vd, fm.wb, fm.nearest, fm.ema);
+      /* each mode as Adam and as AdamW (variant's low bit), which the fused loops build apart */
+      for (int variant = 2 * code; variant < 2 * code + 2; ++variant) {
+        g.count++;
+        g_check(&g, fused_same(kt, &fm, s, variant),
+                "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d %s: the "
+                "fused step differs from the pipeline", mp_isa_name(g_isas[k]), U_NAME[pi],
+                U_NAME[gi ? 0 : pi], kind, (int)fm.md, (int)fm.vd, fm.wb, fm.nearest, fm.ema,
+                variant & 1 ? "adam" : "adamw");
+      }
       modes++;
     }
   }
