@@ -27,18 +27,8 @@ void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n) {
   mp_convert_streamed(to_bf16_f32_direct, src, dst, n, 4, 2);
 }
 
-static void to_fp16_f32_direct(const void* src_, void* dst_, int64_t n) {
-  const float* restrict src = (const float*)src_;
-  uint16_t* restrict dst = (uint16_t*)dst_;
-  int64_t i = 0;
-#if defined(MP_HAVE_F16C)
-  for (; n - i >= 8; i += 8) mp_f32_to_f16_x8(src + i, dst + i);
-#endif
-  for (; i < n; ++i) {
-    uint32_t u;
-    memcpy(&u, src + i, sizeof u);
-    dst[i] = mp_fp16_rne_bits(u);
-  }
+static void to_fp16_f32_direct(const void* src, void* dst, int64_t n) {
+  mp_f32_to_f16_n((const float*)src, (uint16_t*)dst, n);
 }
 
 void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n) {
@@ -58,17 +48,8 @@ void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n) {
   mp_convert_streamed(to_fp32_bf16_direct, src, dst, n, 2, 4);
 }
 
-static void to_fp32_fp16_direct(const void* src_, void* dst_, int64_t n) {
-  const uint16_t* restrict src = (const uint16_t*)src_;
-  float* restrict dst = (float*)dst_;
-  int64_t i = 0;
-#if defined(MP_HAVE_F16C)
-  for (; n - i >= 8; i += 8) mp_f16_to_f32_x8(src + i, dst + i);
-#endif
-  for (; i < n; ++i) {
-    uint32_t u = mp_fp16_to_f32_bits(src[i]);
-    memcpy(dst + i, &u, sizeof u);
-  }
+static void to_fp32_fp16_direct(const void* src, void* dst, int64_t n) {
+  mp_f16_to_f32_n((const uint16_t*)src, (float*)dst, n);
 }
 
 void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n) {

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "mpext/adam_rule.h"
 #include "mpext/mpext.h"
 #include "mpext/numerics.h"
@@ -68,12 +69,14 @@ MP_FMT_INLINE void mp_fmt_widen_(float* restrict x, const uint16_t* restrict src
   for (uint32_t i = 0; i < n; ++i) x[i] = mp_fmt_load(src, i, t);
 }
 
+/* fp16 goes through half.h's blocks (F16C where the build has it): its integer widening and
+ * narrowing cost an Adam step on fp16 params about as much as the update itself. */
 static inline void mp_fmt_widen(float* restrict x, const uint16_t* restrict src, uint32_t n,
                                 mp_dtype t) {
   if (t == MP_BF16) {
     mp_fmt_widen_(x, src, n, MP_BF16);
   } else {
-    mp_fmt_widen_(x, src, n, MP_F16);
+    mp_f16_to_f32_n(src, x, n);
   }
 }
 
@@ -92,26 +95,33 @@ MP_FMT_INLINE void mp_grad_tile_(float* restrict g, void* restrict grad, uint32_
   }
 }
 
+/* g[i] = mp_adam_unscaled(g[i]), in place. */
+static inline void mp_grad_unscale(float* restrict g, uint32_t n, const mp_adam_scalars* s) {
+  mp_adam_scalars u; /* only inv_scale is read: a constant of the loop */
+  u.inv_scale = s->inv_scale;
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) g[i] = mp_adam_unscaled(g[i], &u);
+}
+
 /* The unscaled gradients of a tile (mp_adam_unscaled), written back into grad (rounded to its
  * dtype) when s->write_grad. Returns the array: gbuf, or an fp32 grad itself when written back. */
 static inline float* mp_grad_decode(float* restrict gbuf, void* restrict grad, mp_dtype t,
                                     uint32_t n, const mp_adam_scalars* restrict s) {
   const int wb = s->write_grad != 0;
   if (t == MP_F32 && wb) {
-    float* restrict gf = (float*)grad;
-    const float inv = s->inv_scale;
-    mp_adam_scalars u;
-    u.inv_scale = inv;
-#pragma GCC ivdep
-    for (uint32_t i = 0; i < n; ++i) gf[i] = mp_adam_unscaled(gf[i], &u);
-    return gf;
+    mp_grad_unscale((float*)grad, n, s);
+    return (float*)grad;
+  }
+  if (t == MP_F16) { /* widened, unscaled and narrowed back by half.h's blocks */
+    mp_f16_to_f32_n((const uint16_t*)grad, gbuf, n);
+    mp_grad_unscale(gbuf, n, s);
+    if (wb) mp_f32_to_f16_n(gbuf, (uint16_t*)grad, n);
+    return gbuf;
   }
   switch ((int)t * 2 + wb) {
     case MP_F32 * 2: mp_grad_tile_(gbuf, grad, n, s, MP_F32, 0); break;
     case MP_BF16 * 2: mp_grad_tile_(gbuf, grad, n, s, MP_BF16, 0); break;
-    case MP_BF16 * 2 + 1: mp_grad_tile_(gbuf, grad, n, s, MP_BF16, 1); break;
-    case MP_F16 * 2: mp_grad_tile_(gbuf, grad, n, s, MP_F16, 0); break;
-    default: mp_grad_tile_(gbuf, grad, n, s, MP_F16, 1); break;
+    default: mp_grad_tile_(gbuf, grad, n, s, MP_BF16, 1); break;
   }
   return gbuf;
 }
@@ -156,16 +166,12 @@ static inline float* mp_pv_decode(int kind, mp_dtype pt, const mp_pv_tile* at,
   return pbuf;
 }
 
-MP_FMT_INLINE void mp_pv_master_(uint16_t* restrict q, float* restrict p, uint32_t n, mp_dtype pt) {
+MP_FMT_INLINE void mp_pv_master_bf16(uint16_t* restrict q, float* restrict p, uint32_t n) {
 #pragma GCC ivdep
   for (uint32_t i = 0; i < n; ++i) {
-    if (pt == MP_BF16) {
-      const uint32_t x = mp_bf16_master_bits(mp_fmt_bits(p[i]));
-      q[i] = mp_bf16_rne_bits(x);
-      p[i] = mp_fmt_f32(x);
-    } else { /* an fp16 master is stored as computed */
-      q[i] = mp_fp16_rne_bits(mp_fmt_bits(p[i]));
-    }
+    const uint32_t x = mp_bf16_master_bits(mp_fmt_bits(p[i]));
+    q[i] = mp_bf16_rne_bits(x);
+    p[i] = mp_fmt_f32(x);
   }
 }
 
@@ -191,8 +197,8 @@ static inline void mp_pv_encode(int kind, mp_dtype pt, const mp_pv_tile* at, flo
                                 uint32_t n, uint64_t key, uint32_t lo, uint32_t hi) {
   uint16_t* restrict q = (uint16_t*)at->param;
   switch (kind * 4 + (pt == MP_BF16 ? 1 : 2)) {
-    case MP_PV_MASTER * 4 + 1: mp_pv_master_(q, p, n, MP_BF16); break;
-    case MP_PV_MASTER * 4 + 2: mp_pv_master_(q, p, n, MP_F16); break;
+    case MP_PV_MASTER * 4 + 1: mp_pv_master_bf16(q, p, n); break;
+    case MP_PV_MASTER * 4 + 2: mp_f32_to_f16_n(p, q, n); break; /* stored as computed */
     case MP_PV_REMAINDER * 4 + 1: {
       int16_t* restrict r = at->remainder;
 #pragma GCC ivdep
@@ -206,7 +212,7 @@ static inline void mp_pv_encode(int kind, mp_dtype pt, const mp_pv_tile* at, flo
       break;
     }
     case MP_PV_NONE_RNE * 4 + 1: mp_pv_rne_(q, p, n, MP_BF16); break;
-    case MP_PV_NONE_RNE * 4 + 2: mp_pv_rne_(q, p, n, MP_F16); break;
+    case MP_PV_NONE_RNE * 4 + 2: mp_f32_to_f16_n(p, q, n); break;
     case MP_PV_NONE_SR * 4 + 1: mp_pv_sr_(q, p, n, MP_BF16, key, lo, hi); break;
     case MP_PV_NONE_SR * 4 + 2: mp_pv_sr_(q, p, n, MP_F16, key, lo, hi); break;
     default: break; /* MP_PV_F32: updated in place */

@@ -54,4 +54,29 @@ static inline void mp_f16_to_f32_x8(const uint16_t* src, float* dst) {
 #endif
 }
 
+/* dst[0..n) = fp16(src[0..n)), round to nearest even: blocks of 8, then the integer code. */
+static inline void mp_f32_to_f16_n(const float* restrict src, uint16_t* restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(MP_HAVE_F16C)
+  for (; n - i >= 8; i += 8) mp_f32_to_f16_x8(src + i, dst + i);
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    memcpy(&u, src + i, sizeof u);
+    dst[i] = mp_fp16_rne_bits(u);
+  }
+}
+
+/* dst[0..n) = fp32(src[0..n)), exact (NaN payloads kept, as mp_f16_to_f32_x8). */
+static inline void mp_f16_to_f32_n(const uint16_t* restrict src, float* restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(MP_HAVE_F16C)
+  for (; n - i >= 8; i += 8) mp_f16_to_f32_x8(src + i, dst + i);
+#endif
+  for (; i < n; ++i) {
+    uint32_t u = mp_fp16_to_f32_bits(src[i]);
+    memcpy(dst + i, &u, sizeof u);
+  }
+}
+
 #endif /* MPEXT_CORE_HALF_H */
