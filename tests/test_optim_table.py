@@ -20,7 +20,7 @@ from mpext.optim import formats as F
 
 import optim_table as T
 from optim_table import BF16, F16, F32, INF, LOW
-from test_ema import lerp_f32
+from reference import lerp_f32
 
 PAIRS = list(T.pairs())
 PAIR_IDS = [T.pair_id(p) for p in PAIRS]
