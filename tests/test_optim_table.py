@@ -445,3 +445,52 @@ def test_ema(rule, fmt):
                 path = ema64[i].abs() + STEPS * rule.update_scale * rule.kwargs["lr"]
                 assert bool((err <= _ulp(path, p.dtype)).all()), (
                     s, i, err.max().item())
+
+
+# ---- MixedPrecisionOptimizer around each rule ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rule", list(T.RULES.values()), ids=list(T.RULES))
+def test_mixed_precision_optimizer_tracks_the_reference(rule, dtype, monkeypatch):
+    """mpext.MixedPrecisionOptimizer around the rule's optimizer over BF16/FP16 params steps
+    the Adam rules on its fused path (adam_step_ over the model's params) and every other rule
+    on its generic path (the inner optimizer steps the FP32 masters, an overflow skipped on
+    the device once each param has stepped); either way the masters follow the reference
+    optimizer on FP32 copies fed the same gradients, each param is its master rounded to
+    nearest even, and an overflowing step (under FP16's dynamic loss scale, or BF16's check)
+    changes nothing."""
+    paths = []
+    for name in ("_step_fused", "_step_generic"):
+        def spy(self, *args, _real=getattr(mpext.MixedPrecisionOptimizer, name), _name=name):
+            paths.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(mpext.MixedPrecisionOptimizer, name, spy)
+    params = T.make_params((dtype,), shapes=SMALL)
+    ref_params = [p.detach().float().clone().requires_grad_() for p in params]
+    scaling = dict(init_scale=2.0 ** 8) if dtype == F16 else {}
+    mpo = mpext.MixedPrecisionOptimizer(rule.make(params), **scaling)
+    ref = rule.make_reference(ref_params)
+    masters = mpo.optimizer.param_groups[0]["params"]
+    for s in range(STEPS + 1):
+        scale = mpo.get_scale()
+        for p, q, g in zip(params, ref_params, T.make_grads(params, s)):
+            p.grad = (g.float() * scale).to(dtype)  # exact: a power-of-two scale
+            q.grad = g.float()
+        if s == 2:
+            params[1].grad.view(-1)[7] = INF
+        before = T.snapshot(mpo.optimizer, masters), [p.detach().clone() for p in params]
+        applied = mpo.step()
+        if s == 2:
+            assert not bool(applied)
+            T.assert_same(before[0], T.snapshot(mpo.optimizer, masters), "overflow")
+            assert all(T.same_bits(a, b) for a, b in zip(before[1], params))
+            continue
+        assert bool(applied), s
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            m = mpo.master_param(p)
+            torch.testing.assert_close(m, q.detach(), rtol=rule.rtol, atol=rule.atol,
+                                       msg=lambda msg: "step %d param %d: %s" % (s, i, msg))
+            assert T.same_bits(p.detach(), m.to(dtype)), (s, i)
+    fused = rule.cls in (mpext.optim.Adam, mpext.optim.AdamW)
+    assert paths == ["_step_fused" if fused else "_step_generic"] * (STEPS + 1), paths
