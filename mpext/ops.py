@@ -103,28 +103,29 @@ def _offset63(offset: int, op: str) -> int:
 # Fake kernels: shapes, dtypes and layouts without touching data (torch.compile, meta tensors).
 
 
+def _cast_out_fake(x, op, from_dtypes, to_dtype):
+    """The checks of a one-tensor cast (x's dtype, x dense) and its output: x's shape and
+    layout in ``to_dtype``."""
+    torch._check(x.dtype in from_dtypes,
+                 lambda: "mpext.%s: x must have dtype %s, got %s"
+                 % (op, " or ".join(_dtype_name(d) for d in from_dtypes), _dtype_name(x.dtype)))
+    _check_fake_dense_named(x, op, "x")
+    return torch.empty_like(x, dtype=to_dtype)
+
+
 @torch.library.register_fake("mpext::to_bf16")
 def _to_bf16_fake(x, *, stochastic=False, seed=0, offset=0):
-    torch._check(x.dtype == torch.float32,
-                 lambda: "mpext.to_bf16: x must have dtype float32, got %s" % _dtype_name(x.dtype))
-    _check_fake_dense_named(x, "to_bf16", "x")
-    return torch.empty_like(x, dtype=torch.bfloat16)
+    return _cast_out_fake(x, "to_bf16", (torch.float32,), torch.bfloat16)
 
 
 @torch.library.register_fake("mpext::to_fp16")
 def _to_fp16_fake(x):
-    torch._check(x.dtype == torch.float32,
-                 lambda: "mpext.to_fp16: x must have dtype float32, got %s" % _dtype_name(x.dtype))
-    _check_fake_dense_named(x, "to_fp16", "x")
-    return torch.empty_like(x, dtype=torch.float16)
+    return _cast_out_fake(x, "to_fp16", (torch.float32,), torch.float16)
 
 
 @torch.library.register_fake("mpext::to_fp32")
 def _to_fp32_fake(x):
-    torch._check(x.dtype in (torch.bfloat16, torch.float16),
-                 lambda: "mpext.to_fp32: x must have dtype bfloat16 or float16, got %s" % _dtype_name(x.dtype))
-    _check_fake_dense_named(x, "to_fp32", "x")
-    return torch.empty_like(x, dtype=torch.float32)
+    return _cast_out_fake(x, "to_fp32", (torch.bfloat16, torch.float16), torch.float32)
 
 
 @torch.library.register_fake("mpext::cast_")
@@ -564,7 +565,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
                     sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
                     block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ plan_adam, in its order and with its messages, except the memory
+    """The checks of the C++ adam_rule and plan_step, in their order and with their messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"
 
@@ -585,7 +586,7 @@ def _lion_step_fake(params, grads, exp_avgs, masters, steps, lr, beta1, beta2, w
                     remainders=None, master_free=False, stochastic_rounding=False,
                     moments_round_nearest=False, seed=0, sr_streams=None, exp_avg_scales=None,
                     block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ plan_lion (see _adam_step_fake)."""
+    """The checks of the C++ lion_rule and plan_step (see _adam_step_fake)."""
     op = "lion_step_"
 
     def check_rule():
@@ -605,7 +606,7 @@ def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum
                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
                    sr_streams=None, momentum_buffer_scales=None, block_size=256,
                    ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ plan_sgd (see _adam_step_fake)."""
+    """The checks of the C++ sgd_rule and plan_step (see _adam_step_fake)."""
     op = "sgd_step_"
     torch._check_value(momentum != 0.0 or len(momentum_buffers) == 0,
                        lambda: "mpext.%s: momentum is 0, which keeps no buffer, so "

@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+import pytest
 import torch
 
 import mpext.optim
@@ -229,24 +230,16 @@ def _format(name: str, param: str, moment: str = "float32", **extra) -> FormatIn
                       block=block, **extra)
 
 
+# Every param format with every moment format: the name is the param format's, then the
+# moment format's suffix; a remainder's twin is the master format with the same moments.
+_PARAM_NAMES = (("fp32", "fp32_param"), ("master", "master"), ("remainder", "remainder"),
+                ("nearest", "nearest"), ("stochastic", "stochastic"))
+_MOMENT_ROWS = (("", "float32", {}), ("-bf16", "bfloat16", {}),
+                ("-bf16-rne", "bfloat16", dict(moment_rounding="nearest")), ("-q8", "q8", {}))
 FORMATS = {f.name: f for f in (
-    _format("fp32", "fp32_param"),
-    _format("fp32-bf16", "fp32_param", "bfloat16"),
-    _format("fp32-q8", "fp32_param", "q8"),
-    _format("master", "master"),
-    _format("master-bf16", "master", "bfloat16"),
-    _format("master-bf16-rne", "master", "bfloat16", moment_rounding="nearest"),
-    _format("master-q8", "master", "q8"),
-    _format("remainder", "remainder", twin="master"),
-    _format("remainder-bf16", "remainder", "bfloat16", twin="master-bf16"),
-    _format("remainder-q8", "remainder", "q8", twin="master-q8"),
-    _format("nearest", "nearest"),
-    _format("nearest-bf16", "nearest", "bfloat16"),
-    _format("nearest-q8", "nearest", "q8"),
-    _format("stochastic", "stochastic"),
-    _format("stochastic-bf16", "stochastic", "bfloat16"),
-    _format("stochastic-q8", "stochastic", "q8"),
-)}
+    _format(name + suffix, param, moment,
+            twin="master" + suffix if param == "remainder" else None, **extra)
+    for name, param in _PARAM_NAMES for suffix, moment, extra in _MOMENT_ROWS)}
 
 
 def applies(rule: RuleInfo, fmt: FormatInfo) -> bool:
@@ -333,6 +326,17 @@ def set_grads(params, grads) -> None:
         p.grad = g.clone()
 
 
+def lockstep(a, b, opt_a, opt_b, gen, steps: int = 1) -> None:
+    """Steps two optimizers side by side on the same gradients: a's drawn from ``gen`` in a's
+    dtypes, b's copies of them in b's dtypes."""
+    for _ in range(steps):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=gen).to(x.dtype)
+            y.grad = x.grad.to(y.dtype, copy=True)
+        opt_a.step()
+        opt_b.step()
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous().reshape(-1)
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
@@ -340,6 +344,31 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """a and b hold the same bits, in the same dtype, shape and device."""
+    assert a.device == b.device, "%s: on %s and %s" % (what, a.device, b.device)
+    assert same_bits(a, b), "%s: %s %s vs %s %s differ" % (what, a.dtype, tuple(a.shape), b.dtype,
+                                                          tuple(b.shape))
+
+
+def op_bad_input_changes_nothing(op, base, change, exc, match, device) -> None:
+    """A call of the op ``op`` with keyword arguments ``base`` (CPU tensors) changed by
+    ``change`` raises ``exc`` matching ``match`` and writes nothing, through the real kernel
+    (``device`` "cpu") or the fake one ("meta")."""
+    def to(v):
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    kw = {k: [to(t) for t in v] if isinstance(v, list) else to(v)
+          for k, v in dict(base, **change).items()}
+    tensors = [t for v in kw.values() for t in (v if isinstance(v, list) else [v])
+               if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in tensors] if device != "meta" else []
+    with pytest.raises(exc, match=match):
+        op(**kw)
+    for i, (a, b) in enumerate(zip(tensors, before)):
+        assert_bits(a, b, "tensor %d of the refused call" % i)
 
 
 _TORCH_GROUP_DEFAULTS = dict(foreach=None, capturable=False, differentiable=False, fused=None)

@@ -4,6 +4,7 @@ import struct
 from fractions import Fraction
 
 import numpy as np
+import torch
 
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
@@ -239,3 +240,17 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2
     v_hat_sqrt = np.sqrt(v) / math.sqrt(1.0 - beta2 ** t)
     p = p - lr * m_hat / (v_hat_sqrt + eps)
     return p, m, v, t
+
+
+def lerp_f32(a, b, w):
+    """torch.lerp(a, b, w) as documented, each operation rounded to float32 (numpy)."""
+    a = a.detach().cpu().numpy().astype(np.float32)
+    b = b.detach().cpu().numpy().astype(np.float32)
+    w = np.float32(w)
+    d = np.subtract(b, a, dtype=np.float32)
+    if w < 0.5:
+        out = np.add(a, np.multiply(w, d, dtype=np.float32), dtype=np.float32)
+    else:
+        out = np.subtract(b, np.multiply(d, np.float32(np.float32(1) - w), dtype=np.float32),
+                          dtype=np.float32)
+    return torch.from_numpy(out)

@@ -19,6 +19,7 @@ from mpext import ops
 from mpext.optim import Adam, AdamW
 
 from conftest import DEVICES  # noqa: F401  (the device fixture's parameters)
+from reference import lerp_f32
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -31,20 +32,6 @@ def bits(t):
 def assert_bitwise(a, b, what=""):
     assert a.dtype == b.dtype and a.shape == b.shape, what
     assert torch.equal(bits(a), bits(b)), what
-
-
-def lerp_f32(a, b, w):
-    """torch.lerp(a, b, w) as documented, each operation rounded to float32 (numpy)."""
-    a = a.detach().cpu().numpy().astype(np.float32)
-    b = b.detach().cpu().numpy().astype(np.float32)
-    w = np.float32(w)
-    d = np.subtract(b, a, dtype=np.float32)
-    if w < 0.5:
-        out = np.add(a, np.multiply(w, d, dtype=np.float32), dtype=np.float32)
-    else:
-        out = np.subtract(b, np.multiply(d, np.float32(np.float32(1) - w), dtype=np.float32),
-                          dtype=np.float32)
-    return torch.from_numpy(out)
 
 
 def params(dtype, device="cpu", seed=0):

@@ -1,7 +1,8 @@
 """mpext.ops.lion_step_ and mpext.optim.Lion: bit for bit lion-pytorch's Lion on FP32 params (its
 order of operations; torch's add(x, alpha=a) is one fused multiply-add, on every length, tails
 included), every param storage and moment format of the engine, opcheck and fake kernels,
-offsets for sharded stochastic rounding, and the checks every rule passes (rule_checks.py)."""
+offsets for sharded stochastic rounding. The checks every rule passes in every format are the
+rows "lion" of tests/optim_table.py, run by tests/test_optim_table.py."""
 import pytest
 import torch
 from lion_pytorch import Lion as RefLion
@@ -11,14 +12,11 @@ import mpext
 from mpext import ops
 from mpext.optim import Lion
 
-import rule_checks as RC
-from conftest import isa_params
+import optim_table as T
 
 # Round-to-nearest master-free params are one of the formats under test: its advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
 
-RULE = RC.Rule(Lion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), "exp_avg_dtype",
-               "exp_avg")
 F32 = torch.float32
 
 
@@ -49,23 +47,22 @@ def test_op_bitwise_lion_pytorch(wd, betas):
                 g[::3] = 0.0  # update signs of exactly 0
             ref_update(p_ref, g, m_ref, lr, wd, *betas)
             ops.lion_step_([p], [g], [m], [], [step], lr, *betas, wd)
-            RC.assert_bitwise(p, p_ref, "param n=%d k=%d" % (n, k))
-            RC.assert_bitwise(m, m_ref, "exp_avg n=%d k=%d" % (n, k))
+            T.assert_bits(p, p_ref, "param n=%d k=%d" % (n, k))
+            T.assert_bits(m, m_ref, "exp_avg n=%d k=%d" % (n, k))
         assert step.item() == 6
 
 
-@pytest.mark.parametrize("isa", isa_params())
 def test_op_every_isa_path_bitwise_lion_pytorch(isa):
+    """On the ISA path of the conftest fixture ``isa``."""
     gen = torch.Generator().manual_seed(1)
-    with RC.isa(isa):
-        for n in SIZES:
-            p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
-            p_ref, m_ref = p.clone(), m.clone()
-            g = torch.randn(n, generator=gen)
-            ref_update(p_ref, g, m_ref, f32(1e-3), 0.2, 0.9, 0.99)
-            ops.lion_step_([p], [g], [m], [], [torch.zeros(())], f32(1e-3), 0.9, 0.99, 0.2)
-            RC.assert_bitwise(p, p_ref)
-            RC.assert_bitwise(m, m_ref)
+    for n in SIZES:
+        p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+        p_ref, m_ref = p.clone(), m.clone()
+        g = torch.randn(n, generator=gen)
+        ref_update(p_ref, g, m_ref, f32(1e-3), 0.2, 0.9, 0.99)
+        ops.lion_step_([p], [g], [m], [], [torch.zeros(())], f32(1e-3), 0.9, 0.99, 0.2)
+        T.assert_bits(p, p_ref)
+        T.assert_bits(m, m_ref)
 
 
 def test_op_maximize_is_the_negated_gradient():
@@ -74,8 +71,8 @@ def test_op_maximize_is_the_negated_gradient():
     a, b = (p.clone(), m.clone()), (p.clone(), m.clone())
     ops.lion_step_([a[0]], [g], [a[1]], [], [torch.zeros(())], 1e-3, 0.9, 0.99, 0.1, True)
     ops.lion_step_([b[0]], [-g], [b[1]], [], [torch.zeros(())], 1e-3, 0.9, 0.99, 0.1, False)
-    RC.assert_bitwise(a[0], b[0])
-    RC.assert_bitwise(a[1], b[1])
+    T.assert_bits(a[0], b[0])
+    T.assert_bits(a[1], b[1])
 
 
 def test_op_fused_unscale_and_skip():
@@ -87,12 +84,12 @@ def test_op_fused_unscale_and_skip():
         1 / 1024), found_inf=torch.zeros(()), unscale_grads=True)
     ops.lion_step_([b[0]], [b[2]], [b[1]], [], [torch.zeros(())], 1e-3)
     for x, y in zip(a, b):
-        RC.assert_bitwise(x, y)
+        T.assert_bits(x, y)
     before = [t.clone() for t in a]
     s = torch.zeros(())
     ops.lion_step_([a[0]], [a[2]], [a[1]], [], [s], 1e-3, found_inf=torch.ones(()))
     for x, y in zip(a, before):
-        RC.assert_bitwise(x, y)
+        T.assert_bits(x, y)
     assert s.item() == 0
 
 
@@ -161,7 +158,8 @@ def test_op_bad_input_changes_nothing(where, change, exc, match):
     base = dict(params=[torch.randn(512)], grads=[torch.randn(512)], exp_avgs=[torch.randn(512)],
                  masters=[], steps=[torch.zeros(())], lr=torch.full((), 1e-3), beta1=0.9,
                  beta2=0.99, weight_decay=0.0)
-    RC.check_op_bad_input(ops.lion_step_, base, change, exc, match, "meta" if where == "meta" else "cpu")
+    T.op_bad_input_changes_nothing(ops.lion_step_, base, change, exc, match,
+                                   "meta" if where == "meta" else "cpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,14 +201,14 @@ def _sharded(fmt, n, offsets):
 def test_offsets_shards_round_as_the_whole(fmt):
     n = 4096
     (pw, mw, sw), (ps, ms, ss) = _sharded(fmt, n, [0, n // 2])
-    RC.assert_bitwise(pw, ps)
-    RC.assert_bitwise(mw, ms)
+    T.assert_bits(pw, ps)
+    T.assert_bits(mw, ms)
     if sw is not None:
-        RC.assert_bitwise(sw, ss)
+        T.assert_bits(sw, ss)
     if fmt == "bfloat16":  # unaligned pieces too, where no block constrains them
         (pw, mw, _), (ps, ms, _) = _sharded(fmt, n, [0, 1000, 3001])
-        RC.assert_bitwise(pw, ps)
-        RC.assert_bitwise(mw, ms)
+        T.assert_bits(pw, ps)
+        T.assert_bits(mw, ms)
 
 
 def test_offsets_change_the_draws():
@@ -242,15 +240,10 @@ def test_class_bitwise_lion_pytorch(opts):
     a = [torch.nn.Parameter(w.clone()) for w in ws]
     b = [torch.nn.Parameter(w.clone()) for w in ws]
     o1, o2 = Lion(a, **opts), RefLion(b, **opts)
-    for _ in range(12):
-        for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape, generator=gen)
-            y.grad = x.grad.clone()
-        o1.step()
-        o2.step()
+    T.lockstep(a, b, o1, o2, gen, 12)
     for x, y in zip(a, b):
-        RC.assert_bitwise(x, y)
-        RC.assert_bitwise(o1.state[x]["exp_avg"], o2.state[y]["exp_avg"])
+        T.assert_bits(x, y)
+        T.assert_bits(o1.state[x]["exp_avg"], o2.state[y]["exp_avg"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -264,13 +257,9 @@ def test_class_master_is_lion_pytorch_on_fp32(dtype):
     q = torch.nn.Parameter(w.float())
     o1, o2 = Lion([p], lr=f32(1e-3), weight_decay=0.1), RefLion([q], lr=f32(1e-3),
                                                                    weight_decay=0.1)
-    for _ in range(8):
-        p.grad = torch.randn(999, generator=gen).to(dtype)
-        q.grad = p.grad.float()
-        o1.step()
-        o2.step()
-    RC.assert_bitwise(p.detach(), q.detach().to(dtype))
-    RC.assert_bitwise(o1.state[p]["exp_avg"], o2.state[q]["exp_avg"])
+    T.lockstep([p], [q], o1, o2, gen, 8)
+    T.assert_bits(p.detach(), q.detach().to(dtype))
+    T.assert_bits(o1.state[p]["exp_avg"], o2.state[q]["exp_avg"])
 
 
 def test_class_arguments():
@@ -290,5 +279,3 @@ def test_class_arguments():
         Lion(p, exp_avg_dtype=torch.float16)
     assert "Lion" in mpext.optim.__all__
 
-
-globals().update(RC.rule_tests(RULE))  # the checks every rule passes

@@ -19,8 +19,8 @@ import mpext
 from mpext.optim import formats as F
 
 import optim_table as T
-from optim_table import BF16, F16, F32, LOW
-from test_ema import lerp_f32
+from optim_table import BF16, F16, F32, INF, LOW
+from reference import lerp_f32
 
 PAIRS = list(T.pairs())
 PAIR_IDS = [T.pair_id(p) for p in PAIRS]
@@ -91,6 +91,36 @@ def test_tracks_the_reference_optimizer(rule, fmt):
             i, err.max().item(), bound.max().item())
 
 
+# ---- Every pair steps in its format -----------------------------------------------------------
+
+MOMENT_DTYPE = {"float32": F32, "bfloat16": BF16, "q8": F32}  # q8: below MIN_8BIT_NUMEL
+
+
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_every_pair_moves_and_keeps_its_format(rule, fmt):
+    """Every pair steps: every param moves, nothing turns NaN or Inf, and the state holds each
+    moment under the format's keys (8-bit codes under ``<moment>_q8`` for a param of at least
+    MIN_8BIT_NUMEL elements, as docs/lean_state.md says; the values in the format's dtype
+    otherwise); a rule's kwargs that keep no moment keep none."""
+    params = pair_params(fmt)
+    start = [p.detach().clone() for p in params]
+    opt = build(rule, fmt, params, seed=7)
+    train(opt, params, STEPS)
+    for i, (p, p0) in enumerate(zip(params, start)):
+        assert bool(torch.isfinite(p.detach().float()).all()), i
+        assert not T.same_bits(p, p0), "param %d did not move" % i
+        st = opt.state[p]
+        for q in rule.cls.moments:
+            if not rule.moments:
+                assert q.name not in st and q.name + F.CODE_SUFFIX not in st, (i, sorted(st))
+                continue
+            coded = fmt.moment_format == "q8" and p.numel() >= F.MIN_8BIT_NUMEL
+            assert (q.name + F.CODE_SUFFIX in st) == coded, (i, q.name, sorted(st))
+            assert (q.name in st) == (not coded), (i, q.name, sorted(st))
+            if not coded:
+                assert st[q.name].dtype == MOMENT_DTYPE[fmt.moment_format], (i, q.name)
+
+
 # ---- Exactness between formats ---------------------------------------------------------------
 
 TWINS = [(r, f) for r, f in PAIRS if f.twin is not None]
@@ -111,6 +141,8 @@ def test_remainder_is_the_fp32_master_bitwise(rule, fmt):
             assert T.same_bits(p, q), "step %d param %d" % (s, i)
             assert "param_remainder" in a.state[p] and "master_param" in b.state[q]
             assert T.same_bits(T.fp32_value(a, p), b.state[q]["master_param"]), (s, i)
+            assert T.same_bits(a.master_param(p), b.master_param(q)), (s, i)
+            assert T.same_bits(b.state[q]["master_param"].to(BF16), q.detach()), (s, i)
             for m in rule.moments:
                 assert T.same_bits(T.moment_value(a, p, m), T.moment_value(b, q, m)), (s, i, m)
             assert T.same_bits(a.state[p]["step"], b.state[q]["step"])
@@ -144,6 +176,37 @@ def test_poisoned_step_changes_nothing(rule, fmt, scaler_name, kind):
         else:
             assert any(not T.same_bits(a, b) for a, b in zip(before[0], params))
     assert all(opt.state[p]["step"].item() == 3 for p in params)
+
+
+@pytest.mark.parametrize("scaler_name", sorted(SCALERS))
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
+def test_fused_unscale_is_unscale_then_step(rule, fmt, scaler_name):
+    """Under either GradScaler the step unscales the gradients itself (the optimizer takes
+    grad_scale and found_inf): the bits of scaler.unscale_ then the step, after every step, a
+    skipped one (an inf at step 2) included. (bf16 and fp32 params: both scalers' unscale_
+    refuses fp16 gradients, as torch's does.)"""
+    dtypes = tuple(d for d in fmt.param_dtypes if d != F16)
+    runs = []
+    for fused in (True, False):
+        params = T.make_params(dtypes)
+        scaler = SCALERS[scaler_name]("cpu", init_scale=2.0 ** 10, growth_interval=3)
+        runs.append((params, build(rule, fmt, params), scaler, fused))
+    for s in range(5):
+        for params, opt, scaler, fused in runs:
+            targets = T.make_grads(params, s)
+            opt.zero_grad()
+            loss = sum((p.float() * g.float()).sum() for p, g in zip(params, targets))
+            scaler.scale(loss).backward()
+            if s == 2:
+                params[0].grad.view(-1)[3] = INF
+            if not fused:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        (pa, a, sa, _), (pb, b, sb, _) = runs
+        T.assert_same(T.snapshot(a, pa), T.snapshot(b, pb), "step %d" % s)
+        assert sa.get_scale() == sb.get_scale(), s
+    assert all(a.state[p]["step"].item() == 4 for p in pa)
 
 
 # ---- Resume ----------------------------------------------------------------------------------
@@ -323,9 +386,10 @@ COVERING = list(T.covering_pairs())
 
 @pytest.mark.parametrize("rule,fmt", COVERING, ids=[T.pair_id(p) for p in COVERING])
 def test_compiled_step(rule, fmt):
-    """torch.compile(opt.step) for 20 steps: no graph break, at most 2 compiles (the first
-    step's state setup, then the steady step), and the eager run's bits. (Over the covering
-    pairs: every param format and every moment format of each rule; a compile costs seconds.)"""
+    """torch.compile(opt.step) for 20 steps, found_inf passed to every step (set on step 5: a
+    skipped step): no graph break, at most 2 compiles (the first step's state setup, then the
+    steady step), and the eager run's bits. (Over the covering pairs: every param format and
+    every moment format of each rule; a compile costs seconds.)"""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ps, qs = T.make_params(fmt.param_dtypes, shapes=SMALL), T.make_params(fmt.param_dtypes,
@@ -337,8 +401,8 @@ def test_compiled_step(rule, fmt):
         grads = T.make_grads(ps, s)
         T.set_grads(ps, grads)
         T.set_grads(qs, grads)
-        eager.step()
-        step()
+        eager.step(found_inf=torch.tensor(float(s == 5)))
+        step(found_inf=torch.tensor(float(s == 5)))
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     torch._dynamo.reset()
     assert not breaks, breaks
@@ -381,3 +445,52 @@ def test_ema(rule, fmt):
                 path = ema64[i].abs() + STEPS * rule.update_scale * rule.kwargs["lr"]
                 assert bool((err <= _ulp(path, p.dtype)).all()), (
                     s, i, err.max().item())
+
+
+# ---- MixedPrecisionOptimizer around each rule ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rule", list(T.RULES.values()), ids=list(T.RULES))
+def test_mixed_precision_optimizer_tracks_the_reference(rule, dtype, monkeypatch):
+    """mpext.MixedPrecisionOptimizer around the rule's optimizer over BF16/FP16 params steps
+    the Adam rules on its fused path (adam_step_ over the model's params) and every other rule
+    on its generic path (the inner optimizer steps the FP32 masters, an overflow skipped on
+    the device once each param has stepped); either way the masters follow the reference
+    optimizer on FP32 copies fed the same gradients, each param is its master rounded to
+    nearest even, and an overflowing step (under FP16's dynamic loss scale, or BF16's check)
+    changes nothing."""
+    paths = []
+    for name in ("_step_fused", "_step_generic"):
+        def spy(self, *args, _real=getattr(mpext.MixedPrecisionOptimizer, name), _name=name):
+            paths.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(mpext.MixedPrecisionOptimizer, name, spy)
+    params = T.make_params((dtype,), shapes=SMALL)
+    ref_params = [p.detach().float().clone().requires_grad_() for p in params]
+    scaling = dict(init_scale=2.0 ** 8) if dtype == F16 else {}
+    mpo = mpext.MixedPrecisionOptimizer(rule.make(params), **scaling)
+    ref = rule.make_reference(ref_params)
+    masters = mpo.optimizer.param_groups[0]["params"]
+    for s in range(STEPS + 1):
+        scale = mpo.get_scale()
+        for p, q, g in zip(params, ref_params, T.make_grads(params, s)):
+            p.grad = (g.float() * scale).to(dtype)  # exact: a power-of-two scale
+            q.grad = g.float()
+        if s == 2:
+            params[1].grad.view(-1)[7] = INF
+        before = T.snapshot(mpo.optimizer, masters), [p.detach().clone() for p in params]
+        applied = mpo.step()
+        if s == 2:
+            assert not bool(applied)
+            T.assert_same(before[0], T.snapshot(mpo.optimizer, masters), "overflow")
+            assert all(T.same_bits(a, b) for a, b in zip(before[1], params))
+            continue
+        assert bool(applied), s
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            m = mpo.master_param(p)
+            torch.testing.assert_close(m, q.detach(), rtol=rule.rtol, atol=rule.atol,
+                                       msg=lambda msg: "step %d param %d: %s" % (s, i, msg))
+            assert T.same_bits(p.detach(), m.to(dtype)), (s, i)
+    fused = rule.cls in (mpext.optim.Adam, mpext.optim.AdamW)
+    assert paths == ["_step_fused" if fused else "_step_generic"] * (STEPS + 1), paths

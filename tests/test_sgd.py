@@ -1,7 +1,9 @@
 """mpext.ops.sgd_step_ and mpext.optim.SGD: torch.optim.SGD's arguments, checks and math (within
 Adam's parity tolerances; on this build's CPU kernels the bits agree too), the buffer's first
 step as torch's clone, momentum=0 keeping no buffer, every param storage and buffer format,
-opcheck and fake kernels, offsets, and the checks every rule passes (rule_checks.py)."""
+opcheck and fake kernels, offsets. The checks every rule passes in every format are the rows
+"sgd" (a buffer in every format) and "sgd-plain" (none) of tests/optim_table.py, run by
+tests/test_optim_table.py."""
 import pytest
 import torch
 
@@ -9,15 +11,10 @@ import mpext
 from mpext import ops
 from mpext.optim import SGD
 
-import rule_checks as RC
-from conftest import isa_params
+import optim_table as T
 
 # Round-to-nearest master-free params are one of the formats under test: its advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
-
-RULE = RC.Rule(SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2), "momentum_dtype",
-               "momentum_buffer")
-PLAIN = RC.Rule(SGD, dict(lr=1e-2, weight_decay=1e-2), None, "momentum_buffer")
 
 CONFIGS = [dict(), dict(momentum=0.9), dict(momentum=0.9, dampening=0.1),
            dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
@@ -37,35 +34,26 @@ def test_class_matches_torch_sgd(opts):
     a, b = _pair(opts, [(257, 3), (1,), (17,), (1000,)], gen)
     o1, o2 = SGD(a, lr=0.05, **opts), torch.optim.SGD(b, lr=0.05, **opts)
     for _ in range(30):
-        for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape, generator=gen)
-            y.grad = x.grad.clone()
-        o1.step()
-        o2.step()
+        T.lockstep(a, b, o1, o2, gen)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     for x, y in zip(a, b):
-        RC.assert_bitwise(x, y)  # both fuse each add(alpha=) on this build
+        T.assert_bits(x, y)  # both fuse each add(alpha=) on this build
         if opts.get("momentum"):
-            RC.assert_bitwise(o1.state[x]["momentum_buffer"], o2.state[y]["momentum_buffer"])
+            T.assert_bits(o1.state[x]["momentum_buffer"], o2.state[y]["momentum_buffer"])
         else:
             assert "momentum_buffer" not in o1.state[x]
 
 
-@pytest.mark.parametrize("isa", isa_params())
 def test_op_every_isa_path_matches_torch(isa):
+    """On the ISA path of the conftest fixture ``isa``."""
     gen = torch.Generator().manual_seed(1)
     opts = dict(momentum=0.9, nesterov=True, weight_decay=0.05)
-    with RC.isa(isa):
-        for n in [1, 7, 8, 15, 16, 17, 33, 100, 513, 4099]:
-            a, b = _pair(opts, [(n,)], gen)
-            o1, o2 = SGD(a, lr=0.1, **opts), torch.optim.SGD(b, lr=0.1, **opts)
-            for _ in range(3):
-                a[0].grad = torch.randn(n, generator=gen)
-                b[0].grad = a[0].grad.clone()
-                o1.step()
-                o2.step()
-            RC.assert_bitwise(a[0], b[0])
+    for n in [1, 7, 8, 15, 16, 17, 33, 100, 513, 4099]:
+        a, b = _pair(opts, [(n,)], gen)
+        o1, o2 = SGD(a, lr=0.1, **opts), torch.optim.SGD(b, lr=0.1, **opts)
+        T.lockstep(a, b, o1, o2, gen, 3)
+        T.assert_bits(a[0], b[0])
 
 
 def test_first_step_copies_the_gradient():
@@ -86,13 +74,9 @@ def test_master_tracks_torch_fp32(dtype):
     p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.float())
     opts = dict(lr=0.01, momentum=0.9, weight_decay=0.01)
     o1, o2 = SGD([p], **opts), torch.optim.SGD([q], **opts)
-    for _ in range(10):
-        p.grad = torch.randn(999, generator=gen).to(dtype)
-        q.grad = p.grad.float()
-        o1.step()
-        o2.step()
+    T.lockstep([p], [q], o1, o2, gen, 10)
     torch.testing.assert_close(o1.state[p]["master_param"], q.detach(), rtol=1e-5, atol=1e-6)
-    RC.assert_bitwise(p.detach(), o1.state[p]["master_param"].to(dtype))
+    T.assert_bits(p.detach(), o1.state[p]["master_param"].to(dtype))
 
 
 def test_class_arguments():
@@ -165,7 +149,8 @@ def test_op_bad_input_changes_nothing(where, change, exc, match):
                  momentum_buffers=[torch.randn(512)], masters=[], steps=[torch.zeros(())],
                  lr=torch.full((), 1e-3), momentum=0.9, dampening=0.0, weight_decay=0.0,
                  nesterov=False)
-    RC.check_op_bad_input(ops.sgd_step_, base, change, exc, match, "meta" if where == "meta" else "cpu")
+    T.op_bad_input_changes_nothing(ops.sgd_step_, base, change, exc, match,
+                                   "meta" if where == "meta" else "cpu")
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
@@ -192,15 +177,11 @@ def test_offsets_shards_round_as_the_whole(fmt):
                           **extra)
         out.append((p, b, sc))
     for a, c in zip(out[0], out[1]):
-        RC.assert_bitwise(a, c)
+        T.assert_bits(a, c)
 
 
 # --------------------------------------------------------------------------------------------
-# The checks every rule passes, with momentum (a buffer in every format) and without (none).
-
-globals().update(RC.rule_tests(RULE))
-globals().update({name + "_without_momentum": test
-                  for name, test in RC.rule_tests(PLAIN).items()})
+# Checkpoints of torch.optim.SGD.
 
 
 @pytest.mark.parametrize("opts", [dict(momentum=0.9, nesterov=True), dict()], ids=["momentum",
@@ -220,15 +201,10 @@ def test_checkpoints_move_between_torch_and_mpext(opts):
     opt = SGD(a, lr=0.05, **opts)
     opt.load_state_dict(ref.state_dict())
     back = torch.optim.SGD([torch.nn.Parameter(y.detach().clone()) for y in b], lr=0.05, **opts)
-    for _ in range(3):
-        for x, y in zip(a, b):
-            y.grad = torch.randn(y.shape, generator=gen)
-            x.grad = y.grad.clone()
-        ref.step()
-        opt.step()
+    T.lockstep(b, a, ref, opt, gen, 3)
     for x, y in zip(a, b):
-        RC.assert_bitwise(x, y)
+        T.assert_bits(x, y)
     back.load_state_dict(opt.state_dict())
     if opts:
         for x, y in zip(a, back.param_groups[0]["params"]):
-            RC.assert_bitwise(back.state[y]["momentum_buffer"], opt.state[x]["momentum_buffer"])
+            T.assert_bits(back.state[y]["momentum_buffer"], opt.state[x]["momentum_buffer"])

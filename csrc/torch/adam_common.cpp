@@ -91,6 +91,7 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
   }
 
   AdamPlan plan{};
+  plan.options = rule.options;
   mp_adam_options& o = plan.options;
   o.lr = lr.device() == device ? lr.const_data_ptr<float>() : nullptr;
   o.lr_value = 0.0f;
@@ -277,72 +278,57 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
 
 namespace {
 const char* const kAdamScales[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
+
+// The options' fields a rule sets (the rest are plan_step's): which rule, and its
+// hyperparameters as mp_adam_options names them.
+mp_adam_options rule_options(int32_t rule, double beta1, double beta2, double weight_decay,
+                             bool maximize) {
+  mp_adam_options o{};
+  o.rule = rule;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.weight_decay = weight_decay;
+  o.maximize = maximize ? 1 : 0;
+  return o;
+}
 }  // namespace
 
-AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                   const at::Tensor& lr, double beta1, double beta2, double eps,
-                   double weight_decay, bool decoupled, bool maximize,
-                   const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                   const AdamStorage& storage) {
+// The checks capture their values (not references): a RuleLists outlives the call that made it.
+RuleLists adam_rule(at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double beta1,
+                    double beta2, double eps, double weight_decay, bool decoupled,
+                    bool maximize) {
   const char* op = "adam_step_";
-  auto check = [&]() {
+  auto check = [=]() {
     check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
     check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
     check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
     check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
   };
-  const RuleLists rule{op, 2, {exp_avgs, exp_avg_sqs}, {"exp_avgs", "exp_avg_sqs"}, kAdamScales,
-                       check};
-  AdamPlan plan = plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
-                            unscale_grads, storage);
-  mp_adam_options& o = plan.options;
-  o.rule = MP_RULE_ADAM;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
+  mp_adam_options o = rule_options(MP_RULE_ADAM, beta1, beta2, weight_decay, maximize);
   o.eps = eps;
-  o.weight_decay = weight_decay;
   o.decoupled = decoupled ? 1 : 0;
-  o.maximize = maximize ? 1 : 0;
-  return plan;
+  return {op, 2, {exp_avgs, exp_avg_sqs}, {"exp_avgs", "exp_avg_sqs"}, kAdamScales, check, o};
 }
 
-AdamPlan plan_lion(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
-                   double beta1, double beta2, double weight_decay, bool maximize,
-                   const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                   const AdamStorage& storage) {
+RuleLists lion_rule(at::TensorList exp_avgs, double beta1, double beta2, double weight_decay,
+                    bool maximize) {
   const char* op = "lion_step_";
-  auto check = [&]() {
+  auto check = [=]() {
     check_hyper(beta1, op, "beta1", 0.0, false, 1.0, false);
     check_hyper(beta2, op, "beta2", 0.0, false, 1.0, false);
     check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
   };
-  const RuleLists rule{op, 1, {exp_avgs, at::TensorList()}, {"exp_avgs", "exp_avg_sqs"},
-                       kAdamScales, check};
-  AdamPlan plan = plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
-                            unscale_grads, storage);
-  mp_adam_options& o = plan.options;
-  o.rule = MP_RULE_LION;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.weight_decay = weight_decay;
+  mp_adam_options o = rule_options(MP_RULE_LION, beta1, beta2, weight_decay, maximize);
   o.decoupled = 1;
-  o.maximize = maximize ? 1 : 0;
-  return plan;
+  return {op, 1, {exp_avgs, at::TensorList()}, {"exp_avgs", "exp_avg_sqs"}, kAdamScales, check,
+          o};
 }
 
-AdamPlan plan_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                  at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
-                  double momentum, double dampening, double weight_decay, bool nesterov,
-                  bool maximize, const std::optional<at::Tensor>& inv_scale,
-                  const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                  const AdamStorage& storage) {
+RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, double dampening,
+                   double weight_decay, bool nesterov, bool maximize) {
   const char* op = "sgd_step_";
   static const char* const scales[2] = {"momentum_buffer_scales", "unused_scales"};
-  auto check = [&]() {
+  auto check = [=]() {
     check_hyper(momentum, op, "momentum", 0.0, false, INFINITY, true);
     check_hyper(dampening, op, "dampening", -INFINITY, true, INFINITY, true);
     check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
@@ -353,18 +339,12 @@ AdamPlan plan_sgd(at::TensorList params, at::TensorList grads, at::TensorList mo
   TORCH_CHECK_VALUE(nmom == 1 || momentum_buffers.empty(), "mpext.", op,
                     ": momentum is 0, which keeps no buffer, so momentum_buffers must be empty, "
                     "got ", momentum_buffers.size(), " tensors");
-  const RuleLists rule{op, nmom, {momentum_buffers, at::TensorList()},
-                       {"momentum_buffers", "unused"}, scales, check};
-  AdamPlan plan = plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
-                            unscale_grads, storage);
-  mp_adam_options& o = plan.options;
-  o.rule = MP_RULE_SGD;
-  o.beta1 = momentum;
+  // The momentum is the rule's beta1 (mp_adam_options.rule says so).
+  mp_adam_options o = rule_options(MP_RULE_SGD, momentum, 0.0, weight_decay, maximize);
   o.dampening = dampening;
   o.nesterov = nesterov ? 1 : 0;
-  o.weight_decay = weight_decay;
-  o.maximize = maximize ? 1 : 0;
-  return plan;
+  return {op, nmom, {momentum_buffers, at::TensorList()}, {"momentum_buffers", "unused"}, scales,
+          check, o};
 }
 
 }  // namespace mpext

@@ -45,8 +45,9 @@ struct AdamStorage {
 
 // What a rule's call keeps per element: its op's name, its moment lists (nmoments of them:
 // 2 for Adam, 1 for Lion and SGD with momentum, 0 for plain SGD) with their argument names and
-// those of their 8-bit scales, and the checks of its hyperparameters (run where plan_step
-// reaches them, after the lists' lengths).
+// those of their 8-bit scales, the checks of its hyperparameters (run where plan_step reaches
+// them, after the lists' lengths), and the options' rule fields (rule, betas, eps,
+// weight_decay, decoupled, maximize, dampening, nesterov; plan_step sets the others).
 struct RuleLists {
   const char* op;
   int nmoments;
@@ -54,57 +55,46 @@ struct RuleLists {
   const char* moment_names[2];
   const char* const* scale_names;  // two names
   std::function<void()> check_rule;
+  mp_adam_options options;
 };
 
-// Checks every argument of adam_step_ before anything is written. Throws (naming the argument)
-// on: lists of different lengths (masters and remainders may also be empty); a param that is
-// not float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32; exp_avg
-// or exp_avg_sq neither float32 nor bfloat16, unless they are int8 and uint8 codes together,
-// which need exp_avg_scales / exp_avg_sq_scales entries of ceil(numel / block_size) float32
-// elements (others an empty tensor there); a block_size that is not a power of two in
-// [32, 2048]; masters, steps, lr, inv_scale, found_inf not
-// float32, remainders not int16; shape or memory-layout mismatches; non-dense tensors; tensors
-// on different devices (lr may also be on the CPU); lr, inv_scale, found_inf or a step with
-// more than one element; a bf16/fp16 param with no master and no remainder unless master_free
-// (with both: refused), a master or remainder for an fp32 param, a remainder for an fp16 param;
-// any tensor written by the op overlapping another tensor of the call (grads count as written
-// with unscale_grads); beta1, beta2 outside [0, 1); eps < 0; weight_decay < 0; any non-finite
-// hyperparameter; an sr_stream outside [0, 2^32) or a list of them of the wrong length; an
-// ema_decay outside [0, 1], an ema_params entry that is not float32 or not in the param's
-// layout (an empty one: none); an lr on the CPU that is negative or not finite.
-AdamPlan plan_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                   const at::Tensor& lr, double beta1, double beta2, double eps,
-                   double weight_decay, bool decoupled, bool maximize,
-                   const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                   const AdamStorage& storage);
-
-// The checks and plan of any rule's call (plan_adam's, for the moments the rule keeps; the
-// options' rule hyperparameters are left for the caller to fill).
+// The checks and plan of any rule's call. Throws (naming the argument) on: lists of different
+// lengths (masters and remainders may also be empty); a param that is not
+// float32/bfloat16/float16; a grad whose dtype is neither the param's nor float32; a first
+// moment neither float32 nor bfloat16 nor int8 codes, a second (Adam's exp_avg_sq) neither
+// float32 nor bfloat16 nor uint8 codes (with int8 codes only), codes needing scales entries of
+// ceil(numel / block_size) float32 elements (others an empty tensor there); a block_size that is
+// not a power of two in [32, 2048]; masters, steps, lr, inv_scale, found_inf not float32,
+// remainders not int16; shape or memory-layout mismatches; non-dense tensors; tensors on
+// different devices (lr may also be on the CPU); lr, inv_scale, found_inf or a step with more
+// than one element; a bf16/fp16 param with no master and no remainder unless master_free (with
+// both: refused), a master or remainder for an fp32 param, a remainder for an fp16 param; any
+// tensor written by the op overlapping another tensor of the call (grads count as written with
+// unscale_grads); the rule's hyperparameters (rule.check_rule); an sr_stream outside [0, 2^32)
+// or a list of them of the wrong length; an offset < 0 (or, with 8-bit moments, not a multiple
+// of block_size); an ema_decay outside [0, 1], an ema_params entry that is not float32 or not
+// in the param's layout (an empty one: none); an lr on the CPU that is negative or not finite.
 AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList grads,
                    at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
                    const std::optional<at::Tensor>& inv_scale,
                    const std::optional<at::Tensor>& found_inf, bool unscale_grads,
                    const AdamStorage& storage);
 
+// adam_step_: beta1, beta2 in [0, 1), eps >= 0, weight_decay >= 0 (decoupled: AdamW), the
+// moments exp_avgs and exp_avg_sqs (8-bit: int8 with uint8 codes, with their scales).
+RuleLists adam_rule(at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double beta1,
+                    double beta2, double eps, double weight_decay, bool decoupled,
+                    bool maximize);
+
 // lion_step_: beta1, beta2 in [0, 1], weight_decay >= 0 (decoupled), one moment (exp_avgs,
 // float32, bfloat16 or int8 codes with exp_avg_scales).
-AdamPlan plan_lion(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
-                   double beta1, double beta2, double weight_decay, bool maximize,
-                   const std::optional<at::Tensor>& inv_scale,
-                   const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                   const AdamStorage& storage);
+RuleLists lion_rule(at::TensorList exp_avgs, double beta1, double beta2, double weight_decay,
+                    bool maximize);
 
-// sgd_step_: momentum >= 0 (0: no buffer, momentum_buffers empty), a finite dampening,
-// weight_decay >= 0, nesterov only with a momentum and no dampening (torch's check).
-AdamPlan plan_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                  at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
-                  double momentum, double dampening, double weight_decay, bool nesterov,
-                  bool maximize, const std::optional<at::Tensor>& inv_scale,
-                  const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                  const AdamStorage& storage);
+// sgd_step_: momentum >= 0 (0: no buffer, momentum_buffers empty, checked here), a finite
+// dampening, weight_decay >= 0, nesterov only with a momentum and no dampening (torch's check).
+RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, double dampening,
+                   double weight_decay, bool nesterov, bool maximize);
 
 // Runs a validated plan on one backend: Backend::step(plan, device, op) runs the kernels
 // (Backend::kDevice: the device type it implements).
@@ -115,7 +105,19 @@ void run_plan(const AdamPlan& plan, at::TensorList params, const char* op) {
   Backend::step(plan, params[0].device(), op);
 }
 
-// The ops for one backend: validate everything, then run_plan.
+// A rule's call on one backend: validate everything (plan_step), then run_plan.
+template <class Backend>
+void run_rule(const RuleLists& rule, at::TensorList params, at::TensorList grads,
+              at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+              const std::optional<at::Tensor>& inv_scale,
+              const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+              const AdamStorage& storage) {
+  run_plan<Backend>(plan_step(rule, params, grads, masters, steps, lr, inv_scale, found_inf,
+                              unscale_grads, storage),
+                    params, rule.op);
+}
+
+// The ops for one backend.
 template <class Backend>
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
@@ -132,10 +134,10 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                             moments_round_nearest, seed,       sr_streams,
                             exp_avg_scales, exp_avg_sq_scales, block_size,
                             ema_params,     ema_decay,         offsets};
-  run_plan<Backend>(plan_adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1,
-                              beta2, eps, weight_decay, decoupled, maximize, inv_scale,
-                              found_inf, unscale_grads, storage),
-                    params, "adam_step_");
+  run_rule<Backend>(adam_rule(exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, decoupled,
+                              maximize),
+                    params, grads, masters, steps, lr, inv_scale, found_inf, unscale_grads,
+                    storage);
 }
 
 template <class Backend>
@@ -153,10 +155,8 @@ void lion_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                             moments_round_nearest, seed,  sr_streams,
                             exp_avg_scales, std::nullopt, block_size,
                             ema_params,     ema_decay,    offsets};
-  run_plan<Backend>(plan_lion(params, grads, exp_avgs, masters, steps, lr, beta1, beta2,
-                              weight_decay, maximize, inv_scale, found_inf, unscale_grads,
-                              storage),
-                    params, "lion_step_");
+  run_rule<Backend>(lion_rule(exp_avgs, beta1, beta2, weight_decay, maximize), params, grads,
+                    masters, steps, lr, inv_scale, found_inf, unscale_grads, storage);
 }
 
 template <class Backend>
@@ -175,10 +175,10 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
                             moments_round_nearest, seed,         sr_streams,
                             momentum_buffer_scales, std::nullopt, block_size,
                             ema_params,            ema_decay,    offsets};
-  run_plan<Backend>(plan_sgd(params, grads, momentum_buffers, masters, steps, lr, momentum,
-                             dampening, weight_decay, nesterov, maximize, inv_scale, found_inf,
-                             unscale_grads, storage),
-                    params, "sgd_step_");
+  run_rule<Backend>(sgd_rule(momentum_buffers, momentum, dampening, weight_decay, nesterov,
+                             maximize),
+                    params, grads, masters, steps, lr, inv_scale, found_inf, unscale_grads,
+                    storage);
 }
 
 }  // namespace mpext
