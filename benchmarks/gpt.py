@@ -1,5 +1,6 @@
 """A small GPT-style character model (``GPT``, ``GPTConfig``, ``PRESETS``: pre-LayerNorm blocks,
-a head tied to the token embedding, float32/bfloat16/float16 params, the loss in float32) and
+a head tied to the token embedding, no dropout, float32/bfloat16/float16 params, the loss in
+float32) and
 its corpus, generated from a seeded grammar (``load_corpus``: nothing is downloaded, every
 machine trains on the same bytes), with ``split_corpus``, ``get_batch``, ``unigram_entropy``."""
 import bisect
@@ -17,14 +18,13 @@ import torch.nn.functional as F
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a ``GPT`` (``n_embd`` a multiple of ``n_head``; ``dropout`` 0 disables it)."""
+    """Shape of a ``GPT`` (``n_embd`` a multiple of ``n_head``)."""
 
     vocab_size: int
     block_size: int
     n_layer: int
     n_head: int
     n_embd: int
-    dropout: float = 0.0
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -68,18 +68,16 @@ class Linear(nn.Linear):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, float(cfg.dropout)
+        self.n_head = cfg.n_head
         self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = Linear(cfg.n_embd, cfg.n_embd)
-        self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         shape = (b, t, self.n_head, c // self.n_head)
         q, k, v = (z.view(shape).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
 class MLP(nn.Module):
@@ -87,10 +85,9 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = Linear(4 * cfg.n_embd, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -115,7 +112,6 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = Linear(config.n_embd, config.vocab_size, bias=False)
@@ -128,7 +124,6 @@ class GPT(nn.Module):
         for blk in self.blocks:
             for w in (blk.attn.proj.weight, blk.mlp.proj.weight):
                 nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.fp32_gemm = fp32_gemm
         for m in self.modules():
             if isinstance(m, Linear):
                 m.fp32_gemm = fp32_gemm
@@ -137,7 +132,7 @@ class GPT(nn.Module):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(logits in the compute dtype, mean cross-entropy in float32 or None)."""
         b, t = idx.shape
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln_f(x))
