@@ -282,33 +282,31 @@ CORPUS_SEED = 20240601
 CORPUS_CHARS = 400_000
 
 
-@functools.lru_cache(maxsize=4)
-def corpus_text(n_chars: int = CORPUS_CHARS, seed: int = CORPUS_SEED) -> str:
+@functools.lru_cache(maxsize=1)
+def corpus_text() -> str:
     """Paragraphs separated by blank lines, cut at the first paragraph boundary past
-    ``n_chars``; the same text on every machine and Python version (only
+    ``CORPUS_CHARS``; the same text on every machine and Python version (only
     ``random.Random.random`` is used)."""
-    g = _Grammar(seed)
+    g = _Grammar(CORPUS_SEED)
     parts, total = [], 0
-    while total < n_chars:
+    while total < CORPUS_CHARS:
         parts.append(g.paragraph() + "\n\n")
         total += len(parts[-1])
     return "".join(parts)
 
 
-def load_corpus(n_chars: int = CORPUS_CHARS, seed: int = CORPUS_SEED
-                ) -> Tuple[torch.Tensor, List[str]]:
+def load_corpus() -> Tuple[torch.Tensor, List[str]]:
     """``(data, vocab)``: the corpus as a 1-D uint8 tensor of indices into ``vocab``, the sorted
-    list of its distinct characters (about 400 KB by default)."""
-    text = corpus_text(n_chars, seed)
+    list of its distinct characters (about 400 KB)."""
+    text = corpus_text()
     vocab = sorted(set(text))
     lut = {c: i for i, c in enumerate(vocab)}
     return torch.tensor(bytearray(lut[c] for c in text), dtype=torch.uint8), vocab
 
 
-def split_corpus(data: torch.Tensor, val_fraction: float = 0.1
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the first ``1 - val_fraction`` of the tokens and the rest."""
-    n = int(round(len(data) * (1.0 - val_fraction)))
+def split_corpus(data: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): the first 90% of the tokens and the rest."""
+    n = int(round(len(data) * 0.9))
     return data[:n], data[n:]
 
 

@@ -19,13 +19,13 @@ if not __package__:  # run by path (python benchmarks/measure_q8_codes.py): as t
     runpy.run_module("benchmarks.measure_q8_codes", run_name="__main__")
     sys.exit()
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from .common import write_json
 from .gpt import GPTConfig, load_corpus, split_corpus
 
 MIN_NUMEL = 4096  # smaller tensors keep fp32 moments (as mpext, torchao and bitsandbytes)
@@ -219,17 +219,17 @@ def static_errors(snapshots, mcodes, vcodes, block):
     return out
 
 
-def update_error(snapshots, mcode, vcode, block, stochastic, guard):
-    """Relative RMS error of the update m / (sqrt(v) + eps) over the snapshots, with the v
-    floor m^2 / K (``guard``) or without."""
+def update_error(snapshots, mcode, vcode, block, guard):
+    """Relative RMS error of the update m / (sqrt(v) + eps) over the snapshots, both moments
+    rounded stochastically, with the v floor m^2 / K (``guard``) or without."""
     gen = torch.Generator().manual_seed(6)
     inv_k = guard_factor(B1, B2) if guard else 0.0
     pairs = []
     for snap in snapshots:
         for m, v in snap:
             u = m.double() / (v.double().sqrt() + EPS)
-            mq = mcode.roundtrip(m, block, stochastic, gen).double()
-            vq = vcode.roundtrip(v, block, stochastic, gen).double()
+            mq = mcode.roundtrip(m, block, True, gen).double()
+            vq = vcode.roundtrip(v, block, True, gen).double()
             if inv_k > 0:
                 vq = torch.maximum(vq, mq * mq * inv_k)
             pairs.append((mq / (vq.sqrt() + EPS), u))
@@ -263,9 +263,8 @@ def main():
     if args.convergence:
         print("convergence: final validation loss (mean of the last 4 evaluations), %d seeds, "
               "%d steps, preset %s" % (args.seeds, args.steps, args.preset), flush=True)
-        out.write_text(json.dumps({"args": settings, "convergence": convergence(args, data)},
-                                  indent=1))
-        print("written:", out)
+        print("written:", write_json(out, {"args": settings,
+                                           "convergence": convergence(args, data)}))
         return
     t0 = time.time()
     snaps = []
@@ -295,20 +294,18 @@ def main():
     upd = {}
     for mc, vc in pairs:
         for guard in (True, False):
-            upd[(mc, vc, guard)] = update_error(snaps, mcodes[mc], vcodes[vc], args.block, True,
-                                                guard)
+            upd[(mc, vc, guard)] = update_error(snaps, mcodes[mc], vcodes[vc], args.block, guard)
         print("  %-9s + %-10s %.4f / %.4f" % (mc, vc, upd[(mc, vc, True)], upd[(mc, vc, False)]),
               flush=True)
     print("\nblock size (e3m4 + e4m4, sr): update error, and the scales' bytes per element")
     by_block = {}
     for block in (32, 64, 128, 256, 512, 1024, 2048):
-        by_block[block] = update_error(snaps, mcodes["e3m4"], vcodes["e4m4"], block, True, True)
+        by_block[block] = update_error(snaps, mcodes["e3m4"], vcodes["e4m4"], block, True)
         print("  %5d  %.4f  %.4f B" % (block, by_block[block], 8.0 / block), flush=True)
-    out.write_text(json.dumps({
+    print("\nwritten:", write_json(out, {
         "args": settings, "fp32": fp32, "static": {"|".join(k): v for k, v in static.items()},
         "update_error": {"%s|%s|guard=%d" % k: v for k, v in upd.items()},
-        "update_error_by_block": by_block}, indent=1))
-    print("\nwritten:", out)
+        "update_error_by_block": by_block}))
 
 
 if __name__ == "__main__":
