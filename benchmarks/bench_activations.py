@@ -1,9 +1,7 @@
 """Saved activations, measured from autograd's saved-tensor hooks, per precision mode, with and
 without mpext.activations' FP8 compression; the gradient error it costs; a short convergence run.
-
-Bytes count each storage once and leave out what stays alive anyway (parameters, their views
-and casts, leaves such as the batch); the peak is the step's live-tensor peak from torch's
-allocator. Step times are measured too, but only mean something on a quiet machine.
+What is counted: docs/activations.md, "Measurements" (step times only mean something on a quiet
+machine).
 
     python -m benchmarks.bench_activations [--quick] [--converge-steps 300] [--out results]
 """
@@ -15,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-import mpext
 from mpext import activations as act
 from mpext.memory_estimate import activation_bytes
 
 from . import common, gpt
+from .training import Trainer
 
 MODES = ("fp32", "amp-bf16", "amp-fp16", "bf16")
 
@@ -55,23 +53,21 @@ def models(quick):
     ids, vocab = gpt.load_corpus()
     cfg = gpt.GPTConfig(vocab_size=len(vocab), block_size=64 if quick else 128,
                         n_layer=2 if quick else 4, n_head=4, n_embd=128 if quick else 256)
-    b = 4 if quick else 8
-    gen = lambda: gpt.get_batch(ids, b, cfg.block_size, torch.Generator().manual_seed(0))  # noqa
-    out = {"gpt": (lambda: gpt.GPT(cfg), gen, lambda m, xy: m(*xy)[1], cfg.n_layer,
-                   b * cfg.block_size)}
+    b, tokens = 4 if quick else 8, (4 if quick else 8) * cfg.block_size
+    out = {"gpt": (lambda: gpt.GPT(cfg), lambda: gpt.get_batch(
+        ids, b, cfg.block_size, torch.Generator().manual_seed(0)), lambda m, xy: m(*xy)[1],
+        cfg.n_layer, tokens)}
     from transformers import GPT2Config, GPT2LMHeadModel  # the test dependencies have it
     hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=4, vocab_size=512,
                       n_positions=cfg.block_size, attn_implementation="sdpa",
                       activation_function="gelu_pytorch_tanh")
-    hb = lambda: (torch.randint(0, 512, (b, cfg.block_size),  # noqa: E731
-                                generator=torch.Generator().manual_seed(0)),)
-    out["hf-gpt2"] = (lambda: GPT2LMHeadModel(hcfg), hb, lambda m, x: m(x[0], labels=x[0]).loss,
-                      cfg.n_layer, b * cfg.block_size)
+    out["hf-gpt2"] = (lambda: GPT2LMHeadModel(hcfg), lambda: (torch.randint(
+        0, 512, (b, cfg.block_size), generator=torch.Generator().manual_seed(0)),),
+        lambda m, x: m(x[0], labels=x[0]).loss, cfg.n_layer, tokens)
     w, n = (256, 64) if quick else (1024, 256)
-    mlp = lambda: torch.nn.Sequential(*[m for _ in range(4) for m in  # noqa: E731
-                                        (torch.nn.Linear(w, w), torch.nn.GELU())])
-    xb = lambda: (torch.randn(n, w, generator=torch.Generator().manual_seed(0)),)  # noqa: E731
-    out["mlp"] = (mlp, xb, lambda m, x: m(x[0]).float().square().mean(), 4, n)
+    out["mlp"] = (lambda: common.mlp([w] * 5, last_act=True), lambda: (torch.randn(
+        n, w, generator=torch.Generator().manual_seed(0)),),
+        lambda m, x: m(x[0]).float().square().mean(), 4, n)
     return out
 
 
@@ -97,7 +93,7 @@ def groups(model):
 
 
 def measure(quick):
-    rows, errors = [], {}
+    rows, errors, cpu = [], {}, torch.device("cpu")
     for name, (build, batch, loss_fn, layers, tokens) in models(quick).items():
         grads = {}
         for mode in MODES:
@@ -113,9 +109,9 @@ def measure(quick):
                                          for g, ps in groups(model).items()}
                 model.zero_grad(set_to_none=True)
                 fn = lambda: step(model, xb, loss_fn, mode, ctx)  # noqa: E731
-                peak = common.peak_memory_many({0: fn}, torch.device("cpu"))[0]
-                t = common.time_fns({0: fn}, device=torch.device("cpu"), repeats=3, warmup=1,
-                                    max_inner=1, show_progress=False)[0]
+                peak = common.peak_memory_many({0: fn}, cpu)[0]
+                t = common.time_fns({0: fn}, device=cpu, repeats=3, warmup=1, max_inner=1,
+                                    show_progress=False)[0]
                 rows.append(dict(model=name, mode=mode, fp8=compress, saved=meter.bytes,
                                  per_token_layer=meter.bytes / tokens / layers, peak=peak,
                                  step_s=t.median, fp32_top=meter.fp32_by.most_common(3)))
@@ -134,45 +130,46 @@ def converge(steps, seeds=(0, 1, 2)):
     for compress in (False, True):
         for seed in seeds:
             torch.manual_seed(seed)
-            model = gpt.GPT(cfg, fp32_gemm=True).to(torch.bfloat16)
-            opt = mpext.optim.AdamW(model.parameters(), lr=3e-3)
-            ctx = act.fp8_saved_tensors(params=model) if compress else contextlib.nullcontext()
+            tr = Trainer.for_mode("mpext_optim_bf16", gpt.GPT(cfg, fp32_gemm=True), lr=3e-3)
+            ctx = act.fp8_saved_tensors(params=tr.model) if compress else contextlib.nullcontext()
             gen = torch.Generator().manual_seed(seed)
             for _ in range(steps):
-                with ctx:
-                    loss = model(*gpt.get_batch(train, 32, cfg.block_size, gen))[1]
-                opt.zero_grad()
+                with ctx:  # the forward only: the hooks pack what it saves
+                    loss = tr.model(*gpt.get_batch(train, 32, cfg.block_size, gen))[1]
                 loss.backward()
-                opt.step()
+                tr.opt.step()
+                tr.opt.zero_grad()
             with torch.no_grad():
                 vgen = torch.Generator().manual_seed(123)
-                out[compress, seed] = statistics.mean(model(*gpt.get_batch(
+                out[compress, seed] = statistics.mean(tr.model(*gpt.get_batch(
                     val, 64, cfg.block_size, vgen))[1].item() for _ in range(4))
     return out
 
 
 def table(rows, errors, conv):
-    lines = ["| model | mode | FP8 | saved MiB | B / token / layer | vs bf16 | peak MiB | step s |"
-             " largest FP32 producers (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    MiB = common.MiB
+    lines = []
     for r in rows:
         ref = next(x["saved"] for x in rows if x["model"] == r["model"] and x["mode"] == "bf16"
                    and not x["fp8"])
-        top = ", ".join("%s %.2f" % (k, v / common.MiB) for k, v in r["fp32_top"]) or "-"
-        lines.append("| %s | %s | %s | %.2f | %.0f | %+.0f%% | %s | %.3f | %s |" % (
-            r["model"], r["mode"], "on" if r["fp8"] else "off", r["saved"] / common.MiB,
-            r["per_token_layer"], 100 * (r["saved"] / ref - 1),
-            "-" if r["peak"] is None else "%.1f" % (r["peak"] / common.MiB), r["step_s"], top))
+        lines.append([r["model"], r["mode"], "on" if r["fp8"] else "off", "%.2f" % (
+            r["saved"] / MiB), "%.0f" % r["per_token_layer"], "%+.0f%%" % (
+            100 * (r["saved"] / ref - 1)), "-" if r["peak"] is None else "%.1f" % (
+            r["peak"] / MiB), "%.3f" % r["step_s"], ", ".join(
+            "%s %.2f" % (k, v / MiB) for k, v in r["fp32_top"]) or "-"])
     names = sorted({g for e in errors.values() for g in e})
-    lines += ["", "Relative gradient error, FP8 on vs off (largest per parameter group):", "",
-              "| model | mode | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    for (m, mode), e in errors.items():
-        lines.append("| %s | %s | " % (m, mode) + " | ".join(
-            "%.4f" % e[g] if g in e else "-" for g in names) + " |")
+    out = [common.markdown_table(["model", "mode", "FP8", "saved MiB", "B / token / layer",
+                                  "vs bf16", "peak MiB", "step s",
+                                  "largest FP32 producers (MiB)"], lines), "",
+           "Relative gradient error, FP8 on vs off (largest per parameter group):", "",
+           common.markdown_table(["model", "mode"] + names, [[m, mode] + [
+               "%.4f" % e[g] if g in e else "-" for g in names] for (m, mode), e in
+               errors.items()])]
     if conv:
-        lines += ["", "Convergence (validation loss): " + ", ".join(
+        out += ["", "Convergence (validation loss): " + ", ".join(
             "seed %d: off %.4f / on %.4f" % (s, conv[False, s], conv[True, s])
             for s in sorted({s for _, s in conv}))]
-    return "\n".join(lines)
+    return "\n".join(out)
 
 
 def main(argv=None):

@@ -68,8 +68,7 @@ class Problem:
                     for s in shapes]
         self.p16, self.g16 = [p.to(BF16) for p in self.p32], [gr.to(BF16) for gr in self.g32]
         self.masters = [p.clone() for p in self.p32]
-        self.m, self.v = [torch.zeros_like(p) for p in self.p32], \
-            [torch.zeros_like(p) for p in self.p32]
+        self.m, self.v = ([torch.zeros_like(p) for p in self.p32] for _ in range(2))
         self.steps = [torch.zeros(1, dtype=FP32, device=dev) for _ in shapes]
         self.lr = torch.full((1,), LR, dtype=FP32, device=dev)
         self.found = torch.zeros((), dtype=FP32, device=dev)
@@ -449,8 +448,6 @@ def run(ctx) -> dict:
     only = getattr(ctx.args, "only", None)  # run_all's --only (a list) runs both sections
     only = only if isinstance(only, str) else None
     do_paths, do_rules = only in (None, "paths"), only in (None, "rules", "lean")
-    sizes = (SIZES_QUICK if ctx.quick else SIZES_FULL) if do_paths else []
-    rule_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_rules else []
     load_start = load_average()
     b = Bench(ctx, NAME, TITLE)
     roof_numel = b.start_roofline()["numel"]
@@ -460,38 +457,38 @@ def run(ctx) -> dict:
         _rule_sanity(rule, dev)
     b.phase("correctness")
     # (group, case label, the problem, its modes, the in-place buffer timed along, peaks?)
-    gpt_shapes = [shape for _, shape in gpt2_shapes(reduced=ctx.quick)]
-    jobs = [("paths", "%s params, 1 tensor" % fmt_count(n),
-             lambda n=n, ci=ci: Problem([(n,)], dev, seed=ci), _path_modes, 0, n == sizes[-1])
-            for ci, n in enumerate(sizes)]
+    jobs = []
     if do_paths:
+        sizes = SIZES_QUICK if ctx.quick else SIZES_FULL
+        gpt_shapes = [shape for _, shape in gpt2_shapes(reduced=ctx.quick)]
+        jobs = [("paths", "%s params, 1 tensor" % fmt_count(n),
+                 lambda n=n, ci=ci: Problem([(n,)], dev, seed=ci), _path_modes, 0,
+                 n == sizes[-1]) for ci, n in enumerate(sizes)]
         jobs.append(("paths", "GPT-2 %s list: %.1fM params, %d tensors" % (
             "reduced (4 layers, 8K vocab)" if ctx.quick else "small",
             sum(math.prod(s) for s in gpt_shapes) / 1e6, len(gpt_shapes)),
             lambda: Problem(gpt_shapes, dev, seed=len(sizes)), _path_modes, 0, False))
+    rule_sizes = (LEAN_SIZES_QUICK if ctx.quick else LEAN_SIZES_FULL) if do_rules else []
     jobs += [(rule, "%s params, %s" % (fmt_count(n), rule),
               lambda n=n, ci=ci, rule=rule: RuleProblem(rule, n, dev, seed=100 + ci,
                                                         roof_numel=roof_numel),
               lambda t, n, rule=rule: _rule_modes(rule), roof_numel, False)
              for ci, n in enumerate(rule_sizes) for rule in RULES]
     raw, checks = [], {}
-    with ctx.progress(total=len(jobs), desc="adam cases") as bar:
-        for group, label, make, modes, inplace_n, peak in jobs:
-            prob = make()
-            fns = prob.fns()
-            peaks = None
-            if peak:  # peak memory at the largest single size
-                for f in fns.values():  # create the optimizers' state first
-                    f()
-                peaks = peak_memory_many(fns, dev)
-            times = ctx.time_fns(fns, desc=label)
-            checks[label] = prob.after_timing_checks()
-            raw.append((group, label, times, prob.numel, modes(times, prob.numel), inplace_n,
-                        peaks))
-            del prob, fns
-            free_memory(dev)
-            bar.update(1)
-            b.phase(label)
+    for group, label, make, modes, inplace_n, peak in ctx.progress(jobs, desc="adam cases"):
+        prob = make()
+        fns = prob.fns()
+        peaks = None
+        if peak:  # peak memory at the largest single size
+            for f in fns.values():  # create the optimizers' state first
+                f()
+            peaks = peak_memory_many(fns, dev)
+        times = ctx.time_fns(fns, desc=label)
+        checks[label] = prob.after_timing_checks()
+        raw.append((group, label, times, prob.numel, modes(times, prob.numel), inplace_n, peaks))
+        del prob, fns
+        free_memory(dev)
+        b.phase(label)
     roof = b.end_roofline()
     results = [dict(_metrics(label, t, n, modes, roof, inplace_n, peaks), group=group)
                for group, label, t, n, modes, inplace_n, peaks in raw]
@@ -511,17 +508,11 @@ def run(ctx) -> dict:
            "formats, bytes and columns: benchmarks/README.md, \"AdamW step\" and \"Rules x "
            "formats\"." % (ctx.repeats, sum(c["subnormals"] for c in checks.values()),
                             "{:,}".format(sum(c["elements_checked"] for c in checks.values())))]
-    payload = {
-        "hyperparameters": dict(HYPER, grad_std=GRAD_STD),
-        "paths": {k: {"label": PATH_LABEL[k], "bytes_per_param": PATH_BYTES[k]} for k in SHORT},
-        "speed_target": SPEED_TARGET, "copy_target_fraction": COPY_TARGET,
-        "target_min_params": TARGET_MIN_PARAMS,
-        "rules": {r: {"class": c, "hyperparameters": h, "native": lab}
-                  for r, (c, _, h, _, lab, _, _) in RULES.items()},
-        "formats": {k: {"label": lab, "param": pf, "moments": mf, "ema": ema, "target": tgt}
-                    for k, (lab, pf, mf, ema, tgt) in FMT.items()},
-        "cases": results, "after_timing_checks": checks,
-        "load_average_start": load_start, "load_average_end": load_end}
+    payload = {"hyperparameters": dict(HYPER, grad_std=GRAD_STD),
+               "rules": {r: {"class": c, "hyperparameters": h, "native": lab}
+                         for r, (c, _, h, _, lab, _, _) in RULES.items()},
+               "cases": results, "after_timing_checks": checks,
+               "load_average_start": load_start, "load_average_end": load_end}
     return b.finish(md, payload, lambda: _plot(ctx, results, roof))
 
 

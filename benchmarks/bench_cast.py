@@ -22,11 +22,15 @@ COPY_TARGET = 0.80  # >= 80% of the copy roofline; reported, never asserted
 NOISE_RATIO = 0.95  # a speed ratio in [0.95, 1) shows as "≈" (within run-to-run noise)
 SIZES_FULL = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
 SIZES_QUICK = [1 << 20, 4 << 20, 16 << 20]
-# key, label: the single-tensor cases of the sweep, then the casts into an existing tensor
-SWEEP_CASES = [("bf16", "fp32→bf16"), ("fp16", "fp32→fp16"), ("f32_from_bf16", "bf16→fp32"),
-               ("f32_from_fp16", "fp16→fp32"), ("bf16_sr", "fp32→bf16 stochastic")]
-PREALLOC_CASES = [("bf16_pre", "fp32→bf16 into preallocated (cast_ vs copy_)"),
-                  ("fp16_pre", "fp32→fp16 into preallocated (cast_ vs copy_)")]
+# key, label, sweep column: the single-tensor cases, then the casts into an existing tensor
+SINGLE_CASES = [("bf16", "fp32→bf16", None), ("fp16", "fp32→fp16", None),
+                ("f32_from_bf16", "bf16→fp32", None), ("f32_from_fp16", "fp16→fp32", None),
+                ("bf16_sr", "fp32→bf16 stochastic", None),
+                ("bf16_pre", "fp32→bf16 into preallocated (cast_ vs copy_)", "fp32→bf16 prealloc"),
+                ("fp16_pre", "fp32→fp16 into preallocated (cast_ vs copy_)", "fp32→fp16 prealloc")]
+LIST_CASES = [("list_bf16", "GPT-2 list fp32→bf16 (cast_ vs _foreach_copy_)"),
+              ("list_fp16", "GPT-2 list fp32→fp16 (cast_ vs _foreach_copy_)"),
+              ("list_bf16_sr", "GPT-2 list fp32→bf16 stochastic (cast_)")]
 
 
 def _single_fns(x):
@@ -75,19 +79,13 @@ def run(ctx) -> dict:
     b.phase("correctness")
 
     sweep = {}
-    with ctx.progress(total=len(sizes), desc="cast sweep") as bar:
-        for n in sizes:
-            x = x_main[:n].clone()
-            res = time_pairs(ctx, _single_fns(x), desc="%s elements" % fmt_count(n))
-            sweep[n] = {k: (tm, tt, BYTES_PER_ELEM * n) for k, (tm, tt) in res.items()}
-            del x
-            free_memory(dev)
-            bar.update(1)
+    for n in ctx.progress(sizes, desc="cast sweep"):
+        res = time_pairs(ctx, _single_fns(x_main[:n].clone()), desc="%s elements" % fmt_count(n))
+        sweep[n] = {k: (tm, tt, BYTES_PER_ELEM * n) for k, (tm, tt) in res.items()}
+        free_memory(dev)
     b.phase("sweep")
-    singles = _single_fns(x_main)
-    peaks = peak_pairs(dict({k: v for k, v in singles.items() if not k.endswith("_pre")},
-                            **_list_fns(masters, pb, ph)), dev)
-    del singles
+    peaks = peak_pairs(dict({k: v for k, v in _single_fns(x_main).items()
+                             if not k.endswith("_pre")}, **_list_fns(masters, pb, ph)), dev)
     free_memory(dev)
     b.phase("peak_memory")
     lst = {k: (tm, tt, BYTES_PER_ELEM * total) for k, (tm, tt) in
@@ -97,15 +95,9 @@ def run(ctx) -> dict:
     b.phase("gpt2_list")
     roof = b.end_roofline()
     sweep = {n: {k: pair_metrics(*v, roof) for k, v in d.items()} for n, d in sweep.items()}
-    lst = {k: pair_metrics(*v, roof) for k, v in lst.items()}
-
-    labels = dict(SWEEP_CASES + PREALLOC_CASES)
-    specs = [(labels[k], main_n, sweep[main_n][k], k) for k in labels]
-    specs += [("GPT-2 list fp32→bf16 (cast_ vs _foreach_copy_)", total, lst["list_bf16"],
-               "list_bf16"),
-              ("GPT-2 list fp32→fp16 (cast_ vs _foreach_copy_)", total, lst["list_fp16"],
-               "list_fp16"),
-              ("GPT-2 list fp32→bf16 stochastic (cast_)", total, lst["list_bf16_sr"], None)]
+    specs = [(label, main_n, sweep[main_n][k], k) for k, label, _ in SINGLE_CASES]
+    specs += [(label, total, pair_metrics(*lst[k], roof), k if k != "list_bf16_sr" else None)
+              for k, label in LIST_CASES]
     rows, cases = [], []
     for label, n, m, peak_key in specs:
         r, frac_copy = m["speed_ratio"], m["mpext_frac_copy_roofline"]
@@ -128,8 +120,7 @@ def run(ctx) -> dict:
     md = [markdown_table(["case", "elements"] + PAIR_HEADERS + ["≥ torch", "≥ 80% copy"], rows),
           "", "%d samples per row. Method, cases and columns: benchmarks/README.md, \"Casts\"."
           % ctx.repeats, "", "Size sweep, GB/s mpext / torch (speed ratio):", "",
-          markdown_table(["elements"] + list(dict(labels, bf16_pre="fp32→bf16 prealloc",
-                                                  fp16_pre="fp32→fp16 prealloc").values()),
+          markdown_table(["elements"] + [col or label for _, label, col in SINGLE_CASES],
                          sweep_rows)]
     payload = {"bytes_per_element": BYTES_PER_ELEM, "copy_target_fraction": COPY_TARGET,
                "gpt2_small": {"params": total, "tensors": len(shapes)}, "cases": cases,

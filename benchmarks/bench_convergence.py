@@ -1,14 +1,8 @@
-"""Convergence: does mixed precision train as well as FP32? Two studies of gpt.py's small
-character model on the generated corpus, every run from the same weights, on the same batches,
-with the same schedule:
-
-- "amp": six modes (FP32, native AMP BF16/FP16, mpext BF16/FP16, naive BF16 without master
-  weights); their validation loss, BF16's lost updates and the FP16 gradient underflow;
-- "lean": mpext.optim.AdamW's lean states fine-tuning a pretrained checkpoint over several
-  seeds, against the FP32-master run's seed-to-seed spread; the remainder runs must equal the
-  FP32-master runs bit for bit.
-
-Method, criteria and how to read the plots: docs/convergence.md and docs/lean_state.md.
+"""Convergence: does mixed precision train as well as FP32? gpt.py's small character model,
+every run from the same weights, on the same batches, with the same schedule. Study "amp": six
+modes (FP32, native AMP BF16/FP16, mpext BF16/FP16, naive BF16); study "lean": mpext.optim.AdamW's
+lean states fine-tuning a pretrained checkpoint over several seeds, against the FP32-master
+run's noise band. Method, criteria and plots: docs/convergence.md and docs/lean_state.md.
 
     python -m benchmarks.bench_convergence [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
         [--modes ...] [--seeds N]
@@ -146,37 +140,27 @@ def _half_ulp_bf16(p: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(b)) - 8)  # ulp = 2^(e - 7); half of it
 
 
-def _series():
-    return dataclasses.field(default_factory=list)
+SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "unchanged",
+          "below_half_ulp", "v_decreased")
 
 
-@dataclasses.dataclass
 class Run:
-    """One mode's training record. Per step: ``unchanged``, the BF16/FP16 params it left alone;
-    ``below_half_ulp``, the FP32 values it moved less than half a BF16 ulp; ``v_decreased``,
-    the exp_avg_sq elements it lowered (fractions)."""
+    """One mode's training record: the ``SERIES``; per step ``unchanged``, the BF16/FP16 params
+    it left alone, ``below_half_ulp``, the FP32 values it moved less than half a BF16 ulp,
+    ``v_decreased``, the exp_avg_sq elements it lowered (fractions); ``final``: the grads, or
+    the params, FP32 values (masters or FP32 params) and state at the end."""
 
-    mode: str
-    lr: float
-    seed: Optional[int] = None
-    eval_steps: list = _series()
-    eval_loss: list = _series()
-    train_loss: list = _series()
-    scale: list = _series()
-    skipped: list = _series()
-    unchanged: list = _series()
-    below_half_ulp: list = _series()
-    v_decreased: list = _series()
-    seconds: float = 0.0
-    final: Optional[dict] = None  # grads, params, fp32 (masters or FP32 params), state
+    def __init__(self, mode: str, lr: float, seed: Optional[int] = None):
+        self.mode, self.lr, self.seed, self.seconds, self.final = mode, lr, seed, 0.0, None
+        for name in SERIES:
+            setattr(self, name, [])
 
     def final_loss(self, k: int) -> float:
         return sum(self.eval_loss[-k:]) / len(self.eval_loss[-k:])
 
     def to_json(self, k: int) -> dict:
-        d = {f.name: getattr(self, f.name) or None for f in dataclasses.fields(self)
-             if f.name != "final"}
-        return dict(d, label=LABEL[self.mode], final_loss=self.final_loss(k), lr=self.lr,
+        return dict({n: getattr(self, n) or None for n in SERIES}, mode=self.mode,
+                    label=LABEL[self.mode], final_loss=self.final_loss(k), lr=self.lr,
                     seed=self.seed, seconds=self.seconds)
 
 
@@ -205,8 +189,10 @@ def _tail_mean(xs: List[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def _frac(pairs, n) -> float:
-    return sum(int(x.sum()) for x in pairs) / n
+def _frac(masks) -> float:
+    """The share of true elements over a list of boolean tensors."""
+    masks = list(masks)
+    return sum(int(x.sum()) for x in masks) / sum(x.numel() for x in masks)
 
 
 def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, device, *,
@@ -237,7 +223,6 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                           scaler_options=dict(init_scale=st.init_scale,
                                               growth_interval=st.growth_interval), **options)
     params = tr.params
-    n = sum(p.numel() for p in params)
     low = params[0].dtype is not torch.float32
     # an FP32 value to watch: the param itself, or a master mpext's optimizer keeps
     has_fp32 = not low or (tr.kind == "mpext-optim" and options.get("master_weights", True))
@@ -273,14 +258,12 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             if (not bool(applied)) if applied is not None else tr.get_scale() < scale:
                 run.skipped.append(step)
         if track_updates and low:
-            run.unchanged.append(_frac((p.detach() == b for p, b in zip(params, before)), n))
+            run.unchanged.append(_frac(p.detach() == b for p, b in zip(params, before)))
         if track_updates and has_fp32:  # updates a BF16 weight rounded to nearest can't take
-            run.below_half_ulp.append(_frac(((a - b).abs() < _half_ulp_bf16(b)
-                                             for a, b in zip(fp32_values(), before32)), n))
+            run.below_half_ulp.append(_frac((a - b).abs() < _half_ulp_bf16(b)
+                                            for a, b in zip(fp32_values(), before32)))
         if track_moments and v_before:
-            run.v_decreased.append(_frac((tr.opt.state[p]["exp_avg_sq"] < v
-                                          for p, v in v_before),
-                                         sum(v.numel() for _, v in v_before)))
+            run.v_decreased.append(_frac(tr.opt.state[p]["exp_avg_sq"] < v for p, v in v_before))
         run.train_loss.append(float(loss.detach()))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
@@ -306,7 +289,11 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
 # ---- the amp study
 
 FP16_MIN_SUB, FP16_MIN_NORMAL, FP16_MAX = 2.0 ** -24, 2.0 ** -14, 65504.0
-BF16_MIN_NORMAL = 2.0 ** -126
+UNDERFLOW_LINES = [  # log2 x, colour, style, label of grad_underflow.png's vertical lines
+    (math.log2(FP16_MIN_SUB) - 1, "red", "--", "FP16: below 2^-25 rounds to 0"),
+    (math.log2(FP16_MIN_NORMAL), "darkorange", ":", "FP16 min normal 2^-14"),
+    (math.log2(FP16_MAX), "purple", "--", "FP16 max 65504"),
+    (-126.0, "green", "--", "BF16 min normal 2^-126")]
 
 
 def underflow_stats(grads: List[torch.Tensor], scale: float):
@@ -335,23 +322,20 @@ def _config_text(cfg: GPTConfig) -> str:
 
 
 def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, corpus,
-              val_batches_for, fig_title: str):
+              val_data, fig_title: str):
     """The amp study: its Markdown lines, JSON fields and plot function."""
     data, vocab, train_data, entropy = corpus
     cfg = GPTConfig.preset(st.preset, len(vocab))
-    val_batches = val_batches_for(st, cfg)
+    val = val_batches(val_data, st, cfg, ctx.device)
 
-    def train_all(keys, desc, **kw):
+    def train_all(keys, desc, lr=None):
         out = {}
         with ctx.progress(total=st.steps * len(keys), desc=desc) as bar:
             for k in keys:
-                out[k] = train(k, st, cfg, train_data, val_batches, ctx.device,
+                out[k] = train(k, st, cfg, train_data, val, ctx.device, lr=lr, bar=bar,
                                fp32_gemm=fp32_gemm, track_updates=k in ("fp32", "bf16_naive"),
-                               bar=bar, keep_grads=k == "fp32" and "lr" not in kw, **kw)
-                if "lr" not in kw:
-                    b.phase(k)
-        if "lr" in kw:
-            b.phase("low_lr")
+                               keep_grads=k == "fp32" and lr is None)
+                b.phase(k if lr is None else "low_lr")
         return out
 
     k = st.final_k
@@ -451,10 +435,10 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
 
 # ---- plots
 
-def _label_axes(ax, title: str, xlabel: str, ylabel: str = "", fontsize: int = 7) -> None:
+def _label_axes(ax, title: str, xlabel: str, ylabel: str = "", fontsize: int = 7, **legend):
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=fontsize)
+    ax.legend(fontsize=fontsize, **legend)
 
 
 def _line(ax, key, xs, ys, **kw):
@@ -534,38 +518,30 @@ def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
                 label="|grad| x scale %g" % scale)
         ax.axvspan(math.log2(FP16_MIN_SUB), math.log2(FP16_MIN_NORMAL), color="gold", alpha=0.2,
                    label="FP16 subnormal")
-        for x, c, ls, lab in ((math.log2(FP16_MIN_SUB) - 1, "red", "--",
-                               "FP16: below 2^-25 rounds to 0"),
-                              (math.log2(FP16_MIN_NORMAL), "darkorange", ":",
-                               "FP16 min normal 2^-14"),
-                              (math.log2(FP16_MAX), "purple", "--", "FP16 max 65504"),
-                              (math.log2(BF16_MIN_NORMAL), "green", "--",
-                               "BF16 min normal 2^-126")):
+        for x, c, ls, lab in UNDERFLOW_LINES:
             ax.axvline(x, color=c, linestyle=ls, linewidth=1, label=lab)
         ax.set(xlim=(lo, hi), yscale="log", xlabel="log2 |gradient|", ylabel="elements")
         ax.grid(True, alpha=0.3)
-        if zoom:
-            ax.set_title("zoom: FP16 zero %.3g%% unscaled, %.3g%% scaled; subnormal %.3g%% / %.3g%%"
-                         % (100 * stats["fp16_zero"], 100 * stats["fp16_scaled_zero"],
-                            100 * stats["fp16_subnormal"], 100 * stats["fp16_scaled_subnormal"]),
-                         fontsize=9)
-        else:
-            ax.set_title("full range: BF16 zero %.3g%%; BF16's range reaches 2^-133"
-                         % (100 * stats["bf16_zero"]), fontsize=9)
-            ax.legend(fontsize=7, loc="upper left")
+        ax.set_title("zoom: FP16 zero %.3g%% unscaled, %.3g%% scaled; subnormal %.3g%% / %.3g%%"
+                     % (100 * stats["fp16_zero"], 100 * stats["fp16_scaled_zero"],
+                        100 * stats["fp16_subnormal"], 100 * stats["fp16_scaled_subnormal"])
+                     if zoom else "full range: BF16 zero %.3g%%; BF16's range reaches 2^-133"
+                     % (100 * stats["bf16_zero"]), fontsize=9)
+    axes[0].legend(fontsize=7, loc="upper left")
     return save_figure(fig, path, title)
 
 
 # ---- the lean study
+
+INT_OF = {2: torch.int16, 4: torch.int32}  # the integer view of a float's bits
 
 def bits_differ(a: Optional[List[torch.Tensor]], b: Optional[List[torch.Tensor]]) -> int:
     """The elements whose bits differ between two lists of float tensors (all of them where
     the lists, dtypes or shapes do not match)."""
     if a is None or b is None or len(a) != len(b):
         return max(sum(t.numel() for t in a or []), sum(t.numel() for t in b or []), 1)
-    ints = {2: torch.int16, 4: torch.int32}
     return sum(max(x.numel(), y.numel(), 1) if x.dtype != y.dtype or x.shape != y.shape else
-               int((x.view(ints[x.element_size()]) != y.view(ints[y.element_size()])).sum())
+               int((x.view(INT_OF[x.element_size()]) != y.view(INT_OF[y.element_size()])).sum())
                for x, y in zip(a, b))
 
 
@@ -778,8 +754,7 @@ def plot_lean(path, res: dict, seeds: int, title: str):
             _percent_per_step(ax_u, k, mean_curve(rs, "unchanged"),
                               label="%s: BF16 weights unchanged" % SHORT[k])
     _label_axes(ax, "validation loss, mean of %d seeds (step 0: the pretrained model)" % seeds,
-                "fine-tuning step", "cross-entropy (nats/char)")
-    ax.legend(fontsize=7, loc="lower left")
+                "fine-tuning step", "cross-entropy (nats/char)", loc="lower left")
     ax_d.set_yscale("symlog", linthresh=2 * lin)
     _label_axes(ax_d, "difference from the FP32 master's mean (symlog; linear within ±%.1g)"
                 % (2 * lin), "fine-tuning step", "Δ loss")
@@ -814,25 +789,17 @@ def add_args(parser):
            "none of whose modes is named is skipped)")
     a("--steps", type=int, default=None, help="training steps per mode (amp)")
     a("--lr", type=float, default=None, help="peak learning rate (amp)")
-    a("--preset", default=None, help="GPT preset (tiny, small, gpu) (amp)")
     a("--seeds", type=int, default=None, help="seeds per lean mode (default 3; at least 2)")
-    a("--ft-steps", type=int, default=None, help="fine-tuning steps (lean)")
-    a("--ft-lr", type=float, default=None, help="fine-tuning peak lr (lean)")
     return training.add_gemm_arg(parser)
 
 
-def _override(st: Setting, steps: Optional[int], lr: Optional[float], flag: str) -> Setting:
-    """``st`` with ``--<flag>steps`` and ``--<flag>lr`` applied, after checking them."""
-    st = dataclasses.replace(st)
-    if steps:
-        if steps < 2 * st.eval_interval:
-            raise SystemExit("--%ssteps must be at least %d" % (flag, 2 * st.eval_interval))
-        st.steps = steps
-    if lr:
-        if not lr > 0:
-            raise SystemExit("--%slr must be positive" % flag)
-        st.lr = lr
-    return st
+def _override(st: Setting, steps: Optional[int], lr: Optional[float]) -> Setting:
+    """``st`` with ``--steps`` and ``--lr`` applied, after checking them."""
+    if steps and steps < 2 * st.eval_interval:
+        raise SystemExit("--steps must be at least %d" % (2 * st.eval_interval))
+    if lr is not None and not lr > 0:
+        raise SystemExit("--lr must be positive")
+    return dataclasses.replace(st, steps=steps or st.steps, lr=lr or st.lr)
 
 
 def _selected(study: str, name: str, keys: List[str], ref: str, named) -> Optional[List[str]]:
@@ -849,56 +816,46 @@ def run(ctx) -> dict:
     study, named = getattr(a, "study", None) or "all", getattr(a, "modes", None)
     amp = _selected(study, "amp", MODE_KEYS, "fp32", named)
     lean = _selected(study, "lean", LEAN_KEYS, "master", named)
-    st = _override(SETTINGS[kind], getattr(a, "steps", None), getattr(a, "lr", None), "")
-    if getattr(a, "preset", None):
-        st.preset = a.preset
+    st = _override(SETTINGS[kind], getattr(a, "steps", None), getattr(a, "lr", None))
     pre, ft = LEAN_SETTINGS[kind]
-    ft = _override(ft, getattr(a, "ft_steps", None), getattr(a, "ft_lr", None), "ft-")
     seeds = getattr(a, "seeds", None)
     if seeds is not None and seeds < 2:
         raise SystemExit("--seeds must be at least 2 (the noise band is their spread)")
+    seeds = seeds or LEAN_SEEDS
     fp32_gemm = training.fp32_gemm(ctx)
     threads_before = torch.get_num_threads()
     if not ctx.is_cuda and not a.threads:
         torch.set_num_threads(CPU_THREADS)
     try:
-        return _run(ctx, st, amp, pre, ft, seeds or LEAN_SEEDS, lean, fp32_gemm)
+        b = Bench(ctx, NAME, TITLE)
+        data, vocab = load_corpus()
+        train_data, val_data = split_corpus(data)
+        corpus = (data, vocab, train_data, unigram_entropy(train_data))
+        b.phase("corpus")
+        md, payload, plots = [], {}, []
+        fig_title = "%s: %%s; %s, torch %s" % (
+            NAME, ctx.machine["gpu_name"] if ctx.is_cuda else ctx.machine["cpu_model"],
+            ctx.machine["torch_version"])
+        if amp is not None:
+            amp_md, amp_payload, amp_plots = amp_study(ctx, b, st, amp, fp32_gemm, corpus,
+                                                       val_data, fig_title)
+            md += amp_md
+            payload.update(amp_payload)
+            plots.append(amp_plots)
+        if lean is not None:
+            cfg = GPTConfig.preset(ft.preset, len(vocab))
+            res = lean_study(ctx, b, pre, ft, seeds, cfg, train_data,
+                             val_batches(val_data, ft, cfg, ctx.device), lean, fp32_gemm)
+            lean_md, payload["lean"] = lean_report(b, pre, ft, seeds, cfg, res)
+            md += lean_md
+            title = fig_title % ("lean optimizer state, GPT preset %s fine-tuned %d steps, %d "
+                                 "seeds%s" % (ft.preset, ft.steps, seeds,
+                                              " (quick)" if ctx.quick else ""))
+            plots.append(lambda: [plot_lean(ctx.out_dir / "lean_convergence.png", res, seeds,
+                                            title)])
+        return b.finish(md, payload, lambda: [f for fn in plots for f in fn()])
     finally:
         torch.set_num_threads(threads_before)
-
-
-def _run(ctx, st, amp_modes, pre, ft, seeds, lean_modes, fp32_gemm) -> dict:
-    dev = ctx.device
-    b = Bench(ctx, NAME, TITLE)
-    data, vocab = load_corpus()
-    train_data, val_data = split_corpus(data)
-    corpus = (data, vocab, train_data, unigram_entropy(train_data))
-    b.phase("corpus")
-
-    def val_batches_for(s: Setting, cfg: GPTConfig):
-        return val_batches(val_data, s, cfg, dev)
-
-    md, payload, plots = [], {}, []
-    fig_title = "%s: %%s; %s, torch %s" % (
-        NAME, ctx.machine["gpu_name"] if ctx.is_cuda else ctx.machine["cpu_model"],
-        ctx.machine["torch_version"])
-    if amp_modes is not None:
-        amp_md, amp_payload, amp_plots = amp_study(ctx, b, st, amp_modes, fp32_gemm, corpus,
-                                                   val_batches_for, fig_title)
-        md += amp_md
-        payload.update(amp_payload)
-        plots.append(amp_plots)
-    if lean_modes is not None:
-        cfg = GPTConfig.preset(ft.preset, len(vocab))
-        res = lean_study(ctx, b, pre, ft, seeds, cfg, train_data, val_batches_for(ft, cfg),
-                         lean_modes, fp32_gemm)
-        lean_md, payload["lean"] = lean_report(b, pre, ft, seeds, cfg, res)
-        md += lean_md
-        title = fig_title % ("lean optimizer state, GPT preset %s fine-tuned %d steps, %d seeds%s"
-                             % (ft.preset, ft.steps, seeds, " (quick)" if ctx.quick else ""))
-        plots.append(lambda: [plot_lean(ctx.out_dir / "lean_convergence.png", res, seeds,
-                                        title)])
-    return b.finish(md, payload, lambda: [f for fn in plots for f in fn()])
 
 
 if __name__ == "__main__":

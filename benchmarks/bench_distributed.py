@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
-from .common import Bench, Timing, check, markdown_table, run_standalone
+from .common import Bench, Timing, check, markdown_table, mlp, run_standalone
 
 NAME = "bench_distributed"
 TITLE = "sync_found_inf: the cost of one all-reduce of the inf/NaN flag per step (2 CPU ranks)"
@@ -31,9 +31,7 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
         timeout=timedelta(seconds=120))
     try:
         torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(
-            nn.Linear(64, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
-            nn.Linear(WIDTH, 1)))
+        model = nn.parallel.DistributedDataParallel(mlp([64, WIDTH, WIDTH, 1]))
         opt = mpext.optim.AdamW(model.parameters(), lr=1e-4)
         scalers = {s: mpext.GradScaler("cpu", init_scale=2.0 ** 10, sync_found_inf=s)
                    for s in (False, True)}
@@ -98,17 +96,15 @@ def run(ctx) -> dict:
     rounds, inner = ctx.repeats, 10 if ctx.quick else 40
     res = _measure(rounds, inner)
     b.phase("2-rank run")
-    s = {k: Timing.from_samples(v, inner).to_json() for k, v in res["samples"].items()}
+    s = {k: Timing(v, inner).to_json() for k, v in res["samples"].items()}
     off, on, red = (s[k]["median_s"] for k in ("off", "on", "reduce"))
     check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s"
           % res["skipped"])
 
-    def us(t):
-        return "%.1f ±%.1f" % (t["median_s"] * 1e6, t["iqr_s"] * 1e6 / 2)
-
-    rows = [["step, sync_found_inf=False", us(s["off"]), "—"],
-            ["step, sync_found_inf=True", us(s["on"]), "%+.1f%%" % (100 * (on - off) / off)],
-            ["found_inf all-reduce alone", us(s["reduce"]), "%.1f%%" % (100 * red / off)]]
+    us = {k: "%.1f ±%.1f" % (t["median_s"] * 1e6, t["iqr_s"] * 1e6 / 2) for k, t in s.items()}
+    rows = [["step, sync_found_inf=False", us["off"], "—"],
+            ["step, sync_found_inf=True", us["on"], "%+.1f%%" % (100 * (on - off) / off)],
+            ["found_inf all-reduce alone", us["reduce"], "%.1f%%" % (100 * red / off)]]
     md = [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
           "2 gloo ranks (started with `%s`), a %s-parameter MLP (batch %d per rank); %d rounds of "
           "%d steps (or calls). Measured difference per step: %+.1f µs; the flag's all-reduce "

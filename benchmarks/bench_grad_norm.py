@@ -18,23 +18,21 @@ TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
 BF16, FP32 = torch.bfloat16, torch.float32
 GRAD_STD = 1e-3
 INV = 2.0 ** -16  # the fused rows' inv_scale (mpext side; the gradients are left as they are)
-# kind, mpext fn key, torch fn key, torch's bytes / mpext's, label
-KINDS = [("norm", "mp_norm", "t_norm", 1.0, "norm"),
+# kind, mpext fn key, torch fn key, torch's bytes / mpext's, label, errors' key
+KINDS = [("norm", "mp_norm", "t_norm", 1.0, "norm", "plain"),
          ("after_unscale", "mp_fused", "t_fused", 3.0,
-          "norm after unscale (mpext: fused inv_scale; torch: unscale_ + norm)")]
+          "norm after unscale (mpext: fused inv_scale; torch: unscale_ + norm)", "inv")]
 
 
 def _lists(ctx, gen):
     """name -> (label, fp32 list): the GPT-2 list and the flat tensors."""
-    shapes = gpt2_shapes(reduced=ctx.quick)
+    shapes = [s for _, s in gpt2_shapes(reduced=ctx.quick)]
+    sizes = [4 << 20, 16 << 20] if ctx.quick else [16 << 20, 64 << 20]
     out = {"gpt2": ("GPT-2%s list (%d tensors)" % (" (reduced)" if ctx.quick else " small",
-                                                   len(shapes)),
-                    [(torch.randn(s, generator=gen) * GRAD_STD).to(ctx.device)
-                     for _, s in shapes])}
-    for n in [4 << 20, 16 << 20] if ctx.quick else [16 << 20, 64 << 20]:
-        out["flat%dM" % (n >> 20)] = ("flat %dM" % (n >> 20),
-                                      [(torch.randn(n, generator=gen) * GRAD_STD).to(ctx.device)])
-    return out
+                                                   len(shapes)), shapes)}
+    out.update({"flat%dM" % (n >> 20): ("flat %dM" % (n >> 20), [(n,)]) for n in sizes})
+    return {k: (label, [(torch.randn(s, generator=gen) * GRAD_STD).to(ctx.device) for s in ss])
+            for k, (label, ss) in out.items()}
 
 
 def _ref64(grads, inv):
@@ -78,9 +76,7 @@ def run(ctx) -> dict:
     for name, (label, grads32) in ctx.progress(list(base.items()), desc="cases"):
         for dname, dtype in (("fp32", FP32), ("bf16", BF16)):
             grads = grads32 if dtype == FP32 else [g.to(dtype) for g in grads32]
-            errs = _errors(grads, inv_t)
-            want = _ref64(grads, None)
-            alt = Alternate(0.5, 2.0, dev)
+            errs, want, alt = _errors(grads, inv_t), _ref64(grads, None), Alternate(0.5, 2.0, dev)
 
             def native_unscale_norm(grads=grads, alt=alt):
                 unscale(grads, found, alt())
@@ -105,17 +101,14 @@ def run(ctx) -> dict:
     del base
     free_memory(dev)
     roof = b.end_roofline()
-
     table = []
     for r in rows:
-        t = r.pop("times")
-        r["metrics"] = {}
-        for kind, mp_key, t_key, t_mult, what in KINDS:
+        t, r["metrics"] = r.pop("times"), {}
+        for kind, mp_key, t_key, t_mult, what, err_key in KINDS:
             m = r["metrics"][kind] = pair_metrics(t[mp_key], t[t_key], r["bytes"], roof,
                                                   t_mult * r["bytes"])
-            e = r["errors"]["plain" if kind == "norm" else "inv"]
-            table.append(["%s %s, %s" % (r["label"], r["dtype"], what),
-                          fmt_ms(m["mpext"]),
+            e = r["errors"][err_key]
+            table.append(["%s %s, %s" % (r["label"], r["dtype"], what), fmt_ms(m["mpext"]),
                           fmt_ms(m["torch"]), "%.2fx" % m["speed_ratio"],
                           "%.1f" % m["mpext_gbps"], pct(m["mpext_frac_read_roofline"]),
                           pct(m["torch_frac_read_roofline"]),
@@ -125,8 +118,8 @@ def run(ctx) -> dict:
                           "rel. error vs fp64 (mpext / torch)"], table), "",
           "%d samples per row; the read roofline is the reference here. Method, cases and "
           "columns: benchmarks/README.md, \"Gradient norm\"." % ctx.repeats]
-    payload = {"inv_scale": INV, "rows": rows}
-    return b.finish(md, payload)
+    return b.finish(md, {"inv_scale": INV, "rows": rows})
+
 
 if __name__ == "__main__":
     sys.exit(run_standalone(run, __doc__))

@@ -78,7 +78,7 @@ class Run:
         return got
 
 
-def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
+def _size_metrics(ctx, size, vocab, data, fp32_gemm):
     label, preset, batch, overrides = size
     dev = ctx.device
     cfg = GPTConfig.preset(preset, len(vocab), **overrides)
@@ -89,19 +89,16 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm, bar):
     n = count_params(trainers["fp32"].tr.model)
     times = ctx.time_fns({k: tr.step for k, tr in trainers.items()},
                          desc="%s (%.2fM params, batch %d)" % (label, n / 1e6, batch))
-    bar.update(1)
     persistent = {k: tr.measure() for k, tr in trainers.items()}
     # peak during a step: grads do not exist between steps (zero_grad(set_to_none=True))
     extra = peak_memory_many({k: tr.step for k, tr in trainers.items()}, dev)
-    bar.update(1)
     out = {"preset": label, "batch": batch, "params": n, "config": dataclasses.asdict(cfg),
            "modes": {}}
     for k, tr in trainers.items():
         got, t = persistent[k], times[k]
         est = training.MODES[k].memory_estimate(
             tr.tr.model.parameters(), batch=batch, seq=cfg.block_size, hidden=cfg.n_embd,
-            layers=cfg.n_layer, heads=cfg.n_head, vocab=cfg.vocab_size,
-            dropout=cfg.dropout > 0)
+            layers=cfg.n_layer, heads=cfg.n_head, vocab=cfg.vocab_size, dropout=False)
         total = sum(got.values())
         out["modes"][k] = {
             "label": LABEL[k], "timing": t.to_json(), "ms": t.median * 1e3,
@@ -133,10 +130,9 @@ def run(ctx) -> dict:
     sizes = SIZES[("cuda" if ctx.is_cuda else "cpu") + ("_quick" if ctx.quick else "")]
     data, vocab = load_corpus()
     out = []
-    with ctx.progress(total=2 * len(sizes), desc=NAME) as bar:
-        for size in sizes:
-            out.append(_size_metrics(ctx, size, vocab, data, fp32_gemm, bar))
-            b.phase(size[0])
+    for size in ctx.progress(sizes, desc=NAME):
+        out.append(_size_metrics(ctx, size, vocab, data, fp32_gemm))
+        b.phase(size[0])
     md = []
     for res in out:
         for k, m in res["modes"].items():
@@ -206,26 +202,21 @@ def _plot_time(ctx, results):
 
 
 def _plot_memory(ctx, res):
-    plt = pyplot()
-    parts = [("weights", "weights"), ("gradients", "gradients"),
-             ("master_weights", "master weights"), ("optimizer_states", "optimizer states"),
-             ("ema", "EMA"), ("small", "scaler + other")]
+    parts = [(p, p.replace("_weights", " weights").replace("_", " ")) for p in MAIN_PARTS[:4]]
+    parts += [("ema", "EMA"), ("small", "scaler + other")]
     keys = list(res["modes"])
-    fig, ax = plt.subplots(figsize=(12, 4.8))
+    fig, ax = pyplot().subplots(figsize=(12, 4.8))
     width = 0.38
-    for side, off in (("measured", -width / 2), ("mpext.memory", width / 2)):
+    for measured, off in ((True, -width / 2), (False, width / 2)):
         bottom = [0.0] * len(keys)
         for i, (field, label) in enumerate(parts):
-            ys = []
-            for k in keys:
-                m = res["modes"][k]
-                src = m["persistent_bytes_per_param"] if side == "measured" else \
-                    m["predicted"]["bytes_per_param"]
-                ys.append(src.get("scaler", 0) + src.get("other", 0) if field == "small"
-                          else src[field])
+            srcs = [res["modes"][k]["persistent_bytes_per_param"] if measured else
+                    res["modes"][k]["predicted"]["bytes_per_param"] for k in keys]
+            ys = [src.get("scaler", 0) + src.get("other", 0) if field == "small" else src[field]
+                  for src in srcs]
             ax.bar([j + off for j in range(len(keys))], ys, width, bottom=bottom,
-                   color="C%d" % i, hatch=None if side == "measured" else "//",
-                   edgecolor="white", label=label if side == "measured" else None)
+                   color="C%d" % i, hatch=None if measured else "//",
+                   edgecolor="white", label=label if measured else None)
             bottom = [b + y for b, y in zip(bottom, ys)]
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels([SHORT[k] for k in keys], fontsize=8)

@@ -4,7 +4,6 @@ and ``Bench`` (one benchmark's clock, rooflines, targets, report and files). Eve
 exposes ``NAME`` and ``run(ctx) -> dict`` and runs alone (``python -m benchmarks.bench_x``) or
 through ``run_all``. Targets are reported, never enforced."""
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -70,8 +69,7 @@ class Context:
     """What one run shares: options, device, output directory, machine info."""
 
     def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.quick = bool(args.quick)
+        self.args, self.quick = args, bool(args.quick)
         if args.threads:
             torch.set_num_threads(args.threads)
         self.device = resolve_device(args.device)
@@ -80,8 +78,7 @@ class Context:
         self.warmup = 1 if self.quick else 2
         self.out_dir = Path(args.out)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.show_progress = not args.no_progress
-        self.plots = not args.no_plots
+        self.show_progress, self.plots = not args.no_progress, not args.no_plots
         self.machine = machine_info(self.device)
         self.in_suite = False  # set by run_all: sections then omit the shared header
 
@@ -100,36 +97,26 @@ class Context:
 
 # ---- timing
 
-@dataclasses.dataclass
 class Timing:
-    """Seconds per call, ``inner`` calls per sample; ``cpu_busy`` (CPU): the median process CPU
-    time / wall time, the cores busy (spinning threads count too)."""
+    """Seconds per call over ``samples`` of ``inner`` calls each: the median and quartiles;
+    ``cpu_busy`` (CPU): the median process CPU time / wall time, the cores busy (spinning
+    threads count too)."""
 
-    median: float
-    q1: float
-    q3: float
-    min: float
-    max: float
-    inner: int
-    samples: List[float]
-    cpu_busy: Optional[float] = None
-
-    @classmethod
-    def from_samples(cls, samples, inner, cpu_busy=None) -> "Timing":
+    def __init__(self, samples: Sequence[float], inner: int, cpu_busy=None):
         s = sorted(samples)
-        q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) >= 4 else \
-            (s[0], None, s[-1])
-        return cls(statistics.median(s), q1, q3, s[0], s[-1], inner, list(samples),
-                   statistics.median(cpu_busy) if cpu_busy else None)
+        self.q1, _, self.q3 = statistics.quantiles(s, n=4, method="inclusive") \
+            if len(s) >= 4 else (s[0], None, s[-1])
+        self.median, self.inner, self.samples = statistics.median(s), inner, list(samples)
+        self.cpu_busy = statistics.median(cpu_busy) if cpu_busy else None
 
     def gbps(self, nbytes: float) -> float:
         return nbytes / self.median / GB
 
     def to_json(self) -> dict:
         return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3,
-                "iqr_s": self.q3 - self.q1,
-                "min_s": self.min, "max_s": self.max, "inner": self.inner,
-                "samples_s": self.samples, "cpu_busy": self.cpu_busy}
+                "iqr_s": self.q3 - self.q1, "min_s": min(self.samples),
+                "max_s": max(self.samples), "inner": self.inner, "samples_s": self.samples,
+                "cpu_busy": self.cpu_busy}
 
 
 def _sample(fn: Callable, inner: int, device: torch.device) -> Tuple[float, Optional[float]]:
@@ -157,15 +144,13 @@ def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repe
     ``min_sample_s`` each, the callables interleaved with the order rotating every round."""
     if min_sample_s is None:
         min_sample_s = 2e-3 if device.type == "cuda" else 5e-3
-    labels = list(fns)
-    inner = {}
+    labels, inner = list(fns), {}
     for label in labels:
         for _ in range(max(1, warmup) - 1):
             fns[label]()
         t, _ = _sample(fns[label], 1, device)
         inner[label] = int(min(max_inner, max(1, math.ceil(min_sample_s / max(t, 1e-9)))))
-    samples = {label: [] for label in labels}
-    busy_ = {label: [] for label in labels}
+    samples, busy = {k: [] for k in labels}, {k: [] for k in labels}
     with progress(total=repeats * len(labels), desc=desc, leave=False,
                   disable=not show_progress) as bar:
         for r in range(repeats):
@@ -174,22 +159,20 @@ def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repe
                 t, b = _sample(fns[label], inner[label], device)
                 samples[label].append(t)
                 if b is not None:
-                    busy_[label].append(b)
+                    busy[label].append(b)
                 bar.update(1)
-    return {label: Timing.from_samples(samples[label], inner[label], busy_[label])
-            for label in labels}
+    return {k: Timing(samples[k], inner[k], busy[k]) for k in labels}
+
+
+def _pair_fns(pairs: Dict[str, Tuple[Callable, Optional[Callable]]]) -> Dict[tuple, Callable]:
+    return {(k, side): f for k, fs in pairs.items() for side, f in enumerate(fs) if f is not None}
 
 
 def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                desc: str) -> Dict[str, Tuple[Timing, Optional[Timing]]]:
     """``time_fns`` over ``key -> (mpext fn, torch fn or None)``, all interleaved."""
-    fns = {}
-    for key, (f_mp, f_t) in pairs.items():
-        fns[key + "/mpext"] = f_mp
-        if f_t is not None:
-            fns[key + "/torch"] = f_t
-    t = ctx.time_fns(fns, desc=desc)
-    return {key: (t[key + "/mpext"], t.get(key + "/torch")) for key in pairs}
+    t = ctx.time_fns(_pair_fns(pairs), desc=desc)
+    return {key: (t[key, 0], t.get((key, 1))) for key in pairs}
 
 
 def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict,
@@ -203,10 +186,9 @@ def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: d
            "mpext_gbps": gb["mpext"], "torch_gbps": gb["torch"],
            "speed_ratio": (t_torch.median / t_mp.median) if t_torch is not None else None}
     for kind in ("inplace", "copy", "read"):
-        if kind + "_gbps" in roof:
-            for side in ("mpext", "torch"):
-                out["%s_frac_%s_roofline" % (side, kind)] = \
-                    gb[side] / roof[kind + "_gbps"] if gb[side] else None
+        for side in ("mpext", "torch") if kind + "_gbps" in roof else ():
+            out["%s_frac_%s_roofline" % (side, kind)] = \
+                gb[side] / roof[kind + "_gbps"] if gb[side] else None
     return out
 
 
@@ -229,12 +211,12 @@ def last_level_cache_bytes(device: torch.device) -> int:
 
 
 def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int = 15,
-                     numel: Optional[int] = None, read: bool = False,
-                     show_progress: bool = True) -> dict:
+                     read: bool = False, show_progress: bool = True) -> dict:
     """Streaming GB/s over fp32 buffers of >= 16x (quick 4x) the LLC and 64M (32M) elements:
     ``copy`` y.copy_(x), ``inplace`` x.add_(0.5) (the reference; both 8 B), ``read`` x.sum()."""
     factor, floor = (4, 32 << 20) if quick else (16, 64 << 20)
-    n = numel or max(floor, factor * last_level_cache_bytes(device) // 4)
+    llc = last_level_cache_bytes(device)
+    n = max(floor, factor * llc // 4)
     x = torch.zeros(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     y.zero_()  # touch every page before timing
@@ -245,8 +227,7 @@ def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int 
                  desc="roofline", show_progress=show_progress)
     del x, y
     gc.collect()
-    res = {"numel": n, "buffer_mib": 4.0 * n / MiB, "llc_bytes": last_level_cache_bytes(device),
-           "reference": "inplace"}
+    res = {"numel": n, "buffer_mib": 4.0 * n / MiB, "llc_bytes": llc, "reference": "inplace"}
     for kind, tk in t.items():
         res[kind + "_gbps"] = tk.gbps((4.0 if kind == "read" else 8.0) * n)
         res[kind] = tk.to_json()
@@ -265,14 +246,12 @@ def combine_rooflines(*measurements: dict) -> dict:
     return res
 
 
-def roofline_hlines(roof: dict, target: Optional[float] = None) -> Dict[str, float]:
+def roofline_hlines(roof: dict, target: float) -> Dict[str, float]:
     """A GB/s plot's lines: the rooflines and ``target`` x the copy one."""
     out = {"%s roofline %.1f GB/s" % (k, roof[k + "_gbps"]): roof[k + "_gbps"]
            for k in ("read", "inplace", "copy") if k + "_gbps" in roof}
-    if target:
-        out["%d%% of copy (target) %.1f GB/s" % (round(100 * target),
-                                                 target * roof["copy_gbps"])] = \
-            target * roof["copy_gbps"]
+    out["%d%% of copy (target) %.1f GB/s" % (round(100 * target), target * roof["copy_gbps"])] \
+        = target * roof["copy_gbps"]
     return out
 
 
@@ -350,11 +329,8 @@ def peak_memory_many(fns: Dict[object, Callable[[], object]],
 def peak_pairs(pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                device: torch.device) -> Dict[str, List[Optional[float]]]:
     """``peak_memory_many`` over ``time_pairs``' input: ``key -> [mpext, torch bytes]``."""
-    fns = {(k, side): f for k, fs in pairs.items() for side, f in enumerate(fs) if f is not None}
-    out = {k: [None, None] for k in pairs}
-    for (k, side), v in peak_memory_many(fns, device).items():
-        out[k][side] = v
-    return out
+    peaks = peak_memory_many(_pair_fns(pairs), device)
+    return {k: [peaks.get((k, 0)), peaks.get((k, 1))] for k in pairs}
 
 
 # ---- machine description
@@ -378,7 +354,6 @@ def load_average() -> Optional[List[float]]:
 def machine_info(device: torch.device) -> dict:
     import mpext
 
-    mem = _proc_field("/proc/meminfo", "memtotal")
     info = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(),
@@ -388,7 +363,6 @@ def machine_info(device: torch.device) -> dict:
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
         "llc_bytes_cpu": last_level_cache_bytes(torch.device("cpu")),
-        "mem_total_gib": int(mem.split()[0]) / (1 << 20) if mem else None,
         "load_average": load_average(), "torch_version": torch.__version__,
         "torch_cuda": torch.version.cuda, "mpext_build_info": mpext.build_info(),
         "device": str(device), "gpu_name": None,
@@ -402,25 +376,21 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def machine_line(info: dict) -> str:
-    b = info["mpext_build_info"]
-    line = ("CPU %s (%s cores, torch threads %s); torch %s; mpext %s, CPU ISA %s, CUDA built: %s; "
-            "device %s%s" % (info["cpu_model"], info["cpu_count"], info["torch_threads"],
-                             info["torch_version"], b.get("mpext_version"),
-                             b.get("cpu_isa_active"), b.get("cuda_built"), info["device"],
-                             " (%s)" % info["gpu_name"] if info.get("gpu_name") else ""))
-    if info.get("load_average") is not None:
-        line += "; load average at start " + "/".join("%.2f" % v for v in info["load_average"])
-    return line
-
-
 def busy_cores(info: dict) -> int:
     return info.get("cpu_affinity") or info.get("cpu_count") or 1
 
 
 def machine_header(info: dict) -> List[str]:
     """Markdown lines: the machine, and a warning when it was busy at start."""
-    la, out = info.get("load_average"), [machine_line(info), ""]
+    b, la = info["mpext_build_info"], info.get("load_average")
+    line = ("CPU %s (%s cores, torch threads %s); torch %s; mpext %s, CPU ISA %s, CUDA built: %s; "
+            "device %s%s" % (info["cpu_model"], info["cpu_count"], info["torch_threads"],
+                             info["torch_version"], b.get("mpext_version"),
+                             b.get("cpu_isa_active"), b.get("cuda_built"), info["device"],
+                             " (%s)" % info["gpu_name"] if info.get("gpu_name") else ""))
+    if la is not None:
+        line += "; load average at start " + "/".join("%.2f" % v for v in la)
+    out = [line, ""]
     if la and la[0] > 0.5 * busy_cores(info):
         out += ["WARNING: 1-minute load average %.2f on %d cores at start: other processes share "
                 "the CPU, timings are noisy and understate bandwidth." % (la[0], busy_cores(info)),
@@ -452,6 +422,18 @@ class Alternate:
 
     def factor(self) -> float:
         return float(self.vals[0]) if self.calls % 2 else 1.0
+
+
+def mlp(sizes: Sequence[int], act=torch.nn.GELU, last_act: bool = False) -> torch.nn.Sequential:
+    """Linear layers ``sizes[i] -> sizes[i + 1]`` with ``act()`` between them (and after the
+    last with ``last_act``): the MLPs of the studies, built in one order so seeds give the same
+    weights."""
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if last_act or i < len(sizes) - 2:
+            layers.append(act())
+    return torch.nn.Sequential(*layers)
 
 
 def count_subnormals(tensors: Sequence[torch.Tensor]) -> int:
@@ -508,19 +490,17 @@ def yes_no(ok: Optional[bool]) -> str:
     return "—" if ok is None else ("yes" if ok else "**no**")
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
-                   align: Optional[str] = None) -> str:
-    """A GitHub Markdown table; ``align``: 'l' or 'r' per column."""
-    align = align or "l" + "r" * (len(headers) - 1)
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub Markdown table, the first column aligned left, the others right."""
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(r):
-        return "| " + " | ".join(c.ljust(w) if a == "l" else c.rjust(w)
-                                 for c, w, a in zip(r, widths, align)) + " |"
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(r, widths))) + " |"
 
-    sep = "|" + "|".join((":" + "-" * (w + 1)) if a == "l" else ("-" * (w + 1) + ":")
-                         for w, a in zip(widths, align)) + "|"
+    sep = "|" + "|".join((":" + "-" * (w + 1)) if i == 0 else ("-" * (w + 1) + ":")
+                         for i, w in enumerate(widths)) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
@@ -533,21 +513,23 @@ def pair_cells(m: dict, peak: Optional[Sequence[Optional[float]]] = None) -> Lis
     """The ``PAIR_HEADERS`` cells of a ``pair_metrics`` row (``peak``: both sides' bytes)."""
     t = m["torch"]
     b_mp, b_t = m["mpext"].get("cpu_busy"), (t or {}).get("cpu_busy")
-    peak_s = "" if not peak or peak[0] is None else "%.1f / %s" % (
-        peak[0] / MiB, "—" if peak[1] is None else "%.1f" % (peak[1] / MiB))
+
+    def pair(a, b, scale=1.0):
+        return "%.1f / %s" % (a / scale, "—" if b is None else "%.1f" % (b / scale))
+
     return [fmt_ms(m["mpext"]), fmt_ms(t) if t else "—",
             "%.1f" % m["mpext_gbps"], "—" if t is None else "%.1f" % m["torch_gbps"],
             "—" if t is None else "%.2f" % m["speed_ratio"],
             pct(m["mpext_frac_inplace_roofline"]), pct(m["mpext_frac_copy_roofline"]),
-            "" if b_mp is None else "%.1f / %s" % (b_mp, "—" if b_t is None else "%.1f" % b_t),
-            peak_s]
+            "" if b_mp is None else pair(b_mp, b_t),
+            "" if not peak or peak[0] is None else pair(peak[0], peak[1], MiB)]
 
 
 def _json_default(o):
     if isinstance(o, (torch.device, torch.dtype, Path)):
         return str(o)
-    if dataclasses.is_dataclass(o):
-        return dataclasses.asdict(o)
+    if hasattr(o, "to_json"):
+        return o.to_json()
     if hasattr(o, "item"):
         return o.item()
     raise TypeError("not JSON serializable: %r" % (o,))
@@ -574,25 +556,21 @@ def pyplot():
 
 def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
     """Titles, lays out, writes and closes a figure."""
-    import matplotlib.pyplot as plt
-
     if title:
         fig.suptitle(title, fontsize=fontsize)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    pyplot().close(fig)
+    return Path(path)
 
 
-def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "", ncols: int = 2) -> Path:
+def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "") -> Path:
     """One PNG of panels ``{"title", "xlabel", "ylabel", "logx", "series": {label: (xs, ys)},
     "hlines": {label: y}}``."""
-    plt = pyplot()
-    ncols = min(ncols, len(panels))
+    ncols = min(2, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
+    fig, axes = pyplot().subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         for i, (label, (xs, ys)) in enumerate(panel.get("series", {}).items()):
             ax.plot(xs, ys, marker="o", linestyle=["-", "--", "-.", ":"][i % 4], label=label)
@@ -647,8 +625,9 @@ class Bench:
         self._roofs: List[dict] = []
 
     def phase(self, name: str) -> None:
+        """Adds the seconds since the last phase to ``name``'s."""
         now = time.perf_counter()
-        self.phases[name], self._start = now - self._start, now
+        self.phases[name], self._start = self.phases.get(name, 0.0) + now - self._start, now
 
     def start_roofline(self, read: bool = False) -> dict:
         self._read = read
@@ -671,9 +650,7 @@ class Bench:
         """Writes ``<name>.json`` (settings, machine, roofline, ``payload``), ``<name>.md`` and the
         PNGs ``plot()`` returns; returns what ``run(ctx)`` returns."""
         ctx, seconds, phases = self.ctx, time.perf_counter() - self._t0, self.phases
-        md = ["## %s" % self.title, ""]
-        if not ctx.in_suite:
-            md += machine_header(ctx.machine)
+        md = ["## %s" % self.title, ""] + ([] if ctx.in_suite else machine_header(ctx.machine))
         if self.roof:
             md += [roofline_line(self.roof), ""]
         md += list(lines) + [""]

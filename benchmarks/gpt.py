@@ -1,5 +1,6 @@
 """A small GPT-style character model (``GPT``, ``GPTConfig``, ``PRESETS``: pre-LayerNorm blocks,
-a head tied to the token embedding, float32/bfloat16/float16 params, the loss in float32) and
+a head tied to the token embedding, no dropout, float32/bfloat16/float16 params, the loss in
+float32) and
 its corpus, generated from a seeded grammar (``load_corpus``: nothing is downloaded, every
 machine trains on the same bytes), with ``split_corpus``, ``get_batch``, ``unigram_entropy``."""
 import bisect
@@ -17,14 +18,13 @@ import torch.nn.functional as F
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a ``GPT`` (``n_embd`` a multiple of ``n_head``; ``dropout`` 0 disables it)."""
+    """Shape of a ``GPT`` (``n_embd`` a multiple of ``n_head``)."""
 
     vocab_size: int
     block_size: int
     n_layer: int
     n_head: int
     n_embd: int
-    dropout: float = 0.0
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -68,18 +68,16 @@ class Linear(nn.Linear):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, float(cfg.dropout)
+        self.n_head = cfg.n_head
         self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = Linear(cfg.n_embd, cfg.n_embd)
-        self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         shape = (b, t, self.n_head, c // self.n_head)
         q, k, v = (z.view(shape).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
 class MLP(nn.Module):
@@ -87,10 +85,9 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = Linear(4 * cfg.n_embd, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -115,7 +112,6 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = Linear(config.n_embd, config.vocab_size, bias=False)
@@ -128,7 +124,6 @@ class GPT(nn.Module):
         for blk in self.blocks:
             for w in (blk.attn.proj.weight, blk.mlp.proj.weight):
                 nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.fp32_gemm = fp32_gemm
         for m in self.modules():
             if isinstance(m, Linear):
                 m.fp32_gemm = fp32_gemm
@@ -137,7 +132,7 @@ class GPT(nn.Module):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(logits in the compute dtype, mean cross-entropy in float32 or None)."""
         b, t = idx.shape
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln_f(x))
@@ -287,33 +282,31 @@ CORPUS_SEED = 20240601
 CORPUS_CHARS = 400_000
 
 
-@functools.lru_cache(maxsize=4)
-def corpus_text(n_chars: int = CORPUS_CHARS, seed: int = CORPUS_SEED) -> str:
+@functools.lru_cache(maxsize=1)
+def corpus_text() -> str:
     """Paragraphs separated by blank lines, cut at the first paragraph boundary past
-    ``n_chars``; the same text on every machine and Python version (only
+    ``CORPUS_CHARS``; the same text on every machine and Python version (only
     ``random.Random.random`` is used)."""
-    g = _Grammar(seed)
+    g = _Grammar(CORPUS_SEED)
     parts, total = [], 0
-    while total < n_chars:
+    while total < CORPUS_CHARS:
         parts.append(g.paragraph() + "\n\n")
         total += len(parts[-1])
     return "".join(parts)
 
 
-def load_corpus(n_chars: int = CORPUS_CHARS, seed: int = CORPUS_SEED
-                ) -> Tuple[torch.Tensor, List[str]]:
+def load_corpus() -> Tuple[torch.Tensor, List[str]]:
     """``(data, vocab)``: the corpus as a 1-D uint8 tensor of indices into ``vocab``, the sorted
-    list of its distinct characters (about 400 KB by default)."""
-    text = corpus_text(n_chars, seed)
+    list of its distinct characters (about 400 KB)."""
+    text = corpus_text()
     vocab = sorted(set(text))
     lut = {c: i for i, c in enumerate(vocab)}
     return torch.tensor(bytearray(lut[c] for c in text), dtype=torch.uint8), vocab
 
 
-def split_corpus(data: torch.Tensor, val_fraction: float = 0.1
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the first ``1 - val_fraction`` of the tokens and the rest."""
-    n = int(round(len(data) * (1.0 - val_fraction)))
+def split_corpus(data: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): the first 90% of the tokens and the rest."""
+    n = int(round(len(data) * 0.9))
     return data[:n], data[n:]
 
 

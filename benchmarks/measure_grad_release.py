@@ -1,30 +1,22 @@
 """Gradient release (``optimizer.release_grads()``): the figures behind docs/gradient_release.md.
-Counts and bytes only, no timings (they are meaningless on a shared CPU).
-
-- memory: for each state format, the persistent bytes per param element (param + optimizer
-  state, + the gradients that live from backward to ``zero_grad`` without release) and the peak
-  of live gradient bytes during backward, with and without release, on a small MLP;
-- clipping: a small training run (regression MLP, a few seeds) with no clipping, with torch's
-  ``clip_grad_norm_`` after backward (the reference), and with release's exact and previous-norm
-  modes: the final loss, and the cost per step in backward passes and FLOPs
-  (``torch.utils.flop_counter``).
+Counts and bytes only, no timings (they are meaningless on a shared CPU): per state format the
+persistent bytes per param and the peak of live gradient bytes in backward, with and without
+release, on an MLP; and a small training run with no clipping, torch's ``clip_grad_norm_`` (the
+reference) and release's exact and previous-norm modes: the final loss, the backward passes and
+FLOPs (``torch.utils.flop_counter``) of a step.
 
     python -m benchmarks.measure_grad_release [--steps 200] [--seeds 3]
 """
-if not __package__:  # run by path: as the module
-    import os, runpy, sys  # noqa: E401
-    sys.path[0] = os.path.dirname(sys.path[0])
-    runpy.run_module("benchmarks.measure_grad_release", run_name="__main__")
-    sys.exit()
 import argparse
-import copy
-import warnings
+import contextlib
 
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpext.optim import AdamW
+
+from .common import markdown_table, mlp
 
 BF16, F32 = torch.bfloat16, torch.float32
 FORMATS = [
@@ -40,21 +32,13 @@ FORMATS = [
 ]
 
 
-def mlp(width, depth, dtype=F32, out=None):
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    layers.append(nn.Linear(width, out or width))
-    return nn.Sequential(*layers).to(dtype)
-
-
 def memory(bucket_bytes, width=512, depth=8):
     rows = []
     for label, dtype, kw in FORMATS:
         row = [label]
         for released in (False, True):
             torch.manual_seed(0)
-            model = mlp(width, depth, dtype)
+            model = mlp([width] * (depth + 2), nn.Tanh).to(dtype)
             params = list(model.parameters())
             numel = sum(p.numel() for p in params)
             opt = AdamW(params, **kw)
@@ -64,12 +48,12 @@ def memory(bucket_bytes, width=512, depth=8):
                     q.grad.nbytes for q in params if q.grad is not None))))
             if released:
                 opt.release_grads(bucket_bytes=bucket_bytes)
-            for _ in range(2):  # the second step: state exists
+            for step in range(2):  # the second step: state exists
                 model(torch.randn(16, width, dtype=dtype)).float().square().mean().backward()
                 grads = sum(p.grad.nbytes for p in params if p.grad is not None)
                 if not released:
                     opt.step()
-                    if not _:
+                    if not step:
                         opt.zero_grad()
             state = sum(t.nbytes for s in opt.state.values() for t in s.values()
                         if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -81,21 +65,20 @@ def memory(bucket_bytes, width=512, depth=8):
 
 def train(mode, seed, steps, max_norm):
     torch.manual_seed(seed)
-    model = mlp(64, 3, out=1)
+    model = mlp([64] * 4 + [1], nn.Tanh)
     gen = torch.Generator().manual_seed(seed)
     w_true = torch.randn(64, 1, generator=gen) / 4
     opt = AdamW(model.parameters(), lr=3e-3)
     release = None
     if mode in ("exact", "previous"):
         release = opt.release_grads(bucket_bytes=0, max_grad_norm=max_norm, clip=mode)
-    flops = backwards = None
     for step in range(steps):
         x = torch.randn(128, 64, generator=gen)
         y = torch.sin(x @ w_true) + 0.05 * torch.randn(128, 1, generator=gen)
         counting = step == steps - 1
-        with FlopCounterMode(display=False) if counting else warnings.catch_warnings() as fc:
+        with FlopCounterMode(display=False) if counting else contextlib.nullcontext() as fc:
             loss = (model(x) - y).square().mean()
-            passes0 = release.backward_passes if release else 0
+            passes = release.backward_passes if release else 0
             if release is None:
                 loss.backward()
                 if mode == "clip_grad_norm_":
@@ -105,13 +88,11 @@ def train(mode, seed, steps, max_norm):
                 passes = 1
             else:
                 release.backward(loss)
-                passes = release.backward_passes - passes0
-        if counting:
-            flops, backwards = fc.get_total_flops(), passes
+                passes = release.backward_passes - passes
     with torch.no_grad():
         x = torch.randn(4096, 64, generator=gen)
         final = (model(x) - torch.sin(x @ w_true)).square().mean().item()
-    return final, flops, backwards
+    return final, fc.get_total_flops(), passes
 
 
 def main():
@@ -122,22 +103,19 @@ def main():
     ap.add_argument("--bucket-bytes", type=int, default=2 ** 20)
     args = ap.parse_args()
     rows, numel = memory(args.bucket_bytes)
-    print("Memory, bytes per param element (%d params; bucket_bytes=%d)\n" % (numel,
-                                                                            args.bucket_bytes))
-    print("| format | persistent, step after backward | peak live grads in backward | "
-          "persistent, released | peak live grads, released |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print("Memory, bytes per param element (%d params; bucket_bytes=%d)\n"
+          % (numel, args.bucket_bytes))
+    print(markdown_table(["format", "persistent, step after backward",
+                          "peak live grads in backward", "persistent, released",
+                          "peak live grads, released"], rows))
     print("\nClipping (max_grad_norm=%g, %d steps), held-out MSE per seed; cost of one step\n"
           % (args.max_norm, args.steps))
-    print("| mode | " + " | ".join("seed %d" % s for s in range(args.seeds))
-          + " | backward passes | FLOPs |")
-    print("|---|" + "---|" * args.seeds + "---|---|")
+    rows = []
     for mode in ("none", "clip_grad_norm_", "exact", "previous"):
         res = [train(mode, s, args.steps, args.max_norm) for s in range(args.seeds)]
-        print("| %s | %s | %d | %d |" % (mode, " | ".join("%.5f" % r[0] for r in res),
-                                         res[0][2], res[0][1]))
+        rows.append([mode] + ["%.5f" % r[0] for r in res] + [res[0][2], res[0][1]])
+    print(markdown_table(["mode"] + ["seed %d" % s for s in range(args.seeds)]
+                         + ["backward passes", "FLOPs"], rows))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,14 @@
 """Which 8-bit code for Adam's moments? The measurement behind docs/moments_8bit.md.
 
-Candidate codes for m (signed, 8 bits) and v (unsigned), each relative to one scale per block:
-``e4m3`` / ``e3m4`` / ``e5m2`` (m) and ``e5m3`` / ``e4m4`` / ``e6m2`` (v), arithmetic 8-bit
-floats whose top binade is that of the block's absmax (mpext's kind: no table, exact decode);
-``sqrt-e4m4`` (v: the code on sqrt(v)); ``dynamic``, bitsandbytes' dynamic tree map scaled by the
-absmax; ``quantile``, a table fitted to the FP32 run's own moments; ``linear``, absmax / 127
-(m) or / 255 (v) steps. Each with stochastic rounding (``sr``) and to nearest (``rn``).
-
-The default measurement: the moments of an FP32 AdamW run on benchmarks/gpt.py's character
-model at a few steps, quantized and decoded blockwise: the relative RMS error of m, of v and of
-the update m / (sqrt(v) + eps), the share of v decoded to 0 where m is not, and a block-size
-sweep. Pure torch (float64 tables); it does not use mpext's kernels.
-
-``--convergence`` trains instead with the real optimizers over ``--seeds`` seeds, same weights,
-batches and schedule: torch.optim.AdamW on FP32 params (the reference), mpext.optim.AdamW on
-BF16 params with an FP32 master, with a remainder and 8-bit moments, master-free SR with 8-bit
-moments, and torchao's AdamW8bit when it is importable. Both train on bench_convergence.train.
+Candidate codes for m (signed) and v (unsigned), one scale per block: arithmetic 8-bit floats
+whose top binade is the block absmax's (``e4m3``, ``e3m4``, ``e5m2``; ``e5m3``, ``e4m4``,
+``e6m2``; ``sqrt-e4m4``: on sqrt(v)), bitsandbytes' ``dynamic`` tree map, a ``quantile`` table
+fitted to the run's own moments and ``linear`` steps, each with stochastic rounding (``sr``) and
+to nearest (``rn``). By default the moments of an FP32 AdamW run on gpt.py's model, quantized
+and decoded blockwise (pure torch, float64): the relative RMS error of m, v and the update
+m / (sqrt(v) + eps), the share of v decoded to 0 where m is not, a block-size sweep.
+``--convergence`` trains with the real optimizers instead, over ``--seeds`` seeds (torchao's
+AdamW8bit too when importable). Both train on bench_convergence.train.
 
     python -m benchmarks.measure_q8_codes [--steps 300] [--block 256] [--preset q8]
     python -m benchmarks.measure_q8_codes --convergence --preset small --steps 600 --seeds 3
@@ -26,13 +19,13 @@ if not __package__:  # run by path (python benchmarks/measure_q8_codes.py): as t
     runpy.run_module("benchmarks.measure_q8_codes", run_name="__main__")
     sys.exit()
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from .common import write_json
 from .gpt import GPTConfig, load_corpus, split_corpus
 
 MIN_NUMEL = 4096  # smaller tensors keep fp32 moments (as mpext, torchao and bitsandbytes)
@@ -112,21 +105,15 @@ def quantile_table(samples: torch.Tensor, signed: bool) -> torch.Tensor:
     return torch.cat([-qs.flip(0)[:-1], qs]) if signed else qs
 
 
-def codes_for(m_samples, v_samples):
-    m = {"e4m3": Code(float_table(4, 3, True), "pow2", mbits=3),
-         "e3m4": Code(float_table(3, 4, True), "pow2", mbits=4),
-         "e5m2": Code(float_table(5, 2, True), "pow2", mbits=2),
-         "dynamic": Code(dynamic_table(True), "absmax"),
-         "quantile": Code(quantile_table(m_samples, True), "absmax"),
-         "linear": Code(linear_table(True), "absmax")}
-    v = {"e5m3": Code(float_table(5, 3, False), "pow2", mbits=3),
-         "e4m4": Code(float_table(4, 4, False), "pow2", mbits=4),
-         "e6m2": Code(float_table(6, 2, False), "pow2", mbits=2),
-         "sqrt-e4m4": Code(float_table(4, 4, False), "pow2", sqrt_domain=True, mbits=4),
-         "dynamic": Code(dynamic_table(False), "absmax"),
-         "quantile": Code(quantile_table(v_samples, False), "absmax"),
-         "linear": Code(linear_table(False), "absmax")}
-    return m, v
+def codes_for(samples, signed):
+    """The candidate codes of m (``signed``) or v, the quantile table fitted to ``samples``."""
+    floats = ("e4m3", "e3m4", "e5m2") if signed else ("e5m3", "e4m4", "e6m2", "sqrt-e4m4")
+    out = {name: Code(float_table(int(name[-3]), int(name[-1]), signed), "pow2",
+                      sqrt_domain=name.startswith("sqrt"), mbits=int(name[-1]))
+           for name in floats}
+    return dict(out, dynamic=Code(dynamic_table(signed), "absmax"),
+                quantile=Code(quantile_table(samples, signed), "absmax"),
+                linear=Code(linear_table(signed), "absmax"))
 
 
 def normalized(xs, block, signed):
@@ -161,25 +148,17 @@ CONVERGENCE = [
 ]
 
 
-def _config(args, vocab):
-    return GPTConfig.preset(args.preset, vocab) if args.preset in ("tiny", "small") else \
-        GPTConfig(vocab_size=vocab, block_size=64, n_layer=3, n_head=4, n_embd=128)
-
-
-def _setting(args):
-    """The training of both measurements: AdamW(0.9, 0.99), batch 16, warm-up then cosine."""
-    from .bench_convergence import Setting
-
-    return Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
-                   betas=(B1, B2), weight_decay=WD, eval_interval=10, final_k=4, seed=args.seed)
-
-
 def train(args, data, mode, seed, base, options=None, on_step=None):
     """bench_convergence.train (the convergence studies' loop) of one mode and seed, from the
-    same weights for every seed, seed s fixing the batch order and the rounding."""
-    from .bench_convergence import train as train_mode, val_batches
+    same weights for every seed, seed s fixing the batch order and the rounding: AdamW(0.9,
+    0.99), batch 16, warm-up then cosine; preset q8: 3 layers x 128."""
+    from .bench_convergence import Setting, train as train_mode, val_batches
 
-    st, cfg, cpu = _setting(args), _config(args, data["vocab"]), torch.device("cpu")
+    st = Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
+                 betas=(B1, B2), weight_decay=WD, eval_interval=10, final_k=4, seed=args.seed)
+    cfg = GPTConfig.preset(args.preset, data["vocab"]) if args.preset in ("tiny", "small") else \
+        GPTConfig(vocab_size=data["vocab"], block_size=64, n_layer=3, n_head=4, n_embd=128)
+    cpu = torch.device("cpu")
     return train_mode(mode, st, cfg, data["train"], val_batches(data["val"], st, cfg, cpu), cpu,
                       fp32_gemm=True, seed=seed, base=base, options=options,
                       on_step=on_step).final_loss(st.final_k)
@@ -240,17 +219,17 @@ def static_errors(snapshots, mcodes, vcodes, block):
     return out
 
 
-def update_error(snapshots, mcode, vcode, block, stochastic, guard):
-    """Relative RMS error of the update m / (sqrt(v) + eps) over the snapshots, with the v
-    floor m^2 / K (``guard``) or without."""
+def update_error(snapshots, mcode, vcode, block, guard):
+    """Relative RMS error of the update m / (sqrt(v) + eps) over the snapshots, both moments
+    rounded stochastically, with the v floor m^2 / K (``guard``) or without."""
     gen = torch.Generator().manual_seed(6)
     inv_k = guard_factor(B1, B2) if guard else 0.0
     pairs = []
     for snap in snapshots:
         for m, v in snap:
             u = m.double() / (v.double().sqrt() + EPS)
-            mq = mcode.roundtrip(m, block, stochastic, gen).double()
-            vq = vcode.roundtrip(v, block, stochastic, gen).double()
+            mq = mcode.roundtrip(m, block, True, gen).double()
+            vq = vcode.roundtrip(v, block, True, gen).double()
             if inv_k > 0:
                 vq = torch.maximum(vq, mq * mq * inv_k)
             pairs.append((mq / (vq.sqrt() + EPS), u))
@@ -284,9 +263,8 @@ def main():
     if args.convergence:
         print("convergence: final validation loss (mean of the last 4 evaluations), %d seeds, "
               "%d steps, preset %s" % (args.seeds, args.steps, args.preset), flush=True)
-        out.write_text(json.dumps({"args": settings, "convergence": convergence(args, data)},
-                                  indent=1))
-        print("written:", out)
+        print("written:", write_json(out, {"args": settings,
+                                           "convergence": convergence(args, data)}))
         return
     t0 = time.time()
     snaps = []
@@ -298,8 +276,8 @@ def main():
 
     fp32 = [train(args, data, "torch-fp32", 0, "fp32", on_step=snapshot)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
-    mcodes, vcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True),
-                               normalized([v for s in snaps for _, v in s], args.block, False))
+    mcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True), True)
+    vcodes = codes_for(normalized([v for s in snaps for _, v in s], args.block, False), False)
     static = static_errors(snaps, mcodes, vcodes, args.block)
     print("\nstatic round trip, block %d, relative RMS error (sr / rn):" % args.block)
     for name in mcodes:
@@ -316,20 +294,18 @@ def main():
     upd = {}
     for mc, vc in pairs:
         for guard in (True, False):
-            upd[(mc, vc, guard)] = update_error(snaps, mcodes[mc], vcodes[vc], args.block, True,
-                                                guard)
+            upd[(mc, vc, guard)] = update_error(snaps, mcodes[mc], vcodes[vc], args.block, guard)
         print("  %-9s + %-10s %.4f / %.4f" % (mc, vc, upd[(mc, vc, True)], upd[(mc, vc, False)]),
               flush=True)
     print("\nblock size (e3m4 + e4m4, sr): update error, and the scales' bytes per element")
     by_block = {}
     for block in (32, 64, 128, 256, 512, 1024, 2048):
-        by_block[block] = update_error(snaps, mcodes["e3m4"], vcodes["e4m4"], block, True, True)
+        by_block[block] = update_error(snaps, mcodes["e3m4"], vcodes["e4m4"], block, True)
         print("  %5d  %.4f  %.4f B" % (block, by_block[block], 8.0 / block), flush=True)
-    out.write_text(json.dumps({
+    print("\nwritten:", write_json(out, {
         "args": settings, "fp32": fp32, "static": {"|".join(k): v for k, v in static.items()},
         "update_error": {"%s|%s|guard=%d" % k: v for k, v in upd.items()},
-        "update_error_by_block": by_block}, indent=1))
-    print("\nwritten:", out)
+        "update_error_by_block": by_block}))
 
 
 if __name__ == "__main__":

@@ -54,8 +54,7 @@ def main(argv=None) -> int:
         results[name] = {"seconds": dt, "files": res["files"],
                          "targets_missed": res["targets_missed"], "result": res["json"]}
         sections.append(res["markdown"])
-    total = time.perf_counter() - t0
-    la_end = load_average()
+    total, la_end = time.perf_counter() - t0, load_average()
     head = ["# mpext benchmarks%s" % (" (quick)" if ctx.quick else ""), ""] + \
         machine_header(ctx.machine)
     tail = "Total %.0f s; load average at end %s. %s" % (
@@ -64,13 +63,12 @@ def main(argv=None) -> int:
         else "All benchmarks ran.")
     summary = "\n".join(head) + "\n" + "\n\n".join(sections) + "\n\n" + tail + "\n"
     print(summary)
-    write_text(ctx.out_dir / "summary.md", summary)
-    write_json(ctx.out_dir / "summary.json", {
-        "quick": ctx.quick, "device": str(ctx.device), "seconds": total, "machine": ctx.machine,
-        "load_average_end": la_end, "benchmarks": results, "errors": errors})
-    print("[run_all] wrote %s and %s (%.0f s)" % (ctx.out_dir / "summary.md",
-                                                  ctx.out_dir / "summary.json", total),
-          file=sys.stderr)
+    files = [write_text(ctx.out_dir / "summary.md", summary), write_json(
+        ctx.out_dir / "summary.json", {
+            "quick": ctx.quick, "device": str(ctx.device), "seconds": total,
+            "machine": ctx.machine, "load_average_end": la_end, "benchmarks": results,
+            "errors": errors})]
+    print("[run_all] wrote %s and %s (%.0f s)" % (*files, total), file=sys.stderr)
     return 1 if errors else 0
 
 

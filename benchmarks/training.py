@@ -1,9 +1,8 @@
-"""The training modes bench_train, bench_convergence and measure_q8_codes compare, written once:
-for a mode, the model's dtype, native AMP's autocast, the optimizer, the loss scaler, and how a
-training step goes (``MODES``; ``Trainer``, a mode's optimizer and scaler over a model's params,
-and its ``train_step``). A mode with
-mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer options.
-"""
+"""The training modes bench_train, bench_convergence and measure_q8_codes compare, written once
+(``MODES``: a mode's param dtype, native AMP's autocast, optimizer and loss scaler) and
+``Trainer``, a mode's optimizer and scaler over a model's params and its ``train_step``. A mode
+with mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer
+options."""
 import dataclasses
 from typing import Optional
 
@@ -35,9 +34,8 @@ class Mode:
     options: dict = dataclasses.field(default_factory=dict)
 
     def memory_estimate(self, params, **shape) -> "memory.Breakdown":
-        """``mpext.memory.estimate`` of this mode with AdamW for ``params`` (each counted as the
-        optimizer keeps it), with its EMA if it keeps one; ``shape``: the activation estimate's
-        arguments."""
+        """``mpext.memory.estimate`` of this mode with AdamW for ``params``, with its EMA if it
+        keeps one; ``shape``: the activation estimate's arguments."""
         return memory.estimate([p.numel() for p in params], "adamw", self.memory_mode,
                                ema=self.options.get("ema_decay") is not None, **shape)
 
@@ -82,11 +80,9 @@ class Trainer:
         self.params = list(params)
         self.kind, self.autocast_dtype = kind, autocast
         self.device_type = self.params[0].device.type
-        scaler_options = scaler_options or {}
-        self.scaler = None
+        scaler_options, self.scaler = scaler_options or {}, None
         if kind == "torch":
-            self.opt = inner(self.params, **dict(optim_options, **({"fused": True} if fused
-                                                                  else {})))
+            self.opt = inner(self.params, **optim_options, **({"fused": True} if fused else {}))
             if scaled:
                 self.scaler = torch.amp.GradScaler(self.device_type, **scaler_options)
         elif kind == "mpext-wrapper":
@@ -129,35 +125,25 @@ class Trainer:
 
     def train_step(self, x, y, zero_grad: bool = True):
         """One training step of ``.model`` on a batch: forward under the mode's autocast,
-        backward, step. Returns (the loss, ``step``'s result)."""
+        backward, the step with the scaler's skip test and update, then (``zero_grad``) the
+        gradients set to None. Returns (the loss, MixedPrecisionOptimizer.step's result:
+        whether the step was applied, on the device; else None)."""
         with self.autocast():
             _, loss = self.model(x, y)
-        self.backward(loss)
-        return loss, self.step(zero_grad)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.kind == "mpext-wrapper":
-            self.opt.backward(loss)
-        elif self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-
-    def step(self, zero_grad: bool = True) -> Optional[torch.Tensor]:
-        """The optimizer step, with the scaler's skip test and update, then (``zero_grad``) the
-        gradients set to None. Returns MixedPrecisionOptimizer.step's result (whether the step
-        was applied, on the device), else None."""
         applied = None
         if self.kind == "mpext-wrapper":
+            self.opt.backward(loss)
             applied = self.opt.step()
         elif self.scaler is not None:
+            self.scaler.scale(loss).backward()
             self.scaler.step(self.opt)
             self.scaler.update()
         else:
+            loss.backward()
             self.opt.step()
         if zero_grad:
             self.opt.zero_grad(set_to_none=True)
-        return applied
+        return loss, applied
 
     def get_scale(self) -> Optional[float]:
         """The loss scale (a host sync), None without a scaler."""
