@@ -92,9 +92,10 @@ typedef struct x32_scalars {
 
 /* mp_adam_element with decoupled decay, not maximized, lerp from the start (mp_adam_usual), on
  * 16 elements: the same fp32 operations in the same order. */
-static inline __m512 x32_element(__m512 g, __m512 p, __m512* m, __m512* v,
+static inline __m512 x32_element(__m512* gp, __m512 p, __m512* m, __m512* v,
                                  const x32_scalars* c) {
-  g = _mm512_mul_ps(g, c->inv_scale);
+  const __m512 g = _mm512_mul_ps(*gp, c->inv_scale);
+  *gp = g;
   p = _mm512_mul_ps(p, c->decay);
   *m = _mm512_add_ps(*m, _mm512_mul_ps(c->lerp_weight, _mm512_sub_ps(g, *m)));
   *v = _mm512_add_ps(_mm512_mul_ps(*v, c->beta2),
@@ -113,11 +114,12 @@ static inline __mmask16 x32_nan(__m512 p, __m512 m, __m512 v) {
  * stopped: n rounded down to a block, or the first block whose results hold a NaN (nothing of
  * that block is written). param, grad, m, v: bf16; remainder: int16 (NULL for stochastic
  * rounding of the param); lo0: the position of element 0 in its param (its low half), hi the
- * high half; nearest: the moments rounded to nearest even. */
+ * high half; nearest: the moments rounded to nearest even; write_grad: the unscaled grad stored
+ * back (to nearest even). */
 static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
-    uint16_t* restrict param, const uint16_t* restrict grad, int16_t* restrict remainder,
+    uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, uint32_t i, uint32_t n, uint32_t lo0,
-    uint32_t hi, const mp_adam_scalars* s, const int nearest) {
+    uint32_t hi, const mp_adam_scalars* s, const int nearest, const int write_grad) {
   const x32_scalars c = {_mm512_set1_ps(s->inv_scale),       _mm512_set1_ps(s->decay),
                          _mm512_set1_ps(s->lerp_weight),     _mm512_set1_ps(s->beta2),
                          _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->bc2_sqrt),
@@ -142,11 +144,15 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     }
     __m512 me = _mm512_castsi512_ps(x32_even(mw)), mo = _mm512_castsi512_ps(x32_odd(mw));
     __m512 ve = _mm512_castsi512_ps(x32_even(vw)), vo = _mm512_castsi512_ps(x32_odd(vw));
-    const __m512 xe = x32_element(_mm512_castsi512_ps(x32_even(gw)), _mm512_castsi512_ps(pe),
-                                  &me, &ve, &c);
-    const __m512 xo = x32_element(_mm512_castsi512_ps(x32_odd(gw)), _mm512_castsi512_ps(po),
-                                  &mo, &vo, &c);
+    __m512 ge = _mm512_castsi512_ps(x32_even(gw)), go = _mm512_castsi512_ps(x32_odd(gw));
+    const __m512 xe = x32_element(&ge, _mm512_castsi512_ps(pe), &me, &ve, &c);
+    const __m512 xo = x32_element(&go, _mm512_castsi512_ps(po), &mo, &vo, &c);
+    /* a NaN grad makes the param NaN too */
     if (x32_nan(xe, me, ve) | x32_nan(xo, mo, vo)) break;
+    if (write_grad) {
+      _mm512_storeu_si512(grad + i, x32_pack_hi(x32_rne_hi(_mm512_castps_si512(ge)),
+                                                x32_rne_hi(_mm512_castps_si512(go))));
+    }
     const __m512i lo_e = _mm512_add_epi32(_mm512_set1_epi32((int)(lo0 + i)), ramp);
     const __m512i lo_o = _mm512_add_epi32(lo_e, one);
     __m512i me16, mo16, ve16, vo16;
