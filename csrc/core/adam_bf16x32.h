@@ -26,6 +26,7 @@
 #define X32_HI _mm512_set1_epi32((int)0xFFFF0000u)
 #define X32_LO _mm512_set1_epi32(0xFFFF)
 #define X32_OR_AND 0xF8 /* ternary logic: A | (B & C) */
+#define X32_AHEAD 512   /* elements prefetched ahead (a prefetch past an array's end is harmless) */
 
 /* x >> 16 in every lane, as a byte shuffle: 512-bit shifts issue on one port of Intel's server
  * cores, which the divider, the generator's shifts and its multiplies also need; the shuffle
@@ -35,6 +36,12 @@ static inline __m512i x32_shr16(__m512i x) {
   const __m512i ctl = _mm512_set4_epi32((int)0x80800F0Eu, (int)0x80800B0Au, (int)0x80800706u,
                                         (int)0x80800302u);
   return _mm512_shuffle_epi8(x, ctl);
+}
+
+/* Prefetches the line X32_AHEAD 16-bit elements past p, as an address (no pointer past the
+ * array is formed). */
+static inline void x32_prefetch(const void* p) {
+  _mm_prefetch((const char*)((uintptr_t)p + 2u * X32_AHEAD), _MM_HINT_T0);
 }
 
 /* Elements 2j and 2j + 1 of 32 words as fp32 bits in lane j (the word in the high half). */
@@ -133,6 +140,13 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
                                          30);
   const __m512i one = _mm512_set1_epi32(1);
   for (; i + 32 <= n; i += 32) {
+    /* a kilobyte ahead on every array: on one core, the hardware prefetchers alone left the
+     * loop waiting on memory for a tenth of its time at 16M elements (none lost in cache) */
+    x32_prefetch(param + i);
+    x32_prefetch(grad + i);
+    x32_prefetch(m + i);
+    x32_prefetch(v + i);
+    if (remainder != NULL) x32_prefetch(remainder + i);
     const __m512i pw = _mm512_loadu_si512(param + i), gw = _mm512_loadu_si512(grad + i);
     const __m512i mw = _mm512_loadu_si512(m + i), vw = _mm512_loadu_si512(v + i);
     __m512i pe = x32_even(pw), po = x32_odd(pw);
