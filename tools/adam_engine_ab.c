@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
     o.unscale_grads = M->wb;
     o.sr_params = M->sr;
     o.q8_block = 256;
-    o.ema_decay = 0.999;
+    o.ema_decay = M->ema ? 0.999 : 0.0; /* 0: what a group without an ema passes */
     o.moments_nearest = M->nearest;
     double* tm[3];
     double* ratio[3];

@@ -5,7 +5,8 @@ change to the C core measured against the build before it, in the same run.
         [--threads 1] [--isa avx512] [--modes master,sr_bf16m,...]
 
 DIR is a directory holding a built ``mpext._C*.so`` (the new one defaults to this checkout's
-``mpext/``); each is run with this checkout's Python package. The two builds run in separate
+``mpext/``); each is run with DIR's own Python package when DIR is a checkout's ``mpext/``,
+else with this checkout's. The two builds run in separate
 processes, alternately (the order swapped every round), ``--rounds`` times each; a process
 times every mode (warm-up, then the median of ``--samples`` steps of ``--numel`` elements) and
 prints its times. Reported per mode: each build's median time and the ratio new/old, the
@@ -101,13 +102,16 @@ def _worker(args):
 
 
 def _package_with(so_dir, tmp):
-    """A copy of this checkout's mpext package with the .so found in so_dir."""
+    """A copy of the mpext package with the .so found in so_dir: so_dir's own package when it
+    is one (another checkout's mpext/, whose ops this checkout's Python may not match), else
+    this checkout's."""
     sos = glob.glob(os.path.join(so_dir, "_C*.so"))
     if len(sos) != 1:
         sys.exit("bench_engine_ab: expected one _C*.so in %s, found %r" % (so_dir, sos))
     dst = os.path.join(tmp, "mpext")
-    shutil.copytree(os.path.join(ROOT, "mpext"), dst,
-                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    src = so_dir if os.path.exists(os.path.join(so_dir, "__init__.py")) else \
+        os.path.join(ROOT, "mpext")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
     shutil.copy(sos[0], dst)
     return tmp
 

@@ -70,8 +70,10 @@ static inline __attribute__((always_inline)) void adam_loop(
     s.decoupled = 1;
     s.maximize = 0;
     s.lerp_from_start = 1;
-    s.ema_copy = 0;
-    s.ema_from_start = 1;
+    if (with_ema) {
+      s.ema_copy = 0;
+      s.ema_from_start = 1;
+    }
   }
   const int sr_moments = (md == MP_BF16 || vd == MP_BF16) && !near;
   const int q8 = md == MP_I8;
@@ -304,12 +306,14 @@ static inline __attribute__((always_inline)) void adam_q8(
   X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1, 0, 0)
 
 /* 1 if a step's runtime choices are AdamW's usual ones (decoupled weight decay, not maximized,
- * beta1 > 0.5, past an ema's first step). The loop is built twice per row: once with these as
- * constants, which leaves out the other side of each choice and the masks that select it (on a
- * core that issues 512-bit integer and blend work on two ports only, that work is what the
- * loop waits on), and once for any choice. */
-static inline int mp_adam_usual(const mp_adam_scalars* s) {
-  return s->decoupled && !s->maximize && s->lerp_from_start && !s->ema_copy && s->ema_from_start;
+ * beta1 > 0.5 and, for a row with an ema, past its first step with an ema_decay > 0.5). The
+ * loop is built twice per row: once with these as constants, which leaves out the other side
+ * of each choice and the masks that select it (on a core that issues 512-bit integer and blend
+ * work on two ports only, that work is what the loop waits on), and once for any choice. A row
+ * without an ema never reads the ema's fields (a group without one has ema_decay 0). */
+static inline int mp_adam_usual(const mp_adam_scalars* s, int with_ema) {
+  return s->decoupled && !s->maximize && s->lerp_from_start &&
+         (!with_ema || (!s->ema_copy && s->ema_from_start));
 }
 
 /* One function per row over a piece (positions sharing their high 32 bits). */
@@ -331,7 +335,7 @@ static inline int mp_adam_usual(const mp_adam_scalars* s) {
     void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(MD);                               \
     void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(VD);                            \
     float* ema = t->ema != NULL ? t->ema + start : NULL;                                    \
-    if (mp_adam_usual(s)) {                                                                 \
+    if (mp_adam_usual(s, EMA)) {                                                            \
       MP_FUSED_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 1)                                   \
     } else {                                                                                \
       MP_FUSED_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 0)                                   \

@@ -4602,7 +4602,7 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
   o.moments_nearest = fm->nearest;
   o.seed = s;
   o.q8_block = 256;
-  o.ema_decay = 0.99;
+  o.ema_decay = fm->ema ? 0.99 : 0.0; /* 0: what a group without an ema passes */
   float step[2] = {0.0f, 0.0f};
   for (int it = 0; it < 3; ++it) {
     const float inv = it == 1 ? 2.0f : 0.5f;
