@@ -6,7 +6,9 @@
  * adds them. Each row of MP_ADAM_FUSED_ROWS below says what it gained, measured with
  * tools/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
  * process). Every row computes the same bits as the pipeline: tests/c/test_core.c compares the
- * two on every row and ISA path. Compiled once per ISA path (see isa.h). */
+ * two on every row and ISA path. Compiled once per ISA path (see isa.h). Each row is built
+ * twice (mp_adam_usual), and on AVX-512 the rows whose arrays are all 16-bit step 32 elements
+ * at a time by hand (adam_bf16x32.h). */
 #include <string.h>
 
 #include "isa.h"
