@@ -111,6 +111,23 @@ static inline __m512 x32_element(__m512* gp, __m512 p, __m512* m, __m512* v,
   return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, *m), denom));
 }
 
+/* mp_adam_ema past its first step with ema_weight < 0.5 (mp_adam_usual), on the 32 fp32 ema
+ * values at e (elements in order) for the new values xe (even elements) and xo (odd): the pair
+ * split by element parity, lerped, and put back in order. */
+static inline void x32_ema(float* restrict e, __m512 xe, __m512 xo, __m512 w) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                         30);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(8);
+  const __m512 a = _mm512_loadu_ps(e), b = _mm512_loadu_ps(e + 16);
+  const __m512 ee = _mm512_permutex2var_ps(a, even, b);
+  const __m512 eo = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, one), b);
+  const __m512 le = _mm512_add_ps(ee, _mm512_mul_ps(w, _mm512_sub_ps(xe, ee)));
+  const __m512 lo_ = _mm512_add_ps(eo, _mm512_mul_ps(w, _mm512_sub_ps(xo, eo)));
+  _mm512_storeu_ps(e, _mm512_permutex2var_ps(le, lo, lo_));
+  _mm512_storeu_ps(e + 16, _mm512_permutex2var_ps(le, _mm512_add_epi32(lo, eight), lo_));
+}
+
 /* The new fp32 param, m and v of 16 elements: NaN anywhere? (fpclass: quiet or signaling) */
 static inline __mmask16 x32_nan(__m512 p, __m512 m, __m512 v) {
   return (__mmask16)(_mm512_fpclass_ps_mask(p, 0x81) | _mm512_fpclass_ps_mask(m, 0x81) |
@@ -120,13 +137,15 @@ static inline __mmask16 x32_nan(__m512 p, __m512 m, __m512 v) {
 /* Steps elements [i, n) of a row in 32-element blocks from i on, and returns the index where it
  * stopped: n rounded down to a block, or the first block whose results hold a NaN (nothing of
  * that block is written). param, grad, m, v: bf16; remainder: int16 (NULL for stochastic
- * rounding of the param); lo0: the position of element 0 in its param (its low half), hi the
- * high half; nearest: the moments rounded to nearest even; write_grad: the unscaled grad stored
- * back (to nearest even). */
+ * rounding of the param); ema: fp32 (NULL for none); lo0: the position of element 0 in its
+ * param (its low half), hi the high half; nearest: the moments rounded to nearest even;
+ * write_grad: the unscaled grad stored back (to nearest even). */
 static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
-    uint16_t* restrict m, uint16_t* restrict v, uint32_t i, uint32_t n, uint32_t lo0,
-    uint32_t hi, const mp_adam_scalars* s, const int nearest, const int write_grad) {
+    uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
+    uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int nearest,
+    const int write_grad) {
+  const __m512 ema_w = _mm512_set1_ps(s->ema_weight);
   const x32_scalars c = {_mm512_set1_ps(s->inv_scale),       _mm512_set1_ps(s->decay),
                          _mm512_set1_ps(s->lerp_weight),     _mm512_set1_ps(s->beta2),
                          _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->bc2_sqrt),
@@ -146,6 +165,10 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     x32_prefetch(grad + i);
     x32_prefetch(m + i);
     x32_prefetch(v + i);
+    if (ema != NULL) { /* a kilobyte ahead of both its lines */
+      x32_prefetch(ema + i);
+      x32_prefetch(ema + i + 16);
+    }
     if (remainder != NULL) x32_prefetch(remainder + i);
     const __m512i pw = _mm512_loadu_si512(param + i), gw = _mm512_loadu_si512(grad + i);
     const __m512i mw = _mm512_loadu_si512(m + i), vw = _mm512_loadu_si512(v + i);
@@ -188,10 +211,12 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
       const __m512i ue = x32_master_bits(_mm512_castps_si512(xe));
       const __m512i uo = x32_master_bits(_mm512_castps_si512(xo));
       const __m512i qe = x32_rne_hi(ue), qo = x32_rne_hi(uo);
+      if (ema != NULL) x32_ema(ema + i, _mm512_castsi512_ps(ue), _mm512_castsi512_ps(uo), ema_w);
       _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
       _mm512_storeu_si512(remainder + i,
                           x32_pack_lo(_mm512_sub_epi32(ue, qe), _mm512_sub_epi32(uo, qo)));
     } else {
+      if (ema != NULL) x32_ema(ema + i, xe, xo, ema_w);
       const __m512i re = x32_bits(lo_e, kp_lo, kp_hi), ro = x32_bits(lo_o, kp_lo, kp_hi);
       _mm512_storeu_si512(param + i,
                           x32_pack_hi(x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO)),

@@ -98,9 +98,10 @@ static inline __attribute__((always_inline)) void adam_loop(
     /* the rows adam_bf16x32.h steps 32 elements at a time: the loop below takes its tail and
      * any block of it with a NaN */
     if (usual && pt == MP_BF16 && gt == MP_BF16 && md == MP_BF16 && vd == MP_BF16 &&
-        (mk == MK_REMAINDER || mk == MK_NONE_SR) && !with_ema) {
+        (mk == MK_REMAINDER || mk == MK_NONE_SR)) {
       i = x32_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
-                        (uint16_t*)v, i, n, pos_lo, pos_hi, &s, near, write_grad);
+                        (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
+                        write_grad);
       stop = n - i < 32u ? n : i + 32u;
     }
 #endif
