@@ -214,9 +214,15 @@ def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
         slots[device] += 1
         launches.append((getattr(torch.ops.mpext, hyper.op),
                          _op_call(launch, lr_t, hyper, dev_inv, dev_found, empty, empty16)))
+    run_launches(launches, copied)
+
+
+def run_launches(launches: List[tuple], copied: List[tuple]) -> None:
+    """Makes the planned op calls ((op, (args, kwargs)) each), then copies the unscaled values
+    of the gradients that were stepped through a copy in the param's layout back into them."""
     for op, (args, kwargs) in launches:
         op(*args, **kwargs)
-    for g, copy in copied:  # the unscaled values back into the gradient's own layout
+    for g, copy in copied:
         g.copy_(copy)
 
 
