@@ -7,18 +7,9 @@ import torch
 import mpext
 from mpext.optim._engine import StepPlan
 
+from optim_table import FORMATS, RULES, pairs
+
 BF16 = torch.bfloat16
-FORMATS = {
-    "fp32": (torch.float32, {}),
-    "master": (BF16, {}),
-    "remainder": (BF16, dict(param_remainders=True)),
-    "remainder_bf16_moments": (BF16, dict(param_remainders=True, exp_avg_dtype=BF16,
-                                          exp_avg_sq_dtype=BF16)),
-    "sr": (BF16, dict(master_weights=False, stochastic_rounding=True)),
-    "sr_bf16_moments": (BF16, dict(master_weights=False, stochastic_rounding=True,
-                                   exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
-    "q8": (BF16, dict(exp_avg_dtype="q8", exp_avg_sq_dtype="q8", ema_decay=0.9)),
-}
 SHAPES = [(4096,), (64,), (8, 8), (5,)]  # the first big enough to keep 8-bit moments
 
 
@@ -27,14 +18,17 @@ def params(dtype):
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
 
 
-def pair(fmt="master", cls=mpext.optim.AdamW, groups=None, **extra):
-    """(cached, reference) optimizers over equal params; the reference never keeps a plan."""
-    dtype, kw = FORMATS[fmt]
-    kw = dict(kw, lr=1e-2, **extra)
+def pair(fmt="master", rule="adamw", groups=None, **extra):
+    """(cached, reference) optimizers over equal params, with tests/optim_table.py's rule and
+    format; the reference never keeps a plan, so it steps the long way every time."""
+    info, form = RULES[rule], FORMATS[fmt]
+    dtype = BF16 if BF16 in form.param_dtypes else form.param_dtypes[0]
+    kw = dict(info.kwargs, **form.kwargs_for(info))
+    kw.update(extra)
     opts = []
     for _ in range(2):
         ps = params(dtype)
-        opts.append(cls(ps if groups is None else groups(ps), **kw))
+        opts.append(info.cls(ps if groups is None else groups(ps), **kw))
     opts[1]._new_plan = lambda *args: None
     return opts
 
@@ -82,9 +76,9 @@ def run(opts, steps=6, edit=None, skip=lambda step: ()):
         assert_same(*opts)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_plain_steps_reuse_the_plan_and_match(fmt):
-    a, b = pair(fmt)
+@pytest.mark.parametrize("rule,fmt", [(r.name, f.name) for r, f in pairs()])
+def test_plain_steps_reuse_the_plan_and_match(rule, fmt):
+    a, b = pair(fmt, rule)
     run((a, b))
     assert isinstance(a._plan, StepPlan) and b._plan is None
     plan = a._plan
@@ -93,7 +87,7 @@ def test_plain_steps_reuse_the_plan_and_match(fmt):
     assert_same(a, b)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "remainder_bf16_moments", "sr"])
+@pytest.mark.parametrize("fmt", ["fp32", "remainder-bf16", "stochastic"])
 def test_lr_changed_every_step_float_and_tensor(fmt):
     run(pair(fmt), edit=lambda o, s: o.param_groups[0].__setitem__("lr", 1e-2 / (s + 1)))
     a, b = pair(fmt)
@@ -109,7 +103,7 @@ def test_groups_sharing_a_launch_split_when_their_lrs_part():
     run((a, b), edit=lambda o, s: o.param_groups[1].__setitem__("lr", 1e-3 * (s + 1)))
 
 
-@pytest.mark.parametrize("fmt", ["master", "q8"])
+@pytest.mark.parametrize("fmt", ["master", "master-q8"])
 def test_hyperparameters_edited_in_place(fmt):
     def edit(o, s):
         g = o.param_groups[0]
@@ -120,7 +114,7 @@ def test_hyperparameters_edited_in_place(fmt):
             g["weight_decay"] = 0.1 * s
         if s == 4:
             g["eps"] = 1e-3
-    run(pair(fmt), edit=edit)
+    run(pair(fmt, ema_decay=0.9), edit=edit)
 
 
 def test_formats_changed_between_steps():
@@ -135,7 +129,7 @@ def test_formats_changed_between_steps():
     run(pair("master"), edit=edit)
 
 
-@pytest.mark.parametrize("fmt", ["master", "remainder", "sr_bf16_moments"])
+@pytest.mark.parametrize("fmt", ["master", "remainder", "stochastic-bf16"])
 def test_gradients_missing_in_some_steps(fmt):
     run(pair(fmt), steps=8, skip=lambda s: {0: (1,), 1: (1, 3), 2: (), 3: (0, 1, 2, 3), 4: (2,),
                                             5: (2,)}.get(s, ()))
@@ -151,9 +145,9 @@ def test_add_param_group():
 
 
 def test_load_state_dict_and_a_fresh_optimizer():
-    a, b = pair("remainder_bf16_moments")
+    a, b = pair("remainder-bf16")
     run((a, b), steps=3)
-    other, _ = pair("remainder_bf16_moments")
+    other, _ = pair("remainder-bf16")
     run((other, _), steps=5)
     sd = other.state_dict()
     for o in (a, b):
@@ -162,7 +156,7 @@ def test_load_state_dict_and_a_fresh_optimizer():
             p.data.copy_(q.data)
     run((a, b), steps=3)
     # and as an optimizer built anew from the checkpoint
-    c, _ = pair("remainder_bf16_moments")
+    c, _ = pair("remainder-bf16")
     c.load_state_dict(sd)
     for p, q in zip(all_params(c), all_params(other)):
         p.data.copy_(q.data)
