@@ -1,6 +1,9 @@
 """The cached step plan (mpext.optim._engine.StepPlan): whatever changes between steps, an
 optimizer that reuses its plan gives the same bits as a reference that steps the long way at
 every step (its plan never kept), so a plan that went stale fails here."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -249,3 +252,17 @@ def test_a_gradient_in_another_layout_than_its_param():
         for st in (o.state[all_params(o)[2]],):
             st.clear()  # fresh state in the param's new layout
     run((a, b), steps=3)
+
+
+def test_the_plan_keeps_the_optimizer_out_of_reference_cycles():
+    """``del opt`` frees its state at once (a device's memory included), plan or not."""
+    a, b = pair()
+    run((a, b), steps=2)
+    assert isinstance(a._plan, StepPlan)
+    gone = weakref.ref(a)
+    gc.disable()
+    try:
+        del a
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -2,7 +2,9 @@
 gradient) into as few step-op calls as possible -- one per device, learning rate and
 hyperparameters (:class:`AdamHyper`, or another rule's: the hyper names its op, its moment
 quantities and its positional hyperparameters) -- and :func:`_op_call`, the one place that maps
-a launch's lists and hyperparameters to the op's arguments.
+a launch's lists and hyperparameters to the op's arguments. :class:`StepPlan` keeps an
+optimizer's calls between steps, so that a step over many small params costs little more than
+reading their gradients.
 
 Shared with ``mpext.mixed_precision`` (whose fast path steps an inner Adam/AdamW through the
 same planner): :class:`StepItem`, :class:`AdamHyper`, :func:`adam_hyper` and
@@ -269,7 +271,8 @@ class StepPlan:
     state dict and state tensors are the ones planned, and launches. :meth:`refresh` (False: the
     plan no longer holds, plan anew), :meth:`run` (through :func:`fused_step`). The op checks
     every argument before it writes anything, so a call it refuses falls back to ``fallback``
-    (set by the owner: the StepItems the long way, whose checks name the bad argument); with
+    (a weak method set by the owner: the StepItems the long way, whose checks name the bad
+    argument); with
     more than one call the gradients are checked here first, so that no call runs before a
     later one is refused."""
 
@@ -348,7 +351,7 @@ class StepPlan:
             return
         except (RuntimeError, ValueError, TypeError):
             pass  # refused before anything was written: the long way names what is wrong
-        fused_step(self.fallback(), lr_tensors, inv_scale, found_inf)
+        fused_step(self.fallback()(), lr_tensors, inv_scale, found_inf)
 
 
 # Adam's name for the planner (MixedPrecisionOptimizer and earlier callers use it).
