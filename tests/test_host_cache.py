@@ -266,3 +266,14 @@ def test_the_plan_keeps_the_optimizer_out_of_reference_cycles():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_streams_numbered_globally_after_the_plan_was_made():
+    """use_global_sr_streams called after some steps: the stochastic rounding draws from the
+    params' new streams (as use_global_sr_streams sets them up, without a process group)."""
+    a, b = pair("stochastic-bf16")
+    run((a, b), steps=2)
+    for o in (a, b):
+        index = {p: 10 + i for i, p in enumerate(all_params(o))}
+        o._sr_stream_index = lambda index=index: index
+    run((a, b), steps=3)

@@ -322,7 +322,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _ready_plan(self) -> Optional[StepPlan]:
         """The cached plan with this step's gradients, or None (dropped) when it no longer
-        holds: the state or the groups replaced (load_state_dict, add_param_group), a group's
+        holds: the state or the groups replaced (load_state_dict, add_param_group), streams
+        numbered by a ZeroRedundancyOptimizer since (use_global_sr_streams), a group's
         params or settings changed (any key its checks or hyperparameters read; lr is checked
         here at every step and read by the launch), or a param's gradient, dtype or state
         changed (StepPlan.refresh)."""
@@ -331,7 +332,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             return None
         groups = self.param_groups
         if self.state is not plan.state or groups is not plan.groups \
-                or len(groups) != len(plan.info):
+                or len(groups) != len(plan.info) \
+                or getattr(self, "_sr_stream_index", None) is not None:
             self._plan = None
             return None
         for gi, (group, (planned, params, n, settings)) in enumerate(zip(groups, plan.info)):
