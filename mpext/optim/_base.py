@@ -308,7 +308,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         plan = StepPlan.build(items, owners, groups, idle, self._lr_tensors)
         if plan is None:
             return None
-        plan.fallback = weakref.WeakMethod(self._long_items)  # no cycle: del frees the state
+        plan.owner = weakref.ref(self)  # no cycle: del frees the state
         plan.keys, plan.info = keys, info
         plan.state, plan.groups = self.state, self.param_groups
         self._plan = plan

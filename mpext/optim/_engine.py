@@ -270,14 +270,14 @@ class StepPlan:
     but the gradients, so that a step reads the gradients, checks that each param's dtype,
     state dict and state tensors are the ones planned, and launches. :meth:`refresh` (False: the
     plan no longer holds, plan anew), :meth:`run` (through :func:`fused_step`). The op checks
-    every argument before it writes anything, so a call it refuses falls back to ``fallback``
-    (a weak method set by the owner: the StepItems the long way, whose checks name the bad
-    argument); with
+    every argument before it writes anything, so a call it refuses falls back to the long way
+    (``owner``, a weak reference set by the optimizer: its ``_long_items()``, the StepItems
+    the long way, whose checks name the bad argument); with
     more than one call the gradients are checked here first, so that no call runs before a
     later one is refused."""
 
     def __init__(self, calls: List[_PlannedCall], idle: List[torch.Tensor]) -> None:
-        self.calls, self.idle, self.fallback = calls, idle, None
+        self.calls, self.idle, self.owner = calls, idle, None
         self.size = sum(len(c.owners) for c in calls)
 
     def __len__(self) -> int:
@@ -351,7 +351,7 @@ class StepPlan:
             return
         except (RuntimeError, ValueError, TypeError):
             pass  # refused before anything was written: the long way names what is wrong
-        fused_step(self.fallback()(), lr_tensors, inv_scale, found_inf)
+        fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
 
 
 # Adam's name for the planner (MixedPrecisionOptimizer and earlier callers use it).
