@@ -16,7 +16,7 @@ import weakref
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -24,12 +24,13 @@ from .._common import LOW_DTYPES, PARAM_DTYPES, LrTensors
 from .._common import dtype_name, has_kernel, is_dense, is_real
 from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from . import formats as F
-from ._engine import StepItem
+from ._engine import StepItem, StepPlan
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
 from ._tensors import DTensor, F32, is_dtensor, local, shard_offset
 
 _STRIDED = torch.strided
+_MISSING = object()  # a group setting that is not there
 
 # Settings load_state_dict takes from the checkpoint (as torch does) that change what the
 # optimizer keeps or draws, so that a difference is warned about.
@@ -91,6 +92,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_caches(self) -> None:
         self._lr_tensors = LrTensors()
+        self._plan: Optional[StepPlan] = None  # the last step's calls (_items)
 
     def _moments_of(self, group: Dict[str, Any]) -> Tuple[F.Quantity, ...]:
         """The moment quantities a group's params keep: the rule's ``moments`` (SGD keeps none
@@ -100,9 +102,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _moment_settings(self) -> Tuple[str, ...]:
         return tuple(q.setting for q in self.moments)
 
-    def _check_group(self, group: Dict[str, Any], where: str) -> None:
-        """Checks a group's settings (raises before anything changes). Messages of the checks
-        torch also makes are torch's."""
+    def _check_lr(self, group: Dict[str, Any], where: str) -> None:
+        """Checks a group's lr, which schedulers change between steps (raises)."""
         lr = group.get("lr")
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
@@ -117,6 +118,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid learning rate: {lr}")
         elif not math.isfinite(lr):
             raise ValueError("%s: lr must be finite, got %r%s" % (self._name(), lr, where))
+
+    def _check_group(self, group: Dict[str, Any], where: str) -> None:
+        """Checks a group's settings (raises before anything changes). Messages of the checks
+        torch also makes are torch's."""
+        self._check_lr(group, where)
         self._check_rule(group, where)
         if group.get("differentiable", False):
             raise ValueError("%s: differentiable=True is not supported: the fused step is not "
@@ -178,6 +184,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                              % (self._name(), Q8_BLOCK_MIN, Q8_BLOCK_MAX, block, where))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self._plan = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         where = " (param group %d)" % (len(self.param_groups) - 1)
@@ -230,6 +237,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if not hasattr(self, "_lr_tensors"):
             self._init_caches()
+        self._plan = None
         for group in self.param_groups:
             group.setdefault("foreach", None)
             group.setdefault("capturable", False)
@@ -240,11 +248,107 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -----------------------------------------------------------------------------------------
     # The step.
 
-    def _items(self, only: Optional[set] = None) -> List[StepItem]:
+    def _items(self, only: Optional[set] = None) -> Union[List[StepItem], StepPlan]:
         """Every param with a gradient (of those whose ids are in ``only``, if given), checked,
-        as a :class:`StepItem` of the engine, with DTensors as their local shards. Raises
-        before anything is written (state is created lazily, which changes no value a reader
-        relies on)."""
+        as a :class:`StepItem` of the engine, with DTensors as their local shards; for a whole
+        step, the cached :class:`StepPlan` of those items where it still holds (see
+        :meth:`_ready_plan`). Raises before anything is written (state is created lazily,
+        which changes no value a reader relies on)."""
+        if only is None:
+            plan = self._ready_plan()
+            if plan is not None:
+                return plan
+        items, owners, groups = self._checked_items(only)
+        if only is None and items:
+            plan = self._new_plan(items, owners, groups)
+            if plan is not None:
+                return plan
+        return items
+
+    # The group settings every rule reads besides its defaults' keys (lr aside: it is checked
+    # at every step).
+    _READ_SETTINGS = ("differentiable", "master_weights") + tuple(_LEAN_DEFAULTS)
+
+    def _settings(self, group: Dict[str, Any], keys: Tuple[str, ...]) -> Optional[list]:
+        """What a group's checks and hyperparameters were computed from, to compare between
+        steps (a container as a tuple of its items: betas may be a list edited in place);
+        None when a setting is a tensor (which may change in place unseen)."""
+        out = []
+        for key in keys:
+            v = group.get(key, _MISSING)
+            t = type(v)
+            if t is list or t is tuple:
+                v = tuple(v)
+                if any(isinstance(x, torch.Tensor) for x in v):
+                    return None
+            elif isinstance(v, torch.Tensor):
+                return None
+            out.append((t, v))
+        return out
+
+    def _new_plan(self, items: List[StepItem], owners: List[torch.Tensor],
+                  groups: List[Dict[str, Any]]) -> Optional[StepPlan]:
+        """The plan of this step's items, kept for the next steps (None where the long way is
+        kept: DTensor params, streams numbered by a ZeroRedundancyOptimizer, a tensor
+        setting, a gradient in another layout than its param's)."""
+        self._plan = None
+        if getattr(self, "_sr_stream_index", None) is not None \
+                or any(is_dtensor(p) or is_dtensor(p.grad) for p in owners):
+            return None
+        keys = tuple(k for k in dict.fromkeys(tuple(self.defaults) + self._READ_SETTINGS
+                                              + self._moment_settings())
+                     if k not in ("lr", "params"))
+        info = []
+        for group in self.param_groups:
+            settings = self._settings(group, keys)
+            if settings is None:
+                return None
+            info.append((group, group["params"], len(group["params"]), settings))
+        idle = [p for g in self.param_groups for p in g["params"] if p.grad is None]
+        plan = StepPlan.build(items, owners, groups, idle, self._lr_tensors)
+        if plan is None:
+            return None
+        plan.owner = weakref.ref(self)  # no cycle: del frees the state
+        plan.keys, plan.info = keys, info
+        plan.state, plan.groups = self.state, self.param_groups
+        self._plan = plan
+        return plan
+
+    def _long_items(self) -> List[StepItem]:
+        """The items of a whole step the long way, the plan dropped (a call it made was
+        refused)."""
+        self._plan = None
+        return self._checked_items(None)[0]
+
+    def _ready_plan(self) -> Optional[StepPlan]:
+        """The cached plan with this step's gradients, or None (dropped) when it no longer
+        holds: the state or the groups replaced (load_state_dict, add_param_group), streams
+        numbered by a ZeroRedundancyOptimizer since (use_global_sr_streams), a group's
+        params or settings changed (any key its checks or hyperparameters read; lr is checked
+        here at every step and read by the launch), or a param's gradient, dtype or state
+        changed (StepPlan.refresh)."""
+        plan = self._plan
+        if plan is None:
+            return None
+        groups = self.param_groups
+        if self.state is not plan.state or groups is not plan.groups \
+                or len(groups) != len(plan.info) \
+                or getattr(self, "_sr_stream_index", None) is not None:
+            self._plan = None
+            return None
+        for gi, (group, (planned, params, n, settings)) in enumerate(zip(groups, plan.info)):
+            if group is not planned or group["params"] is not params or len(params) != n \
+                    or self._settings(group, plan.keys) != settings:
+                self._plan = None
+                return None
+            self._check_lr(group, " (param group %d)" % gi)
+        if not plan.refresh(self.state.get):
+            self._plan = None
+            return None
+        return plan
+
+    def _checked_items(self, only: Optional[set]) -> tuple:
+        """(items, their params, their groups): the long way of :meth:`_items`."""
         checked = []
         # The param's stochastic-rounding stream: its position in the optimizer, or in the
         # whole model's optimizer where this one steps a partition (use_global_sr_streams).
@@ -275,7 +379,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         # for one param (a master that is not its param's round) leaves every state as it was.
         staged = [self._state_of(p, group, where) for p, _, group, _, _, _, where in checked]
         items = []
+        owners, groups = [], []
         for (p, g, group, hyper, stream, offset, _), new in zip(checked, staged):
+            owners.append(p)
+            groups.append(group)
             state = self.state[p]
             state.clear()
             state.update(new)
@@ -285,7 +392,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             items.append(StepItem(local(p), g, state,
                                   None if storage is None else local(storage),
                                   group["lr"], hyper, stream, offset))
-        return items
+        return items, owners, groups
 
     def _draws_bits(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
         """Whether the step of ``p`` draws stochastic-rounding bits (which depend on its
@@ -461,6 +568,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Re-makes every FP32 master from its (low-precision) param (a remainder becomes 0:
         the master is the param), e.g. after the model's params were loaded or changed outside
         the optimizer."""
+        self._plan = None
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:

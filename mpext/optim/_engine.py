@@ -2,7 +2,9 @@
 gradient) into as few step-op calls as possible -- one per device, learning rate and
 hyperparameters (:class:`AdamHyper`, or another rule's: the hyper names its op, its moment
 quantities and its positional hyperparameters) -- and :func:`_op_call`, the one place that maps
-a launch's lists and hyperparameters to the op's arguments.
+a launch's lists and hyperparameters to the op's arguments. :class:`StepPlan` keeps an
+optimizer's calls between steps, so that a step over many small params costs little more than
+reading their gradients.
 
 Shared with ``mpext.mixed_precision`` (whose fast path steps an inner Adam/AdamW through the
 same planner): :class:`StepItem`, :class:`AdamHyper`, :func:`adam_hyper` and
@@ -163,23 +165,21 @@ def _op_call(launch: _Launch, lr: torch.Tensor, hyper: Any,
     return args, kwargs
 
 
-def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
-               inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
-    """Steps every item with as few calls of its hyper's op as possible: one per device,
-    learning rate and hyperparameters, whatever the params' groups or dtypes. The one planner
-    of the fused step of every rule (``fused_adam_step`` is its name for Adam), used by the
-    rule classes and by ``MixedPrecisionOptimizer``'s fast path. Every call's arguments are
-    assembled before the first launch, so a failing check leaves everything unchanged."""
-    calls: Dict[tuple, List[StepItem]] = {}
-    for item in items:
+def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
+                inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> tuple:
+    """The op calls that step the items, as ``(calls, copied)``: each call a :class:`_Call`,
+    with ``positions`` the indices in ``items`` of its params; ``copied`` the (gradient, copy in
+    the param's layout) pairs whose copy the kernel may write."""
+    calls: Dict[tuple, List[int]] = {}
+    items = list(items)
+    for i, item in enumerate(items):
         p, _, _, _, lr, hyper, _, _ = item  # unpacked: cheaper than field reads per param
-        lr_key = ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
-        calls.setdefault((p.device, lr_key, type(hyper), hyper), []).append(item)
-    launches = []
-    copied = []  # (the gradient, its copy in the param's layout) whose copy may be written
+        calls.setdefault((p.device, _lr_key(lr), type(hyper), hyper), []).append(i)
+    out = []
+    copied = []
     per_device: Dict[torch.device, tuple] = {}
     slots: Dict[torch.device, int] = defaultdict(int)
-    for (device, _, _, hyper), entries in calls.items():
+    for (device, _, _, hyper), positions in calls.items():
         if device not in per_device:
             per_device[device] = (_to_device(inv_scale, device), _to_device(found_inf, device),
                                   torch.empty(0, dtype=F32, device=device),
@@ -189,7 +189,8 @@ def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
         nlists = len(hyper.scale_names)
         launch = _Launch([], [], [[] for _ in range(nlists)], [], [], [], [], [],
                          [[] for _ in range(nlists)], [])
-        for p, g, state, storage, _, _, stream, offset in entries:
+        for i in positions:
+            p, g, state, storage, _, _, stream, offset = items[i]
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
                 copy = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -210,14 +211,147 @@ def fused_step(items: Iterable[StepItem], lr_tensors: LrTensors,
             launch.offsets.append(offset)
             ema = state.get("ema_param")
             launch.emas.append(empty if ema is None else local(ema))
-        lr_t = lr_tensors.get((device, slots[device]), device, entries[0].lr)
+        slot = slots[device]
         slots[device] += 1
-        launches.append((getattr(torch.ops.mpext, hyper.op),
-                         _op_call(launch, lr_t, hyper, dev_inv, dev_found, empty, empty16)))
+        lr_t = lr_tensors.get((device, slot), device, items[positions[0]].lr)
+        args, kwargs = _op_call(launch, lr_t, hyper, dev_inv, dev_found, empty, empty16)
+        out.append(_Call(getattr(torch.ops.mpext, hyper.op), args, kwargs, device, slot,
+                         positions))
+    return out, copied
+
+
+def _lr_key(lr: Any) -> Any:
+    """What params must share to share a launch's learning rate: the tensor, or the value."""
+    return ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else float(lr)
+
+
+class _Call(NamedTuple):
+    op: Any
+    args: tuple
+    kwargs: dict
+    device: torch.device
+    slot: int  # the launch's learning-rate buffer among its device's
+    positions: List[int]
+
+
+def fused_step(items: Union[Iterable[StepItem], "StepPlan"], lr_tensors: LrTensors,
+               inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
+    """Steps every item with as few calls of its hyper's op as possible: one per device,
+    learning rate and hyperparameters, whatever the params' groups or dtypes. The one planner
+    of the fused step of every rule (``fused_adam_step`` is its name for Adam), used by the
+    rule classes and by ``MixedPrecisionOptimizer``'s fast path. Every call's arguments are
+    assembled before the first launch, so a failing check leaves everything unchanged.
+    ``items`` may also be a :class:`StepPlan` (an optimizer's cached calls)."""
+    if isinstance(items, StepPlan):
+        items.run(lr_tensors, inv_scale, found_inf)
+        return
+    calls, copied = _plan_calls(items, lr_tensors, inv_scale, found_inf)
+    run_launches([(c.op, (c.args, c.kwargs)) for c in calls], copied)
+
+
+def run_launches(launches: List[tuple], copied: List[tuple]) -> None:
+    """Makes the planned op calls ((op, (args, kwargs)) each), then copies the unscaled values
+    of the gradients that were stepped through a copy in the param's layout back into them."""
     for op, (args, kwargs) in launches:
         op(*args, **kwargs)
-    for g, copy in copied:  # the unscaled values back into the gradient's own layout
+    for g, copy in copied:
         g.copy_(copy)
+
+
+class _PlannedCall:
+    """One op call of a :class:`StepPlan`: its arguments but the gradients, learning rate and
+    scaler tensors, and what each of its params' entries depended on when it was planned."""
+    __slots__ = ("op", "args", "kwargs", "device", "slot", "lr_at", "lr_group", "lr_groups",
+                 "owners", "states", "ids", "dtypes", "grads")
+
+
+class StepPlan:
+    """An optimizer's op calls, kept between steps by its owner (mpext.optim._base): every list
+    but the gradients, so that a step reads the gradients, checks that each param's dtype,
+    state dict and state tensors are the ones planned, and launches. :meth:`refresh` (False: the
+    plan no longer holds, plan anew), :meth:`run` (through :func:`fused_step`). The op checks
+    every argument before it writes anything, so a call it refuses falls back to the long way
+    (``owner``, a weak reference set by the optimizer: its ``_long_items()``, the StepItems
+    the long way, whose checks name the bad argument); with
+    more than one call the gradients are checked here first, so that no call runs before a
+    later one is refused."""
+
+    def __init__(self, calls: List[_PlannedCall], idle: List[torch.Tensor]) -> None:
+        self.calls, self.idle, self.owner = calls, idle, None
+        self.size = sum(len(c.owners) for c in calls)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @classmethod
+    def build(cls, items: List[StepItem], owners: List[torch.Tensor], groups: List[dict],
+              idle: List[torch.Tensor], lr_tensors: LrTensors) -> Optional["StepPlan"]:
+        """The plan of a step of ``items`` (with ``owners`` the params whose ``.grad`` is read
+        and ``groups`` their param groups; ``idle`` the params without a gradient), or None
+        where a gradient needs a copy in its param's layout (those step the long way)."""
+        planned, _ = _plan_calls(items, lr_tensors, None, None)
+        calls = []
+        for c in planned:
+            if any(g is not items[i].grad for g, i in zip(c.args[1], c.positions)):
+                return None
+            pc = _PlannedCall()
+            pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, c.device, \
+                c.slot
+            pc.lr_at = len(c.args) - len(items[c.positions[0]].hyper.rule_args()) - 1
+            pc.lr_groups = list({id(groups[i]): groups[i] for i in c.positions}.values())
+            pc.lr_group = pc.lr_groups[0]
+            pc.owners = [owners[i] for i in c.positions]
+            pc.states = [items[i].state for i in c.positions]
+            pc.ids = [tuple(map(id, st.values())) for st in pc.states]
+            pc.dtypes = [p.dtype for p in pc.owners]
+            pc.grads = c.args[1]
+            calls.append(pc)
+        return cls(calls, idle)
+
+    def refresh(self, state_of: Any) -> bool:
+        """Reads every param's gradient; False if the plan no longer holds: a param with a
+        gradient it did not plan for, or without one, or whose dtype, state dict or state
+        tensors changed, or (several calls) a gradient the op would refuse."""
+        check = len(self.calls) > 1
+        for c in self.calls:
+            if len(c.lr_groups) > 1 and len({_lr_key(g["lr"]) for g in c.lr_groups}) > 1:
+                return False
+            grads = [p.grad for p in c.owners]
+            for p, g, st, ids, dt in zip(c.owners, grads, c.states, c.ids, c.dtypes):
+                if g is None or p.dtype is not dt or state_of(p) is not st \
+                        or tuple(map(id, st.values())) != ids:
+                    return False
+                if check and not (g.layout == torch.strided and (g.dtype is dt or g.dtype is F32)
+                                  and g.device == p.device and g.stride() == p.stride()
+                                  and g.shape == p.shape):
+                    return False
+            c.grads = grads
+        return all(p.grad is None for p in self.idle)
+
+    def run(self, lr_tensors: LrTensors, inv_scale: Optional[torch.Tensor],
+            found_inf: Optional[torch.Tensor]) -> None:
+        per_device: Dict[torch.device, tuple] = {}
+        launches = []
+        for c in self.calls:
+            dev = per_device.get(c.device)
+            if dev is None:
+                dev = per_device[c.device] = (_to_device(inv_scale, c.device),
+                                              _to_device(found_inf, c.device))
+            args = list(c.args)
+            args[1] = c.grads
+            args[c.lr_at] = lr_tensors.get((c.device, c.slot), c.device, c.lr_group["lr"])
+            kwargs = dict(c.kwargs)
+            kwargs["inv_scale"], kwargs["found_inf"] = dev
+            launches.append((c.op, (args, kwargs)))
+        if len(launches) > 1:
+            run_launches(launches, [])
+            return
+        try:
+            run_launches(launches, [])
+            return
+        except (RuntimeError, ValueError, TypeError):
+            pass  # refused before anything was written: the long way names what is wrong
+        fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
 
 
 # Adam's name for the planner (MixedPrecisionOptimizer and earlier callers use it).
