@@ -15,7 +15,7 @@ import mpext
 from mpext._common import MIN_8BIT_NUMEL
 from mpext.optim import _engine
 
-from .common import machine_info, machine_line, markdown_table, time_fns
+from .common import machine_header, machine_info, markdown_table, time_fns
 
 BF16 = torch.bfloat16
 FORMATS = {  # name -> (param dtype, AdamW keywords)
@@ -82,7 +82,8 @@ def run_format(name, args):
                  device=torch.device("cpu"), repeats=args.repeats, min_sample_s=0.03,
                  show_progress=False)
     ms = {k: v.median * 1e3 for k, v in t.items()}
-    spread = {k: "%.3f (%.3f–%.3f)" % (ms[k], v.min * 1e3, v.max * 1e3) for k, v in t.items()}
+    spread = {k: "%.3f (%.3f–%.3f)" % (ms[k], min(v.samples) * 1e3, max(v.samples) * 1e3)
+              for k, v in t.items()}
     host = {k: (ms[k] - ms[k + "_op"]) * 1e3 / args.params for k in ("mp", "torch")}
     return [name + (" (%d el.)" % numel if numel != args.numel else ""), spread["mp"],
             spread["torch"], "%.2f" % (ms["mp"] / ms["torch"]),
@@ -98,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
     args = ap.parse_args(argv)
-    print(machine_line(machine_info(torch.device("cpu"))))
+    print("\n".join(machine_header(machine_info(torch.device("cpu")))))
     print("\n%d params x %d elements; median ms/step of %d repeats (min–max)\n"
           % (args.params, args.numel, args.repeats))
     rows = [run_format(name, args) for name in args.formats]
