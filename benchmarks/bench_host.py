@@ -27,7 +27,13 @@ FORMATS = {  # name -> (param dtype, AdamW keywords)
     "master-free SR": (BF16, dict(master_weights=False, stochastic_rounding=True)),
     "SR + bf16 moments": (BF16, dict(master_weights=False, stochastic_rounding=True,
                                      exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
+    "bf16 moments to nearest": (BF16, dict(param_remainders=True, exp_avg_dtype=BF16,
+                                           exp_avg_sq_dtype=BF16, moment_rounding="nearest")),
     "8-bit moments": (BF16, dict(exp_avg_dtype="q8", exp_avg_sq_dtype="q8")),
+    "remainder + 8-bit": (BF16, dict(param_remainders=True, exp_avg_dtype="q8",
+                                     exp_avg_sq_dtype="q8")),
+    "SR + 8-bit": (BF16, dict(master_weights=False, stochastic_rounding=True,
+                              exp_avg_dtype="q8", exp_avg_sq_dtype="q8")),
 }
 
 
