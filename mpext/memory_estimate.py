@@ -64,15 +64,15 @@ them, as in the paper's K = 12 bytes for mixed-precision Adam) over ``world_size
 2 also the gradients, stage 3 also the weights. A partition holds ceil(params / world_size)
 elements. Temporary all-gather buffers and communication buckets are not counted.
 
-Activations (optional; needs batch, sequence, hidden, layers, heads): per transformer layer,
-Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models",
-section 4.1, without tensor/sequence parallelism or recomputation. With 16-bit activations it is
-``s*b*h*(34 + 5*a*s/h)`` bytes; written per saved tensor it is ``s*b*h*(16*d + 2*m) +
-a*s*s*b*(2*d + m)`` with ``d`` the activation dtype's bytes and ``m`` = 1 byte per dropout-mask
-element (0 without dropout), which gives 34 and 5 for d = 2, m = 1. Plus the paper's terms
-outside the layers: the embedding dropout mask (``s*b*h*m``), the final layer norm's input
-(``s*b*h*d``) and the FP32 logits kept by the cross entropy (``4*s*b*v``, when a vocabulary size
-is given). Activations are replicated data-parallel work and are not divided by ZeRO.
+Activations (optional; needs batch, sequence, hidden, layers, heads): what autograd saves in
+one forward, derived from the saved-tensor hooks on the benchmark GPT and transformers' GPT-2
+(``activation_bytes``; docs/memory.md has the formula and the measured table). Per layer
+``s*b*h*(14*d + 2*f + 2*m) + 4*s*b*f`` plus, with fused attention (``attention="sdpa"``, the
+default), a float32 log-sum-exp ``4*a*s*b`` or, with ``"eager"``, the probabilities
+``a*s^2*b*(f + d' + m)``; ``d`` the matrix products' bytes, ``f`` the residual stream's and the
+norms' (FP32 under native AMP), ``m`` a dropout mask's. Eager attention on CUDA in 16 bits is
+Korthikanti et al. 2022, section 4.1, plus the norms' statistics. Activations are replicated
+data-parallel work and are not divided by ZeRO.
 """
 import dataclasses
 import math
