@@ -539,7 +539,9 @@ def _fsdp_model(param_dtype):
 
 def _fsdp_body(rank, out_dir):
     out = {}
-    for name, param_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    for name, param_dtype, policy in (("fp32", None, "layers"), ("bf16", torch.bfloat16, "layers"),
+                                      ("fp32-size", None, "size"),
+                                      ("bf16-size", torch.bfloat16, "size")):
         m = _fsdp_model(param_dtype)
         torch.manual_seed(100 + rank)
         x = torch.randn(FSDP_BATCH, 32, 256)
@@ -564,7 +566,8 @@ def _fsdp_body(rank, out_dir):
 
         act._Packed = Recording
         try:
-            ctx = act.fp8_saved_tensors()
+            # "size": every floating saved tensor is a candidate, the unsharded weights too
+            ctx = act.fp8_saved_tensors(policy, min_bytes=1)
             got = [g.full_tensor() for g in grads(m, x, ctx)]
         finally:
             act._Packed = real
@@ -629,3 +632,29 @@ def test_gradient_release_same_params_as_a_normal_step(dtype):
     normal, released = train(False), train(True)
     for a, b in zip(normal, released):
         assert torch.equal(a, b)  # bit for bit: RNE compression is deterministic
+
+
+def test_a_params_address_counts_only_while_the_param_holds_it():
+    """FSDP2 frees an all-gathered param's storage (resize to 0) after its layer's forward; the
+    address may then hold an activation, which must not be taken for the param."""
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    ptr = p.untyped_storage().data_ptr()
+    seen = act._ParamStorages()
+    seen.add(p)
+    assert ptr in seen
+    p.untyped_storage().resize_(0)  # what FSDP2 does to the unsharded param after the forward
+    assert ptr not in seen
+    q = torch.nn.Parameter(torch.randn(32))
+    seen.add(q)
+    qptr = q.untyped_storage().data_ptr()
+    assert qptr in seen
+    del q  # the param is gone: its address may be anyone's
+    assert qptr not in seen
+    # a tensor on a recorded param's (re-used) address that is no param is compressed
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    x = torch.randn(64, 256, requires_grad=True)
+    with act.fp8_saved_tensors("size", min_bytes=1) as ctx:
+        h = torch.nn.functional.linear(x, w)
+        w.untyped_storage().resize_(0)
+        st = ctx._stack[-1][2]
+        assert not act._is_param_like(h, st.param_ptrs)

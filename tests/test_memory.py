@@ -477,6 +477,20 @@ def test_cli_json_matches_api(capsys):
         assert r["bytes_per_param"]["persistent"] == pytest.approx(want.persistent / spec.params)
 
 
+def test_cli_attention_and_device(capsys):
+    args = ("--model", "gpt2", "--batch", "2", "--mode", "amp-bf16,mpext-bf16", "--json")
+    for extra, kw in [((), {}), (("--attention", "eager"), dict(attention="eager")),
+                      (("--device", "cpu", "--no-dropout"), dict(device="cpu", dropout=False))]:
+        code, out, _ = run_main(capsys, *(args + extra))
+        assert code == 0
+        spec = memory.MODELS["gpt2"]
+        for r in json.loads(out)["results"]:
+            want = estimate(list(spec.sizes), "adamw", r["mode"], batch=2, seq=spec.seq,
+                            hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
+                            vocab=spec.vocab, **kw)
+            assert r["activations"] == want.activations
+
+
 def test_cli_default_modes(capsys):
     """Without --mode (or with 'all'): every mode the optimizer has, the lean ones with
     Adam/AdamW only."""
@@ -551,6 +565,10 @@ def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
     (["--model", "gpt2", "--batch", "1", "--heads", "1000"], "argument --heads: 1000 heads"),
     ([], "one of the arguments --params --model is required"),
     (["--params", "1e6", "--model", "gpt2"], "not allowed with argument"),
+    (["--model", "gpt2", "--batch", "1", "--attention", "flash"],
+     "argument --attention: invalid choice: 'flash'"),
+    (["--model", "gpt2", "--batch", "1", "--device", "tpu"],
+     "argument --device: invalid choice: 'tpu'"),
 ])
 def test_cli_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
