@@ -80,6 +80,37 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return -1
 
 
+class _ParamStorages:
+    """The storages of the parameters seen, by address, each valid only while its parameter
+    lives and still holds that storage: FSDP2 frees an all-gathered parameter's storage after
+    its layer's forward, and the allocator hands the same address to the next activation,
+    which a bare set of addresses would then take for a parameter and never compress."""
+
+    def __init__(self):
+        self._refs = {}
+
+    def add(self, p: torch.Tensor):
+        ptr = _storage_ptr(p)
+        if ptr > 0:
+            self._refs.setdefault(ptr, []).append(weakref.ref(p))
+
+    def update(self, other: "_ParamStorages"):
+        for refs in other._refs.values():
+            for r in refs:
+                p = r()
+                if p is not None:
+                    self.add(p)
+
+    def __contains__(self, ptr: int) -> bool:
+        refs = self._refs.get(ptr)
+        if not refs:
+            return False
+        alive = [r for r in refs if r() is not None and _storage_ptr(r()) == ptr
+                 and r().untyped_storage().nbytes() > 0]
+        self._refs[ptr] = alive
+        return bool(alive)
+
+
 def _is_param_like(t: torch.Tensor, param_ptrs) -> bool:
     """A parameter, a tensor sharing a parameter's storage, or a view or cast of one."""
     if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
@@ -139,7 +170,7 @@ class _Recorder(TorchFunctionMode):
                      for a in a if isinstance(a, torch.Tensor)]
         for a in flat:
             if isinstance(a, torch.nn.Parameter):
-                st.param_ptrs.add(_storage_ptr(a))
+                st.param_ptrs.add(a)
         kind = _KIND.get(func)
         if kind is None:
             return func(*args, **kwargs)
@@ -154,7 +185,7 @@ class _Recorder(TorchFunctionMode):
 
 class _State:
     def __init__(self):
-        self.param_ptrs = set()
+        self.param_ptrs = _ParamStorages()
         self.linear_stack = []
 
 
@@ -195,7 +226,9 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         self.min_bytes, self.min_numel, self.warn_unmatched = min_bytes, min_numel, warn_unmatched
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
-        self._fixed_params = {_storage_ptr(p) for p in (params or ())}
+        self._fixed_params = _ParamStorages()
+        for p in params or ():
+            self._fixed_params.add(p)
         self.stats = {}
         self._stack = []
 
@@ -269,7 +302,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
 
     def __enter__(self):
         st = _State()
-        st.param_ptrs |= self._fixed_params
+        st.param_ptrs.update(self._fixed_params)
         cache = {}
         self._offset = getattr(self, "_offset", 0)
         self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0}

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .memory_estimate import (ALIASES, DEFAULT_BUCKET_BYTES, FORMAT_MODES,  # noqa: F401
+from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES, FORMAT_MODES,  # noqa: F401
                               MODELS, MODES, OPTIMIZERS, RULES, SCALER_SCALARS, Breakdown,
                               ModelSpec, ModeSpec, activation_bytes, estimate, format_mode,
                               format_mode_name,
@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="vocabulary size (adds the FP32 logits)")
     act.add_argument("--no-dropout", action="store_true",
                      help="no dropout masks in the activation estimate")
+    act.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
+                     help="sdpa (fused: no s x s tensor saved; default) or eager (the "
+                          "probabilities saved)")
+    act.add_argument("--device", choices=DEVICES, default="cuda",
+                     help="where it trains: on the CPU dropout masks take the input's dtype "
+                          "and SDPA with dropout saves what eager does (default cuda)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", metavar="PATH", help="also write a stacked bar chart of the columns")
     return p
@@ -204,7 +210,8 @@ def _configs(args, parser) -> List[Breakdown]:
                 refused.append({"mode": mode, "zero": z, "reason": why})
                 continue
             out.append(estimate(params, args.optimizer, mode, zero=z, world_size=args.world_size,
-                                dropout=dropout, ema=args.ema, rule=args.rule,
+                                dropout=dropout, attention=args.attention,
+                                device=args.device, ema=args.ema, rule=args.rule,
                                 momentum=args.momentum, grad_release=args.grad_release,
                                 bucket_bytes=args.bucket_bytes, **shape))
     if not out:

@@ -64,15 +64,15 @@ them, as in the paper's K = 12 bytes for mixed-precision Adam) over ``world_size
 2 also the gradients, stage 3 also the weights. A partition holds ceil(params / world_size)
 elements. Temporary all-gather buffers and communication buckets are not counted.
 
-Activations (optional; needs batch, sequence, hidden, layers, heads): per transformer layer,
-Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models",
-section 4.1, without tensor/sequence parallelism or recomputation. With 16-bit activations it is
-``s*b*h*(34 + 5*a*s/h)`` bytes; written per saved tensor it is ``s*b*h*(16*d + 2*m) +
-a*s*s*b*(2*d + m)`` with ``d`` the activation dtype's bytes and ``m`` = 1 byte per dropout-mask
-element (0 without dropout), which gives 34 and 5 for d = 2, m = 1. Plus the paper's terms
-outside the layers: the embedding dropout mask (``s*b*h*m``), the final layer norm's input
-(``s*b*h*d``) and the FP32 logits kept by the cross entropy (``4*s*b*v``, when a vocabulary size
-is given). Activations are replicated data-parallel work and are not divided by ZeRO.
+Activations (optional; needs batch, sequence, hidden, layers, heads): what autograd saves in
+one forward, derived from the saved-tensor hooks on the benchmark GPT and transformers' GPT-2
+(``activation_bytes``; docs/memory.md has the formula and the measured table). Per layer
+``s*b*h*(14*d + 2*f + 2*m) + 4*s*b*f`` plus, with fused attention (``attention="sdpa"``, the
+default), a float32 log-sum-exp ``4*a*s*b`` or, with ``"eager"``, the probabilities
+``a*s^2*b*(f + d' + m)``; ``d`` the matrix products' bytes, ``f`` the residual stream's and the
+norms' (FP32 under native AMP), ``m`` a dropout mask's. Eager attention on CUDA in 16 bits is
+Korthikanti et al. 2022, section 4.1, plus the norms' statistics. Activations are replicated
+data-parallel work and are not divided by ZeRO.
 """
 import dataclasses
 import math
@@ -86,7 +86,8 @@ from .optim._release import DEFAULT_BUCKET_BYTES
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "optimizer_states", "rule_states",
-           "format_mode", "format_mode_name", "activation_bytes", "gpt_params", "gpt_shapes", "llama_params",
+           "format_mode", "format_mode_name", "activation_bytes", "activation_formula",
+           "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
            "llama_shapes", "model_names", "model_spec", "mode_supports", "unsupported",
            "DEFAULT_BUCKET_BYTES"]
 
@@ -118,6 +119,12 @@ class ModeSpec:
     # the mpext.optim.formats it is, for the modes of mpext.optim (None: a native mode)
     param_format: Optional[str] = None
     moment_format: Optional[str] = None
+
+    @property
+    def norm_activation(self) -> int:
+        """Bytes per element of what the norms, the softmax and the residual stream save: the
+        weights' dtype (native AMP's autocast runs them in FP32 over its FP32 model)."""
+        return self.weight if self.autocast_copy else self.activation
 
     @property
     def stepped_by_mpext(self) -> bool:
@@ -519,14 +526,36 @@ def _check_count(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+ATTENTIONS = ("sdpa", "eager")
+DEVICES = ("cuda", "cpu")
+
+
 def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
                      act_bytes: int = 2, vocab: Optional[int] = None,
-                     dropout: bool = True) -> int:
-    """Activation memory of one forward of a GPT-style transformer (Korthikanti et al. 2022,
-    section 4.1): per layer ``s*b*h*(16*d + 2*m) + a*s^2*b*(2*d + m)`` bytes (``d`` =
-    ``act_bytes``, ``m`` = 1 with dropout masks, else 0), plus the embedding dropout mask, the
-    final LayerNorm input and, with ``vocab``, the FP32 logits of the cross entropy
-    (``4*s*b*vocab``)."""
+                     dropout: bool = True, *, norm_bytes: Optional[int] = None,
+                     attention: str = "sdpa", device: str = "cuda") -> int:
+    """Bytes autograd saves in one forward of a GPT-style (pre-LayerNorm, GELU) transformer:
+    every saved tensor, each storage once, the parameters and the batch left out. Derived from
+    the tensors torch's saved-tensor hooks see (docs/memory.md, "Activations"); Korthikanti et
+    al. 2022's section 4.1 is the eager, CUDA, 16-bit case plus the norms' statistics.
+
+    ``d`` = ``act_bytes`` (what the matrix products read), ``f`` = ``norm_bytes`` (what the
+    residual stream, the norms and the softmax run in: 4 under native AMP, whose autocast keeps
+    them in FP32; ``act_bytes`` when None). Per layer ``s*b*h*(14*d + 2*f + 2*m) + 4*s*b*f``
+    (the two LayerNorms' inputs in ``f`` and their mean and rstd; the QKV input, q, k, v, the
+    attention output, the MLP's input, GELU input and output in ``d``; two residual dropout
+    masks) plus the attention's own: ``attention="sdpa"`` (fused flash / memory-efficient, what
+    torch and transformers use) keeps a float32 log-sum-exp, ``4*a*s*b``; ``"eager"`` keeps the
+    probabilities, ``a*s^2*b*(f + d' + m)`` (the softmax output in ``f``, its ``d`` copy for the
+    product with V when that is another dtype or when dropout makes one, the dropout mask).
+    Outside the layers: the final LayerNorm's input (``f``), output (``d``, the head's input)
+    and statistics, the embedding dropout mask, the position indices (int64) and, with
+    ``vocab``, the cross entropy's FP32 log-softmax (``4*s*b*vocab``).
+
+    Dropout masks (``m``) are one byte on CUDA (bool); on the CPU torch keeps them in the
+    dtype of the dropout's input, and its SDPA with dropout falls back to the math path, which
+    saves what ``"eager"`` does, in float32 whatever the inputs' dtype (q, k, v copied to it,
+    ``3*s*b*h*(4 - d) + 12*a*s^2*b``; ``device="cpu"``)."""
     b = _check_count("batch", batch)
     s = _check_count("seq", seq)
     h = _check_count("hidden", hidden)
@@ -536,12 +565,46 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
         raise ValueError("heads: %d heads cannot exceed hidden=%d" % (a, h))
     if act_bytes not in (2, 4):
         raise ValueError("act_bytes: must be 2 or 4, got %r" % (act_bytes,))
-    m = 1 if dropout else 0
-    per_layer = s * b * h * (16 * act_bytes + 2 * m) + a * s * s * b * (2 * act_bytes + m)
-    outside = s * b * h * (m + act_bytes)
+    f = act_bytes if norm_bytes is None else norm_bytes
+    if f not in (2, 4):
+        raise ValueError("norm_bytes: must be 2 or 4, got %r" % (norm_bytes,))
+    if attention not in ATTENTIONS:
+        raise ValueError("attention: must be one of %s, got %r" % (", ".join(ATTENTIONS),
+                                                                 attention))
+    if device not in DEVICES:
+        raise ValueError("device: must be one of %s, got %r" % (", ".join(DEVICES), device))
+    if not isinstance(dropout, bool):
+        raise TypeError("dropout: must be True or False, got %r" % (dropout,))
+    d, cpu = act_bytes, device == "cpu"
+    mask_d = (d if cpu else 1) if dropout else 0  # masks of the residual (d-dtype) dropouts
+    mask_f = (f if cpu else 1) if dropout else 0  # the embedding's (in the weights' dtype)
+    sbh = s * b * h
+    per_layer = sbh * (14 * d + 2 * f + 2 * mask_d) + 4 * s * b * f
+    if attention == "sdpa" and not (dropout and cpu):
+        per_layer += 4 * a * s * b
+    elif attention == "sdpa":  # the CPU's math fallback, which computes in float32
+        per_layer += 3 * sbh * (4 - d) + a * s * s * b * 12
+    else:
+        copy = d if (dropout or d != f) else 0
+        per_layer += a * s * s * b * (f + copy + mask_d)
+    outside = sbh * (f + d + mask_f) + 2 * s * b * f + 8 * s
     if vocab is not None:
-        outside += 4 * s * b * _check_count("vocab", vocab)
+        outside += 4 * s * b * _check_count("vocab", vocab) + 4  # + nll_loss's total weight
     return n * per_layer + outside
+
+
+def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: bool = False,
+                       dropout: bool = True, attention: str = "sdpa",
+                       device: str = "cuda") -> str:
+    """The formula :func:`activation_bytes` evaluates, with its parameters, as text."""
+    f = act_bytes if norm_bytes is None else norm_bytes
+    m = ("d" if device == "cpu" else "1") if dropout else "0"
+    math = attention == "sdpa" and dropout and device == "cpu"
+    att = ("3*s*b*h*(4-d) + 12*a*s^2*b" if math else "4*a*s*b" if attention == "sdpa" else
+           "a*s^2*b*(f+%s+m)" % ("d" if dropout or act_bytes != f else "0"))
+    return ("layers*(s*b*h*(14*d+2*f+2*m) + 4*s*b*f + %s) + s*b*h*(f+d+m) + 2*s*b*f + 8*s%s, "
+            "d=%d, f=%d, m=%s (%s attention, %s)" % (att, " + 4*s*b*v" if vocab else "",
+                                                    act_bytes, f, m, attention, device))
 
 
 def _sizes(params) -> Tuple[int, Optional[List[int]]]:
@@ -562,7 +625,8 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              heads: Optional[int] = None, vocab: Optional[int] = None,
              dropout: bool = True, ema: bool = False, rule: Optional[str] = None,
              momentum: float = 0.0, grad_release: bool = False,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Breakdown:
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, attention: str = "sdpa",
+             device: str = "cuda") -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -586,7 +650,11 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         world_size: data-parallel devices the partitions are spread over.
         batch, seq, hidden, layers, heads: the activation estimate's shape; all five or none.
         vocab: adds the FP32 logits of the cross entropy to the activations.
-        dropout: count the dropout masks (1 byte per element) as Korthikanti et al. do.
+        dropout: count the dropout masks (1 byte per element on CUDA).
+        attention: 'sdpa' (fused attention, the default of torch and transformers: no
+            s x s tensor is saved) or 'eager' (the softmax probabilities are saved).
+        device: 'cuda' (default) or 'cpu', where dropout keeps its masks in the input's dtype
+            and SDPA with dropout saves what eager attention does (``activation_bytes``).
         ema: add an FP32 EMA of the weights (mpext modes: ``ema_decay`` of
             ``mpext.optim.Adam``/``AdamW``, so adam or adamw only; native modes: an FP32
             ``AveragedModel``).
@@ -662,10 +730,10 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     acts, formula = None, ""
     if given:
         acts = activation_bytes(batch, seq, hidden, layers, heads, spec.activation, vocab,
-                                dropout)
-        formula = ("Korthikanti et al. 2022: layers*(s*b*h*(16*d+2*m) + a*s^2*b*(2*d+m)) "
-                   "+ s*b*h*(m+d)%s, d=%d, m=%d" % (" + 4*s*b*v" if vocab else "",
-                                                    spec.activation, 1 if dropout else 0))
+                                dropout, norm_bytes=spec.norm_activation, attention=attention,
+                                device=device)
+        formula = activation_formula(spec.activation, spec.norm_activation, vocab is not None,
+                                     dropout, attention, device)
     if not spec.state_block:
         states = k * spec.state * part(1)
     elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted

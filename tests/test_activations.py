@@ -520,3 +520,141 @@ def test_ddp_gloo_two_ranks(tmp_path):
     for g, _ in results:
         for a, b in zip(g, mean):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# With FSDP2 (fully_shard): the all-gathered params autograd saves are never compressed.
+
+FSDP_BATCH = 4  # rows per rank
+
+
+def _fsdp_model(param_dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    m = mlp(0)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(m, mp_policy=policy)
+
+
+def _fsdp_body(rank, out_dir):
+    out = {}
+    for name, param_dtype, policy in (("fp32", None, "layers"), ("bf16", torch.bfloat16, "layers"),
+                                      ("fp32-size", None, "size"),
+                                      ("bf16-size", torch.bfloat16, "size")):
+        m = _fsdp_model(param_dtype)
+        torch.manual_seed(100 + rank)
+        x = torch.randn(FSDP_BATCH, 32, 256)
+        ref = [g.full_tensor() for g in grads(m, x)]
+        # every tensor handed to the compression, with whether it is one of the params FSDP2
+        # has all-gathered at that moment (plain tensors registered on the modules) or their
+        # storage
+        seen = []
+        real = act._Packed
+
+        class Recording(real):
+            __slots__ = ()
+
+            def __init__(self, t, *args):
+                live = [p for p in m.parameters() if type(p.data) is torch.Tensor]
+                ptrs = {p.untyped_storage().data_ptr() for p in live}
+                seen.append((tuple(t.shape), isinstance(t, torch.nn.Parameter)
+                             or t.untyped_storage().data_ptr() in ptrs
+                             or (t._base is not None and t._base.untyped_storage().data_ptr()
+                                 in ptrs)))
+                super().__init__(t, *args)
+
+        act._Packed = Recording
+        try:
+            # "size": every floating saved tensor is a candidate, the unsharded weights too
+            ctx = act.fp8_saved_tensors(policy, min_bytes=1)
+            got = [g.full_tensor() for g in grads(m, x, ctx)]
+        finally:
+            act._Packed = real
+        out[name] = (ref, got, seen, dict(ctx.stats))
+    return out
+
+
+def test_fsdp2_gloo_two_ranks(tmp_path):
+    torch_dist = pytest.importorskip("torch.distributed")
+    if not torch_dist.is_available() or not torch_dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from test_distributed import _spawn
+    results = _spawn(_fsdp_body, tmp_path)
+    for res in results:
+        for name, (ref, got, seen, stats) in res.items():
+            # the GELU's input and output, nothing else: the unsharded weights that F.linear
+            # saves are FSDP2's all-gathered nn.Parameters and stay as they are
+            assert stats["compressed"] == 2, (name, stats, seen)
+            assert not any(is_param for _, is_param in seen), (name, seen)
+            # (the second linear sees the GELU output as the 2-d view F.linear makes)
+            assert [(math.prod(shape), shape[-1]) for shape, _ in seen] == \
+                [(FSDP_BATCH * 32 * 512, 512)] * 2
+            w1, b1, w2, b2 = rel_errors(ref, got)
+            # the bound of the single-process E4M3 case
+            # (test_default_policy_compresses_matmul_and_activation_tensors_gradients_close)
+            assert 0 < w1 < 0.05 and 0 < w2 < 0.05, (name, w1, w2)
+            assert b2 == 0.0
+    # the ranks hold the same (reduced) gradients
+    for name in results[0]:
+        for a, b in zip(results[0][name][1], results[1][name][1]):
+            assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# With gradient release: stepping inside the backward sees the gradients a normal step sees.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_release_same_params_as_a_normal_step(dtype):
+    def train(release):
+        m = mlp(5, dtype)
+        opt = mpext.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+        handle = opt.release_grads(bucket_bytes=64 << 10) if release else None
+        ctx = act.fp8_saved_tensors()
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(4):
+            x = torch.randn(16, 256, generator=gen).to(dtype)
+            with ctx:
+                loss = m(x).float().square().mean()
+            if release:
+                handle.backward(loss)
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            assert ctx.stats["compressed"] == 2
+        if release:
+            assert handle.backward_passes == 4 and handle.buckets_stepped > 4
+            assert all(p.grad is None for p in m.parameters())
+        return [p.detach().clone() for p in m.parameters()]
+
+    normal, released = train(False), train(True)
+    for a, b in zip(normal, released):
+        assert torch.equal(a, b)  # bit for bit: RNE compression is deterministic
+
+
+def test_a_params_address_counts_only_while_the_param_holds_it():
+    """FSDP2 frees an all-gathered param's storage (resize to 0) after its layer's forward; the
+    address may then hold an activation, which must not be taken for the param."""
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    ptr = p.untyped_storage().data_ptr()
+    seen = act._ParamStorages()
+    seen.add(p)
+    assert ptr in seen
+    p.untyped_storage().resize_(0)  # what FSDP2 does to the unsharded param after the forward
+    assert ptr not in seen
+    q = torch.nn.Parameter(torch.randn(32))
+    seen.add(q)
+    qptr = q.untyped_storage().data_ptr()
+    assert qptr in seen
+    del q  # the param is gone: its address may be anyone's
+    assert qptr not in seen
+    # a tensor on a recorded param's (re-used) address that is no param is compressed
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    x = torch.randn(64, 256, requires_grad=True)
+    with act.fp8_saved_tensors("size", min_bytes=1) as ctx:
+        h = torch.nn.functional.linear(x, w)
+        w.untyped_storage().resize_(0)
+        st = ctx._stack[-1][2]
+        assert not act._is_param_like(h, st.param_ptrs)

@@ -187,43 +187,165 @@ def test_zero_stage_1_favours_masters_in_the_optimizer():
 @pytest.mark.parametrize("b,s,h,L,a", [(1, 2048, 4096, 32, 32), (8, 512, 768, 12, 12),
                                       (3, 7, 10, 1, 5)])
 def test_activations_korthikanti_closed_form(b, s, h, L, a):
-    """16-bit activations with dropout: s*b*h*(34 + 5*a*s/h) per layer (the paper's equation 1),
-    plus the embedding dropout mask (1 byte), the final LayerNorm input (2 bytes) per token
-    and feature, and 4*s*b*v bytes of FP32 logits."""
-    got = memory.activation_bytes(b, s, h, L, a, act_bytes=2, vocab=None, dropout=True)
-    per_layer = s * b * h * (34 + 5 * a * s / h)
-    assert got == pytest.approx(L * per_layer + 3 * s * b * h, rel=1e-12)
-    with_logits = memory.activation_bytes(b, s, h, L, a, act_bytes=2, vocab=1000, dropout=True)
-    assert with_logits - got == 4 * s * b * 1000
+    """Eager attention on CUDA with 16-bit activations and dropout is the paper's equation 1,
+    s*b*h*(34 + 5*a*s/h) per layer, plus what the paper leaves out: the two LayerNorms' mean
+    and rstd (8*s*b per layer); outside the layers the final LayerNorm's input, output (the
+    head's input) and statistics, the embedding dropout mask, the int64 position indices; with
+    a vocabulary the FP32 log-softmax (4*s*b*v) and nll_loss's scalar weight."""
+    got = memory.activation_bytes(b, s, h, L, a, act_bytes=2, vocab=None, dropout=True,
+                                  attention="eager")
+    per_layer = s * b * h * (34 + 5 * a * s / h) + 8 * s * b
+    assert got == pytest.approx(L * per_layer + 5 * s * b * h + 4 * s * b + 8 * s, rel=1e-12)
+    with_logits = memory.activation_bytes(b, s, h, L, a, act_bytes=2, vocab=1000, dropout=True,
+                                          attention="eager")
+    assert with_logits - got == 4 * s * b * 1000 + 4
 
 
-def _saved_tensors(s, b, h, a, d, mask):
-    """The tensors a GPT layer keeps for its backward, listed one by one (Korthikanti et al.,
-    section 4.1): (elements, bytes per element)."""
+def _saved_tensors(s, b, h, a, d, f, mask, attention):
+    """The tensors a pre-LayerNorm GPT layer keeps for its backward, listed one by one:
+    (elements, bytes per element). ``f`` is the norms' and softmax's dtype, ``d`` the matrix
+    products' (they differ under autocast)."""
     sbh, ass = s * b * h, a * s * s * b
-    out = [(sbh, d),                       # attention: input of the QKV projection
-           (sbh, d), (sbh, d),             # Q and K for Q K^T
-           (ass, d),                       # softmax output
-           (ass, mask),                    # attention dropout mask
-           (ass, d), (sbh, d),             # dropout output and V, for the product with V
-           (sbh, d),                       # input of the output projection
-           (sbh, mask),                    # its dropout mask
-           (sbh, d),                       # MLP: input of the first linear
-           (4 * sbh, d),                   # GeLU input
-           (4 * sbh, d),                   # input of the second linear
-           (sbh, mask),                    # dropout mask
-           (sbh, d), (sbh, d)]             # the two LayerNorms' inputs
+    out = [(sbh, f), (2 * s * b, f),       # LayerNorm 1: input, mean and rstd
+           (sbh, d),                       # its output: the QKV projection's input
+           (3 * sbh, d),                   # q, k, v
+           (sbh, d),                       # the attention output: the out-projection's input
+           (sbh, mask),                    # the residual dropout's mask
+           (sbh, f), (2 * s * b, f),       # LayerNorm 2
+           (sbh, d),                       # the MLP's input
+           (4 * sbh, d), (4 * sbh, d),     # GELU input and output (the second linear's input)
+           (sbh, mask)]                    # the MLP's dropout mask
+    if attention == "sdpa":
+        out += [(a * s * b, 4)]            # the fused kernel's log-sum-exp (float32)
+    else:
+        out += [(ass, f),                  # softmax output
+                (ass, d if mask or d != f else 0),  # its copy for P @ V (dropout's or a cast)
+                (ass, mask)]               # the attention dropout's mask
     return sum(n * size for n, size in out)
 
 
-@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("d,f", [(2, 2), (4, 4), (2, 4)])
 @pytest.mark.parametrize("dropout", [True, False])
-def test_activations_tensor_by_tensor(d, dropout):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_activations_tensor_by_tensor(d, f, dropout, attention):
     b, s, h, L, a = 2, 64, 96, 3, 4
-    per_layer = _saved_tensors(s, b, h, a, d, 1 if dropout else 0)
-    outside = s * b * h * ((1 if dropout else 0) + d)
-    assert memory.activation_bytes(b, s, h, L, a, act_bytes=d, dropout=dropout) == \
-        L * per_layer + outside
+    m = 1 if dropout else 0
+    per_layer = _saved_tensors(s, b, h, a, d, f, m, attention)
+    outside = s * b * h * (f + d + m) + 2 * s * b * f + 8 * s
+    assert memory.activation_bytes(b, s, h, L, a, act_bytes=d, dropout=dropout, norm_bytes=f,
+                                   attention=attention) == L * per_layer + outside
+
+
+# What autograd really saves, seen by torch's saved-tensor hooks: the reference the formula is
+# checked against (the formula is not re-run here).
+
+
+class _SavedBytes:
+    """A pack hook summing the bytes autograd keeps for the backward, each storage once, the
+    parameters (and their views and casts: autocast's weight copies, counted apart as
+    autocast_copies) and the batch left out."""
+
+    _VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
+                     "PermuteBackward0", "ExpandBackward0", "UnsafeViewBackward0",
+                     "AliasBackward0"}
+
+    def __init__(self, model, batch):
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.skip |= {t.untyped_storage().data_ptr() for t in batch}
+        self.seen, self.bytes = set(), 0
+
+    def _of_a_param(self, t):
+        fn = t.grad_fn
+        while fn is not None and fn.name() in self._VIEW_OR_CAST:
+            nexts = [g for g, _ in fn.next_functions if g is not None]
+            if len(nexts) != 1:
+                return False
+            fn = nexts[0]
+        return fn is not None and type(fn).__name__ == "AccumulateGrad"
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.skip or ptr in self.seen or self._of_a_param(t):
+            return t
+        self.seen.add(ptr)
+        self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+# mode -> (model dtype, autocast dtype): the three ways the calculator's modes run a forward
+_RUNS = {"fp32": (torch.float32, None), "amp-bf16": (torch.float32, torch.bfloat16),
+         "mpext-bf16": (torch.bfloat16, None)}
+
+
+def _measure_saved(model, batch, loss_fn, mode):
+    dtype, amp = _RUNS[mode]
+    model = model.to(dtype).train()
+    meter = _SavedBytes(model, batch)
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        loss = loss_fn(model, *batch)
+    loss.backward()  # the graph was whole: every saved tensor is used
+    return meter.bytes
+
+
+def _estimated(mode, b, s, h, L, a, v, **kw):
+    return estimate(10 ** 6, "adamw", mode, batch=b, seq=s, hidden=h, layers=L, heads=a,
+                    vocab=v, device="cpu", **kw).activations
+
+
+# (batch, seq, hidden, layers, heads, vocab): two shapes per model
+_SHAPES = [(2, 32, 64, 1, 4, 42), (3, 48, 96, 2, 3, 50)]
+
+
+@pytest.mark.parametrize("mode", list(_RUNS))
+@pytest.mark.parametrize("shape", _SHAPES)
+def test_activations_equal_the_benchmark_gpts_saved_tensors(mode, shape):
+    """benchmarks/gpt.py's GPT (SDPA attention, no dropout): exactly."""
+    from benchmarks import gpt
+    b, s, h, L, a, v = shape
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=v, block_size=s, n_layer=L, n_head=a, n_embd=h))
+    x, y = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
+    got = _measure_saved(model, (x, y), lambda m, x, y: m(x, y)[1], mode)
+    assert got == _estimated(mode, *shape, dropout=False)
+
+
+@pytest.mark.parametrize("mode", list(_RUNS))
+@pytest.mark.parametrize("shape", _SHAPES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_activations_equal_hf_gpt2s_saved_tensors(mode, shape, attention, dropout):
+    """transformers' GPT2LMHeadModel (a small config, nothing downloaded), fused GELU, eager
+    and SDPA attention, with and without dropout: exactly, but for the loss's shifted copy of
+    the labels (int64, 8*s*b bytes, which a model that is given its targets does not make)."""
+    transformers = pytest.importorskip("transformers")
+    b, s, h, L, a, v = shape
+    cfg = transformers.GPT2Config(
+        n_layer=L, n_embd=h, n_head=a, vocab_size=v, n_positions=s, use_cache=False,
+        attn_implementation=attention, resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout, activation_function="gelu_pytorch_tanh", bos_token_id=0,
+        eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    x = torch.randint(0, v, (b, s))
+    got = _measure_saved(model, (x,), lambda m, x: m(x, labels=x).loss, mode)
+    want = _estimated(mode, *shape, dropout=dropout > 0, attention=attention)
+    assert got - want == 8 * s * b
+    assert abs(got / want - 1) <= 0.01  # the stated tolerance: the labels' copy is under 1%
+
+
+def test_activation_options_are_checked():
+    for kw, match in [(dict(attention="flash"), "attention: must be one of sdpa, eager"),
+                      (dict(device="tpu"), "device: must be one of cuda, cpu"),
+                      (dict(norm_bytes=8), "norm_bytes: must be 2 or 4")]:
+        with pytest.raises(ValueError, match=match):
+            memory.activation_bytes(2, 8, 16, 1, 2, **kw)
+    with pytest.raises(ValueError, match="attention"):
+        estimate(10 ** 6, batch=2, seq=8, hidden=16, layers=1, heads=2, attention="flash")
 
 
 def test_activations_follow_the_mode():
@@ -231,12 +353,15 @@ def test_activations_follow_the_mode():
     by_mode = {m: estimate(10 ** 6, "adamw", m, **shape).activations for m in MODE_BYTES}
     want16 = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=2, vocab=42)
     want32 = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=4, vocab=42)
-    assert by_mode == dict({"fp32": want32, "amp-bf16": want16, "amp-fp16": want16,
+    # native AMP: 16-bit products over an FP32 residual stream, norms and softmax
+    amp = memory.activation_bytes(2, 64, 96, 3, 4, act_bytes=2, norm_bytes=4, vocab=42)
+    assert want16 < amp < want32
+    assert by_mode == dict({"fp32": want32, "amp-bf16": amp, "amp-fp16": amp,
                             "mpext-bf16": want16, "mpext-fp16": want16},
                            **{m: want16 for m in LEAN})
     b = estimate(10 ** 6, "adamw", "amp-bf16", zero=3, world_size=8, **shape)
-    assert b.activations == want16  # not divided by ZeRO
-    assert b.total == b.persistent + want16 + 2 * 10 ** 6
+    assert b.activations == amp  # not divided by ZeRO
+    assert b.total == b.persistent + amp + 2 * 10 ** 6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +477,20 @@ def test_cli_json_matches_api(capsys):
         assert r["bytes_per_param"]["persistent"] == pytest.approx(want.persistent / spec.params)
 
 
+def test_cli_attention_and_device(capsys):
+    args = ("--model", "gpt2", "--batch", "2", "--mode", "amp-bf16,mpext-bf16", "--json")
+    for extra, kw in [((), {}), (("--attention", "eager"), dict(attention="eager")),
+                      (("--device", "cpu", "--no-dropout"), dict(device="cpu", dropout=False))]:
+        code, out, _ = run_main(capsys, *(args + extra))
+        assert code == 0
+        spec = memory.MODELS["gpt2"]
+        for r in json.loads(out)["results"]:
+            want = estimate(list(spec.sizes), "adamw", r["mode"], batch=2, seq=spec.seq,
+                            hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
+                            vocab=spec.vocab, **kw)
+            assert r["activations"] == want.activations
+
+
 def test_cli_default_modes(capsys):
     """Without --mode (or with 'all'): every mode the optimizer has, the lean ones with
     Adam/AdamW only."""
@@ -426,6 +565,10 @@ def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
     (["--model", "gpt2", "--batch", "1", "--heads", "1000"], "argument --heads: 1000 heads"),
     ([], "one of the arguments --params --model is required"),
     (["--params", "1e6", "--model", "gpt2"], "not allowed with argument"),
+    (["--model", "gpt2", "--batch", "1", "--attention", "flash"],
+     "argument --attention: invalid choice: 'flash'"),
+    (["--model", "gpt2", "--batch", "1", "--device", "tpu"],
+     "argument --device: invalid choice: 'tpu'"),
 ])
 def test_cli_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
