@@ -32,15 +32,15 @@ SPEED_TARGET, COPY_TARGET = 1.3, 0.80
 ROOF_NAME = {"frac_copy_best": "copy", "frac_inplace_same_rounds": "in-place"}
 
 
-def _metrics(case, times, n, modes, roof, inplace_n=0, peaks=None):
+def _metrics(case, times, n, modes, roof, inplace_n, peaks=None):
     """One case's rows: per mode (key -> (label, state B/param
     or None, step B/param, baseline key, target: (x baseline, roofline fraction, its field) or
     None)) timing, bytes, GB/s, speed and bytes bound against its baseline, the fractions of
-    the run's best rooflines and, where the in-place roofline's buffer of ``inplace_n``
-    elements was timed in the same rounds, of that one."""
-    same = times["inplace"].gbps(8.0 * inplace_n) if inplace_n else None
+    the run's best rooflines and of the in-place roofline's buffer of ``inplace_n`` elements
+    timed in the same rounds."""
+    same = times["inplace"].gbps(8.0 * inplace_n)
     out = {"case": case, "params": n, "inplace_gbps_same_rounds": same,
-           "inplace": times["inplace"].to_json() if inplace_n else None, "modes": {}}
+           "inplace": times["inplace"].to_json(), "modes": {}}
     for key, (label, state, step, base, target) in modes.items():
         t = times[key]
         gb = t.gbps(step * n)
@@ -49,7 +49,7 @@ def _metrics(case, times, n, modes, roof, inplace_n=0, peaks=None):
             "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
             "baseline": base, "speedup_vs_baseline": times[base].median / t.median,
             "bytes_bound_vs_baseline": modes[base][2] / step,
-            "frac_inplace_same_rounds": gb / same if same else None,
+            "frac_inplace_same_rounds": gb / same,
             "frac_inplace_best": gb / roof["inplace_gbps"],
             "frac_copy_best": gb / roof["copy_gbps"], "peak_bytes": (peaks or {}).get(key),
             "target": target}
@@ -87,10 +87,9 @@ def _report(b: Bench, results):
                          "" if tgt is None else
                          "≥ %.1fx, ≥ %s %s" % (tgt[0], pct(tgt[1]), roof),
                          met])
-        if mtr["inplace"] is not None:
-            rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
-                         fmt_ms(mtr["inplace"]), "", "%.1f" % mtr["inplace_gbps_same_rounds"],
-                         "100%"] + [""] * 8)
+        rows.append(["", "in-place roofline x.add_(0.5) (same rounds)", "", "8",
+                     fmt_ms(mtr["inplace"]), "", "%.1f" % mtr["inplace_gbps_same_rounds"],
+                     "100%"] + [""] * 8)
     return markdown_table(["case", "mode", "state B/param", "step B/param", "ms",
                            "ns/param", "GB/s", "% in-place (same rounds)", "% in-place (best)",
                            "% copy (best)", "vs baseline", "bytes bound", "cores busy",

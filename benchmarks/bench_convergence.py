@@ -175,12 +175,6 @@ def evaluate(tr: Trainer, batches) -> float:
     return total / len(batches)
 
 
-def _frac(masks) -> float:
-    """The share of true elements over a list of boolean tensors."""
-    masks = list(masks)
-    return sum(int(x.sum()) for x in masks) / sum(x.numel() for x in masks)
-
-
 def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, device, *,
           lr: Optional[float] = None, fp32_gemm: bool = False, track_moments: bool = False,
           keep_grads: bool = False, keep_final: bool = False,
@@ -241,7 +235,9 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             if (not bool(applied)) if applied is not None else tr.get_scale() < scale:
                 run.skipped.append(step)
         if track_moments and v_before:
-            run.v_decreased.append(_frac(tr.opt.state[p]["exp_avg_sq"] < v for p, v in v_before))
+            lowered = [tr.opt.state[p]["exp_avg_sq"] < v for p, v in v_before]
+            run.v_decreased.append(sum(int(x.sum()) for x in lowered)
+                                   / sum(x.numel() for x in lowered))
         run.train_loss.append(float(loss.detach()))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
