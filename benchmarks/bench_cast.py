@@ -20,14 +20,12 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 BYTES_PER_ELEM = 6  # every cast here reads 4 (2) and writes 2 (4) bytes per element
 COPY_TARGET = 0.80  # >= 80% of the copy roofline; reported, never asserted
 NOISE_RATIO = 0.95  # a speed ratio in [0.95, 1) shows as "≈" (within run-to-run noise)
-SIZES_FULL = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
-SIZES_QUICK = [1 << 20, 4 << 20, 16 << 20]
-# key, label, sweep column: the single-tensor cases, then the casts into an existing tensor
-SINGLE_CASES = [("bf16", "fp32→bf16", None), ("fp16", "fp32→fp16", None),
-                ("f32_from_bf16", "bf16→fp32", None), ("f32_from_fp16", "fp16→fp32", None),
-                ("bf16_sr", "fp32→bf16 stochastic", None),
-                ("bf16_pre", "fp32→bf16 into preallocated (cast_ vs copy_)", "fp32→bf16 prealloc"),
-                ("fp16_pre", "fp32→fp16 into preallocated (cast_ vs copy_)", "fp32→fp16 prealloc")]
+SIZE_FULL, SIZE_QUICK = 64 << 20, 16 << 20  # elements of the single-tensor cases
+# the single-tensor cases (key, label), then the casts into an existing tensor
+SINGLE_CASES = [("bf16", "fp32→bf16"), ("fp16", "fp32→fp16"), ("f32_from_bf16", "bf16→fp32"),
+                ("f32_from_fp16", "fp16→fp32"), ("bf16_sr", "fp32→bf16 stochastic"),
+                ("bf16_pre", "fp32→bf16 into preallocated (cast_ vs copy_)"),
+                ("fp16_pre", "fp32→fp16 into preallocated (cast_ vs copy_)")]
 LIST_CASES = [("list_bf16", "GPT-2 list fp32→bf16 (cast_ vs _foreach_copy_)"),
               ("list_fp16", "GPT-2 list fp32→fp16 (cast_ vs _foreach_copy_)"),
               ("list_bf16_sr", "GPT-2 list fp32→bf16 stochastic (cast_)")]
@@ -57,8 +55,7 @@ def _list_fns(masters, pb, ph):
 
 def run(ctx) -> dict:
     b = Bench(ctx, NAME, TITLE)
-    dev, sizes = ctx.device, SIZES_QUICK if ctx.quick else SIZES_FULL
-    main_n = sizes[-1]
+    dev, main_n = ctx.device, SIZE_QUICK if ctx.quick else SIZE_FULL
     b.start_roofline()
     g = torch.Generator().manual_seed(0)
     x_main = torch.randn(main_n, generator=g, dtype=FP32).to(dev)
@@ -78,12 +75,10 @@ def run(ctx) -> dict:
         expect_same("cast_ list to %s" % dtype, got, [m.to(dtype) for m in masters])
     b.phase("correctness")
 
-    sweep = {}
-    for n in ctx.progress(sizes, desc="cast sweep"):
-        res = time_pairs(ctx, _single_fns(x_main[:n].clone()), desc="%s elements" % fmt_count(n))
-        sweep[n] = {k: (tm, tt, BYTES_PER_ELEM * n) for k, (tm, tt) in res.items()}
-        free_memory(dev)
-    b.phase("sweep")
+    single = {k: (tm, tt, BYTES_PER_ELEM * main_n) for k, (tm, tt) in time_pairs(
+        ctx, _single_fns(x_main), desc="%s elements" % fmt_count(main_n)).items()}
+    free_memory(dev)
+    b.phase("single")
     peaks = peak_pairs(dict({k: v for k, v in _single_fns(x_main).items()
                              if not k.endswith("_pre")}, **_list_fns(masters, pb, ph)), dev)
     free_memory(dev)
@@ -94,8 +89,7 @@ def run(ctx) -> dict:
     free_memory(dev)
     b.phase("gpt2_list")
     roof = b.end_roofline()
-    sweep = {n: {k: pair_metrics(*v, roof) for k, v in d.items()} for n, d in sweep.items()}
-    specs = [(label, main_n, sweep[main_n][k], k) for k, label, _ in SINGLE_CASES]
+    specs = [(label, main_n, pair_metrics(*single[k], roof), k) for k, label in SINGLE_CASES]
     specs += [(label, total, pair_metrics(*lst[k], roof), k if k != "list_bf16_sr" else None)
               for k, label in LIST_CASES]
     rows, cases = [], []
@@ -113,18 +107,11 @@ def run(ctx) -> dict:
         cases.append(dict(m, case=label, elements=n, peak_bytes_mpext=peak[0],
                           peak_bytes_torch=peak[1], target_ge_torch=ge_torch,
                           target_ge_80pct_copy=ge_copy))
-    sweep_rows = [[fmt_count(n)] + ["%.1f" % m["mpext_gbps"] if m["torch_gbps"] is None else
-                                    "%.1f / %.1f (%.2f)" % (m["mpext_gbps"], m["torch_gbps"],
-                                                            m["speed_ratio"])
-                                    for m in sweep[n].values()] for n in sizes]
     md = [markdown_table(["case", "elements"] + PAIR_HEADERS + ["≥ torch", "≥ 80% copy"], rows),
           "", "%d samples per row. Method, cases and columns: benchmarks/README.md, \"Casts\"."
-          % ctx.repeats, "", "Size sweep, GB/s mpext / torch (speed ratio):", "",
-          markdown_table(["elements"] + [col or label for _, label, col in SINGLE_CASES],
-                         sweep_rows)]
+          % ctx.repeats]
     payload = {"bytes_per_element": BYTES_PER_ELEM, "copy_target_fraction": COPY_TARGET,
-               "gpt2_small": {"params": total, "tensors": len(shapes)}, "cases": cases,
-               "sweep": {str(n): sweep[n] for n in sizes}}
+               "gpt2_small": {"params": total, "tensors": len(shapes)}, "cases": cases}
     return b.finish(md, payload)
 
 

@@ -134,21 +134,13 @@ LEAN_SETTINGS = {
 LEAN_SEEDS = 3
 
 
-def _half_ulp_bf16(p: torch.Tensor) -> torch.Tensor:
-    """Half the BF16 spacing at each element of ``p`` (a smaller update rounds away)."""
-    b = p.detach().to(BF16).float().abs().clamp_min(torch.finfo(BF16).tiny)
-    return torch.exp2(torch.floor(torch.log2(b)) - 8)  # ulp = 2^(e - 7); half of it
-
-
-SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "unchanged",
-          "below_half_ulp", "v_decreased")
+SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decreased")
 
 
 class Run:
-    """One mode's training record: the ``SERIES``; per step ``unchanged``, the BF16/FP16 params
-    it left alone, ``below_half_ulp``, the FP32 values it moved less than half a BF16 ulp,
-    ``v_decreased``, the exp_avg_sq elements it lowered (fractions); ``final``: the grads, or
-    the params, FP32 values (masters or FP32 params) and state at the end."""
+    """One mode's training record: the ``SERIES``; per step ``v_decreased``, the share of
+    exp_avg_sq elements it lowered; ``final``: the grads, or the params, FP32 values (masters
+    or FP32 params) and state at the end."""
 
     def __init__(self, mode: str, lr: float, seed: Optional[int] = None):
         self.mode, self.lr, self.seed, self.seconds, self.final = mode, lr, seed, 0.0, None
@@ -183,28 +175,16 @@ def evaluate(tr: Trainer, batches) -> float:
     return total / len(batches)
 
 
-def _tail_mean(xs: List[float]) -> float:
-    """The mean over the second half of a per-step series (nan when empty)."""
-    tail = xs[len(xs) // 2:]
-    return sum(tail) / len(tail) if tail else float("nan")
-
-
-def _frac(masks) -> float:
-    """The share of true elements over a list of boolean tensors."""
-    masks = list(masks)
-    return sum(int(x.sum()) for x in masks) / sum(x.numel() for x in masks)
-
-
 def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, device, *,
-          lr: Optional[float] = None, fp32_gemm: bool = False, track_updates: bool = False,
-          track_moments: bool = False, keep_grads: bool = False, keep_final: bool = False,
+          lr: Optional[float] = None, fp32_gemm: bool = False, track_moments: bool = False,
+          keep_grads: bool = False, keep_final: bool = False,
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
           base: Optional[str] = None, options: Optional[dict] = None, on_step=None,
           bar=None) -> Run:
     """Trains one mode (training.MODES or LEAN_MODES; or ``base``, a training.MODES key, with
     ``options`` for its Trainer) from the shared weights or ``init`` (then evaluated at step 0
-    too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_*``: the per-step
-    counts of ``Run``; ``keep_grads`` / ``keep_final``: the last grads / final state;
+    too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_moments``: ``Run``'s
+    ``v_decreased``; ``keep_grads`` / ``keep_final``: the last grads / final state;
     ``on_step(step, trainer)`` after each step. The one training loop of the convergence
     studies (measure_q8_codes trains on it too)."""
     lr = st.lr if lr is None else lr
@@ -240,9 +220,6 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
         tr.set_lr(st.lr_at(step, lr))
         x, y = (t.to(device, non_blocking=True) for t in get_batch(
             train_data, st.batch_size, cfg.block_size, gen))
-        if track_updates:
-            before = [p.detach().clone() for p in params] if low else None
-            before32 = fp32_values() if has_fp32 else None
         if track_moments:
             v_before = [(p, tr.opt.state[p]["exp_avg_sq"].clone()) for p in params
                         if "exp_avg_sq" in tr.opt.state.get(p, {})]
@@ -257,13 +234,10 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             # torch's GradScaler says nothing of a skip but lowers its scale
             if (not bool(applied)) if applied is not None else tr.get_scale() < scale:
                 run.skipped.append(step)
-        if track_updates and low:
-            run.unchanged.append(_frac(p.detach() == b for p, b in zip(params, before)))
-        if track_updates and has_fp32:  # updates a BF16 weight rounded to nearest can't take
-            run.below_half_ulp.append(_frac((a - b).abs() < _half_ulp_bf16(b)
-                                            for a, b in zip(fp32_values(), before32)))
         if track_moments and v_before:
-            run.v_decreased.append(_frac(tr.opt.state[p]["exp_avg_sq"] < v for p, v in v_before))
+            lowered = [tr.opt.state[p]["exp_avg_sq"] < v for p, v in v_before]
+            run.v_decreased.append(sum(int(x.sum()) for x in lowered)
+                                   / sum(x.numel() for x in lowered))
         run.train_loss.append(float(loss.detach()))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
@@ -288,18 +262,12 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
 
 # ---- the amp study
 
-FP16_MIN_SUB, FP16_MIN_NORMAL, FP16_MAX = 2.0 ** -24, 2.0 ** -14, 65504.0
-UNDERFLOW_LINES = [  # log2 x, colour, style, label of grad_underflow.png's vertical lines
-    (math.log2(FP16_MIN_SUB) - 1, "red", "--", "FP16: below 2^-25 rounds to 0"),
-    (math.log2(FP16_MIN_NORMAL), "darkorange", ":", "FP16 min normal 2^-14"),
-    (math.log2(FP16_MAX), "purple", "--", "FP16 max 65504"),
-    (-126.0, "green", "--", "BF16 min normal 2^-126")]
+FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def underflow_stats(grads: List[torch.Tensor], scale: float):
     """Fractions of the non-zero FP32 gradient elements that cast to zero / a subnormal in FP16
-    (unscaled, and times ``scale``), to zero in BF16, and overflow FP16 after scaling. Returns
-    ``(stats, the non-zero gradient elements)``."""
+    (unscaled, and times ``scale``), to zero in BF16, and overflow FP16 after scaling."""
     g = torch.cat([t.detach().float().flatten() for t in grads]).cpu()
     g = g[g != 0]
     h, hs = g.to(FP16), (g * scale).to(FP16)
@@ -313,7 +281,7 @@ def underflow_stats(grads: List[torch.Tensor], scale: float):
             "fp16_scaled_subnormal": frac((hs != 0) & (hs.abs() < FP16_MIN_NORMAL)),
             "fp16_scaled_overflow": frac(torch.isinf(hs)), "bf16_zero": frac(g.to(BF16) == 0),
             **{"log2_abs_" + k: float(getattr(g.abs(), k)().log2())
-               for k in ("min", "median", "max")}}, g
+               for k in ("min", "median", "max")}}
 
 
 def _config_text(cfg: GPTConfig) -> str:
@@ -333,8 +301,7 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
         with ctx.progress(total=st.steps * len(keys), desc=desc) as bar:
             for k in keys:
                 out[k] = train(k, st, cfg, train_data, val, ctx.device, lr=lr, bar=bar,
-                               fp32_gemm=fp32_gemm, track_updates=k in ("fp32", "bf16_naive"),
-                               keep_grads=k == "fp32" and lr is None)
+                               fp32_gemm=fp32_gemm, keep_grads=k == "fp32" and lr is None)
                 b.phase(k if lr is None else "low_lr")
         return out
 
@@ -349,7 +316,7 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
     low_ratio = {m: r.final_loss(k) / low["fp32"].final_loss(k) for m, r in low.items()}
     # underflow: the reference's FP32 gradients at its last step, and the FP16 scale
     scale_src = next((m for m in ("mpext_fp16", "amp_fp16") if m in runs), None)
-    uf, gflat = underflow_stats(runs["fp32"].final["grads"],
+    uf = underflow_stats(runs["fp32"].final["grads"],
                                 runs[scale_src].scale[-1] if scale_src else st.init_scale)
     uf["scale_from"] = scale_src or "init_scale"
     b.phase("underflow")
@@ -396,13 +363,6 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
     if low:
         md += ["", "Mode 6 was within 2%% at lr %g, so FP32, mpext BF16 and naive BF16 also "
                "ran at lr %g (rows \"low lr\")." % (st.lr, low_lr)]
-    md.append("")
-    for tag, src in (("lr %g" % st.lr, runs), ("lr %g" % low_lr, low)):
-        if "bf16_naive" in src and "fp32" in src:
-            md.append("- %s: naive BF16 left %.1f%% of its weights unchanged per step (second "
-                      "half of training); FP32's updates were below half a BF16 ulp for %.1f%%."
-                      % (tag, 100 * _tail_mean(src["bf16_naive"].unchanged),
-                         100 * _tail_mean(src["fp32"].below_half_ulp)))
     md += ["", "Gradient underflow (FP32's gradients at its last step, %s non-zero elements, "
            "log2|g| %.1f to %.1f, median %.1f): to FP16 unscaled **%.4f%%** become 0, %.4f%% "
            "subnormal; times the loss scale %g (%s's at the end) %.4f%% 0, %.4f%% subnormal, "
@@ -428,7 +388,7 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
         files = [plot_loss(ctx.out_dir / "convergence_loss.png", runs, low, st, entropy, title)]
         if any(m in runs for m in ("amp_fp16", "mpext_fp16")):
             files.append(plot_scale(ctx.out_dir / "convergence_fp16_scale.png", runs, title))
-        return files + [plot_underflow(ctx.out_dir / "grad_underflow.png", gflat, uf, title)]
+        return files
 
     return md, payload, plots
 
@@ -446,13 +406,9 @@ def _line(ax, key, xs, ys, **kw):
     ax.plot(xs, ys, color=c, linestyle=ls, **kw)
 
 
-def _percent_per_step(ax, key, ys, **kw):
-    _line(ax, key, range(1, len(ys) + 1), [100 * y for y in ys], **kw)
-
-
 def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entropy: float,
               title: str):
-    fig, axes = pyplot().subplots(1, 3, figsize=(18.0, 4.4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(12.5, 4.4))
     faint = dict(alpha=0.5, linewidth=2.5)
     lowtag = ", lr x%g" % LOW_LR_FACTOR
     for src, extra, tag in ((runs, {}, ""), (low, faint, lowtag)):
@@ -473,17 +429,6 @@ def plot_loss(path, runs: Dict[str, Run], low: Dict[str, Run], st: Setting, entr
         ax.set_ylim(min(0.97, min(ys) - 0.005), max(1.05, max(ys) + 0.01))
         ax.set_xlim(left=st.steps * 0.2)
     _label_axes(ax, "validation loss / FP32's (same lr)", "step")
-    for src, attr, lab in ((runs, "unchanged", "naive BF16: weights a step left unchanged"),
-                           (runs, "below_half_ulp",
-                            "FP32: updates < half a BF16 ulp of the weight"),
-                           (low, "unchanged", "naive BF16" + lowtag),
-                           (low, "below_half_ulp", "FP32 (< half ulp)" + lowtag)):
-        for k, r in src.items():
-            if getattr(r, attr):
-                _percent_per_step(axes[2], k, getattr(r, attr), label=lab,
-                                  alpha=1.0 if src is runs else 0.5)
-    axes[2].set_ylim(0, 100)
-    _label_axes(axes[2], "lost updates in BF16 without master weights", "step", "% of weights")
     return save_figure(fig, path, title)
 
 
@@ -500,34 +445,6 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
     ax.set_yscale("log", base=2)
     _label_axes(ax, "FP16 loss scale per step (the scale the step's backward used)", "step",
                 "loss scale", fontsize=8)
-    return save_figure(fig, path, title)
-
-
-def plot_underflow(path, g: torch.Tensor, stats: dict, title: str):
-    lg = g.abs().log2()
-    scale = stats["scale"]
-    lgs = lg + math.log2(scale)
-    fig, axes = pyplot().subplots(1, 2, figsize=(14, 4.6),
-                                  gridspec_kw={"width_ratios": [1, 1.3]})
-    for ax, (lo, hi), zoom in ((axes[0], (-140, 20), False),
-                               (axes[1], (math.floor(float(lg.min())) - 2,
-                                          max(18, math.ceil(float(lgs.max())) + 1)), True)):
-        bins = torch.linspace(lo, hi, 161 if zoom else 321).numpy()
-        ax.hist(lg.numpy(), bins=bins, alpha=0.6, color="tab:blue", label="|grad| unscaled")
-        ax.hist(lgs.numpy(), bins=bins, alpha=0.5, color="tab:orange",
-                label="|grad| x scale %g" % scale)
-        ax.axvspan(math.log2(FP16_MIN_SUB), math.log2(FP16_MIN_NORMAL), color="gold", alpha=0.2,
-                   label="FP16 subnormal")
-        for x, c, ls, lab in UNDERFLOW_LINES:
-            ax.axvline(x, color=c, linestyle=ls, linewidth=1, label=lab)
-        ax.set(xlim=(lo, hi), yscale="log", xlabel="log2 |gradient|", ylabel="elements")
-        ax.grid(True, alpha=0.3)
-        ax.set_title("zoom: FP16 zero %.3g%% unscaled, %.3g%% scaled; subnormal %.3g%% / %.3g%%"
-                     % (100 * stats["fp16_zero"], 100 * stats["fp16_scaled_zero"],
-                        100 * stats["fp16_subnormal"], 100 * stats["fp16_scaled_subnormal"])
-                     if zoom else "full range: BF16 zero %.3g%%; BF16's range reaches 2^-133"
-                     % (100 * stats["bf16_zero"]), fontsize=9)
-    axes[0].legend(fontsize=7, loc="upper left")
     return save_figure(fig, path, title)
 
 
@@ -576,36 +493,6 @@ def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
     return {"center": center, "half_width": half, "modes": modes}
 
 
-def moment_decay_demo(device, steps: int = 2000, n: int = 4096, drop_at: int = 100,
-                      factor: float = 0.1, every: int = 10, beta2: float = 0.999) -> dict:
-    """The second moment of a BF16 param whose gradient noise shrinks ``1/factor``-fold at step
-    ``drop_at``, kept in FP32, in BF16 rounded stochastically and to nearest: the mean of
-    exp_avg_sq every ``every`` steps, with its expectation (float64)."""
-    import mpext
-
-    out = {"steps": list(range(every, steps + 1, every)), "drop_at": drop_at, "factor": factor,
-           "beta2": beta2, "n": n, "mean_v": {}, "expected": []}
-    e = 0.0
-    for t in range(steps):
-        e = beta2 * e + (1 - beta2) * (1.0 if t < drop_at else factor ** 2)
-        if (t + 1) % every == 0:
-            out["expected"].append(e)
-    for kind, options in {"fp32": {}, "bf16_sr": dict(exp_avg_sq_dtype=BF16),
-                          "bf16_nearest": dict(exp_avg_sq_dtype=BF16,
-                                               moment_rounding="nearest")}.items():
-        p = torch.zeros(n, dtype=BF16, device=device, requires_grad=True)
-        opt = mpext.optim.AdamW([p], lr=1e-3, betas=(0.9, beta2), weight_decay=0.0, **options)
-        gen = torch.Generator().manual_seed(0)
-        means = out["mean_v"][kind] = []
-        for t in range(steps):
-            sigma = 1.0 if t < drop_at else factor
-            p.grad = (torch.randn(n, generator=gen) * sigma).to(device=device, dtype=BF16)
-            opt.step()
-            if (t + 1) % every == 0:
-                means.append(float(opt.state[p]["exp_avg_sq"].double().mean()))
-    return out
-
-
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
                train_data, val_batches, modes: List[str], fp32_gemm: bool) -> dict:
     """Pretrains once in FP32, fine-tunes in every lean mode for each seed and checks the
@@ -620,7 +507,7 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTCon
         b.phase("lean_pretrain")
         kw["init"] = base.final["state"]
         runs = {k: [train(k, ft, cfg, train_data, val_batches, ctx.device, seed=s,
-                          track_updates=True, track_moments=True,
+                          track_moments=True,
                           keep_final=LEAN_CRITERION[k] in ("reference", "exact"), **kw)
                     for s in range(seeds)] for k in modes}
         repeat = train("master", ft, cfg, train_data, val_batches, ctx.device, seed=0,
@@ -632,15 +519,15 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTCon
             diff = same_training(ref, rem)
             check(diff is None, "remainder vs master, seed %s: %s" % (rem.seed, diff))
     b.phase("lean_finetune")
-    demo = moment_decay_demo(ctx.device)
-    b.phase("lean_moment_demo")
     return {"pretrain": base, "runs": runs, "deterministic": deterministic,
-            "remainder_checked": checked, "demo": demo, "verdict": lean_verdicts(
+            "remainder_checked": checked, "verdict": lean_verdicts(
                 {k: [r.final_loss(ft.final_k) for r in rs] for k, rs in runs.items()})}
 
 
 def _seed_mean(runs: List[Run], attr: str) -> float:
-    vals = [_tail_mean(getattr(r, attr)) for r in runs if getattr(r, attr)]
+    """The mean over the seeds of a per-step series' mean over its second half."""
+    tails = [xs[len(xs) // 2:] for xs in (getattr(r, attr) for r in runs) if xs]
+    vals = [sum(t) / len(t) for t in tails if t]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
@@ -670,7 +557,6 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
                          % (m["delta"], half))
         rows.append([LABEL[key], "%.4f" % m["mean"], " / ".join("%.4f" % x for x in m["finals"]),
                      "%+.4f" % m["delta"], verdict,
-                     "%.1f%%" % (100 * _seed_mean(rs, "unchanged")),
                      "%.1f%%" % (100 * _seed_mean(rs, "v_decreased")),
                      "%.1f" % (sum(r.seconds for r in rs) / len(rs))])
     md = ["### Lean optimizer state: fine-tuning a pretrained checkpoint", "",
@@ -686,7 +572,7 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
              ft.eval_interval, ft.eval_batches, center, half), "",
           markdown_table(["mode (BF16 params, mpext.optim.AdamW)", "final val loss (mean)",
                           "per seed", "Δ vs FP32 master", "criterion",
-                          "weights unchanged / step", "v lowered / step", "time s / run"],
+                          "v lowered / step", "time s / run"],
                          rows), ""]
     if res["remainder_checked"]:
         md += ["Every remainder run equals its seed's FP32-master run bit for bit (every loss, "
@@ -694,53 +580,35 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
     elif "remainder" in runs:
         md += ["Remainders **not compared**: two FP32-master runs of one seed differed on this "
                "device (not deterministic).", ""]
-    if "rtn" in runs:
-        md.append("- Round to nearest without a master: %.1f%% of the FP32 master's updates per "
-                  "step were below half a BF16 ulp (second half, mean of the seeds); the "
-                  "master-free nearest run left %.1f%% of its weights unchanged per step "
-                  "(%+.4f); stochastic rounding %s, unbiased."
-                  % (100 * _seed_mean(runs["master"], "below_half_ulp"),
-                     100 * _seed_mean(runs["rtn"], "unchanged"), v["modes"]["rtn"]["delta"],
-                     "%.1f%%" % (100 * _seed_mean(runs["sr"], "unchanged")) if "sr" in runs
-                     else "n/a"))
-    demo = res["demo"]
-    d_end = {k: xs[-1] for k, xs in demo["mean_v"].items()}
     if "bf16m_rtn" in runs:
         md.append("- BF16 moments rounded to nearest lowered v in %.2f%% of its elements per "
                   "step (FP32 moments: %.1f%%): 0.999 v rounds back to v, so v never decays; "
-                  "here that %s. Synthetic: gradient noise falling %gx at step %d (%d elements) "
-                  "leaves after %d steps a mean v of %.3g in FP32 (expected %.3g), %.3g in BF16 "
-                  "SR and %.3g (%.1fx) in BF16 nearest, whose Adam steps are %.1fx too small."
-                  % (100 * _seed_mean(runs["bf16m_rtn"], "v_decreased"),
-                     100 * _seed_mean(runs["master"], "v_decreased"),
-                     "stays inside the band" if v["modes"]["bf16m_rtn"]["inside"] else
-                     "is outside the band", 1 / demo["factor"], demo["drop_at"], demo["n"],
-                     demo["steps"][-1], d_end["fp32"], demo["expected"][-1], d_end["bf16_sr"],
-                     d_end["bf16_nearest"], d_end["bf16_nearest"] / d_end["fp32"],
-                     math.sqrt(d_end["bf16_nearest"] / d_end["fp32"])))
+                  "here that %s." % (100 * _seed_mean(runs["bf16m_rtn"], "v_decreased"),
+                                     100 * _seed_mean(runs["master"], "v_decreased"),
+                                     "stays inside the band" if v["modes"]["bf16m_rtn"]["inside"]
+                                     else "is outside the band"))
     payload = {"setting": {"pretrain": dataclasses.asdict(pre),
                            "finetune": dataclasses.asdict(ft), "seeds": seeds},
                "pretrain_run": res["pretrain"].to_json(pre.final_k),
                "deterministic": res["deterministic"],
                "remainder_bitwise_checked": res["remainder_checked"],
                "band": {"center": center, "half_width": half}, "verdict": v["modes"],
-               "runs": {k: [r.to_json(ft.final_k) for r in rs] for k, rs in runs.items()},
-               "moment_decay_demo": demo}
+               "runs": {k: [r.to_json(ft.final_k) for r in rs] for k, rs in runs.items()}}
     return md, payload
 
 
 def plot_lean(path, res: dict, seeds: int, title: str):
     """The mean validation loss of every lean mode with the noise band; each mode's difference
-    from the reference (symlog); the weights a step left unchanged; the synthetic demo."""
+    from the reference (symlog)."""
     runs = res["runs"]
     steps = runs["master"][0].eval_steps
 
-    def mean_curve(rs, attr="eval_loss"):
-        return [sum(v) / len(v) for v in zip(*(getattr(r, attr) for r in rs))]
+    def mean_curve(rs):
+        return [sum(v) / len(v) for v in zip(*(r.eval_loss for r in rs))]
 
     center = mean_curve(runs["master"])
     half = [max(v) - min(v) for v in zip(*(r.eval_loss for r in runs["master"]))]
-    fig, ((ax, ax_d), (ax_u, ax_v)) = pyplot().subplots(2, 2, figsize=(13, 9))
+    fig, (ax, ax_d) = pyplot().subplots(1, 2, figsize=(13, 4.6))
     ax.fill_between(steps, [c - h for c, h in zip(center, half)],
                     [c + h for c, h in zip(center, half)], color="grey", alpha=0.25,
                     label="noise band: FP32 master mean ± seed range")
@@ -750,30 +618,11 @@ def plot_lean(path, res: dict, seeds: int, title: str):
     for k, rs in runs.items():
         _line(ax, k, steps, mean_curve(rs), label=SHORT[k])
         _line(ax_d, k, steps, [a - c for a, c in zip(mean_curve(rs), center)], label=SHORT[k])
-        if rs[0].unchanged and k in ("master", "sr", "sr_bf16m", "rtn"):
-            _percent_per_step(ax_u, k, mean_curve(rs, "unchanged"),
-                              label="%s: BF16 weights unchanged" % SHORT[k])
     _label_axes(ax, "validation loss, mean of %d seeds (step 0: the pretrained model)" % seeds,
                 "fine-tuning step", "cross-entropy (nats/char)", loc="lower left")
     ax_d.set_yscale("symlog", linthresh=2 * lin)
     _label_axes(ax_d, "difference from the FP32 master's mean (symlog; linear within ±%.1g)"
                 % (2 * lin), "fine-tuning step", "Δ loss")
-    ys = mean_curve(runs["master"], "below_half_ulp")
-    ax_u.plot(range(1, len(ys) + 1), [100 * y for y in ys], color="tab:purple", linewidth=1,
-              label="FP32 master: updates < half a BF16 ulp")
-    ax_u.set_ylim(0, 100)
-    _label_axes(ax_u, "weights a step left unchanged", "fine-tuning step", "% of weights")
-    demo = res["demo"]
-    ax_v.plot(demo["steps"], demo["expected"], color="grey", linewidth=4, alpha=0.4,
-              label="expectation")
-    for kind, c, ls, lab in (("fp32", "black", "-", "FP32 moments"),
-                             ("bf16_sr", "tab:green", "--", "BF16, stochastic rounding"),
-                             ("bf16_nearest", "tab:orange", "-.", "BF16, round to nearest")):
-        ax_v.plot(demo["steps"], demo["mean_v"][kind], color=c, linestyle=ls, label=lab)
-    ax_v.set_yscale("log")
-    _label_axes(ax_v, "second moment, gradients %gx smaller from step %d (beta2 %g)"
-                % (1 / demo["factor"], demo["drop_at"], demo["beta2"]), "step",
-                "mean exp_avg_sq (synthetic, %d elements)" % demo["n"])
     return save_figure(fig, path, title)
 
 

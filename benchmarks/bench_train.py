@@ -13,7 +13,7 @@ import torch
 
 from mpext import memory
 from .common import (MiB, Bench, check, figure_title, fmt_ms, free_memory,
-                     markdown_table, peak_memory_many, plot_lines, pyplot, ratio,
+                     markdown_table, peak_memory_many, pyplot, ratio,
                      run_standalone, save_figure)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 from . import training
@@ -180,25 +180,7 @@ def run(ctx) -> dict:
                                       if fp32_gemm else "native BF16/FP16 GEMMs"))
     payload = {"fp32_gemm": fp32_gemm, "lr": LR, "weight_decay": WEIGHT_DECAY,
                "init_scale": INIT_SCALE, "sizes": out}
-    return b.finish(md, payload, lambda: [_plot_time(ctx, out), _plot_memory(ctx, out[-1])])
-
-
-def _plot_time(ctx, results):
-    xs = [r["params"] for r in results]
-    last = results[-1]
-    panels = [{"title": "time per iteration", "xlabel": "params", "ylabel": "ms", "logx": True,
-               "series": {SHORT[k]: (xs, [r["modes"][k]["ms"] for r in results])
-                          for k in SHORT}},
-              {"title": "speed vs native AMP BF16 (> 1: faster)", "xlabel": "params",
-               "ylabel": "AMP BF16 time / time", "logx": True, "hlines": {"AMP BF16": 1.0},
-               "series": {SHORT[k]: (xs, [r["modes"][k]["vs_amp_bf16"] for r in results])
-                          for k in SHORT if k != "amp_bf16"}},
-              {"title": "training loss of the timed steps (%s)" % last["preset"],
-               "xlabel": "step", "ylabel": "loss",
-               "series": {SHORT[k]: (list(range(1, len(m["losses"]) + 1)), m["losses"])
-                          for k, m in last["modes"].items()}}]
-    return plot_lines(ctx.out_dir / "train_step_time.png", panels,
-                      title=figure_title(ctx, TITLE))
+    return b.finish(md, payload, lambda: [_plot_memory(ctx, out[-1])])
 
 
 def _plot_memory(ctx, res):

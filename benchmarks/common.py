@@ -246,15 +246,6 @@ def combine_rooflines(*measurements: dict) -> dict:
     return res
 
 
-def roofline_hlines(roof: dict, target: float) -> Dict[str, float]:
-    """A GB/s plot's lines: the rooflines and ``target`` x the copy one."""
-    out = {"%s roofline %.1f GB/s" % (k, roof[k + "_gbps"]): roof[k + "_gbps"]
-           for k in ("read", "inplace", "copy") if k + "_gbps" in roof}
-    out["%d%% of copy (target) %.1f GB/s" % (round(100 * target), target * roof["copy_gbps"])] \
-        = target * roof["copy_gbps"]
-    return out
-
-
 def roofline_line(roof: dict) -> str:
     line = ("roofline (%s fp32 elements, %.0f MiB per buffer): in-place x.add_(0.5) %.1f GB/s "
             "(reference), copy y.copy_(x) %.1f GB/s (ratio %.2f)"
