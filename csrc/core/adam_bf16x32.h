@@ -117,15 +117,19 @@ static inline __m512 x32_element(__m512* gp, __m512 p, __m512* m, __m512* v,
 static inline void x32_ema(float* restrict e, __m512 xe, __m512 xo, __m512 w) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                          30);
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(8);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                        31);
+  /* the even and odd elements interleaved back: the first 16, then the last 16 */
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                          23);
+  const __m512i last = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                         15, 31);
   const __m512 a = _mm512_loadu_ps(e), b = _mm512_loadu_ps(e + 16);
-  const __m512 ee = _mm512_permutex2var_ps(a, even, b);
-  const __m512 eo = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, one), b);
+  const __m512 ee = _mm512_permutex2var_ps(a, even, b), eo = _mm512_permutex2var_ps(a, odd, b);
   const __m512 le = _mm512_add_ps(ee, _mm512_mul_ps(w, _mm512_sub_ps(xe, ee)));
-  const __m512 lo_ = _mm512_add_ps(eo, _mm512_mul_ps(w, _mm512_sub_ps(xo, eo)));
-  _mm512_storeu_ps(e, _mm512_permutex2var_ps(le, lo, lo_));
-  _mm512_storeu_ps(e + 16, _mm512_permutex2var_ps(le, _mm512_add_epi32(lo, eight), lo_));
+  const __m512 lo = _mm512_add_ps(eo, _mm512_mul_ps(w, _mm512_sub_ps(xo, eo)));
+  _mm512_storeu_ps(e, _mm512_permutex2var_ps(le, first, lo));
+  _mm512_storeu_ps(e + 16, _mm512_permutex2var_ps(le, last, lo));
 }
 
 /* The new fp32 param, m and v of 16 elements: NaN anywhere? (fpclass: quiet or signaling) */

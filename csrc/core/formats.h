@@ -175,10 +175,9 @@ MP_FMT_INLINE void mp_pv_master_bf16(uint16_t* restrict q, float* restrict p, ui
   }
 }
 
-MP_FMT_INLINE void mp_pv_rne_(uint16_t* restrict q, const float* restrict p, uint32_t n,
-                              mp_dtype pt) {
+MP_FMT_INLINE void mp_pv_rne_bf16(uint16_t* restrict q, const float* restrict p, uint32_t n) {
 #pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) mp_fmt_store_rne(q, i, pt, p[i]);
+  for (uint32_t i = 0; i < n; ++i) q[i] = mp_bf16_rne_bits(mp_fmt_bits(p[i]));
 }
 
 MP_FMT_INLINE void mp_pv_sr_(uint16_t* restrict q, const float* restrict p, uint32_t n,
@@ -211,7 +210,7 @@ static inline void mp_pv_encode(int kind, mp_dtype pt, const mp_pv_tile* at, flo
       }
       break;
     }
-    case MP_PV_NONE_RNE * 4 + 1: mp_pv_rne_(q, p, n, MP_BF16); break;
+    case MP_PV_NONE_RNE * 4 + 1: mp_pv_rne_bf16(q, p, n); break;
     case MP_PV_NONE_RNE * 4 + 2: mp_f32_to_f16_n(p, q, n); break;
     case MP_PV_NONE_SR * 4 + 1: mp_pv_sr_(q, p, n, MP_BF16, key, lo, hi); break;
     case MP_PV_NONE_SR * 4 + 2: mp_pv_sr_(q, p, n, MP_F16, key, lo, hi); break;
