@@ -65,7 +65,8 @@ them, as in the paper's K = 12 bytes for mixed-precision Adam) over ``world_size
 elements. Temporary all-gather buffers and communication buckets are not counted.
 
 Activations (optional; needs batch, sequence, hidden, layers, heads): what autograd saves in
-one forward, derived from the saved-tensor hooks on the benchmark GPT and transformers' GPT-2
+one forward, derived from the saved-tensor hooks on a pre-LayerNorm GPT (tests/small_gpt.py, the
+benchmarks' layout) and transformers' GPT-2
 (``activation_bytes``; docs/memory.md has the formula and the measured table). Per layer
 ``s*b*h*(14*d + 2*f + 2*m) + 4*s*b*f`` plus, with fused attention (``attention="sdpa"``, the
 default), a float32 log-sum-exp ``4*a*s*b`` or, with ``"eager"``, the probabilities

@@ -1,7 +1,7 @@
 """The Python package's layering (docs/contributing.md, "Python optimizer package"): no module
 of mpext imports, at import time, a module that imports it back, so any module can be imported
 first; and mpext.mixed_precision reaches into mpext.optim only through the internals the
-package shares for it."""
+package shares for it. Nothing in mpext or tests imports benchmarks/."""
 import ast
 from pathlib import Path
 
@@ -88,3 +88,16 @@ def test_mixed_precision_uses_only_what_optim_shares():
                 assert node.attr in SHARED[aliases[node.value.id]], (node.value.id, node.attr)
             if node.value.id == "_mp_optim":  # the package itself: public names only
                 assert not node.attr.startswith("_"), node.attr
+
+
+def test_nothing_imports_the_benchmarks():
+    """benchmarks/ is a leaf: no test and no module of mpext imports it (a test's model lives in
+    tests/, e.g. small_gpt.py), anywhere in the file, functions included."""
+    users = []
+    for path in sorted(list(PKG.rglob("*.py")) + list((ROOT / "tests").rglob("*.py"))):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                users.append("%s:%d" % (path.relative_to(ROOT), node.lineno))
+    assert users == [], "imports of benchmarks/: %s" % users
