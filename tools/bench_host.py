@@ -1,21 +1,24 @@
 """Host overhead of an mpext.optim.AdamW step over many small params, per state format, against
 torch.optim.AdamW(fused=True) on FP32 params in the same run (interleaved).
 
-    python -m benchmarks.bench_host [--params 300] [--numel 1024] [--repeats 7]
+    python tools/bench_host.py [--params 300] [--numel 1024] [--repeats 7]
 
 Per format: the whole step (mpext, torch), the bare op with the lists the step built (mpext's
 ``adam_step_``, torch's ``_fused_adamw_``), and host = step - op per param. The 8-bit row uses
 params of at least MIN_8BIT_NUMEL elements (smaller ones keep FP32 moments), torch's too.
 """
 import argparse
+import os
+import sys
 
 import torch
 
-import mpext
-from mpext._common import MIN_8BIT_NUMEL
-from mpext.optim import _engine
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mpext  # noqa: E402  (this checkout's, as benchmarks.common below)
+from mpext._common import MIN_8BIT_NUMEL  # noqa: E402
+from mpext.optim import _engine  # noqa: E402
 
-from .common import machine_header, machine_info, markdown_table, time_fns
+from benchmarks.common import machine_header, machine_info, markdown_table, time_fns  # noqa: E402
 
 BF16 = torch.bfloat16
 FORMATS = {  # name -> (param dtype, AdamW keywords)
