@@ -39,21 +39,16 @@ CASES = [  # key, list, scaled (inv_scale 0.5 / 2; else 1: check only), group, t
 ]
 
 
-def _torch_unscale(grads, found, inv):
-    """As GradScaler._unscale_grads_ does: one call per dtype, in first-seen order."""
-    for dtype in dict.fromkeys(t.dtype for t in grads):
-        T_UNSCALE([t for t in grads if t.dtype == dtype], found, inv)
-
-
-def _make_fns(grads, alt, found, one):
-    """(mpext fn, torch fn) for a list: inverse scales from ``alt``, or (None) check only."""
+def _make_fns(grads, found, inv):
+    """(mpext fn, torch fn) unscaling ``grads`` by ``inv()``; torch's as GradScaler._unscale_grads_
+    does it: one call per dtype, in first-seen order (grouped once, outside the timed calls)."""
     groups = [[t for t in grads if t.dtype == d] for d in dict.fromkeys(t.dtype for t in grads)]
 
     def f_t():
-        inv = one if alt is None else alt()
-        for g in groups:  # grouped once, outside the timed calls
-            T_UNSCALE(g, found, inv)
-    return lambda: torch.ops.mpext.unscale_(grads, found, one if alt is None else alt()), f_t
+        scale = inv()
+        for g in groups:
+            T_UNSCALE(g, found, scale)
+    return lambda: torch.ops.mpext.unscale_(grads, found, inv()), f_t
 
 
 def run(ctx) -> dict:
@@ -81,8 +76,8 @@ def run(ctx) -> dict:
     for name, grads in lists.items():
         g_mp, g_t = [t.clone() for t in grads], [t.clone() for t in grads]
         f_mp, f_t = (torch.zeros((), dtype=FP32, device=dev) for _ in range(2))
-        torch.ops.mpext.unscale_(g_mp, f_mp, inv)
-        _torch_unscale(g_t, f_t, inv)
+        _make_fns(g_mp, f_mp, lambda: inv)[0]()
+        _make_fns(g_t, f_t, lambda: inv)[1]()
         expect_same(name, g_mp + [f_mp], g_t + [f_t])
         check(count_subnormals(grads) == 0, "%s: %d subnormal inputs"
               % (name, count_subnormals(grads)))
@@ -95,13 +90,14 @@ def run(ctx) -> dict:
     # Peak memory, in place on both sides (expected 0); not with --quick, where starting the
     # profiler costs seconds of the suite's budget.
     peaks = {} if ctx.quick else peak_pairs(
-        {name: _make_fns(grads, alts[name], found, one) for name, grads in lists.items()}, dev)
+        {name: _make_fns(grads, found, alts[name]) for name, grads in lists.items()}, dev)
     b.phase("peak_memory")
     cases = {}  # key -> (mpext timing, torch timing, bytes), (elements, tensors)
     for group, desc in (("big", "GPT-2 list"), ("small", "%d tensors" % N_SMALL)):
         specs = [c for c in CASES if c[3] == group]
-        res = time_pairs(ctx, {key: _make_fns(lists[ln], alts[ln] if scaled else None, found,
-                                              one) for key, ln, scaled, *_ in specs}, desc=desc)
+        res = time_pairs(ctx, {key: _make_fns(lists[ln], found, alts[ln] if scaled else
+                                              lambda: one) for key, ln, scaled, *_ in specs},
+                         desc=desc)
         for key, ln, scaled, *_ in specs:
             cases[key] = (res[key] + (sum(t.numel() * t.element_size() for t in lists[ln])
                                       * (2 if scaled else 1),),
