@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpext.memory import measure
 from mpext.optim import AdamW
 
 from .common import markdown_table, mlp
@@ -50,14 +51,12 @@ def memory(bucket_bytes, width=512, depth=8):
                 opt.release_grads(bucket_bytes=bucket_bytes)
             for step in range(2):  # the second step: state exists
                 model(torch.randn(16, width, dtype=dtype)).float().square().mean().backward()
-                grads = sum(p.grad.nbytes for p in params if p.grad is not None)
                 if not released:
                     opt.step()
                     if not step:
                         opt.zero_grad()
-            state = sum(t.nbytes for s in opt.state.values() for t in s.values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)
-            persistent = sum(p.nbytes for p in params) + state + grads
+            held = measure(params, opt)  # by category, the scalars ("other") left out
+            persistent = sum(held.values()) - held["other"]
             row += ["%.2f" % (persistent / numel), "%.2f" % (max(live) / numel)]
         rows.append(row)
     return rows, numel
