@@ -244,10 +244,6 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--seeds", type=int, default=2, help="seeds per --convergence mode")
-    # The training runs with emulated codes this flag once turned off were removed (no doc
-    # cites them); the flag stays so that the documented command runs as written.
-    ap.add_argument("--no-dynamic", action="store_true",
-                    help="accepted for compatibility: only the static measurement runs")
     ap.add_argument("--convergence", action="store_true",
                     help="train with the real optimizers instead (see the docstring)")
     ap.add_argument("--out", default="results/measure_q8_codes.json")
