@@ -1450,26 +1450,36 @@ MEMORY_ROWS = ("weights", "gradients", "master_weights", "optimizer_states", "em
 _BF16_MOMENTS = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
 _Q8_MOMENTS = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 _SR = dict(master_weights=False, stochastic_rounding=True)
-MEMORY_CASES = {  # name -> (engine, mpext.memory mode, param dtype, AdamW keywords)
-    "fsdp2_fp32_master": ("fsdp2", "mpext-bf16", torch.bfloat16, {}),
-    "fsdp2_remainder": ("fsdp2", "mpext-bf16-remainder", torch.bfloat16,
+MEMORY_CASES = {  # name -> (engine, mpext.memory mode, param dtype, rule, keywords)
+    "fsdp2_fp32_master": ("fsdp2", "mpext-bf16", torch.bfloat16, "AdamW", {}),
+    "fsdp2_remainder": ("fsdp2", "mpext-bf16-remainder", torch.bfloat16, "AdamW",
                         dict(param_remainders=True)),
     "fsdp2_remainder_bf16_moments": ("fsdp2", "mpext-bf16-remainder-bf16moments",
-                                     torch.bfloat16, dict(param_remainders=True, **_BF16_MOMENTS)),
-    "fsdp2_sr_bf16_moments": ("fsdp2", "mpext-bf16-sr", torch.bfloat16, dict(_SR, **_BF16_MOMENTS)),
-    "fsdp2_remainder_bf16_moments_ema": ("fsdp2", "mpext-bf16-remainder-bf16moments",
-                                         torch.bfloat16, dict(param_remainders=True, ema_decay=0.9,
-                                                              **_BF16_MOMENTS)),
-    # FP32 sharded params, MixedPrecisionPolicy(param_dtype=bf16): the param is the FP32 value
-    "fsdp2_fp32_params_policy": ("fsdp2", "mpext-fp32-param-float32", torch.float32, {}),
-    "fsdp2_fp32_params_policy_bf16_moments": ("fsdp2", "mpext-fp32-param-bfloat16",
-                                              torch.float32, dict(_BF16_MOMENTS)),
-    "zero1_fp32_master": ("zero1", "mpext-bf16", torch.bfloat16, {}),
-    "zero1_remainder_bf16_moments": ("zero1", "mpext-bf16-remainder-bf16moments", torch.bfloat16,
+                                     torch.bfloat16, "AdamW",
                                      dict(param_remainders=True, **_BF16_MOMENTS)),
-    "zero1_remainder_8bit": ("zero1", "mpext-bf16-remainder-8bit", torch.bfloat16,
+    "fsdp2_sr_bf16_moments": ("fsdp2", "mpext-bf16-sr", torch.bfloat16, "AdamW",
+                              dict(_SR, **_BF16_MOMENTS)),
+    "fsdp2_remainder_bf16_moments_ema": ("fsdp2", "mpext-bf16-remainder-bf16moments",
+                                         torch.bfloat16, "AdamW",
+                                         dict(param_remainders=True, ema_decay=0.9,
+                                              **_BF16_MOMENTS)),
+    # FP32 sharded params, MixedPrecisionPolicy(param_dtype=bf16): the param is the FP32 value
+    "fsdp2_fp32_params_policy": ("fsdp2", "mpext-fp32-param-float32", torch.float32, "AdamW",
+                                 {}),
+    "fsdp2_fp32_params_policy_bf16_moments": ("fsdp2", "mpext-fp32-param-bfloat16",
+                                              torch.float32, "AdamW", dict(_BF16_MOMENTS)),
+    "fsdp2_fp16_master": ("fsdp2", "mpext-fp16", torch.float16, "AdamW", {}),
+    "fsdp2_lion_sr_bf16_moment": ("fsdp2", "mpext-bf16-stochastic-bfloat16", torch.bfloat16,
+                                  "Lion", dict(_SR, exp_avg_dtype=torch.bfloat16)),
+    "fsdp2_sgd_sr_bf16_momentum": ("fsdp2", "mpext-bf16-stochastic-bfloat16", torch.bfloat16,
+                                   "SGD", dict(_SR, momentum=0.9, momentum_dtype=torch.bfloat16)),
+    "zero1_fp32_master": ("zero1", "mpext-bf16", torch.bfloat16, "AdamW", {}),
+    "zero1_remainder_bf16_moments": ("zero1", "mpext-bf16-remainder-bf16moments",
+                                     torch.bfloat16, "AdamW",
+                                     dict(param_remainders=True, **_BF16_MOMENTS)),
+    "zero1_remainder_8bit": ("zero1", "mpext-bf16-remainder-8bit", torch.bfloat16, "AdamW",
                              dict(param_remainders=True, **_Q8_MOMENTS)),
-    "zero1_sr_8bit_ema": ("zero1", "mpext-bf16-sr-8bit", torch.bfloat16,
+    "zero1_sr_8bit_ema": ("zero1", "mpext-bf16-sr-8bit", torch.bfloat16, "AdamW",
                           dict(_SR, ema_decay=0.9, **_Q8_MOMENTS)),
 }
 
@@ -1492,19 +1502,21 @@ def _memory_body(rank, out_dir):
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(8, 64, generator=g), torch.randn(8, 1, generator=g)
     out = {}
-    for name, (engine, _, dtype, kw) in MEMORY_CASES.items():
+    for name, (engine, _, dtype, rule, kw) in MEMORY_CASES.items():
         model = _memory_mlp(dtype)
         shapes = [tuple(p.shape) for p in model.parameters()]
         if engine == "fsdp2":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            compute = torch.bfloat16 if dtype == torch.float32 else dtype
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
             for layer in model:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
-            opt = mpext.optim.AdamW(model.parameters(), lr=1e-2, **kw)
+            opt = getattr(mpext.optim, rule)(model.parameters(), lr=1e-2, **kw)
         else:  # the same full batch on every rank: the gradients need no reduction
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=mpext.optim.AdamW,
-                                          lr=1e-2, **kw)
+            opt = ZeroRedundancyOptimizer(model.parameters(),
+                                          optimizer_class=getattr(mpext.optim, rule), lr=1e-2,
+                                          **kw)
         opt.zero_grad(set_to_none=True)
         ((model(x.to(dtype)).float() - y) ** 2).mean().backward()
         opt.step()
@@ -1532,10 +1544,11 @@ def memory_runs(sr_runs, tmp_path_factory):
 
 
 def _memory_predicted(name, shapes, world, rank):
-    engine, mode, _, kw = MEMORY_CASES[name]
+    engine, mode, _, rule, kw = MEMORY_CASES[name]
+    by_rule = {} if rule == "AdamW" else dict(rule=rule.lower(), momentum=kw.get("momentum", 0.0))
     return mpext.memory.estimate(shapes, "adamw", mode, zero=3 if engine == "fsdp2" else 1,
                                  world_size=world, sharding="torch", rank=rank,
-                                 ema="ema_decay" in kw)
+                                 ema="ema_decay" in kw, **by_rule)
 
 
 @pytest.mark.parametrize("world", MEMORY_WORLDS)
@@ -1573,15 +1586,16 @@ def test_per_device_bytes_8bit_on_fsdp2_refused_and_not_estimated(memory_runs, w
 def memory_table(runs):
     """The table of docs/distributed.md: per case and world size, each rank's measured and
     predicted bytes (weights + gradients + masters + moments + EMA)."""
-    lines = ["| engine, format (mpext.memory mode) | ranks | measured per rank (B) | "
+    lines = ["| engine, rule, format (mpext.memory mode) | ranks | measured per rank (B) | "
              "predicted per rank (B) |", "|---|---:|---:|---:|"]
-    for name, (engine, mode, _, kw) in MEMORY_CASES.items():
+    for name, (engine, mode, _, rule, kw) in MEMORY_CASES.items():
         for world in MEMORY_WORLDS:
             got = [sum(r[name]["measured"][f] for f in MEMORY_ROWS) for r in runs[world]]
-            want = [_memory_predicted(name, r[name]["shapes"], world, i).persistent
+            want = [_memory_predicted(name, r[name]["shapes"], world, i)
                     for i, r in enumerate(runs[world])]
-            label = "%s, %s%s" % ("FSDP2" if engine == "fsdp2" else "ZeRO-1",
-                                  mode, " + EMA" if "ema_decay" in kw else "")
+            want = [sum(getattr(b, f) for f in MEMORY_ROWS) for b in want]
+            label = "%s, %s, %s%s" % ("FSDP2" if engine == "fsdp2" else "ZeRO-1", rule,
+                                      mode, " + EMA" if "ema_decay" in kw else "")
             lines.append("| %s | %d | %s | %s |" % (label, world, " / ".join(map(str, got)),
                                                     " / ".join(map(str, want))))
     return "\n".join(lines) + "\n"
