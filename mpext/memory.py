@@ -20,11 +20,12 @@ from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES
                               format_mode_name,
                               gpt_params, gpt_shapes, llama_params, llama_shapes, model_names,
                               mode_supports, model_spec, optimizer_states, rule_states,
-                              unsupported)
+                              SHARDINGS, fsdp2_shard, stage_label, unsupported, zero_partition)
 from .memory_measure import measure  # noqa: F401
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
-           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "rule_states",
+           "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",
+           "zero_partition", "stage_label", "optimizer_states", "rule_states",
            "format_mode", "format_mode_name", "activation_bytes", "gpt_params", "gpt_shapes",
            "llama_params", "llama_shapes", "measure", "model_names", "model_spec", "mode_supports", "unsupported",
            "main"]
@@ -76,13 +77,24 @@ def _list_arg(name: str, choices: Sequence[str]):
     return parse
 
 
-def _zero_arg(text: str) -> List[int]:
+# --zero's words for PyTorch's own engines (estimate's sharding='torch'): (stage, sharding)
+ZERO_WORDS = {"fsdp2": (3, "torch"), "zero1-torch": (1, "torch")}
+
+
+def _zero_arg(text: str) -> List[tuple]:
+    """--zero: (stage, sharding) per comma-separated item, a stage 0-3 (the even partition)
+    or one of ZERO_WORDS."""
     out = []
     for s in text.split(","):
-        if s.strip() not in ("0", "1", "2", "3"):
-            raise argparse.ArgumentTypeError("ZeRO stage must be 0, 1, 2 or 3 (comma-separated "
-                                             "for several), got %r" % text)
-        out.append(int(s))
+        s = s.strip()
+        if s in ("0", "1", "2", "3"):
+            out.append((int(s), "even"))
+        elif s in ZERO_WORDS:
+            out.append(ZERO_WORDS[s])
+        else:
+            raise argparse.ArgumentTypeError(
+                "ZeRO stage must be 0, 1, 2 or 3, or PyTorch's %s (comma-separated for "
+                "several), got %r" % (" or ".join(ZERO_WORDS), text))
     return out
 
 
@@ -123,8 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "persists; one bucket of them is alive during the backward")
     p.add_argument("--bucket-bytes", type=_count_arg(0), default=DEFAULT_BUCKET_BYTES,
                    help="the release's bucket, in bytes (default 4 MiB)")
-    p.add_argument("--zero", type=_zero_arg, default=[0],
-                   help="ZeRO stage(s) 0-3, comma-separated (default 0)")
+    p.add_argument("--zero", type=_zero_arg, default=[(0, "even")],
+                   help="ZeRO stage(s) 0-3 (the paper's even partition), fsdp2 (PyTorch's "
+                        "fully_shard: dim 0 of each tensor padded to a multiple of the world "
+                        "size) or zero1-torch (ZeroRedundancyOptimizer: each tensor's state "
+                        "whole on one rank), comma-separated (default 0); PyTorch's figures "
+                        "are the busiest rank's")
     p.add_argument("--world-size", type=_count_arg(), default=1,
                    help="data-parallel devices (default 1)")
     act = p.add_argument_group("activations (all of batch, seq, hidden, layers, heads; "
@@ -154,7 +170,7 @@ def _configs(args, parser) -> List[Breakdown]:
     dropout = not args.no_dropout
     if args.model:
         m = model_spec(args.model)
-        params = list(m.sizes)  # per tensor: the 8-bit modes keep small ones in FP32
+        params = list(m.shapes)  # per tensor: 8-bit keeps small ones in FP32, FSDP2 pads dim 0
         dropout = dropout and m.dropout
         for k, v in (("seq", m.seq), ("hidden", m.hidden), ("layers", m.layers),
                      ("heads", m.heads), ("vocab", m.vocab)):
@@ -176,7 +192,7 @@ def _configs(args, parser) -> List[Breakdown]:
     if shape["vocab"] is not None and not given:
         parser.error("argument --vocab: only used with the activation shape (--batch, --seq, "
                      "--hidden, --layers, --heads)")
-    if any(z > 0 for z in args.zero) and args.world_size == 1:
+    if any(z > 0 for z, _ in args.zero) and args.world_size == 1:
         print("note: ZeRO with --world-size 1 partitions over one device (no saving)",
               file=sys.stderr)
     if args.momentum and args.rule != "sgd":
@@ -204,19 +220,25 @@ def _configs(args, parser) -> List[Breakdown]:
                      % (args.optimizer, ", ".join(bad)))
     out, refused = [], []
     for mode in modes:
-        for z in args.zero:
+        for z, sharding in args.zero:
             why = unsupported(mode, z)
             if why:
-                refused.append({"mode": mode, "zero": z, "reason": why})
+                refused.append({"mode": mode, "zero": z, "sharding": sharding, "reason": why,
+                                "label": stage_label(z, sharding, args.world_size)})
                 continue
-            out.append(estimate(params, args.optimizer, mode, zero=z, world_size=args.world_size,
-                                dropout=dropout, attention=args.attention,
-                                device=args.device, ema=args.ema, rule=args.rule,
-                                momentum=args.momentum, grad_release=args.grad_release,
-                                bucket_bytes=args.bucket_bytes, **shape))
+            try:
+                out.append(estimate(params, args.optimizer, mode, zero=z,
+                                    world_size=args.world_size, sharding=sharding,
+                                    dropout=dropout, attention=args.attention,
+                                    device=args.device, ema=args.ema, rule=args.rule,
+                                    momentum=args.momentum, grad_release=args.grad_release,
+                                    bucket_bytes=args.bucket_bytes, **shape))
+            except ValueError as exc:  # a combination only the estimate knows to refuse
+                parser.error("argument --zero: %s" % exc)
     if not out:
         parser.error("argument --zero: %s" % "; ".join(
-            "%s with ZeRO-%d is not supported: %s" % (r["mode"], r["zero"], r["reason"])
+            "%s with %s is not supported: %s" % (
+                r["mode"], r["label"].split("/")[0], r["reason"])
             for r in refused))
     return out, refused
 
@@ -339,8 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     "--batch --seq --hidden --layers --heads)"))
         print("Per-step rows exist only while a step runs; see docs/memory.md for each row.")
         for r in refused:
-            print("Not supported: %s ZeRO-%d/%d (%s)." % (r["mode"], r["zero"],
-                                                          args.world_size, r["reason"]))
+            print("Not supported: %s %s (%s)." % (r["mode"], r["label"], r["reason"]))
     if args.png:
         try:
             plot(results, args.png, title)

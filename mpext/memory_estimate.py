@@ -64,6 +64,19 @@ them, as in the paper's K = 12 bytes for mixed-precision Adam) over ``world_size
 2 also the gradients, stage 3 also the weights. A partition holds ceil(params / world_size)
 elements. Temporary all-gather buffers and communication buckets are not counted.
 
+PyTorch's own engines partition otherwise (``sharding="torch"``, per rank, exact given the
+tensors' shapes; ``--zero fsdp2`` / ``zero1-torch`` on the command line): ``zero=3`` is FSDP2's
+``fully_shard``, which cuts dim 0 of every tensor into chunks of ceil(dim0 / world_size) rows
+(the last ranks hold fewer rows or none) and allocates every rank's parameter, and the
+gradient buffer of each ``fully_shard`` unit, at the padded chunk, while mpext.optim makes the
+masters, remainders, moments and EMA like the local shard itself (unpadded); ``zero=1`` is
+``ZeroRedundancyOptimizer``, whose ranks each step whole tensors (``zero_partition``), so a
+tensor's state, 8-bit or FP32 by its whole size, lives on one rank. With FP32 sharded params
+and ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the param is the FP32 value
+(``mpext-fp32-param-<moments>``: 4 + 4 bytes of param and gradient, no master; the BF16
+all-gathered copies exist only during the step); BF16 sharded params take every format of a
+BF16 param.
+
 Activations (optional; needs batch, sequence, hidden, layers, heads): what autograd saves in
 one forward, derived from the saved-tensor hooks on a pre-LayerNorm GPT (tests/small_gpt.py, the
 benchmarks' layout) and transformers' GPT-2
@@ -86,7 +99,8 @@ from .optim._base import _LEAN_DEFAULTS
 from .optim._release import DEFAULT_BUCKET_BYTES
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
-           "ModelSpec", "Breakdown", "estimate", "optimizer_states", "rule_states",
+           "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",
+           "zero_partition", "stage_label", "optimizer_states", "rule_states",
            "format_mode", "format_mode_name", "activation_bytes", "activation_formula",
            "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
            "llama_shapes", "model_names", "model_spec", "mode_supports", "unsupported",
@@ -361,6 +375,8 @@ class ModelSpec:
     # each parameter tensor's element count: the 8-bit modes keep FP32 moments for the small
     # ones (biases, norms), which a bare count cannot tell
     sizes: Tuple[int, ...] = ()
+    # each parameter tensor's shape: FSDP2 cuts dim 0 (``sharding='torch'``)
+    shapes: Tuple[Tuple[int, ...], ...] = ()
 
 
 def gpt_params(layers: int, hidden: int, vocab: int, seq: int, bias: bool = True,
@@ -417,17 +433,20 @@ def _sizes_of(shapes) -> Tuple[int, ...]:
 
 
 def _gpt(name, layers, hidden, heads, vocab=50257, seq=1024):
+    shapes = tuple(shape for _, shape in gpt_shapes(layers, hidden, vocab, seq))
     sizes = _sizes_of(gpt_shapes(layers, hidden, vocab, seq))
     assert sum(sizes) == gpt_params(layers, hidden, vocab, seq)
-    return ModelSpec(name, sum(sizes), layers, hidden, heads, vocab, seq, sizes=sizes)
+    return ModelSpec(name, sum(sizes), layers, hidden, heads, vocab, seq, sizes=sizes,
+                     shapes=shapes)
 
 
 def _llama(name, layers, hidden, heads, ffn, vocab=32000, seq=2048):
+    shapes = tuple(shape for _, shape in llama_shapes(layers, hidden, ffn, vocab))
     sizes = _sizes_of(llama_shapes(layers, hidden, ffn, vocab))
     assert sum(sizes) == llama_params(layers, hidden, ffn, vocab)
     return ModelSpec(name, sum(sizes), layers, hidden, heads, vocab, seq,
                      "LLaMA layout; the activation formula is the GPT one (SwiGLU saves more "
-                     "in its MLP)", dropout=False, sizes=sizes)
+                     "in its MLP)", dropout=False, sizes=sizes, shapes=shapes)
 
 
 MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
@@ -477,6 +496,8 @@ class Breakdown:
     activation_formula: str = ""
     ema: int = 0                 # an FP32 EMA of the weights (``ema=True``)
     grad_bucket: int = 0         # gradient release: the one bucket of gradients alive
+    sharding: str = "even"       # how ZeRO partitions (``estimate``'s ``sharding``)
+    rank: Optional[int] = None   # the rank these bytes are of (sharding='torch')
 
     PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "scaler")
     TRANSIENT = ("activations", "autocast_copies", "grad_bucket", "step_buffers")
@@ -503,7 +524,8 @@ class Breakdown:
         return (v or 0) / self.params
 
     def label(self) -> str:
-        return self.mode + ("" if self.zero == 0 else " ZeRO-%d/%d" % (self.zero, self.world_size))
+        return self.mode + ("" if self.zero == 0 else " " + stage_label(self.zero, self.sharding,
+                                                                        self.world_size))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -512,6 +534,14 @@ class Breakdown:
                                   for k in self.PERSISTENT + self.TRANSIENT
                                   + ("persistent", "total")})
         return d
+
+
+def stage_label(zero: int, sharding: str, world_size: int) -> str:
+    """How a table names a ZeRO stage over ``world_size`` devices: 'ZeRO-1/8', and for
+    PyTorch's engines 'ZeRO-1/8 torch' (ZeroRedundancyOptimizer) and 'FSDP2/8'."""
+    if sharding == "torch" and zero == 3:
+        return "FSDP2/%d" % world_size
+    return "ZeRO-%d/%d%s" % (zero, world_size, " torch" if sharding == "torch" else "")
 
 
 def _check_count(name: str, value, minimum: int = 1) -> int:
@@ -608,15 +638,52 @@ def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: 
                                                     act_bytes, f, m, attention, device))
 
 
-def _sizes(params) -> Tuple[int, Optional[List[int]]]:
-    """(total, per-tensor sizes or None) of ``estimate``'s ``params``."""
+def _sizes(params) -> Tuple[int, Optional[List[int]], Optional[List[Tuple[int, ...]]]]:
+    """(total, per-tensor sizes or None, per-tensor shapes or None) of ``estimate``'s
+    ``params``; a tensor given by its element count has the 1-D shape of it."""
     if isinstance(params, (str, bytes)) or not hasattr(params, "__iter__"):
-        return _check_count("params", params), None
-    sizes = [_check_count("params[%d]" % i, v, 0) for i, v in enumerate(params)]
+        return _check_count("params", params), None, None
+    sizes, shapes = [], []
+    for i, v in enumerate(params):
+        if isinstance(v, (tuple, list)):  # a shape (torch.Size is a tuple)
+            shape = tuple(_check_count("params[%d][%d]" % (i, j), d, 0) for j, d in enumerate(v))
+        else:
+            shape = (_check_count("params[%d]" % i, v, 0),)
+        shapes.append(shape)
+        sizes.append(math.prod(shape))
     if sum(sizes) < 1:
         raise ValueError("params: the tensors' sizes must add up to at least 1, got %r"
                          % (sizes,))
-    return sum(sizes), sizes
+    return sum(sizes), sizes, shapes
+
+
+SHARDINGS = ("even", "torch")
+
+
+def fsdp2_shard(shape: Sequence[int], world_size: int, rank: int) -> Tuple[int, int]:
+    """(elements of ``rank``'s shard, elements it allocates) of a tensor of ``shape`` under
+    FSDP2's ``fully_shard`` over ``world_size`` ranks: dim 0 is cut into chunks of
+    ceil(dim0 / world_size) rows, so the last ranks hold fewer rows or none, and every rank
+    allocates the padded chunk (the parameter's storage and its gradient's; the optimizer's
+    state is made like the shard itself, unpadded)."""
+    if not shape:
+        raise ValueError("params: FSDP2 shards dim 0, and a 0-d tensor has none")
+    rows, row = shape[0], math.prod(shape[1:])
+    chunk = -(-rows // world_size)
+    return max(0, min(chunk, rows - rank * chunk)) * row, chunk * row
+
+
+def zero_partition(sizes: Sequence[int], world_size: int) -> List[List[int]]:
+    """The tensors (their indices in ``sizes``) each rank's optimizer steps under
+    ``torch.distributed.optim.ZeroRedundancyOptimizer`` with one param group: largest first
+    (equal sizes in their order), each to the rank that holds the fewest elements so far (the
+    lowest such rank). A tensor's state lives whole on one rank."""
+    totals, out = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = totals.index(min(totals))
+        out[r].append(i)
+        totals[r] += sizes[i]
+    return out
 
 
 def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
@@ -627,7 +694,8 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              dropout: bool = True, ema: bool = False, rule: Optional[str] = None,
              momentum: float = 0.0, grad_release: bool = False,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, attention: str = "sdpa",
-             device: str = "cuda") -> Breakdown:
+             device: str = "cuda", sharding: str = "even",
+             rank: Optional[int] = None) -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -669,10 +737,24 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
             backward one bucket of them is alive (``grad_bucket``: ``bucket_bytes`` of
             gradients, or all of them when they are fewer).
         bucket_bytes: the release's bucket (default 4 MiB, as ``release_grads``).
+        sharding: how a ZeRO stage partitions. 'even' (default): the paper's, ceil(params /
+            world_size) elements per device for every partitioned tensor class (DeepSpeed's
+            flat buffers). 'torch': PyTorch's own engines, per rank and per tensor: ``zero=1``
+            is ``ZeroRedundancyOptimizer`` (each tensor's state whole on one rank, the largest
+            tensors first to the rank holding the fewest elements, ``zero_partition``),
+            ``zero=3`` is FSDP2's ``fully_shard`` (each tensor cut on dim 0 into chunks of
+            ceil(dim0 / world_size) rows: the weights and gradients hold the padded chunk, the
+            optimizer state the rank's rows, ``fsdp2_shard``). Exact given the tensors'
+            shapes (``[p.shape for p in model.parameters()]``); given counts, each is a 1-D
+            tensor, and a bare total is spread evenly under ``zero=1``. PyTorch has no ZeRO-2
+            of its own (FSDP2 with ``reshard_after_forward=False`` holds stage 3's bytes
+            between steps), so 'torch' takes ``zero`` 0, 1 or 3.
+        rank: with ``sharding='torch'``, the rank whose bytes to give; default the busiest
+            (the largest persistent total; the lowest such rank).
 
     Returns a :class:`Breakdown`. Raises ``ValueError`` / ``TypeError`` naming the argument.
     """
-    n, sizes = _sizes(params)
+    n, sizes, shapes = _sizes(params)
     if not known_mode(mode):
         raise ValueError("mode: unknown mode %r; choose one of %s" % (mode, ", ".join(MODES)))
     if rule is not None:
@@ -720,6 +802,28 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         raise ValueError("grad_release: not supported with more than one process (the "
                          "release steps before DDP/FSDP reduce the gradients), got "
                          "world_size=%d" % w)
+    if not isinstance(sharding, str) or sharding not in SHARDINGS:
+        raise ValueError("sharding: must be one of %s, got %r" % (", ".join(SHARDINGS), sharding))
+    by_torch = sharding == "torch" and zero > 0
+    if by_torch and zero == 2:
+        raise ValueError("zero: PyTorch has no ZeRO-2 of its own; with sharding='torch' give "
+                         "zero=1 (ZeroRedundancyOptimizer) or zero=3 (FSDP2's fully_shard, "
+                         "whose reshard_after_forward=False holds stage 3's bytes between "
+                         "steps)")
+    if rank is not None:
+        if sharding != "torch":
+            raise ValueError("rank: only with sharding='torch' (the even partition is the same "
+                             "on every rank)")
+        rank = _check_count("rank", rank, 0)
+        if rank >= w:
+            raise ValueError("rank: must be < world_size=%d, got %d" % (w, rank))
+    if by_torch and zero == 3:
+        if grad_release:
+            raise ValueError("grad_release: not supported for FSDP2's DTensor params")
+        if rule is None and spec.param_format is not None and optimizer not in _ADAM:
+            raise ValueError("optimizer: %s with %r is mpext.MixedPrecisionOptimizer, which has "
+                             "no DTensor support, so no FSDP2; give rule=... (mpext.optim's) "
+                             "or optimizer 'adam' / 'adamw'" % (mode, optimizer))
 
     def part(stage: int) -> int:  # elements per device of a tensor partitioned from `stage` on
         return -(-n // w) if zero >= stage else n
@@ -740,21 +844,57 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted
         states = k * (spec.state * part(1) + spec.state_meta * -(-part(1) // spec.state_block))
     else:  # as the optimizer keeps each tensor (small ones in FP32), then partitioned
-        states = k * sum(_FP32 * s if s < MIN_8BIT_NUMEL else
-                         spec.state * s + spec.state_meta * -(-s // spec.state_block)
-                         for s in sizes)
+        states = k * sum(_tensor_state(spec, s) for s in sizes)
         states = -(-states // w) if zero >= 1 else states
+    mpext_ema = spec.stepped_by_mpext or rule is not None  # the optimizer's, else a model copy
+    rows = dict(weights=spec.weight * part(3),
+                gradients=0 if grad_release else spec.grad * part(2),
+                master_weights=spec.master * part(1), optimizer_states=states,
+                ema=0 if not ema else _FP32 * (part(1) if mpext_ema else part(3)),
+                step_buffers=step_buffers)
+    picked = None
+    if by_torch and (zero == 3 or sizes is not None):
+        per_rank = [_torch_rank(spec, k, n, sizes, shapes, zero, w, r, ema, mpext_ema,
+                                step_buffers > 0) for r in range(w)]
+        picked = rank if rank is not None else max(
+            range(w), key=lambda r: (sum(per_rank[r][f] for f in Breakdown.PERSISTENT
+                                         if f in per_rank[r]), -r))
+        rows = per_rank[picked]
+    elif sharding == "torch":  # no partition, or a bare count spread evenly: every rank alike
+        picked = 0 if rank is None else rank
     return Breakdown(
         mode=mode, optimizer=optimizer, params=n, zero=zero, world_size=w,
-        weights=spec.weight * part(3),
-        gradients=0 if grad_release else spec.grad * part(2),
-        master_weights=spec.master * part(1),
-        optimizer_states=states,
-        ema=0 if not ema else _FP32 * (part(1) if spec.stepped_by_mpext or rule else part(3)),
         scaler=_FP32 * SCALER_SCALARS if spec.scaler else 0,
         activations=acts,
         autocast_copies=spec.autocast_copy * n,
-        step_buffers=step_buffers,
         activation_formula=formula,
         grad_bucket=min(bucket, spec.grad * n) if grad_release else 0,
-    )
+        sharding=sharding, rank=picked, **rows)
+
+
+def _tensor_state(spec: ModeSpec, size: int) -> int:
+    """Bytes of one moment of a tensor of ``size`` elements kept whole, as mpext.optim keeps
+    it: 8-bit codes and their block scales, or FP32 for a tensor under MIN_8BIT_NUMEL."""
+    if not spec.state_block:
+        return spec.state * size
+    if size < MIN_8BIT_NUMEL:
+        return _FP32 * size
+    return spec.state * size + spec.state_meta * -(-size // spec.state_block)
+
+
+def _torch_rank(spec: ModeSpec, k: int, n: int, sizes, shapes, zero: int, w: int, r: int,
+                ema: bool, mpext_ema: bool, step_buffers: bool) -> Dict[str, int]:
+    """The persistent rows of rank ``r`` under PyTorch's engines (``sharding='torch'``)."""
+    if zero == 1:  # ZeroRedundancyOptimizer: whole tensors' state on one rank; model replicated
+        mine = [sizes[i] for i in zero_partition(sizes, w)[r]]
+        own = sum(mine)
+        return dict(weights=spec.weight * n, gradients=spec.grad * n,
+                    master_weights=spec.master * own,
+                    optimizer_states=k * sum(_tensor_state(spec, s) for s in mine),
+                    ema=0 if not ema else _FP32 * (own if mpext_ema else n),
+                    step_buffers=_FP32 * own if step_buffers else 0)
+    shards = [fsdp2_shard(shape, w, r) for shape in (shapes or [(n,)])]
+    own, padded = sum(s for s, _ in shards), sum(p for _, p in shards)
+    return dict(weights=spec.weight * padded, gradients=spec.grad * padded,
+                master_weights=spec.master * own, optimizer_states=k * spec.state * own,
+                ema=0 if not ema else _FP32 * (own if mpext_ema else padded), step_buffers=0)

@@ -4,6 +4,12 @@ from typing import Dict, Optional
 
 __all__ = ["measure"]
 
+def _local(t):
+    """A DTensor's local shard (what this device holds), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _storage_key(t) -> Optional[tuple]:
     st = t.untyped_storage()
     if st.nbytes() == 0:
@@ -31,6 +37,12 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
     - ``other``: everything else the optimizer objects hold (``step`` and other per-param
       scalars, cached lr tensors, ...).
 
+    A DTensor (FSDP2's params, gradients and state) counts its local shard's storage: for
+    FSDP2's params the padded chunk they live in, for its gradients the reduce-scatter's output
+    that the gradients of one ``fully_shard`` unit share. The optimizer chain is followed
+    through a wrapper's ``optimizer`` (``mpext.MixedPrecisionOptimizer``) and a
+    ``ZeroRedundancyOptimizer``'s ``optim`` (the rank's partition).
+
     Use it after a step (before ``zero_grad``) to compare with :func:`estimate`.
     """
     import torch
@@ -42,6 +54,7 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
     def add(cat, t):
         if not isinstance(t, torch.Tensor):
             return
+        t = _local(t)
         key = _storage_key(t)
         if key is None or key in seen:
             return
@@ -59,6 +72,8 @@ def measure(params, optimizer=None, scaler=None) -> Dict[str, int]:
     while obj is not None and obj not in chain:
         chain.append(obj)
         inner = getattr(obj, "optimizer", None)
+        if inner is None and isinstance(getattr(obj, "optim", None), torch.optim.Optimizer):
+            inner = obj.optim  # ZeroRedundancyOptimizer: the rank's partition
         obj = inner if inner is not obj else None
     for opt in chain:
         for group in getattr(opt, "param_groups", ()):

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import mpext
+import mpext.memory
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 240  # per spawn (both ranks), on a loaded 2-core machine
@@ -1198,6 +1199,8 @@ def _sr_body(rank, out_dir):
             refused[label + "_unchanged"] = torch.equal(p.detach().full_tensor(), before)
     out["refused"] = refused
 
+    if world == 2:  # per-device bytes, at 2 ranks in this spawn (4: memory_runs)
+        out["memory"] = _memory_body(rank, out_dir)
     if world == 2:  # ZeRO: each rank steps a partition; the global order gives the streams
         for label, use_global in (("zero", True), ("zero_local_streams", False)):
             model = _sr_mlp()
@@ -1434,3 +1437,174 @@ def test_dcp_reshard_8bit_moments_on_fsdp2_are_refused_clearly(reshard_runs):
         assert message is not None and "8-bit moments are not supported" in message, message
         assert "params[0] (param group 0)" in message
         assert "exp_avg_dtype=exp_avg_sq_dtype=torch.bfloat16" in message
+
+
+# --------------------------------------------------------------------------------------------
+# Per-device bytes: what each rank's params, gradients and optimizer state hold, counted from
+# the live tensors (mpext.memory.measure: local shards, each storage once), equal to
+# mpext.memory.estimate(..., sharding="torch", rank=r) field by field, under FSDP2 and under
+# ZeroRedundancyOptimizer, at 2 ranks (inside the SR spawn) and 4 (a spawn of its own).
+
+MEMORY_WORLDS = (2, 4)
+MEMORY_ROWS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
+_BF16_MOMENTS = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+_Q8_MOMENTS = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+_SR = dict(master_weights=False, stochastic_rounding=True)
+MEMORY_CASES = {  # name -> (engine, mpext.memory mode, param dtype, rule, keywords)
+    "fsdp2_fp32_master": ("fsdp2", "mpext-bf16", torch.bfloat16, "AdamW", {}),
+    "fsdp2_remainder": ("fsdp2", "mpext-bf16-remainder", torch.bfloat16, "AdamW",
+                        dict(param_remainders=True)),
+    "fsdp2_remainder_bf16_moments": ("fsdp2", "mpext-bf16-remainder-bf16moments",
+                                     torch.bfloat16, "AdamW",
+                                     dict(param_remainders=True, **_BF16_MOMENTS)),
+    "fsdp2_sr_bf16_moments": ("fsdp2", "mpext-bf16-sr", torch.bfloat16, "AdamW",
+                              dict(_SR, **_BF16_MOMENTS)),
+    "fsdp2_remainder_bf16_moments_ema": ("fsdp2", "mpext-bf16-remainder-bf16moments",
+                                         torch.bfloat16, "AdamW",
+                                         dict(param_remainders=True, ema_decay=0.9,
+                                              **_BF16_MOMENTS)),
+    # FP32 sharded params, MixedPrecisionPolicy(param_dtype=bf16): the param is the FP32 value
+    "fsdp2_fp32_params_policy": ("fsdp2", "mpext-fp32-param-float32", torch.float32, "AdamW",
+                                 {}),
+    "fsdp2_fp32_params_policy_bf16_moments": ("fsdp2", "mpext-fp32-param-bfloat16",
+                                              torch.float32, "AdamW", dict(_BF16_MOMENTS)),
+    "fsdp2_fp16_master": ("fsdp2", "mpext-fp16", torch.float16, "AdamW", {}),
+    "fsdp2_lion_sr_bf16_moment": ("fsdp2", "mpext-bf16-stochastic-bfloat16", torch.bfloat16,
+                                  "Lion", dict(_SR, exp_avg_dtype=torch.bfloat16)),
+    "fsdp2_sgd_sr_bf16_momentum": ("fsdp2", "mpext-bf16-stochastic-bfloat16", torch.bfloat16,
+                                   "SGD", dict(_SR, momentum=0.9, momentum_dtype=torch.bfloat16)),
+    "zero1_fp32_master": ("zero1", "mpext-bf16", torch.bfloat16, "AdamW", {}),
+    "zero1_remainder_bf16_moments": ("zero1", "mpext-bf16-remainder-bf16moments",
+                                     torch.bfloat16, "AdamW",
+                                     dict(param_remainders=True, **_BF16_MOMENTS)),
+    "zero1_remainder_8bit": ("zero1", "mpext-bf16-remainder-8bit", torch.bfloat16, "AdamW",
+                             dict(param_remainders=True, **_Q8_MOMENTS)),
+    "zero1_sr_8bit_ema": ("zero1", "mpext-bf16-sr-8bit", torch.bfloat16, "AdamW",
+                          dict(_SR, ema_decay=0.9, **_Q8_MOMENTS)),
+}
+
+
+def _memory_mlp(dtype):
+    """Rows no world size of 2 or 4 divides (67, 5, 1): uneven shards and, at 4 ranks, empty
+    ones; the first weight (67 x 64) is large enough for 8-bit moments, the others are not."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 67), nn.Tanh(), nn.Linear(67, 5), nn.Tanh(),
+                         nn.Linear(5, 1)).to(dtype)
+
+
+def _memory_body(rank, out_dir):
+    """One step of every case; each rank's measured bytes. 8-bit moments on FSDP2: refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 64, generator=g), torch.randn(8, 1, generator=g)
+    out = {}
+    for name, (engine, _, dtype, rule, kw) in MEMORY_CASES.items():
+        model = _memory_mlp(dtype)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        if engine == "fsdp2":
+            compute = torch.bfloat16 if dtype == torch.float32 else dtype
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            opt = getattr(mpext.optim, rule)(model.parameters(), lr=1e-2, **kw)
+        else:  # the same full batch on every rank: the gradients need no reduction
+            opt = ZeroRedundancyOptimizer(model.parameters(),
+                                          optimizer_class=getattr(mpext.optim, rule), lr=1e-2,
+                                          **kw)
+        opt.zero_grad(set_to_none=True)
+        ((model(x.to(dtype)).float() - y) ** 2).mean().backward()
+        opt.step()
+        out[name] = {"shapes": shapes, "measured": mpext.memory.measure(model.parameters(), opt),
+                     "local_numel": [_local(p).numel() for p in model.parameters()]}
+    model = _memory_mlp(torch.bfloat16)
+    fully_shard(model, mesh=mesh)
+    try:
+        mpext.optim.AdamW(model.parameters(), **_Q8_MOMENTS)
+        out["fsdp2_8bit_refused"] = None
+    except NotImplementedError as exc:
+        out["fsdp2_8bit_refused"] = str(exc)
+    return out
+
+
+def _memory_only_body(rank, out_dir):
+    return {"memory": _memory_body(rank, out_dir)}
+
+
+@pytest.fixture(scope="module")
+def memory_runs(sr_runs, tmp_path_factory):
+    """world size -> each rank's _memory_body: 2 from the SR spawn, 4 from one of its own."""
+    at4 = _spawn(_memory_only_body, tmp_path_factory.mktemp("memory4"), 4)
+    return {2: [r["memory"] for r in sr_runs[2]], 4: [r["memory"] for r in at4]}
+
+
+def _memory_predicted(name, shapes, world, rank):
+    engine, mode, _, rule, kw = MEMORY_CASES[name]
+    by_rule = {} if rule == "AdamW" else dict(rule=rule.lower(), momentum=kw.get("momentum", 0.0))
+    return mpext.memory.estimate(shapes, "adamw", mode, zero=3 if engine == "fsdp2" else 1,
+                                 world_size=world, sharding="torch", rank=rank,
+                                 ema="ema_decay" in kw, **by_rule)
+
+
+@pytest.mark.parametrize("world", MEMORY_WORLDS)
+@pytest.mark.parametrize("name", list(MEMORY_CASES))
+def test_per_device_bytes_measured_equal_the_estimate(memory_runs, world, name):
+    """Every rank's live weights, gradients, masters (or remainders), moments and EMA, in
+    bytes, are what mpext.memory predicts for that rank, exactly. Under FSDP2 the weights and
+    gradients are the padded chunks (dim 0 rounded up to a multiple of the world size: the
+    storage FSDP2 allocates, which the last ranks' shorter or empty shards still hold), the
+    optimizer state the rank's own rows."""
+    runs = memory_runs[world]
+    if name.startswith("fsdp2") and world == 4:
+        assert 0 in runs[-1][name]["local_numel"]  # an empty shard on the last rank
+    for rank, run in enumerate(runs):
+        got = run[name]["measured"]
+        want = _memory_predicted(name, run[name]["shapes"], world, rank)
+        assert {f: got[f] for f in MEMORY_ROWS} == {f: getattr(want, f) for f in MEMORY_ROWS}, \
+            "rank %d" % rank
+    engine, mode = MEMORY_CASES[name][:2]
+    if engine == "zero1" and mode.endswith("8bit"):  # rank 0 steps the 67 x 64 weight, in 8 bits
+        assert runs[0][name]["measured"]["optimizer_states"] < 2 * 4 * 67 * 64
+
+
+@pytest.mark.parametrize("world", MEMORY_WORLDS)
+def test_per_device_bytes_8bit_on_fsdp2_refused_and_not_estimated(memory_runs, world):
+    for run in memory_runs[world]:
+        assert "8-bit moments are not supported" in run["fsdp2_8bit_refused"]
+    for mode in ("mpext-bf16-remainder-8bit", "mpext-bf16-sr-8bit"):
+        assert mpext.memory.unsupported(mode, 3)
+        with pytest.raises(ValueError, match="8-bit moments are not supported for sharded"):
+            mpext.memory.estimate([(67, 64)], "adamw", mode, zero=3, world_size=world,
+                                  sharding="torch")
+
+
+def memory_table(runs):
+    """The table of docs/distributed.md: per case and world size, each rank's measured and
+    predicted bytes (weights + gradients + masters + moments + EMA)."""
+    lines = ["| engine, rule, format (mpext.memory mode) | ranks | measured per rank (B) | "
+             "predicted per rank (B) |", "|---|---:|---:|---:|"]
+    for name, (engine, mode, _, rule, kw) in MEMORY_CASES.items():
+        for world in MEMORY_WORLDS:
+            got = [sum(r[name]["measured"][f] for f in MEMORY_ROWS) for r in runs[world]]
+            want = [_memory_predicted(name, r[name]["shapes"], world, i)
+                    for i, r in enumerate(runs[world])]
+            want = [sum(getattr(b, f) for f in MEMORY_ROWS) for b in want]
+            label = "%s, %s, %s%s" % ("FSDP2" if engine == "fsdp2" else "ZeRO-1", rule,
+                                      mode, " + EMA" if "ema_decay" in kw else "")
+            lines.append("| %s | %d | %s | %s |" % (label, world, " / ".join(map(str, got)),
+                                                    " / ".join(map(str, want))))
+    return "\n".join(lines) + "\n"
+
+
+def test_per_device_bytes_table_in_the_docs_is_this_run(memory_runs):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "distributed.md")
+    with open(path) as f:
+        text = f.read()
+    table = memory_table(memory_runs)
+    assert table in text, "docs/distributed.md should hold this table:\n" + table

@@ -1222,3 +1222,100 @@ def test_grad_release_agrees_with_live_tensors():
     got = memory.measure(params, opt)
     for field in ("weights", "gradients", "master_weights", "optimizer_states"):
         assert got[field] == getattr(want, field), (field, got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch's engines (sharding="torch"): FSDP2's padded dim-0 chunks, ZeroRedundancyOptimizer's
+# whole-tensor partition. The live tensors of 2- and 4-rank gloo runs equal these per rank:
+# tests/test_distributed.py, test_per_device_bytes_measured_equal_the_estimate.
+
+
+def test_fsdp2_shard_by_hand():
+    # 67 rows over 4 ranks: chunks of 17 rows, the last rank 16; every rank allocates 17
+    assert [memory.fsdp2_shard((67, 64), 4, r) for r in range(4)] == \
+        [(17 * 64, 17 * 64)] * 3 + [(16 * 64, 17 * 64)]
+    # 5 rows over 4: chunks of 2, so 2, 2, 1 and an empty shard, each allocating 2 rows
+    assert [memory.fsdp2_shard((5, 3), 4, r) for r in range(4)] == \
+        [(6, 6), (6, 6), (3, 6), (0, 6)]
+    assert [memory.fsdp2_shard((1,), 2, r) for r in range(2)] == [(1, 1), (0, 1)]
+    with pytest.raises(ValueError, match="params: FSDP2 shards dim 0"):
+        memory.fsdp2_shard((), 2, 0)
+
+
+def test_zero_partition_is_torchs_greedy_one():
+    # largest first, each to the rank holding the fewest elements (the lowest on a tie)
+    assert memory.zero_partition([4288, 67, 335, 5, 5, 1], 2) == [[0], [2, 1, 3, 4, 5]]
+    assert memory.zero_partition([4288, 67, 335, 5, 5, 1], 4) == [[0], [2], [1], [3, 4, 5]]
+    assert memory.zero_partition([3, 3, 3], 2) == [[0, 2], [1]]
+
+
+def test_torch_sharding_by_hand():
+    shapes = [(67, 64), (67,), (5, 67), (5,), (1, 5), (1,)]
+    n = sum(math.prod(s) for s in shapes)
+    per_rank = [estimate(shapes, "adamw", "mpext-bf16-remainder-bf16moments", zero=3,
+                         world_size=4, sharding="torch", rank=r) for r in range(4)]
+    padded = 17 * 64 + 17 + 2 * 67 + 2 + 5 + 1
+    own = [17 * 64 + 17 + 2 * 67 + 2 + 5 + 1, 17 * 64 + 17 + 2 * 67 + 2,
+           17 * 64 + 17 + 67 + 1, 16 * 64 + 16]
+    for r, b in enumerate(per_rank):
+        assert (b.weights, b.gradients, b.master_weights, b.optimizer_states, b.rank) == \
+            (2 * padded, 2 * padded, 2 * own[r], 2 * 2 * own[r], r)
+        assert b.label() == "mpext-bf16-remainder-bf16moments FSDP2/4"
+    # the default is the busiest rank; a bare count is one 1-D tensor (ZeRO-3's even figure)
+    assert estimate(shapes, "adamw", "mpext-bf16", zero=3, world_size=4,
+                    sharding="torch").rank == 0
+    even = estimate(n, "adamw", "mpext-bf16", zero=3, world_size=4)
+    bare = estimate(n, "adamw", "mpext-bf16", zero=3, world_size=4, sharding="torch")
+    assert bare.persistent == even.persistent and bare.label().endswith("FSDP2/4")
+    # ZeroRedundancyOptimizer: rank 0 steps the 67 x 64 weight (8-bit), rank 1 the rest (FP32)
+    z = [estimate(shapes, "adamw", "mpext-bf16-sr-8bit", zero=1, world_size=2,
+                  sharding="torch", rank=r) for r in range(2)]
+    assert [b.optimizer_states for b in z] == [2 * (4288 + 4 * 17), 2 * 4 * (n - 4288)]
+    assert all(b.weights == 2 * n and b.gradients == 2 * n for b in z)
+    assert estimate(shapes, "adamw", "mpext-bf16-sr-8bit", zero=1, world_size=2,
+                    sharding="torch").rank == 0
+    assert z[0].label() == "mpext-bf16-sr-8bit ZeRO-1/2 torch"
+    # zero 0 is the same under both
+    assert estimate(shapes, "adamw", "mpext-bf16", sharding="torch").persistent == \
+        estimate(shapes, "adamw", "mpext-bf16").persistent
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sharding="fsdp"), "sharding: must be one of even, torch, got 'fsdp'"),
+    (dict(sharding="torch", zero=2), "zero: PyTorch has no ZeRO-2 of its own"),
+    (dict(rank=1, zero=3, world_size=2), "rank: only with sharding='torch'"),
+    (dict(sharding="torch", rank=2, zero=3, world_size=2), "rank: must be < world_size=2"),
+    (dict(sharding="torch", rank=-1, zero=3, world_size=2), "rank: must be >= 0"),
+    (dict(sharding="torch", zero=3, world_size=2, optimizer="sgd"),
+     "optimizer: mpext-bf16 with 'sgd' is mpext.MixedPrecisionOptimizer, which has no DTensor"),
+    (dict(sharding="torch", zero=3, grad_release=True), "grad_release: not supported for FSDP2"),
+])
+def test_torch_sharding_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        estimate([(4, 3)], **dict(dict(optimizer="adamw", mode="mpext-bf16"), **kwargs))
+
+
+def test_cli_fsdp2_and_torch_zero1(capsys):
+    code, out, _ = run_main(capsys, "--model", "llama-7b", "--mode", "mpext-bf16,"
+                            "mpext-bf16-sr-8bit", "--zero", "3,fsdp2,zero1-torch",
+                            "--world-size", "8", "--json")
+    assert code == 0
+    res = json.loads(out)
+    labels = [memory.Breakdown(**{k: v for k, v in r.items() if k in {
+        f.name for f in dataclasses.fields(memory.Breakdown)}}).label() for r in res["results"]]
+    assert labels == ["mpext-bf16 ZeRO-3/8", "mpext-bf16 FSDP2/8", "mpext-bf16 ZeRO-1/8 torch",
+                      "mpext-bf16-sr-8bit ZeRO-1/8 torch"]
+    assert [(r["mode"], r["label"]) for r in res["unsupported"]] == [
+        ("mpext-bf16-sr-8bit", "ZeRO-3/8"), ("mpext-bf16-sr-8bit", "FSDP2/8")]
+    spec = memory.model_spec("llama-7b")
+    assert res["results"][1] == estimate(list(spec.shapes), "adamw", "mpext-bf16", zero=3,
+                                         world_size=8, sharding="torch").to_dict()
+    with pytest.raises(SystemExit):
+        memory.main(["--params", "1e6", "--zero", "fsdp3"])
+    assert "or PyTorch's fsdp2 or zero1-torch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        memory.main(["--params", "1e6", "--mode", "mpext-bf16", "--optimizer", "sgd",
+                     "--zero", "fsdp2", "--world-size", "2"])
+    assert "argument --zero: optimizer: mpext-bf16 with 'sgd' is mpext.MixedPrecisionOptimizer" \
+        in capsys.readouterr().err
+
