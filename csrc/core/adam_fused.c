@@ -7,12 +7,14 @@
  * tools/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
  * process). Every row computes the same bits as the pipeline: tests/c/test_core.c compares the
  * two on every row and ISA path. Compiled once per ISA path (see isa.h). Each row is built
- * twice (mp_adam_usual), and on AVX-512 the rows whose arrays are all 16-bit step 32 elements
- * at a time by hand (adam_bf16x32.h). */
+ * twice (mp_adam_usual). The rows whose arrays are all 16-bit step 32 elements at a time by
+ * hand on AVX-512 (adam_bf16x32.h) and 16 on AVX2 (adam_bf16x16.h, which also steps BF16
+ * params with FP32 moments, where GCC's own vectorisation of the C loop is slowest). */
 #include <string.h>
 
 #include "isa.h"
 #include "adam_bf16x32.h"
+#include "adam_bf16x16.h"
 #include "formats.h"
 #include "mpext/adam_rule.h"
 #include "mpext/numerics.h"
@@ -94,15 +96,31 @@ static inline __attribute__((always_inline)) void adam_loop(
   uint32_t i = 0;
   while (i < n) {
     uint32_t stop = n;
-#if defined(MP_BF16X32)
-    /* the rows adam_bf16x32.h steps 32 elements at a time: the loop below takes its tail and
-     * any block of it with a NaN */
+#if defined(MP_BF16X32) || defined(MP_BF16X16)
+    /* the rows adam_bf16x32.h (AVX-512) and adam_bf16x16.h (AVX2) step a block of elements at
+     * a time: the loop below takes the tail and any block with a NaN */
     if (usual && pt == MP_BF16 && gt == MP_BF16 && md == MP_BF16 && vd == MP_BF16 &&
         (mk == MK_REMAINDER || mk == MK_NONE_SR)) {
+#if defined(MP_BF16X32)
+      const uint32_t w = 32u;
       i = x32_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
                         (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
                         write_grad);
-      stop = n - i < 32u ? n : i + 32u;
+#else
+      const uint32_t w = 16u;
+      i = x16_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
+                        (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
+                        write_grad);
+#endif
+      stop = n - i < w ? n : i + w;
+    }
+#endif
+#if defined(MP_BF16X16)
+    if (usual && pt == MP_BF16 && md == MP_F32 && vd == MP_F32 && mk != MK_F32) {
+      i = x16_adam_f32m((uint16_t*)param, grad, gt == MP_F32, master, remainder, (float*)m,
+                        (float*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, mk,
+                        write_grad);
+      stop = n - i < X16_F32M_W ? n : i + X16_F32M_W;
     }
 #endif
 #pragma GCC ivdep
