@@ -219,48 +219,6 @@ ALIASES: Dict[str, Tuple[str, str, str]] = {k: v[:3] for k, v in _NAMED.items()}
 _ANY_OPTIMIZER = ("mpext-bf16", "mpext-fp16")
 
 MODES: Dict[str, ModeSpec] = {
-    format_mode_name(d, pf, mf): format_mode(d, pf, mf)
-    for d, (_, pfs) in _PARAM_DTYPES.items() for pf in pfs for mf in _F.MOMENT_FORMATS}
-
-# The named modes of the calculator that are formats: (dtype, param format, moment format).
-ALIASES: Dict[str, Tuple[str, str, str]] = {
-    "mpext-bf16": ("bf16", "master", "float32"),
-    "mpext-fp16": ("fp16", "master", "float32"),
-    "mpext-bf16-bf16moments": ("bf16", "master", "bfloat16"),
-    "mpext-bf16-remainder": ("bf16", "remainder", "float32"),
-    "mpext-bf16-remainder-bf16moments": ("bf16", "remainder", "bfloat16"),
-    "mpext-bf16-sr-fp32moments": ("bf16", "stochastic", "float32"),
-    "mpext-bf16-sr": ("bf16", "stochastic", "bfloat16"),
-    "mpext-fp16-sr": ("fp16", "stochastic", "bfloat16"),
-    "mpext-bf16-8bit": ("bf16", "master", "q8"),
-    "mpext-bf16-remainder-8bit": ("bf16", "remainder", "q8"),
-    "mpext-bf16-sr-8bit": ("bf16", "stochastic", "q8"),
-    "mpext-fp16-sr-8bit": ("fp16", "stochastic", "q8"),
-}
-_DESCRIPTIONS = {
-    "mpext-bf16": "mpext: BF16 model, FP32 masters in the optimizer",
-    "mpext-fp16": "mpext: FP16 model, FP32 masters + dynamic loss scaling",
-    "mpext-bf16-bf16moments": "mpext.optim: BF16 model, FP32 masters, BF16 moments",
-    "mpext-bf16-remainder": "mpext.optim: BF16 model, FP32 masters kept as 16-bit remainders",
-    "mpext-bf16-remainder-bf16moments": "mpext.optim: BF16 model, 16-bit remainders, BF16 "
-                                        "moments",
-    "mpext-bf16-sr-fp32moments": "mpext.optim: BF16 model, no master (stochastic rounding), "
-                                 "FP32 moments",
-    "mpext-bf16-sr": "mpext.optim: BF16 model, no master (stochastic rounding), BF16 moments",
-    "mpext-fp16-sr": "mpext.optim: FP16 model, no master (stochastic rounding), BF16 moments + "
-                     "dynamic loss scaling",
-    "mpext-bf16-8bit": "mpext.optim: BF16 model, FP32 masters, 8-bit moments",
-    "mpext-bf16-remainder-8bit": "mpext.optim: BF16 model, 16-bit remainders, 8-bit moments",
-    "mpext-bf16-sr-8bit": "mpext.optim: BF16 model, no master (stochastic rounding), 8-bit "
-                          "moments",
-    "mpext-fp16-sr-8bit": "mpext.optim: FP16 model, no master (stochastic rounding), 8-bit "
-                          "moments + dynamic loss scaling",
-}
-# FP32 masters with FP32 moments exist for every optimizer (MixedPrecisionOptimizer wraps any);
-# the leaner formats are mpext.optim's.
-_ANY_OPTIMIZER = ("mpext-bf16", "mpext-fp16")
-
-MODES: Dict[str, ModeSpec] = {
     "fp32": ModeSpec(_FP32, _FP32, 0, _FP32, 0, False,
                      "FP32 weights, grads and activations"),
     "amp-bf16": ModeSpec(_FP32, _FP32, 0, _HALF, _HALF, False,
