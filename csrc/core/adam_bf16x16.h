@@ -198,11 +198,11 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     if (remainder != NULL) { /* round the master to nearest; the remainder is what is left */
       const __m256i ue = x16_master_bits(_mm256_castps_si256(xe));
       const __m256i uo = x16_master_bits(_mm256_castps_si256(xo));
-      const __m256i qe = x16_rne_hi(ue), qo = x16_rne_hi(uo);
       if (ema != NULL) x16_ema(ema + i, _mm256_castsi256_ps(ue), _mm256_castsi256_ps(uo), ema_w);
-      _mm256_storeu_si256((__m256i*)(param + i), x16_pack_hi(qe, qo));
-      _mm256_storeu_si256((__m256i*)(remainder + i),
-                          x16_pack_lo(_mm256_sub_epi32(ue, qe), _mm256_sub_epi32(uo, qo)));
+      _mm256_storeu_si256((__m256i*)(param + i),
+                          x16_pack_hi(x16_rne_even(ue), x16_rne_hi(uo)));
+      /* u - round(u) has u's low half, the rounding's low half being zero */
+      _mm256_storeu_si256((__m256i*)(remainder + i), x16_pack_lo(ue, uo));
     } else {
       if (ema != NULL) x16_ema(ema + i, xe, xo, ema_w);
       const __m256i re = x16_bits(lo_e, kp_lo, kp_hi), ro = x16_bits(lo_o, kp_lo, kp_hi);
