@@ -97,6 +97,14 @@ typedef struct x32_scalars {
   __m512 inv_scale, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
 } x32_scalars;
 
+static inline x32_scalars x32_scalars_of(const mp_adam_scalars* s) {
+  const x32_scalars c = {_mm512_set1_ps(s->inv_scale),       _mm512_set1_ps(s->decay),
+                         _mm512_set1_ps(s->lerp_weight),     _mm512_set1_ps(s->beta2),
+                         _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->bc2_sqrt),
+                         _mm512_set1_ps(s->eps),             _mm512_set1_ps(s->neg_step_size)};
+  return c;
+}
+
 /* mp_adam_element with decoupled decay, not maximized, lerp from the start (mp_adam_usual), on
  * 16 elements: the same fp32 operations in the same order. */
 static inline __m512 x32_element(__m512* gp, __m512 p, __m512* m, __m512* v,
@@ -151,10 +159,7 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int nearest,
     const int write_grad) {
   const __m512 ema_w = _mm512_set1_ps(s->ema_weight);
-  const x32_scalars c = {_mm512_set1_ps(s->inv_scale),       _mm512_set1_ps(s->decay),
-                         _mm512_set1_ps(s->lerp_weight),     _mm512_set1_ps(s->beta2),
-                         _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->bc2_sqrt),
-                         _mm512_set1_ps(s->eps),             _mm512_set1_ps(s->neg_step_size)};
+  const x32_scalars c = x32_scalars_of(s);
   const __m512i km_lo = _mm512_set1_epi32((int)(uint32_t)s->key_moments);
   const __m512i km_hi = _mm512_set1_epi32((int)(hi ^ (uint32_t)(s->key_moments >> 32)));
   const __m512i kp_lo = _mm512_set1_epi32((int)(uint32_t)s->key_param);
