@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+import mpext
 from mpext import activations as act
 from mpext.memory_estimate import activation_bytes
 
@@ -146,6 +147,27 @@ def converge(steps, seeds=(0, 1, 2)):
     return out
 
 
+def kernels(quick):
+    """ns per element and GB/s of the FP8 ops on one BF16 activation (block 128), against
+    torch's own cast to float8_e4m3fn and an allocating copy (``clone``), interleaved: every op
+    writes a new tensor, so all of them pay for its fresh pages."""
+    x = torch.randn(1024 if quick else 4096, 4096, dtype=torch.bfloat16)
+    q, sc = mpext.ops.fp8_quantize(x)
+    cases = {  # label -> (fn, bytes moved per element)
+        "fp8_quantize": (lambda: mpext.ops.fp8_quantize(x), 3 + 4 / 128),
+        "fp8_quantize, stochastic": (lambda: mpext.ops.fp8_quantize(x, stochastic=True),
+                                     3 + 4 / 128),
+        "fp8_dequantize to bf16": (
+            lambda: mpext.ops.fp8_dequantize(q, sc, dtype=torch.bfloat16), 3 + 4 / 128),
+        "torch: x.to(float8_e4m3fn)": (lambda: x.to(torch.float8_e4m3fn), 3),
+        "torch: x.clone() (roofline)": (lambda: x.clone(), 4),
+    }
+    t = common.time_fns({k: f for k, (f, _) in cases.items()}, device=torch.device("cpu"),
+                        repeats=7 if quick else 15, show_progress=False)
+    return [[k, "%.3f" % (t[k].median / x.numel() * 1e9),
+             "%.1f" % (b * x.numel() / t[k].median / common.GB)] for k, (_, b) in cases.items()]
+
+
 def table(rows, errors, conv):
     MiB = common.MiB
     lines = []
@@ -183,12 +205,15 @@ def main(argv=None):
     rows, errors = measure(a.quick)
     conv = converge(a.converge_steps) if a.converge_steps else {}
     est = activation_bytes(8, 128, 256, 4, 4, 2, len(gpt.load_corpus()[1]), dropout=False)
+    ops = kernels(a.quick)
     text = table(rows, errors, conv) + (
-        "\n\nmpext.memory's estimate for the benchmark GPT in bf16: %.2f MiB" % (est / common.MiB))
+        "\n\nmpext.memory's estimate for the benchmark GPT in bf16: %.2f MiB" % (est / common.MiB)
+    ) + "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % a.threads + (
+        common.markdown_table(["op", "ns / element", "GB/s"], ops))
     print(text)
     a.out.mkdir(parents=True, exist_ok=True)
     common.write_text(a.out / "activations.md", text)
-    common.write_json(a.out / "activations.json", dict(rows=rows, estimate_gpt_bf16=est, errors={
+    common.write_json(a.out / "activations.json", dict(rows=rows, estimate_gpt_bf16=est, ops=ops, errors={
         "%s/%s" % k: v for k, v in errors.items()}, convergence={
         "%s/%d" % ("on" if c else "off", s): v for (c, s), v in conv.items()}))
 
