@@ -123,27 +123,38 @@ def measure(quick):
     return rows, errors
 
 
-def converge(steps, seeds=(0, 1, 2)):
-    """The benchmark GPT ("small"), bf16 params stepped by mpext.optim.AdamW (FP32 masters)."""
+def converge(steps, model_name, seeds=(0, 1, 2)):
+    """The benchmark GPT ("small") or an HF GPT-2 of its sizes on the same corpus, bf16 params
+    stepped by mpext.optim.AdamW (FP32 masters): the validation loss per (compressed, seed)."""
     ids, vocab = gpt.load_corpus()
     (train, val), cfg = gpt.split_corpus(ids), gpt.GPTConfig.preset("small", len(vocab))
+    if model_name == "gpt":
+        build, loss_of = (lambda: gpt.GPT(cfg, fp32_gemm=True)), (lambda m, x, y: m(x, y)[1])
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                          vocab_size=len(vocab), n_positions=cfg.block_size, bos_token_id=0,
+                          eos_token_id=0, attn_implementation="sdpa",
+                          activation_function="gelu_pytorch_tanh")
+        build = lambda: GPT2LMHeadModel(hcfg)  # noqa: E731
+        loss_of = lambda m, x, y: m(x, labels=x).loss  # noqa: E731  (HF shifts the labels)
     out = {}
     for compress in (False, True):
         for seed in seeds:
             torch.manual_seed(seed)
-            tr = Trainer.for_mode("mpext_optim_bf16", gpt.GPT(cfg, fp32_gemm=True), lr=3e-3)
+            tr = Trainer.for_mode("mpext_optim_bf16", build(), lr=3e-3)
             ctx = act.fp8_saved_tensors(params=tr.model) if compress else contextlib.nullcontext()
             gen = torch.Generator().manual_seed(seed)
             for _ in range(steps):
                 with ctx:  # the forward only: the hooks pack what it saves
-                    loss = tr.model(*gpt.get_batch(train, 32, cfg.block_size, gen))[1]
+                    loss = loss_of(tr.model, *gpt.get_batch(train, 32, cfg.block_size, gen))
                 loss.backward()
                 tr.opt.step()
                 tr.opt.zero_grad()
             with torch.no_grad():
                 vgen = torch.Generator().manual_seed(123)
-                out[compress, seed] = statistics.mean(tr.model(*gpt.get_batch(
-                    val, 64, cfg.block_size, vgen))[1].item() for _ in range(4))
+                out[compress, seed] = statistics.mean(loss_of(tr.model, *gpt.get_batch(
+                    val, 64, cfg.block_size, vgen)).item() for _ in range(4))
     return out
 
 
@@ -187,10 +198,10 @@ def table(rows, errors, conv):
            common.markdown_table(["model", "mode"] + names, [[m, mode] + [
                "%.4f" % e[g] if g in e else "-" for g in names] for (m, mode), e in
                errors.items()])]
-    if conv:
-        out += ["", "Convergence (validation loss): " + ", ".join(
-            "seed %d: off %.4f / on %.4f" % (s, conv[False, s], conv[True, s])
-            for s in sorted({s for _, s in conv}))]
+    for name, c in conv.items():
+        out += ["", "Convergence, %s (validation loss): " % name + ", ".join(
+            "seed %d: off %.4f / on %.4f" % (s, c[False, s], c[True, s])
+            for s in sorted({s for _, s in c}))]
     return "\n".join(out)
 
 
@@ -203,7 +214,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows, errors = measure(a.quick)
-    conv = converge(a.converge_steps) if a.converge_steps else {}
+    conv = {m: converge(a.converge_steps, m) for m in ("gpt", "hf-gpt2")} \
+        if a.converge_steps else {}
     est = activation_bytes(8, 128, 256, 4, 4, 2, len(gpt.load_corpus()[1]), dropout=False)
     ops = kernels(a.quick)
     text = table(rows, errors, conv) + (
@@ -215,7 +227,8 @@ def main(argv=None):
     common.write_text(a.out / "activations.md", text)
     common.write_json(a.out / "activations.json", dict(rows=rows, estimate_gpt_bf16=est, ops=ops, errors={
         "%s/%s" % k: v for k, v in errors.items()}, convergence={
-        "%s/%d" % ("on" if c else "off", s): v for (c, s), v in conv.items()}))
+        "%s/%s/%d" % (m, "on" if c else "off", s): v for m, r in conv.items()
+        for (c, s), v in r.items()}))
 
 
 if __name__ == "__main__":
