@@ -33,16 +33,25 @@ def shard_offset(t: torch.Tensor) -> Optional[int]:
     one mesh dimension, HSDP's replicate x shard, ...), or a dim 0 that is not outermost."""
     if not is_dtensor(t):
         return 0
-    placements = t.placements
+    placements = tuple(t.placements)
+    key = (tuple(t.shape), tuple(t.stride()), t.device_mesh, placements)
+    if key in _OFFSETS:  # computed from the placement at every step otherwise (~50 us)
+        return _OFFSETS[key]
     if all(pl.is_replicate() for pl in placements):
-        return 0
-    if not all(pl.is_replicate() or (type(pl) is Shard and pl.dim == 0) for pl in placements):
-        return None
-    if t.size(0) > 1 and t.stride(0) * t.size(0) != t.numel():
-        return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    _, start = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
-    return int(start[0]) * t.stride(0) if start else 0
+        offset = 0
+    elif not all(pl.is_replicate() or (type(pl) is Shard and pl.dim == 0)
+                 for pl in placements) or (t.size(0) > 1
+                                          and t.stride(0) * t.size(0) != t.numel()):
+        offset = None
+    else:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        _, start = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+        offset = int(start[0]) * t.stride(0) if start else 0
+    _OFFSETS[key] = offset
+    return offset
+
+
+_OFFSETS: dict = {}  # shard_offset's, per shape, strides, mesh and placements
 
 
 def copy_like(param: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
