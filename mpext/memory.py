@@ -20,14 +20,14 @@ from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES
                               format_mode_name,
                               gpt_params, gpt_shapes, llama_params, llama_shapes, model_names,
                               mode_supports, model_spec, optimizer_states, rule_states,
-                              SHARDINGS, fsdp2_shard, stage_label, unsupported, zero_partition)
+                              SHARDINGS, fsdp2_shard, stage_label, zero_partition)
 from .memory_measure import measure  # noqa: F401
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",
            "zero_partition", "stage_label", "optimizer_states", "rule_states",
            "format_mode", "format_mode_name", "activation_bytes", "gpt_params", "gpt_shapes",
-           "llama_params", "llama_shapes", "measure", "model_names", "model_spec", "mode_supports", "unsupported",
+           "llama_params", "llama_shapes", "measure", "model_names", "model_spec", "mode_supports",
            "main"]
 
 # ---------------------------------------------------------------------------------------------
@@ -218,14 +218,9 @@ def _configs(args, parser) -> List[Breakdown]:
         parser.error("argument --ema: mpext keeps an EMA in mpext.optim.Adam/AdamW (ema_decay), "
                      "not with --optimizer %s; drop --ema or the mode(s) %s"
                      % (args.optimizer, ", ".join(bad)))
-    out, refused = [], []
+    out = []
     for mode in modes:
         for z, sharding in args.zero:
-            why = unsupported(mode, z)
-            if why:
-                refused.append({"mode": mode, "zero": z, "sharding": sharding, "reason": why,
-                                "label": stage_label(z, sharding, args.world_size)})
-                continue
             try:
                 out.append(estimate(params, args.optimizer, mode, zero=z,
                                     world_size=args.world_size, sharding=sharding,
@@ -235,12 +230,7 @@ def _configs(args, parser) -> List[Breakdown]:
                                     bucket_bytes=args.bucket_bytes, **shape))
             except ValueError as exc:  # a combination only the estimate knows to refuse
                 parser.error("argument --zero: %s" % exc)
-    if not out:
-        parser.error("argument --zero: %s" % "; ".join(
-            "%s with %s is not supported: %s" % (
-                r["mode"], r["label"].split("/")[0], r["reason"])
-            for r in refused))
-    return out, refused
+    return out
 
 
 def _unit(results: Sequence[Breakdown]) -> tuple:
@@ -337,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    results, refused = _configs(args, parser)
+    results = _configs(args, parser)
     if args.png:
         _check_png(parser, args.png)
     what = args.model or "%s params" % format(results[0].params, ",")
@@ -349,8 +339,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "optimizer": results[0].optimizer,
                           "rule": args.rule, "grad_release": args.grad_release,
-                          "results": [r.to_dict() for r in results],
-                          "unsupported": refused}, indent=1))
+                          "results": [r.to_dict() for r in results]}, indent=1))
     else:
         print("## Training memory per device: %s" % title)
         print()
@@ -360,8 +349,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("Activations: %s." % (f if f else "not estimated (give --batch with --model, or "
                                     "--batch --seq --hidden --layers --heads)"))
         print("Per-step rows exist only while a step runs; see docs/memory.md for each row.")
-        for r in refused:
-            print("Not supported: %s %s (%s)." % (r["mode"], r["label"], r["reason"]))
     if args.png:
         try:
             plot(results, args.png, title)

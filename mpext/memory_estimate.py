@@ -51,7 +51,9 @@ copy, as its 16-bit remainder (``param_remainders=True``) or none (``master_weig
 ``-sr``: ``stochastic_rounding=True``). Params under 4096 elements (``MIN_8BIT_NUMEL``) keep
 FP32 moments in those modes: given the parameter count alone, the estimate counts every element
 as 8-bit; given the tensors' sizes (a known model's ``ModelSpec.sizes`` too), it counts each as
-the optimizer keeps it. FSDP2 (ZeRO-3) refuses 8-bit moments today (``unsupported``).
+the optimizer keeps it. Under FSDP2 the blocks lie on each tensor's whole index, so a rank
+keeps the scales of every block its shard touches (one more where a block straddles two
+shards).
 
 An EMA of the weights (``ema=True``) is one more FP32 copy, 4 bytes per parameter: mpext's is
 ``mpext.optim.Adam``/``AdamW``'s ``ema_decay`` (an EMA of the FP32 masters, kept in the optimizer
@@ -103,7 +105,7 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
            "zero_partition", "stage_label", "optimizer_states", "rule_states",
            "format_mode", "format_mode_name", "activation_bytes", "activation_formula",
            "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
-           "llama_shapes", "model_names", "model_spec", "mode_supports", "unsupported",
+           "llama_shapes", "model_names", "model_spec", "mode_supports",
            "DEFAULT_BUCKET_BYTES"]
 
 _FP32, _HALF = 4, 2
@@ -238,16 +240,6 @@ def _spec(mode: str) -> ModeSpec:
 def known_mode(mode) -> bool:
     """Whether ``mode`` names a mode: one of ``MODES`` or of ``FORMAT_MODES``."""
     return isinstance(mode, str) and (mode in MODES or mode in FORMAT_MODES)
-
-
-def unsupported(mode: str, zero: int) -> Optional[str]:
-    """Why ``mode`` cannot train under ZeRO stage ``zero`` today, or None when it can. Stage 3
-    is FSDP2 here, whose params are DTensors: mpext.optim refuses 8-bit moments on them (their
-    blocks would follow each rank's shard)."""
-    if zero == 3 and _spec(mode).state_block:
-        return ("8-bit moments are not supported for sharded (FSDP2 / DTensor) params; use "
-                "ZeRO 1-2 or BF16 moments")
-    return None
 
 
 def mode_supports(mode: str, optimizer: str, ema: bool = False,
@@ -737,9 +729,6 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
             or zero not in (0, 1, 2, 3):
         raise ValueError("zero: the ZeRO stage must be 0, 1, 2 or 3, got %r" % (zero,))
     zero = int(zero)
-    why = unsupported(mode, zero)
-    if why:
-        raise ValueError("zero: %s under ZeRO-3 is not supported: %s" % (mode, why))
     w = _check_count("world_size", world_size)
     shape = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers, "heads": heads}
     given = [name for name, v in shape.items() if v is not None]
@@ -851,8 +840,25 @@ def _torch_rank(spec: ModeSpec, k: int, n: int, sizes, shapes, zero: int, w: int
                     optimizer_states=k * sum(_tensor_state(spec, s) for s in mine),
                     ema=0 if not ema else _FP32 * (own if mpext_ema else n),
                     step_buffers=_FP32 * own if step_buffers else 0)
-    shards = [fsdp2_shard(shape, w, r) for shape in (shapes or [(n,)])]
+    shapes = shapes or [(n,)]
+    shards = [fsdp2_shard(shape, w, r) for shape in shapes]
     own, padded = sum(s for s, _ in shards), sum(p for _, p in shards)
+    states = sum(_shard_state(spec, shape, mine, w, r) for shape, (mine, _) in zip(shapes, shards))
     return dict(weights=spec.weight * padded, gradients=spec.grad * padded,
-                master_weights=spec.master * own, optimizer_states=k * spec.state * own,
+                master_weights=spec.master * own, optimizer_states=k * states,
                 ema=0 if not ema else _FP32 * (own if mpext_ema else padded), step_buffers=0)
+
+
+def _shard_state(spec: ModeSpec, shape: Sequence[int], mine: int, w: int, r: int) -> int:
+    """Bytes of one moment of rank ``r``'s FSDP2 shard (``mine`` elements) of a tensor of
+    ``shape``: 8-bit codes with the scales of every block of the whole tensor the shard
+    touches (mpext.optim._q8_shards), or FP32 for a tensor under MIN_8BIT_NUMEL, or the
+    format's bytes per element."""
+    size = math.prod(shape)
+    if not spec.state_block or size < MIN_8BIT_NUMEL:
+        return (_FP32 if spec.state_block else spec.state) * mine
+    if mine == 0:
+        return 0
+    start = r * fsdp2_shard(shape, w, 0)[0]  # every shard before r is a full chunk
+    touched = (start + mine - 1) // spec.state_block - start // spec.state_block + 1
+    return spec.state * mine + spec.state_meta * touched

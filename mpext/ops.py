@@ -821,6 +821,12 @@ def grad_norm(tensors: Sequence[torch.Tensor], *,
     must be on one device. The result is deterministic: on the CPU it has the same bits for any
     thread count and CPU ISA path (fixed pieces of 65536 elements per tensor, combined in a fixed
     order); on CUDA it is the same on every run (no atomics).
+
+    DTensors (FSDP2's sharded gradients) give the norm of the whole tensors, a plain tensor
+    equal on every rank: each rank's shards in one pass, then one all-reduce (SUM, in double)
+    of the squared norm per mesh and sharded mesh dimension (a collective: every rank of the
+    mesh calls it, with the same list). It differs from one process's norm of the full tensors
+    by the rounding of each rank's partial norm to fp32 (relative 2^-23 at most).
     """
     tensors = list(tensors)
     for i, t in enumerate(tensors):
@@ -828,7 +834,33 @@ def grad_norm(tensors: Sequence[torch.Tensor], *,
         if isinstance(t, torch.Tensor) and t.layout != torch.strided:
             raise RuntimeError("mpext.grad_norm: tensors[%d] must be a strided (dense) tensor, "
                                "got layout %s" % (i, t.layout))
+    if any(type(t).__name__ == "DTensor" and hasattr(t, "placements") for t in tensors):
+        return _sharded_grad_norm(tensors, inv_scale)
     return _ops.grad_norm(tensors, inv_scale=inv_scale)
+
+
+def _sharded_grad_norm(tensors: List[torch.Tensor],
+                       inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """grad_norm of a list with DTensors: the squared norm of each (mesh, sharded dims) group's
+    local shards summed over those dims, plus the rest's (replicated: counted once)."""
+    import torch.distributed as dist
+    groups = {}  # (mesh, sharded dims) -> local tensors, in first-seen order on every rank
+    for t in tensors:
+        key = None
+        if hasattr(t, "placements"):
+            dims = tuple(d for d, pl in enumerate(t.placements) if not pl.is_replicate())
+            key = (t.device_mesh, dims) if dims else None
+            t = t.to_local()
+        groups.setdefault(key, []).append(t)
+    total = None
+    for key, local in groups.items():
+        sq = _ops.grad_norm(local, inv_scale=inv_scale).double() ** 2
+        if key is not None:
+            mesh, dims = key
+            for d in dims:
+                dist.all_reduce(sq, group=mesh.get_group(d))
+        total = sq if total is None else total + sq
+    return total.sqrt().float()
 
 
 @torch.library.register_fake("mpext::grad_norm")

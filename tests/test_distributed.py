@@ -76,10 +76,11 @@ LOCAL_BATCH = GLOBAL_BATCH // WORLD
 
 def _mlp(dtype=torch.float32, wide=False):
     """Its last layer has one output row, so a 2-way Shard(0) leaves rank 1 empty shards.
-    wide: a first layer large enough for 8-bit moments."""
+    wide: a first layer large enough for 8-bit moments, whose 2-way shards meet inside an
+    8-bit block (513 rows of 8 on rank 0: 4104 elements)."""
     torch.manual_seed(0)
     if wide:
-        m = nn.Sequential(nn.Linear(8, 1024), nn.Tanh(), nn.Linear(1024, 1))
+        m = nn.Sequential(nn.Linear(8, 1025), nn.Tanh(), nn.Linear(1025, 1))
         return m.to(dtype)
     m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.Tanh(), nn.Linear(4, 1))
     return m.to(dtype)
@@ -790,17 +791,19 @@ def _fsdp_model(mesh, wide=False, **opt_kw):
                                                               **opt_kw)
 
 
-# The formats FSDP2 takes (8-bit moments are refused on DTensor params), and what a
-# single-process checkpoint is loaded from.
+# The formats of the FSDP2 checkpoint checks, and what a single-process checkpoint is loaded
+# from (the pairs): one process's 8-bit codes and scales into 8-bit FSDP2 ranks are their
+# shards, bit for bit; other formats into 8-bit are coded on the whole param's blocks.
+Q8_MOMENTS = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 FSDP_FORMATS = {"master": {}, "remainder": dict(param_remainders=True),
                 "sr": dict(master_weights=False, stochastic_rounding=True),
                 "bf16_moments": dict(exp_avg_dtype=torch.bfloat16,
                                      exp_avg_sq_dtype=torch.bfloat16),
-                "ema": dict(ema_decay=0.9)}
-ONE_PROCESS_FORMATS = dict(FSDP_FORMATS, q8=dict(exp_avg_dtype=torch.int8,
-                                                 exp_avg_sq_dtype=torch.uint8))
+                "ema": dict(ema_decay=0.9), "q8": Q8_MOMENTS}
+ONE_PROCESS_FORMATS = FSDP_FORMATS
 DCP_PAIRS = [("q8", "bf16_moments"), ("q8", "master"), ("master", "remainder"),
-             ("remainder", "master"), ("sr", "remainder"), ("bf16_moments", "ema")]
+             ("remainder", "master"), ("sr", "remainder"), ("bf16_moments", "ema"),
+             ("q8", "q8"), ("bf16_moments", "q8")]
 
 
 def _full(t):
@@ -814,36 +817,48 @@ def _full(t):
 
 
 def _full_state(opt, params):
-    """Every state entry of every param, as full plain tensors (in param order)."""
-    return [{k: _full(v) for k, v in opt.state[p].items()} for p in params]
+    """Every state entry of every param, as full plain tensors (in param order), read through
+    state_dict() (a collective under FSDP2 with 8-bit moments: a rank keeps the scales of its
+    shard's blocks, and state_dict() gives every block's)."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = opt.state_dict()["state"]
+    return [{k: _full(v) for k, v in state.get(index[id(p)], {}).items()} for p in params]
 
 
 def _full_state_dict_checks(rank, mesh):
     """get_optimizer_state_dict(full_state_dict=True) in every FSDP2 format: the gathered
     entries against the sharded state's full tensors, and the gathered state loaded back with
     set_optimizer_state_dict(full_state_dict=True) into a fresh run, whose state must then be
-    the original's, bit for bit."""
+    the original's, bit for bit; also with broadcast_from_rank0=True (rank 0 alone holds the
+    gathered state; the others pass an empty one)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
 
     full = StateDictOptions(full_state_dict=True)
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     out = {}
     for name, kw in FSDP_FORMATS.items():
-        model, params, opt = _fsdp_model(mesh, **kw)
+        wide = name == "q8"  # a weight large enough for 8-bit moments
+        model, params, opt = _fsdp_model(mesh, wide, **kw)
         _train(model, params, opt, None, range(2), torch.bfloat16, rank=rank)
         try:
             sd = get_optimizer_state_dict(model, opt, options=full)
         except BaseException as exc:  # what the test reports
             out[name] = "%s: %s" % (type(exc).__name__, exc)
             continue
-        model2, params2, opt2 = _fsdp_model(mesh, **kw)
+        model2, params2, opt2 = _fsdp_model(mesh, wide, **kw)
         with torch.no_grad():
             for a, b in zip(params2, params):
                 a.copy_(b)
         set_optimizer_state_dict(model2, opt2, sd, options=full)
+        model3, params3, opt3 = _fsdp_model(mesh, wide, **kw)
+        with torch.no_grad():
+            for a, b in zip(params3, params):
+                a.copy_(b)
+        set_optimizer_state_dict(model3, opt3, sd if rank == 0 else {}, options=from_rank0)
         out[name] = {"gathered": [sd["state"][n] for n, _ in model.named_parameters()],
                      "state": _full_state(opt, params), "loaded": _full_state(opt2, params2),
-                     "groups": sd["param_groups"]}
+                     "broadcast": _full_state(opt3, params3), "groups": sd["param_groups"]}
     return out
 
 
@@ -904,7 +919,8 @@ def _one_to_two_ranks_checks(rank, mesh, out_dir):
             direct = "%s: %s" % (type(exc).__name__, exc)
         out[(src, dst)] = {"ref": _full_state(ref, list(ref_model.parameters())),
                            "dcp": _full_state(opt, params), "direct": direct,
-                           "placements": [str(opt.state[p]["exp_avg"].placements)
+                           "placements": [str(next(v for v in opt.state[p].values()
+                                                   if isinstance(v, DTensor)).placements)
                                           for p in params]}
     return out
 
@@ -1075,12 +1091,16 @@ def test_fsdp2_full_state_dict_gathers_and_loads_back_bit_for_bit(results, name)
     for r in results:
         got = r["fsdp_full_state_dict"][name]
         assert isinstance(got, dict), got
-        for gathered, state, loaded in zip(got["gathered"], got["state"], got["loaded"]):
-            assert set(gathered) == set(state) == set(loaded)
+        for gathered, state, loaded, broadcast in zip(got["gathered"], got["state"],
+                                                      got["loaded"], got["broadcast"]):
+            assert set(gathered) == set(state) == set(loaded) == set(broadcast)
             for k in state:
                 assert not isinstance(gathered[k], DTensor), k
                 assert _equal_bits(gathered[k], state[k]), (name, k)
                 assert _equal_bits(loaded[k], state[k]), (name, k)
+                assert _equal_bits(broadcast[k], state[k]), (name, k)
+        if name == "q8":
+            assert any(k.endswith("_q8_scale") for st in got["state"] for k in st)
         for g in got["groups"]:
             assert all(not isinstance(v, torch.dtype) for v in g.values())
 
@@ -1122,26 +1142,52 @@ SR_CASES = {  # name -> (rule, keywords): every format whose bits depend on the 
     "lion_sr": ("Lion", dict(master_weights=False, stochastic_rounding=True, lr=1e-3)),
     "sgd_sr_bf16_momentum": ("SGD", dict(master_weights=False, stochastic_rounding=True,
                                          momentum=0.9, momentum_dtype=torch.bfloat16)),
+    # 8-bit moments: blocks on the whole param's index, those the shards share stepped whole
+    "remainder_q8": ("AdamW", dict(param_remainders=True, **Q8_MOMENTS)),
+    "sr_q8": ("AdamW", dict(master_weights=False, stochastic_rounding=True, **Q8_MOMENTS)),
+    "master_q8_ema_block2048": ("AdamW", dict(ema_decay=0.9, block_size=2048, **Q8_MOMENTS)),
+    "lion_sr_q8": ("Lion", dict(master_weights=False, stochastic_rounding=True, lr=1e-3,
+                                exp_avg_dtype=torch.int8)),
+    "sgd_sr_q8_momentum": ("SGD", dict(master_weights=False, stochastic_rounding=True,
+                                       momentum=0.9, momentum_dtype=torch.int8)),
+    "sr_q8_reblocked": ("AdamW", dict(master_weights=False, stochastic_rounding=True,
+                                      **Q8_MOMENTS)),
 }
+# name -> (step, group settings set before it): a block size changed between steps (the codes
+# are decoded on the old blocks and coded again on the new, a collective under FSDP2)
+SR_EDITS = {"sr_q8_reblocked": (3, dict(block_size=512))}
 
 
-def _sr_mlp():
+def _q8_case(name):
+    return any(v is torch.int8 for v in SR_CASES.get(name, ("", {}))[1].values())
+
+
+def _sr_mlp(name=None):
     """Dims no world size of 2 or 3 divides: shards are uneven, the 37 x 8 and 19 x 37 weights
-    are cut inside a 256-element block, and the last layer's one row leaves empty shards."""
+    are cut inside a 256-element block, and the last layer's one row leaves empty shards. For
+    8-bit cases, weights of at least 4096 elements (8-bit moments) cut by every world size of
+    2, 3 and 4 inside a block of 256 (2050 x 8: 8200 at 2 ranks, 5472 at 3, 4104 at 4) and of
+    2048 (71 x 67: at 3 and 4 ranks a block of 2048 spans three shards), a 2 x 2050 one that
+    leaves empty shards at 3 and 4 ranks, and small ones that keep FP32 moments."""
     torch.manual_seed(0)
+    if name is not None and _q8_case(name):
+        return nn.Sequential(nn.Linear(8, 2050), nn.Tanh(), nn.Linear(2050, 2), nn.Tanh(),
+                             nn.Linear(2, 67), nn.Tanh(), nn.Linear(67, 71), nn.Tanh(),
+                             nn.Linear(71, 1)).to(torch.bfloat16)
     return nn.Sequential(nn.Linear(8, 37), nn.Tanh(), nn.Linear(37, 19), nn.Tanh(),
                          nn.Linear(19, 1)).to(torch.bfloat16)
 
 
-def _sr_shard(model, mesh):
-    """FSDP2 over each linear layer and the root, reducing in fp32."""
+def _sr_shard(model, mesh, reshard_after_forward=True, reduce_dtype=torch.float32):
+    """FSDP2 over each linear layer and the root, reducing in fp32 (by default)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+              reshard_after_forward=reshard_after_forward)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, **kw)
+    return fully_shard(model, **kw)
 
 
 def _sr_opt(name, params):
@@ -1149,12 +1195,94 @@ def _sr_opt(name, params):
     return getattr(mpext.optim, rule)(params, **dict(SR_LR, seed=7, **kw))
 
 
-def _sr_train(model, opt, steps=SR_STEPS):
+def _sr_train(model, opt, steps=SR_STEPS, name=None):
+    edit_at, edit = SR_EDITS.get(name, (None, None))
     for step in steps:
+        if step == edit_at:
+            for group in opt.param_groups:
+                group.update(edit)
         x, y = _batch(step)  # the full batch on every rank
         opt.zero_grad(set_to_none=True)
         ((model(x.to(torch.bfloat16)).float() - y) ** 2).mean().backward()
         opt.step()
+
+
+def _sr_cases(runs):
+    """(label, case name, mesh[, reshard_after_forward, reduce_dtype]) -> what 6 steps of the
+    case under FSDP2 on the mesh end with."""
+    out = {}
+    for label, name, run_mesh, *shard_args in runs:
+        model = _sr_shard(_sr_mlp(name), run_mesh, *shard_args)
+        params = list(model.parameters())
+        opt = _sr_opt(name, params)
+        _sr_train(model, opt, name=name)
+        out[label] = {"params": [p.detach().full_tensor() for p in params],
+                      "state": _full_state(opt, params),
+                      "local_numel": [p.to_local().numel() for p in params],
+                      "placements": [str(p.placements) for p in params]}
+    return out
+
+
+Q8_FP16_CASES = {"fp16_master_q8": Q8_MOMENTS,
+                 "fp16_sr_q8": dict(master_weights=False, stochastic_rounding=True,
+                                    **Q8_MOMENTS)}
+Q8_FP16_POISONED = 2  # the step whose gradient has an inf, in a block two shards share
+
+
+def _q8_fp16_skips(rank, mesh):
+    """FP16 params sharded by FSDP2 with 8-bit moments and mpext.GradScaler: an inf put into
+    rank 0's part of a shared block after the reduce-scatter. Returns, per format, the full
+    params and state before and after the poisoned step and at the end, and the skips."""
+    out = {}
+    for name, kw in Q8_FP16_CASES.items():
+        model = _sr_shard(_sr_mlp("sr_q8").to(torch.float16), mesh)
+        params = list(model.parameters())
+        opt = mpext.optim.AdamW(params, lr=1e-2, seed=7, **kw)
+        scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 8)
+        got = {}
+        for step in range(4):
+            x, y = _batch(step)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(((model(x.to(torch.float16)).float() - y) ** 2).mean()).backward()
+            if step == Q8_FP16_POISONED:
+                got["before"] = ([p.detach().full_tensor() for p in params],
+                                 _full_state(opt, params))
+                if rank == 0:  # rank 0's last elements of 2050 x 8 lie in a shared block
+                    _local(params[0].grad).view(-1)[-3] = INF
+            scaler.step(opt)
+            scaler.update()
+            if step == Q8_FP16_POISONED:
+                got["after"] = ([p.detach().full_tensor() for p in params],
+                                _full_state(opt, params))
+        got["end"] = [p.detach().full_tensor() for p in params]
+        got["skipped"] = scaler.get_skipped_steps()
+        out[name] = got
+    return out
+
+
+CLIP_NORM = 0.05  # below every step's gradient norm: every step is clipped
+
+
+def _clipped_run(mesh=None):
+    """remainder + 8-bit AdamW, its gradients clipped to CLIP_NORM by mpext's fused norm
+    (mpext.ops.grad_norm: a DTensor list's global norm under FSDP2) and torch's
+    clip_grads_with_norm_; on `mesh`, or one process without. The norms and final params."""
+    model = _sr_mlp("remainder_q8")
+    if mesh is not None:
+        _sr_shard(model, mesh)
+    params = list(model.parameters())
+    opt = _sr_opt("remainder_q8", params)
+    norms = []
+    for step in SR_STEPS:
+        x, y = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        ((model(x.to(torch.bfloat16)).float() - y) ** 2).mean().backward()
+        norm = mpext.ops.grad_norm([p.grad for p in params])
+        assert not isinstance(norm, DTensor)
+        torch.nn.utils.clip_grads_with_norm_(params, CLIP_NORM, norm)
+        norms.append(norm.item())
+        opt.step()
+    return {"norms": norms, "params": [_full(p.detach()) for p in params]}
 
 
 def _sr_body(rank, out_dir):
@@ -1164,22 +1292,18 @@ def _sr_body(rank, out_dir):
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    out = {}
     # HSDP (a 2-D mesh: Replicate x Shard(0)) with a replicate dimension of 1, in the 2-rank
     # group: the same offsets through the 2-D placements.
     runs = [(name, name, mesh) for name in SR_CASES]
+    runs += [("remainder_q8_kept_after_forward", "remainder_q8", mesh, False),
+             ("remainder_q8_bf16_reduce", "remainder_q8", mesh, True, None)]
     if world == 2:
-        runs.append(("hsdp_sr_bf16_moments", "sr_bf16_moments",
-                     init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))))
-    for label, name, run_mesh in runs:
-        model = _sr_shard(_sr_mlp(), run_mesh)
-        params = list(model.parameters())
-        opt = _sr_opt(name, params)
-        _sr_train(model, opt)
-        out[label] = {"params": [p.detach().full_tensor() for p in params],
-                      "state": _full_state(opt, params),
-                      "local_numel": [p.to_local().numel() for p in params],
-                      "placements": [str(p.placements) for p in params]}
+        hsdp = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        runs += [("hsdp_sr_bf16_moments", "sr_bf16_moments", hsdp),
+                 ("hsdp_remainder_q8", "remainder_q8", hsdp)]
+    out = _sr_cases(runs)
+    out["q8_fp16_skips"] = _q8_fp16_skips(rank, mesh)
+    out["clipped"] = _clipped_run(mesh)
 
     # A shard that is not one run of the whole param: refused where bits depend on the
     # position, stepped where they do not.
@@ -1197,6 +1321,12 @@ def _sr_body(rank, out_dir):
         except ValueError as e:
             refused[label] = str(e)
             refused[label + "_unchanged"] = torch.equal(p.detach().full_tensor(), before)
+    try:  # 8-bit blocks need shards that are runs of the whole param: at construction
+        mpext.optim.AdamW([nn.Parameter(distribute_tensor(torch.zeros(64, 70), mesh,
+                                                          [Shard(1)]))], **Q8_MOMENTS)
+        refused["q8"] = None
+    except ValueError as e:
+        refused["q8"] = str(e)
     out["refused"] = refused
 
     if world == 2:  # per-device bytes, at 2 ranks in this spawn (4: memory_runs)
@@ -1225,26 +1355,37 @@ def sr_runs(tmp_path_factory):
 
 
 def _sr_reference(name):
-    model = _sr_mlp()
+    model = _sr_mlp(name)
     params = list(model.parameters())
     opt = _sr_opt(name, params)
-    _sr_train(model, opt)
+    _sr_train(model, opt, name=name)
     return params, _full_state(opt, params)
+
+
+Q8_SR_CASES = [n for n in SR_CASES if _q8_case(n)]
 
 
 @pytest.mark.parametrize("world,label,name",
                          [(w, n, n) for w in SR_WORLDS for n in SR_CASES]
-                         + [(2, "hsdp_sr_bf16_moments", "sr_bf16_moments")])
-def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, world, label, name):
+                         + [(4, n, n) for n in Q8_SR_CASES]
+                         + [(2, "hsdp_sr_bf16_moments", "sr_bf16_moments"),
+                            (2, "hsdp_remainder_q8", "remainder_q8")])
+def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, request, world,
+                                                                 label, name):
     """After 6 steps under FSDP2 (uneven and empty shards, blocks cut by shards; and HSDP's
-    2-D placements), every rank holds one process's params and state, bit for bit."""
-    sr_results = sr_runs[world]
+    2-D placements), every rank holds one process's params and state, bit for bit. With 8-bit
+    moments at 2, 3 and 4 ranks: the codes and every block's scale too."""
+    sr_results = (sr_runs[world] if world in sr_runs
+                  else [r["sr"] for r in request.getfixturevalue("four_ranks")])
     assert any(n == 0 for n in sr_results[-1][label]["local_numel"])  # an empty shard
     if label.startswith("hsdp"):
         assert sr_results[0][label]["placements"][0] == "(Replicate(), Shard(dim=0))"
     params, state = _sr_reference(name)
-    init = list(_sr_mlp().parameters())
+    init = list(_sr_mlp(name).parameters())
     assert any(not torch.equal(a, b) for a, b in zip(params, init))  # training moved them
+    if _q8_case(name):  # the large weights keep codes, the small ones FP32 moments
+        assert all(any(k.endswith("_q8") for k in st) == (p.numel() >= 4096)
+                   for p, st in zip(params, state))
     for r in sr_results:
         got = r[label]
         for i, (a, b) in enumerate(zip(params, got["params"])):
@@ -1262,6 +1403,69 @@ def test_dtensor_placement_without_global_positions_is_refused_for_stochastic_ro
     assert "Shard(dim=1)" in refused["sr"] and "param 0 of group 0" in refused["sr"]
     assert refused["sr_unchanged"]
     assert refused["master"] is None  # FP32 masters and moments draw no bits: any placement
+    assert "Shard(dim=1)" in refused["q8"] and "8-bit moments of a DTensor param" in \
+        refused["q8"] and "params[0] (param group 0)" in refused["q8"]
+
+
+@pytest.mark.parametrize("world", SR_WORLDS)
+def test_fsdp2_8bit_kept_after_forward_gives_the_same_bits(sr_runs, world):
+    """reshard_after_forward=False (ZeRO-2's bytes between forward and backward) steps the same
+    shards: one process's bits, as with the default."""
+    params, state = _sr_reference("remainder_q8")
+    for r in sr_runs[world]:
+        got = r["remainder_q8_kept_after_forward"]
+        assert all(_equal_bits(a.detach(), b) for a, b in zip(params, got["params"]))
+        for sa, sb in zip(state, got["state"]):
+            assert sorted(sa) == sorted(sb) and all(_equal_bits(sa[k], sb[k]) for k in sa)
+
+
+def test_fsdp2_reducing_bf16_gradients_in_bf16_rounds_at_3_ranks(sr_runs):
+    """Why docs/distributed.md recommends reduce_dtype=torch.float32: without it the
+    reduce-scatter sums BF16 gradients in BF16, exact for 2 equal terms but not for 3, so at
+    3 ranks the run leaves one process's bits (at 2 it keeps them)."""
+    params, _ = _sr_reference("remainder_q8")
+    for world, same in ((2, True), (3, False)):
+        for r in sr_runs[world]:
+            got = r["remainder_q8_bf16_reduce"]["params"]
+            assert all(_equal_bits(a.detach(), b) for a, b in zip(params, got)) == same, world
+
+
+@pytest.mark.parametrize("world", SR_WORLDS)
+def test_fsdp2_clipping_by_mpexts_fused_norm_of_dtensor_gradients(sr_runs, world):
+    """mpext.ops.grad_norm of FSDP2's DTensor gradients is the global norm on every rank:
+    within 2^-22 (relative) of one process's norm of the full gradients at every step, so the
+    clipped run stays within a BF16 ulp of one process's; the ranks agree bit for bit."""
+    ref = _clipped_run()
+    assert all(n > CLIP_NORM for n in ref["norms"])  # every step clipped
+    for r in sr_runs[world]:
+        got = r["clipped"]
+        for a, b in zip(ref["norms"], got["norms"]):
+            assert abs(a - b) <= 2.0 ** -22 * a, (a, b)
+        for a, b in zip(ref["params"], got["params"]):
+            torch.testing.assert_close(b, a.detach(), atol=0, rtol=2.0 ** -7)
+        first = sr_runs[world][0]["clipped"]
+        assert got["norms"] == first["norms"]
+        assert all(_equal_bits(a, b) for a, b in zip(got["params"], first["params"]))
+
+
+@pytest.mark.parametrize("world", SR_WORLDS)
+@pytest.mark.parametrize("name", list(Q8_FP16_CASES))
+def test_fsdp2_8bit_poisoned_fp16_step_is_skipped_on_every_rank(sr_runs, world, name):
+    """FP16 params under FSDP2 with 8-bit moments and mpext.GradScaler: an inf in one rank's
+    part of a block two shards share makes every rank skip that step with every param, code,
+    scale, master and step unchanged (the shared blocks' collective runs all the same); the
+    other steps train."""
+    for r in sr_runs[world]:
+        got = r["q8_fp16_skips"][name]
+        assert got["skipped"] == 1
+        (p0, s0), (p1, s1) = got["before"], got["after"]
+        assert all(_equal_bits(a, b) for a, b in zip(p0, p1))
+        assert any(k.endswith("_q8_scale") for st in s0 for k in st)
+        for a, b in zip(s0, s1):
+            assert sorted(a) == sorted(b) and all(_equal_bits(a[k], b[k]) for k in a)
+        assert any(not torch.equal(a, b) for a, b in zip(p1, got["end"]))  # trained after
+        for a, b in zip(got["end"], sr_runs[world][0]["q8_fp16_skips"][name]["end"]):
+            assert _equal_bits(a, b)  # every rank holds the same params
 
 
 def test_zero_with_global_sr_streams_gives_the_bits_of_one_process(sr_runs):
@@ -1300,18 +1504,19 @@ RESHARD_CASES = {  # name -> (rule, keywords)
     "sr_bf16_moments_ema": SR_CASES["sr_bf16_moments_ema"],
     "lion_sr": SR_CASES["lion_sr"],
     "sgd_sr_bf16_momentum": SR_CASES["sgd_sr_bf16_momentum"],
+    "remainder_q8": SR_CASES["remainder_q8"],
+    "sr_q8": SR_CASES["sr_q8"],
+    "master_q8_ema_block2048": SR_CASES["master_q8_ema_block2048"],
 }
-RESHARD_REFUSED = {"q8": ("AdamW", dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8))}
 RESHARD_SAVED, RESHARD_RESUMED = range(3), range(3, 6)
 
 
 def _reshard_setup(name, mesh=None):
-    """The SR tests' model and data; FSDP2 (reduce in fp32) on `mesh`, a plain module without.
-    The refused 8-bit case takes a first layer large enough for 8-bit moments."""
-    model = _mlp(torch.bfloat16, wide=True) if name in RESHARD_REFUSED else _sr_mlp()
+    """The SR tests' model and data; FSDP2 (reduce in fp32) on `mesh`, a plain module without."""
+    model = _sr_mlp(name)
     if mesh is not None:
         _sr_shard(model, mesh)
-    rule, kw = dict(RESHARD_CASES, **RESHARD_REFUSED)[name]
+    rule, kw = RESHARD_CASES[name]
     opt = getattr(mpext.optim, rule)(list(model.parameters()), **dict(SR_LR, seed=7, **kw))
     return model, opt
 
@@ -1367,12 +1572,6 @@ def _reshard_body(rank, out_dir):
             out[name] = _reshard_resume(name, os.path.join(base, "at1", name), mesh)
         else:
             out[name] = _reshard_resume(name, os.path.join(base, "at2", name), mesh)
-    if world == 2:  # 8-bit moments stay refused on DTensor params, before anything is written
-        try:
-            model, opt = _reshard_setup("q8", mesh)
-            out["q8"] = None
-        except NotImplementedError as exc:  # at construction: nothing to write yet
-            out["q8"] = str(exc)
     return out
 
 
@@ -1391,7 +1590,7 @@ def reshard_runs(tmp_path_factory):
     return {"1to2": {n: [r[n] for r in at2] for n in RESHARD_CASES},
             "2to3": {n: [r[n] for r in at3] for n in RESHARD_CASES},
             "2to1": {n: [_reshard_resume(n, str(base / "at2" / n))] for n in RESHARD_CASES},
-            "_base": str(base), "q8": [r["q8"] for r in at2]}
+            "_base": str(base)}
 
 
 @pytest.mark.parametrize("name", list(RESHARD_CASES))
@@ -1430,15 +1629,6 @@ def test_dcp_reshard_control_without_the_optimizer_state_differs(reshard_runs, n
     assert any(not _equal_bits(a, b.detach()) for a, b in zip(ref, model2.parameters()))
 
 
-def test_dcp_reshard_8bit_moments_on_fsdp2_are_refused_clearly(reshard_runs):
-    """Constructing mpext.optim.AdamW with 8-bit moments over FSDP2 params raises, naming the
-    param and the format to use instead."""
-    for message in reshard_runs["q8"]:
-        assert message is not None and "8-bit moments are not supported" in message, message
-        assert "params[0] (param group 0)" in message
-        assert "exp_avg_dtype=exp_avg_sq_dtype=torch.bfloat16" in message
-
-
 # --------------------------------------------------------------------------------------------
 # Per-device bytes: what each rank's params, gradients and optimizer state hold, counted from
 # the live tensors (mpext.memory.measure: local shards, each storage once), equal to
@@ -1448,7 +1638,6 @@ def test_dcp_reshard_8bit_moments_on_fsdp2_are_refused_clearly(reshard_runs):
 MEMORY_WORLDS = (2, 4)
 MEMORY_ROWS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
 _BF16_MOMENTS = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
-_Q8_MOMENTS = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 _SR = dict(master_weights=False, stochastic_rounding=True)
 MEMORY_CASES = {  # name -> (engine, mpext.memory mode, param dtype, rule, keywords)
     "fsdp2_fp32_master": ("fsdp2", "mpext-bf16", torch.bfloat16, "AdamW", {}),
@@ -1473,14 +1662,19 @@ MEMORY_CASES = {  # name -> (engine, mpext.memory mode, param dtype, rule, keywo
                                   "Lion", dict(_SR, exp_avg_dtype=torch.bfloat16)),
     "fsdp2_sgd_sr_bf16_momentum": ("fsdp2", "mpext-bf16-stochastic-bfloat16", torch.bfloat16,
                                    "SGD", dict(_SR, momentum=0.9, momentum_dtype=torch.bfloat16)),
+    # 8-bit: the scales of every block the shard touches (67 x 64 cut inside a block)
+    "fsdp2_remainder_8bit": ("fsdp2", "mpext-bf16-remainder-8bit", torch.bfloat16, "AdamW",
+                             dict(param_remainders=True, **Q8_MOMENTS)),
+    "fsdp2_sr_8bit_ema": ("fsdp2", "mpext-bf16-sr-8bit", torch.bfloat16, "AdamW",
+                          dict(_SR, ema_decay=0.9, **Q8_MOMENTS)),
     "zero1_fp32_master": ("zero1", "mpext-bf16", torch.bfloat16, "AdamW", {}),
     "zero1_remainder_bf16_moments": ("zero1", "mpext-bf16-remainder-bf16moments",
                                      torch.bfloat16, "AdamW",
                                      dict(param_remainders=True, **_BF16_MOMENTS)),
     "zero1_remainder_8bit": ("zero1", "mpext-bf16-remainder-8bit", torch.bfloat16, "AdamW",
-                             dict(param_remainders=True, **_Q8_MOMENTS)),
+                             dict(param_remainders=True, **Q8_MOMENTS)),
     "zero1_sr_8bit_ema": ("zero1", "mpext-bf16-sr-8bit", torch.bfloat16, "AdamW",
-                          dict(_SR, ema_decay=0.9, **_Q8_MOMENTS)),
+                          dict(_SR, ema_decay=0.9, **Q8_MOMENTS)),
 }
 
 
@@ -1493,7 +1687,7 @@ def _memory_mlp(dtype):
 
 
 def _memory_body(rank, out_dir):
-    """One step of every case; each rank's measured bytes. 8-bit moments on FSDP2: refused."""
+    """One step of every case; each rank's measured bytes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -1522,25 +1716,27 @@ def _memory_body(rank, out_dir):
         opt.step()
         out[name] = {"shapes": shapes, "measured": mpext.memory.measure(model.parameters(), opt),
                      "local_numel": [_local(p).numel() for p in model.parameters()]}
-    model = _memory_mlp(torch.bfloat16)
-    fully_shard(model, mesh=mesh)
-    try:
-        mpext.optim.AdamW(model.parameters(), **_Q8_MOMENTS)
-        out["fsdp2_8bit_refused"] = None
-    except NotImplementedError as exc:
-        out["fsdp2_8bit_refused"] = str(exc)
     return out
 
 
-def _memory_only_body(rank, out_dir):
-    return {"memory": _memory_body(rank, out_dir)}
+def _four_body(rank, out_dir):
+    """At 4 ranks: the per-device bytes and the 8-bit SR cases."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    return {"memory": _memory_body(rank, out_dir),
+            "sr": _sr_cases([(n, n, mesh) for n in Q8_SR_CASES])}
 
 
 @pytest.fixture(scope="module")
-def memory_runs(sr_runs, tmp_path_factory):
-    """world size -> each rank's _memory_body: 2 from the SR spawn, 4 from one of its own."""
-    at4 = _spawn(_memory_only_body, tmp_path_factory.mktemp("memory4"), 4)
-    return {2: [r["memory"] for r in sr_runs[2]], 4: [r["memory"] for r in at4]}
+def four_ranks(tmp_path_factory):
+    return _spawn(_four_body, tmp_path_factory.mktemp("four"), 4)
+
+
+@pytest.fixture(scope="module")
+def memory_runs(sr_runs, four_ranks):
+    """world size -> each rank's _memory_body: 2 from the SR spawn, 4 from the 4-rank one."""
+    return {2: [r["memory"] for r in sr_runs[2]], 4: [r["memory"] for r in four_ranks]}
 
 
 def _memory_predicted(name, shapes, world, rank):
@@ -1570,17 +1766,9 @@ def test_per_device_bytes_measured_equal_the_estimate(memory_runs, world, name):
     engine, mode = MEMORY_CASES[name][:2]
     if engine == "zero1" and mode.endswith("8bit"):  # rank 0 steps the 67 x 64 weight, in 8 bits
         assert runs[0][name]["measured"]["optimizer_states"] < 2 * 4 * 67 * 64
-
-
-@pytest.mark.parametrize("world", MEMORY_WORLDS)
-def test_per_device_bytes_8bit_on_fsdp2_refused_and_not_estimated(memory_runs, world):
-    for run in memory_runs[world]:
-        assert "8-bit moments are not supported" in run["fsdp2_8bit_refused"]
-    for mode in ("mpext-bf16-remainder-8bit", "mpext-bf16-sr-8bit"):
-        assert mpext.memory.unsupported(mode, 3)
-        with pytest.raises(ValueError, match="8-bit moments are not supported for sharded"):
-            mpext.memory.estimate([(67, 64)], "adamw", mode, zero=3, world_size=world,
-                                  sharding="torch")
+    if engine == "fsdp2" and mode.endswith("8bit"):  # rank 0's 17 or 34 rows of it, in 8 bits
+        rows = -(-67 // world)
+        assert runs[0][name]["measured"]["optimizer_states"] < 2 * 2 * rows * 64
 
 
 def memory_table(runs):

@@ -801,31 +801,23 @@ def test_cli_model_counts_each_tensor():
 
 
 @pytest.mark.parametrize("mode", list(Q8_MODES))
-def test_q8_zero3_unsupported(capsys, mode):
-    """FSDP2 (ZeRO-3) refuses 8-bit moments: the estimate says so instead of a figure, the
-    command line marks the combination and still shows the others."""
-    with pytest.raises(ValueError, match="zero: %s under ZeRO-3 is not supported: 8-bit "
-                                         "moments are not supported for sharded" % mode):
-        estimate(10 ** 6, "adamw", mode, zero=3, world_size=4)
-    assert memory.unsupported(mode, 3) and not memory.unsupported(mode, 2)
-    code, out, _ = run_main(capsys, "--params", "1e6", "--mode", mode + ",mpext-bf16-sr",
-                            "--zero", "2,3", "--world-size", "4")
-    assert code == 0
-    assert "%s ZeRO-2/4" % mode in out and "mpext-bf16-sr ZeRO-3/4" in out
-    assert "%s ZeRO-3/4" % mode not in out.split("\n")[2]  # no column for it
-    assert "Not supported: %s ZeRO-3/4 (8-bit moments" % mode in out
-    code, out, _ = run_main(capsys, "--params", "1e6", "--mode", mode + ",mpext-bf16-sr",
-                            "--zero", "3", "--world-size", "4", "--json")
-    assert code == 0 and [r["mode"] for r in json.loads(out)["unsupported"]] == [mode]
-    assert [r["mode"] for r in json.loads(out)["results"]] == ["mpext-bf16-sr"]
-
-
-def test_q8_zero3_alone_is_an_error(capsys):
-    with pytest.raises(SystemExit) as e:
-        memory.main(["--params", "1e6", "--mode", "mpext-bf16-sr-8bit", "--zero", "3"])
-    assert e.value.code == 2
-    assert "argument --zero: mpext-bf16-sr-8bit with ZeRO-3 is not supported" in \
-        capsys.readouterr().err
+def test_q8_under_fsdp2_counts_the_blocks_each_shard_touches(capsys, mode):
+    """Under FSDP2 a rank keeps its shard's codes and the scales of every block of the whole
+    tensor its shard touches: a 67 x 64 weight over 4 ranks (rows 17, 17, 17, 16: elements
+    [0, 1088), [1088, 2176), [2176, 3264), [3264, 4288)) touches blocks 0-4, 4-8, 8-12 and
+    12-16, five each (20 scales where one process keeps 17); the 67-element bias keeps FP32
+    moments."""
+    for r, (lo, hi) in enumerate([(0, 1088), (1088, 2176), (2176, 3264), (3264, 4288)]):
+        touched = (hi - 1) // 256 - lo // 256 + 1
+        bias = min(17, 67 - 17 * r) * 4
+        got = estimate([(67, 64), (67,)], "adamw", mode, zero=3, world_size=4,
+                       sharding="torch", rank=r)
+        assert touched == 5 and got.optimizer_states == 2 * ((hi - lo) + 4 * touched + bias)
+    even = estimate(67 * 64, "adamw", mode, zero=3, world_size=4)  # one partition of 1072
+    assert even.optimizer_states == 2 * (1072 + 4 * 5)
+    code, out, _ = run_main(capsys, "--params", "1e6", "--mode", mode, "--zero", "2,3",
+                            "--world-size", "4")
+    assert code == 0 and "%s ZeRO-3/4" % mode in out.split("\n")[2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -946,8 +938,7 @@ def test_per_tensor_sizes_bad(bad, message):
         estimate(["7"], "adamw", "mpext-bf16")
 
 
-@pytest.mark.parametrize("mode,zero", [(m, z) for m in MODES for z in range(4)
-                                       if not memory.unsupported(m, z)])
+@pytest.mark.parametrize("mode,zero", [(m, z) for m in MODES for z in range(4)])
 def test_ema_by_hand(mode, zero):
     """ema=True adds one FP32 copy of the weights, 4 B/param: mpext's lives in the optimizer
     state (ZeRO partitions it from stage 1), native's AveragedModel is a model copy (partitioned
@@ -1304,9 +1295,9 @@ def test_cli_fsdp2_and_torch_zero1(capsys):
     labels = [memory.Breakdown(**{k: v for k, v in r.items() if k in {
         f.name for f in dataclasses.fields(memory.Breakdown)}}).label() for r in res["results"]]
     assert labels == ["mpext-bf16 ZeRO-3/8", "mpext-bf16 FSDP2/8", "mpext-bf16 ZeRO-1/8 torch",
+                      "mpext-bf16-sr-8bit ZeRO-3/8", "mpext-bf16-sr-8bit FSDP2/8",
                       "mpext-bf16-sr-8bit ZeRO-1/8 torch"]
-    assert [(r["mode"], r["label"]) for r in res["unsupported"]] == [
-        ("mpext-bf16-sr-8bit", "ZeRO-3/8"), ("mpext-bf16-sr-8bit", "FSDP2/8")]
+    assert "unsupported" not in res
     spec = memory.model_spec("llama-7b")
     assert res["results"][1] == estimate(list(spec.shapes), "adamw", "mpext-bf16", zero=3,
                                          world_size=8, sharding="torch").to_dict()

@@ -24,6 +24,7 @@ from .._common import LOW_DTYPES, PARAM_DTYPES, LrTensors
 from .._common import dtype_name, has_kernel, is_dense, is_real
 from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from . import formats as F
+from . import _q8_shards as q8_shards
 from ._engine import StepItem, StepPlan
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
@@ -391,8 +392,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 storage = state.get("param_remainder")
             items.append(StepItem(local(p), g, state,
                                   None if storage is None else local(storage),
-                                  group["lr"], hyper, stream, offset))
+                                  group["lr"], hyper, stream, offset,
+                                  self._blocks(p, group) if is_dtensor(p) else None))
         return items, owners, groups
+
+    def _blocks(self, p: torch.Tensor, group: Dict[str, Any]) -> Optional[Any]:
+        """Where a DTensor param's 8-bit blocks lie (mpext.optim._q8_shards), or None when its
+        moments are not 8-bit."""
+        if any(F.moment_format(p, group, q)[0] is F.Q8 for q in self._moments_of(group)):
+            return q8_shards.shard_blocks(p, group.get("block_size", 256))
+        return None
 
     def _draws_bits(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
         """Whether the step of ``p`` draws stochastic-rounding bits (which depend on its
@@ -620,20 +629,36 @@ class FusedOptimizer(torch.optim.Optimizer):
         take it: the moment formats of the param groups are named by string ("float32",
         "bfloat16", "int8", "uint8"; ``load_state_dict`` and the groups take either), and the
         int16 ``param_remainder`` of a DTensor param is given as an int32 DTensor of the same
-        values (gloo and NCCL have no int16; any loader's cast back to int16 is exact)."""
+        values (gloo and NCCL have no int16; any loader's cast back to int16 is exact). The 8-bit
+        scales of a DTensor param, kept per shard, are given whole, as a Replicate DTensor of
+        every block's scale (so DCP reshards them with the codes; a collective over the shard
+        group: every rank calls ``state_dict()``, as ``get_optimizer_state_dict`` does)."""
         sd = super().state_dict()
         for group in sd["param_groups"]:
             for key in self._moment_settings():
                 if isinstance(group.get(key), torch.dtype) and group[key] in F.DTYPE_NAMES:
                     group[key] = F.DTYPE_NAMES[group[key]]
         state = sd["state"]
+        # torch numbers the params in group order from 0 (the keys of sd["state"])
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
         for k, st in state.items():
-            rem = st.get("param_remainder") if isinstance(st, dict) else None
+            if not (isinstance(st, dict) and isinstance(k, int) and k < len(params)
+                    and is_dtensor(params[k][0])):
+                continue
+            p, group = params[k]
+            rem = st.get("param_remainder")
+            mine = st
+            st = state[k] = dict(st)  # the optimizer's own dict stays as it is
             if is_dtensor(rem):
-                st = state[k] = dict(st)  # the optimizer's own dict stays as it is
                 st["param_remainder"] = DTensor.from_local(
                     rem.to_local().to(torch.int32), rem.device_mesh, rem.placements,
                     run_check=False, shape=rem.shape, stride=rem.stride())
+            for q in self._moments_of(group):
+                key = F.Q8.keys(q.name)[1]
+                if isinstance(mine.get(key), torch.Tensor) and not is_dtensor(mine[key]):
+                    block = q8_shards.block_of(p, mine[key], group.get("block_size", 256),
+                                               "%s.state_dict: param %d" % (self._name(), k))
+                    st[key] = q8_shards.global_scales(p, mine[key], block)
         return sd
 
     # -----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Union
 import torch
 
 from .._common import LrTensors, same_layout
+from . import _q8_shards as q8_shards
 from .formats import moment_of
 from ._tensors import F32, local
 
@@ -104,6 +105,9 @@ class StepItem(NamedTuple):
     # the position of the param's first element in its whole parameter (a DTensor's shard:
     # its global offset), added to every element's stochastic-rounding position
     offset: int = 0
+    # a DTensor param with 8-bit moments: where its blocks lie (mpext.optim._q8_shards); the
+    # step splits it into its inner blocks and copies of the blocks other shards share
+    blocks: Any = None
 
 
 def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -173,7 +177,7 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
     calls: Dict[tuple, List[int]] = {}
     items = list(items)
     for i, item in enumerate(items):
-        p, _, _, _, lr, hyper, _, _ = item  # unpacked: cheaper than field reads per param
+        p, _, _, _, lr, hyper, _, _, _ = item  # unpacked: cheaper than field reads per param
         calls.setdefault((p.device, _lr_key(lr), type(hyper), hyper), []).append(i)
     out = []
     copied = []
@@ -190,7 +194,7 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
         launch = _Launch([], [], [[] for _ in range(nlists)], [], [], [], [], [],
                          [[] for _ in range(nlists)], [])
         for i in positions:
-            p, g, state, storage, _, _, stream, offset = items[i]
+            p, g, state, storage, _, _, stream, offset, _ = items[i]
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
                 copy = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -245,8 +249,17 @@ def fused_step(items: Union[Iterable[StepItem], "StepPlan"], lr_tensors: LrTenso
     if isinstance(items, StepPlan):
         items.run(lr_tensors, inv_scale, found_inf)
         return
+    items = list(items)
+    for it in items:
+        if it.blocks is not None:  # split() shares the step with the copies: a kernel's first
+            device_step(it.state, it.param.device)
+    items, shared = q8_shards.split(items)
     calls, copied = _plan_calls(items, lr_tensors, inv_scale, found_inf)
+    if shared is not None:
+        shared.gather()
     run_launches([(c.op, (c.args, c.kwargs)) for c in calls], copied)
+    if shared is not None:
+        shared.scatter()
 
 
 def run_launches(launches: List[tuple], copied: List[tuple]) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from .._common import LOW_DTYPES, Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from .._common import dtype_name, is_real
+from . import _q8_shards as q8_shards
 from . import formats as F
 from ._tensors import F32, copy_like, flat_view, is_dtensor, same_memory_order
 # Names of the step's path (conform_state runs for every param at every step), bound here.
@@ -22,12 +23,12 @@ Moments = Tuple[F.Quantity, ...]
 
 def check_q8_param(param: torch.Tensor, group: Dict[str, Any], moments: Moments,
                    where: str) -> None:
-    """8-bit moments are per local block of memory: a DTensor's shards would each have their
-    own blocks, which no DTensor placement describes, so they are refused."""
+    """8-bit moments of a DTensor param lie on its whole index (mpext.optim._q8_shards), which
+    needs shards that are runs of the whole param split along one mesh dimension."""
     if is_dtensor(param) and any(F.moment_format(param, group, q)[0] is F.Q8 for q in moments):
-        raise NotImplementedError("%s is a DTensor; 8-bit moments are not supported for "
-                                  "DTensor (FSDP2) params: use exp_avg_dtype=exp_avg_sq_dtype="
-                                  "torch.bfloat16 for them" % where)
+        why = q8_shards.unsupported(param)
+        if why is not None:
+            raise ValueError("%s: %s" % (where, why))
 
 
 def new_moments(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
@@ -38,10 +39,11 @@ def new_moments(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any
         fmt, dt = F.moment_format(param, group, q)
         zeros = torch.zeros_like(param, dtype=dt, memory_format=torch.preserve_format)
         if fmt is F.Q8:
-            nblocks = F.q8_blocks(param.numel(), group.get("block_size", 256))
+            block = group.get("block_size", 256)
             code_key, scale_key = fmt.keys(q.name)
             state[code_key] = zeros
-            state[scale_key] = torch.zeros(nblocks, dtype=F32, device=param.device)
+            state[scale_key] = q8_shards.tag(torch.zeros(
+                q8_shards.local_count(param, block), dtype=F32, device=param.device), block)
         else:
             state[q.name] = zeros
 
@@ -63,10 +65,17 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
         t, scale = moment_of(state, q.name)
         if t is None:
             continue
+        sharded = is_dtensor(param)
         if scale is not None:
-            if t.dtype is dtype and scale.numel() == q8_blocks(param.numel(), block):
+            if sharded:  # a shard's scales are told apart by the block size they were made for
+                had = q8_shards.block_of(param, scale, block, where)
+                if t.dtype is dtype and had == block:
+                    continue
+                value = q8_shards.decode_shard(param, t, scale, had)
+            elif t.dtype is dtype and scale.numel() == q8_blocks(param.numel(), block):
                 continue  # the group's form already (blocks of one size agree in number)
-            value = F.Q8.decode(t, scale)
+            else:
+                value = F.Q8.decode(t, scale)
         elif t.dtype is dtype:
             continue
         else:
@@ -74,7 +83,11 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
         for fm in F.MOMENT_FORMATS.values():
             for k in fm.keys(q.name):
                 state.pop(k, None)
-        state.update(fmt.encode(value, q, block))
+        if fmt is F.Q8 and sharded:  # on the whole param's blocks (a collective)
+            codes, scales = q8_shards.encode_whole(param, value, dtype, block)
+            state.update(zip(fmt.keys(q.name), (codes, scales)))
+        else:
+            state.update(fmt.encode(value, q, block))
     if not storage:
         return
     want = param_format(param, group, where)
@@ -144,28 +157,36 @@ def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any],
 
 
 def _import_codes(param: torch.Tensor, q: F.Quantity, t: torch.Tensor, value: Dict[str, Any],
-                  where: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  block: int, where: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A loaded moment's 8-bit codes and its scales, checked and copied to the param; or, for
-    codes saved in another memory layout than the param's, or full codes for a DTensor param,
-    their fp32 values and None."""
+    codes saved in another memory layout than the param's, or (a DTensor param) on blocks of
+    another size than its group's, their fp32 values and None."""
     name, skey = F.Q8.keys(q.name)
     dtype = F.Q8.storage_dtype(q)
     if t.dtype is not dtype or t.layout != torch.strided:
         raise TypeError("%s: %s holds 8-bit codes, which must be a dense %s tensor, got %s %s"
                         % (where, name, dtype, t.layout, t.dtype))
-    if is_dtensor(t):
-        raise NotImplementedError("%s: 8-bit moments are not supported for DTensor params" % where)
     sc = value.get(skey)
+    if is_dtensor(sc):  # a sharded run's checkpoint: every block's scale, replicated
+        sc = sc.full_tensor()
     if not (isinstance(sc, torch.Tensor) and sc.dtype is F32 and sc.dim() == 1
-            and not is_dtensor(sc) and F.q8_block_of(param.numel(), sc.numel()) is not None):
+            and F.q8_block_of(param.numel(), sc.numel()) is not None):
         raise ValueError("%s: %s holds 8-bit codes, so %s must be a 1-D float32 tensor of one "
-                         "scale per block (a power-of-two block size in [%d, %d]), got %s"
+                         "scale per block of the whole param (a power-of-two block size in "
+                         "[%d, %d]), got %s"
                          % (where, name, skey, Q8_BLOCK_MIN, Q8_BLOCK_MAX,
                             tuple(sc.shape) if isinstance(sc, torch.Tensor) else sc))
     if is_dtensor(param):
-        # Full codes (a single-process checkpoint): their blocks span the whole tensor, so they
-        # are decoded whole (exactly) and each rank keeps its shard of the values.
-        return copy_like(param, F.Q8.decode(t.detach(), sc.detach()), F32), None
+        # Codes of a sharded or a single-process run: the blocks lie on the whole param's
+        # index, so each rank takes its shard of the codes and the scales of the blocks it
+        # touches, bit for bit; on blocks of another size they are decoded (exactly) and
+        # coded again on the group's (conform_state).
+        if q8_blocks(param.numel(), block) != sc.numel():  # (equal counts: the same blocks)
+            whole = t.full_tensor() if is_dtensor(t) else t
+            return copy_like(param, F.Q8.decode(whole.detach(), sc.detach()), F32), None
+        return copy_like(param, t, dtype), q8_shards.local_scales(param, sc, block)
+    if is_dtensor(t):
+        t = t.full_tensor()
     t, sc = t.detach().to(param.device), sc.detach().to(device=param.device, copy=True)
     codes = torch.empty_like(param, dtype=t.dtype, memory_format=torch.preserve_format)
     if not same_memory_order(t, codes):
@@ -220,7 +241,8 @@ def import_param_state(param: torch.Tensor, value: Dict[str, Any], group: Dict[s
                              % (where, name, tuple(t.shape), tuple(param.shape)))
         if name in by_code:
             q = by_code[name]
-            codes, scale = _import_codes(param, q, t, value, where)
+            codes, scale = _import_codes(param, q, t, value,
+                                         group.get("block_size", 256), where)
             if scale is None:  # decoded
                 out[q.name] = codes
             else:
