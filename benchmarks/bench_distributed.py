@@ -1,6 +1,7 @@
-"""Distributed: the per-step cost of ``GradScaler(sync_found_inf=True)``, one all-reduce of the
-inf/NaN flag, on 2 gloo CPU ranks training a small MLP under DDP. Method and columns:
-benchmarks/README.md, "Distributed".
+"""Distributed, on 2 gloo CPU ranks: the per-step cost of ``GradScaler(sync_found_inf=True)``,
+one all-reduce of the inf/NaN flag (a small MLP under DDP), and of 8-bit moments under FSDP2,
+whose blocks two shards share are exchanged at every step (against the same step with FP32
+moments). Method and columns: benchmarks/README.md, "Distributed".
 
     python -m benchmarks.bench_distributed [--quick]
 """
@@ -16,10 +17,12 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
+from mpext.optim import _q8_shards
 from .common import Bench, Timing, check, markdown_table, mlp, run_standalone
 
 NAME = "bench_distributed"
-TITLE = "sync_found_inf: the cost of one all-reduce of the inf/NaN flag per step (2 CPU ranks)"
+TITLE = ("sync_found_inf's all-reduce of the inf/NaN flag, and 8-bit moments' shared blocks "
+         "under FSDP2: their cost per step (2 CPU ranks)")
 WORLD, WIDTH, LOCAL_BATCH, TIMEOUT_S = 2, 256, 32, 300
 
 
@@ -52,18 +55,42 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
                 fn()
             return (time.perf_counter() - t0) / inner
 
+        # FSDP2 with BF16 params, remainders, FP32 or 8-bit moments: shards of 1025 x 250 and
+        # 1023 x 2049 elements, so each weight has a block the two ranks share
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh, fsdp = init_device_mesh("cpu", (WORLD,)), {}
+        for label, kw in (("fp32", {}), ("q8", dict(exp_avg_dtype=torch.int8,
+                                                   exp_avg_sq_dtype=torch.uint8))):
+            torch.manual_seed(0)
+            net = mlp([250, 2049, 2045, 1]).to(torch.bfloat16)
+            for layer in net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+            fopt = mpext.optim.AdamW(net.parameters(), lr=1e-4, param_remainders=True, **kw)
+            net(torch.randn(4, 250, dtype=torch.bfloat16)).float().sum().backward()
+            fsdp[label] = fopt
+        items, shared = _q8_shards.split(fsdp["q8"]._items())
         for sync in (False, True):  # warm-up
             for _ in range(3):
                 step(scalers[sync])
-        samples = {"off": [], "on": [], "reduce": []}
+                fsdp["fp32" if sync else "q8"].step()
+        samples = {"off": [], "on": [], "reduce": [], "fp32": [], "q8": [], "exchange": []}
         for _ in range(rounds):
             samples["off"].append(timed(lambda: step(scalers[False])))
             samples["on"].append(timed(lambda: step(scalers[True])))
             samples["reduce"].append(timed(lambda: scalers[True]._reduce_found_inf_(flag)))
+            samples["fp32"].append(timed(fsdp["fp32"].step))
+            samples["q8"].append(timed(fsdp["q8"].step))
+            samples["exchange"].append(timed(shared.gather))
         if rank == 0:
             torch.save({"samples": samples,
                         "skipped": [scalers[s].get_skipped_steps() for s in (False, True)],
-                        "params": sum(p.numel() for p in model.parameters())}, out_path)
+                        "params": sum(p.numel() for p in model.parameters()),
+                        "fsdp_params": sum(p.numel() for p in fsdp["q8"].param_groups[0][
+                            "params"]),
+                        "exchange_bytes": sum(b.numel() for b, _ in shared.buffers)}, out_path)
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
@@ -97,7 +124,8 @@ def run(ctx) -> dict:
     res = _measure(rounds, inner)
     b.phase("2-rank run")
     s = {k: Timing(v, inner).to_json() for k, v in res["samples"].items()}
-    off, on, red = (s[k]["median_s"] for k in ("off", "on", "reduce"))
+    off, on, red, f32, q8, ex = (s[k]["median_s"] for k in ("off", "on", "reduce", "fp32", "q8",
+                                                            "exchange"))
     check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s"
           % res["skipped"])
 
@@ -105,17 +133,26 @@ def run(ctx) -> dict:
     rows = [["step, sync_found_inf=False", us["off"], "—"],
             ["step, sync_found_inf=True", us["on"], "%+.1f%%" % (100 * (on - off) / off)],
             ["found_inf all-reduce alone", us["reduce"], "%.1f%%" % (100 * red / off)]]
+    rows8 = [["FSDP2 optimizer step, FP32 moments", us["fp32"], "—"],
+             ["FSDP2 optimizer step, 8-bit moments", us["q8"], "%+.1f%%" % (100 * (q8 - f32) / f32)],
+             ["the shared blocks' exchange alone (%s bytes)" % "{:,}".format(res["exchange_bytes"]),
+              us["exchange"], "%.1f%%" % (100 * ex / f32)]]
     md = [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
           "2 gloo ranks (started with `%s`), a %s-parameter MLP (batch %d per rank); %d rounds of "
           "%d steps (or calls). Measured difference per step: %+.1f µs; the flag's all-reduce "
           "alone: %.1f µs (%.1f%% of a step). Method: benchmarks/README.md, \"Distributed\"."
           % (res["start_method"], "{:,}".format(res["params"]), LOCAL_BATCH, rounds, inner,
-             (on - off) * 1e6, red * 1e6, 100 * red / off)]
+             (on - off) * 1e6, red * 1e6, 100 * red / off), "",
+          markdown_table(["what", "µs per step / call", "of the step with FP32 moments"], rows8),
+          "", "FSDP2 over a BF16 %s-parameter MLP (2049 x 250 and 2045 x 2049 weights cut "
+          "inside 8-bit blocks), `mpext.optim.AdamW(param_remainders=True)`, `opt.step()` alone on "
+          "fixed gradients." % "{:,}".format(res["fsdp_params"])]
     payload = {"world_size": WORLD, "params": res["params"], "local_batch": LOCAL_BATCH,
                "rounds": rounds, "inner": inner, "start_method": res["start_method"],
                "step_sync_off": s["off"], "step_sync_on": s["on"], "reduce_alone": s["reduce"],
                "delta_per_step_s": on - off, "delta_fraction": (on - off) / off,
-               "reduce_fraction": red / off}
+               "reduce_fraction": red / off, "fsdp_step_fp32": s["fp32"], "fsdp_step_q8": s["q8"],
+               "shared_exchange": s["exchange"], "exchange_bytes": res["exchange_bytes"]}
     return b.finish(md, payload, device="cpu (2 gloo ranks)")
 
 
