@@ -36,12 +36,12 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 # Spawning.
 
 
-def _entry(rank, out_dir, body, world=WORLD):
+def _entry(rank, out_dir, body, world=WORLD, backend="gloo"):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     # The rendezvous goes through a file in the run's own directory: no port to pick (and lose
     # to another process between picking and binding); gloo's own sockets bind on loopback.
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"),
+    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "rendezvous"),
                             rank=rank, world_size=world, timeout=timedelta(seconds=90))
     try:
         results = body(rank, out_dir)
@@ -51,9 +51,9 @@ def _entry(rank, out_dir, body, world=WORLD):
         dist.destroy_process_group()
 
 
-def _spawn(body, out_dir, world=WORLD):
-    """Runs body(rank, out_dir) on `world` gloo ranks; returns what each rank returned."""
-    ctx = mp.start_processes(_entry, args=(str(out_dir), body, world), nprocs=world,
+def _spawn(body, out_dir, world=WORLD, backend="gloo"):
+    """Runs body(rank, out_dir) on `world` ranks (gloo); returns what each rank returned."""
+    ctx = mp.start_processes(_entry, args=(str(out_dir), body, world, backend), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
@@ -1152,7 +1152,11 @@ SR_CASES = {  # name -> (rule, keywords): every format whose bits depend on the 
                                        momentum=0.9, momentum_dtype=torch.int8)),
     "sr_q8_reblocked": ("AdamW", dict(master_weights=False, stochastic_rounding=True,
                                       **Q8_MOMENTS)),
+    "master_bf16_moments": ("AdamW", dict(exp_avg_dtype=torch.bfloat16,
+                                          exp_avg_sq_dtype=torch.bfloat16)),
+    "fp16_sr_q8": ("AdamW", dict(master_weights=False, stochastic_rounding=True, **Q8_MOMENTS)),
 }
+SR_DTYPES = {"fp16_sr_q8": torch.float16}  # the params' dtype (else bfloat16)
 # name -> (step, group settings set before it): a block size changed between steps (the codes
 # are decoded on the old blocks and coded again on the new, a collective under FSDP2)
 SR_EDITS = {"sr_q8_reblocked": (3, dict(block_size=512))}
@@ -1173,7 +1177,7 @@ def _sr_mlp(name=None):
     if name is not None and _q8_case(name):
         return nn.Sequential(nn.Linear(8, 2050), nn.Tanh(), nn.Linear(2050, 2), nn.Tanh(),
                              nn.Linear(2, 67), nn.Tanh(), nn.Linear(67, 71), nn.Tanh(),
-                             nn.Linear(71, 1)).to(torch.bfloat16)
+                             nn.Linear(71, 1)).to(SR_DTYPES.get(name, torch.bfloat16))
     return nn.Sequential(nn.Linear(8, 37), nn.Tanh(), nn.Linear(37, 19), nn.Tanh(),
                          nn.Linear(19, 1)).to(torch.bfloat16)
 
@@ -1203,7 +1207,8 @@ def _sr_train(model, opt, steps=SR_STEPS, name=None):
                 group.update(edit)
         x, y = _batch(step)  # the full batch on every rank
         opt.zero_grad(set_to_none=True)
-        ((model(x.to(torch.bfloat16)).float() - y) ** 2).mean().backward()
+        dtype = next(model.parameters()).dtype
+        ((model(x.to(dtype)).float() - y) ** 2).mean().backward()
         opt.step()
 
 
@@ -1417,6 +1422,46 @@ def test_fsdp2_8bit_kept_after_forward_gives_the_same_bits(sr_runs, world):
         assert all(_equal_bits(a.detach(), b) for a, b in zip(params, got["params"]))
         for sa, sb in zip(state, got["state"]):
             assert sorted(sa) == sorted(sb) and all(_equal_bits(sa[k], sb[k]) for k in sa)
+
+
+def _cuda_body(rank, out_dir):
+    """On one GPU, NCCL, world size 1: 8-bit formats under FSDP2 and the same model unsharded,
+    6 steps each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    out = {}
+    for name in ("remainder_q8", "sr_q8"):
+        for label, sharded in ((name, True), (name + "_plain", False)):
+            model = _sr_mlp(name).cuda()
+            if sharded:
+                _sr_shard(model, mesh)
+            params = list(model.parameters())
+            opt = _sr_opt(name, params)
+            for step in SR_STEPS:
+                x, y = _batch(step)
+                opt.zero_grad(set_to_none=True)
+                ((model(x.cuda().to(torch.bfloat16)).float() - y.cuda()) ** 2).mean().backward()
+                opt.step()
+            out[label] = {"params": [_full(p.detach()).cpu() for p in params],
+                          "state": [{k: v.cpu() for k, v in st.items()}
+                                    for st in _full_state(opt, params)]}
+    return out
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and mpext.build_info()["cuda_built"]
+                         and dist.is_nccl_available()),
+                    reason="needs a GPU, mpext built with CUDA and NCCL")
+def test_fsdp2_8bit_on_cuda_with_nccl_world_size_1(tmp_path):
+    """The GPU machine's check of the sharded 8-bit step: FSDP2 on one GPU with NCCL gives the
+    params and state (codes, scales) of the same model stepped unsharded on that GPU."""
+    got = _spawn(_cuda_body, tmp_path, 1, backend="nccl")[0]
+    for name in ("remainder_q8", "sr_q8"):
+        a, b = got[name], got[name + "_plain"]
+        assert all(_equal_bits(x, y) for x, y in zip(a["params"], b["params"]))
+        for sa, sb in zip(a["state"], b["state"]):
+            assert sorted(sa) == sorted(sb) and all(_equal_bits(sa[k], sb[k]) for k in sa)
+        assert any(k.endswith("_q8") for st in a["state"] for k in st)
 
 
 def test_fsdp2_reducing_bf16_gradients_in_bf16_rounds_at_3_ranks(sr_runs):
