@@ -1367,19 +1367,15 @@ def _sr_reference(name):
     return params, _full_state(opt, params)
 
 
-Q8_SR_CASES = [n for n in SR_CASES if _q8_case(n)]
-
-
 @pytest.mark.parametrize("world,label,name",
-                         [(w, n, n) for w in SR_WORLDS for n in SR_CASES]
-                         + [(4, n, n) for n in Q8_SR_CASES]
+                         [(w, n, n) for w in SR_WORLDS + (4,) for n in SR_CASES]
                          + [(2, "hsdp_sr_bf16_moments", "sr_bf16_moments"),
                             (2, "hsdp_remainder_q8", "remainder_q8")])
 def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, request, world,
                                                                  label, name):
     """After 6 steps under FSDP2 (uneven and empty shards, blocks cut by shards; and HSDP's
-    2-D placements), every rank holds one process's params and state, bit for bit. With 8-bit
-    moments at 2, 3 and 4 ranks: the codes and every block's scale too."""
+    2-D placements), every rank holds one process's params and state, bit for bit, at 2, 3 and
+    4 ranks; with 8-bit moments the codes and every block's scale too."""
     sr_results = (sr_runs[world] if world in sr_runs
                   else [r["sr"] for r in request.getfixturevalue("four_ranks")])
     assert any(n == 0 for n in sr_results[-1][label]["local_numel"])  # an empty shard
@@ -1765,12 +1761,12 @@ def _memory_body(rank, out_dir):
 
 
 def _four_body(rank, out_dir):
-    """At 4 ranks: the per-device bytes and the 8-bit SR cases."""
+    """At 4 ranks: the per-device bytes and every SR case."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (4,))
     return {"memory": _memory_body(rank, out_dir),
-            "sr": _sr_cases([(n, n, mesh) for n in Q8_SR_CASES])}
+            "sr": _sr_cases([(n, n, mesh) for n in SR_CASES])}
 
 
 @pytest.fixture(scope="module")
