@@ -297,6 +297,76 @@ def test_a_bucket_with_an_inf_and_every_later_one_change_nothing():
     assert all(opt.state[p]["step"].item() in (1, 2) for p in model.parameters())
 
 
+class Deep(nn.Module):
+    """Four 8x8 layers; their gradients complete from the last layer to the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 300])
+def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucket_bytes):
+    """One param's gradient alone is made inf (a tensor hook on that param: the gradients
+    flowing on to the earlier layers stay finite), so the buckets completed after its bucket
+    hold finite gradients only. They, and the params of its own bucket, must change nothing
+    (params, moments, step counts); the buckets completed before it keep their update, the
+    bits of the same optimizer stepped after a clean backward. The buckets are worked out here
+    from the order in which the gradients complete and their bytes (a bucket is stepped once
+    its bytes reach bucket_bytes)."""
+    torch.manual_seed(0)
+    model = Deep()
+    clean = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    params = list(model.parameters())
+    done = []  # (param, gradient bytes), as the gradients complete (hooked before release)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: done.append((p, p.grad.nbytes)))
+    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt = AdamW(params, lr=1e-2)
+    release = opt.release_grads(bucket_bytes=bucket_bytes, scaler=scaler)
+    poisoned = model.layers[1].weight  # its gradient completes after layers 3 and 2
+    poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
+    before = [p.detach().clone() for p in params]
+    clean_opt = AdamW(clean.parameters(), lr=1e-2)
+    clean_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    clean_scaler.scale(clean(x)).backward()
+    clean_scaler.step(clean_opt)
+
+    scaler.scale(model(x)).backward()
+    scaler.update()
+
+    buckets, current, pending = [], [], 0
+    for p, nbytes in done:
+        current.append(p)
+        pending += nbytes
+        if pending >= bucket_bytes:
+            buckets.append(current)
+            current, pending = [], 0
+    buckets += [current] if current else []
+    first_bad = next(i for i, b in enumerate(buckets) if any(p is poisoned for p in b))
+    earlier = {id(p) for b in buckets[:first_bad] for p in b}
+    later_finite = [p for b in buckets[first_bad + 1:] for p in b]
+    assert earlier and later_finite  # a real test: updates before, finite buckets after
+    for p, c, b in zip(params, clean.parameters(), before):
+        if id(p) in earlier:  # earlier buckets keep their update
+            assert same_bits(p, c)
+            assert opt.state[p]["step"].item() == 1
+        else:  # the bucket with the inf and every later one, finite or not: nothing changed
+            assert same_bits(p, b)
+            assert opt.state[p]["step"].item() == 0
+            assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
+        assert p.grad is None
+    assert release.buckets_stepped == len(buckets)
+    assert scaler.last_step_skipped(opt).item()
+    assert scaler.get_scale() == 2.0 ** 9
+
+
 @pytest.mark.parametrize("fmt", ["bf16-master", "bf16-remainder", "q8-moments", "ema"])
 def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
     model, opt, twin, topt = pair(fmt)
