@@ -18,6 +18,8 @@ import mpext
 from mpext.optim import Adam, AdamW
 from mpext.optim import lr_scheduler as mp_sched
 
+import optim_table as T
+
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -153,6 +155,35 @@ def test_other_rules_released_have_the_bits_of_step_after_backward(case):
     key = opt.moments[0].name if opt.param_groups[0].get("momentum", 1) else None
     if "q8" in case:  # the 8-bit code is exercised, not a fallback to FP32
         assert key + "_q8" in opt.state[model.body[0].weight]
+
+# Every (rule, format) pair of the rules x formats table (tests/optim_table.py), every param
+# dtype of the format, on every CPU ISA path: the released run against the same optimizer
+# stepped after backward. The gradients are the table's own (make_grads), reached through a
+# backward: the loss sum((param.float() * grad.float())) has exactly ``grad`` as the param's
+# gradient (widening and rounding back are exact), in whatever layout autograd gives it.
+TABLE = [(rule, fmt, dtype) for rule, fmt in T.pairs() for dtype in fmt.param_dtypes]
+
+
+@pytest.mark.parametrize("rule,fmt,dtype", TABLE, ids=[T.pair_id(c) for c in TABLE])
+def test_every_rule_and_format_released_has_the_bits_of_step_after_backward(rule, fmt, dtype,
+                                                                          isa):
+    params = T.make_params([dtype])
+    twin = T.clone_params(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # master-free round to nearest warns
+        kw = dict(fmt.kwargs_for(rule), seed=7)
+        opt, topt = rule.make(params, **kw), rule.make(twin, **kw)
+    # buckets of one or two params (the largest, 5120 elements, alone)
+    release = topt.release_grads(bucket_bytes=300 * torch.finfo(dtype).bits // 8)
+    for step in range(3):
+        grads = T.make_grads(params, step)
+        T.set_grads(params, grads)
+        opt.step()
+        sum((q.float() * g.float()).sum() for q, g in zip(twin, grads)).backward()
+        assert all(q.grad is None for q in twin)
+    assert release.buckets_stepped >= 3 * 2
+    T.assert_same(T.snapshot(opt, params), T.snapshot(topt, twin), "%s %s" % (rule, fmt))
+
 
 def test_adam_with_l2_decay_and_param_groups():
     torch.manual_seed(0)
