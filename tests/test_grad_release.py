@@ -7,6 +7,7 @@ must give the same bits, for every param and moment format.
 """
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -526,6 +527,64 @@ def test_compiled_model_has_the_same_bits():
     # aot_eager keeps the test quick; inductor gives the same bits too (checked by hand: its
     # kernels differ from eager's, so both runs must be compiled).
     train_both(model, opt, twin, topt, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: more than one process is refused, naming the way out, at release_grads() and at every
+# backward (a release made before the process group existed).
+
+
+def _ddp_release_body(rank, out_dir):
+    import os
+    from datetime import timedelta
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    try:
+        opt.release_grads()
+    except NotImplementedError as e:
+        out["at_release"] = str(e)
+    out["released"] = opt._grad_release is not None
+    # a release made in one process, then the group formed: refused at the first gradient
+    dist.destroy_process_group()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    release = opt.release_grads(bucket_bytes=0)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "again"),
+                            rank=rank, world_size=dist_world(), timeout=timedelta(seconds=90))
+    ddp = DDP(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        ddp(torch.randn(4, 8)).sum().backward()
+    except NotImplementedError as e:
+        out["at_backward"] = str(e)
+    out["unchanged"] = all(same_bits(p, b) and p.grad is None
+                           for p, b in zip(model.parameters(), before))
+    out["stepped"] = release.buckets_stepped
+    return out
+
+
+def dist_world():
+    return 2
+
+
+def test_ddp_is_refused_on_two_gloo_processes(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    from test_distributed import _spawn
+    for out in _spawn(_ddp_release_body, tmp_path):
+        for key in ("at_release", "at_backward"):
+            assert re.search(r"^mpext.optim.AdamW.release_grads: gradient release is not "
+                             r"supported with more than one process \(a process group of 2\)"
+                             r".*DDP.*The way out: step after backward.*release.remove\(\).*"
+                             r"opt.step\(\).*FSDP2.*ZeroRedundancyOptimizer", out[key]), out
+        assert not out["released"]
+        assert out["unchanged"] and out["stepped"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

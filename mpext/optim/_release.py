@@ -42,6 +42,24 @@ def _task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _ddp_refusal(name: str, world: int) -> str:
+    return ("%s: gradient release is not supported with more than one process (a process group "
+            "of %d): under DDP the post-accumulate-grad hooks fire on each rank's local, "
+            "unreduced gradient, so each rank would step its own; FSDP2's sharded params are "
+            "not supported either (docs/gradient_release.md). The way out: step after backward "
+            "(release.remove(), then loss.backward(); opt.step() as usual: DDP has averaged "
+            "the gradients by then), sharding the optimizer state with FSDP2 (fully_shard) or "
+            "ZeroRedundancyOptimizer if memory is the reason; release works in one process"
+            % (name, world))
+
+
 class GradRelease:
     """The release of an optimizer's gradients inside the backward pass: made by
     ``optimizer.release_grads(...)`` (see there); :meth:`remove` ends it."""
@@ -70,12 +88,9 @@ class GradRelease:
                              % (name, max_grad_norm))
         if clip not in _CLIP_MODES:
             raise ValueError("%s: clip must be \"exact\" or \"previous\", got %r" % (name, clip))
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError(
-                "%s: not supported with more than one process: under DDP the hooks fire before "
-                "the gradient is reduced, so each rank would step its own, and FSDP2's sharded "
-                "params are not supported (docs/gradient_release.md)" % name)
+        world = _world_size()
+        if world > 1:
+            raise NotImplementedError(_ddp_refusal(name, world))
         params = []
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -201,6 +216,15 @@ class GradRelease:
     # -----------------------------------------------------------------------------------------
     # The hooks.
 
+    def _check_context(self, p: torch.Tensor) -> None:
+        """At the first gradient of each backward, before anything is stepped: more than one
+        process (a release made before the process group was). The refused backward's
+        gradient is dropped (as a failed backward's, _abandon)."""
+        world = _world_size()
+        if world > 1:
+            p.grad = None
+            raise NotImplementedError(_ddp_refusal(self._name, world))
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._paused:
             return
@@ -208,6 +232,7 @@ class GradRelease:
         if self._task is not None and task != self._task and self._token() is None:
             self._abandon()  # the open backward failed: its callback will never run
         if self._task is None:
+            self._check_context(p)
             self._begin(task)
         elif task != self._task:
             raise RuntimeError(
