@@ -530,6 +530,236 @@ def test_compiled_model_has_the_same_bits():
 
 
 # ---------------------------------------------------------------------------------------------
+# Frameworks that step the optimizer themselves: Lightning automatic optimization, accelerate's
+# AcceleratedOptimizer, transformers.Trainer. Refused by name, with the way out, at the first
+# point that can see them, before anything is stepped.
+
+LIGHTNING_WAY_OUT = (r"Lightning automatic optimization.*automatic_optimization = False.*"
+                     r"self.manual_backward\(loss\)")
+HF_WAY_OUT = r"plain loop.*Lightning manual optimization"
+
+
+def _unchanged(params, before, opt):
+    """The params hold their values (in their dtype: a precision plugin may have cast them),
+    have no gradient, and the optimizer stepped none of them."""
+    for p, b in zip(params, before):
+        assert same_bits(p, b.to(p.dtype)) and p.grad is None
+    assert all(st["step"].item() == 0 for st in opt.state.values())
+
+
+def _lightning_setup():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Regressor(pl.LightningModule):
+        def __init__(self, automatic, release_in_configure=False):
+            super().__init__()
+            self.automatic_optimization = automatic
+            self.release_in_configure = release_in_configure
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.opt = AdamW(self.net.parameters(), lr=1e-2)
+            self.before = [p.detach().clone() for p in self.parameters()]
+
+        def training_step(self, batch, i):
+            loss = nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+            if not self.automatic_optimization:
+                self.manual_backward(loss)
+            return loss
+
+        def configure_optimizers(self):
+            if self.release_in_configure:
+                self.opt.release_grads()
+            return self.opt
+
+    def fit(module, **kw):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 8, generator=g),
+                                              torch.randn(8, 1, generator=g))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return Regressor, fit
+
+
+@pytest.mark.parametrize("case", ["release_in_configure_optimizers", "step_with_closure",
+                                  "closure_before_step"])
+def test_lightning_automatic_optimization_is_refused_by_name(case):
+    """Each way Lightning's automatic optimization reaches a released optimizer: the release
+    made in configure_optimizers (refused there); made before fit, then optimizer.step(closure)
+    from the default precision plugin (refused before the closure runs); or a precision plugin
+    that runs the closure (training_step and backward) before the step (refused at the first
+    gradient of that backward)."""
+    Regressor, fit = _lightning_setup()
+    import mpext.lightning
+    module = Regressor(automatic=True, release_in_configure=case.startswith("release"))
+    if not case.startswith("release"):
+        module.opt.release_grads()
+    plugins = [mpext.lightning.MixedPrecision("bf16")] if case == "closure_before_step" else []
+    where = {"release_in_configure_optimizers": r"^mpext.optim.AdamW.release_grads: ",
+             "step_with_closure": r"^mpext.optim.AdamW.step\(\) is refused. ",
+             "closure_before_step": r"^mpext.optim.AdamW.release_grads: "}[case]
+    with pytest.raises(RuntimeError, match=where + ".*" + LIGHTNING_WAY_OUT):
+        fit(module, plugins=plugins)
+    _unchanged(module.parameters(), module.before, module.opt)
+
+
+def test_lightning_precision_plugin_that_scales_is_refused_in_manual_optimization():
+    """Manual optimization is the supported way, but a precision plugin that scales the loss
+    in manual_backward with a scaler the release lacks (Lightning's own 16-mixed one, or mpext's
+    FP16 plugin) would step with scaled gradients: refused at the first gradient."""
+    Regressor, fit = _lightning_setup()
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    import mpext.lightning
+    for plugin in (MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")),
+                   mpext.lightning.MixedPrecision("fp16")):
+        module = Regressor(automatic=False)
+        module.opt.release_grads()
+        with pytest.raises(RuntimeError, match=r"precision plugin MixedPrecision scales the "
+                                               r"loss with its own GradScaler.*16-true"):
+            fit(module, plugins=[plugin])
+        _unchanged(module.parameters(), module.before, module.opt)
+    module = Regressor(automatic=False)  # the supported way steps
+    release = module.opt.release_grads()
+    fit(module)
+    assert release.backward_passes == 2 and release.buckets_stepped == 2
+
+
+def _accelerate_setup():
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    return accelerate, model, opt, before, batch
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_accelerate_prepare_of_a_released_optimizer_is_refused_by_name(accumulation):
+    """accelerator.prepare(optimizer) wraps it in an AcceleratedOptimizer, which steps after
+    backward (with accumulation, every N-th): refused in prepare (when the wrapper reads the
+    optimizer's state_dict to place it), before any micro-batch."""
+    accelerate, model, opt, before, _ = _accelerate_setup()
+    opt.release_grads()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    with pytest.raises(RuntimeError, match=r"^mpext.optim.AdamW.release_grads: gradient "
+                                           r"release cannot run with accelerate's "
+                                           r"AcceleratedOptimizer.*" + HF_WAY_OUT):
+        acc.prepare(model, opt)
+    assert not acc._optimizers
+    _unchanged(model.parameters(), before, opt)
+
+
+def test_accelerate_accumulation_is_refused_at_the_first_backward():
+    """Where prepare does not read the state_dict (device_placement=False), or the optimizer
+    is not prepared but the Accelerator accumulates: accelerator.backward of micro-batch 0 is
+    refused at its first gradient, before anything is stepped."""
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    opt.release_grads()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, wrapped = acc.prepare(model, opt, device_placement=[True, False])
+    with pytest.raises(RuntimeError, match=r"AcceleratedOptimizer.*" + HF_WAY_OUT):
+        with acc.accumulate(model):
+            acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    opt.release_grads()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = acc.prepare(model)
+    with pytest.raises(RuntimeError, match=r"accelerate's gradient accumulation \("
+                                           r"gradient_accumulation_steps=2\).*" + HF_WAY_OUT):
+        with acc.accumulate(model):
+            acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+
+
+def test_accelerate_wrapper_made_before_the_release_is_refused_by_name():
+    """prepare() before release_grads(), with accumulation over 2 micro-batches:
+    accelerator.backward is refused at its first gradient. A plain loss.backward() shows
+    nothing of accelerate, so (as the docs say) each micro-batch's backward steps, the
+    wrapper's step() does nothing on micro-batch 0 and is refused by name on micro-batch 1,
+    its sync point."""
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, wrapped = acc.prepare(model, opt)
+    release = opt.release_grads()
+    with pytest.raises(RuntimeError, match=r"AcceleratedOptimizer.*" + HF_WAY_OUT):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+    with acc.accumulate(model):
+        nn.functional.mse_loss(model(x), y).backward()
+        wrapped.step()
+    assert release.buckets_stepped == 1
+    assert all(st["step"].item() == 1 for st in opt.state.values())
+    with acc.accumulate(model):
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) is refused. .*AcceleratedOptimizer"
+                                               r".*" + HF_WAY_OUT):
+            wrapped.step()
+    assert release.buckets_stepped == 2
+
+
+def test_accelerate_backward_with_the_accelerators_scaler():
+    """accelerator.backward scales the loss with the Accelerator's scaler: refused when the
+    release was made without it; with it (mpext.accelerate.use_grad_scaler's), the release
+    steps, and the optimizer is simply not prepared."""
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    import mpext.accelerate
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="fp16")
+    scaler = mpext.accelerate.use_grad_scaler(acc, init_scale=2.0 ** 4)
+    release = opt.release_grads()
+    model = acc.prepare(model)
+    with pytest.raises(RuntimeError, match=r"accelerator.backward scales the loss with the "
+                                           r"Accelerator's GradScaler, which this release was "
+                                           r"not made with.*release_grads\(scaler=\.\.\.\)"):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+    release.remove()
+    release = opt.release_grads(scaler=scaler)
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    scaler.update()
+    assert release.buckets_stepped == 1 and not scaler.last_step_skipped(opt).item()
+    assert all(st["step"].item() == 1 for st in opt.state.values())
+
+
+def test_hf_trainer_is_refused_by_name(tmp_path):
+    """transformers.Trainer prepares the optimizer it is given with accelerate: refused there,
+    naming the Trainer, before any step."""
+    transformers = pytest.importorskip("transformers")
+    accelerate, model, opt, before, _ = _accelerate_setup()
+
+    class Regression(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, labels):
+            return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(1, generator=g)}
+            for _ in range(8)]
+    opt.release_grads()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=Regression(model), args=args, train_dataset=data,
+                                   optimizers=(opt, None))
+    with pytest.raises(RuntimeError, match=r"cannot run under transformers.Trainer \(HF "
+                                           r"Trainer\).*" + HF_WAY_OUT):
+        trainer.train()
+    _unchanged(model.parameters(), before, opt)
+
+
+# ---------------------------------------------------------------------------------------------
 # DDP: more than one process is refused, naming the way out, at release_grads() and at every
 # backward (a release made before the process group existed).
 
