@@ -529,6 +529,34 @@ def test_compiled_model_has_the_same_bits():
     train_both(model, opt, twin, topt, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
 
 
+def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_steps():
+    """A loss scaled by an mpext.GradScaler reaching a release made without it (none, or
+    another) would step with gradients multiplied by the scale: refused at the first gradient
+    of that backward, which is dropped. A bf16_check_only scaler (scale 1) is not refused, nor
+    is a scaled loss that reaches no released param."""
+    model, opt, twin, topt = pair("fp32")
+    before = [p.detach().clone() for p in twin.parameters()]
+    release = topt.release_grads(bucket_bytes=0)
+    scaler = mpext.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match=r"scaled by an mpext.GradScaler that this release "
+                                           r"was made without \(scaler=None\).*release_grads\("
+                                           r"scaler=\.\.\.\)"):
+        scaler.scale(loss_of(twin, 0)).backward()
+    assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
+    assert release.buckets_stepped == 0 and not topt.state
+    scaler.scale(loss_of(model, 0)).backward()  # another model, another optimizer: allowed
+    scaler.step(opt)
+    release.remove()
+    release = topt.release_grads(bucket_bytes=0, scaler=mpext.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match=r"was not made with \(it has another\)"):
+        scaler.scale(loss_of(twin, 0)).backward()
+    assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
+    release.remove()
+    topt.release_grads(bucket_bytes=0)
+    mpext.GradScaler("cpu", bf16_check_only=True).scale(loss_of(twin, 0)).backward()
+    assert topt.state[twin.emb.weight]["step"].item() == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Frameworks that step the optimizer themselves: Lightning automatic optimization, accelerate's
 # AcceleratedOptimizer, transformers.Trainer. Refused by name, with the way out, at the first

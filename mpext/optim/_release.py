@@ -27,7 +27,8 @@ Refused, before anything is stepped (docs/gradient_release.md): more than one pr
 ``release_grads()`` and at the first gradient of every backward); frameworks that step the
 optimizer themselves (Lightning automatic optimization, accelerate's AcceleratedOptimizer and
 gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
-by name and with the way out (:func:`framework_refusal`).
+by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
+the release was not made with (:func:`scaled_backward_hook`).
 """
 import contextlib
 import math
@@ -47,6 +48,11 @@ _CLIP_MODES = ("exact", "previous")
 
 def _task_id() -> int:
     return torch._C._current_graph_task_id()
+
+
+# The releases in force (not removed): while there are any, mpext.GradScaler.scale() marks the
+# loss it scales (scaled_backward_hook).
+_ACTIVE: "weakref.WeakSet[GradRelease]" = weakref.WeakSet()
 
 
 def _world_size() -> int:
@@ -234,6 +240,30 @@ def framework_refusal(name: str, opt, scaler, in_backward: bool = False,
     return None
 
 
+# The latest backward pass of a loss scaled by an mpext.GradScaler while a release was in force:
+# (its graph task id, a weak reference to the scaler), set by the hook that scale() puts on the
+# scaled loss, which autograd runs first in that backward (scaled_backward_hook).
+_scaled_task = (None, None)
+
+
+def scaled_backward_hook(scaler):
+    """A tensor hook for a loss ``scaler`` scaled: it notes, at the start of the loss's
+    backward, that this backward's gradients carry ``scaler``'s scale; a release made without
+    that scaler refuses the backward at its first gradient (GradRelease._check_context)."""
+    ref = weakref.ref(scaler)
+
+    def hook(grad):
+        global _scaled_task
+        _scaled_task = (_task_id(), ref)
+    return hook
+
+
+def _scaler_of(task: int):
+    """The mpext.GradScaler whose scale the loss of backward ``task`` carries, or None."""
+    seen, ref = _scaled_task
+    return ref() if seen == task and ref is not None else None
+
+
 class GradRelease:
     """The release of an optimizer's gradients inside the backward pass: made by
     ``optimizer.release_grads(...)`` (see there); :meth:`remove` ends it."""
@@ -314,6 +344,7 @@ class GradRelease:
         # first point where wrapping it in an AcceleratedOptimizer can be seen
         self._handles.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
         optimizer._grad_release = self
+        _ACTIVE.add(self)
 
     # -----------------------------------------------------------------------------------------
     # The user's side.
@@ -382,6 +413,7 @@ class GradRelease:
         for h in self._handles:
             h.remove()
         self._handles = []
+        _ACTIVE.discard(self)
         opt = self.optimizer
         if opt is not None and getattr(opt, "_grad_release", None) is self:
             opt._grad_release = None
@@ -409,14 +441,22 @@ class GradRelease:
             raise RuntimeError(framework_refusal(self._name, self._opt, self.scaler,
                                                  wrapped=True))
 
-    def _check_context(self, p: torch.Tensor) -> None:
+    def _check_context(self, p: torch.Tensor, task: int) -> None:
         """At the first gradient of each backward, before anything is stepped: more than one
-        process, or a framework that drives the optimizer itself (see framework_refusal). The
-        refused backward's gradient is dropped (as a failed backward's, _abandon)."""
+        process, a loss scaled by an mpext.GradScaler this release was not made with, or a
+        framework that drives the optimizer itself (see framework_refusal). The refused
+        backward's gradient is dropped (as a failed backward's, _abandon)."""
         world = _world_size()
         refused = None if world == 1 else _ddp_refusal(self._name, world)
         if refused is None:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
+        theirs = _scaler_of(task)
+        if refused is None and theirs is not None and theirs is not self.scaler:
+            refused = ("%s: the loss of this backward was scaled by an mpext.GradScaler that "
+                       "this release was %s, so its buckets would step with gradients "
+                       "multiplied by the scale: pass that scaler to release_grads(scaler=...)"
+                       % (self._name, "made without (scaler=None)" if self.scaler is None
+                          else "not made with (it has another)"))
         if refused is not None:
             p.grad = None
             raise (RuntimeError if world == 1 else NotImplementedError)(refused)
@@ -428,7 +468,7 @@ class GradRelease:
         if self._task is not None and task != self._task and self._token() is None:
             self._abandon()  # the open backward failed: its callback will never run
         if self._task is None:
-            self._check_context(p)
+            self._check_context(p, task)
             self._begin(task)
         elif task != self._task:
             raise RuntimeError(
