@@ -808,12 +808,13 @@ def _ddp_release_body(rank, out_dir):
         out["at_release"] = str(e)
     out["released"] = opt._grad_release is not None
     # a release made in one process, then the group formed: refused at the first gradient
+    world = dist.get_world_size()
     dist.destroy_process_group()
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0)
     dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "again"),
-                            rank=rank, world_size=dist_world(), timeout=timedelta(seconds=90))
+                            rank=rank, world_size=world, timeout=timedelta(seconds=90))
     ddp = DDP(model)
     before = [p.detach().clone() for p in model.parameters()]
     try:
@@ -824,10 +825,6 @@ def _ddp_release_body(rank, out_dir):
                            for p, b in zip(model.parameters(), before))
     out["stepped"] = release.buckets_stepped
     return out
-
-
-def dist_world():
-    return 2
 
 
 def test_ddp_is_refused_on_two_gloo_processes(tmp_path):
