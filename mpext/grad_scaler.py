@@ -28,6 +28,7 @@ disagree otherwise.
 """
 import math
 import numbers
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Union
@@ -362,7 +363,21 @@ class GradScaler(torch.amp.GradScaler):
         _all_reduce_max(found_inf, self._process_group)
 
     # -----------------------------------------------------------------------------------------
-    # step / update.
+    # scale / step / update.
+
+    def scale(self, outputs):
+        """torch's ``scale``. While an optimizer's gradients are released (``release_grads``),
+        a scaled tensor that requires grad is also marked, so that the release refuses its
+        backward when made without this scaler (its buckets would step with gradients
+        multiplied by the scale) before anything is stepped. Not marked: a disabled scaler,
+        ``bf16_check_only=True`` (scale 1), a list or tuple of outputs."""
+        scaled = super().scale(outputs)
+        if self._enabled and not self._bf16_check_only and isinstance(scaled, torch.Tensor) \
+                and scaled.requires_grad:
+            release = sys.modules.get("mpext.optim._release")
+            if release is not None and len(release._ACTIVE):
+                scaled.register_hook(release.scaled_backward_hook(self))
+        return scaled
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         release = getattr(optimizer, "_grad_release", None)

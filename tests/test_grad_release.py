@@ -7,6 +7,7 @@ must give the same bits, for every param and moment format.
 """
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -17,6 +18,8 @@ from torch.utils.checkpoint import checkpoint
 import mpext
 from mpext.optim import Adam, AdamW
 from mpext.optim import lr_scheduler as mp_sched
+
+import optim_table as T
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -153,6 +156,35 @@ def test_other_rules_released_have_the_bits_of_step_after_backward(case):
     key = opt.moments[0].name if opt.param_groups[0].get("momentum", 1) else None
     if "q8" in case:  # the 8-bit code is exercised, not a fallback to FP32
         assert key + "_q8" in opt.state[model.body[0].weight]
+
+# Every (rule, format) pair of the rules x formats table (tests/optim_table.py), every param
+# dtype of the format, on every CPU ISA path: the released run against the same optimizer
+# stepped after backward. The gradients are the table's own (make_grads), reached through a
+# backward: the loss sum((param.float() * grad.float())) has exactly ``grad`` as the param's
+# gradient (widening and rounding back are exact), in whatever layout autograd gives it.
+TABLE = [(rule, fmt, dtype) for rule, fmt in T.pairs() for dtype in fmt.param_dtypes]
+
+
+@pytest.mark.parametrize("rule,fmt,dtype", TABLE, ids=[T.pair_id(c) for c in TABLE])
+def test_every_rule_and_format_released_has_the_bits_of_step_after_backward(rule, fmt, dtype,
+                                                                          isa):
+    params = T.make_params([dtype])
+    twin = T.clone_params(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # master-free round to nearest warns
+        kw = dict(fmt.kwargs_for(rule), seed=7)
+        opt, topt = rule.make(params, **kw), rule.make(twin, **kw)
+    # buckets of one or two params (the largest, 5120 elements, alone)
+    release = topt.release_grads(bucket_bytes=300 * torch.finfo(dtype).bits // 8)
+    for step in range(3):
+        grads = T.make_grads(params, step)
+        T.set_grads(params, grads)
+        opt.step()
+        sum((q.float() * g.float()).sum() for q, g in zip(twin, grads)).backward()
+        assert all(q.grad is None for q in twin)
+    assert release.buckets_stepped >= 3 * 2
+    T.assert_same(T.snapshot(opt, params), T.snapshot(topt, twin), "%s %s" % (rule, fmt))
+
 
 def test_adam_with_l2_decay_and_param_groups():
     torch.manual_seed(0)
@@ -297,6 +329,76 @@ def test_a_bucket_with_an_inf_and_every_later_one_change_nothing():
     assert all(opt.state[p]["step"].item() in (1, 2) for p in model.parameters())
 
 
+class Deep(nn.Module):
+    """Four 8x8 layers; their gradients complete from the last layer to the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 300])
+def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucket_bytes):
+    """One param's gradient alone is made inf (a tensor hook on that param: the gradients
+    flowing on to the earlier layers stay finite), so the buckets completed after its bucket
+    hold finite gradients only. They, and the params of its own bucket, must change nothing
+    (params, moments, step counts); the buckets completed before it keep their update, the
+    bits of the same optimizer stepped after a clean backward. The buckets are worked out here
+    from the order in which the gradients complete and their bytes (a bucket is stepped once
+    its bytes reach bucket_bytes)."""
+    torch.manual_seed(0)
+    model = Deep()
+    clean = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    params = list(model.parameters())
+    done = []  # (param, gradient bytes), as the gradients complete (hooked before release)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: done.append((p, p.grad.nbytes)))
+    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt = AdamW(params, lr=1e-2)
+    release = opt.release_grads(bucket_bytes=bucket_bytes, scaler=scaler)
+    poisoned = model.layers[1].weight  # its gradient completes after layers 3 and 2
+    poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
+    before = [p.detach().clone() for p in params]
+    clean_opt = AdamW(clean.parameters(), lr=1e-2)
+    clean_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    clean_scaler.scale(clean(x)).backward()
+    clean_scaler.step(clean_opt)
+
+    scaler.scale(model(x)).backward()
+    scaler.update()
+
+    buckets, current, pending = [], [], 0
+    for p, nbytes in done:
+        current.append(p)
+        pending += nbytes
+        if pending >= bucket_bytes:
+            buckets.append(current)
+            current, pending = [], 0
+    buckets += [current] if current else []
+    first_bad = next(i for i, b in enumerate(buckets) if any(p is poisoned for p in b))
+    earlier = {id(p) for b in buckets[:first_bad] for p in b}
+    later_finite = [p for b in buckets[first_bad + 1:] for p in b]
+    assert earlier and later_finite  # a real test: updates before, finite buckets after
+    for p, c, b in zip(params, clean.parameters(), before):
+        if id(p) in earlier:  # earlier buckets keep their update
+            assert same_bits(p, c)
+            assert opt.state[p]["step"].item() == 1
+        else:  # the bucket with the inf and every later one, finite or not: nothing changed
+            assert same_bits(p, b)
+            assert opt.state[p]["step"].item() == 0
+            assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
+        assert p.grad is None
+    assert release.buckets_stepped == len(buckets)
+    assert scaler.last_step_skipped(opt).item()
+    assert scaler.get_scale() == 2.0 ** 9
+
+
 @pytest.mark.parametrize("fmt", ["bf16-master", "bf16-remainder", "q8-moments", "ema"])
 def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
     model, opt, twin, topt = pair(fmt)
@@ -425,6 +527,319 @@ def test_compiled_model_has_the_same_bits():
     # aot_eager keeps the test quick; inductor gives the same bits too (checked by hand: its
     # kernels differ from eager's, so both runs must be compiled).
     train_both(model, opt, twin, topt, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
+
+
+def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_steps():
+    """A loss scaled by an mpext.GradScaler reaching a release made without it (none, or
+    another) would step with gradients multiplied by the scale: refused at the first gradient
+    of that backward, which is dropped. A bf16_check_only scaler (scale 1) is not refused, nor
+    is a scaled loss that reaches no released param."""
+    model, opt, twin, topt = pair("fp32")
+    before = [p.detach().clone() for p in twin.parameters()]
+    release = topt.release_grads(bucket_bytes=0)
+    scaler = mpext.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match=r"scaled by an mpext.GradScaler that this release "
+                                           r"was made without \(scaler=None\).*release_grads\("
+                                           r"scaler=\.\.\.\)"):
+        scaler.scale(loss_of(twin, 0)).backward()
+    assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
+    assert release.buckets_stepped == 0 and not topt.state
+    scaler.scale(loss_of(model, 0)).backward()  # another model, another optimizer: allowed
+    scaler.step(opt)
+    release.remove()
+    release = topt.release_grads(bucket_bytes=0, scaler=mpext.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match=r"was not made with \(it has another\)"):
+        scaler.scale(loss_of(twin, 0)).backward()
+    assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
+    release.remove()
+    topt.release_grads(bucket_bytes=0)
+    mpext.GradScaler("cpu", bf16_check_only=True).scale(loss_of(twin, 0)).backward()
+    assert topt.state[twin.emb.weight]["step"].item() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Frameworks that step the optimizer themselves: Lightning automatic optimization, accelerate's
+# AcceleratedOptimizer, transformers.Trainer. Refused by name, with the way out, at the first
+# point that can see them, before anything is stepped.
+
+LIGHTNING_WAY_OUT = (r"Lightning automatic optimization.*automatic_optimization = False.*"
+                     r"self.manual_backward\(loss\)")
+HF_WAY_OUT = r"plain loop.*Lightning manual optimization"
+
+
+def _unchanged(params, before, opt):
+    """The params hold their values (in their dtype: a precision plugin may have cast them),
+    have no gradient, and the optimizer stepped none of them."""
+    for p, b in zip(params, before):
+        assert same_bits(p, b.to(p.dtype)) and p.grad is None
+    assert all(st["step"].item() == 0 for st in opt.state.values())
+
+
+def _lightning_setup():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Regressor(pl.LightningModule):
+        def __init__(self, automatic, release_in_configure=False):
+            super().__init__()
+            self.automatic_optimization = automatic
+            self.release_in_configure = release_in_configure
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.opt = AdamW(self.net.parameters(), lr=1e-2)
+            self.before = [p.detach().clone() for p in self.parameters()]
+
+        def training_step(self, batch, i):
+            loss = nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+            if not self.automatic_optimization:
+                self.manual_backward(loss)
+            return loss
+
+        def configure_optimizers(self):
+            if self.release_in_configure:
+                self.opt.release_grads()
+            return self.opt
+
+    def fit(module, **kw):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 8, generator=g),
+                                              torch.randn(8, 1, generator=g))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return Regressor, fit
+
+
+@pytest.mark.parametrize("case", ["release_in_configure_optimizers", "step_with_closure",
+                                  "closure_before_step"])
+def test_lightning_automatic_optimization_is_refused_by_name(case):
+    """Each way Lightning's automatic optimization reaches a released optimizer: the release
+    made in configure_optimizers (refused there); made before fit, then optimizer.step(closure)
+    from the default precision plugin (refused before the closure runs); or a precision plugin
+    that runs the closure (training_step and backward) before the step (refused at the first
+    gradient of that backward)."""
+    Regressor, fit = _lightning_setup()
+    import mpext.lightning
+    module = Regressor(automatic=True, release_in_configure=case.startswith("release"))
+    if not case.startswith("release"):
+        module.opt.release_grads()
+    plugins = [mpext.lightning.MixedPrecision("bf16")] if case == "closure_before_step" else []
+    where = {"release_in_configure_optimizers": r"^mpext.optim.AdamW.release_grads: ",
+             "step_with_closure": r"^mpext.optim.AdamW.step\(\) is refused. ",
+             "closure_before_step": r"^mpext.optim.AdamW.release_grads: "}[case]
+    with pytest.raises(RuntimeError, match=where + ".*" + LIGHTNING_WAY_OUT):
+        fit(module, plugins=plugins)
+    _unchanged(module.parameters(), module.before, module.opt)
+
+
+def test_lightning_precision_plugin_that_scales_is_refused_in_manual_optimization():
+    """Manual optimization is the supported way, but a precision plugin that scales the loss
+    in manual_backward with a scaler the release lacks (Lightning's own 16-mixed one, or mpext's
+    FP16 plugin) would step with scaled gradients: refused at the first gradient."""
+    Regressor, fit = _lightning_setup()
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    import mpext.lightning
+    for plugin in (MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")),
+                   mpext.lightning.MixedPrecision("fp16")):
+        module = Regressor(automatic=False)
+        module.opt.release_grads()
+        with pytest.raises(RuntimeError, match=r"precision plugin MixedPrecision scales the "
+                                               r"loss with its own GradScaler.*16-true"):
+            fit(module, plugins=[plugin])
+        _unchanged(module.parameters(), module.before, module.opt)
+    module = Regressor(automatic=False)  # the supported way steps
+    release = module.opt.release_grads()
+    fit(module)
+    assert release.backward_passes == 2 and release.buckets_stepped == 2
+
+
+def _accelerate_setup():
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    return accelerate, model, opt, before, batch
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_accelerate_prepare_of_a_released_optimizer_is_refused_by_name(accumulation):
+    """accelerator.prepare(optimizer) wraps it in an AcceleratedOptimizer, which steps after
+    backward (with accumulation, every N-th): refused in prepare (when the wrapper reads the
+    optimizer's state_dict to place it), before any micro-batch."""
+    accelerate, model, opt, before, _ = _accelerate_setup()
+    opt.release_grads()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    with pytest.raises(RuntimeError, match=r"^mpext.optim.AdamW.release_grads: gradient "
+                                           r"release cannot run with accelerate's "
+                                           r"AcceleratedOptimizer.*" + HF_WAY_OUT):
+        acc.prepare(model, opt)
+    assert not acc._optimizers
+    _unchanged(model.parameters(), before, opt)
+
+
+def test_accelerate_accumulation_is_refused_at_the_first_backward():
+    """Where prepare does not read the state_dict (device_placement=False), or the optimizer
+    is not prepared but the Accelerator accumulates: accelerator.backward of micro-batch 0 is
+    refused at its first gradient, before anything is stepped."""
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    opt.release_grads()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, wrapped = acc.prepare(model, opt, device_placement=[True, False])
+    with pytest.raises(RuntimeError, match=r"AcceleratedOptimizer.*" + HF_WAY_OUT):
+        with acc.accumulate(model):
+            acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    opt.release_grads()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = acc.prepare(model)
+    with pytest.raises(RuntimeError, match=r"accelerate's gradient accumulation \("
+                                           r"gradient_accumulation_steps=2\).*" + HF_WAY_OUT):
+        with acc.accumulate(model):
+            acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+
+
+def test_accelerate_wrapper_made_before_the_release_is_refused_by_name():
+    """prepare() before release_grads(), with accumulation over 2 micro-batches:
+    accelerator.backward is refused at its first gradient. A plain loss.backward() shows
+    nothing of accelerate, so (as the docs say) each micro-batch's backward steps, the
+    wrapper's step() does nothing on micro-batch 0 and is refused by name on micro-batch 1,
+    its sync point."""
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, wrapped = acc.prepare(model, opt)
+    release = opt.release_grads()
+    with pytest.raises(RuntimeError, match=r"AcceleratedOptimizer.*" + HF_WAY_OUT):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+    with acc.accumulate(model):
+        nn.functional.mse_loss(model(x), y).backward()
+        wrapped.step()
+    assert release.buckets_stepped == 1
+    assert all(st["step"].item() == 1 for st in opt.state.values())
+    with acc.accumulate(model):
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) is refused. .*AcceleratedOptimizer"
+                                               r".*" + HF_WAY_OUT):
+            wrapped.step()
+    assert release.buckets_stepped == 2
+
+
+def test_accelerate_backward_with_the_accelerators_scaler():
+    """accelerator.backward scales the loss with the Accelerator's scaler: refused when the
+    release was made without it; with it (mpext.accelerate.use_grad_scaler's), the release
+    steps, and the optimizer is simply not prepared."""
+    accelerate, model, opt, before, (x, y) = _accelerate_setup()
+    import mpext.accelerate
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="fp16")
+    scaler = mpext.accelerate.use_grad_scaler(acc, init_scale=2.0 ** 4)
+    release = opt.release_grads()
+    model = acc.prepare(model)
+    with pytest.raises(RuntimeError, match=r"accelerator.backward scales the loss with the "
+                                           r"Accelerator's GradScaler, which this release was "
+                                           r"not made with.*release_grads\(scaler=\.\.\.\)"):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+    _unchanged(model.parameters(), before, opt)
+    release.remove()
+    release = opt.release_grads(scaler=scaler)
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    scaler.update()
+    assert release.buckets_stepped == 1 and not scaler.last_step_skipped(opt).item()
+    assert all(st["step"].item() == 1 for st in opt.state.values())
+
+
+def test_hf_trainer_is_refused_by_name(tmp_path):
+    """transformers.Trainer prepares the optimizer it is given with accelerate: refused there,
+    naming the Trainer, before any step."""
+    transformers = pytest.importorskip("transformers")
+    accelerate, model, opt, before, _ = _accelerate_setup()
+
+    class Regression(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, labels):
+            return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(1, generator=g)}
+            for _ in range(8)]
+    opt.release_grads()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=Regression(model), args=args, train_dataset=data,
+                                   optimizers=(opt, None))
+    with pytest.raises(RuntimeError, match=r"cannot run under transformers.Trainer \(HF "
+                                           r"Trainer\).*" + HF_WAY_OUT):
+        trainer.train()
+    _unchanged(model.parameters(), before, opt)
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: more than one process is refused, naming the way out, at release_grads() and at every
+# backward (a release made before the process group existed).
+
+
+def _ddp_release_body(rank, out_dir):
+    import os
+    from datetime import timedelta
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    try:
+        opt.release_grads()
+    except NotImplementedError as e:
+        out["at_release"] = str(e)
+    out["released"] = opt._grad_release is not None
+    # a release made in one process, then the group formed: refused at the first gradient
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    release = opt.release_grads(bucket_bytes=0)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "again"),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    ddp = DDP(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        ddp(torch.randn(4, 8)).sum().backward()
+    except NotImplementedError as e:
+        out["at_backward"] = str(e)
+    out["unchanged"] = all(same_bits(p, b) and p.grad is None
+                           for p, b in zip(model.parameters(), before))
+    out["stepped"] = release.buckets_stepped
+    return out
+
+
+def test_ddp_is_refused_on_two_gloo_processes(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    from test_distributed import _spawn
+    for out in _spawn(_ddp_release_body, tmp_path):
+        for key in ("at_release", "at_backward"):
+            assert re.search(r"^mpext.optim.AdamW.release_grads: gradient release is not "
+                             r"supported with more than one process \(a process group of 2\)"
+                             r".*DDP.*The way out: step after backward.*release.remove\(\).*"
+                             r"opt.step\(\).*FSDP2.*ZeroRedundancyOptimizer", out[key]), out
+        assert not out["released"]
+        assert out["unchanged"] and out["stepped"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,9 +22,17 @@ Clipping by the global norm: ``clip="exact"`` computes the norm in a first backw
 skipped step then changes nothing at all) and steps in a second; ``clip="previous"`` clips with
 the global norm of the previous backward (one pass). The clip coefficient is folded into the
 kernel's gradient multiplier (``inv_scale``), on the device.
+
+Refused, before anything is stepped (docs/gradient_release.md): more than one process (at
+``release_grads()`` and at the first gradient of every backward); frameworks that step the
+optimizer themselves (Lightning automatic optimization, accelerate's AcceleratedOptimizer and
+gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
+by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
+the release was not made with (:func:`scaled_backward_hook`).
 """
 import contextlib
 import math
+import sys
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -40,6 +48,220 @@ _CLIP_MODES = ("exact", "previous")
 
 def _task_id() -> int:
     return torch._C._current_graph_task_id()
+
+
+# The releases in force (not removed): while there are any, mpext.GradScaler.scale() marks the
+# loss it scales (scaled_backward_hook).
+_ACTIVE: "weakref.WeakSet[GradRelease]" = weakref.WeakSet()
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _ddp_refusal(name: str, world: int) -> str:
+    return ("%s: gradient release is not supported with more than one process (a process group "
+            "of %d): under DDP the post-accumulate-grad hooks fire on each rank's local, "
+            "unreduced gradient, so each rank would step its own; FSDP2's sharded params are "
+            "not supported either (docs/gradient_release.md). The way out: step after backward "
+            "(release.remove(), then loss.backward(); opt.step() as usual: DDP has averaged "
+            "the gradients by then), sharding the optimizer state with FSDP2 (fully_shard) or "
+            "ZeroRedundancyOptimizer if memory is the reason; release works in one process"
+            % (name, world))
+
+
+# ---- Frameworks that drive the optimizer themselves -----------------------------------------
+#
+# Lightning's automatic optimization calls optimizer.step(closure) (its closure runs
+# training_step and backward; the mixed-precision plugins run the closure first and then
+# scaler.step), accelerate's AcceleratedOptimizer steps after backward (every
+# gradient_accumulation_steps-th one), and transformers.Trainer is built on both of
+# accelerate's Accelerator.backward and AcceleratedOptimizer. None can drive a released
+# optimizer, which steps inside every backward. They are recognised by the objects on the
+# Python stack of the call (the LightningModule, the Trainer, the Accelerator, the
+# AcceleratedOptimizer, a precision plugin and its scaler), looked for only in frames of
+# those packages' own code and only when the package is imported.
+
+_LIGHTNING = ("lightning.pytorch", "pytorch_lightning")
+_HF = ("accelerate", "transformers")
+
+_WAY_OUT = ("use a plain loop (loss.backward() or release.backward(loss), no optimizer.step(); "
+            "examples/grad_release_train.py; micro-batches through release.accumulate()) or "
+            "Lightning manual optimization (automatic_optimization = False, "
+            "self.manual_backward(loss), no opt.step(); examples/lightning_grad_release.py)")
+
+
+def _stack(all_threads: bool):
+    """The Python frames of this call, innermost first; with ``all_threads``, those of every
+    thread (a post-accumulate-grad hook of a CUDA param runs on autograd's device thread,
+    while the frames of whoever called backward are on the thread that waits for it)."""
+    f = sys._getframe(1)
+    while f is not None:
+        yield f
+        f = f.f_back
+    if all_threads:
+        me = sys._getframe(0)
+        for frame in list(sys._current_frames().values()):
+            while frame is not None:
+                if frame is me:
+                    break
+                yield frame
+                frame = frame.f_back
+
+
+def _classes(*names):
+    """The classes ``"module:Class"`` whose modules are imported (never importing one)."""
+    out = []
+    for name in names:
+        mod, _, cls = name.partition(":")
+        m = sys.modules.get(mod)
+        c = getattr(m, cls, None) if m is not None else None
+        if isinstance(c, type):
+            out.append(c)
+    return tuple(out)
+
+
+def _lightning_context(all_threads: bool):
+    """(module, plugin): the LightningModule a Lightning Trainer is running on this stack (or
+    None), and the precision plugin whose backward is on it (or None)."""
+    if not any(n in sys.modules for n in _LIGHTNING):
+        return None, None
+    modules = _classes("lightning.pytorch.core.module:LightningModule",
+                       "pytorch_lightning.core.module:LightningModule")
+    trainers = _classes("lightning.pytorch.trainer.trainer:Trainer",
+                        "pytorch_lightning.trainer.trainer:Trainer")
+    plugins = _classes("lightning.pytorch.plugins.precision.precision:Precision",
+                       "pytorch_lightning.plugins.precision.precision:Precision")
+    module = plugin = None
+    for f in _stack(all_threads):
+        if not (f.f_globals.get("__name__") or "").startswith(_LIGHTNING):
+            continue
+        local = f.f_locals
+        for key in ("self", "model", "pl_module", "module", "trainer"):
+            obj = local.get(key)
+            if module is None and isinstance(obj, modules):
+                module = obj
+            elif module is None and isinstance(obj, trainers):
+                module = obj.lightning_module
+            elif plugin is None and isinstance(obj, plugins):
+                plugin = obj
+        if module is not None and plugin is not None:
+            break
+    if module is not None and getattr(module, "_trainer", None) is None:
+        module = None  # a LightningModule outside a Trainer (Fabric, a plain loop)
+    if module is not None:  # the plugin the Trainer runs (its backward may be all its own)
+        plugin = getattr(module._trainer, "precision_plugin", None) or plugin
+    return module, plugin
+
+
+def _hf_context(all_threads: bool):
+    """(trainer, accelerator, wrapper): the transformers.Trainer, accelerate Accelerator and
+    AcceleratedOptimizer found on this stack (None each where there is none)."""
+    if not any(n in sys.modules for n in _HF):
+        return None, None, None
+    trainers = _classes("transformers.trainer:Trainer")
+    accelerators = _classes("accelerate.accelerator:Accelerator")
+    wrappers = _classes("accelerate.optimizer:AcceleratedOptimizer")
+    trainer = accelerator = wrapper = None
+    for f in _stack(all_threads):
+        if not (f.f_globals.get("__name__") or "").startswith(_HF):
+            continue
+        obj = f.f_locals.get("self")
+        if trainer is None and isinstance(obj, trainers):
+            trainer = obj
+        elif accelerator is None and isinstance(obj, accelerators):
+            accelerator = obj
+        elif wrapper is None and isinstance(obj, wrappers):
+            wrapper = obj
+    return trainer, accelerator, wrapper
+
+
+def _scales(scaler) -> bool:
+    """Whether ``scaler`` (a torch.amp or mpext GradScaler, or None) multiplies a loss."""
+    return (scaler is not None and scaler.is_enabled()
+            and not getattr(scaler, "_bf16_check_only", False))
+
+
+def framework_refusal(name: str, opt, scaler, in_backward: bool = False,
+                      wrapped: bool = False) -> Optional[str]:
+    """Why a framework on this call's stack cannot drive ``opt``, released (with ``scaler``,
+    or None) and named ``name`` in the message, with the way out, or None: Lightning automatic
+    optimization, transformers.Trainer, accelerate's AcceleratedOptimizer (``wrapped``: known
+    to wrap ``opt``), an Accelerator accumulating gradients, and (``in_backward``: called at
+    the first gradient of a backward, whose caller may be on another thread) a loss scaled by a
+    Lightning precision plugin's or an Accelerator's scaler that is not ``scaler``."""
+    module, plugin = _lightning_context(in_backward)
+    if module is not None and module.automatic_optimization:
+        return ("%s: gradient release cannot run under Lightning automatic optimization "
+                "(%s.automatic_optimization is True): Lightning calls optimizer.step(closure) "
+                "itself, its closure running training_step and backward, while a released "
+                "optimizer steps inside backward. Use Lightning manual optimization: set "
+                "self.automatic_optimization = False in the LightningModule's __init__ and call "
+                "self.manual_backward(loss) in training_step, which steps (no opt.step(), no "
+                "zero_grad(); examples/lightning_grad_release.py)"
+                % (name, type(module).__name__))
+    theirs = None
+    if plugin is not None and in_backward:  # Lightning's plugins: scaler; mpext's: _scaler
+        theirs = getattr(plugin, "scaler", None) or getattr(plugin, "_scaler", None)
+    if _scales(theirs) and theirs is not scaler:
+        return ("%s: Lightning's precision plugin %s scales the loss with its own %s, which this "
+                "release was not made with, so its buckets would step with scaled gradients. "
+                "Use a plugin that does not scale (precision=\"16-true\", \"bf16-true\" or "
+                "32) and scale the loss yourself with an mpext.GradScaler passed to "
+                "release_grads(scaler=...): self.manual_backward(scaler.scale(loss)), then "
+                "scaler.update()" % (name, type(plugin).__name__, type(theirs).__name__))
+    trainer, accelerator, wrapper = _hf_context(in_backward)
+    if trainer is not None:
+        return ("%s: gradient release cannot run under transformers.Trainer (HF Trainer): it "
+                "steps the optimizer itself after backward, through accelerate's "
+                "AcceleratedOptimizer, while a released optimizer steps inside every backward. "
+                "The way out: %s" % (name, _WAY_OUT))
+    if wrapped or wrapper is not None or (accelerator is not None and any(
+            getattr(o, "optimizer", None) is opt for o in accelerator._optimizers)):
+        return ("%s: gradient release cannot run with accelerate's AcceleratedOptimizer "
+                "(accelerator.prepare(optimizer)): it steps the optimizer after backward (with "
+                "gradient_accumulation_steps > 1 every N-th), while a released optimizer steps "
+                "inside every backward. Do not pass the optimizer to accelerator.prepare; the "
+                "way out: %s" % (name, _WAY_OUT))
+    if accelerator is not None and accelerator.gradient_accumulation_steps > 1:
+        return ("%s: gradient release cannot run under accelerate's gradient accumulation "
+                "(gradient_accumulation_steps=%d): each backward would step. The way out: %s"
+                % (name, accelerator.gradient_accumulation_steps, _WAY_OUT))
+    if in_backward and accelerator is not None and _scales(accelerator.scaler) \
+            and accelerator.scaler is not scaler:
+        return ("%s: accelerator.backward scales the loss with the Accelerator's %s, which this "
+                "release was not made with, so its buckets would step with scaled gradients. "
+                "Pass that scaler to release_grads(scaler=...) (an mpext.GradScaler, e.g. from "
+                "mpext.accelerate.use_grad_scaler), or the way out: %s"
+                % (name, type(accelerator.scaler).__name__, _WAY_OUT))
+    return None
+
+
+# The latest backward pass of a loss scaled by an mpext.GradScaler while a release was in force:
+# (its graph task id, a weak reference to the scaler), set by the hook that scale() puts on the
+# scaled loss, which autograd runs first in that backward (scaled_backward_hook).
+_scaled_task = (None, None)
+
+
+def scaled_backward_hook(scaler):
+    """A tensor hook for a loss ``scaler`` scaled: it notes, at the start of the loss's
+    backward, that this backward's gradients carry ``scaler``'s scale; a release made without
+    that scaler refuses the backward at its first gradient (GradRelease._check_context)."""
+    ref = weakref.ref(scaler)
+
+    def hook(grad):
+        global _scaled_task
+        _scaled_task = (_task_id(), ref)
+    return hook
+
+
+def _scaler_of(task: int):
+    """The mpext.GradScaler whose scale the loss of backward ``task`` carries, or None."""
+    seen, ref = _scaled_task
+    return ref() if seen == task and ref is not None else None
 
 
 class GradRelease:
@@ -70,12 +292,12 @@ class GradRelease:
                              % (name, max_grad_norm))
         if clip not in _CLIP_MODES:
             raise ValueError("%s: clip must be \"exact\" or \"previous\", got %r" % (name, clip))
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError(
-                "%s: not supported with more than one process: under DDP the hooks fire before "
-                "the gradient is reduced, so each rank would step its own, and FSDP2's sharded "
-                "params are not supported (docs/gradient_release.md)" % name)
+        world = _world_size()
+        if world > 1:
+            raise NotImplementedError(_ddp_refusal(name, world))
+        refused = framework_refusal(name, optimizer, scaler)
+        if refused is not None:
+            raise RuntimeError(refused)
         params = []
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -118,7 +340,11 @@ class GradRelease:
         self.buckets_stepped = 0  # counters: buckets launched / backward passes seen
         self.backward_passes = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # accelerator.prepare(optimizer) reads the optimizer's state_dict (to place it): the
+        # first point where wrapping it in an AcceleratedOptimizer can be seen
+        self._handles.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
         optimizer._grad_release = self
+        _ACTIVE.add(self)
 
     # -----------------------------------------------------------------------------------------
     # The user's side.
@@ -187,11 +413,17 @@ class GradRelease:
         for h in self._handles:
             h.remove()
         self._handles = []
+        _ACTIVE.discard(self)
         opt = self.optimizer
         if opt is not None and getattr(opt, "_grad_release", None) is self:
             opt._grad_release = None
 
     def refusal(self, what: str) -> str:
+        """The message of the error that refuses ``what`` (``step()``, ``scaler.step``) while
+        released: a framework's own refusal when one is driving the step."""
+        framework = framework_refusal(self._name, self._opt, self.scaler)
+        if framework is not None:
+            return "%s is refused. %s" % (what, framework)
         return ("%s is refused while the optimizer's gradients are released: each backward "
                 "steps the params as their gradients complete and frees the gradients (to "
                 "accumulate over micro-batches, run all but the last backward inside "
@@ -201,6 +433,34 @@ class GradRelease:
     # -----------------------------------------------------------------------------------------
     # The hooks.
 
+    def _on_state_dict(self, optimizer) -> None:
+        """The optimizer's state_dict pre-hook: refuses accelerate's AcceleratedOptimizer,
+        which reads the state_dict when it wraps the optimizer (accelerator.prepare)."""
+        if _classes("accelerate.optimizer:AcceleratedOptimizer") \
+                and _hf_context(False)[2] is not None:
+            raise RuntimeError(framework_refusal(self._name, self._opt, self.scaler,
+                                                 wrapped=True))
+
+    def _check_context(self, p: torch.Tensor, task: int) -> None:
+        """At the first gradient of each backward, before anything is stepped: more than one
+        process, a loss scaled by an mpext.GradScaler this release was not made with, or a
+        framework that drives the optimizer itself (see framework_refusal). The refused
+        backward's gradient is dropped (as a failed backward's, _abandon)."""
+        world = _world_size()
+        refused = None if world == 1 else _ddp_refusal(self._name, world)
+        if refused is None:
+            refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
+        theirs = _scaler_of(task)
+        if refused is None and theirs is not None and theirs is not self.scaler:
+            refused = ("%s: the loss of this backward was scaled by an mpext.GradScaler that "
+                       "this release was %s, so its buckets would step with gradients "
+                       "multiplied by the scale: pass that scaler to release_grads(scaler=...)"
+                       % (self._name, "made without (scaler=None)" if self.scaler is None
+                          else "not made with (it has another)"))
+        if refused is not None:
+            p.grad = None
+            raise (RuntimeError if world == 1 else NotImplementedError)(refused)
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._paused:
             return
@@ -208,6 +468,7 @@ class GradRelease:
         if self._task is not None and task != self._task and self._token() is None:
             self._abandon()  # the open backward failed: its callback will never run
         if self._task is None:
+            self._check_context(p, task)
             self._begin(task)
         elif task != self._task:
             raise RuntimeError(
