@@ -684,8 +684,10 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         momentum: SGD's momentum (with ``rule='sgd'``): a momentum_buffer when not 0.
         grad_release: the step runs inside the backward pass (``release_grads()`` of
             mpext.optim, one process only): no gradient persists between steps; during the
-            backward one bucket of them is alive (``grad_bucket``: ``bucket_bytes`` of
-            gradients, or all of them when they are fewer).
+            backward one bucket of them is alive (``grad_bucket``): a bucket is stepped once
+            its bytes reach ``bucket_bytes``, so at most ``bucket_bytes`` - 1 plus the largest
+            gradient (given the tensors' sizes; given a count alone, every gradient is taken
+            as smaller than the bucket: ``bucket_bytes``), or all of them when they are fewer.
         bucket_bytes: the release's bucket (default 4 MiB, as ``release_grads``).
         sharding: how a ZeRO stage partitions. 'even' (default): the paper's, ceil(params /
             world_size) elements per device for every partitioned tensor class (DeepSpeed's
@@ -815,8 +817,19 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         activations=acts,
         autocast_copies=spec.autocast_copy * n,
         activation_formula=formula,
-        grad_bucket=min(bucket, spec.grad * n) if grad_release else 0,
+        grad_bucket=_release_peak(spec, n, sizes, bucket) if grad_release else 0,
         sharding=sharding, rank=picked, **rows)
+
+
+def _release_peak(spec: ModeSpec, n: int, sizes, bucket: int) -> int:
+    """The released gradients alive at most during a backward: a bucket is stepped once its
+    bytes reach ``bucket``, so just before that it holds under ``bucket`` plus the gradient that
+    filled it (0: one gradient), never more than all of them. A count alone (no ``sizes``)
+    takes every gradient as smaller than the bucket."""
+    total = spec.grad * n
+    if sizes is None:
+        return min(bucket, total)
+    return min(total, max(bucket - 1, 0) + spec.grad * max(sizes))
 
 
 def _tensor_state(spec: ModeSpec, size: int) -> int:
