@@ -439,15 +439,55 @@ def test_context_inside_a_checkpointed_function(reentrant):
     assert max(rel_errors(ref, got)) < 1e-6
 
 
-def test_torch_compile_runs_uncompressed():
-    """A compiled graph's saved tensors are traced with it and stay uncompressed (documented)."""
+def _mpext_warnings(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(x.message) for x in w if str(x.message).startswith("mpext")]
+
+
+def test_torch_compile_runs_uncompressed_and_says_so_once():
+    """A compiled graph's saved tensors are traced with it and stay uncompressed (documented);
+    the context warns once, whether it is around the compiled module or inside compiled code,
+    and an eager run gives no such warning."""
     m = mlp()
     ref = grads(m, X)
     cm = torch.compile(m, backend="aot_eager")
     ctx = act.fp8_saved_tensors()
-    got = grads(m, X, ctx, fwd=cm)
-    assert ctx.stats["compressed"] == 0
-    assert max(rel_errors(ref, got)) < 1e-6
+    (got, again), said = _mpext_warnings(lambda: (grads(m, X, ctx, fwd=cm),
+                                                  grads(m, X, ctx, fwd=cm)))
+    assert len(said) == 1 and "torch.compile" in said[0] and "NOT compressed" in said[0]
+    assert "torch.compiler.disable" in said[0]  # what to do
+    assert ctx.stats["compressed"] == 0 and ctx.stats["compiled"] > 0
+    assert max(rel_errors(ref, got) + rel_errors(ref, again)) < 1e-6
+    inner = act.fp8_saved_tensors()
+
+    @torch.compile(backend="aot_eager")
+    def fwd(x):
+        with inner:
+            return m(x)
+    _, said = _mpext_warnings(lambda: (grads(m, X, fwd=fwd), grads(m, X, fwd=fwd)))
+    assert len(said) == 1 and "NOT compressed" in said[0], said
+    eager = act.fp8_saved_tensors()
+    _, said = _mpext_warnings(lambda: grads(m, X, eager))
+    assert said == [] and eager.stats["compressed"] == 2
+
+
+def test_float64_model_gets_a_dtype_warning_once():
+    """A float64 model: the tensors the policy matches (those it compresses in the float32
+    model) are named with their dtype, once per context, instead of "compressed none"."""
+    m32, m64 = mlp(), mlp(dtype=torch.float64)
+    for policy in ("layers", "size"):
+        with act.fp8_saved_tensors(policy) as c32:
+            m32(X).sum().backward()
+        wrapped = act.FP8Activations(m64, policy)
+        _, said = _mpext_warnings(lambda: [wrapped(X.double()).sum().backward()
+                                           for _ in range(3)])
+        assert len(said) == 1, said
+        n = c32.stats["compressed"]
+        assert n > 0 and "matched %d float64 saved tensors" % n in said[0], said
+        assert "float32, bfloat16 and float16" in said[0]
+        assert wrapped.stats["compressed"] == 0
 
 
 def test_wrapper_trains_with_mpext_optimizer_like_uncompressed():
