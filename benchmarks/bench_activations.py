@@ -3,11 +3,13 @@ without mpext.activations' FP8 compression; the gradient error it costs; a short
 What is counted: docs/activations.md, "Measurements" (step times only mean something on a quiet
 machine).
 
-    python -m benchmarks.bench_activations [--quick] [--converge-steps 300] [--out results]
+    python -m benchmarks.bench_activations [--quick] [--converge-steps 300]
+        [--converge-models gpt,hf-gpt2] [--out results]
 """
 import argparse
 import collections
 import contextlib
+import functools
 import statistics
 from pathlib import Path
 
@@ -21,19 +23,25 @@ from . import common, gpt
 from .training import Trainer
 
 MODES = ("fp32", "amp-bf16", "amp-fp16", "bf16")
+# the convergence runs: uncompressed, the default policy, and the most lossy options there are
+VARIANTS = {"off": None, "on": {}, "aggressive": dict(
+    policy="size", min_bytes=1, min_numel=1, fp8_dtype=torch.float8_e5m2, pow2_scale=True,
+    stochastic=True)}
 
 
 class Saved:
-    """A measuring pack hook: the bytes autograd holds for the backward, per dtype and producer."""
+    """A measuring pack hook: the bytes autograd holds for the backward, per dtype and producer
+    (all but the parameters and the batch: dropout masks and norm statistics count)."""
 
-    def __init__(self, model, ctx=None):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    def __init__(self, model, ctx=None, batch=()):
+        self.params, self.batch = ({t.untyped_storage().data_ptr() for t in ts}
+                                   for ts in (model.parameters(), batch))
         self.ctx, self.seen = ctx, set()
         self.bytes, self.fp32_by = 0, collections.Counter()
 
     def pack(self, t):
         stored = self.ctx.pack(t) if self.ctx is not None else t
-        if t.grad_fn is None or act._is_param_like(t, self.params):
+        if t.untyped_storage().data_ptr() in self.batch or act._is_param_like(t, self.params):
             return stored  # alive anyway: a parameter, its view or cast, the batch
         plain = isinstance(stored, torch.Tensor)
         key = stored.untyped_storage().data_ptr() if plain else id(stored)
@@ -49,26 +57,34 @@ class Saved:
     unpack = staticmethod(act.fp8_saved_tensors.unpack)
 
 
+def estimate(cfg, b, mode, **kw):
+    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode`` (CPU)."""
+    return activation_bytes(b, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head, 4 if
+                            mode == "fp32" else 2, norm_bytes=4 if "amp" in mode else None,
+                            device="cpu", **kw)
+
+
 def models(quick):
-    """name -> (build(), batch(), loss(model, batch), layers, tokens per batch)."""
+    """name -> (build(), batch(), loss(model, batch), layers, tokens per batch, estimate(mode))."""
     ids, vocab = gpt.load_corpus()
     cfg = gpt.GPTConfig(vocab_size=len(vocab), block_size=64 if quick else 128,
                         n_layer=2 if quick else 4, n_head=4, n_embd=128 if quick else 256)
     b, tokens = 4 if quick else 8, (4 if quick else 8) * cfg.block_size
     out = {"gpt": (lambda: gpt.GPT(cfg), lambda: gpt.get_batch(
         ids, b, cfg.block_size, torch.Generator().manual_seed(0)), lambda m, xy: m(*xy)[1],
-        cfg.n_layer, tokens)}
+        cfg.n_layer, tokens, lambda mode: estimate(cfg, b, mode, vocab=len(vocab), dropout=False))}
     from transformers import GPT2Config, GPT2LMHeadModel  # the test dependencies have it
     hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=4, vocab_size=512,
                       n_positions=cfg.block_size, attn_implementation="sdpa",
                       activation_function="gelu_pytorch_tanh")
     out["hf-gpt2"] = (lambda: GPT2LMHeadModel(hcfg), lambda: (torch.randint(
         0, 512, (b, cfg.block_size), generator=torch.Generator().manual_seed(0)),),
-        lambda m, x: m(x[0], labels=x[0]).loss, cfg.n_layer, tokens)
+        lambda m, x: m(x[0], labels=x[0]).loss, cfg.n_layer, tokens,
+        lambda mode: estimate(cfg, b, mode, vocab=512, dropout=True))  # GPT-2's dropout 0.1
     w, n = (256, 64) if quick else (1024, 256)
     out["mlp"] = (lambda: common.mlp([w] * 5, last_act=True), lambda: (torch.randn(
         n, w, generator=torch.Generator().manual_seed(0)),),
-        lambda m, x: m(x[0]).float().square().mean(), 4, n)
+        lambda m, x: m(x[0]).float().square().mean(), 4, n, lambda mode: None)
     return out
 
 
@@ -95,27 +111,33 @@ def groups(model):
 
 def measure(quick):
     rows, errors, cpu = [], {}, torch.device("cpu")
-    for name, (build, batch, loss_fn, layers, tokens) in models(quick).items():
+    for name, (build, batch, loss_fn, layers, tokens, est) in models(quick).items():
         grads = {}
         for mode in MODES:
+            fns = {}
             for compress in (False, True):
                 torch.manual_seed(0)
                 dt = torch.bfloat16 if mode == "bf16" else torch.float32
                 model = build().to(dt)
                 ctx = act.fp8_saved_tensors(params=model) if compress else None
-                meter = Saved(model, ctx)
                 xb = tuple(t.to(dt) if t.is_floating_point() else t for t in batch())
+                meter = Saved(model, ctx, xb)
                 step(model, xb, loss_fn, mode, ctx, meter)
                 grads[mode, compress] = {g: [p.grad.float() for p in ps]
                                          for g, ps in groups(model).items()}
                 model.zero_grad(set_to_none=True)
-                fn = lambda: step(model, xb, loss_fn, mode, ctx)  # noqa: E731
-                peak = common.peak_memory_many({0: fn}, cpu)[0]
-                t = common.time_fns({0: fn}, device=cpu, repeats=3, warmup=1, max_inner=1,
-                                    show_progress=False)[0]
+                fns[compress] = functools.partial(step, model, xb, loss_fn, mode, ctx)
+                e = None if compress else est(mode)
                 rows.append(dict(model=name, mode=mode, fp8=compress, saved=meter.bytes,
-                                 per_token_layer=meter.bytes / tokens / layers, peak=peak,
-                                 step_s=t.median, fp32_top=meter.fp32_by.most_common(3)))
+                                 per_token_layer=meter.bytes / tokens / layers, estimate=e and
+                                 e / tokens / layers, peak=common.peak_memory_many(
+                                     {0: fns[compress]}, cpu)[0],
+                                 fp32_top=meter.fp32_by.most_common(3)))
+            # the step with and without compression, interleaved (the machine's load moves)
+            t = common.time_fns(fns, device=cpu, repeats=5, warmup=1, max_inner=1,
+                                show_progress=False)
+            for r in rows[-2:]:
+                r["step"] = t[r["fp8"]].to_json()
             errors[name, mode] = {
                 g: max((a - b).norm().item() / max(a.norm().item(), 1e-30)
                        for a, b in zip(grads[mode, False][g], grads[mode, True][g]))
@@ -125,7 +147,7 @@ def measure(quick):
 
 def converge(steps, model_name, seeds=(0, 1, 2)):
     """The benchmark GPT ("small") or an HF GPT-2 of its sizes on the same corpus, bf16 params
-    stepped by mpext.optim.AdamW (FP32 masters): the validation loss per (compressed, seed)."""
+    stepped by mpext.optim.AdamW (FP32 masters): the validation loss per (VARIANTS key, seed)."""
     ids, vocab = gpt.load_corpus()
     (train, val), cfg = gpt.split_corpus(ids), gpt.GPTConfig.preset("small", len(vocab))
     if model_name == "gpt":
@@ -139,11 +161,12 @@ def converge(steps, model_name, seeds=(0, 1, 2)):
         build = lambda: GPT2LMHeadModel(hcfg)  # noqa: E731
         loss_of = lambda m, x, y: m(x, labels=x).loss  # noqa: E731  (HF shifts the labels)
     out = {}
-    for compress in (False, True):
+    for variant, kw in VARIANTS.items():
         for seed in seeds:
             torch.manual_seed(seed)
             tr = Trainer.for_mode("mpext_optim_bf16", build(), lr=3e-3)
-            ctx = act.fp8_saved_tensors(params=tr.model) if compress else contextlib.nullcontext()
+            ctx = contextlib.nullcontext() if kw is None else act.fp8_saved_tensors(
+                params=tr.model, **dict(kw, seed=seed))
             gen = torch.Generator().manual_seed(seed)
             for _ in range(steps):
                 with ctx:  # the forward only: the hooks pack what it saves
@@ -153,30 +176,37 @@ def converge(steps, model_name, seeds=(0, 1, 2)):
                 tr.opt.zero_grad()
             with torch.no_grad():
                 vgen = torch.Generator().manual_seed(123)
-                out[compress, seed] = statistics.mean(loss_of(tr.model, *gpt.get_batch(
+                out[variant, seed] = statistics.mean(loss_of(tr.model, *gpt.get_batch(
                     val, 64, cfg.block_size, vgen)).item() for _ in range(4))
     return out
 
 
 def kernels(quick):
-    """ns per element and GB/s of the FP8 ops on one BF16 activation (block 128), against
-    torch's own cast to float8_e4m3fn and an allocating copy (``clone``), interleaved: every op
-    writes a new tensor, so all of them pay for its fresh pages."""
+    """ns per element, GB/s and the fraction of the in-place roofline of the FP8 ops on one BF16
+    activation (block 128), against torch's own cast to float8_e4m3fn, an allocating copy
+    (``clone``: every op writes a new tensor and pays for its fresh pages) and the in-place
+    streaming roofline (``x.add_(0.5)``, 8 B per fp32 element, on measure_roofline's buffer),
+    all interleaved; and measure_roofline's own (copy and in-place) before them."""
+    roof = common.measure_roofline(torch.device("cpu"), quick=quick, show_progress=False)
+    big = torch.zeros(roof["numel"])
     x = torch.randn(1024 if quick else 4096, 4096, dtype=torch.bfloat16)
     q, sc = mpext.ops.fp8_quantize(x)
-    cases = {  # label -> (fn, bytes moved per element)
+    cases = {  # label -> (fn, bytes moved per element of x)
         "fp8_quantize": (lambda: mpext.ops.fp8_quantize(x), 3 + 4 / 128),
         "fp8_quantize, stochastic": (lambda: mpext.ops.fp8_quantize(x, stochastic=True),
                                      3 + 4 / 128),
         "fp8_dequantize to bf16": (
             lambda: mpext.ops.fp8_dequantize(q, sc, dtype=torch.bfloat16), 3 + 4 / 128),
         "torch: x.to(float8_e4m3fn)": (lambda: x.to(torch.float8_e4m3fn), 3),
-        "torch: x.clone() (roofline)": (lambda: x.clone(), 4),
+        "torch: x.clone() (allocating copy)": (lambda: x.clone(), 4),
+        "in-place roofline x.add_(0.5), fp32": (lambda: big.add_(0.5), 8 * big.numel() / x.numel()),
     }
     t = common.time_fns({k: f for k, (f, _) in cases.items()}, device=torch.device("cpu"),
                         repeats=7 if quick else 15, show_progress=False)
-    return [[k, "%.3f" % (t[k].median / x.numel() * 1e9),
-             "%.1f" % (b * x.numel() / t[k].median / common.GB)] for k, (_, b) in cases.items()]
+    gbps = {k: b * x.numel() / t[k].median / common.GB for k, (_, b) in cases.items()}
+    return roof, [[k, "%.3f" % (t[k].median / (big if "roofline" in k else x).numel() * 1e9),
+                   "%.1f" % gbps[k], "%.0f%%" % (100 * gbps[k] / gbps[list(cases)[-1]])]
+                  for k in cases]
 
 
 def table(rows, errors, conv):
@@ -185,14 +215,19 @@ def table(rows, errors, conv):
     for r in rows:
         ref = next(x["saved"] for x in rows if x["model"] == r["model"] and x["mode"] == "bf16"
                    and not x["fp8"])
+        st, off = r["step"], next(x["step"] for x in rows if x["model"] == r["model"] and
+                                  x["mode"] == r["mode"] and not x["fp8"])["median_s"]
         lines.append([r["model"], r["mode"], "on" if r["fp8"] else "off", "%.2f" % (
-            r["saved"] / MiB), "%.0f" % r["per_token_layer"], "%+.0f%%" % (
-            100 * (r["saved"] / ref - 1)), "-" if r["peak"] is None else "%.1f" % (
-            r["peak"] / MiB), "%.3f" % r["step_s"], ", ".join(
+            r["saved"] / MiB), "%.0f" % r["per_token_layer"], "%.0f" % r["estimate"] if
+            r["estimate"] else "-", "%+.0f%%" % (100 * (r["saved"] / ref - 1)), "-" if r[
+            "peak"] is None else "%.1f" % (r["peak"] / MiB), "%.0f (%.0f-%.0f)%s" % (
+            1e3 * st["median_s"], 1e3 * st["q1_s"], 1e3 * st["q3_s"], " %+.0f%%" % (
+                100 * (st["median_s"] / off - 1)) if r["fp8"] else ""), ", ".join(
             "%s %.2f" % (k, v / MiB) for k, v in r["fp32_top"]) or "-"])
     names = sorted({g for e in errors.values() for g in e})
     out = [common.markdown_table(["model", "mode", "FP8", "saved MiB", "B / token / layer",
-                                  "vs bf16", "peak MiB", "step s",
+                                  "mpext.memory's estimate", "vs bf16", "peak MiB",
+                                  "step ms, median (IQR), vs off",
                                   "largest FP32 producers (MiB)"], lines), "",
            "Relative gradient error, FP8 on vs off (largest per parameter group):", "",
            common.markdown_table(["model", "mode"] + names, [[m, mode] + [
@@ -200,7 +235,7 @@ def table(rows, errors, conv):
                errors.items()])]
     for name, c in conv.items():
         out += ["", "Convergence, %s (validation loss): " % name + ", ".join(
-            "seed %d: off %.4f / on %.4f" % (s, c[False, s], c[True, s])
+            "seed %d: " % s + " / ".join("%s %.4f" % (v, c[v, s]) for v in VARIANTS)
             for s in sorted({s for _, s in c}))]
     return "\n".join(out)
 
@@ -209,26 +244,34 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")  # smaller models
     p.add_argument("--converge-steps", type=int, default=0)  # 0: no convergence run
+    p.add_argument("--converge-models", default="gpt,hf-gpt2")
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--threads", type=int, default=1, help="1: two threads spin on a busy machine")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    info = common.machine_info(torch.device("cpu"))
     rows, errors = measure(a.quick)
-    conv = {m: converge(a.converge_steps, m) for m in ("gpt", "hf-gpt2")} \
+    conv = {m: converge(a.converge_steps, m) for m in a.converge_models.split(",")} \
         if a.converge_steps else {}
-    est = activation_bytes(8, 128, 256, 4, 4, 2, len(gpt.load_corpus()[1]), dropout=False)
-    ops = kernels(a.quick)
-    text = table(rows, errors, conv) + (
-        "\n\nmpext.memory's estimate for the benchmark GPT in bf16: %.2f MiB" % (est / common.MiB)
-    ) + "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % a.threads + (
-        common.markdown_table(["op", "ns / element", "GB/s"], ops))
+    roof, ops = kernels(a.quick)
+    text = "\n".join(common.machine_header(info) + [""]) + table(rows, errors, conv) + (
+        "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % a.threads) + (
+        common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)) + "\n\n%s" \
+        "; load average at the end %s" % (common.roofline_line(roof), common.load_average())
     print(text)
     a.out.mkdir(parents=True, exist_ok=True)
     common.write_text(a.out / "activations.md", text)
-    common.write_json(a.out / "activations.json", dict(rows=rows, estimate_gpt_bf16=est, ops=ops, errors={
-        "%s/%s" % k: v for k, v in errors.items()}, convergence={
-        "%s/%s/%d" % (m, "on" if c else "off", s): v for m, r in conv.items()
-        for (c, s), v in r.items()}))
+    common.write_json(a.out / "activations.json", dict(machine=info, rows=rows, ops=ops, errors={
+        "%s/%s" % k: v for k, v in errors.items()}, roofline=roof, convergence={
+        "%s/%s/%d" % (m, v, s): x for m, r in conv.items() for (v, s), x in r.items()}))
+    series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",
+              "per_token_layer", True), ("mpext.memory's estimate (off)", "estimate", False))
+    common.plot_lines(a.out / "activations.png", [{
+        "title": n, "ylabel": "saved bytes / token / layer", "series": {
+            k: (list(MODES), ys) for k, f, on in series if None not in (ys := [
+                r[f] for r in rows if r["model"] == n and r["fp8"] == on])}}
+        for n in dict.fromkeys(r["model"] for r in rows)],
+        title="Saved activations per precision mode, %s" % info["cpu_model"])
 
 
 if __name__ == "__main__":

@@ -32,9 +32,12 @@ compressed once. NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a los
 sees an overflow in the gradients they produce.
 
 A policy that matched nothing by the end of a forward pass warns once (it usually means the
-model computes its products in a way the policy does not see). ``stats`` counts what was seen
-and stored.
+model computes its products in a way the policy does not see); one that matched float64 tensors
+says so instead, once per context (the ops take 32 and 16 bits). Tensors saved inside
+``torch.compile``'d code are not compressed (the compiled graph keeps them; these hooks do not
+trace): the context warns once when that happens. ``stats`` counts what was seen and stored.
 """
+import collections
 import contextlib
 import functools
 import warnings
@@ -64,6 +67,7 @@ ACTIVATION_FUNCTIONS = frozenset([
 NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm])
 del F
 POLICIES = ("layers", "linear", "size")
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)  # what fp8_quantize takes
 _KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
              ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS] +
              [(f, "norm") for f in NORM_FUNCTIONS])
@@ -204,7 +208,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         min_numel: tensors smaller than this are never compressed.
         params: parameters (or a module) whose storage is never compressed; parameters the
             forward pass uses are recognised without it.
-        warn_unmatched: warn when the policy compressed nothing.
+        warn_unmatched: warn when the policy compressed nothing, or matched float64 tensors.
     """
 
     def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "layers", *,
@@ -230,13 +234,21 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         for p in params or ():
             self._fixed_params.add(p)
         self.stats = {}
-        self._stack = []
+        self._stack, self._warned = [], set()  # the warnings given (once per context)
 
     # -- the hooks
 
     def _wants(self, t: torch.Tensor, st: _State) -> bool:
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False  # integer, boolean (exact use), fp64, already fp8
+        if not t.is_floating_point() or t.dtype in ops.FP8_DTYPES:
+            return False  # integer, boolean (exact use), already fp8
+        if not self._matches(t, st):
+            return False
+        if t.dtype not in _SUPPORTED:  # float64: matched, but the ops take 32 and 16 bits
+            self.stats["unsupported"][t.dtype] += 1
+            return False
+        return True
+
+    def _matches(self, t: torch.Tensor, st: _State) -> bool:
         if t.layout != torch.strided or t.dim() == 0 or t.numel() < self.min_numel:
             return False
         cols = t.shape[-1]
@@ -262,7 +274,9 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     def _pack(self, t: torch.Tensor, st: _State, cache: dict):
         if torch.compiler.is_compiling():
             # A compiled graph's saved tensors are traced with it: this hook's bookkeeping
-            # (weak references, a cache, a Python policy) does not trace, so they stay as they are.
+            # (weak references, a cache, a Python policy) does not trace, so they stay as they
+            # are; __exit__ says so (warning here would break the graph being traced).
+            self.stats["compiled"] = self.stats.get("compiled", 0) + 1
             return t
         s = self.stats
         s["saved"] = s.get("saved", 0) + 1
@@ -305,7 +319,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         st.param_ptrs.update(self._fixed_params)
         cache = {}
         self._offset = getattr(self, "_offset", 0)
-        self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0}
+        self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0,
+                      "compiled": 0, "unsupported": collections.Counter()}
         hooks = torch.autograd.graph.saved_tensors_hooks(
             functools.partial(self._pack, st=st, cache=cache), self._unpack)
         recorder = _Recorder(st)
@@ -322,11 +337,35 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         hooks, recorder, _, _ = self._stack.pop()
         recorder.__exit__(*exc)
         hooks.__exit__(*exc)
-        if (exc[0] is None and self.warn_unmatched and self.stats["saved"] > 0
-                and self.stats["compressed"] == 0):
-            warnings.warn("mpext.activations: the policy %r compressed none of the %d tensors "
-                          "autograd saved" % (self.policy, self.stats["saved"]), stacklevel=2)
+        if exc[0] is None:
+            self._warn()
         return False
+
+    def _warn(self):
+        s, once = self.stats, self._warned
+        if s["compiled"] and "compiled" not in once:
+            once.add("compiled")
+            warnings.warn(
+                "mpext.activations: %d tensors were saved inside torch.compile'd code and are NOT "
+                "compressed (a compiled graph keeps its saved tensors itself; these hooks do not "
+                "trace). To compress them, run that part eagerly: leave it out of torch.compile "
+                "or wrap it in torch.compiler.disable." % s["compiled"], stacklevel=3)
+        if not self.warn_unmatched:
+            return
+        if s["unsupported"]:
+            if "dtype" in once:
+                return
+            once.add("dtype")
+            kinds = " and ".join("%d %s" % (n, str(d).replace("torch.", ""))
+                                 for d, n in s["unsupported"].items())
+            warnings.warn(
+                "mpext.activations: the policy %r matched %s saved tensors, left uncompressed: "
+                "FP8 compression takes float32, bfloat16 and float16 only; run the model in one "
+                "of them (model.float() or model.bfloat16(); autocast leaves float64 as it is)"
+                % (self.policy, kinds), stacklevel=3)
+        elif s["saved"] > 0 and s["compressed"] == 0:
+            warnings.warn("mpext.activations: the policy %r compressed none of the %d tensors "
+                          "autograd saved" % (self.policy, s["saved"]), stacklevel=3)
 
 
 class FP8Activations(torch.nn.Module):
