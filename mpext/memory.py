@@ -16,17 +16,21 @@ from typing import List, Optional, Sequence
 
 from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES, FORMAT_MODES,  # noqa: F401
                               MODELS, MODES, OPTIMIZERS, RULES, SCALER_SCALARS, Breakdown,
-                              ModelSpec, ModeSpec, activation_bytes, estimate, format_mode,
+                              ModelSpec, ModeSpec, activation_bytes, activation_formula,
+                              estimate, format_mode,
                               format_mode_name,
                               gpt_params, gpt_shapes, llama_params, llama_shapes, model_names,
                               mode_supports, model_spec, optimizer_states, rule_states,
-                              SHARDINGS, fsdp2_shard, stage_label, zero_partition)
+                              SHARDINGS, fsdp2_shard, stage_label, zero_partition,
+                              activation_compression)
+from .activations import POLICIES
 from .memory_measure import measure  # noqa: F401
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",
            "zero_partition", "stage_label", "optimizer_states", "rule_states",
-           "format_mode", "format_mode_name", "activation_bytes", "gpt_params", "gpt_shapes",
+           "format_mode", "format_mode_name", "activation_bytes", "activation_formula",
+           "activation_compression", "gpt_params", "gpt_shapes",
            "llama_params", "llama_shapes", "measure", "model_names", "model_spec", "mode_supports",
            "main"]
 
@@ -42,6 +46,7 @@ ROWS = [("weights", "weights"), ("gradients", "gradients"), ("master_weights", "
         ("step_buffers", "FP32 master grads (during step)"), ("total", "**total**")]
 
 OPTIONAL_ROWS = ("ema", "scaler", "autocast_copies", "grad_bucket", "step_buffers")  # shown when not all zero
+_COMPRESS_DEFAULTS = activation_compression(True)  # mpext.activations' own defaults
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -160,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--device", choices=DEVICES, default="cuda",
                      help="where it trains: on the CPU dropout masks take the input's dtype "
                           "and SDPA with dropout saves what eager does (default cuda)")
+    act.add_argument("--compress-activations", nargs="?", const="layers", choices=POLICIES,
+                     metavar="POLICY",
+                     help="the saved activations mpext.activations stores in FP8 (1 byte per "
+                          "element + a float32 scale per block): POLICY layers (default), "
+                          "linear or size")
+    act.add_argument("--compress-block-size", type=_count_arg(), metavar="N",
+                     help="elements per scale along the last dimension (default %d)"
+                          % _COMPRESS_DEFAULTS["block_size"])
+    act.add_argument("--compress-min-bytes", type=_count_arg(0), metavar="N",
+                     help="the size policy's threshold (default %d)"
+                          % _COMPRESS_DEFAULTS["min_bytes"])
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", metavar="PATH", help="also write a stacked bar chart of the columns")
     return p
@@ -192,6 +208,26 @@ def _configs(args, parser) -> List[Breakdown]:
     if shape["vocab"] is not None and not given:
         parser.error("argument --vocab: only used with the activation shape (--batch, --seq, "
                      "--hidden, --layers, --heads)")
+    compress = None
+    if args.compress_activations:
+        compress = {"policy": args.compress_activations}
+        if args.compress_block_size is not None:
+            compress["block_size"] = args.compress_block_size
+        if args.compress_min_bytes is not None:
+            if args.compress_activations != "size":
+                parser.error("argument --compress-min-bytes: the size policy's threshold, "
+                             "only with --compress-activations size")
+            compress["min_bytes"] = args.compress_min_bytes
+        if not given:
+            parser.error("argument --compress-activations: only used with the activation "
+                         "shape (--batch, --seq, --hidden, --layers, --heads)")
+        if shape["hidden"] % shape["heads"]:
+            parser.error("argument --heads: --compress-activations needs heads that divide "
+                         "--hidden %d (the blocks run along a head's width), got %d"
+                         % (shape["hidden"], shape["heads"]))
+    elif args.compress_block_size is not None or args.compress_min_bytes is not None:
+        parser.error("argument --compress-%s: only with --compress-activations"
+                     % ("block-size" if args.compress_block_size is not None else "min-bytes"))
     if any(z > 0 for z, _ in args.zero) and args.world_size == 1:
         print("note: ZeRO with --world-size 1 partitions over one device (no saving)",
               file=sys.stderr)
@@ -227,7 +263,8 @@ def _configs(args, parser) -> List[Breakdown]:
                                     dropout=dropout, attention=args.attention,
                                     device=args.device, ema=args.ema, rule=args.rule,
                                     momentum=args.momentum, grad_release=args.grad_release,
-                                    bucket_bytes=args.bucket_bytes, **shape))
+                                    bucket_bytes=args.bucket_bytes, compress=compress,
+                                    **shape))
             except ValueError as exc:  # a combination only the estimate knows to refuse
                 parser.error("argument --zero: %s" % exc)
     return out

@@ -88,13 +88,18 @@ default), a float32 log-sum-exp ``4*a*s*b`` or, with ``"eager"``, the probabilit
 ``a*s^2*b*(f + d' + m)``; ``d`` the matrix products' bytes, ``f`` the residual stream's and the
 norms' (FP32 under native AMP), ``m`` a dropout mask's. Eager attention on CUDA in 16 bits is
 Korthikanti et al. 2022, section 4.1, plus the norms' statistics. Activations are replicated
-data-parallel work and are not divided by ZeRO.
+data-parallel work and are not divided by ZeRO. ``compress=...`` (``--compress-activations``)
+counts the tensors ``mpext.activations`` stores in FP8 as it stores them: one byte per element
+and a float32 scale per block of their last dimension (``activation_compression``).
 """
+import collections
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from . import activations as _act
 from ._common import MIN_8BIT_NUMEL
 from .optim import formats as _F
 from .optim._base import _LEAN_DEFAULTS
@@ -104,6 +109,7 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
            "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",
            "zero_partition", "stage_label", "optimizer_states", "rule_states",
            "format_mode", "format_mode_name", "activation_bytes", "activation_formula",
+           "activation_compression",
            "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
            "llama_shapes", "model_names", "model_spec", "mode_supports",
            "DEFAULT_BUCKET_BYTES"]
@@ -510,11 +516,161 @@ def _check_count(name: str, value, minimum: int = 1) -> int:
 ATTENTIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 
+# One kind of tensor autograd saves in a forward (docs/memory.md, "Activations"): ``count``
+# tensors of ``coef`` * ``unit`` elements each, ``size`` bytes per element, last dimension
+# ``cols`` as saved (the symbols are evaluated by _shape_env); ``kind``: the functions whose
+# saved tensors mpext.activations' "layers" policy compresses ("linear": a matrix product's
+# activation input, "attention": F.scaled_dot_product_attention's, "activation", "norm": a
+# normalization's input; None: another function's); ``grad``: it has a grad_fn (masks,
+# statistics and the log-sum-exp have none, and no policy compresses them); ``store``: the
+# storage it lives in (tensors sharing one are counted once when kept as they are).
+_Saved = collections.namedtuple("_Saved", "name count coef unit size cols kind grad store")
+
+
+def _saved_tensors(dropout: bool, attention: str, device: str, d: int, f: int,
+                   vocab: bool) -> Tuple[List[_Saved], List[_Saved]]:
+    """(per layer, outside the layers): what a pre-LayerNorm GPT saves, tensor by tensor, as
+    torch's saved-tensor hooks see it on tests/small_gpt.py and transformers' GPT-2."""
+    T, x, P = _Saved, "s*b*h", "a*s^2*b"
+    if attention == "sdpa" and not (dropout and device == "cpu"):  # fused: q, k, v, out, lse
+        att = [T("q, k, v", 3, 1, x, "d", "h/a", "attention", True, "qkv"),
+               T("attention output", 1, 1, x, "d", "h/a", "attention", True, "attn_out"),
+               T("log-sum-exp", 1, 1, "a*s*b", "4", "s", "attention", False, "lse")]
+    elif attention == "sdpa":  # the CPU's math fallback with dropout: float32 whatever d is
+        att = [T("q, v (float32 copies)", 2, 1, x, "4", "h/a", "attention", True, "qv"),
+               T("k^T (float32 copy)", 1, 1, x, "4", "s", "attention", True, "kt"),
+               T("softmax output", 1, 1, P, "4", "s", "attention", True, "probs"),
+               T("attention dropout mask", 1, 1, P, "4", "s", "attention", False, "pmask"),
+               T("dropped probabilities", 1, 1, P, "4", "s", "attention", True, "pdrop")]
+    else:  # eager: two matmuls around a softmax
+        att = [T("q, v", 2, 1, x, "d", "h/a", "linear", True, "qv"),
+               T("k^T", 1, 1, x, "d", "s", "linear", True, "kt"),
+               T("softmax output", 1, 1, P, "f", "s", None, True, "probs")]
+        if dropout:
+            att += [T("attention dropout mask", 1, 1, P, "m", "s", None, False, "pmask"),
+                    T("dropped probabilities", 1, 1, P, "d", "s", "linear", True, "pdrop")]
+        elif d != f:
+            att += [T("probabilities cast for P@V", 1, 1, P, "d", "s", "linear", True, "pcast")]
+        else:  # P@V saves a view of the softmax output: the same memory, another tensor
+            att += [T("probabilities as P@V saves them", 1, 1, P, "d", "s", "linear", True,
+                      "probs")]
+    layer = [T("LayerNorm 1 input", 1, 1, x, "f", "h", "norm", True, "ln1"),
+             T("LayerNorm 1 mean, rstd", 2, 1, "s*b", "f", "1", "norm", False, "ln1_stats"),
+             T("QKV projection input", 1, 1, x, "d", "h", "linear", True, "qkv_in")] + att + [
+             T("out-projection input", 1, 1, x, "d", "h", "linear", True, "attn_out"),
+             T("LayerNorm 2 input", 1, 1, x, "f", "h", "norm", True, "ln2"),
+             T("LayerNorm 2 mean, rstd", 2, 1, "s*b", "f", "1", "norm", False, "ln2_stats"),
+             T("MLP input", 1, 1, x, "d", "h", "linear", True, "mlp_in"),
+             T("GELU input", 1, 4, x, "d", "4*h", "activation", True, "gelu_in"),
+             T("MLP down-projection input", 1, 4, x, "d", "4*h", "linear", True, "gelu_out")]
+    if dropout:
+        layer.append(T("residual dropout masks", 2, 1, x, "m", "h", None, False, "masks"))
+    outside = [T("position indices (int64)", 1, 1, "s", "8", "1", None, False, "positions"),
+               T("final LayerNorm input", 1, 1, x, "f", "h", "norm", True, "lnf"),
+               T("final LayerNorm mean, rstd", 2, 1, "s*b", "f", "1", "norm", False,
+                 "lnf_stats"),
+               T("head input", 1, 1, x, "d", "h", "linear", True, "head_in")]
+    if dropout:  # in the weights' dtype (the embeddings')
+        outside.append(T("embedding dropout mask", 1, 1, x, "m'", "h", None, False, "emask"))
+    if vocab:
+        outside += [T("cross entropy's log-softmax", 1, 1, "s*b*v", "4", "v", None, True,
+                      "logp"),
+                    T("nll_loss's total weight (0-d)", 1, 1, "1", "4", "1", None, False, "tw")]
+    return layer, outside
+
+
+def _shape_env(b, s, h, a, v, d, f, mask_d, mask_f) -> Dict[str, int]:
+    return {"s*b*h": s * b * h, "s*b": s * b, "a*s*b": a * s * b, "a*s^2*b": a * s * s * b,
+            "s*b*v": s * b * (v or 0), "s": s, "1": 1, "h": h, "h/a": h // a, "4*h": 4 * h,
+            "v": v or 1, "d": d, "f": f, "m": mask_d, "m'": mask_f, "4": 4, "8": 8}
+
+
+# The options of mpext.activations.fp8_saved_tensors that the estimate reads (the others, the
+# FP8 format, the scales' rounding and stochastic rounding, change no byte).
+_COMPRESS_IGNORED = ("fp8_dtype", "pow2_scale", "stochastic", "seed", "params",
+                     "warn_unmatched")
+
+
+def activation_compression(compress) -> Optional[Dict[str, object]]:
+    """``compress`` of :func:`activation_bytes` as the options of
+    ``mpext.activations.fp8_saved_tensors`` it stands for (their defaults filled in), or None
+    for no compression. ``compress`` is None or False (none), True (the module's defaults:
+    policy "layers", blocks of 128), a policy name (``"layers"``, ``"linear"``, ``"size"``) or
+    a dict of ``fp8_saved_tensors``' keyword arguments (``policy``, ``block_size``,
+    ``min_bytes``, ``min_numel``; ``fp8_dtype``, ``pow2_scale``, ``stochastic``, ``seed``,
+    ``params`` and ``warn_unmatched`` are accepted and change no byte)."""
+    if compress is None or compress is False:
+        return None
+    if compress is True:
+        given = {}
+    elif isinstance(compress, str):
+        given = {"policy": compress}
+    elif isinstance(compress, dict):
+        given = dict(compress)
+    else:
+        raise TypeError("compress: None, True, a policy name or a dict of "
+                        "mpext.activations.fp8_saved_tensors' options, got %r" % (compress,))
+    defaults = {k: p.default for k, p in
+                inspect.signature(_act.fp8_saved_tensors.__init__).parameters.items()
+                if k != "self"}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError("compress: unknown option(s) %s; fp8_saved_tensors takes %s"
+                         % (", ".join(unknown), ", ".join(defaults)))
+    opts = dict(defaults, **given)
+    if callable(opts["policy"]):
+        raise ValueError("compress: a callable policy decides per tensor at run time, which "
+                         "no estimate can know; give one of %s" % ", ".join(_act.POLICIES))
+    if opts["policy"] not in _act.POLICIES:
+        raise ValueError("compress: policy must be one of %s, got %r"
+                         % (", ".join(_act.POLICIES), opts["policy"]))
+    opts["block_size"] = _check_count("compress: block_size", opts["block_size"])
+    for k in ("min_bytes", "min_numel"):
+        opts[k] = _check_count("compress: " + k, opts[k], 0)
+    return opts
+
+
+def _fp8_bytes(numel: int, cols: int, block: int) -> int:
+    """What mpext.activations keeps of a compressed tensor: one byte per element (the FP8
+    codes) and a float32 scale per block of ``block`` elements of each row of the last
+    dimension (``cols`` long; the last block of a row may be shorter)."""
+    return numel + 4 * (numel // cols) * -(-cols // block)
+
+
+def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
+    """Whether mpext.activations compresses ``t`` under ``opts``: its policy picks it, it has a
+    grad_fn (masks, statistics and indices have none), it is float32/16-bit, of at least
+    ``min_numel`` elements, and its blocks make it smaller (the module's own tests)."""
+    numel, size, cols = t.coef * env[t.unit], env[t.size], env[t.cols]
+    if opts is None or not t.grad or size not in (2, 4) or numel < opts["min_numel"]:
+        return False
+    if 1 + 4.0 / max(1, min(opts["block_size"], cols)) > 0.75 * size:
+        return False
+    if opts["policy"] == "layers":
+        return t.kind is not None
+    if opts["policy"] == "linear":
+        return t.kind == "linear"
+    return numel * size >= opts["min_bytes"]  # "size"
+
+
+def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
+    """The bytes of ``tensors``: FP8 codes and scales of each compressed one, each storage
+    once of the rest."""
+    total, stores = 0, set()
+    for t in tensors:
+        numel = t.coef * env[t.unit]
+        if _compressed(t, env, opts):
+            total += t.count * _fp8_bytes(numel, env[t.cols], opts["block_size"])
+        elif t.store not in stores:
+            stores.add(t.store)
+            total += t.count * numel * env[t.size]
+    return total
+
 
 def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
                      act_bytes: int = 2, vocab: Optional[int] = None,
                      dropout: bool = True, *, norm_bytes: Optional[int] = None,
-                     attention: str = "sdpa", device: str = "cuda") -> int:
+                     attention: str = "sdpa", device: str = "cuda", compress=None) -> int:
     """Bytes autograd saves in one forward of a GPT-style (pre-LayerNorm, GELU) transformer:
     every saved tensor, each storage once, the parameters and the batch left out. Derived from
     the tensors torch's saved-tensor hooks see (docs/memory.md, "Activations"); Korthikanti et
@@ -536,7 +692,20 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     Dropout masks (``m``) are one byte on CUDA (bool); on the CPU torch keeps them in the
     dtype of the dropout's input, and its SDPA with dropout falls back to the math path, which
     saves what ``"eager"`` does, in float32 whatever the inputs' dtype (q, k, v copied to it,
-    ``3*s*b*h*(4 - d) + 12*a*s^2*b``; ``device="cpu"``)."""
+    ``3*s*b*h*(4 - d) + 12*a*s^2*b``; ``device="cpu"``).
+
+    ``compress``: the saved tensors stored in FP8 by ``mpext.activations.fp8_saved_tensors``
+    (None: none; True: its defaults; a policy name; or a dict of its keyword arguments, see
+    :func:`activation_compression`). Each tensor its policy compresses holds one byte per
+    element plus a float32 scale per block of ``block_size`` elements along its last dimension
+    as saved (``h``, ``h/a`` for attention's q, k, v and output, ``4h`` in the MLP, ``s`` for
+    k^T and the probabilities, ``v`` for the log-softmax), and is counted once per tensor
+    saved: attention's output and the out-projection's input (one storage, two tensors) become
+    two. The rest is counted as without compression: what no policy compresses (masks, indices,
+    norm statistics, the log-sum-exp: no grad_fn), tensors under ``min_numel`` elements and
+    those whose blocks would not make them smaller; the "layers" policy keeps the softmax of
+    eager attention and the loss's log-softmax, "linear" also attention's, the norms' and the
+    GELU's tensors, "size" those under ``min_bytes``."""
     b = _check_count("batch", batch)
     s = _check_count("seq", seq)
     h = _check_count("hidden", hidden)
@@ -556,30 +725,63 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
         raise ValueError("device: must be one of %s, got %r" % (", ".join(DEVICES), device))
     if not isinstance(dropout, bool):
         raise TypeError("dropout: must be True or False, got %r" % (dropout,))
-    d, cpu = act_bytes, device == "cpu"
-    mask_d = (d if cpu else 1) if dropout else 0  # masks of the residual (d-dtype) dropouts
+    v = None if vocab is None else _check_count("vocab", vocab)
+    opts = activation_compression(compress)
+    if opts is not None and h % a:
+        raise ValueError("heads: the compressed estimate splits hidden=%d into %d heads, which "
+                         "do not divide it" % (h, a))
+    layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, v is not None)
+    cpu = device == "cpu"
+    mask_d = (act_bytes if cpu else 1) if dropout else 0  # the residual (d-dtype) dropouts'
     mask_f = (f if cpu else 1) if dropout else 0  # the embedding's (in the weights' dtype)
-    sbh = s * b * h
-    per_layer = sbh * (14 * d + 2 * f + 2 * mask_d) + 4 * s * b * f
-    if attention == "sdpa" and not (dropout and cpu):
-        per_layer += 4 * a * s * b
-    elif attention == "sdpa":  # the CPU's math fallback, which computes in float32
-        per_layer += 3 * sbh * (4 - d) + a * s * s * b * 12
-    else:
-        copy = d if (dropout or d != f) else 0
-        per_layer += a * s * s * b * (f + copy + mask_d)
-    outside = sbh * (f + d + mask_f) + 2 * s * b * f + 8 * s
-    if vocab is not None:
-        outside += 4 * s * b * _check_count("vocab", vocab) + 4  # + nll_loss's total weight
-    return n * per_layer + outside
+    env = _shape_env(b, s, h, a, v, act_bytes, f, mask_d, mask_f)
+    return n * _saved_bytes(layer, env, opts) + _saved_bytes(outside, env, opts)
+
+
+def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
+    """The compressed estimate's terms as text: the bytes kept as they are, by unit, then
+    fp8(n, c) for the compressed tensors of n elements in all, last dimension c."""
+    plain, fp8, stores = {}, {}, set()
+    for t in tensors:
+        if _compressed(t, env, opts):
+            key = (t.unit, t.cols)
+            fp8[key] = fp8.get(key, 0) + t.count * t.coef
+        elif t.store not in stores:
+            stores.add(t.store)
+            plain[t.unit] = plain.get(t.unit, 0) + t.count * t.coef * env[t.size]
+    unit = lambda c, u: u if c == 1 else str(c) if u == "1" else "%d*%s" % (c, u)  # noqa: E731
+    out = [unit(c, u) for u, c in plain.items() if c]
+    out += ["fp8(%s, %s)" % (unit(c, u), col) for (u, col), c in fp8.items()]
+    return " + ".join(out) or "0"
 
 
 def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: bool = False,
                        dropout: bool = True, attention: str = "sdpa",
-                       device: str = "cuda") -> str:
-    """The formula :func:`activation_bytes` evaluates, with its parameters, as text."""
+                       device: str = "cuda", *, compress=None,
+                       shape: Optional[Dict[str, int]] = None) -> str:
+    """The formula :func:`activation_bytes` evaluates, with its parameters, as text. With
+    ``compress``, which tensors are compressed depends on their sizes, so ``shape`` (a dict of
+    ``batch``, ``seq``, ``hidden``, ``heads`` and, with ``vocab``, ``vocab``) is needed: the
+    text gives the bytes kept as they are (d, f and m evaluated) and fp8(n, c) for the
+    compressed tensors."""
     f = act_bytes if norm_bytes is None else norm_bytes
     m = ("d" if device == "cpu" else "1") if dropout else "0"
+    opts = activation_compression(compress)
+    if opts is not None:
+        if not shape:
+            raise ValueError("shape: the compressed formula depends on the tensors' sizes; "
+                             "give shape=dict(batch=..., seq=..., hidden=..., heads=...)")
+        cpu = device == "cpu"
+        env = _shape_env(shape["batch"], shape["seq"], shape["hidden"], shape["heads"],
+                         shape.get("vocab"), act_bytes, f,
+                         (act_bytes if cpu else 1) if dropout else 0,
+                         (f if cpu else 1) if dropout else 0)
+        layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
+        return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
+                "scale per block of the last dimension c; mpext.activations policy %r), d=%d, "
+                "f=%d, m=%s (%s attention, %s)" % (
+                    _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],
+                    opts["policy"], act_bytes, f, m, attention, device))
     math = attention == "sdpa" and dropout and device == "cpu"
     att = ("3*s*b*h*(4-d) + 12*a*s^2*b" if math else "4*a*s*b" if attention == "sdpa" else
            "a*s^2*b*(f+%s+m)" % ("d" if dropout or act_bytes != f else "0"))
@@ -645,7 +847,7 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              momentum: float = 0.0, grad_release: bool = False,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, attention: str = "sdpa",
              device: str = "cuda", sharding: str = "even",
-             rank: Optional[int] = None) -> Breakdown:
+             rank: Optional[int] = None, compress=None) -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -674,6 +876,9 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
             s x s tensor is saved) or 'eager' (the softmax probabilities are saved).
         device: 'cuda' (default) or 'cpu', where dropout keeps its masks in the input's dtype
             and SDPA with dropout saves what eager attention does (``activation_bytes``).
+        compress: the saved activations stored in FP8 by ``mpext.activations`` (None: none;
+            True: its default policy "layers"; a policy name; or a dict of
+            ``fp8_saved_tensors``' options: ``activation_bytes``, ``activation_compression``).
         ema: add an FP32 EMA of the weights (mpext modes: ``ema_decay`` of
             ``mpext.optim.Adam``/``AdamW``, so adam or adamw only; native modes: an FP32
             ``AveragedModel``).
@@ -740,6 +945,9 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if vocab is not None and not given:
         raise ValueError("vocab: only used by the activation estimate, which needs batch, "
                          "seq, hidden, layers and heads")
+    if activation_compression(compress) is not None and not given:
+        raise ValueError("compress: only used by the activation estimate, which needs batch, "
+                         "seq, hidden, layers and heads")
     spec = _spec(mode)
     if not isinstance(grad_release, bool):
         raise TypeError("grad_release: must be True or False, got %r" % (grad_release,))
@@ -785,9 +993,11 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if given:
         acts = activation_bytes(batch, seq, hidden, layers, heads, spec.activation, vocab,
                                 dropout, norm_bytes=spec.norm_activation, attention=attention,
-                                device=device)
+                                device=device, compress=compress)
         formula = activation_formula(spec.activation, spec.norm_activation, vocab is not None,
-                                     dropout, attention, device)
+                                     dropout, attention, device, compress=compress,
+                                     shape=dict(batch=batch, seq=seq, hidden=hidden,
+                                                heads=heads, vocab=vocab))
     if not spec.state_block:
         states = k * spec.state * part(1)
     elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted

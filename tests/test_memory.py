@@ -6,6 +6,7 @@ count; model presets against published parameter counts and against transformers
 (per tensor); bad arguments (API and command line); and the agreement check: one real training step
 per mode and optimizer on the CPU, the live tensors measured storage by storage and compared
 with the estimate (within 10%)."""
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import mpext
-from mpext import memory
+from mpext import activations, memory
 from mpext.memory import MODES, OPTIMIZERS, estimate
 
 from small_gpt import SmallGPT  # the tests' own GPT (tests import nothing from benchmarks/)
@@ -245,16 +246,18 @@ def test_activations_tensor_by_tensor(d, f, dropout, attention):
 class _SavedBytes:
     """A pack hook summing the bytes autograd keeps for the backward, each storage once, the
     parameters (and their views and casts: autocast's weight copies, counted apart as
-    autocast_copies) and the batch left out."""
+    autocast_copies) and the batch left out. With ``ctx`` (an active
+    ``mpext.activations.fp8_saved_tensors``) it holds what that context's pack hook returns,
+    and counts each compressed object once by the storages of the tensors it keeps."""
 
     _VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
                      "PermuteBackward0", "ExpandBackward0", "UnsafeViewBackward0",
                      "AliasBackward0"}
 
-    def __init__(self, model, batch):
+    def __init__(self, model, batch, ctx=None):
         self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.skip |= {t.untyped_storage().data_ptr() for t in batch}
-        self.seen, self.bytes = set(), 0
+        self.seen, self.bytes, self.ctx, self.packed = set(), 0, ctx, set()
 
     def _of_a_param(self, t):
         fn = t.grad_fn
@@ -266,16 +269,24 @@ class _SavedBytes:
         return fn is not None and type(fn).__name__ == "AccumulateGrad"
 
     def pack(self, t):
+        stored = t if self.ctx is None else self.ctx.pack(t)
         ptr = t.untyped_storage().data_ptr()
-        if ptr in self.skip or ptr in self.seen or self._of_a_param(t):
-            return t
-        self.seen.add(ptr)
-        self.bytes += t.untyped_storage().nbytes()
-        return t
+        if ptr in self.skip or self._of_a_param(t):
+            return stored
+        if isinstance(stored, torch.Tensor):
+            if ptr not in self.seen:
+                self.seen.add(ptr)
+                self.bytes += t.untyped_storage().nbytes()
+        elif id(stored) not in self.packed:  # every tensor the compressed object holds
+            self.packed.add(id(stored))
+            self.bytes += sum(v.untyped_storage().nbytes() for v in
+                              (getattr(stored, k, None) for k in stored.__slots__)
+                              if isinstance(v, torch.Tensor))
+        return stored
 
     @staticmethod
     def unpack(t):
-        return t
+        return t if isinstance(t, torch.Tensor) else t.restore()
 
 
 # mode -> (model dtype, autocast dtype): the three ways the calculator's modes run a forward
@@ -283,13 +294,18 @@ _RUNS = {"fp32": (torch.float32, None), "amp-bf16": (torch.float32, torch.bfloat
          "mpext-bf16": (torch.bfloat16, None)}
 
 
-def _measure_saved(model, batch, loss_fn, mode):
+def _measure_saved(model, batch, loss_fn, mode, compress=None):
+    """The saved bytes of one forward in ``mode``; with ``compress`` (a dict of
+    mpext.activations.fp8_saved_tensors' options) under that compression."""
     dtype, amp = _RUNS[mode]
     model = model.to(dtype).train()
-    meter = _SavedBytes(model, batch)
-    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None), \
-            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        loss = loss_fn(model, *batch)
+    ctx = contextlib.nullcontext() if compress is None else activations.fp8_saved_tensors(
+        params=model, warn_unmatched=False, **compress)
+    with ctx:
+        meter = _SavedBytes(model, batch, None if compress is None else ctx)
+        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None), \
+                torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            loss = loss_fn(model, *batch)
     loss.backward()  # the graph was whole: every saved tensor is used
     return meter.bytes
 
@@ -301,6 +317,12 @@ def _estimated(mode, b, s, h, L, a, v, **kw):
 
 # (batch, seq, hidden, layers, heads, vocab): two shapes per model
 _SHAPES = [(2, 32, 64, 1, 4, 42), (3, 48, 96, 2, 3, 50)]
+# mpext.activations' compressions the estimate is checked under (None: none): every policy,
+# the size threshold cutting between tensors, and the most lossy options with short blocks
+# (48: rows of 64 and 96 end in a partial block) and every tensor eligible
+_COMPRESS = [None, {}, dict(policy="linear"), dict(policy="size", min_bytes=20000),
+             dict(policy="size", min_bytes=1, min_numel=1, block_size=48,
+                  fp8_dtype=torch.float8_e5m2, pow2_scale=True, stochastic=True)]
 
 
 @pytest.mark.parametrize("mode", list(_RUNS))
@@ -311,8 +333,9 @@ def test_activations_equal_a_gpts_saved_tensors(mode, shape):
     torch.manual_seed(0)
     model = SmallGPT(v, s, h, L, a)
     x, y = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
-    got = _measure_saved(model, (x, y), lambda m, x, y: m(x, y), mode)
-    assert got == _estimated(mode, *shape, dropout=False)
+    for compress in _COMPRESS:
+        got = _measure_saved(model, (x, y), lambda m, x, y: m(x, y), mode, compress)
+        assert got == _estimated(mode, *shape, dropout=False, compress=compress), compress
 
 
 @pytest.mark.parametrize("mode", list(_RUNS))
@@ -333,10 +356,59 @@ def test_activations_equal_hf_gpt2s_saved_tensors(mode, shape, attention, dropou
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     x = torch.randint(0, v, (b, s))
-    got = _measure_saved(model, (x,), lambda m, x: m(x, labels=x).loss, mode)
-    want = _estimated(mode, *shape, dropout=dropout > 0, attention=attention)
-    assert got - want == 8 * s * b
-    assert abs(got / want - 1) <= 0.01  # the stated tolerance: the labels' copy is under 1%
+    for compress in _COMPRESS:
+        got = _measure_saved(model, (x,), lambda m, x: m(x, labels=x).loss, mode, compress)
+        want = _estimated(mode, *shape, dropout=dropout > 0, attention=attention,
+                          compress=compress)
+        assert got - want == 8 * s * b, compress
+        if compress is None:  # the stated tolerance: the labels' copy is under 1%
+            assert abs(got / want - 1) <= 0.01
+
+
+def test_compression_options_are_fp8_saved_tensors():
+    """``compress`` stands for mpext.activations.fp8_saved_tensors' options, its defaults
+    included; what changes no byte is accepted, what no estimate can know is refused."""
+    defaults = memory.activation_compression(True)
+    ctx = activations.fp8_saved_tensors()
+    assert {k: defaults[k] for k in ("policy", "block_size", "min_bytes", "min_numel",
+                                     "fp8_dtype")} == dict(
+        policy=ctx.policy, block_size=ctx.block_size, min_bytes=ctx.min_bytes,
+        min_numel=ctx.min_numel, fp8_dtype=ctx.fp8_dtype)
+    assert memory.activation_compression(None) is None
+    assert memory.activation_compression(False) is None
+    assert memory.activation_compression("size") == dict(defaults, policy="size")
+    shape = (2, 64, 96, 3, 4)
+    lossy = dict(policy="size", fp8_dtype=torch.float8_e5m2, pow2_scale=True, stochastic=True,
+                 seed=3, warn_unmatched=False)
+    assert memory.activation_bytes(*shape, compress=lossy) == \
+        memory.activation_bytes(*shape, compress="size")
+    # every policy saves bytes here, "layers" more than "linear"; blocks of 1 cost 5 B a value
+    off, layers, linear = (memory.activation_bytes(*shape, compress=c)
+                           for c in (None, True, "linear"))
+    assert layers < linear < off
+    assert memory.activation_bytes(*shape, compress=dict(block_size=2)) > layers
+    for bad, exc, match in [
+            (dict(policy=lambda t: True), ValueError, "a callable policy decides per tensor"),
+            ("all", ValueError, "policy must be one of layers, linear, size"),
+            (dict(block=64), ValueError, "unknown option.s. block"),
+            (dict(block_size=0), ValueError, "compress: block_size: must be >= 1"),
+            (dict(min_bytes=-1), ValueError, "compress: min_bytes: must be >= 0"),
+            (3, TypeError, "compress: None, True, a policy name or a dict")]:
+        with pytest.raises(exc, match=match):
+            memory.activation_bytes(*shape, compress=bad)
+    with pytest.raises(ValueError, match="heads: the compressed estimate splits hidden=96 "
+                                         "into 5 heads"):
+        memory.activation_bytes(2, 64, 96, 3, 5, compress=True)
+    with pytest.raises(ValueError, match="compress: only used by the activation estimate"):
+        estimate(10 ** 6, compress=True)
+    with pytest.raises(ValueError, match="shape: the compressed formula depends"):
+        memory.activation_formula(2, compress=True)
+    # the formula's text: what stays, and fp8(n, c) of what the policy compresses
+    text = estimate(10 ** 6, batch=2, seq=64, hidden=96, layers=3, heads=4,
+                    compress=True).activation_formula
+    assert text.startswith("layers*(8*s*b + 4*a*s*b + 2*s*b*h + fp8(5*s*b*h, h) + "
+                           "fp8(4*s*b*h, h/a) + fp8(8*s*b*h, 4*h)) + ") and \
+        "fp8(n, c) = n + 4*(n/c)*ceil(c/128)" in text and "policy 'layers'" in text
 
 
 def test_activation_options_are_checked():
@@ -481,7 +553,12 @@ def test_cli_json_matches_api(capsys):
 def test_cli_attention_and_device(capsys):
     args = ("--model", "gpt2", "--batch", "2", "--mode", "amp-bf16,mpext-bf16", "--json")
     for extra, kw in [((), {}), (("--attention", "eager"), dict(attention="eager")),
-                      (("--device", "cpu", "--no-dropout"), dict(device="cpu", dropout=False))]:
+                      (("--device", "cpu", "--no-dropout"), dict(device="cpu", dropout=False)),
+                      (("--compress-activations",), dict(compress=True)),
+                      (("--compress-activations", "size", "--compress-min-bytes", "5000000",
+                        "--compress-block-size", "64", "--attention", "eager"),
+                       dict(compress=dict(policy="size", min_bytes=5000000, block_size=64),
+                            attention="eager"))]:
         code, out, _ = run_main(capsys, *(args + extra))
         assert code == 0
         spec = memory.MODELS["gpt2"]
@@ -570,6 +647,20 @@ def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
      "argument --attention: invalid choice: 'flash'"),
     (["--model", "gpt2", "--batch", "1", "--device", "tpu"],
      "argument --device: invalid choice: 'tpu'"),
+    (["--model", "gpt2", "--compress-activations"],
+     "argument --compress-activations: only used with the activation shape"),
+    (["--model", "gpt2", "--batch", "1", "--compress-activations", "all"],
+     "argument --compress-activations: invalid choice: 'all'"),
+    (["--model", "gpt2", "--batch", "1", "--compress-block-size", "64"],
+     "argument --compress-block-size: only with --compress-activations"),
+    (["--model", "gpt2", "--batch", "1", "--compress-activations", "--compress-min-bytes", "9"],
+     "argument --compress-min-bytes: the size policy's threshold, only with "
+     "--compress-activations size"),
+    (["--model", "gpt2", "--batch", "1", "--compress-activations", "--compress-block-size",
+      "0"], "argument --compress-block-size: must be >= 1"),
+    (["--params", "1e6", "--batch", "1", "--seq", "8", "--hidden", "8", "--layers", "1",
+      "--heads", "3", "--compress-activations"], "argument --heads: --compress-activations "
+     "needs heads that divide --hidden 8"),
 ])
 def test_cli_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
