@@ -57,22 +57,22 @@ class Saved:
     unpack = staticmethod(act.fp8_saved_tensors.unpack)
 
 
-def estimate(cfg, b, mode, **kw):
-    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode`` (CPU)."""
+def estimate(cfg, b, mode, fp8=False, **kw):
+    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode`` (CPU), FP8 or not."""
     return activation_bytes(b, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head, 4 if
                             mode == "fp32" else 2, norm_bytes=4 if "amp" in mode else None,
-                            device="cpu", **kw)
+                            device="cpu", compress=fp8, **kw)
 
 
 def models(quick):
-    """name -> (build(), batch(), loss(model, batch), layers, tokens per batch, estimate(mode))."""
+    """name -> (build(), batch(), loss(model, batch), layers, tokens, estimate(mode, fp8))."""
     ids, vocab = gpt.load_corpus()
     cfg = gpt.GPTConfig(vocab_size=len(vocab), block_size=64 if quick else 128,
                         n_layer=2 if quick else 4, n_head=4, n_embd=128 if quick else 256)
     b, tokens = 4 if quick else 8, (4 if quick else 8) * cfg.block_size
     out = {"gpt": (lambda: gpt.GPT(cfg), lambda: gpt.get_batch(
         ids, b, cfg.block_size, torch.Generator().manual_seed(0)), lambda m, xy: m(*xy)[1],
-        cfg.n_layer, tokens, lambda mode: estimate(cfg, b, mode, vocab=len(vocab), dropout=False))}
+        cfg.n_layer, tokens, functools.partial(estimate, cfg, b, vocab=len(vocab), dropout=False))}
     from transformers import GPT2Config, GPT2LMHeadModel  # the test dependencies have it
     hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=4, vocab_size=512,
                       n_positions=cfg.block_size, attn_implementation="sdpa",
@@ -80,11 +80,11 @@ def models(quick):
     out["hf-gpt2"] = (lambda: GPT2LMHeadModel(hcfg), lambda: (torch.randint(
         0, 512, (b, cfg.block_size), generator=torch.Generator().manual_seed(0)),),
         lambda m, x: m(x[0], labels=x[0]).loss, cfg.n_layer, tokens,
-        lambda mode: estimate(cfg, b, mode, vocab=512, dropout=True))  # GPT-2's dropout 0.1
+        functools.partial(estimate, cfg, b, vocab=512, dropout=True))  # GPT-2's dropout 0.1
     w, n = (256, 64) if quick else (1024, 256)
     out["mlp"] = (lambda: common.mlp([w] * 5, last_act=True), lambda: (torch.randn(
         n, w, generator=torch.Generator().manual_seed(0)),),
-        lambda m, x: m(x[0]).float().square().mean(), 4, n, lambda mode: None)
+        lambda m, x: m(x[0]).float().square().mean(), 4, n, lambda *_: None)
     return out
 
 
@@ -127,7 +127,7 @@ def measure(quick):
                                          for g, ps in groups(model).items()}
                 model.zero_grad(set_to_none=True)
                 fns[compress] = functools.partial(step, model, xb, loss_fn, mode, ctx)
-                e = None if compress else est(mode)
+                e = est(mode, compress)
                 rows.append(dict(model=name, mode=mode, fp8=compress, saved=meter.bytes,
                                  per_token_layer=meter.bytes / tokens / layers, estimate=e and
                                  e / tokens / layers, peak=common.peak_memory_many(
@@ -265,7 +265,8 @@ def main(argv=None):
         "%s/%s" % k: v for k, v in errors.items()}, roofline=roof, convergence={
         "%s/%s/%d" % (m, v, s): x for m, r in conv.items() for (v, s), x in r.items()}))
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",
-              "per_token_layer", True), ("mpext.memory's estimate (off)", "estimate", False))
+              "per_token_layer", True), ("mpext.memory's estimate (off)", "estimate", False),
+              ("mpext.memory's estimate (on)", "estimate", True))
     common.plot_lines(a.out / "activations.png", [{
         "title": n, "ylabel": "saved bytes / token / layer", "series": {
             k: (list(MODES), ys) for k, f, on in series if None not in (ys := [
