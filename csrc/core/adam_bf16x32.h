@@ -72,6 +72,12 @@ static inline __m512i x32_bits(__m512i lo, __m512i klo, __m512i khi) {
   return x32_mix(_mm512_xor_si512(x32_mix(_mm512_xor_si512(lo, klo)), khi));
 }
 
+/* x32_bits' vectors of a stream's key for positions whose high half is hi. */
+static inline void x32_key(uint64_t key, uint32_t hi, __m512i* klo, __m512i* khi) {
+  *klo = _mm512_set1_epi32((int)(uint32_t)key);
+  *khi = _mm512_set1_epi32((int)(hi ^ (uint32_t)(key >> 32)));
+}
+
 /* mp_bf16_sr_bits of non-NaN fp32 bits u with the random bits r16 (in the low half), in the
  * high half; the low half is left as it is, since x32_pack_hi, which every result goes
  * through, ignores it (an and per vector saved: on AMD Zen 4 this loop is bound by its
@@ -119,25 +125,36 @@ static inline __m512 x32_element(__m512* gp, __m512 p, __m512* m, __m512* v,
   return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, *m), denom));
 }
 
+/* 32 fp32 values in element order (a, b) split into the even elements' vector and the odd
+ * ones' (*e, *o), and back. */
+static inline void x32_split(__m512i a, __m512i b, __m512i* e, __m512i* o) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                         30);
+  *e = _mm512_permutex2var_epi32(a, even, b);
+  *o = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+}
+
+static inline void x32_join(__m512i e, __m512i o, __m512i* a, __m512i* b) {
+  /* the even and odd elements interleaved back: the first 16, then the last 16 */
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                          23);
+  *a = _mm512_permutex2var_epi32(e, first, o);
+  *b = _mm512_permutex2var_epi32(e, _mm512_add_epi32(first, _mm512_set1_epi32(8)), o);
+}
+
 /* mp_adam_ema past its first step with ema_weight < 0.5 (mp_adam_usual), on the 32 fp32 ema
  * values at e (elements in order) for the new values xe (even elements) and xo (odd): the pair
  * split by element parity, lerped, and put back in order. */
 static inline void x32_ema(float* restrict e, __m512 xe, __m512 xo, __m512 w) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
-                                         30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
-                                        31);
-  /* the even and odd elements interleaved back: the first 16, then the last 16 */
-  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
-                                          23);
-  const __m512i last = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
-                                         15, 31);
-  const __m512 a = _mm512_loadu_ps(e), b = _mm512_loadu_ps(e + 16);
-  const __m512 ee = _mm512_permutex2var_ps(a, even, b), eo = _mm512_permutex2var_ps(a, odd, b);
-  const __m512 le = _mm512_add_ps(ee, _mm512_mul_ps(w, _mm512_sub_ps(xe, ee)));
-  const __m512 lo = _mm512_add_ps(eo, _mm512_mul_ps(w, _mm512_sub_ps(xo, eo)));
-  _mm512_storeu_ps(e, _mm512_permutex2var_ps(le, first, lo));
-  _mm512_storeu_ps(e + 16, _mm512_permutex2var_ps(le, last, lo));
+  __m512i ee, eo, a, b;
+  x32_split(_mm512_loadu_si512(e), _mm512_loadu_si512(e + 16), &ee, &eo);
+  const __m512 le = _mm512_add_ps(_mm512_castsi512_ps(ee),
+                                  _mm512_mul_ps(w, _mm512_sub_ps(xe, _mm512_castsi512_ps(ee))));
+  const __m512 lo = _mm512_add_ps(_mm512_castsi512_ps(eo),
+                                  _mm512_mul_ps(w, _mm512_sub_ps(xo, _mm512_castsi512_ps(eo))));
+  x32_join(_mm512_castps_si512(le), _mm512_castps_si512(lo), &a, &b);
+  _mm512_storeu_si512(e, a);
+  _mm512_storeu_si512(e + 16, b);
 }
 
 /* The new fp32 param, m and v of 32 elements (even e, odd o): NaN anywhere? One unordered
@@ -160,10 +177,9 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     const int write_grad) {
   const __m512 ema_w = _mm512_set1_ps(s->ema_weight);
   const x32_scalars c = x32_scalars_of(s);
-  const __m512i km_lo = _mm512_set1_epi32((int)(uint32_t)s->key_moments);
-  const __m512i km_hi = _mm512_set1_epi32((int)(hi ^ (uint32_t)(s->key_moments >> 32)));
-  const __m512i kp_lo = _mm512_set1_epi32((int)(uint32_t)s->key_param);
-  const __m512i kp_hi = _mm512_set1_epi32((int)(hi ^ (uint32_t)(s->key_param >> 32)));
+  __m512i km_lo, km_hi, kp_lo, kp_hi;
+  x32_key(s->key_moments, hi, &km_lo, &km_hi);
+  x32_key(s->key_param, hi, &kp_lo, &kp_hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m512i ramp = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                          30);

@@ -9,12 +9,15 @@
  * two on every row and ISA path. Compiled once per ISA path (see isa.h). Each row is built
  * twice (mp_adam_usual). The rows whose arrays are all 16-bit step 32 elements at a time by
  * hand on AVX-512 (adam_bf16x32.h) and 16 on AVX2 (adam_bf16x16.h, which also steps BF16
- * params with FP32 moments, where GCC's own vectorisation of the C loop is slowest). */
+ * params with FP32 moments, where GCC's own vectorisation of the C loop is slowest); the
+ * 8-bit rows with a bf16 param and grad step each block's 32-element chunks by hand on
+ * AVX-512, both sweeps (adam_q8x32.h). */
 #include <string.h>
 
 #include "isa.h"
 #include "adam_bf16x32.h"
 #include "adam_bf16x16.h"
+#include "adam_q8x32.h"
 #include "formats.h"
 #include "mpext/adam_rule.h"
 #include "mpext/numerics.h"
@@ -228,23 +231,62 @@ static inline __attribute__((always_inline)) void adam_q8(
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) uint32_t rbuf[MP_Q8_BLOCK_MAX];
   const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
+#if defined(MP_Q8X32)
+  /* the rows adam_q8x32.h steps by hand: each block's whole 32-element chunks, where its
+   * reference is finite */
+  const int hand = usual && !with_ema && pt == MP_BF16 && gt == MP_BF16 &&
+                   (mk == MK_MASTER || mk == MK_REMAINDER || mk == MK_NONE_SR) &&
+                   !hp->moments_nearest;
+#else
+  const int hand = 0;
+#endif
   for (int64_t off = 0; off < n; off += b) {
     const int64_t len = n - off < b ? n - off : b;
     const int64_t k = (start + off) / b;
-    q8_sweep q = {mp_q8_ref(mp_q8_ref_exp_m(bits_of_f32(ms[k]))),
-                  mp_q8_ref(mp_q8_ref_exp_v(bits_of_f32(vs[k]))), mbuf, vbuf, rbuf, 0u, 0u};
-    adam_loop((char*)param + off * pb, pt, (char*)grad + off * gb, gt,
-              master != NULL ? master + off : NULL, remainder != NULL ? remainder + off : NULL,
-              mc + off, MP_I8, vc + off, MP_U8, with_ema ? ema + off : NULL, start + off,
-              (uint32_t)len, hp, mk, write_grad, 0, with_ema, usual, &q);
-    const uint32_t em = mp_q8_ref_exp_m(q.am), ev = mp_q8_ref_exp_v(q.av);
-    if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
-      q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 1);
-    } else {
-      q8_store(mc + off, vc + off, mbuf, vbuf, rbuf, len, em, ev, 0);
+    const uint32_t em0 = mp_q8_ref_exp_m(bits_of_f32(ms[k]));
+    const uint32_t ev0 = mp_q8_ref_exp_v(bits_of_f32(vs[k]));
+    uint32_t h = 0u, am = 0u, av = 0u;
+#if defined(MP_Q8X32)
+    if (hand && em0 < 255u && ev0 < 255u) {
+      const int64_t pos = start + off;
+      h = x32_q8_sweep((uint16_t*)param + off, (uint16_t*)grad + off,
+                       master != NULL ? master + off : NULL,
+                       remainder != NULL ? remainder + off : NULL, (const uint8_t*)mc + off,
+                       vc + off, (uint32_t)len, (uint32_t)pos, (uint32_t)((uint64_t)pos >> 32),
+                       hp, em0, ev0, mbuf, vbuf, rbuf, &am, &av, mk, write_grad);
     }
-    ms[k] = f32_of_bits(q.am);
-    vs[k] = f32_of_bits(q.av);
+#endif
+    if (h < (uint64_t)len) { /* the rest of the block: the C loop */
+      q8_sweep q = {mp_q8_ref(em0), mp_q8_ref(ev0), mbuf + h, vbuf + h, rbuf + h, 0u, 0u};
+      adam_loop((char*)param + (off + h) * pb, pt, (char*)grad + (off + h) * gb, gt,
+                master != NULL ? master + off + h : NULL,
+                remainder != NULL ? remainder + off + h : NULL, mc + off + h, MP_I8,
+                vc + off + h, MP_U8, with_ema ? ema + off + h : NULL, start + off + h,
+                (uint32_t)(len - h), hp, mk, write_grad, 0, with_ema, usual, &q);
+      am = q.am > am ? q.am : am;
+      av = q.av > av ? q.av : av;
+    }
+    const uint32_t em = mp_q8_ref_exp_m(am), ev = mp_q8_ref_exp_v(av);
+    int64_t from = 0;
+#if defined(MP_Q8X32)
+    if (h > 0u) {
+      if (em < 255u && ev < 255u) {
+        x32_q8_encode(mc + off, vc + off, mbuf, vbuf, rbuf, h, em, ev);
+        from = h;
+      } else {
+        x32_q8_unsplit(mbuf, vbuf, rbuf, h);
+      }
+    }
+#endif
+    if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
+      q8_store(mc + off + from, vc + off + from, mbuf + from, vbuf + from, rbuf + from,
+               len - from, em, ev, 1);
+    } else {
+      q8_store(mc + off + from, vc + off + from, mbuf + from, vbuf + from, rbuf + from,
+               len - from, em, ev, 0);
+    }
+    ms[k] = f32_of_bits(am);
+    vs[k] = f32_of_bits(av);
   }
 }
 
@@ -315,15 +357,15 @@ static inline __attribute__((always_inline)) void adam_q8(
   X(rne, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 0, 0, 0)                                   \
   /* 1.329 [1.212, 1.421] (pipeline / fused) */                                                    \
   X(rne_wb, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 1, 0, 0)                                \
-  /* 1.051 [1.002, 1.096] (pipeline / fused) */                                                    \
+  /* 1.341 [1.332, 1.387] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 0, 0, 0)                           \
-  /* 0.981 [0.955, 1.022] (pipeline / fused) */                                                    \
+  /* 1.364 [1.310, 1.404] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 1, 0, 0)                        \
-  /* 1.096 [1.069, 1.137] (pipeline / fused) */                                                    \
+  /* 1.259 [1.185, 1.357] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_master, MP_BF16, MP_BF16, MK_MASTER, MP_I8, MP_U8, 0, 0, 0)                                 \
-  /* 1.118 [1.046, 1.192] (pipeline / fused) */                                                    \
+  /* 1.287 [1.238, 1.306] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 0, 0, 0)                                    \
-  /* 1.078 [1.000, 1.110] (pipeline / fused) */                                                    \
+  /* 1.317 [1.264, 1.339] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1, 0, 0)
 
 /* 1 if a step's runtime choices are AdamW's usual ones (decoupled weight decay, not maximized,

@@ -4570,16 +4570,22 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
   for (int i = 0; i < N; ++i) {
     const double u = (double)(splitmix64(&s) >> 11) * 0x1p-53 - 0.5;
     float gv = (float)(1e-3 * (u + 0.1));
-    if (i % 101 == 7) gv = NAN;
-    if (i % 103 == 9) gv = -INFINITY;
+    /* 8-bit moments: the first two blocks finite, so that their new scales are too (a NaN
+     * anywhere in a block makes its reference NaN), the second with values near 2^-100 (the
+     * encode's scale is then two fp32 factors); the third finite for its first 64 (a NaN
+     * after a vector loop's chunks) */
+    const int specials = md != MP_I8 || i >= 576;
+    if (md == MP_I8 && i >= 256 && i < 512) gv *= 1e-27f;
+    if (specials && i % 101 == 7) gv = NAN;
+    if (specials && i % 103 == 9) gv = -INFINITY;
     uint32_t pb = bits_of((float)(0.05 * u));
     if (i % 16 == 3) pb = (pb & ~0x1FFFFu) | 0x08000u; /* a tie above an even bf16 */
     /* NaNs whose payload fills every bit (a NaN master, a NaN fp32 grad): rounded to 16 bits
      * as if they were numbers they carry into the sign bit, so a vector loop that skips its
      * NaN test gives -0.0 where the scalar rule keeps the NaN */
-    if (i % 107 == 11) pb = 0x7FFFFFFFu;
+    if (specials && i % 107 == 11) pb = 0x7FFFFFFFu;
     uint32_t gb = bits_of(gv);
-    if (i % 109 == 13) gb = 0xFFFFFFFFu;
+    if (specials && i % 109 == 13) gb = 0xFFFFFFFFu;
     a_put(st[0].p, pt, (size_t)i, pt == MP_F32 ? pb : fused_narrow(pt, pb) | (pb == 0x7FFFFFFFu ? 0x7FFFu : 0u));
     a_put(st[0].g, gt, (size_t)i, gt == MP_F32 ? gb : fused_narrow(gt, gb) | (gb == 0xFFFFFFFFu ? 0xFFFFu : 0u));
     st[0].master[i] = f32_of(pb);
@@ -4594,8 +4600,8 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
     }
   }
   for (int b = 0; b < 4; ++b) {
-    st[0].ms[b] = 1e-4f * (float)(b + 1);
-    st[0].vs[b] = 1e-8f * (float)(b + 1);
+    st[0].ms[b] = (b == 1 && md == MP_I8 ? 1e-30f : 1e-4f) * (float)(b + 1);
+    st[0].vs[b] = (b == 1 && md == MP_I8 ? 1e-38f : 1e-8f) * (float)(b + 1);
   }
   memcpy(st[1].p, st[0].p, N * 4);
   memcpy(st[1].g, st[0].g, N * 4);
@@ -4702,7 +4708,9 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
       if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
       const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
       /* each mode as Adam and as AdamW (variant's low bit), which the fused loops build apart */
-      for (int variant = 2 * code; variant < 2 * code + 2; ++variant) {
+      for (int j = 0; j < 2 + (fm.md == MP_I8); ++j) {
+        /* 8-bit moments: AdamW's usual case too (variant 0), the one their vector loops take */
+        const int variant = j < 2 ? 2 * code + j : 0;
         g.count++;
         g_check(&g, fused_same(kt, &fm, s, variant),
                 "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d %s: the "
