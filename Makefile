@@ -1,6 +1,7 @@
 # mpext: the two commands a fresh machine needs are `make test` and `make bench`.
 #
 #   make test                      build everything needed, run the whole test suite
+#                                  (cuda-emu, then pytest: `make pytest` runs pytest alone)
 #   make bench [BENCH_ARGS=--quick] build, run the benchmark against native PyTorch AMP
 #   make gpu-check OUT=dir         on a GPU machine without network: build with CUDA, run the
 #                                  CUDA tests and the GPU benchmark, results in dir (docs/gpu_check.md)
@@ -8,7 +9,8 @@
 # By default a virtual environment .venv is created with $(TORCH_SPEC) and the test/bench
 # dependencies. To use an environment that already has PyTorch (e.g. a CUDA machine):
 #   make test PYTHON=/path/to/python
-# Other knobs: TORCH_SPEC (pip requirement for torch), PYTEST_ARGS, MPEXT_FORCE_CUDA=0|1,
+# Other knobs: TORCH_SPEC (pip requirement for torch), PYTEST_ARGS, TEST_WORKERS (the suite's
+# pytest-xdist processes, default 2; 0 runs it in one), MPEXT_FORCE_CUDA=0|1,
 # TORCH_CUDA_ARCH_LIST, NVCC.
 
 SHELL := /bin/bash
@@ -16,8 +18,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 NVCC ?= nvcc
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 BENCH_ARGS ?=
-TEST_DEPS := pytest numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
+TEST_DEPS := pytest 'pytest-xdist>=3.5,<4' numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
 # lion-pytorch: bench_adam's native Lion, and tests/test_lion.py's reference (both lists go in)
 BENCH_DEPS := matplotlib tqdm lion-pytorch==0.2.5
 BUILD_DEPS := ninja setuptools wheel
@@ -33,11 +36,21 @@ endif
 # Run everything from the source tree: the extension is built in place (mpext/_C*.so).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test bench build env env-external venv-path build-force ctest ctest-valgrind cuda-check cuda-emu \
+.PHONY: test pytest bench build env env-external venv-path build-force ctest ctest-valgrind cuda-check cuda-emu \
 	gpu-check clean
 
 test: build cuda-emu
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PYTEST)
+
+# The pytest suite alone (make test without cuda-emu; .ci/run runs cuda-emu beside the build), in
+# TEST_WORKERS processes (pytest-xdist: every test still runs, once; a test module's tests all
+# run in one worker, so that a module-scoped fixture, such as test_distributed's multi-rank runs,
+# is computed once; the test marked exclusive runs alone: tests/conftest.py), or in one process
+# where the environment has no xdist.
+PYTEST = $(PY) -m pytest tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile") \
+	$(PYTEST_ARGS)
+pytest: build
+	$(PYTEST)
 
 bench: build
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
@@ -65,9 +78,10 @@ venv-path: $(VENV)/.stamp
 env-external:
 	@$(PY) -c "import torch" 2>/dev/null || { echo "PYTHON=$(PY) has no torch: install PyTorch into it first" >&2; exit 1; }
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
-	@for m in numpy hypothesis matplotlib tqdm lion_pytorch ninja lightning accelerate transformers; do \
-	  $(PY) -c "import $$m" 2>/dev/null || $(PY) -m pip install -q $$m 2>/dev/null || \
-	  echo "note: $$m is not installed and could not be; what needs it is skipped"; done
+	@for m in numpy hypothesis matplotlib tqdm lion_pytorch ninja lightning accelerate transformers \
+	  xdist=pytest-xdist; do \
+	  $(PY) -c "import $${m%%=*}" 2>/dev/null || $(PY) -m pip install -q $${m#*=} 2>/dev/null || \
+	  echo "note: $${m#*=} is not installed and could not be; what needs it is skipped"; done
 
 # Incremental (ninja) in-place build of mpext._C against the environment's torch. setup.py and
 # the build_info print each start Python and import torch (seconds), so they run only when the

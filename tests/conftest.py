@@ -1,5 +1,8 @@
-"""Shared fixtures: devices and CPU ISA paths to parametrize over; host-read counting."""
+"""Shared fixtures: devices and CPU ISA paths to parametrize over; host-read counting; under
+pytest-xdist (make test runs the suite in TEST_WORKERS processes), tests marked ``exclusive`` run
+alone."""
 import contextlib
+import fcntl
 import sys
 
 import pytest
@@ -79,8 +82,52 @@ class HostReads:
         return len(self.calls)
 
 
+# ---- pytest-xdist
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked ``exclusive`` (tests/test_large.py: 13 GB) runs alone, as in a one-process
+    run: its setup, call and teardown hold a lock file exclusively, every other test's hold it
+    shared. A turnstile keeps the exclusive test from waiting forever: while it waits, it holds
+    the turnstile, and no other test starts. The files lie in the run's base temporary
+    directory, which xdist's workers share (each one's own is a folder in it)."""
+    if not hasattr(item.config, "workerinput"):  # no xdist: one test at a time anyway
+        yield
+        return
+    run_dir = item.config._tmp_path_factory.getbasetemp().parent
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with open(run_dir / "turnstile.lock", "a") as turn, open(run_dir / "tests.lock", "a") as lock:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _matrix_summary():
+    module = sys.modules.get("test_bad_inputs")
+    return None if module is None else module.matrix_summary()
+
+
+def pytest_sessionfinish(session):
+    """Each xdist worker hands the bad-input matrix's summary to the controller
+    (pytest_testnodedown), which prints it."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and _matrix_summary() is not None:
+        workeroutput["bad_inputs_matrix"] = _matrix_summary()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook, called on the controller only
+def pytest_testnodedown(node, error):
+    line = getattr(node, "workeroutput", {}).get("bad_inputs_matrix")
+    if line is not None:
+        node.config.bad_inputs_matrix = line
+
+
 def pytest_terminal_summary(terminalreporter):
     """The bad-input matrix's size, when it ran (issue: print the number of cases covered)."""
-    module = sys.modules.get("test_bad_inputs")
-    if module is not None:
-        terminalreporter.write_line(module.matrix_summary())
+    line = _matrix_summary() or getattr(terminalreporter.config, "bad_inputs_matrix", None)
+    if line is not None:
+        terminalreporter.write_line(line)

@@ -50,6 +50,11 @@ CHUNK = 1 << 25
 
 @pytest.mark.slow
 def test_exhaustive_rne_matches_torch_every_isa():
+    """Per chunk, target and ISA path: ours == torch's bit for bit wherever x is not NaN, and
+    NaN exactly where x is. Where ours equals torch's result in every bit (every chunk without
+    a NaN input), both hold iff torch's result is NaN exactly where x is, which is checked once
+    per chunk and target: so one comparison of the bits stands for the two element-wise passes
+    (the test took 2 minutes of CI's 2 cores, mostly in those passes)."""
     paths = [p for p in mpext.build_info()["cpu_isas_supported"]]
     previous = mpext.cpu_isa()
     try:
@@ -58,9 +63,13 @@ def test_exhaustive_rne_matches_torch_every_isa():
             nan = torch.isnan(x)
             for target, fn in ((torch.bfloat16, ops.to_bf16), (torch.float16, ops.to_fp16)):
                 ref = bits16(x.to(target))
+                ref_nan_exact = torch.equal(torch.isnan(ref.view(target)), nan)
                 for path in paths:
                     mpext.set_cpu_isa(path)
                     ours = bits16(fn(x))
+                    if torch.equal(ours, ref):
+                        assert ref_nan_exact, (path, target, start)
+                        continue
                     bad = (ours != ref) & ~nan
                     assert not bad.any(), (path, target, start)
                     assert torch.equal(torch.isnan(ours.view(target)), nan), (path, target, start)

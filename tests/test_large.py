@@ -8,7 +8,9 @@ every element is checked, including one NaN planted beyond 2^31 that must set fo
 the bf16 -> fp32 cast (8.6 GB, byte offsets past 2^33) and the fp32 -> bf16 cast back are
 checked element by element too. Peak memory is about 13 GB (the fp32 tensor and one bf16
 tensor), so the test skips, with the reason, when /proc/meminfo's MemAvailable is smaller than
-that plus a margin. Marked slow: deselect with ``-m "not slow"``.
+that plus a margin. Marked slow: deselect with ``-m "not slow"``; and exclusive: under
+pytest-xdist no other test runs meanwhile (tests/conftest.py), so the memory it found free at
+its start stays free.
 """
 import resource
 import time
@@ -80,6 +82,7 @@ def check_points(t, block, what):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_unscale_and_casts_beyond_2_31_elements():
     reason = _skip_reason()
     if reason:
