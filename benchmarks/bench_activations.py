@@ -4,7 +4,7 @@ What is counted: docs/activations.md, "Measurements" (step times only mean somet
 machine).
 
     python -m benchmarks.bench_activations [--quick] [--converge-steps 300]
-        [--converge-models gpt,hf-gpt2] [--out results]
+        [--converge-models gpt,hf-gpt2] [--out results] [--device cuda]
 """
 import argparse
 import collections
@@ -57,11 +57,12 @@ class Saved:
     unpack = staticmethod(act.fp8_saved_tensors.unpack)
 
 
-def estimate(cfg, b, mode, fp8=False, **kw):
-    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode`` (CPU), FP8 or not."""
+def estimate(cfg, b, mode, fp8=False, device="cpu", **kw):
+    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode`` on ``device``'s type,
+    FP8 or not."""
     return activation_bytes(b, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head, 4 if
                             mode == "fp32" else 2, norm_bytes=4 if "amp" in mode else None,
-                            device="cpu", compress=fp8, **kw)
+                            device=device, compress=fp8, **kw)
 
 
 def models(quick):
@@ -84,14 +85,15 @@ def models(quick):
     w, n = (256, 64) if quick else (1024, 256)
     out["mlp"] = (lambda: common.mlp([w] * 5, last_act=True), lambda: (torch.randn(
         n, w, generator=torch.Generator().manual_seed(0)),),
-        lambda m, x: m(x[0]).float().square().mean(), 4, n, lambda *_: None)
+        lambda m, x: m(x[0]).float().square().mean(), 4, n, lambda *_, **__: None)
     return out
 
 
 def step(model, batch, loss_fn, mode, ctx, meter=None):
     amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(mode)
     with contextlib.ExitStack() as stack:
-        for c in (torch.autocast("cpu", dtype=amp) if amp else None, ctx, meter and
+        cast = amp and torch.autocast(batch[0].device.type, dtype=amp)
+        for c in (cast, ctx, meter and
                   torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)):
             if c is not None:
                 stack.enter_context(c)
@@ -109,8 +111,8 @@ def groups(model):
     return out
 
 
-def measure(quick):
-    rows, errors, cpu = [], {}, torch.device("cpu")
+def measure(quick, dev):
+    rows, errors = [], {}
     for name, (build, batch, loss_fn, layers, tokens, est) in models(quick).items():
         grads = {}
         for mode in MODES:
@@ -118,23 +120,24 @@ def measure(quick):
             for compress in (False, True):
                 torch.manual_seed(0)
                 dt = torch.bfloat16 if mode == "bf16" else torch.float32
-                model = build().to(dt)
+                model = build().to(dev, dt)
                 ctx = act.fp8_saved_tensors(params=model) if compress else None
-                xb = tuple(t.to(dt) if t.is_floating_point() else t for t in batch())
+                xb = tuple(t.to(dev, dt) if t.is_floating_point() else t.to(dev)
+                           for t in batch())
                 meter = Saved(model, ctx, xb)
                 step(model, xb, loss_fn, mode, ctx, meter)
                 grads[mode, compress] = {g: [p.grad.float() for p in ps]
                                          for g, ps in groups(model).items()}
                 model.zero_grad(set_to_none=True)
                 fns[compress] = functools.partial(step, model, xb, loss_fn, mode, ctx)
-                e = est(mode, compress)
+                e = est(mode, compress, device=dev.type)
                 rows.append(dict(model=name, mode=mode, fp8=compress, saved=meter.bytes,
                                  per_token_layer=meter.bytes / tokens / layers, estimate=e and
                                  e / tokens / layers, peak=common.peak_memory_many(
-                                     {0: fns[compress]}, cpu)[0],
+                                     {0: fns[compress]}, dev)[0],
                                  fp32_top=meter.fp32_by.most_common(3)))
             # the step with and without compression, interleaved (the machine's load moves)
-            t = common.time_fns(fns, device=cpu, repeats=5, warmup=1, max_inner=1,
+            t = common.time_fns(fns, device=dev, repeats=5, warmup=1, max_inner=1,
                                 show_progress=False)
             for r in rows[-2:]:
                 r["step"] = t[r["fp8"]].to_json()
@@ -181,15 +184,15 @@ def converge(steps, model_name, seeds=(0, 1, 2)):
     return out
 
 
-def kernels(quick):
+def kernels(quick, dev):
     """ns per element, GB/s and the fraction of the in-place roofline of the FP8 ops on one BF16
     activation (block 128), against torch's own cast to float8_e4m3fn, an allocating copy
     (``clone``: every op writes a new tensor and pays for its fresh pages) and the in-place
     streaming roofline (``x.add_(0.5)``, 8 B per fp32 element, on measure_roofline's buffer),
     all interleaved; and measure_roofline's own (copy and in-place) before them."""
-    roof = common.measure_roofline(torch.device("cpu"), quick=quick, show_progress=False)
-    big = torch.zeros(roof["numel"])
-    x = torch.randn(1024 if quick else 4096, 4096, dtype=torch.bfloat16)
+    roof = common.measure_roofline(dev, quick=quick, show_progress=False)
+    big = torch.zeros(roof["numel"], device=dev)
+    x = torch.randn(1024 if quick else 4096, 4096, dtype=torch.bfloat16, device=dev)
     q, sc = mpext.ops.fp8_quantize(x)
     cases = {  # label -> (fn, bytes moved per element of x)
         "fp8_quantize": (lambda: mpext.ops.fp8_quantize(x), 3 + 4 / 128),
@@ -201,7 +204,7 @@ def kernels(quick):
         "torch: x.clone() (allocating copy)": (lambda: x.clone(), 4),
         "in-place roofline x.add_(0.5), fp32": (lambda: big.add_(0.5), 8 * big.numel() / x.numel()),
     }
-    t = common.time_fns({k: f for k, (f, _) in cases.items()}, device=torch.device("cpu"),
+    t = common.time_fns({k: f for k, (f, _) in cases.items()}, device=dev,
                         repeats=7 if quick else 15, show_progress=False)
     gbps = {k: b * x.numel() / t[k].median / common.GB for k, (_, b) in cases.items()}
     return roof, [[k, "%.3f" % (t[k].median / (big if "roofline" in k else x).numel() * 1e9),
@@ -247,13 +250,14 @@ def main(argv=None):
     p.add_argument("--converge-models", default="gpt,hf-gpt2")
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--threads", type=int, default=1, help="1: two threads spin on a busy machine")
+    p.add_argument("--device", type=torch.device, default="cpu")  # cuda: peaks by the allocator
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    info = common.machine_info(torch.device("cpu"))
-    rows, errors = measure(a.quick)
+    info = common.machine_info(a.device)
+    rows, errors = measure(a.quick, a.device)
     conv = {m: converge(a.converge_steps, m) for m in a.converge_models.split(",")} \
         if a.converge_steps else {}
-    roof, ops = kernels(a.quick)
+    roof, ops = kernels(a.quick, a.device)
     text = "\n".join(common.machine_header(info) + [""]) + table(rows, errors, conv) + (
         "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % a.threads) + (
         common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)) + "\n\n%s" \
