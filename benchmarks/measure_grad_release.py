@@ -1,13 +1,16 @@
 """Gradient release (``optimizer.release_grads()``): the figures behind docs/gradient_release.md.
-Per state format the persistent bytes per param and the peak of live gradient bytes in
-backward, with and without release, on an MLP; a small training run with no clipping, torch's
-``clip_grad_norm_`` (the reference) and release's exact and previous-norm modes: the final loss,
-the backward passes and FLOPs (``torch.utils.flop_counter``) of a step; the same run in FP16
-under a dynamic loss scale, released (a skipped step keeps its earlier buckets' update) and
-stepped after backward; and a whole forward + backward + step with and without release, timed
-interleaved in one run (the ratio, not the times, is the figure on a shared CPU).
+Per state format, with and without release, on an MLP, the end-to-end benchmark's GPT and an
+HF GPT-2 (``--device``): persistent bytes per param, a training step's peak as the allocator
+sees it and the live gradients' peak, each beside mpext.memory's prediction; a small training
+run with no clipping, torch's ``clip_grad_norm_`` (the reference) and release's exact and
+previous-norm modes: the final loss, the backward passes and FLOPs (``torch.utils.flop_counter``)
+of a step; the same run in FP16 under a dynamic loss scale, released (a skipped step keeps its
+earlier buckets' update) and stepped after backward; and a whole forward + backward + step with
+and without release, timed interleaved in one run (the ratio, not the times, is the figure on a
+shared CPU).
 
     python -m benchmarks.measure_grad_release [--steps 300] [--seeds 3]
+    python -m benchmarks.measure_grad_release --memory-only --device cuda   # gpu_check's
 """
 import argparse
 import contextlib
@@ -18,55 +21,98 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpext import GradScaler
-from mpext.memory import measure
+from mpext.memory import estimate, measure
 from mpext.optim import AdamW
 
-from .common import markdown_table, mlp, time_fns
+from .common import markdown_table, mlp, peak_memory_many, resolve_device, time_fns
 
 # release_grads' own default bucket size
 DEFAULT_BUCKET_BYTES = inspect.signature(AdamW.release_grads).parameters["bucket_bytes"].default
 
 BF16, F32 = torch.bfloat16, torch.float32
-FORMATS = [
-    ("FP32 params", F32, {}),
-    ("BF16 + FP32 master", BF16, {}),
-    ("BF16 + remainder", BF16, dict(param_remainders=True)),
-    ("BF16 master-free SR", BF16, dict(master_weights=False, stochastic_rounding=True)),
-    ("BF16 + remainder, BF16 moments", BF16,
-     dict(param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
-    ("BF16 + remainder, 8-bit moments", BF16,
-     dict(param_remainders=True, exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)),
-    ("BF16 + remainder + EMA", BF16, dict(param_remainders=True, ema_decay=0.999)),
+REM, SR = dict(param_remainders=True), dict(master_weights=False, stochastic_rounding=True)
+M16, Q8 = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), dict(exp_avg_dtype=torch.int8,
+                                                               exp_avg_sq_dtype=torch.uint8)
+FORMATS = [  # label, param dtype, mpext.optim.AdamW's options, mpext.memory's mode
+    ("FP32 params", F32, {}, "fp32"),
+    ("BF16 + FP32 master", BF16, {}, "mpext-bf16"),
+    ("BF16 + remainder", BF16, REM, "mpext-bf16-remainder"),
+    ("BF16 master-free SR", BF16, SR, "mpext-bf16-sr-fp32moments"),
+    ("remainder + BF16 moments", BF16, dict(REM, **M16), "mpext-bf16-remainder-bf16moments"),
+    ("SR + BF16 moments", BF16, dict(SR, **M16), "mpext-bf16-sr"),
+    ("remainder + 8-bit moments", BF16, dict(REM, **Q8), "mpext-bf16-remainder-8bit"),
+    ("SR + 8-bit moments", BF16, dict(SR, **Q8), "mpext-bf16-sr-8bit"),
+    ("remainder + EMA", BF16, dict(REM, ema_decay=0.999), "mpext-bf16-remainder"),
 ]
 
 
-def memory(bucket_bytes, width=512, depth=8):
-    rows = []
-    for label, dtype, kw in FORMATS:
+def models(device, batch=1, width=512, depth=8):
+    """name -> (build(), loss(model), the activation estimate's shape or None): the MLP, the
+    benchmark GPT (bench_train's small preset at 4 x 256) and transformers' GPT-2 of its sizes,
+    on ``batch`` sequences of 64 tokens (at 4 the activations at the start of backward, not the
+    gradients, set the step's peak: the same with and without release)."""
+    from .gpt import GPT, GPTConfig, get_batch, load_corpus
+    ids, vocab = load_corpus()
+    cfg = GPTConfig.preset("small", len(vocab), n_layer=4, n_embd=256)
+    x, y = (t.to(device) for t in get_batch(ids, batch, cfg.block_size,
+                                            torch.Generator().manual_seed(0)))
+    shape = dict(batch=batch, seq=cfg.block_size, hidden=cfg.n_embd, layers=cfg.n_layer,
+                 heads=cfg.n_head, vocab=len(vocab), device=device.type)
+    xm = torch.randn(16, width, generator=torch.Generator().manual_seed(0)).to(device)
+    out = {"MLP %dx%d" % (depth, width): (lambda: mlp([width] * (depth + 2), nn.Tanh), lambda m: m(
+        xm.to(m[0].weight.dtype)).float().square().mean(), None),
+        "benchmark GPT": (lambda: GPT(cfg), lambda m: m(x, y)[1], dict(shape, dropout=False))}
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        print("(transformers is not installed: no HF GPT-2 rows)")
+        return out
+    hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, bos_token_id=0,
+                      eos_token_id=0, vocab_size=len(vocab), n_positions=cfg.block_size,
+                      attn_implementation="sdpa", activation_function="gelu_pytorch_tanh")
+    out["HF GPT-2"] = (lambda: GPT2LMHeadModel(hcfg), lambda m: m(x, labels=x).loss.float(),
+                       dict(shape, dropout=True))  # GPT-2's dropout 0.1
+    return out
+
+
+def memory(build, loss_of, shape, bucket, device):
+    """Per format, step after backward and released: persistent bytes (``measure``, after the
+    second step, before ``zero_grad``), the third step's peak (``peak_memory_many``: the
+    allocator's, above what was held before it, plus that), the live gradient bytes as each
+    completes; each with mpext.memory's estimate for the model's tensor sizes."""
+    rows, exact = [], True
+    for label, dtype, kw, mode in FORMATS:
         row = [label]
         for released in (False, True):
             torch.manual_seed(0)
-            model = mlp([width] * (depth + 2), nn.Tanh).to(dtype)
+            model = build().to(device, dtype)
             params = list(model.parameters())
-            numel = sum(p.numel() for p in params)
-            opt = AdamW(params, **kw)
-            live = [0]
+            opt, live = AdamW(params, **kw), [0]
             for p in params:  # before release's hooks: what is alive as each gradient completes
                 p.register_post_accumulate_grad_hook(lambda _: live.append(max(live[-1], sum(
                     q.grad.nbytes for q in params if q.grad is not None))))
             if released:
-                opt.release_grads(bucket_bytes=bucket_bytes)
-            for step in range(2):  # the second step: state exists
-                model(torch.randn(16, width, dtype=dtype)).float().square().mean().backward()
+                opt.release_grads(bucket_bytes=bucket)
+
+            def step(model=model, opt=opt, released=released):
+                loss_of(model).backward()
                 if not released:
                     opt.step()
-                    if not step:
-                        opt.zero_grad()
+            step(), opt.zero_grad(), step()
             held = measure(params, opt)  # by category, the scalars ("other") left out
             persistent = sum(held.values()) - held["other"]
-            row += ["%.2f" % (persistent / numel), "%.2f" % (max(live) / numel)]
+            opt.zero_grad()
+            peak = persistent - held["gradients"] + peak_memory_many({0: step}, device)[0]
+            est = estimate([p.numel() for p in params], "adamw", mode, grad_release=released,
+                           bucket_bytes=bucket, ema="ema_decay" in kw, **(shape or {}))
+            exact &= persistent == est.persistent
+            n, mib = est.params, lambda v: "%.1f" % (v / 2 ** 20)
+            row += ["%.2f (%.2f)" % (persistent / n, est.persistent / n),
+                    "%s (%s)" % (mib(peak), mib(est.total) if shape else "-")]
+            if released:
+                row.append("%s (%s)" % (mib(max(live)), mib(est.grad_bucket)))
         rows.append(row)
-    return rows, numel
+    return rows, n, exact
 
 
 def train(mode, seed, steps, max_norm):
@@ -160,13 +206,25 @@ def main():
     ap.add_argument("--max-norm", type=float, default=0.1)
     ap.add_argument("--bucket-bytes", type=int, default=2 ** 20)
     ap.add_argument("--repeats", type=int, default=15, help="timed samples per path")
+    ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                    help="the memory section's device (the others run on the CPU)")
+    ap.add_argument("--memory-only", action="store_true", help="the memory section alone")
     args = ap.parse_args()
-    rows, numel = memory(args.bucket_bytes)
-    print("Memory, bytes per param element (%d params; bucket_bytes=%d)\n"
-          % (numel, args.bucket_bytes))
-    print(markdown_table(["format", "persistent, step after backward",
-                          "peak live grads in backward", "persistent, released",
-                          "peak live grads, released"], rows))
+    dev = resolve_device(args.device)
+    print("Memory (%s, bucket_bytes=%d), measured (mpext.memory's prediction): persistent "
+          "bytes per param element; a training step's peak, MiB (the allocator's); released, the "
+          "live gradients' peak in backward, MiB" % (dev, args.bucket_bytes))
+    exact = True
+    for name, (build, loss_of, shape) in models(dev).items():
+        rows, numel, ok = memory(build, loss_of, shape, args.bucket_bytes, dev)
+        exact &= ok
+        print("\n%s, %d params\n" % (name, numel))
+        print(markdown_table(["format", "persistent, step after backward", "step peak, after",
+                              "persistent, released", "step peak, released",
+                              "live grads, released"], rows))
+    print("\npersistent bytes = mpext.memory's prediction in every row: %s" % exact)
+    if args.memory_only:
+        return int(not exact)
     print("\nClipping (max_grad_norm=%g, %d steps), held-out MSE per seed; cost of one step\n"
           % (args.max_norm, args.steps))
     rows = []
@@ -190,7 +248,8 @@ def main():
                     + ["%.3f" % (released.median / after.median)])
     print(markdown_table(["bucket_bytes", "step after backward", "released", "released / after"],
                          rows))
+    return int(not exact)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

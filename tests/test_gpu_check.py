@@ -71,7 +71,7 @@ def stub_plan(build_seconds=0):
                          "['MPEXT_FORCE_CUDA'], flush=True); time.sleep(%d)" % build_seconds),
              "build.log", real["build"][3]),
             ("tests", py("open(%r, 'w').write(%r)" % (junit, JUNIT)), "tests.log", {}),
-            real["bench"],
+            real["bench"], real["grad-release"],
         ]
     return plan
 
@@ -93,7 +93,7 @@ def test_no_gpu_dry_run(monkeypatch, tmp_path):
     summary = (out / "summary.md").read_text()
     assert "**No GPU found** (nvidia-smi not found)" in summary
     assert "MPEXT_FORCE_CUDA=0" in (out / "build.log").read_text()
-    assert "| bench | skipped: no GPU" in summary
+    assert "| bench | skipped: no GPU" in summary and "| grad-release | skipped: no GPU" in summary
     assert "2 collected, 0 failed, 0 errors, 2 skipped" in summary
     assert "- 2 x no CUDA device" in summary
     assert "Not installed (not fetched: no network; what needs them skips): lightning" in summary
@@ -112,6 +112,7 @@ def test_a_hung_build_is_cut_and_the_summary_says_so(monkeypatch, tmp_path):
     assert re.search(r"\| build \| \*\*TIMED OUT\*\*: cut after 1 s \|", summary)
     assert "| tests | skipped: the build did not pass" in summary
     assert "| bench | skipped: the build did not pass" in summary
+    assert "| grad-release | skipped: the build did not pass" in summary
     assert "MPEXT_FORCE_CUDA=1" in (out / "build.log").read_text()
     assert not (out / "junit.xml").exists()
 
@@ -136,8 +137,13 @@ def test_the_real_plan(gpu, tmp_path):
         bench = phases["bench"][1]
         assert "benchmarks/run_all.py" in bench and bench[bench.index("--device") + 1] == "cuda"
         assert "--quick" in bench
+        release = phases["grad-release"][1]  # the memory figures, GPU allocator
+        assert release[release.index("-m") + 1] == "benchmarks.measure_grad_release"
+        assert "--memory-only" in release and release[release.index("--device") + 1] == "cuda"
+        assert phases["grad-release"][2] == "bench.log"  # appended after run_all's output
+        assert gpu_check.TIMEOUTS["grad-release"] <= 60
     else:
-        assert phases["bench"][1] is None
+        assert phases["bench"][1] is None and phases["grad-release"][1] is None
     for p in phases.values():
         words = " ".join(p[1] or [])
         assert not re.search(r"\bpip\b|install|curl|wget", words), words

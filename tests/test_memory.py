@@ -1271,41 +1271,74 @@ def test_cli_rule_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not hasattr(mpext.optim.Adam, "release_grads"),
-                    reason="this tree has no gradient release (mpext.optim's release_grads)")
-def test_grad_release_agrees_with_live_tensors():
-    """A released backward (release_grads with a bucket one byte above a gradient, so that the
-    second gradient overshoots it by nearly a whole gradient): the live gradients never exceed
-    the estimate's peak (under a bucket plus the largest gradient), reach it, and none
-    persists; the rest equals the estimate."""
+# Every mode mpext.optim.AdamW steps (FP32 params, the named mpext formats), and an EMA on a
+# remainder and on the master-free 8-bit format: (mode, param dtype, options, ema).
+RELEASE_MODES = [("fp32", torch.float32, {}, False), ("mpext-bf16", torch.bfloat16, {}, False),
+                 ("mpext-fp16", torch.float16, {}, False)] + \
+    [(m, *LEAN_OPTIONS[m], False) for m in LEAN] + \
+    [(m, *Q8_MODES[m][1:], False) for m in Q8_MODES] \
+    + [("mpext-bf16-remainder", *LEAN_OPTIONS["mpext-bf16-remainder"], True),
+       ("mpext-bf16-sr-8bit", *Q8_MODES["mpext-bf16-sr-8bit"][1:], True)]
+
+
+def _released_agreement(mode, dtype, options, ema, predict=estimate):
+    """Two released steps of the tests' GPT (tied head; norms and biases under MIN_8BIT_NUMEL)
+    in ``mode``, with a bucket of the largest gradient's bytes (so a bucket of several
+    overshoots it): the live tensors equal ``predict``'s for the model's tensor sizes,
+    component by component, no gradient persisting; the gradient bytes alive as each gradient
+    completes never exceed its ``grad_bucket`` (``_release_peak``: under a bucket plus the
+    largest gradient) and stay under the whole model's."""
     torch.manual_seed(0)
-    params = [torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(6)]
-    opt = mpext.optim.AdamW(params, lr=1e-3)
-    bucket = params[0].numel() * 2 + 1
-    peak = []
+    model = SmallGPT(96, 16, 64, 2, 2).to(dtype)
+    params = list(model.parameters())
+    opt = mpext.optim.AdamW(params, lr=1e-3, **dict(options, **({"ema_decay": 0.9} if ema else {})))
+    scaler = mpext.GradScaler("cpu") if dtype == torch.float16 else None
+    bucket, live = max(p.numel() for p in params) * dtype.itemsize, []
 
     def watch(_):  # registered first, so it runs before the release's hook frees a bucket
-        peak.append(sum(q.grad.numel() * q.grad.element_size() for q in params
-                        if q.grad is not None))
+        live.append(sum(q.grad.nbytes for q in params if q.grad is not None))
 
     hooks = [p.register_post_accumulate_grad_hook(watch) for p in params]
-    release = opt.release_grads(bucket_bytes=bucket)
-    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    release = opt.release_grads(bucket_bytes=bucket, scaler=scaler)
+    tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
-        h = x
-        for p in params:
-            h = torch.tanh(h @ p)
-        h.float().pow(2).mean().backward()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        release.backward(scaler.scale(loss) if scaler else loss)
+        if scaler:
+            scaler.update()
     for hk in hooks:
         hk.remove()
     release.remove()
-    want = estimate([p.numel() for p in params], "adamw", "mpext-bf16", grad_release=True,
-                    bucket_bytes=bucket)
-    assert max(peak) <= want.grad_bucket and want.grad_bucket in peak
-    assert want.grad_bucket == 2 * params[0].numel() * 2 > bucket
-    got = memory.measure(params, opt)
-    for field in ("weights", "gradients", "master_weights", "optimizer_states"):
+    sizes = [p.numel() for p in params]
+    want = predict(sizes, "adamw", mode, ema=ema, grad_release=True, bucket_bytes=bucket)
+    got = memory.measure(params, opt, scaler)
+    assert got["gradients"] == 0 and all(p.grad is None for p in params)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
         assert got[field] == getattr(want, field), (field, got, want)
+    assert got["scaler"] >= want.scaler
+    assert max(live) <= want.grad_bucket < dtype.itemsize * sum(sizes), (max(live), want)
+    assert max(live) > bucket  # a bucket did overshoot: the bound is not slack by a bucket
+
+
+@pytest.mark.parametrize("mode,dtype,options,ema", RELEASE_MODES,
+                         ids=[m[0] + ("-ema" if m[3] else "") for m in RELEASE_MODES])
+def test_grad_release_agrees_with_live_tensors(mode, dtype, options, ema):
+    _released_agreement(mode, dtype, options, ema)
+
+
+@pytest.mark.parametrize("wrong", ["gradients counted", "bucket alone", "moments as FP32"])
+def test_grad_release_agreement_fails_on_a_wrong_prediction(wrong):
+    """The check above is not vacuous: a prediction that counts the gradients as persistent,
+    takes the peak as the bucket alone, or counts 8-bit moments as FP32 fails it."""
+    def predict(*a, **kw):
+        if wrong == "moments as FP32":
+            a = a[:2] + ("mpext-bf16-sr-fp32moments",)
+        b = estimate(*a, **dict(kw, grad_release=wrong != "gradients counted"))
+        return dataclasses.replace(b, grad_bucket=kw["bucket_bytes"] - 1) \
+            if wrong == "bucket alone" else b
+    with pytest.raises(AssertionError):
+        _released_agreement("mpext-bf16-sr-8bit", *Q8_MODES["mpext-bf16-sr-8bit"][1:], False,
+                            predict=predict)
 
 
 # ---------------------------------------------------------------------------------------------
