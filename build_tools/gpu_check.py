@@ -20,6 +20,9 @@ its own timeout (cut to what is left of --budget), so that a hung phase still le
     grad-release  python -m benchmarks.measure_grad_release --memory-only
            --device cuda: gradient release's memory on the GPU's allocator,
            against mpext.memory (GPU only)                                    -> bench.log (appended)
+    activations  python -m benchmarks.bench_activations --quick --device cuda:
+           saved activations, FP8 off and on, the step's peak and time, the
+           FP8 ops (GPU only)                                                 -> bench.log (appended)
 and summary.md, which says what ran, what was cut or skipped and why. At most 8 files, flat in
 DIR, named in letters, digits and ._- alone. Exits 0 when every phase that ran passed.
 """
@@ -41,7 +44,9 @@ FILES = ["summary.md", "env.txt", "build.log", "tests.log", "junit.xml", "bench.
          "bench.json"]
 # Seconds per phase by default; together (the default --budget) under 9 minutes with what the
 # script itself takes.
-TIMEOUTS = {"env": 30, "build": 210, "tests": 150, "bench": 60, "grad-release": 45}
+# Together 470 s: with the script's own work, under the 8 minutes a lent GPU's check may take.
+TIMEOUTS = {"env": 20, "build": 200, "tests": 130, "bench": 50, "grad-release": 35,
+            "activations": 35}
 TEST_DEPS = ["pytest", "numpy", "hypothesis", "lightning", "accelerate", "transformers", "ninja",
              "matplotlib", "tqdm"]
 
@@ -137,9 +142,12 @@ def plan(py, gpu, out, bench_dir):
                        "bench.log", {}))
         phases.append(("grad-release", [py, "-m", "benchmarks.measure_grad_release",
                                         "--memory-only", "--device", "cuda"], "bench.log", {}))
+        phases.append(("activations", [py, "-m", "benchmarks.bench_activations", "--quick",
+                                       "--device", "cuda", "--out", bench_dir], "bench.log", {}))
     else:
         phases += [(name, None, "no GPU: the GPU benchmark needs one (the CPU benchmark is "
-                                "`make bench`)") for name in ("bench", "grad-release")]
+                                "`make bench`)") for name in ("bench", "grad-release",
+                                                             "activations")]
     return phases
 
 

@@ -71,7 +71,7 @@ def stub_plan(build_seconds=0):
                          "['MPEXT_FORCE_CUDA'], flush=True); time.sleep(%d)" % build_seconds),
              "build.log", real["build"][3]),
             ("tests", py("open(%r, 'w').write(%r)" % (junit, JUNIT)), "tests.log", {}),
-            real["bench"], real["grad-release"],
+            real["bench"], real["grad-release"], real["activations"],
         ]
     return plan
 
@@ -94,6 +94,7 @@ def test_no_gpu_dry_run(monkeypatch, tmp_path):
     assert "**No GPU found** (nvidia-smi not found)" in summary
     assert "MPEXT_FORCE_CUDA=0" in (out / "build.log").read_text()
     assert "| bench | skipped: no GPU" in summary and "| grad-release | skipped: no GPU" in summary
+    assert "| activations | skipped: no GPU" in summary
     assert "2 collected, 0 failed, 0 errors, 2 skipped" in summary
     assert "- 2 x no CUDA device" in summary
     assert "Not installed (not fetched: no network; what needs them skips): lightning" in summary
@@ -113,6 +114,7 @@ def test_a_hung_build_is_cut_and_the_summary_says_so(monkeypatch, tmp_path):
     assert "| tests | skipped: the build did not pass" in summary
     assert "| bench | skipped: the build did not pass" in summary
     assert "| grad-release | skipped: the build did not pass" in summary
+    assert "| activations | skipped: the build did not pass" in summary
     assert "MPEXT_FORCE_CUDA=1" in (out / "build.log").read_text()
     assert not (out / "junit.xml").exists()
 
@@ -142,8 +144,13 @@ def test_the_real_plan(gpu, tmp_path):
         assert "--memory-only" in release and release[release.index("--device") + 1] == "cuda"
         assert phases["grad-release"][2] == "bench.log"  # appended after run_all's output
         assert gpu_check.TIMEOUTS["grad-release"] <= 60
+        acts = phases["activations"][1]  # the activation figures on the GPU's allocator
+        assert acts[acts.index("-m") + 1] == "benchmarks.bench_activations"
+        assert acts[acts.index("--device") + 1] == "cuda" and phases["activations"][2] == \
+            "bench.log"
     else:
-        assert phases["bench"][1] is None and phases["grad-release"][1] is None
+        assert all(phases[k][1] is None for k in ("bench", "grad-release", "activations"))
+    assert sum(gpu_check.TIMEOUTS.values()) <= 480  # the check fits 8 minutes
     for p in phases.values():
         words = " ".join(p[1] or [])
         assert not re.search(r"\bpip\b|install|curl|wget", words), words
