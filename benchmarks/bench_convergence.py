@@ -1,12 +1,4 @@
-"""Convergence: does mixed precision train as well as FP32? gpt.py's small character model,
-every run from the same weights, on the same batches, with the same schedule. Study "amp": six
-modes (FP32, native AMP BF16/FP16, mpext BF16/FP16, naive BF16); study "lean": mpext.optim.AdamW's
-lean states fine-tuning a pretrained checkpoint over several seeds, against the FP32-master
-run's noise band. Method, criteria and plots: docs/convergence.md and docs/lean_state.md.
-
-    python -m benchmarks.bench_convergence [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
-        [--modes ...] [--seeds N]
-"""
+"""Convergence: the amp and lean studies (docs/convergence.md, docs/lean_state.md)."""
 import dataclasses
 import math
 import sys
@@ -114,8 +106,7 @@ SETTINGS = {
 
 
 def _finetune(preset, batch, steps, eval_interval, eval_batches):
-    """The lean study's fine-tuning: lr 1e-4 decaying to 1e-5, torch's default betas. Most
-    pretrained weights are large enough that such updates are below half a BF16 ulp."""
+    """The lean study's fine-tuning: lr 1e-4 decaying to 1e-5, torch's default betas."""
     return Setting(preset=preset, batch_size=batch, steps=steps, lr=1e-4, warmup=0,
                    betas=(0.9, 0.999), eval_interval=eval_interval, eval_batches=eval_batches,
                    final_k=2 if steps < 100 else 3, data_seed=8642)
@@ -138,9 +129,7 @@ SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decrea
 
 
 class Run:
-    """One mode's training record: the ``SERIES``; per step ``v_decreased``, the share of
-    exp_avg_sq elements it lowered; ``final``: the grads, or the params, FP32 values (masters
-    or FP32 params) and state at the end."""
+    """One mode's record: the ``SERIES`` (v_decreased: share of v lowered) and ``final``."""
 
     def __init__(self, mode: str, lr: float, seed: Optional[int] = None):
         self.mode, self.lr, self.seed, self.seconds, self.final = mode, lr, seed, 0.0, None
@@ -181,12 +170,7 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
           base: Optional[str] = None, options: Optional[dict] = None, on_step=None,
           bar=None) -> Run:
-    """Trains one mode (training.MODES or LEAN_MODES; or ``base``, a training.MODES key, with
-    ``options`` for its Trainer) from the shared weights or ``init`` (then evaluated at step 0
-    too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_moments``: ``Run``'s
-    ``v_decreased``; ``keep_grads`` / ``keep_final``: the last grads / final state;
-    ``on_step(step, trainer)`` after each step. The one training loop of the convergence
-    studies (measure_q8_codes trains on it too)."""
+    """The studies' one training loop (and measure_q8_codes'); README, "Convergence"."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr, seed)
     if base is None:
@@ -203,14 +187,6 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                           scaler_options=dict(init_scale=st.init_scale,
                                               growth_interval=st.growth_interval), **options)
     params = tr.params
-    low = params[0].dtype is not torch.float32
-    # an FP32 value to watch: the param itself, or a master mpext's optimizer keeps
-    has_fp32 = not low or (tr.kind == "mpext-optim" and options.get("master_weights", True))
-
-    def fp32_values():
-        return [tr.opt.master_param(p) for p in params] if low else \
-            [p.detach().clone() for p in params]
-
     gen = torch.Generator().manual_seed(st.data_seed + (seed or 0))
     if init is not None:
         run.eval_steps.append(0)
@@ -252,9 +228,12 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - t0
-    if keep_final:
-        run.final = {"params": [p.detach().clone() for p in params],
-                     "fp32": fp32_values() if has_fp32 else None,
+    if keep_final:  # FP32 values: the params, or the masters mpext's optimizer keeps
+        low = params[0].dtype is not torch.float32
+        fp32 = [tr.opt.master_param(p) if low else p.detach().clone() for p in params] \
+            if not low or (tr.kind == "mpext-optim" and options.get("master_weights", True)) \
+            else None
+        run.final = {"params": [p.detach().clone() for p in params], "fp32": fp32,
                      "state": {k: v.detach().float().clone()
                                for k, v in tr.model.state_dict().items()}}
     return run
@@ -266,8 +245,7 @@ FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def underflow_stats(grads: List[torch.Tensor], scale: float):
-    """Fractions of the non-zero FP32 gradient elements that cast to zero / a subnormal in FP16
-    (unscaled, and times ``scale``), to zero in BF16, and overflow FP16 after scaling."""
+    """Fractions of the non-zero FP32 gradients lost to FP16/BF16, unscaled and scaled."""
     g = torch.cat([t.detach().float().flatten() for t in grads]).cpu()
     g = g[g != 0]
     h, hs = g.to(FP16), (g * scale).to(FP16)
@@ -453,8 +431,7 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
 INT_OF = {2: torch.int16, 4: torch.int32}  # the integer view of a float's bits
 
 def bits_differ(a: Optional[List[torch.Tensor]], b: Optional[List[torch.Tensor]]) -> int:
-    """The elements whose bits differ between two lists of float tensors (all of them where
-    the lists, dtypes or shapes do not match)."""
+    """The elements whose bits differ between two lists of float tensors (all: a mismatch)."""
     if a is None or b is None or len(a) != len(b):
         return max(sum(t.numel() for t in a or []), sum(t.numel() for t in b or []), 1)
     return sum(max(x.numel(), y.numel(), 1) if x.dtype != y.dtype or x.shape != y.shape else
@@ -463,8 +440,7 @@ def bits_differ(a: Optional[List[torch.Tensor]], b: Optional[List[torch.Tensor]]
 
 
 def same_training(ref: Run, other: Run) -> Optional[str]:
-    """None if ``other`` trained exactly as ``ref`` did (every loss, the final params and FP32
-    values bit for bit), else what differs."""
+    """None if ``other`` trained bit for bit as ``ref`` (losses, params, FP32), else what."""
     for name, x, y in (("training losses", ref.train_loss, other.train_loss),
                        ("validation losses", ref.eval_loss, other.eval_loss)):
         if x != y:
@@ -478,8 +454,7 @@ def same_training(ref: Run, other: Run) -> Optional[str]:
 
 
 def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
-    """The noise band (the reference's mean ± its seed-to-seed range) and each mode's place in
-    it, from each mode's final loss per seed; criteria: docs/lean_state.md."""
+    """The noise band and each mode's place in it (criteria: docs/lean_state.md)."""
     ref = finals["master"]
     center, half = sum(ref) / len(ref), max(ref) - min(ref)
     modes = {}
@@ -495,9 +470,7 @@ def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
 
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
                train_data, val_batches, modes: List[str], fp32_gemm: bool) -> dict:
-    """Pretrains once in FP32, fine-tunes in every lean mode for each seed and checks the
-    remainder runs against the reference bit for bit, if training is deterministic here: a
-    second reference run of seed 0 tells (otherwise the check is skipped, and said so)."""
+    """Pretrains in FP32, fine-tunes every lean mode and seed, checks remainders bitwise."""
     modes = [k for k in LEAN_KEYS if k in modes or k == "master"]
     kw = dict(fp32_gemm=fp32_gemm)
     with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1),
@@ -598,8 +571,7 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
 
 
 def plot_lean(path, res: dict, seeds: int, title: str):
-    """The mean validation loss of every lean mode with the noise band; each mode's difference
-    from the reference (symlog)."""
+    """The lean modes' mean validation loss with the noise band, and Δ (symlog)."""
     runs = res["runs"]
     steps = runs["master"][0].eval_steps
 

@@ -1,9 +1,4 @@
-"""Gradient norm: ``mpext.ops.grad_norm`` against the norm ``clip_grad_norm_`` computes
-(``torch.nn.utils.get_total_norm``), plain and after unscaling, in the same run on the same
-device. Method, cases and columns: benchmarks/README.md, "Gradient norm".
-
-    python -m benchmarks.bench_grad_norm [--quick] [--device auto|cpu|cuda]
-"""
+"""Gradient norm: mpext grad_norm vs clip_grad_norm_'s (benchmarks/README.md)."""
 import math
 import sys
 
@@ -47,9 +42,7 @@ def _rel(a, b):
 
 
 def _errors(grads, inv_t):
-    """Relative errors against float64 of mpext's norm (at most 1e-6, or the benchmark fails)
-    and of torch's on the gradients' own dtype (as clip_grad_norm_ would run), without and
-    with inv_scale."""
+    """Relative errors vs float64 of mpext's norm (≤ 1e-6 asserted) and torch's."""
     errs = {}
     for key, scale in (("plain", None), ("inv", inv_t.item())):
         want = _ref64(grads, scale)

@@ -1,9 +1,4 @@
-"""Loss scaler: ``mpext.unscale_`` against ``torch._amp_foreach_non_finite_check_and_unscale_``
-on a large and a many-tensor gradient list, in the same run on the same device. Method,
-cases and columns: benchmarks/README.md, "Loss scaler".
-
-    python -m benchmarks.bench_scaler [--quick] [--device auto|cpu|cuda]
-"""
+"""Loss scaler: mpext.unscale_ vs torch's AMP unscale (benchmarks/README.md, "Loss scaler")."""
 import math
 import random
 import sys
@@ -40,8 +35,7 @@ CASES = [  # key, list, scaled (inv_scale 0.5 / 2; else 1: check only), group, t
 
 
 def _make_fns(grads, found, inv):
-    """(mpext fn, torch fn) unscaling ``grads`` by ``inv()``; torch's as GradScaler._unscale_grads_
-    does it: one call per dtype, in first-seen order (grouped once, outside the timed calls)."""
+    """(mpext fn, torch fn: one call per dtype, as GradScaler) unscaling by ``inv()``."""
     groups = [[t for t in grads if t.dtype == d] for d in dict.fromkeys(t.dtype for t in grads)]
 
     def f_t():

@@ -1,10 +1,4 @@
-"""Training step, end to end: gpt.py's model trained in twelve modes (FP32, native AMP, mpext),
-the same model, data and seeds, timed per iteration, with the peak memory and the persistent
-bytes per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes,
-columns and files: benchmarks/README.md, "Training step".
-
-    python -m benchmarks.bench_train [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
-"""
+"""Training step end to end, twelve modes: time and memory (benchmarks/README.md)."""
 import dataclasses
 import itertools
 import sys
@@ -119,8 +113,7 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm):
 
 
 def _main_per_param(m):
-    """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
-    counts and cached lr tensors, some 0.003 B/param here, left out)."""
+    """Weights + gradients + masters + optimizer states + EMA per param."""
     return sum(m["persistent_bytes_per_param"][p] for p in MAIN_PARTS)
 
 

@@ -1,8 +1,4 @@
-"""The training modes bench_train, bench_convergence and measure_q8_codes compare, written once
-(``MODES``: a mode's param dtype, native AMP's autocast, optimizer and loss scaler) and
-``Trainer``, a mode's optimizer and scaler over a model's params and its ``train_step``. A mode
-with mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer
-options."""
+"""The training modes and their ``Trainer`` (benchmarks/README.md, "Files")."""
 import dataclasses
 from typing import Optional
 
@@ -22,9 +18,7 @@ SR = dict(master_weights=False, stochastic_rounding=True)
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How a mode trains: the params' dtype, autocast's (native AMP), the optimizer's kind (see
-    ``Trainer``), dynamic loss scaling, the matching ``mpext.memory`` mode, and options for the
-    optimizer (``mpext.optim.AdamW``'s lean state)."""
+    """How a mode trains: dtypes, optimizer kind, loss scaling, memory mode, optimizer options."""
 
     param_dtype: torch.dtype
     autocast: Optional[torch.dtype]
@@ -34,8 +28,7 @@ class Mode:
     options: dict = dataclasses.field(default_factory=dict)
 
     def memory_estimate(self, params, **shape) -> "memory.Breakdown":
-        """``mpext.memory.estimate`` of this mode with AdamW for ``params``, with its EMA if it
-        keeps one; ``shape``: the activation estimate's arguments."""
+        """``mpext.memory.estimate`` of this mode with AdamW (and its EMA) for ``params``."""
         return memory.estimate([p.numel() for p in params], "adamw", self.memory_mode,
                                ema=self.options.get("ema_decay") is not None, **shape)
 
@@ -68,10 +61,7 @@ MODES = {
 
 
 class Trainer:
-    """An optimizer and a loss scaler over ``params``, by ``kind``: ``"torch"`` (``inner``, and
-    a torch GradScaler if ``scaled``), ``"mpext-wrapper"`` (``MixedPrecisionOptimizer(inner)``,
-    a dynamic scale if ``scaled``) or ``"mpext-optim"`` (``mpext.optim.AdamW``, and an
-    ``mpext.GradScaler`` if ``scaled``); ``autocast``: native AMP's compute dtype or None."""
+    """A mode's optimizer and scaler over ``params``: torch, mpext-wrapper or mpext-optim."""
 
     def __init__(self, params, kind: str = "torch", *, scaled: bool = False,
                  inner=torch.optim.AdamW, fused: bool = False,
@@ -124,10 +114,7 @@ class Trainer:
                 group["lr"] = lr
 
     def train_step(self, x, y, zero_grad: bool = True):
-        """One training step of ``.model`` on a batch: forward under the mode's autocast,
-        backward, the step with the scaler's skip test and update, then (``zero_grad``) the
-        gradients set to None. Returns (the loss, MixedPrecisionOptimizer.step's result:
-        whether the step was applied, on the device; else None)."""
+        """Forward, backward, the step and update; returns (loss, whether applied or None)."""
         with self.autocast():
             _, loss = self.model(x, y)
         applied = None

@@ -15,7 +15,7 @@ its own timeout (cut to what is left of --budget), so that a hung phase still le
            MPEXT_FORCE_CUDA=0 when none is                                    -> build.log
     tests  pytest over tests/ restricted to the CUDA tests (-k cuda: the
            `cuda` device parameter and the tests named for CUDA)              -> tests.log, junit.xml
-    bench  benchmarks/run_all.py --quick --device cuda (GPU only)             -> bench.log,
+    bench  python -m benchmarks.run_all --quick --device cuda (GPU only)      -> bench.log,
                                                                                  bench.md, bench.json
 and summary.md, which says what ran, what was cut or skipped and why. At most 8 files, flat in
 DIR, named in letters, digits and ._- alone. Exits 0 when every phase that ran passed.
@@ -128,7 +128,7 @@ def plan(py, gpu, out, bench_dir):
                              "-p", "no:cacheprovider", "--continue-on-collection-errors",
                              "--junitxml", os.path.join(out, "junit.xml")], "tests.log", {}))
     if gpu:
-        phases.append(("bench", [py, "benchmarks/run_all.py", "--quick", "--device", "cuda",
+        phases.append(("bench", [py, "-m", "benchmarks.run_all", "--quick", "--device", "cuda",
                                  "--no-progress", "--no-plots", "--out", bench_dir],
                        "bench.log", {}))
     else:
