@@ -4,9 +4,9 @@ import sys
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
-from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same,
-                     figure_title, fmt_count, fmt_ms, free_memory, load_average, markdown_table,
-                     pct, peak_memory_many, plot_lines, require_kernel, run_standalone, yes_no)
+from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same, figure_title,
+                     fmt_count, fmt_ms, free_memory, load_average, markdown_table, pct,
+                     peak_memory_many, plot_lines, require_kernel, run_standalone, yes_no)
 
 NAME = "bench_adam"
 TITLE = "Optimizer step: mpext's fused steps (rules x formats) vs PyTorch AMP"
@@ -20,11 +20,29 @@ SPEED_TARGET, COPY_TARGET = 1.3, 0.80
 ROOF_NAME = {"frac_copy_best": "copy", "frac_inplace_same_rounds": "in-place"}
 
 
-def _metrics(case, times, n, modes, roof, inplace_n, peaks=None):
-    """One case's rows of ``_rule_modes``' modes: timing, bytes, speed, bytes bound, rooflines."""
+def _metrics(rule, case, times, n, roof, inplace_n, peaks=None):
+    """One case's rows: per format and native (key -> (label, state B/param, step B/param,
+    baseline, target: (x, fraction, field))) timing, bytes, speed, bytes bound, rooflines."""
     same = times["inplace"].gbps(8.0 * inplace_n)
     out = {"case": case, "params": n, "inplace_gbps_same_rounds": same,
-           "inplace": times["inplace"].to_json(), "modes": {}}
+           "inplace": times["inplace"].to_json(), "modes": {}, "group": rule}
+    modes = {}
+    best = min(_natives(rule)[:1] + list(NATIVE_VARIANTS if rule == "adamw" else ()),
+               key=lambda k: times[k].median)  # AdamW's default: against the fastest native
+    for key in list(FMT) + _natives(rule):
+        if key.startswith("native"):
+            label = "torch.amp.GradScaler + %s, fp32 params%s" % (
+                NATIVE_VARIANTS[key][0] if key in NATIVE_VARIANTS else RULES[rule][4],
+                " + fp32 EMA (torch._foreach_lerp_)" if key == "native_ema" else "")
+            modes[key] = (label,) + _native_bytes(rule, key) + ("native", None)
+        elif rule == "adamw" and key == "master":
+            modes[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
+                best, (SPEED_TARGET, COPY_TARGET, "frac_copy_best"))
+        else:
+            tgt = FMT[key][4] if rule == "adamw" else None
+            modes[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
+                "native_ema" if FMT[key][3] else "native",
+                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
     for key, (label, state, step, base, target) in modes.items():
         t = times[key]
         gb = t.gbps(step * n)
@@ -78,28 +96,6 @@ def _report(b: Bench, results):
                            "ns/param", "GB/s", "% in-place (same rounds)", "% in-place (best)",
                            "% copy (best)", "vs baseline", "bytes bound", "cores busy",
                            "peak MiB", "target", "met"], rows)
-
-
-def _rule_modes(rule, times):
-    """key -> (label, state B/param, step B/param, baseline, target: (x, fraction, field))."""
-    out = {}
-    best = min(_natives(rule)[:1] + list(NATIVE_VARIANTS if rule == "adamw" else ()),
-               key=lambda k: times[k].median)
-    for key in list(FMT) + _natives(rule):
-        if key.startswith("native"):
-            label = "torch.amp.GradScaler + %s, fp32 params%s" % (
-                NATIVE_VARIANTS[key][0] if key in NATIVE_VARIANTS else RULES[rule][4],
-                " + fp32 EMA (torch._foreach_lerp_)" if key == "native_ema" else "")
-            out[key] = (label,) + _native_bytes(rule, key) + ("native", None)
-        elif rule == "adamw" and key == "master":
-            out[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
-                best, (SPEED_TARGET, COPY_TARGET, "frac_copy_best"))
-        else:
-            tgt = FMT[key][4] if rule == "adamw" else None
-            out[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
-                "native_ema" if FMT[key][3] else "native",
-                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
-    return out
 
 
 SIZES_FULL = [16 << 20, 64 << 20]
@@ -308,13 +304,13 @@ def run(ctx) -> dict:
             peaks = peak_memory_many(fns, dev)
         times = ctx.time_fns(fns, desc=label)
         checks[label] = prob.after_timing_checks()
-        raw.append((rule, label, times, n, _rule_modes(rule, times), peaks))
+        raw.append((rule, label, times, n, peaks))
         del prob, fns
         free_memory(dev)
         b.phase(label)
     roof = b.end_roofline()
-    results = [dict(_metrics(label, t, n, modes, roof, roof_numel, peaks), group=rule)
-               for rule, label, t, n, modes, peaks in raw]
+    results = [_metrics(rule, label, t, n, roof, roof_numel, peaks)
+               for rule, label, t, n, peaks in raw]
     load_end = load_average()
     md = []
     if load_start and load_end:

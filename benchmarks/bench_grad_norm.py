@@ -5,8 +5,8 @@ import sys
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from .common import (Alternate, Bench, check, fmt_ms, free_memory, gpt2_shapes,
-                     markdown_table, pair_metrics, pct, require_kernel, run_standalone)
+from .common import (Alternate, Bench, check, fmt_ms, free_memory, gpt2_shapes, markdown_table,
+                     pair_metrics, pct, require_kernel, run_standalone)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"

@@ -6,9 +6,8 @@ import sys
 import torch
 
 from mpext import memory
-from .common import (MiB, Bench, check, figure_title, fmt_ms, free_memory,
-                     markdown_table, peak_memory_many, pyplot, ratio,
-                     run_standalone, save_figure)
+from .common import (MiB, Bench, check, figure_title, fmt_ms, free_memory, markdown_table,
+                     peak_memory_many, pyplot, ratio, run_standalone, save_figure)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 from . import training
 

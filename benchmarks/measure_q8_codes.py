@@ -111,17 +111,12 @@ def guard_factor(b1: float, b2: float) -> float:
     return 0.0 if r >= 1 else (1 - b2) * (1 - r) / (1 - b1) ** 2
 
 
-# --convergence: key, label, training.MODES key, Trainer options; bench_convergence's loop
-CONVERGENCE = [
-    ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)", "fp32", {}),
-    ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments", "mpext_optim_bf16",
-     {}),
-    ("mpext-remainder-8bit", "mpext AdamW, BF16 params, remainder + 8-bit moments",
-     "mpext_bf16_remainder_8bit", {}),
-    ("mpext-sr-8bit", "mpext AdamW, BF16 params, no master (SR) + 8-bit moments",
-     "mpext_bf16_sr_8bit", {}),
-    ("torchao-8bit", "torchao.optim.AdamW8bit, FP32 params", "fp32", dict(block_size=256)),
-]
+# --convergence: key, training.MODES key (the reference: torch's AdamW on FP32 params; mpext's
+# on BF16 params), Trainer options (torchao: its AdamW8bit on FP32 params)
+CONVERGENCE = [("torch-fp32", "fp32", {}), ("mpext-master", "mpext_optim_bf16", {}),
+               ("mpext-remainder-8bit", "mpext_bf16_remainder_8bit", {}),
+               ("mpext-sr-8bit", "mpext_bf16_sr_8bit", {}),
+               ("torchao-8bit", "fp32", dict(block_size=256))]
 
 
 def train(args, data, mode, seed, base, options=None, on_step=None):
@@ -141,7 +136,7 @@ def train(args, data, mode, seed, base, options=None, on_step=None):
 def convergence(args, data):
     """Per mode the final validation losses of ``--seeds`` seeds."""
     out = {}
-    for mode, _, base, options in CONVERGENCE:
+    for mode, base, options in CONVERGENCE:
         if mode == "torchao-8bit":
             try:
                 from torchao.optim import AdamW8bit
@@ -209,15 +204,15 @@ def update_error(snapshots, mcode, vcode, block, guard):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--block", type=int, default=256)
-    ap.add_argument("--preset", default="q8", help="tiny, small, or q8 (3 layers, 128 wide)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--seeds", type=int, default=2, help="seeds per --convergence mode")
-    ap.add_argument("--convergence", action="store_true",
-                    help="train with the real optimizers instead (see the docstring)")
-    ap.add_argument("--out", default="results/measure_q8_codes.json")
+    a = ap.add_argument
+    a("--steps", type=int, default=300)
+    a("--block", type=int, default=256)
+    a("--preset", default="q8", help="tiny, small, or q8 (3 layers, 128 wide)")
+    a("--lr", type=float, default=2e-3)
+    a("--seed", type=int, default=1234)
+    a("--seeds", type=int, default=2, help="seeds per --convergence mode")
+    a("--convergence", action="store_true", help="train the real optimizers instead")
+    a("--out", default="results/measure_q8_codes.json")
     args = ap.parse_args()
     args.snapshot_steps = {args.steps // 8, args.steps // 2, args.steps}
     torch.set_num_threads(1)

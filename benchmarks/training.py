@@ -61,44 +61,34 @@ MODES = {
 
 
 class Trainer:
-    """A mode's optimizer and scaler over ``params``: torch, mpext-wrapper or mpext-optim."""
-
-    def __init__(self, params, kind: str = "torch", *, scaled: bool = False,
-                 inner=torch.optim.AdamW, fused: bool = False,
-                 autocast: Optional[torch.dtype] = None, scaler_options: Optional[dict] = None,
-                 **optim_options):
-        self.params = list(params)
-        self.kind, self.autocast_dtype = kind, autocast
-        self.device_type = self.params[0].device.type
-        scaler_options, self.scaler = scaler_options or {}, None
-        if kind == "torch":
-            self.opt = inner(self.params, **optim_options, **({"fused": True} if fused else {}))
-            if scaled:
-                self.scaler = torch.amp.GradScaler(self.device_type, **scaler_options)
-        elif kind == "mpext-wrapper":
-            self.opt = mpext.MixedPrecisionOptimizer(
-                inner(self.params, **optim_options),
-                **(dict(loss_scale="dynamic", **scaler_options) if scaled else
-                   dict(loss_scale=None)))
-            self.scaler = self.opt.scaler
-        elif kind == "mpext-optim":
-            self.opt = mpext.optim.AdamW(self.params, **optim_options)
-            if scaled:
-                self.scaler = mpext.GradScaler(self.device_type, **scaler_options)
-        else:
-            raise ValueError("Trainer: unknown kind %r" % (kind,))
+    """A mode's model, optimizer and scaler (``for_mode``) and its training step."""
 
     @classmethod
-    def for_mode(cls, key: str, model: torch.nn.Module, device=None, **options) -> "Trainer":
-        """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``), with the
-        mode's optimizer (and its options) and scaler."""
-        mode = MODES[key]
-        model.to(device=device, dtype=mode.param_dtype)
-        if not mode.scaled:
-            options.pop("scaler_options", None)
-        tr = cls(model.parameters(), mode.kind, scaled=mode.scaled, autocast=mode.autocast,
-                 **dict(mode.options, **options))
-        tr.model = model
+    def for_mode(cls, key: str, model: torch.nn.Module, device=None, *,
+                 inner=torch.optim.AdamW, fused: bool = False,
+                 scaler_options: Optional[dict] = None, **options) -> "Trainer":
+        """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``) with the
+        mode's optimizer (``inner``, ``MixedPrecisionOptimizer(inner)`` or
+        ``mpext.optim.AdamW``, given the mode's and these ``options``) and, if it scales the
+        loss, its scaler (torch's, the wrapper's dynamic scale or ``mpext.GradScaler``)."""
+        tr, mode = cls(), MODES[key]
+        tr.model = model.to(device=device, dtype=mode.param_dtype)
+        tr.params, tr.kind, tr.autocast_dtype = list(model.parameters()), mode.kind, mode.autocast
+        tr.device_type, tr.scaler = tr.params[0].device.type, None
+        scaler_options, options = scaler_options or {}, dict(mode.options, **options)
+        if mode.kind == "torch":
+            tr.opt = inner(tr.params, **options, **({"fused": True} if fused else {}))
+            if mode.scaled:
+                tr.scaler = torch.amp.GradScaler(tr.device_type, **scaler_options)
+        elif mode.kind == "mpext-wrapper":
+            tr.opt = mpext.MixedPrecisionOptimizer(
+                inner(tr.params, **options), **(dict(loss_scale="dynamic", **scaler_options)
+                                                if mode.scaled else dict(loss_scale=None)))
+            tr.scaler = tr.opt.scaler
+        else:  # "mpext-optim"
+            tr.opt = mpext.optim.AdamW(tr.params, **options)
+            if mode.scaled:
+                tr.scaler = mpext.GradScaler(tr.device_type, **scaler_options)
         return tr
 
     def autocast(self):
