@@ -33,9 +33,7 @@ MODES = [  # key, label, short label, plot colour and line style
 MODE_KEYS = [m[0] for m in MODES]
 MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 
-# The lean study: mpext.optim.AdamW on BF16 params (training.MODES[LEAN_BASE]) with these
-# options. Criterion: "reference"; "exact" (bitwise the reference); "band" (mean final loss
-# within the reference's noise band); "cautionary" (expected worse).
+# The lean study: mpext.optim.AdamW on BF16 params with these options; criteria: lean_state.md
 LEAN_BASE = "mpext_optim_bf16"
 LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
     ("master", "FP32 master (reference)", "FP32 master", "black", "-", {}, "reference"),
@@ -62,9 +60,7 @@ STYLE = {m[0]: (m[3], m[4]) for m in MODES + LEAN_MODES}
 TOLERANCE = 0.02        # modes 4 and 5 within 2% of FP32; mode 6 worse by more than this
 LOW_LR_FACTOR = 0.1     # the second setting, when mode 6 is not worse in the main one
 LOW_LR_MODES = ("fp32", "mpext_bf16", "bf16_naive")
-# CPU: one torch thread unless --threads says otherwise. The model is too small to gain from a
-# second thread, and on a shared machine a parallel region waits for descheduled threads.
-CPU_THREADS = 1
+CPU_THREADS = 1  # unless --threads says otherwise (benchmarks/README.md, "Convergence")
 
 
 @dataclasses.dataclass

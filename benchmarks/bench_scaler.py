@@ -81,8 +81,7 @@ def run(ctx) -> dict:
     one = torch.ones((), dtype=FP32, device=dev)
     alts = {name: Alternate(0.5, 2.0, dev) for name in lists}
     refs = {name: [t.clone() for t in grads] for name, grads in lists.items()}
-    # Peak memory, in place on both sides (expected 0); not with --quick, where starting the
-    # profiler costs seconds of the suite's budget.
+    # peak memory (in place: expected 0), not with --quick (README)
     peaks = {} if ctx.quick else peak_pairs(
         {name: _make_fns(grads, found, alts[name]) for name, grads in lists.items()}, dev)
     b.phase("peak_memory")
@@ -97,8 +96,7 @@ def run(ctx) -> dict:
                                       * (2 if scaled else 1),),
                           (sum(t.numel() for t in lists[ln]), len(lists[ln])))
         b.phase(group)
-    # After the timed calls every tensor must hold exactly its starting values x 1 or x 0.5
-    # (x0.5 / x2 are exact for normal numbers): no drift towards zero, no subnormals.
+    # after the timed calls every tensor holds exactly its starting values x 1 or x 0.5
     drift = {}
     for name, grads in lists.items():
         f = alts[name].factor()

@@ -39,8 +39,7 @@ LABEL = {k: lab for k, lab, _ in MODES}
 SHORT = {k: s for k, _, s in MODES}
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
-# (label, gpt.py preset, batch size, GPTConfig overrides) per run kind. "gpt2-body": GPT-2
-# small's 12 layers x 768 on the character vocabulary (85M params).
+# (label, gpt.py preset, batch size, GPTConfig overrides) per run kind (README, "Sizes")
 _GPT2_BODY = ("gpt2-body", "gpu", 16, dict(n_layer=12, n_head=12, n_embd=768))
 _WIDE = ("wide", "small", 1, dict(n_layer=4, n_head=8, n_embd=512, block_size=32))
 SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {}), _WIDE],
@@ -137,8 +136,7 @@ def run(ctx) -> dict:
                 got, want = m["persistent_bytes"][part], m["predicted"][part]
                 check(got == want, "%s, %s: %s measured %d bytes, mpext.memory predicts %d"
                       % (res["preset"], k, part, got, want))
-        # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the
-        # CPU, faster on a GPU; its persistent memory per param no more than AMP BF16's.
+        # the targets (benchmarks/README.md), reported, never asserted
         mp, amp = res["modes"]["mpext_bf16"], res["modes"]["amp_bf16"]
         res["target_speed_met"] = b.target(
             mp["vs_amp_bf16"] > 1.0 if ctx.is_cuda else mp["vs_amp_bf16"] >= 1.0,

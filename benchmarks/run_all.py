@@ -8,8 +8,7 @@ import traceback
 from .common import (Context, add_common_args, load_average, machine_header, write_json,
                      write_text)
 
-# Each module exposes NAME and run(ctx) -> dict with "markdown", "json", "files", "seconds",
-# "targets_missed" (common.Bench.finish). Add new benchmarks here.
+# Each exposes NAME and run(ctx) -> common.Bench.finish's dict (README, "Adding a benchmark").
 BENCHMARKS = ["bench_cast", "bench_scaler", "bench_adam", "bench_distributed", "bench_train",
               "bench_grad_norm", "bench_convergence"]
 

@@ -9,8 +9,7 @@ from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _REM = dict(param_remainders=True)
-# mpext.optim.AdamW's option sets (BF16 moments; no master, stochastic rounding), which
-# bench_convergence's lean modes combine too
+# mpext.optim.AdamW's option sets, which bench_convergence's lean modes combine too
 BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 _Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 SR = dict(master_weights=False, stochastic_rounding=True)
