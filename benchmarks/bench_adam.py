@@ -1,23 +1,12 @@
-"""Optimizer step: every rule of mpext.optim (AdamW, Lion, SGD) in every param/moment format
-under a GradScaler against the rule's native optimizer under torch.amp.GradScaler (for AdamW:
-fused, foreach and for-loop), in the same run on the same device. Method, bytes counted and
-columns: benchmarks/README.md, "Optimizer step".
-
-    python -m benchmarks.bench_adam [--quick] [--device auto|cpu|cuda]
-"""
-if not __package__:  # run by path (python benchmarks/bench_adam.py): as the package module
-    import os, runpy, sys  # noqa: E401
-    sys.path[0] = os.path.dirname(sys.path[0])
-    runpy.run_module("benchmarks.bench_adam", run_name="__main__")
-    sys.exit()
+"""Optimizer step: mpext.optim's rules x formats vs native AMP (benchmarks/README.md)."""
 import sys
 
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
-from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same,
-                     figure_title, fmt_count, fmt_ms, free_memory, load_average, markdown_table,
-                     pct, peak_memory_many, plot_lines, require_kernel, run_standalone, yes_no)
+from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same, figure_title,
+                     fmt_count, fmt_ms, free_memory, load_average, markdown_table, pct,
+                     peak_memory_many, plot_lines, require_kernel, run_standalone, yes_no)
 
 NAME = "bench_adam"
 TITLE = "Optimizer step: mpext's fused steps (rules x formats) vs PyTorch AMP"
@@ -26,21 +15,34 @@ LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
 HYPER = dict(lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY)
 EMA_DECAY = 0.999  # the EMA rows and their native counterparts
 GRAD_STD, PARAM_STD = 1e-3, 0.02
-# AdamW's default format (fp32 master + moments): >= 1.3x the best native AdamW and >= 80% of
-# the copy roofline; reported, never asserted
+# AdamW's default format: >= 1.3x the best native AdamW, >= 80% of the copy roofline (reported)
 SPEED_TARGET, COPY_TARGET = 1.3, 0.80
 ROOF_NAME = {"frac_copy_best": "copy", "frac_inplace_same_rounds": "in-place"}
 
 
-def _metrics(case, times, n, modes, roof, inplace_n, peaks=None):
-    """One case's rows: per mode (key -> (label, state B/param
-    or None, step B/param, baseline key, target: (x baseline, roofline fraction, its field) or
-    None)) timing, bytes, GB/s, speed and bytes bound against its baseline, the fractions of
-    the run's best rooflines and of the in-place roofline's buffer of ``inplace_n`` elements
-    timed in the same rounds."""
+def _metrics(rule, case, times, n, roof, inplace_n, peaks=None):
+    """One case's rows: per format and native (key -> (label, state B/param, step B/param,
+    baseline, target: (x, fraction, field))) timing, bytes, speed, bytes bound, rooflines."""
     same = times["inplace"].gbps(8.0 * inplace_n)
     out = {"case": case, "params": n, "inplace_gbps_same_rounds": same,
-           "inplace": times["inplace"].to_json(), "modes": {}}
+           "inplace": times["inplace"].to_json(), "modes": {}, "group": rule}
+    modes = {}
+    best = min(_natives(rule)[:1] + list(NATIVE_VARIANTS if rule == "adamw" else ()),
+               key=lambda k: times[k].median)  # AdamW's default: against the fastest native
+    for key in list(FMT) + _natives(rule):
+        if key.startswith("native"):
+            label = "torch.amp.GradScaler + %s, fp32 params%s" % (
+                NATIVE_VARIANTS[key][0] if key in NATIVE_VARIANTS else RULES[rule][4],
+                " + fp32 EMA (torch._foreach_lerp_)" if key == "native_ema" else "")
+            modes[key] = (label,) + _native_bytes(rule, key) + ("native", None)
+        elif rule == "adamw" and key == "master":
+            modes[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
+                best, (SPEED_TARGET, COPY_TARGET, "frac_copy_best"))
+        else:
+            tgt = FMT[key][4] if rule == "adamw" else None
+            modes[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
+                "native_ema" if FMT[key][3] else "native",
+                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
     for key, (label, state, step, base, target) in modes.items():
         t = times[key]
         gb = t.gbps(step * n)
@@ -96,33 +98,6 @@ def _report(b: Bench, results):
                            "peak MiB", "target", "met"], rows)
 
 
-def _rule_modes(rule, times):
-    """A rule's formats and natives as ``_metrics`` modes (AdamW's formats carry targets; its
-    default's baseline is the fastest native variant)."""
-    out = {}
-    best = min(_natives(rule)[:1] + list(NATIVE_VARIANTS if rule == "adamw" else ()),
-               key=lambda k: times[k].median)
-    for key in list(FMT) + _natives(rule):
-        if key.startswith("native"):
-            label = "torch.amp.GradScaler + %s, fp32 params%s" % (
-                NATIVE_VARIANTS[key][0] if key in NATIVE_VARIANTS else RULES[rule][4],
-                " + fp32 EMA (torch._foreach_lerp_)" if key == "native_ema" else "")
-            out[key] = (label,) + _native_bytes(rule, key) + ("native", None)
-        elif rule == "adamw" and key == "master":
-            out[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
-                best, (SPEED_TARGET, COPY_TARGET, "frac_copy_best"))
-        else:
-            tgt = FMT[key][4] if rule == "adamw" else None
-            out[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
-                "native_ema" if FMT[key][3] else "native",
-                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
-    return out
-
-
-# The whole step as a user runs it, ``scaler.step(opt); scaler.update()`` under a GradScaler at
-# scale 1 (BF16 training), for every rule in every param/moment format, against the rule's
-# native optimizer on fp32 params and the in-place roofline, in the same rounds.
-
 SIZES_FULL = [16 << 20, 64 << 20]
 SIZES_QUICK = [16 << 20]
 CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
@@ -137,40 +112,27 @@ def _lion(params, hyper):
     return Lion(params, **hyper)
 
 
-# rule -> (mpext.optim class, the moments' dtype options, hyperparameters, the native optimizer
-# on fp32 params (None: imported on use), its label, the bytes per param its step moves after
-# torch GradScaler's inf check (8: reads and writes back the fp32 grads), its state bytes)
+# rule -> (mpext.optim class, its moments' options, hyperparameters, the native optimizer, its
+# label, its step's bytes per param after the inf check and its state's; README: "native")
 RULES = {
     "adamw": ("AdamW", ("exp_avg_dtype", "exp_avg_sq_dtype"), HYPER,
-              lambda ps, h: torch.optim.AdamW(ps, fused=True, **h), "AdamW(fused=True)",
-              # reads param, grad, m, v; writes param, m, v and the unscaled grad
-              32, 8),
+              lambda ps, h: torch.optim.AdamW(ps, fused=True, **h), "AdamW(fused=True)", 32, 8),
     "lion": ("Lion", ("exp_avg_dtype",), dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2),
-             _lion, "lion-pytorch Lion",
-             # not fused: the scaler's unscale_ and found_inf.item(), then p.mul_ 8, clone m 8,
-             # mul_ 8, add(g) 12, sgn_ 8, p.add_ 12, m.mul_ 8, m.add_(g) 12
-             76, 4),
+             _lion, "lion-pytorch Lion", 76, 4),
     "sgd": ("SGD", ("momentum_dtype",), dict(lr=1e-3, momentum=0.9, weight_decay=1e-2),
-            lambda ps, h: torch.optim.SGD(ps, fused=True, **h), "SGD(momentum, fused=True)",
-            # reads param, grad, buffer; writes param, buffer and the unscaled grad
-            24, 4),
+            lambda ps, h: torch.optim.SGD(ps, fused=True, **h), "SGD(momentum, fused=True)", 24, 4),
 }
 NATIVE_CHECK_BYTES = 8
-# AdamW's other native variants: key -> (label, options). Both run the same per-tensor ops
-# after the scaler's unscale_ and found_inf.item(): mul_ p 8, lerp_ m,g 12, mul_ v 8,
-# addcmul_ v,g 12, sqrt 8 (a fresh buffer), div_ 8, add_ 8, addcdiv_ p,m,denom 16
+# AdamW's other native variants: key -> (label, options); both step 80 B/param (README)
 NATIVE_VARIANTS = {"native_foreach": ("AdamW(foreach=True)", dict(foreach=True)),
                    "native_forloop": ("AdamW(foreach=False), the for-loop", dict(foreach=False))}
 NATIVE_VARIANT_BYTES = 80
-# param format -> (options, persistent B/param beyond param + grad, B/param of the step's
-# param traffic): a master reads and writes 4 + 4 and writes the param 2; a remainder reads and
-# writes param and remainder 2 + 2 + 2 + 2; none reads and writes the param
+# param format -> (options, persistent B/param beyond param + grad, the step's param traffic)
 PARAM_FORMATS = {"master": ({}, 4, 10), "remainder": (dict(param_remainders=True), 2, 8),
                  "sr": (dict(master_weights=False, stochastic_rounding=True), 0, 4),
                  "rne": (dict(master_weights=False), 0, 4)}
 MOMENT_FORMATS = {"fp32": (FP32, 4), "bf16": (BF16, 2), "q8": (torch.int8, 1)}  # 8/256 scales
-# key, label, param format, moment format, EMA (4 + 4 B/param more in the same pass, compared
-# with native + an EMA), targets (x native, fraction of the in-place roofline) or None
+# key, label, param format, moment format, EMA (vs native + EMA), target (x native, in-place)
 FORMATS = [
     ("master", "fp32 master + fp32 moments (default)", "master", "fp32", False, None),
     ("remainder", "remainder + fp32 moments", "remainder", "fp32", False, None),
@@ -179,7 +141,6 @@ FORMATS = [
     ("sr", "no master, SR + fp32 moments", "sr", "fp32", False, None),
     ("rne", "no master, round to nearest + fp32 moments (cautionary)", "rne", "fp32", False,
      None),
-    # 8-bit moments (docs/moments_8bit.md)
     ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, (2.0, 0.80)),
     ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, (2.5, 0.80)),
     ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
@@ -189,8 +150,7 @@ FMT = {f[0]: f[1:] for f in FORMATS}
 
 
 def _mpext_bytes(rule, fmt):
-    """(persistent, step) B/param of a rule's format: bf16 param and grad, the param format,
-    its moments, the EMA; the step adds the check's 2."""
+    """(persistent, step) B/param of a rule's format, the step with the check's 2."""
     _, pf, mf, ema, _ = FMT[fmt]
     nm, mom = len(RULES[rule][1]), MOMENT_FORMATS[mf][1]
     state, traffic = PARAM_FORMATS[pf][1:]
@@ -203,17 +163,14 @@ def _natives(rule):
 
 
 def _native_bytes(rule, key):
-    """(persistent, step) B/param of a native step on fp32 params; an EMA adds an fp32 copy
-    and torch._foreach_lerp_ on it (what AveragedModel's EMA runs): 4, and 4 + 4 + 4."""
+    """(persistent, step) B/param of a native step on fp32 params (an EMA: 4, 12)."""
     ema, step = key == "native_ema", NATIVE_VARIANT_BYTES if key in NATIVE_VARIANTS else \
         RULES[rule][5]
     return 8 + RULES[rule][6] + 4 * ema, NATIVE_CHECK_BYTES + step + 12 * ema
 
 
 class RuleProblem:
-    """One rule's case of ``n`` params: per format a param, optimizer and scaler (scale 1),
-    one bf16 gradient shared by the mpext formats, the native steppers on fp32 copies, and
-    ``roof_numel``: the in-place roofline's buffer, timed in the same rounds."""
+    """One rule's case of ``n`` params: every format's and native's stepper (README)."""
 
     def __init__(self, rule, n, dev, seed, roof_numel=0):
         cls, mopts, hyper, native, *_ = RULES[rule]
@@ -246,8 +203,7 @@ class RuleProblem:
         self.roof = torch.zeros(roof_numel, dtype=FP32, device=dev) if roof_numel else None
 
     def fns(self):
-        """key -> one training step's optimizer part, ``scaler.step(opt); scaler.update()``;
-        plus ``inplace`` (``x.add_(0.5)`` on the roofline buffer) when there is one."""
+        """key -> ``scaler.step(opt); scaler.update()``, plus ``inplace`` on the roofline buffer."""
         def stepper(key):
             p, opt, scaler = self.steppers[key]
 
@@ -267,8 +223,7 @@ class RuleProblem:
         return out
 
     def after_timing_checks(self):
-        """Every step taken (none skipped), the scales still 1, the shared gradient never
-        written, no state non-finite."""
+        """Every step taken, the scales 1, the gradient unwritten, state finite."""
         tensors = []
         for key, (p, opt, scaler) in self.steppers.items():
             st = opt.state[p]
@@ -291,9 +246,7 @@ class RuleProblem:
 
 
 def _rule_sanity(rule, dev):
-    """One step of every stepper of ``rule`` on 1M + 3 params against the rule's reference
-    (torch's AdamW and SGD with foreach=False, lion-pytorch's Lion) on fp32 copies (the
-    tolerances: benchmarks/README.md, "Optimizer step")."""
+    """One step of every stepper on 1M + 3 params against the rule's reference."""
     prob = RuleProblem(rule, (1 << 20) + 3, dev, seed=98)
     native = prob.steppers["native"][0]
     p_ref = native.detach().clone()
@@ -351,13 +304,13 @@ def run(ctx) -> dict:
             peaks = peak_memory_many(fns, dev)
         times = ctx.time_fns(fns, desc=label)
         checks[label] = prob.after_timing_checks()
-        raw.append((rule, label, times, n, _rule_modes(rule, times), peaks))
+        raw.append((rule, label, times, n, peaks))
         del prob, fns
         free_memory(dev)
         b.phase(label)
     roof = b.end_roofline()
-    results = [dict(_metrics(label, t, n, modes, roof, roof_numel, peaks), group=rule)
-               for rule, label, t, n, modes, peaks in raw]
+    results = [_metrics(rule, label, t, n, roof, roof_numel, peaks)
+               for rule, label, t, n, peaks in raw]
     load_end = load_average()
     md = []
     if load_start and load_end:

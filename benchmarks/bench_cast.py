@@ -1,9 +1,4 @@
-"""Casts: mpext's casts against PyTorch's (``to_bf16``/``to_fp16``/``to_fp32`` vs ``Tensor.to``,
-``cast_`` vs ``copy_`` and ``torch._foreach_copy_``), in the same run on the same device.
-Method, cases and columns: benchmarks/README.md, "Casts".
-
-    python -m benchmarks.bench_cast [--quick] [--device auto|cpu|cuda]
-"""
+"""Casts: mpext's casts vs PyTorch's (benchmarks/README.md, "Casts")."""
 import math
 import sys
 
@@ -32,8 +27,7 @@ LIST_CASES = [("list_bf16", "GPT-2 list fp32→bf16 (cast_ vs _foreach_copy_)"),
 
 
 def _single_fns(x):
-    """key -> (mpext fn, torch fn or None): the out-of-place casts, then the casts into an
-    existing tensor (the kernels without the cost of allocating and faulting in a result)."""
+    """key -> (mpext fn, torch fn or None): out of place, then into existing tensors."""
     xb, xh = x.to(BF16), x.to(FP16)
     db, dh = torch.zeros_like(xb), torch.zeros_like(xh)
     return {"bf16": (lambda: mpext.ops.to_bf16(x), lambda: x.to(BF16)),

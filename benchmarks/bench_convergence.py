@@ -1,12 +1,4 @@
-"""Convergence: does mixed precision train as well as FP32? gpt.py's small character model,
-every run from the same weights, on the same batches, with the same schedule. Study "amp": six
-modes (FP32, native AMP BF16/FP16, mpext BF16/FP16, naive BF16); study "lean": mpext.optim.AdamW's
-lean states fine-tuning a pretrained checkpoint over several seeds, against the FP32-master
-run's noise band. Method, criteria and plots: docs/convergence.md and docs/lean_state.md.
-
-    python -m benchmarks.bench_convergence [--quick] [--device auto|cpu|cuda] [--study all|amp|lean]
-        [--modes ...] [--seeds N]
-"""
+"""Convergence: the amp and lean studies (docs/convergence.md, docs/lean_state.md)."""
 import dataclasses
 import math
 import sys
@@ -41,9 +33,7 @@ MODES = [  # key, label, short label, plot colour and line style
 MODE_KEYS = [m[0] for m in MODES]
 MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 
-# The lean study: mpext.optim.AdamW on BF16 params (training.MODES[LEAN_BASE]) with these
-# options. Criterion: "reference"; "exact" (bitwise the reference); "band" (mean final loss
-# within the reference's noise band); "cautionary" (expected worse).
+# The lean study: mpext.optim.AdamW on BF16 params with these options; criteria: lean_state.md
 LEAN_BASE = "mpext_optim_bf16"
 LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
     ("master", "FP32 master (reference)", "FP32 master", "black", "-", {}, "reference"),
@@ -70,9 +60,7 @@ STYLE = {m[0]: (m[3], m[4]) for m in MODES + LEAN_MODES}
 TOLERANCE = 0.02        # modes 4 and 5 within 2% of FP32; mode 6 worse by more than this
 LOW_LR_FACTOR = 0.1     # the second setting, when mode 6 is not worse in the main one
 LOW_LR_MODES = ("fp32", "mpext_bf16", "bf16_naive")
-# CPU: one torch thread unless --threads says otherwise. The model is too small to gain from a
-# second thread, and on a shared machine a parallel region waits for descheduled threads.
-CPU_THREADS = 1
+CPU_THREADS = 1  # unless --threads says otherwise (benchmarks/README.md, "Convergence")
 
 
 @dataclasses.dataclass
@@ -114,8 +102,7 @@ SETTINGS = {
 
 
 def _finetune(preset, batch, steps, eval_interval, eval_batches):
-    """The lean study's fine-tuning: lr 1e-4 decaying to 1e-5, torch's default betas. Most
-    pretrained weights are large enough that such updates are below half a BF16 ulp."""
+    """The lean study's fine-tuning: lr 1e-4 decaying to 1e-5, torch's default betas."""
     return Setting(preset=preset, batch_size=batch, steps=steps, lr=1e-4, warmup=0,
                    betas=(0.9, 0.999), eval_interval=eval_interval, eval_batches=eval_batches,
                    final_k=2 if steps < 100 else 3, data_seed=8642)
@@ -138,9 +125,7 @@ SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decrea
 
 
 class Run:
-    """One mode's training record: the ``SERIES``; per step ``v_decreased``, the share of
-    exp_avg_sq elements it lowered; ``final``: the grads, or the params, FP32 values (masters
-    or FP32 params) and state at the end."""
+    """One mode's record: the ``SERIES`` (v_decreased: share of v lowered) and ``final``."""
 
     def __init__(self, mode: str, lr: float, seed: Optional[int] = None):
         self.mode, self.lr, self.seed, self.seconds, self.final = mode, lr, seed, 0.0, None
@@ -181,12 +166,7 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
           init: Optional[Dict[str, torch.Tensor]] = None, seed: Optional[int] = None,
           base: Optional[str] = None, options: Optional[dict] = None, on_step=None,
           bar=None) -> Run:
-    """Trains one mode (training.MODES or LEAN_MODES; or ``base``, a training.MODES key, with
-    ``options`` for its Trainer) from the shared weights or ``init`` (then evaluated at step 0
-    too); ``seed``: batch order (and mpext.optim's rounding seed); ``track_moments``: ``Run``'s
-    ``v_decreased``; ``keep_grads`` / ``keep_final``: the last grads / final state;
-    ``on_step(step, trainer)`` after each step. The one training loop of the convergence
-    studies (measure_q8_codes trains on it too)."""
+    """The studies' one training loop (and measure_q8_codes'); README, "Convergence"."""
     lr = st.lr if lr is None else lr
     run = Run(mode, lr, seed)
     if base is None:
@@ -203,14 +183,6 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
                           scaler_options=dict(init_scale=st.init_scale,
                                               growth_interval=st.growth_interval), **options)
     params = tr.params
-    low = params[0].dtype is not torch.float32
-    # an FP32 value to watch: the param itself, or a master mpext's optimizer keeps
-    has_fp32 = not low or (tr.kind == "mpext-optim" and options.get("master_weights", True))
-
-    def fp32_values():
-        return [tr.opt.master_param(p) for p in params] if low else \
-            [p.detach().clone() for p in params]
-
     gen = torch.Generator().manual_seed(st.data_seed + (seed or 0))
     if init is not None:
         run.eval_steps.append(0)
@@ -252,9 +224,12 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - t0
-    if keep_final:
-        run.final = {"params": [p.detach().clone() for p in params],
-                     "fp32": fp32_values() if has_fp32 else None,
+    if keep_final:  # FP32 values: the params, or the masters mpext's optimizer keeps
+        low = params[0].dtype is not torch.float32
+        fp32 = [tr.opt.master_param(p) if low else p.detach().clone() for p in params] \
+            if not low or (tr.kind == "mpext-optim" and options.get("master_weights", True)) \
+            else None
+        run.final = {"params": [p.detach().clone() for p in params], "fp32": fp32,
                      "state": {k: v.detach().float().clone()
                                for k, v in tr.model.state_dict().items()}}
     return run
@@ -266,8 +241,7 @@ FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def underflow_stats(grads: List[torch.Tensor], scale: float):
-    """Fractions of the non-zero FP32 gradient elements that cast to zero / a subnormal in FP16
-    (unscaled, and times ``scale``), to zero in BF16, and overflow FP16 after scaling."""
+    """Fractions of the non-zero FP32 gradients lost to FP16/BF16, unscaled and scaled."""
     g = torch.cat([t.detach().float().flatten() for t in grads]).cpu()
     g = g[g != 0]
     h, hs = g.to(FP16), (g * scale).to(FP16)
@@ -452,76 +426,24 @@ def plot_scale(path, runs: Dict[str, Run], title: str):
 
 INT_OF = {2: torch.int16, 4: torch.int32}  # the integer view of a float's bits
 
-def bits_differ(a: Optional[List[torch.Tensor]], b: Optional[List[torch.Tensor]]) -> int:
-    """The elements whose bits differ between two lists of float tensors (all of them where
-    the lists, dtypes or shapes do not match)."""
-    if a is None or b is None or len(a) != len(b):
-        return max(sum(t.numel() for t in a or []), sum(t.numel() for t in b or []), 1)
-    return sum(max(x.numel(), y.numel(), 1) if x.dtype != y.dtype or x.shape != y.shape else
-               int((x.view(INT_OF[x.element_size()]) != y.view(INT_OF[y.element_size()])).sum())
-               for x, y in zip(a, b))
-
 
 def same_training(ref: Run, other: Run) -> Optional[str]:
-    """None if ``other`` trained exactly as ``ref`` did (every loss, the final params and FP32
-    values bit for bit), else what differs."""
+    """None if ``other`` trained bit for bit as ``ref`` (losses, params, FP32), else what."""
     for name, x, y in (("training losses", ref.train_loss, other.train_loss),
                        ("validation losses", ref.eval_loss, other.eval_loss)):
         if x != y:
             return "the %s differ from #%d on" % (name, next(
                 (i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))))
-    for name in ("params", "fp32"):
-        n = bits_differ(ref.final[name], other.final[name])
+    for name in ("params", "fp32"):  # the elements whose bits differ (all of them: a mismatch)
+        a, c = ref.final[name], other.final[name]
+        n = max(sum(t.numel() for t in a or []), sum(t.numel() for t in c or []), 1) \
+            if a is None or c is None or len(a) != len(c) else sum(
+                max(x.numel(), y.numel(), 1) if x.dtype != y.dtype or x.shape != y.shape else
+                int((x.view(INT_OF[x.element_size()]) != y.view(INT_OF[y.element_size()])).sum())
+                for x, y in zip(a, c))
         if n:
             return "the final %s differ in %d elements" % (name, n)
     return None
-
-
-def lean_verdicts(finals: Dict[str, List[float]]) -> dict:
-    """The noise band (the reference's mean ± its seed-to-seed range) and each mode's place in
-    it, from each mode's final loss per seed; criteria: docs/lean_state.md."""
-    ref = finals["master"]
-    center, half = sum(ref) / len(ref), max(ref) - min(ref)
-    modes = {}
-    for key, xs in finals.items():
-        mean = sum(xs) / len(xs)
-        delta, crit = mean - center, LEAN_CRITERION[key]
-        modes[key] = {"finals": list(xs), "mean": mean, "delta": delta,
-                      "inside": abs(delta) <= half, "criterion": crit,
-                      "met": {"reference": True, "exact": list(xs) == list(ref),
-                              "band": abs(delta) <= half, "cautionary": delta > half}[crit]}
-    return {"center": center, "half_width": half, "modes": modes}
-
-
-def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
-               train_data, val_batches, modes: List[str], fp32_gemm: bool) -> dict:
-    """Pretrains once in FP32, fine-tunes in every lean mode for each seed and checks the
-    remainder runs against the reference bit for bit, if training is deterministic here: a
-    second reference run of seed 0 tells (otherwise the check is skipped, and said so)."""
-    modes = [k for k in LEAN_KEYS if k in modes or k == "master"]
-    kw = dict(fp32_gemm=fp32_gemm)
-    with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1),
-                      desc="lean state") as bar:
-        kw["bar"] = bar
-        base = train("fp32", pre, cfg, train_data, val_batches, ctx.device, keep_final=True, **kw)
-        b.phase("lean_pretrain")
-        kw["init"] = base.final["state"]
-        runs = {k: [train(k, ft, cfg, train_data, val_batches, ctx.device, seed=s,
-                          track_moments=True,
-                          keep_final=LEAN_CRITERION[k] in ("reference", "exact"), **kw)
-                    for s in range(seeds)] for k in modes}
-        repeat = train("master", ft, cfg, train_data, val_batches, ctx.device, seed=0,
-                       keep_final=True, **kw)
-    deterministic = same_training(runs["master"][0], repeat) is None
-    checked = deterministic and "remainder" in runs
-    if checked:
-        for ref, rem in zip(runs["master"], runs["remainder"]):
-            diff = same_training(ref, rem)
-            check(diff is None, "remainder vs master, seed %s: %s" % (rem.seed, diff))
-    b.phase("lean_finetune")
-    return {"pretrain": base, "runs": runs, "deterministic": deterministic,
-            "remainder_checked": checked, "verdict": lean_verdicts(
-                {k: [r.final_loss(ft.final_k) for r in rs] for k, rs in runs.items()})}
 
 
 def _seed_mean(runs: List[Run], attr: str) -> float:
@@ -531,19 +453,49 @@ def _seed_mean(runs: List[Run], attr: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
-                res: dict) -> tuple:
-    """The lean study's Markdown lines and JSON."""
-    v, runs = res["verdict"], res["runs"]
-    center, half = v["center"], v["half_width"]
-    rows = []
+def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str],
+               fp32_gemm: bool, corpus, val_data, fig_title: str):
+    """Pretrains in FP32, fine-tunes every lean mode and seed, checks the remainders bitwise
+    (if training is deterministic here: a second seed-0 reference tells); its Markdown, JSON
+    and plots, with the noise band (the FP32 master's mean ± its seed-to-seed range) and each
+    mode's place in it (criteria: docs/lean_state.md)."""
+    modes = [k for k in LEAN_KEYS if k in modes or k == "master"]
+    train_data, cfg = corpus[2], GPTConfig.preset(ft.preset, len(corpus[1]))
+    val, kw = val_batches(val_data, ft, cfg, ctx.device), dict(fp32_gemm=fp32_gemm)
+    with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1),
+                      desc="lean state") as bar:
+        kw["bar"] = bar
+        base = train("fp32", pre, cfg, train_data, val, ctx.device, keep_final=True, **kw)
+        b.phase("lean_pretrain")
+        kw["init"] = base.final["state"]
+        runs = {k: [train(k, ft, cfg, train_data, val, ctx.device, seed=s,
+                          track_moments=True,
+                          keep_final=LEAN_CRITERION[k] in ("reference", "exact"), **kw)
+                    for s in range(seeds)] for k in modes}
+        repeat = train("master", ft, cfg, train_data, val, ctx.device, seed=0,
+                       keep_final=True, **kw)
+    deterministic = same_training(runs["master"][0], repeat) is None
+    checked = deterministic and "remainder" in runs
+    if checked:
+        for ref, rem in zip(runs["master"], runs["remainder"]):
+            diff = same_training(ref, rem)
+            check(diff is None, "remainder vs master, seed %s: %s" % (rem.seed, diff))
+    b.phase("lean_finetune")
+    verdicts, rows = {}, []
+    ref = [r.final_loss(ft.final_k) for r in runs["master"]]
+    center, half = sum(ref) / len(ref), max(ref) - min(ref)
     for key, rs in runs.items():
-        m = v["modes"][key]
-        crit = m["criterion"]
+        xs = [r.final_loss(ft.final_k) for r in rs]
+        mean, crit = sum(xs) / len(xs), LEAN_CRITERION[key]
+        d = mean - center
+        m = verdicts[key] = {"finals": xs, "mean": mean, "delta": d, "inside": abs(d) <= half,
+                             "criterion": crit, "met": {"reference": True, "exact": xs == ref,
+                                                        "band": abs(d) <= half,
+                                                        "cautionary": d > half}[crit]}
         if crit == "reference":
             verdict = "— (reference)"
         elif crit == "exact":
-            verdict = ("bitwise equal: **yes**" if res["remainder_checked"] else
+            verdict = ("bitwise equal: **yes**" if checked else
                        "bitwise: not checked (training not deterministic here)")
         elif crit == "band":
             verdict = "inside: " + ("yes" if m["met"] else "**no**")
@@ -574,7 +526,7 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
                           "per seed", "Δ vs FP32 master", "criterion",
                           "v lowered / step", "time s / run"],
                          rows), ""]
-    if res["remainder_checked"]:
+    if checked:
         md += ["Every remainder run equals its seed's FP32-master run bit for bit (every loss, "
                "the final params and masters); asserted.", ""]
     elif "remainder" in runs:
@@ -585,22 +537,22 @@ def lean_report(b: Bench, pre: Setting, ft: Setting, seeds: int, cfg: GPTConfig,
                   "step (FP32 moments: %.1f%%): 0.999 v rounds back to v, so v never decays; "
                   "here that %s." % (100 * _seed_mean(runs["bf16m_rtn"], "v_decreased"),
                                      100 * _seed_mean(runs["master"], "v_decreased"),
-                                     "stays inside the band" if v["modes"]["bf16m_rtn"]["inside"]
+                                     "stays inside the band" if verdicts["bf16m_rtn"]["inside"]
                                      else "is outside the band"))
     payload = {"setting": {"pretrain": dataclasses.asdict(pre),
                            "finetune": dataclasses.asdict(ft), "seeds": seeds},
-               "pretrain_run": res["pretrain"].to_json(pre.final_k),
-               "deterministic": res["deterministic"],
-               "remainder_bitwise_checked": res["remainder_checked"],
-               "band": {"center": center, "half_width": half}, "verdict": v["modes"],
+               "pretrain_run": base.to_json(pre.final_k), "deterministic": deterministic,
+               "remainder_bitwise_checked": checked,
+               "band": {"center": center, "half_width": half}, "verdict": verdicts,
                "runs": {k: [r.to_json(ft.final_k) for r in rs] for k, rs in runs.items()}}
-    return md, payload
+    title = fig_title % ("lean optimizer state, GPT preset %s fine-tuned %d steps, %d seeds%s"
+                         % (ft.preset, ft.steps, seeds, " (quick)" if ctx.quick else ""))
+    return md, {"lean": payload}, lambda: [
+        plot_lean(ctx.out_dir / "lean_convergence.png", runs, seeds, title)]
 
 
-def plot_lean(path, res: dict, seeds: int, title: str):
-    """The mean validation loss of every lean mode with the noise band; each mode's difference
-    from the reference (symlog)."""
-    runs = res["runs"]
+def plot_lean(path, runs: Dict[str, List[Run]], seeds: int, title: str):
+    """The lean modes' mean validation loss with the noise band, and Δ (symlog)."""
     steps = runs["master"][0].eval_steps
 
     def mean_curve(rs):
@@ -642,15 +594,6 @@ def add_args(parser):
     return training.add_gemm_arg(parser)
 
 
-def _override(st: Setting, steps: Optional[int], lr: Optional[float]) -> Setting:
-    """``st`` with ``--steps`` and ``--lr`` applied, after checking them."""
-    if steps and steps < 2 * st.eval_interval:
-        raise SystemExit("--steps must be at least %d" % (2 * st.eval_interval))
-    if lr is not None and not lr > 0:
-        raise SystemExit("--lr must be positive")
-    return dataclasses.replace(st, steps=steps or st.steps, lr=lr or st.lr)
-
-
 def _selected(study: str, name: str, keys: List[str], ref: str, named) -> Optional[List[str]]:
     """A study's modes (its reference first), or None when it does not run."""
     keys = [k for k in keys if named is None or k in named]
@@ -665,12 +608,16 @@ def run(ctx) -> dict:
     study, named = getattr(a, "study", None) or "all", getattr(a, "modes", None)
     amp = _selected(study, "amp", MODE_KEYS, "fp32", named)
     lean = _selected(study, "lean", LEAN_KEYS, "master", named)
-    st = _override(SETTINGS[kind], getattr(a, "steps", None), getattr(a, "lr", None))
-    pre, ft = LEAN_SETTINGS[kind]
-    seeds = getattr(a, "seeds", None)
+    st, (pre, ft) = SETTINGS[kind], LEAN_SETTINGS[kind]
+    steps, lr, seeds = (getattr(a, k, None) for k in ("steps", "lr", "seeds"))
+    if steps and steps < 2 * st.eval_interval:
+        raise SystemExit("--steps must be at least %d" % (2 * st.eval_interval))
+    if lr is not None and not lr > 0:
+        raise SystemExit("--lr must be positive")
     if seeds is not None and seeds < 2:
         raise SystemExit("--seeds must be at least 2 (the noise band is their spread)")
-    seeds = seeds or LEAN_SEEDS
+    st, seeds = dataclasses.replace(st, steps=steps or st.steps, lr=lr or st.lr), \
+        seeds or LEAN_SEEDS
     fp32_gemm = training.fp32_gemm(ctx)
     threads_before = torch.get_num_threads()
     if not ctx.is_cuda and not a.threads:
@@ -681,28 +628,14 @@ def run(ctx) -> dict:
         train_data, val_data = split_corpus(data)
         corpus = (data, vocab, train_data, unigram_entropy(train_data))
         b.phase("corpus")
-        md, payload, plots = [], {}, []
         fig_title = "%s: %%s; %s, torch %s" % (
             NAME, ctx.machine["gpu_name"] if ctx.is_cuda else ctx.machine["cpu_model"],
             ctx.machine["torch_version"])
-        if amp is not None:
-            amp_md, amp_payload, amp_plots = amp_study(ctx, b, st, amp, fp32_gemm, corpus,
-                                                       val_data, fig_title)
-            md += amp_md
-            payload.update(amp_payload)
-            plots.append(amp_plots)
-        if lean is not None:
-            cfg = GPTConfig.preset(ft.preset, len(vocab))
-            res = lean_study(ctx, b, pre, ft, seeds, cfg, train_data,
-                             val_batches(val_data, ft, cfg, ctx.device), lean, fp32_gemm)
-            lean_md, payload["lean"] = lean_report(b, pre, ft, seeds, cfg, res)
-            md += lean_md
-            title = fig_title % ("lean optimizer state, GPT preset %s fine-tuned %d steps, %d "
-                                 "seeds%s" % (ft.preset, ft.steps, seeds,
-                                              " (quick)" if ctx.quick else ""))
-            plots.append(lambda: [plot_lean(ctx.out_dir / "lean_convergence.png", res, seeds,
-                                            title)])
-        return b.finish(md, payload, lambda: [f for fn in plots for f in fn()])
+        out = [study(ctx, b, *args, fp32_gemm, corpus, val_data, fig_title) for study, args in (
+            (amp_study, (st, amp)), (lean_study, (pre, ft, seeds, lean))) if args[-1] is not None]
+        return b.finish([x for o in out for x in o[0]], {k: v for o in out for k, v in
+                                                         o[1].items()},
+                        lambda: [f for o in out for f in o[2]()])
     finally:
         torch.set_num_threads(threads_before)
 

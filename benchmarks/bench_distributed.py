@@ -1,10 +1,4 @@
-"""Distributed, on 2 gloo CPU ranks: the per-step cost of ``GradScaler(sync_found_inf=True)``,
-one all-reduce of the inf/NaN flag (a small MLP under DDP), and of 8-bit moments under FSDP2,
-whose blocks two shards share are exchanged at every step (against the same step with FP32
-moments). Method and columns: benchmarks/README.md, "Distributed".
-
-    python -m benchmarks.bench_distributed [--quick]
-"""
+"""Distributed: sync_found_inf and FSDP2 8-bit moments on 2 CPU ranks (benchmarks/README.md)."""
 import os
 import sys
 import tempfile

@@ -1,17 +1,12 @@
-"""Gradient norm: ``mpext.ops.grad_norm`` against the norm ``clip_grad_norm_`` computes
-(``torch.nn.utils.get_total_norm``), plain and after unscaling, in the same run on the same
-device. Method, cases and columns: benchmarks/README.md, "Gradient norm".
-
-    python -m benchmarks.bench_grad_norm [--quick] [--device auto|cpu|cuda]
-"""
+"""Gradient norm: mpext grad_norm vs clip_grad_norm_'s (benchmarks/README.md)."""
 import math
 import sys
 
 import torch
 
 import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
-from .common import (Alternate, Bench, check, fmt_ms, free_memory, gpt2_shapes,
-                     markdown_table, pair_metrics, pct, require_kernel, run_standalone)
+from .common import (Alternate, Bench, check, fmt_ms, free_memory, gpt2_shapes, markdown_table,
+                     pair_metrics, pct, require_kernel, run_standalone)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
@@ -47,9 +42,7 @@ def _rel(a, b):
 
 
 def _errors(grads, inv_t):
-    """Relative errors against float64 of mpext's norm (at most 1e-6, or the benchmark fails)
-    and of torch's on the gradients' own dtype (as clip_grad_norm_ would run), without and
-    with inv_scale."""
+    """Relative errors vs float64 of mpext's norm (≤ 1e-6 asserted) and torch's."""
     errs = {}
     for key, scale in (("plain", None), ("inv", inv_t.item())):
         want = _ref64(grads, scale)
@@ -86,8 +79,7 @@ def run(ctx) -> dict:
                               "t_norm": lambda grads=grads: total_norm(grads),
                               "mp_fused": lambda grads=grads: mp_norm(grads, inv_scale=inv_t),
                               "t_fused": native_unscale_norm}, desc="%s %s" % (name, dname))
-            # after timing: mpext's result unchanged, the gradients at their values x 1 or
-            # x 0.5 (exact), found_inf clear
+            # after timing: mpext's result unchanged (gradients x 1 or x 0.5), found_inf clear
             got = mp_norm(grads).item() / alt.factor()
             check(_rel(got, want) <= 1e-6 and found.item() == 0.0,
                   "%s %s after timing: norm %r (expected %r), found_inf %r"

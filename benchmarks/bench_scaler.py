@@ -1,9 +1,4 @@
-"""Loss scaler: ``mpext.unscale_`` against ``torch._amp_foreach_non_finite_check_and_unscale_``
-on a large and a many-tensor gradient list, in the same run on the same device. Method,
-cases and columns: benchmarks/README.md, "Loss scaler".
-
-    python -m benchmarks.bench_scaler [--quick] [--device auto|cpu|cuda]
-"""
+"""Loss scaler: mpext.unscale_ vs torch's AMP unscale (benchmarks/README.md, "Loss scaler")."""
 import math
 import random
 import sys
@@ -40,8 +35,7 @@ CASES = [  # key, list, scaled (inv_scale 0.5 / 2; else 1: check only), group, t
 
 
 def _make_fns(grads, found, inv):
-    """(mpext fn, torch fn) unscaling ``grads`` by ``inv()``; torch's as GradScaler._unscale_grads_
-    does it: one call per dtype, in first-seen order (grouped once, outside the timed calls)."""
+    """(mpext fn, torch fn: one call per dtype, as GradScaler) unscaling by ``inv()``."""
     groups = [[t for t in grads if t.dtype == d] for d in dict.fromkeys(t.dtype for t in grads)]
 
     def f_t():
@@ -87,8 +81,7 @@ def run(ctx) -> dict:
     one = torch.ones((), dtype=FP32, device=dev)
     alts = {name: Alternate(0.5, 2.0, dev) for name in lists}
     refs = {name: [t.clone() for t in grads] for name, grads in lists.items()}
-    # Peak memory, in place on both sides (expected 0); not with --quick, where starting the
-    # profiler costs seconds of the suite's budget.
+    # peak memory (in place: expected 0), not with --quick (README)
     peaks = {} if ctx.quick else peak_pairs(
         {name: _make_fns(grads, found, alts[name]) for name, grads in lists.items()}, dev)
     b.phase("peak_memory")
@@ -103,8 +96,7 @@ def run(ctx) -> dict:
                                       * (2 if scaled else 1),),
                           (sum(t.numel() for t in lists[ln]), len(lists[ln])))
         b.phase(group)
-    # After the timed calls every tensor must hold exactly its starting values x 1 or x 0.5
-    # (x0.5 / x2 are exact for normal numbers): no drift towards zero, no subnormals.
+    # after the timed calls every tensor holds exactly its starting values x 1 or x 0.5
     drift = {}
     for name, grads in lists.items():
         f = alts[name].factor()

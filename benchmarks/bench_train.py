@@ -1,10 +1,4 @@
-"""Training step, end to end: gpt.py's model trained in twelve modes (FP32, native AMP, mpext),
-the same model, data and seeds, timed per iteration, with the peak memory and the persistent
-bytes per parameter of each mode next to mpext.memory's prediction. Method, modes, sizes,
-columns and files: benchmarks/README.md, "Training step".
-
-    python -m benchmarks.bench_train [--quick] [--device auto|cpu|cuda] [--native-lowp-gemm]
-"""
+"""Training step end to end, twelve modes: time and memory (benchmarks/README.md)."""
 import dataclasses
 import itertools
 import sys
@@ -12,9 +6,8 @@ import sys
 import torch
 
 from mpext import memory
-from .common import (MiB, Bench, check, figure_title, fmt_ms, free_memory,
-                     markdown_table, peak_memory_many, pyplot, ratio,
-                     run_standalone, save_figure)
+from .common import (MiB, Bench, check, figure_title, fmt_ms, free_memory, markdown_table,
+                     peak_memory_many, pyplot, ratio, run_standalone, save_figure)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus
 from . import training
 
@@ -46,8 +39,7 @@ LABEL = {k: lab for k, lab, _ in MODES}
 SHORT = {k: s for k, _, s in MODES}
 FP16_MODES = ("mpext_fp16", "mpext_optim_fp16")
 MAIN_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "ema")
-# (label, gpt.py preset, batch size, GPTConfig overrides) per run kind. "gpt2-body": GPT-2
-# small's 12 layers x 768 on the character vocabulary (85M params).
+# (label, gpt.py preset, batch size, GPTConfig overrides) per run kind (README, "Sizes")
 _GPT2_BODY = ("gpt2-body", "gpu", 16, dict(n_layer=12, n_head=12, n_embd=768))
 _WIDE = ("wide", "small", 1, dict(n_layer=4, n_head=8, n_embd=512, block_size=32))
 SIZES = {"cpu": [("tiny", "tiny", 8, {}), ("small", "small", 8, {}), _WIDE],
@@ -119,8 +111,7 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm):
 
 
 def _main_per_param(m):
-    """Weights + gradients + masters + optimizer states + EMA per param (the scalars, step
-    counts and cached lr tensors, some 0.003 B/param here, left out)."""
+    """Weights + gradients + masters + optimizer states + EMA per param."""
     return sum(m["persistent_bytes_per_param"][p] for p in MAIN_PARTS)
 
 
@@ -145,8 +136,7 @@ def run(ctx) -> dict:
                 got, want = m["persistent_bytes"][part], m["predicted"][part]
                 check(got == want, "%s, %s: %s measured %d bytes, mpext.memory predicts %d"
                       % (res["preset"], k, part, got, want))
-        # Targets (reported, never asserted): mpext BF16 at least as fast as AMP BF16 on the
-        # CPU, faster on a GPU; its persistent memory per param no more than AMP BF16's.
+        # the targets (benchmarks/README.md), reported, never asserted
         mp, amp = res["modes"]["mpext_bf16"], res["modes"]["amp_bf16"]
         res["target_speed_met"] = b.target(
             mp["vs_amp_bf16"] > 1.0 if ctx.is_cuda else mp["vs_amp_bf16"] >= 1.0,

@@ -1,8 +1,4 @@
-"""What the mpext benchmarks share (the method: benchmarks/README.md): options and ``Context``,
-timing, rooflines, peak memory, the machine, shared inputs, the sanity guard, tables and plots,
-and ``Bench`` (one benchmark's clock, rooflines, targets, report and files). Every ``bench_*.py``
-exposes ``NAME`` and ``run(ctx) -> dict`` and runs alone (``python -m benchmarks.bench_x``) or
-through ``run_all``. Targets are reported, never enforced."""
+"""What the benchmarks share: the method of benchmarks/README.md, written once."""
 import argparse
 import datetime
 import gc
@@ -41,22 +37,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto: cuda when usable, else cpu; an explicit 'cuda' that cannot run is an error."""
-    import mpext
-
-    cuda_built = bool(mpext.build_info().get("cuda_built"))
-    if name == "auto":
-        return torch.device("cuda" if (cuda_built and torch.cuda.is_available()) else "cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: torch sees no CUDA device")
-        if not cuda_built:
-            raise SystemExit("--device cuda: mpext was built without CUDA (see mpext.build_info())")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def require_kernel(device: torch.device, op: str) -> None:
     """Raises unless ``torch.ops.mpext.<op>`` has a kernel for ``device`` in this build."""
     if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -72,7 +52,14 @@ class Context:
         self.args, self.quick = args, bool(args.quick)
         if args.threads:
             torch.set_num_threads(args.threads)
-        self.device = resolve_device(args.device)
+        import mpext  # auto: cuda when usable; an explicit cuda that cannot run is an error
+
+        built, seen = bool(mpext.build_info().get("cuda_built")), torch.cuda.is_available()
+        if args.device == "cuda" and not (built and seen):
+            raise SystemExit("--device cuda: " + ("mpext was built without CUDA (see "
+                             "mpext.build_info())" if seen else "torch sees no CUDA device"))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+            else torch.device("cuda" if args.device == "auto" and built and seen else "cpu")
         self.is_cuda = self.device.type == "cuda"
         self.repeats = args.repeats or (5 if self.quick else 11)
         self.warmup = 1 if self.quick else 2
@@ -98,9 +85,7 @@ class Context:
 # ---- timing
 
 class Timing:
-    """Seconds per call over ``samples`` of ``inner`` calls each: the median and quartiles;
-    ``cpu_busy`` (CPU): the median process CPU time / wall time, the cores busy (spinning
-    threads count too)."""
+    """Seconds per call over ``samples`` of ``inner`` calls each; ``cpu_busy``: the cores busy."""
 
     def __init__(self, samples: Sequence[float], inner: int, cpu_busy=None):
         s = sorted(samples)
@@ -140,8 +125,7 @@ def _sample(fn: Callable, inner: int, device: torch.device) -> Tuple[float, Opti
 def time_fns(fns: Dict[str, Callable[[], object]], *, device: torch.device, repeats: int = 15,
              warmup: int = 2, min_sample_s: Optional[float] = None, max_inner: int = 1000,
              desc: Optional[str] = None, show_progress: bool = True) -> Dict[str, Timing]:
-    """``warmup`` untimed calls (the last sizes the samples), then ``repeats`` samples of about
-    ``min_sample_s`` each, the callables interleaved with the order rotating every round."""
+    """The callables interleaved round by round (benchmarks/README.md, "Timing")."""
     if min_sample_s is None:
         min_sample_s = 2e-3 if device.type == "cuda" else 5e-3
     labels, inner = list(fns), {}
@@ -177,8 +161,7 @@ def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callabl
 
 def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict,
                  torch_bytes: Optional[float] = None) -> dict:
-    """One mpext-vs-torch row: timings, GB/s (torch's over ``torch_bytes`` if it moves more), the
-    speed ratio (> 1: mpext faster) and the fractions of every roofline measured."""
+    """One mpext-vs-torch row: timings, GB/s, speed ratio, fractions of every roofline."""
     gb = {"mpext": t_mp.gbps(nbytes),
           "torch": t_torch.gbps(torch_bytes or nbytes) if t_torch is not None else None}
     out = {"bytes": nbytes, "torch_bytes": torch_bytes or nbytes, "mpext": t_mp.to_json(),
@@ -212,8 +195,7 @@ def last_level_cache_bytes(device: torch.device) -> int:
 
 def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int = 15,
                      read: bool = False, show_progress: bool = True) -> dict:
-    """Streaming GB/s over fp32 buffers of >= 16x (quick 4x) the LLC and 64M (32M) elements:
-    ``copy`` y.copy_(x), ``inplace`` x.add_(0.5) (the reference; both 8 B), ``read`` x.sum()."""
+    """Streaming GB/s: copy, in-place and read (benchmarks/README.md, "Roofline")."""
     factor, floor = (4, 32 << 20) if quick else (16, 64 << 20)
     llc = last_level_cache_bytes(device)
     n = max(floor, factor * llc // 4)
@@ -235,8 +217,7 @@ def measure_roofline(device: torch.device, *, quick: bool = False, repeats: int 
 
 
 def combine_rooflines(*measurements: dict) -> dict:
-    """Per kind the best of several measurements (load only lowers it); all under
-    ``measurements``."""
+    """Per kind the best of several measurements; all of them under ``measurements``."""
     ms = [{k: v for k, v in m.items() if k != "measurements"} for m in measurements]
     res = dict(ms[0], measurements=ms)
     for kind in ("inplace", "copy", "read"):
@@ -269,9 +250,22 @@ def _walk(nodes):
         yield from _walk(node.children)
 
 
-def _cpu_peaks_profiler(fns: Dict[object, Callable[[], object]]) -> Dict[object, Optional[float]]:
-    """Peak bytes through torch's CPU allocator while each callable runs, from one profiler
-    session's allocation records; None where this torch does not expose them."""
+def peak_memory_many(fns: Dict[object, Callable[[], object]],
+                     device: torch.device) -> Dict[object, Optional[float]]:
+    """Bytes each callable needs at its peak (benchmarks/README.md, "Peak memory"); CPU: from
+    one profiler session's allocation records (None where this torch does not expose them)."""
+    gc.collect()
+    if device.type == "cuda":
+        res = {}
+        for k, fn in fns.items():
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            out = fn()
+            torch.cuda.synchronize(device)
+            res[k] = float(torch.cuda.max_memory_allocated(device) - before)
+            del out
+        return res
     none = {k: None for k in fns}
     try:
         from torch._C._profiler import _EventType
@@ -298,25 +292,6 @@ def _cpu_peaks_profiler(fns: Dict[object, Callable[[], object]]) -> Dict[object,
         return none
 
 
-def peak_memory_many(fns: Dict[object, Callable[[], object]],
-                     device: torch.device) -> Dict[object, Optional[float]]:
-    """Bytes each callable needs at its peak above what was allocated before (its result
-    counts), as torch's allocator sees it (CUDA: its statistics; CPU: the profiler's)."""
-    gc.collect()
-    if device.type != "cuda":
-        return _cpu_peaks_profiler(fns)
-    res = {}
-    for k, fn in fns.items():
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        out = fn()
-        torch.cuda.synchronize(device)
-        res[k] = float(torch.cuda.max_memory_allocated(device) - before)
-        del out
-    return res
-
-
 def peak_pairs(pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                device: torch.device) -> Dict[str, List[Optional[float]]]:
     """``peak_memory_many`` over ``time_pairs``' input: ``key -> [mpext, torch bytes]``."""
@@ -325,15 +300,6 @@ def peak_pairs(pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
 
 
 # ---- machine description
-
-def _proc_field(path: str, prefix: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.lower().startswith(prefix)), None)
-    except OSError:
-        return None
-
 
 def load_average() -> Optional[List[float]]:
     try:
@@ -345,11 +311,16 @@ def load_average() -> Optional[List[float]]:
 def machine_info(device: torch.device) -> dict:
     import mpext
 
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f
+                        if ln.startswith("model name")), None)
+    except OSError:
+        cpu = None
     info = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
-        or platform.machine(),
+        "cpu_model": cpu or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
@@ -392,16 +363,14 @@ def machine_header(info: dict) -> List[str]:
 # ---- inputs
 
 def gpt2_shapes(reduced: bool = False) -> List[Tuple[str, tuple]]:
-    """GPT-2 small's (name, shape)s (124M params, 148 tensors); ``reduced``: 4 layers, 8K
-    vocabulary (35M, 52 tensors)."""
+    """GPT-2 small's (name, shape)s; ``reduced``: 4 layers, 8K vocabulary."""
     spec = memory.MODELS["gpt2"]
     layers, vocab = (4, 8192) if reduced else (spec.layers, spec.vocab)
     return memory.gpt_shapes(layers, spec.hidden, vocab, spec.seq)
 
 
 class Alternate:
-    """``a``, ``b``, ``a``, ... as 0-dim tensors: with ``a * b == 1`` what they scale stays
-    within x1 or x``a`` (``factor()``) of its start, whatever the number of calls."""
+    """``a``, ``b``, ``a``, ... as 0-dim tensors (benchmarks/README.md, "Repeated in-place")."""
 
     def __init__(self, a: float, b: float, device: torch.device):
         self.vals = [torch.full((), v, dtype=torch.float32, device=device) for v in (a, b)]
@@ -416,9 +385,7 @@ class Alternate:
 
 
 def mlp(sizes: Sequence[int], act=torch.nn.GELU, last_act: bool = False) -> torch.nn.Sequential:
-    """Linear layers ``sizes[i] -> sizes[i + 1]`` with ``act()`` between them (and after the
-    last with ``last_act``): the MLPs of the studies, built in one order so seeds give the same
-    weights."""
+    """Linear layers ``sizes[i] -> sizes[i + 1]``, ``act()`` between (and last: ``last_act``)."""
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
@@ -557,8 +524,7 @@ def save_figure(fig, path, title: str = "", fontsize: int = 9) -> Path:
 
 
 def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "") -> Path:
-    """One PNG of panels ``{"title", "xlabel", "ylabel", "logx", "series": {label: (xs, ys)},
-    "hlines": {label: y}}``."""
+    """One PNG of panels {title, xlabel, ylabel, logx, series: {label: (xs, ys)}, hlines}."""
     ncols = min(2, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
     fig, axes = pyplot().subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
@@ -604,8 +570,7 @@ def progress(iterable=None, *, disable: bool = False, **kw):
 
 
 class Bench:
-    """One benchmark's run: its phases (``phase`` records the seconds since the last), rooflines
-    (before and after the timings, the better counts), missed targets and report."""
+    """One benchmark's run: phase clock, rooflines, missed targets, report and files."""
 
     def __init__(self, ctx: Context, name: str, title: str):
         self.ctx, self.name, self.title = ctx, name, title
@@ -638,8 +603,7 @@ class Bench:
 
     def finish(self, lines: Sequence[str], payload: dict, plot: Optional[Callable] = None,
                device=None) -> dict:
-        """Writes ``<name>.json`` (settings, machine, roofline, ``payload``), ``<name>.md`` and the
-        PNGs ``plot()`` returns; returns what ``run(ctx)`` returns."""
+        """Writes ``<name>.json``, ``<name>.md`` and ``plot()``'s PNGs; returns ``run``'s dict."""
         ctx, seconds, phases = self.ctx, time.perf_counter() - self._t0, self.phases
         md = ["## %s" % self.title, ""] + ([] if ctx.in_suite else machine_header(ctx.machine))
         if self.roof:

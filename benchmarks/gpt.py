@@ -1,8 +1,4 @@
-"""A small GPT-style character model (``GPT``, ``GPTConfig``, ``PRESETS``: pre-LayerNorm blocks,
-a head tied to the token embedding, no dropout, float32/bfloat16/float16 params, the loss in
-float32) and
-its corpus, generated from a seeded grammar (``load_corpus``: nothing is downloaded, every
-machine trains on the same bytes), with ``split_corpus``, ``get_batch``, ``unigram_entropy``."""
+"""The benchmarks' GPT character model, its presets and generated corpus (benchmarks/README.md)."""
 import bisect
 import dataclasses
 import functools
@@ -47,9 +43,7 @@ PRESETS: Dict[str, dict] = {
 
 
 class Linear(nn.Linear):
-    """With ``fp32_gemm`` and a BF16/FP16 compute dtype (the weight's or autocast's), a GEMM as
-    a tensor core does it: rounded operands, exact products, float32 sums, the result rounded
-    back; at FP32 speed on CPUs whose BF16/FP16 matmuls are some 10x slower."""
+    """With ``fp32_gemm`` and a BF16/FP16 compute dtype, a tensor core's GEMM (README)."""
 
     fp32_gemm = False
 
@@ -186,20 +180,21 @@ _SPEECH = "said asked whispered replied cried answered".split()
 _VOWELS = "aeiou"
 
 
+@functools.lru_cache(maxsize=None)
+def _zipf(n: int) -> List[float]:
+    return list(itertools.accumulate(1.0 / (k + 2) for k in range(n)))
+
+
 class _Grammar:
     """The generator: ``sentence()`` returns one sentence, ``paragraph()`` a few of them."""
 
     def __init__(self, seed: int):
         self.r = random.Random(seed)
-        self._weights: Dict[int, List[float]] = {}
 
     def pick(self, items):
         """Zipf-like choice: item k has weight 1 / (k + 2)."""
-        n = len(items)
-        if n not in self._weights:
-            self._weights[n] = list(itertools.accumulate(1.0 / (k + 2) for k in range(n)))
-        cum = self._weights[n]
-        return items[min(bisect.bisect_right(cum, self.r.random() * cum[-1]), n - 1)]
+        cum = _zipf(len(items))
+        return items[min(bisect.bisect_right(cum, self.r.random() * cum[-1]), len(items) - 1)]
 
     def chance(self, p: float) -> bool:
         return self.r.random() < p
@@ -210,14 +205,10 @@ class _Grammar:
             return self.pick(_NAMES), False
         plural = self.chance(0.35)
         noun = self.pick(_NOUNS)[1 if plural else 0]
-        adjs = []
-        if self.chance(0.45):
-            adjs.append(self.pick(_ADJECTIVES))
-            if self.chance(0.2):
-                second = self.pick(_ADJECTIVES)
-                if second != adjs[0]:
-                    adjs.append(second)
-        words = adjs + [noun]
+        words = [self.pick(_ADJECTIVES)] if self.chance(0.45) else []
+        if words and self.chance(0.2):
+            words += [w for w in [self.pick(_ADJECTIVES)] if w != words[0]]
+        words.append(noun)
         u = self.r.random()
         if plural:
             det = ("the" if u < 0.5 else "these" if u < 0.62 else "those" if u < 0.72 else
@@ -284,9 +275,7 @@ CORPUS_CHARS = 400_000
 
 @functools.lru_cache(maxsize=1)
 def corpus_text() -> str:
-    """Paragraphs separated by blank lines, cut at the first paragraph boundary past
-    ``CORPUS_CHARS``; the same text on every machine and Python version (only
-    ``random.Random.random`` is used)."""
+    """Paragraphs of the seeded grammar up to ``CORPUS_CHARS``, the same on every machine."""
     g = _Grammar(CORPUS_SEED)
     parts, total = [], 0
     while total < CORPUS_CHARS:
@@ -319,9 +308,7 @@ def unigram_entropy(data: torch.Tensor) -> float:
 
 def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
               generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` windows of ``block_size`` tokens from the 1-D ``data`` and the same
-    shifted by one, int64 on ``data``'s device, the offsets drawn from the CPU ``generator``
-    (so the same state gives the same batch, whatever else consumes random numbers)."""
+    """``batch_size`` windows of ``block_size`` tokens and the same shifted by one."""
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     win = data[(ix[:, None] + torch.arange(block_size + 1)[None, :]).to(data.device)].long()
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()

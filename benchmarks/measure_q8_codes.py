@@ -1,23 +1,4 @@
-"""Which 8-bit code for Adam's moments? The measurement behind docs/moments_8bit.md.
-
-Candidate codes for m (signed) and v (unsigned), one scale per block: arithmetic 8-bit floats
-whose top binade is the block absmax's (``e4m3``, ``e3m4``, ``e5m2``; ``e5m3``, ``e4m4``,
-``e6m2``; ``sqrt-e4m4``: on sqrt(v)), bitsandbytes' ``dynamic`` tree map, a ``quantile`` table
-fitted to the run's own moments and ``linear`` steps, each with stochastic rounding (``sr``) and
-to nearest (``rn``). By default the moments of an FP32 AdamW run on gpt.py's model, quantized
-and decoded blockwise (pure torch, float64): the relative RMS error of m, v and the update
-m / (sqrt(v) + eps), the share of v decoded to 0 where m is not, a block-size sweep.
-``--convergence`` trains with the real optimizers instead, over ``--seeds`` seeds (torchao's
-AdamW8bit too when importable). Both train on bench_convergence.train.
-
-    python -m benchmarks.measure_q8_codes [--steps 300] [--block 256] [--preset q8]
-    python -m benchmarks.measure_q8_codes --convergence --preset small --steps 600 --seeds 3
-"""
-if not __package__:  # run by path (python benchmarks/measure_q8_codes.py): as the module
-    import os, runpy, sys  # noqa: E401
-    sys.path[0] = os.path.dirname(sys.path[0])
-    runpy.run_module("benchmarks.measure_q8_codes", run_name="__main__")
-    sys.exit()
+"""Which 8-bit code for Adam's moments (docs/moments_8bit.md; commands: benchmarks/README.md)."""
 import argparse
 import math
 import time
@@ -35,8 +16,7 @@ B1, B2, EPS, WD = 0.9, 0.99, 1e-8, 0.01
 # ---- code tables: sorted normalized values
 
 def float_table(ebits: int, mbits: int, signed: bool) -> torch.Tensor:
-    """Every value of an 8-bit float code whose top binade is [1, 2): subnormals k 2^(1-T-M),
-    normals 2^(e-T) (1 + f / 2^M), T = 2^ebits - 1; with a sign bit when signed."""
+    """Every value of an 8-bit float code whose top binade is [1, 2), signed or not."""
     t = (1 << ebits) - 1
     vals = [k * 2.0 ** (1 - t - mbits) for k in range(1 << mbits)]
     vals += [2.0 ** (e - t) * (1 + f / 2 ** mbits) for e in range(1, t + 1)
@@ -61,9 +41,7 @@ def linear_table(signed: bool) -> torch.Tensor:
 
 
 class Code:
-    """A blockwise code: ``table`` of normalized values, and a block's reference from its
-    absmax: ``pow2`` (its binade, rounded up so that no value exceeds the top code) or
-    ``absmax`` (the table spans [-1, 1])."""
+    """A blockwise code: a ``table`` of normalized values, a block reference from its absmax."""
 
     def __init__(self, table, ref, sqrt_domain=False, mbits=0):
         self.table, self.ref, self.sqrt, self.mbits = table, ref, sqrt_domain, mbits
@@ -95,8 +73,7 @@ class Code:
 
 
 def quantile_table(samples: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The quantiles of normalized values (|x| / block absmax, signs kept when signed): 256
-    levels in all, 0 and the extremes included."""
+    """256 levels at the quantiles of the normalized ``samples``, 0 and 1 included."""
     mag = samples.abs() if signed else samples
     qs = torch.quantile(mag[torch.randperm(mag.numel())[:1 << 20]].double(),
                         torch.linspace(0, 1, 128 if signed else 256, dtype=torch.float64))
@@ -129,29 +106,21 @@ def normalized(xs, block, signed):
 # ---- training
 
 def guard_factor(b1: float, b2: float) -> float:
-    """1/K with K the bound of m^2 / v for exponential averages of the same gradients
-    (Cauchy-Schwarz): K = (1-b1)^2 / ((1-b2) (1 - b1^2/b2)); 0 (no bound) when b1^2 >= b2."""
+    """1/K, K the Cauchy-Schwarz bound of m^2 / v (0: none when b1^2 >= b2)."""
     r = b1 * b1 / b2
     return 0.0 if r >= 1 else (1 - b2) * (1 - r) / (1 - b1) ** 2
 
 
-# --convergence: key, label, training.MODES key, Trainer options; bench_convergence's loop
-CONVERGENCE = [
-    ("torch-fp32", "torch.optim.AdamW, FP32 params (reference)", "fp32", {}),
-    ("mpext-master", "mpext AdamW, BF16 params, FP32 master + FP32 moments", "mpext_optim_bf16",
-     {}),
-    ("mpext-remainder-8bit", "mpext AdamW, BF16 params, remainder + 8-bit moments",
-     "mpext_bf16_remainder_8bit", {}),
-    ("mpext-sr-8bit", "mpext AdamW, BF16 params, no master (SR) + 8-bit moments",
-     "mpext_bf16_sr_8bit", {}),
-    ("torchao-8bit", "torchao.optim.AdamW8bit, FP32 params", "fp32", dict(block_size=256)),
-]
+# --convergence: key, training.MODES key (the reference: torch's AdamW on FP32 params; mpext's
+# on BF16 params), Trainer options (torchao: its AdamW8bit on FP32 params)
+CONVERGENCE = [("torch-fp32", "fp32", {}), ("mpext-master", "mpext_optim_bf16", {}),
+               ("mpext-remainder-8bit", "mpext_bf16_remainder_8bit", {}),
+               ("mpext-sr-8bit", "mpext_bf16_sr_8bit", {}),
+               ("torchao-8bit", "fp32", dict(block_size=256))]
 
 
 def train(args, data, mode, seed, base, options=None, on_step=None):
-    """bench_convergence.train (the convergence studies' loop) of one mode and seed, from the
-    same weights for every seed, seed s fixing the batch order and the rounding: AdamW(0.9,
-    0.99), batch 16, warm-up then cosine; preset q8: 3 layers x 128."""
+    """bench_convergence.train of one mode and seed: AdamW(0.9, 0.99), batch 16, cosine."""
     from .bench_convergence import Setting, train as train_mode, val_batches
 
     st = Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
@@ -165,10 +134,9 @@ def train(args, data, mode, seed, base, options=None, on_step=None):
 
 
 def convergence(args, data):
-    """Per mode the final validation losses of ``--seeds`` seeds (the mean of the last four
-    evaluations, every 10 steps)."""
+    """Per mode the final validation losses of ``--seeds`` seeds."""
     out = {}
-    for mode, _, base, options in CONVERGENCE:
+    for mode, base, options in CONVERGENCE:
         if mode == "torchao-8bit":
             try:
                 from torchao.optim import AdamW8bit
@@ -197,8 +165,7 @@ def _rel_rms(pairs):
 
 
 def static_errors(snapshots, mcodes, vcodes, block):
-    """Relative RMS errors of m and v over every snapshot, per code and rounding, and the
-    share of v decoded to 0 where m is not."""
+    """Relative RMS errors of m and v per code and rounding; the share of v decoded to 0."""
     gen = torch.Generator().manual_seed(5)
     out = {}
     for rounding in ("sr", "rn"):
@@ -220,8 +187,7 @@ def static_errors(snapshots, mcodes, vcodes, block):
 
 
 def update_error(snapshots, mcode, vcode, block, guard):
-    """Relative RMS error of the update m / (sqrt(v) + eps) over the snapshots, both moments
-    rounded stochastically, with the v floor m^2 / K (``guard``) or without."""
+    """Relative RMS error of the update m / (sqrt(v) + eps), with or without a v floor."""
     gen = torch.Generator().manual_seed(6)
     inv_k = guard_factor(B1, B2) if guard else 0.0
     pairs = []
@@ -238,15 +204,15 @@ def update_error(snapshots, mcode, vcode, block, guard):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--block", type=int, default=256)
-    ap.add_argument("--preset", default="q8", help="tiny, small, or q8 (3 layers, 128 wide)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--seeds", type=int, default=2, help="seeds per --convergence mode")
-    ap.add_argument("--convergence", action="store_true",
-                    help="train with the real optimizers instead (see the docstring)")
-    ap.add_argument("--out", default="results/measure_q8_codes.json")
+    a = ap.add_argument
+    a("--steps", type=int, default=300)
+    a("--block", type=int, default=256)
+    a("--preset", default="q8", help="tiny, small, or q8 (3 layers, 128 wide)")
+    a("--lr", type=float, default=2e-3)
+    a("--seed", type=int, default=1234)
+    a("--seeds", type=int, default=2, help="seeds per --convergence mode")
+    a("--convergence", action="store_true", help="train the real optimizers instead")
+    a("--out", default="results/measure_q8_codes.json")
     args = ap.parse_args()
     args.snapshot_steps = {args.steps // 8, args.steps // 2, args.steps}
     torch.set_num_threads(1)

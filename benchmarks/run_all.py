@@ -1,17 +1,4 @@
-"""Runs the mpext benchmark suite (what `make bench` calls).
-
-    python -m benchmarks.run_all [--quick] [--device auto|cpu|cuda] [--only NAME ...]
-
-Runs every module of BENCHMARKS in order, prints the Markdown summary on stdout (progress bars
-go to stderr) and writes results/summary.md and results/summary.json next to each benchmark's
-own files. Exits non-zero if any benchmark raised (a failed sanity check included); the others
-still run. Performance targets are reported in the tables, never turned into a failure.
-"""
-if not __package__:  # run by path (python benchmarks/run_all.py): as the package module
-    import os, runpy, sys  # noqa: E401
-    sys.path[0] = os.path.dirname(sys.path[0])
-    runpy.run_module("benchmarks.run_all", run_name="__main__")
-    sys.exit()
+"""Runs the mpext benchmark suite, what `make bench` calls (benchmarks/README.md)."""
 import argparse
 import importlib
 import sys
@@ -21,8 +8,7 @@ import traceback
 from .common import (Context, add_common_args, load_average, machine_header, write_json,
                      write_text)
 
-# Each module exposes NAME and run(ctx) -> dict with "markdown", "json", "files", "seconds",
-# "targets_missed" (common.Bench.finish). Add new benchmarks here.
+# Each exposes NAME and run(ctx) -> common.Bench.finish's dict (README, "Adding a benchmark").
 BENCHMARKS = ["bench_cast", "bench_scaler", "bench_adam", "bench_distributed", "bench_train",
               "bench_grad_norm", "bench_convergence"]
 

@@ -1,8 +1,4 @@
-"""The training modes bench_train, bench_convergence and measure_q8_codes compare, written once
-(``MODES``: a mode's param dtype, native AMP's autocast, optimizer and loss scaler) and
-``Trainer``, a mode's optimizer and scaler over a model's params and its ``train_step``. A mode
-with mpext's optimizer takes its lean-state options (``param_remainders``, ...) as optimizer
-options."""
+"""The training modes and their ``Trainer`` (benchmarks/README.md, "Files")."""
 import dataclasses
 from typing import Optional
 
@@ -13,8 +9,7 @@ from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _REM = dict(param_remainders=True)
-# mpext.optim.AdamW's option sets (BF16 moments; no master, stochastic rounding), which
-# bench_convergence's lean modes combine too
+# mpext.optim.AdamW's option sets, which bench_convergence's lean modes combine too
 BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 _Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 SR = dict(master_weights=False, stochastic_rounding=True)
@@ -22,9 +17,7 @@ SR = dict(master_weights=False, stochastic_rounding=True)
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How a mode trains: the params' dtype, autocast's (native AMP), the optimizer's kind (see
-    ``Trainer``), dynamic loss scaling, the matching ``mpext.memory`` mode, and options for the
-    optimizer (``mpext.optim.AdamW``'s lean state)."""
+    """How a mode trains: dtypes, optimizer kind, loss scaling, memory mode, optimizer options."""
 
     param_dtype: torch.dtype
     autocast: Optional[torch.dtype]
@@ -34,8 +27,7 @@ class Mode:
     options: dict = dataclasses.field(default_factory=dict)
 
     def memory_estimate(self, params, **shape) -> "memory.Breakdown":
-        """``mpext.memory.estimate`` of this mode with AdamW for ``params``, with its EMA if it
-        keeps one; ``shape``: the activation estimate's arguments."""
+        """``mpext.memory.estimate`` of this mode with AdamW (and its EMA) for ``params``."""
         return memory.estimate([p.numel() for p in params], "adamw", self.memory_mode,
                                ema=self.options.get("ema_decay") is not None, **shape)
 
@@ -68,47 +60,34 @@ MODES = {
 
 
 class Trainer:
-    """An optimizer and a loss scaler over ``params``, by ``kind``: ``"torch"`` (``inner``, and
-    a torch GradScaler if ``scaled``), ``"mpext-wrapper"`` (``MixedPrecisionOptimizer(inner)``,
-    a dynamic scale if ``scaled``) or ``"mpext-optim"`` (``mpext.optim.AdamW``, and an
-    ``mpext.GradScaler`` if ``scaled``); ``autocast``: native AMP's compute dtype or None."""
-
-    def __init__(self, params, kind: str = "torch", *, scaled: bool = False,
-                 inner=torch.optim.AdamW, fused: bool = False,
-                 autocast: Optional[torch.dtype] = None, scaler_options: Optional[dict] = None,
-                 **optim_options):
-        self.params = list(params)
-        self.kind, self.autocast_dtype = kind, autocast
-        self.device_type = self.params[0].device.type
-        scaler_options, self.scaler = scaler_options or {}, None
-        if kind == "torch":
-            self.opt = inner(self.params, **optim_options, **({"fused": True} if fused else {}))
-            if scaled:
-                self.scaler = torch.amp.GradScaler(self.device_type, **scaler_options)
-        elif kind == "mpext-wrapper":
-            self.opt = mpext.MixedPrecisionOptimizer(
-                inner(self.params, **optim_options),
-                **(dict(loss_scale="dynamic", **scaler_options) if scaled else
-                   dict(loss_scale=None)))
-            self.scaler = self.opt.scaler
-        elif kind == "mpext-optim":
-            self.opt = mpext.optim.AdamW(self.params, **optim_options)
-            if scaled:
-                self.scaler = mpext.GradScaler(self.device_type, **scaler_options)
-        else:
-            raise ValueError("Trainer: unknown kind %r" % (kind,))
+    """A mode's model, optimizer and scaler (``for_mode``) and its training step."""
 
     @classmethod
-    def for_mode(cls, key: str, model: torch.nn.Module, device=None, **options) -> "Trainer":
-        """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``), with the
-        mode's optimizer (and its options) and scaler."""
-        mode = MODES[key]
-        model.to(device=device, dtype=mode.param_dtype)
-        if not mode.scaled:
-            options.pop("scaler_options", None)
-        tr = cls(model.parameters(), mode.kind, scaled=mode.scaled, autocast=mode.autocast,
-                 **dict(mode.options, **options))
-        tr.model = model
+    def for_mode(cls, key: str, model: torch.nn.Module, device=None, *,
+                 inner=torch.optim.AdamW, fused: bool = False,
+                 scaler_options: Optional[dict] = None, **options) -> "Trainer":
+        """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``) with the
+        mode's optimizer (``inner``, ``MixedPrecisionOptimizer(inner)`` or
+        ``mpext.optim.AdamW``, given the mode's and these ``options``) and, if it scales the
+        loss, its scaler (torch's, the wrapper's dynamic scale or ``mpext.GradScaler``)."""
+        tr, mode = cls(), MODES[key]
+        tr.model = model.to(device=device, dtype=mode.param_dtype)
+        tr.params, tr.kind, tr.autocast_dtype = list(model.parameters()), mode.kind, mode.autocast
+        tr.device_type, tr.scaler = tr.params[0].device.type, None
+        scaler_options, options = scaler_options or {}, dict(mode.options, **options)
+        if mode.kind == "torch":
+            tr.opt = inner(tr.params, **options, **({"fused": True} if fused else {}))
+            if mode.scaled:
+                tr.scaler = torch.amp.GradScaler(tr.device_type, **scaler_options)
+        elif mode.kind == "mpext-wrapper":
+            tr.opt = mpext.MixedPrecisionOptimizer(
+                inner(tr.params, **options), **(dict(loss_scale="dynamic", **scaler_options)
+                                                if mode.scaled else dict(loss_scale=None)))
+            tr.scaler = tr.opt.scaler
+        else:  # "mpext-optim"
+            tr.opt = mpext.optim.AdamW(tr.params, **options)
+            if mode.scaled:
+                tr.scaler = mpext.GradScaler(tr.device_type, **scaler_options)
         return tr
 
     def autocast(self):
@@ -124,10 +103,7 @@ class Trainer:
                 group["lr"] = lr
 
     def train_step(self, x, y, zero_grad: bool = True):
-        """One training step of ``.model`` on a batch: forward under the mode's autocast,
-        backward, the step with the scaler's skip test and update, then (``zero_grad``) the
-        gradients set to None. Returns (the loss, MixedPrecisionOptimizer.step's result:
-        whether the step was applied, on the device; else None)."""
+        """Forward, backward, the step and update; returns (loss, whether applied or None)."""
         with self.autocast():
             _, loss = self.model(x, y)
         applied = None

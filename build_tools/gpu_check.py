@@ -15,7 +15,7 @@ its own timeout (cut to what is left of --budget), so that a hung phase still le
            MPEXT_FORCE_CUDA=0 when none is                                    -> build.log
     tests  pytest over tests/ restricted to the CUDA tests (-k cuda: the
            `cuda` device parameter and the tests named for CUDA)              -> tests.log, junit.xml
-    bench  benchmarks/run_all.py --quick --device cuda (GPU only)             -> bench.log,
+    bench  python -m benchmarks.run_all --quick --device cuda (GPU only)      -> bench.log,
                                                                                  bench.md, bench.json
     grad-release  python -m benchmarks.measure_grad_release --memory-only
            --device cuda: gradient release's memory on the GPU's allocator,
@@ -136,7 +136,7 @@ def plan(py, gpu, out, bench_dir):
                              "-p", "no:cacheprovider", "--continue-on-collection-errors",
                              "--junitxml", os.path.join(out, "junit.xml")], "tests.log", {}))
     if gpu:
-        phases.append(("bench", [py, "benchmarks/run_all.py", "--quick", "--device", "cuda",
+        phases.append(("bench", [py, "-m", "benchmarks.run_all", "--quick", "--device", "cuda",
                                  "--no-progress", "--no-plots", "--out", bench_dir],
                        "bench.log", {}))
         phases.append(("grad-release", [py, "-m", "benchmarks.measure_grad_release",

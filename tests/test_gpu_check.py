@@ -137,7 +137,7 @@ def test_the_real_plan(gpu, tmp_path):
     assert tests[tests.index("-k") + 1] == "cuda" and tests[tests.index("pytest") + 1] == "tests"
     if gpu:
         bench = phases["bench"][1]
-        assert "benchmarks/run_all.py" in bench and bench[bench.index("--device") + 1] == "cuda"
+        assert "benchmarks.run_all" in bench and bench[bench.index("--device") + 1] == "cuda"
         assert "--quick" in bench
         release = phases["grad-release"][1]  # the memory figures, GPU allocator
         assert release[release.index("-m") + 1] == "benchmarks.measure_grad_release"
