@@ -1,6 +1,7 @@
 """mpext.optim.lr_scheduler: device-side schedules against torch's own schedulers (and
 transformers' warm-up schedules), holding still on skipped steps with every source of the skip
 flag, no host sync, torch.compile, state_dict/resume, bad arguments."""
+import gc
 import math
 import os
 import subprocess
@@ -502,11 +503,28 @@ def _compiled_steps(make, compiled, steps=20):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*before any step")
         for i in range(steps):
+            if i in (8, 12):  # another scheduled optimizer made, then collected
+                _scheduled_garbage(i == 8)
             step_fn(lin, step, i, overflow=(i == 5))
             sched.step()
             rates.append(lrs(opt))
             frames.append(counter.frame_count)
     return rates, _bits(lin.parameters()), sched.last_epoch, frames
+
+
+_kept = []
+
+
+def _scheduled_garbage(make):
+    """Makes an unrelated optimizer with a schedule (kept alive), or drops it and collects it:
+    what another test, or another model in the user's process, does while a compiled step is in
+    use. The step's compiled code must not depend on it."""
+    if make:
+        other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        _kept.append((other, S.get_cosine_schedule_with_warmup(other, 3, 10)))
+    else:
+        _kept.clear()
+        gc.collect()
 
 
 def _mpext_adamw():
@@ -549,7 +567,9 @@ def test_compiled_step_with_schedule_does_not_recompile(make):
     compiles anything (the first compiles the step's setup: the optimizer's state, the
     wrapper's lazily made scale; the second the steady step), where a count in the hook made
     every step recompile until dynamo's limit sent it back to eager. The rates, the held step
-    and the params equal the eager run's bit for bit."""
+    and the params equal the eager run's bit for bit. Another scheduled optimizer made and
+    garbage-collected in between changes nothing either (a global registry the hook read became
+    guards on its keys: a collection during compilation crashed dynamo, one after recompiled)."""
     torch._dynamo.reset()
     eager_rates, eager_params, eager_count, _ = _compiled_steps(make, compiled=False)
     rates, params, count, frames = _compiled_steps(make, compiled=True)

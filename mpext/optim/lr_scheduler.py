@@ -46,12 +46,16 @@ __all__ = ["LRScheduler", "LambdaLR", "ConstantLR", "LinearLR", "CosineAnnealing
 # Where each optimizer's latest skip flag is recorded: a step post-hook (global, so that it sees
 # wrappers too) notes the found_inf that the step received, or asks an optimizer that keeps its
 # own flag (the skip-flag protocol, mpext/_skip.py: a MixedPrecisionOptimizer). Records are made
-# only for the optimizers a scheduler or step_was_skipped() asked about; for every other
-# optimizer the hook is one failed dictionary lookup.
+# only for the optimizers a scheduler or step_was_skipped() asked about, and kept as an attribute
+# of each optimizer of the chain: for every other optimizer the hook is one failed attribute
+# lookup. Not a global weak dictionary: under torch.compile the hook's lookup in it became guards
+# on the dictionary's keys, which a garbage collection of some unrelated optimizer could remove
+# while the guards were being built (an IndexError inside dynamo), or invalidate later (a
+# recompile).
 
 
 class _Record:
-    __slots__ = ("flag", "seen", "__weakref__")
+    __slots__ = ("flag", "seen")
 
     def __init__(self) -> None:
         self.flag: Any = None  # the latest step's found_inf (tensor), True (skipped), or None
@@ -61,15 +65,20 @@ class _Record:
         self.seen = False
 
 
-_records: "weakref.WeakKeyDictionary[Any, _Record]" = weakref.WeakKeyDictionary()
+_RECORD_ATTR = "_mpext_skip_record"
 _hook_handle = None
 
 
+def _record_of(opt: Any) -> Optional[_Record]:
+    record = getattr(opt, _RECORD_ATTR, None)
+    return record if isinstance(record, _Record) else None
+
+
 def _after_step(opt: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
-    record = _records.get(opt)
+    record = _record_of(opt)
     own_flag = _skip_flag_source(opt)
     if record is None and own_flag is not None:  # a scheduler made on the optimizer it wraps
-        record = next((_records[o] for o in _chain(opt)[1:] if o in _records), None)
+        record = next((r for r in map(_record_of, _chain(opt)[1:]) if r is not None), None)
     if record is None:
         return
     record.seen = True
@@ -107,13 +116,13 @@ def _chain(optimizer: Any) -> List[Any]:
 def _record_for(optimizer: Any) -> _Record:
     global _hook_handle
     chain = _chain(optimizer)
-    record = next((_records[o] for o in chain if o in _records), None)
+    record = next((r for r in map(_record_of, chain) if r is not None), None)
     if record is None:
         record = _Record()
     for o in chain:
         try:
-            _records[o] = record
-        except TypeError:  # not weak-referenceable: its steps are seen through the others
+            object.__setattr__(o, _RECORD_ATTR, record)
+        except (AttributeError, TypeError):  # no __dict__: its steps are seen through the others
             pass
     if _hook_handle is None:
         _hook_handle = _register_post_hook(_after_step)
