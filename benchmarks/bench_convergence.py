@@ -50,12 +50,42 @@ LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
      "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest", **BF16M),
      "cautionary"),
 ]
-LEAN_KEYS = [m[0] for m in LEAN_MODES]
-LEAN_OPTIONS = {m[0]: m[5] for m in LEAN_MODES}
-LEAN_CRITERION = {m[0]: m[6] for m in LEAN_MODES}
-LABEL = {m[0]: m[1] for m in MODES + LEAN_MODES}
-SHORT = {m[0]: m[2] for m in MODES + LEAN_MODES}
-STYLE = {m[0]: (m[3], m[4]) for m in MODES + LEAN_MODES}
+# The release study (docs/gradient_release.md): the same fine-tuning, with the FP32 master's step
+# inside backward (release_grads); clipping at CLIP (the HF Trainer's default max_grad_norm: the
+# norms here are 0.9-2.6, so it clips nearly every step, by a factor that varies step to step);
+# FP16 params under a loss scale that overflows now and then. Released modes step param by param
+# (bucket_bytes=0): with one bucket, the FP16 skip of a released step would be the whole step's.
+# "band:ref": ref's noise band.
+CLIP, FP16_BASE = 1.0, dict(base="mpext_optim_fp16", scaler=dict(init_scale=2.0 ** 24,
+                                                                 growth_interval=20))
+
+
+def _released(**kw):
+    return dict(release=dict(bucket_bytes=0, **kw))
+
+
+RELEASE_MODES = [
+    ("released", "released (release_grads), no clipping", "released", "tab:green", "--",
+     _released(), "exact"),
+    ("clip", "step after backward, clip_grad_norm_(%g)" % CLIP, "clip_grad_norm_", "tab:gray",
+     "-", dict(max_grad_norm=CLIP), "band"),
+    ("clip_exact", "released, clip=\"exact\" (two backward passes)", "released, exact clip",
+     "tab:blue", "--", _released(max_grad_norm=CLIP, clip="exact"), "band:clip"),
+    ("clip_previous", "released, clip=\"previous\" (the previous step's norm)",
+     "released, previous-norm clip", "tab:orange", "-.",
+     _released(max_grad_norm=CLIP, clip="previous"), "band:clip"),
+    ("fp16", "FP16 params + FP32 master, GradScaler, step after backward", "FP16",
+     "tab:olive", "-", FP16_BASE, "reference"),
+    ("fp16_released", "FP16 params + FP32 master, GradScaler, released", "FP16 released",
+     "tab:red", ":", dict(FP16_BASE, **_released()), "band:fp16"),
+]
+STUDY_MODES = {"lean": [m[0] for m in LEAN_MODES], "release": [m[0] for m in RELEASE_MODES]}
+LEAN_KEYS = STUDY_MODES["lean"] + STUDY_MODES["release"]
+LEAN_OPTIONS = {m[0]: m[5] for m in LEAN_MODES + RELEASE_MODES}
+LEAN_CRITERION = {m[0]: m[6] for m in LEAN_MODES + RELEASE_MODES}
+LABEL = {m[0]: m[1] for m in MODES + LEAN_MODES + RELEASE_MODES}
+SHORT = {m[0]: m[2] for m in MODES + LEAN_MODES + RELEASE_MODES}
+STYLE = {m[0]: (m[3], m[4]) for m in MODES + LEAN_MODES + RELEASE_MODES}
 
 TOLERANCE = 0.02        # modes 4 and 5 within 2% of FP32; mode 6 worse by more than this
 LOW_LR_FACTOR = 0.1     # the second setting, when mode 6 is not worse in the main one
@@ -121,11 +151,13 @@ LEAN_SETTINGS = {
 LEAN_SEEDS = 3
 
 
-SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decreased")
+SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decreased",
+          "grad_norm")
 
 
 class Run:
-    """One mode's record: the ``SERIES`` (v_decreased: share of v lowered) and ``final``."""
+    """One mode's record: the ``SERIES`` (v_decreased: share of v lowered; grad_norm: when
+    clipping, the global norm) and ``final``."""
 
     def __init__(self, mode: str, lr: float, seed: Optional[int] = None):
         self.mode, self.lr, self.seed, self.seconds, self.final = mode, lr, seed, 0.0, None
@@ -172,6 +204,7 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
     if base is None:
         base, options = (LEAN_BASE, LEAN_OPTIONS[mode]) if mode in LEAN_OPTIONS else (mode, {})
     options = dict(options or {})
+    base = options.pop("base", base)
     if seed is not None and training.MODES[base].kind == "mpext-optim":
         options["seed"] = seed
     torch.manual_seed(st.seed)
@@ -211,6 +244,8 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
             run.v_decreased.append(sum(int(x.sum()) for x in lowered)
                                    / sum(x.numel() for x in lowered))
         run.train_loss.append(float(loss.detach()))
+        if tr.grad_norm is not None:
+            run.grad_norm.append(float(tr.grad_norm))
         if (step + 1) % st.eval_interval == 0 or step == st.steps - 1:
             run.eval_steps.append(step + 1)
             run.eval_loss.append(evaluate(tr, val_batches))
@@ -453,102 +488,128 @@ def _seed_mean(runs: List[Run], attr: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _notes(rs: List[Run], steps: int) -> str:
+    """A lean or release mode's telling count: the steps skipped, or clipped (the norm above
+    CLIP), or the share of v lowered per step; per run, the mean over the seeds."""
+    if rs[0].scale:
+        return "%.1f skipped" % (sum(len(r.skipped) for r in rs) / len(rs))
+    if rs[0].grad_norm:
+        return "%.0f%% clipped" % (100 * sum(sum(n > CLIP for n in r.grad_norm) for r in rs)
+                                   / (steps * len(rs)))
+    return "%.1f%% v lowered" % (100 * _seed_mean(rs, "v_decreased"))
+
+
+HEADING = {"lean": "Lean optimizer state: fine-tuning a pretrained checkpoint",
+           "release": "Gradient release: the same fine-tuning, stepped inside backward"}
+
+
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str],
-               fp32_gemm: bool, corpus, val_data, fig_title: str):
-    """Pretrains in FP32, fine-tunes every lean mode and seed, checks the remainders bitwise
-    (if training is deterministic here: a second seed-0 reference tells); its Markdown, JSON
-    and plots, with the noise band (the FP32 master's mean ± its seed-to-seed range) and each
-    mode's place in it (criteria: docs/lean_state.md)."""
-    modes = [k for k in LEAN_KEYS if k in modes or k == "master"]
+               fp32_gemm: bool, corpus, val_data, fig_title: str, name: str = "lean"):
+    """Pretrains in FP32, fine-tunes every mode of study ``name`` ("lean" or "release") and
+    seed, checks the "exact" modes bitwise against their reference (if training is
+    deterministic here: a second seed-0 reference tells); its Markdown, JSON and plots, with the
+    noise bands (a reference's mean ± its seed-to-seed range: the FP32 master's unless the
+    criterion names another mode) and each mode's place in its band (criteria:
+    docs/lean_state.md)."""
+    modes = ["master"] + [k for k in STUDY_MODES[name] if k in modes and k != "master"]
+    crit_ref = {k: (LEAN_CRITERION[k].partition(":")[0],
+                    LEAN_CRITERION[k].partition(":")[2] or "master") for k in modes}
+    refs = {r for _, r in crit_ref.values()}
     train_data, cfg = corpus[2], GPTConfig.preset(ft.preset, len(corpus[1]))
     val, kw = val_batches(val_data, ft, cfg, ctx.device), dict(fp32_gemm=fp32_gemm)
     with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1),
-                      desc="lean state") as bar:
+                      desc=name) as bar:
         kw["bar"] = bar
         base = train("fp32", pre, cfg, train_data, val, ctx.device, keep_final=True, **kw)
-        b.phase("lean_pretrain")
+        b.phase(name + "_pretrain")
         kw["init"] = base.final["state"]
         runs = {k: [train(k, ft, cfg, train_data, val, ctx.device, seed=s,
                           track_moments=True,
-                          keep_final=LEAN_CRITERION[k] in ("reference", "exact"), **kw)
+                          keep_final=crit_ref[k][0] == "exact" or k in refs, **kw)
                     for s in range(seeds)] for k in modes}
         repeat = train("master", ft, cfg, train_data, val, ctx.device, seed=0,
                        keep_final=True, **kw)
     deterministic = same_training(runs["master"][0], repeat) is None
-    checked = deterministic and "remainder" in runs
-    if checked:
-        for ref, rem in zip(runs["master"], runs["remainder"]):
-            diff = same_training(ref, rem)
-            check(diff is None, "remainder vs master, seed %s: %s" % (rem.seed, diff))
-    b.phase("lean_finetune")
-    verdicts, rows = {}, []
-    ref = [r.final_loss(ft.final_k) for r in runs["master"]]
-    center, half = sum(ref) / len(ref), max(ref) - min(ref)
+    exact = [k for k in modes if crit_ref[k][0] == "exact"]
+    if deterministic:
+        for k in exact:
+            for ref, other in zip(runs[crit_ref[k][1]], runs[k]):
+                diff = same_training(ref, other)
+                check(diff is None, "%s vs %s, seed %s: %s" % (k, crit_ref[k][1], other.seed,
+                                                               diff))
+    b.phase(name + "_finetune")
+    verdicts, rows, bands = {}, [], {}
+    for r in refs:
+        xs = [run.final_loss(ft.final_k) for run in runs[r]]
+        bands[r] = (sum(xs) / len(xs), max(xs) - min(xs))
+    center, half = bands["master"]
     for key, rs in runs.items():
         xs = [r.final_loss(ft.final_k) for r in rs]
-        mean, crit = sum(xs) / len(xs), LEAN_CRITERION[key]
-        d = mean - center
-        m = verdicts[key] = {"finals": xs, "mean": mean, "delta": d, "inside": abs(d) <= half,
-                             "criterion": crit, "met": {"reference": True, "exact": xs == ref,
-                                                        "band": abs(d) <= half,
-                                                        "cautionary": d > half}[crit]}
+        (crit, ref_key), (c, h) = crit_ref[key], bands[crit_ref[key][1]]
+        mean = sum(xs) / len(xs)
+        d = mean - c
+        m = verdicts[key] = {"finals": xs, "mean": mean, "delta": d, "inside": abs(d) <= h,
+                             "criterion": crit, "reference": ref_key,
+                             "met": {"reference": True, "exact": xs == [
+                                 r.final_loss(ft.final_k) for r in runs[ref_key]],
+                                     "band": abs(d) <= h, "cautionary": d > h}[crit]}
+        of = "" if ref_key == "master" else " of %s" % SHORT[ref_key]
         if crit == "reference":
             verdict = "— (reference)"
         elif crit == "exact":
-            verdict = ("bitwise equal: **yes**" if checked else
+            verdict = ("bitwise equal%s: **yes**" % of if deterministic else
                        "bitwise: not checked (training not deterministic here)")
         elif crit == "band":
-            verdict = "inside: " + ("yes" if m["met"] else "**no**")
-            b.target(m["met"], "%s: mean final loss %+.4f from the FP32 master's, outside its "
-                     "noise band (±%.4f)" % (SHORT[key], m["delta"], half))
+            verdict = "inside%s: " % of + ("yes" if m["met"] else "**no**")
+            b.target(m["met"], "%s: mean final loss %+.4f from %s's, outside its noise band "
+                     "(±%.4f)" % (SHORT[key], m["delta"], SHORT[ref_key], h))
         else:
             verdict = "worse than the band: " + ("yes" if m["met"] else "no")
             if key == "rtn":
                 b.target(m["met"], "master-free round-to-nearest not worse than the noise band "
                          "(%+.4f, band ±%.4f): this setting does not show its stall"
-                         % (m["delta"], half))
+                         % (m["delta"], h))
         rows.append([LABEL[key], "%.4f" % m["mean"], " / ".join("%.4f" % x for x in m["finals"]),
-                     "%+.4f" % m["delta"], verdict,
-                     "%.1f%%" % (100 * _seed_mean(rs, "v_decreased")),
+                     "%+.4f" % m["delta"] + ("" if ref_key == "master" else " (vs %s)"
+                                             % SHORT[ref_key]), verdict,
+                     _notes(rs, ft.steps), 
                      "%.1f" % (sum(r.seconds for r in rs) / len(rs))])
-    md = ["### Lean optimizer state: fine-tuning a pretrained checkpoint", "",
+    md = ["### " + HEADING[name], "",
           "GPT preset `%s` (%s) pretrained in FP32 for %d steps (peak lr %g, betas %s), "
           "validation loss %.4f in BF16; fine-tuned from it for %d steps of batch %d, BF16 "
-          "params, `mpext.optim.AdamW` in each mode, lr %g decaying to %g, betas %s, weight "
-          "decay %g, %d seeds (batch order and rounding seed). Final loss: mean of the last %d "
-          "evaluations (every %d steps, %d held-out batches). Noise band (FP32 master's mean ± "
-          "its seed-to-seed range): %.4f ± %.4f."
+          "params (FP16 where the mode says), `mpext.optim.AdamW` in each mode, lr %g "
+          "decaying to %g, betas %s, weight decay %g, %d seeds (batch order and rounding seed). "
+          "Final loss: mean of the last %d evaluations (every %d steps, %d held-out batches). "
+          "Noise band (FP32 master's mean ± its seed-to-seed range): %.4f ± %.4f."
           % (ft.preset, _config_text(cfg), pre.steps, pre.lr, pre.betas,
              runs["master"][0].eval_loss[0], ft.steps, ft.batch_size, ft.lr,
              ft.lr * ft.min_lr_frac, ft.betas, ft.weight_decay, seeds, ft.final_k,
              ft.eval_interval, ft.eval_batches, center, half), "",
-          markdown_table(["mode (BF16 params, mpext.optim.AdamW)", "final val loss (mean)",
-                          "per seed", "Δ vs FP32 master", "criterion",
-                          "v lowered / step", "time s / run"],
+          markdown_table(["mode", "final val loss (mean)", "per seed", "Δ vs FP32 master",
+                          "criterion", "per step", "time s / run"],
                          rows), ""]
-    if checked:
-        md += ["Every remainder run equals its seed's FP32-master run bit for bit (every loss, "
-               "the final params and masters); asserted.", ""]
-    elif "remainder" in runs:
-        md += ["Remainders **not compared**: two FP32-master runs of one seed differed on this "
-               "device (not deterministic).", ""]
+    if exact:
+        md += [("Every run of %s equals its seed's reference run bit for bit (every loss, the "
+                "final params and masters); asserted." if deterministic else "%s **not "
+                "compared**: two FP32-master runs of one seed differed on this device (not "
+                "deterministic).") % ", ".join(SHORT[k] for k in exact), ""]
     if "bf16m_rtn" in runs:
-        md.append("- BF16 moments rounded to nearest lowered v in %.2f%% of its elements per "
-                  "step (FP32 moments: %.1f%%): 0.999 v rounds back to v, so v never decays; "
-                  "here that %s." % (100 * _seed_mean(runs["bf16m_rtn"], "v_decreased"),
-                                     100 * _seed_mean(runs["master"], "v_decreased"),
-                                     "stays inside the band" if verdicts["bf16m_rtn"]["inside"]
-                                     else "is outside the band"))
+        v_low = [100 * _seed_mean(runs[k], "v_decreased") for k in ("bf16m_rtn", "master")]
+        md += ["- BF16 moments rounded to nearest lowered v in %.2f%% of its elements per step "
+               "(FP32 moments: %.1f%%): 0.999 v rounds back to v, so v never decays; here that "
+               "%s." % (*v_low, "stays inside the band" if verdicts["bf16m_rtn"]["inside"]
+                        else "is outside the band"), ""]
     payload = {"setting": {"pretrain": dataclasses.asdict(pre),
                            "finetune": dataclasses.asdict(ft), "seeds": seeds},
                "pretrain_run": base.to_json(pre.final_k), "deterministic": deterministic,
-               "remainder_bitwise_checked": checked,
+               "bitwise_checked": exact if deterministic else [],
                "band": {"center": center, "half_width": half}, "verdict": verdicts,
                "runs": {k: [r.to_json(ft.final_k) for r in rs] for k, rs in runs.items()}}
-    title = fig_title % ("lean optimizer state, GPT preset %s fine-tuned %d steps, %d seeds%s"
-                         % (ft.preset, ft.steps, seeds, " (quick)" if ctx.quick else ""))
-    return md, {"lean": payload}, lambda: [
-        plot_lean(ctx.out_dir / "lean_convergence.png", runs, seeds, title)]
+    title = fig_title % ("%s, GPT preset %s fine-tuned %d steps, %d seeds%s"
+                         % (HEADING[name].split(":")[0].lower(), ft.preset, ft.steps, seeds,
+                            " (quick)" if ctx.quick else ""))
+    return md, {name: payload}, lambda: [
+        plot_lean(ctx.out_dir / ("%s_convergence.png" % name), runs, seeds, title)]
 
 
 def plot_lean(path, runs: Dict[str, List[Run]], seeds: int, title: str):
@@ -582,9 +643,9 @@ def plot_lean(path, runs: Dict[str, List[Run]], seeds: int, title: str):
 
 def add_args(parser):
     a = parser.add_argument
-    a("--study", choices=("all", "amp", "lean"), default="all",
+    a("--study", choices=("all", "amp", "lean", "release"), default="all",
       help="amp: FP32 vs native AMP vs mpext; lean: mpext.optim's lean optimizer states over "
-           "several seeds (default: both)")
+           "several seeds; release: gradient release, its clipping and FP16 (default: all)")
     a("--modes", nargs="+", choices=MODE_KEYS + LEAN_KEYS, default=None,
       help="modes to run (default: all; fp32 and master, the references, always run; a study "
            "none of whose modes is named is skipped)")
@@ -607,7 +668,8 @@ def run(ctx) -> dict:
     kind = "quick" if ctx.quick else ("cuda" if ctx.is_cuda else "cpu")
     study, named = getattr(a, "study", None) or "all", getattr(a, "modes", None)
     amp = _selected(study, "amp", MODE_KEYS, "fp32", named)
-    lean = _selected(study, "lean", LEAN_KEYS, "master", named)
+    lean, release = (_selected(study, n, STUDY_MODES[n], "master", named)
+                     for n in ("lean", "release"))
     st, (pre, ft) = SETTINGS[kind], LEAN_SETTINGS[kind]
     steps, lr, seeds = (getattr(a, k, None) for k in ("steps", "lr", "seeds"))
     if steps and steps < 2 * st.eval_interval:
@@ -631,8 +693,11 @@ def run(ctx) -> dict:
         fig_title = "%s: %%s; %s, torch %s" % (
             NAME, ctx.machine["gpu_name"] if ctx.is_cuda else ctx.machine["cpu_model"],
             ctx.machine["torch_version"])
-        out = [study(ctx, b, *args, fp32_gemm, corpus, val_data, fig_title) for study, args in (
-            (amp_study, (st, amp)), (lean_study, (pre, ft, seeds, lean))) if args[-1] is not None]
+        out = [study(ctx, b, *args, fp32_gemm, corpus, val_data, fig_title, **kw)
+               for study, args, kw in ((amp_study, (st, amp), {}),
+                                       (lean_study, (pre, ft, seeds, lean), {}),
+                                       (lean_study, (pre, ft, seeds, release),
+                                        dict(name="release"))) if args[-1] is not None]
         return b.finish([x for o in out for x in o[0]], {k: v for o in out for k, v in
                                                          o[1].items()},
                         lambda: [f for o in out for f in o[2]()])

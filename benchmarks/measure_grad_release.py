@@ -1,26 +1,20 @@
-"""Gradient release (``optimizer.release_grads()``): the figures behind docs/gradient_release.md.
-Per state format, with and without release, on an MLP, the end-to-end benchmark's GPT and an
-HF GPT-2 (``--device``): persistent bytes per param, a training step's peak as the allocator
-sees it and the live gradients' peak, each beside mpext.memory's prediction; a small training
-run with no clipping, torch's ``clip_grad_norm_`` (the reference) and release's exact and
-previous-norm modes: the final loss, the backward passes and FLOPs (``torch.utils.flop_counter``)
-of a step; the same run in FP16 under a dynamic loss scale, released (a skipped step keeps its
-earlier buckets' update) and stepped after backward; and a whole forward + backward + step with
-and without release, timed interleaved in one run (the ratio, not the times, is the figure on a
-shared CPU).
+"""Gradient release (``optimizer.release_grads()``): the memory and speed figures of
+docs/gradient_release.md (its convergence figures: ``bench_convergence --study release``). Per
+state format, with and without release, on an MLP, the end-to-end benchmark's GPT and an HF
+GPT-2 (``--device``): persistent bytes per param, a training step's peak as the allocator sees
+it and the live gradients' peak, each beside mpext.memory's prediction; and a whole forward +
+backward + step with and without release, timed interleaved in one run (the ratio, not the
+times, is the figure on a shared CPU).
 
-    python -m benchmarks.measure_grad_release [--steps 300] [--seeds 3]
+    python -m benchmarks.measure_grad_release
     python -m benchmarks.measure_grad_release --memory-only --device cuda   # gpu_check's
 """
 import argparse
-import contextlib
 import inspect
 
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from mpext import GradScaler
 from mpext.memory import estimate, measure
 from mpext.optim import AdamW
 
@@ -115,68 +109,6 @@ def memory(build, loss_of, shape, bucket, device):
     return rows, n, exact
 
 
-def train(mode, seed, steps, max_norm):
-    torch.manual_seed(seed)
-    model = mlp([64] * 4 + [1], nn.Tanh)
-    gen = torch.Generator().manual_seed(seed)
-    w_true = torch.randn(64, 1, generator=gen) / 4
-    opt = AdamW(model.parameters(), lr=3e-3)
-    release = None
-    if mode in ("exact", "previous"):
-        release = opt.release_grads(bucket_bytes=0, max_grad_norm=max_norm, clip=mode)
-    for step in range(steps):
-        x = torch.randn(128, 64, generator=gen)
-        y = torch.sin(x @ w_true) + 0.05 * torch.randn(128, 1, generator=gen)
-        counting = step == steps - 1
-        with FlopCounterMode(display=False) if counting else contextlib.nullcontext() as fc:
-            loss = (model(x) - y).square().mean()
-            passes = release.backward_passes if release else 0
-            if release is None:
-                loss.backward()
-                if mode == "clip_grad_norm_":
-                    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                opt.step()
-                opt.zero_grad()
-                passes = 1
-            else:
-                release.backward(loss)
-                passes = release.backward_passes - passes
-    with torch.no_grad():
-        x = torch.randn(4096, 64, generator=gen)
-        final = (model(x) - torch.sin(x @ w_true)).square().mean().item()
-    return final, fc.get_total_flops(), passes
-
-
-def fp16(released, seed, steps):
-    """The training run of ``train`` with FP16 params and a dynamic loss scale that starts at
-    2^24 and grows every 25 steps, so that it overflows now and then: the held-out MSE and the
-    number of skipped steps."""
-    torch.manual_seed(seed)
-    model = mlp([64] * 4 + [1], nn.Tanh).half()
-    gen = torch.Generator().manual_seed(seed)
-    w_true = torch.randn(64, 1, generator=gen) / 4
-    opt = AdamW(model.parameters(), lr=3e-3)
-    scaler = GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=25)
-    release = opt.release_grads(scaler=scaler, bucket_bytes=0) if released else None
-    skipped = 0
-    for _ in range(steps):
-        x = torch.randn(128, 64, generator=gen)
-        y = torch.sin(x @ w_true) + 0.05 * torch.randn(128, 1, generator=gen)
-        loss = (model(x.half()).float() - y).square().mean()
-        if released:
-            release.backward(scaler.scale(loss))
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            opt.zero_grad()
-        skipped += bool(scaler.last_step_skipped(opt))
-        scaler.update()
-    with torch.no_grad():
-        x = torch.randn(4096, 64, generator=gen)
-        final = (model(x.half()).float() - torch.sin(x @ w_true)).square().mean().item()
-    return final, skipped
-
-
 def speed(bucket_bytes, repeats, width=512, depth=8):
     """Seconds of a forward + backward + step of the BF16 remainder format on the memory MLP,
     stepped after backward and released, interleaved."""
@@ -201,13 +133,10 @@ def speed(bucket_bytes, repeats, width=512, depth=8):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--max-norm", type=float, default=0.1)
     ap.add_argument("--bucket-bytes", type=int, default=2 ** 20)
     ap.add_argument("--repeats", type=int, default=15, help="timed samples per path")
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                    help="the memory section's device (the others run on the CPU)")
+                    help="the memory section's device (the speed section runs on the CPU)")
     ap.add_argument("--memory-only", action="store_true", help="the memory section alone")
     args = ap.parse_args()
     dev = resolve_device(args.device)
@@ -225,19 +154,6 @@ def main():
     print("\npersistent bytes = mpext.memory's prediction in every row: %s" % exact)
     if args.memory_only:
         return int(not exact)
-    print("\nClipping (max_grad_norm=%g, %d steps), held-out MSE per seed; cost of one step\n"
-          % (args.max_norm, args.steps))
-    rows = []
-    for mode in ("none", "clip_grad_norm_", "exact", "previous"):
-        res = [train(mode, s, args.steps, args.max_norm) for s in range(args.seeds)]
-        rows.append([mode] + ["%.5f" % r[0] for r in res] + [res[0][2], res[0][1]])
-    print(markdown_table(["mode"] + ["seed %d" % s for s in range(args.seeds)]
-                         + ["backward passes", "FLOPs"], rows))
-    print("\nFP16, dynamic loss scale (init 2^24, growth every 25 steps), %d steps: held-out MSE "
-          "per seed (skipped steps)\n" % args.steps)
-    rows = [[name] + ["%.5f (%d)" % fp16(released, s, args.steps) for s in range(args.seeds)]
-            for name, released in (("step after backward", False), ("released", True))]
-    print(markdown_table(["mode"] + ["seed %d" % s for s in range(args.seeds)], rows))
     print("\nForward + backward + step, BF16 + remainder, the memory MLP, batch 64, %d "
           "interleaved samples, ms (median [quartiles])\n" % args.repeats)
     rows = []

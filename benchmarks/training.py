@@ -69,12 +69,20 @@ class Trainer:
         """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``) with the
         mode's optimizer (``inner``, ``MixedPrecisionOptimizer(inner)`` or
         ``mpext.optim.AdamW``, given the mode's and these ``options``) and, if it scales the
-        loss, its scaler (torch's, the wrapper's dynamic scale or ``mpext.GradScaler``)."""
+        loss, its scaler (torch's, the wrapper's dynamic scale or ``mpext.GradScaler``).
+        The trainer's own options: ``max_grad_norm`` (``clip_grad_norm_`` after backward),
+        ``release`` (``release_grads``' keywords: the step inside backward), ``scaler``."""
         tr, mode = cls(), MODES[key]
         tr.model = model.to(device=device, dtype=mode.param_dtype)
         tr.params, tr.kind, tr.autocast_dtype = list(model.parameters()), mode.kind, mode.autocast
+        tr.grad_norm = None  # the latest global gradient norm, when clipping
         tr.device_type, tr.scaler = tr.params[0].device.type, None
-        scaler_options, options = scaler_options or {}, dict(mode.options, **options)
+        options = dict(mode.options, **options)
+        # the trainer's own options: clip_grad_norm_ after backward, release_grads' keywords
+        tr.max_grad_norm, release = options.pop("max_grad_norm", None), options.pop("release", None)
+        if (release is not None or tr.max_grad_norm is not None) and mode.kind == "mpext-wrapper":
+            raise ValueError("mode %s: release and max_grad_norm are for the other kinds" % key)
+        scaler_options = dict(scaler_options or {}, **options.pop("scaler", {}))
         if mode.kind == "torch":
             tr.opt = inner(tr.params, **options, **({"fused": True} if fused else {}))
             if mode.scaled:
@@ -88,6 +96,8 @@ class Trainer:
             tr.opt = mpext.optim.AdamW(tr.params, **options)
             if mode.scaled:
                 tr.scaler = mpext.GradScaler(tr.device_type, **scaler_options)
+        tr.release = None if release is None else tr.opt.release_grads(scaler=tr.scaler,
+                                                                       **release)
         return tr
 
     def autocast(self):
@@ -110,16 +120,29 @@ class Trainer:
         if self.kind == "mpext-wrapper":
             self.opt.backward(loss)
             applied = self.opt.step()
-        elif self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.opt)
-            self.scaler.update()
         else:
-            loss.backward()
-            self.opt.step()
+            self._backward_and_step(loss)
         if zero_grad:
             self.opt.zero_grad(set_to_none=True)
         return loss, applied
+
+    def _backward_and_step(self, loss):
+        """Backward and the step (inside backward when released), clip_grad_norm_ between them
+        when asked, and the scaler's update."""
+        scaler = self.scaler
+        scaled = loss if scaler is None else scaler.scale(loss)
+        if self.release is not None:
+            self.release.backward(scaled)
+            self.grad_norm = self.release.last_grad_norm
+        else:
+            scaled.backward()
+            if self.max_grad_norm is not None:
+                if scaler is not None:
+                    scaler.unscale_(self.opt)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.opt.step() if scaler is None else scaler.step(self.opt)
+        if scaler is not None:
+            scaler.update()
 
     def get_scale(self) -> Optional[float]:
         """The loss scale (a host sync), None without a scaler."""
