@@ -839,6 +839,63 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
   }
 }
 
+// Gradient release steps an optimizer's params in buckets, one launch per bucket in autograd's
+// order (the last params first), each tensor keeping its own stream: the buckets' launches on the
+// "device" equal the core stepping the whole list in one step, bit for bit. Once a backward found
+// an inf/NaN, its later buckets are launched with found_inf set: they change nothing.
+EMU_TEST(adam_buckets_match_one_step_of_the_list) {
+  Rng r(901);
+  std::vector<Lean> cpu;
+  uint32_t stream = 0;
+  for (int storage : {1, 2, 3}) {
+    for (int mom = 0; mom < 4; ++mom) {
+      const int64_t n = 61 + 7 * stream;
+      cpu.push_back(make_lean(r, MP_BF16, MP_BF16, storage, mom & 1 ? MP_BF16 : MP_F32,
+                              mom & 2 ? MP_BF16 : MP_F32, n, stream++));
+    }
+  }
+  const std::vector<Lean> before = cpu;
+  std::vector<Lean> gpu = cpu, poisoned = cpu;
+  std::vector<mp_adam_tensor> tc, tg, tp;
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    tc.push_back(lean_tensor(cpu[k]));
+    tg.push_back(lean_tensor(gpu[k]));
+    tp.push_back(lean_tensor(poisoned[k]));
+  }
+  Buf inv(4, 0), found(4, 0);
+  *inv.f32() = 0.5f;
+  *found.f32() = 1.0f;
+  mp_adam_options o{};
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.eps = 1e-8;
+  o.weight_decay = 0.01;
+  o.decoupled = 1;
+  o.lr_value = 1e-2f;
+  o.inv_scale = inv.f32();
+  o.sr_params = 1;
+  o.seed = 0x5EEDull;
+  for (size_t k = 0; k < tc.size(); ++k) {
+    CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+  }
+  CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+        "core steps");
+  mp_adam_options skip = o;
+  skip.found_inf = found.f32();
+  for (int64_t end = static_cast<int64_t>(tg.size()); end > 0; end -= 5) {  // buckets of 5
+    const int64_t start = end >= 5 ? end - 5 : 0;
+    CHECK(mp_adam_step_multi_cuda(&tg[start], end - start, &o, nullptr) == MP_OK, "cuda status");
+    CHECK(mp_adam_step_multi_cuda(&tp[start], end - start, &skip, nullptr) == MP_OK,
+          "cuda status, skipped bucket");
+  }
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    CHECK(same_lean(cpu[k], gpu[k]), "param %zu (storage %d moments %d/%d): its bucket's launch "
+          "differs from the whole list's step", k, cpu[k].storage, cpu[k].md, cpu[k].vd);
+    CHECK(same_lean(before[k], poisoned[k]), "param %zu: a bucket launched with found_inf set "
+          "changed it", k);
+  }
+}
+
 // The tie rule on the lean path (adam_bf16_master_tie_rule's data): remainders with fp32 or bf16
 // moments, and masters with bf16 moments or an ema, bf16 and fp32 grads.
 EMU_TEST(adam_lean_bf16_master_tie_rule) {
