@@ -511,7 +511,9 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List
     noise bands (a reference's mean ± its seed-to-seed range: the FP32 master's unless the
     criterion names another mode) and each mode's place in its band (criteria:
     docs/lean_state.md)."""
-    modes = ["master"] + [k for k in STUDY_MODES[name] if k in modes and k != "master"]
+    refs = {LEAN_CRITERION[k].partition(":")[2] for k in modes if k in LEAN_CRITERION}
+    modes = ["master"] + [k for k in STUDY_MODES[name] if k != "master" and (k in modes or
+                                                                            k in refs)]
     crit_ref = {k: (LEAN_CRITERION[k].partition(":")[0],
                     LEAN_CRITERION[k].partition(":")[2] or "master") for k in modes}
     refs = {r for _, r in crit_ref.values()}
@@ -647,8 +649,8 @@ def add_args(parser):
       help="amp: FP32 vs native AMP vs mpext; lean: mpext.optim's lean optimizer states over "
            "several seeds; release: gradient release, its clipping and FP16 (default: all)")
     a("--modes", nargs="+", choices=MODE_KEYS + LEAN_KEYS, default=None,
-      help="modes to run (default: all; fp32 and master, the references, always run; a study "
-           "none of whose modes is named is skipped)")
+      help="modes to run (default: all; fp32 and master, the references, always run, and a "
+           "named mode's own reference; a study none of whose modes is named is skipped)")
     a("--steps", type=int, default=None, help="training steps per mode (amp)")
     a("--lr", type=float, default=None, help="peak learning rate (amp)")
     a("--seeds", type=int, default=None, help="seeds per lean mode (default 3; at least 2)")
