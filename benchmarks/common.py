@@ -45,6 +45,18 @@ def require_kernel(device: torch.device, op: str) -> None:
                            % op)
 
 
+def resolve_device(name: str) -> torch.device:
+    """auto: cuda when usable, else cpu; an explicit cuda that cannot run is an error."""
+    import mpext
+
+    built, seen = bool(mpext.build_info().get("cuda_built")), torch.cuda.is_available()
+    if name == "cuda" and not (built and seen):
+        raise SystemExit("--device cuda: " + ("mpext was built without CUDA (see "
+                         "mpext.build_info())" if seen else "torch sees no CUDA device"))
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" \
+        else torch.device("cuda" if name == "auto" and built and seen else "cpu")
+
+
 class Context:
     """What one run shares: options, device, output directory, machine info."""
 
@@ -52,14 +64,7 @@ class Context:
         self.args, self.quick = args, bool(args.quick)
         if args.threads:
             torch.set_num_threads(args.threads)
-        import mpext  # auto: cuda when usable; an explicit cuda that cannot run is an error
-
-        built, seen = bool(mpext.build_info().get("cuda_built")), torch.cuda.is_available()
-        if args.device == "cuda" and not (built and seen):
-            raise SystemExit("--device cuda: " + ("mpext was built without CUDA (see "
-                             "mpext.build_info())" if seen else "torch sees no CUDA device"))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
-            else torch.device("cuda" if args.device == "auto" and built and seen else "cpu")
+        self.device = resolve_device(args.device)
         self.is_cuda = self.device.type == "cuda"
         self.repeats = args.repeats or (5 if self.quick else 11)
         self.warmup = 1 if self.quick else 2
