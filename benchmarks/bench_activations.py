@@ -1,11 +1,4 @@
-"""Saved activations, measured from autograd's saved-tensor hooks, per precision mode, with and
-without mpext.activations' FP8 compression; the gradient error it costs; a short convergence run.
-What is counted: docs/activations.md, "Measurements" (step times only mean something on a quiet
-machine).
-
-    python -m benchmarks.bench_activations [--quick] [--converge-steps 300]
-        [--converge-models gpt,hf-gpt2] [--out results] [--device cuda]
-"""
+"""Saved activations per precision mode, FP8 off and on (benchmarks/README.md)."""
 import argparse
 import collections
 import contextlib
@@ -58,8 +51,7 @@ class Saved:
 
 
 def estimate(cfg, b, mode, fp8=False, device="cpu", **kw):
-    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode`` on ``device``'s type,
-    FP8 or not."""
+    """mpext.memory's saved bytes for a GPT of cfg's sizes in ``mode``, FP8 or not."""
     return activation_bytes(b, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head, 4 if
                             mode == "fp32" else 2, norm_bytes=4 if "amp" in mode else None,
                             device=device, compress=fp8, **kw)
@@ -74,11 +66,7 @@ def models(quick):
     out = {"gpt": (lambda: gpt.GPT(cfg), lambda: gpt.get_batch(
         ids, b, cfg.block_size, torch.Generator().manual_seed(0)), lambda m, xy: m(*xy)[1],
         cfg.n_layer, tokens, functools.partial(estimate, cfg, b, vocab=len(vocab), dropout=False))}
-    from transformers import GPT2Config, GPT2LMHeadModel  # the test dependencies have it
-    hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=4, vocab_size=512,
-                      n_positions=cfg.block_size, attn_implementation="sdpa",
-                      activation_function="gelu_pytorch_tanh")
-    out["hf-gpt2"] = (lambda: GPT2LMHeadModel(hcfg), lambda: (torch.randint(
+    out["hf-gpt2"] = (lambda: gpt.hf_gpt2(cfg, vocab_size=512), lambda: (torch.randint(
         0, 512, (b, cfg.block_size), generator=torch.Generator().manual_seed(0)),),
         lambda m, x: m(x[0], labels=x[0]).loss, cfg.n_layer, tokens,
         functools.partial(estimate, cfg, b, vocab=512, dropout=True))  # GPT-2's dropout 0.1
@@ -149,20 +137,14 @@ def measure(quick, dev):
 
 
 def converge(steps, model_name, seeds=(0, 1, 2)):
-    """The benchmark GPT ("small") or an HF GPT-2 of its sizes on the same corpus, bf16 params
-    stepped by mpext.optim.AdamW (FP32 masters): the validation loss per (VARIANTS key, seed)."""
+    """The validation loss per (VARIANTS key, seed) of BF16 ``model_name`` ("gpt": the "small"
+    preset; "hf-gpt2" of its sizes) stepped by mpext.optim.AdamW (FP32 masters)."""
     ids, vocab = gpt.load_corpus()
     (train, val), cfg = gpt.split_corpus(ids), gpt.GPTConfig.preset("small", len(vocab))
     if model_name == "gpt":
         build, loss_of = (lambda: gpt.GPT(cfg, fp32_gemm=True)), (lambda m, x, y: m(x, y)[1])
-    else:
-        from transformers import GPT2Config, GPT2LMHeadModel
-        hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
-                          vocab_size=len(vocab), n_positions=cfg.block_size, bos_token_id=0,
-                          eos_token_id=0, attn_implementation="sdpa",
-                          activation_function="gelu_pytorch_tanh")
-        build = lambda: GPT2LMHeadModel(hcfg)  # noqa: E731
-        loss_of = lambda m, x, y: m(x, labels=x).loss  # noqa: E731  (HF shifts the labels)
+    else:  # HF shifts the labels itself
+        build, loss_of = (lambda: gpt.hf_gpt2(cfg)), (lambda m, x, y: m(x, labels=x).loss)
     out = {}
     for variant, kw in VARIANTS.items():
         for seed in seeds:
@@ -185,11 +167,7 @@ def converge(steps, model_name, seeds=(0, 1, 2)):
 
 
 def kernels(quick, dev):
-    """ns per element, GB/s and the fraction of the in-place roofline of the FP8 ops on one BF16
-    activation (block 128), against torch's own cast to float8_e4m3fn, an allocating copy
-    (``clone``: every op writes a new tensor and pays for its fresh pages) and the in-place
-    streaming roofline (``x.add_(0.5)``, 8 B per fp32 element, on measure_roofline's buffer),
-    all interleaved; and measure_roofline's own (copy and in-place) before them."""
+    """The FP8 ops against torch's cast, a copy and the in-place roofline (docs/activations.md)."""
     roof = common.measure_roofline(dev, quick=quick, show_progress=False)
     big = torch.zeros(roof["numel"], device=dev)
     x = torch.randn(1024 if quick else 4096, 4096, dtype=torch.bfloat16, device=dev)

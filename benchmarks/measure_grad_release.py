@@ -1,14 +1,4 @@
-"""Gradient release (``optimizer.release_grads()``): the memory and speed figures of
-docs/gradient_release.md (its convergence figures: ``bench_convergence --study release``). Per
-state format, with and without release, on an MLP, the end-to-end benchmark's GPT and an HF
-GPT-2 (``--device``): persistent bytes per param, a training step's peak as the allocator sees
-it and the live gradients' peak, each beside mpext.memory's prediction; and a whole forward +
-backward + step with and without release, timed interleaved in one run (the ratio, not the
-times, is the figure on a shared CPU).
-
-    python -m benchmarks.measure_grad_release
-    python -m benchmarks.measure_grad_release --memory-only --device cuda   # gpu_check's
-"""
+"""Gradient release's memory and speed (benchmarks/README.md; docs/gradient_release.md)."""
 import argparse
 import inspect
 
@@ -41,11 +31,9 @@ FORMATS = [  # label, param dtype, mpext.optim.AdamW's options, mpext.memory's m
 
 
 def models(device, batch=1, width=512, depth=8):
-    """name -> (build(), loss(model), the activation estimate's shape or None): the MLP, the
-    benchmark GPT (bench_train's small preset at 4 x 256) and transformers' GPT-2 of its sizes,
-    on ``batch`` sequences of 64 tokens (at 4 the activations at the start of backward, not the
-    gradients, set the step's peak: the same with and without release)."""
-    from .gpt import GPT, GPTConfig, get_batch, load_corpus
+    """name -> (build(), loss(model), the activation estimate's shape or None) on ``batch``
+    sequences (at 4 the activations, not the gradients, set the step's peak either way)."""
+    from .gpt import GPT, GPTConfig, get_batch, hf_gpt2, load_corpus
     ids, vocab = load_corpus()
     cfg = GPTConfig.preset("small", len(vocab), n_layer=4, n_embd=256)
     x, y = (t.to(device) for t in get_batch(ids, batch, cfg.block_size,
@@ -57,23 +45,18 @@ def models(device, batch=1, width=512, depth=8):
         xm.to(m[0].weight.dtype)).float().square().mean(), None),
         "benchmark GPT": (lambda: GPT(cfg), lambda m: m(x, y)[1], dict(shape, dropout=False))}
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers  # noqa: F401
     except ImportError:
         print("(transformers is not installed: no HF GPT-2 rows)")
         return out
-    hcfg = GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, bos_token_id=0,
-                      eos_token_id=0, vocab_size=len(vocab), n_positions=cfg.block_size,
-                      attn_implementation="sdpa", activation_function="gelu_pytorch_tanh")
-    out["HF GPT-2"] = (lambda: GPT2LMHeadModel(hcfg), lambda m: m(x, labels=x).loss.float(),
+    out["HF GPT-2"] = (lambda: hf_gpt2(cfg), lambda m: m(x, labels=x).loss.float(),
                        dict(shape, dropout=True))  # GPT-2's dropout 0.1
     return out
 
 
 def memory(build, loss_of, shape, bucket, device):
-    """Per format, step after backward and released: persistent bytes (``measure``, after the
-    second step, before ``zero_grad``), the third step's peak (``peak_memory_many``: the
-    allocator's, above what was held before it, plus that), the live gradient bytes as each
-    completes; each with mpext.memory's estimate for the model's tensor sizes."""
+    """Per format, after backward and released: the memory table's rows (docs/gradient_release.md,
+    "Memory"), the model's params and whether every persistent figure is the estimate's."""
     rows, exact = [], True
     for label, dtype, kw, mode in FORMATS:
         row = [label]
@@ -110,8 +93,7 @@ def memory(build, loss_of, shape, bucket, device):
 
 
 def speed(bucket_bytes, repeats, width=512, depth=8):
-    """Seconds of a forward + backward + step of the BF16 remainder format on the memory MLP,
-    stepped after backward and released, interleaved."""
+    """Timings of a BF16 + remainder step on the memory MLP, after backward and released."""
     fns = {}
     for released in (False, True):
         torch.manual_seed(0)
