@@ -503,6 +503,7 @@ def write_json(path: Path, payload: dict) -> Path:
 
 
 def write_text(path: Path, text: str) -> Path:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text if text.endswith("\n") else text + "\n")
     return Path(path)
 

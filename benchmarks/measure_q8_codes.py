@@ -2,7 +2,6 @@
 import argparse
 import math
 import time
-from pathlib import Path
 
 import torch
 
@@ -164,7 +163,7 @@ def _rel_rms(pairs):
     return math.sqrt(num / den)
 
 
-def static_errors(snapshots, mcodes, vcodes, block):
+def static_errors(moments, mcodes, vcodes, block):
     """Relative RMS errors of m and v per code and rounding; the share of v decoded to 0."""
     gen = torch.Generator().manual_seed(5)
     out = {}
@@ -172,33 +171,26 @@ def static_errors(snapshots, mcodes, vcodes, block):
         sr = rounding == "sr"
         for name, code in mcodes.items():
             out[("m", name, rounding)] = _rel_rms(
-                [(code.roundtrip(m, block, sr, gen), m) for snap in snapshots for m, _ in snap])
+                [(code.roundtrip(m, block, sr, gen), m) for m, _ in moments])
         for name, code in vcodes.items():
-            pairs, zeros, total = [], 0, 0
-            for snap in snapshots:
-                for m, v in snap:
-                    q = code.roundtrip(v, block, sr, gen)
-                    pairs.append((q, v))
-                    zeros += int(((q == 0) & (m != 0)).sum())
-                    total += m.numel()
-            out[("v", name, rounding)] = _rel_rms(pairs)
-            out[("v0", name, rounding)] = zeros / total
+            qs = [code.roundtrip(v, block, sr, gen) for _, v in moments]
+            out[("v", name, rounding)] = _rel_rms([(q, v) for q, (_, v) in zip(qs, moments)])
+            zeros = sum(int(((q == 0) & (m != 0)).sum()) for q, (m, _) in zip(qs, moments))
+            out[("v0", name, rounding)] = zeros / sum(m.numel() for m, _ in moments)
     return out
 
 
-def update_error(snapshots, mcode, vcode, block, guard):
+def update_error(moments, mcode, vcode, block, guard):
     """Relative RMS error of the update m / (sqrt(v) + eps), with or without a v floor."""
     gen = torch.Generator().manual_seed(6)
     inv_k = guard_factor(B1, B2) if guard else 0.0
     pairs = []
-    for snap in snapshots:
-        for m, v in snap:
-            u = m.double() / (v.double().sqrt() + EPS)
-            mq = mcode.roundtrip(m, block, True, gen).double()
-            vq = vcode.roundtrip(v, block, True, gen).double()
-            if inv_k > 0:
-                vq = torch.maximum(vq, mq * mq * inv_k)
-            pairs.append((mq / (vq.sqrt() + EPS), u))
+    for m, v in moments:
+        mq = mcode.roundtrip(m, block, True, gen).double()
+        vq = vcode.roundtrip(v, block, True, gen).double()
+        if inv_k > 0:
+            vq = torch.maximum(vq, mq * mq * inv_k)
+        pairs.append((mq / (vq.sqrt() + EPS), m.double() / (v.double().sqrt() + EPS)))
     return _rel_rms(pairs)
 
 
@@ -214,33 +206,30 @@ def main():
     a("--convergence", action="store_true", help="train the real optimizers instead")
     a("--out", default="results/measure_q8_codes.json")
     args = ap.parse_args()
-    args.snapshot_steps = {args.steps // 8, args.steps // 2, args.steps}
     torch.set_num_threads(1)
     corpus, vocab = load_corpus()
     train_d, val_d = split_corpus(corpus.long())
     data = {"train": train_d, "val": val_d, "vocab": len(vocab)}
-    settings = {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.convergence:
         print("convergence: final validation loss (mean of the last 4 evaluations), %d seeds, "
               "%d steps, preset %s" % (args.seeds, args.steps, args.preset), flush=True)
-        print("written:", write_json(out, {"args": settings,
-                                           "convergence": convergence(args, data)}))
+        print("written:", write_json(args.out, {"args": vars(args),
+                                                "convergence": convergence(args, data)}))
         return
-    t0 = time.time()
-    snaps = []
+    t0, moments = time.time(), []
+    snapshot_steps = {args.steps // 8, args.steps // 2, args.steps}
+
     def snapshot(step, tr):  # the moments of the large params
-        if step + 1 in args.snapshot_steps:
-            snaps.append([(tr.opt.state[p]["exp_avg"].clone(),
-                           tr.opt.state[p]["exp_avg_sq"].clone())
-                          for p in tr.params if p.numel() >= MIN_NUMEL])
+        if step + 1 in snapshot_steps:
+            moments.extend((tr.opt.state[p]["exp_avg"].clone(),
+                            tr.opt.state[p]["exp_avg_sq"].clone())
+                           for p in tr.params if p.numel() >= MIN_NUMEL)
 
     fp32 = [train(args, data, "torch-fp32", 0, "fp32", on_step=snapshot)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
-    mcodes = codes_for(normalized([m for s in snaps for m, _ in s], args.block, True), True)
-    vcodes = codes_for(normalized([v for s in snaps for _, v in s], args.block, False), False)
-    static = static_errors(snaps, mcodes, vcodes, args.block)
+    mcodes = codes_for(normalized([m for m, _ in moments], args.block, True), True)
+    vcodes = codes_for(normalized([v for _, v in moments], args.block, False), False)
+    static = static_errors(moments, mcodes, vcodes, args.block)
     print("\nstatic round trip, block %d, relative RMS error (sr / rn):" % args.block)
     for name in mcodes:
         print("  m %-10s %.4f / %.4f" % (name, static[("m", name, "sr")],
@@ -256,16 +245,17 @@ def main():
     upd = {}
     for mc, vc in pairs:
         for guard in (True, False):
-            upd[(mc, vc, guard)] = update_error(snaps, mcodes[mc], vcodes[vc], args.block, guard)
+            upd[(mc, vc, guard)] = update_error(moments, mcodes[mc], vcodes[vc], args.block, guard)
         print("  %-9s + %-10s %.4f / %.4f" % (mc, vc, upd[(mc, vc, True)], upd[(mc, vc, False)]),
               flush=True)
     print("\nblock size (e3m4 + e4m4, sr): update error, and the scales' bytes per element")
     by_block = {}
     for block in (32, 64, 128, 256, 512, 1024, 2048):
-        by_block[block] = update_error(snaps, mcodes["e3m4"], vcodes["e4m4"], block, True)
+        by_block[block] = update_error(moments, mcodes["e3m4"], vcodes["e4m4"], block, True)
         print("  %5d  %.4f  %.4f B" % (block, by_block[block], 8.0 / block), flush=True)
-    print("\nwritten:", write_json(out, {
-        "args": settings, "fp32": fp32, "static": {"|".join(k): v for k, v in static.items()},
+    print("\nwritten:", write_json(args.out, {
+        "args": dict(vars(args), snapshot_steps=sorted(snapshot_steps)), "fp32": fp32,
+        "static": {"|".join(k): v for k, v in static.items()},
         "update_error": {"%s|%s|guard=%d" % k: v for k, v in upd.items()},
         "update_error_by_block": by_block}))
 
