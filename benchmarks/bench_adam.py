@@ -11,46 +11,33 @@ from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_sam
 NAME = "bench_adam"
 TITLE = "Optimizer step: mpext's fused steps (rules x formats) vs PyTorch AMP"
 BF16, FP32 = torch.bfloat16, torch.float32
-LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
-HYPER = dict(lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY)
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 EMA_DECAY = 0.999  # the EMA rows and their native counterparts
 GRAD_STD, PARAM_STD = 1e-3, 0.02
-# AdamW's default format: >= 1.3x the best native AdamW, >= 80% of the copy roofline (reported)
-SPEED_TARGET, COPY_TARGET = 1.3, 0.80
-ROOF_NAME = {"frac_copy_best": "copy", "frac_inplace_same_rounds": "in-place"}
 
 
 def _metrics(rule, case, times, n, roof, inplace_n, peaks=None):
-    """One case's rows: per format and native (key -> (label, state B/param, step B/param,
-    baseline, target: (x, fraction, field))) timing, bytes, speed, bytes bound, rooflines."""
+    """One case's rows: per stepper its label, bytes, baseline, target, timing and fractions."""
     same = times["inplace"].gbps(8.0 * inplace_n)
-    out = {"case": case, "params": n, "inplace_gbps_same_rounds": same,
-           "inplace": times["inplace"].to_json(), "modes": {}, "group": rule}
-    modes = {}
     best = min(_natives(rule)[:1] + list(NATIVE_VARIANTS if rule == "adamw" else ()),
                key=lambda k: times[k].median)  # AdamW's default: against the fastest native
+    modes = {}
     for key in list(FMT) + _natives(rule):
+        (state, step), t = _bytes(rule, key), times[key]
         if key.startswith("native"):
             label = "torch.amp.GradScaler + %s, fp32 params%s" % (
                 NATIVE_VARIANTS[key][0] if key in NATIVE_VARIANTS else RULES[rule][4],
                 " + fp32 EMA (torch._foreach_lerp_)" if key == "native_ema" else "")
-            modes[key] = (label,) + _native_bytes(rule, key) + ("native", None)
-        elif rule == "adamw" and key == "master":
-            modes[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
-                best, (SPEED_TARGET, COPY_TARGET, "frac_copy_best"))
+            base, target = "native", None
         else:
-            tgt = FMT[key][4] if rule == "adamw" else None
-            modes[key] = (FMT[key][0],) + _mpext_bytes(rule, key) + (
-                "native_ema" if FMT[key][3] else "native",
-                None if tgt is None else tgt + ("frac_inplace_same_rounds",))
-    for key, (label, state, step, base, target) in modes.items():
-        t = times[key]
+            label, target = FMT[key][0], FMT[key][4] if rule == "adamw" else None
+            base = best if target and key == "master" else "native_ema" if FMT[key][3] else "native"
         gb = t.gbps(step * n)
-        row = out["modes"][key] = {
+        row = modes[key] = {
             "label": label, "state_bytes_per_param": state, "step_bytes_per_param": step,
             "timing": t.to_json(), "ns_per_param": t.median / n * 1e9, "gbps": gb,
             "baseline": base, "speedup_vs_baseline": times[base].median / t.median,
-            "bytes_bound_vs_baseline": modes[base][2] / step,
+            "bytes_bound_vs_baseline": _bytes(rule, base)[1] / step,
             "frac_inplace_same_rounds": gb / same,
             "frac_inplace_best": gb / roof["inplace_gbps"],
             "frac_copy_best": gb / roof["copy_gbps"], "peak_bytes": (peaks or {}).get(key),
@@ -58,7 +45,8 @@ def _metrics(rule, case, times, n, roof, inplace_n, peaks=None):
         if target is not None:
             row["target_speed_met"] = row["speedup_vs_baseline"] >= target[0]
             row["target_roofline_met"] = row[target[2]] >= target[1]
-    return out
+    return {"case": case, "params": n, "inplace_gbps_same_rounds": same,
+            "inplace": times["inplace"].to_json(), "modes": modes, "group": rule}
 
 
 def _report(b: Bench, results):
@@ -98,9 +86,6 @@ def _report(b: Bench, results):
                            "peak MiB", "target", "met"], rows)
 
 
-SIZES_FULL = [16 << 20, 64 << 20]
-SIZES_QUICK = [16 << 20]
-CHECK_BYTES = 2  # mpext.GradScaler's inf check at scale 1 reads the bf16 grads
 
 
 def _lion(params, hyper):
@@ -122,7 +107,8 @@ RULES = {
     "sgd": ("SGD", ("momentum_dtype",), dict(lr=1e-3, momentum=0.9, weight_decay=1e-2),
             lambda ps, h: torch.optim.SGD(ps, fused=True, **h), "SGD(momentum, fused=True)", 24, 4),
 }
-NATIVE_CHECK_BYTES = 8
+# the inf checks: mpext.GradScaler's at scale 1 reads the bf16 grads, torch's reads and writes
+CHECK_BYTES, NATIVE_CHECK_BYTES = 2, 8
 # AdamW's other native variants: key -> (label, options); both step 80 B/param (README)
 NATIVE_VARIANTS = {"native_foreach": ("AdamW(foreach=True)", dict(foreach=True)),
                    "native_forloop": ("AdamW(foreach=False), the for-loop", dict(foreach=False))}
@@ -132,29 +118,26 @@ PARAM_FORMATS = {"master": ({}, 4, 10), "remainder": (dict(param_remainders=True
                  "sr": (dict(master_weights=False, stochastic_rounding=True), 0, 4),
                  "rne": (dict(master_weights=False), 0, 4)}
 MOMENT_FORMATS = {"fp32": (FP32, 4), "bf16": (BF16, 2), "q8": (torch.int8, 1)}  # 8/256 scales
-# key, label, param format, moment format, EMA (vs native + EMA), target (x native, in-place)
+# AdamW's targets (reported): (x its baseline, fraction, of which roofline); the default format
+# is held against the fastest native AdamW and the copy roofline
+COPY, INPLACE = "frac_copy_best", "frac_inplace_same_rounds"
+ROOF_NAME = {COPY: "copy", INPLACE: "in-place"}
+# key, label, param format, moment format, EMA (vs native + EMA), AdamW's target
 FORMATS = [
-    ("master", "fp32 master + fp32 moments (default)", "master", "fp32", False, None),
+    ("master", "fp32 master + fp32 moments (default)", "master", "fp32", False, (1.3, 0.8, COPY)),
     ("remainder", "remainder + fp32 moments", "remainder", "fp32", False, None),
-    ("remainder_bf16m", "remainder + bf16 moments", "remainder", "bf16", False, (1.6, 0.80)),
-    ("sr_bf16m", "no master, SR + bf16 moments", "sr", "bf16", False, (2.0, 0.80)),
+    ("remainder_bf16m", "remainder + bf16 moments", "remainder", "bf16", False,
+     (1.6, 0.8, INPLACE)),
+    ("sr_bf16m", "no master, SR + bf16 moments", "sr", "bf16", False, (2.0, 0.8, INPLACE)),
     ("sr", "no master, SR + fp32 moments", "sr", "fp32", False, None),
     ("rne", "no master, round to nearest + fp32 moments (cautionary)", "rne", "fp32", False,
      None),
-    ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, (2.0, 0.80)),
-    ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, (2.5, 0.80)),
+    ("remainder_q8", "remainder + 8-bit moments", "remainder", "q8", False, (2.0, 0.8, INPLACE)),
+    ("sr_q8", "no master, SR + 8-bit moments", "sr", "q8", False, (2.5, 0.8, INPLACE)),
     ("remainder_bf16m_ema", "remainder + bf16 moments + fp32 EMA of the masters (vs native "
      "+ EMA)", "remainder", "bf16", True, None),
 ]
 FMT = {f[0]: f[1:] for f in FORMATS}
-
-
-def _mpext_bytes(rule, fmt):
-    """(persistent, step) B/param of a rule's format, the step with the check's 2."""
-    _, pf, mf, ema, _ = FMT[fmt]
-    nm, mom = len(RULES[rule][1]), MOMENT_FORMATS[mf][1]
-    state, traffic = PARAM_FORMATS[pf][1:]
-    return 2 + 2 + state + nm * mom + 4 * ema, 2 + traffic + 2 * nm * mom + 8 * ema + CHECK_BYTES
 
 
 def _natives(rule):
@@ -162,11 +145,16 @@ def _natives(rule):
     return ["native", "native_ema"] + (list(NATIVE_VARIANTS) if rule == "adamw" else [])
 
 
-def _native_bytes(rule, key):
-    """(persistent, step) B/param of a native step on fp32 params (an EMA: 4, 12)."""
-    ema, step = key == "native_ema", NATIVE_VARIANT_BYTES if key in NATIVE_VARIANTS else \
-        RULES[rule][5]
-    return 8 + RULES[rule][6] + 4 * ema, NATIVE_CHECK_BYTES + step + 12 * ema
+def _bytes(rule, key):
+    """(persistent, step) B/param of a stepper, the step with its inf check (README)."""
+    if key.startswith("native"):  # on fp32 params; an EMA adds 4 and 12
+        ema, step = key == "native_ema", NATIVE_VARIANT_BYTES if key in NATIVE_VARIANTS else \
+            RULES[rule][5]
+        return 8 + RULES[rule][6] + 4 * ema, NATIVE_CHECK_BYTES + step + 12 * ema
+    _, pf, mf, ema, _ = FMT[key]
+    nm, mom = len(RULES[rule][1]), MOMENT_FORMATS[mf][1]
+    state, traffic = PARAM_FORMATS[pf][1:]
+    return 2 + 2 + state + nm * mom + 4 * ema, 2 + traffic + 2 * nm * mom + 8 * ema + CHECK_BYTES
 
 
 class RuleProblem:
@@ -290,7 +278,7 @@ def run(ctx) -> dict:
     for rule in RULES:
         _rule_sanity(rule, dev)
     b.phase("correctness")
-    sizes = SIZES_QUICK if ctx.quick else SIZES_FULL
+    sizes = [16 << 20] if ctx.quick else [16 << 20, 64 << 20]
     jobs = [(rule, ci, n) for ci, n in enumerate(sizes) for rule in RULES]
     raw, checks = [], {}
     for rule, ci, n in ctx.progress(jobs, desc="adam cases"):
@@ -326,9 +314,7 @@ def run(ctx) -> dict:
            "unwritten. Method, formats, bytes and columns: benchmarks/README.md, \"Optimizer "
            "step\"." % (ctx.repeats, sum(c["subnormals"] for c in checks.values()),
                         "{:,}".format(sum(c["elements_checked"] for c in checks.values())))]
-    payload = {"hyperparameters": dict(HYPER, grad_std=GRAD_STD),
-               "rules": {r: {"class": c, "hyperparameters": h, "native": lab}
-                         for r, (c, _, h, _, lab, _, _) in RULES.items()},
+    payload = {"hyperparameters": {r: RULES[r][2] for r in RULES}, "grad_std": GRAD_STD,
                "cases": results, "after_timing_checks": checks,
                "load_average_start": load_start, "load_average_end": load_end}
     return b.finish(md, payload, lambda: _plot(ctx, results))
