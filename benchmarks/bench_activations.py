@@ -221,7 +221,7 @@ def table(rows, errors, conv):
     return "\n".join(out)
 
 
-def main(argv=None):
+def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")  # smaller models
     p.add_argument("--converge-steps", type=int, default=0)  # 0: no convergence run
@@ -229,7 +229,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--threads", type=int, default=1, help="1: two threads spin on a busy machine")
     p.add_argument("--device", type=torch.device, default="cpu")  # cuda: peaks by the allocator
-    a = p.parse_args(argv)
+    a = p.parse_args()
     torch.set_num_threads(a.threads)
     info = common.machine_info(a.device)
     rows, errors = measure(a.quick, a.device)

@@ -1,5 +1,4 @@
 """Optimizer step: mpext.optim's rules x formats vs native AMP (benchmarks/README.md)."""
-import sys
 
 import torch
 
@@ -337,4 +336,4 @@ def _plot(ctx, results):
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__))
+    run_standalone(run, __doc__)

@@ -1,6 +1,5 @@
 """Casts: mpext's casts vs PyTorch's (benchmarks/README.md, "Casts")."""
 import math
-import sys
 
 import torch
 
@@ -110,4 +109,4 @@ def run(ctx) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__))
+    run_standalone(run, __doc__)

@@ -1,7 +1,6 @@
 """Convergence: the amp and lean studies (docs/convergence.md, docs/lean_state.md)."""
 import dataclasses
 import math
-import sys
 import time
 from typing import Dict, List, Optional
 
@@ -505,12 +504,8 @@ HEADING = {"lean": "Lean optimizer state: fine-tuning a pretrained checkpoint",
 
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str],
                fp32_gemm: bool, corpus, val_data, fig_title: str, name: str = "lean"):
-    """Pretrains in FP32, fine-tunes every mode of study ``name`` ("lean" or "release") and
-    seed, checks the "exact" modes bitwise against their reference (if training is
-    deterministic here: a second seed-0 reference tells); its Markdown, JSON and plots, with the
-    noise bands (a reference's mean ± its seed-to-seed range: the FP32 master's unless the
-    criterion names another mode) and each mode's place in its band (criteria:
-    docs/lean_state.md)."""
+    """Study ``name`` ("lean" or "release"): its Markdown, JSON and plots. Criteria and noise
+    bands: docs/lean_state.md; "exact" is checked only where a seed-0 rerun is bitwise equal."""
     refs = {LEAN_CRITERION[k].partition(":")[2] for k in modes if k in LEAN_CRITERION}
     modes = ["master"] + [k for k in STUDY_MODES[name] if k != "master" and (k in modes or
                                                                             k in refs)]
@@ -540,20 +535,17 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List
                 check(diff is None, "%s vs %s, seed %s: %s" % (k, crit_ref[k][1], other.seed,
                                                                diff))
     b.phase(name + "_finetune")
-    verdicts, rows, bands = {}, [], {}
-    for r in refs:
-        xs = [run.final_loss(ft.final_k) for run in runs[r]]
-        bands[r] = (sum(xs) / len(xs), max(xs) - min(xs))
+    finals = {k: [r.final_loss(ft.final_k) for r in rs] for k, rs in runs.items()}
+    bands = {r: (sum(finals[r]) / seeds, max(finals[r]) - min(finals[r])) for r in refs}
     center, half = bands["master"]
-    for key, rs in runs.items():
-        xs = [r.final_loss(ft.final_k) for r in rs]
+    verdicts, rows = {}, []
+    for key, xs in finals.items():
         (crit, ref_key), (c, h) = crit_ref[key], bands[crit_ref[key][1]]
         mean = sum(xs) / len(xs)
         d = mean - c
         m = verdicts[key] = {"finals": xs, "mean": mean, "delta": d, "inside": abs(d) <= h,
                              "criterion": crit, "reference": ref_key,
-                             "met": {"reference": True, "exact": xs == [
-                                 r.final_loss(ft.final_k) for r in runs[ref_key]],
+                             "met": {"reference": True, "exact": xs == finals[ref_key],
                                      "band": abs(d) <= h, "cautionary": d > h}[crit]}
         of = "" if ref_key == "master" else " of %s" % SHORT[ref_key]
         if crit == "reference":
@@ -571,11 +563,10 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List
                 b.target(m["met"], "master-free round-to-nearest not worse than the noise band "
                          "(%+.4f, band ±%.4f): this setting does not show its stall"
                          % (m["delta"], h))
-        rows.append([LABEL[key], "%.4f" % m["mean"], " / ".join("%.4f" % x for x in m["finals"]),
-                     "%+.4f" % m["delta"] + ("" if ref_key == "master" else " (vs %s)"
-                                             % SHORT[ref_key]), verdict,
-                     _notes(rs, ft.steps), 
-                     "%.1f" % (sum(r.seconds for r in rs) / len(rs))])
+        rows.append([LABEL[key], "%.4f" % mean, " / ".join("%.4f" % x for x in xs),
+                     "%+.4f" % d + ("" if ref_key == "master" else " (vs %s)" % SHORT[ref_key]),
+                     verdict, _notes(runs[key], ft.steps),
+                     "%.1f" % (sum(r.seconds for r in runs[key]) / seeds)])
     md = ["### " + HEADING[name], "",
           "GPT preset `%s` (%s) pretrained in FP32 for %d steps (peak lr %g, betas %s), "
           "validation loss %.4f in BF16; fine-tuned from it for %d steps of batch %d, BF16 "
@@ -708,4 +699,4 @@ def run(ctx) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__, add_args))
+    run_standalone(run, __doc__, add_args)

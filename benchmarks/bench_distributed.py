@@ -1,6 +1,5 @@
 """Distributed: sync_found_inf and FSDP2 8-bit moments on 2 CPU ranks (benchmarks/README.md)."""
 import os
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -151,4 +150,4 @@ def run(ctx) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__))
+    run_standalone(run, __doc__)

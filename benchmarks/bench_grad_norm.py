@@ -1,6 +1,5 @@
 """Gradient norm: mpext grad_norm vs clip_grad_norm_'s (benchmarks/README.md)."""
 import math
-import sys
 
 import torch
 
@@ -114,4 +113,4 @@ def run(ctx) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__))
+    run_standalone(run, __doc__)

@@ -1,7 +1,6 @@
 """Loss scaler: mpext.unscale_ vs torch's AMP unscale (benchmarks/README.md, "Loss scaler")."""
 import math
 import random
-import sys
 
 import torch
 
@@ -150,4 +149,4 @@ def run(ctx) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_standalone(run, __doc__))
+    run_standalone(run, __doc__)

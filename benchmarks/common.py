@@ -635,11 +635,9 @@ class Bench:
                 "targets_missed": list(self.misses)}
 
 
-def run_standalone(run: Callable, doc: str, add_args: Optional[Callable] = None,
-                   argv=None) -> int:
+def run_standalone(run: Callable, doc: str, add_args: Optional[Callable] = None) -> None:
     """A module run on its own: the common options and ``add_args``'s, ``run``, its Markdown."""
     parser = add_common_args(argparse.ArgumentParser(description=doc.splitlines()[0]))
     if add_args is not None:
         parser = add_args(parser)
-    print(run(Context(parser.parse_args(argv)))["markdown"])
-    return 0
+    print(run(Context(parser.parse_args()))["markdown"])

@@ -13,11 +13,11 @@ BENCHMARKS = ["bench_cast", "bench_scaler", "bench_adam", "bench_distributed", "
               "bench_grad_norm", "bench_convergence"]
 
 
-def main(argv=None) -> int:
+def main() -> int:
     parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--only", nargs="+", metavar="NAME", choices=BENCHMARKS,
                         help="run only these benchmarks")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     t0 = time.perf_counter()
     ctx = Context(args)
     ctx.in_suite = True
