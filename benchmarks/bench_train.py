@@ -87,9 +87,11 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm):
            "modes": {}}
     for k, tr in trainers.items():
         got, t = persistent[k], times[k]
-        est = training.MODES[k].memory_estimate(
-            tr.tr.model.parameters(), batch=batch, seq=cfg.block_size, hidden=cfg.n_embd,
-            layers=cfg.n_layer, heads=cfg.n_head, vocab=cfg.vocab_size, dropout=False)
+        mode = training.MODES[k]
+        est = memory.estimate([p.numel() for p in tr.tr.params], "adamw", mode.memory_mode,
+                              ema="ema_decay" in mode.options, batch=batch, seq=cfg.block_size,
+                              hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head,
+                              vocab=cfg.vocab_size, dropout=False)
         total = sum(got.values())
         out["modes"][k] = {
             "label": LABEL[k], "timing": t.to_json(), "ms": t.median * 1e3,

@@ -5,7 +5,6 @@ from typing import Optional
 import torch
 
 import mpext
-from mpext import memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _REM = dict(param_remainders=True)
@@ -17,7 +16,7 @@ SR = dict(master_weights=False, stochastic_rounding=True)
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How a mode trains: dtypes, optimizer kind, loss scaling, memory mode, optimizer options."""
+    """How a mode trains: dtypes, optimizer kind, loss scaling, mpext.memory's mode, options."""
 
     param_dtype: torch.dtype
     autocast: Optional[torch.dtype]
@@ -25,11 +24,6 @@ class Mode:
     scaled: bool
     memory_mode: Optional[str]
     options: dict = dataclasses.field(default_factory=dict)
-
-    def memory_estimate(self, params, **shape) -> "memory.Breakdown":
-        """``mpext.memory.estimate`` of this mode with AdamW (and its EMA) for ``params``."""
-        return memory.estimate([p.numel() for p in params], "adamw", self.memory_mode,
-                               ema=self.options.get("ema_decay") is not None, **shape)
 
 
 def _optim(memory_mode, options=None, param_dtype=BF16, scaled=False):
@@ -66,19 +60,15 @@ class Trainer:
     def for_mode(cls, key: str, model: torch.nn.Module, device=None, *,
                  inner=torch.optim.AdamW, fused: bool = False,
                  scaler_options: Optional[dict] = None, **options) -> "Trainer":
-        """``model`` moved to ``device`` in mode ``key``'s dtype (kept as ``.model``) with the
-        mode's optimizer (``inner``, ``MixedPrecisionOptimizer(inner)`` or
-        ``mpext.optim.AdamW``, given the mode's and these ``options``) and, if it scales the
-        loss, its scaler (torch's, the wrapper's dynamic scale or ``mpext.GradScaler``).
-        The trainer's own options: ``max_grad_norm`` (``clip_grad_norm_`` after backward),
-        ``release`` (``release_grads``' keywords: the step inside backward), ``scaler``."""
+        """``model`` in mode ``key``'s dtype with its optimizer (``inner``, wrapped or not, or
+        ``mpext.optim.AdamW``, given ``options``) and scaler. The trainer's own options:
+        ``max_grad_norm`` (clip after backward), ``release`` (its keywords), ``scaler``."""
         tr, mode = cls(), MODES[key]
         tr.model = model.to(device=device, dtype=mode.param_dtype)
         tr.params, tr.kind, tr.autocast_dtype = list(model.parameters()), mode.kind, mode.autocast
         tr.grad_norm = None  # the latest global gradient norm, when clipping
         tr.device_type, tr.scaler = tr.params[0].device.type, None
         options = dict(mode.options, **options)
-        # the trainer's own options: clip_grad_norm_ after backward, release_grads' keywords
         tr.max_grad_norm, release = options.pop("max_grad_norm", None), options.pop("release", None)
         if (release is not None or tr.max_grad_norm is not None) and mode.kind == "mpext-wrapper":
             raise ValueError("mode %s: release and max_grad_norm are for the other kinds" % key)
