@@ -68,37 +68,32 @@ def run(ctx) -> dict:
         expect_same("cast_ list to %s" % dtype, got, [m.to(dtype) for m in masters])
     b.phase("correctness")
 
-    single = {k: (tm, tt, BYTES_PER_ELEM * main_n) for k, (tm, tt) in time_pairs(
-        ctx, _single_fns(x_main), desc="%s elements" % fmt_count(main_n)).items()}
+    times = time_pairs(ctx, _single_fns(x_main), desc="%s elements" % fmt_count(main_n))
     free_memory(dev)
     b.phase("single")
     peaks = peak_pairs(dict({k: v for k, v in _single_fns(x_main).items()
                              if not k.endswith("_pre")}, **_list_fns(masters, pb, ph)), dev)
     free_memory(dev)
     b.phase("peak_memory")
-    lst = {k: (tm, tt, BYTES_PER_ELEM * total) for k, (tm, tt) in
-           time_pairs(ctx, _list_fns(masters, pb, ph), desc="GPT-2 list").items()}
+    times.update(time_pairs(ctx, _list_fns(masters, pb, ph), desc="GPT-2 list"))
     del pb, ph, masters, x_main
     free_memory(dev)
     b.phase("gpt2_list")
     roof = b.end_roofline()
-    specs = [(label, main_n, pair_metrics(*single[k], roof), k) for k, label in SINGLE_CASES]
-    specs += [(label, total, pair_metrics(*lst[k], roof), k if k != "list_bf16_sr" else None)
-              for k, label in LIST_CASES]
     rows, cases = [], []
-    for label, n, m, peak_key in specs:
+    for key, label in SINGLE_CASES + LIST_CASES:
+        n = total if key.startswith("list") else main_n
+        m = pair_metrics(*times[key], BYTES_PER_ELEM * n, roof, peak=peaks.get(key, (None, None)))
         r, frac_copy = m["speed_ratio"], m["mpext_frac_copy_roofline"]
-        peak = peaks.get(peak_key, [None, None])
         ge_torch = None if r is None else r >= 1.0
         if r is not None:
             b.target(r >= NOISE_RATIO, "%s: mpext %.2fx torch's speed" % (label, r))
         ge_copy = b.target(frac_copy >= COPY_TARGET, "%s: %s of copy roofline"
                            % (label, pct(frac_copy)))
-        rows.append([label, fmt_count(n)] + pair_cells(m, peak) + [
+        rows.append([label, fmt_count(n)] + pair_cells(m) + [
             "≈" if r is not None and NOISE_RATIO <= r < 1 else yes_no(ge_torch),
             yes_no(ge_copy)])
-        cases.append(dict(m, case=label, elements=n, peak_bytes_mpext=peak[0],
-                          peak_bytes_torch=peak[1], target_ge_torch=ge_torch,
+        cases.append(dict(m, case=label, elements=n, target_ge_torch=ge_torch,
                           target_ge_80pct_copy=ge_copy))
     md = [markdown_table(["case", "elements"] + PAIR_HEADERS + ["≥ torch", "≥ 80% copy"], rows),
           "", "%d samples per row. Method, cases and columns: benchmarks/README.md, \"Casts\"."

@@ -1,5 +1,4 @@
 """Loss scaler: mpext.unscale_ vs torch's AMP unscale (benchmarks/README.md, "Loss scaler")."""
-import math
 import random
 
 import torch
@@ -51,7 +50,6 @@ def run(ctx) -> dict:
     b.start_roofline()
     g = torch.Generator().manual_seed(0)
     shapes = gpt2_shapes(reduced=ctx.quick)
-    big_total = sum(math.prod(s) for _, s in shapes)
 
     def grad(n, dtype=FP32):
         return (torch.randn(n, generator=g) * GRAD_STD).to(dev, dtype)
@@ -84,17 +82,15 @@ def run(ctx) -> dict:
     peaks = {} if ctx.quick else peak_pairs(
         {name: _make_fns(grads, found, alts[name]) for name, grads in lists.items()}, dev)
     b.phase("peak_memory")
-    cases = {}  # key -> (mpext timing, torch timing, bytes), (elements, tensors)
+    times = {}
     for group, desc in (("big", "GPT-2 list"), ("small", "%d tensors" % N_SMALL)):
-        specs = [c for c in CASES if c[3] == group]
-        res = time_pairs(ctx, {key: _make_fns(lists[ln], found, alts[ln] if scaled else
-                                              lambda: one) for key, ln, scaled, *_ in specs},
-                         desc=desc)
-        for key, ln, scaled, *_ in specs:
-            cases[key] = (res[key] + (sum(t.numel() * t.element_size() for t in lists[ln])
-                                      * (2 if scaled else 1),),
-                          (sum(t.numel() for t in lists[ln]), len(lists[ln])))
+        times.update(time_pairs(ctx, {key: _make_fns(lists[ln], found, alts[ln] if scaled else
+                                                     lambda: one)
+                                      for key, ln, scaled, g, *_ in CASES if g == group}, desc))
         b.phase(group)
+    sizes = {name: (sum(t.numel() for t in grads), len(grads),
+                    sum(t.numel() * t.element_size() for t in grads))
+             for name, grads in lists.items()}  # elements, tensors, bytes
     # after the timed calls every tensor holds exactly its starting values x 1 or x 0.5
     drift = {}
     for name, grads in lists.items():
@@ -109,11 +105,12 @@ def run(ctx) -> dict:
     del lists, big32, refs
     free_memory(dev)
     roof = b.end_roofline()
-    metrics = {k: pair_metrics(*c[0], roof) for k, c in cases.items()}
 
     rows, cases_json = [], []
-    for key, _, _, _, target, label in CASES:
-        m, (n, ntens) = metrics[key], cases[key][1]
+    for key, ln, scaled, _, target, label in CASES:
+        n, ntens, nbytes = sizes[ln]
+        m = pair_metrics(*times[key], nbytes * (2 if scaled else 1), roof,
+                         peak=peaks.get(key, (None, None)) if scaled else (None, None))
         r, fc = m["speed_ratio"], m["mpext_frac_copy_roofline"]
         met, mark = None, "—"
         if target == "copy":
@@ -122,16 +119,12 @@ def run(ctx) -> dict:
         elif target == "speed":
             met = b.target(r >= SPEED_TARGET, "%s: mpext %.2fx torch's speed" % (label, r))
             mark = "≥ %.1fx torch: %s" % (SPEED_TARGET, yes_no(met))
-        peak = None if "check" in key else peaks.get(key)
         rows.append([label, str(ntens), "%.1fM" % (n / 1e6) if n >= 1e6 else str(n)]
-                    + pair_cells(m, peak) + [mark + (" (mpext slower)" if r < NOISE_RATIO
-                                                     else "")])
+                    + pair_cells(m) + [mark + (" (mpext slower)" if r < NOISE_RATIO else "")])
         cases_json.append(dict(m, key=key, case=label, elements=n, tensors=ntens,
-                               target=target, target_met=met,
-                               peak_bytes_mpext=peak[0] if peak else None,
-                               peak_bytes_torch=peak[1] if peak else None))
+                               target=target, target_met=met))
 
-    tiny = metrics["tiny_fp32"]
+    tiny = next(c for c in cases_json if c["key"] == "tiny_fp32")
     md = [markdown_table(["case", "tensors", "elements"] + PAIR_HEADERS + ["target"], rows), "",
           "%d samples per row%s. Fixed cost per tensor (the 1-element row): mpext %.2f µs, "
           "torch %.2f µs. After the timings every tensor held exactly its starting values × 1 "
@@ -141,7 +134,8 @@ def run(ctx) -> dict:
              tiny["mpext"]["median_s"] / N_SMALL * 1e6,
              tiny["torch"]["median_s"] / N_SMALL * 1e6)]
     payload = {"copy_target_fraction": COPY_TARGET, "speed_target": SPEED_TARGET,
-               "gpt2_list": {"elements": big_total, "tensors": len(shapes), "reduced": ctx.quick},
+               "gpt2_list": {"elements": sizes["gpt2_fp32"][0], "tensors": len(shapes),
+                             "reduced": ctx.quick},
                "small_list": {"tensors": N_SMALL, "elements": sum(small_sizes),
                               "max_size": SMALL_MAX, "seed": SMALL_SEED},
                "cases": cases_json, "drift_check": drift}

@@ -165,14 +165,16 @@ def time_pairs(ctx: "Context", pairs: Dict[str, Tuple[Callable, Optional[Callabl
 
 
 def pair_metrics(t_mp: Timing, t_torch: Optional[Timing], nbytes: float, roof: dict,
-                 torch_bytes: Optional[float] = None) -> dict:
-    """One mpext-vs-torch row: timings, GB/s, speed ratio, fractions of every roofline."""
+                 torch_bytes: Optional[float] = None, peak=(None, None)) -> dict:
+    """One mpext-vs-torch row: timings, GB/s, speed ratio, fractions of every roofline and
+    ``peak``, both sides' bytes (``peak_pairs``)."""
     gb = {"mpext": t_mp.gbps(nbytes),
           "torch": t_torch.gbps(torch_bytes or nbytes) if t_torch is not None else None}
     out = {"bytes": nbytes, "torch_bytes": torch_bytes or nbytes, "mpext": t_mp.to_json(),
            "torch": t_torch.to_json() if t_torch is not None else None,
            "mpext_gbps": gb["mpext"], "torch_gbps": gb["torch"],
-           "speed_ratio": (t_torch.median / t_mp.median) if t_torch is not None else None}
+           "speed_ratio": (t_torch.median / t_mp.median) if t_torch is not None else None,
+           "peak_bytes_mpext": peak[0], "peak_bytes_torch": peak[1]}
     for kind in ("inplace", "copy", "read"):
         for side in ("mpext", "torch") if kind + "_gbps" in roof else ():
             out["%s_frac_%s_roofline" % (side, kind)] = \
@@ -472,9 +474,9 @@ PAIR_HEADERS = ["mpext ms", "torch ms", "mpext GB/s", "torch GB/s", "speed mpext
                 "peak MiB mpext/torch"]
 
 
-def pair_cells(m: dict, peak: Optional[Sequence[Optional[float]]] = None) -> List[str]:
-    """The ``PAIR_HEADERS`` cells of a ``pair_metrics`` row (``peak``: both sides' bytes)."""
-    t = m["torch"]
+def pair_cells(m: dict) -> List[str]:
+    """The ``PAIR_HEADERS`` cells of a ``pair_metrics`` row."""
+    t, peak = m["torch"], (m["peak_bytes_mpext"], m["peak_bytes_torch"])
     b_mp, b_t = m["mpext"].get("cpu_busy"), (t or {}).get("cpu_busy")
 
     def pair(a, b, scale=1.0):
@@ -485,7 +487,7 @@ def pair_cells(m: dict, peak: Optional[Sequence[Optional[float]]] = None) -> Lis
             "—" if t is None else "%.2f" % m["speed_ratio"],
             pct(m["mpext_frac_inplace_roofline"]), pct(m["mpext_frac_copy_roofline"]),
             "" if b_mp is None else pair(b_mp, b_t),
-            "" if not peak or peak[0] is None else pair(peak[0], peak[1], MiB)]
+            "" if peak[0] is None else pair(peak[0], peak[1], MiB)]
 
 
 def _json_default(o):
