@@ -22,15 +22,8 @@ class GPTConfig:
     n_head: int
     n_embd: int
 
-    def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise ValueError("GPTConfig.n_embd (%d) must be a multiple of n_head (%d)"
-                             % (self.n_embd, self.n_head))
-
     @classmethod
     def preset(cls, name: str, vocab_size: int, **overrides) -> "GPTConfig":
-        if name not in PRESETS:
-            raise ValueError("unknown GPT preset %r; choose one of %s" % (name, sorted(PRESETS)))
         return cls(vocab_size=vocab_size, **dict(PRESETS[name], **overrides))
 
 
@@ -59,42 +52,27 @@ class Linear(nn.Linear):
         return y.to(dt)
 
 
-class CausalSelfAttention(nn.Module):
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attention(ln1(x))`` (one QKV projection, causal
+    SDPA), then ``x + mlp(ln2(x))`` (4x wide, GELU)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = Linear(cfg.n_embd, cfg.n_embd)
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn_qkv = Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.attn_proj = Linear(cfg.n_embd, cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp_fc = Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.mlp_proj = Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         shape = (b, t, self.n_head, c // self.n_head)
-        q, k, v = (z.view(shape).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        q, k, v = (z.view(shape).transpose(1, 2) for z in self.attn_qkv(self.ln1(x)).split(c, 2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.proj = Linear(4 * cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
@@ -116,7 +94,7 @@ class GPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
         for blk in self.blocks:
-            for w in (blk.attn.proj.weight, blk.mlp.proj.weight):
+            for w in (blk.attn_proj.weight, blk.mlp_proj.weight):
                 nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         for m in self.modules():
             if isinstance(m, Linear):
