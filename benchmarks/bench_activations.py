@@ -4,7 +4,6 @@ import collections
 import contextlib
 import functools
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -222,39 +221,35 @@ def table(rows, errors, conv):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")  # smaller models
-    p.add_argument("--converge-steps", type=int, default=0)  # 0: no convergence run
+    p = common.add_common_args(argparse.ArgumentParser(description=__doc__))
+    p.add_argument("--converge-steps", type=int, default=0, help="0: no convergence run")
     p.add_argument("--converge-models", default="gpt,hf-gpt2")
-    p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
-    p.add_argument("--threads", type=int, default=1, help="1: two threads spin on a busy machine")
-    p.add_argument("--device", type=torch.device, default="cpu")  # cuda: peaks by the allocator
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    info = common.machine_info(a.device)
-    rows, errors = measure(a.quick, a.device)
-    conv = {m: converge(a.converge_steps, m) for m in a.converge_models.split(",")} \
-        if a.converge_steps else {}
-    roof, ops = kernels(a.quick, a.device)
-    text = "\n".join(common.machine_header(info) + [""]) + table(rows, errors, conv) + (
-        "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % a.threads) + (
+    # one thread: two spin on a busy machine; --device cuda: the allocator's peaks
+    p.set_defaults(threads=1, device="cpu")
+    ctx = common.Context(p.parse_args())
+    rows, errors = measure(ctx.quick, ctx.device)
+    conv = {m: converge(ctx.args.converge_steps, m) for m in ctx.args.converge_models.split(",")} \
+        if ctx.args.converge_steps else {}
+    roof, ops = kernels(ctx.quick, ctx.device)
+    text = "\n".join(common.machine_header(ctx.machine) + [""]) + table(rows, errors, conv) + (
+        "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % ctx.args.threads) + (
         common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)) + "\n\n%s" \
         "; load average at the end %s" % (common.roofline_line(roof), common.load_average())
     print(text)
-    a.out.mkdir(parents=True, exist_ok=True)
-    common.write_text(a.out / "activations.md", text)
-    common.write_json(a.out / "activations.json", dict(machine=info, rows=rows, ops=ops, errors={
-        "%s/%s" % k: v for k, v in errors.items()}, roofline=roof, convergence={
-        "%s/%s/%d" % (m, v, s): x for m, r in conv.items() for (v, s), x in r.items()}))
+    common.write_text(ctx.out_dir / "activations.md", text)
+    common.write_json(ctx.out_dir / "activations.json", dict(machine=ctx.machine, rows=rows,
+                      ops=ops, errors={"%s/%s" % k: v for k, v in errors.items()}, roofline=roof,
+                      convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
+                                   for (v, s), x in r.items()}))
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",
               "per_token_layer", True), ("mpext.memory's estimate (off)", "estimate", False),
               ("mpext.memory's estimate (on)", "estimate", True))
-    common.plot_lines(a.out / "activations.png", [{
+    common.plot_lines(ctx.out_dir / "activations.png", [{
         "title": n, "ylabel": "saved bytes / token / layer", "series": {
             k: (list(MODES), ys) for k, f, on in series if None not in (ys := [
                 r[f] for r in rows if r["model"] == n and r["fp8"] == on])}}
         for n in dict.fromkeys(r["model"] for r in rows)],
-        title="Saved activations per precision mode, %s" % info["cpu_model"])
+        title="Saved activations per precision mode, %s" % ctx.machine["cpu_model"])
 
 
 if __name__ == "__main__":

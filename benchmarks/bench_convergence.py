@@ -6,7 +6,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import Bench, check, markdown_table, pyplot, run_standalone, save_figure
+from .common import (Bench, check, figure_title, markdown_table, pyplot, run_standalone,
+                     save_figure)
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
 from . import training
@@ -49,12 +50,9 @@ LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
      "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest", **BF16M),
      "cautionary"),
 ]
-# The release study (docs/gradient_release.md): the same fine-tuning, with the FP32 master's step
-# inside backward (release_grads); clipping at CLIP (the HF Trainer's default max_grad_norm: the
-# norms here are 0.9-2.6, so it clips nearly every step, by a factor that varies step to step);
-# FP16 params under a loss scale that overflows now and then. Released modes step param by param
-# (bucket_bytes=0): with one bucket, the FP16 skip of a released step would be the whole step's.
-# "band:ref": ref's noise band.
+# The release study: the same fine-tuning released (param by param), clipped at CLIP, and FP16
+# under a scale that overflows now and then; why these settings: docs/gradient_release.md,
+# "Convergence". "band:ref": ref's noise band.
 CLIP, FP16_BASE = 1.0, dict(base="mpext_optim_fp16", scaler=dict(init_scale=2.0 ** 24,
                                                                  growth_interval=20))
 
@@ -150,13 +148,11 @@ LEAN_SETTINGS = {
 LEAN_SEEDS = 3
 
 
-SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decreased",
-          "grad_norm")
+SERIES = ("eval_steps", "eval_loss", "train_loss", "scale", "skipped", "v_decreased", "grad_norm")
 
 
 class Run:
-    """One mode's record: the ``SERIES`` (v_decreased: share of v lowered; grad_norm: when
-    clipping, the global norm) and ``final``."""
+    """One mode's record: the ``SERIES`` (v_decreased: share of v lowered) and ``final``."""
 
     def __init__(self, mode: str, lr: float, seed: Optional[int] = None):
         self.mode, self.lr, self.seed, self.seconds, self.final = mode, lr, seed, 0.0, None
@@ -259,10 +255,9 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
         torch.cuda.synchronize(device)
     run.seconds = time.perf_counter() - t0
     if keep_final:  # FP32 values: the params, or the masters mpext's optimizer keeps
-        low = params[0].dtype is not torch.float32
-        fp32 = [tr.opt.master_param(p) if low else p.detach().clone() for p in params] \
-            if not low or (tr.kind == "mpext-optim" and options.get("master_weights", True)) \
-            else None
+        fp32 = [p.detach().clone() for p in params] if params[0].dtype is torch.float32 else \
+            [tr.opt.master_param(p) for p in params] if tr.kind == "mpext-optim" and \
+            options.get("master_weights", True) else None
         run.final = {"params": [p.detach().clone() for p in params], "fp32": fp32,
                      "state": {k: v.detach().float().clone()
                                for k, v in tr.model.state_dict().items()}}
@@ -297,11 +292,11 @@ def _config_text(cfg: GPTConfig) -> str:
                      for f in ("n_layer", "n_head", "n_embd", "block_size"))
 
 
-def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, corpus,
-              val_data, fig_title: str):
+def amp_study(ctx, b: Bench, st: Setting, modes: List[str]):
     """The amp study: its Markdown lines, JSON fields and plot function."""
-    data, vocab, train_data, entropy = corpus
-    cfg = GPTConfig.preset(st.preset, len(vocab))
+    (data, vocab), fp32_gemm = load_corpus(), training.fp32_gemm(ctx)
+    train_data, val_data = split_corpus(data)
+    entropy, cfg = unigram_entropy(train_data), GPTConfig.preset(st.preset, len(vocab))
     val = val_batches(val_data, st, cfg, ctx.device)
 
     def train_all(keys, desc, lr=None):
@@ -391,8 +386,7 @@ def amp_study(ctx, b: Bench, st: Setting, modes: List[str], fp32_gemm: bool, cor
         "underflow": uf}
 
     def plots():
-        title = fig_title % ("GPT preset %s, %d steps%s" % (st.preset, st.steps,
-                                                           " (quick)" if ctx.quick else ""))
+        title = figure_title(ctx, "%s: GPT preset %s, %d steps" % (NAME, st.preset, st.steps))
         files = [plot_loss(ctx.out_dir / "convergence_loss.png", runs, low, st, entropy, title)]
         if any(m in runs for m in ("amp_fp16", "mpext_fp16")):
             files.append(plot_scale(ctx.out_dir / "convergence_fp16_scale.png", runs, title))
@@ -503,7 +497,7 @@ HEADING = {"lean": "Lean optimizer state: fine-tuning a pretrained checkpoint",
 
 
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str],
-               fp32_gemm: bool, corpus, val_data, fig_title: str, name: str = "lean"):
+               name: str):
     """Study ``name`` ("lean" or "release"): its Markdown, JSON and plots. Criteria and noise
     bands: docs/lean_state.md; "exact" is checked only where a seed-0 rerun is bitwise equal."""
     refs = {LEAN_CRITERION[k].partition(":")[2] for k in modes if k in LEAN_CRITERION}
@@ -512,10 +506,10 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List
     crit_ref = {k: (LEAN_CRITERION[k].partition(":")[0],
                     LEAN_CRITERION[k].partition(":")[2] or "master") for k in modes}
     refs = {r for _, r in crit_ref.values()}
-    train_data, cfg = corpus[2], GPTConfig.preset(ft.preset, len(corpus[1]))
+    (data, vocab), fp32_gemm = load_corpus(), training.fp32_gemm(ctx)
+    (train_data, val_data), cfg = split_corpus(data), GPTConfig.preset(ft.preset, len(vocab))
     val, kw = val_batches(val_data, ft, cfg, ctx.device), dict(fp32_gemm=fp32_gemm)
-    with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1),
-                      desc=name) as bar:
+    with ctx.progress(total=pre.steps + ft.steps * (len(modes) * seeds + 1), desc=name) as bar:
         kw["bar"] = bar
         base = train("fp32", pre, cfg, train_data, val, ctx.device, keep_final=True, **kw)
         b.phase(name + "_pretrain")
@@ -598,9 +592,8 @@ def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List
                "bitwise_checked": exact if deterministic else [],
                "band": {"center": center, "half_width": half}, "verdict": verdicts,
                "runs": {k: [r.to_json(ft.final_k) for r in rs] for k, rs in runs.items()}}
-    title = fig_title % ("%s, GPT preset %s fine-tuned %d steps, %d seeds%s"
-                         % (HEADING[name].split(":")[0].lower(), ft.preset, ft.steps, seeds,
-                            " (quick)" if ctx.quick else ""))
+    title = figure_title(ctx, "%s: %s, GPT preset %s fine-tuned %d steps, %d seeds" % (
+        NAME, HEADING[name].split(":")[0].lower(), ft.preset, ft.steps, seeds))
     return md, {name: payload}, lambda: [
         plot_lean(ctx.out_dir / ("%s_convergence.png" % name), runs, seeds, title)]
 
@@ -673,24 +666,16 @@ def run(ctx) -> dict:
         raise SystemExit("--seeds must be at least 2 (the noise band is their spread)")
     st, seeds = dataclasses.replace(st, steps=steps or st.steps, lr=lr or st.lr), \
         seeds or LEAN_SEEDS
-    fp32_gemm = training.fp32_gemm(ctx)
     threads_before = torch.get_num_threads()
     if not ctx.is_cuda and not a.threads:
         torch.set_num_threads(CPU_THREADS)
     try:
-        b = Bench(ctx, NAME, TITLE)
-        data, vocab = load_corpus()
-        train_data, val_data = split_corpus(data)
-        corpus = (data, vocab, train_data, unigram_entropy(train_data))
-        b.phase("corpus")
-        fig_title = "%s: %%s; %s, torch %s" % (
-            NAME, ctx.machine["gpu_name"] if ctx.is_cuda else ctx.machine["cpu_model"],
-            ctx.machine["torch_version"])
-        out = [study(ctx, b, *args, fp32_gemm, corpus, val_data, fig_title, **kw)
-               for study, args, kw in ((amp_study, (st, amp), {}),
-                                       (lean_study, (pre, ft, seeds, lean), {}),
-                                       (lean_study, (pre, ft, seeds, release),
-                                        dict(name="release"))) if args[-1] is not None]
+        b, out = Bench(ctx, NAME, TITLE), []
+        if amp:
+            out.append(amp_study(ctx, b, st, amp))
+        for name, modes in (("lean", lean), ("release", release)):
+            if modes:
+                out.append(lean_study(ctx, b, pre, ft, seeds, modes, name))
         return b.finish([x for o in out for x in o[0]], {k: v for o in out for k, v in
                                                          o[1].items()},
                         lambda: [f for o in out for f in o[2]()])

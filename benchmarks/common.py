@@ -27,11 +27,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
     a("--quick", action="store_true", help="reduced sizes and repeats (a noisier smoke run)")
     a("--device", choices=("auto", "cpu", "cuda"), default="auto",
-      help="auto: cuda when a GPU is visible and mpext was built with CUDA")
+      help="auto: cuda when a GPU is visible and mpext was built with CUDA (default: %(default)s)")
     a("--out", default=str(DEFAULT_OUT), help="directory for the results (default: %(default)s)")
     a("--repeats", type=int, default=None,
       help="timed samples per measurement (default: 11, or 5 with --quick)")
-    a("--threads", type=int, default=None, help="torch.set_num_threads(N) (default: torch's)")
+    a("--threads", type=int, default=None,
+      help="torch.set_num_threads(N) (default: %(default)s; None: torch's own)")
     a("--no-progress", action="store_true", help="no progress bars")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
@@ -558,7 +559,7 @@ def figure_title(ctx, title: str, isa: bool = False) -> str:
     """A figure's title with the machine its figures come from."""
     m = ctx.machine
     return "%s on %s, %s threads, torch %s%s%s" % (
-        title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], m["torch_threads"],
+        title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], torch.get_num_threads(),
         m["torch_version"],
         ", mpext ISA %s" % m["mpext_build_info"].get("cpu_isa_active") if isa else "",
         " (quick)" if ctx.quick else "")

@@ -121,10 +121,11 @@ def hf_gpt2(cfg: GPTConfig, **overrides) -> nn.Module:
     """transformers' GPT2LMHeadModel of ``cfg``'s sizes (its dropout 0.1), SDPA, tanh GELU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(**dict(
-        n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
-        n_positions=cfg.block_size, bos_token_id=0, eos_token_id=0,
-        attn_implementation="sdpa", activation_function="gelu_pytorch_tanh", **overrides)))
+    options = dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                   vocab_size=cfg.vocab_size, n_positions=cfg.block_size, bos_token_id=0,
+                   eos_token_id=0, attn_implementation="sdpa",
+                   activation_function="gelu_pytorch_tanh")
+    return GPT2LMHeadModel(GPT2Config(**dict(options, **overrides)))
 
 
 # ---- corpus: English-like text from a seeded probabilistic grammar

@@ -103,29 +103,19 @@ class Trainer:
                 group["lr"] = lr
 
     def train_step(self, x, y, zero_grad: bool = True):
-        """Forward, backward, the step and update; returns (loss, whether applied or None)."""
+        """Forward, backward (the step inside it when released; else clip_grad_norm_ after it
+        when asked), the step and update; returns (loss, whether applied or None)."""
         with self.autocast():
             _, loss = self.model(x, y)
-        applied = None
-        if self.kind == "mpext-wrapper":
+        applied, scaler = None, self.scaler
+        if self.kind == "mpext-wrapper":  # it scales, steps and updates itself
             self.opt.backward(loss)
-            applied = self.opt.step()
-        else:
-            self._backward_and_step(loss)
-        if zero_grad:
-            self.opt.zero_grad(set_to_none=True)
-        return loss, applied
-
-    def _backward_and_step(self, loss):
-        """Backward and the step (inside backward when released), clip_grad_norm_ between them
-        when asked, and the scaler's update."""
-        scaler = self.scaler
-        scaled = loss if scaler is None else scaler.scale(loss)
-        if self.release is not None:
-            self.release.backward(scaled)
+            applied, scaler = self.opt.step(), None
+        elif self.release is not None:
+            self.release.backward(loss if scaler is None else scaler.scale(loss))
             self.grad_norm = self.release.last_grad_norm
         else:
-            scaled.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             if self.max_grad_norm is not None:
                 if scaler is not None:
                     scaler.unscale_(self.opt)
@@ -133,6 +123,9 @@ class Trainer:
             self.opt.step() if scaler is None else scaler.step(self.opt)
         if scaler is not None:
             scaler.update()
+        if zero_grad:
+            self.opt.zero_grad(set_to_none=True)
+        return loss, applied
 
     def get_scale(self) -> Optional[float]:
         """The loss scale (a host sync), None without a scaler."""
