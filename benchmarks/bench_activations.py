@@ -109,8 +109,7 @@ def measure(quick, dev):
                 dt = torch.bfloat16 if mode == "bf16" else torch.float32
                 model = build().to(dev, dt)
                 ctx = act.fp8_saved_tensors(params=model) if compress else None
-                xb = tuple(t.to(dev, dt) if t.is_floating_point() else t.to(dev)
-                           for t in batch())
+                xb = tuple(t.to(dev, dt) if t.is_floating_point() else t.to(dev) for t in batch())
                 meter = Saved(model, ctx, xb)
                 step(model, xb, loss_fn, mode, ctx, meter)
                 grads[mode, compress] = {g: [p.grad.float() for p in ps]

@@ -496,8 +496,7 @@ HEADING = {"lean": "Lean optimizer state: fine-tuning a pretrained checkpoint",
            "release": "Gradient release: the same fine-tuning, stepped inside backward"}
 
 
-def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str],
-               name: str):
+def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str], name: str):
     """Study ``name`` ("lean" or "release"): its Markdown, JSON and plots. Criteria and noise
     bands: docs/lean_state.md; "exact" is checked only where a seed-0 rerun is bitwise equal."""
     refs = {LEAN_CRITERION[k].partition(":")[2] for k in modes if k in LEAN_CRITERION}

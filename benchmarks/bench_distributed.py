@@ -119,15 +119,15 @@ def run(ctx) -> dict:
     s = {k: Timing(v, inner).to_json() for k, v in res["samples"].items()}
     off, on, red, f32, q8, ex = (s[k]["median_s"] for k in ("off", "on", "reduce", "fp32", "q8",
                                                             "exchange"))
-    check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s"
-          % res["skipped"])
+    check(res["skipped"] == [0, 0], "steps were skipped during the benchmark: %s" % res["skipped"])
 
     us = {k: "%.1f ±%.1f" % (t["median_s"] * 1e6, t["iqr_s"] * 1e6 / 2) for k, t in s.items()}
     rows = [["step, sync_found_inf=False", us["off"], "—"],
             ["step, sync_found_inf=True", us["on"], "%+.1f%%" % (100 * (on - off) / off)],
             ["found_inf all-reduce alone", us["reduce"], "%.1f%%" % (100 * red / off)]]
     rows8 = [["FSDP2 optimizer step, FP32 moments", us["fp32"], "—"],
-             ["FSDP2 optimizer step, 8-bit moments", us["q8"], "%+.1f%%" % (100 * (q8 - f32) / f32)],
+             ["FSDP2 optimizer step, 8-bit moments", us["q8"],
+              "%+.1f%%" % (100 * (q8 - f32) / f32)],
              ["the shared blocks' exchange alone (%s bytes)" % "{:,}".format(res["exchange_bytes"]),
               us["exchange"], "%.1f%%" % (100 * ex / f32)]]
     md = [markdown_table(["what", "µs per step / call", "of a step without sync"], rows), "",
@@ -140,12 +140,9 @@ def run(ctx) -> dict:
           "", "FSDP2 over a BF16 %s-parameter MLP (2049 x 250 and 2045 x 2049 weights cut "
           "inside 8-bit blocks), `mpext.optim.AdamW(param_remainders=True)`, `opt.step()` alone on "
           "fixed gradients." % "{:,}".format(res["fsdp_params"])]
-    payload = {"world_size": WORLD, "params": res["params"], "local_batch": LOCAL_BATCH,
-               "rounds": rounds, "inner": inner, "start_method": res["start_method"],
-               "step_sync_off": s["off"], "step_sync_on": s["on"], "reduce_alone": s["reduce"],
-               "delta_per_step_s": on - off, "delta_fraction": (on - off) / off,
-               "reduce_fraction": red / off, "fsdp_step_fp32": s["fp32"], "fsdp_step_q8": s["q8"],
-               "shared_exchange": s["exchange"], "exchange_bytes": res["exchange_bytes"]}
+    # the timings by key (rows above); the differences and fractions follow from their medians
+    payload = dict({k: v for k, v in res.items() if k != "samples"}, world_size=WORLD,
+                   local_batch=LOCAL_BATCH, rounds=rounds, inner=inner, timings=s)
     return b.finish(md, payload, device="cpu (2 gloo ranks)")
 
 

@@ -42,8 +42,7 @@ def require_kernel(device: torch.device, op: str) -> None:
     """Raises unless ``torch.ops.mpext.<op>`` has a kernel for ``device`` in this build."""
     if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
             "mpext::" + op, "CUDA"):
-        raise RuntimeError("mpext.%s has no CUDA kernel in this build; run with --device cpu"
-                           % op)
+        raise RuntimeError("mpext.%s has no CUDA kernel in this build; run with --device cpu" % op)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -42,8 +42,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else \
-            self.weight.dtype
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.weight.dtype
         if not self.fp32_gemm or dt not in (torch.bfloat16, torch.float16):
             return F.linear(x, self.weight, self.bias)
         b = None if self.bias is None else self.bias.to(dt).float()

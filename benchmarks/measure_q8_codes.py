@@ -144,8 +144,7 @@ def convergence(args, data):
                 continue
             options = dict(options, inner=AdamW8bit)
         t0 = time.time()
-        losses = out[mode] = [train(args, data, mode, s, base, options)
-                              for s in range(args.seeds)]
+        losses = out[mode] = [train(args, data, mode, s, base, options) for s in range(args.seeds)]
         ref = out["torch-fp32"]
         print("  %-22s %s  mean %.4f (FP32 %.4f, band %.4f..%.4f; %.0f s)"
               % (mode, ["%.4f" % x for x in losses], sum(losses) / len(losses),

@@ -86,8 +86,7 @@ class Trainer:
             tr.opt = mpext.optim.AdamW(tr.params, **options)
             if mode.scaled:
                 tr.scaler = mpext.GradScaler(tr.device_type, **scaler_options)
-        tr.release = None if release is None else tr.opt.release_grads(scaler=tr.scaler,
-                                                                       **release)
+        tr.release = None if release is None else tr.opt.release_grads(scaler=tr.scaler, **release)
         return tr
 
     def autocast(self):
