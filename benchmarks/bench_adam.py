@@ -1,11 +1,11 @@
 """Optimizer step: mpext.optim's rules x formats vs native AMP (benchmarks/README.md)."""
-
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
 from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same, figure_title,
                      fmt_count, fmt_ms, free_memory, load_average, markdown_table, pct,
                      peak_memory_many, plot_lines, require_kernel, run_standalone, yes_no)
+from .training import REM, SR
 
 NAME = "bench_adam"
 TITLE = "Optimizer step: mpext's fused steps (rules x formats) vs PyTorch AMP"
@@ -113,8 +113,7 @@ NATIVE_VARIANTS = {"native_foreach": ("AdamW(foreach=True)", dict(foreach=True))
                    "native_forloop": ("AdamW(foreach=False), the for-loop", dict(foreach=False))}
 NATIVE_VARIANT_BYTES = 80
 # param format -> (options, persistent B/param beyond param + grad, the step's param traffic)
-PARAM_FORMATS = {"master": ({}, 4, 10), "remainder": (dict(param_remainders=True), 2, 8),
-                 "sr": (dict(master_weights=False, stochastic_rounding=True), 0, 4),
+PARAM_FORMATS = {"master": ({}, 4, 10), "remainder": (REM, 2, 8), "sr": (SR, 0, 4),
                  "rne": (dict(master_weights=False), 0, 4)}
 MOMENT_FORMATS = {"fp32": (FP32, 4), "bf16": (BF16, 2), "q8": (torch.int8, 1)}  # 8/256 scales
 # AdamW's targets (reported): (x its baseline, fraction, of which roofline); the default format

@@ -11,7 +11,7 @@ from .common import (Bench, check, figure_title, markdown_table, pyplot, run_sta
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
 from . import training
-from .training import BF16M, SR, Trainer
+from .training import BF16M, REM, SR, Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
@@ -37,18 +37,17 @@ MPEXT_MODES = ("mpext_bf16", "mpext_fp16")
 LEAN_BASE = "mpext_optim_bf16"
 LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
     ("master", "FP32 master (reference)", "FP32 master", "black", "-", {}, "reference"),
-    ("remainder", "remainder: BF16 param + int16 remainder", "remainder", "tab:gray", "--",
-     dict(param_remainders=True), "exact"),
+    ("remainder", "remainder: BF16 param + int16 remainder", "remainder", "tab:gray", "--", REM,
+     "exact"),
     ("remainder_bf16m", "remainder + BF16 moments (SR)", "remainder + BF16 m,v (SR)",
-     "tab:green", "-", dict(param_remainders=True, **BF16M), "band"),
+     "tab:green", "-", dict(REM, **BF16M), "band"),
     ("sr_bf16m", "no master, SR params + BF16 moments (SR)", "no master SR + BF16 m,v (SR)",
      "tab:blue", "-", dict(SR, **BF16M), "band"),
     ("sr", "no master, SR params, FP32 moments", "no master SR", "tab:cyan", "--", SR, "band"),
     ("rtn", "no master, params rounded to nearest", "no master, nearest", "tab:red", ":",
      dict(master_weights=False), "cautionary"),
     ("bf16m_rtn", "remainder + BF16 moments rounded to nearest", "BF16 m,v nearest",
-     "tab:orange", "-.", dict(param_remainders=True, moment_rounding="nearest", **BF16M),
-     "cautionary"),
+     "tab:orange", "-.", dict(REM, moment_rounding="nearest", **BF16M), "cautionary"),
 ]
 # The release study: the same fine-tuning released (param by param), clipped at CLIP, and FP16
 # under a scale that overflows now and then; why these settings: docs/gradient_release.md,

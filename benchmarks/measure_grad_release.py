@@ -9,21 +9,19 @@ from mpext.memory import estimate, measure
 from mpext.optim import AdamW
 
 from .common import markdown_table, mlp, peak_memory_many, resolve_device, time_fns
+from .training import BF16M, Q8, REM, SR
 
 # release_grads' own default bucket size
 DEFAULT_BUCKET_BYTES = inspect.signature(AdamW.release_grads).parameters["bucket_bytes"].default
 
 BF16, F32 = torch.bfloat16, torch.float32
-REM, SR = dict(param_remainders=True), dict(master_weights=False, stochastic_rounding=True)
-M16, Q8 = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), dict(exp_avg_dtype=torch.int8,
-                                                               exp_avg_sq_dtype=torch.uint8)
 FORMATS = [  # label, param dtype, mpext.optim.AdamW's options, mpext.memory's mode
     ("FP32 params", F32, {}, "fp32"),
     ("BF16 + FP32 master", BF16, {}, "mpext-bf16"),
     ("BF16 + remainder", BF16, REM, "mpext-bf16-remainder"),
     ("BF16 master-free SR", BF16, SR, "mpext-bf16-sr-fp32moments"),
-    ("remainder + BF16 moments", BF16, dict(REM, **M16), "mpext-bf16-remainder-bf16moments"),
-    ("SR + BF16 moments", BF16, dict(SR, **M16), "mpext-bf16-sr"),
+    ("remainder + BF16 moments", BF16, dict(REM, **BF16M), "mpext-bf16-remainder-bf16moments"),
+    ("SR + BF16 moments", BF16, dict(SR, **BF16M), "mpext-bf16-sr"),
     ("remainder + 8-bit moments", BF16, dict(REM, **Q8), "mpext-bf16-remainder-8bit"),
     ("SR + 8-bit moments", BF16, dict(SR, **Q8), "mpext-bf16-sr-8bit"),
     ("remainder + EMA", BF16, dict(REM, ema_decay=0.999), "mpext-bf16-remainder"),

@@ -7,10 +7,10 @@ import torch
 import mpext
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-_REM = dict(param_remainders=True)
-# mpext.optim.AdamW's option sets, which bench_convergence's lean modes combine too
+# mpext.optim.AdamW's option sets, which the studies combine too
+REM = dict(param_remainders=True)
 BF16M = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
-_Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 SR = dict(master_weights=False, stochastic_rounding=True)
 
 
@@ -39,15 +39,15 @@ MODES = {
     "mpext_optim_fp16": _optim("mpext-fp16", param_dtype=FP16, scaled=True),
     # mpext.optim.AdamW on BF16 params; its lean-state options come as optimizer options
     "mpext_optim_bf16": _optim("mpext-bf16"),
-    "mpext_bf16_remainder": _optim("mpext-bf16-remainder", _REM),
-    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(_REM, **BF16M)),
+    "mpext_bf16_remainder": _optim("mpext-bf16-remainder", REM),
+    "mpext_bf16_remainder_bf16m": _optim("mpext-bf16-remainder-bf16moments", dict(REM, **BF16M)),
     "mpext_bf16_sr": _optim("mpext-bf16-sr", dict(SR, **BF16M)),
     # 8-bit moments (params under mpext.optim.MIN_8BIT_NUMEL keep FP32 ones)
-    "mpext_bf16_remainder_8bit": _optim("mpext-bf16-remainder-8bit", dict(_REM, **_Q8)),
-    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(SR, **_Q8)),
+    "mpext_bf16_remainder_8bit": _optim("mpext-bf16-remainder-8bit", dict(REM, **Q8)),
+    "mpext_bf16_sr_8bit": _optim("mpext-bf16-sr-8bit", dict(SR, **Q8)),
     # ... and an FP32 EMA of the masters, in the same pass
     "mpext_bf16_remainder_bf16m_ema": _optim("mpext-bf16-remainder-bf16moments",
-                                             dict(_REM, ema_decay=0.999, **BF16M)),
+                                             dict(REM, ema_decay=0.999, **BF16M)),
     # BF16 params stepped by a torch optimizer with no FP32 masters: what mpext is for
     "bf16_naive": Mode(BF16, None, "torch", False, None),
 }
