@@ -93,19 +93,25 @@ def _size_metrics(ctx, size, vocab, data, fp32_gemm):
                               hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head,
                               vocab=cfg.vocab_size, dropout=False)
         total = sum(got.values())
-        out["modes"][k] = {
-            "label": LABEL[k], "timing": t.to_json(), "ms": t.median * 1e3,
-            "persistent_bytes": got, "persistent_total": total,
+        m = out["modes"][k] = {
+            "label": LABEL[k], "timing": t.to_json(), "persistent_bytes": got,
             "persistent_bytes_per_param": {c: v / n for c, v in got.items()},
             "persistent_per_param_total": total / n,
             "predicted": est.to_dict(), "predicted_per_param": est.persistent / n,
-            "agreement": total / est.persistent - 1.0, "step_extra_peak_bytes": extra[k],
+            "agreement": total / est.persistent - 1.0,
             "peak_bytes": None if extra[k] is None else total - got["gradients"] + extra[k],
             "predicted_peak_bytes": est.persistent + est.transient,
             "losses": [float(v) for v in tr.losses], "skipped_steps": tr.tr.skipped_steps(),
             "vs_amp_bf16": times["amp_bf16"].median / t.median,
             "vs_amp_fp16": times["amp_fp16"].median / t.median
             if k in FP16_MODES + ("amp_fp16",) else None}
+        check(abs(m["agreement"]) <= AGREEMENT,
+              "%s, %s: measured persistent memory %.2f B/param vs mpext.memory's %.2f "
+              "(%+.1f%%, limit %d%%)" % (label, k, total / n, est.persistent / n,
+                                         100 * m["agreement"], round(100 * AGREEMENT)))
+        for part in MAIN_PARTS:  # the bytes per param of each mode: exactly the prediction
+            check(got[part] == m["predicted"][part], "%s, %s: %s measured %d bytes, mpext.memory "
+                  "predicts %d" % (label, k, part, got[part], m["predicted"][part]))
     del trainers, batches
     free_memory(dev)
     return out
@@ -127,16 +133,6 @@ def run(ctx) -> dict:
         b.phase(size[0])
     md = []
     for res in out:
-        for k, m in res["modes"].items():
-            check(abs(m["agreement"]) <= AGREEMENT,
-                  "%s, %s: measured persistent memory %.2f B/param vs mpext.memory's %.2f "
-                  "(%+.1f%%, limit %d%%)" % (res["preset"], k, m["persistent_per_param_total"],
-                                             m["predicted_per_param"], 100 * m["agreement"],
-                                             round(100 * AGREEMENT)))
-            for part in MAIN_PARTS:  # the bytes per param of each mode: exactly the prediction
-                got, want = m["persistent_bytes"][part], m["predicted"][part]
-                check(got == want, "%s, %s: %s measured %d bytes, mpext.memory predicts %d"
-                      % (res["preset"], k, part, got, want))
         # the targets (benchmarks/README.md), reported, never asserted
         mp, amp = res["modes"]["mpext_bf16"], res["modes"]["amp_bf16"]
         res["target_speed_met"] = b.target(

@@ -491,13 +491,8 @@ def pair_cells(m: dict) -> List[str]:
 
 
 def _json_default(o):
-    if isinstance(o, (torch.device, torch.dtype, Path)):
-        return str(o)
-    if hasattr(o, "to_json"):
-        return o.to_json()
-    if hasattr(o, "item"):
-        return o.item()
-    raise TypeError("not JSON serializable: %r" % (o,))
+    """Timings as their JSON, tensors' scalars as numbers, devices, dtypes and paths as text."""
+    return o.to_json() if hasattr(o, "to_json") else o.item() if hasattr(o, "item") else str(o)
 
 
 def write_json(path: Path, payload: dict) -> Path:
