@@ -85,8 +85,6 @@ def _report(b: Bench, results):
                            "peak MiB", "target", "met"], rows)
 
 
-
-
 def _lion(params, hyper):
     try:
         from lion_pytorch import Lion
