@@ -331,7 +331,6 @@ def machine_info(device: torch.device) -> dict:
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
-        "llc_bytes_cpu": last_level_cache_bytes(torch.device("cpu")),
         "load_average": load_average(), "torch_version": torch.__version__,
         "torch_cuda": torch.version.cuda, "mpext_build_info": mpext.build_info(),
         "device": str(device), "gpu_name": None,
