@@ -240,6 +240,8 @@ def main():
                       ops=ops, errors={"%s/%s" % k: v for k, v in errors.items()}, roofline=roof,
                       convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
                                    for (v, s), x in r.items()}))
+    if not ctx.plots:
+        return
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",
               "per_token_layer", True), ("mpext.memory's estimate (off)", "estimate", False),
               ("mpext.memory's estimate (on)", "estimate", True))
