@@ -3,6 +3,7 @@ its timeouts, its result folder, what it says with no GPU. The real phases (a bu
 tests, the benchmark) are what the script runs on a lent GPU machine."""
 import os
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -167,3 +168,20 @@ def test_no_build_tests_the_extension_as_it_is(monkeypatch, tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| build | skipped: --no-build" in summary and "| tests | passed" in summary
     assert not (out / "build.log").exists()
+
+
+def test_the_benchmark_modules_of_the_real_plan_start(tmp_path):
+    """Each benchmark a lent GPU would run imports and parses its options (`--help`) here: a
+    module that failed at import (a helper it names moved away) would cost the GPU's one run
+    that phase, and nothing else runs these modules before it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    phases = gpu_check.plan(PY, True, str(tmp_path), str(tmp_path / "b"))
+    modules = [argv[argv.index("-m") + 1] for _, argv, *_ in phases
+               if argv is not None and "-m" in argv and
+               argv[argv.index("-m") + 1].startswith("benchmarks.")]
+    assert {"benchmarks.run_all", "benchmarks.measure_grad_release",
+            "benchmarks.bench_activations"} <= set(modules)
+    for module in modules:
+        done = subprocess.run([PY, "-m", module, "--help"], cwd=root, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "usage:" in done.stdout, (module, done.stderr[-2000:])
