@@ -1,7 +1,7 @@
 // Validation and planning shared by the CPU (cast.cpp) and CUDA (cast_cuda.cpp) cast ops.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <initializer_list>

@@ -2,7 +2,7 @@
 // quantization ops; the kernels see a tensor as rows x cols (cols = the last dimension).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <optional>
