@@ -3,7 +3,12 @@
 // across threads; the C core reads found_inf, the step counts, lr and inv_scale
 // itself (the same rule as the CUDA kernels), and the step counts advance once every element
 // is done.
-#include <ATen/ATen.h>
+
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "adam_common.h"

@@ -3,7 +3,7 @@
 // every rule shares, each rule adding the checks of its hyperparameters and its options.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <optional>

@@ -1,6 +1,11 @@
 // CPU implementations of the cast ops: validate, then the C core's mp_cast over every pair's
 // elements, split across threads.
-#include <ATen/ATen.h>
+
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <vector>

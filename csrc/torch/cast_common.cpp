@@ -1,5 +1,10 @@
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "cast_common.h"
 
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "common.h"

@@ -1,8 +1,7 @@
 // Validation and planning shared by the CPU (cast.cpp) and CUDA (cast_cuda.cpp) cast ops.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <initializer_list>
 #include <vector>
@@ -66,7 +65,10 @@ struct CastOps {
     Backend::cast(segs, stochastic, seed, dst[0].device(), "cast_");
   }
 
-  static void register_impls(torch::Library& m) {
+  // A template over torch::Library, so that this header needs no <torch/library.h>: only the
+  // units that register (TORCH_LIBRARY_IMPL) pay for it.
+  template <class Library>
+  static void register_impls(Library& m) {
     m.impl("to_bf16", &to_bf16);
     m.impl("to_fp16", &to_fp16);
     m.impl("to_fp32", &to_fp32);

@@ -1,3 +1,7 @@
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "common.h"
 
 #include <algorithm>

@@ -3,7 +3,14 @@
 // runs, so a failed check leaves every tensor unchanged.
 #pragma once
 
-#include <ATen/ATen.h>
+// The Tensor class and its methods only. <ATen/ATen.h> declares every ATen operator and takes
+// about four times as long to parse, in every unit, which is most of a first build: a unit
+// includes the header of each at:: function it calls (<ATen/ops/empty.h>, PyTorch's own
+// convention). The CPU units define AT_PER_OPERATOR_HEADERS (which PyTorch's own build defines:
+// the installed headers have ops/) and TORCH_ASSERT_ONLY_METHOD_OPERATORS before any include, so
+// that a header bringing in every operator (ATen/ATen.h, ATen/Functions.h) fails the build. The
+// CUDA units (*_cuda.cpp) include <ATen/ATen.h> themselves.
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <ostream>

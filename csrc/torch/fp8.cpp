@@ -1,7 +1,12 @@
 // CPU implementations of the FP8 block quantization ops: validate (fp8_common.h), then the C
 // core's mp_fp8_quantize / mp_fp8_dequantize over whole rows, split across threads.
-#include <ATen/ATen.h>
+
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>

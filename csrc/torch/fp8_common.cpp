@@ -1,4 +1,10 @@
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "fp8_common.h"
+
+#include <ATen/ops/empty.h>
 
 #include <vector>
 

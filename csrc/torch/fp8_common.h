@@ -2,8 +2,7 @@
 // quantization ops; the kernels see a tensor as rows x cols (cols = the last dimension).
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>
@@ -54,7 +53,10 @@ struct Fp8Ops {
     return out;
   }
 
-  static void register_impls(torch::Library& m) {
+  // A template over torch::Library, as in cast_common.h: fp8_common.cpp registers nothing and
+  // need not parse <torch/library.h>.
+  template <class Library>
+  static void register_impls(Library& m) {
     m.impl("fp8_quantize", &quantize);
     m.impl("fp8_dequantize", &dequantize);
   }

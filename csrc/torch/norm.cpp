@@ -3,7 +3,14 @@
 // the C core on any thread (at::parallel_for), then add the pieces up in list order
 // (mp_grad_norm_finish). Which thread computes a piece never changes its value, and the pieces
 // are combined in one fixed order, so the result has the same bits for every thread count.
-#include <ATen/ATen.h>
+
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

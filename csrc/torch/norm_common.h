@@ -1,7 +1,7 @@
 // Validation and planning shared by the CPU (norm.cpp) and CUDA (norm_cuda.cpp) grad_norm.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

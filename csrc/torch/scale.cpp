@@ -1,6 +1,11 @@
 // CPU implementations of the loss-scaling ops: validate, then run the C core -- unscale_ over
 // every grad's elements split across threads, update_scale_ on the scalars.
-#include <ATen/ATen.h>
+
+// No header may bring in every ATen operator: common.h says why.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <atomic>

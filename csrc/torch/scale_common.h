@@ -1,7 +1,7 @@
 // Validation shared by the CPU (scale.cpp) and CUDA (scale_cuda.cpp) loss-scaling ops.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>
