@@ -692,13 +692,17 @@ namespace {
 
 // One step of the same params on the core (tc) and on the "device" (tg), the latter with the
 // launch caps (chunks, pieces) that force chunk and launch splits.
-void step_core_and_cuda(std::vector<mp_adam_tensor>& tc, std::vector<mp_adam_tensor>& tg,
-                        const mp_adam_options& o, int chunks, int pieces) {
+void step_core(std::vector<mp_adam_tensor>& tc, const mp_adam_options& o) {
   for (size_t k = 0; k < tc.size(); ++k) {
     CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
   }
   CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
         "core steps");
+}
+
+void step_core_and_cuda(std::vector<mp_adam_tensor>& tc, std::vector<mp_adam_tensor>& tg,
+                        const mp_adam_options& o, int chunks, int pieces) {
+  step_core(tc, o);
   Caps caps(chunks, pieces);
   CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
             MP_OK, "cuda status");
@@ -785,6 +789,20 @@ bool same_lean(const Lean& a, const Lean& b) {
          same_floats(a.m32, b.m32) && same_floats(a.v32, b.v32) && same_floats(a.ema, b.ema);
 }
 
+// The lean tests' AdamW settings (decoupled decay, lr 1e-2 as a host value), gradients
+// multiplied by *inv.
+mp_adam_options lean_adamw(const float* inv) {
+  mp_adam_options o{};
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.eps = 1e-8;
+  o.weight_decay = 0.01;
+  o.decoupled = 1;
+  o.lr_value = 1e-2f;
+  o.inv_scale = inv;
+  return o;
+}
+
 }  // namespace
 
 EMU_TEST(adam_lean_storage_matches_the_core) {
@@ -814,14 +832,7 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
     for (Lean& l : cpu) tc.push_back(lean_tensor(l));
     for (Lean& l : gpu) tg.push_back(lean_tensor(l));
     const float inv = 0.25f;
-    mp_adam_options o{};
-    o.beta1 = 0.9;
-    o.beta2 = 0.999;
-    o.eps = 1e-8;
-    o.weight_decay = 0.01;
-    o.decoupled = 1;
-    o.lr_value = 1e-2f;
-    o.inv_scale = &inv;
+    mp_adam_options o = lean_adamw(&inv);
     o.unscale_grads = variant == 1;
     o.sr_params = variant & 1;
     o.moments_nearest = variant == 2;
@@ -865,21 +876,10 @@ EMU_TEST(adam_buckets_match_one_step_of_the_list) {
   Buf inv(4, 0), found(4, 0);
   *inv.f32() = 0.5f;
   *found.f32() = 1.0f;
-  mp_adam_options o{};
-  o.beta1 = 0.9;
-  o.beta2 = 0.999;
-  o.eps = 1e-8;
-  o.weight_decay = 0.01;
-  o.decoupled = 1;
-  o.lr_value = 1e-2f;
-  o.inv_scale = inv.f32();
+  mp_adam_options o = lean_adamw(inv.f32());
   o.sr_params = 1;
   o.seed = 0x5EEDull;
-  for (size_t k = 0; k < tc.size(); ++k) {
-    CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
-  }
-  CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
-        "core steps");
+  step_core(tc, o);
   mp_adam_options skip = o;
   skip.found_inf = found.f32();
   for (int64_t end = static_cast<int64_t>(tg.size()); end > 0; end -= 5) {  // buckets of 5
