@@ -237,8 +237,6 @@ static inline __attribute__((always_inline)) void adam_q8(
   const int hand = usual && !with_ema && pt == MP_BF16 && gt == MP_BF16 &&
                    (mk == MK_MASTER || mk == MK_REMAINDER || mk == MK_NONE_SR) &&
                    !hp->moments_nearest;
-#else
-  const int hand = 0;
 #endif
   for (int64_t off = 0; off < n; off += b) {
     const int64_t len = n - off < b ? n - off : b;
