@@ -495,14 +495,19 @@ HEADING = {"lean": "Lean optimizer state: fine-tuning a pretrained checkpoint",
            "release": "Gradient release: the same fine-tuning, stepped inside backward"}
 
 
+def _criterion(key: str):
+    """A lean or release mode's criterion and the mode whose noise band judges it."""
+    crit, _, ref = LEAN_CRITERION[key].partition(":")
+    return crit, ref or "master"
+
+
 def lean_study(ctx, b: Bench, pre: Setting, ft: Setting, seeds: int, modes: List[str], name: str):
     """Study ``name`` ("lean" or "release"): its Markdown, JSON and plots. Criteria and noise
     bands: docs/lean_state.md; "exact" is checked only where a seed-0 rerun is bitwise equal."""
-    refs = {LEAN_CRITERION[k].partition(":")[2] for k in modes if k in LEAN_CRITERION}
+    named_refs = {_criterion(k)[1] for k in modes if k in LEAN_CRITERION}  # run them too
     modes = ["master"] + [k for k in STUDY_MODES[name] if k != "master" and (k in modes or
-                                                                            k in refs)]
-    crit_ref = {k: (LEAN_CRITERION[k].partition(":")[0],
-                    LEAN_CRITERION[k].partition(":")[2] or "master") for k in modes}
+                                                                            k in named_refs)]
+    crit_ref = {k: _criterion(k) for k in modes}
     refs = {r for _, r in crit_ref.values()}
     (data, vocab), fp32_gemm = load_corpus(), training.fp32_gemm(ctx)
     (train_data, val_data), cfg = split_corpus(data), GPTConfig.preset(ft.preset, len(vocab))
