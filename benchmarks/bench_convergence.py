@@ -11,11 +11,11 @@ from .common import (Bench, check, figure_title, markdown_table, pyplot, run_sta
 from .gpt import GPT, GPTConfig, count_params, get_batch, load_corpus, split_corpus, \
     unigram_entropy
 from . import training
-from .training import BF16M, REM, SR, Trainer
+from .training import BF16M, Q8, REM, SR, Trainer
 
 NAME = "bench_convergence"
 TITLE = "Convergence: FP32 vs native AMP vs mpext on a small GPT (character model)"
-BF16, FP16 = torch.bfloat16, torch.float16
+BF16, FP16, FP16_MIN_NORMAL = torch.bfloat16, torch.float16, 2.0 ** -14
 
 MODES = [  # key, label, short label, plot colour and line style
     ("fp32", "1. FP32 params, torch AdamW (reference)", "FP32", "black", "-"),
@@ -44,6 +44,10 @@ LEAN_MODES = [  # key, label, short label, colour, style, options, criterion
     ("sr_bf16m", "no master, SR params + BF16 moments (SR)", "no master SR + BF16 m,v (SR)",
      "tab:blue", "-", dict(SR, **BF16M), "band"),
     ("sr", "no master, SR params, FP32 moments", "no master SR", "tab:cyan", "--", SR, "band"),
+    ("remainder_q8", "remainder + 8-bit moments", "remainder + 8-bit m,v", "tab:purple", "-.",
+     dict(REM, **Q8), "band"),
+    ("sr_q8", "no master, SR params + 8-bit moments", "no master SR + 8-bit m,v", "tab:brown",
+     ":", dict(SR, **Q8), "band"),
     ("rtn", "no master, params rounded to nearest", "no master, nearest", "tab:red", ":",
      dict(master_weights=False), "cautionary"),
     ("bf16m_rtn", "remainder + BF16 moments rounded to nearest", "BF16 m,v nearest",
@@ -76,7 +80,6 @@ RELEASE_MODES = [
      "tab:red", ":", dict(FP16_BASE, **_released()), "band:fp16"),
 ]
 STUDY_MODES = {"lean": [m[0] for m in LEAN_MODES], "release": [m[0] for m in RELEASE_MODES]}
-LEAN_KEYS = STUDY_MODES["lean"] + STUDY_MODES["release"]
 LEAN_OPTIONS = {m[0]: m[5] for m in LEAN_MODES + RELEASE_MODES}
 LEAN_CRITERION = {m[0]: m[6] for m in LEAN_MODES + RELEASE_MODES}
 LABEL = {m[0]: m[1] for m in MODES + LEAN_MODES + RELEASE_MODES}
@@ -219,9 +222,10 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
         tr.set_lr(st.lr_at(step, lr))
         x, y = (t.to(device, non_blocking=True) for t in get_batch(
             train_data, st.batch_size, cfg.block_size, gen))
-        if track_moments:
+        if track_moments:  # not with 8-bit moments (only the small params keep a plain v)
             v_before = [(p, tr.opt.state[p]["exp_avg_sq"].clone()) for p in params
                         if "exp_avg_sq" in tr.opt.state.get(p, {})]
+            v_before = v_before if len(v_before) == len(params) else []
         scale = tr.get_scale()  # the scale this step's backward uses
         last_grads = keep_grads and step == st.steps - 1
         loss, applied = tr.train_step(x, y, zero_grad=not last_grads)
@@ -264,9 +268,6 @@ def train(mode: str, st: Setting, cfg: GPTConfig, train_data, val_batches, devic
 
 
 # ---- the amp study
-
-FP16_MIN_NORMAL = 2.0 ** -14
-
 
 def underflow_stats(grads: List[torch.Tensor], scale: float):
     """Fractions of the non-zero FP32 gradients lost to FP16/BF16, unscaled and scaled."""
@@ -488,7 +489,8 @@ def _notes(rs: List[Run], steps: int) -> str:
     if rs[0].grad_norm:
         return "%.0f%% clipped" % (100 * sum(sum(n > CLIP for n in r.grad_norm) for r in rs)
                                    / (steps * len(rs)))
-    return "%.1f%% v lowered" % (100 * _seed_mean(rs, "v_decreased"))
+    return "%.1f%% v lowered" % (100 * _seed_mean(rs, "v_decreased")) if rs[0].v_decreased \
+        else "—"
 
 
 HEADING = {"lean": "Lean optimizer state: fine-tuning a pretrained checkpoint",
@@ -635,7 +637,7 @@ def add_args(parser):
     a("--study", choices=("all", "amp", "lean", "release"), default="all",
       help="amp: FP32 vs native AMP vs mpext; lean: mpext.optim's lean optimizer states over "
            "several seeds; release: gradient release, its clipping and FP16 (default: all)")
-    a("--modes", nargs="+", choices=MODE_KEYS + LEAN_KEYS, default=None,
+    a("--modes", nargs="+", choices=MODE_KEYS + list(LEAN_OPTIONS), default=None,
       help="modes to run (default: all; fp32 and master, the references, always run, and a "
            "named mode's own reference; a study none of whose modes is named is skipped)")
     a("--steps", type=int, default=None, help="training steps per mode (amp)")

@@ -110,16 +110,8 @@ def guard_factor(b1: float, b2: float) -> float:
     return 0.0 if r >= 1 else (1 - b2) * (1 - r) / (1 - b1) ** 2
 
 
-# --convergence: key, training.MODES key (the reference: torch's AdamW on FP32 params; mpext's
-# on BF16 params), Trainer options (torchao: its AdamW8bit on FP32 params)
-CONVERGENCE = [("torch-fp32", "fp32", {}), ("mpext-master", "mpext_optim_bf16", {}),
-               ("mpext-remainder-8bit", "mpext_bf16_remainder_8bit", {}),
-               ("mpext-sr-8bit", "mpext_bf16_sr_8bit", {}),
-               ("torchao-8bit", "fp32", dict(block_size=256))]
-
-
-def train(args, data, mode, seed, base, options=None, on_step=None):
-    """bench_convergence.train of one mode and seed: AdamW(0.9, 0.99), batch 16, cosine."""
+def train(args, data, on_step):
+    """bench_convergence.train of torch's AdamW(0.9, 0.99) on FP32 params, batch 16, cosine."""
     from .bench_convergence import Setting, train as train_mode, val_batches
 
     st = Setting(preset=args.preset, batch_size=16, steps=args.steps, lr=args.lr, warmup=20,
@@ -127,29 +119,8 @@ def train(args, data, mode, seed, base, options=None, on_step=None):
     cfg = GPTConfig.preset(args.preset, data["vocab"]) if args.preset in ("tiny", "small") else \
         GPTConfig(vocab_size=data["vocab"], block_size=64, n_layer=3, n_head=4, n_embd=128)
     cpu = torch.device("cpu")
-    return train_mode(mode, st, cfg, data["train"], val_batches(data["val"], st, cfg, cpu), cpu,
-                      fp32_gemm=True, seed=seed, base=base, options=options,
-                      on_step=on_step).final_loss(st.final_k)
-
-
-def convergence(args, data):
-    """Per mode the final validation losses of ``--seeds`` seeds."""
-    out = {}
-    for mode, base, options in CONVERGENCE:
-        if mode == "torchao-8bit":
-            try:
-                from torchao.optim import AdamW8bit
-            except ImportError:
-                print("  %-22s not run: torchao is not importable here" % mode, flush=True)
-                continue
-            options = dict(options, inner=AdamW8bit)
-        t0 = time.time()
-        losses = out[mode] = [train(args, data, mode, s, base, options) for s in range(args.seeds)]
-        ref = out["torch-fp32"]
-        print("  %-22s %s  mean %.4f (FP32 %.4f, band %.4f..%.4f; %.0f s)"
-              % (mode, ["%.4f" % x for x in losses], sum(losses) / len(losses),
-                 sum(ref) / len(ref), min(ref), max(ref), time.time() - t0), flush=True)
-    return out
+    return train_mode("fp32", st, cfg, data["train"], val_batches(data["val"], st, cfg, cpu), cpu,
+                      fp32_gemm=True, seed=0, on_step=on_step).final_loss(st.final_k)
 
 
 # ---- the static measurement
@@ -201,20 +172,12 @@ def main():
     a("--preset", default="q8", help="tiny, small, or q8 (3 layers, 128 wide)")
     a("--lr", type=float, default=2e-3)
     a("--seed", type=int, default=1234)
-    a("--seeds", type=int, default=2, help="seeds per --convergence mode")
-    a("--convergence", action="store_true", help="train the real optimizers instead")
     a("--out", default="results/measure_q8_codes.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     corpus, vocab = load_corpus()
     train_d, val_d = split_corpus(corpus.long())
     data = {"train": train_d, "val": val_d, "vocab": len(vocab)}
-    if args.convergence:
-        print("convergence: final validation loss (mean of the last 4 evaluations), %d seeds, "
-              "%d steps, preset %s" % (args.seeds, args.steps, args.preset), flush=True)
-        print("written:", write_json(args.out, {"args": vars(args),
-                                                "convergence": convergence(args, data)}))
-        return
     t0, moments = time.time(), []
     snapshot_steps = {args.steps // 8, args.steps // 2, args.steps}
 
@@ -224,7 +187,7 @@ def main():
                             tr.opt.state[p]["exp_avg_sq"].clone())
                            for p in tr.params if p.numel() >= MIN_NUMEL)
 
-    fp32 = [train(args, data, "torch-fp32", 0, "fp32", on_step=snapshot)]
+    fp32 = [train(args, data, snapshot)]
     print("fp32 final val loss per seed: %s (%.0f s)" % (fp32, time.time() - t0), flush=True)
     mcodes = codes_for(normalized([m for m, _ in moments], args.block, True), True)
     vcodes = codes_for(normalized([v for _, v in moments], args.block, False), False)

@@ -57,11 +57,10 @@ class Trainer:
     """A mode's model, optimizer and scaler (``for_mode``) and its training step."""
 
     @classmethod
-    def for_mode(cls, key: str, model: torch.nn.Module, device=None, *,
-                 inner=torch.optim.AdamW, fused: bool = False,
+    def for_mode(cls, key: str, model: torch.nn.Module, device=None, *, fused: bool = False,
                  scaler_options: Optional[dict] = None, **options) -> "Trainer":
-        """``model`` in mode ``key``'s dtype with its optimizer (``inner``, wrapped or not, or
-        ``mpext.optim.AdamW``, given ``options``) and scaler. The trainer's own options:
+        """``model`` in mode ``key``'s dtype with its optimizer (``torch.optim.AdamW``, wrapped or
+        not, or ``mpext.optim.AdamW``, given ``options``) and scaler. The trainer's own options:
         ``max_grad_norm`` (clip after backward), ``release`` (its keywords), ``scaler``."""
         tr, mode = cls(), MODES[key]
         tr.model = model.to(device=device, dtype=mode.param_dtype)
@@ -74,13 +73,13 @@ class Trainer:
             raise ValueError("mode %s: release and max_grad_norm are for the other kinds" % key)
         scaler_options = dict(scaler_options or {}, **options.pop("scaler", {}))
         if mode.kind == "torch":
-            tr.opt = inner(tr.params, **options, **({"fused": True} if fused else {}))
+            tr.opt = torch.optim.AdamW(tr.params, fused=fused or None, **options)
             if mode.scaled:
                 tr.scaler = torch.amp.GradScaler(tr.device_type, **scaler_options)
         elif mode.kind == "mpext-wrapper":
-            tr.opt = mpext.MixedPrecisionOptimizer(
-                inner(tr.params, **options), **(dict(loss_scale="dynamic", **scaler_options)
-                                                if mode.scaled else dict(loss_scale=None)))
+            tr.opt = mpext.MixedPrecisionOptimizer(torch.optim.AdamW(tr.params, **options), **(
+                dict(loss_scale="dynamic", **scaler_options) if mode.scaled else
+                dict(loss_scale=None)))
             tr.scaler = tr.opt.scaler
         else:  # "mpext-optim"
             tr.opt = mpext.optim.AdamW(tr.params, **options)
@@ -96,10 +95,7 @@ class Trainer:
 
     def set_lr(self, lr: float) -> None:
         for group in self.opt.param_groups:
-            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
+            group["lr"] = lr
 
     def train_step(self, x, y, zero_grad: bool = True):
         """Forward, backward (the step inside it when released; else clip_grad_norm_ after it
