@@ -1,5 +1,4 @@
 """Saved activations per precision mode, FP8 off and on (benchmarks/README.md)."""
-import argparse
 import collections
 import contextlib
 import functools
@@ -14,6 +13,7 @@ from mpext.memory_estimate import activation_bytes
 from . import common, gpt
 from .training import Trainer
 
+NAME, TITLE = "activations", "Saved activations per precision mode, FP8 off and on"
 MODES = ("fp32", "amp-bf16", "amp-fp16", "bf16")
 # the convergence runs: uncompressed, the default policy, and the most lossy options there are
 VARIANTS = {"off": None, "on": {}, "aggressive": dict(
@@ -77,14 +77,11 @@ def models(quick):
 
 
 def step(model, batch, loss_fn, mode, ctx, meter=None):
-    amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(mode)
-    with contextlib.ExitStack() as stack:
-        cast = amp and torch.autocast(batch[0].device.type, dtype=amp)
-        for c in (cast, ctx, meter and
-                  torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)):
-            if c is not None:
-                stack.enter_context(c)
-        loss = loss_fn(model, batch)
+    amp, none = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(mode), \
+        contextlib.nullcontext()
+    with torch.autocast(batch[0].device.type, dtype=amp, enabled=amp is not None), ctx or none, \
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter else none:
+        loss = loss_fn(model, batch)  # the meter's hooks innermost: they see what ctx packs
     loss.float().backward()
     return loss
 
@@ -219,39 +216,37 @@ def table(rows, errors, conv):
     return "\n".join(out)
 
 
-def main():
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__))
+def add_args(p):
     p.add_argument("--converge-steps", type=int, default=0, help="0: no convergence run")
     p.add_argument("--converge-models", default="gpt,hf-gpt2")
     # one thread: two spin on a busy machine; --device cuda: the allocator's peaks
     p.set_defaults(threads=1, device="cpu")
-    ctx = common.Context(p.parse_args())
+    return p
+
+
+def run(ctx) -> dict:
+    b, a = common.Bench(ctx, NAME, TITLE), ctx.args
     rows, errors = measure(ctx.quick, ctx.device)
-    conv = {m: converge(ctx.args.converge_steps, m) for m in ctx.args.converge_models.split(",")} \
-        if ctx.args.converge_steps else {}
-    roof, ops = kernels(ctx.quick, ctx.device)
-    text = "\n".join(common.machine_header(ctx.machine) + [""]) + table(rows, errors, conv) + (
-        "\n\nThe FP8 ops, %d thread(s), median of interleaved samples:\n\n" % ctx.args.threads) + (
-        common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)) + "\n\n%s" \
-        "; load average at the end %s" % (common.roofline_line(roof), common.load_average())
-    print(text)
-    common.write_text(ctx.out_dir / "activations.md", text)
-    common.write_json(ctx.out_dir / "activations.json", dict(machine=ctx.machine, rows=rows,
-                      ops=ops, errors={"%s/%s" % k: v for k, v in errors.items()}, roofline=roof,
-                      convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
-                                   for (v, s), x in r.items()}))
-    if not ctx.plots:
-        return
+    b.phase("saved")
+    conv = {m: converge(a.converge_steps, m) for m in a.converge_models.split(",")} \
+        if a.converge_steps else {}
+    b.phase("converge")
+    b.roof, ops = kernels(ctx.quick, ctx.device)
+    md = [table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
+          "samples:" % torch.get_num_threads(), "",
+          common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
+    payload = dict(rows=rows, ops=ops, errors={"%s/%s" % k: v for k, v in errors.items()},
+                   convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
+                                for (v, s), x in r.items()})
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",
               "per_token_layer", True), ("mpext.memory's estimate (off)", "estimate", False),
               ("mpext.memory's estimate (on)", "estimate", True))
-    common.plot_lines(ctx.out_dir / "activations.png", [{
+    return b.finish(md, payload, lambda: common.plot_lines(ctx.out_dir / "activations.png", [{
         "title": n, "ylabel": "saved bytes / token / layer", "series": {
             k: (list(MODES), ys) for k, f, on in series if None not in (ys := [
                 r[f] for r in rows if r["model"] == n and r["fp8"] == on])}}
-        for n in dict.fromkeys(r["model"] for r in rows)],
-        title="Saved activations per precision mode, %s" % ctx.machine["cpu_model"])
+        for n in dict.fromkeys(r["model"] for r in rows)], title=common.figure_title(ctx, TITLE)))
 
 
 if __name__ == "__main__":
-    main()
+    common.run_standalone(run, __doc__, add_args)

@@ -2,9 +2,9 @@
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
-from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same, figure_title,
-                     fmt_count, fmt_ms, free_memory, load_average, markdown_table, pct,
-                     peak_memory_many, plot_lines, require_kernel, run_standalone, yes_no)
+from .common import (Bench, MiB, busy_cores, check, count_subnormals, expect_same, fmt_count,
+                     fmt_ms, free_memory, load_average, markdown_table, pct, peak_memory_many,
+                     require_kernel, run_standalone, yes_no)
 from .training import REM, SR
 
 NAME = "bench_adam"
@@ -313,23 +313,7 @@ def run(ctx) -> dict:
     payload = {"hyperparameters": {r: RULES[r][2] for r in RULES}, "grad_std": GRAD_STD,
                "cases": results, "after_timing_checks": checks,
                "load_average_start": load_start, "load_average_end": load_end}
-    return b.finish(md, payload, lambda: _plot(ctx, results))
-
-
-def _plot(ctx, results):
-    panels = []
-    for rule in RULES:
-        res = [r for r in results if r["group"] == rule]
-        bounds = {"bound %s %.2fx" % (k, res[0]["modes"][k]["bytes_bound_vs_baseline"]):
-                  res[0]["modes"][k]["bytes_bound_vs_baseline"] for k in ("remainder_bf16m",
-                                                                          "sr_bf16m")}
-        panels.append({"title": "%s: speed vs native (lines: bytes bounds)" % rule,
-                       "xlabel": "params", "ylabel": "x native", "logx": True, "hlines": bounds,
-                       "series": {FMT[k][0] if k in FMT else k: ([r["params"] for r in res], [
-                           r["modes"][k]["speedup_vs_baseline"] for r in res])
-                           for k in list(FMT) + _natives(rule) if k != "native_ema"}})
-    return plot_lines(ctx.out_dir / (NAME + ".png"), panels,
-                      title=figure_title(ctx, TITLE, isa=True))
+    return b.finish(md, payload)
 
 
 if __name__ == "__main__":

@@ -3,18 +3,16 @@ import math
 
 import torch
 
-import mpext  # noqa: F401  (loads the extension: registers torch.ops.mpext)
 from .common import (Alternate, Bench, check, fmt_ms, free_memory, gpt2_shapes, markdown_table,
-                     pair_metrics, pct, require_kernel, run_standalone)
+                     pair_metrics, pct, require_kernel, run_standalone, time_pairs)
 
 NAME = "bench_grad_norm"
 TITLE = "Gradient norm: mpext grad_norm vs clip_grad_norm_'s norm"
 BF16, FP32 = torch.bfloat16, torch.float32
 GRAD_STD = 1e-3
 INV = 2.0 ** -16  # the fused rows' inv_scale (mpext side; the gradients are left as they are)
-# kind, mpext fn key, torch fn key, torch's bytes / mpext's, label, errors' key
-KINDS = [("norm", "mp_norm", "t_norm", 1.0, "norm", "plain"),
-         ("after_unscale", "mp_fused", "t_fused", 3.0,
+# kind, torch's bytes / mpext's, label, errors' key
+KINDS = [("norm", 1.0, "norm", "plain"), ("after_unscale", 3.0,
           "norm after unscale (mpext: fused inv_scale; torch: unscale_ + norm)", "inv")]
 
 
@@ -73,10 +71,10 @@ def run(ctx) -> dict:
                 unscale(grads, found, alt())
                 return total_norm(grads)
 
-            t = ctx.time_fns({"mp_norm": lambda grads=grads: mp_norm(grads),
-                              "t_norm": lambda grads=grads: total_norm(grads),
-                              "mp_fused": lambda grads=grads: mp_norm(grads, inv_scale=inv_t),
-                              "t_fused": native_unscale_norm}, desc="%s %s" % (name, dname))
+            pairs = {"norm": (lambda g=grads: mp_norm(g), lambda g=grads: total_norm(g)),
+                     "after_unscale": (lambda g=grads: mp_norm(g, inv_scale=inv_t),
+                                       native_unscale_norm)}
+            t = time_pairs(ctx, pairs, "%s %s" % (name, dname))
             # after timing: mpext's result unchanged (gradients x 1 or x 0.5), found_inf clear
             got = mp_norm(grads).item() / alt.factor()
             check(_rel(got, want) <= 1e-6 and found.item() == 0.0,
@@ -94,9 +92,8 @@ def run(ctx) -> dict:
     table = []
     for r in rows:
         t, r["metrics"] = r.pop("times"), {}
-        for kind, mp_key, t_key, t_mult, what, err_key in KINDS:
-            m = r["metrics"][kind] = pair_metrics(t[mp_key], t[t_key], r["bytes"], roof,
-                                                  t_mult * r["bytes"])
+        for kind, t_mult, what, err_key in KINDS:
+            m = r["metrics"][kind] = pair_metrics(*t[kind], r["bytes"], roof, t_mult * r["bytes"])
             e = r["errors"][err_key]
             table.append(["%s %s, %s" % (r["label"], r["dtype"], what), fmt_ms(m["mpext"]),
                           fmt_ms(m["torch"]), "%.2fx" % m["speed_ratio"],

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+import mpext
 from mpext import memory
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results"
@@ -47,8 +48,6 @@ def require_kernel(device: torch.device, op: str) -> None:
 
 def resolve_device(name: str) -> torch.device:
     """auto: cuda when usable, else cpu; an explicit cuda that cannot run is an error."""
-    import mpext
-
     built, seen = bool(mpext.build_info().get("cuda_built")), torch.cuda.is_available()
     if name == "cuda" and not (built and seen):
         raise SystemExit("--device cuda: " + ("mpext was built without CUDA (see "
@@ -316,8 +315,6 @@ def load_average() -> Optional[List[float]]:
 
 
 def machine_info(device: torch.device) -> dict:
-    import mpext
-
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f
@@ -548,14 +545,12 @@ def plot_lines(path: Path, panels: Sequence[dict], *, title: str = "") -> Path:
     return save_figure(fig, path, title, fontsize=10)
 
 
-def figure_title(ctx, title: str, isa: bool = False) -> str:
+def figure_title(ctx, title: str) -> str:
     """A figure's title with the machine its figures come from."""
     m = ctx.machine
-    return "%s on %s, %s threads, torch %s%s%s" % (
+    return "%s on %s, %s threads, torch %s%s" % (
         title, m["gpu_name"] if ctx.is_cuda else m["cpu_model"], torch.get_num_threads(),
-        m["torch_version"],
-        ", mpext ISA %s" % m["mpext_build_info"].get("cpu_isa_active") if isa else "",
-        " (quick)" if ctx.quick else "")
+        m["torch_version"], " (quick)" if ctx.quick else "")
 
 
 def free_memory(device: torch.device) -> None:

@@ -92,12 +92,11 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
+            if isinstance(m, Linear):
+                m.fp32_gemm = fp32_gemm
         for blk in self.blocks:
             for w in (blk.attn_proj.weight, blk.mlp_proj.weight):
                 nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.fp32_gemm = fp32_gemm
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
