@@ -107,8 +107,10 @@ def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT):
 
 
 def _stop(proc):
-    """SIGTERM to the phase's process group, SIGKILL if it has not ended 5 s later, and SIGKILL
-    to whatever of the group outlived its leader."""
+    """SIGTERM to the phase's process group, SIGKILL if it has not ended 5 s later, SIGKILL to
+    whatever of the group outlived its leader, and a wait (at most 5 s) until the group is gone:
+    a killed process lives on until the kernel has torn it down, which on a busy machine is
+    not at once."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -124,6 +126,27 @@ def _stop(proc):
     except ProcessLookupError:
         pass
     proc.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and _group_alive(proc.pid):
+        time.sleep(0.02)
+
+
+def _group_alive(pgid):
+    """Whether a process of group pgid is still running (a zombie, dead but not yet reaped by
+    its new parent, does not count). Without /proc (not Linux), none is known to be."""
+    if not os.path.isdir("/proc"):
+        return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def plan(py, gpu, out, bench_dir):
