@@ -32,10 +32,11 @@ def sr_key(seed, step=0, stream=0):
 
 def sr_bits(key, position):
     """The 32 random bits at a position of the stream with this key (positions wrap modulo
-    2^64)."""
+    2^64): one round of the mixer over the position's low half and the window key, the key's
+    low half xored with the mixer of its high half and the position's high half."""
     position &= MASK64
-    x = _m32((position & MASK32) ^ (key & MASK32))
-    return _m32(x ^ (position >> 32) ^ (key >> 32))
+    window = (key & MASK32) ^ _m32((position >> 32) ^ (key >> 32))
+    return _m32((position & MASK32) ^ window)
 
 
 def sr_random_bits(seed, position):
@@ -113,8 +114,8 @@ def sr_bits_array(key, positions):
     pos = np.asarray(positions, dtype=np.uint64)
     lo = (pos & np.uint64(MASK32)).astype(np.uint32)
     hi = (pos >> np.uint64(32)).astype(np.uint32)
-    x = _m32_array(lo ^ np.uint32(key & MASK32))
-    return _m32_array(x ^ hi ^ np.uint32(key >> 32))
+    window = np.uint32(key & MASK32) ^ _m32_array(hi ^ np.uint32(key >> 32))
+    return _m32_array(lo ^ window)
 
 
 def bf16_sr_array(x_bits, r):

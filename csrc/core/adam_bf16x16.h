@@ -62,10 +62,14 @@ static inline __m256i x16_mix(__m256i x) { /* mp_mix32, lane by lane */
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
 }
 
-/* mp_sr_bits_hl at positions lo (a vector) and hi: klo the key's low half, khi its high half
- * xored with hi. */
-static inline __m256i x16_bits(__m256i lo, __m256i klo, __m256i khi) {
-  return x16_mix(_mm256_xor_si256(x16_mix(_mm256_xor_si256(lo, klo)), khi));
+/* mp_sr_bits_hl at positions lo (a vector) and hi: k the window key of x16_key. */
+static inline __m256i x16_bits(__m256i lo, __m256i k) {
+  return x16_mix(_mm256_xor_si256(lo, k));
+}
+
+/* x16_bits' vector of a stream's key for positions whose high half is hi. */
+static inline __m256i x16_key(uint64_t key, uint32_t hi) {
+  return _mm256_set1_epi32((int)mp_sr_window_key(key, hi));
 }
 
 /* mp_bf16_sr_bits of non-NaN fp32 bits u with the random bits r16 (in the low half), in the
@@ -148,10 +152,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     const int write_grad) {
   const __m256 ema_w = _mm256_set1_ps(s->ema_weight);
   const x16_scalars c = x16_scalars_of(s);
-  const __m256i km_lo = _mm256_set1_epi32((int)(uint32_t)s->key_moments);
-  const __m256i km_hi = _mm256_set1_epi32((int)(hi ^ (uint32_t)(s->key_moments >> 32)));
-  const __m256i kp_lo = _mm256_set1_epi32((int)(uint32_t)s->key_param);
-  const __m256i kp_hi = _mm256_set1_epi32((int)(hi ^ (uint32_t)(s->key_param >> 32)));
+  const __m256i km = x16_key(s->key_moments, hi), kp = x16_key(s->key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m256i ramp = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   const __m256i one = _mm256_set1_epi32(1);
@@ -187,7 +188,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
       m16 = x16_pack_hi(x16_rne_even(_mm256_castps_si256(me)), x16_rne_hi(_mm256_castps_si256(mo)));
       v16 = x16_pack_hi(x16_rne_even(_mm256_castps_si256(ve)), x16_rne_hi(_mm256_castps_si256(vo)));
     } else { /* one draw per element: m takes its low 16 bits, v its high 16 */
-      const __m256i re = x16_bits(lo_e, km_lo, km_hi), ro = x16_bits(lo_o, km_lo, km_hi);
+      const __m256i re = x16_bits(lo_e, km), ro = x16_bits(lo_o, km);
       m16 = x16_pack_hi(x16_sr_even(_mm256_castps_si256(me), _mm256_and_si256(re, X16_LO)),
                         x16_sr_hi(_mm256_castps_si256(mo), _mm256_and_si256(ro, X16_LO)));
       v16 = x16_pack_hi(x16_sr_even(_mm256_castps_si256(ve), _mm256_srli_epi32(re, 16)),
@@ -205,7 +206,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
       _mm256_storeu_si256((__m256i*)(remainder + i), x16_pack_lo(ue, uo));
     } else {
       if (ema != NULL) x16_ema(ema + i, xe, xo, ema_w);
-      const __m256i re = x16_bits(lo_e, kp_lo, kp_hi), ro = x16_bits(lo_o, kp_lo, kp_hi);
+      const __m256i re = x16_bits(lo_e, kp), ro = x16_bits(lo_o, kp);
       _mm256_storeu_si256(
           (__m256i*)(param + i),
           x16_pack_hi(x16_sr_even(_mm256_castps_si256(xe), _mm256_and_si256(re, X16_LO)),
@@ -259,8 +260,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
     const int write_grad) {
   const __m256 ema_w = _mm256_set1_ps(s->ema_weight);
   const x16_scalars c = x16_scalars_of(s);
-  const __m256i kp_lo = _mm256_set1_epi32((int)(uint32_t)s->key_param);
-  const __m256i kp_hi = _mm256_set1_epi32((int)(hi ^ (uint32_t)(s->key_param >> 32)));
+  const __m256i kp = x16_key(s->key_param, hi);
   const __m256i ramp = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int rounded_master = kind == MP_PV_MASTER || kind == MP_PV_REMAINDER;
   uint16_t* restrict gw = (uint16_t*)grad;
@@ -322,7 +322,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
         if (kind == MP_PV_NONE_SR) {
           const __m256i la = _mm256_add_epi32(_mm256_set1_epi32((int)(lo0 + j)), ramp);
           const __m256i lb = _mm256_add_epi32(la, _mm256_set1_epi32(8));
-          const __m256i ra = x16_bits(la, kp_lo, kp_hi), rb = x16_bits(lb, kp_lo, kp_hi);
+          const __m256i ra = x16_bits(la, kp), rb = x16_bits(lb, kp);
           qa = x16_sr_even(_mm256_castps_si256(x[k]), _mm256_and_si256(ra, X16_LO));
           qb = x16_sr_even(_mm256_castps_si256(x[k + 1]), _mm256_and_si256(rb, X16_LO));
         } else {

@@ -68,16 +68,14 @@ static inline __m512i x32_mix(__m512i x) { /* mp_mix32, lane by lane */
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
 }
 
-/* mp_sr_bits_hl at positions lo (a vector) and hi: klo the key's low half, khi its high half
- * xored with hi. */
-static inline __m512i x32_bits(__m512i lo, __m512i klo, __m512i khi) {
-  return x32_mix(_mm512_xor_si512(x32_mix(_mm512_xor_si512(lo, klo)), khi));
+/* mp_sr_bits_hl at positions lo (a vector) and hi: k the window key of x32_key. */
+static inline __m512i x32_bits(__m512i lo, __m512i k) {
+  return x32_mix(_mm512_xor_si512(lo, k));
 }
 
-/* x32_bits' vectors of a stream's key for positions whose high half is hi. */
-static inline void x32_key(uint64_t key, uint32_t hi, __m512i* klo, __m512i* khi) {
-  *klo = _mm512_set1_epi32((int)(uint32_t)key);
-  *khi = _mm512_set1_epi32((int)(hi ^ (uint32_t)(key >> 32)));
+/* x32_bits' vector of a stream's key for positions whose high half is hi. */
+static inline __m512i x32_key(uint64_t key, uint32_t hi) {
+  return _mm512_set1_epi32((int)mp_sr_window_key(key, hi));
 }
 
 /* mp_bf16_sr_bits of non-NaN fp32 bits u with the random bits r16 (in the low half), in the
@@ -179,9 +177,7 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     const int write_grad) {
   const __m512 ema_w = _mm512_set1_ps(s->ema_weight);
   const x32_scalars c = x32_scalars_of(s);
-  __m512i km_lo, km_hi, kp_lo, kp_hi;
-  x32_key(s->key_moments, hi, &km_lo, &km_hi);
-  x32_key(s->key_param, hi, &kp_lo, &kp_hi);
+  const __m512i km = x32_key(s->key_moments, hi), kp = x32_key(s->key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m512i ramp = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                          30);
@@ -227,7 +223,7 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
       ve16 = x32_rne_hi(_mm512_castps_si512(ve));
       vo16 = x32_rne_hi(_mm512_castps_si512(vo));
     } else { /* one draw per element: m takes its low 16 bits, v its high 16 */
-      const __m512i re = x32_bits(lo_e, km_lo, km_hi), ro = x32_bits(lo_o, km_lo, km_hi);
+      const __m512i re = x32_bits(lo_e, km), ro = x32_bits(lo_o, km);
       me16 = x32_sr_hi(_mm512_castps_si512(me), _mm512_and_si512(re, X32_LO));
       mo16 = x32_sr_hi(_mm512_castps_si512(mo), _mm512_and_si512(ro, X32_LO));
       ve16 = x32_sr_hi(_mm512_castps_si512(ve), x32_shr16(re));
@@ -244,7 +240,7 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
       _mm512_storeu_si512(remainder + i, x32_pack_lo(ue, uo));
     } else {
       if (ema != NULL) x32_ema(ema + i, xe, xo, ema_w);
-      const __m512i re = x32_bits(lo_e, kp_lo, kp_hi), ro = x32_bits(lo_o, kp_lo, kp_hi);
+      const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
       _mm512_storeu_si512(param + i,
                           x32_pack_hi(x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO)),
                                       x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO))));

@@ -74,9 +74,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
   const x32_scalars c = x32_scalars_of(s);
   const __m512 inv_k = _mm512_set1_ps(s->q8_inv_k);
   const x32_q8_dec dm = x32_q8_dec_of(em, 7u), dv = x32_q8_dec_of(ev, 15u);
-  __m512i kq_lo, kq_hi, kp_lo, kp_hi;
-  x32_key(s->key_q8, hi, &kq_lo, &kq_hi);
-  x32_key(s->key_param, hi, &kp_lo, &kp_hi);
+  const __m512i kq = x32_key(s->key_q8, hi), kp = x32_key(s->key_param, hi);
   const __m512i ramp = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                          30);
   const __m512i mag_m = _mm512_set1_epi32(0x03F80000), mag_v = _mm512_set1_epi32(0x07F80000);
@@ -143,10 +141,10 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     amx = _mm512_max_epu32(amx, _mm512_and_si512(_mm512_castps_si512(mo), abs));
     avx = _mm512_max_epu32(avx, _mm512_max_epu32(_mm512_castps_si512(ve), _mm512_castps_si512(vo)));
     const __m512i lo_o = _mm512_add_epi32(lo_e, _mm512_set1_epi32(1));
-    _mm512_store_si512(rbuf + i, x32_bits(lo_e, kq_lo, kq_hi));
-    _mm512_store_si512(rbuf + i + 16, x32_bits(lo_o, kq_lo, kq_hi));
+    _mm512_store_si512(rbuf + i, x32_bits(lo_e, kq));
+    _mm512_store_si512(rbuf + i + 16, x32_bits(lo_o, kq));
     if (mk == MP_PV_NONE_SR) {
-      const __m512i re = x32_bits(lo_e, kp_lo, kp_hi), ro = x32_bits(lo_o, kp_lo, kp_hi);
+      const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
       _mm512_storeu_si512(
           param + i,
           x32_pack_hi(x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO)),

@@ -372,7 +372,7 @@ static int have_f16c(void) { return __builtin_cpu_supports("f16c"); }
 /* This file's statement of the stochastic-rounding generator (mpext/numerics.h's documentation):
  * a 32-bit mixer x ^= x >> 16, x *= 0x21F0AAAD, x ^= x >> 15, x *= 0xD35A2D97, x ^= x >> 15; a
  * key = m64(m64(m64(seed + golden) ^ step) ^ stream) with splitmix64's finalizer m64; the bits at
- * position p = m32(m32(lo(p) ^ lo(key)) ^ hi(p) ^ hi(key)). */
+ * position p = m32(lo(p) ^ lo(key) ^ m32(hi(p) ^ hi(key))). */
 
 static uint32_t ref_m32(uint32_t x) {
   x = (x ^ (x >> 16)) * 0x21F0AAADu;
@@ -391,8 +391,9 @@ static uint64_t ref_key(uint64_t seed, uint64_t step, uint64_t stream) {
 }
 
 static uint32_t ref_bits(uint64_t key, uint64_t pos) {
-  const uint32_t lo = (uint32_t)(pos & 0xFFFFFFFFu) ^ (uint32_t)(key & 0xFFFFFFFFu);
-  return ref_m32(ref_m32(lo) ^ (uint32_t)(pos >> 32) ^ (uint32_t)(key >> 32));
+  const uint32_t window = (uint32_t)(key & 0xFFFFFFFFu) ^ ref_m32((uint32_t)(pos >> 32) ^
+                                                                  (uint32_t)(key >> 32));
+  return ref_m32((uint32_t)(pos & 0xFFFFFFFFu) ^ window);
 }
 
 /* The documented random word of a cast's element index idx under seed (stream (seed, 0, 0)),

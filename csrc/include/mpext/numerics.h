@@ -110,11 +110,16 @@ MP_HD uint16_t mp_fp16_sr_bits(uint32_t u, uint32_t r) {
 
 /* The random bits of stochastic rounding: a counter-based generator, so a value depends only on
  * (key, position) -- never on threads, ISA path, device or order -- and any element can be drawn
- * on its own. A 64-bit key names a stream (mp_sr_key); the 32 bits at position pos are two rounds
+ * on its own. A 64-bit key names a stream (mp_sr_key); the 32 bits at position pos are one round
  * of a 32-bit integer mixer (multiply-xorshift, constants from C. Wellons' hash prospector) over
- * the position's and the key's halves. Four 32-bit multiplies per draw, which vectorize on every
- * ISA path, where Philox4x32-10 took 20 (and 64-bit products): stochastic rounding stays bound by
- * memory bandwidth. */
+ * the position's low half xored with a 32-bit window key, itself the key's low half xored with
+ * the mixer of the key's high half and the position's high half (mp_sr_window_key: one value per
+ * 2^32 positions, which a loop computes once). Two 32-bit multiplies per draw, which vectorize on
+ * every ISA path, where Philox4x32-10 took 20 (and 64-bit products). Until 2026-12-05 a draw was
+ * two rounds, mp_mix32(mp_mix32(lo ^ lo(key)) ^ hi ^ hi(key)): on an Intel Xeon their four
+ * multiplies and shifts per draw were what the 8-bit and bf16-moment steps waited on, so every
+ * stochastically rounded bit changed with this format (docs/lean_state.md, "Stochastic
+ * rounding, and how it is reproducible"). */
 MP_HD uint32_t mp_mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x21F0AAADu;
@@ -137,13 +142,17 @@ MP_HD uint64_t mp_sr_key(uint64_t seed, uint64_t step, uint64_t stream) {
   return mp_mix64(mp_mix64(mp_mix64(seed + 0x9E3779B97F4A7C15ull) ^ step) ^ stream);
 }
 
+/* The 32-bit key of the positions hi * 2^32 + [0, 2^32) of a stream. */
+MP_HD uint32_t mp_sr_window_key(uint64_t key, uint32_t hi) {
+  return (uint32_t)key ^ mp_mix32(hi ^ (uint32_t)(key >> 32));
+}
+
 /* mp_sr_bits at the position whose halves are lo and hi (pos = hi * 2^32 + lo): the same bits.
  * A loop over positions that share one high half passes it as a loop invariant, so that its
- * position arithmetic stays 32-bit: a 64-bit position among 16-bit arrays keeps GCC from
- * vectorizing the loop at all. */
+ * position arithmetic stays 32-bit (a 64-bit position among 16-bit arrays keeps GCC from
+ * vectorizing the loop at all) and the window key is computed once. */
 MP_HD uint32_t mp_sr_bits_hl(uint64_t key, uint32_t lo, uint32_t hi) {
-  uint32_t x = mp_mix32(lo ^ (uint32_t)key);
-  return mp_mix32(x ^ hi ^ (uint32_t)(key >> 32));
+  return mp_mix32(lo ^ mp_sr_window_key(key, hi));
 }
 
 MP_HD uint32_t mp_sr_bits(uint64_t key, uint64_t pos) {
