@@ -23,16 +23,16 @@ static void to_bf16_f32_direct(const void* src_, void* dst_, int64_t n) {
   }
 }
 
-void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n) {
-  mp_convert_streamed(to_bf16_f32_direct, src, dst, n, 4, 2);
+void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n, int stream) {
+  mp_convert_streamed(to_bf16_f32_direct, src, dst, n, 4, 2, stream);
 }
 
 static void to_fp16_f32_direct(const void* src, void* dst, int64_t n) {
   mp_f32_to_f16_n((const float*)src, (uint16_t*)dst, n);
 }
 
-void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n) {
-  mp_convert_streamed(to_fp16_f32_direct, src, dst, n, 4, 2);
+void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n, int stream) {
+  mp_convert_streamed(to_fp16_f32_direct, src, dst, n, 4, 2, stream);
 }
 
 static void to_fp32_bf16_direct(const void* src_, void* dst_, int64_t n) {
@@ -44,16 +44,16 @@ static void to_fp32_bf16_direct(const void* src_, void* dst_, int64_t n) {
   }
 }
 
-void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n) {
-  mp_convert_streamed(to_fp32_bf16_direct, src, dst, n, 2, 4);
+void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n, int stream) {
+  mp_convert_streamed(to_fp32_bf16_direct, src, dst, n, 2, 4, stream);
 }
 
 static void to_fp32_fp16_direct(const void* src, void* dst, int64_t n) {
   mp_f16_to_f32_n((const uint16_t*)src, (float*)dst, n);
 }
 
-void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n) {
-  mp_convert_streamed(to_fp32_fp16_direct, src, dst, n, 2, 4);
+void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n, int stream) {
+  mp_convert_streamed(to_fp32_fp16_direct, src, dst, n, 2, 4, stream);
 }
 
 /* Stochastic rounding. Element i takes the random bits at position offset + i of the cast's

@@ -107,7 +107,7 @@ static const mp_kernel_table* active(void) { return table_for(mp_cpu_isa_active(
 
 mp_status mp_to_bf16_f32(const float* src, uint16_t* dst, int64_t n) {
   MP_CHECK_N(src, dst, n);
-  active()->to_bf16_f32(src, dst, n);
+  active()->to_bf16_f32(src, dst, n, 1);
   return MP_OK;
 }
 
@@ -120,24 +120,25 @@ mp_status mp_to_bf16_sr_f32(const float* src, uint16_t* dst, int64_t n, uint64_t
 
 mp_status mp_to_fp16_f32(const float* src, uint16_t* dst, int64_t n) {
   MP_CHECK_N(src, dst, n);
-  active()->to_fp16_f32(src, dst, n);
+  active()->to_fp16_f32(src, dst, n, 1);
   return MP_OK;
 }
 
 mp_status mp_to_fp32_bf16(const uint16_t* src, float* dst, int64_t n) {
   MP_CHECK_N(src, dst, n);
-  active()->to_fp32_bf16(src, dst, n);
+  active()->to_fp32_bf16(src, dst, n, 1);
   return MP_OK;
 }
 
 mp_status mp_to_fp32_fp16(const uint16_t* src, float* dst, int64_t n) {
   MP_CHECK_N(src, dst, n);
-  active()->to_fp32_fp16(src, dst, n);
+  active()->to_fp32_fp16(src, dst, n, 1);
   return MP_OK;
 }
 
 mp_status mp_cast(const void* src, mp_dtype src_dtype, void* dst, mp_dtype dst_dtype, int64_t n,
-                  int stochastic, uint64_t seed, uint64_t position) {
+                  int stochastic, uint64_t seed, uint64_t position, int dst_fresh) {
+  const int stream = !dst_fresh;
   if (!mp_cast_supported(src_dtype, dst_dtype, stochastic)) return MP_ERR_INVALID_ARGUMENT;
   MP_CHECK_N(src, dst, n);
   if (src_dtype == dst_dtype) {
@@ -146,14 +147,14 @@ mp_status mp_cast(const void* src, mp_dtype src_dtype, void* dst, mp_dtype dst_d
     if (stochastic) {
       active()->to_bf16_sr_f32((const float*)src, (uint16_t*)dst, n, seed, position);
     } else {
-      active()->to_bf16_f32((const float*)src, (uint16_t*)dst, n);
+      active()->to_bf16_f32((const float*)src, (uint16_t*)dst, n, stream);
     }
   } else if (dst_dtype == MP_F16) {
-    active()->to_fp16_f32((const float*)src, (uint16_t*)dst, n);
+    active()->to_fp16_f32((const float*)src, (uint16_t*)dst, n, stream);
   } else if (src_dtype == MP_BF16) {
-    active()->to_fp32_bf16((const uint16_t*)src, (float*)dst, n);
+    active()->to_fp32_bf16((const uint16_t*)src, (float*)dst, n, stream);
   } else {
-    active()->to_fp32_fp16((const uint16_t*)src, (float*)dst, n);
+    active()->to_fp32_fp16((const uint16_t*)src, (float*)dst, n, stream);
   }
   return MP_OK;
 }

@@ -20,14 +20,16 @@
 #define MP_ISA_FN(name) MP_CAT(name, MP_ISA_SUFFIX)
 #endif
 
-/* The operations every ISA build provides. Counts are already validated by cpu.c. */
+/* The operations every ISA build provides. Counts are already validated by cpu.c. The four
+ * round-to-nearest casts take stream: nonzero lets a large output go past the cache
+ * (stream.h). */
 typedef struct mp_kernel_table {
-  void (*to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
+  void (*to_bf16_f32)(const float* src, uint16_t* dst, int64_t n, int stream);
   void (*to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
                          uint64_t offset);
-  void (*to_fp16_f32)(const float* src, uint16_t* dst, int64_t n);
-  void (*to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n);
-  void (*to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
+  void (*to_fp16_f32)(const float* src, uint16_t* dst, int64_t n, int stream);
+  void (*to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n, int stream);
+  void (*to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n, int stream);
   /* In-place g *= inv_scale; returns 1 if any input was NaN/Inf (scale.c). */
   int (*unscale_f32)(float* g, int64_t n, float inv_scale);
   int (*unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
@@ -64,12 +66,12 @@ extern const mp_kernel_table mp_kernels__avx512;
 
 #ifdef MP_ISA_SUFFIX
 /* This build's kernels (defined in cast.c, scale.c, adam.c, norm.c, ...; gathered into a table by table.c). */
-void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n);
+void MP_ISA_FN(mp_k_to_bf16_f32)(const float* src, uint16_t* dst, int64_t n, int stream);
 void MP_ISA_FN(mp_k_to_bf16_sr_f32)(const float* src, uint16_t* dst, int64_t n, uint64_t seed,
                                     uint64_t offset);
-void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n);
-void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n);
-void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n);
+void MP_ISA_FN(mp_k_to_fp16_f32)(const float* src, uint16_t* dst, int64_t n, int stream);
+void MP_ISA_FN(mp_k_to_fp32_bf16)(const uint16_t* src, float* dst, int64_t n, int stream);
+void MP_ISA_FN(mp_k_to_fp32_fp16)(const uint16_t* src, float* dst, int64_t n, int stream);
 int MP_ISA_FN(mp_k_unscale_f32)(float* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_bf16)(uint16_t* g, int64_t n, float inv_scale);
 int MP_ISA_FN(mp_k_unscale_fp16)(uint16_t* g, int64_t n, float inv_scale);

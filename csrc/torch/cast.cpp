@@ -21,7 +21,7 @@ struct Cpu {
   static constexpr c10::DeviceType kDevice = c10::kCPU;
 
   static void cast(const std::vector<mp_cast_segment>& segs, bool stochastic, int64_t seed,
-                   const c10::Device&, const char* op) {
+                   const c10::Device&, bool dst_fresh, const char* op) {
     parallel_segments(segs, kGrainSize, [&](size_t k, int64_t start, int64_t count) {
       const mp_cast_segment& s = segs[k];
       check_status(
@@ -29,7 +29,7 @@ struct Cpu {
                   static_cast<mp_dtype>(s.src_dtype),
                   static_cast<char*>(s.dst) + start * MP_DTYPE_BYTES(s.dst_dtype),
                   static_cast<mp_dtype>(s.dst_dtype), count, stochastic ? 1 : 0,
-                  static_cast<uint64_t>(seed), s.sr_position + static_cast<uint64_t>(start)),
+                  static_cast<uint64_t>(seed), s.sr_position + static_cast<uint64_t>(start), dst_fresh ? 1 : 0),
           op);
     });
   }

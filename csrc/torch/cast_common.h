@@ -30,14 +30,15 @@ std::vector<mp_cast_segment> plan_cast(at::TensorList dst, at::TensorList src, b
                                        int64_t offset, const char* op);
 
 // The cast ops for one backend: validate everything, then Backend::cast(segs, stochastic, seed,
-// device, op) converts (Backend::kDevice: the device type it implements).
+// device, dst_fresh, op) converts (Backend::kDevice: the device type it implements). dst_fresh:
+// the destinations were just allocated by the op (mp_cast says why the CPU cares).
 template <class Backend>
 struct CastOps {
   static at::Tensor unary(const at::Tensor& x, at::ScalarType dtype, bool stochastic,
                           int64_t seed, int64_t offset, const char* op) {
     mp_cast_segment seg;
     at::Tensor out = unary_cast_output(x, dtype, offset, &seg);
-    if (seg.n > 0) Backend::cast({seg}, stochastic, seed, x.device(), op);
+    if (seg.n > 0) Backend::cast({seg}, stochastic, seed, x.device(), /*dst_fresh=*/true, op);
     return out;
   }
 
@@ -62,7 +63,7 @@ struct CastOps {
     if (segs.empty()) return;
     // plan_cast put every tensor on dst[0]'s device.
     check_backend(dst[0].device(), Backend::kDevice, "cast_", Arg("dst", 0));
-    Backend::cast(segs, stochastic, seed, dst[0].device(), "cast_");
+    Backend::cast(segs, stochastic, seed, dst[0].device(), /*dst_fresh=*/false, "cast_");
   }
 
   // A template over torch::Library, so that this header needs no <torch/library.h>: only the

@@ -25,7 +25,7 @@ struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
   static void cast(const std::vector<mp_cast_segment>& segs, bool stochastic, int64_t seed,
-                   const c10::Device& device, const char* op) {
+                   const c10::Device& device, bool /*dst_fresh: a CPU matter*/, const char* op) {
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     const int sr = stochastic ? 1 : 0;

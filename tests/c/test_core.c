@@ -3278,40 +3278,108 @@ static void test_cast_dispatch(uint64_t seed0) {
     group g;
     g_begin(&g, "mp_cast: each pair == its typed function, copies exact, bad pairs rejected "
             "[%s]", mp_isa_name(g_isas[k]));
-    g_check(&g, mp_cast(f, MP_F32, h2, MP_BF16, N, 0, 0, 0) == MP_OK &&
+    g_check(&g, mp_cast(f, MP_F32, h2, MP_BF16, N, 0, 0, 0, 0) == MP_OK &&
                 mp_to_bf16_f32(f, h, N) == MP_OK && memcmp(h, h2, sizeof h) == 0,
             "f32 -> bf16");
-    g_check(&g, mp_cast(f, MP_F32, h2, MP_BF16, N, 1, 7u, 1234u) == MP_OK &&
+    g_check(&g, mp_cast(f, MP_F32, h2, MP_BF16, N, 1, 7u, 1234u, 0) == MP_OK &&
                 mp_to_bf16_sr_f32(f, h, N, 7u, 1234u) == MP_OK && memcmp(h, h2, sizeof h) == 0,
             "f32 -> bf16 stochastic");
-    g_check(&g, mp_cast(f, MP_F32, h2, MP_F16, N, 0, 0, 0) == MP_OK &&
+    g_check(&g, mp_cast(f, MP_F32, h2, MP_F16, N, 0, 0, 0, 0) == MP_OK &&
                 mp_to_fp16_f32(f, h, N) == MP_OK && memcmp(h, h2, sizeof h) == 0,
             "f32 -> f16");
-    g_check(&g, mp_cast(h, MP_BF16, f2, MP_F32, N, 0, 0, 0) == MP_OK &&
+    g_check(&g, mp_cast(h, MP_BF16, f2, MP_F32, N, 0, 0, 0, 0) == MP_OK &&
                 mp_to_fp32_bf16(h, f, N) == MP_OK && memcmp(f, f2, sizeof f) == 0,
             "bf16 -> f32");
-    g_check(&g, mp_cast(h, MP_F16, f2, MP_F32, N, 0, 0, 0) == MP_OK &&
+    g_check(&g, mp_cast(h, MP_F16, f2, MP_F32, N, 0, 0, 0, 0) == MP_OK &&
                 mp_to_fp32_fp16(h, f, N) == MP_OK && memcmp(f, f2, sizeof f) == 0,
             "f16 -> f32");
-    g_check(&g, mp_cast(f, MP_F32, f2, MP_F32, N, 1, 0, 0) == MP_OK &&
+    g_check(&g, mp_cast(f, MP_F32, f2, MP_F32, N, 1, 0, 0, 0) == MP_OK &&
                 memcmp(f, f2, sizeof f) == 0 &&
-                mp_cast(h, MP_BF16, h2, MP_BF16, N, 0, 0, 0) == MP_OK &&
+                mp_cast(h, MP_BF16, h2, MP_BF16, N, 0, 0, 0, 0) == MP_OK &&
                 memcmp(h, h2, sizeof h) == 0,
             "copies");
     memset(h2, 0xAB, sizeof h2);
-    g_check(&g, mp_cast(f, MP_F32, h2, MP_F16, N, 1, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
-                mp_cast(h, MP_BF16, h2, MP_F16, N, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
-                mp_cast(h, (mp_dtype)3, h2, MP_F16, N, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
-                mp_cast(h, MP_F16, h2, (mp_dtype)-1, N, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
-                mp_cast(NULL, MP_F32, h2, MP_BF16, 1, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
-                mp_cast(f, MP_F32, h2, MP_BF16, -1, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
-                mp_cast(NULL, MP_F32, NULL, MP_BF16, 0, 0, 0, 0) == MP_OK,
+    g_check(&g, mp_cast(f, MP_F32, h2, MP_F16, N, 1, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
+                mp_cast(h, MP_BF16, h2, MP_F16, N, 0, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
+                mp_cast(h, (mp_dtype)3, h2, MP_F16, N, 0, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
+                mp_cast(h, MP_F16, h2, (mp_dtype)-1, N, 0, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
+                mp_cast(NULL, MP_F32, h2, MP_BF16, 1, 0, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
+                mp_cast(f, MP_F32, h2, MP_BF16, -1, 0, 0, 0, 0) == MP_ERR_INVALID_ARGUMENT &&
+                mp_cast(NULL, MP_F32, NULL, MP_BF16, 0, 0, 0, 0, 0) == MP_OK,
             "rejections");
     int untouched = 1;
     for (int i = 0; i < N; ++i) untouched &= h2[i] == 0xABABu;
     g_check(&g, untouched, "a rejected call wrote");
     g_end(&g);
   }
+}
+
+/* 12b. mp_cast's dst_fresh: a large output (8 MiB and more per call: streamed with
+ *      non-temporal stores unless dst_fresh) has the typed function's bits either way, dst
+ *      aligned or not (the streamed path converts a head up to 32-byte alignment, whole blocks,
+ *      then a tail), and nothing past its end is written. */
+static void test_cast_large_outputs(uint64_t seed0) {
+  uint64_t s = seed0 ^ 0x57AEu;
+  const int64_t n16 = ((int64_t)8 << 20) / 2 + 1037; /* 16-bit outputs past 8 MiB */
+  const int64_t n32 = ((int64_t)8 << 20) / 4 + 1037; /* fp32 outputs past 8 MiB */
+  float* f = malloc((size_t)n16 * sizeof *f);
+  uint16_t* h = malloc((size_t)n32 * sizeof *h);
+  uint16_t* want16 = malloc((size_t)n16 * sizeof *want16);
+  uint16_t* got16 = malloc((size_t)(n16 + 2) * sizeof *got16);
+  float* want32 = malloc((size_t)n32 * sizeof *want32);
+  float* got32 = malloc((size_t)(n32 + 2) * sizeof *got32);
+  if (!f || !h || !want16 || !got16 || !want32 || !got32) {
+    fprintf(stderr, "out of memory\n");
+    exit(2);
+  }
+  for (int64_t i = 0; i < n16; ++i) f[i] = f32_of(random_input(&s));
+  for (int64_t i = 0; i < n32; ++i) h[i] = (uint16_t)splitmix64(&s);
+  for (int k = 0; k < g_nisa; ++k) {
+    select_isa(g_isas[k]);
+    group g;
+    g_begin(&g, "mp_cast: outputs past 8 MiB, streamed or not (dst_fresh), == typed function, "
+            "any dst alignment [%s]", mp_isa_name(g_isas[k]));
+    for (int pair = 0; pair < 4; ++pair) {
+      const int to16 = pair < 2;
+      const mp_dtype half = pair == 0 || pair == 2 ? MP_BF16 : MP_F16;
+      if (to16) {
+        if (half == MP_BF16) mp_to_bf16_f32(f, want16, n16);
+        else mp_to_fp16_f32(f, want16, n16);
+      } else {
+        if (half == MP_BF16) mp_to_fp32_bf16(h, want32, n32);
+        else mp_to_fp32_fp16(h, want32, n32);
+      }
+      for (int fresh = 0; fresh < 2; ++fresh) {
+        for (int shift = 0; shift < 2; ++shift) { /* dst at +0 and +1 element */
+          int ok;
+          if (to16) {
+            memset(got16, 0xA5, (size_t)(n16 + 2) * sizeof *got16);
+            ok = mp_cast(f, MP_F32, got16 + shift, half, n16, 0, 0, 0, fresh) == MP_OK &&
+                 memcmp(got16 + shift, want16, (size_t)n16 * sizeof *got16) == 0 &&
+                 got16[shift + n16] == 0xA5A5u && (shift == 0 || got16[0] == 0xA5A5u);
+          } else {
+            memset(got32, 0xA5, (size_t)(n32 + 2) * sizeof *got32);
+            uint32_t after, before;
+            ok = mp_cast(h, half, got32 + shift, MP_F32, n32, 0, 0, 0, fresh) == MP_OK &&
+                 memcmp(got32 + shift, want32, (size_t)n32 * sizeof *got32) == 0;
+            memcpy(&after, got32 + shift + n32, sizeof after);
+            memcpy(&before, got32, sizeof before);
+            ok = ok && after == 0xA5A5A5A5u && (shift == 0 || before == 0xA5A5A5A5u);
+          }
+          const char* hn = half == MP_BF16 ? "bf16" : "f16";
+          g_check(&g, ok, "%s -> %s, dst_fresh %d, dst + %d", to16 ? "f32" : hn,
+                  to16 ? hn : "f32", fresh, shift);
+        }
+      }
+    }
+    g_end(&g);
+  }
+  free(f);
+  free(h);
+  free(want16);
+  free(got16);
+  free(want32);
+  free(got32);
 }
 
 /* 11h. unscale_grads: the gradient is overwritten with its unscaled value (grad * inv_scale in
@@ -5093,6 +5161,7 @@ int main(int argc, char** argv) {
   test_lion_sgd_reference(o.seed);
   test_adam_pow(o.seed);
   test_cast_dispatch(o.seed);
+  test_cast_large_outputs(o.seed);
   test_grad_norm_arguments();
   test_grad_norm(o.seed);
   test_sweeps(&o);

@@ -66,7 +66,7 @@ void prepare(Seg& s, Rng& r, bool stochastic, uint64_t seed) {
   s.want.assign(static_cast<size_t>(s.n) * db, 0);
   const mp_status st = mp_cast(src.data(), static_cast<mp_dtype>(kind_src(s.kind)), s.want.data(),
                                static_cast<mp_dtype>(kind_dst(s.kind)), s.n, stochastic, seed,
-                               s.sr_position);
+                               s.sr_position, /*dst_fresh=*/0);
   CHECK(st == MP_OK, "core cast status %d", st);
 }
 

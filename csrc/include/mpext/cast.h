@@ -64,9 +64,13 @@ static inline int mp_cast_supported(int32_t src_dtype, int32_t dst_dtype, int st
 
 /* Converts n elements: the function above for the dtype pair (a plain copy within one dtype),
  * with stochastic rounding keyed by (seed, position) for fp32 -> bf16 when stochastic != 0.
- * Also MP_ERR_INVALID_ARGUMENT for a pair mp_cast_supported rejects. */
+ * dst_fresh != 0 says that dst was just allocated and not yet written: the cast then stores
+ * through the cache. Otherwise a large output (8 MiB or more per call) is written with
+ * non-temporal stores, which spare reading each destination line first but are slow into pages
+ * that the first store faults in (the functions above always stream large outputs). The bits are
+ * the same either way. Also MP_ERR_INVALID_ARGUMENT for a pair mp_cast_supported rejects. */
 mp_status mp_cast(const void* src, mp_dtype src_dtype, void* dst, mp_dtype dst_dtype, int64_t n,
-                  int stochastic, uint64_t seed, uint64_t position);
+                  int stochastic, uint64_t seed, uint64_t position, int dst_fresh);
 
 #ifdef __cplusplus
 }
