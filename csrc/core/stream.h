@@ -6,8 +6,8 @@
  * Only into memory that was written before: a destination just allocated has no line to read
  * (its pages fault in on the first store, and the kernel zeroes each one, leaving its lines in
  * cache), so a streaming store saves nothing there and must first evict the line the kernel
- * wrote: on an Intel Xeon (Sapphire Rapids) a 16M-element cast into a fresh tensor took 1.5-1.7x
- * the time of plain stores, while into a written one streaming gained 0-13%. The caller knows
+ * wrote: on an Intel Xeon with AMX a 16M-element cast into a fresh tensor took 1.5-1.7x the
+ * time of plain stores, while into a written one streaming gained 0-13%. The caller knows
  * which it is and says so (stream).
  *
  * mp_convert_streamed() runs a conversion kernel block by block into a small buffer that stays
