@@ -209,12 +209,10 @@ def test_the_avx512_adam_loops_keep_their_software_prefetches(tmp_path):
     Intel Xeon they ran 8-26% faster with it). GCC once dropped every prefetch without a word
     (the wrapper was taken for a function without side effects), so the object's code is read
     here: compiled exactly as the build does, it must hold them."""
-    (src, cmd, _), = [j for j in core.core_jobs([CC], str(tmp_path))
-                      if j[0] == "csrc/core/adam_fused.c" and "-DMP_ISA_SUFFIX=avx512" in j[1]]
+    (src, cmd, obj), = [j for j in core.core_jobs([CC], str(tmp_path))
+                        if j[0] == "csrc/core/adam_fused.c" and "-DMP_ISA_SUFFIX=avx512" in j[1]]
     out = str(tmp_path / "adam_fused.s")
-    at = cmd.index("-c")
-    subprocess.run(cmd[:at] + ["-S"] + cmd[at + 1:cmd.index("-o") + 1] + [out]
-                   + cmd[cmd.index("-o") + 2:], check=True)
+    subprocess.run([{"-c": "-S", obj: out}.get(a, a) for a in cmd], check=True)
     asm = Path(out).read_text()
     # one per array and 32 elements in each hand-written row's loop: far more than a handful
     assert asm.count("prefetcht0") >= 16, "the AVX-512 Adam loops lost their software prefetches"
