@@ -222,7 +222,11 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2
     """One step of Adam (L2 weight decay added to the gradient) or AdamW (decoupled decay), in
     float64, from the algorithm as torch.optim documents it: bias-corrected moments, and eps
     added to sqrt(v_hat) = sqrt(v) / sqrt(1 - beta2^t). Arrays in, new (param, exp_avg,
-    exp_avg_sq, step) out; step is the count before the step."""
+    exp_avg_sq, step) out; step is the count before the step. exp_avg moves as torch's lerp
+    moves it, toward the gradient with the weight 1 - beta1 as an fp32 number (and from the
+    gradient's side with 1 - that weight, once it is 0.5 or more): with beta1 near 0, the exact
+    weight would put m off by up to |g - m| * 2^-24, which for a large m and a small g is far more
+    than the fp32 arithmetic's own error."""
     p = np.asarray(param, dtype=np.float64).copy()
     g = np.asarray(grad, dtype=np.float64) * float(inv_scale)
     m = np.asarray(exp_avg, dtype=np.float64)
@@ -235,7 +239,8 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2
             p = p * (1.0 - lr * weight_decay)
         else:
             g = g + weight_decay * p
-    m = beta1 * m + (1.0 - beta1) * g
+    w = float(np.float32(1.0 - beta1))
+    m = m + w * (g - m) if w < 0.5 else g - (g - m) * float(np.float32(1.0 - w))
     v = beta2 * v + (1.0 - beta2) * g * g
     m_hat = m / (1.0 - beta1 ** t)
     v_hat_sqrt = np.sqrt(v) / math.sqrt(1.0 - beta2 ** t)

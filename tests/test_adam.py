@@ -257,6 +257,31 @@ def test_op_matches_torch_single_tensor_step(device):
                                        atol=1e-10)
 
 
+def test_op_exp_avg_with_a_lerp_weight_near_one_is_torchs():
+    """beta1 near 0 makes 1 - beta1 an fp32 weight near 1, which torch's lerp takes rounded to
+    fp32 (off by up to half an ulp of 1): m = 1, g = 1e-4, beta1 = 1e-4 gives 2.0000659e-4, not
+    the exact 1.9999e-4 (a relative 8e-5, which a hypothesis draw found against a reference that
+    used the exact weight). The op gives torch's fused Adam's bits, and the float64 reference,
+    which takes the weight as torch does, agrees to fp32 rounding."""
+    hp = dict(lr=1e-3, beta1=1e-4, beta2=0.0, eps=1e-3, weight_decay=0.0, maximize=False)
+    p0, g0 = torch.tensor([1.0, -3.0, 0.5]), torch.tensor([1e-4, 2e-5, -1e-6])
+    m0, v0 = torch.tensor([1.0, -2.0, 100.0]), torch.tensor([1.0, 4.0, 1e-4])
+    ours = [p0.clone(), g0.clone(), m0.clone(), v0.clone(), torch.zeros(())]
+    ops.adam_step_([ours[0]], [ours[1]], [ours[2]], [ours[3]], [torch.empty(0)], [ours[4]],
+                   decoupled=False, **hp)
+    # torch's optimizer counts the step before its fused op; mpext's op counts it itself
+    theirs = [p0.clone(), g0.clone(), m0.clone(), v0.clone(), torch.ones(())]
+    torch._fused_adam_([theirs[0]], [theirs[1]], [theirs[2]], [theirs[3]], [], [theirs[4]],
+                       amsgrad=False, **hp)
+    for a, b in zip(ours, theirs):
+        assert_bitwise(a, b, "mpext vs torch._fused_adam_")
+    p, m, v, _ = adam_step_reference(p0.double().numpy(), g0.double().numpy(),
+                                     m0.double().numpy(), v0.double().numpy(), 0,
+                                     decoupled=False, **hp)
+    torch.testing.assert_close(ours[2].double(), torch.from_numpy(m), rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(ours[0].double(), torch.from_numpy(p), rtol=1e-6, atol=0.0)
+
+
 def test_op_multithreaded_split_is_exact(threads):
     """Large params split across threads (task borders inside params) give the same bits as
     one thread."""
