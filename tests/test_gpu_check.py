@@ -235,7 +235,7 @@ def test_feature_counts_from_junit(tmp_path):
     assert gpu_check.feature_counts(str(tmp_path / "missing.xml")) is None
 
 
-def test_a_feature_with_no_cuda_test_run_fails_the_check():
+def test_a_feature_with_no_gpu_test_run_fails_the_check():
     counts = {"lion": dict(passed=3, failed=0, errors=0, skipped=1, parity=0),
               "sgd": dict(passed=0, failed=0, errors=0, skipped=9, parity=0),  # all skipped
               "casts": dict(passed=5, failed=1, errors=0, skipped=0, parity=2),
