@@ -13,8 +13,10 @@ its own timeout (cut to what is left of --budget), so that a hung phase still le
     build  setup.py build_ext --inplace; MPEXT_FORCE_CUDA=1 when a GPU is
            visible (a CUDA build that silently fell back would test nothing),
            MPEXT_FORCE_CUDA=0 when none is                                    -> build.log
-    tests  pytest over tests/ restricted to the CUDA tests (-k cuda: the
-           `cuda` device parameter and the tests named for CUDA)              -> tests.log, junit.xml
+    tests  pytest over tests/ restricted to the CUDA tests (-k cuda: the      -> tests.log,
+           `cuda` device parameter, the tests named for CUDA and                 junit.xml
+           tests/test_cuda_parity.py); a run near its timeout is interrupted
+           (SIGINT) first, so that pytest still writes junit.xml
     bench  python -m benchmarks.run_all --quick --device cuda (GPU only)      -> bench.log,
                                                                                  bench.md, bench.json
     grad-release  python -m benchmarks.measure_grad_release --memory-only
@@ -23,8 +25,11 @@ its own timeout (cut to what is left of --budget), so that a hung phase still le
     activations  python -m benchmarks.bench_activations --quick --device cuda:
            saved activations, FP8 off and on, the step's peak and time, the
            FP8 ops (GPU only)                                                 -> bench.log (appended)
-and summary.md, which says what ran, what was cut or skipped and why. At most 8 files, flat in
-DIR, named in letters, digits and ._- alone. Exits 0 when every phase that ran passed.
+and summary.md, which says what ran, what was cut or skipped and why, and the CUDA tests per
+feature (FEATURES): passed, failed, skipped. At most 8 files, flat in DIR, named in letters,
+digits and ._- alone. Exits 0 when every phase that ran passed and, where a GPU was found,
+every feature ran at least one CUDA test and none failed: a feature whose CUDA tests all
+skipped (or that has none) is a failure of the check, not a pass.
 """
 import argparse
 import os
@@ -46,8 +51,33 @@ FILES = ["summary.md", "env.txt", "build.log", "tests.log", "junit.xml", "bench.
 # lent GPU's check may take, with what the script itself takes.
 TIMEOUTS = {"env": 20, "build": 200, "tests": 130, "bench": 50, "grad-release": 35,
             "activations": 35}
+# Import names; the summary names a missing one's package where the two differ (PACKAGES).
 TEST_DEPS = ["pytest", "numpy", "hypothesis", "lightning", "accelerate", "transformers", "ninja",
-             "matplotlib", "tqdm"]
+             "matplotlib", "tqdm", "lion_pytorch"]
+PACKAGES = {"lion_pytorch": "lion-pytorch"}
+# Seconds before its timeout at which the tests phase is interrupted (SIGINT): pytest then ends
+# the session and writes junit.xml with what ran, which a SIGTERM or SIGKILL would lose. Taken
+# out of the phase's own timeout, so the budget is unchanged.
+TESTS_GRACE = 10
+
+# What a lent GPU must test, feature by feature: the test modules whose CUDA tests count for it
+# (their `cuda` device parameter; docs/gpu_check.md). tests/test_cuda_parity.py (PARITY) counts
+# each test for the feature its name starts with (test_<feature>_...). A feature none of whose
+# CUDA tests ran fails the check where a GPU was found.
+FEATURES = {
+    "scaler": ("test_grad_scaler", "test_scale_ops"),
+    "adam": ("test_adam", "test_ema", "test_lean_state", "test_moments_8bit", "test_long_lists"),
+    "lion": ("test_lion",),
+    "sgd": ("test_sgd",),
+    "table": ("test_optim_table",),
+    "release": ("test_grad_release",),
+    "dcp": ("test_dcp_formats",),
+    "activations": ("test_activations",),
+    "casts": ("test_cast",),
+    "norm": ("test_grad_norm",),
+    "amp": ("test_mixed_precision",),
+}
+PARITY = "test_cuda_parity"
 
 ENV_SCRIPT = r"""
 import importlib, platform, sys
@@ -84,18 +114,31 @@ def gpu_present():
     return (True, "; ".join(gpus)) if gpus else (False, "nvidia-smi lists no GPU")
 
 
-def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT):
+def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT, grace=0.0):
     """Runs cmd (a list) with its output in log_path; a run past `timeout` seconds is stopped,
-    with every process it started (its own process group): SIGTERM, then SIGKILL. Returns
-    {name, status: passed|failed|timed out, rc, seconds, cmd}."""
+    with every process it started (its own process group): SIGTERM, then SIGKILL. With
+    `grace`, a run still going `grace` seconds before its timeout is first sent SIGINT (pytest
+    then ends its session, reports and writes its junit XML) and given those seconds to end.
+    Returns {name, status: passed|failed|timed out, rc, seconds, cmd}."""
     t0 = time.time()
+    grace = min(grace, timeout / 2)
     with open(log_path, "ab") as log:
         log.write(("$ %s\n" % " ".join(shlex.quote(c) for c in cmd)).encode())
         log.flush()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            rc = proc.wait(timeout=max(timeout, 0.01))
+            try:
+                rc = proc.wait(timeout=max(timeout - grace, 0.01))
+            except subprocess.TimeoutExpired:
+                if not grace:
+                    raise
+                log.write(("\n*** gpu_check: %s interrupted (SIGINT) %.0f s before its "
+                           "timeout\n" % (name, grace)).encode())
+                log.flush()
+                _signal_group(proc, signal.SIGINT)
+                proc.wait(timeout=grace)
+                raise
             status = "passed" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
             _stop(proc)
@@ -104,6 +147,13 @@ def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT):
                        % (name, timeout)).encode())
     return {"name": name, "status": status, "rc": rc, "seconds": time.time() - t0,
             "timeout": timeout, "cmd": cmd}
+
+
+def _signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _stop(proc):
@@ -190,6 +240,85 @@ def junit_counts(path):
     return counts, sorted(reasons.items(), key=lambda kv: -kv[1])
 
 
+def _module_of(classname, name):
+    """The test module of a junit testcase: the first dotted part of its classname that names
+    one (tests.test_x, tests.test_x.TestY), or of its name for a module that failed to collect
+    (pytest reports those with an empty classname and the module as the name)."""
+    for part in (classname or name).split("."):
+        if part.startswith("test_"):
+            return part
+    return None
+
+
+def feature_of(module, name):
+    """The feature a CUDA test counts for (FEATURES; PARITY's tests by their name's first word;
+    a module of no feature stands for itself, without the test_ prefix)."""
+    if module == PARITY:
+        word = name[len("test_"):].split("_")[0] if name.startswith("test_") else ""
+        return word if word in FEATURES else "parity"
+    for feature, modules in FEATURES.items():
+        if module in modules:
+            return feature
+    return module[len("test_"):] if module else "(unknown)"
+
+
+def feature_counts(path):
+    """{feature: {passed, failed, errors, skipped, parity}} over the CUDA tests of pytest's
+    junit XML at path (those whose id names cuda, every test of PARITY, and every module that
+    failed to collect, an error), or None if there is no readable file. ``parity``: the passed
+    tests of PARITY among them."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    out = {}
+    for case in root.iter("testcase"):
+        classname, name = case.get("classname") or "", case.get("name") or ""
+        module = _module_of(classname, name)
+        collect_error = not classname and case.find("error") is not None
+        if not (collect_error or module == PARITY or "cuda" in (classname + name).lower()):
+            continue
+        c = out.setdefault(feature_of(module, name), dict(passed=0, failed=0, errors=0,
+                                                          skipped=0, parity=0))
+        if case.find("error") is not None:
+            c["errors"] += 1
+        elif case.find("failure") is not None:
+            c["failed"] += 1
+        elif case.find("skipped") is not None:
+            c["skipped"] += 1
+        else:
+            c["passed"] += 1
+            c["parity"] += module == PARITY
+    return out
+
+
+def feature_checks(counts, gpu):
+    """[(feature, verdict, passed)] for every feature of FEATURES and every other one that has
+    CUDA tests: with a GPU a feature passes when at least one of its CUDA tests ran (passed or
+    failed; a skip is not a run) and none failed or erred. Without one nothing could run:
+    every feature is reported as not run, and that fails nothing."""
+    zero = dict(passed=0, failed=0, errors=0, skipped=0, parity=0)
+    rows = []
+    for feature in list(FEATURES) + sorted(set(counts or {}) - set(FEATURES)):
+        c = (counts or {}).get(feature, zero)
+        ran = c["passed"] + c["failed"] + c["errors"]
+        if counts is None:
+            verdict, ok = "**FAIL**: no junit.xml, nothing known" if gpu else "not run: no GPU", \
+                not gpu
+        elif c["failed"] or c["errors"]:
+            verdict, ok = "**FAIL**: %d failed, %d errors" % (c["failed"], c["errors"]), False
+        elif not ran:
+            verdict = ("**FAIL**: no CUDA test ran (%d skipped)" % c["skipped"] if gpu else
+                       "not run: no GPU")
+            ok = not gpu or feature not in FEATURES
+            if gpu and feature not in FEATURES:
+                verdict = "no CUDA test ran (%d skipped; not a feature of FEATURES)" % c["skipped"]
+        else:
+            verdict, ok = "pass", True
+        rows.append((feature, verdict, ok, c))
+    return rows
+
+
 def summary(results, gpu, gpu_note, out, budget, total):
     lines = ["# mpext GPU check", ""]
     lines.append(("GPU found: %s" % gpu_note) if gpu else
@@ -212,6 +341,15 @@ def summary(results, gpu, gpu_note, out, budget, total):
         if reasons:
             lines += ["", "Skip reasons:"] + ["- %d x %s" % (n, m or "(none given)")
                                               for m, n in reasons[:10]]
+    lines += ["", "CUDA tests per feature (each must run at least one, where a GPU is found; "
+              "parity: tests/test_cuda_parity.py's CPU <-> CUDA bit-equality tests passed):", "",
+              "| feature | check | passed | failed | errors | skipped | parity | modules |",
+              "|---|---|---|---|---|---|---|---|"]
+    for feature, verdict, _, c in feature_checks(feature_counts(os.path.join(out, "junit.xml")),
+                                                 gpu):
+        lines.append("| %s | %s | %d | %d | %d | %d | %d | %s |" % (
+            feature, verdict, c["passed"], c["failed"], c["errors"], c["skipped"], c["parity"],
+            ", ".join(FEATURES.get(feature, ())) or "-"))
     missing = []
     env_txt = os.path.join(out, "env.txt")
     if os.path.exists(env_txt):
@@ -220,7 +358,8 @@ def summary(results, gpu, gpu_note, out, budget, total):
                        if line.startswith("module ") and " MISSING " in line]
     if missing:
         lines += ["", "Not installed (not fetched: no network; what needs them skips): "
-                  + ", ".join(missing)]
+                  + ", ".join(m if m not in PACKAGES else "%s (package %s)" % (m, PACKAGES[m])
+                              for m in missing)]
     return "\n".join(lines) + "\n"
 
 
@@ -277,7 +416,7 @@ def main(argv=None):
                                 % args.budget})
                 continue
             r = run_phase(name, cmd, os.path.join(out, log_name), min(timeouts[name], left),
-                          env=dict(env, **extra_env))
+                          env=dict(env, **extra_env), grace=TESTS_GRACE if name == "tests" else 0)
             r["files"] = [log_name]
             if name == "tests" and os.path.exists(os.path.join(out, "junit.xml")):
                 r["files"].append("junit.xml")
@@ -294,7 +433,10 @@ def main(argv=None):
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     print(text)
-    return 0 if all(r.get("status", "passed") == "passed" for r in results) else 1
+    features_ok = all(ok for _, _, ok, _ in feature_checks(
+        feature_counts(os.path.join(out, "junit.xml")), gpu))
+    phases_ok = all(r.get("status", "passed") == "passed" for r in results)
+    return 0 if phases_ok and features_ok else 1
 
 
 if __name__ == "__main__":

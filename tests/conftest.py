@@ -29,6 +29,34 @@ def isa_params():
     return out
 
 
+# The marks of each device (CUDA's skip where there is none), for parametrizations that pair a
+# device with other values (device_cases).
+DEVICE_MARKS = {"cpu": (), "cuda": DEVICES[1].marks, "meta": ()}
+
+
+def device_cases(cases, ids=None, devices=("cpu", "cuda"), keep=None):
+    """pytest.param(device, *case) for every device and case, to parametrize "device,..."
+    directly (it overrides the ``device`` fixture): for a test whose cases differ per device, so
+    that a pair that can run on no machine (the fake kernel's check once per real device, a
+    cross-device case on the CPU) is never collected, instead of collected and skipped.
+    ``devices`` may name "meta" (the fake kernels); ``keep(device, case)`` drops the pairs that
+    can never run; a case that is not a tuple is one value."""
+    out = []
+    for i, case in enumerate(cases):
+        values = tuple(case) if isinstance(case, tuple) else (case,)
+        name = ids[i] if ids is not None else "-".join(str(v) for v in values)
+        for dev in devices:
+            if keep is None or keep(dev, case):
+                out.append(pytest.param(dev, *values, marks=DEVICE_MARKS[dev],
+                                        id="%s-%s" % (dev, name)))
+    return out
+
+
+def cuda_only(reason="needs a CUDA device and a CUDA build of mpext"):
+    """The skip of a test that compares CUDA against the CPU (no device fixture), with why."""
+    return pytest.mark.skipif(not CUDA_OK, reason="%s: %s" % (reason, NO_CUDA_REASON))
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
@@ -131,3 +159,17 @@ def pytest_terminal_summary(terminalreporter):
     line = _matrix_summary() or getattr(terminalreporter.config, "bad_inputs_matrix", None)
     if line is not None:
         terminalreporter.write_line(line)
+
+
+def lockstep(a, b, opt_a, opt_b, gen, steps=1):
+    """Steps two optimizers side by side on the same gradients, as tests/optim_table.py's
+    lockstep, with params on any devices: each gradient is drawn on the CPU from ``gen`` (so a
+    run's draws are the same on every device), rounded to a's dtype, and copied to each param's
+    dtype and device."""
+    for _ in range(steps):
+        for x, y in zip(a, b):
+            g = torch.randn(x.shape, generator=gen).to(x.dtype)
+            x.grad = g.to(x.device)
+            y.grad = g.to(device=y.device, dtype=y.dtype, copy=True)
+        opt_a.step()
+        opt_b.step()

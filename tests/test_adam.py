@@ -22,7 +22,7 @@ import mpext
 from mpext import ops
 from mpext.optim import Adam, AdamW
 
-from conftest import CUDA_OK, HostReads
+from conftest import CUDA_OK, HostReads, device_cases
 from reference import adam_step_reference
 
 NAN, INF = float("nan"), float("inf")
@@ -663,16 +663,15 @@ def _case_id(match):
     return re.sub(r"[^A-Za-z0-9]+", "_", match.replace(r"\[", "").replace(r"\]", ""))[:48]
 
 
-@pytest.mark.parametrize("where", ["kernel", "meta"])
-@pytest.mark.parametrize("change,exc,match", OP_BAD, ids=[_case_id(c[2]) for c in OP_BAD])
-def test_op_bad_input_changes_nothing(device, where, change, exc, match):
+# The fake kernel's check (device "meta") once; no sparse meta tensors, so not the "strided"
+# checks there (the wrapper's check is device independent).
+@pytest.mark.parametrize("device,change,exc,match", device_cases(
+    OP_BAD, [_case_id(c[2]) for c in OP_BAD], devices=("cpu", "cuda", "meta"),
+    keep=lambda dev, c: not (dev == "meta" and "strided" in c[2])))
+def test_op_bad_input_changes_nothing(device, change, exc, match):
     """Every check, through the real kernel and through the fake kernel (meta tensors): the
     same exception type and message."""
-    dev = "meta" if where == "meta" else device
-    if where == "meta" and device != "cpu":
-        pytest.skip("the meta variant runs once")
-    if where == "meta" and "strided" in match:
-        pytest.skip("no sparse meta tensors (the wrapper's check is device independent)")
+    dev = device
     kw = bad_case(dev)
     change(kw, dev)
     tensors = all_tensors(kw)
@@ -1686,15 +1685,15 @@ def test_reset_masters():
     assert torch.equal(opt.state[ps[0]]["master_param"], torch.full(ps[0].shape, 3.0))
 
 
-@pytest.mark.parametrize("form", ["float64 tensor", "int64 tensor", "python float",
-                                  "other device"])
+# "other device": a CPU step with CUDA params, so on CUDA only.
+@pytest.mark.parametrize("device,form", device_cases(
+    ["float64 tensor", "int64 tensor", "python float", "other device"],
+    keep=lambda dev, form: not (dev == "cpu" and form == "other device")))
 def test_step_counts_loaded_by_other_code_are_converted(device, form):
     """Other code writes the state directly (ZeroRedundancyOptimizer.load_state_dict moves 0-dim
     state such as ``step`` to the CPU, torch's non-fused Adam keeps a float or an int tensor):
     the step converts such a count to the float32 device tensor the kernel needs, once, and
     continues exactly like an optimizer whose state never left it."""
-    if form == "other device" and device == "cpu":
-        pytest.skip("needs params on an accelerator (a CPU step with CUDA params)")
     ps = make_params(device, torch.bfloat16)
     a, b = AdamW(ps, lr=1e-2), AdamW(clones(ps), lr=1e-2)
     qs = b.param_groups[0]["params"]

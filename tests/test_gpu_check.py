@@ -185,3 +185,149 @@ def test_the_benchmark_modules_of_the_real_plan_start(tmp_path):
         done = subprocess.run([PY, "-m", module, "--help"], cwd=root, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0 and "usage:" in done.stdout, (module, done.stderr[-2000:])
+
+
+# ---- the CUDA tests per feature ---------------------------------------------------------------
+
+def junit(cases):
+    """A junit XML as pytest writes it: cases are (classname, name, outcome) with outcome one
+    of passed, failed, error, skipped."""
+    body = {"passed": "", "failed": '<failure message="assert 0">x</failure>',
+            "error": '<error message="collection failure">x</error>',
+            "skipped": '<skipped type="pytest.skip" message="no CUDA device">x</skipped>'}
+    rows = "".join('<testcase classname="%s" name="%s" time="0.1">%s</testcase>'
+                   % (c, n, body[o]) for c, n, o in cases)
+    return ('<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" '
+            'errors="0" failures="0" skipped="0" tests="%d">%s</testsuite></testsuites>'
+            % (len(cases), rows))
+
+
+def every_feature_passing():
+    """One passed CUDA test in a module of each feature."""
+    return [("tests." + mods[0], "test_x[cuda]", "passed")
+            for mods in gpu_check.FEATURES.values()]
+
+
+def test_feature_counts_from_junit(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(junit([
+        ("tests.test_lion", "test_op[cuda-0.1]", "passed"),
+        ("tests.test_lion", "test_op[cuda-0.2]", "failed"),
+        ("tests.test_lion", "test_op[cpu-0.1]", "passed"),  # not a CUDA test: not counted
+        ("tests.test_scale_ops", "test_unscale[cuda]", "skipped"),
+        ("tests.test_grad_scaler.TestCuda", "test_y", "passed"),  # a class named for CUDA
+        ("tests.test_cuda_parity", "test_table_steps_bitwise_as_the_cpu[adam-fp32]", "passed"),
+        ("tests.test_cuda_parity", "test_release_steps_bitwise_as_the_cpu[x]", "skipped"),
+        ("tests.test_cuda_parity", "test_casts_to_bf16_bitwise_as_the_cpu[sr]", "failed"),
+        ("tests.test_cuda_parity", "test_whatever_else", "passed"),
+        ("", "tests.test_dcp_formats", "error"),  # a module that failed to collect
+        ("tests.test_build_tools", "test_cuda_flags", "passed"),  # of no feature: its own
+    ]))
+    counts = gpu_check.feature_counts(str(path))
+
+    def c(passed=0, failed=0, errors=0, skipped=0, parity=0):
+        return dict(passed=passed, failed=failed, errors=errors, skipped=skipped, parity=parity)
+
+    assert counts == {"lion": c(passed=1, failed=1), "scaler": c(passed=1, skipped=1),
+                      "table": c(passed=1, parity=1), "release": c(skipped=1),
+                      "casts": c(failed=1), "parity": c(passed=1, parity=1),
+                      "dcp": c(errors=1), "build_tools": c(passed=1)}
+    assert gpu_check.feature_counts(str(tmp_path / "missing.xml")) is None
+
+
+def test_a_feature_with_no_gpu_test_run_fails_the_check():
+    counts = {"lion": dict(passed=3, failed=0, errors=0, skipped=1, parity=0),
+              "sgd": dict(passed=0, failed=0, errors=0, skipped=9, parity=0),  # all skipped
+              "casts": dict(passed=5, failed=1, errors=0, skipped=0, parity=2),
+              "dcp": dict(passed=0, failed=0, errors=1, skipped=0, parity=0),
+              "build_tools": dict(passed=0, failed=0, errors=0, skipped=2, parity=0)}
+    rows = {f: (verdict, ok) for f, verdict, ok, _ in gpu_check.feature_checks(counts, True)}
+    assert list(rows)[:len(gpu_check.FEATURES)] == list(gpu_check.FEATURES)
+    assert rows["lion"] == ("pass", True)
+    assert rows["sgd"] == ("**FAIL**: no CUDA test ran (9 skipped)", False)
+    assert rows["activations"] == ("**FAIL**: no CUDA test ran (0 skipped)", False)  # none
+    assert rows["casts"] == ("**FAIL**: 1 failed, 0 errors", False)
+    assert rows["dcp"] == ("**FAIL**: 0 failed, 1 errors", False)
+    assert rows["build_tools"][1]  # not a feature: reported, required of nothing
+    assert [ok for _, ok in rows.values()].count(True) == 2
+    # without a GPU nothing could run: reported, and that fails nothing
+    assert all(ok and v == "not run: no GPU" for _, v, ok, _ in
+               gpu_check.feature_checks({"sgd": counts["sgd"]}, False))
+    # with a GPU and no junit.xml (the tests were cut before pytest wrote it), nothing is known
+    assert not any(ok for _, _, ok, _ in gpu_check.feature_checks(None, True))
+
+
+def test_every_feature_names_test_modules_that_exist():
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for feature, modules in gpu_check.FEATURES.items():
+        assert modules, feature
+        for m in modules:
+            assert os.path.exists(os.path.join(tests, m + ".py")), (feature, m)
+    assert os.path.exists(os.path.join(tests, gpu_check.PARITY + ".py"))
+    # each test of the parity module counts for a feature, by its name's first word
+    with open(os.path.join(tests, gpu_check.PARITY + ".py")) as f:
+        names = re.findall(r"^def (test_\w+)", f.read(), re.M)
+    assert names and all(gpu_check.feature_of(gpu_check.PARITY, n) in gpu_check.FEATURES
+                         for n in names), names
+
+
+def gpu_plan_with_junit(xml):
+    """The stubbed plan with a GPU present, its tests phase writing `xml` as junit.xml."""
+    def plan(python, gpu, out, bench_dir):
+        junit_path = os.path.join(out, "junit.xml")
+        phases = stub_plan()(python, gpu, out, bench_dir)
+        phases[2] = ("tests", py("open(%r, 'w').write(%r)" % (junit_path, xml)), "tests.log",
+                     {})
+        return phases[:3]  # no benchmarks: they are not what is checked here
+    return plan
+
+
+@pytest.mark.parametrize("missing", [None, "release"])
+def test_the_summary_lists_each_feature_and_a_silent_one_fails(monkeypatch, tmp_path, missing):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: (True, "GPU 0: Fake"))
+    cases = [c for c in every_feature_passing() if missing is None or
+             c[0] != "tests." + gpu_check.FEATURES[missing][0]]
+    cases.append(("tests.test_cuda_parity", "test_norm_grad_norm_within_an_ulp[0.3]", "passed"))
+    monkeypatch.setattr(gpu_check, "plan", gpu_plan_with_junit(junit(cases)))
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--out", str(out)])
+    summary = (out / "summary.md").read_text()
+    assert "| tests | passed" in summary
+    assert "| lion | pass | 1 | 0 | 0 | 0 | 0 | test_lion |" in summary
+    assert "| norm | pass | 2 | 0 | 0 | 0 | 1 | test_grad_norm |" in summary
+    if missing is None:
+        assert rc == 0 and "**FAIL**" not in summary
+    else:  # every phase passed, yet a feature ran no CUDA test: the check fails
+        assert rc == 1
+        assert "| release | **FAIL**: no CUDA test ran (0 skipped) | 0 | 0 | 0 | 0 | 0 |" \
+            in summary
+
+
+def test_a_cut_tests_phase_still_leaves_its_junit(tmp_path):
+    """pytest past the tests phase's timeout is interrupted (SIGINT) first: it ends its session
+    and writes junit.xml with the tests that ran, which the per-feature summary reads."""
+    (tmp_path / "test_slow.py").write_text(textwrap.dedent("""
+        import time
+        def test_quick_cuda():
+            pass
+        def test_hangs_cuda():
+            time.sleep(600)
+    """))
+    xml = tmp_path / "junit.xml"
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "cuda",
+           str(tmp_path / "test_slow.py"), "--junitxml", str(xml)]
+    r = gpu_check.run_phase("tests", cmd, str(tmp_path / "tests.log"), timeout=16, grace=8,
+                            cwd=str(tmp_path))
+    assert r["status"] == "timed out" and r["seconds"] < 16 + 12
+    assert "tests interrupted (SIGINT) 8 s before its timeout" in (tmp_path / "tests.log"
+                                                                   ).read_text()
+    counts = gpu_check.feature_counts(str(xml))
+    assert counts == {"slow": dict(passed=1, failed=0, errors=0, skipped=0, parity=0)}
+
+
+def test_lion_pytorch_is_a_listed_dependency(tmp_path):
+    assert "lion_pytorch" in gpu_check.TEST_DEPS and "lion-pytorch" in \
+        gpu_check.PACKAGES.values()
+    (tmp_path / "env.txt").write_text("module lion_pytorch MISSING (ModuleNotFoundError)\n")
+    text = gpu_check.summary([], False, "none", str(tmp_path), 470, 1)
+    assert "lion_pytorch (package lion-pytorch)" in text

@@ -3,7 +3,9 @@ Adam's parity tolerances; on this build's CPU kernels the bits agree too), the b
 step as torch's clone, momentum=0 keeping no buffer, every param storage and buffer format,
 opcheck and fake kernels, offsets. The checks every rule passes in every format are the rows
 "sgd" (a buffer in every format) and "sgd-plain" (none) of tests/optim_table.py, run by
-tests/test_optim_table.py."""
+tests/test_optim_table.py. Every test of the op or the class runs on each device of the conftest
+fixture ``device``, against torch's SGD on the CPU (the rule header's explicit fmas are the same
+on both tiers, so the bits agree there too)."""
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from mpext import ops
 from mpext.optim import SGD
 
 import optim_table as T
+from conftest import device_cases, lockstep
 
 # Round-to-nearest master-free params are one of the formats under test: its advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
@@ -21,26 +24,32 @@ CONFIGS = [dict(), dict(momentum=0.9), dict(momentum=0.9, dampening=0.1),
            dict(momentum=0.5, weight_decay=0.1, maximize=True), dict(weight_decay=0.3)]
 
 
-def _pair(opts, shapes, gen):
+def _pair(opts, shapes, gen, device="cpu"):
+    """Params on the device (a) and their twins on the CPU (b, for torch's SGD)."""
     ws = [torch.randn(s, generator=gen) for s in shapes]
-    a = [torch.nn.Parameter(w.clone()) for w in ws]
+    a = [torch.nn.Parameter(w.to(device, copy=True)) for w in ws]
     b = [torch.nn.Parameter(w.clone()) for w in ws]
     return a, b
 
 
+def cpu(t):
+    return t.detach().cpu()
+
+
 @pytest.mark.parametrize("opts", CONFIGS, ids=range(len(CONFIGS)))
-def test_class_matches_torch_sgd(opts):
+def test_class_matches_torch_sgd(device, opts):
     gen = torch.Generator().manual_seed(0)
-    a, b = _pair(opts, [(257, 3), (1,), (17,), (1000,)], gen)
+    a, b = _pair(opts, [(257, 3), (1,), (17,), (1000,)], gen, device)
     o1, o2 = SGD(a, lr=0.05, **opts), torch.optim.SGD(b, lr=0.05, **opts)
     for _ in range(30):
-        T.lockstep(a, b, o1, o2, gen)
+        lockstep(a, b, o1, o2, gen)
         for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(cpu(x), cpu(y), rtol=1e-5, atol=1e-6)
     for x, y in zip(a, b):
-        T.assert_bits(x, y)  # both fuse each add(alpha=) on this build
+        assert x.device.type == device
+        T.assert_bits(cpu(x), cpu(y))  # both fuse each add(alpha=) on this build
         if opts.get("momentum"):
-            T.assert_bits(o1.state[x]["momentum_buffer"], o2.state[y]["momentum_buffer"])
+            T.assert_bits(cpu(o1.state[x]["momentum_buffer"]), o2.state[y]["momentum_buffer"])
         else:
             assert "momentum_buffer" not in o1.state[x]
 
@@ -56,27 +65,30 @@ def test_op_every_isa_path_matches_torch(isa):
         T.assert_bits(a[0], b[0])
 
 
-def test_first_step_copies_the_gradient():
+def test_first_step_copies_the_gradient(device):
     """torch creates the buffer as a clone of the (decayed) gradient: no dampening on step 1."""
-    p = torch.nn.Parameter(torch.ones(5))
+    p = torch.nn.Parameter(torch.ones(5, device=device))
     opt = SGD([p], lr=0.5, momentum=0.9, dampening=0.5, weight_decay=0.25)
-    p.grad = torch.full((5,), 2.0)
+    p.grad = torch.full((5,), 2.0, device=device)
     opt.step()
-    torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch.full((5,), 2.25),
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"],
+                               torch.full((5,), 2.25, device=device), rtol=0, atol=0)
+    torch.testing.assert_close(p.detach(), torch.full((5,), 1 - 0.5 * 2.25, device=device),
                                rtol=0, atol=0)
-    torch.testing.assert_close(p.detach(), torch.full((5,), 1 - 0.5 * 2.25), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_master_tracks_torch_fp32(dtype):
+def test_master_tracks_torch_fp32(device, dtype):
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(999, generator=gen).to(dtype)
-    p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.float())
+    p, q = torch.nn.Parameter(w.to(device, copy=True)), torch.nn.Parameter(w.float())
     opts = dict(lr=0.01, momentum=0.9, weight_decay=0.01)
     o1, o2 = SGD([p], **opts), torch.optim.SGD([q], **opts)
-    T.lockstep([p], [q], o1, o2, gen, 10)
-    torch.testing.assert_close(o1.state[p]["master_param"], q.detach(), rtol=1e-5, atol=1e-6)
-    T.assert_bits(p.detach(), o1.state[p]["master_param"].to(dtype))
+    lockstep([p], [q], o1, o2, gen, 10)
+    master = o1.state[p]["master_param"]
+    assert master.device.type == device
+    torch.testing.assert_close(cpu(master), q.detach(), rtol=1e-5, atol=1e-6)
+    T.assert_bits(p.detach(), master.to(dtype))
 
 
 def test_class_arguments():
@@ -104,7 +116,7 @@ def test_class_arguments():
 # --------------------------------------------------------------------------------------------
 # The op.
 
-def test_opcheck():
+def test_opcheck(device):
     gen = torch.Generator().manual_seed(3)
     master = torch.randn(17, generator=gen)
     params = [torch.randn(33, generator=gen), master.bfloat16()]
@@ -112,16 +124,22 @@ def test_opcheck():
     bufs = [torch.zeros(33), torch.zeros(17, dtype=torch.bfloat16)]
     masters = [torch.empty(0), master]
     steps = [torch.zeros(()), torch.ones(())]
-    lr = torch.full((), 1e-3)
+    params, grads, bufs, masters, steps = ([t.to(device) for t in ts] for ts in (
+        params, grads, bufs, masters, steps))
+
+    def full(v, *shape, **kw):
+        return torch.full(shape, v, device=device, **kw)
+
+    lr = full(1e-3)
     cases = [
         ((params, grads, bufs, masters, steps, lr, 0.9, 0.0, 0.01, True, False), {}),
         ((params, grads, [], masters, steps, lr, 0.0, 0.0, 0.01, False, True),
-         {"inv_scale": torch.full((), 0.5), "found_inf": torch.zeros(())}),
+         {"inv_scale": full(0.5), "found_inf": full(0.0)}),
         ((params, grads, bufs, masters, steps, lr, 0.9, 0.5, 0.0, False, False),
-         {"found_inf": torch.ones(())}),
-        (([torch.randn(512)], [torch.randn(512)], [torch.zeros(512, dtype=torch.int8)], [],
-          [torch.zeros(())], lr, 0.9, 0.0, 0.0, False, False),
-         {"momentum_buffer_scales": [torch.zeros(2)]}),
+         {"found_inf": full(1.0)}),
+        (([torch.randn(512, device=device)], [torch.randn(512, device=device)],
+          [full(0, 512, dtype=torch.int8)], [], [full(0.0)], lr, 0.9, 0.0, 0.0, False, False),
+         {"momentum_buffer_scales": [full(0.0, 2)]}),
         (([], [], [], [], [], lr, 0.9, 0.0, 0.0, False, False), {}),
     ]
     for args, kwargs in cases:
@@ -142,31 +160,31 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("where", ["kernel", "meta"])
-@pytest.mark.parametrize("change,exc,match", BAD, ids=range(len(BAD)))
-def test_op_bad_input_changes_nothing(where, change, exc, match):
+# Through each device's kernel, and once through the fake kernel (device "meta").
+@pytest.mark.parametrize("device,change,exc,match", device_cases(
+    BAD, [str(i) for i in range(len(BAD))], devices=("cpu", "cuda", "meta")))
+def test_op_bad_input_changes_nothing(device, change, exc, match):
     base = dict(params=[torch.randn(512)], grads=[torch.randn(512)],
                  momentum_buffers=[torch.randn(512)], masters=[], steps=[torch.zeros(())],
                  lr=torch.full((), 1e-3), momentum=0.9, dampening=0.0, weight_decay=0.0,
                  nesterov=False)
-    T.op_bad_input_changes_nothing(ops.sgd_step_, base, change, exc, match,
-                                   "meta" if where == "meta" else "cpu")
+    T.op_bad_input_changes_nothing(ops.sgd_step_, base, change, exc, match, device)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
-def test_offsets_shards_round_as_the_whole(fmt):
+def test_offsets_shards_round_as_the_whole(device, fmt):
     """A param stepped as two halves with offsets 0 and n/2 gets the bits of the whole."""
     n = 4096
     gen = torch.Generator().manual_seed(4)
-    p0 = torch.randn(n, generator=gen).bfloat16()
-    grads = [torch.randn(n, generator=gen).bfloat16() for _ in range(3)]
+    p0 = torch.randn(n, generator=gen).bfloat16().to(device)
+    grads = [torch.randn(n, generator=gen).bfloat16().to(device) for _ in range(3)]
     q8 = fmt == "q8"
-    b0 = torch.zeros(n, dtype=torch.int8 if q8 else torch.bfloat16)
+    b0 = torch.zeros(n, dtype=torch.int8 if q8 else torch.bfloat16, device=device)
     out = []
     for pieces in ([(0, n)], [(0, n // 2), (n // 2, n)]):
         p, b = p0.clone(), b0.clone()
-        sc = torch.zeros(n // 256)
-        steps = [torch.zeros(()) for _ in pieces]
+        sc = torch.zeros(n // 256, device=device)
+        steps = [torch.zeros((), device=device) for _ in pieces]
         for g in grads:
             extra = dict(momentum_buffer_scales=[sc[x // 256:y // 256] for x, y in pieces]
                          ) if q8 else {}
@@ -186,11 +204,12 @@ def test_offsets_shards_round_as_the_whole(fmt):
 
 @pytest.mark.parametrize("opts", [dict(momentum=0.9, nesterov=True), dict()], ids=["momentum",
                                                                                  "plain"])
-def test_checkpoints_move_between_torch_and_mpext(opts):
+def test_checkpoints_move_between_torch_and_mpext(device, opts):
     """A torch.optim.SGD state dict (no step count; a None buffer without momentum) loads into
-    mpext's SGD and the run continues as torch's does; mpext's loads back into torch's."""
+    mpext's SGD and the run continues as torch's does; mpext's loads back into torch's. mpext's
+    on the device, torch's on the CPU (each load moves the state to its params' device)."""
     gen = torch.Generator().manual_seed(8)
-    a, b = _pair(opts, [(300,), (7, 3)], gen)
+    a, b = _pair(opts, [(300,), (7, 3)], gen, device)
     ref = torch.optim.SGD(b, lr=0.05, **opts)
     for _ in range(3):
         for y in b:
@@ -201,10 +220,11 @@ def test_checkpoints_move_between_torch_and_mpext(opts):
     opt = SGD(a, lr=0.05, **opts)
     opt.load_state_dict(ref.state_dict())
     back = torch.optim.SGD([torch.nn.Parameter(y.detach().clone()) for y in b], lr=0.05, **opts)
-    T.lockstep(b, a, ref, opt, gen, 3)
+    lockstep(b, a, ref, opt, gen, 3)
     for x, y in zip(a, b):
-        T.assert_bits(x, y)
+        assert x.device.type == device
+        T.assert_bits(cpu(x), cpu(y))
     back.load_state_dict(opt.state_dict())
     if opts:
         for x, y in zip(a, back.param_groups[0]["params"]):
-            T.assert_bits(back.state[y]["momentum_buffer"], opt.state[x]["momentum_buffer"])
+            T.assert_bits(back.state[y]["momentum_buffer"], cpu(opt.state[x]["momentum_buffer"]))
