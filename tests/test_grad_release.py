@@ -4,6 +4,11 @@ The reference of every released run is the same optimizer stepping after backwar
 (``loss.backward(); opt.step()``) on an identical model, which tests/test_adam.py and friends
 check against torch and float64 references: with no clipping and no inf/NaN the released run
 must give the same bits, for every param and moment format.
+
+Device-generic (the ``device`` fixture): on CUDA a param's post-accumulate-grad hook runs on
+autograd's device thread, a path the CPU never takes; CUDA runs are also compared with CPU runs
+on the same gradients, bit for bit. The framework refusals (Lightning, accelerate, HF, DDP on
+gloo) are about the Python stack, not the device, and run on the CPU.
 """
 import contextlib
 import copy
@@ -20,6 +25,7 @@ from mpext.optim import Adam, AdamW
 from mpext.optim import lr_scheduler as mp_sched
 
 import optim_table as T
+from conftest import CUDA_OK, NO_CUDA_REASON
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -58,7 +64,30 @@ def loss_of(model, step):
     g = torch.Generator().manual_seed(step)
     idx = torch.randint(0, 50, (6, 7), generator=g)
     target = torch.randint(0, 50, (6 * 7,), generator=g)
-    return nn.functional.cross_entropy(model(idx).float().reshape(-1, 50), target)
+    device = next(model.parameters()).device
+    return nn.functional.cross_entropy(model(idx.to(device)).float().reshape(-1, 50),
+                                       target.to(device))
+
+
+def tied_buckets(model, bucket_bytes):
+    """The buckets one backward of a Tied model makes, worked out from its params' gradient
+    bytes in the order the architecture completes them: the head's matmul and the norm first,
+    then the body from its last layer, the tied embedding last (its lookup is the first op of
+    the forward). Within a layer weight and bias may come in either order; both orders give
+    the same count for the bucket sizes used here (checked by taking both)."""
+    layers = [model.norm, model.body[2], model.body[0]]
+    counts = set()
+    for bias_first in (False, True):
+        order = [p for m in layers for p in ((m.bias, m.weight) if bias_first
+                                               else (m.weight, m.bias))] + [model.emb.weight]
+        n, pending = 0, 0
+        for p in order:
+            pending += p.numel() * p.element_size()
+            if pending >= bucket_bytes:
+                n, pending = n + 1, 0
+        counts.add(n + (pending > 0))
+    assert len(counts) == 1, counts
+    return counts.pop()
 
 
 FORMATS = {
@@ -74,10 +103,10 @@ FORMATS = {
 }
 
 
-def pair(fmt, cls=AdamW, ckpt=None, **extra):
+def pair(fmt, cls=AdamW, ckpt=None, device="cpu", **extra):
     dtype, kw = FORMATS[fmt]
     torch.manual_seed(0)
-    model = Tied(dtype, ckpt)
+    model = Tied(dtype, ckpt).to(device)
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # master-free round to nearest warns
@@ -115,15 +144,14 @@ def assert_same_state(model, opt, twin, topt):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("bucket_bytes", [0, 20000, 2 ** 22])
-def test_released_run_has_the_bits_of_step_after_backward(fmt, bucket_bytes):
-    model, opt, twin, topt = pair(fmt)
+def test_released_run_has_the_bits_of_step_after_backward(fmt, bucket_bytes, device):
+    model, opt, twin, topt = pair(fmt, device=device)
     release = train_both(model, opt, twin, topt, 3, bucket_bytes)
     assert release.backward_passes == 3
-    n = len(list(model.parameters()))
-    assert release.buckets_stepped == (3 * n if bucket_bytes == 0 else
-                                       3 if bucket_bytes == 2 ** 22 else
-                                       release.buckets_stepped)
-    assert 3 < release.buckets_stepped or bucket_bytes == 2 ** 22
+    # 0: a bucket per param (7); 2^22: one; 20000: 3 of FP32 gradients, 2 of 16-bit ones
+    want = tied_buckets(twin, bucket_bytes)
+    assert want == {0: 7, 2 ** 22: 1, 20000: 3 if FORMATS[fmt][0] is F32 else 2}[bucket_bytes]
+    assert release.buckets_stepped == 3 * want
 
 
 
@@ -140,19 +168,20 @@ OTHER_RULES = {
 
 
 @pytest.mark.parametrize("case", list(OTHER_RULES))
-def test_other_rules_released_have_the_bits_of_step_after_backward(case):
+def test_other_rules_released_have_the_bits_of_step_after_backward(case, device):
     cls, fmt, extra = OTHER_RULES[case]
     dtype, kw = FORMATS[fmt]
     kw = {k: v for k, v in kw.items() if not k.startswith("exp_avg")}
     torch.manual_seed(0)
-    model = Tied(dtype, None)
+    model = Tied(dtype, None).to(device)
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kw = dict(kw, lr=3e-3, **extra)
         opt, topt = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
     release = train_both(model, opt, twin, topt, 3)
-    assert release.backward_passes == 3 and release.buckets_stepped > 3
+    assert release.backward_passes == 3
+    assert release.buckets_stepped == 3 * tied_buckets(twin, 20000)
     key = opt.moments[0].name if opt.param_groups[0].get("momentum", 1) else None
     if "q8" in case:  # the 8-bit code is exercised, not a fallback to FP32
         assert key + "_q8" in opt.state[model.body[0].weight]
@@ -286,18 +315,18 @@ class Chain(nn.Module):
         return x.square().mean()
 
 
-def test_a_bucket_with_an_inf_and_every_later_one_change_nothing():
+def test_a_bucket_with_an_inf_and_every_later_one_change_nothing(device):
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain().to(device)
     ref = copy.deepcopy(model)
-    x = torch.randn(5, 8)
-    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(5, 8).to(device)
+    scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0, scaler=scaler)
     sched = mp_sched.LambdaLR(opt, lambda s: 1.0 / (1 + s), scaler=scaler)
     # the clean reference, for the params stepped before the inf appeared
     ref_opt = AdamW(ref.parameters(), lr=1e-2)
-    ref_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    ref_scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     ref_scaler.scale(ref(x)).backward()
     ref_scaler.step(ref_opt)
     before = [p.detach().clone() for p in model.parameters()]
@@ -400,9 +429,9 @@ def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucke
 
 
 @pytest.mark.parametrize("fmt", ["bf16-master", "bf16-remainder", "q8-moments", "ema"])
-def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
-    model, opt, twin, topt = pair(fmt)
-    scaler, tscaler = mpext.GradScaler("cpu"), mpext.GradScaler("cpu")
+def test_scaled_released_run_has_the_bits_of_scaler_step(fmt, device):
+    model, opt, twin, topt = pair(fmt, device=device)
+    scaler, tscaler = mpext.GradScaler(device), mpext.GradScaler(device)
     topt.release_grads(bucket_bytes=20000, scaler=tscaler)
     for step in range(3):
         scaler.scale(loss_of(model, step)).backward()
@@ -416,10 +445,10 @@ def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
 
 
 @pytest.mark.parametrize("clip", [None, "previous", "exact"])
-def test_a_released_step_makes_no_host_read(clip):
+def test_a_released_step_makes_no_host_read(clip, device):
     from conftest import HostReads
-    model, _, twin, topt = pair("bf16-remainder")
-    scaler = mpext.GradScaler("cpu")
+    model, _, twin, topt = pair("bf16-remainder", device=device)
+    scaler = mpext.GradScaler(device)
     release = topt.release_grads(bucket_bytes=20000, scaler=scaler,
                                  max_grad_norm=None if clip is None else 1.0,
                                  clip=clip or "exact")
@@ -503,11 +532,11 @@ def test_nested_backward_is_refused():
             loss_of(model, 0).backward()
 
 
-def test_a_failed_backward_does_not_block_the_next():
-    model, opt, twin, topt = pair("fp32")
+def test_a_failed_backward_does_not_block_the_next(device):
+    model, opt, twin, topt = pair("fp32", device=device)
     topt.release_grads(bucket_bytes=0)
 
-    out = twin(torch.zeros(2, 3, dtype=torch.long))
+    out = twin(torch.zeros(2, 3, dtype=torch.long, device=device))
 
     def fail(g):
         raise ValueError("boom")
@@ -515,6 +544,130 @@ def test_a_failed_backward_does_not_block_the_next():
         (OnGrad.apply(twin.emb.weight).sum() + out.sum()).backward()
     loss_of(twin, 1).backward()  # the next backward steps as usual
     assert twin.body[0].weight.grad is None
+
+
+class Boom(Exception):
+    pass
+
+
+def _fail_in_pre_hook(topt):
+    """A step pre-hook that raises: it runs inside the release's hook at the first gradient
+    of a backward, before anything is stepped."""
+    def hook(*args):
+        raise Boom("in a step pre-hook")
+    return topt.register_step_pre_hook(hook)
+
+
+def _fail_in_second_bucket(topt):
+    """The optimizer's launch raises at its second call: the first bucket is stepped, the
+    second's step fails mid-backward inside the release's hook."""
+    launch, calls = topt._launch, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Boom("in the second bucket's step")
+        return launch(*args, **kwargs)
+    topt._launch = failing
+
+    class Undo:
+        def remove(self):
+            topt._launch = launch
+    return Undo()
+
+
+def _fail_outside(twin):
+    """A plain tensor hook of another param (not the release's) raises mid-backward, after
+    the release has stepped some buckets."""
+    return twin.emb.weight.register_hook(lambda g: (_ for _ in ()).throw(Boom("elsewhere")))
+
+
+@pytest.mark.parametrize("where", ["pre_hook", "second_bucket", "outside"])
+def test_a_backward_that_fails_mid_way_leaves_nothing_for_the_next(where, device):
+    """An exception raised mid-backward (inside the release's hook, or elsewhere), caught and
+    kept alive with its traceback: the next backward is not refused and steps every param
+    from its own gradients only, with the bits of the same optimizer stepped after backward
+    from the state the failed backward left (its earlier buckets stay stepped)."""
+    model, opt, twin, topt = pair("bf16-master", device=device)
+    release = topt.release_grads(bucket_bytes=0)
+    loss_of(twin, 0).backward()  # a first, clean step: the state is not empty
+    undo = {"pre_hook": _fail_in_pre_hook, "second_bucket": _fail_in_second_bucket,
+            "outside": lambda t: _fail_outside(twin)}[where](topt)
+    try:
+        loss_of(twin, 1).backward()
+    except Boom as exc:
+        kept = exc  # its traceback holds the frames of the failed backward
+    undo.remove()
+    assert kept.__traceback__ is not None
+    assert all(p.grad is None for p in twin.parameters())  # nothing left to add to
+    stepped = release.buckets_stepped
+    assert stepped == (7 if where == "pre_hook" else 8 if where == "second_bucket" else 13)
+    # the reference: the state the failed backward left, stepped after backward
+    model.load_state_dict(twin.state_dict())
+    opt.load_state_dict(topt.state_dict())
+    loss_of(model, 2).backward()
+    opt.step()
+    loss_of(twin, 2).backward()
+    assert release.buckets_stepped == stepped + 7
+    assert_same_state(model, opt, twin, topt)
+
+
+def test_a_loss_the_release_scaler_never_scaled_is_refused_before_anything_steps(device):
+    """A scaling mpext.GradScaler whose scale() was never called cannot have scaled the loss:
+    mpext's own message (not torch's assertion), before anything is stepped, and the next
+    backward, scaled, works although the exception is still alive."""
+    model, opt, twin, topt = pair("bf16-master", device=device)
+    scaler = mpext.GradScaler(device)
+    release = topt.release_grads(bucket_bytes=0, scaler=scaler)
+    before = [p.detach().clone() for p in twin.parameters()]
+    with pytest.raises(RuntimeError, match=r"no scale yet.*release.backward\(scaler.scale"
+                                           r"\(loss\)\).*bf16_check_only=True") as info:
+        release.backward(loss_of(twin, 0))
+    assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
+    assert release.buckets_stepped == 0 and not topt.state
+    release.backward(scaler.scale(loss_of(twin, 0)))
+    scaler.update()
+    assert info.value is not None and release.buckets_stepped == 7
+    ref_scaler = mpext.GradScaler(device)
+    ref_scaler.scale(loss_of(model, 0)).backward()
+    ref_scaler.step(opt)
+    ref_scaler.update()
+    assert_same_state(model, opt, twin, topt)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_check_only_scaler_takes_an_unscaled_loss_with_the_skip(scaled, device):
+    """mpext.GradScaler(bf16_check_only=True) with release: release.backward(loss) on an
+    unscaled loss (as the docs' "without scaling" invites) gives the bits of the same
+    optimizer stepped by scaler.step after backward, and a NaN step changes nothing (params,
+    moments, masters, step counts) and is counted as skipped, with the scale held at 1."""
+    model, opt, twin, topt = pair("bf16-master", device=device)
+    scaler = mpext.GradScaler(device, bf16_check_only=True)
+    tscaler = mpext.GradScaler(device, bf16_check_only=True)
+    release = topt.release_grads(bucket_bytes=20000, scaler=tscaler)
+    for step in range(4):
+        nan = step == 2
+        loss, tloss = loss_of(model, step), loss_of(twin, step)
+        if nan:
+            loss, tloss = loss * float("nan"), tloss * float("nan")
+            before = [p.detach().clone() for p in twin.parameters()]
+            state = {id(p): {k: v.clone() for k, v in topt.state[p].items()}
+                     for p in twin.parameters()}
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        release.backward(tscaler.scale(tloss) if scaled else tloss)
+        tscaler.update()
+        assert_same_state(model, opt, twin, topt)
+        assert bool(tscaler.last_step_skipped(topt)) == nan
+        if nan:
+            for p, b in zip(twin.parameters(), before):
+                assert same_bits(p, b)
+                for k, v in state[id(p)].items():
+                    assert same_bits(topt.state[p][k], v), k
+    assert tscaler.get_scale() == 1.0 and tscaler.get_skipped_steps() == 1
+    assert release.buckets_stepped == 4 * tied_buckets(twin, 20000)
 
 
 def test_checkpoint_without_reentrance_has_the_same_bits():
@@ -992,9 +1145,44 @@ def test_lr_schedules_see_released_steps():
                                                       "--steps", "60"],
                                   ["--clip", "exact", "--steps", "60"]])
 def test_plain_loop_example_trains_through_a_nan(argv):
+    """It learns, and its NaN step changes nothing: params, moments, masters or remainders
+    and step counts hold the bits they had before it (seen through the global optimizer step
+    hooks, which a released step runs at its start and its end), while the step before it
+    changed them."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
     from framework_examples import example
-    loss = example("grad_release_train").main(argv + ["--nan-at", "10"])
-    assert loss < 0.2  # it learned (the start is ~0.64), and the NaN step changed nothing
+
+    def snap(opt):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return [p.detach().clone() for p in params], [
+            {k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+    steps = []  # (state before, state after, found_inf) of each step
+
+    def pre(opt, args, kwargs):
+        steps.append([snap(opt)])
+
+    def post(opt, args, kwargs):
+        steps[-1] += [snap(opt), float(kwargs["found_inf"])]
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        loss = example("grad_release_train").main(argv + ["--nan-at", "10"])
+    finally:
+        for h in handles:
+            h.remove()
+    assert loss < 0.2  # it learned (the start is ~0.64)
+    assert len(steps) == 60 and [s[2] for s in steps] == [float(i == 10) for i in range(60)]
+
+    def same(a, b):
+        (pa, sa), (pb, sb) = a, b
+        return all(same_bits(x, y) for x, y in zip(pa, pb)) and all(
+            x.keys() == y.keys() and all(same_bits(x[k], y[k]) for k in x)
+            for x, y in zip(sa, sb))
+    before, after, _ = steps[10]
+    assert any(k != "step" for k in before[1][0])  # moments (and masters) to compare
+    assert same(before, after)  # the NaN step changed nothing
+    assert not same(*steps[9][:2])  # the step before it did
 
 
 def test_lightning_manual_optimization_example():
