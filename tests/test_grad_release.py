@@ -215,6 +215,39 @@ def test_every_rule_and_format_released_has_the_bits_of_step_after_backward(rule
     T.assert_same(T.snapshot(opt, params), T.snapshot(topt, twin), "%s %s" % (rule, fmt))
 
 
+def _on_cpu(snap):
+    params, state, groups = snap
+    return ([p.cpu() for p in params],
+            [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+             for st in state], groups)
+
+
+PAIRS = list(T.pairs())
+
+
+@pytest.mark.skipif(not CUDA_OK, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=[T.pair_id(c) for c in PAIRS])
+def test_every_rule_and_format_released_on_cuda_has_the_bits_of_cpu(rule, fmt):
+    """The same released steps on CUDA (hooks on autograd's device thread, the CUDA kernels)
+    and on the CPU, from the same params and gradients (the table's, reached through a
+    backward as above), every param dtype of the format together: the same bits."""
+    snaps = {}
+    for device in ("cpu", "cuda"):
+        params = [p.detach().to(device).requires_grad_()
+                  for p in T.make_params(fmt.param_dtypes)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # master-free round to nearest warns
+            opt = rule.make(params, **dict(fmt.kwargs_for(rule), seed=7))
+        release = opt.release_grads(bucket_bytes=600)
+        for step in range(3):
+            grads = [g.to(device) for g in T.make_grads(params, step)]
+            sum((q.float() * g.float()).sum() for q, g in zip(params, grads)).backward()
+            assert all(q.grad is None for q in params)
+        assert release.buckets_stepped >= 3 * 2
+        snaps[device] = _on_cpu(T.snapshot(opt, params))
+    T.assert_same(snaps["cpu"], snaps["cuda"], "%s %s: cpu vs cuda" % (rule, fmt))
+
+
 def test_adam_with_l2_decay_and_param_groups():
     torch.manual_seed(0)
     model = Tied(BF16)
