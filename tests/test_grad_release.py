@@ -260,9 +260,9 @@ def test_adam_with_l2_decay_and_param_groups():
     train_both(model, opt, twin, topt, 3, 5000)
 
 
-def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step():
-    model, opt, twin, topt = pair("bf16-remainder")
-    scaler, tscaler = mpext.GradScaler("cpu"), mpext.GradScaler("cpu")
+def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step(device):
+    model, opt, twin, topt = pair("bf16-remainder", device=device)
+    scaler, tscaler = mpext.GradScaler(device), mpext.GradScaler(device)
     release = topt.release_grads(bucket_bytes=20000, scaler=tscaler, max_grad_norm=1.0,
                                  clip="previous")
     head_only = twin.emb.weight.sum()  # a last micro-batch that leaves the body without grads
@@ -290,8 +290,8 @@ def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step():
         release.backward(loss_of(twin, 97))
 
 
-def test_the_tied_weight_is_stepped_once_with_its_whole_gradient():
-    model, opt, twin, topt = pair("fp32")
+def test_the_tied_weight_is_stepped_once_with_its_whole_gradient(device):
+    model, opt, twin, topt = pair("fp32", device=device)
     topt.release_grads(bucket_bytes=0)
     order = []
     for p in twin.parameters():
@@ -405,7 +405,8 @@ class Deep(nn.Module):
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 300])
-def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucket_bytes):
+def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucket_bytes,
+                                                                            device):
     """One param's gradient alone is made inf (a tensor hook on that param: the gradients
     flowing on to the earlier layers stay finite), so the buckets completed after its bucket
     hold finite gradients only. They, and the params of its own bucket, must change nothing
@@ -414,21 +415,21 @@ def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucke
     from the order in which the gradients complete and their bytes (a bucket is stepped once
     its bytes reach bucket_bytes)."""
     torch.manual_seed(0)
-    model = Deep()
+    model = Deep().to(device)
     clean = copy.deepcopy(model)
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8).to(device)
     params = list(model.parameters())
     done = []  # (param, gradient bytes), as the gradients complete (hooked before release)
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: done.append((p, p.grad.nbytes)))
-    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     opt = AdamW(params, lr=1e-2)
     release = opt.release_grads(bucket_bytes=bucket_bytes, scaler=scaler)
     poisoned = model.layers[1].weight  # its gradient completes after layers 3 and 2
     poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
     before = [p.detach().clone() for p in params]
     clean_opt = AdamW(clean.parameters(), lr=1e-2)
-    clean_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    clean_scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     clean_scaler.scale(clean(x)).backward()
     clean_scaler.step(clean_opt)
 
@@ -715,15 +716,15 @@ def test_compiled_model_has_the_same_bits():
     train_both(model, opt, twin, topt, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
 
 
-def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_steps():
+def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_steps(device):
     """A loss scaled by an mpext.GradScaler reaching a release made without it (none, or
     another) would step with gradients multiplied by the scale: refused at the first gradient
     of that backward, which is dropped. A bf16_check_only scaler (scale 1) is not refused, nor
     is a scaled loss that reaches no released param."""
-    model, opt, twin, topt = pair("fp32")
+    model, opt, twin, topt = pair("fp32", device=device)
     before = [p.detach().clone() for p in twin.parameters()]
     release = topt.release_grads(bucket_bytes=0)
-    scaler = mpext.GradScaler("cpu")
+    scaler = mpext.GradScaler(device)
     with pytest.raises(RuntimeError, match=r"scaled by an mpext.GradScaler that this release "
                                            r"was made without \(scaler=None\).*release_grads\("
                                            r"scaler=\.\.\.\)"):
@@ -733,13 +734,13 @@ def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_
     scaler.scale(loss_of(model, 0)).backward()  # another model, another optimizer: allowed
     scaler.step(opt)
     release.remove()
-    release = topt.release_grads(bucket_bytes=0, scaler=mpext.GradScaler("cpu"))
+    release = topt.release_grads(bucket_bytes=0, scaler=mpext.GradScaler(device))
     with pytest.raises(RuntimeError, match=r"was not made with \(it has another\)"):
         scaler.scale(loss_of(twin, 0)).backward()
     assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
     release.remove()
     topt.release_grads(bucket_bytes=0)
-    mpext.GradScaler("cpu", bf16_check_only=True).scale(loss_of(twin, 0)).backward()
+    mpext.GradScaler(device, bf16_check_only=True).scale(loss_of(twin, 0)).backward()
     assert topt.state[twin.emb.weight]["step"].item() == 1
 
 
@@ -1032,9 +1033,9 @@ def test_ddp_is_refused_on_two_gloo_processes(tmp_path):
 # Clipping.
 
 
-def test_exact_clipping_matches_clip_grad_norm_then_step():
+def test_exact_clipping_matches_clip_grad_norm_then_step(device):
     torch.manual_seed(0)
-    model = Tied(F32)
+    model = Tied(F32).to(device)
     twin = copy.deepcopy(model)
     opt, topt = AdamW(model.parameters(), lr=1e-2), AdamW(twin.parameters(), lr=1e-2)
     release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5)
@@ -1058,9 +1059,9 @@ def test_exact_clipping_matches_clip_grad_norm_then_step():
     assert release.backward_passes == 6  # two per step: the cost of the exact mode
 
 
-def test_previous_norm_clipping_uses_the_last_steps_norm():
+def test_previous_norm_clipping_uses_the_last_steps_norm(device):
     torch.manual_seed(0)
-    model = Tied(F32)
+    model = Tied(F32).to(device)
     twin = copy.deepcopy(model)
     opt, topt = AdamW(model.parameters(), lr=1e-2), AdamW(twin.parameters(), lr=1e-2)
     release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5, clip="previous")
@@ -1079,29 +1080,29 @@ def test_previous_norm_clipping_uses_the_last_steps_norm():
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6)
 
 
-def test_exact_clipping_with_an_inf_skips_the_whole_step():
+def test_exact_clipping_with_an_inf_skips_the_whole_step(device):
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain().to(device)
     before = [p.detach().clone() for p in model.parameters()]
-    scaler = mpext.GradScaler("cpu")
+    scaler = mpext.GradScaler(device)
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0, scaler=scaler, max_grad_norm=1.0)
     with poisoned():
-        release.backward(scaler.scale(model(torch.randn(5, 8))))
+        release.backward(scaler.scale(model(torch.randn(5, 8).to(device))))
     scaler.update()
     for p, b in zip(model.parameters(), before):  # the norm pass saw the inf: nothing moved
         assert same_bits(p, b)
     assert scaler.last_step_skipped(opt).item()
 
 
-def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step():
+def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step(device):
     torch.manual_seed(0)
-    model = Chain()
-    scaler = mpext.GradScaler("cpu")
+    model = Chain().to(device)
+    scaler = mpext.GradScaler(device)
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0, scaler=scaler, max_grad_norm=1.0,
                                 clip="previous")
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8).to(device)
     with poisoned():
         scaler.scale(model(x)).backward()
     scaler.update()
@@ -1120,11 +1121,11 @@ def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step():
 # Memory: the gradients are not all alive at once.
 
 
-def test_gradient_bytes_are_not_all_alive_at_once():
+def test_gradient_bytes_are_not_all_alive_at_once(device):
     peaks = {}
     for released in (False, True):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).to(device)
         params = list(model.parameters())
         opt = AdamW(params)
         live = []
@@ -1133,7 +1134,7 @@ def test_gradient_bytes_are_not_all_alive_at_once():
                 sum(q.grad.nbytes for q in params if q.grad is not None)))
         if released:
             opt.release_grads(bucket_bytes=2 * 64 * 64 * 4)
-        model(torch.randn(4, 64)).sum().backward()
+        model(torch.randn(4, 64).to(device)).sum().backward()
         peaks[released] = max(live)
         if not released:
             opt.step()
@@ -1144,11 +1145,11 @@ def test_gradient_bytes_are_not_all_alive_at_once():
     assert peaks[True] < total / 2
 
 
-def test_lr_schedules_see_released_steps():
+def test_lr_schedules_see_released_steps(device):
     """torch's schedulers (no "lr_scheduler.step() before optimizer.step()" warning) and the
     device-side ones (counting each released step) follow released steps; the optimizer's
     step hooks run once per step."""
-    model, _, twin, topt = pair("fp32")
+    model, _, twin, topt = pair("fp32", device=device)
     topt.release_grads(bucket_bytes=20000)
     torch_sched = torch.optim.lr_scheduler.StepLR(topt, step_size=1, gamma=0.5)
     calls = []
@@ -1161,7 +1162,7 @@ def test_lr_schedules_see_released_steps():
             torch_sched.step()
     assert topt.param_groups[0]["lr"] == 3e-3 / 4
     assert calls == ["pre", "post"] * 2
-    model2, _, twin2, topt2 = pair("fp32")
+    model2, _, twin2, topt2 = pair("fp32", device=device)
     topt2.release_grads(bucket_bytes=20000)
     sched = mp_sched.LambdaLR(topt2, lambda s: 1.0 / (1 + s))
     for step in range(2):
