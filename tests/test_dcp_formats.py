@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import mpext.dcp
 import mpext.optim
+from conftest import CUDA_OK, NO_CUDA_REASON
 from mpext.optim import AdamW, formats, q8_decode
 
 BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
@@ -167,6 +168,22 @@ def test_every_rule_converts_every_moment_format_as_load_state_dict(saved_on, de
         assert st[keys[0]].dtype == fmt.storage_dtype(q), (q.name, st[keys[0]].dtype)
         other = {k for f in formats.MOMENT_FORMATS.values() for k in f.keys(q.name)}
         assert not (other - set(keys)) & set(st), (q.name, sorted(st))
+
+
+@pytest.mark.skipif(not CUDA_OK, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("rule,src,dst", RULE_PAIRS)
+def test_a_cpu_checkpoint_converts_on_cuda_to_the_bits_of_the_cpu(saved_on, rule, src, dst):
+    """A CPU run's checkpoint loaded with the planner into an optimizer on CUDA (the
+    conversion's decode and encode run there) holds the bits of the same load on the CPU."""
+    path, _ = saved_on("cpu", (rule, src))
+    (mc, oc), (mg, og) = [_dcp_resume(path, (rule, dst), mpext.dcp.LoadPlanner(), d)
+                          for d in ("cpu", "cuda")]
+    for p, q in zip(mc.parameters(), mg.parameters()):
+        assert q.device.type == "cuda" and _same_bits(p.detach(), q.detach().cpu())
+        assert oc.state[p].keys() == og.state[q].keys()
+        for k, v in oc.state[p].items():
+            assert og.state[q][k].device.type == "cuda", k
+            assert _same_bits(v, og.state[q][k].cpu()), k
 
 
 def test_8bit_codes_load_into_bf16_moments_as_their_decoded_values(saved_on, device):
