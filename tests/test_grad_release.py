@@ -669,6 +669,19 @@ def test_a_loss_the_release_scaler_never_scaled_is_refused_before_anything_steps
     assert_same_state(model, opt, twin, topt)
 
 
+def test_check_only_scaler_with_float16_params_is_refused_at_release(device):
+    """A float16 gradient needs loss scaling, which a check-only scaler does not do: refused
+    when the release is made (as the scaler's unscale_ refuses one), nothing changed."""
+    model, opt, twin, topt = pair("fp16-master", device=device)
+    scaler = mpext.GradScaler(device, bf16_check_only=True)
+    with pytest.raises(ValueError, match=r"param 0 of group 0 is float16.*bf16_check_only="
+                                         r"False"):
+        topt.release_grads(scaler=scaler)
+    assert topt._grad_release is None
+    loss_of(twin, 0).backward()  # no hooks were left behind: the gradients stay
+    assert all(p.grad is not None for p in twin.parameters())
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_check_only_scaler_takes_an_unscaled_loss_with_the_skip(scaled, device):
     """mpext.GradScaler(bf16_check_only=True) with release: release.backward(loss) on an

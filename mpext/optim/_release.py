@@ -315,6 +315,13 @@ class GradRelease:
                     raise RuntimeError(
                         "%s already has a gradient; release steps each param from the gradient "
                         "of one backward: call zero_grad(set_to_none=True) first" % where)
+                if p.dtype is torch.float16 and scaler is not None and scaler.is_enabled() \
+                        and scaler._bf16_check_only:
+                    # as the scaler's own unscale_ refuses a float16 gradient in this mode
+                    raise ValueError(
+                        "%s is float16, and mpext.GradScaler(bf16_check_only=True) does not "
+                        "scale the loss, but a float16 gradient needs loss scaling; use "
+                        "bf16_check_only=False for float16 training" % where)
                 params.append(p)
         self._name = name
         self._opt = optimizer  # a released optimizer lives as long as its params' hooks
