@@ -556,7 +556,7 @@ class GradRelease:
         # also checks (see _on_grad).
         token = _Token()
         self._token = weakref.ref(token)
-        weakref.finalize(token, self._token_died, task)
+        weakref.finalize(token, self._token_died, task).atexit = False  # (none at exit)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(token))
 
     def _token_died(self, task: int) -> None:
