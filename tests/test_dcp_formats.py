@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import mpext.dcp
 import mpext.optim
 from conftest import CUDA_OK, NO_CUDA_REASON
-from mpext.optim import AdamW, formats, q8_decode
+from mpext.optim import formats, q8_decode
 
 BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

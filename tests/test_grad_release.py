@@ -376,6 +376,7 @@ def test_a_bucket_with_an_inf_and_every_later_one_change_nothing(device):
         else:  # the bucket with the inf and every later one: nothing changed
             assert same_bits(p, b)
             assert opt.state[p]["step"].item() == 0
+            assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
         assert p.grad is None
     assert release.buckets_stepped == 8
     assert scaler.get_scale() == 2.0 ** 9  # backed off as after a skipped step
