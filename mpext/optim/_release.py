@@ -15,7 +15,8 @@ has one ``found_inf`` flag, zero at its start; every bucket is checked for inf/N
 fused optimizer) before its step, which the kernel skips when the flag is set. So the first
 bucket with an inf/NaN and every later bucket of that backward change nothing; earlier buckets
 keep their update; the scaler's ``update()`` sees the flag (the step is recorded as skipped and
-the scale backs off as usual).
+the scale backs off as usual). A ``bf16_check_only`` scaler's scale is 1, so its loss may go
+unscaled (``GradScaler._release_scale``).
 
 Clipping by the global norm: ``clip="exact"`` computes the norm in a first backward pass
 (:meth:`GradRelease.backward`, which also checks every gradient for inf/NaN first, so a
@@ -28,7 +29,11 @@ Refused, before anything is stepped (docs/gradient_release.md): more than one pr
 optimizer themselves (Lightning automatic optimization, accelerate's AcceleratedOptimizer and
 gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
 by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
-the release was not made with (:func:`scaled_backward_hook`).
+the release was not made with (:func:`scaled_backward_hook`), or not scaled by its scaling
+scaler, whose ``scale()`` was never called; float16 params with a check-only scaler.
+
+A backward that fails (here or anywhere) is forgotten at once, its unstepped gradients dropped,
+so that nothing of it reaches the next (GradRelease._on_grad, _token_died).
 """
 import contextlib
 import math
