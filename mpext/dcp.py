@@ -27,12 +27,24 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 __all__ = ["LoadPlanner"]
 
-# The per-param optimizer state entries whose form depends on the storage format (step and
-# the entries of other optimizers load as DCP loads them).
-_FORMAT_ENTRIES = frozenset((
-    "exp_avg", "exp_avg_sq", "exp_avg_q8", "exp_avg_q8_scale", "exp_avg_sq_q8",
-    "exp_avg_sq_q8_scale", "master_param", "param_remainder", "ema_param",
-    "exp_avg_scale", "exp_avg_sq_scale"))  # the last two: codes saved before they had keys
+def format_entries() -> frozenset:
+    """The per-param optimizer state entries whose form depends on the storage format: every
+    key that mpext writes or reads (``mpext.optim._state.known_keys``, from the formats
+    table: every moment format's keys, the param formats' storage keys, the EMA, and the
+    scale keys of codes saved before codes had keys of their own) for every quantity of every
+    rule, i.e. of every ``FusedOptimizer`` subclass defined so far (a rule added later, or a
+    user's, is included without a list to edit here). ``step`` and the entries of other
+    optimizers load as DCP loads them."""
+    from .optim._base import FusedOptimizer
+    from .optim._state import known_keys
+
+    keys, todo = set(), [FusedOptimizer]
+    while todo:
+        cls = todo.pop()
+        keys.update(known_keys(cls.moments))
+        todo.extend(cls.__subclasses__())
+    keys.discard("step")  # a scalar tensor of one form in every format
+    return frozenset(keys)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -53,11 +65,12 @@ class LoadPlanner(DefaultLoadPlanner):
 def _fit_to_checkpoint(state_dict: Dict[str, Any], metadata: Metadata) -> None:
     """Rewrites, in place, the format entries of every param state of ``state_dict`` (a dict
     ``...["state"][fqn]``) that differ from the checkpoint's."""
+    entries = format_entries()
     _, mappings = flatten_state_dict(state_dict)
     params: Dict[str, Tuple[tuple, Dict[str, Any]]] = {}
     for key, path in mappings.items():
         name = path[-1]
-        if len(path) >= 3 and path[-3] == "state" and name in _FORMAT_ENTRIES:
+        if len(path) >= 3 and path[-3] == "state" and name in entries:
             prefix = key[:-len(str(name)) - 1]
             if prefix not in params:
                 params[prefix] = (path[:-1], {})
@@ -67,7 +80,7 @@ def _fit_to_checkpoint(state_dict: Dict[str, Any], metadata: Metadata) -> None:
         theirs = {}
         for key, md in saved.items():
             rest = key[len(prefix) + 1:]
-            if key.startswith(prefix + ".") and rest in _FORMAT_ENTRIES \
+            if key.startswith(prefix + ".") and rest in entries \
                     and isinstance(md, TensorStorageMetadata):
                 theirs[rest] = md
         if not theirs or _same_form(mine, theirs):

@@ -275,6 +275,24 @@ class GradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(dev)
         return self._scale
 
+    def _release_scale(self, dev: torch.device, where: str) -> torch.Tensor:
+        """The scale the gradients of a released backward (mpext.optim._release) carry, for a
+        check before anything is stepped. With ``bf16_check_only`` it is 1 whether or not the
+        loss went through ``scale()`` (made on ``dev`` if there is none yet), so an unscaled
+        loss gets the inf/NaN skip too; a scaling scaler whose ``scale()`` was never called
+        cannot have scaled this loss, and is refused with the way out."""
+        if self._scale is None:
+            if not self._bf16_check_only:
+                raise RuntimeError(
+                    "%s: the release's mpext.GradScaler has no scale yet (its scale() was never "
+                    "called), so this backward's loss was not scaled by it: call "
+                    "release.backward(scaler.scale(loss)) (or scaler.scale(loss).backward()); "
+                    "BF16 training that needs no scaling can use "
+                    "mpext.GradScaler(bf16_check_only=True), which takes an unscaled loss"
+                    % where)
+            self._lazy_init_scale_growth_tracker(dev)
+        return self._scale
+
     # -----------------------------------------------------------------------------------------
     # Unscaling: one fused mpext pass per device.
 

@@ -4,6 +4,11 @@ The reference of every released run is the same optimizer stepping after backwar
 (``loss.backward(); opt.step()``) on an identical model, which tests/test_adam.py and friends
 check against torch and float64 references: with no clipping and no inf/NaN the released run
 must give the same bits, for every param and moment format.
+
+Device-generic (the ``device`` fixture): on CUDA a param's post-accumulate-grad hook runs on
+autograd's device thread, a path the CPU never takes; CUDA runs are also compared with CPU runs
+on the same gradients, bit for bit. The framework refusals (Lightning, accelerate, HF, DDP on
+gloo) are about the Python stack, not the device, and run on the CPU.
 """
 import contextlib
 import copy
@@ -20,6 +25,7 @@ from mpext.optim import Adam, AdamW
 from mpext.optim import lr_scheduler as mp_sched
 
 import optim_table as T
+from conftest import CUDA_OK, NO_CUDA_REASON
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -58,7 +64,30 @@ def loss_of(model, step):
     g = torch.Generator().manual_seed(step)
     idx = torch.randint(0, 50, (6, 7), generator=g)
     target = torch.randint(0, 50, (6 * 7,), generator=g)
-    return nn.functional.cross_entropy(model(idx).float().reshape(-1, 50), target)
+    device = next(model.parameters()).device
+    return nn.functional.cross_entropy(model(idx.to(device)).float().reshape(-1, 50),
+                                       target.to(device))
+
+
+def tied_buckets(model, bucket_bytes):
+    """The buckets one backward of a Tied model makes, worked out from its params' gradient
+    bytes in the order the architecture completes them: the head's matmul and the norm first,
+    then the body from its last layer, the tied embedding last (its lookup is the first op of
+    the forward). Within a layer weight and bias may come in either order; both orders give
+    the same count for the bucket sizes used here (checked by taking both)."""
+    layers = [model.norm, model.body[2], model.body[0]]
+    counts = set()
+    for bias_first in (False, True):
+        order = [p for m in layers for p in ((m.bias, m.weight) if bias_first
+                                               else (m.weight, m.bias))] + [model.emb.weight]
+        n, pending = 0, 0
+        for p in order:
+            pending += p.numel() * p.element_size()
+            if pending >= bucket_bytes:
+                n, pending = n + 1, 0
+        counts.add(n + (pending > 0))
+    assert len(counts) == 1, counts
+    return counts.pop()
 
 
 FORMATS = {
@@ -74,10 +103,10 @@ FORMATS = {
 }
 
 
-def pair(fmt, cls=AdamW, ckpt=None, **extra):
+def pair(fmt, cls=AdamW, ckpt=None, device="cpu", **extra):
     dtype, kw = FORMATS[fmt]
     torch.manual_seed(0)
-    model = Tied(dtype, ckpt)
+    model = Tied(dtype, ckpt).to(device)
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # master-free round to nearest warns
@@ -115,15 +144,14 @@ def assert_same_state(model, opt, twin, topt):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("bucket_bytes", [0, 20000, 2 ** 22])
-def test_released_run_has_the_bits_of_step_after_backward(fmt, bucket_bytes):
-    model, opt, twin, topt = pair(fmt)
+def test_released_run_has_the_bits_of_step_after_backward(fmt, bucket_bytes, device):
+    model, opt, twin, topt = pair(fmt, device=device)
     release = train_both(model, opt, twin, topt, 3, bucket_bytes)
     assert release.backward_passes == 3
-    n = len(list(model.parameters()))
-    assert release.buckets_stepped == (3 * n if bucket_bytes == 0 else
-                                       3 if bucket_bytes == 2 ** 22 else
-                                       release.buckets_stepped)
-    assert 3 < release.buckets_stepped or bucket_bytes == 2 ** 22
+    # 0: a bucket per param (7); 2^22: one; 20000: 3 of FP32 gradients, 2 of 16-bit ones
+    want = tied_buckets(twin, bucket_bytes)
+    assert want == {0: 7, 2 ** 22: 1, 20000: 3 if FORMATS[fmt][0] is F32 else 2}[bucket_bytes]
+    assert release.buckets_stepped == 3 * want
 
 
 
@@ -140,19 +168,20 @@ OTHER_RULES = {
 
 
 @pytest.mark.parametrize("case", list(OTHER_RULES))
-def test_other_rules_released_have_the_bits_of_step_after_backward(case):
+def test_other_rules_released_have_the_bits_of_step_after_backward(case, device):
     cls, fmt, extra = OTHER_RULES[case]
     dtype, kw = FORMATS[fmt]
     kw = {k: v for k, v in kw.items() if not k.startswith("exp_avg")}
     torch.manual_seed(0)
-    model = Tied(dtype, None)
+    model = Tied(dtype, None).to(device)
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kw = dict(kw, lr=3e-3, **extra)
         opt, topt = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
     release = train_both(model, opt, twin, topt, 3)
-    assert release.backward_passes == 3 and release.buckets_stepped > 3
+    assert release.backward_passes == 3
+    assert release.buckets_stepped == 3 * tied_buckets(twin, 20000)
     key = opt.moments[0].name if opt.param_groups[0].get("momentum", 1) else None
     if "q8" in case:  # the 8-bit code is exercised, not a fallback to FP32
         assert key + "_q8" in opt.state[model.body[0].weight]
@@ -186,6 +215,39 @@ def test_every_rule_and_format_released_has_the_bits_of_step_after_backward(rule
     T.assert_same(T.snapshot(opt, params), T.snapshot(topt, twin), "%s %s" % (rule, fmt))
 
 
+def _on_cpu(snap):
+    params, state, groups = snap
+    return ([p.cpu() for p in params],
+            [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+             for st in state], groups)
+
+
+PAIRS = list(T.pairs())
+
+
+@pytest.mark.skipif(not CUDA_OK, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("rule,fmt", PAIRS, ids=[T.pair_id(c) for c in PAIRS])
+def test_every_rule_and_format_released_on_cuda_has_the_bits_of_cpu(rule, fmt):
+    """The same released steps on CUDA (hooks on autograd's device thread, the CUDA kernels)
+    and on the CPU, from the same params and gradients (the table's, reached through a
+    backward as above), every param dtype of the format together: the same bits."""
+    snaps = {}
+    for device in ("cpu", "cuda"):
+        params = [p.detach().to(device).requires_grad_()
+                  for p in T.make_params(fmt.param_dtypes)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # master-free round to nearest warns
+            opt = rule.make(params, **dict(fmt.kwargs_for(rule), seed=7))
+        release = opt.release_grads(bucket_bytes=600)
+        for step in range(3):
+            grads = [g.to(device) for g in T.make_grads(params, step)]
+            sum((q.float() * g.float()).sum() for q, g in zip(params, grads)).backward()
+            assert all(q.grad is None for q in params)
+        assert release.buckets_stepped >= 3 * 2
+        snaps[device] = _on_cpu(T.snapshot(opt, params))
+    T.assert_same(snaps["cpu"], snaps["cuda"], "%s %s: cpu vs cuda" % (rule, fmt))
+
+
 def test_adam_with_l2_decay_and_param_groups():
     torch.manual_seed(0)
     model = Tied(BF16)
@@ -198,9 +260,9 @@ def test_adam_with_l2_decay_and_param_groups():
     train_both(model, opt, twin, topt, 3, 5000)
 
 
-def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step():
-    model, opt, twin, topt = pair("bf16-remainder")
-    scaler, tscaler = mpext.GradScaler("cpu"), mpext.GradScaler("cpu")
+def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step(device):
+    model, opt, twin, topt = pair("bf16-remainder", device=device)
+    scaler, tscaler = mpext.GradScaler(device), mpext.GradScaler(device)
     release = topt.release_grads(bucket_bytes=20000, scaler=tscaler, max_grad_norm=1.0,
                                  clip="previous")
     head_only = twin.emb.weight.sum()  # a last micro-batch that leaves the body without grads
@@ -228,8 +290,8 @@ def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step():
         release.backward(loss_of(twin, 97))
 
 
-def test_the_tied_weight_is_stepped_once_with_its_whole_gradient():
-    model, opt, twin, topt = pair("fp32")
+def test_the_tied_weight_is_stepped_once_with_its_whole_gradient(device):
+    model, opt, twin, topt = pair("fp32", device=device)
     topt.release_grads(bucket_bytes=0)
     order = []
     for p in twin.parameters():
@@ -286,18 +348,18 @@ class Chain(nn.Module):
         return x.square().mean()
 
 
-def test_a_bucket_with_an_inf_and_every_later_one_change_nothing():
+def test_a_bucket_with_an_inf_and_every_later_one_change_nothing(device):
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain().to(device)
     ref = copy.deepcopy(model)
-    x = torch.randn(5, 8)
-    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(5, 8).to(device)
+    scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0, scaler=scaler)
     sched = mp_sched.LambdaLR(opt, lambda s: 1.0 / (1 + s), scaler=scaler)
     # the clean reference, for the params stepped before the inf appeared
     ref_opt = AdamW(ref.parameters(), lr=1e-2)
-    ref_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    ref_scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     ref_scaler.scale(ref(x)).backward()
     ref_scaler.step(ref_opt)
     before = [p.detach().clone() for p in model.parameters()]
@@ -314,6 +376,7 @@ def test_a_bucket_with_an_inf_and_every_later_one_change_nothing():
         else:  # the bucket with the inf and every later one: nothing changed
             assert same_bits(p, b)
             assert opt.state[p]["step"].item() == 0
+            assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
         assert p.grad is None
     assert release.buckets_stepped == 8
     assert scaler.get_scale() == 2.0 ** 9  # backed off as after a skipped step
@@ -343,7 +406,8 @@ class Deep(nn.Module):
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 300])
-def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucket_bytes):
+def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucket_bytes,
+                                                                            device):
     """One param's gradient alone is made inf (a tensor hook on that param: the gradients
     flowing on to the earlier layers stay finite), so the buckets completed after its bucket
     hold finite gradients only. They, and the params of its own bucket, must change nothing
@@ -352,21 +416,21 @@ def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucke
     from the order in which the gradients complete and their bytes (a bucket is stepped once
     its bytes reach bucket_bytes)."""
     torch.manual_seed(0)
-    model = Deep()
+    model = Deep().to(device)
     clean = copy.deepcopy(model)
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8).to(device)
     params = list(model.parameters())
     done = []  # (param, gradient bytes), as the gradients complete (hooked before release)
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: done.append((p, p.grad.nbytes)))
-    scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     opt = AdamW(params, lr=1e-2)
     release = opt.release_grads(bucket_bytes=bucket_bytes, scaler=scaler)
     poisoned = model.layers[1].weight  # its gradient completes after layers 3 and 2
     poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
     before = [p.detach().clone() for p in params]
     clean_opt = AdamW(clean.parameters(), lr=1e-2)
-    clean_scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+    clean_scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
     clean_scaler.scale(clean(x)).backward()
     clean_scaler.step(clean_opt)
 
@@ -400,9 +464,9 @@ def test_from_the_first_bucket_with_an_inf_every_later_one_changes_nothing(bucke
 
 
 @pytest.mark.parametrize("fmt", ["bf16-master", "bf16-remainder", "q8-moments", "ema"])
-def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
-    model, opt, twin, topt = pair(fmt)
-    scaler, tscaler = mpext.GradScaler("cpu"), mpext.GradScaler("cpu")
+def test_scaled_released_run_has_the_bits_of_scaler_step(fmt, device):
+    model, opt, twin, topt = pair(fmt, device=device)
+    scaler, tscaler = mpext.GradScaler(device), mpext.GradScaler(device)
     topt.release_grads(bucket_bytes=20000, scaler=tscaler)
     for step in range(3):
         scaler.scale(loss_of(model, step)).backward()
@@ -416,10 +480,10 @@ def test_scaled_released_run_has_the_bits_of_scaler_step(fmt):
 
 
 @pytest.mark.parametrize("clip", [None, "previous", "exact"])
-def test_a_released_step_makes_no_host_read(clip):
+def test_a_released_step_makes_no_host_read(clip, device):
     from conftest import HostReads
-    model, _, twin, topt = pair("bf16-remainder")
-    scaler = mpext.GradScaler("cpu")
+    model, _, twin, topt = pair("bf16-remainder", device=device)
+    scaler = mpext.GradScaler(device)
     release = topt.release_grads(bucket_bytes=20000, scaler=scaler,
                                  max_grad_norm=None if clip is None else 1.0,
                                  clip=clip or "exact")
@@ -503,11 +567,11 @@ def test_nested_backward_is_refused():
             loss_of(model, 0).backward()
 
 
-def test_a_failed_backward_does_not_block_the_next():
-    model, opt, twin, topt = pair("fp32")
+def test_a_failed_backward_does_not_block_the_next(device):
+    model, opt, twin, topt = pair("fp32", device=device)
     topt.release_grads(bucket_bytes=0)
 
-    out = twin(torch.zeros(2, 3, dtype=torch.long))
+    out = twin(torch.zeros(2, 3, dtype=torch.long, device=device))
 
     def fail(g):
         raise ValueError("boom")
@@ -515,6 +579,146 @@ def test_a_failed_backward_does_not_block_the_next():
         (OnGrad.apply(twin.emb.weight).sum() + out.sum()).backward()
     loss_of(twin, 1).backward()  # the next backward steps as usual
     assert twin.body[0].weight.grad is None
+
+
+class Boom(Exception):
+    pass
+
+
+def _fail_in_pre_hook(topt):
+    """A step pre-hook that raises: it runs inside the release's hook at the first gradient
+    of a backward, before anything is stepped."""
+    def hook(*args):
+        raise Boom("in a step pre-hook")
+    return topt.register_step_pre_hook(hook)
+
+
+def _fail_in_second_bucket(topt):
+    """The optimizer's launch raises at its second call: the first bucket is stepped, the
+    second's step fails mid-backward inside the release's hook."""
+    launch, calls = topt._launch, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Boom("in the second bucket's step")
+        return launch(*args, **kwargs)
+    topt._launch = failing
+
+    class Undo:
+        def remove(self):
+            topt._launch = launch
+    return Undo()
+
+
+def _fail_outside(twin):
+    """A plain tensor hook (not the release's) raises mid-backward, at the body's first
+    weight: the gradients of the norm and the body's last layer wait in a bucket."""
+    return twin.body[0].weight.register_hook(lambda g: (_ for _ in ()).throw(Boom("elsewhere")))
+
+
+@pytest.mark.parametrize("where", ["pre_hook", "second_bucket", "outside"])
+def test_a_backward_that_fails_mid_way_leaves_nothing_for_the_next(where, device):
+    """An exception raised mid-backward (inside the release's hook, or elsewhere), caught and
+    kept alive with its traceback: the next backward is not refused and steps every param
+    from its own gradients only, with the bits of the same optimizer stepped after backward
+    from the state the failed backward left (its earlier buckets stay stepped)."""
+    model, opt, twin, topt = pair("bf16-master", device=device)
+    # two buckets a backward: the body's first weight fills the first, the rest (the tied
+    # embedding, maybe the body's first bias) is stepped at the end
+    release = topt.release_grads(bucket_bytes=20000)
+    assert tied_buckets(twin, 20000) == 2
+    loss_of(twin, 0).backward()  # a first, clean step: the state is not empty
+    undo = {"pre_hook": _fail_in_pre_hook, "second_bucket": _fail_in_second_bucket,
+            "outside": lambda t: _fail_outside(twin)}[where](topt)
+    try:
+        loss_of(twin, 1).backward()
+    except Boom as exc:
+        kept = exc  # its traceback holds the frames of the failed backward
+    undo.remove()
+    assert kept.__traceback__ is not None
+    assert all(p.grad is None for p in twin.parameters())  # nothing left to add to
+    stepped = release.buckets_stepped
+    assert stepped == (3 if where == "second_bucket" else 2)
+    # the reference: the state the failed backward left, stepped after backward
+    model.load_state_dict(twin.state_dict())
+    opt.load_state_dict(topt.state_dict())
+    loss_of(model, 2).backward()
+    opt.step()
+    loss_of(twin, 2).backward()
+    assert release.buckets_stepped == stepped + 2
+    assert_same_state(model, opt, twin, topt)
+
+
+def test_a_loss_the_release_scaler_never_scaled_is_refused_before_anything_steps(device):
+    """A scaling mpext.GradScaler whose scale() was never called cannot have scaled the loss:
+    mpext's own message (not torch's assertion), before anything is stepped, and the next
+    backward, scaled, works although the exception is still alive."""
+    model, opt, twin, topt = pair("bf16-master", device=device)
+    scaler = mpext.GradScaler(device)
+    release = topt.release_grads(bucket_bytes=0, scaler=scaler)
+    before = [p.detach().clone() for p in twin.parameters()]
+    with pytest.raises(RuntimeError, match=r"no scale yet.*release.backward\(scaler.scale"
+                                           r"\(loss\)\).*bf16_check_only=True") as info:
+        release.backward(loss_of(twin, 0))
+    assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
+    assert release.buckets_stepped == 0 and not topt.state
+    release.backward(scaler.scale(loss_of(twin, 0)))
+    scaler.update()
+    assert info.value is not None and release.buckets_stepped == 7
+    ref_scaler = mpext.GradScaler(device)
+    ref_scaler.scale(loss_of(model, 0)).backward()
+    ref_scaler.step(opt)
+    ref_scaler.update()
+    assert_same_state(model, opt, twin, topt)
+
+
+def test_check_only_scaler_with_float16_params_is_refused_at_release(device):
+    """A float16 gradient needs loss scaling, which a check-only scaler does not do: refused
+    when the release is made (as the scaler's unscale_ refuses one), nothing changed."""
+    model, opt, twin, topt = pair("fp16-master", device=device)
+    scaler = mpext.GradScaler(device, bf16_check_only=True)
+    with pytest.raises(ValueError, match=r"param 0 of group 0 is float16.*bf16_check_only="
+                                         r"False"):
+        topt.release_grads(scaler=scaler)
+    assert topt._grad_release is None
+    loss_of(twin, 0).backward()  # no hooks were left behind: the gradients stay
+    assert all(p.grad is not None for p in twin.parameters())
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_check_only_scaler_takes_an_unscaled_loss_with_the_skip(scaled, device):
+    """mpext.GradScaler(bf16_check_only=True) with release: release.backward(loss) on an
+    unscaled loss (as the docs' "without scaling" invites) gives the bits of the same
+    optimizer stepped by scaler.step after backward, and a NaN step changes nothing (params,
+    moments, masters, step counts) and is counted as skipped, with the scale held at 1."""
+    model, opt, twin, topt = pair("bf16-master", device=device)
+    scaler = mpext.GradScaler(device, bf16_check_only=True)
+    tscaler = mpext.GradScaler(device, bf16_check_only=True)
+    release = topt.release_grads(bucket_bytes=20000, scaler=tscaler)
+    for step in range(4):
+        nan = step == 2
+        loss, tloss = loss_of(model, step), loss_of(twin, step)
+        if nan:
+            loss, tloss = loss * float("nan"), tloss * float("nan")
+            before = [p.detach().clone() for p in twin.parameters()]
+            state = {id(p): {k: v.clone() for k, v in topt.state[p].items()}
+                     for p in twin.parameters()}
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        release.backward(tscaler.scale(tloss) if scaled else tloss)
+        tscaler.update()
+        assert_same_state(model, opt, twin, topt)
+        assert bool(tscaler.last_step_skipped(topt)) == nan
+        if nan:
+            for p, b in zip(twin.parameters(), before):
+                assert same_bits(p, b)
+                for k, v in state[id(p)].items():
+                    assert same_bits(topt.state[p][k], v), k
+    assert tscaler.get_scale() == 1.0 and tscaler.get_skipped_steps() == 1
+    assert release.buckets_stepped == 4 * tied_buckets(twin, 20000)
 
 
 def test_checkpoint_without_reentrance_has_the_same_bits():
@@ -529,15 +733,15 @@ def test_compiled_model_has_the_same_bits():
     train_both(model, opt, twin, topt, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
 
 
-def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_steps():
+def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_steps(device):
     """A loss scaled by an mpext.GradScaler reaching a release made without it (none, or
     another) would step with gradients multiplied by the scale: refused at the first gradient
     of that backward, which is dropped. A bf16_check_only scaler (scale 1) is not refused, nor
     is a scaled loss that reaches no released param."""
-    model, opt, twin, topt = pair("fp32")
+    model, opt, twin, topt = pair("fp32", device=device)
     before = [p.detach().clone() for p in twin.parameters()]
     release = topt.release_grads(bucket_bytes=0)
-    scaler = mpext.GradScaler("cpu")
+    scaler = mpext.GradScaler(device)
     with pytest.raises(RuntimeError, match=r"scaled by an mpext.GradScaler that this release "
                                            r"was made without \(scaler=None\).*release_grads\("
                                            r"scaler=\.\.\.\)"):
@@ -547,13 +751,13 @@ def test_a_loss_scaled_by_a_scaler_the_release_lacks_is_refused_before_anything_
     scaler.scale(loss_of(model, 0)).backward()  # another model, another optimizer: allowed
     scaler.step(opt)
     release.remove()
-    release = topt.release_grads(bucket_bytes=0, scaler=mpext.GradScaler("cpu"))
+    release = topt.release_grads(bucket_bytes=0, scaler=mpext.GradScaler(device))
     with pytest.raises(RuntimeError, match=r"was not made with \(it has another\)"):
         scaler.scale(loss_of(twin, 0)).backward()
     assert all(same_bits(p, b) and p.grad is None for p, b in zip(twin.parameters(), before))
     release.remove()
     topt.release_grads(bucket_bytes=0)
-    mpext.GradScaler("cpu", bf16_check_only=True).scale(loss_of(twin, 0)).backward()
+    mpext.GradScaler(device, bf16_check_only=True).scale(loss_of(twin, 0)).backward()
     assert topt.state[twin.emb.weight]["step"].item() == 1
 
 
@@ -846,9 +1050,9 @@ def test_ddp_is_refused_on_two_gloo_processes(tmp_path):
 # Clipping.
 
 
-def test_exact_clipping_matches_clip_grad_norm_then_step():
+def test_exact_clipping_matches_clip_grad_norm_then_step(device):
     torch.manual_seed(0)
-    model = Tied(F32)
+    model = Tied(F32).to(device)
     twin = copy.deepcopy(model)
     opt, topt = AdamW(model.parameters(), lr=1e-2), AdamW(twin.parameters(), lr=1e-2)
     release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5)
@@ -872,9 +1076,9 @@ def test_exact_clipping_matches_clip_grad_norm_then_step():
     assert release.backward_passes == 6  # two per step: the cost of the exact mode
 
 
-def test_previous_norm_clipping_uses_the_last_steps_norm():
+def test_previous_norm_clipping_uses_the_last_steps_norm(device):
     torch.manual_seed(0)
-    model = Tied(F32)
+    model = Tied(F32).to(device)
     twin = copy.deepcopy(model)
     opt, topt = AdamW(model.parameters(), lr=1e-2), AdamW(twin.parameters(), lr=1e-2)
     release = topt.release_grads(bucket_bytes=20000, max_grad_norm=0.5, clip="previous")
@@ -893,29 +1097,29 @@ def test_previous_norm_clipping_uses_the_last_steps_norm():
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6)
 
 
-def test_exact_clipping_with_an_inf_skips_the_whole_step():
+def test_exact_clipping_with_an_inf_skips_the_whole_step(device):
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain().to(device)
     before = [p.detach().clone() for p in model.parameters()]
-    scaler = mpext.GradScaler("cpu")
+    scaler = mpext.GradScaler(device)
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0, scaler=scaler, max_grad_norm=1.0)
     with poisoned():
-        release.backward(scaler.scale(model(torch.randn(5, 8))))
+        release.backward(scaler.scale(model(torch.randn(5, 8).to(device))))
     scaler.update()
     for p, b in zip(model.parameters(), before):  # the norm pass saw the inf: nothing moved
         assert same_bits(p, b)
     assert scaler.last_step_skipped(opt).item()
 
 
-def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step():
+def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step(device):
     torch.manual_seed(0)
-    model = Chain()
-    scaler = mpext.GradScaler("cpu")
+    model = Chain().to(device)
+    scaler = mpext.GradScaler(device)
     opt = AdamW(model.parameters(), lr=1e-2)
     release = opt.release_grads(bucket_bytes=0, scaler=scaler, max_grad_norm=1.0,
                                 clip="previous")
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8).to(device)
     with poisoned():
         scaler.scale(model(x)).backward()
     scaler.update()
@@ -934,11 +1138,11 @@ def test_previous_norm_clipping_keeps_the_norm_over_a_skipped_step():
 # Memory: the gradients are not all alive at once.
 
 
-def test_gradient_bytes_are_not_all_alive_at_once():
+def test_gradient_bytes_are_not_all_alive_at_once(device):
     peaks = {}
     for released in (False, True):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).to(device)
         params = list(model.parameters())
         opt = AdamW(params)
         live = []
@@ -947,7 +1151,7 @@ def test_gradient_bytes_are_not_all_alive_at_once():
                 sum(q.grad.nbytes for q in params if q.grad is not None)))
         if released:
             opt.release_grads(bucket_bytes=2 * 64 * 64 * 4)
-        model(torch.randn(4, 64)).sum().backward()
+        model(torch.randn(4, 64).to(device)).sum().backward()
         peaks[released] = max(live)
         if not released:
             opt.step()
@@ -958,11 +1162,11 @@ def test_gradient_bytes_are_not_all_alive_at_once():
     assert peaks[True] < total / 2
 
 
-def test_lr_schedules_see_released_steps():
+def test_lr_schedules_see_released_steps(device):
     """torch's schedulers (no "lr_scheduler.step() before optimizer.step()" warning) and the
     device-side ones (counting each released step) follow released steps; the optimizer's
     step hooks run once per step."""
-    model, _, twin, topt = pair("fp32")
+    model, _, twin, topt = pair("fp32", device=device)
     topt.release_grads(bucket_bytes=20000)
     torch_sched = torch.optim.lr_scheduler.StepLR(topt, step_size=1, gamma=0.5)
     calls = []
@@ -975,7 +1179,7 @@ def test_lr_schedules_see_released_steps():
             torch_sched.step()
     assert topt.param_groups[0]["lr"] == 3e-3 / 4
     assert calls == ["pre", "post"] * 2
-    model2, _, twin2, topt2 = pair("fp32")
+    model2, _, twin2, topt2 = pair("fp32", device=device)
     topt2.release_grads(bucket_bytes=20000)
     sched = mp_sched.LambdaLR(topt2, lambda s: 1.0 / (1 + s))
     for step in range(2):
@@ -992,9 +1196,44 @@ def test_lr_schedules_see_released_steps():
                                                       "--steps", "60"],
                                   ["--clip", "exact", "--steps", "60"]])
 def test_plain_loop_example_trains_through_a_nan(argv):
+    """It learns, and its NaN step changes nothing: params, moments, masters or remainders
+    and step counts hold the bits they had before it (seen through the global optimizer step
+    hooks, which a released step runs at its start and its end), while the step before it
+    changed them."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
     from framework_examples import example
-    loss = example("grad_release_train").main(argv + ["--nan-at", "10"])
-    assert loss < 0.2  # it learned (the start is ~0.64), and the NaN step changed nothing
+
+    def snap(opt):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return [p.detach().clone() for p in params], [
+            {k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+    steps = []  # (state before, state after, found_inf) of each step
+
+    def pre(opt, args, kwargs):
+        steps.append([snap(opt)])
+
+    def post(opt, args, kwargs):
+        steps[-1] += [snap(opt), float(kwargs["found_inf"])]
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        loss = example("grad_release_train").main(argv + ["--nan-at", "10"])
+    finally:
+        for h in handles:
+            h.remove()
+    assert loss < 0.2  # it learned (the start is ~0.64)
+    assert len(steps) == 60 and [s[2] for s in steps] == [float(i == 10) for i in range(60)]
+
+    def same(a, b):
+        (pa, sa), (pb, sb) = a, b
+        return all(same_bits(x, y) for x, y in zip(pa, pb)) and all(
+            x.keys() == y.keys() and all(same_bits(x[k], y[k]) for k in x)
+            for x, y in zip(sa, sb))
+    before, after, _ = steps[10]
+    assert any(k != "step" for k in before[1][0])  # moments (and masters) to compare
+    assert same(before, after)  # the NaN step changed nothing
+    assert not same(*steps[9][:2])  # the step before it did
 
 
 def test_lightning_manual_optimization_example():

@@ -15,7 +15,8 @@ has one ``found_inf`` flag, zero at its start; every bucket is checked for inf/N
 fused optimizer) before its step, which the kernel skips when the flag is set. So the first
 bucket with an inf/NaN and every later bucket of that backward change nothing; earlier buckets
 keep their update; the scaler's ``update()`` sees the flag (the step is recorded as skipped and
-the scale backs off as usual).
+the scale backs off as usual). A ``bf16_check_only`` scaler's scale is 1, so its loss may go
+unscaled (``GradScaler._release_scale``).
 
 Clipping by the global norm: ``clip="exact"`` computes the norm in a first backward pass
 (:meth:`GradRelease.backward`, which also checks every gradient for inf/NaN first, so a
@@ -28,7 +29,11 @@ Refused, before anything is stepped (docs/gradient_release.md): more than one pr
 optimizer themselves (Lightning automatic optimization, accelerate's AcceleratedOptimizer and
 gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
 by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
-the release was not made with (:func:`scaled_backward_hook`).
+the release was not made with (:func:`scaled_backward_hook`), or not scaled by its scaling
+scaler, whose ``scale()`` was never called; float16 params with a check-only scaler.
+
+A backward that fails (here or anywhere) is forgotten at once, its unstepped gradients dropped,
+so that nothing of it reaches the next (GradRelease._on_grad, _token_died).
 """
 import contextlib
 import math
@@ -315,6 +320,13 @@ class GradRelease:
                     raise RuntimeError(
                         "%s already has a gradient; release steps each param from the gradient "
                         "of one backward: call zero_grad(set_to_none=True) first" % where)
+                if p.dtype is torch.float16 and scaler is not None and scaler.is_enabled() \
+                        and scaler._bf16_check_only:
+                    # as the scaler's own unscale_ refuses a float16 gradient in this mode
+                    raise ValueError(
+                        "%s is float16, and mpext.GradScaler(bf16_check_only=True) does not "
+                        "scale the loss, but a float16 gradient needs loss scaling; use "
+                        "bf16_check_only=False for float16 training" % where)
                 params.append(p)
         self._name = name
         self._opt = optimizer  # a released optimizer lives as long as its params' hooks
@@ -457,14 +469,27 @@ class GradRelease:
                        "multiplied by the scale: pass that scaler to release_grads(scaler=...)"
                        % (self._name, "made without (scaler=None)" if self.scaler is None
                           else "not made with (it has another)"))
-        if refused is not None:
-            p.grad = None
+        if refused is not None:  # (its gradient is dropped by _on_grad)
             raise (RuntimeError if world == 1 else NotImplementedError)(refused)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._paused:
             return
         task = _task_id()
+        try:
+            self._take(p, task)
+        except BaseException:
+            # This backward fails: forget it now, dropping its unstepped gradients, so that
+            # nothing of it (a gradient the next backward would add to, an open step) is left
+            # for the next one, however long the exception and its traceback live.
+            if self._task == task:
+                self._abandon()
+            elif self._task is None:  # refused as it began: its first gradient goes too
+                p.grad = None
+            raise
+
+    def _take(self, p: torch.Tensor, task: int) -> None:
+        """The hook's work for param ``p`` in backward ``task``."""
         if self._task is not None and task != self._task and self._token() is None:
             self._abandon()  # the open backward failed: its callback will never run
         if self._task is None:
@@ -486,11 +511,13 @@ class GradRelease:
 
     def _abandon(self) -> None:
         """Forgets a backward that raised before its end: the gradients it had not stepped
-        yet are dropped (its earlier buckets stay stepped)."""
+        yet (the bucket's, that of a bucket whose step raised included) are dropped, its
+        earlier buckets stay stepped."""
         for p in self._bucket:
             p.grad = None
         self._bucket, self._pending = [], 0
         self._last_task, self._task = self._task, None
+        self._token = lambda: None
 
     def _begin(self, task: int) -> None:
         if task < self._last_task:
@@ -505,31 +532,43 @@ class GradRelease:
         if clipping and self.clip == "exact" and not (self._norm_pass or self._norm_ready):
             raise RuntimeError("%s: clip=\"exact\" needs the norm pass: call "
                                "release.backward(loss) instead of loss.backward()" % self._name)
+        # Everything that can raise (the step pre-hooks, the scaler's checks) runs before the
+        # backward is opened below, so a refused backward leaves no open step behind.
+        if self._norm_ready:  # exact clipping's stepping pass: the norm pass set up the step
+            mult = self._multiplier()
+        else:
+            self._run_pre_hooks(opt)
+            device = self._state_device(opt)
+            scaler = self.scaler
+            if scaler is not None and scaler.is_enabled():
+                # 1 for a check-only scaler, also when the loss was not scaled
+                scale = scaler._release_scale(device, self._name)
+                # As FusedOptimizer.step computes it from the grad_scale the scaler hands it.
+                self._inv_scale = scale.detach().double().reciprocal().float()
+                self._found = torch.zeros((), dtype=F32, device=scale.device)
+            else:
+                self._inv_scale = self._found = None
+            if clipping:
+                self._sumsq = torch.zeros((), dtype=torch.float64, device=device)
+            mult = None if self._norm_pass else self._multiplier()
+        if not self._norm_pass:
+            self._mult = mult
         self._task = task
         self.backward_passes += 1
-        # The callback holds the only reference to the token: if the backward fails, the
-        # engine drops its callbacks, the token dies, and the next backward knows this one is
-        # over (see _on_grad).
+        # The callback holds the only reference to the token (made last, so that no frame of a
+        # traceback holds it): if the backward fails, the engine drops its callbacks, the token
+        # dies and the finalizer forgets the backward at once (_token_died); the next backward
+        # also checks (see _on_grad).
         token = _Token()
         self._token = weakref.ref(token)
+        weakref.finalize(token, self._token_died, task).atexit = False  # (none at exit)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(token))
-        if self._norm_ready:  # exact clipping's stepping pass: the norm pass set up the step
-            self._mult = self._multiplier()
-            return
-        self._run_pre_hooks(opt)
-        device = self._state_device(opt)
-        scaler = self.scaler
-        if scaler is not None and scaler.is_enabled():
-            scale = scaler._check_scale_growth_tracker("release_grads")[0]
-            # As FusedOptimizer.step computes it from the grad_scale the scaler hands it.
-            self._inv_scale = scale.detach().double().reciprocal().float()
-            self._found = torch.zeros((), dtype=F32, device=scale.device)
-        else:
-            self._inv_scale = self._found = None
-        if clipping:
-            self._sumsq = torch.zeros((), dtype=torch.float64, device=device)
-        if not self._norm_pass:
-            self._mult = self._multiplier()
+
+    def _token_died(self, task: int) -> None:
+        """The callback of backward ``task`` is gone: if that backward is still open, it failed
+        before its end (by an error anywhere in it): its unstepped gradients are dropped."""
+        if self._task == task:
+            self._abandon()
 
     def _run_pre_hooks(self, opt) -> None:
         """The optimizer's step pre-hooks (global, then its own), when a step begins."""
@@ -546,9 +585,14 @@ class GradRelease:
         return torch.device("cpu")
 
     def _flush(self) -> None:
-        bucket, self._bucket, self._pending = self._bucket, [], 0
+        bucket = self._bucket
         if not bucket:
             return
+        self._flush_bucket(bucket)
+        # only once stepped: a bucket whose step raised stays, for _abandon to drop
+        self._bucket, self._pending = [], 0
+
+    def _flush_bucket(self, bucket: List[torch.Tensor]) -> None:
         with torch.no_grad():
             if self._norm_pass:
                 self._add_norm(bucket)
@@ -607,6 +651,8 @@ class GradRelease:
 
     def _end(self, token: "_Token") -> None:
         """The end of a backward pass: the last bucket, then the step's records."""
+        if self._token() is not token:
+            return  # a backward already forgotten (_abandon)
         try:
             if self._accumulated and not self._norm_pass:
                 # Params that had gradients accumulated but none from this backward: step()
@@ -615,8 +661,10 @@ class GradRelease:
                 self._bucket += [p for group in self._opt.param_groups for p in group["params"]
                                  if p.grad is not None and id(p) not in queued]
             self._flush()
-        finally:
-            self._last_task, self._task = self._task, None
+        except BaseException:
+            self._abandon()
+            raise
+        self._last_task, self._task = self._task, None
         opt = self.optimizer
         if self._norm_pass:
             norm = self._sumsq.sqrt().to(F32)
