@@ -1797,3 +1797,21 @@ def test_cli_gpu_memory_json(capsys):
         assert r["checkpointing"] and r["family"] == "llama"
     assert [c["fits"] for c in gpu["columns"]] == [False, True]
     assert gpu["columns"][0]["changes"] and not gpu["columns"][1]["changes"]
+
+
+def test_readme_budget_table_is_the_calculators(capsys):
+    """Every row of README's "Settings by memory budget" is what its command prints: the
+    estimate + slack in GiB (3 figures) and whether it fits."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Settings by memory budget", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([^|]+) \| `([^`]+)` \| ([0-9.]+) GiB \| (fits|does not fit) \|$",
+                      section, re.M)
+    assert len(rows) >= 10 and {r[3] for r in rows} == {"fits", "does not fit"}
+    for gpu, argv, need, verdict in rows:
+        code, out, _ = run_main(capsys, *argv.split(), "--json")
+        assert code == 0
+        col = json.loads(out)["gpu"]["columns"][0]
+        assert "%.3g" % (col["need"] / 2 ** 30) == need, argv
+        assert col["fits"] == (verdict == "fits"), argv
+        assert gpu.split(" ×")[0].replace(" ", "") in argv.replace("GiB", " GiB").replace(
+            "GB", " GB").replace(" ", ""), argv  # the GPU column is the command's
