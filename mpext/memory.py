@@ -4,7 +4,9 @@
 holds per device (``mpext.memory_estimate``, whose docstring gives the accounting); ``measure``
 counts what a live training setup holds, by the same rows (``mpext.memory_measure``). This module
 is the command line and the report: ``python -m mpext.memory`` prints the estimate as a table
-(``--json``, ``--png`` for a chart). ``docs/memory.md`` documents every row.
+(``--json``, ``--png`` for a chart) and, given ``--gpu-memory``, whether each column fits that
+GPU (its stated assumptions: the CUDA context, the allocator's slack) and what would make it fit
+(``fit_changes``). ``docs/memory.md`` documents every row.
 """
 import argparse
 import json
@@ -129,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mpext.memory",
         description="Per-device training memory: weights, gradients, master weights, optimizer "
                     "states, activations, for native AMP and mpext modes, with ZeRO stages.",
-        epilog="Example: python -m mpext.memory --model llama-7b --mode fp32,amp-bf16,mpext-bf16 "
-               "--zero 0,1,2,3 --world-size 8 --batch 1. Accounting: docs/memory.md.")
+        epilog="Examples: python -m mpext.memory --model llama-7b --mode fp32,amp-bf16,mpext-bf16 "
+               "--zero 0,1,2,3 --world-size 8 --batch 1; python -m mpext.memory --model "
+               "llama-7b --batch 1 --gpu-memory 80GiB (does it fit, and what would make it "
+               "fit). Accounting: docs/memory.md.")
     # So that "--params -7e9" reaches the check (and its message) instead of reading as an
     # option: argparse's own pattern knows no exponents. No option looks like a number.
     p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[KMBGTkmbgt]?$")

@@ -87,8 +87,12 @@ benchmarks' layout) and transformers' GPT-2
 default), a float32 log-sum-exp ``4*a*s*b`` or, with ``"eager"``, the probabilities
 ``a*s^2*b*(f + d' + m)``; ``d`` the matrix products' bytes, ``f`` the residual stream's and the
 norms' (FP32 under native AMP), ``m`` a dropout mask's. Eager attention on CUDA in 16 bits is
-Korthikanti et al. 2022, section 4.1, plus the norms' statistics. Activations are replicated
-data-parallel work and are not divided by ZeRO. ``compress=...`` (``--compress-activations``)
+Korthikanti et al. 2022, section 4.1, plus the norms' statistics. That is the ``gpt`` family's
+formula; ``family="llama"`` is LLaMA's (RMSNorm with FP32 copies, RoPE, SwiGLU,
+``_llama_saved_tensors``), measured on transformers' ``LlamaForCausalLM``; a family with no
+formula (``FAMILIES``) is refused. ``checkpointing=True`` keeps each block's input and one
+recomputed block at a time. Activations are replicated data-parallel work and are not divided
+by ZeRO. ``compress=...`` (``--compress-activations``)
 counts the tensors ``mpext.activations`` stores in FP8 as it stores them: one byte per element
 and a float32 scale per block of their last dimension (``activation_compression``).
 """
@@ -112,7 +116,8 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
            "activation_compression",
            "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
            "llama_shapes", "model_names", "model_spec", "mode_supports",
-           "DEFAULT_BUCKET_BYTES", "FAMILIES"]
+           "DEFAULT_BUCKET_BYTES", "FAMILIES", "GpuBudget", "fit_changes", "gpu_memory_bytes",
+           "CUDA_CONTEXT_BYTES", "ALLOCATOR_SLACK"]
 
 _FP32, _HALF = 4, 2
 _ADAM = ("adam", "adamw")  # the optimizers with mpext's lean state (mpext.optim.Adam / AdamW)
@@ -1284,7 +1289,8 @@ def _shard_state(spec: ModeSpec, shape: Sequence[int], mine: int, w: int, r: int
 
 
 # ---------------------------------------------------------------------------------------------
-# Does it fit? A GPU's memory against the estimate
+# Does it fit? A GPU's memory against the estimate (``GpuBudget``), and what would make a
+# configuration fit (``fit_changes``), every figure from ``estimate``
 
 # What a process holds on a GPU besides its tensors, assumed (no GPU measured them here): the
 # CUDA context with torch's kernels loaded lazily, a few hundred MiB on recent drivers; and the

@@ -1426,7 +1426,8 @@ def test_cli_fsdp2_and_torch_zero1(capsys):
     assert "unsupported" not in res
     spec = memory.model_spec("llama-7b")
     assert res["results"][1] == estimate(list(spec.shapes), "adamw", "mpext-bf16", zero=3,
-                                         world_size=8, sharding="torch").to_dict()
+                                         world_size=8, sharding="torch",
+                                         family="llama").to_dict()
     with pytest.raises(SystemExit):
         memory.main(["--params", "1e6", "--zero", "fsdp3"])
     assert "or PyTorch's fsdp2 or zero1-torch" in capsys.readouterr().err
