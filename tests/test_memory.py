@@ -1816,3 +1816,32 @@ def test_readme_budget_table_is_the_calculators(capsys):
         assert col["fits"] == (verdict == "fits"), argv
         assert gpu.split(" ×")[0].replace(" ", "") in argv.replace("GiB", " GiB").replace(
             "GB", " GB").replace(" ", ""), argv  # the GPU column is the command's
+
+
+@pytest.mark.parametrize("mode", list(_RUNS))
+@pytest.mark.parametrize("shape", _SHAPES)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checkpointing_equals_torch_utils_checkpoint_on_gpt2(mode, shape, dropout):
+    """The gpt family's checkpointed peak against transformers' GPT2LMHeadModel with its own
+    (reentrant) checkpointing of every block, with and without dropout (the CPU's SDPA math
+    path with it): exactly, on the CPU (the labels' copy is freed before the first block is
+    recomputed)."""
+    transformers = pytest.importorskip("transformers")
+    b, s, h, L, a, v = shape
+    cfg = transformers.GPT2Config(
+        n_layer=L, n_embd=h, n_head=a, vocab_size=v, n_positions=s, use_cache=False,
+        attn_implementation="sdpa", resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout, activation_function="gelu_pytorch_tanh", bos_token_id=0,
+        eos_token_id=0)
+    torch.manual_seed(0)
+    dtype, amp = _RUNS[mode]
+    model = transformers.GPT2LMHeadModel(cfg).to(dtype).train()
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    x = torch.randint(0, v, (b, s))
+    meter = _PeakSaved(model, (x,))
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        loss = model(x, labels=x).loss
+        loss.backward()
+    assert meter.now == 0
+    assert meter.peak == _estimated(mode, *shape, dropout=dropout > 0, checkpointing=True)
