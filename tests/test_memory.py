@@ -1474,8 +1474,6 @@ def test_llama_activations_equal_hf_llamas_saved_tensors(mode, shape, attention,
     CPU exactly, but for the loss's shifted copy of the labels (int64, 8*s*b bytes, as with
     GPT-2). On CUDA the fused attention kernels may pad their log-sum-exp and keep RNG scalars:
     within 1%."""
-    if device == "cuda" and mode == "amp-bf16":
-        pass  # autocast on the device below
     b, s, h, L, a, F, v = shape
     model, x = _tiny_llama(b, s, h, L, a, F, v, attention, device)
     dtype, amp = _RUNS[mode]
