@@ -4,7 +4,9 @@
 holds per device (``mpext.memory_estimate``, whose docstring gives the accounting); ``measure``
 counts what a live training setup holds, by the same rows (``mpext.memory_measure``). This module
 is the command line and the report: ``python -m mpext.memory`` prints the estimate as a table
-(``--json``, ``--png`` for a chart). ``docs/memory.md`` documents every row.
+(``--json``, ``--png`` for a chart) and, given ``--gpu-memory``, whether each column fits that
+GPU (its stated assumptions: the CUDA context, the allocator's slack) and what would make it fit
+(``fit_changes``). ``docs/memory.md`` documents every row.
 """
 import argparse
 import json
@@ -22,7 +24,8 @@ from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES
                               gpt_params, gpt_shapes, llama_params, llama_shapes, model_names,
                               mode_supports, model_spec, optimizer_states, rule_states,
                               SHARDINGS, fsdp2_shard, stage_label, zero_partition,
-                              activation_compression)
+                              activation_compression, FAMILIES, GpuBudget, fit_changes,
+                              gpu_memory_bytes, CUDA_CONTEXT_BYTES, ALLOCATOR_SLACK)
 from .activations import POLICIES
 from .memory_measure import measure  # noqa: F401
 
@@ -32,7 +35,7 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
            "format_mode", "format_mode_name", "activation_bytes", "activation_formula",
            "activation_compression", "gpt_params", "gpt_shapes",
            "llama_params", "llama_shapes", "measure", "model_names", "model_spec", "mode_supports",
-           "main"]
+           "FAMILIES", "GpuBudget", "fit_changes", "gpu_memory_bytes", "verdict_lines", "main"]
 
 # ---------------------------------------------------------------------------------------------
 # The command line
@@ -82,6 +85,26 @@ def _list_arg(name: str, choices: Sequence[str]):
     return parse
 
 
+def _size_arg(option: str):
+    def parse(text: str) -> int:
+        try:
+            return gpu_memory_bytes(text, option)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+    return parse
+
+
+def _share_arg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a number: %r" % (text,)) from None
+    if not (math.isfinite(v) and 0 <= v < 10):
+        raise argparse.ArgumentTypeError("a share of the estimate between 0 and 10 (0.1 is "
+                                         "10%%), got %r" % (text,))
+    return v
+
+
 # --zero's words for PyTorch's own engines (estimate's sharding='torch'): (stage, sharding)
 ZERO_WORDS = {"fsdp2": (3, "torch"), "zero1-torch": (1, "torch")}
 
@@ -108,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mpext.memory",
         description="Per-device training memory: weights, gradients, master weights, optimizer "
                     "states, activations, for native AMP and mpext modes, with ZeRO stages.",
-        epilog="Example: python -m mpext.memory --model llama-7b --mode fp32,amp-bf16,mpext-bf16 "
-               "--zero 0,1,2,3 --world-size 8 --batch 1. Accounting: docs/memory.md.")
+        epilog="Examples: python -m mpext.memory --model llama-7b --mode fp32,amp-bf16,mpext-bf16 "
+               "--zero 0,1,2,3 --world-size 8 --batch 1; python -m mpext.memory --model "
+               "llama-7b --batch 1 --gpu-memory 80GiB (does it fit, and what would make it "
+               "fit). Accounting: docs/memory.md.")
     # So that "--params -7e9" reaches the check (and its message) instead of reading as an
     # option: argparse's own pattern knows no exponents. No option looks like a number.
     p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[KMBGTkmbgt]?$")
@@ -176,6 +201,28 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--compress-min-bytes", type=_count_arg(0), metavar="N",
                      help="the size policy's threshold (default %d)"
                           % _COMPRESS_DEFAULTS["min_bytes"])
+    act.add_argument("--family", choices=FAMILIES,
+                     help="whose activation formula, with --params: gpt (pre-LayerNorm, GELU "
+                          "MLP; the default) or llama (RMSNorm, RoPE, SwiGLU; needs --ffn). "
+                          "--model sets it")
+    act.add_argument("--ffn", type=_count_arg(),
+                     help="the llama family's MLP width (intermediate_size)")
+    act.add_argument("--checkpointing", action="store_true",
+                     help="activation checkpointing of every block: each block's input kept, "
+                          "one block recomputed at a time in the backward")
+    fit = p.add_argument_group("does it fit?")
+    fit.add_argument("--gpu-memory", type=_size_arg("--gpu-memory"), metavar="SIZE",
+                     help="the GPU's memory: 24GB, 80GiB, or a bare number of GB (10^9 bytes, "
+                          "as GPUs are sold; a card sold as 80GB holds about 80GiB); prints "
+                          "whether each column fits and what to change to make it fit")
+    fit.add_argument("--cuda-context", type=_size_arg("--cuda-context"), metavar="SIZE",
+                     default=CUDA_CONTEXT_BYTES,
+                     help="GPU memory taken by the CUDA context and kernels before any tensor "
+                          "(assumed: 512MiB)")
+    fit.add_argument("--allocator-slack", type=_share_arg, metavar="SHARE",
+                     default=ALLOCATOR_SLACK,
+                     help="what the caching allocator reserves beyond the live tensors, as a "
+                          "share of the estimate (assumed: 0.10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", metavar="PATH", help="also write a stacked bar chart of the columns")
     return p
@@ -184,8 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _configs(args, parser) -> List[Breakdown]:
     shape = {k: getattr(args, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
     dropout = not args.no_dropout
+    family, ffn = args.family or "gpt", args.ffn
     if args.model:
         m = model_spec(args.model)
+        if args.family and args.family != m.family:
+            parser.error("argument --family: %s is a %s model (its own formula), not %s"
+                         % (args.model, m.family, args.family))
+        if args.ffn is not None:
+            parser.error("argument --ffn: --model %s sets it" % args.model)
+        family, ffn = m.family, m.ffn
         params = list(m.shapes)  # per tensor: 8-bit keeps small ones in FP32, FSDP2 pads dim 0
         dropout = dropout and m.dropout
         for k, v in (("seq", m.seq), ("hidden", m.hidden), ("layers", m.layers),
@@ -208,6 +262,22 @@ def _configs(args, parser) -> List[Breakdown]:
     if shape["vocab"] is not None and not given:
         parser.error("argument --vocab: only used with the activation shape (--batch, --seq, "
                      "--hidden, --layers, --heads)")
+    for opt, used in (("--checkpointing", args.checkpointing), ("--ffn", args.ffn is not None),
+                      ("--family", args.family is not None)):
+        if used and not given:
+            parser.error("argument %s: only used with the activation shape (--batch, --seq, "
+                         "--hidden, --layers, --heads)" % opt)
+    if family == "llama":
+        if ffn is None:
+            parser.error("argument --ffn: the llama formula needs the MLP's width "
+                         "(intermediate_size; LLaMA-7B: 11008)")
+        if not args.no_dropout and not args.model:
+            dropout = False  # LLaMA trains without dropout; its formula has none
+    elif args.ffn is not None:
+        parser.error("argument --ffn: only with --family llama")
+    if args.checkpointing and args.compress_activations:
+        parser.error("argument --checkpointing: not estimated together with "
+                     "--compress-activations")
     compress = None
     if args.compress_activations:
         compress = {"policy": args.compress_activations}
@@ -221,6 +291,9 @@ def _configs(args, parser) -> List[Breakdown]:
         if not given:
             parser.error("argument --compress-activations: only used with the activation "
                          "shape (--batch, --seq, --hidden, --layers, --heads)")
+        if family != "gpt":
+            parser.error("argument --compress-activations: estimated for the gpt family only "
+                         "(not measured on %s's tensors yet)" % family)
         if shape["hidden"] % shape["heads"]:
             parser.error("argument --heads: --compress-activations needs heads that divide "
                          "--hidden %d (the blocks run along a head's width), got %d"
@@ -257,14 +330,14 @@ def _configs(args, parser) -> List[Breakdown]:
     out = []
     for mode in modes:
         for z, sharding in args.zero:
+            kw = dict(params=params, optimizer=args.optimizer, mode=mode, zero=z,
+                      world_size=args.world_size, sharding=sharding, dropout=dropout,
+                      attention=args.attention, device=args.device, ema=args.ema,
+                      rule=args.rule, momentum=args.momentum, grad_release=args.grad_release,
+                      bucket_bytes=args.bucket_bytes, compress=compress, family=family,
+                      ffn=ffn if given else None, checkpointing=args.checkpointing, **shape)
             try:
-                out.append(estimate(params, args.optimizer, mode, zero=z,
-                                    world_size=args.world_size, sharding=sharding,
-                                    dropout=dropout, attention=args.attention,
-                                    device=args.device, ema=args.ema, rule=args.rule,
-                                    momentum=args.momentum, grad_release=args.grad_release,
-                                    bucket_bytes=args.bucket_bytes, compress=compress,
-                                    **shape))
+                out.append((estimate(**kw), kw))
             except ValueError as exc:  # a combination only the estimate knows to refuse
                 parser.error("argument --zero: %s" % exc)
     return out
@@ -359,12 +432,71 @@ def _check_png(parser: argparse.ArgumentParser, path: str) -> None:
         parser.error("argument --png: the folder %s does not exist" % Path(path).parent)
 
 
+def _gib(v: float) -> str:
+    return "%.3g GiB" % (v / 2 ** 30)
+
+
+def _size_text(text_bytes: int) -> str:
+    """A size as given: GB when it is a whole number of them (as GPUs are sold), else GiB."""
+    if text_bytes % 10 ** 9 == 0 or text_bytes % 2 ** 30:
+        return "%.4g GB (%s)" % (text_bytes / 1e9, _gib(text_bytes))
+    return _gib(text_bytes)
+
+
+def _verdict(b: Breakdown, budget: GpuBudget) -> str:
+    need = budget.need(b)
+    if budget.fits(b):
+        return "fits: %s + %.3g%% = %s of %s usable, %s to spare" % (
+            _gib(b.total), 100 * budget.slack, _gib(need), _gib(budget.usable),
+            _gib(budget.usable - need))
+    return "does NOT fit: %s + %.3g%% = %s of %s usable, %s short" % (
+        _gib(b.total), 100 * budget.slack, _gib(need), _gib(budget.usable),
+        _gib(need - budget.usable))
+
+
+def verdict_lines(configs, budget: GpuBudget) -> List[str]:
+    """The --gpu-memory report: the assumptions with their figures, then per column of
+    ``configs`` ((Breakdown, estimate's keyword arguments) pairs) whether it fits ``budget``
+    and, where it does not, what each change would need (``fit_changes``)."""
+    lines = ["Does it fit on %s? Assumed: the CUDA context and kernels take %s before any tensor "
+             "(--cuda-context), the caching allocator reserves %.3g%% beyond the estimate "
+             "(--allocator-slack): %s usable for the estimate and its slack. Not counted: "
+             "temporaries of the forward and backward (the gradients flowing between layers, "
+             "the logits before the loss), communication buffers, other processes on the GPU."
+             % (_size_text(budget.capacity), _gib(budget.context), 100 * budget.slack,
+                _gib(budget.usable)), ""]
+    for b, kw in configs:
+        lines.append("- %s: %s." % (b.label(), _verdict(b, budget)))
+        if budget.fits(b):
+            continue
+        changes = fit_changes(kw, budget)
+        if not changes:
+            lines.append("  nothing the calculator can change makes it fit.")
+            continue
+        lines.append("  what would change it (each estimated):")
+        for what, c in changes:
+            lines.append("  - %s: %s" % (what, _verdict(c, budget)))
+        if not any(budget.fits(c) for _, c in changes):
+            lines.append("  none of these fits; more devices (--zero with --world-size) or a "
+                         "larger GPU would be needed.")
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``python -m mpext.memory`` command; returns the exit status (argparse exits with 2 on
     bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    results = _configs(args, parser)
+    configs = _configs(args, parser)
+    results = [b for b, _ in configs]
+    budget = None
+    if args.gpu_memory is not None:
+        try:
+            budget = GpuBudget(args.gpu_memory, args.cuda_context, args.allocator_slack)
+        except ValueError as exc:
+            parser.error("argument --cuda-context: %s" % exc)
+    elif args.cuda_context != CUDA_CONTEXT_BYTES or args.allocator_slack != ALLOCATOR_SLACK:
+        parser.error("argument --cuda-context/--allocator-slack: only with --gpu-memory")
     if args.png:
         _check_png(parser, args.png)
     what = args.model or "%s params" % format(results[0].params, ",")
@@ -374,9 +506,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           ", gradient release" if args.grad_release else "",
                                           args.world_size)
     if args.json:
-        print(json.dumps({"model": args.model, "optimizer": results[0].optimizer,
-                          "rule": args.rule, "grad_release": args.grad_release,
-                          "results": [r.to_dict() for r in results]}, indent=1))
+        data = {"model": args.model, "optimizer": results[0].optimizer,
+                "rule": args.rule, "grad_release": args.grad_release,
+                "results": [r.to_dict() for r in results]}
+        if budget is not None:
+            data["gpu"] = dict(capacity=budget.capacity, cuda_context=budget.context,
+                               allocator_slack=budget.slack, usable=budget.usable,
+                               columns=[dict(label=b.label(), need=budget.need(b),
+                                             fits=budget.fits(b),
+                                             changes=[dict(change=w, total=c.total,
+                                                           need=budget.need(c),
+                                                           fits=budget.fits(c))
+                                                      for w, c in ([] if budget.fits(b) else
+                                                                   fit_changes(kw, budget))])
+                                        for b, kw in configs])
+        print(json.dumps(data, indent=1))
     else:
         print("## Training memory per device: %s" % title)
         print()
@@ -386,6 +530,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("Activations: %s." % (f if f else "not estimated (give --batch with --model, or "
                                     "--batch --seq --hidden --layers --heads)"))
         print("Per-step rows exist only while a step runs; see docs/memory.md for each row.")
+        if budget is not None:
+            print()
+            print("\n".join(verdict_lines(configs, budget)))
     if args.png:
         try:
             plot(results, args.png, title)

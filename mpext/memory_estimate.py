@@ -87,8 +87,12 @@ benchmarks' layout) and transformers' GPT-2
 default), a float32 log-sum-exp ``4*a*s*b`` or, with ``"eager"``, the probabilities
 ``a*s^2*b*(f + d' + m)``; ``d`` the matrix products' bytes, ``f`` the residual stream's and the
 norms' (FP32 under native AMP), ``m`` a dropout mask's. Eager attention on CUDA in 16 bits is
-Korthikanti et al. 2022, section 4.1, plus the norms' statistics. Activations are replicated
-data-parallel work and are not divided by ZeRO. ``compress=...`` (``--compress-activations``)
+Korthikanti et al. 2022, section 4.1, plus the norms' statistics. That is the ``gpt`` family's
+formula; ``family="llama"`` is LLaMA's (RMSNorm with FP32 copies, RoPE, SwiGLU,
+``_llama_saved_tensors``), measured on transformers' ``LlamaForCausalLM``; a family with no
+formula (``FAMILIES``) is refused. ``checkpointing=True`` keeps each block's input and one
+recomputed block at a time. Activations are replicated data-parallel work and are not divided
+by ZeRO. ``compress=...`` (``--compress-activations``)
 counts the tensors ``mpext.activations`` stores in FP8 as it stores them: one byte per element
 and a float32 scale per block of their last dimension (``activation_compression``).
 """
@@ -112,7 +116,8 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
            "activation_compression",
            "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
            "llama_shapes", "model_names", "model_spec", "mode_supports",
-           "DEFAULT_BUCKET_BYTES"]
+           "DEFAULT_BUCKET_BYTES", "FAMILIES", "GpuBudget", "fit_changes", "gpu_memory_bytes",
+           "CUDA_CONTEXT_BYTES", "ALLOCATOR_SLACK"]
 
 _FP32, _HALF = 4, 2
 _ADAM = ("adam", "adamw")  # the optimizers with mpext's lean state (mpext.optim.Adam / AdamW)
@@ -333,6 +338,9 @@ class ModelSpec:
     sizes: Tuple[int, ...] = ()
     # each parameter tensor's shape: FSDP2 cuts dim 0 (``sharding='torch'``)
     shapes: Tuple[Tuple[int, ...], ...] = ()
+    # whose activation formula applies (``FAMILIES``) and, for a SwiGLU MLP, its width
+    family: str = "gpt"
+    ffn: Optional[int] = None
 
 
 def gpt_params(layers: int, hidden: int, vocab: int, seq: int, bias: bool = True,
@@ -401,8 +409,8 @@ def _llama(name, layers, hidden, heads, ffn, vocab=32000, seq=2048):
     sizes = _sizes_of(llama_shapes(layers, hidden, ffn, vocab))
     assert sum(sizes) == llama_params(layers, hidden, ffn, vocab)
     return ModelSpec(name, sum(sizes), layers, hidden, heads, vocab, seq,
-                     "LLaMA layout; the activation formula is the GPT one (SwiGLU saves more "
-                     "in its MLP)", dropout=False, sizes=sizes, shapes=shapes)
+                     "LLaMA layout and activation formula (RMSNorm, RoPE, SwiGLU)",
+                     dropout=False, sizes=sizes, shapes=shapes, family="llama", ffn=ffn)
 
 
 MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
@@ -454,6 +462,8 @@ class Breakdown:
     grad_bucket: int = 0         # gradient release: the one bucket of gradients alive
     sharding: str = "even"       # how ZeRO partitions (``estimate``'s ``sharding``)
     rank: Optional[int] = None   # the rank these bytes are of (sharding='torch')
+    family: str = "gpt"          # whose activation formula (``FAMILIES``)
+    checkpointing: bool = False  # activations with every block checkpointed
 
     PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "scaler")
     TRANSIENT = ("activations", "autocast_copies", "grad_bucket", "step_buffers")
@@ -579,10 +589,95 @@ def _saved_tensors(dropout: bool, attention: str, device: str, d: int, f: int,
     return layer, outside
 
 
-def _shape_env(b, s, h, a, v, d, f, mask_d, mask_f) -> Dict[str, int]:
+def _llama_saved_tensors(attention: str, d: int, f: int,
+                         vocab: bool) -> Tuple[List[_Saved], List[_Saved]]:
+    """(per layer, outside the layers): what transformers' LlamaForCausalLM (full multi-head
+    attention, no dropout) saves, tensor by tensor, as torch's saved-tensor hooks see it
+    (tests/test_memory.py measures a small stock model). Read off LlamaDecoderLayer's forward:
+
+    - LlamaRMSNorm: ``x.to(float32)`` (the input itself when it is FP32) is saved by ``pow``
+      and by the product with ``rsqrt(mean + eps)``, which saves that rstd (one float per
+      token) too; the normalized value cast back to the weights' dtype ``f`` is saved by the
+      product with the weight, whose output the projections read (``d``: under autocast
+      each projection saves a cast of its own: three for q, k, v, two for gate and up).
+    - RoPE: ``q * cos + rotate_half(q) * sin`` saves only cos and sin (they need no grad),
+      computed once per forward for all layers: ``2*s*(h/a)`` in ``f`` (positions broadcast
+      over the batch).
+    - SDPA saves the rotated q and k, v, its output (the o-projection's input, one storage)
+      and a float32 log-sum-exp; eager attention saves q, k^T, v, the float32 softmax output,
+      its cast to ``d`` (when ``d`` is not 4) for P@V, and the o-projection's input (a copy).
+    - SwiGLU (``down(silu(gate(x)) * up(x))``): the gate's output (SiLU's input), SiLU's
+      output, the up-projection's output and their product (the down-projection's input),
+      four ffn-wide tensors in ``d``.
+    """
+    T, x, F = _Saved, "s*b*h", "s*b*F"
+    cast = d != f  # autocast: each projection casts the norm's output for itself
+    fp32_in = f == 4  # x.to(float32) is x: the norm's copy is the block's input itself
+
+    def norm(i, store_in):
+        return [T("RMSNorm %d input as float32" % i, 1, 1, x, "4", "h", "norm", True,
+                  store_in),
+                T("RMSNorm %d rstd" % i, 1, 1, "s*b", "4", "1", None, True, "rstd%d" % i),
+                T("RMSNorm %d normalized, in f" % i, 1, 1, x, "f", "h", "norm", True,
+                  "xn%d" % i)]
+    layer = norm(1, "x" if fp32_in else "x32_1") + [
+        T("q, k, v projection input%s" % ("s (autocast's casts)" if cast else ""),
+          3 if cast else 1, 1, x, "d", "h", "linear", True, "n1")]
+    if attention == "sdpa":
+        layer += [T("q, k after RoPE, v", 3, 1, x, "d", "h/a", "attention", True, "qkv"),
+                  T("attention output (o-projection input)", 1, 1, x, "d", "h", "linear", True,
+                    "attn_out"),
+                  T("log-sum-exp", 1, 1, "a*s*b", "4", "s", None, False, "lse")]
+    else:
+        layer += [T("q after RoPE, v", 2, 1, x, "d", "h/a", "linear", True, "qv"),
+                  T("k^T", 1, 1, x, "d", "s", "linear", True, "kt"),
+                  T("softmax output (float32)", 1, 1, "a*s^2*b", "4", "s", None, True,
+                    "probs"),
+                  T("probabilities cast for P@V", 1, 1, "a*s^2*b", "d", "s", "linear", True,
+                    "probs" if d == 4 else "pcast"),
+                  T("o-projection input", 1, 1, x, "d", "h", "linear", True, "attn_out")]
+    layer += norm(2, "x32_2") + [
+        T("gate, up projection input%s" % ("s (autocast's casts)" if cast else ""),
+          2 if cast else 1, 1, x, "d", "h", "linear", True, "n2"),
+        T("gate output (SiLU input), SiLU output, up output", 3, 1, F, "d", "F", "activation",
+          True, "swiglu"),
+        T("SiLU * up (down-projection input)", 1, 1, F, "d", "F", "linear", True, "down_in")]
+    outside = [T("RoPE cos, sin", 2, 1, "s*h/a", "f", "h/a", None, False, "rope"),
+               T("final RMSNorm input as float32", 1, 1, x, "4", "h", "norm", True, "xf"),
+               T("final RMSNorm rstd", 1, 1, "s*b", "4", "1", None, True, "rstdf"),
+               T("final RMSNorm normalized, in f", 1, 1, x, "f", "h", "norm", True, "xnf"),
+               T("head input", 1, 1, x, "d", "h", "linear", True, "head_in")]
+    if vocab:
+        outside += [T("cross entropy's log-softmax", 1, 1, "s*b*v", "4", "v", None, True,
+                      "logp"),
+                    T("nll_loss's total weight (0-d)", 1, 1, "1", "4", "1", None, False, "tw")]
+    return layer, outside
+
+
+# The activation formulas the calculator knows, by model family: a family whose formula is not
+# here is refused, never estimated with another family's.
+FAMILIES = ("gpt", "llama")
+# The tensors saved outside the layers before the first layer runs (the rest, the final norm,
+# the head and the loss, is freed by the backward before the layers' backward starts: under
+# activation checkpointing they are not alive while a layer is recomputed).
+_BEFORE_LAYERS = ("positions", "emask", "rope")
+# Each family's block input (the residual stream, in f), as a storage of its layer list: what
+# activation checkpointing keeps per layer.
+_BLOCK_INPUT = {"gpt": "ln1", "llama": "x"}
+
+
+def _family_tensors(family: str, dropout: bool, attention: str, device: str, d: int, f: int,
+                    vocab: bool) -> Tuple[List[_Saved], List[_Saved]]:
+    if family == "llama":
+        return _llama_saved_tensors(attention, d, f, vocab)
+    return _saved_tensors(dropout, attention, device, d, f, vocab)
+
+
+def _shape_env(b, s, h, a, v, d, f, mask_d, mask_f, ffn=None) -> Dict[str, int]:
     return {"s*b*h": s * b * h, "s*b": s * b, "a*s*b": a * s * b, "a*s^2*b": a * s * s * b,
             "s*b*v": s * b * (v or 0), "s": s, "1": 1, "h": h, "h/a": h // a, "4*h": 4 * h,
-            "v": v or 1, "d": d, "f": f, "m": mask_d, "m'": mask_f, "4": 4, "8": 8}
+            "v": v or 1, "d": d, "f": f, "m": mask_d, "m'": mask_f, "4": 4, "8": 8,
+            "s*b*F": s * b * (ffn or 0), "F": ffn or 1, "s*h/a": s * (h // a)}
 
 
 # The options of mpext.activations.fp8_saved_tensors that the estimate reads (the others, the
@@ -669,8 +764,10 @@ def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
 
 def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
                      act_bytes: int = 2, vocab: Optional[int] = None,
-                     dropout: bool = True, *, norm_bytes: Optional[int] = None,
-                     attention: str = "sdpa", device: str = "cuda", compress=None) -> int:
+                     dropout: Optional[bool] = None, *, norm_bytes: Optional[int] = None,
+                     attention: str = "sdpa", device: str = "cuda", compress=None,
+                     family: str = "gpt", ffn: Optional[int] = None,
+                     checkpointing: bool = False) -> int:
     """Bytes autograd saves in one forward of a GPT-style (pre-LayerNorm, GELU) transformer:
     every saved tensor, each storage once, the parameters and the batch left out. Derived from
     the tensors torch's saved-tensor hooks see (docs/memory.md, "Activations"); Korthikanti et
@@ -706,6 +803,34 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     those whose blocks would not make them smaller; the "layers" policy keeps the softmax of
     eager attention and the loss's log-softmax, "linear" also attention's, the norms' and the
     GELU's tensors, "size" those under ``min_bytes``."""
+    b, s, h, n, a, v, dropout, f, opts, ffn = _check_activation_args(
+        batch, seq, hidden, layers, heads, act_bytes, vocab, dropout, norm_bytes, attention,
+        device, compress, family, ffn, checkpointing)
+    layer, outside = _family_tensors(family, dropout, attention, device, act_bytes, f,
+                                     v is not None)
+    cpu = device == "cpu"
+    mask_d = (act_bytes if cpu else 1) if dropout else 0  # the residual (d-dtype) dropouts'
+    mask_f = (f if cpu else 1) if dropout else 0  # the embedding's (in the weights' dtype)
+    env = _shape_env(b, s, h, a, v, act_bytes, f, mask_d, mask_f, ffn)
+    if not checkpointing:
+        return n * _saved_bytes(layer, env, opts) + _saved_bytes(outside, env, opts)
+    # Checkpointing each block: the forward keeps each block's input (the residual stream, in
+    # f) and what is saved outside the blocks; the backward recomputes one block at a time and
+    # holds its whole saved set until that block's backward is done. By then the final norm,
+    # head and loss have been freed, so the peak is the larger of the two moments. A block's
+    # input that its own first norm saves as it is (an FP32 residual) is one storage.
+    inp = [_Saved("block input", 1, 1, "s*b*h", "f", "h", None, True, _BLOCK_INPUT[family])]
+    before = [t for t in outside if t.store in _BEFORE_LAYERS]
+    end_of_forward = n * _saved_bytes(inp, env, None) + _saved_bytes(outside, env, None)
+    recompute = ((n - 1) * _saved_bytes(inp, env, None) + _saved_bytes(inp + layer, env, None)
+                 + _saved_bytes(before, env, None))
+    return max(end_of_forward, recompute)
+
+
+def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, dropout,
+                           norm_bytes, attention, device, compress, family, ffn,
+                           checkpointing):
+    """The checked arguments of :func:`activation_bytes`, before anything is computed."""
     b = _check_count("batch", batch)
     s = _check_count("seq", seq)
     h = _check_count("hidden", hidden)
@@ -723,19 +848,43 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
                                                                  attention))
     if device not in DEVICES:
         raise ValueError("device: must be one of %s, got %r" % (", ".join(DEVICES), device))
+    if not isinstance(family, str) or family not in FAMILIES:
+        raise ValueError("family: no activation formula for %r (the calculator knows %s, and "
+                         "does not estimate one family's model with another's formula)"
+                         % (family, ", ".join(FAMILIES)))
+    if dropout is None:
+        dropout = family == "gpt"  # GPT-2 trains with dropout, LLaMA without
     if not isinstance(dropout, bool):
         raise TypeError("dropout: must be True or False, got %r" % (dropout,))
+    if not isinstance(checkpointing, bool):
+        raise TypeError("checkpointing: must be True or False, got %r" % (checkpointing,))
     v = None if vocab is None else _check_count("vocab", vocab)
     opts = activation_compression(compress)
     if opts is not None and h % a:
         raise ValueError("heads: the compressed estimate splits hidden=%d into %d heads, which "
                          "do not divide it" % (h, a))
-    layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, v is not None)
-    cpu = device == "cpu"
-    mask_d = (act_bytes if cpu else 1) if dropout else 0  # the residual (d-dtype) dropouts'
-    mask_f = (f if cpu else 1) if dropout else 0  # the embedding's (in the weights' dtype)
-    env = _shape_env(b, s, h, a, v, act_bytes, f, mask_d, mask_f)
-    return n * _saved_bytes(layer, env, opts) + _saved_bytes(outside, env, opts)
+    if family == "llama":
+        if ffn is None:
+            raise ValueError("ffn: the llama formula needs the SwiGLU MLP's width "
+                             "(intermediate_size; LLaMA-7B: 11008)")
+        ffn = _check_count("ffn", ffn)
+        if h % a:
+            raise ValueError("heads: LLaMA's heads split hidden=%d evenly (head_dim = "
+                             "hidden / heads), got %d" % (h, a))
+        if dropout:
+            raise ValueError("dropout: the llama formula is LLaMA's training without dropout "
+                             "(attention_dropout=0, no residual dropout); give dropout=False")
+        if opts is not None:
+            raise ValueError("compress: no compressed estimate for the llama formula yet (which "
+                             "of its tensors mpext.activations compresses is not measured); "
+                             "the gpt family has one")
+    elif ffn is not None:
+        raise ValueError("ffn: only the llama formula reads it (the gpt family's MLP is 4*hidden "
+                         "wide)")
+    if checkpointing and opts is not None:
+        raise ValueError("compress: not estimated together with checkpointing (the recomputed "
+                         "block's compression is not measured)")
+    return b, s, h, n, a, v, dropout, f, opts, ffn
 
 
 def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
@@ -756,15 +905,44 @@ def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
 
 
 def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: bool = False,
-                       dropout: bool = True, attention: str = "sdpa",
+                       dropout: Optional[bool] = None, attention: str = "sdpa",
                        device: str = "cuda", *, compress=None,
-                       shape: Optional[Dict[str, int]] = None) -> str:
+                       shape: Optional[Dict[str, int]] = None, family: str = "gpt",
+                       checkpointing: bool = False) -> str:
     """The formula :func:`activation_bytes` evaluates, with its parameters, as text. With
     ``compress``, which tensors are compressed depends on their sizes, so ``shape`` (a dict of
     ``batch``, ``seq``, ``hidden``, ``heads`` and, with ``vocab``, ``vocab``) is needed: the
     text gives the bytes kept as they are (d, f and m evaluated) and fp8(n, c) for the
-    compressed tensors."""
+    compressed tensors. ``family`` names the model family's formula (``FAMILIES``), and with
+    ``checkpointing`` the text says how a checkpointed run's peak is made of it."""
+    if family not in FAMILIES:
+        raise ValueError("family: no activation formula for %r (the calculator knows %s)"
+                         % (family, ", ".join(FAMILIES)))
+    if dropout is None:
+        dropout = family == "gpt"
+    text = _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress, shape,
+                    family)
+    if not checkpointing:
+        return text
     f = act_bytes if norm_bytes is None else norm_bytes
+    own = family == "llama" and f != 4  # the block's input is not what its first norm saves
+    before = "2*s*(h/a)*f" if family == "llama" else "8*s%s" % (" + s*b*h*m'" if dropout else "")
+    return ("checkpointed per block: max(layers*s*b*h*f + all outside the layers, "
+            "(layers-1)*s*b*h*f + %sone layer + %s) with %s" % (
+                "s*b*h*f + " if own else "", before, text))
+
+
+def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress, shape,
+             family) -> str:
+    f = act_bytes if norm_bytes is None else norm_bytes
+    if family == "llama":
+        att = "4*a*s*b" if attention == "sdpa" else \
+            "a*s^2*b*(4+d)" if act_bytes != 4 else "4*a*s^2*b"
+        return ("layers*(s*b*h*(8+2*f+%d*d) + 4*d*s*b*F + 8*s*b + %s) + 2*s*(h/a)*f + "
+                "s*b*h*(4+f+d) + 4*s*b%s, d=%d, f=%d, F=ffn (LLaMA: two RMSNorms with their "
+                "float32 copies, RoPE'd q and k, a SwiGLU MLP, no dropout; %s attention, %s)"
+                % (6 if act_bytes == f else 9, att, " + 4*s*b*v" if vocab else "", act_bytes,
+                   f, attention, device))
     m = ("d" if device == "cpu" else "1") if dropout else "0"
     opts = activation_compression(compress)
     if opts is not None:
@@ -779,14 +957,15 @@ def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: 
         layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
         return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
                 "scale per block of the last dimension c; mpext.activations policy %r), d=%d, "
-                "f=%d, m=%s (%s attention, %s)" % (
+                "f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; %s attention, %s)" % (
                     _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],
                     opts["policy"], act_bytes, f, m, attention, device))
     math = attention == "sdpa" and dropout and device == "cpu"
     att = ("3*s*b*h*(4-d) + 12*a*s^2*b" if math else "4*a*s*b" if attention == "sdpa" else
            "a*s^2*b*(f+%s+m)" % ("d" if dropout or act_bytes != f else "0"))
     return ("layers*(s*b*h*(14*d+2*f+2*m) + 4*s*b*f + %s) + s*b*h*(f+d+m) + 2*s*b*f + 8*s%s, "
-            "d=%d, f=%d, m=%s (%s attention, %s)" % (att, " + 4*s*b*v" if vocab else "",
+            "d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; %s attention, %s)"
+            % (att, " + 4*s*b*v" if vocab else "",
                                                     act_bytes, f, m, attention, device))
 
 
@@ -843,11 +1022,12 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              batch: Optional[int] = None, seq: Optional[int] = None,
              hidden: Optional[int] = None, layers: Optional[int] = None,
              heads: Optional[int] = None, vocab: Optional[int] = None,
-             dropout: bool = True, ema: bool = False, rule: Optional[str] = None,
+             dropout: Optional[bool] = None, ema: bool = False, rule: Optional[str] = None,
              momentum: float = 0.0, grad_release: bool = False,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, attention: str = "sdpa",
              device: str = "cuda", sharding: str = "even",
-             rank: Optional[int] = None, compress=None) -> Breakdown:
+             rank: Optional[int] = None, compress=None, family: str = "gpt",
+             ffn: Optional[int] = None, checkpointing: bool = False) -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -871,7 +1051,16 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         world_size: data-parallel devices the partitions are spread over.
         batch, seq, hidden, layers, heads: the activation estimate's shape; all five or none.
         vocab: adds the FP32 logits of the cross entropy to the activations.
-        dropout: count the dropout masks (1 byte per element on CUDA).
+        dropout: count the dropout masks (1 byte per element on CUDA); None (default): the
+            family's own (GPT-2 trains with dropout, LLaMA without, and its formula has none).
+        family: whose activation formula (``FAMILIES``): 'gpt' (pre-LayerNorm, GELU MLP:
+            GPT-2, the benchmarks' GPT) or 'llama' (RMSNorm, RoPE, SwiGLU: transformers'
+            LlamaForCausalLM with full multi-head attention, ``ffn`` = its intermediate_size).
+            Another family is refused: no model is estimated with another family's formula.
+        ffn: the llama family's MLP width (intermediate_size).
+        checkpointing: activation checkpointing of every block (torch.utils.checkpoint, as
+            transformers' ``gradient_checkpointing_enable``): each block's input is kept and
+            one block at a time is recomputed in the backward (``activation_bytes``).
         attention: 'sdpa' (fused attention, the default of torch and transformers: no
             s x s tensor is saved) or 'eager' (the softmax probabilities are saved).
         device: 'cuda' (default) or 'cpu', where dropout keeps its masks in the input's dtype
@@ -948,6 +1137,16 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if activation_compression(compress) is not None and not given:
         raise ValueError("compress: only used by the activation estimate, which needs batch, "
                          "seq, hidden, layers and heads")
+    if not isinstance(family, str) or family not in FAMILIES:
+        raise ValueError("family: no activation formula for %r (the calculator knows %s, and "
+                         "does not estimate one family's model with another's formula)"
+                         % (family, ", ".join(FAMILIES)))
+    if not isinstance(checkpointing, bool):
+        raise TypeError("checkpointing: must be True or False, got %r" % (checkpointing,))
+    for name, v in (("checkpointing", checkpointing or None), ("ffn", ffn)):
+        if v is not None and not given:
+            raise ValueError("%s: only used by the activation estimate, which needs batch, "
+                             "seq, hidden, layers and heads" % name)
     spec = _spec(mode)
     if not isinstance(grad_release, bool):
         raise TypeError("grad_release: must be True or False, got %r" % (grad_release,))
@@ -993,11 +1192,13 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if given:
         acts = activation_bytes(batch, seq, hidden, layers, heads, spec.activation, vocab,
                                 dropout, norm_bytes=spec.norm_activation, attention=attention,
-                                device=device, compress=compress)
+                                device=device, compress=compress, family=family, ffn=ffn,
+                                checkpointing=checkpointing)
         formula = activation_formula(spec.activation, spec.norm_activation, vocab is not None,
                                      dropout, attention, device, compress=compress,
                                      shape=dict(batch=batch, seq=seq, hidden=hidden,
-                                                heads=heads, vocab=vocab))
+                                                heads=heads, vocab=vocab), family=family,
+                                     checkpointing=checkpointing)
     if not spec.state_block:
         states = k * spec.state * part(1)
     elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted
@@ -1028,7 +1229,7 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         autocast_copies=spec.autocast_copy * n,
         activation_formula=formula,
         grad_bucket=_release_peak(spec, n, sizes, bucket) if grad_release else 0,
-        sharding=sharding, rank=picked, **rows)
+        sharding=sharding, rank=picked, family=family, checkpointing=checkpointing, **rows)
 
 
 def _release_peak(spec: ModeSpec, n: int, sizes, bucket: int) -> int:
@@ -1085,3 +1286,173 @@ def _shard_state(spec: ModeSpec, shape: Sequence[int], mine: int, w: int, r: int
     start = r * fsdp2_shard(shape, w, 0)[0]  # every shard before r is a full chunk
     touched = (start + mine - 1) // spec.state_block - start // spec.state_block + 1
     return spec.state * mine + spec.state_meta * touched
+
+
+# ---------------------------------------------------------------------------------------------
+# Does it fit? A GPU's memory against the estimate (``GpuBudget``), and what would make a
+# configuration fit (``fit_changes``), every figure from ``estimate``
+
+# What a process holds on a GPU besides its tensors, assumed (no GPU measured them here): the
+# CUDA context with torch's kernels loaded lazily, a few hundred MiB on recent drivers; and the
+# caching allocator's slack, the memory it reserves beyond the live tensors (block rounding,
+# fragmentation), taken as a share of the estimate.
+CUDA_CONTEXT_BYTES = 512 * 2 ** 20
+ALLOCATOR_SLACK = 0.10
+_GPU_UNITS = {"": 10 ** 9, "gb": 10 ** 9, "gib": 2 ** 30, "mb": 10 ** 6, "mib": 2 ** 20,
+              "tb": 10 ** 12, "tib": 2 ** 40}
+
+
+def gpu_memory_bytes(text: str, name: str = "gpu_memory") -> int:
+    """Bytes of a memory size written ``24GB``, ``80GiB``, ``512MiB``, ``24`` (a bare number is
+    GB, 10^9 bytes, the unit GPUs are sold by; a card sold as "80GB" usually holds about 80
+    GiB, so give GiB for its whole memory)."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _GPU_UNITS:
+        raise ValueError("%s: a size such as 24GB, 80GiB or 24 (GB), got %r" % (name, text))
+    value = float(m.group(1)) * _GPU_UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError("%s: must be a positive size, got %r" % (name, text))
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBudget:
+    """A GPU of ``capacity`` bytes: ``context`` of it is not for tensors, and the allocator
+    needs ``slack`` (a share) beyond the live tensors the estimate counts."""
+
+    capacity: int
+    context: int = CUDA_CONTEXT_BYTES
+    slack: float = ALLOCATOR_SLACK
+
+    def __post_init__(self):
+        for name in ("capacity", "context"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError("%s: must be a whole number of bytes >= 0, got %r" % (name, v))
+        if isinstance(self.slack, bool) or not isinstance(self.slack, numbers.Real) \
+                or not 0 <= self.slack < 10 or not math.isfinite(self.slack):
+            raise ValueError("slack: a share of the estimate between 0 and 10, got %r"
+                             % (self.slack,))
+        if self.context >= self.capacity:
+            raise ValueError("context: %d bytes leave nothing of a %d-byte GPU"
+                             % (self.context, self.capacity))
+
+    @property
+    def usable(self) -> int:
+        return self.capacity - self.context
+
+    def need(self, b: Breakdown) -> int:
+        """What ``b`` needs of the GPU: its total plus the allocator's slack."""
+        return int(math.ceil(b.total * (1 + self.slack)))
+
+    def fits(self, b: Breakdown) -> bool:
+        return self.need(b) <= self.usable
+
+
+# The named formats in the order a change of format is proposed: from the most state kept (the
+# FP32 master's exact steps) to the least; the first that fits is proposed.
+_LEANER = ("mpext-bf16", "mpext-bf16-remainder", "mpext-bf16-remainder-bf16moments",
+           "mpext-bf16-remainder-8bit", "mpext-bf16-sr", "mpext-bf16-sr-8bit")
+_LEANER_FP16 = ("mpext-fp16", "mpext-fp16-sr", "mpext-fp16-sr-8bit")
+
+
+def fit_changes(kwargs: Dict[str, object], budget: GpuBudget) -> List[Tuple[str, Breakdown]]:
+    """What to change so that ``estimate(**kwargs)`` fits ``budget``, as (what, the estimate
+    with it) pairs, every figure computed by ``estimate``. First each change alone that
+    applies and saves memory: a leaner format (the first of the formats, from the most state
+    kept to the least, that fits; the leanest when none does), gradient release, activation
+    checkpointing, compressed activations, the largest smaller micro-batch that fits. When
+    none fits alone, the smallest combinations of them that fit (each with the first format
+    that makes it fit); when none does, all of them with the leanest format, and with it the
+    largest micro-batch that fits, if one does."""
+    base = estimate(**kwargs)
+
+    def tried(**changes):
+        try:
+            b = estimate(**dict(kwargs, **changes))
+        except ValueError:  # a change this configuration cannot take
+            return None
+        return b if b.total < base.total else None
+
+    mode = kwargs.get("mode", "mpext-bf16")
+    formats = [m for m in (_LEANER_FP16 if "fp16" in mode else _LEANER) if m != mode]
+
+    def with_format(changes):
+        """(name, estimate) with the first format that makes ``changes`` fit, or the leanest."""
+        found = [(m, b) for m in formats for b in [tried(mode=m, **changes)] if b is not None]
+        for m, b in found:
+            if budget.fits(b):
+                return m, b
+        return min(found, key=lambda mb: mb[1].total) if found else (None, None)
+
+    shaped = base.activations is not None
+    others = []  # (what, change) other than the format
+    if not kwargs.get("grad_release"):
+        others.append(("gradient release", dict(grad_release=True)))
+    if shaped and not kwargs.get("checkpointing") and kwargs.get("compress") is None:
+        others.append(("activation checkpointing", dict(checkpointing=True)))
+        others.append(("compressed activations (FP8, policy layers)", dict(compress=True)))
+    others = [(w, c) for w, c in others if tried(**c) is not None]
+    out = []
+    m, b = with_format({})
+    if m is not None:
+        out.append(("mode %s" % m, b))
+    out += [(w, tried(**c)) for w, c in others]
+    batch = kwargs.get("batch")
+
+    def largest_batch(changes):
+        lo, hi = 0, (batch or 1) - 1  # bisection: the total grows with the micro-batch
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            b = tried(batch=mid, **changes)
+            lo, hi = (mid, hi) if b is not None and budget.fits(b) else (lo, mid - 1)
+        return lo
+
+    if shaped and (batch or 0) > 1:
+        mb = largest_batch({})
+        if mb:
+            out.append(("micro-batch %d (accumulate gradients over micro-batches for the same "
+                        "batch)" % mb, tried(batch=mb)))
+    if any(budget.fits(b) for _, b in out):
+        return out
+    import itertools
+    exclusive = ("checkpointing", "compress")  # not estimated together
+    for r in range(1, len(others) + 2):
+        fitting = []
+        for use_format in (False, True):
+            for combo in itertools.combinations(others, r - use_format):
+                changes = {}
+                for _, c in combo:
+                    changes.update(c)
+                if all(k in changes for k in exclusive) or not (combo or use_format):
+                    continue
+                names = [w for w, _ in combo]
+                if use_format:
+                    m, b = with_format(changes)
+                    if m is None:
+                        continue
+                    names.insert(0, "mode %s" % m)
+                else:
+                    b = tried(**changes)
+                if b is not None and budget.fits(b) and r > 1:
+                    fitting.append((" + ".join(names), b))
+        if fitting:
+            return out + fitting
+    # nothing fits: every change at once (checkpointing rather than compression), the leanest
+    changes = {}
+    for w, c in others:
+        if not (set(c) & set(exclusive) and any(k in changes for k in exclusive)):
+            changes.update(c)
+    m, b = with_format(changes)
+    if b is None:
+        return out
+    names = (["mode %s" % m] if m else []) + [w for w, c in others if set(c) <= set(changes)]
+    out.append((" + ".join(names), b))
+    if shaped and (batch or 0) > 1:
+        mb = largest_batch(dict(changes, **({"mode": m} if m else {})))
+        if mb:
+            out.append((" + ".join(names + ["micro-batch %d" % mb]),
+                        tried(batch=mb, **dict(changes, **({"mode": m} if m else {})))))
+    return out

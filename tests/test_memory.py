@@ -1426,7 +1426,8 @@ def test_cli_fsdp2_and_torch_zero1(capsys):
     assert "unsupported" not in res
     spec = memory.model_spec("llama-7b")
     assert res["results"][1] == estimate(list(spec.shapes), "adamw", "mpext-bf16", zero=3,
-                                         world_size=8, sharding="torch").to_dict()
+                                         world_size=8, sharding="torch",
+                                         family="llama").to_dict()
     with pytest.raises(SystemExit):
         memory.main(["--params", "1e6", "--zero", "fsdp3"])
     assert "or PyTorch's fsdp2 or zero1-torch" in capsys.readouterr().err
@@ -1436,3 +1437,409 @@ def test_cli_fsdp2_and_torch_zero1(capsys):
     assert "argument --zero: optimizer: mpext-bf16 with 'sgd' is mpext.MixedPrecisionOptimizer" \
         in capsys.readouterr().err
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The Llama formula and activation checkpointing, against a small stock transformers Llama
+# measured by torch's saved-tensor hooks (nothing of mpext on the measuring side)
+
+
+def _tiny_llama(b, s, h, L, a, F, v, attention="sdpa", device="cpu"):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=h, intermediate_size=F, num_hidden_layers=L, num_attention_heads=a,
+        num_key_value_heads=a, vocab_size=v, max_position_embeddings=s, use_cache=False,
+        attn_implementation=attention, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device), \
+        torch.randint(0, v, (b, s), device=device)
+
+
+def _llama_estimate(mode, b, s, h, L, a, F, v, **kw):
+    return estimate(10 ** 6, "adamw", mode, batch=b, seq=s, hidden=h, layers=L, heads=a,
+                    vocab=v, family="llama", ffn=F, device="cpu", **kw).activations
+
+
+# (batch, seq, hidden, layers, heads, ffn, vocab): two shapes, the second with odd sizes
+_LLAMA_SHAPES = [(2, 32, 64, 2, 4, 172, 50), (3, 24, 96, 3, 3, 250, 61)]
+
+
+@pytest.mark.parametrize("mode", list(_RUNS))
+@pytest.mark.parametrize("shape", _LLAMA_SHAPES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_llama_activations_equal_hf_llamas_saved_tensors(mode, shape, attention, device):
+    """transformers' LlamaForCausalLM (full multi-head attention, no dropout) saves what the
+    llama formula says, storage by storage, in FP32, under AMP BF16 and as a BF16 model: on the
+    CPU exactly, but for the loss's shifted copy of the labels (int64, 8*s*b bytes, as with
+    GPT-2). On CUDA the fused attention kernels may pad their log-sum-exp and keep RNG scalars:
+    within 1%."""
+    b, s, h, L, a, F, v = shape
+    model, x = _tiny_llama(b, s, h, L, a, F, v, attention, device)
+    dtype, amp = _RUNS[mode]
+    model = model.to(dtype).train()
+    meter = _SavedBytes(model, (x,))
+    with torch.autocast(device, dtype=amp or torch.bfloat16, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        loss = model(x, labels=x).loss
+    loss.backward()
+    want = _llama_estimate(mode, *shape, attention=attention)
+    if device == "cpu":
+        assert meter.bytes - want == 8 * s * b
+    else:
+        assert abs(meter.bytes - 8 * s * b - want) <= 0.01 * want
+    # and not the GPT formula, which the preset used to apply: it misses the SwiGLU tensors
+    gpt = estimate(10 ** 6, "adamw", mode, batch=b, seq=s, hidden=h, layers=L, heads=a, vocab=v,
+                   dropout=False, attention=attention, device="cpu").activations
+    assert abs(gpt / meter.bytes - 1) > 0.1
+
+
+def test_llama_per_token_and_layer_at_7b_aspect_ratios():
+    """The issue's figure: at LLaMA-7B's aspect ratios (hidden 512, 4 heads of 128, ffn 1376 =
+    512 * 11008 / 4096), a BF16 model with SDPA saves 23,320 bytes per token and layer
+    (measured: one layer more, over the tokens), where the GPT formula says 16,408."""
+    b, s, h, a, F, v = 1, 16, 512, 4, 1376, 32
+
+    def measured(L):
+        model, x = _tiny_llama(b, s, h, L, a, F, v)
+        return _measure_saved(model, (x,), lambda m, x: m(x, labels=x).loss, "mpext-bf16")
+
+    per = (measured(2) - measured(1)) / (b * s)
+    assert per == 23320
+    est = lambda L, **kw: memory.activation_bytes(b, s, h, L, a, **kw)  # noqa: E731
+    assert (est(2, family="llama", ffn=F) - est(1, family="llama", ffn=F)) / (b * s) == per
+    assert (est(2, dropout=False) - est(1, dropout=False)) / (b * s) == 16408
+
+
+class _PeakSaved(_SavedBytes):
+    """The peak of the bytes autograd holds for the backward at any moment of a forward and
+    backward, each storage once, the parameters (and their casts) and the batch left out: each
+    saved tensor is held in a small box whose release by autograd frees its count."""
+
+    class _Box:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def __init__(self, model, batch):
+        super().__init__(model, batch)
+        self.live, self.now, self.peak = {}, 0, 0
+        self.params = {id(p) for p in model.parameters()}
+
+    def _of_a_param(self, t):
+        """A cast or view of a parameter, not of another leaf: the reentrant checkpoint's
+        detached block inputs are leaves too, and what a block saves of them counts."""
+        fn = t.grad_fn
+        while fn is not None and fn.name() in self._VIEW_OR_CAST:
+            nexts = [g for g, _ in fn.next_functions if g is not None]
+            if len(nexts) != 1:
+                return False
+            fn = nexts[0]
+        return fn is not None and id(getattr(fn, "variable", None)) in self.params
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.skip or self._of_a_param(t):
+            return t
+        box = self._Box(t)
+        n, size = self.live.get(ptr, (0, 0))
+        if n == 0:  # a storage at this address anew (an earlier one there may have been freed)
+            size = t.untyped_storage().nbytes()
+            self.now += size
+            self.peak = max(self.peak, self.now)
+        self.live[ptr] = (n + 1, size)
+        import weakref
+        weakref.finalize(box, self._free, ptr)
+        return box
+
+    def _free(self, ptr):
+        n, size = self.live[ptr]
+        self.live[ptr] = (n - 1, size)
+        if n == 1:
+            self.now -= size
+
+    @staticmethod
+    def unpack(t):
+        return t.t if isinstance(t, _PeakSaved._Box) else t
+
+
+@pytest.mark.parametrize("mode", list(_RUNS))
+@pytest.mark.parametrize("shape", _LLAMA_SHAPES)
+def test_checkpointing_equals_torch_utils_checkpoint_on_a_llama(mode, shape):
+    """transformers' own gradient checkpointing of every decoder layer (torch.utils.checkpoint,
+    reentrant: its recomputation runs under the hooks the meter sets, where the non-reentrant
+    one's runs under hooks of its own, which no outside meter sees): the peak of the saved
+    bytes over the forward and backward is the estimate, exactly, on the CPU."""
+    b, s, h, L, a, F, v = shape
+    model, x = _tiny_llama(b, s, h, L, a, F, v)
+    dtype, amp = _RUNS[mode]
+    model = model.to(dtype).train()
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    meter = _PeakSaved(model, (x,))
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        loss = model(x, labels=x).loss
+        loss.backward()
+    assert meter.now == 0  # every saved tensor was released: the meter saw the whole run
+    want = _llama_estimate(mode, *shape, checkpointing=True)
+    assert meter.peak == want
+    # what the option saves: well under the whole forward's, above layers x block input
+    full = _llama_estimate(mode, *shape)
+    assert L * s * b * h * (4 if mode != "mpext-bf16" else 2) < want < full
+
+
+def test_checkpointing_by_hand():
+    """layers x block input + one block's full activations (+ what the layers' backward still
+    needs outside them: RoPE's cos and sin), or the end of the forward when that is larger."""
+    b, s, h, L, a, F = 2, 32, 64, 5, 4, 172
+    one = memory.activation_bytes(b, s, h, 2, a, family="llama", ffn=F) - \
+        memory.activation_bytes(b, s, h, 1, a, family="llama", ffn=F)
+    rope = 2 * s * (h // a) * 2
+    got = memory.activation_bytes(b, s, h, L, a, family="llama", ffn=F, checkpointing=True)
+    assert got == L * s * b * h * 2 + one + rope
+    # FP32: the first RMSNorm saves the block's input itself, one storage
+    one32 = memory.activation_bytes(b, s, h, 2, a, 4, family="llama", ffn=F) - \
+        memory.activation_bytes(b, s, h, 1, a, 4, family="llama", ffn=F)
+    got = memory.activation_bytes(b, s, h, L, a, 4, family="llama", ffn=F, checkpointing=True)
+    assert got == (L - 1) * s * b * h * 4 + one32 + 2 * rope
+    # a vocabulary large enough that the forward's end is the peak: its log-softmax
+    v = 100_000
+    end = memory.activation_bytes(b, s, h, L, a, vocab=v, family="llama", ffn=F,
+                                  checkpointing=True)
+    outside = memory.activation_bytes(b, s, h, 1, a, vocab=v, family="llama", ffn=F) - one
+    assert end == L * s * b * h * 2 + outside > got
+
+
+def test_unknown_family_is_refused():
+    """No model is estimated with another family's formula: an unknown family, a llama
+    without its MLP width, with dropout or with compression (not measured) are refused, and
+    --model llama-* uses the llama formula."""
+    shape = dict(batch=1, seq=8, hidden=16, layers=1, heads=2)
+    for kw, exc, match in [
+            (dict(family="mistral"), ValueError, "family: no activation formula for 'mistral'"),
+            (dict(family=None), ValueError, "family: no activation formula for None"),
+            (dict(family="llama"), ValueError, "ffn: the llama formula needs"),
+            (dict(family="llama", ffn=40, dropout=True), ValueError,
+             "dropout: the llama formula is LLaMA's training without dropout"),
+            (dict(family="llama", ffn=40, compress=True), ValueError,
+             "compress: no compressed estimate for the llama formula"),
+            (dict(ffn=40), ValueError, "ffn: only the llama formula reads it"),
+            (dict(checkpointing=True, compress=True), ValueError,
+             "compress: not estimated together with checkpointing"),
+            (dict(checkpointing=1), TypeError, "checkpointing: must be True or False")]:
+        with pytest.raises(exc, match=match):
+            estimate(10 ** 6, **dict(shape, **kw))
+    with pytest.raises(ValueError, match="family: no activation formula for 'mistral'"):
+        estimate(10 ** 6, family="mistral")  # refused with or without a shape
+    with pytest.raises(ValueError, match="checkpointing: only used by the activation estimate"):
+        estimate(10 ** 6, checkpointing=True)
+    assert {m.family for m in memory.MODELS.values()} <= set(memory.FAMILIES)
+    assert memory.model_spec("llama-7b").family == "llama"
+    spec = memory.model_spec("llama-7b")
+    b = estimate(list(spec.sizes), batch=1, seq=spec.seq, hidden=spec.hidden,
+                 layers=spec.layers, heads=spec.heads, vocab=spec.vocab, family="llama",
+                 ffn=spec.ffn)
+    assert "LLaMA" in b.activation_formula and b.family == "llama"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "1e6", "--batch", "1", "--seq", "8", "--hidden", "16", "--layers", "1",
+      "--heads", "2", "--family", "mistral"], "argument --family: invalid choice: 'mistral'"),
+    (["--params", "1e6", "--batch", "1", "--seq", "8", "--hidden", "16", "--layers", "1",
+      "--heads", "2", "--family", "llama"], "argument --ffn: the llama formula needs"),
+    (["--model", "llama-7b", "--batch", "1", "--family", "gpt"],
+     "argument --family: llama-7b is a llama model"),
+    (["--model", "llama-7b", "--batch", "1", "--ffn", "9"], "argument --ffn: --model llama-7b"),
+    (["--model", "llama-7b", "--checkpointing"], "argument --checkpointing: only used with"),
+    (["--model", "llama-7b", "--batch", "1", "--compress-activations"],
+     "argument --compress-activations: estimated for the gpt family only"),
+    (["--model", "gpt2", "--batch", "1", "--compress-activations", "--checkpointing"],
+     "argument --checkpointing: not estimated together with --compress-activations"),
+    (["--params", "1e6", "--gpu-memory", "24XB"], "argument --gpu-memory: a size such as"),
+    (["--params", "1e6", "--gpu-memory", "0"], "argument --gpu-memory: must be a positive"),
+    (["--params", "1e6", "--cuda-context", "1GiB"],
+     "argument --cuda-context/--allocator-slack: only with --gpu-memory"),
+    (["--params", "1e6", "--gpu-memory", "1GB", "--cuda-context", "2GB"],
+     "argument --cuda-context: context: 2000000000 bytes leave nothing"),
+    (["--params", "1e6", "--gpu-memory", "1GB", "--allocator-slack", "-0.1"],
+     "argument --allocator-slack: a share of the estimate between 0 and 10"),
+])
+def test_cli_family_and_gpu_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        memory.main(argv)
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert message in out.err and out.out == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Does it fit? (--gpu-memory)
+
+
+def test_gb_and_gib():
+    """GB are 10^9 bytes (a bare number too: GPUs are sold by them), GiB 2^30."""
+    G = memory.gpu_memory_bytes
+    assert G("24GB") == G("24") == G("24 gb") == G("24000MB") == 24 * 10 ** 9
+    assert G("80GiB") == G("80 GiB") == G("81920MiB") == 80 * 2 ** 30
+    assert G("0.5TiB") == 2 ** 39 and G("1.5e1GB") == 15 * 10 ** 9
+    assert G("80GiB") - G("80GB") == 80 * (2 ** 30 - 10 ** 9)
+    for bad in ("24XB", "GB", "", "-1", "0", "1e-12", "nan", "24 G B"):
+        with pytest.raises(ValueError, match="gpu_memory: "):
+            G(bad)
+    for kw, match in [(dict(capacity=-1), "capacity: must be a whole number"),
+                      (dict(capacity=10, context=10), "context: 10 bytes leave nothing"),
+                      (dict(capacity=10, slack=-0.5), "slack: a share"),
+                      (dict(capacity=10, slack=True), "slack: a share")]:
+        with pytest.raises(ValueError, match=match):
+            memory.GpuBudget(**kw)
+
+
+def _cli_verdict(capsys, *argv):
+    code, out, _ = run_main(capsys, *argv)
+    assert code == 0
+    return [ln for ln in out.splitlines() if ln.startswith("- ") or ln.startswith("Does it fit")]
+
+
+def test_verdict_by_hand(capsys):
+    """A 1e9-parameter model in mpext-bf16 (16 B/param: 16e9 bytes) on a 24 GB GPU: the
+    context (512 MiB) off the 24e9 bytes, 10% slack on the estimate: 17.6e9 of 23.46e9 usable
+    bytes fits; a 7e9 one (112e9 bytes, 123.2e9 with the slack) does not fit 80 GiB; the GB /
+    GiB reading and the assumptions change the verdict as computed."""
+    usable24 = 24e9 - 2 ** 29
+    lines = _cli_verdict(capsys, "--params", "1e9", "--mode", "mpext-bf16", "--gpu-memory",
+                         "24GB")
+    g = lambda v: "%.3g GiB" % (v / 2 ** 30)  # noqa: E731
+    assert lines[0].startswith("Does it fit on 24 GB (22.4 GiB)? Assumed: the CUDA context "
+                               "and kernels take 0.5 GiB") and "reserves 10% beyond" in lines[0]
+    assert lines[1] == "- mpext-bf16: fits: %s + 10%% = %s of %s usable, %s to spare." % (
+        g(16e9), g(17.6e9), g(usable24), g(usable24 - 17.6e9))
+    assert _cli_verdict(capsys, "--params", "1e9", "--mode", "mpext-bf16",
+                        "--gpu-memory", "24")[1] == lines[1]  # a bare number is GB
+    usable80 = 80 * 2 ** 30 - 2 ** 29
+    lines = _cli_verdict(capsys, "--params", "7e9", "--mode", "mpext-bf16", "--gpu-memory",
+                         "80GiB")
+    assert lines[0].startswith("Does it fit on 80 GiB?")
+    assert lines[1] == "- mpext-bf16: does NOT fit: %s + 10%% = %s of %s usable, %s short." % (
+        g(112e9), g(123.2e9), g(usable80), g(123.2e9 - usable80))
+    # 1.35e9 params: 21.6e9 bytes, 23.76e9 with the slack: fits 24 GiB, not 24 GB; fits 24 GB
+    # with 4% slack (22.464e9 <= 23.46e9); not with a 3.3 GB context and no slack either
+    args = ("--params", "1.35e9", "--mode", "mpext-bf16", "--gpu-memory")
+    assert "fits:" in _cli_verdict(capsys, *args, "24GiB")[1]
+    assert "does NOT fit:" in _cli_verdict(capsys, *args, "24GB")[1]
+    assert "fits:" in _cli_verdict(capsys, *args, "24GB", "--allocator-slack", "0.04")[1]
+    assert "does NOT fit:" in _cli_verdict(capsys, *args, "24GB", "--allocator-slack", "0",
+                                           "--cuda-context", "3.3GB")[1]
+    budget = memory.GpuBudget(24 * 10 ** 9)
+    b = estimate(1.35e9, "adamw", "mpext-bf16")
+    assert budget.need(b) == math.ceil(21.6e9 * 1.1) and budget.usable == usable24
+    assert not budget.fits(b)
+
+
+def test_fit_changes_are_computed():
+    """What to change: each proposal is the estimate with that change (recomputed here), the
+    format the first of the leaner ones that fits (by hand: 7e9 params on 80 GiB, 85.36e9 bytes
+    usable, fits at most 11.09 B/param with the slack: the remainder + BF16 moments, 10 B, not
+    the FP32 master's 16 or the remainder's 14), the micro-batch the largest that fits."""
+    budget = memory.GpuBudget(80 * 2 ** 30)
+    kw = dict(params=7e9, optimizer="adamw", mode="mpext-bf16")
+    changes = dict(memory.fit_changes(kw, budget))
+    assert changes["mode mpext-bf16-remainder-bf16moments"].total == 70e9
+    assert changes["mode mpext-bf16-remainder-bf16moments"] == \
+        estimate(**dict(kw, mode="mpext-bf16-remainder-bf16moments"))
+    # gradient release drops the 2 B/param of gradients and keeps one 4 MiB bucket: no fit
+    rel = changes["gradient release"]
+    assert rel.total == 14 * 7e9 + 4 * 2 ** 20 and not budget.fits(rel)
+    assert list(changes) == ["mode mpext-bf16-remainder-bf16moments", "gradient release"]
+    # with activations: checkpointing and the largest micro-batch that fits
+    spec = memory.model_spec("gpt2-xl")
+    kw = dict(params=list(spec.sizes), mode="mpext-bf16-remainder-bf16moments", batch=32,
+              seq=spec.seq, hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
+              vocab=spec.vocab)
+    budget = memory.GpuBudget(40 * 10 ** 9)
+    assert not budget.fits(estimate(**kw))
+    changes = dict(memory.fit_changes(kw, budget))
+    assert changes["activation checkpointing"] == estimate(**dict(kw, checkpointing=True))
+    mb = [k for k in changes if k.startswith("micro-batch")]
+    assert len(mb) == 1
+    n = int(mb[0].split()[1])
+    assert budget.fits(estimate(**dict(kw, batch=n)))
+    assert not budget.fits(estimate(**dict(kw, batch=n + 1)))
+    assert changes[mb[0]] == estimate(**dict(kw, batch=n))
+    # nothing fits alone: the smallest combinations that do, each checked here
+    budget = memory.GpuBudget(24 * 10 ** 9)
+    spec = memory.model_spec("llama-7b")
+    kw = dict(params=list(spec.sizes), mode="mpext-bf16", batch=1, seq=spec.seq,
+              hidden=spec.hidden, layers=spec.layers, heads=spec.heads, vocab=spec.vocab,
+              family="llama", ffn=spec.ffn)
+    out = memory.fit_changes(kw, budget)
+    assert not any(budget.fits(b) for _, b in out)  # a 7B full fine-tune: >= 4 B/param
+    last_what, last = out[-1]
+    assert last_what == "mode mpext-bf16-sr-8bit + gradient release + activation checkpointing"
+    assert last == estimate(**dict(kw, mode="mpext-bf16-sr-8bit", grad_release=True,
+                                   checkpointing=True))
+    assert last.persistent > budget.usable
+
+
+def test_cli_gpu_memory_json(capsys):
+    code, out, _ = run_main(capsys, "--model", "llama-7b", "--batch", "1", "--mode",
+                            "mpext-bf16,mpext-bf16-sr-8bit", "--gpu-memory", "80GiB",
+                            "--checkpointing", "--json")
+    assert code == 0
+    data = json.loads(out)
+    gpu = data["gpu"]
+    assert gpu["capacity"] == 80 * 2 ** 30 and gpu["usable"] == 80 * 2 ** 30 - 2 ** 29
+    assert gpu["cuda_context"] == 2 ** 29 and gpu["allocator_slack"] == 0.1
+    for r, col in zip(data["results"], gpu["columns"]):
+        assert col["need"] == math.ceil(r["total"] * 1.1)
+        assert col["fits"] == (col["need"] <= gpu["usable"])
+        assert r["checkpointing"] and r["family"] == "llama"
+    assert [c["fits"] for c in gpu["columns"]] == [False, True]
+    assert gpu["columns"][0]["changes"] and not gpu["columns"][1]["changes"]
+
+
+def test_readme_budget_table_is_the_calculators(capsys):
+    """Every row of README's "Settings by memory budget" is what its command prints: the
+    estimate + slack in GiB (3 figures) and whether it fits."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Settings by memory budget", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([^|]+) \| `([^`]+)` \| ([0-9.]+) GiB \| (fits|does not fit) \|$",
+                      section, re.M)
+    assert len(rows) >= 10 and {r[3] for r in rows} == {"fits", "does not fit"}
+    for gpu, argv, need, verdict in rows:
+        code, out, _ = run_main(capsys, *argv.split(), "--json")
+        assert code == 0
+        col = json.loads(out)["gpu"]["columns"][0]
+        assert "%.3g" % (col["need"] / 2 ** 30) == need, argv
+        assert col["fits"] == (verdict == "fits"), argv
+        assert gpu.split(" ×")[0].replace(" ", "") in argv.replace("GiB", " GiB").replace(
+            "GB", " GB").replace(" ", ""), argv  # the GPU column is the command's
+
+
+@pytest.mark.parametrize("mode", list(_RUNS))
+@pytest.mark.parametrize("shape", _SHAPES)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checkpointing_equals_torch_utils_checkpoint_on_gpt2(mode, shape, dropout):
+    """The gpt family's checkpointed peak against transformers' GPT2LMHeadModel with its own
+    (reentrant) checkpointing of every block, with and without dropout (the CPU's SDPA math
+    path with it): exactly, on the CPU (the labels' copy is freed before the first block is
+    recomputed)."""
+    transformers = pytest.importorskip("transformers")
+    b, s, h, L, a, v = shape
+    cfg = transformers.GPT2Config(
+        n_layer=L, n_embd=h, n_head=a, vocab_size=v, n_positions=s, use_cache=False,
+        attn_implementation="sdpa", resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout, activation_function="gelu_pytorch_tanh", bos_token_id=0,
+        eos_token_id=0)
+    torch.manual_seed(0)
+    dtype, amp = _RUNS[mode]
+    model = transformers.GPT2LMHeadModel(cfg).to(dtype).train()
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    x = torch.randint(0, v, (b, s))
+    meter = _PeakSaved(model, (x,))
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        loss = model(x, labels=x).loss
+        loss.backward()
+    assert meter.now == 0
+    assert meter.peak == _estimated(mode, *shape, dropout=dropout > 0, checkpointing=True)
