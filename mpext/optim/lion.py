@@ -101,6 +101,11 @@ class Lion(FusedOptimizer):
                              "initial lr, which must then be > 0, got %r%s"
                              % (self._name(), self._init_lr, where))
 
+    # lion-pytorch has no functional implementation to hand float64 params or sparse
+    # gradients to: they are refused (docs/dropin.md).
+    _RULE = FusedOptimizer._RULE_SIGNATURES[2][0]
+    _RULE_KEYS = ("lr", "betas", "weight_decay")
+
     def _fill_group(self, group: Dict[str, Any]) -> None:
         group.setdefault("maximize", False)
         group.setdefault("decoupled_weight_decay", False)
