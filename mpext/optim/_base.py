@@ -114,6 +114,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         ("Lion (lion_pytorch.Lion or mpext.optim.Lion)", ("betas",), ("eps",)),
     )
     _RULE = ""  # the row of _RULE_SIGNATURES that is this class's rule
+    # The keys of torch's optimizer of the rule that mpext's groups keep (given a group that
+    # lacks them: an older pickle), with torch's defaults.
+    _TORCH_GROUP_DEFAULTS = {"foreach": None, "capturable": False, "differentiable": False,
+                             "fused": None}
     _RULE_KEYS: Tuple[str, ...] = ()  # the rule's hyperparameters, named in a refusal
 
     # -----------------------------------------------------------------------------------------
@@ -326,12 +330,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._init_caches()
         self._plan = None
         for group in self.param_groups:
-            # torch's keys of this rule's groups only: a key added here would make a loaded
-            # state_dict differ from the saved one (SGD has no capturable).
-            for key, value in (("foreach", None), ("capturable", False),
-                               ("differentiable", False), ("fused", None)):
-                if key in self.defaults:
-                    group.setdefault(key, value)
+            # the rule's torch keys only: a key added here would make a loaded state_dict
+            # differ from the saved one (SGD has no capturable)
+            for key, value in self._TORCH_GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
             self._fill_defaults(group)
             if any(p.dtype in self._TORCH_DTYPES for p in group["params"]):
                 self._torch_seen = True
@@ -570,12 +572,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not self._torch_seen and not any(self._torch_group(g) for g in groups):
             return None
         fused, torch_part = set(), []
-        for group in groups:
+        for gi, group in enumerate(groups):
             params = []
-            for p in group["params"]:
+            for j, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 if self._needs_torch(p, group):
+                    # a group edited since (amsgrad set on BF16 params with masters, say)
+                    self._check_torch_param(p, group, "%s: param %d of group %d"
+                                            % (self._name(), j, gi))
                     params.append(p)
                 else:
                     fused.add(id(p))
@@ -889,6 +894,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key in storage:  # how the state is kept: this optimizer's choice
                 saved[key] = group.get(key, saved[key])
             self._check_group(saved, " (loaded param group %d)" % gi)
+            for j, p in enumerate(saved["params"]):
+                if self._torch_group(saved) or p.dtype in self._TORCH_DTYPES:
+                    self._check_torch_param(p, saved, "%s.load_state_dict: params[%d] (loaded "
+                                            "param group %d)" % (self._name(), j, gi))
             new_groups.append(saved)
 
         id_map = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]),

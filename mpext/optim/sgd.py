@@ -115,6 +115,7 @@ class SGD(FusedOptimizer):
     # momentum_buffer, sparse for a sparse gradient, and no step).
     _TORCH_DTYPES = frozenset((torch.float64, torch.complex64, torch.complex128))
     _TORCH_SPARSE = True
+    _TORCH_GROUP_DEFAULTS = {"foreach": None, "differentiable": False, "fused": None}
     _RULE = FusedOptimizer._RULE_SIGNATURES[0][0]
     _RULE_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 
