@@ -25,12 +25,16 @@ class Adam(FusedOptimizer):
         params: iterable of params or of dicts defining param groups; params must be float32,
             bfloat16 or float16 tensors on a device mpext has a kernel for (CPU, CUDA), or
             DTensors of those (FSDP2): each rank steps its local shards, and the moments and
-            masters are DTensors placed as the param (see the module docstring).
+            masters are DTensors placed as the param (see the module docstring). float64 and
+            complex params are stepped by torch.optim's implementation (docs/dropin.md);
+            non-contiguous ones through a contiguous copy, with a contiguous clone's bits.
         lr (float or 1-element Tensor): learning rate (default 1e-3).
         betas (Tuple[float, float]): moment coefficients (default (0.9, 0.999)).
         eps (float): added to the denominator (default 1e-8).
         weight_decay (float): default 0 (Adam) / 1e-2 (AdamW).
-        amsgrad (bool): not supported; True raises ``NotImplementedError``.
+        amsgrad (bool): the group's params are stepped by torch.optim's own implementation
+            (``torch.optim.adam.adam``: torch's bits and state, no fused speed, no masters or
+            lean formats; docs/dropin.md). Default False.
         maximize (bool): maximize the objective (default False).
         foreach, fused, capturable: accepted for compatibility with torch and ignored (the step
             is always fused, sync-free and keeps ``step`` on the device).

@@ -41,7 +41,9 @@ class SGD(FusedOptimizer):
 
     Args:
         params: iterable of params or of dicts defining param groups, as
-            :class:`mpext.optim.Adam`.
+            :class:`mpext.optim.Adam`. Params with sparse gradients (``nn.Embedding(sparse=
+            True)``) and float64 / complex params are stepped by torch.optim's own
+            implementation (``torch.optim.sgd.sgd``: torch's bits and state; docs/dropin.md).
         lr (float or 1-element Tensor): learning rate (default 1e-3).
         momentum (float): momentum factor (default 0).
         dampening (float): dampening for momentum (default 0).
