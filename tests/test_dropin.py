@@ -537,3 +537,31 @@ def test_another_rules_checkpoint(src, dst):
     for key in {"adam": ("eps",), "sgd": ("momentum",), "lion": ("betas",)}[src_rule]:
         assert "'%s'" % key in msg.split("the hyperparameters")[1]
     _sd_equal(b.state_dict(), before)
+
+
+@pytest.mark.parametrize("scaler", ["torch", "mpext"])
+def test_grad_scaler_over_sparse_and_float64_params(device, scaler):
+    """A GradScaler driving mpext's SGD over a sparse embedding and a float64 layer (both on
+    torch's path) as torch.amp.GradScaler drives torch's SGD: the same bits, an overflowing
+    step skipped by both and the scale backed off alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True),
+                                torch.nn.Linear(4, 2).double()).to(device)
+    ref = copy.deepcopy(model)
+    a = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    b = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    make = torch.amp.GradScaler if scaler == "torch" else mpext.GradScaler
+    sa, sb = make(device, init_scale=256.0), torch.amp.GradScaler(device, init_scale=256.0)
+    for step in range(4):
+        idx = torch.tensor([1, 2, 2, 5 + step], device=device)
+        for m, o, s in ((model, a, sa), (ref, b, sb)):
+            o.zero_grad()
+            s.scale(m[1](m[0](idx).double()).pow(2).sum()).backward()
+            if step == 2:  # an overflow: the step is skipped
+                m[1].weight.grad[0, 0] = float("inf")
+            s.step(o)
+            s.update()
+        for x, y in zip(model.parameters(), ref.parameters()):
+            assert _same_bits(x, y), step
+        assert sa.get_scale() == sb.get_scale()
+    assert sa.get_scale() == 128.0
