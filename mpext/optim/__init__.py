@@ -55,6 +55,10 @@ of ``exp_avg`` / ``exp_avg_sq``: see docs/lean_state.md, "State keys"), and the 
   kernel and an overflowing step is skipped on the device (nothing written, ``step`` not
   advanced). A step makes no host synchronisation.
 
+What torch's optimizers accept and mpext's kernels have no format for (sparse gradients for SGD,
+amsgrad, float64 and complex params) is stepped by torch.optim's own implementation for those
+params; non-contiguous params step through a contiguous copy; see docs/dropin.md.
+
 The learning rate stays a Python float in ``param_groups`` (LR schedulers work unchanged); each
 step it is written into a small cached tensor on the device (only when it changed), which the
 kernel reads.

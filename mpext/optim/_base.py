@@ -46,6 +46,12 @@ _LEAN_DEFAULTS = {"unscale_grads": True, "param_remainders": False, "stochastic_
                   "ema_decay": None}
 
 
+class _TorchPath(RuntimeError):
+    """A param the fused step met that torch's implementation of the rule steps (a sparse
+    gradient, say): raised before anything is changed, so that step() sorts it out and retries;
+    elsewhere (gradient release) its message is the refusal."""
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose step is one fused kernel launch per device and set of
     hyperparameters, with mpext's state formats (mpext.optim.formats). Not used directly: a rule
@@ -78,6 +84,42 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _check_saved_state(self, value: Dict[str, Any], where: str) -> None:
         """Refuses a saved param state the rule cannot continue from."""
 
+    # The torch path (docs/dropin.md): params that torch.optim's own implementation of the rule
+    # steps, with torch's math and state keys, where mpext's kernels have no format for them.
+    # A rule that has such an implementation lists the param dtypes it hands over and says
+    # whether sparse gradients go too, and steps them in _torch_step.
+    _TORCH_DTYPES: frozenset = frozenset()
+    _TORCH_SPARSE = False
+
+    def _torch_group(self, group: Dict[str, Any]) -> bool:
+        """Whether a group's settings send all its params to torch's implementation."""
+        return False
+
+    def _torch_step(self, group: Dict[str, Any], params: List[torch.Tensor],
+                    grads: List[torch.Tensor]) -> None:
+        """Steps ``params`` (a group's torch-path params with gradients) with torch.optim's
+        functional implementation of the rule, their state under torch's keys."""
+        raise NotImplementedError
+
+    def _torch_state(self, p: torch.Tensor, state: Dict[str, Any]) -> bool:
+        """Whether a param's state was made by torch's implementation and only it can continue
+        it (SGD: a sparse momentum buffer)."""
+        return False
+
+    # The rule a checkpoint's param group belongs to, told by its hyperparameter keys (first
+    # match): (name, keys it has, keys it lacks). Every rule's _RULE names one row.
+    _RULE_SIGNATURES = (
+        ("SGD (torch.optim.SGD or mpext.optim.SGD)", ("momentum",), ()),
+        ("Adam/AdamW (torch.optim.Adam/AdamW or mpext.optim.Adam/AdamW)", ("betas", "eps"), ()),
+        ("Lion (lion_pytorch.Lion or mpext.optim.Lion)", ("betas",), ("eps",)),
+    )
+    _RULE = ""  # the row of _RULE_SIGNATURES that is this class's rule
+    # The keys of torch's optimizer of the rule that mpext's groups keep (given a group that
+    # lacks them: an older pickle), with torch's defaults.
+    _TORCH_GROUP_DEFAULTS = {"foreach": None, "capturable": False, "differentiable": False,
+                             "fused": None}
+    _RULE_KEYS: Tuple[str, ...] = ()  # the rule's hyperparameters, named in a refusal
+
     # -----------------------------------------------------------------------------------------
     # Construction and validation.
 
@@ -94,6 +136,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _init_caches(self) -> None:
         self._lr_tensors = LrTensors()
         self._plan: Optional[StepPlan] = None  # the last step's calls (_items)
+        # Whether a param may take the torch path (a dtype or a sparse gradient seen): only
+        # then does a step sort params per step (_torch_part), so others pay nothing.
+        self._torch_seen = False
 
     def _moments_of(self, group: Dict[str, Any]) -> Tuple[F.Quantity, ...]:
         """The moment quantities a group's params keep: the rule's ``moments`` (SGD keeps none
@@ -195,10 +240,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.layout != torch.strided:
                     raise ValueError("%s: params[%d]%s is a %s tensor; only dense params are "
                                      "supported" % (self._name(), j, where, p.layout))
+                if self._torch_group(group) or p.dtype in self._TORCH_DTYPES:
+                    self._check_torch_param(p, group, "%s: params[%d]%s"
+                                            % (self._name(), j, where))
+                    self._torch_seen = True
+                    continue
                 if p.dtype not in PARAM_DTYPES:
                     raise TypeError("%s: params[%d]%s has dtype %s; only float32, bfloat16 and "
-                                    "float16 params are supported"
-                                    % (self._name(), j, where, dtype_name(p.dtype)))
+                                    "float16 params are supported%s"
+                                    % (self._name(), j, where, dtype_name(p.dtype),
+                                       self._torch_dtypes_note()))
                 if p.dtype is torch.float16 and group["param_remainders"]:
                     raise ValueError(F.FP16_REMAINDER % ("%s: params[%d]%s"
                                                          % (self._name(), j, where)))
@@ -208,11 +259,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no %s kernel for"
                                      % (self._name(), j, where, p.device, self._op))
-                if not is_dense(p) or not is_dense(local(p)):
-                    raise ValueError("%s: params[%d]%s must be dense and non-overlapping (e.g. "
-                                     "contiguous or channels_last); got sizes %s and strides %s"
-                                     % (self._name(), j, where, tuple(p.shape),
-                                        tuple(p.stride())))
+                if is_dtensor(p) and not is_dense(local(p)):
+                    # A plain non-dense param steps through a contiguous copy (_engine); a
+                    # shard's 8-bit blocks and SR positions assume its own flat memory.
+                    raise ValueError("%s: params[%d]%s is a DTensor whose local shard is not "
+                                     "dense and non-overlapping (sizes %s, strides %s)"
+                                     % (self._name(), j, where, tuple(local(p).shape),
+                                        tuple(local(p).stride())))
         except BaseException:
             self.param_groups.pop()
             raise
@@ -224,6 +277,43 @@ class FusedOptimizer(torch.optim.Optimizer):
                           "stop moving (docs/lean_state.md, \"When round to nearest fails\"); "
                           "pass stochastic_rounding=True" % (self._name(), where),
                           UserWarning, stacklevel=3)
+
+    def _torch_reasons(self) -> str:
+        why = []
+        if any(self._torch_group(g) for g in self.param_groups):
+            why.append("a group's settings")
+        if any(p.dtype in self._TORCH_DTYPES for g in self.param_groups for p in g["params"]):
+            why.append("a param's dtype")
+        return " and ".join(why) or "a sparse gradient"
+
+    def _torch_dtypes_note(self) -> str:
+        if not self._TORCH_DTYPES:
+            return ""
+        return " (and %s, which torch's implementation of the rule steps)" % ", ".join(
+            sorted(dtype_name(d) for d in self._TORCH_DTYPES))
+
+    def _check_torch_param(self, p: torch.Tensor, group: Dict[str, Any], where: str) -> None:
+        """Refuses a torch-path param whose group asks for what only the fused step keeps: a
+        master, an 8-bit or BF16 moment, an EMA (torch's implementation keeps none of them)."""
+        if p.device.type == "meta":  # as on the fused path (docs/dropin.md)
+            raise ValueError("%s is on meta, a device mpext steps no params on" % where)
+        if p.layout != torch.strided:
+            raise ValueError("%s is a %s tensor; only dense params are supported"
+                             % (where, p.layout))
+        why = "torch.optim's implementation of the rule steps it (docs/dropin.md)"
+        for q in self._moments_of(group):
+            if group.get(q.setting, F32) not in (F32, "float32"):
+                raise ValueError("%s: %s=%r is not available for it: %s, with its state in the "
+                                 "param's dtype" % (where, q.setting, group.get(q.setting), why))
+        for key, default in (("param_remainders", False), ("stochastic_rounding", False),
+                             ("ema_decay", None)):
+            if group.get(key, default) != default:
+                raise ValueError("%s: %s=%r is not available for it: %s"
+                                 % (where, key, group[key], why))
+        if p.dtype in LOW_DTYPES and group.get("master_weights", True):
+            raise ValueError("%s is %s in a group that keeps FP32 masters, which %s does not "
+                             "do; pass master_weights=False for that group to step it as torch "
+                             "does" % (where, dtype_name(p.dtype), why.split(" steps")[0]))
 
     def _fill_defaults(self, group: Dict[str, Any]) -> None:
         """Gives a group the format keys it lacks (this optimizer's defaults), then the rule's."""
@@ -240,11 +330,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._init_caches()
         self._plan = None
         for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", None)
+            # the rule's torch keys only: a key added here would make a loaded state_dict
+            # differ from the saved one (SGD has no capturable)
+            for key, value in self._TORCH_GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
             self._fill_defaults(group)
+            if any(p.dtype in self._TORCH_DTYPES for p in group["params"]):
+                self._torch_seen = True
 
     # -----------------------------------------------------------------------------------------
     # The step.
@@ -461,9 +553,80 @@ class FusedOptimizer(torch.optim.Optimizer):
                                                  tuple(local(p).shape)))
         return gl
 
+    def _needs_torch(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        """Whether torch's implementation of the rule steps ``p`` now."""
+        if self._torch_group(group) or p.dtype in self._TORCH_DTYPES:
+            return True
+        if not self._TORCH_SPARSE:
+            return False
+        g = p.grad
+        return (g is not None and g.layout != _STRIDED) or self._torch_state(
+            p, self.state.get(p) or {})
+
+    def _torch_part(self) -> Optional[Tuple[set, List[tuple]]]:
+        """(ids of the params with gradients the fused step takes, [(group, params, grads)] of
+        those torch's implementation steps), or None when torch's steps none (the fused step
+        then takes every param, through its cached plan). Sorts params only where a torch-path
+        param was seen or a group asks for it."""
+        groups = self.param_groups
+        if not self._torch_seen and not any(self._torch_group(g) for g in groups):
+            return None
+        fused, torch_part = set(), []
+        for gi, group in enumerate(groups):
+            params = []
+            for j, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if self._needs_torch(p, group):
+                    # a group edited since (amsgrad set on BF16 params with masters, say)
+                    self._check_torch_param(p, group, "%s: param %d of group %d"
+                                            % (self._name(), j, gi))
+                    params.append(p)
+                else:
+                    fused.add(id(p))
+            if params:
+                torch_part.append((group, params, [p.grad for p in params]))
+        return (fused, torch_part) if torch_part else None
+
+    def _run_torch(self, part: List[tuple], inv_scale: Optional[torch.Tensor],
+                   found_inf: Optional[torch.Tensor]) -> None:
+        """Steps the torch-path params of ``part`` (see :meth:`_torch_part`). With a loss scale
+        their gradients are unscaled first as GradScaler.unscale_ does for torch's own
+        optimizers (a sparse one through its values), and a found inf/NaN skips them, read on
+        the host as GradScaler.step does for those optimizers."""
+        if found_inf is not None and bool(found_inf.detach().reshape(-1)[0].item()):
+            return
+        for group, params, grads in part:
+            if inv_scale is not None:
+                grads = self._unscaled(group, params, grads, inv_scale)
+            self._torch_step(group, params, grads)
+
+    def _unscaled(self, group: Dict[str, Any], params: List[torch.Tensor],
+                  grads: List[torch.Tensor], inv_scale: torch.Tensor) -> List[torch.Tensor]:
+        out = []
+        for p, g in zip(params, grads):
+            if not group.get("unscale_grads", True):
+                g = g.clone()  # .grad stays scaled, as asked
+            elif g.layout != _STRIDED and g.dtype is torch.float16:
+                g = p.grad = g.coalesce()  # as GradScaler: fp16 duplicates could overflow
+            values = g._values() if g.layout != _STRIDED else g
+            scratch = torch.zeros(1, dtype=F32, device=values.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [values], scratch, inv_scale.to(values.device))
+            out.append(g)
+        return out
+
     def _bad_grad(self, p: torch.Tensor, g: torch.Tensor, j: int, gi: int) -> None:
-        """Raises the error for a param / gradient pair the kernel cannot take."""
+        """Raises the error for a param / gradient pair the kernel cannot take: _TorchPath
+        where torch's implementation steps it (step() retries, the param now sorted out)."""
         where = "param %d of group %d" % (j, gi)
+        group = self.param_groups[gi]
+        if self._needs_torch(p, group):
+            self._check_torch_param(p, group, "%s: %s" % (self._name(), where))
+            self._torch_seen = True
+            raise _TorchPath("%s: %s is stepped by torch.optim's implementation of the rule (a "
+                             "%s %s gradient); step() does that, gradient release does not"
+                             % (self._name(), where, g.layout, dtype_name(p.dtype)))
         if g.layout != torch.strided:
             raise RuntimeError(
                 "%s does not support sparse gradients (%s has a %s gradient); use "
@@ -526,8 +689,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 return loss
             found_inf = None
 
-        items = self._items()
-        if not items:
+        part = self._torch_part()
+        try:
+            items = self._items(None if part is None else part[0])
+        except _TorchPath:  # a param newly sorted out (nothing was changed): sort again
+            part = self._torch_part()
+            items = self._items(None if part is None else part[0])
+        if not items and part is None:
             return loss
         inv_scale = None
         if grad_scale is not None:
@@ -536,7 +704,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 inv_scale = grad_scale.detach().double().reciprocal().float()
             else:
                 inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
-        self._launch(items, inv_scale, found_inf)
+        if items:
+            try:
+                self._launch(items, inv_scale, found_inf)
+            except _TorchPath:
+                # A cached plan's op refused a newly sparse gradient before writing anything
+                # (the long way then sorted the param out): the step again, sorted.
+                self.step(grad_scale=grad_scale, found_inf=found_inf)
+                return loss
+        if part is not None:
+            self._run_torch(part[1], inv_scale, found_inf)
         return loss
 
     # -----------------------------------------------------------------------------------------
@@ -567,6 +744,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 step goes through ``release.backward(loss)``; "previous": one pass, clipping
                 with the previous step's global norm (the first step is not clipped).
         """
+        if self._torch_seen or any(self._torch_group(g) for g in self.param_groups):
+            raise ValueError("%s.release_grads: some params are stepped by torch.optim's "
+                             "implementation of the rule (%s), which gradient release does not "
+                             "do; see docs/dropin.md" % (self._name(), self._torch_reasons()))
         return GradRelease(self, bucket_bytes=bucket_bytes, scaler=scaler,
                            max_grad_norm=max_grad_norm, clip=clip)
 
@@ -701,6 +882,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match "
                              "the size of optimizer's group")
+        for gi, saved in enumerate(saved_groups):
+            self._check_same_rule(saved, state_dict, gi)
         storage = _PARAM_FORMAT_SETTINGS + self._moment_settings() + ("block_size",)
         new_groups = []
         for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
@@ -711,6 +894,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key in storage:  # how the state is kept: this optimizer's choice
                 saved[key] = group.get(key, saved[key])
             self._check_group(saved, " (loaded param group %d)" % gi)
+            for j, p in enumerate(saved["params"]):
+                if self._torch_group(saved) or p.dtype in self._TORCH_DTYPES:
+                    self._check_torch_param(p, saved, "%s.load_state_dict: params[%d] (loaded "
+                                            "param group %d)" % (self._name(), j, gi))
             new_groups.append(saved)
 
         id_map = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
@@ -737,6 +924,36 @@ class FusedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _takes_torch_state(self, param: torch.Tensor, group: Dict[str, Any],
+                           value: Dict[str, Any]) -> bool:
+        """Whether a saved state of ``param`` is loaded as torch's (the torch path's)."""
+        return self._torch_group(group) or param.dtype in self._TORCH_DTYPES \
+            or self._torch_state(param, value)
+
+    def _check_same_rule(self, saved: Dict[str, Any], state_dict: Dict[str, Any],
+                         gi: int) -> None:
+        """Refuses a checkpoint's param group that is another rule's (told by its
+        hyperparameter keys), naming the rule, its keys and this rule's."""
+        if not isinstance(saved, dict):
+            return
+        theirs = next((name for name, has, lacks in self._RULE_SIGNATURES
+                       if all(k in saved for k in has) and not any(k in saved for k in lacks)),
+                      None)
+        if theirs == self._RULE or (theirs is None
+                                    and all(k in saved for k in self._RULE_KEYS)):
+            return
+        ids = set(saved.get("params") or ())
+        state_keys = sorted({str(k) for pid, st in state_dict.get("state", {}).items()
+                             if pid in ids and isinstance(st, dict) for k in st})
+        raise ValueError(
+            "%s.load_state_dict: param group %d of the checkpoint is %s; this optimizer's rule "
+            "is %s. The checkpoint's group has the hyperparameters %s and its params' state "
+            "the keys %s; %s expects the hyperparameters %s. Nothing was loaded."
+            % (self._name(), gi, "another rule's: " + theirs if theirs else
+               "not one of a rule mpext knows", self._RULE,
+               sorted(k for k in saved if k != "params"), state_keys or "(none)",
+               self._name(), list(self._RULE_KEYS)))
+
     def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
                             key: Any) -> Dict[str, Any]:
         where = "%s.load_state_dict: the state of param %r" % (self._name(), key)
@@ -744,6 +961,24 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise TypeError("%s must be a dict, got %s" % (where, type(value).__name__))
         if len(value) == 0:
             return {}
+        if self._takes_torch_state(param, group, value):
+            # torch's state, loaded as torch.optim loads it (floating tensors to the param's
+            # dtype and device, step as it is), copied
+            out = {}
+            for k, v in value.items():
+                if isinstance(v, torch.Tensor):
+                    if k == "step":
+                        t = v
+                    elif param.is_floating_point():
+                        t = v.to(dtype=param.dtype, device=param.device)
+                    else:
+                        t = v.to(device=param.device)
+                    v = t.clone() if t is v else t
+                else:
+                    v = deepcopy(v)
+                out[k] = v
+            self._torch_seen = True
+            return out
         self._check_saved_state(value, where)
         return import_param_state(param, value, group, self._moments_of(group), where)
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Union
 
 import torch
 
-from .._common import LrTensors, same_layout
+from .._common import LrTensors, is_dense, same_layout
 from . import _q8_shards as q8_shards
 from .formats import moment_of
 from ._tensors import F32, local
@@ -172,8 +172,9 @@ def _op_call(launch: _Launch, lr: torch.Tensor, hyper: Any,
 def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
                 inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> tuple:
     """The op calls that step the items, as ``(calls, copied)``: each call a :class:`_Call`,
-    with ``positions`` the indices in ``items`` of its params; ``copied`` the (gradient, copy in
-    the param's layout) pairs whose copy the kernel may write."""
+    with ``positions`` the indices in ``items`` of its params; ``copied`` the (tensor, copy)
+    pairs to write back after the launches: a gradient's copy in the param's layout that the
+    kernel may write, a non-dense param's contiguous copy that it steps."""
     calls: Dict[tuple, List[int]] = {}
     items = list(items)
     for i, item in enumerate(items):
@@ -195,6 +196,14 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
                          [[] for _ in range(nlists)], [])
         for i in positions:
             p, g, state, storage, _, _, stream, offset, _ = items[i]
+            if not is_dense(p):
+                # A param with gaps or overlaps (a slice of a bigger tensor): the kernel takes
+                # flat memory, so it steps a contiguous copy, written back after the launch.
+                # Its state is contiguous (zeros_like of such a param is), so the bits are
+                # those of a contiguous param.
+                copy = p.contiguous()
+                copied.append((p, copy))
+                p = copy
             if g.stride() != p.stride() and not same_layout(g, p):
                 # e.g. a channels_last param with a contiguous gradient
                 copy = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -305,7 +314,8 @@ class StepPlan:
         planned, _ = _plan_calls(items, lr_tensors, None, None)
         calls = []
         for c in planned:
-            if any(g is not items[i].grad for g, i in zip(c.args[1], c.positions)):
+            if any(g is not items[i].grad for g, i in zip(c.args[1], c.positions)) \
+                    or any(p is not items[i].param for p, i in zip(c.args[0], c.positions)):
                 return None
             pc = _PlannedCall()
             pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, c.device, \

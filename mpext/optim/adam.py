@@ -7,6 +7,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch.optim.adam import adam as _torch_adam
 
 from .._common import is_real as _is_real
 from ._base import FusedOptimizer
@@ -24,12 +25,16 @@ class Adam(FusedOptimizer):
         params: iterable of params or of dicts defining param groups; params must be float32,
             bfloat16 or float16 tensors on a device mpext has a kernel for (CPU, CUDA), or
             DTensors of those (FSDP2): each rank steps its local shards, and the moments and
-            masters are DTensors placed as the param (see the module docstring).
+            masters are DTensors placed as the param (see the module docstring). float64 and
+            complex params are stepped by torch.optim's implementation (docs/dropin.md);
+            non-contiguous ones through a contiguous copy, with a contiguous clone's bits.
         lr (float or 1-element Tensor): learning rate (default 1e-3).
         betas (Tuple[float, float]): moment coefficients (default (0.9, 0.999)).
         eps (float): added to the denominator (default 1e-8).
         weight_decay (float): default 0 (Adam) / 1e-2 (AdamW).
-        amsgrad (bool): not supported; True raises ``NotImplementedError``.
+        amsgrad (bool): the group's params are stepped by torch.optim's own implementation
+            (``torch.optim.adam.adam``: torch's bits and state, no fused speed, no masters or
+            lean formats; docs/dropin.md). Default False.
         maximize (bool): maximize the objective (default False).
         foreach, fused, capturable: accepted for compatibility with torch and ignored (the step
             is always fused, sync-free and keeps ``step`` on the device).
@@ -103,6 +108,7 @@ class Adam(FusedOptimizer):
                  exp_avg_sq_dtype: torch.dtype = torch.float32,
                  moment_rounding: str = "stochastic", seed: int = 0,
                  block_size: int = 256, ema_decay: Optional[float] = None) -> None:
+        _torch_checks(lr, betas, foreach, capturable, fused, differentiable)
         if isinstance(betas, (list, tuple)) and len(betas) == 2:
             betas = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -142,16 +148,47 @@ class Adam(FusedOptimizer):
         if not math.isfinite(wd):
             raise ValueError("%s: weight_decay must be finite, got %r%s"
                              % (self._name(), wd, where))
-        if group.get("amsgrad", False):
-            raise NotImplementedError(
-                "%s: amsgrad=True is not supported (the fused kernel implements plain "
-                "Adam/AdamW); use torch.optim.%s(amsgrad=True)%s"
-                % (self._name(), type(self).__name__, where))
-        if group.get("amsgrad", False):
-            raise NotImplementedError(
-                "%s: amsgrad=True is not supported (the fused kernel implements plain "
-                "Adam/AdamW); use torch.optim.%s(amsgrad=True)%s"
-                % (self._name(), type(self).__name__, where))
+
+    # The torch path (docs/dropin.md): amsgrad groups and float64 / complex params are stepped
+    # by torch.optim.adam.adam, as torch.optim.Adam/AdamW step them, with torch's state.
+    _TORCH_DTYPES = frozenset((torch.float64, torch.complex64, torch.complex128))
+    _RULE = FusedOptimizer._RULE_SIGNATURES[1][0]
+    _RULE_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+
+    def _torch_group(self, group: Dict[str, Any]) -> bool:
+        return bool(group.get("amsgrad", False))
+
+    def _torch_step(self, group: Dict[str, Any], params: List[torch.Tensor],
+                    grads: List[torch.Tensor]) -> None:
+        # torch.optim.Adam's _init_group and step, for these params
+        amsgrad = bool(group["amsgrad"])
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
+        for p, g in zip(params, grads):
+            if g.layout != torch.strided:
+                raise RuntimeError("Adam does not support sparse gradients, please consider "
+                                   "SparseAdam instead")
+            state = self.state[p]
+            if len(state) == 0:
+                # torch's: step a float32 CPU scalar, moments in the param's dtype and layout
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if amsgrad and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if amsgrad:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _torch_adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            amsgrad=amsgrad, has_complex=any(torch.is_complex(p) for p in params),
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=group["maximize"], foreach=group.get("foreach"),
+            capturable=False, differentiable=False, fused=None,
+            decoupled_weight_decay=bool(self._force_decoupled
+                                        or group.get("decoupled_weight_decay", False)))
 
     def _fill_group(self, group: Dict[str, Any]) -> None:
         group.setdefault("amsgrad", False)
@@ -169,9 +206,37 @@ class Adam(FusedOptimizer):
         fused_adam_step(items, self._lr_tensors, inv_scale, found_inf)
 
     def _check_saved_state(self, value: Dict[str, Any], where: str) -> None:
-        if "max_exp_avg_sq" in value:
-            raise NotImplementedError("%s has max_exp_avg_sq (amsgrad), which %s does not "
-                                      "support" % (where, self._name()))
+        if "max_exp_avg_sq" in value:  # an amsgrad group's state, loaded into a plain group
+            raise ValueError("%s has max_exp_avg_sq, an amsgrad state, but its param group "
+                             "has amsgrad=False" % where)
+
+
+def _torch_checks(lr: Any, betas: Any, foreach: Any, capturable: Any, fused: Any,
+                  differentiable: Any) -> None:
+    """torch.optim.Adam's constructor checks that mpext's group checks do not make (the tensor
+    lr and betas, fused with foreach or differentiable), in torch's order and words."""
+    if isinstance(lr, torch.Tensor) and foreach and not capturable:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    if isinstance(betas, (list, tuple)) and len(betas) == 2:
+        b0, b1 = betas
+        if not ((isinstance(b0, float) and isinstance(b1, float))
+                or (isinstance(b0, torch.Tensor) and isinstance(b1, torch.Tensor))):
+            for i, b in enumerate(betas):  # torch checks the ranges first
+                if (isinstance(b, torch.Tensor) and b.numel() == 1 or _is_real(b)) \
+                        and not 0.0 <= b < 1.0:
+                    raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+            raise ValueError("betas must be either both floats or both Tensors")
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor):
+                if not capturable and foreach:
+                    raise ValueError("betas[%d] as a Tensor is not supported for "
+                                     "capturable=False and foreach=True" % i)
+                if b.numel() != 1:
+                    raise ValueError("Tensor betas[%d] must be 1-element" % i)
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
 class AdamW(Adam):

@@ -101,6 +101,20 @@ class Lion(FusedOptimizer):
                              "initial lr, which must then be > 0, got %r%s"
                              % (self._name(), self._init_lr, where))
 
+    # lion-pytorch has no functional implementation to hand float64 params or sparse
+    # gradients to: they are refused (docs/dropin.md).
+    _RULE = FusedOptimizer._RULE_SIGNATURES[2][0]
+    _RULE_KEYS = ("lr", "betas", "weight_decay")
+    _TORCH_GROUP_DEFAULTS: Dict[str, Any] = {}  # lion-pytorch's groups have none of torch's
+
+    def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
+                            key: Any) -> Dict[str, Any]:
+        if isinstance(value, dict) and "exp_avg" in value and "step" not in value:
+            # lion-pytorch's state: the moment and no step count (Lion's update reads none;
+            # mpext's names its SR streams by it). A saved state means a stepped param: step 1.
+            value = dict(value, step=torch.tensor(1.0))
+        return super()._import_param_state(param, value, group, key)
+
     def _fill_group(self, group: Dict[str, Any]) -> None:
         group.setdefault("maximize", False)
         group.setdefault("decoupled_weight_decay", False)

@@ -5,6 +5,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch.optim.sgd import sgd as _torch_sgd
 
 from .._common import is_real as _is_real
 from ._base import FusedOptimizer
@@ -40,7 +41,9 @@ class SGD(FusedOptimizer):
 
     Args:
         params: iterable of params or of dicts defining param groups, as
-            :class:`mpext.optim.Adam`.
+            :class:`mpext.optim.Adam`. Params with sparse gradients (``nn.Embedding(sparse=
+            True)``) and float64 / complex params are stepped by torch.optim's own
+            implementation (``torch.optim.sgd.sgd``: torch's bits and state; docs/dropin.md).
         lr (float or 1-element Tensor): learning rate (default 1e-3).
         momentum (float): momentum factor (default 0).
         dampening (float): dampening for momentum (default 0).
@@ -72,6 +75,8 @@ class SGD(FusedOptimizer):
                  momentum_dtype: torch.dtype = torch.float32,
                  moment_rounding: str = "stochastic", seed: int = 0, block_size: int = 256,
                  ema_decay: Optional[float] = None) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:  # torch's checks, in its order
+            raise ValueError("Tensor lr must be 1-element")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                         foreach=foreach, differentiable=differentiable, fused=fused,
@@ -80,6 +85,10 @@ class SGD(FusedOptimizer):
                         stochastic_rounding=stochastic_rounding, momentum_dtype=momentum_dtype,
                         moment_rounding=moment_rounding, seed=seed, block_size=block_size,
                         ema_decay=ema_decay)
+        if fused and differentiable:  # torch's (made before mpext's differentiable refusal)
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         super().__init__(params, defaults)
 
     def _check_rule(self, group: Dict[str, Any], where: str) -> None:
@@ -103,6 +112,34 @@ class SGD(FusedOptimizer):
                              "keeps none; leave momentum_dtype at torch.float32 or give a "
                              "momentum%s" % (self._name(), dt, where))
 
+    # The torch path (docs/dropin.md): sparse gradients and float64 / complex params are
+    # stepped by torch.optim.sgd.sgd, as torch.optim.SGD steps them, with torch's state (a
+    # momentum_buffer, sparse for a sparse gradient, and no step).
+    _TORCH_DTYPES = frozenset((torch.float64, torch.complex64, torch.complex128))
+    _TORCH_SPARSE = True
+    _TORCH_GROUP_DEFAULTS = {"foreach": None, "differentiable": False, "fused": None}
+    _RULE = FusedOptimizer._RULE_SIGNATURES[0][0]
+    _RULE_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+    def _torch_state(self, p: torch.Tensor, state: Dict[str, Any]) -> bool:
+        buf = state.get("momentum_buffer")
+        return isinstance(buf, torch.Tensor) and buf.layout != torch.strided
+
+    def _torch_step(self, group: Dict[str, Any], params: List[torch.Tensor],
+                    grads: List[torch.Tensor]) -> None:
+        # torch.optim.SGD's _init_group and step, for these params
+        momentum = group["momentum"]
+        bufs = [self.state[p].get("momentum_buffer") for p in params] if momentum != 0 else []
+        _torch_sgd(
+            params, grads, bufs, weight_decay=group["weight_decay"], momentum=momentum,
+            lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            has_sparse_grad=any(g.layout != torch.strided for g in grads),
+            foreach=group.get("foreach"), fused=None)
+        if momentum != 0:
+            for p, buf in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = buf
+
     def _fill_group(self, group: Dict[str, Any]) -> None:
         group.setdefault("maximize", False)
         group.setdefault("nesterov", False)
@@ -113,7 +150,8 @@ class SGD(FusedOptimizer):
 
     def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
                             key: Any) -> Dict[str, Any]:
-        if isinstance(value, dict) and "momentum_buffer" in value and "step" not in value:
+        if isinstance(value, dict) and "momentum_buffer" in value and "step" not in value \
+                and not self._takes_torch_state(param, group, value):
             # torch.optim.SGD's state: a buffer (None without momentum) and no step count. A
             # saved state means a stepped param: step 1 (the buffer is not made anew).
             value = {k: v for k, v in value.items() if v is not None}
