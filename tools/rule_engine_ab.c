@@ -1,0 +1,148 @@
+/* SGD and Lion through the CPU engine's tile pipeline, A/B in one process: mp_k_sgd_step and
+ * mp_k_lion_step of two builds of adam.c ("old", e.g. `git show HEAD:csrc/core/adam.c`, and
+ * "new", this checkout's), on the same arrays, interleaved call by call (the order alternating
+ * each round), per storage format, one core. Times are the thread's CPU time
+ * (CLOCK_THREAD_CPUTIME_ID), which a busy shared machine disturbs less than the wall clock.
+ * Reported per format: each build's median ns per element, and the median [q1, q3] of the
+ * per-round ratios new/old. With the same source on both sides it gives the pipeline's own
+ * figures and the spread of an A/A run (docs/lean_state.md, "SGD and Lion on the pipeline").
+ *
+ *   F="-std=c11 -O3 -fno-math-errno -fno-trapping-math -DMP_X86_PATHS=1"
+ *   ISA="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mprefer-vector-width=512"
+ *   for s in old new; do  # OLD, NEW: two checkouts (or the same one twice)
+ *     d=$([ $s = old ] && echo $OLD || echo $NEW)
+ *     gcc $F $ISA -I$d/csrc/include -I$d/csrc/core -DMP_ISA_SUFFIX=$s -c $d/csrc/core/adam.c -o /tmp/$s.o
+ *     gcc $F $ISA -I$d/csrc/include -I$d/csrc/core -DMP_ISA_SUFFIX=$s -c $d/csrc/core/adam_fused.c -o /tmp/${s}f.o
+ *   done
+ *   gcc $F -O2 -Icsrc/include tools/rule_engine_ab.c /tmp/old.o /tmp/oldf.o /tmp/new.o /tmp/newf.o -lm -o /tmp/rab
+ *   /tmp/rab [numel=16M] [rounds=9] [formats: "all" or a comma list, e.g. sgd_sr_q8,lion_master]
+ *            [calls per timing=1: more for arrays that fit a cache]
+ * GLIBC_TUNABLES=glibc.malloc.hugetlb=1 before the command puts the arrays on 2 MiB pages. */
+#define _POSIX_C_SOURCE 199309L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mpext/adam.h"
+#include "mpext/adam_rule.h"
+#include "mpext/lion_rule.h"
+#include "mpext/sgd_rule.h"
+
+#define DECL(s)                                                                                  \
+  void mp_k_sgd_step__##s(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*,      \
+                          const mp_sgd_scalars*);                                                \
+  void mp_k_lion_step__##s(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*,     \
+                           const mp_lion_scalars*);
+DECL(old)
+DECL(new)
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int cmp(const void* a, const void* b) {
+  const double x = *(const double*)a, y = *(const double*)b;
+  return x < y ? -1 : x > y;
+}
+
+/* The formats of benchmarks/bench_adam.py (bf16 params and grads), plus an fp32 master with
+ * 8-bit moments. */
+static const char* const FORMATS[] = {"master", "remainder", "rem_bf16m", "sr_bf16m",
+                                      "sr",     "rem_q8",    "sr_q8",     "master_q8"};
+#define NFMT 8
+#define MAX_ROUNDS 64
+
+static void step(int lion, int new_build, const mp_adam_tensor* t, int64_t n,
+                 const mp_adam_scalars* s, const mp_lion_scalars* ls, const mp_sgd_scalars* gs) {
+  if (lion) {
+    (new_build ? mp_k_lion_step__new : mp_k_lion_step__old)(t, 0, n, s, ls);
+  } else {
+    (new_build ? mp_k_sgd_step__new : mp_k_sgd_step__old)(t, 0, n, s, gs);
+  }
+}
+
+int main(int argc, char** argv) {
+  const int64_t n = argc > 1 ? atoll(argv[1]) : (16 << 20);
+  int rounds = argc > 2 ? atoi(argv[2]) : 9;
+  const char* only = argc > 3 && strcmp(argv[3], "all") != 0 ? argv[3] : NULL;
+  const int calls = argc > 4 ? atoi(argv[4]) : 1;
+  rounds = rounds < 1 ? 1 : rounds > MAX_ROUNDS ? MAX_ROUNDS : rounds;
+  uint16_t* param = malloc((size_t)n * 2);
+  uint16_t* grad = malloc((size_t)n * 2);
+  float* master = malloc((size_t)n * 4);
+  int16_t* rem = calloc((size_t)n, 2);
+  float* m = calloc((size_t)n, 4);
+  float* ms = calloc((size_t)(n / 32 + 1), 4);
+  if (!param || !grad || !master || !rem || !m || !ms) return 1;
+  printf("numel %lld, %d rounds, %d calls per timing: median ns per element of old and new; "
+         "new/old median [q1, q3] of the per-round ratios\n", (long long)n, rounds, calls);
+  for (int lion = 1; lion >= 0; --lion) {
+    for (int f = 0; f < NFMT; ++f) {
+      char name[64];
+      snprintf(name, sizeof name, "%s_%s", lion ? "lion" : "sgd", FORMATS[f]);
+      if (only != NULL) { /* a whole entry of the comma list */
+        const size_t len = strlen(name);
+        const char* p = only;
+        while ((p = strstr(p, name)) != NULL && ((p != only && p[-1] != ',') ||
+                                                 (p[len] != ',' && p[len] != '\0')))
+          p += len;
+        if (p == NULL) continue;
+      }
+      const int q8 = f >= 5, bf16m = f == 2 || f == 3, remainder = f == 1 || f == 2 || f == 5;
+      const int sr = f == 3 || f == 4 || f == 6, has_master = f == 0 || f == 7;
+      for (int64_t i = 0; i < n; ++i) { /* normal values only: a subnormal costs an assist */
+        const float x = 0.02f + 1e-5f * (float)(i % 2001 - 1000);
+        const float g = 1e-3f * (float)((i * 7919) % 1000 - 500) / 500.0f + 1e-6f;
+        uint32_t u;
+        master[i] = x;
+        memcpy(&u, &x, 4);
+        param[i] = (uint16_t)(u >> 16);
+        memcpy(&u, &g, 4);
+        grad[i] = (uint16_t)(u >> 16);
+      }
+      memset(rem, 0, (size_t)n * 2);
+      memset(m, 0, (size_t)n * 4);
+      memset(ms, 0, (size_t)(n / 32 + 1) * 4);
+      float stp = 1.0f;
+      const mp_adam_tensor t = {.param = param, .param_dtype = MP_BF16, .grad = grad,
+                                .grad_dtype = MP_BF16, .master = has_master ? master : NULL,
+                                .exp_avg = m, .step = &stp, .n = n,
+                                .remainder = remainder ? rem : NULL,
+                                .exp_avg_dtype = q8 ? MP_I8 : bf16m ? MP_BF16 : MP_F32,
+                                .exp_avg_sq_dtype = q8 ? MP_U8 : MP_F32,
+                                .exp_avg_scale = q8 ? ms : NULL};
+      const mp_adam_options o = {.beta1 = 0.9, .beta2 = lion ? 0.99 : 0.0, .weight_decay = 0.01,
+                                 .decoupled = lion, .lr_value = 1e-3f, .sr_params = sr,
+                                 .seed = 7, .q8_block = 256,
+                                 .rule = lion ? MP_RULE_LION : MP_RULE_SGD};
+      const mp_adam_scalars s = mp_adam_scalars_now(&o, &stp, 0);
+      const mp_lion_scalars ls = mp_lion_scalars_of(&o, o.lr_value);
+      const mp_sgd_scalars gs = mp_sgd_scalars_of(&o, o.lr_value, stp);
+      double t_old[MAX_ROUNDS], t_new[MAX_ROUNDS], ratio[MAX_ROUNDS];
+      for (int r = -1; r < rounds; ++r) { /* round -1 warms both up */
+        double took[2] = {0.0, 0.0};
+        for (int w = 0; w < 2; ++w) {
+          const int b = ((r & 1) ^ w) != 0; /* which build runs first alternates */
+          const double t0 = now();
+          for (int c = 0; c < calls; ++c) step(lion, b, &t, n, &s, &ls, &gs);
+          took[b] = now() - t0;
+        }
+        if (r < 0) continue;
+        t_old[r] = took[0];
+        t_new[r] = took[1];
+        ratio[r] = took[1] / took[0];
+      }
+      qsort(t_old, (size_t)rounds, sizeof(double), cmp);
+      qsort(t_new, (size_t)rounds, sizeof(double), cmp);
+      qsort(ratio, (size_t)rounds, sizeof(double), cmp);
+      const double per = 1e9 / (double)n / (double)calls;
+      printf("%-16s %.3f %.3f  %.3f [%.3f, %.3f]\n", name, t_old[rounds / 2] * per,
+             t_new[rounds / 2] * per, ratio[rounds / 2], ratio[rounds / 4],
+             ratio[(3 * rounds) / 4]);
+    }
+  }
+  return 0;
+}
