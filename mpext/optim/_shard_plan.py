@@ -1,0 +1,186 @@
+"""The cached step of DTensor params (FSDP2, HSDP, DTensor models): a :class:`StepPlan` whose
+op calls are those :func:`~mpext.optim._engine.fused_step` makes after the 8-bit shard split
+(:func:`mpext.optim._q8_shards.split_bound`), kept between steps together with the split's
+exchange (its buffer and the views it copies). A step then reads each param's new gradient
+through its local shard, checks that what the plan was made from still holds, and points the
+planned items at the gradient: the whole local gradient, a slice of its flat view (an 8-bit
+param's inner blocks) or an entry of the exchange's fill (a block two shards share).
+
+Without it every step rebuilt the local views of every param and state tensor, the 8-bit
+split and the launch lists: several times the kernel's time under FSDP2.
+"""
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _q8_shards as q8_shards
+from ._engine import StepPlan, _PlannedCall, _lr_key, _plan_calls, _to_device, device_step
+from ._engine import fused_step, run_launches
+from ._tensors import flat_view, is_dtensor, local_tensor
+
+_STRIDED = torch.strided
+
+
+class _Owner:
+    """A param of the plan and what its planned entries were made from."""
+    __slots__ = ("param", "state", "ids", "dtype", "shard", "spec", "held", "grad_dtype",
+                 "grad_shape", "grad_stride", "device")
+
+
+class _ShardCall(_PlannedCall):
+    __slots__ = ("sources",)  # per entry: (owner index, None | (a, b) | "buffer")
+
+
+def _spec(t: torch.Tensor) -> Any:
+    # DTensor's spec object: FSDP2 gives a param and each step's gradient the same one, so
+    # that identity is the cheap check; a differing one is compared by its parts.
+    return getattr(t, "_spec", None)
+
+
+def _same_placement(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+class ShardedStepPlan(StepPlan):
+    """A :class:`StepPlan` over params some of which are DTensors (built by the optimizer's
+    ``_new_plan``): :meth:`refresh` reads and checks the gradients, :meth:`run` fills the
+    exchange of shared 8-bit blocks, launches and writes the exchange back -- what
+    ``fused_step`` does with the same items, in the same order, so the same bits."""
+
+    def __init__(self, calls: List[_ShardCall], idle: List[torch.Tensor],
+                 owners: List[_Owner], shared: Optional[q8_shards.SharedBlocks]) -> None:
+        super().__init__(calls, idle)
+        self.owners, self.shared = owners, shared
+        self.size = len(owners)
+        # The owners whose flat gradient is sliced (an 8-bit param's inner blocks and parts).
+        flat = {src[0] for c in calls for src in c.sources if isinstance(src[1], tuple)}
+        if shared is not None:
+            flat.update(i for _, i, _, _ in shared.grad_fills)
+        self.flat = sorted(flat)
+
+    @classmethod
+    def build(cls, items: List[Any], owners: List[torch.Tensor], groups: List[dict],
+              idle: List[torch.Tensor], lr_tensors: Any) -> Optional["ShardedStepPlan"]:
+        """The plan of a step of ``items`` (``owners`` their params, ``groups`` their groups,
+        ``idle`` the params without a gradient), or None where a gradient is stepped through a
+        copy in its param's layout (those step the long way)."""
+        for it in items:  # as fused_step: the split shares the step with the copies
+            if it.blocks is not None:
+                device_step(it.state, it.param.device)
+        out, shared, sources = q8_shards.split_bound(items)
+        planned, _ = _plan_calls(out, lr_tensors, None, None)
+        calls = []
+        for c in planned:
+            if any(g is not out[i].grad for g, i in zip(c.args[1], c.positions)):
+                return None
+            pc = _ShardCall()
+            pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, c.device, \
+                c.slot
+            pc.lr_at = len(c.args) - len(out[c.positions[0]].hyper.rule_args()) - 1
+            mine = [sources[i][0] for i in c.positions]
+            pc.lr_groups = list({id(groups[k]): groups[k] for k in mine}.values())
+            pc.lr_group = pc.lr_groups[0]
+            pc.owners = [owners[k] for k in mine]
+            pc.states = pc.ids = pc.dtypes = None  # checked per owner (ShardedStepPlan.owners)
+            pc.grads = list(c.args[1])
+            pc.sources = [sources[i] for i in c.positions]
+            calls.append(pc)
+        kept = []
+        for p, it in zip(owners, items):
+            o = _Owner()
+            o.param, o.state, o.dtype = p, it.state, p.dtype
+            o.ids = tuple(map(id, it.state.values()))
+            o.held = [(t, local_tensor(t)) for t in it.state.values() if is_dtensor(t)]
+            if is_dtensor(p):
+                o.shard, o.spec = local_tensor(p), _spec(p)
+            else:
+                o.shard = o.spec = None
+            g = it.grad  # the local gradient the long way stepped
+            o.grad_dtype, o.grad_shape, o.grad_stride = g.dtype, g.shape, g.stride()
+            o.device = g.device
+            kept.append(o)
+        return cls(calls, idle, kept, shared)
+
+    def refresh(self, state_of: Callable[[torch.Tensor], Any]) -> bool:
+        """Reads every param's gradient and points the planned entries at it; False if the
+        plan no longer holds: a param without a gradient or one it did not plan for, a
+        param whose dtype, state dict or state tensors changed, a DTensor param whose local
+        shard or placement changed (resharded, moved, a new DTensor), a gradient placed,
+        typed, shaped or laid out otherwise than the one planned for, or a learning rate
+        that parts a launch's groups."""
+        for c in self.calls:
+            if len(c.lr_groups) > 1 and len({_lr_key(g["lr"]) for g in c.lr_groups}) > 1:
+                return False
+        grads = []
+        for o in self.owners:
+            p = o.param
+            g = p.grad
+            st = o.state
+            if g is None or p.dtype is not o.dtype or state_of(p) is not st \
+                    or tuple(map(id, st.values())) != o.ids:
+                return False
+            if o.spec is not None:
+                if not is_dtensor(g) or local_tensor(p) is not o.shard:
+                    return False
+                spec = _spec(p)
+                if spec is not o.spec and not _same_placement(p, o.param):
+                    return False
+                if _spec(g) is not spec and not _same_placement(g, p):
+                    return False
+                for t, inner in o.held:
+                    if local_tensor(t) is not inner:
+                        return False
+                g = local_tensor(g)
+            elif is_dtensor(g):
+                return False
+            if g.dtype is not o.grad_dtype or g.layout is not _STRIDED \
+                    or g.shape != o.grad_shape or g.stride() != o.grad_stride \
+                    or g.device != o.device:
+                return False
+            grads.append(g)
+        for p in self.idle:
+            if p.grad is not None:
+                return False
+        flats = {i: flat_view(grads[i]) for i in self.flat}
+        for c in self.calls:
+            c.grads = [fixed if where == "buffer" else grads[i] if where is None
+                       else flats[i][where[0]:where[1]]
+                       for fixed, (i, where) in zip(c.args[1], c.sources)]
+        shared = self.shared
+        if shared is not None:
+            fill = shared.fill
+            for at, i, a, b in shared.grad_fills:
+                fill[at] = (fill[at][0], flats[i][a:b])
+        return True
+
+    def run(self, lr_tensors: Any, inv_scale: Optional[torch.Tensor],
+            found_inf: Optional[torch.Tensor]) -> None:
+        per_device: Dict[torch.device, tuple] = {}
+        launches: List[Tuple[Any, tuple]] = []
+        for c in self.calls:
+            dev = per_device.get(c.device)
+            if dev is None:
+                dev = per_device[c.device] = (_to_device(inv_scale, c.device),
+                                              _to_device(found_inf, c.device))
+            args = list(c.args)
+            args[1] = c.grads
+            args[c.lr_at] = lr_tensors.get((c.device, c.slot), c.device, c.lr_group["lr"])
+            kwargs = dict(c.kwargs)
+            kwargs["inv_scale"], kwargs["found_inf"] = dev
+            launches.append((c.op, (args, kwargs)))
+        shared = self.shared
+        if shared is not None:
+            shared.gather()
+        if len(launches) > 1:  # refresh checked every gradient: no call is refused midway
+            run_launches(launches, [])
+        else:
+            try:
+                run_launches(launches, [])
+            except (RuntimeError, ValueError, TypeError):
+                # Refused before anything was written, by something unplanned: the long way
+                # names what is wrong.
+                fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
+                return
+        if shared is not None:
+            shared.scatter()
