@@ -1,4 +1,4 @@
-"""Distributed: sync_found_inf and FSDP2 8-bit moments on 2 CPU ranks (benchmarks/README.md)."""
+"""Distributed: sync_found_inf, FSDP2 8-bit moments and step host time, 2 CPU ranks (README.md)."""
 import os
 import tempfile
 import time
@@ -94,12 +94,84 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     os._exit(0)
 
 
-def _measure(rounds: int, inner: int) -> dict:
+# ---- FSDP2 step host time per tensor, every format against torch's fused AdamW ------------
+
+STEP_LAYERS, STEP_WIDTH = 100, 100  # 100 x Linear(100, 100) under fully_shard(root): 200 tensors
+BF16, Q8 = torch.bfloat16, dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+# label -> (param dtype, mpext.optim.AdamW keywords; None: torch.optim.AdamW(fused=True)),
+# and whether it steps the long way (its plan never kept: the step before the cache)
+STEP_FORMATS = {
+    "torch fused, fp32 params": (torch.float32, None, False),
+    "torch fused, bf16 params": (BF16, None, False),
+    "fp32 (default)": (torch.float32, {}, False),
+    "bf16 + fp32 master": (BF16, {}, False),
+    "bf16 + remainder": (BF16, dict(param_remainders=True), False),
+    "bf16 SR": (BF16, dict(master_weights=False, stochastic_rounding=True), False),
+    "bf16 + master, bf16 moments": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+                                    False),
+    "bf16 + master, 8-bit moments": (BF16, dict(Q8), False),
+    "bf16 + remainder, 8-bit moments": (BF16, dict(param_remainders=True, **Q8), False),
+    "bf16 SR, 8-bit moments": (BF16, dict(master_weights=False, stochastic_rounding=True,
+                                          **Q8), False),
+    "fp32 (default), long way": (torch.float32, {}, True),
+    "bf16 SR, 8-bit moments, long way": (BF16, dict(master_weights=False,
+                                                    stochastic_rounding=True, **Q8), True),
+}
+
+
+def _step_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
+    """Every STEP_FORMATS optimizer on its own FSDP2 copy of one model, on fixed gradients;
+    ``opt.step()`` alone, the optimizers interleaved in every round, each after a barrier."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(
+        os.path.dirname(out_path), "rendezvous"), rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (WORLD,))
+        opts = {}
+        for label, (dtype, kw, long_way) in STEP_FORMATS.items():
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Linear(STEP_WIDTH, STEP_WIDTH)
+                                  for _ in range(STEP_LAYERS)]).to(dtype)
+            fully_shard(net, mesh=mesh)
+            if kw is None:
+                opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+            else:
+                opt = mpext.optim.AdamW(net.parameters(), lr=1e-4, **kw)
+                if long_way:
+                    opt._new_plan = lambda *args: None
+            net(torch.randn(4, STEP_WIDTH, dtype=dtype)).float().sum().backward()
+            opts[label] = (opt, sum(1 for _ in net.parameters()))
+        for opt, _ in opts.values():  # warm-up: state created, plans kept
+            for _ in range(3):
+                opt.step()
+        samples = {label: [] for label in opts}
+        for _ in range(rounds):
+            for label, (opt, n) in opts.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    opt.step()
+                samples[label].append((time.perf_counter() - t0) / inner / n)
+        if rank == 0:
+            torch.save({"samples": samples,
+                        "tensors": {k: n for k, (_, n) in opts.items()}}, out_path)
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # as _worker
+
+
+def _measure(rounds: int, inner: int, worker=None) -> dict:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "rank0.pt")
-        ctx = mp.start_processes(_worker, args=(out_path, rounds, inner), nprocs=WORLD,
-                                 join=False, start_method=method)
+        ctx = mp.start_processes(worker or _worker, args=(out_path, rounds, inner),
+                                 nprocs=WORLD, join=False, start_method=method)
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
@@ -111,8 +183,45 @@ def _measure(rounds: int, inner: int) -> dict:
     return dict(res, start_method=method)
 
 
+def _step_section(ctx, b) -> tuple:
+    """The FSDP2 step-host-time table (Markdown lines) and its payload."""
+    rounds, inner = max(ctx.repeats, 15), 3 if ctx.quick else 5
+    res = _measure(rounds, inner, _step_worker)
+    b.phase("2-rank FSDP2 step run")
+    samples = res["samples"]
+    rows, table = [], {}
+    for label, (dtype, kw, _) in STEP_FORMATS.items():
+        t = Timing(samples[label], inner)
+        torch_label = "torch fused, %s params" % ("fp32" if dtype is torch.float32 else "bf16")
+        # per round against torch's in the same round (interleaved): the ratio's median and
+        # quartiles
+        per_round = Timing([a / r for a, r in zip(samples[label], samples[torch_label])], 1)
+        table[label] = {"timing": t.to_json(), "vs_torch": per_round.to_json(),
+                        "torch": torch_label}
+        rows.append([label, "%.1f (%.1f–%.1f)" % (t.median * 1e6, t.q1 * 1e6, t.q3 * 1e6),
+                     "—" if kw is None else "%.2f× (%.2f–%.2f)" % (
+                         per_round.median, per_round.q1, per_round.q3)])
+        if kw is not None and not STEP_FORMATS[label][2]:
+            b.target(per_round.median <= 1.0, "FSDP2 step host time, %s: %.2f× torch's fused "
+                     "AdamW (target ≤ 1)" % (label, per_round.median))
+    md = [markdown_table(["optimizer / format", "µs per tensor: median (q1–q3)",
+                          "÷ torch fused AdamW, same dtype, same round: median (q1–q3)"],
+                         rows), "",
+          "FSDP2 `fully_shard(root)` over %d × `Linear(%d, %d)` (%d tensors) on 2 gloo ranks "
+          "(one thread each), `opt.step()` alone on fixed gradients: %d rounds, every "
+          "optimizer in each round after a barrier, %d steps per sample; rank 0's clock. "
+          "\"long way\": the same mpext optimizer with its step plan never kept (every step "
+          "re-derives the local views, the 8-bit shard split and the launch lists)."
+          % (STEP_LAYERS, STEP_WIDTH, STEP_WIDTH, res["tensors"]["fp32 (default)"], rounds,
+             inner)]
+    return md, dict(rounds=rounds, inner=inner, formats=table, tensors=res["tensors"])
+
+
 def run(ctx) -> dict:
     b = Bench(ctx, NAME, TITLE)
+    if getattr(ctx.args, "mode", "all") == "fsdp-step":
+        md, payload = _step_section(ctx, b)
+        return b.finish(md, dict(fsdp_step=payload), device="cpu (2 gloo ranks)")
     rounds, inner = ctx.repeats, 10 if ctx.quick else 40
     res = _measure(rounds, inner)
     b.phase("2-rank run")
@@ -140,11 +249,22 @@ def run(ctx) -> dict:
           "", "FSDP2 over a BF16 %s-parameter MLP (2049 x 250 and 2045 x 2049 weights cut "
           "inside 8-bit blocks), `mpext.optim.AdamW(param_remainders=True)`, `opt.step()` alone on "
           "fixed gradients." % "{:,}".format(res["fsdp_params"])]
+    step_md, step_payload = _step_section(ctx, b)
+    md += ["", "### FSDP2 step host time per tensor, every format against torch's fused AdamW",
+           ""] + step_md
     # the timings by key (rows above); the differences and fractions follow from their medians
     payload = dict({k: v for k, v in res.items() if k != "samples"}, world_size=WORLD,
-                   local_batch=LOCAL_BATCH, rounds=rounds, inner=inner, timings=s)
+                   local_batch=LOCAL_BATCH, rounds=rounds, inner=inner, timings=s,
+                   fsdp_step=step_payload)
     return b.finish(md, payload, device="cpu (2 gloo ranks)")
 
 
+def add_args(parser):
+    parser.add_argument("--mode", choices=("all", "fsdp-step"), default="all",
+                        help="fsdp-step: only the FSDP2 step host time per tensor of every "
+                             "format against torch's fused AdamW (default: %(default)s)")
+    return parser
+
+
 if __name__ == "__main__":
-    run_standalone(run, __doc__)
+    run_standalone(run, __doc__, add_args)

@@ -229,6 +229,13 @@ class SharedBlocks:
         self.grad_fills: List[Tuple[int, int, int, int]] = []
 
     def gather(self) -> None:
+        for work in self.start():
+            work.wait()
+
+    def start(self) -> list:
+        """:meth:`gather` begun: the copies filled and their all-reduce under way; returns its
+        works, to ``wait()`` on before the copies are stepped (the inner blocks, which the
+        exchange does not touch, may be stepped meanwhile)."""
         import torch.distributed as dist
         for buf, _ in self.buffers:
             buf.zero_()
@@ -238,11 +245,11 @@ class SharedBlocks:
             torch._foreach_copy_([d for d, _ in self.fill], [s for _, s in self.fill])
         if self.steps:
             torch._foreach_copy_([d for d, _ in self.steps], [s for _, s in self.steps])
-        for buf, group in self.buffers:
-            # Every byte is nonzero on one rank at most, so the sum of the 32-bit words is
-            # their OR: exact, never carrying; as words it is a third of a byte sum's time
-            # over gloo (the buffer is whole 64-byte slots).
-            dist.all_reduce(buf.view(torch.int32), group=group)
+        # Every byte is nonzero on one rank at most, so the sum of the 32-bit words is their
+        # OR: exact, never carrying; as words it is a third of a byte sum's time over gloo
+        # (the buffer is whole 64-byte slots).
+        return [dist.all_reduce(buf.view(torch.int32), group=group, async_op=True)
+                for buf, group in self.buffers]
 
     def scatter(self) -> None:
         if self.fill:

@@ -28,7 +28,9 @@ class _Owner:
 
 
 class _ShardCall(_PlannedCall):
-    __slots__ = ("sources",)  # per entry: (owner index, None | (a, b) | "buffer")
+    # sources: per entry, (owner index, None | (a, b) | "buffer"); batch: 0, stepped in place,
+    # 1, the exchange's copies; lr_key: its learning-rate buffer's key
+    __slots__ = ("sources", "batch", "lr_key")
 
 
 def _spec(t: torch.Tensor) -> Any:
@@ -69,23 +71,37 @@ class ShardedStepPlan(StepPlan):
             if it.blocks is not None:
                 device_step(it.state, it.param.device)
         out, shared, sources = q8_shards.split_bound(items)
-        planned, _ = _plan_calls(out, lr_tensors, None, None)
+        # Two batches of calls: the items stepped in place, which the exchange does not touch,
+        # run while its all-reduce is under way; then the copies it fills. Their elements and
+        # draws are the same as in one call, so are their bits.
+        batches = ([i for i, src in enumerate(sources) if src[1] != "buffer"],
+                   [i for i, src in enumerate(sources) if src[1] == "buffer"])
         calls = []
-        for c in planned:
-            if any(g is not out[i].grad for g, i in zip(c.args[1], c.positions)):
-                return None
-            pc = _ShardCall()
-            pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, c.device, \
-                c.slot
-            pc.lr_at = len(c.args) - len(out[c.positions[0]].hyper.rule_args()) - 1
-            mine = [sources[i][0] for i in c.positions]
-            pc.lr_groups = list({id(groups[k]): groups[k] for k in mine}.values())
-            pc.lr_group = pc.lr_groups[0]
-            pc.owners = [owners[k] for k in mine]
-            pc.states = pc.ids = pc.dtypes = None  # checked per owner (ShardedStepPlan.owners)
-            pc.grads = list(c.args[1])
-            pc.sources = [sources[i] for i in c.positions]
-            calls.append(pc)
+        for batch, where in enumerate(batches):
+            if not where:
+                continue
+            sub = [out[i] for i in where]
+            planned, _ = _plan_calls(sub, lr_tensors, None, None)
+            for c in planned:
+                positions = [where[k] for k in c.positions]
+                if any(g is not out[i].grad for g, i in zip(c.args[1], positions)):
+                    return None
+                pc = _ShardCall()
+                pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, \
+                    c.device, c.slot
+                # each batch's own learning-rate buffers (LrTensors keys), as _plan_calls
+                # numbers its slots from 0
+                pc.lr_key = (c.device, c.slot) if batch == 0 else (c.device, "copies", c.slot)
+                pc.batch = batch
+                pc.lr_at = len(c.args) - len(sub[c.positions[0]].hyper.rule_args()) - 1
+                mine = [sources[i][0] for i in positions]
+                pc.lr_groups = list({id(groups[k]): groups[k] for k in mine}.values())
+                pc.lr_group = pc.lr_groups[0]
+                pc.owners = [owners[k] for k in mine]
+                pc.states = pc.ids = pc.dtypes = None  # checked per owner (self.owners)
+                pc.grads = list(c.args[1])
+                pc.sources = [sources[i] for i in positions]
+                calls.append(pc)
         kept = []
         for p, it in zip(owners, items):
             o = _Owner()
@@ -157,7 +173,7 @@ class ShardedStepPlan(StepPlan):
     def run(self, lr_tensors: Any, inv_scale: Optional[torch.Tensor],
             found_inf: Optional[torch.Tensor]) -> None:
         per_device: Dict[torch.device, tuple] = {}
-        launches: List[Tuple[Any, tuple]] = []
+        batches: Tuple[list, list] = ([], [])
         for c in self.calls:
             dev = per_device.get(c.device)
             if dev is None:
@@ -165,22 +181,27 @@ class ShardedStepPlan(StepPlan):
                                               _to_device(found_inf, c.device))
             args = list(c.args)
             args[1] = c.grads
-            args[c.lr_at] = lr_tensors.get((c.device, c.slot), c.device, c.lr_group["lr"])
+            args[c.lr_at] = lr_tensors.get(c.lr_key, c.device, c.lr_group["lr"])
             kwargs = dict(c.kwargs)
             kwargs["inv_scale"], kwargs["found_inf"] = dev
-            launches.append((c.op, (args, kwargs)))
+            batches[c.batch].append((c.op, (args, kwargs)))
+        try:
+            self._launch(batches)
+        except (RuntimeError, ValueError, TypeError):
+            if len(self.calls) > 1:  # refresh checked every gradient: not refused midway
+                raise
+            # Refused before anything was written, by something unplanned: the long way
+            # names what is wrong.
+            fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
+
+    def _launch(self, batches: Tuple[list, list]) -> None:
         shared = self.shared
-        if shared is not None:
-            shared.gather()
-        if len(launches) > 1:  # refresh checked every gradient: no call is refused midway
-            run_launches(launches, [])
-        else:
-            try:
-                run_launches(launches, [])
-            except (RuntimeError, ValueError, TypeError):
-                # Refused before anything was written, by something unplanned: the long way
-                # names what is wrong.
-                fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
-                return
+        works = shared.start() if shared is not None else []
+        try:
+            run_launches(batches[0], [])
+        finally:
+            for work in works:  # never left pending, whatever happened
+                work.wait()
+        run_launches(batches[1], [])
         if shared is not None:
             shared.scatter()
