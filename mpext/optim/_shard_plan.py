@@ -23,8 +23,8 @@ _STRIDED = torch.strided
 
 class _Owner:
     """A param of the plan and what its planned entries were made from."""
-    __slots__ = ("param", "state", "ids", "dtype", "shard", "spec", "held", "grad_dtype",
-                 "grad_shape", "grad_stride", "device")
+    __slots__ = ("param", "state", "ids", "dtype", "shard", "spec", "placement", "held",
+                 "grad_dtype", "grad_shape", "grad_stride", "device")
 
 
 class _ShardCall(_PlannedCall):
@@ -39,9 +39,9 @@ def _spec(t: torch.Tensor) -> Any:
     return getattr(t, "_spec", None)
 
 
-def _same_placement(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)
-            and a.shape == b.shape and a.stride() == b.stride())
+def _placement(t: torch.Tensor) -> tuple:
+    """What a DTensor's shards depend on: its mesh, placements, global sizes and strides."""
+    return t.device_mesh, tuple(t.placements), tuple(t.shape), t.stride()
 
 
 class ShardedStepPlan(StepPlan):
@@ -109,9 +109,9 @@ class ShardedStepPlan(StepPlan):
             o.ids = tuple(map(id, it.state.values()))
             o.held = [(t, local_tensor(t)) for t in it.state.values() if is_dtensor(t)]
             if is_dtensor(p):
-                o.shard, o.spec = local_tensor(p), _spec(p)
+                o.shard, o.spec, o.placement = local_tensor(p), _spec(p), _placement(p)
             else:
-                o.shard = o.spec = None
+                o.shard = o.spec = o.placement = None
             g = it.grad  # the local gradient the long way stepped
             o.grad_dtype, o.grad_shape, o.grad_stride = g.dtype, g.shape, g.stride()
             o.device = g.device
@@ -140,9 +140,9 @@ class ShardedStepPlan(StepPlan):
                 if not is_dtensor(g) or local_tensor(p) is not o.shard:
                     return False
                 spec = _spec(p)
-                if spec is not o.spec and not _same_placement(p, o.param):
+                if spec is not o.spec and _placement(p) != o.placement:
                     return False
-                if _spec(g) is not spec and not _same_placement(g, p):
+                if _spec(g) is not spec and _placement(g) != _placement(p):
                     return False
                 for t, inner in o.held:
                     if local_tensor(t) is not inner:
