@@ -41,6 +41,7 @@ FORMATS = {
     "sgd_master": ("SGD", BF16, dict(momentum=0.9, weight_decay=0.01)),
 }
 EVENTS = ("none", "group_edit", "add_param_group", "load_state_dict", "to_empty")
+SCALE = 1024.0  # the "scaled" case's loss scale: the step unscales the gradients in place
 STEPS, EVENT_AT, SAVE_AT = 6, 3, 1
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -108,6 +109,9 @@ def _differences(a, b, label):
     for i, (p, q) in enumerate(zip(pa, pb)):
         if not torch.equal(_bits(p), _bits(q)):
             out.append("%s: param %d" % (label, i))
+        if (p.grad is None) != (q.grad is None) or (
+                p.grad is not None and not torch.equal(_bits(p.grad), _bits(q.grad))):
+            out.append("%s: the gradient of param %d" % (label, i))  # unscaled in place
         sa, sb = a.state.get(p, {}), b.state.get(q, {})
         if sorted(sa) != sorted(sb):
             out.append("%s: param %d keys %s vs %s" % (label, i, sorted(sa), sorted(sb)))
@@ -186,8 +190,13 @@ def _fsdp_case(name, event, mesh, device):
             if step == EVENT_AT and event != "none":
                 _event(event, opt, model, saved[k])
             opt.zero_grad(set_to_none=True)
-            ((model(x.to(dtype)).float() - y) ** 2).mean().backward()
-            opt.step()
+            loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
+            if event == "scaled":
+                (loss * SCALE).backward()
+                opt.step(grad_scale=torch.tensor(SCALE, device=device))
+            else:
+                loss.backward()
+                opt.step()
             if step == SAVE_AT:
                 saved[k] = _clone_state_dict(opt)
         out["differences"] += _differences(runs[0][1], runs[1][1], "step %d" % step)
@@ -237,7 +246,7 @@ def _body(rank, device):
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     out = {}
     for name in FORMATS:
-        for event in EVENTS:
+        for event in EVENTS + ("scaled",):
             out[(name, event)] = _fsdp_case(name, event, mesh, device)
         out[(name, "new_param")] = _dtensor_case(name, mesh, device)
     return out
@@ -260,10 +269,13 @@ def runs(device, tmp_path_factory):
 # --------------------------------------------------------------------------------------------
 # The tests.
 
+@pytest.mark.parametrize("case", ["none", "scaled"])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_cached_fsdp2_steps_match_the_long_way_and_keep_one_plan(runs, name):
+def test_cached_fsdp2_steps_match_the_long_way_and_keep_one_plan(runs, name, case):
+    """Plain steps, and steps with a loss scale (the gradients unscaled in place, through the
+    exchange's copies for the blocks two shards share)."""
     for rank, res in enumerate(runs):
-        r = res[(name, "none")]
+        r = res[(name, case)]
         assert r["differences"] == [], "rank %d: %s" % (rank, r["differences"])
         assert all(r["moved"]), "rank %d: a param never moved: %s" % (rank, r["moved"])
         kinds, ids, sizes = zip(*r["plans"])

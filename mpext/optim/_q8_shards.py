@@ -227,10 +227,29 @@ class SharedBlocks:
         # param's item in split's input, [a, b) of its flat local gradient): a cached step
         # (mpext.optim._shard_plan) points them at each step's new gradients.
         self.grad_fills: List[Tuple[int, int, int, int]] = []
+        self._cached: Optional[tuple] = None  # _lists()
 
     def gather(self) -> None:
         for work in self.start():
             work.wait()
+
+    def _lists(self) -> tuple:
+        # The foreach argument lists, made once for a cached step's exchange (the long way
+        # makes a new exchange per step): fill's (copies, parts), steps' (copies, steps), and
+        # scatter's without the gradients' entries.
+        if self._cached is None:
+            grads = {at for at, _, _, _ in self.grad_fills}
+            kept = [pair for at, pair in enumerate(self.fill) if at not in grads]
+            self._cached = ([d for d, _ in self.fill], [s for _, s in self.fill],
+                            [d for d, _ in self.steps], [s for _, s in self.steps],
+                            [d for d, _ in kept], [s for _, s in kept])
+        return self._cached
+
+    def point(self, at: int, part: torch.Tensor) -> None:
+        """Makes fill entry ``at`` copy ``part`` (a cached step's new gradient)."""
+        self.fill[at] = (self.fill[at][0], part)
+        if self._cached is not None:
+            self._cached[1][at] = part
 
     def start(self) -> list:
         """:meth:`gather` begun: the copies filled and their all-reduce under way; returns its
@@ -241,19 +260,25 @@ class SharedBlocks:
             buf.zero_()
         # One foreach call per list instead of a copy_ per array: each part is copied alone
         # either way (the same bytes), at a fraction of the host time.
-        if self.fill:
-            torch._foreach_copy_([d for d, _ in self.fill], [s for _, s in self.fill])
-        if self.steps:
-            torch._foreach_copy_([d for d, _ in self.steps], [s for _, s in self.steps])
+        copies, parts, own, steps = self._lists()[:4]
+        if copies:
+            torch._foreach_copy_(copies, parts)
+        if own:
+            torch._foreach_copy_(own, steps)
         # Every byte is nonzero on one rank at most, so the sum of the 32-bit words is their
         # OR: exact, never carrying; as words it is a third of a byte sum's time over gloo
         # (the buffer is whole 64-byte slots).
         return [dist.all_reduce(buf.view(torch.int32), group=group, async_op=True)
                 for buf, group in self.buffers]
 
-    def scatter(self) -> None:
-        if self.fill:
-            torch._foreach_copy_([s for _, s in self.fill], [d for d, _ in self.fill])
+    def scatter(self, grads: bool = True) -> None:
+        """Writes each rank's part of the stepped copies back; ``grads=False`` leaves out the
+        gradients' parts, which the op wrote nothing into (no ``inv_scale``: they hold what
+        fill copied)."""
+        lists = self._lists()
+        copies, parts = (lists[0], lists[1]) if grads else (lists[4], lists[5])
+        if copies:
+            torch._foreach_copy_(parts, copies)
 
 
 def _arrays(item: Any, state: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:

@@ -165,9 +165,8 @@ class ShardedStepPlan(StepPlan):
                        for fixed, (i, where) in zip(c.args[1], c.sources)]
         shared = self.shared
         if shared is not None:
-            fill = shared.fill
             for at, i, a, b in shared.grad_fills:
-                fill[at] = (fill[at][0], flats[i][a:b])
+                shared.point(at, flats[i][a:b])
         return True
 
     def run(self, lr_tensors: Any, inv_scale: Optional[torch.Tensor],
@@ -186,7 +185,7 @@ class ShardedStepPlan(StepPlan):
             kwargs["inv_scale"], kwargs["found_inf"] = dev
             batches[c.batch].append((c.op, (args, kwargs)))
         try:
-            self._launch(batches)
+            self._launch(batches, inv_scale is not None)
         except (RuntimeError, ValueError, TypeError):
             if len(self.calls) > 1:  # refresh checked every gradient: not refused midway
                 raise
@@ -194,7 +193,7 @@ class ShardedStepPlan(StepPlan):
             # names what is wrong.
             fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
 
-    def _launch(self, batches: Tuple[list, list]) -> None:
+    def _launch(self, batches: Tuple[list, list], unscaled: bool) -> None:
         shared = self.shared
         works = shared.start() if shared is not None else []
         try:
@@ -204,4 +203,5 @@ class ShardedStepPlan(StepPlan):
                 work.wait()
         run_launches(batches[1], [])
         if shared is not None:
-            shared.scatter()
+            # without an inv_scale the op wrote no gradient: its parts need no copy back
+            shared.scatter(grads=unscaled)
