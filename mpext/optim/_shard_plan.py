@@ -16,7 +16,9 @@ import torch
 from . import _q8_shards as q8_shards
 from ._engine import StepPlan, _PlannedCall, _lr_key, _plan_calls, _to_device, device_step
 from ._engine import fused_step, run_launches
-from ._tensors import flat_view, is_dtensor, local_tensor
+from ._tensors import DTensor, flat_view, is_dtensor, local_tensor
+
+_DTensor = DTensor if DTensor is not None else ()  # isinstance(x, ()) is False
 
 _STRIDED = torch.strided
 
@@ -129,6 +131,8 @@ class ShardedStepPlan(StepPlan):
             if len(c.lr_groups) > 1 and len({_lr_key(g["lr"]) for g in c.lr_groups}) > 1:
                 return False
         grads = []
+        # The owner loop is the cached step's host cost per param: local_tensor and _spec
+        # inlined. (Without _local_tensor, a torch that renamed it, no plan holds: the long way.)
         for o in self.owners:
             p = o.param
             g = p.grad
@@ -137,17 +141,20 @@ class ShardedStepPlan(StepPlan):
                     or tuple(map(id, st.values())) != o.ids:
                 return False
             if o.spec is not None:
-                if not is_dtensor(g) or local_tensor(p) is not o.shard:
+                if not isinstance(g, _DTensor) \
+                        or getattr(p, "_local_tensor", None) is not o.shard:
                     return False
-                spec = _spec(p)
+                spec = getattr(p, "_spec", None)
                 if spec is not o.spec and _placement(p) != o.placement:
                     return False
-                if _spec(g) is not spec and _placement(g) != _placement(p):
+                if getattr(g, "_spec", None) is not spec and _placement(g) != _placement(p):
                     return False
                 for t, inner in o.held:
-                    if local_tensor(t) is not inner:
+                    if getattr(t, "_local_tensor", None) is not inner:
                         return False
-                g = local_tensor(g)
+                g = getattr(g, "_local_tensor", None)
+                if g is None:
+                    return False
             elif is_dtensor(g):
                 return False
             if g.dtype is not o.grad_dtype or g.layout is not _STRIDED \
