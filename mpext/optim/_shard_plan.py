@@ -50,7 +50,8 @@ class ShardedStepPlan(StepPlan):
     """A :class:`StepPlan` over params some of which are DTensors (built by the optimizer's
     ``_new_plan``): :meth:`refresh` reads and checks the gradients, :meth:`run` fills the
     exchange of shared 8-bit blocks, launches and writes the exchange back -- what
-    ``fused_step`` does with the same items, in the same order, so the same bits."""
+    ``fused_step`` does with the same items (those stepped in place while the exchange's
+    all-reduce runs, then its copies), so the same bits."""
 
     def __init__(self, calls: List[_ShardCall], idle: List[torch.Tensor],
                  owners: List[_Owner], shared: Optional[q8_shards.SharedBlocks]) -> None:
