@@ -11,6 +11,7 @@ optimizers) and :func:`ema_swapped`.
 """
 import contextlib
 import math
+import operator
 import warnings
 import weakref
 from collections import defaultdict
@@ -27,6 +28,7 @@ from . import formats as F
 from . import _q8_shards as q8_shards
 from ._engine import StepItem, StepPlan
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
+from ._shard_plan import ShardedStepPlan
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
 from ._tensors import DTensor, F32, is_dtensor, local, shard_offset
 
@@ -382,12 +384,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _new_plan(self, items: List[StepItem], owners: List[torch.Tensor],
                   groups: List[Dict[str, Any]]) -> Optional[StepPlan]:
         """The plan of this step's items, kept for the next steps (None where the long way is
-        kept: DTensor params, streams numbered by a ZeroRedundancyOptimizer, a tensor
-        setting, a gradient in another layout than its param's)."""
+        kept: streams numbered by a ZeroRedundancyOptimizer, a tensor setting, a gradient in
+        another layout than its param's). DTensor params (FSDP2, ...) get a
+        :class:`~mpext.optim._shard_plan.ShardedStepPlan`, which keeps their local views and
+        8-bit shard split too."""
         self._plan = None
-        if getattr(self, "_sr_stream_index", None) is not None \
-                or any(is_dtensor(p) or is_dtensor(p.grad) for p in owners):
+        if getattr(self, "_sr_stream_index", None) is not None:
             return None
+        sharded = any(is_dtensor(p) or is_dtensor(p.grad) for p in owners)
         keys = tuple(k for k in dict.fromkeys(tuple(self.defaults) + self._READ_SETTINGS
                                               + self._moment_settings())
                      if k not in ("lr", "params"))
@@ -396,9 +400,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             settings = self._settings(group, keys)
             if settings is None:
                 return None
-            info.append((group, group["params"], len(group["params"]), settings))
+            info.append((group, group["params"], tuple(group["params"]), settings))
         idle = [p for g in self.param_groups for p in g["params"] if p.grad is None]
-        plan = StepPlan.build(items, owners, groups, idle, self._lr_tensors)
+        plan = (ShardedStepPlan if sharded else StepPlan).build(items, owners, groups, idle,
+                                                               self._lr_tensors)
         if plan is None:
             return None
         plan.owner = weakref.ref(self)  # no cycle: del frees the state
@@ -429,8 +434,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 or getattr(self, "_sr_stream_index", None) is not None:
             self._plan = None
             return None
-        for gi, (group, (planned, params, n, settings)) in enumerate(zip(groups, plan.info)):
-            if group is not planned or group["params"] is not params or len(params) != n \
+        for gi, (group, (planned, params, held, settings)) in enumerate(zip(groups, plan.info)):
+            # The list's elements too: a param replaced in place by a new param object.
+            if group is not planned or group["params"] is not params \
+                    or len(params) != len(held) \
+                    or not all(map(operator.is_, params, held)) \
                     or self._settings(group, plan.keys) != settings:
                 self._plan = None
                 return None

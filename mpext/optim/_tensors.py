@@ -20,9 +20,22 @@ def is_dtensor(t: Any) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself, sharing memory), or a plain tensor as is."""
     if is_dtensor(t):
+        if not torch.is_grad_enabled():  # the step's case: no_grad's enter and exit cost more
+            return t.to_local()          # than to_local itself
         with torch.no_grad():
             return t.to_local()
     return t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a DTensor keeps as its local shard, itself (a plain tensor as is): the same
+    object at every call, where ``to_local()`` of a DTensor Parameter (FSDP2's params) makes a
+    new view at every call. What a cached step compares (is the shard the one it planned for?)
+    and reads each step's gradient through, at the cost of an attribute read."""
+    inner = getattr(t, "_local_tensor", None)
+    if inner is None or not is_dtensor(t):
+        return local(t)
+    return inner
 
 
 def shard_offset(t: torch.Tensor) -> Optional[int]:
