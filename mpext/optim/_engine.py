@@ -296,7 +296,8 @@ class StepPlan:
     (``owner``, a weak reference set by the optimizer: its ``_long_items()``, the StepItems
     the long way, whose checks name the bad argument); with
     more than one call the gradients are checked here first, so that no call runs before a
-    later one is refused."""
+    later one is refused. DTensor params get ``_shard_plan.ShardedStepPlan``, which extends it
+    with each param's local views and the 8-bit shared-block exchange."""
 
     def __init__(self, calls: List[_PlannedCall], idle: List[torch.Tensor]) -> None:
         self.calls, self.idle, self.owner = calls, idle, None
