@@ -282,7 +282,10 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         s["saved"] = s.get("saved", 0) + 1
         if not self._wants(t, st):
             return t
-        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        # The version counter: a tensor modified in place since it was last packed holds other
+        # values (the earlier packed copy stays right for the savers that got it).
+        key = (_storage_ptr(t), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+               t.dtype)
         hit = cache.get(key)
         if hit is not None and hit[0]() is not None:
             return hit[1]

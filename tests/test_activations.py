@@ -331,6 +331,40 @@ def test_exactly_the_restored_values_are_used():
     assert torch.equal(got, lin.weight.grad)
 
 
+E4M3_REL = 2.0 ** -4  # round to nearest: half an ulp of 3 mantissa bits, relative
+
+
+def test_a_tensor_modified_in_place_between_saves_is_packed_anew(device):
+    """Saved, modified in place, saved again in the same context: the second save holds the
+    new values (a cache keyed without the version counter handed back the first packing, and
+    W2's gradient came out with cosine -1 to the right one)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen).to(device).requires_grad_()
+    w1, w2 = (torch.randn(256, 128, generator=gen).to(device).requires_grad_() for _ in (1, 2))
+
+    def run(ctx):
+        w1.grad = w2.grad = None
+        with ctx:
+            h = x * 1
+            (h @ w1).sum().backward(retain_graph=True)
+            with torch.no_grad():
+                h.mul_(-3)
+            (h @ w2).sum().backward()
+        return h.detach(), w2.grad.clone()
+
+    h, ref = run(contextlib.nullcontext())
+    ctx = act.fp8_saved_tensors()
+    _, got = run(ctx)
+    assert ctx.stats["compressed"] == 2  # h before and after the in-place change
+    # exactly the gradient of the new values' FP8 copy ...
+    q, s = ops.fp8_quantize(h)
+    assert torch.equal(got, ops.fp8_dequantize(q, s).t() @ torch.ones(64, 128, device=device))
+    # ... which is the uncompressed gradient within E4M3's rounding of each summed element
+    bound = E4M3_REL * h.abs().sum(0, keepdim=True).t().expand_as(ref)
+    assert ((got - ref).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+    assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), 0) > 0.99
+
+
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(stochastic):
     """The module copies a non-contiguous saved tensor (attention's transposed q, k, v) before
