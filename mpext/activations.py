@@ -138,9 +138,22 @@ def _is_param_like(t: torch.Tensor, param_ptrs) -> bool:
     return False
 
 
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements share memory (sufficient test: each dimension, by increasing stride,
+    steps past everything the smaller ones span), so a tensor of its strides can be written."""
+    span = 0
+    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if st <= span:
+            return False
+        span += (n - 1) * st
+    return True
+
+
 class _Packed:
-    """One compressed tensor: its FP8 codes, their scales, and how to rebuild it."""
-    __slots__ = ("q", "scales", "shape", "dtype", "block", "nbytes")
+    """One compressed tensor: its FP8 codes, their scales, and how to rebuild it with the
+    saved tensor's exact size and strides (a compiled backward asserts them, and a kernel may
+    pick its path by them)."""
+    __slots__ = ("q", "scales", "shape", "stride", "contiguous", "dtype", "block", "nbytes")
 
     def __init__(self, t: torch.Tensor, block: int, fp8_dtype, pow2: bool, stochastic: bool,
                  seed: int, offset: int):
@@ -150,11 +163,20 @@ class _Packed:
         self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
                                                pow2_scale=pow2, stochastic=stochastic, seed=seed,
                                                offset=offset)
-        self.shape, self.dtype, self.block = t.shape, t.dtype, block
+        self.shape, self.stride, self.dtype, self.block = t.shape, t.stride(), t.dtype, block
+        self.contiguous = t.is_contiguous()
         self.nbytes = self.q.numel() + 4 * self.scales.numel()
 
     def restore(self) -> torch.Tensor:
-        return ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
+        out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
+        if out.stride() == self.stride:
+            return out
+        if self.contiguous:  # the same addressing; only the strides of size-1 dims differ
+            return out.as_strided(self.shape, self.stride)
+        # transposed, permuted, channels_last, sliced: the layout the saver had (a sliced
+        # tensor's storage offset is not kept: nothing reads it, and a fresh one is aligned)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                   device=out.device).copy_(out)
 
 
 class _Recorder(TorchFunctionMode):
@@ -251,6 +273,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     def _matches(self, t: torch.Tensor, st: _State) -> bool:
         if t.layout != torch.strided or t.dim() == 0 or t.numel() < self.min_numel:
             return False
+        if not _non_overlapping(t):
+            return False  # an expanded tensor: its copy would be larger than what it views
         cols = t.shape[-1]
         packed = 1 + 4.0 / max(1, min(self.block_size, cols))
         if packed > 0.75 * t.element_size():

@@ -397,6 +397,73 @@ def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(stochastic)
     assert torch.equal(got, w.grad)
 
 
+class _Layouts:
+    """Hooks around ``ctx``'s: each tensor the backward unpacks is checked against the one that
+    was packed: size, strides, dtype, and (when compressed) the values of the op on the
+    saved tensor's row-major copy."""
+
+    def __init__(self, ctx):
+        self.ctx, self.checked, self.wrong = ctx, [], []
+
+    def pack(self, t):
+        obj = self.ctx.pack(t)
+        want = None
+        if not isinstance(obj, torch.Tensor):
+            q, s = ops.fp8_quantize(t.detach().contiguous(), block_size=self.ctx.block_size)
+            want = ops.fp8_dequantize(q, s, dtype=t.dtype)
+        return t.shape, t.stride(), t.dtype, want, obj
+
+    def unpack(self, packed):
+        shape, stride, dtype, want, obj = packed
+        back = self.ctx.unpack(obj)
+        self.checked.append((shape, stride, want is not None))
+        if back.shape != shape or back.stride() != stride or back.dtype != dtype or (
+                want is not None and not torch.equal(back, want)):
+            self.wrong.append((shape, stride, back.shape, back.stride()))
+        return back
+
+
+def _layout_cases(device):
+    """Saved tensors of every layout: transposed (RoPE's view(...).transpose(1, 2)),
+    permuted, channels_last (a conv's output), sliced, and size-1 dims with odd strides."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 128, generator=gen).to(device).requires_grad_()
+    img = torch.randn(2, 16, 12, 12, generator=gen).to(device).requires_grad_()
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1).to(device, memory_format=torch.channels_last)
+    return [
+        ("transposed", lambda: (x * 1).view(2, 64, 4, 32).transpose(1, 2)),
+        ("permuted", lambda: (x * 1).permute(2, 0, 1)),
+        ("channels_last", lambda: conv(img.to(memory_format=torch.channels_last))),
+        ("sliced", lambda: (x * 1)[:, ::2, 32:]),
+        ("size-1 dims", lambda: (x * 1)[:1].transpose(0, 1).transpose(0, 1).as_strided(
+            (1, 64, 128), (5, 128, 1))),
+    ]
+
+
+@pytest.mark.parametrize("policy", ["layers", "size", "callable"])
+def test_every_restored_tensor_has_the_saved_size_and_strides(device, policy):
+    """Whatever the policy, the backward gets each saved tensor back with its size and strides
+    (a compiled backward asserts them: restored contiguous, a RoPE-style transposed q crashed
+    it), its values those of the FP8 copy."""
+    for name, make in _layout_cases(device):
+        ctx = act.fp8_saved_tensors(
+            (lambda t: True) if policy == "callable" else policy, min_bytes=1, min_numel=1)
+        hooks = _Layouts(ctx)
+        with ctx, torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            t = make()
+            y = torch.relu(t)  # saves its output: t's layout where t is dense ("layers")
+            z = (y * t).sum()  # saves y and t as they are ("size", callable)
+        z.backward()
+        assert hooks.wrong == [], (name, hooks.wrong)
+        strides = {stride for _, stride, compressed in hooks.checked if compressed}
+        if policy != "layers" or y.stride() == t.stride():
+            assert t.stride() in strides, (name, hooks.checked)
+        if name != "size-1 dims":
+            assert not t.is_contiguous()
+        else:
+            assert t.is_contiguous() and t.stride() != (64 * 128, 128, 1)
+
+
 class _SavedBytes:
     """Saved-tensor hooks that count the bytes autograd holds for the backward pass (each
     storage or compressed object once; the parameters and the batch left out), around the
