@@ -40,6 +40,7 @@ trace): the context warns once when that happens. ``stats`` counts what was seen
 import collections
 import contextlib
 import functools
+import sys
 import warnings
 import weakref
 from typing import Callable, Optional, Union
@@ -75,6 +76,24 @@ _KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f
 _VIEW_OR_CAST = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
                  "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
                  "AliasBackward0", "UnsafeViewBackward0")
+
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _saved_by_compiled_graph() -> bool:
+    """Whether the tensor being packed is saved by a compiled graph's autograd function (AOT
+    autograd's, at run time): its backward was compiled for exactly those tensors. A look at
+    the few frames between the hook and autograd.Function.apply (hooks wrapping ours add one)."""
+    f = sys._getframe(2)
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_code is _APPLY:
+            mod = getattr(f.f_locals.get("cls"), "__module__", "") or ""
+            return mod.startswith(("torch._functorch", "torch._dynamo", "torch._inductor"))
+        f = f.f_back
+    return False
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -189,6 +208,10 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # dynamo traces this mode: storage addresses do not trace (a graph break per
+            # parameter), and a compiled graph's saved tensors pass the hooks unchanged
+            return func(*args, **kwargs)
         st = self.state
         flat = [a for a in args if isinstance(a, torch.Tensor)]
         if func is torch.einsum:
@@ -296,7 +319,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         return bool(self.policy(t))
 
     def _pack(self, t: torch.Tensor, st: _State, cache: dict):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _saved_by_compiled_graph():
             # A compiled graph's saved tensors are traced with it: this hook's bookkeeping
             # (weak references, a cache, a Python policy) does not trace, so they stay as they
             # are; __exit__ says so (warning here would break the graph being traced).

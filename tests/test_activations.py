@@ -652,6 +652,34 @@ def test_torch_compile_runs_uncompressed_and_says_so_once():
     assert said == [] and eager.stats["compressed"] == 2
 
 
+@pytest.mark.parametrize("policy", ["layers", "size"])
+def test_a_model_compiled_inside_the_context_gets_no_graph_break(device, policy):
+    """The context's function mode runs inside dynamo's trace: it must trace (it used to ask
+    for storage addresses, which split the small GPT into 12 graphs). Counted by a backend:
+    as many graphs inside the context as outside, and fullgraph=True compiles."""
+    from small_gpt import SmallGPT
+    torch.manual_seed(0)
+    model = SmallGPT(65, 32, 64, 2, 4).to(device)
+    x, y = (torch.randint(0, 65, (2, 32), device=device) for _ in range(2))
+    counts, losses = {}, {}
+    for inside in (False, True):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        compiled = torch.compile(model, backend=backend, fullgraph=inside)
+        with act.fp8_saved_tensors(policy, warn_unmatched=False) if inside else \
+                contextlib.nullcontext():
+            losses[inside] = compiled(x, y)
+        losses[inside].backward()
+        counts[inside] = len(graphs)
+    torch._dynamo.reset()
+    assert counts[True] == counts[False] == 1, counts
+    assert torch.equal(losses[True], losses[False])
+
+
 def test_float64_model_gets_a_dtype_warning_once():
     """A float64 model: the tensors the policy matches (those it compresses in the float32
     model) are named with their dtype, once per context, instead of "compressed none"."""
