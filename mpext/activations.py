@@ -198,6 +198,29 @@ class _Packed:
                                    device=out.device).copy_(out)
 
 
+class _Reshaped:
+    """A compressed tensor restored in another shape: the same elements, saved again as
+    another contiguous view (no second FP8 copy)."""
+    __slots__ = ("packed", "shape", "stride", "nbytes")
+
+    def __init__(self, packed: _Packed, shape, stride):
+        self.packed, self.shape, self.stride = packed, shape, stride
+        self.nbytes = 0  # the bytes are the other view's
+
+    def restore(self) -> torch.Tensor:
+        return self.packed.restore().reshape(self.shape).as_strided(self.shape, self.stride)
+
+
+class _Storage:
+    """What a context knows of one storage: weak references to the tensors saved from it
+    (alive: the address still means this storage), whether a saver holds it raw, and its
+    compressed views by (version, offset, shape, stride, dtype)."""
+    __slots__ = ("refs", "raw", "views")
+
+    def __init__(self):
+        self.refs, self.raw, self.views = [], False, {}
+
+
 class _Recorder(TorchFunctionMode):
     """Notes parameters as they are used and, for the "linear" policy, which call of a matrix
     product is running and which of its arguments are activations."""
@@ -283,9 +306,18 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
 
     # -- the hooks
 
-    def _wants(self, t: torch.Tensor, st: _State) -> bool:
+    def _eligible(self, t: torch.Tensor, st: _State) -> bool:
+        """Whether ``t`` can be compressed at all, whatever the policy: a floating activation
+        (not a parameter, its view or cast, nor a leaf such as the batch: they stay alive
+        anyway) whose elements occupy memory of their own (not an expanded view)."""
         if not t.is_floating_point() or t.dtype in ops.FP8_DTYPES:
             return False  # integer, boolean (exact use), already fp8
+        if t.layout != torch.strided or t.dim() == 0 or not _non_overlapping(t):
+            return False
+        return t.grad_fn is not None and not _is_param_like(t, st.param_ptrs)
+
+    def _wants(self, t: torch.Tensor, st: _State) -> bool:
+        """The policy's choice for an eligible ``t`` (float64 counted as matched, not taken)."""
         if not self._matches(t, st):
             return False
         if t.dtype not in _SUPPORTED:  # float64: matched, but the ops take 32 and 16 bits
@@ -294,16 +326,12 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         return True
 
     def _matches(self, t: torch.Tensor, st: _State) -> bool:
-        if t.layout != torch.strided or t.dim() == 0 or t.numel() < self.min_numel:
+        if t.numel() < self.min_numel:
             return False
-        if not _non_overlapping(t):
-            return False  # an expanded tensor: its copy would be larger than what it views
         cols = t.shape[-1]
         packed = 1 + 4.0 / max(1, min(self.block_size, cols))
         if packed > 0.75 * t.element_size():
             return False  # blocks too short to save anything
-        if t.grad_fn is None or _is_param_like(t, st.param_ptrs):
-            return False  # a leaf (the batch the caller holds) or a parameter: stays alive
         if self.policy in ("layers", "linear"):
             if not st.linear_stack:
                 return False
@@ -327,29 +355,59 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             return t
         s = self.stats
         s["saved"] = s.get("saved", 0) + 1
-        if not self._wants(t, st):
+        # One entry per storage: whether some saver holds it raw, and its compressed views at
+        # the version they were made of. A storage is compressed only if every saver of it gets
+        # a compressed copy: a raw saver keeps the whole storage alive, and an FP8 copy beside
+        # it would add bytes (a CNN's ReLU output, which the next conv saves too).
+        ptr = _storage_ptr(t)
+        entry = cache.get(ptr)
+        if entry is not None and not any(r() is not None for r in entry.refs):
+            entry = None  # the storage died and its address was handed out again
+        if entry is None:
+            entry = cache[ptr] = _Storage()
+        # alive while the memory holds these values: a view dies with its call (linear's
+        # reshape of a 3-d input), its base lives on while the caller keeps it
+        entry.refs.append(weakref.ref(t._base if t._base is not None else t))
+        if entry.raw or not self._eligible(t, st):
+            entry.raw = True
             return t
-        # The version counter: a tensor modified in place since it was last packed holds other
-        # values (the earlier packed copy stays right for the savers that got it).
-        key = (_storage_ptr(t), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-               t.dtype)
-        hit = cache.get(key)
-        if hit is not None and hit[0]() is not None:
-            return hit[1]
+        view = (t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        hit = entry.views.get(view)
+        if hit is not None:
+            return hit
+        # the same elements in another shape (a 3-d activation and linear's 2-d view of it)
+        same = entry.views.get((t._version, t.storage_offset(), t.numel(), t.dtype))
+        if same is not None and t.is_contiguous():
+            entry.views[view] = out = _Reshaped(same, t.shape, t.stride())
+            return out
+        # another view of a storage compressed at this version: compressed too, whatever the
+        # policy says (raw, it would keep the storage alive beside the FP8 copies)
+        compressed_here = any(k[0] == t._version for k in entry.views)
+        if not compressed_here:
+            if entry.views:  # made of older values: this save is the storage's first again
+                entry.views.clear()
+            if not self._wants(t, st):
+                entry.raw = True
+                return t
+        elif t.dtype not in _SUPPORTED:
+            entry.raw = True
+            return t
         packed = _Packed(t, self.block_size, self.fp8_dtype, self.pow2_scale, self.stochastic,
                          self.seed, self._offset)
         self._offset += t.numel()
-        # Alive as long as the memory holds these values: a view dies with its call (linear's
-        # reshape of a 3-d input), its base lives on while the caller keeps it.
-        cache[key] = (weakref.ref(t._base if t._base is not None else t), packed)
+        entry.views[view] = packed
+        if t.is_contiguous():
+            entry.views[(t._version, t.storage_offset(), t.numel(), t.dtype)] = packed
         s["compressed"] = s.get("compressed", 0) + 1
-        s["bytes_before"] = s.get("bytes_before", 0) + t.numel() * t.element_size()
+        if not compressed_here:  # the storage the backward no longer holds
+            s["bytes_before"] = s.get("bytes_before", 0) + t.untyped_storage().nbytes()
         s["bytes_after"] = s.get("bytes_after", 0) + packed.nbytes
+        s["net_bytes_freed"] = s["bytes_before"] - s["bytes_after"]
         return packed
 
     @staticmethod
     def _unpack(obj):
-        return obj.restore() if isinstance(obj, _Packed) else obj
+        return obj if isinstance(obj, torch.Tensor) else obj.restore()
 
     def pack(self, t: torch.Tensor):
         """The pack hook of the innermost active use of this context, to call from a hook of
@@ -370,7 +428,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         cache = {}
         self._offset = getattr(self, "_offset", 0)
         self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0,
-                      "compiled": 0, "unsupported": collections.Counter()}
+                      "net_bytes_freed": 0, "compiled": 0, "unsupported": collections.Counter()}
         hooks = torch.autograd.graph.saved_tensors_hooks(
             functools.partial(self._pack, st=st, cache=cache), self._unpack)
         recorder = _Recorder(st)
