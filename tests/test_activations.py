@@ -281,12 +281,16 @@ def rel_errors(ref, got):
 X = torch.randn(8, 32, 256, generator=torch.Generator().manual_seed(1))
 
 
+def _mlp_on(device, *args, **kwargs):
+    return mlp(*args, **kwargs).to(device)
+
+
 @pytest.mark.parametrize("fp8", FP8)
-def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close(fp8):
-    m = mlp()
-    ref = grads(m, X)
+def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close(device, fp8):
+    m = _mlp_on(device)
+    ref = grads(m, X.to(device))
     ctx = act.fp8_saved_tensors(fp8_dtype=fp8)
-    got = grads(m, X, ctx)
+    got = grads(m, X.to(device), ctx)
     # saved: the batch x (a leaf: kept), the GELU input, its output (the second linear's input),
     # and the loss's input (kept)
     assert ctx.stats["compressed"] == 2 and ctx.stats["saved"] == 4
@@ -297,16 +301,16 @@ def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close
     assert b2 == 0.0  # the last bias's gradient reads no saved activation
 
 
-def test_linear_policy_leaves_activation_function_inputs():
-    m = mlp()
+def test_linear_policy_leaves_activation_function_inputs(device):
+    m = _mlp_on(device)
     with act.fp8_saved_tensors("linear") as ctx:
-        m(X).sum().backward()
+        m(X.to(device)).sum().backward()
     assert ctx.stats["compressed"] == 1  # the GELU output (second linear's input) only
-    h = X.clone().requires_grad_()
+    h = X.to(device).clone().requires_grad_()
     with act.fp8_saved_tensors() as ctx:
         torch.nn.functional.scaled_dot_product_attention(h * 1, h * 2, h * 3).sum().backward()
     assert ctx.stats["compressed"] >= 3  # q, k, v (and whatever else attention keeps)
-    ln = torch.nn.LayerNorm(256)
+    ln = torch.nn.LayerNorm(256).to(device)
     ref = grads(ln, h * 1)
     with act.fp8_saved_tensors() as ctx:
         got = grads(ln, h * 1)
@@ -314,12 +318,12 @@ def test_linear_policy_leaves_activation_function_inputs():
     assert 0 < max(rel_errors(ref, got)) < 0.05
 
 
-def test_exactly_the_restored_values_are_used():
+def test_exactly_the_restored_values_are_used(device):
     """The backward pass sees fp8_dequantize(fp8_quantize(x)): the same as a forward pass on
     the rounded input with nothing compressed."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 64)
-    h = X.clone().requires_grad_() * 1.0  # an activation (a leaf such as the batch is kept)
+    lin = torch.nn.Linear(256, 64).to(device)
+    h = X.to(device).clone().requires_grad_() * 1.0  # an activation (a leaf such as the batch is kept)
     q, s = ops.fp8_quantize(h.detach())
     xr = ops.fp8_dequantize(q, s)
     lin.zero_grad()
@@ -366,12 +370,12 @@ def test_a_tensor_modified_in_place_between_saves_is_packed_anew(device):
 
 
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(stochastic):
+def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(device, stochastic):
     """The module copies a non-contiguous saved tensor (attention's transposed q, k, v) before
     quantizing: its codes, scales and restored values are those of the op on ``t.contiguous()``,
     and the backward pass sees exactly them."""
     torch.manual_seed(0)
-    h = (torch.randn(4, 96, 320) * torch.logspace(-3, 3, 320)).requires_grad_()
+    h = (torch.randn(4, 96, 320) * torch.logspace(-3, 3, 320)).to(device).requires_grad_()
     kw = dict(stochastic=stochastic, seed=7)
     for t in ((h * 1).transpose(1, 2), (h * 1)[:, ::2, 64:], (h * 1).permute(2, 0, 1)):
         assert not t.is_contiguous()
@@ -384,7 +388,7 @@ def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(stochastic)
         assert back.shape == t.shape
         assert torch.equal(back, ops.fp8_dequantize(q, s))
     # through autograd: mm saves its transposed first argument as it is
-    w = torch.randn(96, 64, requires_grad=True)
+    w = torch.randn(96, 64).to(device).requires_grad_()
     contiguous = []
     with act.fp8_saved_tensors(lambda t: contiguous.append(t.is_contiguous()) or True,
                                **kw) as ctx:
@@ -486,7 +490,7 @@ class _SavedBytes:
     unpack = staticmethod(act.fp8_saved_tensors.unpack)
 
 
-def test_default_policy_saves_40_percent_of_a_bf16_gpts_saved_bytes(threads):
+def test_default_policy_saves_40_percent_of_a_bf16_gpts_saved_bytes(device, threads):
     """The issue's target: under the default policy the small GPT (tests/small_gpt.py, the
     benchmark GPT's sizes, BF16 params) saves >= 40% fewer bytes for the backward pass than
     uncompressed; a policy that missed the norms', activations' or attention's tensors would
@@ -496,8 +500,8 @@ def test_default_policy_saves_40_percent_of_a_bf16_gpts_saved_bytes(threads):
     saved = {}
     for compress in (False, True):
         torch.manual_seed(0)
-        model = SmallGPT(65, 128, 256, 4, 4).bfloat16()
-        x, y = torch.randint(0, 65, (8, 128)), torch.randint(0, 65, (8, 128))
+        model = SmallGPT(65, 128, 256, 4, 4).to(device, torch.bfloat16)
+        x, y = (torch.randint(0, 65, (8, 128)).to(device) for _ in (1, 2))
         ctx = act.fp8_saved_tensors() if compress else None
         meter = _SavedBytes(model, [x, y], ctx)
         with ctx or contextlib.nullcontext(), \
@@ -619,11 +623,11 @@ def test_a_storage_one_saver_holds_raw_is_never_compressed_for_another(device):
     assert not torch.equal(hq, h)
 
 
-def test_size_and_callable_policies_never_touch_params_or_exact_tensors():
+def test_size_and_callable_policies_never_touch_params_or_exact_tensors(device):
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(1000, 256)
-    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Dropout(0.1), torch.nn.ReLU(),
-                            torch.nn.Linear(256, 256))
+    emb = torch.nn.Embedding(1000, 256).to(device)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256).to(device), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 256).to(device))
     params = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + [emb.weight]}
     asked = []
 
@@ -631,7 +635,7 @@ def test_size_and_callable_policies_never_touch_params_or_exact_tensors():
         asked.append((t.dtype, t.untyped_storage().data_ptr(), t.numel()))
         return True
 
-    idx = torch.randint(0, 1000, (16, 64))
+    idx = torch.randint(0, 1000, (16, 64)).to(device)
     for policy in (everything, "size"):
         with act.fp8_saved_tensors(policy, min_bytes=1) as ctx:
             m(emb(idx)).sum().backward()
@@ -641,12 +645,12 @@ def test_size_and_callable_policies_never_touch_params_or_exact_tensors():
     assert emb.weight.grad is not None and torch.isfinite(emb.weight.grad).all()
 
 
-def test_params_under_autocast_casts_are_not_compressed():
-    m = mlp()
+def test_params_under_autocast_casts_are_not_compressed(device):
+    m = _mlp_on(device)
     asked = []
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         with act.fp8_saved_tensors(lambda t: asked.append(t.detach().clone()) or True):
-            m(X).float().sum().backward()
+            m(X.to(device)).float().sum().backward()
     assert len(asked) == 2  # the GELU's input and output; not the bf16 weight copies
     for t in asked:
         for w in (m[0].weight, m[2].weight):
@@ -654,20 +658,20 @@ def test_params_under_autocast_casts_are_not_compressed():
                 assert t.shape != c.shape or not torch.equal(t, c.detach().to(t.dtype))
 
 
-def test_autocast_gradients_close_to_autocast_uncompressed():
-    m = mlp()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = grads(m, X)
+def test_autocast_gradients_close_to_autocast_uncompressed(device):
+    m = _mlp_on(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ref = grads(m, X.to(device))
         ctx = act.fp8_saved_tensors()
-        got = grads(m, X, ctx)
+        got = grads(m, X.to(device), ctx)
     assert ctx.stats["compressed"] == 2
     assert max(rel_errors(ref, got)) < 0.05
 
 
-def test_bf16_model_and_shared_input_compressed_once():
+def test_bf16_model_and_shared_input_compressed_once(device):
     torch.manual_seed(0)
-    q, k, v = (torch.nn.Linear(256, 256).bfloat16() for _ in range(3))
-    x = X.bfloat16().requires_grad_() * 1.0
+    q, k, v = (torch.nn.Linear(256, 256).to(device).bfloat16() for _ in range(3))
+    x = X.to(device).bfloat16().requires_grad_() * 1.0
     with act.fp8_saved_tensors() as ctx:
         (q(x) * k(x) + v(x)).float().sum().backward()
     assert ctx.stats["compressed"] == 1  # x, saved by three linears
@@ -675,14 +679,14 @@ def test_bf16_model_and_shared_input_compressed_once():
 
 
 @pytest.mark.parametrize("fp8", FP8)
-def test_nan_and_inf_reach_the_gradients(fp8):
-    m = mlp()
+def test_nan_and_inf_reach_the_gradients(device, fp8):
+    m = _mlp_on(device)
     for bad in (float("nan"), float("inf")):
-        x = X.clone()
+        x = X.to(device).clone()
         x[0, 0, 5] = bad
         g = grads(m, x, act.fp8_saved_tensors(fp8_dtype=fp8))
         assert not torch.isfinite(g[0]).all()
-        scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler = mpext.GradScaler(device, init_scale=2.0 ** 10)
         opt = mpext.optim.AdamW(m.parameters(), lr=1e-3)
         before = [p.detach().clone() for p in m.parameters()]
         m.zero_grad()
@@ -696,11 +700,11 @@ def test_nan_and_inf_reach_the_gradients(fp8):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_inside_the_context(reentrant):
+def test_checkpoint_inside_the_context(device, reentrant):
     """A checkpointed region saves nothing to compress (it is recomputed); the rest is."""
-    m = mlp()
-    head = torch.nn.Linear(256, 256)
-    x = X.clone().requires_grad_()
+    m = _mlp_on(device)
+    head = torch.nn.Linear(256, 256).to(device)
+    x = X.to(device).clone().requires_grad_()
     fwd = lambda x: head(checkpoint(m, x, use_reentrant=reentrant)).sin()  # noqa: E731
     model = torch.nn.ModuleList([m, head])
     ref = grads(model, x, fwd=fwd)
@@ -712,12 +716,12 @@ def test_checkpoint_inside_the_context(reentrant):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_context_inside_a_checkpointed_function(reentrant):
+def test_context_inside_a_checkpointed_function(device, reentrant):
     """Inside the checkpointed function the compression hooks are the innermost, so they store
     what checkpointing would have dropped (compressed) and the region is not recomputed:
     gradients as with compression alone."""
-    m = mlp()
-    x = X.clone().requires_grad_()
+    m = _mlp_on(device)
+    x = X.to(device).clone().requires_grad_()
     ctx = act.fp8_saved_tensors(warn_unmatched=False)
 
     def inner(x):
@@ -735,16 +739,16 @@ def _mpext_warnings(fn):
     return out, [str(x.message) for x in w if str(x.message).startswith("mpext")]
 
 
-def test_torch_compile_runs_uncompressed_and_says_so_once():
+def test_torch_compile_runs_uncompressed_and_says_so_once(device):
     """A compiled graph's saved tensors are traced with it and stay uncompressed (documented);
     the context warns once, whether it is around the compiled module or inside compiled code,
     and an eager run gives no such warning."""
-    m = mlp()
-    ref = grads(m, X)
+    m = _mlp_on(device)
+    ref = grads(m, X.to(device))
     cm = torch.compile(m, backend="aot_eager")
     ctx = act.fp8_saved_tensors()
-    (got, again), said = _mpext_warnings(lambda: (grads(m, X, ctx, fwd=cm),
-                                                  grads(m, X, ctx, fwd=cm)))
+    (got, again), said = _mpext_warnings(lambda: (grads(m, X.to(device), ctx, fwd=cm),
+                                                  grads(m, X.to(device), ctx, fwd=cm)))
     assert len(said) == 1 and "torch.compile" in said[0] and "NOT compressed" in said[0]
     assert "torch.compiler.disable" in said[0]  # what to do
     assert ctx.stats["compressed"] == 0 and ctx.stats["compiled"] > 0
@@ -755,10 +759,10 @@ def test_torch_compile_runs_uncompressed_and_says_so_once():
     def fwd(x):
         with inner:
             return m(x)
-    _, said = _mpext_warnings(lambda: (grads(m, X, fwd=fwd), grads(m, X, fwd=fwd)))
+    _, said = _mpext_warnings(lambda: (grads(m, X.to(device), fwd=fwd), grads(m, X.to(device), fwd=fwd)))
     assert len(said) == 1 and "NOT compressed" in said[0], said
     eager = act.fp8_saved_tensors()
-    _, said = _mpext_warnings(lambda: grads(m, X, eager))
+    _, said = _mpext_warnings(lambda: grads(m, X.to(device), eager))
     assert said == [] and eager.stats["compressed"] == 2
 
 
@@ -790,15 +794,15 @@ def test_a_model_compiled_inside_the_context_gets_no_graph_break(device, policy)
     assert torch.equal(losses[True], losses[False])
 
 
-def test_float64_model_gets_a_dtype_warning_once():
+def test_float64_model_gets_a_dtype_warning_once(device):
     """A float64 model: the tensors the policy matches (those it compresses in the float32
     model) are named with their dtype, once per context, instead of "compressed none"."""
-    m32, m64 = mlp(), mlp(dtype=torch.float64)
+    m32, m64 = _mlp_on(device), _mlp_on(device, dtype=torch.float64)
     for policy in ("layers", "size"):
         with act.fp8_saved_tensors(policy) as c32:
-            m32(X).sum().backward()
+            m32(X.to(device)).sum().backward()
         wrapped = act.FP8Activations(m64, policy)
-        _, said = _mpext_warnings(lambda: [wrapped(X.double()).sum().backward()
+        _, said = _mpext_warnings(lambda: [wrapped(X.to(device).double()).sum().backward()
                                            for _ in range(3)])
         assert len(said) == 1, said
         n = c32.stats["compressed"]
@@ -807,17 +811,17 @@ def test_float64_model_gets_a_dtype_warning_once():
         assert wrapped.stats["compressed"] == 0
 
 
-def test_wrapper_trains_with_mpext_optimizer_like_uncompressed():
+def test_wrapper_trains_with_mpext_optimizer_like_uncompressed(device):
     losses = {}
     for compress in (False, True):
-        m = mlp(3)
+        m = _mlp_on(device, 3)
         model = act.FP8Activations(m) if compress else m
         opt = mpext.optim.AdamW(m.parameters(), lr=3e-3)
         torch.manual_seed(7)
-        target = torch.randn(256, 256)
+        target = torch.randn(256, 256).to(device)
         out = []
         for _ in range(30):
-            x = torch.randn(64, 256)
+            x = torch.randn(64, 256).to(device)
             loss = (model(x) - x @ target * 0.05).square().mean()
             opt.zero_grad()
             loss.backward()
@@ -963,15 +967,15 @@ def test_fsdp2_gloo_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradient_release_same_params_as_a_normal_step(dtype):
+def test_gradient_release_same_params_as_a_normal_step(device, dtype):
     def train(release):
-        m = mlp(5, dtype)
+        m = _mlp_on(device, 5, dtype)
         opt = mpext.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
         handle = opt.release_grads(bucket_bytes=64 << 10) if release else None
         ctx = act.fp8_saved_tensors()
         gen = torch.Generator().manual_seed(11)
         for _ in range(4):
-            x = torch.randn(16, 256, generator=gen).to(dtype)
+            x = torch.randn(16, 256, generator=gen).to(device, dtype)
             with ctx:
                 loss = m(x).float().square().mean()
             if release:
