@@ -27,15 +27,21 @@ Whatever the policy, a tensor is saved untouched when it is a parameter, shares 
 storage, or is derived from one by a view or a cast, or is a leaf of the graph such as the batch
 (compressing what stays alive anyway frees nothing); when autograd saves it for exact use (integer and boolean tensors: indices, masks);
 when it is smaller than ``min_numel`` elements, not float32/bfloat16/float16, or when its blocks
-would not make it smaller. A tensor saved several times (one input of three projections) is
-compressed once. NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a loss scaler still
+would not make it smaller; when it is an expanded (overlapping) view. A tensor saved several
+times (one input of three projections) is compressed once. One copy per storage: a storage a
+saver holds raw is compressed for no other saver (both copies would stay alive), and every
+later saver of a compressed storage gets an FP8 copy, whatever the policy. A tensor changed in
+place between two saves is packed anew (its version counter). Restored tensors have the saved
+size and strides (a sliced view's storage offset is 0). NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a loss scaler still
 sees an overflow in the gradients they produce.
 
 A policy that matched nothing by the end of a forward pass warns once (it usually means the
 model computes its products in a way the policy does not see); one that matched float64 tensors
 says so instead, once per context (the ops take 32 and 16 bits). Tensors saved inside
 ``torch.compile``'d code are not compressed (the compiled graph keeps them; these hooks do not
-trace): the context warns once when that happens. ``stats`` counts what was seen and stored.
+trace): the context warns once when that happens, and adds no graph break. ``stats`` counts
+what was seen and stored: ``bytes_before`` the storages the backward no longer holds,
+``bytes_after`` their FP8 copies, ``net_bytes_freed`` the difference.
 """
 import collections
 import contextlib

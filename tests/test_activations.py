@@ -493,8 +493,7 @@ class _SavedBytes:
 def test_default_policy_saves_40_percent_of_a_bf16_gpts_saved_bytes(device, threads):
     """The issue's target: under the default policy the small GPT (tests/small_gpt.py, the
     benchmark GPT's sizes, BF16 params) saves >= 40% fewer bytes for the backward pass than
-    uncompressed; a policy that missed the norms', activations' or attention's tensors would
-    not (they save 38%, 33% and 33%)."""
+    uncompressed."""
     from small_gpt import SmallGPT
     torch.set_num_threads(1)
     saved = {}
