@@ -16,7 +16,8 @@ Policies pick which saved tensors are compressed:
   saves (q, k, v, its output, the probabilities of the math path), what the functions of
   ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save, and the inputs of the
   normalizations of ``NORM_FUNCTIONS`` (layer norm, RMS norm, group norm; their statistics stay
-  exact). These are nearly all of a transformer's saved bytes (the inputs of linear layers
+  exact), and the masks of ``DROPOUT_FUNCTIONS`` where they are floating (the CPU keeps them
+  in the input's dtype: 0 and 1/(1-p), which FP8 restores to an ulp). These are nearly all of a transformer's saved bytes (the inputs of linear layers
   alone are under half), and the backward pass reads them only to form gradients, where an FP8
   rounding error averages out; the loss's softmax, masks, indices and statistics stay exact.
 - ``"linear"``: the inputs of ``LINEAR_FUNCTIONS`` only.
@@ -57,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 from . import ops
 
 __all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS", "ATTENTION_FUNCTIONS",
-           "ACTIVATION_FUNCTIONS", "NORM_FUNCTIONS", "POLICIES"]
+           "ACTIVATION_FUNCTIONS", "NORM_FUNCTIONS", "DROPOUT_FUNCTIONS", "POLICIES"]
 
 # The functions whose activation inputs the "linear" policy compresses.
 LINEAR_FUNCTIONS = frozenset([
@@ -72,12 +73,16 @@ ACTIVATION_FUNCTIONS = frozenset([
     F.leaky_relu, F.hardswish, torch.tanh, torch.Tensor.tanh, torch.sigmoid,
     torch.Tensor.sigmoid, F.glu])
 NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm])
+# What these save (besides their arguments) is the dropout mask: in the input's dtype on the
+# CPU, values 0 and 1 / (1 - p), which FP8 with a block scale restores (to an ulp of 1/(1-p)).
+DROPOUT_FUNCTIONS = frozenset([F.dropout, torch.dropout, F.dropout1d, F.dropout2d,
+                               F.dropout3d])
 del F
 POLICIES = ("layers", "linear", "size")
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)  # what fp8_quantize takes
 _KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
              ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS] +
-             [(f, "norm") for f in NORM_FUNCTIONS])
+             [(f, "norm") for f in NORM_FUNCTIONS] + [(f, "dropout") for f in DROPOUT_FUNCTIONS])
 
 _VIEW_OR_CAST = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
                  "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
@@ -254,7 +259,7 @@ class _Recorder(TorchFunctionMode):
             return func(*args, **kwargs)
         acts = [(a.numel(), a.shape[-1] if a.dim() else 0) for a in flat
                 if not isinstance(a, torch.nn.Parameter) and a.is_floating_point()]
-        st.linear_stack.append((kind, acts))
+        st.linear_stack.append((kind, acts, {_storage_ptr(a) for a in flat}))
         try:
             return func(*args, **kwargs)
         finally:
@@ -320,7 +325,19 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             return False  # integer, boolean (exact use), already fp8
         if t.layout != torch.strided or t.dim() == 0 or not _non_overlapping(t):
             return False
-        return t.grad_fn is not None and not _is_param_like(t, st.param_ptrs)
+        if t.grad_fn is None:  # a leaf (the batch the caller holds), or a mask made here
+            return self._is_mask(t, st)
+        return not _is_param_like(t, st.param_ptrs)
+
+    @staticmethod
+    def _is_mask(t: torch.Tensor, st: _State) -> bool:
+        """A tensor outside the graph that a dropout made while it ran: none of its arguments
+        (which the caller holds). Not attention's: its log-sum-exp has no grad_fn either, and
+        an exponent must stay exact."""
+        if not st.linear_stack or t.requires_grad:
+            return False
+        kind, _, args = st.linear_stack[-1]
+        return kind == "dropout" and _storage_ptr(t) not in args
 
     def _wants(self, t: torch.Tensor, st: _State) -> bool:
         """The policy's choice for an eligible ``t`` (float64 counted as matched, not taken)."""
@@ -341,13 +358,13 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         if self.policy in ("layers", "linear"):
             if not st.linear_stack:
                 return False
-            kind, acts = st.linear_stack[-1]
+            kind, acts, _ = st.linear_stack[-1]
             if kind != "linear" and self.policy == "linear":
                 return False
-            # attention: all it saves; the others: the tensors shaped as an activation argument
-            # (not a weight's cast, transpose or view)
-            return kind == "attention" or any(t.numel() == n and t.shape[-1] == c
-                                              for n, c in acts)
+            # attention: all it saves; dropout: its mask; the others: the tensors shaped as an
+            # activation argument (not a weight's cast, transpose or view)
+            return kind in ("attention", "dropout") or any(t.numel() == n and t.shape[-1] == c
+                                                           for n, c in acts)
         if self.policy == "size":
             return t.numel() * t.element_size() >= self.min_bytes
         return bool(self.policy(t))

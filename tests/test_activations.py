@@ -622,6 +622,49 @@ def test_a_storage_one_saver_holds_raw_is_never_compressed_for_another(device):
     assert not torch.equal(hq, h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_dropout_masks_are_compressed_and_restored_to_an_ulp(device, dtype):
+    """The CPU keeps a dropout mask in its input's dtype (0 and 1/(1-p)): the default policy
+    stores it in FP8, and the gradient through it is the uncompressed one to an ulp of
+    1/(1-p) (exactly in 16 bits); the batch given to a dropout is not taken for a mask."""
+    x = X.to(device, dtype).clone().requires_grad_()
+    grads_, stats = [], []
+    for ctx in (None, act.fp8_saved_tensors(warn_unmatched=False)):
+        x.grad = None
+        torch.manual_seed(3)
+        with ctx or contextlib.nullcontext():
+            y = torch.nn.functional.dropout(x * 1, p=0.1) + torch.nn.functional.dropout(x, 0.2)
+        (y.float() * torch.arange(256, device=device)).sum().backward()
+        grads_.append(x.grad.float())
+        stats.append(ctx and dict(ctx.stats))
+    masks = 2 if device == "cpu" else stats[1]["compressed"]  # CUDA's masks are bool
+    assert stats[1]["compressed"] == masks, stats
+    ref, got = grads_
+    assert ((got - ref).abs() <= ref.abs() * torch.finfo(dtype).eps).all()
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref)
+
+
+def test_attentions_log_sum_exp_stays_exact(device):
+    """Attention's tensors are compressed, but not what it saves outside the graph (the
+    log-sum-exp of the fused kernels: an FP8 error in an exponent would scale whole rows)."""
+    h = X.to(device).clone().requires_grad_()
+    ctx = act.fp8_saved_tensors()
+    kept = []
+
+    def pack(t):
+        out = ctx.pack(t)
+        if t.grad_fn is None and t.is_floating_point():
+            kept.append(isinstance(out, torch.Tensor))
+        return out
+    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, ctx.unpack):
+        q, k, v = ((h * c).view(8, 32, 4, 64).transpose(1, 2) for c in (1, 2, 3))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # the fused kernel
+    y.sum().backward()
+    assert kept and all(kept), kept
+    assert ctx.stats["compressed"] >= 4  # q, k, v and the output
+
+
 def test_size_and_callable_policies_never_touch_params_or_exact_tensors(device):
     torch.manual_seed(0)
     emb = torch.nn.Embedding(1000, 256).to(device)
