@@ -364,6 +364,7 @@ def zoo_table(rows):
 def add_args(p):
     p.add_argument("--converge-steps", type=int, default=0, help="0: no convergence run")
     p.add_argument("--converge-models", default="gpt,hf-gpt2")
+    p.add_argument("--zoo", action="store_true", help="the stock-architecture zoo (zoo_table)")
     # one thread: two spin on a busy machine; --device cuda: the allocator's peaks
     p.set_defaults(threads=1, device="cpu")
     return p
@@ -377,10 +378,12 @@ def run(ctx) -> dict:
         if a.converge_steps else {}
     b.phase("converge")
     b.roof, ops = kernels(ctx.quick, ctx.device)
-    md = [table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
+    zoo_rows = zoo(dev=ctx.device) if a.zoo else []
+    md = ([zoo_table(zoo_rows), ""] if zoo_rows else []) + [table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
           "samples:" % torch.get_num_threads(), "",
           common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
-    payload = dict(rows=rows, ops=ops, errors={"%s/%s" % k: v for k, v in errors.items()},
+    payload = dict(rows=rows, ops=ops, zoo=[{k: v for k, v in r.items() if k not in (
+                       "errors", "ref")} for r in zoo_rows], errors={"%s/%s" % k: v for k, v in errors.items()},
                    convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
                                 for (v, s), x in r.items()})
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",
