@@ -14,8 +14,8 @@ Policies pick which saved tensors are compressed:
   layers and products (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``,
   ``einsum``: ``LINEAR_FUNCTIONS``), everything attention (``F.scaled_dot_product_attention``)
   saves (q, k, v, its output, the probabilities of the math path), what the functions of
-  ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save, and the inputs of the
-  normalizations of ``NORM_FUNCTIONS`` (layer norm, RMS norm, group norm; their statistics stay
+  ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ..., softmax) save, and the inputs of the
+  normalizations of ``NORM_FUNCTIONS`` (layer, RMS, group and batch norm; their statistics stay
   exact), and the masks of ``DROPOUT_FUNCTIONS`` where they are floating (the CPU keeps them
   in the input's dtype: 0 and 1/(1-p), which FP8 restores to an ulp). These are nearly all of a transformer's saved bytes (the inputs of linear layers
   alone are under half), and the backward pass reads them only to form gradients, where an FP8
@@ -71,8 +71,8 @@ F = torch.nn.functional
 ACTIVATION_FUNCTIONS = frozenset([
     F.gelu, F.silu, F.relu, torch.relu, torch.Tensor.relu, F.mish, F.softplus, F.elu, F.selu,
     F.leaky_relu, F.hardswish, torch.tanh, torch.Tensor.tanh, torch.sigmoid,
-    torch.Tensor.sigmoid, F.glu])
-NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm])
+    torch.Tensor.sigmoid, F.glu, F.softmax, torch.softmax, torch.Tensor.softmax])
+NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm, F.batch_norm])
 # What these save (besides their arguments) is the dropout mask: in the input's dtype on the
 # CPU, values 0 and 1 / (1 - p), which FP8 with a block scale restores (to an ulp of 1/(1-p)).
 DROPOUT_FUNCTIONS = frozenset([F.dropout, torch.dropout, F.dropout1d, F.dropout2d,

@@ -583,7 +583,7 @@ def test_a_cnn_holds_fewer_bytes_and_stats_say_how_many(device):
         assert abs(freed - stats[policy]["net_bytes_freed"]) <= tol, (policy, held, stats)
         assert stats[policy]["net_bytes_freed"] == \
             stats[policy]["bytes_before"] - stats[policy]["bytes_after"]
-    assert held["layers"] < 0.85 * held[None], held
+    assert held["layers"] < 0.65 * held[None], held  # BatchNorm's input is a norm's: compressed
     assert held["size"] < 0.6 * held[None], held
 
 
