@@ -836,6 +836,34 @@ def test_a_model_compiled_inside_the_context_gets_no_graph_break(device, policy)
     assert torch.equal(losses[True], losses[False])
 
 
+def test_compiled_hf_llama_inside_a_size_context_trains_as_compiled_alone(device):
+    """torch.compile(LlamaForCausalLM) (inductor) inside a "size" context: its compiled graphs'
+    saved tensors pass unchanged (RoPE's transposed q and k used to come back contiguous and
+    crash the compiled backward on their strides); loss and gradients those of the compiled
+    model alone, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=32,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device).train()
+    x = torch.randint(0, 128, (2, 32)).to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    out = []
+    for ctx in (contextlib.nullcontext(), act.fp8_saved_tensors("size", min_bytes=1,
+                                                                 warn_unmatched=False)):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = compiled(x, labels=x).loss
+        loss.backward()
+        out.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    torch._dynamo.reset()
+    assert ctx.stats["compiled"] > 0 and ctx.stats["compressed"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 def test_float64_model_gets_a_dtype_warning_once(device):
     """A float64 model: the tensors the policy matches (those it compresses in the float32
     model) are named with their dtype, once per context, instead of "compressed none"."""
