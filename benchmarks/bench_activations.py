@@ -298,7 +298,8 @@ def zoo_models(quick=True):
     out["cnn"] = (lambda: torch.nn.Sequential(
         torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
         *(ResBlock(32) for _ in range(3)), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-        torch.nn.Linear(32, 10)), lambda dt: (torch.randn(8, 3, 32, 32, generator=g).to(dt), cls), ce)
+        torch.nn.Linear(32, 10)),
+        lambda dt: (torch.randn(8, 3, 32, 32, generator=g).to(dt), cls), ce)
     ids2, vocab2 = gpt.load_corpus()
     cfg = gpt.GPTConfig(vocab_size=len(vocab2), block_size=128, n_layer=2, n_head=4, n_embd=256)
     xy = gpt.get_batch(ids2, 4, 128, torch.Generator().manual_seed(0))
@@ -379,11 +380,13 @@ def run(ctx) -> dict:
     b.phase("converge")
     b.roof, ops = kernels(ctx.quick, ctx.device)
     zoo_rows = zoo(dev=ctx.device) if a.zoo else []
-    md = ([zoo_table(zoo_rows), ""] if zoo_rows else []) + [table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
-          "samples:" % torch.get_num_threads(), "",
-          common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
+    md = ([zoo_table(zoo_rows), ""] if zoo_rows else []) + [
+        table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
+        "samples:" % torch.get_num_threads(), "",
+        common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
     payload = dict(rows=rows, ops=ops, zoo=[{k: v for k, v in r.items() if k not in (
-                       "errors", "ref")} for r in zoo_rows], errors={"%s/%s" % k: v for k, v in errors.items()},
+                       "errors", "ref")} for r in zoo_rows],
+                   errors={"%s/%s" % k: v for k, v in errors.items()},
                    convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
                                 for (v, s), x in r.items()})
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",

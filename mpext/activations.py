@@ -17,7 +17,8 @@ Policies pick which saved tensors are compressed:
   ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ..., softmax) save, and the inputs of the
   normalizations of ``NORM_FUNCTIONS`` (layer, RMS, group and batch norm; their statistics stay
   exact), and the masks of ``DROPOUT_FUNCTIONS`` where they are floating (the CPU keeps them
-  in the input's dtype: 0 and 1/(1-p), which FP8 restores to an ulp). These are nearly all of a transformer's saved bytes (the inputs of linear layers
+  in the input's dtype: 0 and 1/(1-p), which FP8 restores to an ulp). These are nearly all
+  of a transformer's saved bytes (the inputs of linear layers
   alone are under half), and the backward pass reads them only to form gradients, where an FP8
   rounding error averages out; the loss's softmax, masks, indices and statistics stay exact.
 - ``"linear"``: the inputs of ``LINEAR_FUNCTIONS`` only.

@@ -323,7 +323,7 @@ def test_exactly_the_restored_values_are_used(device):
     the rounded input with nothing compressed."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 64).to(device)
-    h = X.to(device).clone().requires_grad_() * 1.0  # an activation (a leaf such as the batch is kept)
+    h = X.to(device).clone().requires_grad_() * 1.0  # an activation (a leaf is kept)
     q, s = ops.fp8_quantize(h.detach())
     xr = ops.fp8_dequantize(q, s)
     lin.zero_grad()
@@ -668,7 +668,8 @@ def test_attentions_log_sum_exp_stays_exact(device):
 def test_size_and_callable_policies_never_touch_params_or_exact_tensors(device):
     torch.manual_seed(0)
     emb = torch.nn.Embedding(1000, 256).to(device)
-    m = torch.nn.Sequential(torch.nn.Linear(256, 256).to(device), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256).to(device), torch.nn.Dropout(0.1),
+                            torch.nn.ReLU(),
                             torch.nn.Linear(256, 256).to(device))
     params = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + [emb.weight]}
     asked = []
@@ -801,7 +802,8 @@ def test_torch_compile_runs_uncompressed_and_says_so_once(device):
     def fwd(x):
         with inner:
             return m(x)
-    _, said = _mpext_warnings(lambda: (grads(m, X.to(device), fwd=fwd), grads(m, X.to(device), fwd=fwd)))
+    _, said = _mpext_warnings(lambda: (grads(m, X.to(device), fwd=fwd),
+                                       grads(m, X.to(device), fwd=fwd)))
     assert len(said) == 1 and "NOT compressed" in said[0], said
     eager = act.fp8_saved_tensors()
     _, said = _mpext_warnings(lambda: grads(m, X.to(device), eager))
