@@ -216,9 +216,156 @@ def table(rows, errors, conv):
     return "\n".join(out)
 
 
+# ---- the zoo: stock architectures from the real packages' classes, small configs, BF16 params,
+# train mode. Bytes held for the backward from glibc's heap (independent of mpext's counters).
+
+class Heap:
+    """Bytes in use by glibc's malloc (arena chunks in use + mmapped blocks), where torch's CPU
+    allocator gets its memory; torch's allocator on CUDA."""
+
+    def __init__(self, dev):
+        self.dev = torch.device(dev)
+        if self.dev.type == "cpu":
+            import ctypes
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_size_t) for n in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                    "uordblks", "fordblks", "keepcost")]
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallinfo2.restype = MallInfo2
+            self._info = libc.mallinfo2
+
+    def __call__(self):
+        import gc
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            return torch.cuda.memory_allocated(self.dev)
+        i = self._info()
+        return i.uordblks + i.hblkhd
+
+
+class ResBlock(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.c2 = (torch.nn.Conv2d(c, c, 3, padding=1, bias=False) for _ in (1, 2))
+        self.b1, self.b2 = torch.nn.BatchNorm2d(c), torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + x)
+
+
+class ViT(torch.nn.Module):
+    """A pre-norm ViT encoder from plain torch.nn (LayerNorm, GELU, nn.MultiheadAttention)."""
+
+    def __init__(self, width=256, layers=4, heads=4, patch=8, image=64, classes=10):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, width, patch, stride=patch)
+        self.pos = torch.nn.Parameter(torch.zeros(1, (image // patch) ** 2, width))
+        self.blocks = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.1, activation="gelu", batch_first=True,
+            norm_first=True) for _ in range(layers))
+        self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def zoo_models(quick=True):
+    """name -> (build(), batch(dtype), loss(model, batch))."""
+    import transformers
+    g = torch.Generator().manual_seed(0)
+    seq, b, vocab = 128, 4, 512
+    ids = torch.randint(0, vocab, (b, seq), generator=g)
+    lm = (lambda dt: (ids,)), (lambda m, x: m(x[0], labels=x[0]).loss)
+    out = {}
+    for attn in ("eager", "sdpa"):  # the hub's defaults (gelu_new, dropout 0.1), small sizes
+        out["hf-gpt2-" + attn] = (lambda attn=attn: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=vocab,
+                                    n_positions=seq, attn_implementation=attn)),) + lm
+    out["hf-llama"] = (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq,
+        attn_implementation="sdpa")),) + lm
+    img = torch.randn(8, 3, 64, 64, generator=g)
+    cls = torch.randint(0, 10, (8,), generator=g)
+    ce = lambda m, x: torch.nn.functional.cross_entropy(m(x[0]).float(), x[1])  # noqa: E731
+    out["vit"] = (ViT, lambda dt: (img.to(dt), cls), ce)
+    out["cnn"] = (lambda: torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+        *(ResBlock(32) for _ in range(3)), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(32, 10)),
+        lambda dt: (torch.randn(8, 3, 32, 32, generator=g).to(dt), cls), ce)
+    ids2, vocab2 = gpt.load_corpus()
+    cfg = gpt.GPTConfig(vocab_size=len(vocab2), block_size=128, n_layer=2, n_head=4, n_embd=256)
+    xy = gpt.get_batch(ids2, 4, 128, torch.Generator().manual_seed(0))
+    out["gpt"] = (lambda: gpt.GPT(cfg), lambda dt: xy, lambda m, x: m(*x)[1])
+    return out
+
+
+def zoo(policies=("layers", "size"), dev="cpu", names=None):
+    """Per model: the heap bytes one forward leaves alive (BF16, uncompressed and per policy),
+    and the per-parameter gradient error of each policy (relative L2 against the uncompressed
+    BF16 run, first step) next to the same gradient's BF16-vs-FP32 error."""
+    heap, rows = Heap(dev), []
+    for name, (build, batch, loss_fn) in zoo_models().items():
+        if names and name not in names:
+            continue
+        grads, held = {}, {}
+        for dt, policy in [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, None)] \
+                + [(torch.bfloat16, p) for p in policies]:
+            torch.manual_seed(0)
+            model = build().to(dev, dt).train()
+            xb = tuple(t.to(dev) for t in batch(dt))
+            ctx = act.fp8_saved_tensors(policy, params=model, warn_unmatched=False) \
+                if policy else contextlib.nullcontext()
+            torch.manual_seed(1)  # the same dropout masks in every run
+            before = heap()
+            with ctx:
+                loss = loss_fn(model, xb)
+            after = heap()
+            loss.float().backward()
+            del loss
+            grads[dt, policy] = {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                 if p.grad is not None}
+            if dt == torch.bfloat16:
+                held[policy] = after - before  # the second uncompressed run overwrites the first
+        rel = lambda a, b: ((a - b).norm() / a.norm().clamp_min(1e-30)).item()  # noqa: E731
+        ref = {n: rel(grads[torch.float32, None][n], g) for n, g in
+               grads[torch.bfloat16, None].items()}
+        for policy in policies:
+            err = {n: rel(grads[torch.bfloat16, None][n], g) for n, g in
+                   grads[torch.bfloat16, policy].items()}
+            worst = max(err, key=lambda n: err[n] / max(ref[n], 1e-12))
+            over = [n for n in err if err[n] > 2 * ref[n] and ref[n] > 0]
+            rows.append(dict(model=name, policy=policy, bf16=held[None], held=held[policy],
+                             saved=1 - held[policy] / held[None], over=len(over), params=len(err),
+                             worst=worst, worst_err=err[worst], worst_ref=ref[worst],
+                             median_err=statistics.median(err.values()),
+                             median_ref=statistics.median(ref.values()),
+                             errors=err, ref=ref))
+    return rows
+
+
+def zoo_table(rows):
+    MiB = common.MiB
+    return common.markdown_table(
+        ["model", "policy", "BF16 MiB", "compressed MiB", "saved", "median grad err (BF16 vs FP32)",
+         "params > 2x BF16 err", "worst param: err (BF16 vs FP32)"],
+        [[r["model"], r["policy"], "%.2f" % (r["bf16"] / MiB), "%.2f" % (r["held"] / MiB),
+          "%.0f%%" % (100 * r["saved"]), "%.4f (%.4f)" % (r["median_err"], r["median_ref"]),
+          "%d / %d" % (r["over"], r["params"]),
+          "%s: %.4f (%.4f)" % (r["worst"], r["worst_err"], r["worst_ref"])] for r in rows])
+
+
 def add_args(p):
     p.add_argument("--converge-steps", type=int, default=0, help="0: no convergence run")
     p.add_argument("--converge-models", default="gpt,hf-gpt2")
+    p.add_argument("--zoo", action="store_true", help="the stock-architecture zoo (zoo_table)")
     # one thread: two spin on a busy machine; --device cuda: the allocator's peaks
     p.set_defaults(threads=1, device="cpu")
     return p
@@ -232,10 +379,14 @@ def run(ctx) -> dict:
         if a.converge_steps else {}
     b.phase("converge")
     b.roof, ops = kernels(ctx.quick, ctx.device)
-    md = [table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
-          "samples:" % torch.get_num_threads(), "",
-          common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
-    payload = dict(rows=rows, ops=ops, errors={"%s/%s" % k: v for k, v in errors.items()},
+    zoo_rows = zoo(dev=ctx.device) if a.zoo else []
+    md = ([zoo_table(zoo_rows), ""] if zoo_rows else []) + [
+        table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
+        "samples:" % torch.get_num_threads(), "",
+        common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
+    payload = dict(rows=rows, ops=ops, zoo=[{k: v for k, v in r.items() if k not in (
+                       "errors", "ref")} for r in zoo_rows],
+                   errors={"%s/%s" % k: v for k, v in errors.items()},
                    convergence={"%s/%s/%d" % (m, v, s): x for m, r in conv.items()
                                 for (v, s), x in r.items()})
     series = (("FP8 off", "per_token_layer", False), ("FP8 on (default policy)",

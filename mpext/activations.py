@@ -14,9 +14,11 @@ Policies pick which saved tensors are compressed:
   layers and products (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``,
   ``einsum``: ``LINEAR_FUNCTIONS``), everything attention (``F.scaled_dot_product_attention``)
   saves (q, k, v, its output, the probabilities of the math path), what the functions of
-  ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ...) save, and the inputs of the
-  normalizations of ``NORM_FUNCTIONS`` (layer norm, RMS norm, group norm; their statistics stay
-  exact). These are nearly all of a transformer's saved bytes (the inputs of linear layers
+  ``ACTIVATION_FUNCTIONS`` (GELU, SiLU, ReLU, tanh, ..., softmax) save, and the inputs of the
+  normalizations of ``NORM_FUNCTIONS`` (layer, RMS, group and batch norm; their statistics stay
+  exact), and the masks of ``DROPOUT_FUNCTIONS`` where they are floating (the CPU keeps them
+  in the input's dtype: 0 and 1/(1-p), which FP8 restores to an ulp). These are nearly all
+  of a transformer's saved bytes (the inputs of linear layers
   alone are under half), and the backward pass reads them only to form gradients, where an FP8
   rounding error averages out; the loss's softmax, masks, indices and statistics stay exact.
 - ``"linear"``: the inputs of ``LINEAR_FUNCTIONS`` only.
@@ -27,19 +29,26 @@ Whatever the policy, a tensor is saved untouched when it is a parameter, shares 
 storage, or is derived from one by a view or a cast, or is a leaf of the graph such as the batch
 (compressing what stays alive anyway frees nothing); when autograd saves it for exact use (integer and boolean tensors: indices, masks);
 when it is smaller than ``min_numel`` elements, not float32/bfloat16/float16, or when its blocks
-would not make it smaller. A tensor saved several times (one input of three projections) is
-compressed once. NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a loss scaler still
+would not make it smaller; when it is an expanded (overlapping) view. A tensor saved several
+times (one input of three projections) is compressed once. One copy per storage: a storage a
+saver holds raw is compressed for no other saver (both copies would stay alive), and every
+later saver of a compressed storage gets an FP8 copy, whatever the policy. A tensor changed in
+place between two saves is packed anew (its version counter). Restored tensors have the saved
+size and strides (a sliced view's storage offset is 0). NaN and Inf stay non-finite (E4M3 turns Inf into NaN), so a loss scaler still
 sees an overflow in the gradients they produce.
 
 A policy that matched nothing by the end of a forward pass warns once (it usually means the
 model computes its products in a way the policy does not see); one that matched float64 tensors
 says so instead, once per context (the ops take 32 and 16 bits). Tensors saved inside
 ``torch.compile``'d code are not compressed (the compiled graph keeps them; these hooks do not
-trace): the context warns once when that happens. ``stats`` counts what was seen and stored.
+trace): the context warns once when that happens, and adds no graph break. ``stats`` counts
+what was seen and stored: ``bytes_before`` the storages the backward no longer holds,
+``bytes_after`` their FP8 copies, ``net_bytes_freed`` the difference.
 """
 import collections
 import contextlib
 import functools
+import sys
 import warnings
 import weakref
 from typing import Callable, Optional, Union
@@ -50,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 from . import ops
 
 __all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS", "ATTENTION_FUNCTIONS",
-           "ACTIVATION_FUNCTIONS", "NORM_FUNCTIONS", "POLICIES"]
+           "ACTIVATION_FUNCTIONS", "NORM_FUNCTIONS", "DROPOUT_FUNCTIONS", "POLICIES"]
 
 # The functions whose activation inputs the "linear" policy compresses.
 LINEAR_FUNCTIONS = frozenset([
@@ -63,18 +72,40 @@ F = torch.nn.functional
 ACTIVATION_FUNCTIONS = frozenset([
     F.gelu, F.silu, F.relu, torch.relu, torch.Tensor.relu, F.mish, F.softplus, F.elu, F.selu,
     F.leaky_relu, F.hardswish, torch.tanh, torch.Tensor.tanh, torch.sigmoid,
-    torch.Tensor.sigmoid, F.glu])
-NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm])
+    torch.Tensor.sigmoid, F.glu, F.softmax, torch.softmax, torch.Tensor.softmax])
+NORM_FUNCTIONS = frozenset([F.layer_norm, F.rms_norm, F.group_norm, F.batch_norm])
+# What these save (besides their arguments) is the dropout mask: in the input's dtype on the
+# CPU, values 0 and 1 / (1 - p), which FP8 with a block scale restores (to an ulp of 1/(1-p)).
+DROPOUT_FUNCTIONS = frozenset([F.dropout, torch.dropout, F.dropout1d, F.dropout2d,
+                               F.dropout3d])
 del F
 POLICIES = ("layers", "linear", "size")
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)  # what fp8_quantize takes
 _KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
              ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS] +
-             [(f, "norm") for f in NORM_FUNCTIONS])
+             [(f, "norm") for f in NORM_FUNCTIONS] + [(f, "dropout") for f in DROPOUT_FUNCTIONS])
 
 _VIEW_OR_CAST = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
                  "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
                  "AliasBackward0", "UnsafeViewBackward0")
+
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _saved_by_compiled_graph() -> bool:
+    """Whether the tensor being packed is saved by a compiled graph's autograd function (AOT
+    autograd's, at run time): its backward was compiled for exactly those tensors. A look at
+    the few frames between the hook and autograd.Function.apply (hooks wrapping ours add one)."""
+    f = sys._getframe(2)
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_code is _APPLY:
+            mod = getattr(f.f_locals.get("cls"), "__module__", "") or ""
+            return mod.startswith(("torch._functorch", "torch._dynamo", "torch._inductor"))
+        f = f.f_back
+    return False
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -138,9 +169,22 @@ def _is_param_like(t: torch.Tensor, param_ptrs) -> bool:
     return False
 
 
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements share memory (sufficient test: each dimension, by increasing stride,
+    steps past everything the smaller ones span), so a tensor of its strides can be written."""
+    span = 0
+    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if st <= span:
+            return False
+        span += (n - 1) * st
+    return True
+
+
 class _Packed:
-    """One compressed tensor: its FP8 codes, their scales, and how to rebuild it."""
-    __slots__ = ("q", "scales", "shape", "dtype", "block", "nbytes")
+    """One compressed tensor: its FP8 codes, their scales, and how to rebuild it with the
+    saved tensor's exact size and strides (a compiled backward asserts them, and a kernel may
+    pick its path by them)."""
+    __slots__ = ("q", "scales", "shape", "stride", "contiguous", "dtype", "block", "nbytes")
 
     def __init__(self, t: torch.Tensor, block: int, fp8_dtype, pow2: bool, stochastic: bool,
                  seed: int, offset: int):
@@ -150,11 +194,43 @@ class _Packed:
         self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
                                                pow2_scale=pow2, stochastic=stochastic, seed=seed,
                                                offset=offset)
-        self.shape, self.dtype, self.block = t.shape, t.dtype, block
+        self.shape, self.stride, self.dtype, self.block = t.shape, t.stride(), t.dtype, block
+        self.contiguous = t.is_contiguous()
         self.nbytes = self.q.numel() + 4 * self.scales.numel()
 
     def restore(self) -> torch.Tensor:
-        return ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
+        out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
+        if out.stride() == self.stride:
+            return out
+        if self.contiguous:  # the same addressing; only the strides of size-1 dims differ
+            return out.as_strided(self.shape, self.stride)
+        # transposed, permuted, channels_last, sliced: the layout the saver had (a sliced
+        # tensor's storage offset is not kept: nothing reads it, and a fresh one is aligned)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                   device=out.device).copy_(out)
+
+
+class _Reshaped:
+    """A compressed tensor restored in another shape: the same elements, saved again as
+    another contiguous view (no second FP8 copy)."""
+    __slots__ = ("packed", "shape", "stride", "nbytes")
+
+    def __init__(self, packed: _Packed, shape, stride):
+        self.packed, self.shape, self.stride = packed, shape, stride
+        self.nbytes = 0  # the bytes are the other view's
+
+    def restore(self) -> torch.Tensor:
+        return self.packed.restore().reshape(self.shape).as_strided(self.shape, self.stride)
+
+
+class _Storage:
+    """What a context knows of one storage: weak references to the tensors saved from it
+    (alive: the address still means this storage), whether a saver holds it raw, and its
+    compressed views by (version, offset, shape, stride, dtype)."""
+    __slots__ = ("refs", "raw", "views")
+
+    def __init__(self):
+        self.refs, self.raw, self.views = [], False, {}
 
 
 class _Recorder(TorchFunctionMode):
@@ -167,6 +243,10 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # dynamo traces this mode: storage addresses do not trace (a graph break per
+            # parameter), and a compiled graph's saved tensors pass the hooks unchanged
+            return func(*args, **kwargs)
         st = self.state
         flat = [a for a in args if isinstance(a, torch.Tensor)]
         if func is torch.einsum:
@@ -180,7 +260,7 @@ class _Recorder(TorchFunctionMode):
             return func(*args, **kwargs)
         acts = [(a.numel(), a.shape[-1] if a.dim() else 0) for a in flat
                 if not isinstance(a, torch.nn.Parameter) and a.is_floating_point()]
-        st.linear_stack.append((kind, acts))
+        st.linear_stack.append((kind, acts, {_storage_ptr(a) for a in flat}))
         try:
             return func(*args, **kwargs)
         finally:
@@ -238,9 +318,30 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
 
     # -- the hooks
 
-    def _wants(self, t: torch.Tensor, st: _State) -> bool:
+    def _eligible(self, t: torch.Tensor, st: _State) -> bool:
+        """Whether ``t`` can be compressed at all, whatever the policy: a floating activation
+        (not a parameter, its view or cast, nor a leaf such as the batch: they stay alive
+        anyway) whose elements occupy memory of their own (not an expanded view)."""
         if not t.is_floating_point() or t.dtype in ops.FP8_DTYPES:
             return False  # integer, boolean (exact use), already fp8
+        if t.layout != torch.strided or t.dim() == 0 or not _non_overlapping(t):
+            return False
+        if t.grad_fn is None:  # a leaf (the batch the caller holds), or a mask made here
+            return self._is_mask(t, st)
+        return not _is_param_like(t, st.param_ptrs)
+
+    @staticmethod
+    def _is_mask(t: torch.Tensor, st: _State) -> bool:
+        """A tensor outside the graph that a dropout made while it ran: none of its arguments
+        (which the caller holds). Not attention's: its log-sum-exp has no grad_fn either, and
+        an exponent must stay exact."""
+        if not st.linear_stack or t.requires_grad:
+            return False
+        kind, _, args = st.linear_stack[-1]
+        return kind == "dropout" and _storage_ptr(t) not in args
+
+    def _wants(self, t: torch.Tensor, st: _State) -> bool:
+        """The policy's choice for an eligible ``t`` (float64 counted as matched, not taken)."""
         if not self._matches(t, st):
             return False
         if t.dtype not in _SUPPORTED:  # float64: matched, but the ops take 32 and 16 bits
@@ -249,30 +350,28 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         return True
 
     def _matches(self, t: torch.Tensor, st: _State) -> bool:
-        if t.layout != torch.strided or t.dim() == 0 or t.numel() < self.min_numel:
+        if t.numel() < self.min_numel:
             return False
         cols = t.shape[-1]
         packed = 1 + 4.0 / max(1, min(self.block_size, cols))
         if packed > 0.75 * t.element_size():
             return False  # blocks too short to save anything
-        if t.grad_fn is None or _is_param_like(t, st.param_ptrs):
-            return False  # a leaf (the batch the caller holds) or a parameter: stays alive
         if self.policy in ("layers", "linear"):
             if not st.linear_stack:
                 return False
-            kind, acts = st.linear_stack[-1]
+            kind, acts, _ = st.linear_stack[-1]
             if kind != "linear" and self.policy == "linear":
                 return False
-            # attention: all it saves; the others: the tensors shaped as an activation argument
-            # (not a weight's cast, transpose or view)
-            return kind == "attention" or any(t.numel() == n and t.shape[-1] == c
-                                              for n, c in acts)
+            # attention: all it saves; dropout: its mask; the others: the tensors shaped as an
+            # activation argument (not a weight's cast, transpose or view)
+            return kind in ("attention", "dropout") or any(t.numel() == n and t.shape[-1] == c
+                                                           for n, c in acts)
         if self.policy == "size":
             return t.numel() * t.element_size() >= self.min_bytes
         return bool(self.policy(t))
 
     def _pack(self, t: torch.Tensor, st: _State, cache: dict):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _saved_by_compiled_graph():
             # A compiled graph's saved tensors are traced with it: this hook's bookkeeping
             # (weak references, a cache, a Python policy) does not trace, so they stay as they
             # are; __exit__ says so (warning here would break the graph being traced).
@@ -280,26 +379,59 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             return t
         s = self.stats
         s["saved"] = s.get("saved", 0) + 1
-        if not self._wants(t, st):
+        # One entry per storage: whether some saver holds it raw, and its compressed views at
+        # the version they were made of. A storage is compressed only if every saver of it gets
+        # a compressed copy: a raw saver keeps the whole storage alive, and an FP8 copy beside
+        # it would add bytes (a CNN's ReLU output, which the next conv saves too).
+        ptr = _storage_ptr(t)
+        entry = cache.get(ptr)
+        if entry is not None and not any(r() is not None for r in entry.refs):
+            entry = None  # the storage died and its address was handed out again
+        if entry is None:
+            entry = cache[ptr] = _Storage()
+        # alive while the memory holds these values: a view dies with its call (linear's
+        # reshape of a 3-d input), its base lives on while the caller keeps it
+        entry.refs.append(weakref.ref(t._base if t._base is not None else t))
+        if entry.raw or not self._eligible(t, st):
+            entry.raw = True
             return t
-        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        hit = cache.get(key)
-        if hit is not None and hit[0]() is not None:
-            return hit[1]
+        view = (t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        hit = entry.views.get(view)
+        if hit is not None:
+            return hit
+        # the same elements in another shape (a 3-d activation and linear's 2-d view of it)
+        same = entry.views.get((t._version, t.storage_offset(), t.numel(), t.dtype))
+        if same is not None and t.is_contiguous():
+            entry.views[view] = out = _Reshaped(same, t.shape, t.stride())
+            return out
+        # another view of a storage compressed at this version: compressed too, whatever the
+        # policy says (raw, it would keep the storage alive beside the FP8 copies)
+        compressed_here = any(k[0] == t._version for k in entry.views)
+        if not compressed_here:
+            if entry.views:  # made of older values: this save is the storage's first again
+                entry.views.clear()
+            if not self._wants(t, st):
+                entry.raw = True
+                return t
+        elif t.dtype not in _SUPPORTED:
+            entry.raw = True
+            return t
         packed = _Packed(t, self.block_size, self.fp8_dtype, self.pow2_scale, self.stochastic,
                          self.seed, self._offset)
         self._offset += t.numel()
-        # Alive as long as the memory holds these values: a view dies with its call (linear's
-        # reshape of a 3-d input), its base lives on while the caller keeps it.
-        cache[key] = (weakref.ref(t._base if t._base is not None else t), packed)
+        entry.views[view] = packed
+        if t.is_contiguous():
+            entry.views[(t._version, t.storage_offset(), t.numel(), t.dtype)] = packed
         s["compressed"] = s.get("compressed", 0) + 1
-        s["bytes_before"] = s.get("bytes_before", 0) + t.numel() * t.element_size()
+        if not compressed_here:  # the storage the backward no longer holds
+            s["bytes_before"] = s.get("bytes_before", 0) + t.untyped_storage().nbytes()
         s["bytes_after"] = s.get("bytes_after", 0) + packed.nbytes
+        s["net_bytes_freed"] = s["bytes_before"] - s["bytes_after"]
         return packed
 
     @staticmethod
     def _unpack(obj):
-        return obj.restore() if isinstance(obj, _Packed) else obj
+        return obj if isinstance(obj, torch.Tensor) else obj.restore()
 
     def pack(self, t: torch.Tensor):
         """The pack hook of the innermost active use of this context, to call from a hook of
@@ -320,7 +452,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         cache = {}
         self._offset = getattr(self, "_offset", 0)
         self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0,
-                      "compiled": 0, "unsupported": collections.Counter()}
+                      "net_bytes_freed": 0, "compiled": 0, "unsupported": collections.Counter()}
         hooks = torch.autograd.graph.saved_tensors_hooks(
             functools.partial(self._pack, st=st, cache=cache), self._unpack)
         recorder = _Recorder(st)
