@@ -555,9 +555,9 @@ def _saved_tensors(dropout: bool, attention: str, device: str, d: int, f: int,
     else:  # eager: two matmuls around a softmax
         att = [T("q, v", 2, 1, x, "d", "h/a", "linear", True, "qv"),
                T("k^T", 1, 1, x, "d", "s", "linear", True, "kt"),
-               T("softmax output", 1, 1, P, "f", "s", None, True, "probs")]
+               T("softmax output", 1, 1, P, "f", "s", "activation", True, "probs")]
         if dropout:
-            att += [T("attention dropout mask", 1, 1, P, "m", "s", None, False, "pmask"),
+            att += [T("attention dropout mask", 1, 1, P, "m", "s", "dropout", False, "pmask"),
                     T("dropped probabilities", 1, 1, P, "d", "s", "linear", True, "pdrop")]
         elif d != f:
             att += [T("probabilities cast for P@V", 1, 1, P, "d", "s", "linear", True, "pcast")]
@@ -574,14 +574,14 @@ def _saved_tensors(dropout: bool, attention: str, device: str, d: int, f: int,
              T("GELU input", 1, 4, x, "d", "4*h", "activation", True, "gelu_in"),
              T("MLP down-projection input", 1, 4, x, "d", "4*h", "linear", True, "gelu_out")]
     if dropout:
-        layer.append(T("residual dropout masks", 2, 1, x, "m", "h", None, False, "masks"))
+        layer.append(T("residual dropout masks", 2, 1, x, "m", "h", "dropout", False, "masks"))
     outside = [T("position indices (int64)", 1, 1, "s", "8", "1", None, False, "positions"),
                T("final LayerNorm input", 1, 1, x, "f", "h", "norm", True, "lnf"),
                T("final LayerNorm mean, rstd", 2, 1, "s*b", "f", "1", "norm", False,
                  "lnf_stats"),
                T("head input", 1, 1, x, "d", "h", "linear", True, "head_in")]
     if dropout:  # in the weights' dtype (the embeddings')
-        outside.append(T("embedding dropout mask", 1, 1, x, "m'", "h", None, False, "emask"))
+        outside.append(T("embedding dropout mask", 1, 1, x, "m'", "h", "dropout", False, "emask"))
     if vocab:
         outside += [T("cross entropy's log-softmax", 1, 1, "s*b*v", "4", "v", None, True,
                       "logp"),
@@ -734,10 +734,12 @@ def _fp8_bytes(numel: int, cols: int, block: int) -> int:
 
 def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
     """Whether mpext.activations compresses ``t`` under ``opts``: its policy picks it, it has a
-    grad_fn (masks, statistics and indices have none), it is float32/16-bit, of at least
-    ``min_numel`` elements, and its blocks make it smaller (the module's own tests)."""
+    grad_fn or is a floating dropout mask (statistics and indices are kept), it is
+    float32/16-bit, of at least ``min_numel`` elements, and its blocks make it smaller (the
+    module's own tests)."""
     numel, size, cols = t.coef * env[t.unit], env[t.size], env[t.cols]
-    if opts is None or not t.grad or size not in (2, 4) or numel < opts["min_numel"]:
+    if opts is None or not (t.grad or t.kind == "dropout") or size not in (2, 4) \
+            or numel < opts["min_numel"]:
         return False
     if 1 + 4.0 / max(1, min(opts["block_size"], cols)) > 0.75 * size:
         return False
@@ -750,14 +752,19 @@ def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
 
 def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
     """The bytes of ``tensors``: FP8 codes and scales of each compressed one, each storage
-    once of the rest."""
-    total, stores = 0, set()
+    once of the rest. A storage one saver holds raw is compressed for no later saver
+    (mpext.activations keeps one copy per storage); P@V's view of the softmax output shares
+    that output's FP8 copy."""
+    total, stores, raw = 0, set(), set()
     for t in tensors:
         numel = t.coef * env[t.unit]
-        if _compressed(t, env, opts):
+        if t.store not in raw and _compressed(t, env, opts):
+            if t.name == "probabilities as P@V saves them":
+                continue  # the same elements as the softmax output's FP8 copy
             total += t.count * _fp8_bytes(numel, env[t.cols], opts["block_size"])
         elif t.store not in stores:
             stores.add(t.store)
+            raw.add(t.store)
             total += t.count * numel * env[t.size]
     return total
 

@@ -37,7 +37,7 @@ class SmallGPT(nn.Module):
         self.head.weight = self.tokens.weight
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             x = layer(x)
         logits = self.head(self.norm(x))
