@@ -56,12 +56,9 @@ class RuleInfo:
     rtol: float = 1e-5
     atol: float = 1e-6
     # the largest step a param takes, in units of lr (Adam's normalized update is about 1;
-    # SGD's is the gradient itself): the scale of a lossy format's error per step
+    # SGD's is the gradient itself): with the param, the magnitude a step's fp32 roundings
+    # are roundings of (reference_step)
     update_scale: float = 1.0
-    # A lossy format's error per step, in units of the step (lr x update_scale), per moment
-    # format: Adam's normalized update moves by a fraction of the moments' rounding; Lion's
-    # sign can flip (2 steps at worst).
-    lossy: Tuple[Tuple[str, float], ...] = (("float32", 1e-3), ("bfloat16", 0.05), ("q8", 0.5))
     # mpext-only constructor kwargs the reference does not take (it is given the others)
     mpext_only: Tuple[str, ...] = ()
     # The fp32 roundings by which one step of the mpext rule may differ from one step of the
@@ -219,7 +216,6 @@ def _lion() -> RuleInfo:
     return RuleInfo("lion", mpext.optim.Lion, dict(lr=1e-4, betas=(0.9, 0.99),
                                                    weight_decay=0.1),
                     lion, update_scale=1.5, reference_maximize=False,
-                    lossy=(("float32", 1e-3), ("bfloat16", 2.0), ("q8", 2.0)),
                     error_inputs=_error_inputs(
                         *COMMON_ERRORS,
                         (dict(betas=(1.5, 0.99)), ValueError, r"Invalid beta parameter at "
@@ -337,8 +333,9 @@ def pair_id(pair) -> str:
 
 # ---- Params, gradients, states --------------------------------------------------------------
 
-def make_params(dtypes, seed: int = 0, shapes=SHAPES):
-    """Leaf params of each dtype and shape, seeded (the 4-D ones channels_last)."""
+def make_params(dtypes, seed: int = 0, shapes=SHAPES, device="cpu"):
+    """Leaf params of each dtype and shape, seeded (the 4-D ones channels_last), on
+    ``device`` (the same values on every device: drawn on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for dt in dtypes:
@@ -346,7 +343,7 @@ def make_params(dtypes, seed: int = 0, shapes=SHAPES):
             p = torch.randn(s, generator=gen).to(dt)
             if len(s) == 4:
                 p = p.to(memory_format=torch.channels_last)
-            out.append(p.requires_grad_())
+            out.append(p.to(device).requires_grad_())
     return out
 
 
@@ -358,7 +355,8 @@ def make_grads(params, step: int, seed: int = 0, scale: float = 1.0):
     """Gradients for a step, each in its param's dtype (the scale multiplies them, as a
     GradScaler's loss scale would)."""
     gen = torch.Generator().manual_seed(1000 * seed + step)
-    return [(torch.randn(p.shape, generator=gen) * scale).to(p.dtype) for p in params]
+    return [(torch.randn(p.shape, generator=gen) * scale).to(p.dtype).to(p.device)
+            for p in params]
 
 
 def set_grads(params, grads) -> None:
