@@ -20,8 +20,9 @@ NVCC ?= nvcc
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 BENCH_ARGS ?=
-TEST_DEPS := pytest 'pytest-xdist>=3.5,<4' numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6'
-# lion-pytorch: bench_adam's native Lion, and tests/test_lion.py's reference (both lists go in)
+# lion-pytorch: the tests' Lion reference (tests/test_lion.py, the rules x formats table's Lion
+# row), so it is a test dependency; bench_adam's native Lion too (BENCH_DEPS)
+TEST_DEPS := pytest 'pytest-xdist>=3.5,<4' numpy hypothesis 'lightning>=2.6,<2.7' 'accelerate>=1.15,<1.16' 'transformers>=5,<6' lion-pytorch==0.2.5
 BENCH_DEPS := matplotlib tqdm lion-pytorch==0.2.5
 BUILD_DEPS := ninja setuptools wheel
 

@@ -9,14 +9,15 @@ optimizers (torch's own, or a rule's published implementation) and the tests' fl
 comparisons.
 """
 import dataclasses
-import importlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
+import numpy as np
 import pytest
 import torch
 
 import mpext.optim
 from mpext.optim import formats as F
+from reference import bf16_sr_array, fp16_sr_array, sr_bits_array, sr_key
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 LOW = (BF16, F16)
@@ -55,14 +56,24 @@ class RuleInfo:
     rtol: float = 1e-5
     atol: float = 1e-6
     # the largest step a param takes, in units of lr (Adam's normalized update is about 1;
-    # SGD's is the gradient itself): the scale of a lossy format's error per step
+    # SGD's is the gradient itself): with the param, the magnitude a step's fp32 roundings
+    # are roundings of (reference_step)
     update_scale: float = 1.0
-    # A lossy format's error per step, in units of the step (lr x update_scale), per moment
-    # format: Adam's normalized update moves by a fraction of the moments' rounding; Lion's
-    # sign can flip (2 steps at worst).
-    lossy: Tuple[Tuple[str, float], ...] = (("float32", 1e-3), ("bfloat16", 0.05), ("q8", 0.5))
     # mpext-only constructor kwargs the reference does not take (it is given the others)
     mpext_only: Tuple[str, ...] = ()
+    # The fp32 roundings by which one step of the mpext rule may differ from one step of the
+    # reference from the same state (its order of operations is the reference's, op for op,
+    # where this is 0): the slack of the per-step check, in fp32 ulps of the compared value
+    # and of the step (lr x update_scale).
+    ulps: int = 0
+    # whether the reference takes ``maximize`` (else it is fed the negated gradient, which is
+    # what maximize means for every rule here)
+    reference_maximize: bool = True
+    # whether the reference's state counts steps (torch's Adam: ``state["step"]``)
+    reference_steps: bool = False
+    # what the rule does to its moments as decoded from 8-bit codes before it steps
+    # ({name: fp32 value}, the rule's kwargs -> the same, changed in place), if anything
+    q8_decoded: Optional[Callable[[Dict[str, torch.Tensor], Dict[str, Any]], None]] = None
     # False: these kwargs keep no moment (SGD without momentum), whatever the class declares
     keeps_moments: bool = True
 
@@ -73,9 +84,9 @@ class RuleInfo:
     def make(self, params, **kw) -> torch.optim.Optimizer:
         return self.cls(params, **dict(self.kwargs, **kw))
 
-    def make_reference(self, params) -> torch.optim.Optimizer:
+    def make_reference(self, params, **extra) -> torch.optim.Optimizer:
         kw = {k: v for k, v in self.kwargs.items() if k not in self.mpext_only}
-        return self.reference(params, **kw)
+        return self.reference(params, **dict(kw, **extra))
 
     def __repr__(self) -> str:
         return self.name
@@ -158,30 +169,53 @@ ADAM_ERRORS = _error_inputs(
     (dict(amsgrad=True), NotImplementedError, r"amsgrad=True is not supported"),
 )
 
+def _adam_v_floor(moments: Dict[str, torch.Tensor], kw: Dict[str, Any]) -> None:
+    """docs/moments_8bit.md, "The second moment near zero": a v decoded from 8-bit codes is
+    raised to m^2 / K (K = (1-b1)^2 / ((1-b2)(1 - b1^2/b2)), for b1^2 < b2), in fp32 as the
+    kernel computes it (mp_adam_q8_floor_v)."""
+    b1, b2 = kw["betas"]
+    r = b1 * b1 / b2
+    if r >= 1.0:
+        return
+    inv_k = torch.tensor((1.0 - b2) * (1.0 - r) / ((1.0 - b1) * (1.0 - b1)), dtype=F32)
+    m, v = moments["exp_avg"].float(), moments["exp_avg_sq"].float()
+    w = (m * m) * inv_k
+    moments["exp_avg_sq"] = torch.where(w > v, w, v)
+
+
+# Adam's update divides by sqrt(v) and bias corrections that torch and the kernel compute in
+# another order: a few fp32 roundings apart per step.
+ADAM_ULPS = 2
+
 RULES = {
     "adam": RuleInfo("adam", mpext.optim.Adam,
                      dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05),
-                     torch.optim.Adam, ADAM_ERRORS),
+                     torch.optim.Adam, ADAM_ERRORS, ulps=ADAM_ULPS, reference_steps=True,
+                     q8_decoded=_adam_v_floor),
     "adamw": RuleInfo("adamw", mpext.optim.AdamW,
                       dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-                      torch.optim.AdamW, ADAM_ERRORS),
+                      torch.optim.AdamW, ADAM_ERRORS, ulps=ADAM_ULPS, reference_steps=True,
+                     q8_decoded=_adam_v_floor),
 }
 
 
-def _optional_rule(name: str, make: Callable[[], RuleInfo]) -> None:
-    """Adds a rule whose optimizer (or reference) may not exist in this tree yet."""
-    try:
-        RULES[name] = make()
-    except (AttributeError, ImportError):
-        pass
+def _package_reference(module: str, attr: str, package: str) -> Callable[..., Any]:
+    """A reference optimizer from a package that may not be installed: imported when a test
+    asks for it, and a missing package skips that test with the reason (the rule's other
+    tests, which need no reference, still run)."""
+    def make(params, **kw):
+        ref = pytest.importorskip(module, reason="%s (the reference of this rule) is not "
+                                                 "installed: pip install %s" % (package, package))
+        return getattr(ref, attr)(params, **kw)
+    make.__name__ = "%s.%s" % (module, attr)
+    return make
 
 
 def _lion() -> RuleInfo:
-    lion = importlib.import_module("lion_pytorch").Lion
+    lion = _package_reference("lion_pytorch", "Lion", "lion-pytorch")
     return RuleInfo("lion", mpext.optim.Lion, dict(lr=1e-4, betas=(0.9, 0.99),
                                                    weight_decay=0.1),
-                    lion, update_scale=1.5,
-                    lossy=(("float32", 1e-3), ("bfloat16", 2.0), ("q8", 2.0)),
+                    lion, update_scale=1.5, reference_maximize=False,
                     error_inputs=_error_inputs(
                         *COMMON_ERRORS,
                         (dict(betas=(1.5, 0.99)), ValueError, r"Invalid beta parameter at "
@@ -205,9 +239,11 @@ def _sgd(momentum: float) -> Callable[[], RuleInfo]:
     return make
 
 
-_optional_rule("lion", _lion)
-_optional_rule("sgd", _sgd(0.9))  # a momentum_buffer
-_optional_rule("sgd-plain", _sgd(0.0))  # no state at all
+# Every rule is always listed: a missing mpext.optim class is an error here, not a silent
+# drop of its rows; only a reference package that is not installed skips (its tests only).
+RULES["lion"] = _lion()
+RULES["sgd"] = _sgd(0.9)()  # a momentum_buffer
+RULES["sgd-plain"] = _sgd(0.0)()  # no state at all
 
 
 # ---- The formats ----------------------------------------------------------------------------
@@ -297,8 +333,9 @@ def pair_id(pair) -> str:
 
 # ---- Params, gradients, states --------------------------------------------------------------
 
-def make_params(dtypes, seed: int = 0, shapes=SHAPES):
-    """Leaf params of each dtype and shape, seeded (the 4-D ones channels_last)."""
+def make_params(dtypes, seed: int = 0, shapes=SHAPES, device="cpu"):
+    """Leaf params of each dtype and shape, seeded (the 4-D ones channels_last), on
+    ``device`` (the same values on every device: drawn on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for dt in dtypes:
@@ -306,7 +343,7 @@ def make_params(dtypes, seed: int = 0, shapes=SHAPES):
             p = torch.randn(s, generator=gen).to(dt)
             if len(s) == 4:
                 p = p.to(memory_format=torch.channels_last)
-            out.append(p.requires_grad_())
+            out.append(p.to(device).requires_grad_())
     return out
 
 
@@ -318,7 +355,8 @@ def make_grads(params, step: int, seed: int = 0, scale: float = 1.0):
     """Gradients for a step, each in its param's dtype (the scale multiplies them, as a
     GradScaler's loss scale would)."""
     gen = torch.Generator().manual_seed(1000 * seed + step)
-    return [(torch.randn(p.shape, generator=gen) * scale).to(p.dtype) for p in params]
+    return [(torch.randn(p.shape, generator=gen) * scale).to(p.dtype).to(p.device)
+            for p in params]
 
 
 def set_grads(params, grads) -> None:
@@ -414,3 +452,188 @@ def moment_value(opt, p: torch.Tensor, q: F.Quantity) -> torch.Tensor:
     """A moment's FP32 values as the state holds them (decoded exactly)."""
     t, scale = F.moment_of(opt.state[p], q.name)
     return (F.Q8 if scale is not None else F.FORMAT_OF_DTYPE[t.dtype]).decode(t, scale)
+
+
+# ---- One reference step from the optimizer's own state, and the formats' rounding ------------
+#
+# A lossy format (narrow moments, no master) cannot follow the reference run by a fixed
+# tolerance that is also tight: its error grows by a rounding each step. So each step is
+# checked on its own: the reference optimizer is given the state mpext holds (decoded exactly)
+# and steps once on the same gradient; mpext must then hold exactly what its format's rounding
+# makes of the reference's fp32 results -- round to nearest even (Tensor.to), stochastic
+# rounding with the documented bits (tests/reference.py: stream sr_key(seed, t, 2k + 1) for
+# the param, 2k for bf16 moments), the nearest 8-bit codes around the value -- up to the fp32
+# roundings by which the rule's arithmetic may differ from the reference's (``rule.ulps``).
+# Every rounding is monotone, so the rounding of [x - slack, x + slack] is a bracket [lo, hi]
+# that the stored value must lie in; with no slack it is the one value the format stores.
+
+
+class RefStep(NamedTuple):
+    """One param's reference step: its fp32 value after it, {moment name: fp32 value after
+    it}, and (float64) the magnitude of the inputs each was computed from -- the fp32
+    roundings that may differ from the reference's are roundings of these."""
+    value: torch.Tensor
+    moments: Dict[str, torch.Tensor]
+    value_mag: torch.Tensor
+    moment_mag: torch.Tensor
+
+
+def reference_step(rule: RuleInfo, opt, params, grads, maximize: bool = False):
+    """The reference optimizer's step from ``opt``'s state on ``grads``, per param a
+    :class:`RefStep` (before any format's rounding)."""
+    values = [fp32_value(opt, p).detach().cpu().clone().requires_grad_() for p in params]
+    step = rule.update_scale * rule.kwargs["lr"]
+    mags = [(q.detach().double().abs() + step,
+             q.detach().double().abs() + g.detach().cpu().double().abs()) for q, g in zip(values, grads)]
+    extra = dict(maximize=True) if maximize and rule.reference_maximize else {}
+    ref = rule.make_reference(values, **extra)
+    for p, q, g in zip(params, values, grads):
+        st = opt.state[p]
+        step = float(st["step"]) if "step" in st else 0.0
+        if step > 0 and rule.moments:
+            ref.state[q] = {m.name: moment_value(opt, p, m).detach().cpu().clone()
+                            for m in rule.moments}
+            coded = F.moment_of(st, rule.moments[0].name)[1] is not None
+            if coded and rule.q8_decoded is not None:
+                rule.q8_decoded(ref.state[q], rule.kwargs)
+            for m in rule.moments:
+                mags[len(ref.state) - 1][1].add_(ref.state[q][m.name].double().abs())
+            if rule.reference_steps:
+                ref.state[q]["step"] = torch.tensor(step)
+        g = g.detach().cpu().float()
+        q.grad = -g if maximize and not rule.reference_maximize else g
+    ref.step()
+    return [RefStep(q.detach(), {m.name: ref.state[q][m.name] for m in rule.moments}, vm, mm)
+            for q, (vm, mm) in zip(values, mags)]
+
+
+def _ulp32(x: torch.Tensor) -> torch.Tensor:
+    """One fp32 ulp at |x| (float64; the smallest subnormal's at 0)."""
+    x = x.double().abs()
+    return torch.where(x > 0, x * 2.0 ** -23, torch.zeros_like(x)).clamp_min(2.0 ** -149)
+
+
+def fp32_bracket(x: torch.Tensor, ulps: int, mag=None):
+    """float32 tensors (lo, hi) around float32 x: ``ulps`` fp32 ulps of |x| + ``mag`` (the
+    magnitude of the inputs x was computed from) each way (x itself twice where ulps is 0)."""
+    x = x.float()
+    if ulps == 0:
+        return x, x
+    if mag is not None and mag.numel() > 1:
+        mag = mag.reshape(x.shape)
+    d = ulps * _ulp32(x.double().abs() + (0.0 if mag is None else mag))
+    lo, hi = (x.double() - d).float(), (x.double() + d).float()
+    # outward, so that rounding the float64 ends to float32 never narrows the bracket
+    return (torch.nextafter(lo, torch.tensor(-INF)), torch.nextafter(hi, torch.tensor(INF)))
+
+
+def _u32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(torch.int32).numpy().view(np.uint32).reshape(-1)
+
+
+def positions(t: torch.Tensor) -> np.ndarray:
+    """Each element's position in memory (the generator's key), in logical order."""
+    pos = torch.as_strided(torch.arange(t.numel(), dtype=torch.int64), t.shape, t.stride())
+    return pos.contiguous().numpy().astype(np.uint64).reshape(-1)
+
+
+def sr_round(x: torch.Tensor, dtype: torch.dtype, r: np.ndarray) -> torch.Tensor:
+    """float32 x rounded stochastically to ``dtype`` with the random bits r (uint32, x's
+    logical order), by tests/reference.py's definitions; float64 values in x's shape."""
+    rounded, nan = (bf16_sr_array if dtype == BF16 else fp16_sr_array)(_u32(x), r)
+    assert not nan.any(), "a NaN where none was expected"
+    return torch.from_numpy(rounded.view(np.int16)).view(dtype).double().reshape(x.shape)
+
+
+def nudge(x: torch.Tensor) -> torch.Tensor:
+    """A bf16 param's fp32 master as stored: one fp32 ulp lower where it lies exactly halfway
+    above an even bf16 value (so that the param, its round to nearest even, and a remainder
+    agree; formats.split_master)."""
+    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    tie = ((b & 0x1FFFF) == 0x8000) & ((b & 0x7F800000) != 0x7F800000)
+    b = b - tie.long()
+    return torch.where(b >= 2 ** 31, b - 2 ** 32, b).to(torch.int32).view(F32).reshape(x.shape)
+
+
+def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               block: int):
+    """The 8-bit code values (float64) nearest below lo and above hi, on the code grid of
+    blocks with float32 absmax ``scale``: every rounding of a value in [lo, hi] lies there."""
+    table = F._q8_table(dtype, torch.device("cpu"))
+    n = lo.numel()
+    ref = F._q8_ref(F._f32_bits(scale.float()), dtype).repeat_interleave(block)[:n]
+
+    def on_grid(x, up):
+        x = x.double().reshape(-1)
+        y = x.abs() / ref
+        above = torch.searchsorted(table, y, right=False).clamp_max(len(table) - 1)
+        below = (torch.searchsorted(table, y, right=True) - 1).clamp_min(0)
+        # towards +inf: up in magnitude for x >= 0, down in magnitude for x < 0
+        mag = torch.where((x >= 0) == up, table[above], table[below]) * ref
+        return torch.where(x >= 0, mag, -mag)
+
+    return on_grid(lo, False).reshape(lo.shape), on_grid(hi, True).reshape(hi.shape)
+
+
+def assert_in(got: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, what: str) -> None:
+    """lo <= got <= hi elementwise (float64 values), with the worst element named."""
+    g, lo, hi = got.double().reshape(-1), lo.double().reshape(-1), hi.double().reshape(-1)
+    bad = ~((g >= lo) & (g <= hi))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError("%s: %d of %d elements outside the format's rounding of the "
+                             "reference; element %d: %.9g not in [%.9g, %.9g]" % (
+                                 what, int(bad.sum()), g.numel(), i, g[i], lo[i], hi[i]))
+
+
+def check_step(rule: RuleInfo, fmt: FormatInfo, opt, params, refs, seed: int,
+               what: str = "") -> None:
+    """After a step, every param, FP32 value and moment of ``opt`` is its format's rounding of
+    the reference step's results (``refs``, :func:`reference_step`) within the rule's fp32
+    slack. The params are the optimizer's only group, in order (param k draws streams 2k and
+    2k + 1)."""
+    for k, (p, ref) in enumerate(zip(params, refs)):
+        x, moments = ref.value, ref.moments
+        st = opt.state[p]
+        t = int(st["step"])
+        pos = positions(p)
+        where = "%s param %d (%s, step %d)" % (what, k, str(p.dtype).replace("torch.", ""), t)
+        lo, hi = fp32_bracket(x, rule.ulps, ref.value_mag)
+        got_p = p.detach().cpu()
+        if p.dtype == F32:
+            assert_in(got_p, lo, hi, where + ": the fp32 param")
+        elif fmt.keeps_value:  # a master or a remainder: the fp32 value, then the param its RNE
+            if p.dtype == BF16:
+                lo, hi = nudge(lo), nudge(hi)
+            value = fp32_value(opt, p).cpu()
+            assert_in(value, lo, hi, where + ": the fp32 master")
+            assert same_bits(got_p, value.to(p.dtype)), where + ": the param is not its master's RNE"
+        elif fmt.param_format == "nearest":
+            assert_in(got_p, lo.to(p.dtype), hi.to(p.dtype), where + ": the param (to nearest)")
+        else:
+            r = sr_bits_array(sr_key(seed, t, 2 * k + 1), pos)
+            assert_in(got_p, sr_round(lo, p.dtype, r), sr_round(hi, p.dtype, r),
+                      where + ": the param (stochastic)")
+        r_m = sr_bits_array(sr_key(seed, t, 2 * k), pos)
+        for j, q in enumerate(rule.moments):
+            m = moments[q.name].float()
+            mlo, mhi = fp32_bracket(m, rule.ulps, ref.moment_mag)
+            stored, scale = F.moment_of(st, q.name)
+            got = moment_value(opt, p, q).cpu()
+            mwhere = "%s: %s (%s)" % (where, q.name, fmt.moment_format)
+            if stored.dtype == F32:
+                assert_in(got, mlo, mhi, mwhere)
+            elif stored.dtype == BF16:
+                if fmt.moment_rounding == "nearest":
+                    assert_in(got, mlo.to(BF16), mhi.to(BF16), mwhere)
+                else:  # exp_avg rounds with r's low 16 bits, exp_avg_sq with its high 16
+                    r = r_m if j == 0 else r_m >> np.uint32(16)
+                    assert_in(got, sr_round(mlo, BF16, r), sr_round(mhi, BF16, r), mwhere)
+            else:  # 8-bit codes: the block's absmax, then a code next to the value
+                amax = m.abs().reshape(-1)
+                pad = (-amax.numel()) % fmt.block
+                amax = torch.cat([amax, amax.new_zeros(pad)]).view(-1, fmt.block).amax(1)
+                alo, ahi = fp32_bracket(amax, rule.ulps, ref.moment_mag.max())
+                assert_in(scale.cpu(), alo, ahi, mwhere + " block absmax")
+                qlo, qhi = q8_bracket(mlo, mhi, scale.cpu(), stored.dtype, fmt.block)
+                assert_in(got, qlo, qhi, mwhere + " codes")

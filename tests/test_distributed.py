@@ -1334,6 +1334,8 @@ def _sr_body(rank, out_dir):
         refused["q8"] = str(e)
     out["refused"] = refused
 
+    if world == 2:  # the control of the 8-bit cases: without the exchange they must differ
+        out["no_exchange"] = _without_the_exchange(mesh)
     if world == 2:  # per-device bytes, at 2 ranks in this spawn (4: memory_runs)
         out["memory"] = _memory_body(rank, out_dir)
     if world == 2:  # ZeRO: each rank steps a partition; the global order gives the streams
@@ -1348,6 +1350,30 @@ def _sr_body(rank, out_dir):
             out[label] = {"params": [p.detach().clone() for p in params],
                           "partition": [len(g["params"]) for g in zero.optim.param_groups]}
     return out
+
+
+def _gather_without_all_reduce(self):
+    """SharedBlocks.gather with its all-reduce removed: each rank's copy of a block two shards
+    share holds its own part only (zeros for the other rank's codes and values)."""
+    for buf, _ in self.buffers:
+        buf.zero_()
+    for dst, src in self.fill:
+        dst.copy_(src)
+    for dst, src in self.steps:
+        dst.copy_(src)
+
+
+def _without_the_exchange(mesh):
+    """Every 8-bit case of SR_CASES under FSDP2 with the exchange's all-reduce removed (a
+    planted bug: the control that shows the exchange is what makes the shared blocks right)."""
+    from mpext.optim import _q8_shards
+
+    gather = _q8_shards.SharedBlocks.gather
+    _q8_shards.SharedBlocks.gather = _gather_without_all_reduce
+    try:
+        return _sr_cases([(name, name, mesh) for name in SR_CASES if _q8_case(name)])
+    finally:
+        _q8_shards.SharedBlocks.gather = gather
 
 
 SR_WORLDS = (2, 3)
@@ -1395,6 +1421,21 @@ def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, reques
             assert sorted(sa) == sorted(sb), name
             for key in sa:
                 assert _equal_bits(sa[key], sb[key]), "%s: param %d %s" % (name, i, key)
+
+
+@pytest.mark.parametrize("name", [n for n in SR_CASES if _q8_case(n)])
+def test_fsdp2_8bit_without_the_exchange_differs_from_one_process(sr_runs, name):
+    """docs/distributed.md: with the exchange's all-reduce removed, every 8-bit case differs
+    from one process (at 2 ranks, on every rank), so the bitwise equality of
+    test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process is the exchange's doing."""
+    params, state = _sr_reference(name)
+    for rank, r in enumerate(sr_runs[2]):
+        got = r["no_exchange"][name]
+        same = all(_equal_bits(a.detach(), b) for a, b in zip(params, got["params"]))
+        same = same and all(sorted(sa) == sorted(sb) and all(_equal_bits(sa[k], sb[k])
+                                                             for k in sa)
+                            for sa, sb in zip(state, got["state"]))
+        assert not same, "%s, rank %d: one process's bits without the exchange" % (name, rank)
 
 
 @pytest.mark.parametrize("world", SR_WORLDS)
