@@ -166,7 +166,6 @@ ADAM_ERRORS = _error_inputs(
     (dict(betas=(0.9,)), ValueError, r"betas must be a pair of floats"),
     (dict(eps=-1.0), ValueError, r"Invalid epsilon value: -1.0"),
     (dict(eps=NAN), ValueError, r"Invalid epsilon value: nan"),
-    (dict(amsgrad=True), NotImplementedError, r"amsgrad=True is not supported"),
 )
 
 def _adam_v_floor(moments: Dict[str, torch.Tensor], kw: Dict[str, Any]) -> None:
