@@ -487,27 +487,69 @@ def _lion_pytorch():
     return pytest.importorskip("lion_pytorch", reason="lion-pytorch is Lion's reference").Lion
 
 
+def _without(make, key):
+    """A checkpoint of ``make``'s optimizer whose groups lack ``key`` (an older torch's)."""
+    class Older:
+        def __init__(self, ps):
+            self.opt = make(ps)
+            self.state = self.opt.state
+
+        def step(self):
+            self.opt.step()
+
+        def state_dict(self):
+            sd = self.opt.state_dict()
+            for g in sd["param_groups"]:
+                del g[key]
+            return sd
+    return Older
+
+
+T = torch.optim
+# name: (the optimizer, its rule). Every optimizer of torch.optim but LBFGS (whose step needs a
+# closure) and SparseAdam (sparse gradients only), with the options that add keys.
 SOURCES = {
     "mpext.Adam": (lambda ps: Adam(ps), "adam"),
     "mpext.AdamW": (lambda ps: AdamW(ps), "adam"),
     "mpext.SGD": (lambda ps: SGD(ps, momentum=0.9), "sgd"),
     "mpext.Lion": (lambda ps: Lion(ps), "lion"),
-    "torch.Adam": (lambda ps: torch.optim.Adam(ps), "adam"),
-    "torch.AdamW": (lambda ps: torch.optim.AdamW(ps), "adam"),
-    "torch.SGD": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+    "torch.Adam": (lambda ps: T.Adam(ps), "adam"),
+    "torch.Adam-amsgrad": (lambda ps: T.Adam(ps, amsgrad=True), "adam"),
+    "torch.AdamW": (lambda ps: T.AdamW(ps), "adam"),
+    "torch.SGD": (lambda ps: T.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+    "torch.SGD-plain": (lambda ps: T.SGD(ps, lr=0.1), "sgd"),
     "lion_pytorch.Lion": (lambda ps: _lion_pytorch()(ps), "lion"),
+    "torch.RMSprop": (lambda ps: T.RMSprop(ps), "rmsprop"),
+    "torch.RMSprop-momentum": (lambda ps: T.RMSprop(ps, momentum=0.9, centered=True), "rmsprop"),
+    "torch.NAdam": (lambda ps: T.NAdam(ps), "nadam"),
+    "torch.NAdam-decoupled": (lambda ps: T.NAdam(ps, decoupled_weight_decay=True), "nadam"),
+    "torch.RAdam": (lambda ps: T.RAdam(ps), "radam"),
+    "torch.RAdam-older": (_without(lambda ps: T.RAdam(ps), "decoupled_weight_decay"), "radam"),
+    "torch.Adamax": (lambda ps: T.Adamax(ps), "adamax"),
+    "torch.Adagrad": (lambda ps: T.Adagrad(ps), "adagrad"),
+    "torch.ASGD": (lambda ps: T.ASGD(ps), "asgd"),
+    "torch.Rprop": (lambda ps: T.Rprop(ps), "rprop"),
+    "torch.Adadelta": (lambda ps: T.Adadelta(ps), "adadelta"),
 }
 DESTS = {"Adam": (Adam, "adam"), "AdamW": (AdamW, "adam"), "SGD": (SGD, "sgd"),
          "Lion": (Lion, "lion")}
-RULE_WORDS = {"adam": "Adam/AdamW", "sgd": "SGD", "lion": "Lion"}
+# rule: (the name a refusal gives it, a hyperparameter its groups have)
+RULE_WORDS = {"adam": ("Adam/AdamW", "amsgrad"), "sgd": ("SGD", "nesterov"),
+              "lion": ("Lion", "betas"), "rmsprop": ("RMSprop", "alpha"),
+              "nadam": ("NAdam", "momentum_decay"), "radam": ("RAdam", "betas"),
+              "adamax": ("Adamax", "betas"), "adagrad": ("Adagrad", "lr_decay"),
+              "asgd": ("ASGD", "lambd"), "rprop": ("Rprop", "etas"),
+              "adadelta": ("Adadelta", "rho")}
 
 
 @pytest.mark.parametrize("src", list(SOURCES))
 @pytest.mark.parametrize("dst", list(DESTS))
 def test_another_rules_checkpoint(src, dst):
-    """Every checkpoint of mpext's and torch's Adam/AdamW/SGD and (lion-pytorch's) Lion into
-    every mpext optimizer: one of the same rule loads; another rule's is refused naming that
-    rule, its group's hyperparameters and its state's keys, with nothing changed."""
+    """A checkpoint of every optimizer of torch.optim (of an older torch too), of lion-pytorch's
+    Lion and of mpext's into every mpext optimizer: one of the same rule loads; another rule's
+    is refused naming that rule (not another that shares a key: RMSprop has momentum, NAdam
+    and RAdam betas and eps), its group's hyperparameters and its state's keys, with nothing
+    changed."""
     make, src_rule = SOURCES[src]
     dst_cls, dst_rule = DESTS[dst]
     torch.manual_seed(0)
@@ -524,18 +566,19 @@ def test_another_rules_checkpoint(src, dst):
     if src_rule == dst_rule:
         b.load_state_dict(sd)
         moment = {"adam": "exp_avg", "sgd": "momentum_buffer", "lion": "exp_avg"}[dst_rule]
-        assert _same_bits(b.state[q][moment], a.state[p][moment])
+        if a.state[p].get(moment) is not None:  # (plain SGD keeps a None buffer)
+            assert _same_bits(b.state[q][moment], a.state[p][moment])
         return
-    state_keys = sorted(a.state[p])
+    state_keys = sorted({k for st in sd["state"].values() for k in st}) or "(none)"
     with pytest.raises(ValueError) as info:
         b.load_state_dict(sd)
     msg = str(info.value)
     assert re.search(r"mpext\.optim\.%s\.load_state_dict: param group 0 of the checkpoint is "
-                     r"another rule's: %s" % (dst, re.escape(RULE_WORDS[src_rule])), msg), msg
-    assert "this optimizer's rule is %s" % RULE_WORDS[dst_rule] in msg
+                     r"another rule's: %s \(" % (dst, re.escape(RULE_WORDS[src_rule][0])),
+                     msg), msg
+    assert "this optimizer's rule is %s" % RULE_WORDS[dst_rule][0] in msg
     assert "the keys %s" % state_keys in msg, msg
-    for key in {"adam": ("eps",), "sgd": ("momentum",), "lion": ("betas",)}[src_rule]:
-        assert "'%s'" % key in msg.split("the hyperparameters")[1]
+    assert "'%s'" % RULE_WORDS[src_rule][1] in msg.split("the hyperparameters")[1]
     _sd_equal(b.state_dict(), before)
 
 

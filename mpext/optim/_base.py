@@ -108,12 +108,30 @@ class FusedOptimizer(torch.optim.Optimizer):
         it (SGD: a sparse momentum buffer)."""
         return False
 
-    # The rule a checkpoint's param group belongs to, told by its hyperparameter keys (first
-    # match): (name, keys it has, keys it lacks). Every rule's _RULE names one row.
+    # The rule a checkpoint's param group belongs to, told by the keys of its hyperparameters
+    # and of its params' state together (first match): (name, keys it has, keys it lacks).
+    # Each row's keys are ones that rule's optimizer writes and the others' do not (a key
+    # several rules share, as momentum or betas, tells nothing alone), so that a checkpoint of
+    # any of torch.optim's optimizers is named as its own rule. The first three rows are
+    # mpext's rules, in this order (every rule's _RULE names its row).
     _RULE_SIGNATURES = (
-        ("SGD (torch.optim.SGD or mpext.optim.SGD)", ("momentum",), ()),
-        ("Adam/AdamW (torch.optim.Adam/AdamW or mpext.optim.Adam/AdamW)", ("betas", "eps"), ()),
+        ("SGD (torch.optim.SGD or mpext.optim.SGD)", ("momentum", "dampening", "nesterov"), ()),
+        ("Adam/AdamW (torch.optim.Adam/AdamW or mpext.optim.Adam/AdamW)",
+         ("betas", "eps", "amsgrad"), ()),
         ("Lion (lion_pytorch.Lion or mpext.optim.Lion)", ("betas",), ("eps",)),
+        ("NAdam (torch.optim.NAdam)", ("momentum_decay",), ()),
+        ("RMSprop (torch.optim.RMSprop)", ("alpha", "centered"), ()),
+        ("ASGD (torch.optim.ASGD)", ("lambd", "t0"), ()),
+        ("Rprop (torch.optim.Rprop)", ("etas", "step_sizes"), ()),
+        ("Adadelta (torch.optim.Adadelta)", ("rho",), ()),
+        ("Adagrad (torch.optim.Adagrad)", ("lr_decay",), ()),
+        ("LBFGS (torch.optim.LBFGS)", ("history_size",), ()),
+        ("SparseAdam (torch.optim.SparseAdam)", ("betas", "eps"), ("weight_decay",)),
+        # Adamax keeps exp_inf where RAdam keeps exp_avg_sq (torch before 2.4 wrote no
+        # decoupled_weight_decay for RAdam: its state tells)
+        ("Adamax (torch.optim.Adamax)", ("betas", "eps"),
+         ("amsgrad", "decoupled_weight_decay", "exp_avg_sq")),
+        ("RAdam (torch.optim.RAdam)", ("betas", "eps"), ("amsgrad", "exp_inf")),
     )
     _RULE = ""  # the row of _RULE_SIGNATURES that is this class's rule
     # The keys of torch's optimizer of the rule that mpext's groups keep (given a group that
@@ -944,15 +962,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         hyperparameter keys), naming the rule, its keys and this rule's."""
         if not isinstance(saved, dict):
             return
+        ids = set(saved.get("params") or ())
+        state_keys = sorted({str(k) for pid, st in state_dict.get("state", {}).items()
+                             if pid in ids and isinstance(st, dict) for k in st})
+        keys = set(saved) | set(state_keys)
         theirs = next((name for name, has, lacks in self._RULE_SIGNATURES
-                       if all(k in saved for k in has) and not any(k in saved for k in lacks)),
+                       if all(k in keys for k in has) and not any(k in keys for k in lacks)),
                       None)
         if theirs == self._RULE or (theirs is None
                                     and all(k in saved for k in self._RULE_KEYS)):
             return
-        ids = set(saved.get("params") or ())
-        state_keys = sorted({str(k) for pid, st in state_dict.get("state", {}).items()
-                             if pid in ids and isinstance(st, dict) for k in st})
         raise ValueError(
             "%s.load_state_dict: param group %d of the checkpoint is %s; this optimizer's rule "
             "is %s. The checkpoint's group has the hyperparameters %s and its params' state "
