@@ -366,6 +366,49 @@ def test_amsgrad_set_on_a_stepped_group_continues_as_torch(device):
     assert _same_bits(p, r)
 
 
+def test_amsgrad_turned_off_loads_and_steps_as_torch(device):
+    """amsgrad turned off on a stepped amsgrad group, as against torch.optim.Adam: the step
+    leaves max_exp_avg_sq as torch's does (it reads it no more), the optimizer's own
+    state_dict loads (as into torch's Adam) and round trips, and amsgrad set again continues
+    from the kept maximum as torch does."""
+    x = torch.randn(11, device=device)
+    p, r = torch.nn.Parameter(x.clone()), torch.nn.Parameter(x.clone())
+    a = Adam([p], lr=1e-2, amsgrad=True)
+    b = torch.optim.Adam([r], lr=1e-2, amsgrad=True)
+    gs = _grads(x.shape, 7, F32, device)
+
+    def steps(gg, opts):
+        for g in gg:
+            for q, o in opts:
+                q.grad = g.clone()
+                o.step()
+
+    def close(u, v):  # the fused step is torch's math in another order: a few ulps of FP32
+        torch.testing.assert_close(u, v, rtol=8 * EPS32, atol=8 * EPS32 * float(v.abs().max()))
+
+    steps(gs[:2], [(p, a), (r, b)])  # both through torch's implementation: the same bits
+    kept = a.state[p]["max_exp_avg_sq"].clone()
+    assert _same_bits(kept, b.state[r]["max_exp_avg_sq"])
+    a.param_groups[0]["amsgrad"] = b.param_groups[0]["amsgrad"] = False
+    steps(gs[2:4], [(p, a), (r, b)])
+    close(p.detach(), r.detach())
+    assert _same_bits(a.state[p]["max_exp_avg_sq"], kept)
+    assert _same_bits(b.state[r]["max_exp_avg_sq"], kept)
+    sd = copy.deepcopy(a.state_dict())
+    p2, r2 = (torch.nn.Parameter(p.detach().clone()), torch.nn.Parameter(p.detach().clone()))
+    a2, b2 = Adam([p2], lr=1e-2), torch.optim.Adam([r2], lr=1e-2)
+    a2.load_state_dict(sd)
+    b2.load_state_dict(copy.deepcopy(sd))
+    _sd_equal(a2.state_dict(), sd)
+    steps(gs[4:5], [(p2, a2), (r2, b2)])
+    close(p2.detach(), r2.detach())
+    assert _same_bits(a2.state[p2]["max_exp_avg_sq"], kept)
+    a2.param_groups[0]["amsgrad"] = b2.param_groups[0]["amsgrad"] = True
+    steps(gs[5:], [(p2, a2), (r2, b2)])
+    close(p2.detach(), r2.detach())
+    close(a2.state[p2]["max_exp_avg_sq"], b2.state[r2]["max_exp_avg_sq"])
+
+
 REFUSED = [
     (lambda d: Adam([torch.nn.Parameter(torch.zeros(3, device=d))], differentiable=True),
      ValueError, r"differentiable=True is not supported"),
