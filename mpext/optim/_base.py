@@ -892,7 +892,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         loaded state never shares memory with ``state_dict``. For a DTensor param the state
         may hold DTensors (placed otherwise: redistributed) or full tensors of the param's
         global shape (each rank keeps its shard). Everything is checked first: on an error (a
-        group or size mismatch, moments whose shape is not the param's, ...))
+        group or size mismatch, moments whose shape is not the param's, ...)
         nothing is modified.
         """
         state_dict = state_dict.copy()
