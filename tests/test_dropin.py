@@ -265,6 +265,96 @@ def test_sparse_grad_refused_like_torch(device, cls):
             getattr(torch.optim, cls.__name__)([t]).step()
 
 
+class _TorchPathNet(torch.nn.Module):
+    """A float64 param (torch's path), an embedding (dense or sparse gradients) and a Linear."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.randn(3, dtype=F64))
+        self.emb = torch.nn.Embedding(6, 4).to(dtype)
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, idx):
+        return self.lin(self.emb(idx).float()).pow(2).sum() + self.extra.pow(2).sum().float()
+
+
+# (rule, hyperparameters, the embedding's dtype, gradients of earlier steps (sparse or dense),
+# the failing step's, what torch's message says, what mpext's says, the group change or
+# gradient that makes the step valid)
+TORCH_REFUSES = {
+    "sgd-sparse-weight-decay": (SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4), F32, [],
+                                "sparse", r"add\(sparse, dense\) is not supported",
+                                r"param 1 of group 0 has a sparse gradient with "
+                                r"weight_decay=0.0001", dict(weight_decay=0.0)),
+    "sgd-sparse-nesterov-dense-buffer": (
+        SGD, dict(lr=0.1, momentum=0.9, nesterov=True), F32, ["dense"], "sparse",
+        r"add\(sparse, dense\) is not supported",
+        r"param 1 of group 0 has a sparse gradient with nesterov=True and a dense momentum "
+        r"buffer", dict(nesterov=False)),
+    "sgd-dense-grad-sparse-buffer": (
+        SGD, dict(lr=0.1, momentum=0.9), F32, ["sparse"], "dense",
+        r"add\(sparse, dense\) is not supported",
+        r"param 1 of group 0 has a dense gradient and a sparse momentum buffer", "sparse"),
+    "adam-float64-sparse": (Adam, dict(lr=0.1), F64, [], "sparse",
+                            r"Adam does not support sparse gradients",
+                            r"param 1 of group 0: Adam does not support sparse gradients",
+                            "dense"),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_REFUSES))
+def test_what_torchs_step_refuses_changes_nothing(device, case):
+    """A param whose step torch.optim's implementation refuses (it raises while stepping, once
+    the params before it are stepped), beside a float64 param before it (torch's path too) and
+    a Linear (the fused path): mpext's optimizer raises and steps nothing, and no state changes
+    (torch's over the same params, the refused one first, raises and changes no param); made
+    valid, the step is that of an optimizer that never met the refused one (not a second)."""
+    cls, hp, dtype, before_steps, bad, torch_words, words, fix = TORCH_REFUSES[case]
+    torch.manual_seed(0)
+    model = _TorchPathNet(dtype).to(device)
+    ref, clean = copy.deepcopy(model), copy.deepcopy(model)
+    idx = torch.tensor([1, 2, 2], device=device)
+
+    def backward(m, layout):
+        m.emb.sparse = layout == "sparse"
+        m.zero_grad(set_to_none=True)
+        m(idx).backward()
+
+    made = []
+    for m, make in ((model, cls), (ref, getattr(torch.optim, cls.__name__)), (clean, cls)):
+        ps = [m.emb.weight, m.lin.weight, m.lin.bias]
+        o = make(ps if m is ref else [m.extra] + ps, **hp)
+        for layout in before_steps:
+            backward(m, layout)
+            o.step()
+        made.append(o)
+    a, b, c = made
+    for m, o in ((model, a), (ref, b)):
+        backward(m, bad)
+    params = [t.detach().clone() for t in model.parameters()]
+    assert model.extra.grad is not None
+    sd = copy.deepcopy(a.state_dict())
+    ref_params = [t.detach().clone() for t in ref.parameters()]
+    with pytest.raises(RuntimeError, match=torch_words):
+        b.step()
+    assert all(_same_bits(x, y) for x, y in zip(ref.parameters(), ref_params))  # torch's
+    with pytest.raises(RuntimeError, match=words):
+        a.step()
+    assert all(_same_bits(x, y) for x, y in zip(model.parameters(), params))
+    _sd_equal(a.state_dict(), sd)
+    # made valid: the same bits as the optimizer that never met the refused step
+    for m, o in ((model, a), (clean, c)):
+        if isinstance(fix, dict):
+            o.param_groups[0].update(fix)
+            if m is clean:
+                backward(m, bad)
+        else:
+            backward(m, fix)
+        o.step()
+    assert all(_same_bits(x, y) for x, y in zip(model.parameters(), clean.parameters()))
+    _sd_equal(a.state_dict(), c.state_dict())
+
+
 # ---- amsgrad, float64 and complex params through torch's implementation ---------------------
 
 TORCH_PATH = [

@@ -108,6 +108,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         it (SGD: a sparse momentum buffer)."""
         return False
 
+    def _check_torch_grad(self, p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any],
+                          where: str) -> None:
+        """Raises the error torch's implementation would raise for the torch-path param ``p``
+        with gradient ``g`` (and its state), in mpext's words, before anything is stepped:
+        torch's step raises only once it has stepped the params before it."""
+
     # The rule a checkpoint's param group belongs to, told by the keys of its hyperparameters
     # and of its params' state together (first match): (name, keys it has, keys it lacks).
     # Each row's keys are ones that rule's optimizer writes and the others' do not (a key
@@ -605,8 +611,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 if self._needs_torch(p, group):
                     # a group edited since (amsgrad set on BF16 params with masters, say)
-                    self._check_torch_param(p, group, "%s: param %d of group %d"
-                                            % (self._name(), j, gi))
+                    where = "%s: param %d of group %d" % (self._name(), j, gi)
+                    self._check_torch_param(p, group, where)
+                    self._check_torch_grad(p, p.grad, group, where)
                     params.append(p)
                 else:
                     fused.add(id(p))
@@ -730,16 +737,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 inv_scale = grad_scale.detach().double().reciprocal().float()
             else:
                 inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
+        if part is not None:
+            # torch's part first: what it refuses is refused above (_check_torch_grad), and
+            # should it raise anyway, the fused params are not stepped yet (every check of
+            # theirs was made by _items, so their launch does not raise after it).
+            self._run_torch(part[1], inv_scale, found_inf)
         if items:
             try:
                 self._launch(items, inv_scale, found_inf)
             except _TorchPath:
                 # A cached plan's op refused a newly sparse gradient before writing anything
-                # (the long way then sorted the param out): the step again, sorted.
+                # (the long way then sorted the param out): the step again, sorted. (Only a
+                # plan's launch raises it, and a step with a torch part has none.)
                 self.step(grad_scale=grad_scale, found_inf=found_inf)
                 return loss
-        if part is not None:
-            self._run_torch(part[1], inv_scale, found_inf)
         return loss
 
     # -----------------------------------------------------------------------------------------

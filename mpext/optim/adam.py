@@ -159,6 +159,13 @@ class Adam(FusedOptimizer):
     def _torch_group(self, group: Dict[str, Any]) -> bool:
         return bool(group.get("amsgrad", False))
 
+    def _check_torch_grad(self, p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any],
+                          where: str) -> None:
+        if g.layout != torch.strided:  # (a float64 or complex param's: torch's Adam refuses)
+            raise RuntimeError("%s: %s does not support sparse gradients (a %s gradient); "
+                               "use torch.optim.SparseAdam for sparse params"
+                               % (where, type(self).__name__, g.layout))
+
     def _torch_step(self, group: Dict[str, Any], params: List[torch.Tensor],
                     grads: List[torch.Tensor]) -> None:
         # torch.optim.Adam's _init_group and step, for these params
