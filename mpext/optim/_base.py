@@ -26,7 +26,7 @@ from .._common import dtype_name, has_kernel, is_dense, is_real
 from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from . import formats as F
 from . import _q8_shards as q8_shards
-from ._engine import StepItem, StepPlan
+from ._engine import StepItem, StepPlan, overlap_refusal, overlapping
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._shard_plan import ShardedStepPlan
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
@@ -200,6 +200,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("%s: differentiable=True is not supported: the fused step is not "
                              "differentiable%s" % (self._name(), where))
         self._check_formats(group, where)
+        for j, p in enumerate(group.get("params", ())):
+            # checked with the group (each step the long way, and the plan's op refuses a
+            # param made overlapping since): its .data may be replaced
+            if isinstance(p, torch.Tensor) and p.layout == _STRIDED and not is_dtensor(p) \
+                    and overlapping(p):
+                raise ValueError(overlap_refusal(p, "%s: params[%d]%s"
+                                                 % (self._name(), j, where)))
         rounding = group.get("moment_rounding", "stochastic")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError("%s: moment_rounding must be \"stochastic\" or \"nearest\", got "
