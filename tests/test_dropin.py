@@ -723,7 +723,7 @@ def _without(make, key):
     return Older
 
 
-T = torch.optim
+O = torch.optim
 # name: (the optimizer, its rule). Every optimizer of torch.optim but LBFGS (whose step needs a
 # closure) and SparseAdam (sparse gradients only), with the options that add keys.
 SOURCES = {
@@ -731,23 +731,23 @@ SOURCES = {
     "mpext.AdamW": (lambda ps: AdamW(ps), "adam"),
     "mpext.SGD": (lambda ps: SGD(ps, momentum=0.9), "sgd"),
     "mpext.Lion": (lambda ps: Lion(ps), "lion"),
-    "torch.Adam": (lambda ps: T.Adam(ps), "adam"),
-    "torch.Adam-amsgrad": (lambda ps: T.Adam(ps, amsgrad=True), "adam"),
-    "torch.AdamW": (lambda ps: T.AdamW(ps), "adam"),
-    "torch.SGD": (lambda ps: T.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
-    "torch.SGD-plain": (lambda ps: T.SGD(ps, lr=0.1), "sgd"),
+    "torch.Adam": (lambda ps: O.Adam(ps), "adam"),
+    "torch.Adam-amsgrad": (lambda ps: O.Adam(ps, amsgrad=True), "adam"),
+    "torch.AdamW": (lambda ps: O.AdamW(ps), "adam"),
+    "torch.SGD": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+    "torch.SGD-plain": (lambda ps: O.SGD(ps, lr=0.1), "sgd"),
     "lion_pytorch.Lion": (lambda ps: _lion_pytorch()(ps), "lion"),
-    "torch.RMSprop": (lambda ps: T.RMSprop(ps), "rmsprop"),
-    "torch.RMSprop-momentum": (lambda ps: T.RMSprop(ps, momentum=0.9, centered=True), "rmsprop"),
-    "torch.NAdam": (lambda ps: T.NAdam(ps), "nadam"),
-    "torch.NAdam-decoupled": (lambda ps: T.NAdam(ps, decoupled_weight_decay=True), "nadam"),
-    "torch.RAdam": (lambda ps: T.RAdam(ps), "radam"),
-    "torch.RAdam-older": (_without(lambda ps: T.RAdam(ps), "decoupled_weight_decay"), "radam"),
-    "torch.Adamax": (lambda ps: T.Adamax(ps), "adamax"),
-    "torch.Adagrad": (lambda ps: T.Adagrad(ps), "adagrad"),
-    "torch.ASGD": (lambda ps: T.ASGD(ps), "asgd"),
-    "torch.Rprop": (lambda ps: T.Rprop(ps), "rprop"),
-    "torch.Adadelta": (lambda ps: T.Adadelta(ps), "adadelta"),
+    "torch.RMSprop": (lambda ps: O.RMSprop(ps), "rmsprop"),
+    "torch.RMSprop-momentum": (lambda ps: O.RMSprop(ps, momentum=0.9, centered=True), "rmsprop"),
+    "torch.NAdam": (lambda ps: O.NAdam(ps), "nadam"),
+    "torch.NAdam-decoupled": (lambda ps: O.NAdam(ps, decoupled_weight_decay=True), "nadam"),
+    "torch.RAdam": (lambda ps: O.RAdam(ps), "radam"),
+    "torch.RAdam-older": (_without(lambda ps: O.RAdam(ps), "decoupled_weight_decay"), "radam"),
+    "torch.Adamax": (lambda ps: O.Adamax(ps), "adamax"),
+    "torch.Adagrad": (lambda ps: O.Adagrad(ps), "adagrad"),
+    "torch.ASGD": (lambda ps: O.ASGD(ps), "asgd"),
+    "torch.Rprop": (lambda ps: O.Rprop(ps), "rprop"),
+    "torch.Adadelta": (lambda ps: O.Adadelta(ps), "adadelta"),
 }
 DESTS = {"Adam": (Adam, "adam"), "AdamW": (AdamW, "adam"), "SGD": (SGD, "sgd"),
          "Lion": (Lion, "lion")}
