@@ -200,13 +200,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("%s: differentiable=True is not supported: the fused step is not "
                              "differentiable%s" % (self._name(), where))
         self._check_formats(group, where)
-        for j, p in enumerate(group.get("params", ())):
-            # checked with the group (each step the long way, and the plan's op refuses a
-            # param made overlapping since): its .data may be replaced
-            if isinstance(p, torch.Tensor) and p.layout == _STRIDED and not is_dtensor(p) \
-                    and overlapping(p):
-                raise ValueError(overlap_refusal(p, "%s: params[%d]%s"
-                                                 % (self._name(), j, where)))
         rounding = group.get("moment_rounding", "stochastic")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError("%s: moment_rounding must be \"stochastic\" or \"nearest\", got "
@@ -273,6 +266,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.layout != torch.strided:
                     raise ValueError("%s: params[%d]%s is a %s tensor; only dense params are "
                                      "supported" % (self._name(), j, where, p.layout))
+                if not is_dtensor(p) and overlapping(p):
+                    raise ValueError(overlap_refusal(p, "%s: params[%d]%s"
+                                                     % (self._name(), j, where)))
                 if self._torch_group(group) or p.dtype in self._TORCH_DTYPES:
                     self._check_torch_param(p, group, "%s: params[%d]%s"
                                             % (self._name(), j, where))
@@ -691,6 +687,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         param's layout, the master or remainder its group asks for) and kept in the group's
         form: a group whose settings changed since (or a loaded state) has its state converted
         here, before the step."""
+        if not is_dense(p) and not is_dtensor(p) and overlapping(p):
+            # refused when added; its .data replaced since (and the plan's op refuses it)
+            raise ValueError(overlap_refusal(p, "%s: %s" % (self._name(), where)))
         state = dict(self.state.get(p, {}))
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
