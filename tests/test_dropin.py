@@ -154,6 +154,91 @@ def test_non_contiguous_param_skipped_step_and_scaled_grads(device):
     _state_equal(a.state[p], state)
 
 
+def _overlaps_by_enumeration(shape, strides):
+    offsets = [0]
+    for n, st in zip(shape, strides):
+        offsets = [o + i * st for o in offsets for i in range(n)]
+    return len(set(offsets)) < len(offsets)
+
+
+def test_overlapping_is_exact():
+    """mpext.optim._engine.overlapping against every element's offset counted, over random
+    small shapes and strides (interleaved strides, zeros, size-1 dimensions)."""
+    from mpext.optim._engine import overlapping
+    g = torch.Generator().manual_seed(0)
+    base = torch.zeros(4096)
+    seen = set()
+    for _ in range(600):
+        dims = int(torch.randint(1, 4, (), generator=g))
+        shape = tuple(int(x) for x in torch.randint(1, 5, (dims,), generator=g))
+        strides = tuple(int(x) for x in torch.randint(0, 9, (dims,), generator=g))
+        want = _overlaps_by_enumeration(shape, strides)
+        assert overlapping(base.as_strided(shape, strides)) == want, (shape, strides)
+        seen.add(want)
+    assert seen == {True, False}
+
+
+def _overlapping_params(dtype, device):
+    return {"expand": lambda: torch.zeros(1, 4, dtype=dtype, device=device).expand(3, 4),
+            "as_strided": lambda: torch.zeros(6, dtype=dtype, device=device).as_strided(
+                (2, 4), (2, 1))}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("kind", ["expand", "as_strided"])
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_overlapping_param_refused(device, rule, kind, dtype):
+    """A param whose elements share memory is refused when added, naming it: an in-place step
+    of it depends on the order of the writes (torch's SGD steps the shared elements twice, its
+    Adam raises once it has updated the moments)."""
+    cls, _, hp = RULES[rule]
+    if dtype is F64 and cls is Lion:
+        pytest.skip("Lion refuses float64 params (test_refused_with_a_reason)")
+    q = torch.nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
+    p = torch.nn.Parameter(_overlapping_params(dtype, device)[kind]())
+    with pytest.raises(ValueError, match=r"mpext\.optim\.%s: params\[1\] \(param group 0\) has "
+                                         r"elements that share memory \(sizes %s, strides %s"
+                       % (cls.__name__, re.escape(str(tuple(p.shape))),
+                          re.escape(str(p.stride())))):
+        cls([q, p], **hp)
+    opt = cls([q], **hp)
+    with pytest.raises(ValueError, match=r"params\[0\] \(param group 1\) has elements that "
+                                         r"share memory"):
+        opt.add_param_group({"params": [p]})
+    assert len(opt.param_groups) == 1
+
+
+def test_torch_steps_overlapping_params_by_write_order():
+    """Why they are refused: torch's SGD on an overlapping view is not the step of a clone."""
+    base = torch.zeros(6)
+    p = torch.nn.Parameter(base.as_strided((2, 4), (2, 1)))
+    p.grad = torch.ones(2, 4)
+    torch.optim.SGD([p], lr=0.1).step()
+    # elements 2 and 3 stepped twice; a clone's step would be -0.1 everywhere
+    assert torch.equal(base, torch.tensor([-0.1, -0.1, -0.2, -0.2, -0.1, -0.1]))
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_param_made_overlapping_after_refused_at_step(device, planned):
+    """A param whose .data was replaced by an overlapping view after it was added: the step
+    refuses it before anything is written (the other param, the view's memory, the state)."""
+    p = torch.nn.Parameter(torch.zeros(2, 4, device=device))
+    q = torch.nn.Parameter(torch.zeros(5, device=device))
+    opt = SGD([q, p], lr=0.1, momentum=0.9)
+    if planned:  # a step made: its plan is kept
+        p.grad, q.grad = torch.ones(2, 4, device=device), torch.ones(5, device=device)
+        opt.step()
+    base = torch.zeros(6, device=device)
+    p.data = base.as_strided((2, 4), (2, 1))
+    p.grad, q.grad = torch.ones(2, 4, device=device), torch.ones(5, device=device)
+    before, sd = q.detach().clone(), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"has elements that share memory \(sizes \(2, 4\), "
+                                         r"strides \(2, 1\)"):
+        opt.step()
+    assert _same_bits(q, before) and torch.equal(base, torch.zeros(6, device=device))
+    _sd_equal(opt.state_dict(), sd)
+
+
 # ---- Sparse gradients -----------------------------------------------------------------------
 
 SPARSE_HYPER = [dict(lr=0.1), dict(lr=0.1, momentum=0.9), dict(lr=0.1, momentum=0.9,
@@ -265,6 +350,96 @@ def test_sparse_grad_refused_like_torch(device, cls):
             getattr(torch.optim, cls.__name__)([t]).step()
 
 
+class _TorchPathNet(torch.nn.Module):
+    """A float64 param (torch's path), an embedding (dense or sparse gradients) and a Linear."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.randn(3, dtype=F64))
+        self.emb = torch.nn.Embedding(6, 4).to(dtype)
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, idx):
+        return self.lin(self.emb(idx).float()).pow(2).sum() + self.extra.pow(2).sum().float()
+
+
+# (rule, hyperparameters, the embedding's dtype, gradients of earlier steps (sparse or dense),
+# the failing step's, what torch's message says, what mpext's says, the group change or
+# gradient that makes the step valid)
+TORCH_REFUSES = {
+    "sgd-sparse-weight-decay": (SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4), F32, [],
+                                "sparse", r"add\(sparse, dense\) is not supported",
+                                r"param 1 of group 0 has a sparse gradient with "
+                                r"weight_decay=0.0001", dict(weight_decay=0.0)),
+    "sgd-sparse-nesterov-dense-buffer": (
+        SGD, dict(lr=0.1, momentum=0.9, nesterov=True), F32, ["dense"], "sparse",
+        r"add\(sparse, dense\) is not supported",
+        r"param 1 of group 0 has a sparse gradient with nesterov=True and a dense momentum "
+        r"buffer", dict(nesterov=False)),
+    "sgd-dense-grad-sparse-buffer": (
+        SGD, dict(lr=0.1, momentum=0.9), F32, ["sparse"], "dense",
+        r"add\(sparse, dense\) is not supported",
+        r"param 1 of group 0 has a dense gradient and a sparse momentum buffer", "sparse"),
+    "adam-float64-sparse": (Adam, dict(lr=0.1), F64, [], "sparse",
+                            r"Adam does not support sparse gradients",
+                            r"param 1 of group 0: Adam does not support sparse gradients",
+                            "dense"),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_REFUSES))
+def test_what_torchs_step_refuses_changes_nothing(device, case):
+    """A param whose step torch.optim's implementation refuses (it raises while stepping, once
+    the params before it are stepped), beside a float64 param before it (torch's path too) and
+    a Linear (the fused path): mpext's optimizer raises and steps nothing, and no state changes
+    (torch's over the same params, the refused one first, raises and changes no param); made
+    valid, the step is that of an optimizer that never met the refused one (not a second)."""
+    cls, hp, dtype, before_steps, bad, torch_words, words, fix = TORCH_REFUSES[case]
+    torch.manual_seed(0)
+    model = _TorchPathNet(dtype).to(device)
+    ref, clean = copy.deepcopy(model), copy.deepcopy(model)
+    idx = torch.tensor([1, 2, 2], device=device)
+
+    def backward(m, layout):
+        m.emb.sparse = layout == "sparse"
+        m.zero_grad(set_to_none=True)
+        m(idx).backward()
+
+    made = []
+    for m, make in ((model, cls), (ref, getattr(torch.optim, cls.__name__)), (clean, cls)):
+        ps = [m.emb.weight, m.lin.weight, m.lin.bias]
+        o = make(ps if m is ref else [m.extra] + ps, **hp)
+        for layout in before_steps:
+            backward(m, layout)
+            o.step()
+        made.append(o)
+    a, b, c = made
+    for m, o in ((model, a), (ref, b)):
+        backward(m, bad)
+    params = [t.detach().clone() for t in model.parameters()]
+    assert model.extra.grad is not None
+    sd = copy.deepcopy(a.state_dict())
+    ref_params = [t.detach().clone() for t in ref.parameters()]
+    with pytest.raises(RuntimeError, match=torch_words):
+        b.step()
+    assert all(_same_bits(x, y) for x, y in zip(ref.parameters(), ref_params))  # torch's
+    with pytest.raises(RuntimeError, match=words):
+        a.step()
+    assert all(_same_bits(x, y) for x, y in zip(model.parameters(), params))
+    _sd_equal(a.state_dict(), sd)
+    # made valid: the same bits as the optimizer that never met the refused step
+    for m, o in ((model, a), (clean, c)):
+        if isinstance(fix, dict):
+            o.param_groups[0].update(fix)
+            if m is clean:
+                backward(m, bad)
+        else:
+            backward(m, fix)
+        o.step()
+    assert all(_same_bits(x, y) for x, y in zip(model.parameters(), clean.parameters()))
+    _sd_equal(a.state_dict(), c.state_dict())
+
+
 # ---- amsgrad, float64 and complex params through torch's implementation ---------------------
 
 TORCH_PATH = [
@@ -364,6 +539,49 @@ def test_amsgrad_set_on_a_stepped_group_continues_as_torch(device):
         a.step()
         b.step()
     assert _same_bits(p, r)
+
+
+def test_amsgrad_turned_off_loads_and_steps_as_torch(device):
+    """amsgrad turned off on a stepped amsgrad group, as against torch.optim.Adam: the step
+    leaves max_exp_avg_sq as torch's does (it reads it no more), the optimizer's own
+    state_dict loads (as into torch's Adam) and round trips, and amsgrad set again continues
+    from the kept maximum as torch does."""
+    x = torch.randn(11, device=device)
+    p, r = torch.nn.Parameter(x.clone()), torch.nn.Parameter(x.clone())
+    a = Adam([p], lr=1e-2, amsgrad=True)
+    b = torch.optim.Adam([r], lr=1e-2, amsgrad=True)
+    gs = _grads(x.shape, 7, F32, device)
+
+    def steps(gg, opts):
+        for g in gg:
+            for q, o in opts:
+                q.grad = g.clone()
+                o.step()
+
+    def close(u, v):  # the fused step is torch's math in another order: a few ulps of FP32
+        torch.testing.assert_close(u, v, rtol=8 * EPS32, atol=8 * EPS32 * float(v.abs().max()))
+
+    steps(gs[:2], [(p, a), (r, b)])  # both through torch's implementation: the same bits
+    kept = a.state[p]["max_exp_avg_sq"].clone()
+    assert _same_bits(kept, b.state[r]["max_exp_avg_sq"])
+    a.param_groups[0]["amsgrad"] = b.param_groups[0]["amsgrad"] = False
+    steps(gs[2:4], [(p, a), (r, b)])
+    close(p.detach(), r.detach())
+    assert _same_bits(a.state[p]["max_exp_avg_sq"], kept)
+    assert _same_bits(b.state[r]["max_exp_avg_sq"], kept)
+    sd = copy.deepcopy(a.state_dict())
+    p2, r2 = (torch.nn.Parameter(p.detach().clone()), torch.nn.Parameter(p.detach().clone()))
+    a2, b2 = Adam([p2], lr=1e-2), torch.optim.Adam([r2], lr=1e-2)
+    a2.load_state_dict(sd)
+    b2.load_state_dict(copy.deepcopy(sd))
+    _sd_equal(a2.state_dict(), sd)
+    steps(gs[4:5], [(p2, a2), (r2, b2)])
+    close(p2.detach(), r2.detach())
+    assert _same_bits(a2.state[p2]["max_exp_avg_sq"], kept)
+    a2.param_groups[0]["amsgrad"] = b2.param_groups[0]["amsgrad"] = True
+    steps(gs[5:], [(p2, a2), (r2, b2)])
+    close(p2.detach(), r2.detach())
+    close(a2.state[p2]["max_exp_avg_sq"], b2.state[r2]["max_exp_avg_sq"])
 
 
 REFUSED = [
@@ -487,27 +705,69 @@ def _lion_pytorch():
     return pytest.importorskip("lion_pytorch", reason="lion-pytorch is Lion's reference").Lion
 
 
+def _without(make, key):
+    """A checkpoint of ``make``'s optimizer whose groups lack ``key`` (an older torch's)."""
+    class Older:
+        def __init__(self, ps):
+            self.opt = make(ps)
+            self.state = self.opt.state
+
+        def step(self):
+            self.opt.step()
+
+        def state_dict(self):
+            sd = self.opt.state_dict()
+            for g in sd["param_groups"]:
+                del g[key]
+            return sd
+    return Older
+
+
+O = torch.optim
+# name: (the optimizer, its rule). Every optimizer of torch.optim but LBFGS (whose step needs a
+# closure) and SparseAdam (sparse gradients only), with the options that add keys.
 SOURCES = {
     "mpext.Adam": (lambda ps: Adam(ps), "adam"),
     "mpext.AdamW": (lambda ps: AdamW(ps), "adam"),
     "mpext.SGD": (lambda ps: SGD(ps, momentum=0.9), "sgd"),
     "mpext.Lion": (lambda ps: Lion(ps), "lion"),
-    "torch.Adam": (lambda ps: torch.optim.Adam(ps), "adam"),
-    "torch.AdamW": (lambda ps: torch.optim.AdamW(ps), "adam"),
-    "torch.SGD": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+    "torch.Adam": (lambda ps: O.Adam(ps), "adam"),
+    "torch.Adam-amsgrad": (lambda ps: O.Adam(ps, amsgrad=True), "adam"),
+    "torch.AdamW": (lambda ps: O.AdamW(ps), "adam"),
+    "torch.SGD": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+    "torch.SGD-plain": (lambda ps: O.SGD(ps, lr=0.1), "sgd"),
     "lion_pytorch.Lion": (lambda ps: _lion_pytorch()(ps), "lion"),
+    "torch.RMSprop": (lambda ps: O.RMSprop(ps), "rmsprop"),
+    "torch.RMSprop-momentum": (lambda ps: O.RMSprop(ps, momentum=0.9, centered=True), "rmsprop"),
+    "torch.NAdam": (lambda ps: O.NAdam(ps), "nadam"),
+    "torch.NAdam-decoupled": (lambda ps: O.NAdam(ps, decoupled_weight_decay=True), "nadam"),
+    "torch.RAdam": (lambda ps: O.RAdam(ps), "radam"),
+    "torch.RAdam-older": (_without(lambda ps: O.RAdam(ps), "decoupled_weight_decay"), "radam"),
+    "torch.Adamax": (lambda ps: O.Adamax(ps), "adamax"),
+    "torch.Adagrad": (lambda ps: O.Adagrad(ps), "adagrad"),
+    "torch.ASGD": (lambda ps: O.ASGD(ps), "asgd"),
+    "torch.Rprop": (lambda ps: O.Rprop(ps), "rprop"),
+    "torch.Adadelta": (lambda ps: O.Adadelta(ps), "adadelta"),
 }
 DESTS = {"Adam": (Adam, "adam"), "AdamW": (AdamW, "adam"), "SGD": (SGD, "sgd"),
          "Lion": (Lion, "lion")}
-RULE_WORDS = {"adam": "Adam/AdamW", "sgd": "SGD", "lion": "Lion"}
+# rule: (the name a refusal gives it, a hyperparameter its groups have)
+RULE_WORDS = {"adam": ("Adam/AdamW", "amsgrad"), "sgd": ("SGD", "nesterov"),
+              "lion": ("Lion", "betas"), "rmsprop": ("RMSprop", "alpha"),
+              "nadam": ("NAdam", "momentum_decay"), "radam": ("RAdam", "betas"),
+              "adamax": ("Adamax", "betas"), "adagrad": ("Adagrad", "lr_decay"),
+              "asgd": ("ASGD", "lambd"), "rprop": ("Rprop", "etas"),
+              "adadelta": ("Adadelta", "rho")}
 
 
 @pytest.mark.parametrize("src", list(SOURCES))
 @pytest.mark.parametrize("dst", list(DESTS))
 def test_another_rules_checkpoint(src, dst):
-    """Every checkpoint of mpext's and torch's Adam/AdamW/SGD and (lion-pytorch's) Lion into
-    every mpext optimizer: one of the same rule loads; another rule's is refused naming that
-    rule, its group's hyperparameters and its state's keys, with nothing changed."""
+    """A checkpoint of every optimizer of torch.optim (of an older torch too), of lion-pytorch's
+    Lion and of mpext's into every mpext optimizer: one of the same rule loads; another rule's
+    is refused naming that rule (not another that shares a key: RMSprop has momentum, NAdam
+    and RAdam betas and eps), its group's hyperparameters and its state's keys, with nothing
+    changed."""
     make, src_rule = SOURCES[src]
     dst_cls, dst_rule = DESTS[dst]
     torch.manual_seed(0)
@@ -524,18 +784,19 @@ def test_another_rules_checkpoint(src, dst):
     if src_rule == dst_rule:
         b.load_state_dict(sd)
         moment = {"adam": "exp_avg", "sgd": "momentum_buffer", "lion": "exp_avg"}[dst_rule]
-        assert _same_bits(b.state[q][moment], a.state[p][moment])
+        if a.state[p].get(moment) is not None:  # (plain SGD keeps a None buffer)
+            assert _same_bits(b.state[q][moment], a.state[p][moment])
         return
-    state_keys = sorted(a.state[p])
+    state_keys = sorted({k for st in sd["state"].values() for k in st}) or "(none)"
     with pytest.raises(ValueError) as info:
         b.load_state_dict(sd)
     msg = str(info.value)
     assert re.search(r"mpext\.optim\.%s\.load_state_dict: param group 0 of the checkpoint is "
-                     r"another rule's: %s" % (dst, re.escape(RULE_WORDS[src_rule])), msg), msg
-    assert "this optimizer's rule is %s" % RULE_WORDS[dst_rule] in msg
+                     r"another rule's: %s \(" % (dst, re.escape(RULE_WORDS[src_rule][0])),
+                     msg), msg
+    assert "this optimizer's rule is %s" % RULE_WORDS[dst_rule][0] in msg
     assert "the keys %s" % state_keys in msg, msg
-    for key in {"adam": ("eps",), "sgd": ("momentum",), "lion": ("betas",)}[src_rule]:
-        assert "'%s'" % key in msg.split("the hyperparameters")[1]
+    assert "'%s'" % RULE_WORDS[src_rule][1] in msg.split("the hyperparameters")[1]
     _sd_equal(b.state_dict(), before)
 
 

@@ -280,11 +280,11 @@ def test_accumulation_over_micro_batches_has_the_bits_of_accumulate_then_step(de
     assert_same_state(model, opt, twin, topt)  # the first step is not clipped
     assert torch.allclose(release.last_grad_norm, norm / scaler.get_scale(), rtol=1e-4)
     with release.accumulate():
-        loss_of(twin, 99).backward()
-    (head_only * 0).backward()  # steps the params with only accumulated gradients too
+        tscaler.scale(loss_of(twin, 99)).backward()
+    tscaler.scale(head_only * 0).backward()  # steps the params with only accumulated ones too
     assert all(p.grad is None for p in twin.parameters())
     with release.accumulate():
-        loss_of(twin, 98).backward()
+        tscaler.scale(loss_of(twin, 98)).backward()
     release.clip = "exact"
     with pytest.raises(RuntimeError, match="cannot follow accumulate"):
         release.backward(loss_of(twin, 97))
@@ -670,6 +670,54 @@ def test_a_loss_the_release_scaler_never_scaled_is_refused_before_anything_steps
     ref_scaler.scale(loss_of(model, 0)).backward()
     ref_scaler.step(opt)
     ref_scaler.update()
+    assert_same_state(model, opt, twin, topt)
+
+
+@pytest.mark.parametrize("where", ["later", "accumulated", "after-accumulated"])
+def test_an_unscaled_loss_under_a_scaling_scaler_is_refused_every_time(where, device):
+    """With a scaling mpext.GradScaler, a backward whose loss was not scaled (after scaled
+    ones; as a micro-batch of accumulate(); as the last micro-batch) would be unscaled by
+    1/scale all the same, a step 2**16 times too small: refused by mpext's message at its
+    first gradient, before anything steps, with what was accumulated dropped. The next
+    backward, scaled, steps as a release that never met the refused one (and with the
+    exception alive: nothing of it is left for the next)."""
+    model, opt, twin, topt = pair("fp32", device=device)
+    scaler, tscaler = mpext.GradScaler(device), mpext.GradScaler(device)
+    release = topt.release_grads(bucket_bytes=20000, scaler=tscaler)
+
+    def both(step):  # a scaled step of each: the reference steps after backward
+        scaler.scale(loss_of(model, step)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        tscaler.scale(loss_of(twin, step)).backward()
+        tscaler.update()
+
+    both(0)
+    assert_same_state(model, opt, twin, topt)
+    before = [p.detach().clone() for p in twin.parameters()]
+    state = {id(p): {k: v.clone() for k, v in topt.state[p].items()} for p in twin.parameters()}
+    stepped, scale = release.buckets_stepped, tscaler.get_scale()
+    words = r"mpext.optim.AdamW?.release_grads: the loss of this backward was not scaled by the " \
+            r"release's mpext.GradScaler.*release.backward\(scaler.scale\(loss\)\)"
+    if where != "later":
+        words += r".*The gradients accumulated since the last step were dropped"
+        with release.accumulate():
+            tscaler.scale(loss_of(twin, 1)).backward()
+    with pytest.raises(RuntimeError, match=words) as info:
+        if where == "accumulated":
+            with release.accumulate():
+                loss_of(twin, 2).backward()
+        else:
+            loss_of(twin, 2).backward()
+    assert all(p.grad is None for p in twin.parameters())
+    for p, b in zip(twin.parameters(), before):
+        assert same_bits(p, b)
+        for k, v in state[id(p)].items():
+            assert same_bits(topt.state[p][k], v), k
+    assert release.buckets_stepped == stepped and tscaler.get_scale() == scale
+    both(3)
+    assert info.value is not None
     assert_same_state(model, opt, twin, topt)
 
 

@@ -26,7 +26,7 @@ from .._common import dtype_name, has_kernel, is_dense, is_real
 from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from . import formats as F
 from . import _q8_shards as q8_shards
-from ._engine import StepItem, StepPlan
+from ._engine import StepItem, StepPlan, overlap_refusal, overlapping
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._shard_plan import ShardedStepPlan
 from ._state import check_q8_param, conform_state, import_param_state, new_moments
@@ -108,12 +108,36 @@ class FusedOptimizer(torch.optim.Optimizer):
         it (SGD: a sparse momentum buffer)."""
         return False
 
-    # The rule a checkpoint's param group belongs to, told by its hyperparameter keys (first
-    # match): (name, keys it has, keys it lacks). Every rule's _RULE names one row.
+    def _check_torch_grad(self, p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any],
+                          where: str) -> None:
+        """Raises the error torch's implementation would raise for the torch-path param ``p``
+        with gradient ``g`` (and its state), in mpext's words, before anything is stepped:
+        torch's step raises only once it has stepped the params before it."""
+
+    # The rule a checkpoint's param group belongs to, told by the keys of its hyperparameters
+    # and of its params' state together (first match): (name, keys it has, keys it lacks).
+    # Each row's keys are ones that rule's optimizer writes and the others' do not (a key
+    # several rules share, as momentum or betas, tells nothing alone), so that a checkpoint of
+    # any of torch.optim's optimizers is named as its own rule. The first three rows are
+    # mpext's rules, in this order (every rule's _RULE names its row).
     _RULE_SIGNATURES = (
-        ("SGD (torch.optim.SGD or mpext.optim.SGD)", ("momentum",), ()),
-        ("Adam/AdamW (torch.optim.Adam/AdamW or mpext.optim.Adam/AdamW)", ("betas", "eps"), ()),
+        ("SGD (torch.optim.SGD or mpext.optim.SGD)", ("momentum", "dampening", "nesterov"), ()),
+        ("Adam/AdamW (torch.optim.Adam/AdamW or mpext.optim.Adam/AdamW)",
+         ("betas", "eps", "amsgrad"), ()),
         ("Lion (lion_pytorch.Lion or mpext.optim.Lion)", ("betas",), ("eps",)),
+        ("NAdam (torch.optim.NAdam)", ("momentum_decay",), ()),
+        ("RMSprop (torch.optim.RMSprop)", ("alpha", "centered"), ()),
+        ("ASGD (torch.optim.ASGD)", ("lambd", "t0"), ()),
+        ("Rprop (torch.optim.Rprop)", ("etas", "step_sizes"), ()),
+        ("Adadelta (torch.optim.Adadelta)", ("rho",), ()),
+        ("Adagrad (torch.optim.Adagrad)", ("lr_decay",), ()),
+        ("LBFGS (torch.optim.LBFGS)", ("history_size",), ()),
+        ("SparseAdam (torch.optim.SparseAdam)", ("betas", "eps"), ("weight_decay",)),
+        # Adamax keeps exp_inf where RAdam keeps exp_avg_sq (torch before 2.4 wrote no
+        # decoupled_weight_decay for RAdam: its state tells)
+        ("Adamax (torch.optim.Adamax)", ("betas", "eps"),
+         ("amsgrad", "decoupled_weight_decay", "exp_avg_sq")),
+        ("RAdam (torch.optim.RAdam)", ("betas", "eps"), ("amsgrad", "exp_inf")),
     )
     _RULE = ""  # the row of _RULE_SIGNATURES that is this class's rule
     # The keys of torch's optimizer of the rule that mpext's groups keep (given a group that
@@ -242,6 +266,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.layout != torch.strided:
                     raise ValueError("%s: params[%d]%s is a %s tensor; only dense params are "
                                      "supported" % (self._name(), j, where, p.layout))
+                if not is_dtensor(p) and overlapping(p):
+                    raise ValueError(overlap_refusal(p, "%s: params[%d]%s"
+                                                     % (self._name(), j, where)))
                 if self._torch_group(group) or p.dtype in self._TORCH_DTYPES:
                     self._check_torch_param(p, group, "%s: params[%d]%s"
                                             % (self._name(), j, where))
@@ -587,8 +614,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 if self._needs_torch(p, group):
                     # a group edited since (amsgrad set on BF16 params with masters, say)
-                    self._check_torch_param(p, group, "%s: param %d of group %d"
-                                            % (self._name(), j, gi))
+                    where = "%s: param %d of group %d" % (self._name(), j, gi)
+                    self._check_torch_param(p, group, where)
+                    self._check_torch_grad(p, p.grad, group, where)
                     params.append(p)
                 else:
                     fused.add(id(p))
@@ -659,6 +687,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         param's layout, the master or remainder its group asks for) and kept in the group's
         form: a group whose settings changed since (or a loaded state) has its state converted
         here, before the step."""
+        if not is_dense(p) and not is_dtensor(p) and overlapping(p):
+            # refused when added; its .data replaced since (and the plan's op refuses it)
+            raise ValueError(overlap_refusal(p, "%s: %s" % (self._name(), where)))
         state = dict(self.state.get(p, {}))
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -712,16 +743,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 inv_scale = grad_scale.detach().double().reciprocal().float()
             else:
                 inv_scale = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32)
+        if part is not None:
+            # torch's part first: what it refuses is refused above (_check_torch_grad), and
+            # should it raise anyway, the fused params are not stepped yet (every check of
+            # theirs was made by _items, so their launch does not raise after it).
+            self._run_torch(part[1], inv_scale, found_inf)
         if items:
             try:
                 self._launch(items, inv_scale, found_inf)
             except _TorchPath:
                 # A cached plan's op refused a newly sparse gradient before writing anything
-                # (the long way then sorted the param out): the step again, sorted.
+                # (the long way then sorted the param out): the step again, sorted. (Only a
+                # plan's launch raises it, and a step with a torch part has none.)
                 self.step(grad_scale=grad_scale, found_inf=found_inf)
                 return loss
-        if part is not None:
-            self._run_torch(part[1], inv_scale, found_inf)
         return loss
 
     # -----------------------------------------------------------------------------------------
@@ -874,7 +909,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         loaded state never shares memory with ``state_dict``. For a DTensor param the state
         may hold DTensors (placed otherwise: redistributed) or full tensors of the param's
         global shape (each rank keeps its shard). Everything is checked first: on an error (a
-        group or size mismatch, moments whose shape is not the param's, an amsgrad state, ...)
+        group or size mismatch, moments whose shape is not the param's, ...)
         nothing is modified.
         """
         state_dict = state_dict.copy()
@@ -944,15 +979,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         hyperparameter keys), naming the rule, its keys and this rule's."""
         if not isinstance(saved, dict):
             return
+        ids = set(saved.get("params") or ())
+        state_keys = sorted({str(k) for pid, st in state_dict.get("state", {}).items()
+                             if pid in ids and isinstance(st, dict) for k in st})
+        keys = set(saved) | set(state_keys)
         theirs = next((name for name, has, lacks in self._RULE_SIGNATURES
-                       if all(k in saved for k in has) and not any(k in saved for k in lacks)),
+                       if all(k in keys for k in has) and not any(k in keys for k in lacks)),
                       None)
         if theirs == self._RULE or (theirs is None
                                     and all(k in saved for k in self._RULE_KEYS)):
             return
-        ids = set(saved.get("params") or ())
-        state_keys = sorted({str(k) for pid, st in state_dict.get("state", {}).items()
-                             if pid in ids and isinstance(st, dict) for k in st})
         raise ValueError(
             "%s.load_state_dict: param group %d of the checkpoint is %s; this optimizer's rule "
             "is %s. The checkpoint's group has the hyperparameters %s and its params' state "

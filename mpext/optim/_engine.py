@@ -110,6 +110,37 @@ class StepItem(NamedTuple):
     blocks: Any = None
 
 
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of the strided tensor ``t`` share memory (an ``expand``, an
+    ``as_strided`` view whose rows overlap): an in-place update of such a tensor depends on the
+    order its elements are written in."""
+    if is_dense(t):
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    span = 0  # the furthest offset the smaller strides reach
+    for st, n in dims:
+        if st <= span:
+            break
+        span += st * (n - 1)
+    else:
+        return False
+    if dims[0][0] == 0:
+        return True
+    # Strides interleave (rare): the elements' offsets, counted.
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
+    return offsets.unique().numel() < offsets.numel()
+
+
+def overlap_refusal(t: torch.Tensor, where: str) -> str:
+    return ("%s has elements that share memory (sizes %s, strides %s: an expand() or an "
+            "overlapping as_strided view), which an in-place step writes in an order-dependent "
+            "way (torch's optimizers raise or step such a param by the order they write); "
+            "make it a param of its own memory (e.g. Parameter(t.clone()))"
+            % (where, tuple(t.shape), tuple(t.stride())))
+
+
 def _to_device(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
     if t is None:
         return None
@@ -197,7 +228,9 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
         for i in positions:
             p, g, state, storage, _, _, stream, offset, _ = items[i]
             if not is_dense(p):
-                # A param with gaps or overlaps (a slice of a bigger tensor): the kernel takes
+                if overlapping(p):  # (refused when added; its .data replaced since)
+                    raise ValueError(overlap_refusal(p, "a param"))
+                # A param with gaps (a slice of a bigger tensor): the kernel takes
                 # flat memory, so it steps a contiguous copy, written back after the launch.
                 # Its state is contiguous (zeros_like of such a param is), so the bits are
                 # those of a contiguous param.

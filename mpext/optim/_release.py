@@ -30,7 +30,8 @@ optimizer themselves (Lightning automatic optimization, accelerate's Accelerated
 gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
 by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
 the release was not made with (:func:`scaled_backward_hook`), or not scaled by its scaling
-scaler, whose ``scale()`` was never called; float16 params with a check-only scaler.
+scaler (every backward, micro-batches of accumulate() too, whose accumulated gradients are
+then dropped); float16 params with a check-only scaler.
 
 A backward that fails (here or anywhere) is forgotten at once, its unstepped gradients dropped,
 so that nothing of it reaches the next (GradRelease._on_grad, _token_died).
@@ -339,6 +340,7 @@ class GradRelease:
         self._task: Optional[int] = None  # the graph task of the open backward, None: none open
         self._token = lambda: None
         self._paused = False       # inside accumulate()
+        self._paused_task = -1     # the latest backward checked inside accumulate()
         self._accumulated = False  # accumulate() ran since the last step
         self._last_task = -1
         self._norm_pass = False           # exact clipping: the pass that measures the norm
@@ -463,6 +465,9 @@ class GradRelease:
         if refused is None:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
         theirs = _scaler_of(task)
+        if refused is None and getattr(self.scaler, "_scale", None) is not None:
+            # (a scaler whose scale() was never called: its own refusal, _release_scale)
+            refused = self._unscaled_refusal(task)
         if refused is None and theirs is not None and theirs is not self.scaler:
             refused = ("%s: the loss of this backward was scaled by an mpext.GradScaler that "
                        "this release was %s, so its buckets would step with gradients "
@@ -472,10 +477,43 @@ class GradRelease:
         if refused is not None:  # (its gradient is dropped by _on_grad)
             raise (RuntimeError if world == 1 else NotImplementedError)(refused)
 
+    def _unscaled_refusal(self, task: int) -> Optional[str]:
+        """Why backward ``task`` is refused when its loss was not scaled by this release's
+        scaling scaler (each bucket would be unscaled by 1/scale all the same: a step scale
+        times too small, with no error), or None. Gradients accumulated since the last step
+        (accumulate()) are dropped with it, as they hold part of this backward's."""
+        if not _scales(self.scaler) or _scaler_of(task) is not None:
+            return None
+        dropped = ""
+        if self._accumulated or self._paused:
+            self._drop_accumulated()
+            dropped = (" The gradients accumulated since the last step were dropped (they "
+                       "hold part of this backward's): start its micro-batches again.")
+        return ("%s: the loss of this backward was not scaled by the release's "
+                "mpext.GradScaler, whose scale every bucket is unscaled by (the step would be "
+                "that many times too small). Scale every loss: release.backward("
+                "scaler.scale(loss)) or scaler.scale(loss).backward(), also inside "
+                "accumulate(); a loss that needs no scaling wants a release made without the "
+                "scaler, or mpext.GradScaler(bf16_check_only=True) for BF16.%s"
+                % (self._name, dropped))
+
+    def _drop_accumulated(self) -> None:
+        for group in self._opt.param_groups:
+            for q in group["params"]:
+                q.grad = None
+        self._accumulated = False
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._paused:
-            return
         task = _task_id()
+        if self._paused:
+            # A micro-batch's backward: only its loss's scale is checked, at its first
+            # gradient (a refusal drops what was accumulated, this one's part included).
+            if task != self._paused_task:
+                self._paused_task = task
+                refused = self._unscaled_refusal(task)
+                if refused is not None:
+                    raise RuntimeError(refused)
+            return
         try:
             self._take(p, task)
         except BaseException:

@@ -12,6 +12,7 @@ from torch.optim.adam import adam as _torch_adam
 from .._common import is_real as _is_real
 from ._base import FusedOptimizer
 from ._engine import StepItem, adam_hyper, fused_adam_step
+from ._tensors import local
 from .formats import Quantity
 
 __all__ = ["Adam", "AdamW"]
@@ -158,6 +159,13 @@ class Adam(FusedOptimizer):
     def _torch_group(self, group: Dict[str, Any]) -> bool:
         return bool(group.get("amsgrad", False))
 
+    def _check_torch_grad(self, p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any],
+                          where: str) -> None:
+        if g.layout != torch.strided:  # (a float64 or complex param's: torch's Adam refuses)
+            raise RuntimeError("%s: %s does not support sparse gradients (a %s gradient); "
+                               "use torch.optim.SparseAdam for sparse params"
+                               % (where, type(self).__name__, g.layout))
+
     def _torch_step(self, group: Dict[str, Any], params: List[torch.Tensor],
                     grads: List[torch.Tensor]) -> None:
         # torch.optim.Adam's _init_group and step, for these params
@@ -205,10 +213,30 @@ class Adam(FusedOptimizer):
                 found_inf: Optional[torch.Tensor]) -> None:
         fused_adam_step(items, self._lr_tensors, inv_scale, found_inf)
 
-    def _check_saved_state(self, value: Dict[str, Any], where: str) -> None:
-        if "max_exp_avg_sq" in value:  # an amsgrad group's state, loaded into a plain group
-            raise ValueError("%s has max_exp_avg_sq, an amsgrad state, but its param group "
-                             "has amsgrad=False" % where)
+    def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
+                            key: Any) -> Dict[str, Any]:
+        if not (isinstance(value, dict) and "max_exp_avg_sq" in value) \
+                or self._takes_torch_state(param, group, value):
+            return super()._import_param_state(param, value, group, key)
+        # An amsgrad state (amsgrad since turned off, or a torch checkpoint) into a group
+        # without amsgrad: kept as torch keeps it, in the param's dtype, and left alone by the
+        # step as torch's leaves it, until amsgrad is set again and torch's implementation
+        # continues from it.
+        value = dict(value)
+        m = value.pop("max_exp_avg_sq")
+        where = "%s.load_state_dict: the state of param %r" % (self._name(), key)
+        if not (isinstance(m, torch.Tensor) and m.is_floating_point()
+                and m.layout == torch.strided):
+            raise TypeError("%s: max_exp_avg_sq must be a dense floating-point tensor, got %s"
+                            % (where, type(m).__name__ if not isinstance(m, torch.Tensor)
+                               else "%s %s" % (m.layout, m.dtype)))
+        if m.shape != param.shape:
+            raise ValueError("%s: max_exp_avg_sq has shape %s but the param has shape %s"
+                             % (where, tuple(m.shape), tuple(param.shape)))
+        out = super()._import_param_state(param, value, group, key)
+        out["max_exp_avg_sq"] = m.detach().to(device=local(param).device, dtype=param.dtype,
+                                              copy=True)
+        return out
 
 
 def _torch_checks(lr: Any, betas: Any, foreach: Any, capturable: Any, fused: Any,

@@ -125,6 +125,28 @@ class SGD(FusedOptimizer):
         buf = state.get("momentum_buffer")
         return isinstance(buf, torch.Tensor) and buf.layout != torch.strided
 
+    def _check_torch_grad(self, p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any],
+                          where: str) -> None:
+        # What torch.optim.sgd.sgd cannot add: a sparse tensor and a dense one ("add(sparse,
+        # dense) is not supported"), raised there only once the params before are stepped.
+        sparse = g.layout != torch.strided
+        buf = (self.state.get(p) or {}).get("momentum_buffer") if group["momentum"] else None
+        buf_sparse = isinstance(buf, torch.Tensor) and buf.layout != torch.strided
+        if sparse and group["weight_decay"] != 0:
+            why = ("a sparse gradient with weight_decay=%r: torch's SGD adds the dense "
+                   "param to the gradient; pass weight_decay=0 for this param's group"
+                   % group["weight_decay"])
+        elif sparse and group["nesterov"] and buf is not None and not buf_sparse:
+            why = ("a sparse gradient with nesterov=True and a dense momentum buffer (kept "
+                   "from dense gradients): torch's SGD adds the buffer to the gradient")
+        elif not sparse and buf_sparse:
+            why = ("a dense gradient and a sparse momentum buffer (kept from sparse gradients): "
+                   "torch's SGD adds the gradient to the buffer")
+        else:
+            return
+        raise RuntimeError("%s has %s; torch.optim.SGD refuses it too (add(sparse, dense) is "
+                           "not supported). Nothing was stepped" % (where, why))
+
     def _torch_step(self, group: Dict[str, Any], params: List[torch.Tensor],
                     grads: List[torch.Tensor]) -> None:
         # torch.optim.SGD's _init_group and step, for these params
