@@ -1618,7 +1618,7 @@ def _sd_mutations():
         sd["param_groups"][0]["amsgrad"] = True
 
     def max_exp_avg_sq(sd):
-        sd["state"][0]["max_exp_avg_sq"] = torch.zeros_like(sd["state"][0]["exp_avg"])
+        sd["state"][0]["max_exp_avg_sq"] = torch.zeros(7)  # (amsgrad's state: loaded, checked)
 
     def bad_beta(sd):
         sd["param_groups"][1]["betas"] = (0.9, 1.0)
@@ -1637,8 +1637,8 @@ def _sd_mutations():
         (group_size, ValueError, r"doesn't match the size of optimizer's group"),
         (amsgrad, ValueError, r"params\[\d\] \(loaded param group 0\) is bfloat16 in a "
                               r"group that keeps FP32 masters"),
-        (max_exp_avg_sq, ValueError, r"max_exp_avg_sq, an amsgrad state, but its param group "
-                                     r"has amsgrad=False"),
+        (max_exp_avg_sq, ValueError, r"state of param 0: max_exp_avg_sq has shape \(7,\) but "
+                                     r"the param has shape"),
         (bad_beta, ValueError, r"Invalid beta parameter at index 1: 1.0"),
     ]
 

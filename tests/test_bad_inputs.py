@@ -1198,11 +1198,11 @@ for _name in OPTIMIZERS:
         TypeError, r"the state of param 1: exp_avg_sq must be a dense floating-point tensor"))(
         lambda n=_name: _opt_load(n, lambda sd: sd["state"][1].update(
             exp_avg_sq=torch.zeros(4, dtype=torch.int32))))
-    case(_name, "state-dict", "an amsgrad state in a group without amsgrad", raises(
-        ValueError, r"the state of param 1 has max_exp_avg_sq, an amsgrad state, but its param "
-        r"group has amsgrad=False"))(
+    case(_name, "state-dict", "a mis-shaped amsgrad state in a group without amsgrad", raises(
+        ValueError, r"the state of param 1: max_exp_avg_sq has shape \(5,\) but the param has "
+                    r"shape \(4,\)"))(
         lambda n=_name: _opt_load(n, lambda sd: sd["state"][1].update(
-            max_exp_avg_sq=torch.zeros(4))))
+            max_exp_avg_sq=torch.zeros(5))))
     case(_name, "state-dict", "a bad hyperparameter in a saved group", raises(
         ValueError, r"Invalid epsilon value: -1"))(
         lambda n=_name: _opt_load(n, lambda sd: sd["param_groups"][0].update(eps=-1.0)))
