@@ -9,6 +9,7 @@ import torch
 import mpext
 from mpext import activations as act
 from mpext.memory_estimate import activation_bytes
+from mpext.memory_measure import HeapMeter
 
 from . import common, gpt
 from .training import Trainer
@@ -219,33 +220,6 @@ def table(rows, errors, conv):
 # ---- the zoo: stock architectures from the real packages' classes, small configs, BF16 params,
 # train mode. Bytes held for the backward from glibc's heap (independent of mpext's counters).
 
-class Heap:
-    """Bytes in use by glibc's malloc (arena chunks in use + mmapped blocks), where torch's CPU
-    allocator gets its memory; torch's allocator on CUDA."""
-
-    def __init__(self, dev):
-        self.dev = torch.device(dev)
-        if self.dev.type == "cpu":
-            import ctypes
-
-            class MallInfo2(ctypes.Structure):
-                _fields_ = [(n, ctypes.c_size_t) for n in (
-                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                    "uordblks", "fordblks", "keepcost")]
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallinfo2.restype = MallInfo2
-            self._info = libc.mallinfo2
-
-    def __call__(self):
-        import gc
-        gc.collect()
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize(self.dev)
-            return torch.cuda.memory_allocated(self.dev)
-        i = self._info()
-        return i.uordblks + i.hblkhd
-
-
 class ResBlock(torch.nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -311,7 +285,7 @@ def zoo(policies=("layers", "size"), dev="cpu", names=None):
     """Per model: the heap bytes one forward leaves alive (BF16, uncompressed and per policy),
     and the per-parameter gradient error of each policy (relative L2 against the uncompressed
     BF16 run, first step) next to the same gradient's BF16-vs-FP32 error."""
-    heap, rows = Heap(dev), []
+    heap, rows = HeapMeter(dev), []
     for name, (build, batch, loss_fn) in zoo_models().items():
         if names and name not in names:
             continue

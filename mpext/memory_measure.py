@@ -2,7 +2,7 @@
 rows of the estimate (``mpext.memory_estimate``), to check one against the other."""
 from typing import Dict, Optional
 
-__all__ = ["measure"]
+__all__ = ["measure", "HeapMeter"]
 
 def _local(t):
     """A DTensor's local shard (what this device holds), or the tensor itself."""
@@ -117,3 +117,34 @@ def _tensors_in(obj, depth: int = 4):
     elif depth > 0 and isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_in(v, depth - 1)
+
+
+class HeapMeter:
+    """Bytes in use by the allocator now, independent of any mpext bookkeeping: glibc's heap
+    (mallinfo2: arena chunks in use + mmapped blocks, where torch's CPU allocator gets its
+    memory) on the CPU, torch's allocator (``memory_allocated``) on CUDA. Collects garbage
+    first, so that what it reads is what is still referenced."""
+
+    def __init__(self, device="cpu"):
+        import torch
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            import ctypes
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_size_t) for n in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                    "uordblks", "fordblks", "keepcost")]
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallinfo2.restype = MallInfo2
+            self._info = libc.mallinfo2
+
+    def __call__(self) -> int:
+        import gc
+        import torch
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        info = self._info()
+        return info.uordblks + info.hblkhd

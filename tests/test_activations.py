@@ -258,6 +258,7 @@ import warnings  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from mpext import activations as act  # noqa: E402
+from mpext.memory_measure import HeapMeter  # noqa: E402
 
 
 def mlp(seed=0, dtype=torch.float32):
@@ -512,34 +513,6 @@ def test_default_policy_saves_40_percent_of_a_bf16_gpts_saved_bytes(device, thre
     assert saved[True] <= 0.60 * saved[False], saved
 
 
-class _Heap:
-    """Bytes in use by the allocator, independent of mpext's bookkeeping: glibc's heap
-    (mallinfo2: arena chunks in use + mmapped blocks, where torch's CPU allocator gets its
-    memory) on the CPU, torch's allocator on CUDA."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        if self.device.type == "cpu":
-            import ctypes
-
-            class MallInfo2(ctypes.Structure):
-                _fields_ = [(n, ctypes.c_size_t) for n in (
-                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                    "uordblks", "fordblks", "keepcost")]
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallinfo2.restype = MallInfo2
-            self._info = libc.mallinfo2
-
-    def __call__(self) -> int:
-        import gc
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.memory_allocated(self.device)
-        info = self._info()
-        return info.uordblks + info.hblkhd
-
-
 class _ResBlock(torch.nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -561,7 +534,7 @@ def test_a_cnn_holds_fewer_bytes_and_stats_say_how_many(device):
     both copies alive, +13% here). The bytes the forward leaves alive, from the allocator,
     fall by what ``stats["net_bytes_freed"]`` says; every floating saved tensor ("size")
     roughly halves them."""
-    heap = _Heap(device)
+    heap = HeapMeter(device)
     torch.manual_seed(0)
     model = _cnn().to(device, torch.bfloat16)
     x = torch.randn(8, 3, 32, 32, device=device, dtype=torch.bfloat16)
