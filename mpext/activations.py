@@ -39,9 +39,11 @@ sees an overflow in the gradients they produce.
 
 A policy that matched nothing by the end of a forward pass warns once (it usually means the
 model computes its products in a way the policy does not see); one that matched float64 tensors
-says so instead, once per context (the ops take 32 and 16 bits). Tensors saved inside
-``torch.compile``'d code are not compressed (the compiled graph keeps them; these hooks do not
-trace): the context warns once when that happens, and adds no graph break. ``stats`` counts
+says so instead, once per context (the ops take 32 and 16 bits). Inside ``torch.compile``'d
+code the compiled graph's own intermediates are compressed by AOTAutograd's inlined saved-tensor
+hooks (``mpext.activations_compiled``: a torch whose AOTAutograd inlines GraphModule hooks,
+2.13 tested; not with ``stochastic=True``), with no graph break; where that is not available
+they pass unchanged and the context warns once. ``stats`` counts eager saves:
 what was seen and stored: ``bytes_before`` the storages the backward no longer holds,
 ``bytes_after`` their FP8 copies, ``net_bytes_freed`` the difference.
 """
@@ -56,6 +58,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import activations_compiled as _compiled
 from . import ops
 
 __all__ = ["fp8_saved_tensors", "FP8Activations", "LINEAR_FUNCTIONS", "ATTENTION_FUNCTIONS",
@@ -80,6 +83,7 @@ DROPOUT_FUNCTIONS = frozenset([F.dropout, torch.dropout, F.dropout1d, F.dropout2
                                F.dropout3d])
 del F
 POLICIES = ("layers", "linear", "size")
+_COMPILED = _compiled.supported()  # compiled graphs compress their saved tensors
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)  # what fp8_quantize takes
 _KIND = dict([(f, "linear") for f in LINEAR_FUNCTIONS] + [(f, "attention") for f in
              ATTENTION_FUNCTIONS] + [(f, "activation") for f in ACTIVATION_FUNCTIONS] +
@@ -439,7 +443,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         hold, ``t`` itself or an object with ``nbytes`` and ``restore()``."""
         if not self._stack:
             raise RuntimeError("mpext.activations: pack() needs the context to be active")
-        _, _, st, cache = self._stack[-1]
+        _, _, st, cache, _ = self._stack[-1]
         return self._pack(t, st, cache)
 
     unpack = _unpack
@@ -453,22 +457,35 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         self._offset = getattr(self, "_offset", 0)
         self.stats = {"saved": 0, "compressed": 0, "bytes_before": 0, "bytes_after": 0,
                       "net_bytes_freed": 0, "compiled": 0, "unsupported": collections.Counter()}
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self._pack, st=st, cache=cache), self._unpack)
+        eager_pack = functools.partial(self._pack, st=st, cache=cache)
+        if _COMPILED and not self.stochastic:
+            # GraphModule hooks, which AOTAutograd inlines into compiled graphs; on a real
+            # tensor they call eager_pack (a compiled stochastic rounding would repeat its
+            # random stream every step: those graphs keep the pass-through)
+            active = _compiled.active(eager_pack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(*_compiled.hooks(
+                self.block_size, self.fp8_dtype, self.pow2_scale, self.min_numel, self.policy,
+                self.min_bytes))
+        else:
+            active = contextlib.nullcontext()
+            hooks = torch.autograd.graph.saved_tensors_hooks(eager_pack, self._unpack)
         recorder = _Recorder(st)
+        active.__enter__()
         hooks.__enter__()
         try:
             recorder.__enter__()
         except BaseException:
             hooks.__exit__(None, None, None)
+            active.__exit__(None, None, None)
             raise
-        self._stack.append((hooks, recorder, st, cache))
+        self._stack.append((hooks, recorder, st, cache, active))
         return self
 
     def __exit__(self, *exc):
-        hooks, recorder, _, _ = self._stack.pop()
+        hooks, recorder, _, _, active = self._stack.pop()
         recorder.__exit__(*exc)
         hooks.__exit__(*exc)
+        active.__exit__(*exc)
         if exc[0] is None:
             self._warn()
         return False
@@ -479,9 +496,11 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             once.add("compiled")
             warnings.warn(
                 "mpext.activations: %d tensors were saved inside torch.compile'd code and are NOT "
-                "compressed (a compiled graph keeps its saved tensors itself; these hooks do not "
-                "trace). To compress them, run that part eagerly: leave it out of torch.compile "
-                "or wrap it in torch.compiler.disable." % s["compiled"], stacklevel=3)
+                "compressed (%s). To compress them, run that part eagerly: leave it out of "
+                "torch.compile or wrap it in torch.compiler.disable." % (
+                    s["compiled"], "stochastic rounding is eager only" if _COMPILED else
+                    "torch %s does not inline saved-tensor hooks into compiled graphs "
+                    "(saved_tensors_hooks_are_inlineable; 2.13 does)" % torch.__version__), stacklevel=3)
         if not self.warn_unmatched:
             return
         if s["unsupported"]:

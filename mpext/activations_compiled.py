@@ -1,0 +1,162 @@
+"""FP8 saved activations inside ``torch.compile``'d code, through AOTAutograd's inlined
+saved-tensor hooks: when the innermost saved-tensor hooks are ``fx.GraphModule``s
+(``torch._functorch._aot_autograd.utils.saved_tensors_hooks_are_inlineable``, torch 2.8 and
+later), AOTAutograd traces pack into the compiled forward's epilogue and unpack into the
+compiled backward's prologue, and turns the hooks off around the compiled function at run time.
+
+``fp8_saved_tensors`` installs such a pair. Each is a GraphModule of one call to a
+``torch.fx.wrap``'d function, which AOTAutograd calls on every saved tensor's fake value and
+traces: the choice of tensor and its layout are plain Python at compile time, and only
+``mpext::fp8_quantize`` / ``fp8_dequantize`` reach the graph. Called by eager autograd (outside
+AOTAutograd's hook context) the same functions hand the tensor to the innermost active context's
+eager pack, so one pair of hooks serves eager and compiled code.
+
+AOTAutograd offers the hooks the graph's intermediates only (``saved_tensors_hooks_filtering_mode
+= "donated"``, its default): never a parameter, an input or an output of the graph, which stay
+alive anyway. The tensors the compiled backward saves are the partitioner's choice, so they may
+differ from the eager ones; a tensor saved in both is compressed to the same bits.
+"""
+import operator
+import threading
+
+import torch
+
+from . import ops
+
+__all__ = ["supported", "hooks", "active"]
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_TAG = "mpext_fp8"
+
+
+def supported() -> bool:
+    """Whether this torch inlines GraphModule saved-tensor hooks into compiled graphs."""
+    try:
+        from torch._functorch._aot_autograd import graph_compile
+        from torch._functorch._aot_autograd import utils as aot_utils
+    except ImportError:
+        return False
+    return (hasattr(aot_utils, "saved_tensors_hooks_are_inlineable")
+            and hasattr(graph_compile, "_get_saved_tensor_hook_context"))
+
+
+def _compiling() -> bool:
+    """Whether AOTAutograd is inlining the hooks now (it calls them on fake values under this
+    context); otherwise eager autograd is calling them on a real tensor."""
+    from torch._functorch._aot_autograd import graph_compile
+    return graph_compile._get_saved_tensor_hook_context() is not None
+
+
+# The eager pack of each active context, innermost last, per thread (hooks are thread-local).
+_TLS = threading.local()
+
+
+class active:
+    """Makes ``eager_pack`` what the hooks call on real tensors while the block runs."""
+
+    def __init__(self, eager_pack):
+        self.eager_pack = eager_pack
+
+    def __enter__(self):
+        if not hasattr(_TLS, "stack"):
+            _TLS.stack = []
+        _TLS.stack.append(self.eager_pack)
+        return self
+
+    def __exit__(self, *exc):
+        _TLS.stack.pop()
+        return False
+
+
+def _worth_it(x: torch.Tensor, s) -> bool:
+    """The eager context's tests that a fake value can answer: a float32/bfloat16/float16
+    tensor of at least ``min_numel`` elements whose blocks pay for their scales, no two of its
+    elements at one address, and what the policy asks ("size": ``min_bytes``; a callable:
+    its answer for the fake value, which has shape, dtype and strides but no values)."""
+    block, _, _, min_numel, policy, min_bytes = s
+    if x.dtype not in _SUPPORTED or x.layout != torch.strided or x.dim() == 0:
+        return False
+    n = x.numel()
+    if not isinstance(n, int) or n < min_numel:
+        return False  # a symbolic size is left alone: its blocks could not be checked
+    if 1 + 4.0 / max(1, min(block, x.shape[-1])) > 0.75 * x.element_size():
+        return False
+    span = 0
+    for st, d in sorted((st, d) for st, d in zip(x.stride(), x.shape) if d > 1):
+        if st <= span:
+            return False  # an expanded (overlapping) view
+        span += (d - 1) * st
+    if policy == "size":
+        return n * x.element_size() >= min_bytes
+    if callable(policy):
+        return bool(policy(x))
+    return True  # "layers", "linear": the graph's intermediates are the layers' activations
+
+
+def _statistic() -> bool:
+    """Whether the tensor being saved is a later output of a multi-output op: attention's
+    log-sum-exp, a norm's mean and reciprocal deviation. They stay exact, as eagerly (an
+    exponent's FP8 error is multiplied, not added); the first output is the activation."""
+    from torch._functorch._aot_autograd import graph_compile
+    node = (graph_compile._get_saved_tensor_hook_context() or {}).get("_node")
+    return (node is not None and node.op == "call_function" and node.target is operator.getitem
+            and node.args[1] != 0)
+
+
+# The settings of each hook pair, by the index its graph carries (a graph's arguments must be
+# printable constants; a policy callable is not).
+_SETTINGS = []
+_HOOKS = {}
+
+
+@torch.fx.wrap
+def _pack(x, idx):
+    if not _compiling():
+        stack = getattr(_TLS, "stack", None)
+        return stack[-1](x) if stack else x
+    s = _SETTINGS[idx]
+    if _statistic() or not _worth_it(x, s):
+        return x
+    block, fp8_dtype, pow2 = s[:3]
+    q, scales = ops.fp8_quantize(x.contiguous(), block_size=block, fp8_dtype=fp8_dtype,
+                                 pow2_scale=pow2)
+    # the layout is a constant of the graph: the backward was compiled for exactly it
+    return (_TAG, q, scales, x.dtype, tuple(x.shape), tuple(x.stride()), x.is_contiguous(),
+            block)
+
+
+@torch.fx.wrap
+def _unpack(p):
+    if isinstance(p, torch.Tensor):
+        return p
+    if not (isinstance(p, tuple) and p and p[0] == _TAG):
+        return p.restore()  # what the eager pack made
+    _, q, scales, dtype, shape, stride, contiguous, block = p
+    out = ops.fp8_dequantize(q, scales, block_size=block, dtype=dtype)
+    if tuple(out.stride()) == stride:
+        return out
+    if contiguous:  # the same addressing; only the strides of size-1 dims differ
+        return out.as_strided(shape, stride)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=out.device).copy_(out)
+
+
+def hooks(block_size: int, fp8_dtype: torch.dtype, pow2_scale: bool, min_numel: int,
+          policy, min_bytes: int):
+    """The (pack, unpack) GraphModules for these settings, one pair per settings for the
+    process: dynamo guards on the hooks' identities, so a new pair per ``with`` would
+    recompile every step."""
+    key = (block_size, fp8_dtype, pow2_scale, min_numel, policy,
+           min_bytes if policy == "size" else None)
+    pair = _HOOKS.get(key)
+    if pair is None:
+        idx = len(_SETTINGS)
+        _SETTINGS.append(key)
+
+        def pack(x):
+            return _pack(x, idx)
+
+        def unpack(p):
+            return _unpack(p)
+
+        pair = _HOOKS[key] = (torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack))
+    return pair
