@@ -755,21 +755,22 @@ def _mpext_warnings(fn):
     return out, [str(x.message) for x in w if str(x.message).startswith("mpext")]
 
 
-def test_torch_compile_runs_uncompressed_and_says_so_once(device):
-    """A compiled graph's saved tensors are traced with it and stay uncompressed (documented);
+def test_torch_compile_with_stochastic_rounding_runs_uncompressed_and_says_so_once(device):
+    """With stochastic rounding a compiled graph's saved tensors stay uncompressed (its seed
+    and offset would be constants of the graph; documented);
     the context warns once, whether it is around the compiled module or inside compiled code,
     and an eager run gives no such warning."""
     m = _mlp_on(device)
     ref = grads(m, X.to(device))
     cm = torch.compile(m, backend="aot_eager")
-    ctx = act.fp8_saved_tensors()
+    ctx = act.fp8_saved_tensors(stochastic=True)
     (got, again), said = _mpext_warnings(lambda: (grads(m, X.to(device), ctx, fwd=cm),
                                                   grads(m, X.to(device), ctx, fwd=cm)))
     assert len(said) == 1 and "torch.compile" in said[0] and "NOT compressed" in said[0]
     assert "torch.compiler.disable" in said[0]  # what to do
     assert ctx.stats["compressed"] == 0 and ctx.stats["compiled"] > 0
     assert max(rel_errors(ref, got) + rel_errors(ref, again)) < 1e-6
-    inner = act.fp8_saved_tensors()
+    inner = act.fp8_saved_tensors(stochastic=True)
 
     @torch.compile(backend="aot_eager")
     def fwd(x):
@@ -778,7 +779,7 @@ def test_torch_compile_runs_uncompressed_and_says_so_once(device):
     _, said = _mpext_warnings(lambda: (grads(m, X.to(device), fwd=fwd),
                                        grads(m, X.to(device), fwd=fwd)))
     assert len(said) == 1 and "NOT compressed" in said[0], said
-    eager = act.fp8_saved_tensors()
+    eager = act.fp8_saved_tensors(stochastic=True)
     _, said = _mpext_warnings(lambda: grads(m, X.to(device), eager))
     assert said == [] and eager.stats["compressed"] == 2
 
@@ -835,8 +836,12 @@ def test_compiled_hf_llama_inside_a_size_context_trains_as_compiled_alone(device
         loss.backward()
         out.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
     torch._dynamo.reset()
-    assert ctx.stats["compiled"] > 0 and ctx.stats["compressed"] == 0
-    assert all(torch.equal(a, b) for a, b in zip(*out))
+    # compressed inside the compiled graph (no pass-through), the forward untouched, the
+    # backward ran on the saved strides, the gradients FP8's rounding away (measured 0.8-4.3%)
+    assert ctx.stats["compiled"] == 0 and torch.equal(out[0][0], out[1][0])
+    errs = [((a - b).norm() / a.norm()).item() for a, b in zip(out[0][1:], out[1][1:])
+            if a.norm() > 0]
+    assert 1e-3 < max(errs) < 0.1, errs
 
 
 def test_float64_model_gets_a_dtype_warning_once(device):
