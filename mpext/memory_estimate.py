@@ -974,7 +974,8 @@ def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress,
         layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
         return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
                 "scale per block of the last dimension c, c = the block where rows are shorter; "
-                "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; %s attention, %s)" % (
+                "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; "
+                "%s attention, %s)" % (
                     _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],
                     opts["policy"], act_bytes, f, m, attention, device))
     math = attention == "sdpa" and dropout and device == "cpu"
