@@ -326,6 +326,31 @@ def zoo(policies=("all", "layers"), dev="cpu", names=None, small=False):
     return rows
 
 
+def zoo_where(name, policy="all", dev="cpu", top=8):
+    """Where one zoo model's saved bytes go under ``policy``: per (FP8 or raw, producer, dtype,
+    shape), the bytes the backward holds (each storage or FP8 copy once, parameters and the
+    batch left out), largest first."""
+    build, batch, loss_fn = zoo_models()[name]
+    torch.manual_seed(0)
+    model = build().to(dev, torch.bfloat16).train()
+    xb = tuple(t.to(dev) for t in batch(torch.bfloat16))
+    ctx = act.fp8_saved_tensors(policy, params=model, warn_unmatched=False)
+    meter, by = Saved(model, ctx, xb), collections.Counter()
+
+    def pack(t):
+        before = meter.bytes
+        stored = meter.pack(t)
+        if meter.bytes > before:
+            by["fp8" if not isinstance(stored, torch.Tensor) else "raw", t.grad_fn.name() if
+               t.grad_fn else "no grad_fn", str(t.dtype).replace("torch.", ""),
+               "x".join(map(str, t.shape))] += meter.bytes - before
+        return stored
+    torch.manual_seed(1)
+    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, meter.unpack):
+        loss_fn(model, xb)
+    return by.most_common(top), meter.bytes
+
+
 def zoo_table(rows):
     MiB = common.MiB
     return common.markdown_table(
@@ -355,7 +380,15 @@ def run(ctx) -> dict:
     b.phase("converge")
     b.roof, ops = kernels(ctx.quick, ctx.device)
     zoo_rows = zoo(dev=ctx.device) if a.zoo else []
-    md = ([zoo_table(zoo_rows), ""] if zoo_rows else []) + [
+    where = []
+    for r in zoo_rows:  # tensor by tensor, for the models the default leaves under 50%
+        if r["policy"] == "all" and r["saved"] < 0.5:
+            top, total = zoo_where(r["model"], dev=ctx.device)
+            where += ["", "Where %s's %.2f MiB go under the default policy (largest):" % (
+                r["model"], total / common.MiB), "", common.markdown_table(
+                ["stored", "saved by", "dtype", "shape", "KiB"],
+                [list(k) + ["%.0f" % (v / 1024)] for k, v in top])]
+    md = ([zoo_table(zoo_rows)] + where + [""] if zoo_rows else []) + [
         table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
         "samples:" % torch.get_num_threads(), "",
         common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]
