@@ -249,44 +249,45 @@ class ViT(torch.nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
-def zoo_models(quick=True):
-    """name -> (build(), batch(dtype), loss(model, batch))."""
+def zoo_models(small=False):
+    """name -> (build(), batch(dtype), loss(model, batch)); ``small``: half the widths and
+    sequences (the tests' sizes)."""
     import transformers
     g = torch.Generator().manual_seed(0)
-    seq, b, vocab = 128, 4, 512
+    seq, b, vocab, w = (64, 2, 256, 128) if small else (128, 4, 512, 256)
     ids = torch.randint(0, vocab, (b, seq), generator=g)
     lm = (lambda dt: (ids,)), (lambda m, x: m(x[0], labels=x[0]).loss)
     out = {}
     for attn in ("eager", "sdpa"):  # the hub's defaults (gelu_new, dropout 0.1), small sizes
         out["hf-gpt2-" + attn] = (lambda attn=attn: transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=vocab,
+            transformers.GPT2Config(n_layer=2, n_embd=w, n_head=4, vocab_size=vocab,
                                     n_positions=seq, attn_implementation=attn)),) + lm
     out["hf-llama"] = (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=w, intermediate_size=w * 43 // 16, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq,
         attn_implementation="sdpa")),) + lm
-    img = torch.randn(8, 3, 64, 64, generator=g)
+    img = torch.randn(8, 3, w // 4, w // 4, generator=g)
     cls = torch.randint(0, 10, (8,), generator=g)
     ce = lambda m, x: torch.nn.functional.cross_entropy(m(x[0]).float(), x[1])  # noqa: E731
-    out["vit"] = (ViT, lambda dt: (img.to(dt), cls), ce)
+    out["vit"] = (lambda: ViT(width=w, image=w // 4), lambda dt: (img.to(dt), cls), ce)
     out["cnn"] = (lambda: torch.nn.Sequential(
         torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
         *(ResBlock(32) for _ in range(3)), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         torch.nn.Linear(32, 10)),
-        lambda dt: (torch.randn(8, 3, 32, 32, generator=g).to(dt), cls), ce)
+        lambda dt: (torch.randn(8, 3, w // 8, w // 8, generator=g).to(dt), cls), ce)
     ids2, vocab2 = gpt.load_corpus()
-    cfg = gpt.GPTConfig(vocab_size=len(vocab2), block_size=128, n_layer=2, n_head=4, n_embd=256)
-    xy = gpt.get_batch(ids2, 4, 128, torch.Generator().manual_seed(0))
+    cfg = gpt.GPTConfig(vocab_size=len(vocab2), block_size=seq, n_layer=2, n_head=4, n_embd=w)
+    xy = gpt.get_batch(ids2, b, seq, torch.Generator().manual_seed(0))
     out["gpt"] = (lambda: gpt.GPT(cfg), lambda dt: xy, lambda m, x: m(*x)[1])
     return out
 
 
-def zoo(policies=("layers", "size"), dev="cpu", names=None):
+def zoo(policies=("all", "layers"), dev="cpu", names=None, small=False):
     """Per model: the heap bytes one forward leaves alive (BF16, uncompressed and per policy),
     and the per-parameter gradient error of each policy (relative L2 against the uncompressed
     BF16 run, first step) next to the same gradient's BF16-vs-FP32 error."""
     heap, rows = HeapMeter(dev), []
-    for name, (build, batch, loss_fn) in zoo_models().items():
+    for name, (build, batch, loss_fn) in zoo_models(small).items():
         if names and name not in names:
             continue
         grads, held = {}, {}
@@ -325,6 +326,31 @@ def zoo(policies=("layers", "size"), dev="cpu", names=None):
     return rows
 
 
+def zoo_where(name, policy="all", dev="cpu", top=8):
+    """Where one zoo model's saved bytes go under ``policy``: per (FP8 or raw, producer, dtype,
+    shape), the bytes the backward holds (each storage or FP8 copy once, parameters and the
+    batch left out), largest first."""
+    build, batch, loss_fn = zoo_models()[name]
+    torch.manual_seed(0)
+    model = build().to(dev, torch.bfloat16).train()
+    xb = tuple(t.to(dev) for t in batch(torch.bfloat16))
+    ctx = act.fp8_saved_tensors(policy, params=model, warn_unmatched=False)
+    meter, by = Saved(model, ctx, xb), collections.Counter()
+
+    def pack(t):
+        before = meter.bytes
+        stored = meter.pack(t)
+        if meter.bytes > before:
+            by["fp8" if not isinstance(stored, torch.Tensor) else "raw", t.grad_fn.name() if
+               t.grad_fn else "no grad_fn", str(t.dtype).replace("torch.", ""),
+               "x".join(map(str, t.shape))] += meter.bytes - before
+        return stored
+    torch.manual_seed(1)
+    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, meter.unpack):
+        loss_fn(model, xb)
+    return by.most_common(top), meter.bytes
+
+
 def zoo_table(rows):
     MiB = common.MiB
     return common.markdown_table(
@@ -354,7 +380,15 @@ def run(ctx) -> dict:
     b.phase("converge")
     b.roof, ops = kernels(ctx.quick, ctx.device)
     zoo_rows = zoo(dev=ctx.device) if a.zoo else []
-    md = ([zoo_table(zoo_rows), ""] if zoo_rows else []) + [
+    where = []
+    for r in zoo_rows:  # tensor by tensor, for the models the default leaves under 50%
+        if r["policy"] == "all" and r["saved"] < 0.5:
+            top, total = zoo_where(r["model"], dev=ctx.device)
+            where += ["", "Where %s's %.2f MiB go under the default policy (largest):" % (
+                r["model"], total / common.MiB), "", common.markdown_table(
+                ["stored", "saved by", "dtype", "shape", "KiB"],
+                [list(k) + ["%.0f" % (v / 1024)] for k, v in top])]
+    md = ([zoo_table(zoo_rows)] + where + [""] if zoo_rows else []) + [
         table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
         "samples:" % torch.get_num_threads(), "",
         common.markdown_table(["op", "ns / element", "GB/s", "of in-place"], ops)]

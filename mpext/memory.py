@@ -190,11 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--device", choices=DEVICES, default="cuda",
                      help="where it trains: on the CPU dropout masks take the input's dtype "
                           "and SDPA with dropout saves what eager does (default cuda)")
-    act.add_argument("--compress-activations", nargs="?", const="layers", choices=POLICIES,
+    act.add_argument("--compress-activations", nargs="?", const="all", choices=POLICIES,
                      metavar="POLICY",
                      help="the saved activations mpext.activations stores in FP8 (1 byte per "
-                          "element + a float32 scale per block): POLICY layers (default), "
-                          "linear or size")
+                          "element + a float32 scale per block): POLICY all (default), "
+                          "layers, linear or size")
     act.add_argument("--compress-block-size", type=_count_arg(), metavar="N",
                      help="elements per scale along the last dimension (default %d)"
                           % _COMPRESS_DEFAULTS["block_size"])

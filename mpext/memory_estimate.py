@@ -529,7 +529,8 @@ DEVICES = ("cuda", "cpu")
 # One kind of tensor autograd saves in a forward (docs/memory.md, "Activations"): ``count``
 # tensors of ``coef`` * ``unit`` elements each, ``size`` bytes per element, last dimension
 # ``cols`` as saved (the symbols are evaluated by _shape_env); ``kind``: the functions whose
-# saved tensors mpext.activations' "layers" policy compresses ("linear": a matrix product's
+# saved tensors mpext.activations' "layers" policy compresses (its default, "all", takes every
+# kind; "linear": a matrix product's
 # activation input, "attention": F.scaled_dot_product_attention's, "activation", "norm": a
 # normalization's input; None: another function's); ``grad``: it has a grad_fn (masks,
 # statistics and the log-sum-exp have none, and no policy compresses them); ``store``: the
@@ -690,7 +691,8 @@ def activation_compression(compress) -> Optional[Dict[str, object]]:
     """``compress`` of :func:`activation_bytes` as the options of
     ``mpext.activations.fp8_saved_tensors`` it stands for (their defaults filled in), or None
     for no compression. ``compress`` is None or False (none), True (the module's defaults:
-    policy "layers", blocks of 128), a policy name (``"layers"``, ``"linear"``, ``"size"``) or
+    policy "all", blocks of 128), a policy name (``"all"``, ``"layers"``, ``"linear"``,
+    ``"size"``) or
     a dict of ``fp8_saved_tensors``' keyword arguments (``policy``, ``block_size``,
     ``min_bytes``, ``min_numel``; ``fp8_dtype``, ``pow2_scale``, ``stochastic``, ``seed``,
     ``params`` and ``warn_unmatched`` are accepted and change no byte)."""
@@ -737,12 +739,15 @@ def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
     grad_fn or is a floating dropout mask (statistics and indices are kept), it is
     float32/16-bit, of at least ``min_numel`` elements, and its blocks make it smaller (the
     module's own tests)."""
-    numel, size, cols = t.coef * env[t.unit], env[t.size], env[t.cols]
+    numel, size = t.coef * env[t.unit], env[t.size]
+    cols = _act.block_cols(numel, env[t.cols], opts["block_size"]) if opts else env[t.cols]
     if opts is None or not (t.grad or t.kind == "dropout") or size not in (2, 4) \
             or numel < opts["min_numel"]:
         return False
     if 1 + 4.0 / max(1, min(opts["block_size"], cols)) > 0.75 * size:
         return False
+    if opts["policy"] == "all":
+        return True
     if opts["policy"] == "layers":
         return t.kind is not None
     if opts["policy"] == "linear":
@@ -761,7 +766,8 @@ def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
         if t.store not in raw and _compressed(t, env, opts):
             if t.name == "probabilities as P@V saves them":
                 continue  # the same elements as the softmax output's FP8 copy
-            total += t.count * _fp8_bytes(numel, env[t.cols], opts["block_size"])
+            total += t.count * _fp8_bytes(numel, _act.block_cols(
+                numel, env[t.cols], opts["block_size"]), opts["block_size"])
         elif t.store not in stores:
             stores.add(t.store)
             raw.add(t.store)
@@ -803,7 +809,9 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     :func:`activation_compression`). Each tensor its policy compresses holds one byte per
     element plus a float32 scale per block of ``block_size`` elements along its last dimension
     as saved (``h``, ``h/a`` for attention's q, k, v and output, ``4h`` in the MLP, ``s`` for
-    k^T and the probabilities, ``v`` for the log-softmax), and is counted once per tensor
+    k^T and the probabilities, ``v`` for the log-softmax; where that is shorter than a block
+    and the elements fill whole blocks, per block of consecutive elements, as the module
+    quantizes them), and is counted once per tensor
     saved: attention's output and the out-projection's input (one storage, two tensors) become
     two. The rest is counted as without compression: what no policy compresses (masks, indices,
     norm statistics, the log-sum-exp: no grad_fn), tensors under ``min_numel`` elements and
@@ -900,7 +908,9 @@ def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
     plain, fp8, stores = {}, {}, set()
     for t in tensors:
         if _compressed(t, env, opts):
-            key = (t.unit, t.cols)
+            numel = t.coef * env[t.unit]  # short rows quantized as rows of one block
+            key = (t.unit, t.cols if _act.block_cols(numel, env[t.cols], opts["block_size"]) ==
+                   env[t.cols] else str(opts["block_size"]))
             fp8[key] = fp8.get(key, 0) + t.count * t.coef
         elif t.store not in stores:
             stores.add(t.store)
@@ -963,8 +973,9 @@ def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress,
                          (f if cpu else 1) if dropout else 0)
         layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
         return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
-                "scale per block of the last dimension c; mpext.activations policy %r), d=%d, "
-                "f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; %s attention, %s)" % (
+                "scale per block of the last dimension c, c = the block where rows are shorter; "
+                "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; "
+                "%s attention, %s)" % (
                     _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],
                     opts["policy"], act_bytes, f, m, attention, device))
     math = attention == "sdpa" and dropout and device == "cpu"
@@ -1073,7 +1084,7 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         device: 'cuda' (default) or 'cpu', where dropout keeps its masks in the input's dtype
             and SDPA with dropout saves what eager attention does (``activation_bytes``).
         compress: the saved activations stored in FP8 by ``mpext.activations`` (None: none;
-            True: its default policy "layers"; a policy name; or a dict of
+            True: its default policy "all"; a policy name; or a dict of
             ``fp8_saved_tensors``' options: ``activation_bytes``, ``activation_compression``).
         ema: add an FP32 EMA of the weights (mpext modes: ``ema_decay`` of
             ``mpext.optim.Adam``/``AdamW``, so adam or adamw only; native modes: an FP32

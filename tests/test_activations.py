@@ -313,7 +313,7 @@ def test_linear_policy_leaves_activation_function_inputs(device):
     assert ctx.stats["compressed"] >= 3  # q, k, v (and whatever else attention keeps)
     ln = torch.nn.LayerNorm(256).to(device)
     ref = grads(ln, h * 1)
-    with act.fp8_saved_tensors() as ctx:
+    with act.fp8_saved_tensors("layers") as ctx:  # "all" would take the loss's input too
         got = grads(ln, h * 1)
     assert ctx.stats["compressed"] == 1  # the input; the mean and 1/std stay exact
     assert 0 < max(rel_errors(ref, got)) < 0.05
@@ -370,6 +370,14 @@ def test_a_tensor_modified_in_place_between_saves_is_packed_anew(device):
     assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), 0) > 0.99
 
 
+def _rows(t, block=128):
+    """``t``'s row-major copy in the rows the module quantizes: its last dimension, or rows of
+    one block where that is shorter and the elements fill whole blocks."""
+    c = t.detach().contiguous()
+    cols = act.block_cols(c.numel(), c.shape[-1], block)
+    return c if cols == c.shape[-1] else c.view(-1, cols)
+
+
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(device, stochastic):
     """The module copies a non-contiguous saved tensor (attention's transposed q, k, v) before
@@ -383,11 +391,11 @@ def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(device, sto
         ctx = act.fp8_saved_tensors("size", min_bytes=1, **kw)
         with ctx:
             packed = ctx.pack(t)
-        q, s = ops.fp8_quantize(t.detach().contiguous(), offset=0, **kw)
+        q, s = ops.fp8_quantize(_rows(t), offset=0, **kw)
         assert torch.equal(u8(packed.q), u8(q)) and torch.equal(packed.scales, s)
         back = ctx.unpack(packed)
         assert back.shape == t.shape
-        assert torch.equal(back, ops.fp8_dequantize(q, s))
+        assert torch.equal(back, ops.fp8_dequantize(q, s).view(t.shape))
     # through autograd: mm saves its transposed first argument as it is
     w = torch.randn(96, 64).to(device).requires_grad_()
     contiguous = []
@@ -397,8 +405,8 @@ def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(device, sto
     assert ctx.stats["compressed"] == 1 and contiguous == [False]
     got = w.grad.clone()
     w.grad = None
-    q, s = ops.fp8_quantize(h[0].detach().t().contiguous(), offset=0, **kw)
-    (ops.fp8_dequantize(q, s) @ w).sum().backward()
+    q, s = ops.fp8_quantize(_rows(h[0].t()), offset=0, **kw)
+    (ops.fp8_dequantize(q, s).view(320, 96) @ w).sum().backward()
     assert torch.equal(got, w.grad)
 
 
@@ -414,8 +422,9 @@ class _Layouts:
         obj = self.ctx.pack(t)
         want = None
         if not isinstance(obj, torch.Tensor):
-            q, s = ops.fp8_quantize(t.detach().contiguous(), block_size=self.ctx.block_size)
-            want = ops.fp8_dequantize(q, s, dtype=t.dtype)
+            q, s = ops.fp8_quantize(_rows(t, self.ctx.block_size),
+                                    block_size=self.ctx.block_size)
+            want = ops.fp8_dequantize(q, s, dtype=t.dtype).view(t.shape)
         return t.shape, t.stride(), t.dtype, want, obj
 
     def unpack(self, packed):
@@ -567,14 +576,15 @@ def test_a_storage_one_saver_holds_raw_is_never_compressed_for_another(device):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=gen).to(device).requires_grad_()
     w = torch.randn(256, 256, generator=gen).to(device).requires_grad_()
-    with act.fp8_saved_tensors(warn_unmatched=False) as ctx:
+    # "layers": a policy that leaves sin's input out ("all" takes every saver's tensor)
+    with act.fp8_saved_tensors("layers", warn_unmatched=False) as ctx:
         h = x * 1
         loss = (h.sin() + h @ w).sum()
     assert ctx.stats["compressed"] == 0
     loss.backward()
     ref = x.grad.clone()
     x.grad = None
-    with act.fp8_saved_tensors() as ctx:
+    with act.fp8_saved_tensors("layers") as ctx:
         h = x * 1
         # then sin saves h itself, h in another shape, and a slice of it: none in a policy
         # list, all compressed (raw, each would keep h's storage alive beside its FP8 copy)
@@ -690,7 +700,8 @@ def test_bf16_model_and_shared_input_compressed_once(device):
     x = X.to(device).bfloat16().requires_grad_() * 1.0
     with act.fp8_saved_tensors() as ctx:
         (q(x) * k(x) + v(x)).float().sum().backward()
-    assert ctx.stats["compressed"] == 1  # x, saved by three linears
+    # x once (saved by three linears), and q(x) and k(x), which their product saves
+    assert ctx.stats["compressed"] == 3
     assert ctx.stats["bytes_after"] < 0.55 * ctx.stats["bytes_before"]
 
 
@@ -726,7 +737,8 @@ def test_checkpoint_inside_the_context(device, reentrant):
     ref = grads(model, x, fwd=fwd)
     ctx = act.fp8_saved_tensors()
     got = grads(model, x, ctx, fwd=fwd)
-    assert ctx.stats["compressed"] == 1  # the head's input; m's tensors are recomputed
+    # the head's input and its output (sin's input); m's tensors are recomputed
+    assert ctx.stats["compressed"] == 2
     errs = rel_errors(ref, got)
     assert max(errs) < 0.05 and errs[-2] > 0
 
@@ -893,7 +905,7 @@ def test_bad_arguments_and_policies_that_match_nothing():
         act.fp8_saved_tensors(block_size=0)
     x = torch.randn(64, 256, requires_grad=True)
     with pytest.warns(UserWarning, match="compressed none"):
-        with act.fp8_saved_tensors():
+        with act.fp8_saved_tensors("layers"):
             y = (x.sin() * 2).exp()  # no linear layer
     y.sum().backward()
     with warnings.catch_warnings():
@@ -1034,7 +1046,7 @@ def test_gradient_release_same_params_as_a_normal_step(device, dtype):
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            assert ctx.stats["compressed"] == 2
+            assert ctx.stats["compressed"] == 3  # GELU's input, output, the loss's input
         if release:
             assert handle.backward_passes == 4 and handle.buckets_stepped > 4
             assert all(p.grad is None for p in m.parameters())
@@ -1069,3 +1081,32 @@ def test_a_params_address_counts_only_while_the_param_holds_it():
         w.untyped_storage().resize_(0)
         st = ctx._stack[-1][2]
         assert not act._is_param_like(h, st.param_ptrs)
+
+
+# ---- the zoo (benchmarks/bench_activations.py --zoo, at half its widths and sequences): the
+# bytes one BF16 forward leaves alive for the backward, from the allocator (HeapMeter, not
+# mpext's counters), uncompressed and under the default policy. The floors are the figures
+# reached (docs/activations.md) less 1.5 points of allocator noise; every FP8 value costs 1 B
+# + 4 B per block of 128, so a model whose saved tensors are all BF16 tops out at 48.4%, and
+# only FP32 saved tensors (RMSNorm's copy, the CPU's attention math) lift one above 50%.
+_ZOO_FLOOR = {"hf-gpt2-eager": 0.455, "hf-gpt2-sdpa": 0.495, "hf-llama": 0.475, "vit": 0.48,
+              "cnn": 0.455, "gpt": 0.405}
+
+
+@pytest.fixture(scope="module")
+def zoo_rows():
+    pytest.importorskip("transformers")
+    from benchmarks import bench_activations
+    torch.set_num_threads(1)
+    return {r["model"]: r for r in bench_activations.zoo(("all",), small=True)}
+
+
+@pytest.mark.parametrize("name", list(_ZOO_FLOOR))
+def test_zoo_default_policy_halves_what_the_forward_leaves_alive(zoo_rows, name):
+    r = zoo_rows[name]
+    assert r["policy"] == "all" and r["bf16"] > 1 << 20
+    assert r["saved"] >= _ZOO_FLOOR[name], (name, r["saved"], r["bf16"], r["held"])
+    # the gradients are those of the FP8-rounded saved tensors: each parameter's error against
+    # the uncompressed BF16 run is a few E4M3 roundings (2^-4 relative), not a wrong tensor
+    for p, err in r["errors"].items():
+        assert err <= max(8 * r["ref"][p], 0.1), (p, err, r["ref"][p])

@@ -382,14 +382,16 @@ def test_compression_options_are_fp8_saved_tensors():
                  seed=3, warn_unmatched=False)
     assert memory.activation_bytes(*shape, compress=lossy) == \
         memory.activation_bytes(*shape, compress="size")
-    # every policy saves bytes here, "layers" more than "linear"; blocks of 1 cost 5 B a value
-    off, layers, linear = (memory.activation_bytes(*shape, compress=c)
-                           for c in (None, True, "linear"))
-    assert layers < linear < off
-    assert memory.activation_bytes(*shape, compress=dict(block_size=2)) > layers
+    # every policy saves bytes here, the default ("all") more than "layers", "layers" more
+    # than "linear"; blocks of 1 cost 5 B a value
+    off, every, layers, linear = (memory.activation_bytes(*shape, vocab=1000, compress=c)
+                                  for c in (None, True, "layers", "linear"))
+    assert every < layers < linear < off
+    assert memory.activation_compression(True)["policy"] == "all"
+    assert memory.activation_bytes(*shape, vocab=1000, compress=dict(block_size=2)) > every
     for bad, exc, match in [
             (dict(policy=lambda t: True), ValueError, "a callable policy decides per tensor"),
-            ("all", ValueError, "policy must be one of layers, linear, size"),
+            ("every", ValueError, "policy must be one of all, layers, linear, size"),
             (dict(block=64), ValueError, "unknown option.s. block"),
             (dict(block_size=0), ValueError, "compress: block_size: must be >= 1"),
             (dict(min_bytes=-1), ValueError, "compress: min_bytes: must be >= 0"),
@@ -405,9 +407,10 @@ def test_compression_options_are_fp8_saved_tensors():
         memory.activation_formula(2, compress=True)
     # the formula's text: what stays, and fp8(n, c) of what the policy compresses
     text = estimate(10 ** 6, batch=2, seq=64, hidden=96, layers=3, heads=4,
-                    compress=True).activation_formula
-    assert text.startswith("layers*(8*s*b + 4*a*s*b + 2*s*b*h + fp8(5*s*b*h, h) + "
-                           "fp8(4*s*b*h, h/a) + fp8(8*s*b*h, 4*h)) + ") and \
+                    compress="layers").activation_formula
+    # hidden 96 and heads of 24: rows shorter than a block, quantized as rows of 128
+    assert text.startswith("layers*(8*s*b + 4*a*s*b + 2*s*b*h + fp8(9*s*b*h, 128) + "
+                           "fp8(8*s*b*h, 4*h)) + ") and \
         "fp8(n, c) = n + 4*(n/c)*ceil(c/128)" in text and "policy 'layers'" in text
 
 
@@ -649,8 +652,8 @@ def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
      "argument --device: invalid choice: 'tpu'"),
     (["--model", "gpt2", "--compress-activations"],
      "argument --compress-activations: only used with the activation shape"),
-    (["--model", "gpt2", "--batch", "1", "--compress-activations", "all"],
-     "argument --compress-activations: invalid choice: 'all'"),
+    (["--model", "gpt2", "--batch", "1", "--compress-activations", "every"],
+     "argument --compress-activations: invalid choice: 'every'"),
     (["--model", "gpt2", "--batch", "1", "--compress-block-size", "64"],
      "argument --compress-block-size: only with --compress-activations"),
     (["--model", "gpt2", "--batch", "1", "--compress-activations", "--compress-min-bytes", "9"],
