@@ -1083,22 +1083,22 @@ def test_a_params_address_counts_only_while_the_param_holds_it():
         assert not act._is_param_like(h, st.param_ptrs)
 
 
-# ---- the zoo (benchmarks/bench_activations.py --zoo, at half its widths and sequences): the
+# ---- the zoo (tests/zoo.py: bench_activations --zoo's stock models at half its widths): the
 # bytes one BF16 forward leaves alive for the backward, from the allocator (HeapMeter, not
 # mpext's counters), uncompressed and under the default policy. The floors are the figures
 # reached (docs/activations.md) less 1.5 points of allocator noise; every FP8 value costs 1 B
 # + 4 B per block of 128, so a model whose saved tensors are all BF16 tops out at 48.4%, and
 # only FP32 saved tensors (RMSNorm's copy, the CPU's attention math) lift one above 50%.
 _ZOO_FLOOR = {"hf-gpt2-eager": 0.455, "hf-gpt2-sdpa": 0.495, "hf-llama": 0.475, "vit": 0.48,
-              "cnn": 0.455, "gpt": 0.405}
+              "cnn": 0.455}
 
 
 @pytest.fixture(scope="module")
 def zoo_rows():
     pytest.importorskip("transformers")
-    from benchmarks import bench_activations
+    from zoo import zoo
     torch.set_num_threads(1)
-    return {r["model"]: r for r in bench_activations.zoo(("all",), small=True)}
+    return {r["model"]: r for r in zoo(("all",), small=True)}
 
 
 @pytest.mark.parametrize("name", list(_ZOO_FLOOR))
