@@ -522,14 +522,7 @@ def test_default_policy_saves_40_percent_of_a_bf16_gpts_saved_bytes(device, thre
     assert saved[True] <= 0.60 * saved[False], saved
 
 
-class _ResBlock(torch.nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.c1, self.c2 = (torch.nn.Conv2d(c, c, 3, padding=1, bias=False) for _ in (1, 2))
-        self.b1, self.b2 = torch.nn.BatchNorm2d(c), torch.nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + x)
+from zoo import ResBlock as _ResBlock  # noqa: E402  (the zoo's CNN block)
 
 
 def _cnn():
