@@ -320,6 +320,22 @@ class _PlannedCall:
                  "owners", "states", "ids", "dtypes", "grads")
 
 
+def planned_launch(c: "_PlannedCall", lr: Any, per_device: Dict[torch.device, tuple],
+                   inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> tuple:
+    """A planned call's launch for this step: its gradients, ``lr`` and the scaler's tensors on
+    its device (moved once per device, through ``per_device``)."""
+    dev = per_device.get(c.device)
+    if dev is None:
+        dev = per_device[c.device] = (_to_device(inv_scale, c.device),
+                                      _to_device(found_inf, c.device))
+    args = list(c.args)
+    args[1] = c.grads
+    args[c.lr_at] = lr
+    kwargs = dict(c.kwargs)
+    kwargs["inv_scale"], kwargs["found_inf"] = dev
+    return c.op, (args, kwargs)
+
+
 class StepPlan:
     """An optimizer's op calls, kept between steps by its owner (mpext.optim._base): every list
     but the gradients, so that a step reads the gradients, checks that each param's dtype,
@@ -388,18 +404,9 @@ class StepPlan:
     def run(self, lr_tensors: LrTensors, inv_scale: Optional[torch.Tensor],
             found_inf: Optional[torch.Tensor]) -> None:
         per_device: Dict[torch.device, tuple] = {}
-        launches = []
-        for c in self.calls:
-            dev = per_device.get(c.device)
-            if dev is None:
-                dev = per_device[c.device] = (_to_device(inv_scale, c.device),
-                                              _to_device(found_inf, c.device))
-            args = list(c.args)
-            args[1] = c.grads
-            args[c.lr_at] = lr_tensors.get((c.device, c.slot), c.device, c.lr_group["lr"])
-            kwargs = dict(c.kwargs)
-            kwargs["inv_scale"], kwargs["found_inf"] = dev
-            launches.append((c.op, (args, kwargs)))
+        launches = [planned_launch(c, lr_tensors.get((c.device, c.slot), c.device,
+                                                      c.lr_group["lr"]),
+                                   per_device, inv_scale, found_inf) for c in self.calls]
         if len(launches) > 1:
             run_launches(launches, [])
             return

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import _q8_shards as q8_shards
-from ._engine import StepPlan, _PlannedCall, _lr_key, _plan_calls, _to_device, device_step
+from ._engine import StepPlan, _PlannedCall, _lr_key, _plan_calls, device_step, planned_launch
 from ._engine import fused_step, run_launches
 from ._tensors import DTensor, flat_view, is_dtensor, local_tensor
 
@@ -182,16 +182,9 @@ class ShardedStepPlan(StepPlan):
         per_device: Dict[torch.device, tuple] = {}
         batches: Tuple[list, list] = ([], [])
         for c in self.calls:
-            dev = per_device.get(c.device)
-            if dev is None:
-                dev = per_device[c.device] = (_to_device(inv_scale, c.device),
-                                              _to_device(found_inf, c.device))
-            args = list(c.args)
-            args[1] = c.grads
-            args[c.lr_at] = lr_tensors.get(c.lr_key, c.device, c.lr_group["lr"])
-            kwargs = dict(c.kwargs)
-            kwargs["inv_scale"], kwargs["found_inf"] = dev
-            batches[c.batch].append((c.op, (args, kwargs)))
+            batches[c.batch].append(planned_launch(
+                c, lr_tensors.get(c.lr_key, c.device, c.lr_group["lr"]), per_device,
+                inv_scale, found_inf))
         try:
             self._launch(batches, inv_scale is not None)
         except (RuntimeError, ValueError, TypeError):
