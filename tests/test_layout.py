@@ -1,13 +1,13 @@
 """The Python package's layering (docs/contributing.md, "Python optimizer package"): no module
 of mpext imports, at import time, a module that imports it back, so any module can be imported
-first; and mpext.mixed_precision reaches into mpext.optim only through the internals the
+first; and mpext.amp.mixed_precision reaches into mpext.optim only through the internals the
 package shares for it. Nothing in mpext or tests imports benchmarks/."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "mpext"
-# What mpext.optim's modules share with mpext.mixed_precision (named in their docstrings).
+# What mpext.optim's modules share with mpext.amp.mixed_precision (named in their docstrings).
 SHARED = {"mpext.optim._engine": {"StepItem", "AdamHyper", "adam_hyper", "fused_adam_step"},
           "mpext.optim._state": {"new_moments", "conform_state"},
           "mpext.optim._base": {"FusedOptimizer", "ema_swapped"}}
@@ -70,10 +70,10 @@ def test_no_import_cycles():
 
 
 def test_mixed_precision_uses_only_what_optim_shares():
-    tree = ast.parse((PKG / "mixed_precision.py").read_text())
+    tree = ast.parse((PKG / "amp" / "mixed_precision.py").read_text())
     aliases = {}  # local name -> mpext.optim module
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module \
+        if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module \
                 and node.module.startswith("optim"):
             module = "mpext." + node.module
             for a in node.names:

@@ -103,11 +103,11 @@ import math
 import numbers
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from . import activations as _act
-from ._common import MIN_8BIT_NUMEL
-from .optim import formats as _F
-from .optim._base import _LEAN_DEFAULTS
-from .optim._release import DEFAULT_BUCKET_BYTES
+from .. import activations as _act
+from .._common import MIN_8BIT_NUMEL
+from ..optim import formats as _F
+from ..optim._base import _LEAN_DEFAULTS
+from ..optim._release import DEFAULT_BUCKET_BYTES
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",

@@ -38,13 +38,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops as _mp_ops
-from . import optim as _mp_optim
-from .optim import _engine as _mp_engine, _state as _mp_state
-from .optim._base import FusedOptimizer as _FusedOptimizer, ema_swapped as _ema_swapped
-from ._common import LOW_DTYPES as _LOW, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
-from ._common import dtype_name as _dtype_name, has_kernel as _has_kernel, is_dense
-from ._common import is_real as _is_real, same_layout
+from .. import ops as _mp_ops
+from .. import optim as _mp_optim
+from ..optim import _engine as _mp_engine, _state as _mp_state
+from ..optim._base import FusedOptimizer as _FusedOptimizer, ema_swapped as _ema_swapped
+from .._common import LOW_DTYPES as _LOW, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
+from .._common import dtype_name as _dtype_name, has_kernel as _has_kernel, is_dense
+from .._common import is_real as _is_real, same_layout
 from .grad_scaler import GradScaler
 
 __all__ = ["MixedPrecisionOptimizer"]

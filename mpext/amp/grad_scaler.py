@@ -36,8 +36,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from . import ops as _mp_ops
-from ._common import PARAM_DTYPES, has_kernel
+from .. import ops as _mp_ops
+from .._common import PARAM_DTYPES, has_kernel
 
 try:
     import torch.distributed as _dist
