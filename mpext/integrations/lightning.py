@@ -49,7 +49,8 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "imported (%s). Install it with `pip install lightning`." % _exc) from _exc
 
 from .. import ops as _mp_ops
-from ..amp.grad_scaler import GradScaler, _checked_state_dict
+from ..amp.grad_scaler import GradScaler
+from ..amp._checks import checked_state_dict as _checked_state_dict
 from ..amp.mixed_precision import MixedPrecisionOptimizer, _make_scaler
 
 __all__ = ["MixedPrecision"]
