@@ -10,6 +10,7 @@ of ``estimator`` and ``meter`` (mpext/_moved.py).
 """
 from .cli import *  # noqa: F401,F403  (the calculator's names, as mpext.memory had them)
 from .cli import (ALLOCATOR_SLACK, ATTENTIONS, CUDA_CONTEXT_BYTES,  # noqa: F401
-                  DEFAULT_BUCKET_BYTES, DEVICES, ROWS, SCALER_SCALARS, build_parser, format_table, plot)
+                  DEFAULT_BUCKET_BYTES, DEVICES, ROWS, SCALER_SCALARS, build_parser,
+                  format_table, plot)
 from .cli import __all__  # noqa: F401
 from .meter import HeapMeter  # noqa: F401
