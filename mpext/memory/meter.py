@@ -1,5 +1,5 @@
 """The live measurement of mpext.memory: the bytes a training setup's tensors hold now, by the
-rows of the estimate (``mpext.memory_estimate``), to check one against the other."""
+rows of the estimate (``mpext.memory.estimator``), to check one against the other."""
 from typing import Dict, Optional
 
 __all__ = ["measure", "HeapMeter"]

@@ -36,31 +36,15 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from . import ops as _mp_ops
-from ._common import PARAM_DTYPES, has_kernel
-
-try:
-    import torch.distributed as _dist
-    from torch.distributed.tensor import DTensor as _DTensor, Replicate as _Replicate
-except ImportError:  # a torch built without distributed support
-    _dist, _DTensor, _Replicate = None, None, None
+from .. import ops as _mp_ops
+from .._common import has_kernel
+from ._checks import check_rule_args, checked_state_dict
+from ._flags import DTensor as _DTensor, all_reduce_max, check_process_group, combine, dist
+from ._flags import note_mesh
+from ._overflow_watch import OverflowWatch
+from ._unscale import PerDevice, unscale_device
 
 __all__ = ["GradScaler"]
-
-class _PerDevice:
-    """A tensor and its copies on other devices, made on first request (non-blocking)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.master = tensor
-        self.copies: Dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        t = self.copies.get(device)
-        if t is None:
-            t = self.master.to(device=device, non_blocking=True, copy=True)
-            self.copies[device] = t
-        return t
-
 
 class _Default(float):
     """A float default that can be told apart from the same value passed by the caller."""
@@ -87,16 +71,7 @@ def _plain(v):
     return v
 
 
-def _host_values(t: torch.Tensor) -> list:
-    """The values of a CPU tensor that holds a host-side snapshot. Reading host memory is never
-    a device synchronisation; numpy reads it without going through Tensor.item/tolist."""
-    try:
-        return t.numpy().tolist()
-    except (RuntimeError, ImportError):  # torch without numpy
-        return t.tolist()
-
-
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(OverflowWatch, torch.amp.GradScaler):
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler``.
 
     Same constructor, defaults, methods, exceptions and ``state_dict`` as the installed torch's
@@ -181,7 +156,7 @@ class GradScaler(torch.amp.GradScaler):
             _plain(init_scale), _plain(growth_factor), _plain(backoff_factor),
             _plain(growth_interval))
 
-        _check_rule_args("mpext.GradScaler", init_scale=init_scale, growth_factor=growth_factor,
+        check_rule_args("mpext.GradScaler", init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval)
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral) \
                 or not 1 <= hysteresis < 2 ** 31:
@@ -205,7 +180,7 @@ class GradScaler(torch.amp.GradScaler):
         if not isinstance(sync_found_inf, bool):
             raise TypeError("mpext.GradScaler: sync_found_inf must be a bool, got %r"
                             % (sync_found_inf,))
-        _check_process_group(process_group, "mpext.GradScaler: process_group")
+        check_process_group(process_group, "mpext.GradScaler: process_group")
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -248,7 +223,7 @@ class GradScaler(torch.amp.GradScaler):
 
     @process_group.setter
     def process_group(self, group) -> None:
-        _check_process_group(group, "mpext.GradScaler.process_group")
+        check_process_group(group, "mpext.GradScaler.process_group")
         self._process_group = group
         self._process_group_dropped = False
 
@@ -275,12 +250,27 @@ class GradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(dev)
         return self._scale
 
-    def _release_scale(self, dev: torch.device, where: str) -> torch.Tensor:
-        """The scale the gradients of a released backward (mpext.optim._release) carry, for a
-        check before anything is stepped. With ``bf16_check_only`` it is 1 whether or not the
-        loss went through ``scale()`` (made on ``dev`` if there is none yet), so an unscaled
-        loss gets the inf/NaN skip too; a scaling scaler whose ``scale()`` was never called
-        cannot have scaled this loss, and is refused with the way out."""
+    # -----------------------------------------------------------------------------------------
+    # Released steps: gradient release (mpext.optim's release_grads) steps inside backward,
+    # not through step(); these are its public hooks into the scaler.
+
+    @property
+    def bf16_check_only(self) -> bool:
+        """Whether the scale is held at 1 (``bf16_check_only=True``): the loss is not
+        multiplied, and unscaling is a read-only inf/NaN check."""
+        return self._bf16_check_only
+
+    def release_scale(self, device: Union[torch.device, str],
+                      where: str = "mpext.GradScaler.release_scale") -> torch.Tensor:
+        """The scale the gradients of a released backward carry, for the release's check
+        before anything is stepped (``where`` names the caller in the error). With
+        ``bf16_check_only`` it is 1 whether or not the loss went through ``scale()`` (made on
+        ``device`` if there is none yet), so an unscaled loss gets the inf/NaN skip too; a
+        scaling scaler whose ``scale()`` was never called cannot have scaled this loss, and is
+        refused with the way out (RuntimeError)."""
+        if not isinstance(where, str):
+            raise TypeError("mpext.GradScaler.release_scale: where must be a str, got %s"
+                            % type(where).__name__)
         if self._scale is None:
             if not self._bf16_check_only:
                 raise RuntimeError(
@@ -290,8 +280,40 @@ class GradScaler(torch.amp.GradScaler):
                     "BF16 training that needs no scaling can use "
                     "mpext.GradScaler(bf16_check_only=True), which takes an unscaled loss"
                     % where)
-            self._lazy_init_scale_growth_tracker(dev)
+            try:
+                device = torch.device(device)
+            except (TypeError, RuntimeError) as exc:
+                raise TypeError("mpext.GradScaler.release_scale: device must be a torch.device "
+                                "or a device string, got %r (%s)" % (device, exc)) from None
+            self._lazy_init_scale_growth_tracker(device)
         return self._scale
+
+    def record_released_step(self, optimizer: torch.optim.Optimizer,
+                             found_inf: torch.Tensor) -> None:
+        """Records a step ``optimizer`` made itself inside backward (gradient release) with
+        this backward's ``found_inf`` (a one-element tensor, non-zero when the step was
+        skipped), as ``step()`` records one, so that ``update()`` and
+        :meth:`last_step_skipped` see it. A no-op when the scaler is disabled."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("mpext.GradScaler.record_released_step: optimizer must be a "
+                            "torch.optim.Optimizer, got %s" % type(optimizer).__name__)
+        if not (isinstance(found_inf, torch.Tensor) and found_inf.numel() == 1):
+            raise TypeError("mpext.GradScaler.record_released_step: found_inf must be a "
+                            "one-element tensor, got %s" % (
+                                "a tensor of shape %s" % list(found_inf.shape)
+                                if isinstance(found_inf, torch.Tensor)
+                                else type(found_inf).__name__))
+        if not self._enabled:
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.STEPPED
+        self._stepped_states[id(optimizer)] = state
+        self._stepped_since_update.append(id(optimizer))
+
+    # The private names mpext.optim._release called before these were public.
+    _release_scale = release_scale
+    _record_released_step = record_released_step
 
     # -----------------------------------------------------------------------------------------
     # Unscaling: one fused mpext pass per device.
@@ -299,8 +321,8 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> Dict[torch.device,
                                                                            torch.Tensor]:
-        per_device_inv_scale = _PerDevice(inv_scale)
-        per_device_found_inf = _PerDevice(found_inf)
+        per_device_inv_scale = PerDevice(inv_scale)
+        per_device_found_inf = PerDevice(found_inf)
         per_device_grads: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
         # (mesh, dims) of the DTensor params, in the order of the params, so that every rank
         # (the same model on each) runs the same reductions in the same order, also a rank
@@ -315,7 +337,7 @@ class GradScaler(torch.amp.GradScaler):
                     grad = param.grad
                     if _DTensor is not None and (isinstance(param, _DTensor)
                                                  or isinstance(grad, _DTensor)):
-                        _note_mesh(grad if isinstance(grad, _DTensor) else param, mesh_dims)
+                        note_mesh(grad if isinstance(grad, _DTensor) else param, mesh_dims)
                     if grad is None:
                         continue
                     if (not allow_fp16) and grad.dtype == torch.float16:
@@ -337,7 +359,7 @@ class GradScaler(torch.amp.GradScaler):
                     per_device_grads[grad.device].append(grad)
 
             for device, grads in per_device_grads.items():
-                _unscale_device(grads, per_device_found_inf.get(device),
+                unscale_device(grads, per_device_found_inf.get(device),
                                 per_device_inv_scale.get(device))
             copies = per_device_found_inf.copies
             if mesh_dims or (self._sync_found_inf and self._enabled):
@@ -354,7 +376,7 @@ class GradScaler(torch.amp.GradScaler):
             [f.to(flags[0].device, non_blocking=True) for f in flags]).amax()
         for mesh, dims in mesh_dims:
             for d in dims:
-                _all_reduce_max(flag, mesh.get_group(d))
+                all_reduce_max(flag, mesh.get_group(d))
         self._reduce_found_inf_(flag)
         if len(flags) > 1:
             for f in flags:
@@ -374,11 +396,11 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError(
                 "mpext.GradScaler(sync_found_inf=True) was unpickled without its process_group "
                 "(process groups cannot be pickled): set scaler.process_group before stepping")
-        if _dist is None or not _dist.is_available() or not _dist.is_initialized():
+        if dist is None or not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "mpext.GradScaler(sync_found_inf=True) needs an initialized process group "
                 "(torch.distributed.init_process_group) to reduce found_inf over")
-        _all_reduce_max(found_inf, self._process_group)
+        all_reduce_max(found_inf, self._process_group)
 
     # -----------------------------------------------------------------------------------------
     # scale / step / update.
@@ -409,19 +431,6 @@ class GradScaler(torch.amp.GradScaler):
                 self._stepped_since_update.append(id(optimizer))
         return retval
 
-    def _record_released_step(self, optimizer: torch.optim.Optimizer,
-                              found_inf: torch.Tensor) -> None:
-        """Records a step ``optimizer`` made itself inside backward (gradient release,
-        mpext.optim._release) with this backward's ``found_inf``, as ``step()`` records one, so
-        that ``update()`` and the skip flag see it."""
-        if not self._enabled:
-            return
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
-        state["stage"] = OptState.STEPPED
-        self._stepped_states[id(optimizer)] = state
-        self._stepped_since_update.append(id(optimizer))
-
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """Updates the scale factor, as ``torch.amp.GradScaler.update`` does (see there), with
         the rule of ``mpext.ops.update_scale_``: no host sync, plus the opt-in hysteresis and
@@ -450,11 +459,11 @@ class GradScaler(torch.amp.GradScaler):
                 if not self._bf16_check_only:
                     self._scale.copy_(new_scale)
             if found_infs:
-                self._last_found_inf = _combine(found_infs)
+                self._last_found_inf = combine(found_infs)
         else:
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            self._update_from(_combine(found_infs))
+            self._update_from(combine(found_infs))
             return
 
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -531,7 +540,7 @@ class GradScaler(torch.amp.GradScaler):
                  for f in s["found_inf_per_device"].values()]
         if not found:
             return torch.zeros((), dtype=torch.bool, device=dev)
-        return _combine(found) != 0
+        return combine(found) != 0
 
     # The skip-flag protocol (mpext/_skip.py): the record of the optimizer's latest step.
     _mpext_skip_flag = last_step_skipped
@@ -559,62 +568,6 @@ class GradScaler(torch.amp.GradScaler):
         if self._stats is None:
             return int(self._init_stats[1])
         return int(self._stats[1].item())
-
-    # -----------------------------------------------------------------------------------------
-    # The overflow warning, without a host sync.
-
-    def _watching(self) -> bool:
-        return not self._warned and (self._warn_after is not None or self._min_scale is not None)
-
-    def _watch(self, pre_scale: Optional[torch.Tensor]) -> None:
-        pending = self._watch_pending
-        if pending is not None:
-            host_f, host_i, event = pending
-            if event is not None and not event.query():
-                return  # the previous snapshot has not landed yet: look again next time
-            self._watch_pending = None
-            self._inspect(host_f, host_i)
-            if self._warned:
-                return
-        scale = self._scale
-        if scale.device.type == "cpu":
-            event = None
-            pin = False
-        elif scale.device.type == "cuda":
-            pin = True
-        else:
-            return  # no event API we rely on: no warning on this device type
-        if self._watch_buffers is None:  # reused: a new copy starts only once the last landed
-            self._watch_buffers = (torch.empty(2, dtype=torch.float32, pin_memory=pin),
-                                   torch.empty(2, dtype=torch.int64, pin_memory=pin))
-        host_f, host_i = self._watch_buffers
-        snap_f = torch.stack([pre_scale if pre_scale is not None else scale, scale])
-        host_f.copy_(snap_f.view(2), non_blocking=pin)
-        host_i.copy_(self._stats, non_blocking=pin)
-        if pin:
-            event = torch.cuda.Event()
-            event.record()
-            self._watch_pending = (host_f, host_i, event)
-        else:
-            self._inspect(host_f, host_i)  # CPU: the copy is done; reading it is free
-
-    def _inspect(self, host_f: torch.Tensor, host_i: torch.Tensor) -> None:
-        pre_scale, _ = _host_values(host_f)
-        _, streak = _host_values(host_i)
-        if self._warn_after is not None and streak >= self._warn_after:
-            self._warned = True
-            warnings.warn(
-                "mpext.GradScaler: %d consecutive steps had inf/NaN gradients and were skipped, "
-                "and backing off the scale has not cured it. This is rarely an overflow that a "
-                "smaller scale fixes: look for NaN/Inf in the model's forward pass or the loss."
-                % streak, RuntimeWarning, stacklevel=4)
-        elif self._min_scale is not None and streak >= 1 and pre_scale <= self._min_scale:
-            self._warned = True
-            warnings.warn(
-                "mpext.GradScaler: a step had inf/NaN gradients although the scale already sat "
-                "at min_scale=%g, so backing off cannot help: the inf/NaN comes from the model "
-                "(forward pass or loss), not from loss scaling." % self._min_scale,
-                RuntimeWarning, stacklevel=4)
 
     # -----------------------------------------------------------------------------------------
     # state_dict and pickling.
@@ -648,7 +601,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled and len(state_dict) != 0:
             # Every entry is checked before anything is written: torch's own load writes the
             # scale first and would leave a half-loaded scaler behind a bad later entry.
-            extras = _checked_state_dict(state_dict, self._hysteresis)
+            extras = checked_state_dict(state_dict, self._hysteresis)
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
@@ -694,138 +647,3 @@ class GradScaler(torch.amp.GradScaler):
 _SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _check_rule_args(where: str, **args: Any) -> None:
-    """Rejects loss-scale rule values torch.amp.GradScaler would take and fail on later (or
-    silently misuse): a non-finite or non-positive scale, NaN/Inf factors, a backoff factor
-    <= 0, a growth interval that is not an int >= 1. torch's own checks (growth_factor > 1,
-    backoff_factor < 1, AssertionError) still run after these, unchanged."""
-    for name, v in args.items():
-        if name == "growth_interval":
-            if not _is_int(v) or v < 1:
-                raise ValueError("%s: growth_interval must be an int >= 1, got %r" % (where, v))
-            continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise ValueError("%s: %s must be a finite number, got %r" % (where, name, v))
-        if name in ("init_scale", "scale", "backoff_factor") and not v > 0:
-            raise ValueError("%s: %s must be > 0, got %r" % (where, name, v))
-
-
-def _checked_state_dict(sd: Dict[str, Any], hysteresis: int) -> Dict[str, Any]:
-    """Checks a GradScaler state dict whole (torch's keys and mpext's extras) and returns the
-    extras' values, converted, with the defaults for absent ones. Raises KeyError for a missing
-    torch key and ValueError naming the key for a bad value."""
-    where = "mpext.GradScaler.load_state_dict"
-    for key in ("scale", "growth_factor", "backoff_factor", "growth_interval",
-                "_growth_tracker"):
-        if key not in sd:
-            raise KeyError("%s: the state dict has no %r entry" % (where, key))
-    scale = sd["scale"]
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError("%s: 'scale' must be a number or a 1-element tensor, got a tensor "
-                             "of shape %s" % (where, list(scale.shape)))
-        scale = float(scale.detach().cpu())
-    _check_rule_args(where, scale=scale, growth_factor=sd["growth_factor"],
-                     backoff_factor=sd["backoff_factor"], growth_interval=sd["growth_interval"])
-    out: Dict[str, Any] = {}
-    ints = {"hysteresis": (1, 2 ** 31), "_growth_tracker": (0, 2 ** 63),
-            "_hysteresis_tracker": (0, 2 ** 31), "_skipped_steps": (0, 2 ** 63),
-            "_consecutive_overflows": (0, 2 ** 63)}
-    for key, (lo, hi) in ints.items():
-        if key in sd:
-            v = sd[key]
-            if not _is_int(v) or not lo <= v < hi:
-                raise ValueError("%s: %s must be an int in [%d, 2^%d), got %r"
-                                 % (where, key, lo, hi.bit_length() - 1, v))
-            out[key] = int(v)
-    for key in ("min_scale", "max_scale"):
-        if key in sd:
-            v = sd[key]
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
-                    math.isfinite(v) and v > 0):
-                raise ValueError("%s: %s must be a finite number > 0, got %r" % (where, key, v))
-            out[key] = float(v)
-    lo, hi = out.get("min_scale"), out.get("max_scale")
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError("%s: min_scale (%r) must not exceed max_scale (%r)" % (where, lo, hi))
-    out.setdefault("_hysteresis_tracker", out.get("hysteresis", hysteresis))
-    out.setdefault("_skipped_steps", 0)
-    out.setdefault("_consecutive_overflows", 0)
-    return out
-
-
-def _check_process_group(group, what: str) -> None:
-    if group is None:
-        return
-    if _dist is None or not isinstance(group, _dist.ProcessGroup):
-        raise TypeError("%s must be None or a torch.distributed.ProcessGroup, got %s"
-                        % (what, type(group).__name__))
-
-
-def _note_mesh(t, mesh_dims: List[tuple]) -> None:
-    """Adds (mesh, the mesh dims t is not replicated on) to mesh_dims if new: the dims where
-    the shards of a gradient differ, over which torch's DTensor rule takes found_inf's MAX."""
-    dims = tuple(i for i, p in enumerate(t.placements) if not isinstance(p, _Replicate))
-    if dims:
-        key = (t.device_mesh, dims)
-        if key not in mesh_dims:
-            mesh_dims.append(key)
-
-
-# Flag dtypes every backend (gloo, NCCL) reduces with MAX; torch's found_inf is float32.
-_REDUCIBLE = (torch.float32, torch.float64, torch.int32, torch.int64)
-
-
-def _all_reduce_max(flag: torch.Tensor, group) -> None:
-    if flag.dtype in _REDUCIBLE:
-        _dist.all_reduce(flag, op=_dist.ReduceOp.MAX, group=group)
-    else:
-        tmp = flag.to(torch.float32)
-        _dist.all_reduce(tmp, op=_dist.ReduceOp.MAX, group=group)
-        flag.copy_(tmp)
-
-
-def _combine(found_infs: List[torch.Tensor]) -> torch.Tensor:
-    """The sum of several found_inf flags on one device, as a new tensor (torch adds in place
-    into the first, which would change an optimizer's recorded flag)."""
-    if len(found_infs) == 1:
-        return found_infs[0]
-    return torch.stack(found_infs).sum()
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t covers its memory exactly once (contiguous, channels_last, any permutation):
-    what mpext's element-wise kernels accept."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1),
-                               key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _unscale_device(grads: List[torch.Tensor], found_inf: torch.Tensor,
-                    inv_scale: torch.Tensor) -> None:
-    """Unscales one device's gradients: everything mpext takes in one mpext.ops.unscale_ call,
-    the rest (float64, non-dense layouts, no mpext kernel for the device) with torch's op, one
-    call per dtype."""
-    ours: List[torch.Tensor] = []
-    rest: Dict[torch.dtype, List[torch.Tensor]] = defaultdict(list)
-    mpext_ok = has_kernel("unscale_", found_inf.device)
-    for g in grads:
-        if (mpext_ok and g.dtype in PARAM_DTYPES and g.layout == torch.strided
-                and _dense(g)):
-            ours.append(g)
-        else:
-            rest[g.dtype].append(g)
-    if ours:
-        _mp_ops.unscale_(ours, found_inf, inv_scale)
-    for same_dtype in rest.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)

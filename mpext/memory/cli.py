@@ -1,8 +1,8 @@
-"""mpext.memory: the training-memory calculator ("will it fit?").
+"""The command line of mpext.memory, the training-memory calculator ("will it fit?").
 
 ``estimate`` says what a model trained in a precision mode, with an optimizer and a ZeRO stage,
-holds per device (``mpext.memory_estimate``, whose docstring gives the accounting); ``measure``
-counts what a live training setup holds, by the same rows (``mpext.memory_measure``). This module
+holds per device (``mpext.memory.estimator``, whose docstring gives the accounting); ``measure``
+counts what a live training setup holds, by the same rows (``mpext.memory.meter``). This module
 is the command line and the report: ``python -m mpext.memory`` prints the estimate as a table
 (``--json``, ``--png`` for a chart) and, given ``--gpu-memory``, whether each column fits that
 GPU (its stated assumptions: the CUDA context, the allocator's slack) and what would make it fit
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES, FORMAT_MODES,  # noqa: F401
+from .estimator import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES, FORMAT_MODES,  # noqa: F401
                               MODELS, MODES, OPTIMIZERS, RULES, SCALER_SCALARS, Breakdown,
                               ModelSpec, ModeSpec, activation_bytes, activation_formula,
                               estimate, format_mode,
@@ -26,8 +26,8 @@ from .memory_estimate import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES
                               SHARDINGS, fsdp2_shard, stage_label, zero_partition,
                               activation_compression, FAMILIES, GpuBudget, fit_changes,
                               gpu_memory_bytes, CUDA_CONTEXT_BYTES, ALLOCATOR_SLACK)
-from .activations import POLICIES
-from .memory_measure import measure  # noqa: F401
+from ..activations import POLICIES
+from .meter import measure  # noqa: F401
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
            "ModelSpec", "Breakdown", "estimate", "SHARDINGS", "fsdp2_shard",

@@ -35,8 +35,8 @@ def format_entries() -> frozenset:
     rule, i.e. of every ``FusedOptimizer`` subclass defined so far (a rule added later, or a
     user's, is included without a list to edit here). ``step`` and the entries of other
     optimizers load as DCP loads them."""
-    from .optim._base import FusedOptimizer
-    from .optim._state import known_keys
+    from ..optim._base import FusedOptimizer
+    from ..optim._state import known_keys
 
     keys, todo = set(), [FusedOptimizer]
     while todo:

@@ -48,9 +48,10 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "mpext.lightning needs the Lightning package (lightning.pytorch), which could not be "
         "imported (%s). Install it with `pip install lightning`." % _exc) from _exc
 
-from . import ops as _mp_ops
-from .grad_scaler import GradScaler, _checked_state_dict
-from .mixed_precision import MixedPrecisionOptimizer, _make_scaler
+from .. import ops as _mp_ops
+from ..amp.grad_scaler import GradScaler
+from ..amp._checks import checked_state_dict as _checked_state_dict
+from ..amp.mixed_precision import MixedPrecisionOptimizer, _make_scaler
 
 __all__ = ["MixedPrecision"]
 

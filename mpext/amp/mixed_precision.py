@@ -11,9 +11,11 @@ How it works (docs/mixed_precision.md has the user-facing account):
 * ``step()`` works on the device from start to end:
 
   - Fast path (inner optimizer ``torch.optim.Adam``/``AdamW`` or ``mpext.optim.Adam``/``AdamW``,
-    no amsgrad): one read-only non-finite check of the gradients (``unscale_`` with an inverse
-    scale of 1; skipped when clipping, whose norm already propagates NaN/Inf), then one
-    ``adam_step_`` per set of hyperparameters that reads the model's gradients, unscales them
+    no amsgrad): one read-only non-finite check of the gradients
+    (``unscale_`` with an inverse scale of 1; skipped when clipping, whose norm already
+    propagates NaN/Inf), then the step of mpext.optim's rule (``_engine_rule``: its
+    hyperparameters, its state, its launch -- the door mpext.optim's own step goes through), one
+    launch per set of hyperparameters that reads the model's gradients, unscales them
     (the clip coefficient folded into the inverse scale), updates the FP32 moments and masters
     and writes the rounded model params, and is skipped on the device when ``found_inf`` is set.
   - Generic path (any other optimizer): the gradients of the masters are made by one
@@ -38,21 +40,25 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops as _mp_ops
-from . import optim as _mp_optim
-from .optim import _engine as _mp_engine, _state as _mp_state
-from .optim._base import FusedOptimizer as _FusedOptimizer, ema_swapped as _ema_swapped
-from ._common import LOW_DTYPES as _LOW, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
-from ._common import dtype_name as _dtype_name, has_kernel as _has_kernel, is_dense
-from ._common import is_real as _is_real, same_layout
+from .. import ops as _mp_ops
+from .. import optim as _mp_optim
+from ..optim import _engine as _mp_engine, _state as _mp_state
+from ..optim._base import FusedOptimizer as _FusedOptimizer, ema_swapped as _ema_swapped
+from .._common import LOW_DTYPES as _LOW, PARAM_DTYPES as _PARAM_DTYPES, LrTensors
+from .._common import dtype_name as _dtype_name, has_kernel as _has_kernel, is_dense
+from .._common import is_real as _is_real, same_layout
 from .grad_scaler import GradScaler
 
 __all__ = ["MixedPrecisionOptimizer"]
 
-_FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, _mp_optim.Adam, _mp_optim.AdamW)
 _NAME = "mpext.MixedPrecisionOptimizer"
-# The fused path steps every inner Adam/AdamW (torch's or mpext's) with adam_step_: its moments.
-_ADAM_MOMENTS = _mp_optim.Adam.moments
+# The inner mpext.optim optimizers the fast path takes, and torch's optimizers it steps by an
+# mpext.optim rule. The door is the rule's (any rule enters it: tests/test_amp_door.py), but
+# only these keep the bits the wrapper has always given; Lion and SGD stay on the generic path
+# (their own FP32-param step over the masters): SGD's master format differs from that by an
+# ulp here and there (as tests/test_sgd.py allows).
+_FAST_RULES = (_mp_optim.Adam, _mp_optim.AdamW)
+_TORCH_RULES = {torch.optim.Adam: _mp_optim.Adam, torch.optim.AdamW: _mp_optim.AdamW}
 # GradScaler options that only make sense for a dynamic scale, and those the wrapper sets itself.
 _DYNAMIC_ONLY = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
                  "hysteresis", "min_scale", "max_scale")
@@ -130,7 +136,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._loss_scale = loss_scale
         self._max_grad_norm = max_grad_norm
         self._scaler = scaler
-        self._use_fused = True  # the fused Adam path where the optimizer allows it
+        self._use_fused = True  # the fused path where the optimizer allows it
         self._optimizer_step_pre_hooks: Dict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: Dict[int, Any] = OrderedDict()
         self._patch_step_function()  # step pre/post hooks, as torch.optim.Optimizer has them
@@ -144,8 +150,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._lr_tensors = LrTensors()
         # Fixed for the wrapper's life (the optimizer's class and the device do not change):
         # decided once, so a step never probes the dispatcher.
-        self._fused_kernel = (type(optimizer) in _FUSED_CLASSES
-                              and _has_kernel("adam_step_", device))
+        self._rule = _engine_rule(optimizer, device)
+        self._fused_kernel = self._rule is not None
         self._stepped: set = set()  # ids of the inner params stepped on the generic path
         self._reset_iteration()
 
@@ -454,7 +460,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if not (self._use_fused and self._fused_kernel):
             return False
         for group in opt.param_groups:
-            if group.get("amsgrad", False) or group.get("differentiable", False):
+            # a group the rule hands to torch's implementation (Adam's amsgrad)
+            if self._rule._torch_group(group) or group.get("differentiable", False):
                 return False
             lr = group.get("lr")
             if isinstance(lr, torch.Tensor) and lr.requires_grad:
@@ -533,26 +540,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._reset_iteration()
         return found_inf == 0
 
-    def _adam_state(self, q: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
-        """The inner Adam's state of a param in torch's layout (``step``, ``exp_avg``,
-        ``exp_avg_sq``), created on its first step with ``step`` a float32 tensor on the
-        device, as the fused kernel needs (torch's own format with ``capturable``/``fused``),
-        and moments in the dtypes an inner ``mpext.optim`` group asks for (bf16 or 8-bit moments;
-        the masters are the inner optimizer's fp32 params, so remainders do not apply)."""
+    def _inner_state(self, q: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        """The inner optimizer's state of a param in its rule's layout (torch's keys: ``step``
+        and the rule's moments, e.g. ``exp_avg``, ``exp_avg_sq``), created on its first step
+        with ``step`` a float32 tensor on the device, as the fused kernel needs (torch's own
+        format with ``capturable``/``fused``), and moments in the formats an inner
+        ``mpext.optim`` group asks for (bf16 or 8-bit moments; the masters are the inner
+        optimizer's fp32 params, so remainders do not apply)."""
         if id(q) in self._model_of:  # a group whose options changed since construction
             _check_inner_storage(self.optimizer, group, _NAME)
+        moments = self._rule._moments_of(group)
         state = self.optimizer.state[q]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
-            _mp_state.new_moments(q, state, group, _ADAM_MOMENTS)
-        _mp_state.conform_state(q, state, group, _ADAM_MOMENTS, _NAME)
+            _mp_state.new_moments(q, state, group, moments)
+        _mp_state.conform_state(q, state, group, moments, _NAME)
         return state
 
     def _step_fused(self, entries, found_inf, inv, clipped) -> None:
         if not clipped:  # the norm already carries any inf/NaN; else one read-only check
             _mp_ops.unscale_([p.grad for p, _ in entries], found_inf, self._one)
         self._scaler._reduce_found_inf_(found_inf)
-        force_decoupled = isinstance(self.optimizer, (torch.optim.AdamW, _mp_optim.AdamW))
+        rule = self._rule
         group_of = {id(q): g for g in self.optimizer.param_groups for q in g["params"]}
         # a param's position in the inner optimizer: its stochastic-rounding stream (bf16 moments)
         stream_of = {id(q): k for k, q in enumerate(
@@ -565,12 +574,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if hyper is None:
                 # The model's gradients are left as backward made them (scaled), as on the
                 # generic path: no write-back.
-                hyper = hypers[id(group)] = _mp_engine.adam_hyper(
-                    group, force_decoupled)._replace(unscale_grads=False)
-            items.append(_mp_engine.StepItem(p, p.grad, self._adam_state(q, group),
+                hyper = hypers[id(group)] = rule._hyper(group)._replace(unscale_grads=False)
+            items.append(_mp_engine.StepItem(p, p.grad, self._inner_state(q, group),
                                              q if q is not p else None, group["lr"], hyper,
                                              stream_of[id(q)]))
-        _mp_engine.fused_adam_step(items, self._lr_tensors, inv, found_inf)
+        rule._launch(items, inv, found_inf)
 
     def _step_generic(self, entries, found_inf, inv) -> None:
         low = [(p, q) for p, q in entries if p is not q]
@@ -709,6 +717,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state = self.__dict__.copy()
         for k in ("_master_of", "_model_of", "_stepped"):  # keyed by id(): rebuilt on load
             del state[k]
+        state.pop("_rule", None)  # derived from the inner optimizer: rebuilt on load
         state["_backward_hook"] = None  # a hook handle: registered again on load
         state.pop("step", None)  # an LR scheduler's per-instance wrapper, as torch drops it
         return state
@@ -718,6 +727,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._master_of = {id(p): q for p, q in self._entries if p is not q}
         self._model_of = {id(q): p for p, q in self._entries if p is not q}
         self._stepped = {id(q) for _, q in self._entries if self.optimizer.state.get(q)}
+        self._rule = _engine_rule(self.optimizer, self._device)
+        self._fused_kernel = self._rule is not None
         self._patch_step_function()
         self._watch_backward()
 
@@ -767,6 +778,23 @@ def _check_params(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]
             _check_inner_storage(optimizer, group, "%s%s: group %d" % (_NAME, where, gi))
     _check_no_overlap([("param %d of group %d" % (j, gi), p) for gi, j, p in out], where)
     return out
+
+
+def _engine_rule(optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> Optional[_FusedOptimizer]:
+    """The mpext.optim optimizer whose rule the fast path steps ``optimizer``'s groups by (its
+    ``_hyper``, ``_moments_of``, ``_torch_group`` and ``_launch``: what mpext.optim's own step
+    uses): ``optimizer`` itself when it is an mpext.optim one of ``_FAST_RULES``; for
+    ``torch.optim.Adam`` /
+    ``AdamW``, mpext.optim's optimizer of that rule made over the same params, which holds no
+    state and is never stepped itself; None for any other optimizer, or where this build has no
+    kernel of the rule for ``device`` (the generic path)."""
+    if type(optimizer) in _FAST_RULES:
+        return optimizer if _has_kernel(optimizer._op, device) else None
+    cls = _TORCH_RULES.get(type(optimizer))
+    if cls is None or not _has_kernel(cls._op, device):
+        return None
+    return cls([q for g in optimizer.param_groups for q in g["params"]])
 
 
 def _check_inner_storage(optimizer: torch.optim.Optimizer, group: Dict[str, Any],

@@ -39,8 +39,8 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "Install it with `pip install accelerate` (and `pip install transformers` for "
         "setup_trainer)." % _exc) from _exc
 
-from .grad_scaler import GradScaler
-from .optim import lr_scheduler as _lr_scheduler
+from ..amp import GradScaler
+from ..optim import lr_scheduler as _lr_scheduler
 
 __all__ = ["use_grad_scaler", "setup_trainer"]
 
