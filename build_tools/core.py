@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "core")]
 
 # Compiled once per ISA path.
-KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/adam.c",
+KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/step.c",
                   "csrc/core/adam_fused.c",
                   "csrc/core/norm.c", "csrc/core/table.c", "csrc/core/fp8.c"]
 # Compiled once.

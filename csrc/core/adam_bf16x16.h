@@ -32,7 +32,7 @@
 #include <immintrin.h>
 
 #include "formats.h"
-#include "mpext/adam_rule.h"
+#include "adam_fused.h"
 
 #define MP_BF16X16 1
 
@@ -99,11 +99,11 @@ typedef struct x16_scalars {
   __m256 inv_scale, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
 } x16_scalars;
 
-static inline x16_scalars x16_scalars_of(const mp_adam_scalars* s) {
-  const x16_scalars c = {_mm256_set1_ps(s->inv_scale),       _mm256_set1_ps(s->decay),
-                         _mm256_set1_ps(s->lerp_weight),     _mm256_set1_ps(s->beta2),
-                         _mm256_set1_ps(s->one_minus_beta2), _mm256_set1_ps(s->bc2_sqrt),
-                         _mm256_set1_ps(s->eps),             _mm256_set1_ps(s->neg_step_size)};
+static inline x16_scalars x16_scalars_of(const mp_fused_scalars* s) {
+  const x16_scalars c = {_mm256_set1_ps(s->st.inv_scale),       _mm256_set1_ps(s->a.decay),
+                         _mm256_set1_ps(s->a.lerp_weight),     _mm256_set1_ps(s->a.beta2),
+                         _mm256_set1_ps(s->a.one_minus_beta2), _mm256_set1_ps(s->a.bc2_sqrt),
+                         _mm256_set1_ps(s->a.eps),             _mm256_set1_ps(s->a.neg_step_size)};
   return c;
 }
 
@@ -148,11 +148,11 @@ static inline __m256 x16_nan(__m256 x) { return _mm256_cmp_ps(x, x, _CMP_UNORD_Q
 static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
-    uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int nearest,
+    uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
     const int write_grad) {
-  const __m256 ema_w = _mm256_set1_ps(s->ema_weight);
+  const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
-  const __m256i km = x16_key(s->key_moments, hi), kp = x16_key(s->key_param, hi);
+  const __m256i km = x16_key(s->st.key_moments, hi), kp = x16_key(s->st.key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m256i ramp = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   const __m256i one = _mm256_set1_epi32(1);
@@ -256,11 +256,11 @@ static inline void x16_ema_in_order(float* restrict e, __m256 x, __m256 w) {
 static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
     uint16_t* restrict param, void* restrict grad, const int g32, float* restrict master,
     int16_t* restrict remainder, float* restrict m, float* restrict v, float* restrict ema,
-    uint32_t i, uint32_t n, uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int kind,
+    uint32_t i, uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int kind,
     const int write_grad) {
-  const __m256 ema_w = _mm256_set1_ps(s->ema_weight);
+  const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
-  const __m256i kp = x16_key(s->key_param, hi);
+  const __m256i kp = x16_key(s->st.key_param, hi);
   const __m256i ramp = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int rounded_master = kind == MP_PV_MASTER || kind == MP_PV_REMAINDER;
   uint16_t* restrict gw = (uint16_t*)grad;

@@ -2,7 +2,7 @@
  * operation (CUDA intrinsics on the device, plain ISO C on the host, never contracted unless
  * written as MP_FFMA), the exact power of the bias corrections, a bf16 master's storage (the tie
  * rule, the remainder split and join), the 8-bit block codes and torch's lerp. Used by the rule
- * headers (adam_rule.h, lion_rule.h, sgd_rule.h), the C core's codecs (csrc/core/formats.h) and
+ * headers (mpext/rules/), the engine's storage (mpext/step_storage.h), the C core's codecs (csrc/core/formats.h) and
  * the CUDA kernels. Header-only; __host__ __device__ under nvcc. */
 #ifndef MPEXT_STEP_COMMON_H
 #define MPEXT_STEP_COMMON_H
@@ -38,7 +38,7 @@
 #define MP_DDIV(a, b) ((a) / (b))
 #endif
 
-/* The codes of 8-bit moments (see mpext/adam.h and the functions below). */
+/* The codes of 8-bit moments (see mpext/step.h and the functions below). */
 #define MP_Q8_M_EBITS 3u /* exp_avg: sign + E3M4 */
 #define MP_Q8_M_MBITS 4u
 #define MP_Q8_V_EBITS 4u /* exp_avg_sq: E4M4 */
@@ -63,7 +63,7 @@ MP_HD void mp_dd_mul(double ah, double al, double bh, double bl, double* h, doub
  * pow (documented within 0.52 ulp) differs from it in about 4 of 10,000 (beta, t), by one ulp
  * of double, which moves the fp32 scalars only when that ulp straddles an fp32 rounding
  * boundary. A t that is not a whole number in [1, 2^64) falls back to pow. */
-MP_HD double mp_adam_pow(double beta, double t) {
+MP_HD double mp_pow_exact(double beta, double t) {
   if (!(t >= 1.0 && t < 18446744073709551616.0 && t == (double)(uint64_t)t)) return pow(beta, t);
   uint64_t n = (uint64_t)t;
   double rh = 1.0, rl = 0.0, bh = beta, bl = 0.0;
@@ -79,7 +79,7 @@ MP_HD double mp_adam_pow(double beta, double t) {
 
 /* A bf16 param's new fp32 master, as stored: a value exactly halfway between two bf16 values
  * above an even one (low half 0x8000 with bit 16 clear, not NaN/Inf) one ulp lower, so that it
- * still rounds to the same even param and its remainder fits 16 bits (see mp_adam_tensor). */
+ * still rounds to the same even param and its remainder fits 16 bits (see mp_step_tensor). */
 MP_HD uint32_t mp_bf16_master_bits(uint32_t x) {
   const uint32_t tie_below_even = (x & 0x1FFFFu) == 0x8000u && (x & 0x7F800000u) != 0x7F800000u;
   return x - (tie_below_even ? 1u : 0u);
@@ -95,7 +95,7 @@ MP_HD uint32_t mp_bf16_join(uint16_t p, uint16_t r) {
   return ((uint32_t)p << 16) + (uint32_t)(int32_t)(int16_t)r;
 }
 
-/* ---- 8-bit moments (see mpext/adam.h) ----
+/* ---- 8-bit moments (see mpext/step.h) ----
  *
  * A magnitude code of EBITS exponent and MBITS mantissa bits relative to a block reference
  * R = 2^(E - 127); every function is integer arithmetic on fp32 bits and branch-free, so the
@@ -235,5 +235,4 @@ MP_HD float mp_lerp(float a, float b, float w, float rest, int32_t from_start) {
   return from_start ? MP_FADD(a, MP_FMUL(w, diff)) : MP_FSUB(b, MP_FMUL(diff, rest));
 }
 
-/* The ema of an element after a step whose new fp32 value is x (see mp_adam_tensor). */
 #endif /* MPEXT_STEP_COMMON_H */

@@ -1,103 +1,89 @@
-/* The fused Adam/AdamW step (mpext/adam.h) over one range of one param: the CPU engine.
- * Compiled once per ISA path (see isa.h). The range is cut into tiles (formats.h, MP_TILE
+/* The optimizer step (mpext/step.h) over one range of one param: the CPU engine, whichever the
+ * rule. Compiled once per ISA path (see isa.h). The range is cut into tiles (formats.h, MP_TILE
  * elements, or one block of 8-bit moments), and each tile runs through a pipeline of small
  * loops, one per stage:
  *   grad decode (unscale, optional write-back) -> param value decode -> moments decode
  *   -> the rule over fp32 arrays -> moments encode -> param encode -> ema
  * Each stage is one codec of formats.h, chosen by a switch per tile; the rule is the varying
- * stage: adam_rule.h's mp_adam_element, lion_rule.h's or sgd_rule.h's element over the tile,
- * so that every rule takes every storage format without a loop body of its own per format. Where a storage format is fp32 (param, master,
+ * stage: the rule's element function (mpext/rules/<name>.h) over the tile, one loop per rule
+ * generated from the rows of mpext/rules/rules.h, so that every rule takes every storage format
+ * without a loop body of its own per format. Where a storage format is fp32 (param, master,
  * moments, a grad written back) the rule works on the storage itself. The bits are those of the
- * per-element functions, in the same order, so every ISA path and the CUDA kernels agree. */
+ * per-element functions, in the same order, so every ISA path and the CUDA kernels agree. A
+ * mode with a fast path (csrc/core/fast/: the same bits, proven by the C tests) takes it instead
+ * of the pipeline. */
 #include <string.h>
 
 #include "formats.h"
 #include "isa.h"
-#include "mpext/adam_rule.h"
-#include "mpext/lion_rule.h"
-#include "mpext/sgd_rule.h"
 #include "mpext/numerics.h"
+#include "mpext/step_storage.h"
 
 #ifndef MP_ISA_SUFFIX
-#error "adam.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
+#error "step.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
 #endif
 
 /* ---- the rules: each over a tile of fp32 arrays, the stage the pipeline varies ---- */
 
-/* Adam/AdamW over a tile: unscaled gradients g, fp32 values p and moments m, v updated in place
- * (mp_adam_element). Adam/AdamW and maximize are loop invariants, unswitched by the compiler. */
-static void adam_rule_tile(const float* restrict g, float* restrict p, float* restrict m,
-                           float* restrict v, uint32_t n, const mp_adam_scalars* restrict hp) {
-  const mp_adam_scalars s = *hp;
-#pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) {
-    float mi = m[i], vi = v[i];
-    p[i] = mp_adam_element(g[i], p[i], &mi, &vi, &s);
-    m[i] = mi;
-    v[i] = vi;
+/* A rule over a tile: unscaled gradients g, fp32 values p and the nmom moments m, v (those the
+ * call keeps) updated in place by mp_<name>_element. One loop per moment count the rule's row
+ * allows (the others are constant-folded away), the count a loop invariant. */
+#define MP_RULE_TILE_(ID, name, MIN, MAX)                                                      \
+  static void name##_tile(const float* restrict g, float* restrict p, float* restrict m,       \
+                          float* restrict v, uint32_t n, int nmom,                             \
+                          const mp_##name##_scalars* restrict hp) {                            \
+    const mp_##name##_scalars s = *hp;                                                         \
+    if ((MAX) >= 2 && nmom >= 2) {                                                             \
+      _Pragma("GCC ivdep") for (uint32_t i = 0; i < n; ++i) {                                  \
+        float mi = m[i], vi = v[i];                                                            \
+        p[i] = mp_##name##_element(g[i], p[i], &mi, &vi, &s);                                  \
+        m[i] = mi;                                                                             \
+        v[i] = vi;                                                                             \
+      }                                                                                        \
+    } else if ((MAX) >= 1 && (MIN) <= 1 && nmom == 1) {                                        \
+      _Pragma("GCC ivdep") for (uint32_t i = 0; i < n; ++i) {                                  \
+        float mi = m[i], vi = 0.0f;                                                            \
+        p[i] = mp_##name##_element(g[i], p[i], &mi, &vi, &s);                                  \
+        m[i] = mi;                                                                             \
+      }                                                                                        \
+    } else if ((MIN) == 0) {                                                                   \
+      _Pragma("GCC ivdep") for (uint32_t i = 0; i < n; ++i) {                                  \
+        float mi = 0.0f, vi = 0.0f;                                                            \
+        p[i] = mp_##name##_element(g[i], p[i], &mi, &vi, &s);                                  \
+      }                                                                                        \
+    }                                                                                          \
   }
-}
-
-/* Lion over a tile (mp_lion_element): p and the moment m updated in place. */
-static void lion_rule_tile(const float* restrict g, float* restrict p, float* restrict m,
-                           uint32_t n, const mp_lion_scalars* restrict hp) {
-  const mp_lion_scalars s = *hp;
-#pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) {
-    float mi = m[i];
-    p[i] = mp_lion_element(g[i], p[i], &mi, &s);
-    m[i] = mi;
-  }
-}
-
-/* SGD over a tile (mp_sgd_element): p and, with a momentum, the buffer b updated in place. */
-static void sgd_rule_tile(const float* restrict g, float* restrict p, float* restrict b,
-                          uint32_t n, const mp_sgd_scalars* restrict hp) {
-  const mp_sgd_scalars s = *hp;
-  if (!s.has_momentum) {
-#pragma GCC ivdep
-    for (uint32_t i = 0; i < n; ++i) {
-      float unused = 0.0f;
-      p[i] = mp_sgd_element(g[i], p[i], &unused, &s);
-    }
-    return;
-  }
-#pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) {
-    float bi = b[i];
-    p[i] = mp_sgd_element(g[i], p[i], &bi, &s);
-    b[i] = bi;
-  }
-}
+MP_RULES(MP_RULE_TILE_)
+#undef MP_RULE_TILE_
 
 /* ---- the engine ---- */
 
 /* What one piece of a param (positions sharing their high 32 bits) is stepped with. */
-typedef struct adam_piece {
-  const mp_adam_tensor* t;
-  const mp_adam_scalars* s; /* the storage's scalars (all rules), and Adam's */
-  int rule;                 /* MP_RULE_* */
-  const mp_lion_scalars* lion;
-  const mp_sgd_scalars* sgd;
+typedef struct step_piece {
+  const mp_step_tensor* t;
+  const mp_step_scalars* s; /* the storage's scalars */
+  const mp_rule_scalars* r; /* the rule's */
   int nmom;     /* moments kept: exp_avg (1), and exp_avg_sq (2) */
   int64_t pos0; /* the position of element 0 (t->offset): random bits are drawn at i + pos0 */
   int kind;     /* MP_PV_* */
   mp_dtype pt, gt, md, vd;
-} adam_piece;
+} step_piece;
 
 /* The rule's stage over a tile. */
-static void rule_tile(const adam_piece* a, const float* restrict g, float* restrict p,
+static void rule_tile(const step_piece* a, const float* restrict g, float* restrict p,
                       float* restrict m, float* restrict v, uint32_t n) {
-  switch (a->rule) {
-    case MP_RULE_LION: lion_rule_tile(g, p, m, n, a->lion); break;
-    case MP_RULE_SGD: sgd_rule_tile(g, p, m, n, a->sgd); break;
-    default: adam_rule_tile(g, p, m, v, n, a->s); break;
+  switch (a->r->rule) {
+#define MP_RULE_CASE_(ID, name, MIN, MAX) \
+  case MP_RULE_##ID: name##_tile(g, p, m, v, n, a->nmom, &a->r->u.name); break;
+    MP_RULES(MP_RULE_CASE_)
+#undef MP_RULE_CASE_
+    default: break;
   }
 }
 
 /* The param's arrays at element i. */
-static mp_pv_tile pv_at(const adam_piece* a, int64_t i) {
-  const mp_adam_tensor* t = a->t;
+static mp_pv_tile pv_at(const step_piece* a, int64_t i) {
+  const mp_step_tensor* t = a->t;
   mp_pv_tile at = {(char*)t->param + i * MP_DTYPE_BYTES(a->pt),
                    t->master != NULL ? t->master + i : NULL,
                    t->remainder != NULL ? t->remainder + i : NULL};
@@ -105,14 +91,14 @@ static mp_pv_tile pv_at(const adam_piece* a, int64_t i) {
 }
 
 /* Elements [start, start + n) of one piece, fp32 or bf16 moments (or none), tile by tile. */
-static void adam_tiles(const adam_piece* a, int64_t start, int64_t n) {
+static void step_tiles(const step_piece* a, int64_t start, int64_t n) {
   _Alignas(64) float gbuf[MP_TILE];
   _Alignas(64) float pbuf[MP_TILE];
   _Alignas(64) float mbuf[MP_TILE];
   _Alignas(64) float vbuf[MP_TILE];
   _Alignas(64) uint32_t rbuf[MP_TILE];
-  const mp_adam_tensor* t = a->t;
-  const mp_adam_scalars* s = a->s;
+  const mp_step_tensor* t = a->t;
+  const mp_step_scalars* s = a->s;
   const uint32_t hi = (uint32_t)((uint64_t)(start + a->pos0) >> 32);
   const int bf16_moments = a->md == MP_BF16 || a->vd == MP_BF16;
   const int nearest = s->moments_nearest != 0;
@@ -140,15 +126,15 @@ static void adam_tiles(const adam_piece* a, int64_t start, int64_t n) {
 
 /* Elements [start, start + n) of one piece with 8-bit moments (start a multiple of the block
  * size), block by block: each part of a block (at most MP_TILE elements) decoded and updated
- * into the block's fp32 buffers, then the block encoded: the pair of Adam, or one signed
- * moment alone. */
-static void adam_q8_blocks(const adam_piece* a, int64_t start, int64_t n) {
+ * into the block's fp32 buffers, then the block encoded: a pair of moments (signed and
+ * non-negative), or one signed moment alone. */
+static void step_q8_blocks(const step_piece* a, int64_t start, int64_t n) {
   _Alignas(64) float gbuf[MP_TILE];
   _Alignas(64) float pbuf[MP_TILE];
   _Alignas(64) float mblk[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vblk[MP_Q8_BLOCK_MAX];
-  const mp_adam_tensor* t = a->t;
-  const mp_adam_scalars* s = a->s;
+  const mp_step_tensor* t = a->t;
+  const mp_step_scalars* s = a->s;
   const int64_t b = s->q8_block;
   const int pair = a->nmom >= 2;
   const uint32_t hi = (uint32_t)((uint64_t)(start + a->pos0) >> 32);
@@ -186,18 +172,14 @@ static void adam_q8_blocks(const adam_piece* a, int64_t start, int64_t n) {
 }
 
 /* The range in pieces whose positions share their high 32 bits (see formats.h), each through
- * a hand-fused loop where adam_fused.c keeps one for the mode (Adam, fused != 0, no offset),
- * else the pipeline with the piece's rule. */
-static void rule_step(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s,
-                      int rule, const mp_lion_scalars* lion, const mp_sgd_scalars* sgd,
-                      int fused) {
-  adam_piece a;
+ * the fast path kept for its mode where there is one (fast != 0), else the pipeline. */
+static void rule_step(const mp_step_tensor* t, int64_t start, int64_t n, const mp_step_scalars* s,
+                      const mp_rule_scalars* r, int fast) {
+  step_piece a;
   a.t = t;
   a.s = s;
-  a.rule = rule;
-  a.lion = lion;
-  a.sgd = sgd;
-  a.nmom = rule == MP_RULE_ADAM ? 2 : (rule == MP_RULE_LION || sgd->has_momentum) ? 1 : 0;
+  a.r = r;
+  a.nmom = r->nmom;
   a.pos0 = t->offset;
   a.pt = (mp_dtype)t->param_dtype;
   a.gt = (mp_dtype)t->grad_dtype;
@@ -209,37 +191,26 @@ static void rule_step(const mp_adam_tensor* t, int64_t start, int64_t n, const m
            : s->sr_params         ? MP_PV_NONE_SR
                                   : MP_PV_NONE_RNE;
   const int q8 = a.md == MP_I8;
-  fused = fused && rule == MP_RULE_ADAM && t->offset == 0;
   while (n > 0) {
     const int64_t k = mp_sr_piece((uint64_t)(start + a.pos0), n);
-    if (fused && MP_ISA_FN(mp_k_adam_fused)(t, start, k, s, a.kind)) {
-      /* done by a kept specialisation */
+    if (fast && MP_ISA_FN(mp_k_fast_step)(t, start, k, s, r, a.kind)) {
+      /* done by a fast path */
     } else if (q8) {
-      adam_q8_blocks(&a, start, k);
+      step_q8_blocks(&a, start, k);
     } else {
-      adam_tiles(&a, start, k);
+      step_tiles(&a, start, k);
     }
     start += k;
     n -= k;
   }
 }
 
-void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
-                               const mp_adam_scalars* s) {
-  rule_step(t, start, n, s, MP_RULE_ADAM, NULL, NULL, 1);
+void MP_ISA_FN(mp_k_step)(const mp_step_tensor* t, int64_t start, int64_t n,
+                          const mp_step_scalars* s, const mp_rule_scalars* r) {
+  rule_step(t, start, n, s, r, 1);
 }
 
-void MP_ISA_FN(mp_k_adam_step_generic)(const mp_adam_tensor* t, int64_t start, int64_t n,
-                                       const mp_adam_scalars* s) {
-  rule_step(t, start, n, s, MP_RULE_ADAM, NULL, NULL, 0);
-}
-
-void MP_ISA_FN(mp_k_lion_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
-                               const mp_adam_scalars* s, const mp_lion_scalars* r) {
-  rule_step(t, start, n, s, MP_RULE_LION, r, NULL, 0);
-}
-
-void MP_ISA_FN(mp_k_sgd_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
-                              const mp_adam_scalars* s, const mp_sgd_scalars* r) {
-  rule_step(t, start, n, s, MP_RULE_SGD, NULL, r, 0);
+void MP_ISA_FN(mp_k_step_generic)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                  const mp_step_scalars* s, const mp_rule_scalars* r) {
+  rule_step(t, start, n, s, r, 0);
 }
