@@ -563,7 +563,7 @@ mp_status check_call(const mp_step_tensor* ts, int64_t nt, const mp_step_options
   const int nmom = mp_rule_moments(opt);
   for (int64_t k = 0; k < nt; ++k) {
     if (!mp_step_tensor_ok(&ts[k], nmom)) return MP_ERR_INVALID_ARGUMENT;
-    if (nmom >= 1 && mp_step_q8(&ts[k]) &&
+    if (nmom >= 1 && mp_step_blocks(&ts[k]) &&
         (!mp_q8_block_ok(opt->q8_block) || ts[k].offset % opt->q8_block != 0))
       return MP_ERR_INVALID_ARGUMENT;
   }
@@ -590,14 +590,14 @@ mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
         a.remainder[i] = t.remainder != nullptr ? t.remainder + done : nullptr;
         a.ema[i] = t.ema != nullptr ? t.ema + done : nullptr;
         a.exp_avg[i] = t.exp_avg != nullptr ? static_cast<char*>(t.exp_avg) +
-                                                  done * MP_DTYPE_BYTES(t.exp_avg_dtype)
+                                                  done * mp_format_bytes(t.exp_avg_format)
                                             : nullptr;
         a.exp_avg_sq[i] = t.exp_avg_sq != nullptr ? static_cast<char*>(t.exp_avg_sq) +
-                                                        done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype)
+                                                        done * mp_format_bytes(t.exp_avg_sq_format)
                                                   : nullptr;
         a.step[i] = t.step;
         // a piece starts on a chunk boundary, a multiple of every block size
-        const int64_t blocks_done = mp_step_q8(&t) ? done / opt->q8_block : 0;
+        const int64_t blocks_done = mp_step_blocks(&t) ? done / opt->q8_block : 0;
         a.exp_avg_scale[i] = t.exp_avg_scale != nullptr ? t.exp_avg_scale + blocks_done : nullptr;
         a.exp_avg_sq_scale[i] =
             t.exp_avg_sq_scale != nullptr ? t.exp_avg_sq_scale + blocks_done : nullptr;
@@ -605,8 +605,9 @@ mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
         a.offset[i] = t.offset + done;
         a.param_dtype[i] = static_cast<uint8_t>(t.param_dtype);
         a.grad_dtype[i] = static_cast<uint8_t>(t.grad_dtype);
-        a.exp_avg_dtype[i] = static_cast<uint8_t>(t.exp_avg_dtype);
-        a.exp_avg_sq_dtype[i] = static_cast<uint8_t>(t.exp_avg_sq_dtype);
+        // the moments' formats as the dtypes the kernel loads and stores (formats/formats.h)
+        a.exp_avg_dtype[i] = static_cast<uint8_t>(mp_format_dtype(t.exp_avg_format));
+        a.exp_avg_sq_dtype[i] = static_cast<uint8_t>(mp_format_dtype(t.exp_avg_sq_format));
         a.storage[i] = t.param_dtype == MP_F32 ? kF32Param
                        : t.master != nullptr   ? kMaster
                        : t.remainder != nullptr ? kRemainder

@@ -185,7 +185,7 @@ mp_status mp_step(const mp_step_tensor* t, int64_t start, int64_t count,
     return MP_ERR_INVALID_ARGUMENT;
   if (start < 0 || count < 0 || start > t->n || count > t->n - start)
     return MP_ERR_INVALID_ARGUMENT;
-  if (mp_rule_moments(o) > 0 && mp_step_q8(t) &&
+  if (mp_rule_moments(o) > 0 && mp_step_blocks(t) &&
       (!mp_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
        t->offset % o->q8_block != 0 || (count % o->q8_block != 0 && start + count != t->n)))
     return MP_ERR_INVALID_ARGUMENT; /* a block is updated whole, by one call */

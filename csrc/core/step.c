@@ -10,11 +10,11 @@
  * without a loop body of its own per format. Where a storage format is fp32 (param, master,
  * moments, a grad written back) the rule works on the storage itself. The bits are those of the
  * per-element functions, in the same order, so every ISA path and the CUDA kernels agree. A
- * mode with a fast path (csrc/core/fast/: the same bits, proven by the C tests) takes it instead
- * of the pipeline. */
+ * mode with a fast path (csrc/core/fast/: an optional cache, the same bits, proven by the C
+ * tests) takes it instead of the pipeline. */
 #include <string.h>
 
-#include "formats.h"
+#include "formats/tiles.h"
 #include "isa.h"
 #include "mpext/numerics.h"
 #include "mpext/step_storage.h"
@@ -183,8 +183,9 @@ static void rule_step(const mp_step_tensor* t, int64_t start, int64_t n, const m
   a.pos0 = t->offset;
   a.pt = (mp_dtype)t->param_dtype;
   a.gt = (mp_dtype)t->grad_dtype;
-  a.md = a.nmom >= 1 ? (mp_dtype)t->exp_avg_dtype : MP_F32;
-  a.vd = a.nmom >= 2 ? (mp_dtype)t->exp_avg_sq_dtype : MP_F32;
+  /* the moments' formats as the dtypes their codecs load and store (formats/formats.h) */
+  a.md = a.nmom >= 1 ? (mp_dtype)mp_format_dtype(t->exp_avg_format) : MP_F32;
+  a.vd = a.nmom >= 2 ? (mp_dtype)mp_format_dtype(t->exp_avg_sq_format) : MP_F32;
   a.kind = a.pt == MP_F32          ? MP_PV_F32
            : t->master != NULL    ? MP_PV_MASTER
            : t->remainder != NULL ? MP_PV_REMAINDER
@@ -204,6 +205,16 @@ static void rule_step(const mp_step_tensor* t, int64_t start, int64_t n, const m
     n -= k;
   }
 }
+
+#if defined(MP_NO_FAST_PATHS)
+/* A build without the fast paths (build_tools/core.py, MPEXT_FAST_PATHS=0): no mode has one,
+ * every step runs the pipeline. */
+int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
+                              const mp_step_scalars* s, const mp_rule_scalars* r, int kind) {
+  (void)t, (void)start, (void)n, (void)s, (void)r, (void)kind;
+  return 0;
+}
+#endif
 
 void MP_ISA_FN(mp_k_step)(const mp_step_tensor* t, int64_t start, int64_t n,
                           const mp_step_scalars* s, const mp_rule_scalars* r) {

@@ -19,6 +19,20 @@ void check_hyper(double value, const char* op, const char* name, double lo, bool
                     hi, hi_open ? ")" : "]", ", got ", value);
 }
 
+// The one place a moment's tensor becomes its format id (mpext/formats/formats.h): the ops take
+// the moments as tensors (their schemas unchanged), float32, bfloat16, or the 8-bit block codes
+// as int8 (signed) and uint8 (non-negative); plan_step has checked the dtype against the
+// moment's place before.
+static int32_t moment_format(const at::Tensor& m) {
+  switch (m.scalar_type()) {
+    case at::kFloat: return MP_FMT_F32;
+    case at::kBFloat16: return MP_FMT_BF16;
+    case at::kChar: return MP_FMT_Q8S;
+    case at::kByte: return MP_FMT_Q8U;
+    default: TORCH_INTERNAL_ASSERT(false, "no moment format for ", m.scalar_type());
+  }
+}
+
 mp_step_options rule_options(int32_t rule, double beta1, double beta2, double weight_decay,
                              bool maximize) {
   mp_step_options o{};
@@ -81,9 +95,11 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
   TORCH_CHECK_VALUE(m_scales.empty() || m_scales.size() == n, "mpext.", op, ": ",
                     rule.scale_names[0], " must be empty or have one entry per param (", n,
                     "), got ", m_scales.size());
-  TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op, ": ",
-                    rule.scale_names[1], " must be empty or have one entry per param (", n,
-                    "), got ", v_scales.size());
+  if (rule.nlists >= 2) {  // an op with one moment list has one scale list
+    TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op, ": ",
+                      rule.scale_names[1], " must be empty or have one entry per param (", n,
+                      "), got ", v_scales.size());
+  }
   const int64_t block = storage.block_size;
   TORCH_CHECK_VALUE(mp_q8_block_ok(block), "mpext.", op,
                     ": block_size must be a power of two in [", MP_Q8_BLOCK_MIN, ", ",
@@ -139,8 +155,9 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     // A rule's missing moments are stood in for by the param (never read nor written).
     const at::Tensor& m = nmom >= 1 ? rule.moments[0][k] : p;
     const at::Tensor& v = nmom >= 2 ? rule.moments[1][k] : p;
-    const Arg pn("params", i), gn("grads", i), mn(rule.moment_names[0], i);
-    const Arg vn(rule.moment_names[1], i);
+    const Arg pn("params", i), gn("grads", i);
+    const Arg mn(rule.nlists >= 1 ? rule.moment_names[0] : "", i);
+    const Arg vn(rule.nlists >= 2 ? rule.moment_names[1] : "", i);
     const Arg wn("masters", i);
     check_device(p, op, pn, device, owner);
     check_device(g, op, gn, device, owner);
@@ -216,7 +233,7 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     float* scale_ptr[2] = {nullptr, nullptr};
     const at::TensorList scale_lists[2] = {m_scales, v_scales};
     const char* const* scale_names = rule.scale_names;
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < rule.nlists; ++j) {
       const Arg sn(scale_names[j], i);
       if (scale_lists[j].empty()) {
         TORCH_CHECK_VALUE(!q8 || j >= nmom, "mpext.", op, ": ", mn, " holds 8-bit codes, which need ",
@@ -254,8 +271,9 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     t.step = static_cast<float*>(steps[k].data_ptr());
     t.n = p.numel();
     t.remainder = remainder;
-    t.exp_avg_dtype = nmom >= 1 ? to_mp_dtype(m.scalar_type()) : MP_F32;
-    t.exp_avg_sq_dtype = nmom >= 2 ? to_mp_dtype(v.scalar_type()) : (q8 ? MP_U8 : MP_F32);
+    // the moments the rule keeps, each in its format (a moment it does not keep is not read)
+    if (nmom >= 1) t.exp_avg_format = moment_format(m);
+    if (nmom >= 2) t.exp_avg_sq_format = moment_format(v);
     t.offset = offset;
     t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
                                      : static_cast<uint64_t>(k);

@@ -44,17 +44,20 @@ struct StepStorage {
   at::OptionalIntArrayRef offsets;
 };
 
-// What a rule's call keeps per element: its op's name, its moment lists (nmoments of them:
-// 2 for Adam, 1 for Lion and SGD with momentum, 0 for plain SGD) with their argument names and
-// those of their 8-bit scales, the checks of its hyperparameters (run where plan_step reaches
-// them, after the lists' lengths), and the options' rule fields (rule, betas, eps,
-// weight_decay, decoupled, maximize, dampening, nesterov; plan_step sets the others).
+// What a rule's call keeps per element: its op's name, the moments it keeps (nmoments: 2 for
+// Adam, 1 for Lion and SGD with momentum, 0 for plain SGD) out of its op's moment lists
+// (nlists of them: 2 for Adam, 1 for Lion and SGD), the lists with their argument names and
+// those of their 8-bit scales (the first nlists entries; no name for a list the op lacks), the
+// checks of its hyperparameters (run where plan_step reaches them, after the lists' lengths),
+// and the options' rule fields (rule, betas, eps, weight_decay, decoupled, maximize, dampening,
+// nesterov; plan_step sets the others).
 struct RuleLists {
   const char* op;
   int nmoments;
+  int nlists;
   at::TensorList moments[2];
   const char* moment_names[2];
-  const char* const* scale_names;  // two names
+  const char* scale_names[2];
   std::function<void()> check_rule;
   mp_step_options options;
 };

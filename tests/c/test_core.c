@@ -63,6 +63,13 @@
 #define HAVE_READONLY_PAGES 0
 #endif
 
+/* The moment format (mpext/formats/formats.h) of moments stored as dtype d: fp32, bf16, or the
+ * 8-bit codes (int8 signed, uint8 non-negative); MP_FMT_COUNT (invalid) for any other. */
+static int32_t fmt_of(mp_dtype d) {
+  return d == MP_F32 ? MP_FMT_F32 : d == MP_BF16 ? MP_FMT_BF16 : d == MP_I8 ? MP_FMT_Q8S
+         : d == MP_U8 ? MP_FMT_Q8U : MP_FMT_COUNT;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Bookkeeping: a check group passes when it saw no failure. */
 
@@ -2373,7 +2380,7 @@ static mp_status call_adam(adam_buf* b, adam_off o, int64_t n, const ref_scalars
   const mp_step_tensor t = {(char*)b->param + o.p * a_size(b->pt), b->pt,
                             (char*)b->grad + o.g * a_size(b->gt), b->gt,
                             b->master ? b->master + o.w : NULL, b->m + o.m, b->v + o.v, &step, n,
-                            NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
+                            NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
   const mp_step_options op = adam_options(hp, &inv);
   const mp_status st = mp_step(&t, 0, n, &op);
   if (step != hp->t - 1.0f) return (mp_status)99; /* the step count was written */
@@ -2444,7 +2451,7 @@ static mp_status adam_arg_call(int pt, int gt, int master, int nulls, int64_t n,
       (nulls & 2) ? NULL : g_low ? (void*)g16 : (void*)g32, gt,
       (!master || (nulls & 4)) ? NULL : (float*)(void*)w32,
       (nulls & 8) ? NULL : (float*)(void*)m32, (nulls & 16) ? NULL : (float*)(void*)v32,
-      (nulls & 64) ? NULL : &step, n, NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
+      (nulls & 64) ? NULL : &step, n, NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
   return mp_step(&t, 0, n < 0 ? 0 : n, (nulls & 32) ? NULL : opts);
 }
 
@@ -3167,7 +3174,7 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
       op.lr = &lr; /* through the pointer: lr_value is ignored */
       op.lr_value = 99.0f;
       mp_step_tensor t1 = {one.param, pr->pt, one.grad, pr->gt, one.master, one.m, one.v, &step,
-                           (int64_t)N, NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
+                           (int64_t)N, NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
       mp_step_tensor t2 = t1;
       t2.param = split.param;
       t2.grad = split.grad;
@@ -3430,7 +3437,7 @@ static void test_adam_unscale_grads(uint64_t seed0) {
           op.unscale_grads = 1;
           op.found_inf = &flag;
           const mp_step_tensor t = {got.param, pr->pt, got.grad, pr->gt, got.master, got.m,
-                                    got.v, &step, (int64_t)N, NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
+                                    got.v, &step, (int64_t)N, NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
           g_check(&g, mp_step(&t, 0, (int64_t)N, &op) == MP_OK, "%s: status", pr->name);
           char ctx[96];
           snprintf(ctx, sizeof ctx, "%s inv_scale %a%s", pr->name, (double)inv,
@@ -3563,8 +3570,8 @@ static void test_adam_lean(uint64_t seed0) {
                             pt, no_master ? NULL : (float*)lean_at(master, base, 4),
                             mom16 ? lean_at(m16, base, 2) : lean_at(m32, base, 4),
                             mom16 ? lean_at(v16, base, 2) : lean_at(v32, base, 4),
-                            &stp, base + N, NULL, mom16 ? MP_BF16 : MP_F32,
-                            mom16 ? MP_BF16 : MP_F32, stream, NULL, NULL, NULL};
+                            &stp, base + N, NULL, mom16 ? MP_FMT_BF16 : MP_FMT_F32,
+                            mom16 ? MP_FMT_BF16 : MP_FMT_F32, stream, NULL, NULL, NULL};
         t.ema = (float*)lean_at(ema, base, 4);
         mp_step_tensor t2 = t;
         t2.ema = (float*)lean_at(ema2, base, 4);
@@ -3988,7 +3995,7 @@ static void test_adam_q8(uint64_t seed0) {
         /* mpext, in ranges cut at block boundaries */
         float stp = (float)step;
         mp_step_tensor t = {param, pt, grad, c->gt, c->storage == 1 ? master : NULL, mc, vc, &stp,
-                            n, c->storage == 2 ? rem : NULL, MP_I8, MP_U8, stream, ms, vs, NULL};
+                            n, c->storage == 2 ? rem : NULL, MP_FMT_Q8S, MP_FMT_Q8U, stream, ms, vs, NULL};
         const int64_t cuts[] = {0, b, b * (nb / 2), n};
         for (int cc = 0; cc < 3; ++cc) {
           const int64_t a0 = cuts[cc] < n ? cuts[cc] : n, a1 = cuts[cc + 1] < n ? cuts[cc + 1] : n;
@@ -4107,7 +4114,7 @@ static void test_adam_q8_guards(void) {
   op.eps = 1e-8;
   op.lr_value = lr;
   op.q8_block = 256;
-  mp_step_tensor t = {param, MP_F32, grad, MP_F32, NULL, mc, vc, &stp, n, NULL, MP_I8, MP_U8, 0,
+  mp_step_tensor t = {param, MP_F32, grad, MP_F32, NULL, mc, vc, &stp, n, NULL, MP_FMT_Q8S, MP_FMT_Q8U, 0,
                       ms, vs, NULL};
   g_check(&g, mp_step(&t, 0, n, &op) == MP_OK, "status");
   /* |update| <= lr sqrt(K) sqrt(1 - b2^t) / (1 - b1^t), K = (1-b1)^2 / ((1-b2)(1-b1^2/b2)) */
@@ -4151,13 +4158,15 @@ static void test_adam_q8_guards(void) {
       {"bf16 exp_avg with uint8 exp_avg_sq", 256, 0, 256, MP_BF16, MP_U8, 0, 0},
       {"uint8 exp_avg, int8 exp_avg_sq", 256, 0, 256, MP_U8, MP_I8, 0, 0},
       {"scales with fp32 moments", 256, 0, 256, MP_F32, MP_F32, 0, 1},
+      {"exp_avg format id out of range", 256, 0, 256, -1, MP_U8, 0, 0},
+      {"exp_avg_sq format id out of range", 256, 0, 256, MP_I8, -1, 0, 0},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
     mp_step_tensor tb = t;
     mp_step_options ob = op;
     ob.q8_block = bad[i].block;
-    tb.exp_avg_dtype = bad[i].md;
-    tb.exp_avg_sq_dtype = bad[i].vd;
+    tb.exp_avg_format = bad[i].md < 0 ? MP_FMT_COUNT : fmt_of((mp_dtype)bad[i].md);
+    tb.exp_avg_sq_format = bad[i].vd < 0 ? MP_FMT_COUNT : fmt_of((mp_dtype)bad[i].vd);
     if (bad[i].null_ms) tb.exp_avg_scale = NULL;
     if (bad[i].md == MP_F32) {
       tb.exp_avg = param;
@@ -4246,8 +4255,8 @@ static void time_adam_lean(void) {
                                 .grad_dtype = MP_BF16, .master = mode == 0 ? master : NULL,
                                 .exp_avg = m, .exp_avg_sq = v, .step = &step, .n = N,
                                 .remainder = mode == 1 || mode == 2 ? rem : NULL,
-                                .exp_avg_dtype = mom16 ? MP_BF16 : MP_F32,
-                                .exp_avg_sq_dtype = mom16 ? MP_BF16 : MP_F32};
+                                .exp_avg_format = mom16 ? MP_FMT_BF16 : MP_FMT_F32,
+                                .exp_avg_sq_format = mom16 ? MP_FMT_BF16 : MP_FMT_F32};
       const mp_step_options o = {.beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
                                  .weight_decay = 0.01, .decoupled = 1, .lr_value = 1e-3f,
                                  .sr_params = mode == 3 || mode == 4, .seed = 7};
@@ -4320,7 +4329,7 @@ static void test_bf16_remainder_all(void) {
  *      every 8-bit code of both formats decoded and a block of them encoded back to the same
  *      codes and scale. Compiled into the test as baseline code: the ISA builds run the same
  *      source, and the step tests above compare every path bit for bit. */
-#include "formats.h"
+#include "formats/tiles.h"
 
 /* The stored master of fp32 bits x, restated from adam.h: a finite value whose low 17 bits
  * are 0x08000 is stored one ulp lower. */
@@ -4573,7 +4582,7 @@ static void test_codecs(uint64_t seed0) {
   free(r);
 }
 
-/* 11n. The hand-fused loops the engine keeps (csrc/core/adam_fused.c) against its tile
+/* 11n. The hand-fused loops the engine keeps (csrc/core/fast/adam_fused.c) against its tile
  *      pipeline alone (the kernel table's adam_step_generic): every valid storage mode (param
  *      and grad dtype, master / remainder / none with either rounding, fp32 / bf16 / 8-bit
  *      moments, write-back, bf16 moments to nearest, ema) on every ISA path, three steps from
@@ -4722,8 +4731,8 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
       t.remainder = fm->kind == MP_PV_REMAINDER ? st[c].rem : NULL;
       t.exp_avg = st[c].m;
       t.exp_avg_sq = st[c].v;
-      t.exp_avg_dtype = md;
-      t.exp_avg_sq_dtype = vd;
+      t.exp_avg_format = fmt_of(md);
+      t.exp_avg_sq_format = fmt_of(vd);
       t.exp_avg_scale = md == MP_I8 ? st[c].ms : NULL;
       t.exp_avg_sq_scale = md == MP_I8 ? st[c].vs : NULL;
       t.ema = fm->ema ? st[c].ema : NULL;
@@ -4980,8 +4989,8 @@ static int64_t rule_case_run(group* g, const rule_case* c, int storage, int grad
     tt.master = has_master ? master : NULL;
     tt.remainder = has_rem ? rem : NULL;
     tt.exp_avg = !nmom ? NULL : mom == 0 ? (void*)m32 : mom == 3 ? (void*)mc : (void*)m16;
-    tt.exp_avg_dtype = mom == 0 || mom == 4 ? MP_F32 : mom == 3 ? MP_I8 : MP_BF16;
-    tt.exp_avg_sq_dtype = mom == 3 ? MP_U8 : MP_F32;
+    tt.exp_avg_format = mom == 0 || mom == 4 ? MP_FMT_F32 : mom == 3 ? MP_FMT_Q8S : MP_FMT_BF16;
+    /* one moment (Lion, SGD): exp_avg_sq and its format are not read */
     tt.exp_avg_scale = mom == 3 ? ms : NULL;
     tt.step = &stp;
     tt.n = N;

@@ -591,9 +591,11 @@ EMU_TEST(adam_bad_arguments) {
          t.master = nullptr;
          t.remainder = reinterpret_cast<int16_t*>(t.exp_avg);
        }},
-      {"exp_avg fp16", [](mp_step_tensor& t, mp_step_options&) { t.exp_avg_dtype = MP_F16; }},
-      {"exp_avg_sq dtype 7", [](mp_step_tensor& t, mp_step_options&) {
-         t.exp_avg_sq_dtype = 7;
+      {"exp_avg format out of range", [](mp_step_tensor& t, mp_step_options&) {
+         t.exp_avg_format = MP_FMT_COUNT;
+       }},
+      {"exp_avg_sq format 7", [](mp_step_tensor& t, mp_step_options&) {
+         t.exp_avg_sq_format = 7;
        }},
       {"stream >= 2^32", [](mp_step_tensor& t, mp_step_options&) {
          t.sr_stream = uint64_t{1} << 32;
@@ -771,8 +773,8 @@ mp_step_tensor lean_tensor(Lean& l) {
   t.exp_avg = l.md == MP_F32 ? static_cast<void*>(l.m32.data()) : static_cast<void*>(l.m16.data());
   t.exp_avg_sq =
       l.vd == MP_F32 ? static_cast<void*>(l.v32.data()) : static_cast<void*>(l.v16.data());
-  t.exp_avg_dtype = l.md;
-  t.exp_avg_sq_dtype = l.vd;
+  t.exp_avg_format = l.md == MP_BF16 ? MP_FMT_BF16 : MP_FMT_F32;  // l's moments: fp32 or bf16
+  t.exp_avg_sq_format = l.vd == MP_BF16 ? MP_FMT_BF16 : MP_FMT_F32;
   t.step = &l.step;
   t.n = l.n;
   t.sr_stream = l.stream;
@@ -1057,8 +1059,8 @@ mp_step_tensor q8_tensor(Q8& q, Q8View& v) {
   t.remainder = q.storage == 2 ? q.rem.data() + m : nullptr;
   t.exp_avg = q.mc.data() + m;
   t.exp_avg_sq = q.vc.data() + m;
-  t.exp_avg_dtype = MP_I8;
-  t.exp_avg_sq_dtype = MP_U8;
+  t.exp_avg_format = MP_FMT_Q8S;
+  t.exp_avg_sq_format = MP_FMT_Q8U;
   t.exp_avg_scale = q.ms.data();
   t.exp_avg_sq_scale = q.vs.data();
   t.step = &q.step;

@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 
+#include "mpext/formats/formats.h" /* the moment formats, MP_FMT_* */
 #include "mpext/mpext.h"
 
 #ifdef __cplusplus
@@ -25,9 +26,11 @@ extern "C" {
  *   grad:       n values of grad_dtype (param_dtype or MP_F32), read (and, with the options'
  *               unscale_grads, overwritten with the unscaled gradient);
  *   exp_avg, exp_avg_sq: the rule's moments (mp_rule_moments: 2, 1 or 0 of them; the
- *               others NULL): n values each of exp_avg_dtype / exp_avg_sq_dtype (MP_F32, or MP_BF16:
- *               stored with stochastic rounding), read and written; or, as a pair, MP_I8 and
- *               MP_U8: 8-bit codes of blocks of the options' q8_block elements, each block
+ *               others NULL): n values each in the format exp_avg_format / exp_avg_sq_format (an
+ *               MP_FMT_* of mpext/formats/formats.h: MP_FMT_F32, or MP_FMT_BF16: stored with
+ *               stochastic rounding), read and written; or a block format, MP_FMT_Q8S for
+ *               the first moment (with MP_FMT_Q8U for a second): 8-bit codes of blocks of the
+ *               options' q8_block elements, each block
  *               with its fp32 absmax in exp_avg_scale / exp_avg_sq_scale (ceil(n / q8_block)
  *               floats each, read and written): see "8-bit moments" below;
  *   step:       one float, the param's step count before this step; never NULL.
@@ -80,8 +83,9 @@ typedef struct mp_step_tensor {
   float* step;
   int64_t n;
   int16_t* remainder;
-  int32_t exp_avg_dtype;    /* an mp_dtype: MP_F32, MP_BF16, or MP_I8 (with MP_U8 below) */
-  int32_t exp_avg_sq_dtype; /* an mp_dtype: MP_F32, MP_BF16, or MP_U8 (with MP_I8 above) */
+  int32_t exp_avg_format;    /* an MP_FMT_*: F32, BF16, or Q8S (with Q8U below, if kept) */
+  int32_t exp_avg_sq_format; /* an MP_FMT_*: F32, BF16, or Q8U (with Q8S above); not read by
+                                a rule keeping one moment or none */
   uint64_t sr_stream;
   float* exp_avg_scale;     /* 8-bit moments: one absmax per block, else NULL */
   float* exp_avg_sq_scale;

@@ -43,8 +43,9 @@ MP_HD int mp_step_options_ok(const mp_step_options* o) {
          o->ema_decay >= 0.0 && o->ema_decay <= 1.0 && mp_rule_options_ok(o);
 }
 
-/* 1 if t has 8-bit moments (exp_avg MP_I8, exp_avg_sq MP_U8). */
-MP_HD int mp_step_q8(const mp_step_tensor* t) { return t->exp_avg_dtype == MP_I8; }
+/* 1 if t's moments are in a block format (coded per block of q8_block elements, with scales),
+ * for a rule keeping at least one. */
+MP_HD int mp_step_blocks(const mp_step_tensor* t) { return mp_format_block(t->exp_avg_format); }
 
 /* 1 if b is a valid q8_block: a power of two in [MP_Q8_BLOCK_MIN, MP_Q8_BLOCK_MAX]. */
 MP_HD int mp_q8_block_ok(int64_t b) {
@@ -56,12 +57,15 @@ MP_HD int mp_q8_block_ok(int64_t b) {
  * size. */
 MP_HD int mp_step_tensor_ok(const mp_step_tensor* t, int nmom) {
   const int32_t pd = t->param_dtype, gd = t->grad_dtype;
-  const int32_t md = nmom >= 1 ? t->exp_avg_dtype : MP_F32;
-  const int32_t vd = nmom >= 2 ? t->exp_avg_sq_dtype : (md == MP_I8 ? MP_U8 : MP_F32);
+  /* the formats of the moments the rule keeps (those it does not are not read) */
+  const int32_t mf = nmom >= 1 ? t->exp_avg_format : MP_FMT_F32;
+  const int32_t vf = nmom >= 2 ? t->exp_avg_sq_format : MP_FMT_F32;
   if (pd < 0 || pd >= MP_DTYPE_COUNT || gd < 0 || gd >= MP_DTYPE_COUNT) return 0;
   if (gd != pd && gd != MP_F32) return 0;
-  const int q8 = md == MP_I8 && vd == MP_U8;
-  if (!q8 && ((md != MP_F32 && md != MP_BF16) || (vd != MP_F32 && vd != MP_BF16))) return 0;
+  if (!mp_format_ok(mf) || !mp_format_ok(vf) || !mp_format_signed(mf)) return 0;
+  /* a pair is coded together: both in block formats (the second non-negative) or neither */
+  const int q8 = nmom >= 1 && mp_format_block(mf);
+  if (nmom >= 2 && (mp_format_block(vf) != q8 || (q8 && mp_format_signed(vf)))) return 0;
   if (!q8 && (t->exp_avg_scale != 0 || t->exp_avg_sq_scale != 0)) return 0;
   if (nmom < 2 && t->exp_avg_sq_scale != 0) return 0;
   if (t->n < 0 || t->step == 0 || ((uintptr_t)t->step & 3u) != 0u) return 0;
@@ -79,8 +83,8 @@ MP_HD int mp_step_tensor_ok(const mp_step_tensor* t, int nmom) {
     return 0;
   return ((uintptr_t)t->param % (uintptr_t)MP_DTYPE_BYTES(pd)) == 0u &&
          ((uintptr_t)t->grad % (uintptr_t)MP_DTYPE_BYTES(gd)) == 0u &&
-         ((uintptr_t)t->exp_avg % (uintptr_t)MP_DTYPE_BYTES(md)) == 0u &&
-         ((uintptr_t)t->exp_avg_sq % (uintptr_t)MP_DTYPE_BYTES(vd)) == 0u &&
+         ((uintptr_t)t->exp_avg % (uintptr_t)mp_format_bytes(mf)) == 0u &&
+         ((uintptr_t)t->exp_avg_sq % (uintptr_t)mp_format_bytes(vf)) == 0u &&
          ((uintptr_t)t->master & 3u) == 0u && ((uintptr_t)t->remainder & 1u) == 0u &&
          ((uintptr_t)t->ema & 3u) == 0u;
 }

@@ -14,7 +14,6 @@ namespace mpext {
 inline RuleLists adam_rule(at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double beta1,
                            double beta2, double eps, double weight_decay, bool decoupled,
                            bool maximize) {
-  static const char* const scales[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
   const char* op = "adam_step_";
   auto check = [=]() {
     check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
@@ -25,7 +24,8 @@ inline RuleLists adam_rule(at::TensorList exp_avgs, at::TensorList exp_avg_sqs, 
   mp_step_options o = rule_options(MP_RULE_ADAM, beta1, beta2, weight_decay, maximize);
   o.eps = eps;
   o.decoupled = decoupled ? 1 : 0;
-  return {op, 2, {exp_avgs, exp_avg_sqs}, {"exp_avgs", "exp_avg_sqs"}, scales, check, o};
+  return {op,    2,    2, {exp_avgs, exp_avg_sqs}, {"exp_avgs", "exp_avg_sqs"},
+          {"exp_avg_scales", "exp_avg_sq_scales"}, check, o};
 }
 
 template <class Backend>

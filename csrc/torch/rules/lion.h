@@ -11,7 +11,6 @@ namespace mpext {
 // or int8 codes with exp_avg_scales).
 inline RuleLists lion_rule(at::TensorList exp_avgs, double beta1, double beta2,
                            double weight_decay, bool maximize) {
-  static const char* const scales[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
   const char* op = "lion_step_";
   auto check = [=]() {
     check_hyper(beta1, op, "beta1", 0.0, false, 1.0, false);
@@ -20,7 +19,8 @@ inline RuleLists lion_rule(at::TensorList exp_avgs, double beta1, double beta2,
   };
   mp_step_options o = rule_options(MP_RULE_LION, beta1, beta2, weight_decay, maximize);
   o.decoupled = 1;
-  return {op, 1, {exp_avgs, at::TensorList()}, {"exp_avgs", "exp_avg_sqs"}, scales, check, o};
+  return {op, 1, 1, {exp_avgs, at::TensorList()}, {"exp_avgs", nullptr}, {"exp_avg_scales", nullptr},
+          check, o};
 }
 
 template <class Backend>

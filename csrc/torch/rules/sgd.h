@@ -11,7 +11,6 @@ namespace mpext {
 // weight_decay >= 0, nesterov only with a momentum and no dampening (torch's check).
 inline RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, double dampening,
                           double weight_decay, bool nesterov, bool maximize) {
-  static const char* const scales[2] = {"momentum_buffer_scales", "unused_scales"};
   const char* op = "sgd_step_";
   auto check = [=]() {
     check_hyper(momentum, op, "momentum", 0.0, false, INFINITY, true);
@@ -28,8 +27,14 @@ inline RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, doub
   mp_step_options o = rule_options(MP_RULE_SGD, momentum, 0.0, weight_decay, maximize);
   o.dampening = dampening;
   o.nesterov = nesterov ? 1 : 0;
-  return {op, nmom, {momentum_buffers, at::TensorList()}, {"momentum_buffers", "unused"}, scales,
-          check, o};
+  return {op,
+          nmom,
+          1,
+          {momentum_buffers, at::TensorList()},
+          {"momentum_buffers", nullptr},
+          {"momentum_buffer_scales", nullptr},
+          check,
+          o};
 }
 
 template <class Backend>

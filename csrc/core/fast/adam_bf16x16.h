@@ -7,8 +7,7 @@
  * per 8 elements and narrows it back with an and, a pack and a lane permute, and selects the
  * NaN cases of each rounding with compares and blends: about 15 instructions per element on a
  * core that retires 2.5 of them per cycle, so the loop, not memory, was what a step waited on
- * (on an AMD EPYC Zen 2, remainder + bf16 moments took 1.96 ns per element and thread where
- * torch's fused AdamW on fp32, at the bytes bound, takes 1.76). As in adam_bf16x32.h, 16 words
+ * (docs/fast_paths.md). As in adam_bf16x32.h, 16 words
  * load as one vector and are never reordered: lane j takes element 2j into its high half by
  * one shift and element 2j + 1 by one mask, the update runs on the even and the odd elements
  * as two fp32 vectors, and each array is stored back with a shift, a mask and an or. The
@@ -18,7 +17,7 @@
  * ternary logic, no mask registers and no fp classes: the packing takes two logic ops where
  * AVX-512 takes one, a rounding's carry is added as a shifted bit, a tie found by a compare is
  * added as its all-ones lane, and NaNs are found by unordered compares. No software prefetch:
- * on Zen 2 it changed nothing measurable (adam_bf16x32.h's is for Intel's server cores).
+ * it changed nothing measurable on the cores this path is for (docs/fast_paths.md).
  *
  * The rows with fp32 moments and a bf16 param (a master, a remainder, none) have a loop here
  * too, x16_adam_f32m: their fp32 arrays load in element order, so the 16-bit ones are widened
@@ -31,7 +30,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(MP_BF16X32)
 #include <immintrin.h>
 
-#include "formats.h"
+#include "formats/tiles.h"
 #include "adam_fused.h"
 
 #define MP_BF16X16 1
@@ -217,12 +216,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
 }
 
 /* x16_adam_f32m's block: 4 vectors of 8 elements. Its loop waits on the divider's latency
- * more than on its width (two square roots and four divisions per 16 elements, about 27 cycles
- * on Zen 2, then the roundings that need them): four independent vectors per block, their NaN
- * test done once, let the next block's divisions start while this one's roundings run -- 1.2x
- * (master) to 1.5x (remainder, grad written back) faster than 2 vectors per block, no gain
- * from 6 or 8. The 16-bit rows' loop above, bound by its instruction count, gained nothing
- * from 2 or 3 blocks at once. */
+ * more than on its width (two square roots and four divisions per 16 elements, then the
+ * roundings that need them): four independent vectors per block, their NaN test done once, let
+ * the next block's divisions start while this one's roundings run (docs/fast_paths.md has the
+ * measured choice of 4). */
 #define X16_F32M_V 4
 #define X16_F32M_W (8 * X16_F32M_V)
 

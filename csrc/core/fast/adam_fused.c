@@ -1,24 +1,25 @@
-/* Hand-fused Adam/AdamW loops, kept for the storage modes where they measurably beat the
- * engine's tile pipeline (step.c): one loop body per mode that loads, updates and stores every
- * array of an element at once. The engine's stages each run a loop of their own, and on a CPU
- * whose Adam loop waits on its divider (two divisions and a square root per element) the fused
- * loop hides the conversions, roundings and random draws under that wait, where the pipeline
- * adds them. Each row of MP_ADAM_FUSED_ROWS below says what it gained, measured with
- * tools/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
- * process). Every row computes the same bits as the pipeline: tests/c/test_core.c compares the
- * two on every row and ISA path. Compiled once per ISA path (see isa.h). Each row is built
- * twice (mp_adam_usual). The rows whose arrays are all 16-bit step 32 elements at a time by
- * hand on AVX-512 (adam_bf16x32.h) and 16 on AVX2 (adam_bf16x16.h, which also steps BF16
- * params with FP32 moments, where GCC's own vectorisation of the C loop is slowest); the
- * 8-bit rows with a bf16 param and grad step each block's 32-element chunks by hand on
- * AVX-512, both sweeps (adam_q8x32.h). */
+/* Hand-fused Adam/AdamW loops: the fast paths, an optional cache over the step engine's tile
+ * pipeline (csrc/core/step.c; this folder's README.md). One loop body per storage mode that
+ * loads, updates and stores every array of an element at once. The engine's stages each run a
+ * loop of their own, and on a CPU whose Adam loop waits on its divider (two divisions and a
+ * square root per element) the fused loop hides the conversions, roundings and random draws
+ * under that wait, where the pipeline adds them. A row is kept only where it measurably beat
+ * the pipeline (docs/fast_paths.md has each row's measured gain and the CPU it came from).
+ * Every row computes the same bits as the pipeline: tests/c/test_core.c compares the two on
+ * every row and ISA path, and a build without this folder (MPEXT_FAST_PATHS=0) passes every
+ * test. Compiled once per ISA path (see isa.h). Each row is built twice (mp_adam_usual). The
+ * rows whose arrays are all 16-bit step 32 elements at a time by hand on AVX-512
+ * (adam_bf16x32.h) and 16 on AVX2 (adam_bf16x16.h, which also steps BF16 params with FP32
+ * moments, where GCC's own vectorisation of the C loop is slowest); the 8-bit rows with a bf16
+ * param and grad step each block's 32-element chunks by hand on AVX-512, both sweeps
+ * (adam_q8x32.h). */
 #include <string.h>
 
 #include "isa.h"
 #include "adam_bf16x32.h"
 #include "adam_bf16x16.h"
 #include "adam_q8x32.h"
-#include "formats.h"
+#include "formats/tiles.h"
 #include "adam_fused.h"
 #include "mpext/numerics.h"
 
@@ -153,8 +154,8 @@ static inline __attribute__((always_inline)) void adam_loop(
         mbuf[i] = mi;
         vbuf[i] = vi;
         /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
-         * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
-         * with moments_nearest too, which is for comparisons only. */
+         * (docs/fast_paths.md). Drawn, unused, with moments_nearest too, which is for
+         * comparisons only. */
         rbuf[i] = mp_sr_bits_hl(s.st.key_q8, lo, pos_hi);
       } else if (md == MP_BF16) {
         ((uint16_t*)m)[i] = mp_step_bf16_moment(mi, r_mv, &s.st);
@@ -288,82 +289,43 @@ static inline __attribute__((always_inline)) void adam_q8(
   }
 }
 
-/* The kept modes, one row each, named as tools/adam_engine_ab.c names them: param
- * dtype, grad dtype, param storage, exp_avg and exp_avg_sq dtypes (MP_I8, MP_U8: the 8-bit
- * pair), write_grad, bf16 moments to nearest, ema. The comment is the measured gain: the
- * pipeline's time over this loop's (avx512 on an AMD Zen 4, one thread, 16M elements, the
- * median of 15 interleaved rounds [quartiles]; tools/adam_engine_ab.c). A row is kept where
- * the pipeline alone was slower than this loop, and than the Adam loop before the pipeline, by more
- * than the spread in at least two of three such runs on this shared 2-core machine (ratios near
- * 1 are rows whose third run came out within the noise). A mode not listed runs the pipeline:
- * the fp16 modes (where the pipeline is as fast as the fused loop or faster), the bf16 modes
- * with an fp32 grad, moments of two dtypes or an ema not listed here. */
+/* The kept modes, one row each, named as docs/fast_paths.md names them: param dtype, grad
+ * dtype, param storage, exp_avg and exp_avg_sq dtypes (MP_I8, MP_U8: the 8-bit pair),
+ * write_grad, bf16 moments to nearest, ema. Why each is kept (its measured gain over the
+ * pipeline) is in docs/fast_paths.md; a mode not listed runs the pipeline. */
 #define MP_ADAM_FUSED_ROWS(X)                                                                      \
-  /* 1.331 [1.284, 1.453] (pipeline / fused) */                                                    \
   X(fp32, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 0, 0, 0)                                         \
-  /* 1.026 [0.864, 1.169] (pipeline / fused) */                                                    \
   X(fp32_wb, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 1, 0, 0)                                      \
-  /* 1.615 [1.474, 1.725] (pipeline / fused) */                                                    \
   X(fp32_bf16m, MP_F32, MP_F32, MK_F32, MP_BF16, MP_BF16, 0, 0, 0)                                 \
-  /* 1.129 [1.026, 1.214] (pipeline / fused) */                                                    \
   X(fp32_ema, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 0, 0, 1)                                     \
-  /* 1.175 [1.133, 1.303] (pipeline / fused) */                                                    \
   X(master, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0, 0, 0)                                  \
-  /* 1.225 [1.201, 1.268] (pipeline / fused) */                                                    \
   X(master_wb, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 1, 0, 0)                               \
-  /* 1.132 [1.061, 1.389] (pipeline / fused) */                                                    \
   X(master_g32, MP_BF16, MP_F32, MK_MASTER, MP_F32, MP_F32, 0, 0, 0)                               \
-  /* 1.259 [1.059, 1.357] (pipeline / fused) */                                                    \
   X(master_g32_wb, MP_BF16, MP_F32, MK_MASTER, MP_F32, MP_F32, 1, 0, 0)                            \
-  /* 1.462 [1.291, 1.494] (pipeline / fused) */                                                    \
   X(master_bf16m, MP_BF16, MP_BF16, MK_MASTER, MP_BF16, MP_BF16, 0, 0, 0)                          \
-  /* 1.312 [1.271, 1.335] (pipeline / fused) */                                                    \
   X(master_bf16m_wb, MP_BF16, MP_BF16, MK_MASTER, MP_BF16, MP_BF16, 1, 0, 0)                       \
-  /* 1.282 [1.047, 1.383] (pipeline / fused) */                                                    \
   X(master_ema, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0, 0, 1)                              \
-  /* 1.392 [1.333, 1.429] (pipeline / fused) */                                                    \
   X(remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 0, 0, 0)                            \
-  /* 1.299 [1.133, 1.352] (pipeline / fused) */                                                    \
   X(remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 1, 0, 0)                         \
-  /* 1.474 [1.395, 1.591] (pipeline / fused) */                                                    \
   X(remainder_g32, MP_BF16, MP_F32, MK_REMAINDER, MP_F32, MP_F32, 0, 0, 0)                         \
-  /* 1.208 [1.037, 1.257] (pipeline / fused) */                                                    \
   X(remainder_bf16m, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 0)                    \
-  /* 1.276 [1.142, 1.327] (pipeline / fused) */                                                    \
   X(bf16m_nearest, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 1, 0)                      \
-  /* 1.382 [1.356, 1.465] (pipeline / fused) */                                                    \
   X(remainder_bf16m_g32, MP_BF16, MP_F32, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 0)                 \
-  /* 1.392 [1.306, 1.434] (pipeline / fused) */                                                    \
   X(remainder_bf16m_ema, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 1)                \
-  /* 1.152 [1.129, 1.182] (pipeline / fused) */                                                    \
   X(remainder_bf16m_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 1, 0, 0)                 \
-  /* 1.413 [1.342, 1.535] (pipeline / fused) */                                                    \
   X(sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 0)                                     \
-  /* 1.177 [1.097, 1.445] (pipeline / fused) */                                                    \
   X(sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 1, 0, 0)                                  \
-  /* 1.381 [1.261, 1.575] (pipeline / fused) */                                                    \
   X(sr_g32, MP_BF16, MP_F32, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 0)                                  \
-  /* 1.008 [0.957, 1.290] (pipeline / fused) */                                                    \
   X(sr_ema, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 1)                                 \
-  /* 1.322 [1.263, 1.354] (pipeline / fused) */                                                    \
   X(sr_bf16m, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0, 0, 0)                             \
-  /* 1.426 [1.271, 1.535] (pipeline / fused) */                                                    \
   X(sr_bf16m_ema, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0, 0, 1)                         \
-  /* 1.231 [1.042, 1.292] (pipeline / fused) */                                                    \
   X(sr_bf16m_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 1, 0, 0)                          \
-  /* 1.351 [1.289, 1.492] (pipeline / fused) */                                                    \
   X(rne, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 0, 0, 0)                                   \
-  /* 1.329 [1.212, 1.421] (pipeline / fused) */                                                    \
   X(rne_wb, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 1, 0, 0)                                \
-  /* 1.341 [1.332, 1.387] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 0, 0, 0)                           \
-  /* 1.364 [1.310, 1.404] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 1, 0, 0)                        \
-  /* 1.259 [1.185, 1.357] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_master, MP_BF16, MP_BF16, MK_MASTER, MP_I8, MP_U8, 0, 0, 0)                                 \
-  /* 1.287 [1.238, 1.306] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 0, 0, 0)                                    \
-  /* 1.317 [1.264, 1.339] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1, 0, 0)
 
 /* 1 if a step's runtime choices are AdamW's usual ones (decoupled weight decay, not maximized,
@@ -425,7 +387,8 @@ static const fused_fn FUSED[FUSED_SLOTS] = {MP_ADAM_FUSED_ROWS(MP_FUSED_SLOT)};
 int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
                               const mp_step_scalars* s, const mp_rule_scalars* r, int kind) {
   if (r->rule != MP_RULE_ADAM || t->offset != 0) return 0; /* the rows are Adam's, unsharded */
-  const int32_t md = t->exp_avg_dtype, vd = t->exp_avg_sq_dtype;
+  const int32_t md = mp_format_dtype(t->exp_avg_format);
+  const int32_t vd = mp_format_dtype(t->exp_avg_sq_format);
   /* the rounding of bf16 moments is a choice only where there are some (8-bit codes choose
    * theirs outside the loop) */
   const int32_t near = s->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16);

@@ -31,7 +31,7 @@
 #include "adam_bf16x32.h"
 
 #if defined(MP_BF16X32)
-#include "formats.h"
+#include "formats/tiles.h"
 
 #define MP_Q8X32 1
 

@@ -184,8 +184,8 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
   const __m512i one = _mm512_set1_epi32(1);
   __m512i lo_e = _mm512_add_epi32(_mm512_set1_epi32((int)(lo0 + i)), ramp);
   for (; i + 32 <= n; i += 32, lo_e = _mm512_add_epi32(lo_e, _mm512_set1_epi32(32))) {
-    /* a kilobyte ahead on every array: at 16M elements on one core of an Intel Xeon, 0.88x the
-     * time without (remainder + bf16 moments; SR + 8-bit, adam_q8x32.h, 0.74x) */
+    /* a kilobyte ahead on every array: measurably faster on Intel's server cores
+     * (docs/fast_paths.md) */
     x32_prefetch(param + i);
     x32_prefetch(grad + i);
     x32_prefetch(m + i);

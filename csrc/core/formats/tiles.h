@@ -1,7 +1,8 @@
-/* Internal to the C core: the storage formats of the optimizer engine (step.c), one codec per
- * format, each a decode to fp32 and an encode from fp32 over one tile of elements (at most
- * MP_TILE, or one block of 8-bit moments). The per-element arithmetic is numerics.h's and
- * mpext/step_storage.h's and mpext/step_common.h's, the functions the CUDA kernels call, so a codec only loads, converts and
+/* Internal to the C core: the storage formats of the optimizer engine (step.c) over tiles, one
+ * codec per format (the moment formats are the rows of mpext/formats/formats.h), each a decode
+ * to fp32 and an encode from fp32 over one tile of elements (at most MP_TILE, or one block of
+ * 8-bit moments). The per-element arithmetic is that of numerics.h, mpext/step_storage.h and
+ * mpext/formats/ (the functions the CUDA kernels call), so a codec only loads, converts and
  * stores; it never changes a bit of what they compute.
  *
  * A decode returns the fp32 array the rule is to work on: the storage itself where a format is
