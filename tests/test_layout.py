@@ -205,3 +205,85 @@ def test_product_never_imports_the_old_paths():
                    for target, line in imports if target in moved)
     assert [f for f in found if f[:2] not in PENDING] == [], \
         "imports of old paths: %s" % found
+
+# ---------------------------------------------------------------------------------------------
+# The native tree (docs/contributing.md, "The native tiers"): rules are listed once, as the rows
+# of csrc/include/mpext/rules/rules.h; every tier's enum, dispatch, CUDA cases and op
+# registrations are generated from them, so the engine's files name no rule.
+
+NATIVE_DIRS = ("csrc", "cuda")
+NATIVE_EXTS = {".c", ".h", ".cpp", ".cu", ".cuh"}
+RULES_HEADER = ROOT / "csrc" / "include" / "mpext" / "rules" / "rules.h"
+# Where a rule may be named: its own files (the C rule headers and the C++ op entries), and the
+# fast paths, a cache kept for particular rules and formats (csrc/core/fast/README.md).
+RULE_DIRS = ("csrc/include/mpext/rules/", "csrc/torch/rules/", "csrc/core/fast/")
+# The step engine, every tier: what steps any rule.
+ENGINE_FILES = ("csrc/include/mpext/step.h", "csrc/include/mpext/step_storage.h",
+                "csrc/include/mpext/step_common.h", "csrc/include/mpext/step_cuda.h",
+                "csrc/core/step.c", "csrc/core/cpu.c", "csrc/core/isa.h", "csrc/core/table.c",
+                "csrc/core/formats/tiles.h", "csrc/include/mpext/formats/formats.h",
+                "csrc/include/mpext/formats/q8.h", "cuda/step.cu", "csrc/torch/step_common.h",
+                "csrc/torch/step_common.cpp", "csrc/torch/step.cpp", "csrc/torch/step_cuda.cpp")
+# The names of the step before the rename, kept as aliases for one release (mpext/adam.h).
+ALIASES = {"mp_adam_tensor", "mp_adam_options", "mp_adam_step", "mp_adam_advance_steps",
+           "mp_adam_step_multi_cuda"}
+
+
+def _native_files():
+    for d in NATIVE_DIRS:
+        for path in sorted((ROOT / d).rglob("*")):
+            if path.suffix in NATIVE_EXTS:
+                yield path.relative_to(ROOT).as_posix(), path
+
+
+def _code_only(text):
+    """C/C++ source without its comments and string literals (what the compiler reads as
+    names)."""
+    import re
+    pattern = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+                         re.S)
+    return pattern.sub(lambda m: " " if m.group(0).startswith("/") else '""', text)
+
+
+def _rule_rows():
+    """(ID, name) of every row of MP_RULES."""
+    import re
+    text = RULES_HEADER.read_text()
+    block = re.search(r"#define MP_RULES\(X\)(.*?)\n\n", text, re.S).group(1)
+    return re.findall(r"X\((\w+),\s*(\w+),", block)
+
+
+def test_rules_are_listed_once():
+    """The rows name at least the rules the ops register (so the checks below see them)."""
+    names = {name for _, name in _rule_rows()}
+    assert {"adam", "lion", "sgd"} <= names, names
+
+
+def test_no_native_file_outside_the_rules_names_a_rule_id():
+    """MP_RULE_<ID> appears only in the rules' own files (and the fast paths' index); every
+    other site is generated from the rows (MP_RULE_##ID) or uses MP_RULE_COUNT."""
+    import re
+    ids = {i for i, _ in _rule_rows()}
+    found = []
+    for rel, path in _native_files():
+        if rel.startswith(RULE_DIRS):
+            continue
+        for m in re.finditer(r"\bMP_RULE_([A-Z0-9_]+)\b", _code_only(path.read_text())):
+            if m.group(1) in ids:
+                found.append("%s: %s" % (rel, m.group(0)))
+    assert found == [], "rule ids named outside the rules' files: %s" % found
+
+
+def test_the_engine_names_no_rule():
+    """No name in the engine's files (comments and strings aside) has a rule's name as one of
+    its words (mp_adam_element, lion_tile, SgdRule, ...), but the one-release aliases."""
+    import re
+    names = {name.lower() for _, name in _rule_rows()}
+    found = []
+    for rel in ENGINE_FILES:
+        code = _code_only((ROOT / rel).read_text())
+        for word in sorted(set(re.findall(r"\b[A-Za-z_]\w*\b", code)) - ALIASES):
+            parts = {p.lower() for p in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", word)}
+            if parts & names:
+                found.append("%s: %s" % (rel, word))
+    assert found == [], "the engine names a rule: %s" % found

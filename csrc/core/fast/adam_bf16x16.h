@@ -7,8 +7,7 @@
  * per 8 elements and narrows it back with an and, a pack and a lane permute, and selects the
  * NaN cases of each rounding with compares and blends: about 15 instructions per element on a
  * core that retires 2.5 of them per cycle, so the loop, not memory, was what a step waited on
- * (on an AMD EPYC Zen 2, remainder + bf16 moments took 1.96 ns per element and thread where
- * torch's fused AdamW on fp32, at the bytes bound, takes 1.76). As in adam_bf16x32.h, 16 words
+ * (docs/fast_paths.md). As in adam_bf16x32.h, 16 words
  * load as one vector and are never reordered: lane j takes element 2j into its high half by
  * one shift and element 2j + 1 by one mask, the update runs on the even and the odd elements
  * as two fp32 vectors, and each array is stored back with a shift, a mask and an or. The
@@ -18,7 +17,7 @@
  * ternary logic, no mask registers and no fp classes: the packing takes two logic ops where
  * AVX-512 takes one, a rounding's carry is added as a shifted bit, a tie found by a compare is
  * added as its all-ones lane, and NaNs are found by unordered compares. No software prefetch:
- * on Zen 2 it changed nothing measurable (adam_bf16x32.h's is for Intel's server cores).
+ * it changed nothing measurable on the cores this path is for (docs/fast_paths.md).
  *
  * The rows with fp32 moments and a bf16 param (a master, a remainder, none) have a loop here
  * too, x16_adam_f32m: their fp32 arrays load in element order, so the 16-bit ones are widened
@@ -31,8 +30,8 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(MP_BF16X32)
 #include <immintrin.h>
 
-#include "formats.h"
-#include "mpext/adam_rule.h"
+#include "formats/tiles.h"
+#include "adam_fused.h"
 
 #define MP_BF16X16 1
 
@@ -99,11 +98,11 @@ typedef struct x16_scalars {
   __m256 inv_scale, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
 } x16_scalars;
 
-static inline x16_scalars x16_scalars_of(const mp_adam_scalars* s) {
-  const x16_scalars c = {_mm256_set1_ps(s->inv_scale),       _mm256_set1_ps(s->decay),
-                         _mm256_set1_ps(s->lerp_weight),     _mm256_set1_ps(s->beta2),
-                         _mm256_set1_ps(s->one_minus_beta2), _mm256_set1_ps(s->bc2_sqrt),
-                         _mm256_set1_ps(s->eps),             _mm256_set1_ps(s->neg_step_size)};
+static inline x16_scalars x16_scalars_of(const mp_fused_scalars* s) {
+  const x16_scalars c = {_mm256_set1_ps(s->st.inv_scale),       _mm256_set1_ps(s->a.decay),
+                         _mm256_set1_ps(s->a.lerp_weight),     _mm256_set1_ps(s->a.beta2),
+                         _mm256_set1_ps(s->a.one_minus_beta2), _mm256_set1_ps(s->a.bc2_sqrt),
+                         _mm256_set1_ps(s->a.eps),             _mm256_set1_ps(s->a.neg_step_size)};
   return c;
 }
 
@@ -148,11 +147,11 @@ static inline __m256 x16_nan(__m256 x) { return _mm256_cmp_ps(x, x, _CMP_UNORD_Q
 static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
-    uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int nearest,
+    uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
     const int write_grad) {
-  const __m256 ema_w = _mm256_set1_ps(s->ema_weight);
+  const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
-  const __m256i km = x16_key(s->key_moments, hi), kp = x16_key(s->key_param, hi);
+  const __m256i km = x16_key(s->st.key_moments, hi), kp = x16_key(s->st.key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m256i ramp = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   const __m256i one = _mm256_set1_epi32(1);
@@ -217,12 +216,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
 }
 
 /* x16_adam_f32m's block: 4 vectors of 8 elements. Its loop waits on the divider's latency
- * more than on its width (two square roots and four divisions per 16 elements, about 27 cycles
- * on Zen 2, then the roundings that need them): four independent vectors per block, their NaN
- * test done once, let the next block's divisions start while this one's roundings run -- 1.2x
- * (master) to 1.5x (remainder, grad written back) faster than 2 vectors per block, no gain
- * from 6 or 8. The 16-bit rows' loop above, bound by its instruction count, gained nothing
- * from 2 or 3 blocks at once. */
+ * more than on its width (two square roots and four divisions per 16 elements, then the
+ * roundings that need them): four independent vectors per block, their NaN test done once, let
+ * the next block's divisions start while this one's roundings run (docs/fast_paths.md has the
+ * measured choice of 4). */
 #define X16_F32M_V 4
 #define X16_F32M_W (8 * X16_F32M_V)
 
@@ -256,11 +253,11 @@ static inline void x16_ema_in_order(float* restrict e, __m256 x, __m256 w) {
 static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
     uint16_t* restrict param, void* restrict grad, const int g32, float* restrict master,
     int16_t* restrict remainder, float* restrict m, float* restrict v, float* restrict ema,
-    uint32_t i, uint32_t n, uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int kind,
+    uint32_t i, uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int kind,
     const int write_grad) {
-  const __m256 ema_w = _mm256_set1_ps(s->ema_weight);
+  const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
-  const __m256i kp = x16_key(s->key_param, hi);
+  const __m256i kp = x16_key(s->st.key_param, hi);
   const __m256i ramp = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int rounded_master = kind == MP_PV_MASTER || kind == MP_PV_REMAINDER;
   uint16_t* restrict gw = (uint16_t*)grad;

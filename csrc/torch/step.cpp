@@ -1,5 +1,6 @@
-// CPU implementation of adam_step_, lion_step_ and sgd_step_: validate (plan_step), then the C
-// core (mp_adam_step, which steps by the options' rule) over every param's elements, split
+// CPU implementation of the step ops (one per rule: adam_step_, lion_step_, sgd_step_, ...):
+// validate (plan_step), then the C core (mp_step, which steps by the options' rule) over every
+// param's elements, split
 // across threads; the C core reads found_inf, the step counts, lr and inv_scale
 // itself (the same rule as the CUDA kernels), and the step counts advance once every element
 // is done.
@@ -11,7 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "adam_common.h"
+#include "rules/rules.h"
+#include "step_common.h"
 #include "common.h"
 #include "multi_tensor.h"
 
@@ -21,17 +23,17 @@ namespace {
 struct Cpu {
   static constexpr c10::DeviceType kDevice = c10::kCPU;
 
-  static void step(const AdamPlan& plan, const c10::Device&, const char* op) {
+  static void step(const StepPlan& plan, const c10::Device&, const char* op) {
     // Ranges of whole blocks (of 8-bit moments; the block size divides the grain), so that
     // one call sees each block's every element.
     const int64_t unit = plan.options.q8_block;
     parallel_segments(
         plan.tensors, kGrainSize / unit,
         [&](size_t k, int64_t start, int64_t count) {
-          check_status(mp_adam_step(&plan.tensors[k], start, count, &plan.options), op);
+          check_status(mp_step(&plan.tensors[k], start, count, &plan.options), op);
         },
         unit);
-    check_status(mp_adam_advance_steps(plan.tensors.data(),
+    check_status(mp_step_advance_steps(plan.tensors.data(),
                                        static_cast<int64_t>(plan.tensors.size()), &plan.options),
                  op);
   }
@@ -40,9 +42,10 @@ struct Cpu {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mpext, CPU, m) {
-  m.impl("adam_step_", &adam_step<Cpu>);
-  m.impl("lion_step_", &lion_step<Cpu>);
-  m.impl("sgd_step_", &sgd_step<Cpu>);
+// One registration per row of mpext/rules/rules.h: "<name>_step_" is <name>_step<Cpu>.
+#define MP_RULE_IMPL_(ID, name, MIN, MAX) m.impl(#name "_step_", &name##_step<Cpu>);
+  MP_RULES(MP_RULE_IMPL_)
+#undef MP_RULE_IMPL_
 }
 
 }  // namespace mpext

@@ -1,25 +1,26 @@
-/* Hand-fused Adam/AdamW loops, kept for the storage modes where they measurably beat the
- * engine's tile pipeline (adam.c): one loop body per mode that loads, updates and stores every
- * array of an element at once. The engine's stages each run a loop of their own, and on a CPU
- * whose Adam loop waits on its divider (two divisions and a square root per element) the fused
- * loop hides the conversions, roundings and random draws under that wait, where the pipeline
- * adds them. Each row of MP_ADAM_FUSED_ROWS below says what it gained, measured with
- * tools/adam_engine_ab.c (the pipeline against this loop on the same arrays, in one
- * process). Every row computes the same bits as the pipeline: tests/c/test_core.c compares the
- * two on every row and ISA path. Compiled once per ISA path (see isa.h). Each row is built
- * twice (mp_adam_usual). The rows whose arrays are all 16-bit step 32 elements at a time by
- * hand on AVX-512 (adam_bf16x32.h) and 16 on AVX2 (adam_bf16x16.h, which also steps BF16
- * params with FP32 moments, where GCC's own vectorisation of the C loop is slowest); the
- * 8-bit rows with a bf16 param and grad step each block's 32-element chunks by hand on
- * AVX-512, both sweeps (adam_q8x32.h). */
+/* Hand-fused Adam/AdamW loops: the fast paths, an optional cache over the step engine's tile
+ * pipeline (csrc/core/step.c; this folder's README.md). One loop body per storage mode that
+ * loads, updates and stores every array of an element at once. The engine's stages each run a
+ * loop of their own, and on a CPU whose Adam loop waits on its divider (two divisions and a
+ * square root per element) the fused loop hides the conversions, roundings and random draws
+ * under that wait, where the pipeline adds them. A row is kept only where it measurably beat
+ * the pipeline (docs/fast_paths.md has each row's measured gain and the CPU it came from).
+ * Every row computes the same bits as the pipeline: tests/c/test_core.c compares the two on
+ * every row and ISA path, and a build without this folder (MPEXT_FAST_PATHS=0) passes every
+ * test. Compiled once per ISA path (see isa.h). Each row is built twice (mp_adam_usual). The
+ * rows whose arrays are all 16-bit step 32 elements at a time by hand on AVX-512
+ * (adam_bf16x32.h) and 16 on AVX2 (adam_bf16x16.h, which also steps BF16 params with FP32
+ * moments, where GCC's own vectorisation of the C loop is slowest); the 8-bit rows with a bf16
+ * param and grad step each block's 32-element chunks by hand on AVX-512, both sweeps
+ * (adam_q8x32.h). */
 #include <string.h>
 
 #include "isa.h"
 #include "adam_bf16x32.h"
 #include "adam_bf16x16.h"
 #include "adam_q8x32.h"
-#include "formats.h"
-#include "mpext/adam_rule.h"
+#include "formats/tiles.h"
+#include "adam_fused.h"
 #include "mpext/numerics.h"
 
 #ifndef MP_ISA_SUFFIX
@@ -58,9 +59,9 @@ typedef struct q8_sweep {
 } q8_sweep;
 
 /* The loop, always inlined into a caller with constant layout parameters. Elements [start,
- * start + n) must share the high 32 bits of their position (mp_k_adam_step splits a range that
+ * start + n) must share the high 32 bits of their position (mp_k_step splits a range that
  * does not), so that the positions the random bits are drawn at are 32-bit arithmetic. The
- * arrays never overlap (mp_adam_step's contract): ivdep spares the vectorized loop the runtime
+ * arrays never overlap (mp_step's contract): ivdep spares the vectorized loop the runtime
  * alias checks GCC otherwise adds, and falls back from, once the loop is inlined. With 8-bit
  * moments (md == MP_I8) it is the first sweep over a block: the codes decoded, the new fp32
  * moments and the random bits of their rounding written to q's buffers. with_ema is a constant
@@ -69,17 +70,17 @@ static inline __attribute__((always_inline)) void adam_loop(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
     void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, uint32_t n,
-    const mp_adam_scalars* restrict hp, const int mk, const int write_grad, const int near,
+    const mp_fused_scalars* restrict hp, const int mk, const int write_grad, const int near,
     const int with_ema, const int usual, q8_sweep* restrict q) {
-  mp_adam_scalars s = *hp;
-  s.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
+  mp_fused_scalars s = *hp;
+  s.st.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
   if (usual) { /* the same values too (see mp_adam_usual), as constants */
-    s.decoupled = 1;
-    s.maximize = 0;
-    s.lerp_from_start = 1;
+    s.a.decoupled = 1;
+    s.a.maximize = 0;
+    s.a.lerp_from_start = 1;
     if (with_ema) {
-      s.ema_copy = 0;
-      s.ema_from_start = 1;
+      s.st.ema_copy = 0;
+      s.st.ema_from_start = 1;
     }
   }
   const int sr_moments = (md == MP_BF16 || vd == MP_BF16) && !near;
@@ -129,7 +130,7 @@ static inline __attribute__((always_inline)) void adam_loop(
 #pragma GCC ivdep
     for (; i < stop; ++i) {
       const uint32_t lo = pos_lo + i; /* the element's place in its param: pos_hi, lo */
-      const float g = mp_adam_unscaled(load_as_f32(grad, i, gt), &s);
+      const float g = mp_step_unscaled(load_as_f32(grad, i, gt), &s.st);
       if (write_grad) store_from_f32(grad, i, gt, g);
       float p0;
       if (mk == MK_MASTER) {
@@ -142,36 +143,36 @@ static inline __attribute__((always_inline)) void adam_loop(
       float mi, vi;
       if (q8) {
         mi = mp_q8_decode_m(((const uint8_t*)m)[i], rm);
-        vi = mp_adam_q8_floor_v(mi, mp_q8_decode_v(((const uint8_t*)v)[i], rv), &s);
+        vi = mp_step_q8_floor_v(mi, mp_q8_decode_v(((const uint8_t*)v)[i], rv), &s.st);
       } else {
         mi = load_as_f32(m, i, md);
         vi = load_as_f32(v, i, vd);
       }
-      const float p = mp_adam_element(g, p0, &mi, &vi, &s);
-      const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.key_moments, lo, pos_hi) : 0u;
+      const float p = mp_adam_element(g, p0, &mi, &vi, &s.a);
+      const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.st.key_moments, lo, pos_hi) : 0u;
       if (q8) {
         mbuf[i] = mi;
         vbuf[i] = vi;
         /* drawn here rather than in q8_store: this loop has room for the generator's multiplies
-         * (with a remainder, 10% off the step; with the param's own draw, 5%). Drawn, unused,
-         * with moments_nearest too, which is for comparisons only. */
-        rbuf[i] = mp_sr_bits_hl(s.key_q8, lo, pos_hi);
+         * (docs/fast_paths.md). Drawn, unused, with moments_nearest too, which is for
+         * comparisons only. */
+        rbuf[i] = mp_sr_bits_hl(s.st.key_q8, lo, pos_hi);
       } else if (md == MP_BF16) {
-        ((uint16_t*)m)[i] = mp_adam_bf16_moment(mi, r_mv, &s);
+        ((uint16_t*)m)[i] = mp_step_bf16_moment(mi, r_mv, &s.st);
       } else {
         ((float*)m)[i] = mi;
       }
       if (!q8 && vd == MP_BF16) {
-        ((uint16_t*)v)[i] = mp_adam_bf16_moment(vi, r_mv >> 16, &s);
+        ((uint16_t*)v)[i] = mp_step_bf16_moment(vi, r_mv >> 16, &s.st);
       } else if (!q8) {
         ((float*)v)[i] = vi;
       }
-      if (with_ema && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_adam_ema(ema[i], p, &s);
+      if (with_ema && mk != MK_MASTER && mk != MK_REMAINDER) ema[i] = mp_step_ema(ema[i], p, &s.st);
       if (mk == MK_F32) {
         ((float*)param)[i] = p;
       } else if (mk == MK_MASTER || mk == MK_REMAINDER) {
         const uint32_t x = pt == MP_BF16 ? mp_bf16_master_bits(bits_of_f32(p)) : bits_of_f32(p);
-        if (with_ema) ema[i] = mp_adam_ema(ema[i], f32_of_bits(x), &s);
+        if (with_ema) ema[i] = mp_step_ema(ema[i], f32_of_bits(x), &s.st);
         const uint16_t qb = pt == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
         ((uint16_t*)param)[i] = qb;
         if (mk == MK_MASTER) {
@@ -182,7 +183,7 @@ static inline __attribute__((always_inline)) void adam_loop(
       } else if (mk == MK_NONE_RNE) {
         store_from_f32(param, i, pt, p);
       } else {
-        const uint32_t r = mp_sr_bits_hl(s.key_param, lo, pos_hi);
+        const uint32_t r = mp_sr_bits_hl(s.st.key_param, lo, pos_hi);
         ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
                                               : mp_fp16_sr_bits(bits_of_f32(p), r);
       }
@@ -224,9 +225,9 @@ static inline __attribute__((always_inline)) void adam_q8(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
     uint8_t* restrict vc, float* restrict ms, float* restrict vs, float* restrict ema,
-    int64_t start, int64_t n, const mp_adam_scalars* restrict hp, const int mk,
+    int64_t start, int64_t n, const mp_fused_scalars* restrict hp, const int mk,
     const int write_grad, const int with_ema, const int usual) {
-  const int64_t b = hp->q8_block;
+  const int64_t b = hp->st.q8_block;
   _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) uint32_t rbuf[MP_Q8_BLOCK_MAX];
@@ -236,7 +237,7 @@ static inline __attribute__((always_inline)) void adam_q8(
    * reference is finite */
   const int hand = usual && !with_ema && pt == MP_BF16 && gt == MP_BF16 &&
                    (mk == MK_MASTER || mk == MK_REMAINDER || mk == MK_NONE_SR) &&
-                   !hp->moments_nearest;
+                   !hp->st.moments_nearest;
 #endif
   for (int64_t off = 0; off < n; off += b) {
     const int64_t len = n - off < b ? n - off : b;
@@ -276,7 +277,7 @@ static inline __attribute__((always_inline)) void adam_q8(
       }
     }
 #endif
-    if (hp->moments_nearest) { /* a constant in each loop: only its rounding is computed */
+    if (hp->st.moments_nearest) { /* a constant in each loop: only its rounding is computed */
       q8_store(mc + off + from, vc + off + from, mbuf + from, vbuf + from, rbuf + from,
                len - from, em, ev, 1);
     } else {
@@ -288,82 +289,43 @@ static inline __attribute__((always_inline)) void adam_q8(
   }
 }
 
-/* The kept modes, one row each, named as tools/adam_engine_ab.c names them: param
- * dtype, grad dtype, param storage, exp_avg and exp_avg_sq dtypes (MP_I8, MP_U8: the 8-bit
- * pair), write_grad, bf16 moments to nearest, ema. The comment is the measured gain: the
- * pipeline's time over this loop's (avx512 on an AMD Zen 4, one thread, 16M elements, the
- * median of 15 interleaved rounds [quartiles]; tools/adam_engine_ab.c). A row is kept where
- * the pipeline alone was slower than this loop, and than the adam.c before the pipeline, by more
- * than the spread in at least two of three such runs on this shared 2-core machine (ratios near
- * 1 are rows whose third run came out within the noise). A mode not listed runs the pipeline:
- * the fp16 modes (where the pipeline is as fast as the fused loop or faster), the bf16 modes
- * with an fp32 grad, moments of two dtypes or an ema not listed here. */
+/* The kept modes, one row each, named as docs/fast_paths.md names them: param dtype, grad
+ * dtype, param storage, exp_avg and exp_avg_sq dtypes (MP_I8, MP_U8: the 8-bit pair),
+ * write_grad, bf16 moments to nearest, ema. Why each is kept (its measured gain over the
+ * pipeline) is in docs/fast_paths.md; a mode not listed runs the pipeline. */
 #define MP_ADAM_FUSED_ROWS(X)                                                                      \
-  /* 1.331 [1.284, 1.453] (pipeline / fused) */                                                    \
   X(fp32, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 0, 0, 0)                                         \
-  /* 1.026 [0.864, 1.169] (pipeline / fused) */                                                    \
   X(fp32_wb, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 1, 0, 0)                                      \
-  /* 1.615 [1.474, 1.725] (pipeline / fused) */                                                    \
   X(fp32_bf16m, MP_F32, MP_F32, MK_F32, MP_BF16, MP_BF16, 0, 0, 0)                                 \
-  /* 1.129 [1.026, 1.214] (pipeline / fused) */                                                    \
   X(fp32_ema, MP_F32, MP_F32, MK_F32, MP_F32, MP_F32, 0, 0, 1)                                     \
-  /* 1.175 [1.133, 1.303] (pipeline / fused) */                                                    \
   X(master, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0, 0, 0)                                  \
-  /* 1.225 [1.201, 1.268] (pipeline / fused) */                                                    \
   X(master_wb, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 1, 0, 0)                               \
-  /* 1.132 [1.061, 1.389] (pipeline / fused) */                                                    \
   X(master_g32, MP_BF16, MP_F32, MK_MASTER, MP_F32, MP_F32, 0, 0, 0)                               \
-  /* 1.259 [1.059, 1.357] (pipeline / fused) */                                                    \
   X(master_g32_wb, MP_BF16, MP_F32, MK_MASTER, MP_F32, MP_F32, 1, 0, 0)                            \
-  /* 1.462 [1.291, 1.494] (pipeline / fused) */                                                    \
   X(master_bf16m, MP_BF16, MP_BF16, MK_MASTER, MP_BF16, MP_BF16, 0, 0, 0)                          \
-  /* 1.312 [1.271, 1.335] (pipeline / fused) */                                                    \
   X(master_bf16m_wb, MP_BF16, MP_BF16, MK_MASTER, MP_BF16, MP_BF16, 1, 0, 0)                       \
-  /* 1.282 [1.047, 1.383] (pipeline / fused) */                                                    \
   X(master_ema, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0, 0, 1)                              \
-  /* 1.392 [1.333, 1.429] (pipeline / fused) */                                                    \
   X(remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 0, 0, 0)                            \
-  /* 1.299 [1.133, 1.352] (pipeline / fused) */                                                    \
   X(remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 1, 0, 0)                         \
-  /* 1.474 [1.395, 1.591] (pipeline / fused) */                                                    \
   X(remainder_g32, MP_BF16, MP_F32, MK_REMAINDER, MP_F32, MP_F32, 0, 0, 0)                         \
-  /* 1.208 [1.037, 1.257] (pipeline / fused) */                                                    \
   X(remainder_bf16m, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 0)                    \
-  /* 1.276 [1.142, 1.327] (pipeline / fused) */                                                    \
   X(bf16m_nearest, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 1, 0)                      \
-  /* 1.382 [1.356, 1.465] (pipeline / fused) */                                                    \
   X(remainder_bf16m_g32, MP_BF16, MP_F32, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 0)                 \
-  /* 1.392 [1.306, 1.434] (pipeline / fused) */                                                    \
   X(remainder_bf16m_ema, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0, 0, 1)                \
-  /* 1.152 [1.129, 1.182] (pipeline / fused) */                                                    \
   X(remainder_bf16m_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 1, 0, 0)                 \
-  /* 1.413 [1.342, 1.535] (pipeline / fused) */                                                    \
   X(sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 0)                                     \
-  /* 1.177 [1.097, 1.445] (pipeline / fused) */                                                    \
   X(sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 1, 0, 0)                                  \
-  /* 1.381 [1.261, 1.575] (pipeline / fused) */                                                    \
   X(sr_g32, MP_BF16, MP_F32, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 0)                                  \
-  /* 1.008 [0.957, 1.290] (pipeline / fused) */                                                    \
   X(sr_ema, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0, 0, 1)                                 \
-  /* 1.322 [1.263, 1.354] (pipeline / fused) */                                                    \
   X(sr_bf16m, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0, 0, 0)                             \
-  /* 1.426 [1.271, 1.535] (pipeline / fused) */                                                    \
   X(sr_bf16m_ema, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0, 0, 1)                         \
-  /* 1.231 [1.042, 1.292] (pipeline / fused) */                                                    \
   X(sr_bf16m_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 1, 0, 0)                          \
-  /* 1.351 [1.289, 1.492] (pipeline / fused) */                                                    \
   X(rne, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 0, 0, 0)                                   \
-  /* 1.329 [1.212, 1.421] (pipeline / fused) */                                                    \
   X(rne_wb, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 1, 0, 0)                                \
-  /* 1.341 [1.332, 1.387] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 0, 0, 0)                           \
-  /* 1.364 [1.310, 1.404] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 1, 0, 0)                        \
-  /* 1.259 [1.185, 1.357] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_master, MP_BF16, MP_BF16, MK_MASTER, MP_I8, MP_U8, 0, 0, 0)                                 \
-  /* 1.287 [1.238, 1.306] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 0, 0, 0)                                    \
-  /* 1.317 [1.264, 1.339] (pipeline / fused; adam_q8x32.h) */                                      \
   X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1, 0, 0)
 
 /* 1 if a step's runtime choices are AdamW's usual ones (decoupled weight decay, not maximized,
@@ -372,9 +334,9 @@ static inline __attribute__((always_inline)) void adam_q8(
  * of each choice and the masks that select it (on a core that issues 512-bit integer and blend
  * work on two ports only, that work is what the loop waits on), and once for any choice. A row
  * without an ema never reads the ema's fields (a group without one has ema_decay 0). */
-static inline int mp_adam_usual(const mp_adam_scalars* s, int with_ema) {
-  return s->decoupled && !s->maximize && s->lerp_from_start &&
-         (!with_ema || (!s->ema_copy && s->ema_from_start));
+static inline int mp_adam_usual(const mp_fused_scalars* s, int with_ema) {
+  return s->a.decoupled && !s->a.maximize && s->a.lerp_from_start &&
+         (!with_ema || (!s->st.ema_copy && s->st.ema_from_start));
 }
 
 /* One function per row over a piece (positions sharing their high 32 bits). */
@@ -387,8 +349,8 @@ static inline int mp_adam_usual(const mp_adam_scalars* s, int with_ema) {
               (uint32_t)n, s, MK, WG, NEAR, EMA, USUAL, NULL);                            \
   }
 #define MP_FUSED_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                                \
-  static void fused_##name(const mp_adam_tensor* t, int64_t start, int64_t n,               \
-                           const mp_adam_scalars* s) {                                      \
+  static void fused_##name(const mp_step_tensor* t, int64_t start, int64_t n,               \
+                           const mp_fused_scalars* s) {                                     \
     void* param = (char*)t->param + start * MP_DTYPE_BYTES(PT);                             \
     void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(GT);                               \
     float* master = t->master != NULL ? t->master + start : NULL;                           \
@@ -404,31 +366,37 @@ static inline int mp_adam_usual(const mp_adam_scalars* s, int with_ema) {
   }
 MP_ADAM_FUSED_ROWS(MP_FUSED_FN)
 
-typedef void (*fused_fn)(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*);
+typedef void (*fused_fn)(const mp_step_tensor*, int64_t, int64_t, const mp_fused_scalars*);
 
-typedef struct fused_row {
-  int32_t pt, gt, mk, md, vd, wg, near, ema;
-  fused_fn f;
-} fused_row;
+/* The rows selected by an index on their mode: param dtype (MP_F32, MP_BF16, MP_F16: the
+ * values 0..2), grad dtype (the param's, or fp32: 0/1), param storage (MP_PV_*), moments
+ * (fp32 pair, bf16 pair, 8-bit pair, or another mix: 0..3), write_grad, nearest, ema: one array
+ * slot per mode, built at compile time from the rows, NULL where no row is kept. */
+#define FUSED_MOMENTS(MD, VD)                          \
+  ((MD) == MP_F32 && (VD) == MP_F32     ? 0            \
+   : (MD) == MP_BF16 && (VD) == MP_BF16 ? 1            \
+   : (MD) == MP_I8 && (VD) == MP_U8     ? 2            \
+                                        : 3)
+#define FUSED_INDEX(PT, G32, MK, MOM, WG, NEAR, EMA) \
+  ((((((((PT) * 2 + (G32)) * 5 + (MK)) * 4 + (MOM)) * 2 + (WG)) * 2 + (NEAR)) * 2) + (EMA))
+enum { FUSED_SLOTS = 3 * 2 * 5 * 4 * 2 * 2 * 2 };
+#define MP_FUSED_SLOT(name, PT, GT, MK, MD, VD, WG, NEAR, EMA) \
+  [FUSED_INDEX(PT, (GT) != (PT), MK, FUSED_MOMENTS(MD, VD), WG, NEAR, EMA)] = fused_##name,
+static const fused_fn FUSED[FUSED_SLOTS] = {MP_ADAM_FUSED_ROWS(MP_FUSED_SLOT)};
 
-#define MP_FUSED_ROW(name, PT, GT, MK, MD, VD, WG, NEAR, EMA) \
-  {PT, GT, MK, MD, VD, WG, NEAR, EMA, fused_##name},
-static const fused_row ROWS[] = {MP_ADAM_FUSED_ROWS(MP_FUSED_ROW)};
-
-int MP_ISA_FN(mp_k_adam_fused)(const mp_adam_tensor* t, int64_t start, int64_t n,
-                               const mp_adam_scalars* s, int kind) {
-  const int32_t md = t->exp_avg_dtype, vd = t->exp_avg_sq_dtype;
+int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
+                              const mp_step_scalars* s, const mp_rule_scalars* r, int kind) {
+  if (r->rule != MP_RULE_ADAM || t->offset != 0) return 0; /* the rows are Adam's, unsharded */
+  const int32_t md = mp_format_dtype(t->exp_avg_format);
+  const int32_t vd = mp_format_dtype(t->exp_avg_sq_format);
   /* the rounding of bf16 moments is a choice only where there are some (8-bit codes choose
    * theirs outside the loop) */
   const int32_t near = s->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16);
   const int32_t wg = s->write_grad != 0, ema = t->ema != NULL;
-  for (size_t k = 0; k < sizeof ROWS / sizeof ROWS[0]; ++k) {
-    const fused_row* r = &ROWS[k];
-    if (r->pt == t->param_dtype && r->gt == t->grad_dtype && r->mk == kind && r->md == md &&
-        r->vd == vd && r->wg == wg && r->near == near && r->ema == ema) {
-      r->f(t, start, n, s);
-      return 1;
-    }
-  }
-  return 0;
+  const fused_fn f = FUSED[FUSED_INDEX(t->param_dtype, t->grad_dtype != t->param_dtype, kind,
+                                       FUSED_MOMENTS(md, vd), wg, near, ema)];
+  if (f == NULL) return 0;
+  const mp_fused_scalars fs = {*s, r->u.adam};
+  f(t, start, n, &fs);
+  return 1;
 }

@@ -31,7 +31,7 @@
 #include "adam_bf16x32.h"
 
 #if defined(MP_BF16X32)
-#include "formats.h"
+#include "formats/tiles.h"
 
 #define MP_Q8X32 1
 
@@ -68,13 +68,13 @@ static inline __m512 x32_q8_value(__m512i c19, __mmask16 sub, const x32_q8_dec* 
 static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     uint16_t* restrict param, uint16_t* restrict grad, float* restrict master,
     int16_t* restrict remainder, const uint8_t* restrict mc, const uint8_t* restrict vc,
-    uint32_t n, uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, uint32_t em, uint32_t ev,
+    uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, uint32_t em, uint32_t ev,
     float* restrict mbuf, float* restrict vbuf, uint32_t* restrict rbuf, uint32_t* am,
     uint32_t* av, const int mk, const int write_grad) {
   const x32_scalars c = x32_scalars_of(s);
-  const __m512 inv_k = _mm512_set1_ps(s->q8_inv_k);
+  const __m512 inv_k = _mm512_set1_ps(s->st.q8_inv_k);
   const x32_q8_dec dm = x32_q8_dec_of(em, 7u), dv = x32_q8_dec_of(ev, 15u);
-  const __m512i kq = x32_key(s->key_q8, hi), kp = x32_key(s->key_param, hi);
+  const __m512i kq = x32_key(s->st.key_q8, hi), kp = x32_key(s->st.key_param, hi);
   const __m512i ramp = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                          30);
   const __m512i mag_m = _mm512_set1_epi32(0x03F80000), mag_v = _mm512_set1_epi32(0x07F80000);

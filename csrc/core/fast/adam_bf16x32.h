@@ -19,7 +19,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 
-#include "mpext/adam_rule.h"
+#include "adam_fused.h"
 
 #define MP_BF16X32 1
 
@@ -103,11 +103,11 @@ typedef struct x32_scalars {
   __m512 inv_scale, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
 } x32_scalars;
 
-static inline x32_scalars x32_scalars_of(const mp_adam_scalars* s) {
-  const x32_scalars c = {_mm512_set1_ps(s->inv_scale),       _mm512_set1_ps(s->decay),
-                         _mm512_set1_ps(s->lerp_weight),     _mm512_set1_ps(s->beta2),
-                         _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->bc2_sqrt),
-                         _mm512_set1_ps(s->eps),             _mm512_set1_ps(s->neg_step_size)};
+static inline x32_scalars x32_scalars_of(const mp_fused_scalars* s) {
+  const x32_scalars c = {_mm512_set1_ps(s->st.inv_scale),       _mm512_set1_ps(s->a.decay),
+                         _mm512_set1_ps(s->a.lerp_weight),     _mm512_set1_ps(s->a.beta2),
+                         _mm512_set1_ps(s->a.one_minus_beta2), _mm512_set1_ps(s->a.bc2_sqrt),
+                         _mm512_set1_ps(s->a.eps),             _mm512_set1_ps(s->a.neg_step_size)};
   return c;
 }
 
@@ -173,19 +173,19 @@ static inline int x32_nan(__m512 pe, __m512 me, __m512 ve, __m512 po, __m512 mo,
 static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
-    uint32_t lo0, uint32_t hi, const mp_adam_scalars* s, const int nearest,
+    uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
     const int write_grad) {
-  const __m512 ema_w = _mm512_set1_ps(s->ema_weight);
+  const __m512 ema_w = _mm512_set1_ps(s->st.ema_weight);
   const x32_scalars c = x32_scalars_of(s);
-  const __m512i km = x32_key(s->key_moments, hi), kp = x32_key(s->key_param, hi);
+  const __m512i km = x32_key(s->st.key_moments, hi), kp = x32_key(s->st.key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m512i ramp = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                          30);
   const __m512i one = _mm512_set1_epi32(1);
   __m512i lo_e = _mm512_add_epi32(_mm512_set1_epi32((int)(lo0 + i)), ramp);
   for (; i + 32 <= n; i += 32, lo_e = _mm512_add_epi32(lo_e, _mm512_set1_epi32(32))) {
-    /* a kilobyte ahead on every array: at 16M elements on one core of an Intel Xeon, 0.88x the
-     * time without (remainder + bf16 moments; SR + 8-bit, adam_q8x32.h, 0.74x) */
+    /* a kilobyte ahead on every array: measurably faster on Intel's server cores
+     * (docs/fast_paths.md) */
     x32_prefetch(param + i);
     x32_prefetch(grad + i);
     x32_prefetch(m + i);

@@ -1,13 +1,14 @@
-/* Internal to the C core: the storage formats of the optimizer engine (adam.c), one codec per
- * format, each a decode to fp32 and an encode from fp32 over one tile of elements (at most
- * MP_TILE, or one block of 8-bit moments). The per-element arithmetic is numerics.h's and
- * adam_rule.h's, the functions the CUDA kernels call, so a codec only loads, converts and
+/* Internal to the C core: the storage formats of the optimizer engine (step.c) over tiles, one
+ * codec per format (the moment formats are the rows of mpext/formats/formats.h), each a decode
+ * to fp32 and an encode from fp32 over one tile of elements (at most MP_TILE, or one block of
+ * 8-bit moments). The per-element arithmetic is that of numerics.h, mpext/step_storage.h and
+ * mpext/formats/ (the functions the CUDA kernels call), so a codec only loads, converts and
  * stores; it never changes a bit of what they compute.
  *
  * A decode returns the fp32 array the rule is to work on: the storage itself where a format is
  * already fp32 (an fp32 param, master, grad written back or moment: no copy), else the tile
  * buffer it filled. An encode reads that array back. Every loop is a straight, branch-free loop
- * over restrict arrays that vectorizes (the tiles never overlap their storage: mp_adam_step's
+ * over restrict arrays that vectorizes (the tiles never overlap their storage: mp_step's
  * contract); the choices (dtype, rounding) are made once per tile, outside the loops, so that
  * each codec is a handful of loop bodies and the engine's count of them is a sum over codecs.
  *
@@ -20,7 +21,7 @@
 #include <string.h>
 
 #include "half.h"
-#include "mpext/adam_rule.h"
+#include "mpext/step_storage.h"
 #include "mpext/mpext.h"
 #include "mpext/numerics.h"
 
@@ -83,30 +84,30 @@ static inline void mp_fmt_widen(float* restrict x, const uint16_t* restrict src,
 /* ---- the gradient: fp32, bf16 or fp16; decoded with the unscale, optionally written back ---- */
 
 MP_FMT_INLINE void mp_grad_tile_(float* restrict g, void* restrict grad, uint32_t n,
-                                 const mp_adam_scalars* restrict s, mp_dtype t, int write_back) {
+                                 const mp_step_scalars* restrict s, mp_dtype t, int write_back) {
   const float inv = s->inv_scale;
-  mp_adam_scalars u; /* only inv_scale is read: a constant of the loop */
+  mp_step_scalars u; /* only inv_scale is read: a constant of the loop */
   u.inv_scale = inv;
 #pragma GCC ivdep
   for (uint32_t i = 0; i < n; ++i) {
-    const float x = mp_adam_unscaled(mp_fmt_load(grad, i, t), &u);
+    const float x = mp_step_unscaled(mp_fmt_load(grad, i, t), &u);
     g[i] = x;
     if (write_back) mp_fmt_store_rne(grad, i, t, x);
   }
 }
 
-/* g[i] = mp_adam_unscaled(g[i]), in place. */
-static inline void mp_grad_unscale(float* restrict g, uint32_t n, const mp_adam_scalars* s) {
-  mp_adam_scalars u; /* only inv_scale is read: a constant of the loop */
+/* g[i] = mp_step_unscaled(g[i]), in place. */
+static inline void mp_grad_unscale(float* restrict g, uint32_t n, const mp_step_scalars* s) {
+  mp_step_scalars u; /* only inv_scale is read: a constant of the loop */
   u.inv_scale = s->inv_scale;
 #pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) g[i] = mp_adam_unscaled(g[i], &u);
+  for (uint32_t i = 0; i < n; ++i) g[i] = mp_step_unscaled(g[i], &u);
 }
 
-/* The unscaled gradients of a tile (mp_adam_unscaled), written back into grad (rounded to its
+/* The unscaled gradients of a tile (mp_step_unscaled), written back into grad (rounded to its
  * dtype) when s->write_grad. Returns the array: gbuf, or an fp32 grad itself when written back. */
 static inline float* mp_grad_decode(float* restrict gbuf, void* restrict grad, mp_dtype t,
-                                    uint32_t n, const mp_adam_scalars* restrict s) {
+                                    uint32_t n, const mp_step_scalars* restrict s) {
   const int wb = s->write_grad != 0;
   if (t == MP_F32 && wb) {
     mp_grad_unscale((float*)grad, n, s);
@@ -249,7 +250,7 @@ static inline void mp_mom_encode_bf16(uint16_t* restrict dst, const float* restr
 }
 
 /* ---- 8-bit moments: the pair (int8 exp_avg, uint8 exp_avg_sq) of block codes and scales ----
- * (the codes: mpext/adam.h, adam_rule.h's mp_q8_*). A tile is one block, or a part of one: the
+ * (the codes: mpext/step.h, mpext/step_common.h's mp_q8_*). A tile is one block, or a part of one: the
  * block's references come from its scales before the step, and its new codes need the absmax
  * of all its new values, so the engine decodes and updates the block's parts into block-sized
  * buffers and encodes the block once. */
@@ -259,17 +260,17 @@ MP_FMT_INLINE float mp_q8_ref_m_of(float ms) { return mp_q8_ref(mp_q8_ref_exp_m(
 MP_FMT_INLINE float mp_q8_ref_v_of(float vs) { return mp_q8_ref(mp_q8_ref_exp_v(mp_fmt_bits(vs))); }
 
 /* m[i], v[i] = the values of codes mc[i], vc[i] under the block references rm, rv, the second
- * raised to its floor (mp_adam_q8_floor_v). */
+ * raised to its floor (mp_step_q8_floor_v). */
 static inline void mp_q8_decode_tile(const uint8_t* restrict mc, const uint8_t* restrict vc,
                                      float* restrict m, float* restrict v, uint32_t n, float rm,
-                                     float rv, const mp_adam_scalars* restrict s) {
-  mp_adam_scalars u; /* only q8_inv_k is read */
+                                     float rv, const mp_step_scalars* restrict s) {
+  mp_step_scalars u; /* only q8_inv_k is read */
   u.q8_inv_k = s->q8_inv_k;
 #pragma GCC ivdep
   for (uint32_t i = 0; i < n; ++i) {
     const float mi = mp_q8_decode_m(mc[i], rm);
     m[i] = mi;
-    v[i] = mp_adam_q8_floor_v(mi, mp_q8_decode_v(vc[i], rv), &u);
+    v[i] = mp_step_q8_floor_v(mi, mp_q8_decode_v(vc[i], rv), &u);
   }
 }
 
@@ -348,12 +349,12 @@ static inline void mp_q8_encode_block_m(uint8_t* restrict mc, const float* restr
 
 /* ---- the ema of the fp32 value (an fp32 array, updated in place) ---- */
 
-/* ema[i] moves towards x[i] (mp_adam_ema). */
+/* ema[i] moves towards x[i] (mp_step_ema). */
 static inline void mp_ema_tile(float* restrict ema, const float* restrict x, uint32_t n,
-                               const mp_adam_scalars* restrict s) {
-  const mp_adam_scalars u = *s;
+                               const mp_step_scalars* restrict s) {
+  const mp_step_scalars u = *s;
 #pragma GCC ivdep
-  for (uint32_t i = 0; i < n; ++i) ema[i] = mp_adam_ema(ema[i], x[i], &u);
+  for (uint32_t i = 0; i < n; ++i) ema[i] = mp_step_ema(ema[i], x[i], &u);
 }
 
 #endif /* MPEXT_CORE_FORMATS_H */

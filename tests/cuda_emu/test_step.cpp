@@ -1,10 +1,11 @@
-// adam_step_ on CUDA (cuda/adam.cu) against the C core (csrc/core/adam.c).
+// The optimizer step on CUDA (cuda/step.cu: adam_step_, lion_step_, sgd_step_) against the C core
+// (csrc/core/step.c).
 #include <math.h>
 
 #include "harness.h"
-#include "mpext/adam.h"
-#include "mpext/adam_cuda.h"
-#include "mpext/adam_rule.h"
+#include "mpext/step.h"
+#include "mpext/step_cuda.h"
+#include "mpext/step_storage.h"
 
 namespace {
 
@@ -93,8 +94,8 @@ Param make_param(Rng& r, const ParamSpec& s, bool mmapped) {
   return p;
 }
 
-mp_adam_tensor tensor_of(Param& p) {
-  mp_adam_tensor t{};
+mp_step_tensor tensor_of(Param& p) {
+  mp_step_tensor t{};
   t.param = p.param.data();
   t.param_dtype = p.spec.pdtype;
   t.grad = p.grad.data();
@@ -117,10 +118,10 @@ struct Hyper {
   bool unscale_grads;  // write the unscaled gradient back
 };
 
-// The core's step of one param (mp_adam_step on the reference copies, then
-// mp_adam_advance_steps), with the same settings, the lr as a host value.
+// The core's step of one param (mp_step on the reference copies, then
+// mp_step_advance_steps), with the same settings, the lr as a host value.
 void cpu_step(Param& p, const Hyper& h) {
-  mp_adam_options o{};
+  mp_step_options o{};
   o.beta1 = h.beta1;
   o.beta2 = h.beta2;
   o.eps = h.eps;
@@ -131,12 +132,12 @@ void cpu_step(Param& p, const Hyper& h) {
   const float inv = h.inv_scale;
   o.inv_scale = isnan(h.inv_scale) ? nullptr : &inv;
   o.unscale_grads = h.unscale_grads;
-  const mp_adam_tensor t = {p.r_param.data(), p.spec.pdtype, p.r_grad.data(), p.spec.gdtype,
+  const mp_step_tensor t = {p.r_param.data(), p.spec.pdtype, p.r_grad.data(), p.spec.gdtype,
                             p.spec.pdtype != MP_F32 ? p.r_master.data() : nullptr, p.r_m.data(),
                             p.r_v.data(), &p.r_step, p.spec.n};
-  const mp_status st = mp_adam_step(&t, 0, p.spec.n, &o);
+  const mp_status st = mp_step(&t, 0, p.spec.n, &o);
   CHECK(st == MP_OK, "core adam status %d", st);
-  CHECK(mp_adam_advance_steps(&t, 1, &o) == MP_OK, "core advance_steps");
+  CHECK(mp_step_advance_steps(&t, 1, &o) == MP_OK, "core advance_steps");
 }
 
 // Compares every array of p with the reference.
@@ -178,7 +179,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   *lr.f32() = h.lr;
   *inv.f32() = h.inv_scale;
   *found.f32() = h.found_inf;
-  mp_adam_options opt{};
+  mp_step_options opt{};
   opt.beta1 = h.beta1;
   opt.beta2 = h.beta2;
   opt.eps = h.eps;
@@ -192,7 +193,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   opt.unscale_grads = h.unscale_grads;
   const int64_t l0 = mp_emu::launch_count();
   for (int s = 0; s < steps; ++s) {
-    std::vector<mp_adam_tensor> ts;
+    std::vector<mp_step_tensor> ts;
     for (Param& p : ps) {
       ts.push_back(tensor_of(p));
       if (!skip) cpu_step(p, h);
@@ -205,7 +206,7 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
         p.step.protect(true);
       }
     }
-    const mp_status st = mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt,
+    const mp_status st = mp_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt,
                                                  nullptr);
     CHECK(st == MP_OK, "status %d", st);
     for (size_t k = 0; k < ps.size(); ++k) {
@@ -300,7 +301,7 @@ EMU_TEST(adam_sizes_and_alignments) {
                                  {2, 2, 4}, {6, 12, 12}, {0, 4, 0}, {4, 0, 8}};
   Hyper h = default_hyper();
   h.inv_scale = 0.25f;
-  h.unscale_grads = true;  // the gradient written back through every path of adam_range
+  h.unscale_grads = true;  // the gradient written back through every path of vec_range
   uint64_t seed = 300;
   for (int pair = 0; pair < 5; ++pair) {
     const int pd = pair == 0 ? MP_F32 : pair <= 2 ? MP_BF16 : MP_F16;
@@ -372,8 +373,8 @@ int64_t tie_misses(const uint32_t* x0, const uint32_t* x, int64_t n) {
   return bad;
 }
 
-mp_adam_options tie_options() {
-  mp_adam_options o{};
+mp_step_options tie_options() {
+  mp_step_options o{};
   o.beta1 = 0.9;
   o.beta2 = 0.999;
   o.eps = 0.0;
@@ -394,7 +395,7 @@ EMU_TEST(adam_bf16_master_tie_rule) {
                              {MP_BF16, MP_BF16, 67, 0, 0, 0, 0.0f},  // vector
                              {MP_BF16, MP_F32, 67, 6, 12, 12, 0.0f}};  // vector after a head of 5
   std::vector<Param> ps;
-  std::vector<mp_adam_tensor> ts;
+  std::vector<mp_step_tensor> ts;
   for (const ParamSpec& s : specs) {
     Param p = make_param(r, s, false);
     for (int64_t i = 0; i < s.n; ++i) {
@@ -429,9 +430,9 @@ EMU_TEST(adam_bf16_master_tie_rule) {
           static_cast<long long>(missed));
     ts.push_back(tensor_of(p));
   }
-  mp_adam_options o = tie_options();
+  mp_step_options o = tie_options();
   set_context("masters landing on bf16 ties, scalar and vector paths");
-  CHECK(mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &o, nullptr) == MP_OK,
+  CHECK(mp_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &o, nullptr) == MP_OK,
         "status");
   for (size_t k = 0; k < ps.size(); ++k) compare(ps[k], k);
 }
@@ -463,7 +464,7 @@ EMU_TEST(adam_nonfinite_grads_without_skip) {
   std::vector<ParamSpec> specs = one_of_each(kChunk + 30, 2.0f);
   std::vector<Param> ps;
   for (const ParamSpec& s : specs) ps.push_back(make_param(r, s, false));
-  std::vector<mp_adam_tensor> ts;
+  std::vector<mp_step_tensor> ts;
   for (Param& p : ps) {
     const int gb = elem_bytes(p.spec.gdtype);
     const int64_t where[] = {0, 9, kChunk - 1, kChunk, p.spec.n - 1};
@@ -480,12 +481,12 @@ EMU_TEST(adam_nonfinite_grads_without_skip) {
     ts.push_back(tensor_of(p));
     cpu_step(p, h);
   }
-  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
+  mp_step_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
   Buf inv(4, 0);
   *inv.f32() = 0.5f;
   opt.inv_scale = inv.f32();
   set_context("Inf and NaN grads, no found_inf");
-  CHECK(mp_adam_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt, nullptr) ==
+  CHECK(mp_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt, nullptr) ==
             MP_OK, "status");
   for (size_t k = 0; k < ps.size(); ++k) compare(ps[k], k);
 }
@@ -499,29 +500,29 @@ EMU_TEST(adam_zero_size_params) {
   st[1] = 5.0f;
   st[2] = 16777216.0f;  // t = 2^24 + 1 rounds back to 2^24 in fp32, as torch's float step
   Param p = make_param(r, {MP_BF16, MP_F32, 10, 0, 0, 0, 1.0f}, false);
-  std::vector<mp_adam_tensor> ts(4);
+  std::vector<mp_step_tensor> ts(4);
   for (int k = 0; k < 3; ++k) {
-    ts[k] = mp_adam_tensor{nullptr, k == 1 ? MP_BF16 : MP_F32, nullptr, MP_F32, nullptr,
+    ts[k] = mp_step_tensor{nullptr, k == 1 ? MP_BF16 : MP_F32, nullptr, MP_F32, nullptr,
                                 nullptr, nullptr, st + k, 0};
   }
   ts[3] = tensor_of(p);
   Hyper h = default_hyper();
   cpu_step(p, h);
-  mp_adam_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
+  mp_step_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
   set_context("three zero-size params and one of 10");
-  CHECK(mp_adam_step_multi_cuda(ts.data(), 4, &opt, nullptr) == MP_OK, "status");
+  CHECK(mp_step_multi_cuda(ts.data(), 4, &opt, nullptr) == MP_OK, "status");
   CHECK(st[0] == 1.0f && st[1] == 6.0f && st[2] == 16777216.0f, "steps %g %g %g",
         static_cast<double>(st[0]), static_cast<double>(st[1]), static_cast<double>(st[2]));
   compare(p, 3);
   set_context("only zero-size params");
   const int64_t l0 = mp_emu::launch_count();
-  CHECK(mp_adam_step_multi_cuda(ts.data(), 3, &opt, nullptr) == MP_OK, "status");
+  CHECK(mp_step_multi_cuda(ts.data(), 3, &opt, nullptr) == MP_OK, "status");
   CHECK(st[0] == 2.0f && st[1] == 7.0f, "steps");
   CHECK(mp_emu::launch_count() - l0 == 1, "%lld launches: want only the step launch",
         static_cast<long long>(mp_emu::launch_count() - l0));
   set_context("no params");
   const int64_t l1 = mp_emu::launch_count();
-  CHECK(mp_adam_step_multi_cuda(nullptr, 0, nullptr, nullptr) == MP_OK, "status");
+  CHECK(mp_step_multi_cuda(nullptr, 0, nullptr, nullptr) == MP_OK, "status");
   CHECK(mp_emu::launch_count() == l1, "launched");
 }
 
@@ -562,66 +563,68 @@ EMU_TEST(adam_bad_arguments) {
   Param p = make_param(r, {MP_BF16, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   Param q = make_param(r, {MP_F32, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   const std::vector<uint8_t> before = p.param.snapshot();
-  const mp_adam_options good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
+  const mp_step_options good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
                                      nullptr, 0};
   struct Case {
     const char* what;
-    void (*edit)(mp_adam_tensor&, mp_adam_options&);
+    void (*edit)(mp_step_tensor&, mp_step_options&);
   };
   const Case cases[] = {
-      {"beta1 = 1", [](mp_adam_tensor&, mp_adam_options& o) { o.beta1 = 1.0; }},
-      {"beta1 < 0", [](mp_adam_tensor&, mp_adam_options& o) { o.beta1 = -0.1; }},
-      {"beta2 NaN", [](mp_adam_tensor&, mp_adam_options& o) { o.beta2 = NAN; }},
-      {"eps < 0", [](mp_adam_tensor&, mp_adam_options& o) { o.eps = -1e-8; }},
-      {"eps Inf", [](mp_adam_tensor&, mp_adam_options& o) { o.eps = INFINITY; }},
-      {"weight_decay < 0", [](mp_adam_tensor&, mp_adam_options& o) { o.weight_decay = -1; }},
-      {"unknown param dtype", [](mp_adam_tensor& t, mp_adam_options&) { t.param_dtype = 3; }},
-      {"fp16 grad for bf16 param", [](mp_adam_tensor& t, mp_adam_options&) { t.grad_dtype = MP_F16; }},
-      {"n < 0", [](mp_adam_tensor& t, mp_adam_options&) { t.n = -1; }},
-      {"step null", [](mp_adam_tensor& t, mp_adam_options&) { t.step = nullptr; }},
-      {"grad null", [](mp_adam_tensor& t, mp_adam_options&) { t.grad = nullptr; }},
-      {"exp_avg_sq null", [](mp_adam_tensor& t, mp_adam_options&) { t.exp_avg_sq = nullptr; }},
-      {"master and remainder", [](mp_adam_tensor& t, mp_adam_options&) {
+      {"beta1 = 1", [](mp_step_tensor&, mp_step_options& o) { o.beta1 = 1.0; }},
+      {"beta1 < 0", [](mp_step_tensor&, mp_step_options& o) { o.beta1 = -0.1; }},
+      {"beta2 NaN", [](mp_step_tensor&, mp_step_options& o) { o.beta2 = NAN; }},
+      {"eps < 0", [](mp_step_tensor&, mp_step_options& o) { o.eps = -1e-8; }},
+      {"eps Inf", [](mp_step_tensor&, mp_step_options& o) { o.eps = INFINITY; }},
+      {"weight_decay < 0", [](mp_step_tensor&, mp_step_options& o) { o.weight_decay = -1; }},
+      {"unknown param dtype", [](mp_step_tensor& t, mp_step_options&) { t.param_dtype = 3; }},
+      {"fp16 grad for bf16 param", [](mp_step_tensor& t, mp_step_options&) { t.grad_dtype = MP_F16; }},
+      {"n < 0", [](mp_step_tensor& t, mp_step_options&) { t.n = -1; }},
+      {"step null", [](mp_step_tensor& t, mp_step_options&) { t.step = nullptr; }},
+      {"grad null", [](mp_step_tensor& t, mp_step_options&) { t.grad = nullptr; }},
+      {"exp_avg_sq null", [](mp_step_tensor& t, mp_step_options&) { t.exp_avg_sq = nullptr; }},
+      {"master and remainder", [](mp_step_tensor& t, mp_step_options&) {
          t.remainder = reinterpret_cast<int16_t*>(t.exp_avg);
        }},
-      {"remainder for an fp16 param", [](mp_adam_tensor& t, mp_adam_options&) {
+      {"remainder for an fp16 param", [](mp_step_tensor& t, mp_step_options&) {
          t.param_dtype = MP_F16;
          t.grad_dtype = MP_F32;
          t.master = nullptr;
          t.remainder = reinterpret_cast<int16_t*>(t.exp_avg);
        }},
-      {"exp_avg fp16", [](mp_adam_tensor& t, mp_adam_options&) { t.exp_avg_dtype = MP_F16; }},
-      {"exp_avg_sq dtype 7", [](mp_adam_tensor& t, mp_adam_options&) {
-         t.exp_avg_sq_dtype = 7;
+      {"exp_avg format out of range", [](mp_step_tensor& t, mp_step_options&) {
+         t.exp_avg_format = MP_FMT_COUNT;
        }},
-      {"stream >= 2^32", [](mp_adam_tensor& t, mp_adam_options&) {
+      {"exp_avg_sq format 7", [](mp_step_tensor& t, mp_step_options&) {
+         t.exp_avg_sq_format = 7;
+       }},
+      {"stream >= 2^32", [](mp_step_tensor& t, mp_step_options&) {
          t.sr_stream = uint64_t{1} << 32;
        }},
-      {"param misaligned", [](mp_adam_tensor& t, mp_adam_options&) {
+      {"param misaligned", [](mp_step_tensor& t, mp_step_options&) {
          t.param = static_cast<char*>(t.param) + 1;
        }},
-      {"exp_avg misaligned", [](mp_adam_tensor& t, mp_adam_options&) {
+      {"exp_avg misaligned", [](mp_step_tensor& t, mp_step_options&) {
          t.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(t.exp_avg) + 2);
        }},
   };
   for (const Case& c : cases) {
-    mp_adam_tensor ts[2] = {tensor_of(q), tensor_of(p)};
-    mp_adam_options o = good;
+    mp_step_tensor ts[2] = {tensor_of(q), tensor_of(p)};
+    mp_step_options o = good;
     c.edit(ts[1], o);
     set_context("%s", c.what);
     const int64_t l0 = mp_emu::launch_count();
-    CHECK(mp_adam_step_multi_cuda(ts, 2, &o, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
+    CHECK(mp_step_multi_cuda(ts, 2, &o, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
     CHECK(mp_emu::launch_count() == l0, "launched");
   }
   set_context("a master for an fp32 param");
-  mp_adam_tensor t = tensor_of(q);
+  mp_step_tensor t = tensor_of(q);
   t.master = p.master.f32();
-  CHECK(mp_adam_step_multi_cuda(&t, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
+  CHECK(mp_step_multi_cuda(&t, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "status");
   set_context("null tensors / options");
-  CHECK(mp_adam_step_multi_cuda(nullptr, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "tensors");
+  CHECK(mp_step_multi_cuda(nullptr, 1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "tensors");
   t = tensor_of(q);
-  CHECK(mp_adam_step_multi_cuda(&t, 1, nullptr, nullptr) == MP_ERR_INVALID_ARGUMENT, "options");
-  CHECK(mp_adam_step_multi_cuda(&t, -1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "count");
+  CHECK(mp_step_multi_cuda(&t, 1, nullptr, nullptr) == MP_ERR_INVALID_ARGUMENT, "options");
+  CHECK(mp_step_multi_cuda(&t, -1, &good, nullptr) == MP_ERR_INVALID_ARGUMENT, "count");
   CHECK(p.param.snapshot() == before && *p.step.f32() == 1.0f && *q.step.f32() == 1.0f,
         "something was written");
 }
@@ -629,17 +632,17 @@ EMU_TEST(adam_bad_arguments) {
 // A failed launch, main or step: MP_ERR_CUDA, nothing launched after it, no step count advanced
 // by a launch that failed or never ran, the error left pending.
 EMU_TEST(adam_launch_failure) {
-  const mp_adam_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr, 0};
+  const mp_step_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr, 0};
   {
     Caps caps(1, 0);  // one block per main launch: two, then the step launch
     Rng r(800);
     Param p = make_param(r, {MP_F32, MP_F32, 2 * kChunk, 0, 0, 0, 3.0f}, false);
-    mp_adam_tensor t = tensor_of(p);
+    mp_step_tensor t = tensor_of(p);
     for (int64_t fail_at : {int64_t{0}, int64_t{1}, int64_t{2}}) {
       set_context("one param, launch %lld of 3 fails", static_cast<long long>(fail_at));
       mp_emu::fail_launch_in(fail_at);
       const int64_t l0 = mp_emu::launch_count();
-      CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_CUDA, "status");
+      CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_CUDA, "status");
       mp_emu::fail_launch_in(-1);
       CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "launched after the failure");
       CHECK(*p.step.f32() == 3.0f, "the step advanced after a failed launch");
@@ -660,7 +663,7 @@ EMU_TEST(adam_launch_failure) {
     set_context("five params, launch %lld of 6 fails", static_cast<long long>(fail_at));
     Rng r(801);
     std::vector<Param> ps;
-    std::vector<mp_adam_tensor> ts;
+    std::vector<mp_step_tensor> ts;
     std::vector<std::vector<uint8_t>> before;
     for (const ParamSpec& s : specs) ps.push_back(make_param(r, s, false));
     for (Param& p : ps) {
@@ -669,7 +672,7 @@ EMU_TEST(adam_launch_failure) {
     }
     mp_emu::fail_launch_in(fail_at);
     const int64_t l0 = mp_emu::launch_count();
-    CHECK(mp_adam_step_multi_cuda(ts.data(), kParams, &o, nullptr) == MP_ERR_CUDA, "status");
+    CHECK(mp_step_multi_cuda(ts.data(), kParams, &o, nullptr) == MP_ERR_CUDA, "status");
     mp_emu::fail_launch_in(-1);
     CHECK(mp_emu::launch_count() - l0 == fail_at + 1, "%lld launches: launched after the failure",
           static_cast<long long>(mp_emu::launch_count() - l0));
@@ -692,19 +695,19 @@ namespace {
 
 // One step of the same params on the core (tc) and on the "device" (tg), the latter with the
 // launch caps (chunks, pieces) that force chunk and launch splits.
-void step_core(std::vector<mp_adam_tensor>& tc, const mp_adam_options& o) {
+void step_core(std::vector<mp_step_tensor>& tc, const mp_step_options& o) {
   for (size_t k = 0; k < tc.size(); ++k) {
-    CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+    CHECK(mp_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
   }
-  CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+  CHECK(mp_step_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
         "core steps");
 }
 
-void step_core_and_cuda(std::vector<mp_adam_tensor>& tc, std::vector<mp_adam_tensor>& tg,
-                        const mp_adam_options& o, int chunks, int pieces) {
+void step_core_and_cuda(std::vector<mp_step_tensor>& tc, std::vector<mp_step_tensor>& tg,
+                        const mp_step_options& o, int chunks, int pieces) {
   step_core(tc, o);
   Caps caps(chunks, pieces);
-  CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+  CHECK(mp_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
             MP_OK, "cuda status");
 }
 
@@ -759,8 +762,8 @@ Lean make_lean(Rng& r, int pd, int gd, int storage, int md, int vd, int64_t n, u
   return l;
 }
 
-mp_adam_tensor lean_tensor(Lean& l) {
-  mp_adam_tensor t{};
+mp_step_tensor lean_tensor(Lean& l) {
+  mp_step_tensor t{};
   t.param = l.param.data();
   t.param_dtype = l.pdtype;
   t.grad = l.grad.data();
@@ -770,8 +773,8 @@ mp_adam_tensor lean_tensor(Lean& l) {
   t.exp_avg = l.md == MP_F32 ? static_cast<void*>(l.m32.data()) : static_cast<void*>(l.m16.data());
   t.exp_avg_sq =
       l.vd == MP_F32 ? static_cast<void*>(l.v32.data()) : static_cast<void*>(l.v16.data());
-  t.exp_avg_dtype = l.md;
-  t.exp_avg_sq_dtype = l.vd;
+  t.exp_avg_format = l.md == MP_BF16 ? MP_FMT_BF16 : MP_FMT_F32;  // l's moments: fp32 or bf16
+  t.exp_avg_sq_format = l.vd == MP_BF16 ? MP_FMT_BF16 : MP_FMT_F32;
   t.step = &l.step;
   t.n = l.n;
   t.sr_stream = l.stream;
@@ -791,8 +794,8 @@ bool same_lean(const Lean& a, const Lean& b) {
 
 // The lean tests' AdamW settings (decoupled decay, lr 1e-2 as a host value), gradients
 // multiplied by *inv.
-mp_adam_options lean_adamw(const float* inv) {
-  mp_adam_options o{};
+mp_step_options lean_adamw(const float* inv) {
+  mp_step_options o{};
   o.beta1 = 0.9;
   o.beta2 = 0.999;
   o.eps = 1e-8;
@@ -828,11 +831,11 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
   }
   for (int variant = 0; variant < 4; ++variant) {  // sr_params x moments_nearest
     std::vector<Lean> gpu = cpu;
-    std::vector<mp_adam_tensor> tc, tg;
+    std::vector<mp_step_tensor> tc, tg;
     for (Lean& l : cpu) tc.push_back(lean_tensor(l));
     for (Lean& l : gpu) tg.push_back(lean_tensor(l));
     const float inv = 0.25f;
-    mp_adam_options o = lean_adamw(&inv);
+    mp_step_options o = lean_adamw(&inv);
     o.unscale_grads = variant == 1;
     o.sr_params = variant & 1;
     o.moments_nearest = variant == 2;
@@ -867,7 +870,7 @@ EMU_TEST(adam_buckets_match_one_step_of_the_list) {
   }
   const std::vector<Lean> before = cpu;
   std::vector<Lean> gpu = cpu, poisoned = cpu;
-  std::vector<mp_adam_tensor> tc, tg, tp;
+  std::vector<mp_step_tensor> tc, tg, tp;
   for (size_t k = 0; k < cpu.size(); ++k) {
     tc.push_back(lean_tensor(cpu[k]));
     tg.push_back(lean_tensor(gpu[k]));
@@ -876,16 +879,16 @@ EMU_TEST(adam_buckets_match_one_step_of_the_list) {
   Buf inv(4, 0), found(4, 0);
   *inv.f32() = 0.5f;
   *found.f32() = 1.0f;
-  mp_adam_options o = lean_adamw(inv.f32());
+  mp_step_options o = lean_adamw(inv.f32());
   o.sr_params = 1;
   o.seed = 0x5EEDull;
   step_core(tc, o);
-  mp_adam_options skip = o;
+  mp_step_options skip = o;
   skip.found_inf = found.f32();
   for (int64_t end = static_cast<int64_t>(tg.size()); end > 0; end -= 5) {  // buckets of 5
     const int64_t start = end >= 5 ? end - 5 : 0;
-    CHECK(mp_adam_step_multi_cuda(&tg[start], end - start, &o, nullptr) == MP_OK, "cuda status");
-    CHECK(mp_adam_step_multi_cuda(&tp[start], end - start, &skip, nullptr) == MP_OK,
+    CHECK(mp_step_multi_cuda(&tg[start], end - start, &o, nullptr) == MP_OK, "cuda status");
+    CHECK(mp_step_multi_cuda(&tp[start], end - start, &skip, nullptr) == MP_OK,
           "cuda status, skipped bucket");
   }
   for (size_t k = 0; k < cpu.size(); ++k) {
@@ -939,16 +942,16 @@ EMU_TEST(adam_lean_bf16_master_tie_rule) {
     x0s.push_back(x0);
   }
   std::vector<Lean> gpu = cpu;
-  std::vector<mp_adam_tensor> tc, tg;
+  std::vector<mp_step_tensor> tc, tg;
   for (Lean& l : cpu) tc.push_back(lean_tensor(l));
   for (Lean& l : gpu) tg.push_back(lean_tensor(l));
-  mp_adam_options o = tie_options();
+  mp_step_options o = tie_options();
   o.seed = 0x5EEDull;
   set_context("masters landing on bf16 ties, lean path");
   for (size_t k = 0; k < tc.size(); ++k) {
-    CHECK(mp_adam_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
+    CHECK(mp_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
   }
-  CHECK(mp_adam_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+  CHECK(mp_step_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
         "core steps");
   for (size_t k = 0; k < cpu.size(); ++k) {
     const Lean& l = cpu[k];
@@ -961,7 +964,7 @@ EMU_TEST(adam_lean_bf16_master_tie_rule) {
     CHECK(missed == 0, "core, case %zu: %lld masters are not the lowered ties (or the one-ulp "
           "controls)", k, static_cast<long long>(missed));
   }
-  CHECK(mp_adam_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+  CHECK(mp_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
             MP_OK, "cuda status");
   for (size_t k = 0; k < cpu.size(); ++k) {
     const Lean& a = cpu[k];
@@ -1035,8 +1038,8 @@ struct Q8View {
   std::vector<uint16_t> p16, g16;
 };
 
-mp_adam_tensor q8_tensor(Q8& q, Q8View& v) {
-  mp_adam_tensor t{};
+mp_step_tensor q8_tensor(Q8& q, Q8View& v) {
+  mp_step_tensor t{};
   const size_t m = static_cast<size_t>(q.mis);
   if (q.pdtype != MP_F32) {
     v.p16.assign(q.param.begin(), q.param.end());
@@ -1056,8 +1059,8 @@ mp_adam_tensor q8_tensor(Q8& q, Q8View& v) {
   t.remainder = q.storage == 2 ? q.rem.data() + m : nullptr;
   t.exp_avg = q.mc.data() + m;
   t.exp_avg_sq = q.vc.data() + m;
-  t.exp_avg_dtype = MP_I8;
-  t.exp_avg_sq_dtype = MP_U8;
+  t.exp_avg_format = MP_FMT_Q8S;
+  t.exp_avg_sq_format = MP_FMT_Q8U;
   t.exp_avg_scale = q.ms.data();
   t.exp_avg_sq_scale = q.vs.data();
   t.step = &q.step;
@@ -1101,11 +1104,11 @@ EMU_TEST(adam_q8_matches_the_core) {
     for (int variant = 0; variant < 3; ++variant) {
       std::vector<Q8> gpu = cpu;
       std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
-      std::vector<mp_adam_tensor> tc, tg;
+      std::vector<mp_step_tensor> tc, tg;
       for (size_t k = 0; k < cpu.size(); ++k) tc.push_back(q8_tensor(cpu[k], vc[k]));
       for (size_t k = 0; k < gpu.size(); ++k) tg.push_back(q8_tensor(gpu[k], vg[k]));
       const float inv = 0.5f;
-      mp_adam_options o{};
+      mp_step_options o{};
       o.beta1 = 0.9;
       o.beta2 = 0.99;
       o.eps = 1e-8;
@@ -1139,30 +1142,30 @@ EMU_TEST(adam_q8_skip_and_arguments) {
   Rng r(1700);
   Q8 q = make_q8(r, MP_BF16, MP_BF16, 2, 5000, 256, 0, 3);
   Q8View v;
-  mp_adam_tensor t = q8_tensor(q, v);
+  mp_step_tensor t = q8_tensor(q, v);
   const Q8 before = q;
   const float one = 1.0f;
-  mp_adam_options o{};
+  mp_step_options o{};
   o.beta1 = 0.9;
   o.beta2 = 0.999;
   o.lr_value = 1e-3f;
   o.found_inf = &one;
   o.q8_block = 256;
-  CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_OK, "status");
+  CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_OK, "status");
   q8_unpack(q, v);
   CHECK(same_q8(q, before), "a skipped step wrote something");
   o.found_inf = nullptr;
   for (int64_t bad : {int64_t{0}, int64_t{16}, int64_t{96}, int64_t{4096}}) {
     o.q8_block = bad;
     const int64_t l0 = mp_emu::launch_count();
-    CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+    CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
               mp_emu::launch_count() == l0, "block %lld not refused", static_cast<long long>(bad));
   }
   q8_unpack(q, v);
   CHECK(same_q8(q, before), "a refused call wrote something");
 }
 
-// ---- Lion and SGD: the rule template of cuda/adam.cu ----
+// ---- Lion and SGD: the rule template of cuda/step.cu ----
 // Every storage (fp32 param, master, remainder, none to nearest or stochastic) and moment format
 // (fp32, bf16 stochastic or nearest, the signed 8-bit code alone) of the lean and 8-bit paths,
 // for each rule (SGD also without momentum: no moment at all), with offsets that put some
@@ -1185,8 +1188,8 @@ const RuleCase kRuleCases[] = {
     {"sgd_plain", MP_RULE_SGD, 0.0, 0.0, 0.01, 0.0, 0, 0},
 };
 
-mp_adam_options rule_options(const RuleCase& c, int variant, const float* inv) {
-  mp_adam_options o{};
+mp_step_options rule_options(const RuleCase& c, int variant, const float* inv) {
+  mp_step_options o{};
   o.rule = c.rule;
   o.beta1 = c.b1;
   o.beta2 = c.b2;
@@ -1242,10 +1245,10 @@ EMU_TEST(rules_lean_storage_match_the_core) {
     }
     for (int variant = 0; variant < 4; ++variant) {
       std::vector<Lean> gpu = cpu;
-      std::vector<mp_adam_tensor> tc, tg;
+      std::vector<mp_step_tensor> tc, tg;
       for (size_t k = 0; k < cpu.size(); ++k) {
         for (auto* side : {&tc, &tg}) {
-          mp_adam_tensor t = lean_tensor(side == &tc ? cpu[k] : gpu[k]);
+          mp_step_tensor t = lean_tensor(side == &tc ? cpu[k] : gpu[k]);
           t.exp_avg_sq = nullptr;
           if (nmom == 0) t.exp_avg = nullptr;
           t.offset = offsets[k];
@@ -1253,7 +1256,7 @@ EMU_TEST(rules_lean_storage_match_the_core) {
         }
       }
       const float inv = 0.25f;
-      const mp_adam_options o = rule_options(c, variant, &inv);
+      const mp_step_options o = rule_options(c, variant, &inv);
       set_context("%s variant %d", c.name, variant);
       step_core_and_cuda(tc, tg, o, 3, 5);  // chunk and launch splits
       for (size_t k = 0; k < cpu.size(); ++k) {
@@ -1287,10 +1290,10 @@ EMU_TEST(rules_q8_match_the_core) {
       for (int variant = 0; variant < 3; ++variant) {
         std::vector<Q8> gpu = cpu;
         std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
-        std::vector<mp_adam_tensor> tc, tg;
+        std::vector<mp_step_tensor> tc, tg;
         for (size_t k = 0; k < cpu.size(); ++k) {
           for (int side = 0; side < 2; ++side) {
-            mp_adam_tensor t = side == 0 ? q8_tensor(cpu[k], vc[k]) : q8_tensor(gpu[k], vg[k]);
+            mp_step_tensor t = side == 0 ? q8_tensor(cpu[k], vc[k]) : q8_tensor(gpu[k], vg[k]);
             t.exp_avg_sq = nullptr;
             t.exp_avg_sq_scale = nullptr;
             t.offset = offset_of(static_cast<uint32_t>(k), block);
@@ -1298,7 +1301,7 @@ EMU_TEST(rules_q8_match_the_core) {
           }
         }
         const float inv = 0.5f;
-        mp_adam_options o = rule_options(c, variant, &inv);
+        mp_step_options o = rule_options(c, variant, &inv);
         o.q8_block = block;
         set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
         step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
@@ -1320,15 +1323,15 @@ EMU_TEST(rules_q8_unaligned_offset_refused) {
   Rng r(2700);
   Q8 q = make_q8(r, MP_F32, MP_F32, 0, 1000, 256, 0, 1);
   Q8View v;
-  mp_adam_tensor t = q8_tensor(q, v);
+  mp_step_tensor t = q8_tensor(q, v);
   t.exp_avg_sq = nullptr;
   t.exp_avg_sq_scale = nullptr;
   t.offset = 100;
   const float inv = 1.0f;
-  mp_adam_options o = rule_options(kRuleCases[0], 0, &inv);
+  mp_step_options o = rule_options(kRuleCases[0], 0, &inv);
   o.q8_block = 256;
   const int64_t l0 = mp_emu::launch_count();
-  CHECK(mp_adam_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+  CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
             mp_emu::launch_count() == l0, "an unaligned offset was not refused");
-  CHECK(mp_adam_step(&t, 0, t.n, &o) == MP_ERR_INVALID_ARGUMENT, "the core took it");
+  CHECK(mp_step(&t, 0, t.n, &o) == MP_ERR_INVALID_ARGUMENT, "the core took it");
 }

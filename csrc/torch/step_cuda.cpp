@@ -1,6 +1,6 @@
-// CUDA implementation of adam_step_, lion_step_ and sgd_step_: validate (plan_step, shared with
-// the CPU ops), then hand raw
-// device pointers to the multi-tensor launcher of mpext/adam_cuda.h on the current stream of the
+// CUDA implementation of the step ops (one per rule: adam_step_, lion_step_, sgd_step_, ...):
+// validate (plan_step, shared with the CPU ops), then hand raw
+// device pointers to the multi-tensor launcher of mpext/step_cuda.h on the current stream of the
 // params' device. The skip decision (found_inf), the step counts, inv_scale and a device lr are
 // read by the kernels themselves, so nothing here waits for the device: the op is free of host
 // synchronisation and can be captured in a CUDA graph (with lr on the device).
@@ -17,10 +17,11 @@
 #include <optional>
 #include <vector>
 
-#include "adam_common.h"
+#include "rules/rules.h"
+#include "step_common.h"
 #include "common.h"
 #include "common_cuda.h"
-#include "mpext/adam_cuda.h"
+#include "mpext/step_cuda.h"
 
 namespace mpext {
 namespace {
@@ -40,7 +41,7 @@ bool stream_is_capturing(cudaStream_t stream) {
 struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
-  static void step(const AdamPlan& plan, const c10::Device& device, const char* op) {
+  static void step(const StepPlan& plan, const c10::Device& device, const char* op) {
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // A host lr becomes a kernel argument. Inside a CUDA graph it would be frozen at its value
@@ -48,7 +49,7 @@ struct Cuda {
     TORCH_CHECK(plan.options.lr != nullptr || !stream_is_capturing(stream),
                 "mpext.", op, ": lr is on the CPU, so its value would be frozen into the CUDA "
                 "graph being captured; put lr on ", device, " to capture this op");
-    check_cuda_status(mp_adam_step_multi_cuda(plan.tensors.data(),
+    check_cuda_status(mp_step_multi_cuda(plan.tensors.data(),
                                               static_cast<int64_t>(plan.tensors.size()),
                                               &plan.options, stream),
                       op);
@@ -58,9 +59,10 @@ struct Cuda {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mpext, CUDA, m) {
-  m.impl("adam_step_", &adam_step<Cuda>);
-  m.impl("lion_step_", &lion_step<Cuda>);
-  m.impl("sgd_step_", &sgd_step<Cuda>);
+// One registration per row of mpext/rules/rules.h: "<name>_step_" is <name>_step<Cuda>.
+#define MP_RULE_IMPL_(ID, name, MIN, MAX) m.impl(#name "_step_", &name##_step<Cuda>);
+  MP_RULES(MP_RULE_IMPL_)
+#undef MP_RULE_IMPL_
 }
 
 }  // namespace mpext

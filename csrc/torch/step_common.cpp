@@ -2,15 +2,14 @@
 #define AT_PER_OPERATOR_HEADERS
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 
-#include "adam_common.h"
+#include "step_common.h"
 
 #include <cmath>
 
 #include "common.h"
-#include "mpext/adam_rule.h"
+#include "mpext/step_storage.h"
 
 namespace mpext {
-namespace {
 
 void check_hyper(double value, const char* op, const char* name, double lo, bool lo_open,
                  double hi, bool hi_open) {
@@ -20,13 +19,36 @@ void check_hyper(double value, const char* op, const char* name, double lo, bool
                     hi, hi_open ? ")" : "]", ", got ", value);
 }
 
-}  // namespace
+// The one place a moment's tensor becomes its format id (mpext/formats/formats.h): the ops take
+// the moments as tensors (their schemas unchanged), float32, bfloat16, or the 8-bit block codes
+// as int8 (signed) and uint8 (non-negative); plan_step has checked the dtype against the
+// moment's place before.
+static int32_t moment_format(const at::Tensor& m) {
+  switch (m.scalar_type()) {
+    case at::kFloat: return MP_FMT_F32;
+    case at::kBFloat16: return MP_FMT_BF16;
+    case at::kChar: return MP_FMT_Q8S;
+    case at::kByte: return MP_FMT_Q8U;
+    default: TORCH_INTERNAL_ASSERT(false, "no moment format for ", m.scalar_type());
+  }
+}
 
-AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList grads,
+mp_step_options rule_options(int32_t rule, double beta1, double beta2, double weight_decay,
+                             bool maximize) {
+  mp_step_options o{};
+  o.rule = rule;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.weight_decay = weight_decay;
+  o.maximize = maximize ? 1 : 0;
+  return o;
+}
+
+StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList grads,
                    at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
                    const std::optional<at::Tensor>& inv_scale,
                    const std::optional<at::Tensor>& found_inf, bool unscale_grads,
-                   const AdamStorage& storage) {
+                   const StepStorage& storage) {
   const char* op = rule.op;
   const int nmom = rule.nmoments;
   const size_t n = params.size();
@@ -73,11 +95,13 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
   TORCH_CHECK_VALUE(m_scales.empty() || m_scales.size() == n, "mpext.", op, ": ",
                     rule.scale_names[0], " must be empty or have one entry per param (", n,
                     "), got ", m_scales.size());
-  TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op, ": ",
-                    rule.scale_names[1], " must be empty or have one entry per param (", n,
-                    "), got ", v_scales.size());
+  if (rule.nlists >= 2) {  // an op with one moment list has one scale list
+    TORCH_CHECK_VALUE(v_scales.empty() || v_scales.size() == n, "mpext.", op, ": ",
+                      rule.scale_names[1], " must be empty or have one entry per param (", n,
+                      "), got ", v_scales.size());
+  }
   const int64_t block = storage.block_size;
-  TORCH_CHECK_VALUE(mp_adam_q8_block_ok(block), "mpext.", op,
+  TORCH_CHECK_VALUE(mp_q8_block_ok(block), "mpext.", op,
                     ": block_size must be a power of two in [", MP_Q8_BLOCK_MIN, ", ",
                     MP_Q8_BLOCK_MAX, "], got ", block);
   if (rule.check_rule) rule.check_rule();
@@ -94,9 +118,9 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     check_scalars(*found_inf, op, "found_inf", at::kFloat, 1, device_for(*found_inf), owner);
   }
 
-  AdamPlan plan{};
+  StepPlan plan{};
   plan.options = rule.options;
-  mp_adam_options& o = plan.options;
+  mp_step_options& o = plan.options;
   o.lr = lr.device() == device ? lr.const_data_ptr<float>() : nullptr;
   o.lr_value = 0.0f;
   o.inv_scale = inv_scale ? inv_scale->const_data_ptr<float>() : nullptr;
@@ -131,8 +155,9 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     // A rule's missing moments are stood in for by the param (never read nor written).
     const at::Tensor& m = nmom >= 1 ? rule.moments[0][k] : p;
     const at::Tensor& v = nmom >= 2 ? rule.moments[1][k] : p;
-    const Arg pn("params", i), gn("grads", i), mn(rule.moment_names[0], i);
-    const Arg vn(rule.moment_names[1], i);
+    const Arg pn("params", i), gn("grads", i);
+    const Arg mn(rule.nlists >= 1 ? rule.moment_names[0] : "", i);
+    const Arg vn(rule.nlists >= 2 ? rule.moment_names[1] : "", i);
     const Arg wn("masters", i);
     check_device(p, op, pn, device, owner);
     check_device(g, op, gn, device, owner);
@@ -208,7 +233,7 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     float* scale_ptr[2] = {nullptr, nullptr};
     const at::TensorList scale_lists[2] = {m_scales, v_scales};
     const char* const* scale_names = rule.scale_names;
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < rule.nlists; ++j) {
       const Arg sn(scale_names[j], i);
       if (scale_lists[j].empty()) {
         TORCH_CHECK_VALUE(!q8 || j >= nmom, "mpext.", op, ": ", mn, " holds 8-bit codes, which need ",
@@ -235,7 +260,7 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
       scale_ptr[j] = static_cast<float*>(sc.data_ptr());
     }
 
-    mp_adam_tensor t{};
+    mp_step_tensor t{};
     t.param = p.data_ptr();
     t.param_dtype = to_mp_dtype(p.scalar_type());
     t.grad = g.data_ptr();
@@ -246,8 +271,9 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     t.step = static_cast<float*>(steps[k].data_ptr());
     t.n = p.numel();
     t.remainder = remainder;
-    t.exp_avg_dtype = nmom >= 1 ? to_mp_dtype(m.scalar_type()) : MP_F32;
-    t.exp_avg_sq_dtype = nmom >= 2 ? to_mp_dtype(v.scalar_type()) : (q8 ? MP_U8 : MP_F32);
+    // the moments the rule keeps, each in its format (a moment it does not keep is not read)
+    if (nmom >= 1) t.exp_avg_format = moment_format(m);
+    if (nmom >= 2) t.exp_avg_sq_format = moment_format(v);
     t.offset = offset;
     t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
                                      : static_cast<uint64_t>(k);
@@ -278,77 +304,6 @@ AdamPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
   check_no_overlap(std::move(ranges), op, "", "");
   check_lr_value();
   return plan;
-}
-
-namespace {
-const char* const kAdamScales[2] = {"exp_avg_scales", "exp_avg_sq_scales"};
-
-// The options' fields a rule sets (the rest are plan_step's): which rule, and its
-// hyperparameters as mp_adam_options names them.
-mp_adam_options rule_options(int32_t rule, double beta1, double beta2, double weight_decay,
-                             bool maximize) {
-  mp_adam_options o{};
-  o.rule = rule;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.weight_decay = weight_decay;
-  o.maximize = maximize ? 1 : 0;
-  return o;
-}
-}  // namespace
-
-// The checks capture their values (not references): a RuleLists outlives the call that made it.
-RuleLists adam_rule(at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double beta1,
-                    double beta2, double eps, double weight_decay, bool decoupled,
-                    bool maximize) {
-  const char* op = "adam_step_";
-  auto check = [=]() {
-    check_hyper(beta1, op, "beta1", 0.0, false, 1.0, true);
-    check_hyper(beta2, op, "beta2", 0.0, false, 1.0, true);
-    check_hyper(eps, op, "eps", 0.0, false, INFINITY, true);
-    check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
-  };
-  mp_adam_options o = rule_options(MP_RULE_ADAM, beta1, beta2, weight_decay, maximize);
-  o.eps = eps;
-  o.decoupled = decoupled ? 1 : 0;
-  return {op, 2, {exp_avgs, exp_avg_sqs}, {"exp_avgs", "exp_avg_sqs"}, kAdamScales, check, o};
-}
-
-RuleLists lion_rule(at::TensorList exp_avgs, double beta1, double beta2, double weight_decay,
-                    bool maximize) {
-  const char* op = "lion_step_";
-  auto check = [=]() {
-    check_hyper(beta1, op, "beta1", 0.0, false, 1.0, false);
-    check_hyper(beta2, op, "beta2", 0.0, false, 1.0, false);
-    check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
-  };
-  mp_adam_options o = rule_options(MP_RULE_LION, beta1, beta2, weight_decay, maximize);
-  o.decoupled = 1;
-  return {op, 1, {exp_avgs, at::TensorList()}, {"exp_avgs", "exp_avg_sqs"}, kAdamScales, check,
-          o};
-}
-
-RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, double dampening,
-                   double weight_decay, bool nesterov, bool maximize) {
-  const char* op = "sgd_step_";
-  static const char* const scales[2] = {"momentum_buffer_scales", "unused_scales"};
-  auto check = [=]() {
-    check_hyper(momentum, op, "momentum", 0.0, false, INFINITY, true);
-    check_hyper(dampening, op, "dampening", -INFINITY, true, INFINITY, true);
-    check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
-    TORCH_CHECK_VALUE(!nesterov || (momentum > 0.0 && dampening == 0.0), "mpext.", op,
-                      ": Nesterov momentum requires a momentum and zero dampening");
-  };
-  const int nmom = momentum != 0.0 ? 1 : 0;
-  TORCH_CHECK_VALUE(nmom == 1 || momentum_buffers.empty(), "mpext.", op,
-                    ": momentum is 0, which keeps no buffer, so momentum_buffers must be empty, "
-                    "got ", momentum_buffers.size(), " tensors");
-  // The momentum is the rule's beta1 (mp_adam_options.rule says so).
-  mp_adam_options o = rule_options(MP_RULE_SGD, momentum, 0.0, weight_decay, maximize);
-  o.dampening = dampening;
-  o.nesterov = nesterov ? 1 : 0;
-  return {op, nmom, {momentum_buffers, at::TensorList()}, {"momentum_buffers", "unused"}, scales,
-          check, o};
 }
 
 }  // namespace mpext

@@ -1,13 +1,14 @@
-// The fused optimizer step on CUDA devices (Adam/AdamW, Lion, SGD: the options' rule): the
-// kernels and the launcher behind mpext/adam_cuda.h. One chunk kernel for every rule, a
-// template over the rule's functor (AdamRule, LionRule, SgdRule below: the per-element update of
-// its rule header over fp32 values); the storage paths are the rule's only through how many
-// moments it keeps. Adam's fp32 state also takes the 16-byte vectorized path.
+// The fused optimizer step on CUDA devices (every rule of mpext/rules/rules.h: the options'
+// rule): the kernels and the launcher behind mpext/step_cuda.h. One chunk kernel for every rule,
+// a template over the rule's functor (RuleOf_<name> below, generated from the rows: the
+// per-element update of its rule header over fp32 values); the storage paths are the rule's only
+// through how many moments it keeps. A rule that always keeps two moments also takes the 16-byte
+// vectorized path for fp32 state.
 //
 // Work layout: the multi-tensor engine (multi_tensor.cuh) packs the params into launches, one
-// chunk per block. Thread 0 of a block computes its param's scalars with mpext/adam_rule.h (the
+// chunk per block. Thread 0 of a block computes its param's scalars (mpext/step_storage.h and the rule's: the
 // skip decision from *found_inf, *inv_scale, *lr, and the bias corrections from the param's step
-// count) into shared memory; then every thread runs adam_range over the block's chunk. It peels
+// count) into shared memory; then every thread runs vec_range (or the element-wise path) over the block's chunk. It peels
 // the elements before the point where all five arrays (param, grad, master, exp_avg, exp_avg_sq)
 // are 16-byte aligned, moves 8 elements per step with 16-byte loads and stores, and finishes the
 // tail one element at a time; when the arrays' offsets modulo 16 bytes differ no peel aligns them
@@ -19,12 +20,12 @@
 // block can still be reading a step when it changes. Both kernels skip on *found_inf != 0;
 // nothing writes found_inf, so they agree.
 //
-// Numerics: adam_rule.h's, the CPU's code: per element each fp32 operation rounded once (the
+// Numerics: the rule header's and step_storage.h's, the CPU's code: per element each fp32 operation rounded once (the
 // rule's _rn intrinsics, which fast-math flags do not change), bf16/fp16 values widened exactly
 // and the new master rounded back to nearest even; with unscale_grads the unscaled gradient is
 // rounded back into the gradient the same way.
 //
-// 8-bit moments (adam_q8_chunk): the block's 256 threads take 2048 elements per pass, 8
+// 8-bit moments (q8_chunk): the block's 256 threads take 2048 elements per pass, 8
 // consecutive ones each, so a block of moments (at most 2048 elements, a divisor of the chunk)
 // is the elements of 1 to 256 consecutive threads. Each thread decodes, updates and writes its
 // elements, keeping the new fp32 moments in registers; the block's absmax (a max of fp32 bits,
@@ -33,10 +34,8 @@
 #include <cuda_runtime.h>
 
 #include "access.cuh"
-#include "mpext/adam_cuda.h"
-#include "mpext/adam_rule.h"
-#include "mpext/lion_rule.h"
-#include "mpext/sgd_rule.h"
+#include "mpext/step_cuda.h"
+#include "mpext/step_storage.h" /* and, through mpext/step.h, the rules */
 #include "multi_tensor.cuh"
 
 namespace {
@@ -56,43 +55,33 @@ static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignm
 static_assert(kQ8Pass == MP_Q8_BLOCK_MAX && mp_cuda::kChunk % kQ8Pass == 0,
               "a block of 8-bit moments must lie within one pass of one chunk");
 
-// The rules: each the update of one element (g, p and moments m, v in fp32; v unused by a rule
-// with one moment, m too by SGD without momentum) with its scalars beside the storage's s.
-struct AdamRule {
-  static constexpr bool kVectorPath = true;
-  MP_CUDA_HD float operator()(float g, float p, float* m, float* v,
-                              const mp_adam_scalars& s) const {
-    return mp_adam_element(g, p, m, v, &s);
-  }
-};
-
-struct LionRule {
-  static constexpr bool kVectorPath = false;
-  mp_lion_scalars r;
-  MP_CUDA_HD float operator()(float g, float p, float* m, float*, const mp_adam_scalars&) const {
-    return mp_lion_element(g, p, m, &r);
-  }
-};
-
-struct SgdRule {
-  static constexpr bool kVectorPath = false;
-  mp_sgd_scalars r;
-  MP_CUDA_HD float operator()(float g, float p, float* m, float*, const mp_adam_scalars&) const {
-    return mp_sgd_element(g, p, m, &r);
-  }
-};
+// The rules, one functor each, generated from the rows of mpext/rules/rules.h: the update of one
+// element (g, p and moments m, v in fp32; v unused by a rule with one moment, m too by one with
+// none) with the rule's scalars r beside the storage's s. A rule that always keeps two moments
+// may take the 16-byte vectorized path of fp32 state.
+#define MP_RULE_FUNCTOR_(ID, name, MIN, MAX)                                                   \
+  struct RuleOf_##name {                                                                       \
+    static constexpr bool kVectorPath = (MIN) == 2;                                            \
+    mp_##name##_scalars r;                                                                     \
+    MP_CUDA_HD float operator()(float g, float p, float* m, float* v,                          \
+                                const mp_step_scalars&) const {                                \
+      return mp_##name##_element(g, p, m, v, &r);                                              \
+    }                                                                                          \
+  };
+MP_RULES(MP_RULE_FUNCTOR_)
+#undef MP_RULE_FUNCTOR_
 
 // Element i, on its own.
-template <int P, int G>
-MP_CUDA_HD void adam_one(void* param, void* grad, float* master, float* exp_avg,
-                         float* exp_avg_sq, int64_t i, const mp_adam_scalars& s) {
+template <int P, int G, class Rule>
+MP_CUDA_HD void vec_one(void* param, void* grad, float* master, float* exp_avg,
+                        float* exp_avg_sq, int64_t i, const mp_step_scalars& s, const Rule& rule) {
   constexpr bool kMaster = P != MP_F32;
-  const float g = mp_adam_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
+  const float g = mp_step_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
   if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p = kMaster ? master[i] : widen<MP_F32>(load1<4>(param, i));
   float m = exp_avg[i];
   float v = exp_avg_sq[i];
-  p = mp_adam_element(g, p, &m, &v, &s);
+  p = rule(g, p, &m, &v, s);
   if constexpr (P == MP_BF16) p = f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)));
   exp_avg[i] = m;
   exp_avg_sq[i] = v;
@@ -100,17 +89,17 @@ MP_CUDA_HD void adam_one(void* param, void* grad, float* master, float* exp_avg,
   store1<MP_DTYPE_BYTES(P)>(param, i, narrow<P>(p));
 }
 
-// Where a piece's fp32 param value lives (see mpext/adam.h).
+// Where a piece's fp32 param value lives (see mpext/step.h).
 enum Storage : uint8_t { kF32Param = 0, kMaster = 1, kRemainder = 2, kNoMaster = 3 };
 
-// Element i of a param in any storage (adam.h: remainders, bf16 moments, no master), one element
+// Element i of a param in any storage (step.h: remainders, bf16 moments, no master), one element
 // at a time; pos is its position in the param (its stochastic-rounding draw).
 template <int P, int G, class Rule>
-MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* remainder,
+MP_CUDA_HD void lean_one(void* param, void* grad, float* master, int16_t* remainder,
                               void* exp_avg, int md, void* exp_avg_sq, int vd, float* ema,
-                              int storage, int64_t i, uint64_t pos, const mp_adam_scalars& s,
+                              int storage, int64_t i, uint64_t pos, const mp_step_scalars& s,
                               const Rule& rule, int nmom) {
-  const float g = mp_adam_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
+  const float g = mp_step_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
   if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p;
   if (storage == kMaster) {
@@ -136,24 +125,24 @@ MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* r
     if (md == MP_F32) {
       store1<4>(exp_avg, i, bits_from_f32(m));
     } else {
-      store1<2>(exp_avg, i, mp_adam_bf16_moment(m, r_mv, &s));
+      store1<2>(exp_avg, i, mp_step_bf16_moment(m, r_mv, &s));
     }
   }
   if (nmom >= 2) {
     if (vd == MP_F32) {
       store1<4>(exp_avg_sq, i, bits_from_f32(v));
     } else {
-      store1<2>(exp_avg_sq, i, mp_adam_bf16_moment(v, r_mv >> 16, &s));
+      store1<2>(exp_avg_sq, i, mp_step_bf16_moment(v, r_mv >> 16, &s));
     }
   }
   if (ema != nullptr && storage != kMaster && storage != kRemainder) {
-    ema[i] = mp_adam_ema(ema[i], p, &s);
+    ema[i] = mp_step_ema(ema[i], p, &s);
   }
   if (storage == kF32Param) {
     store1<4>(param, i, bits_from_f32(p));
   } else if (storage == kMaster || storage == kRemainder) {
     const uint32_t x = P == MP_BF16 ? mp_bf16_master_bits(bits_from_f32(p)) : bits_from_f32(p);
-    if (ema != nullptr) ema[i] = mp_adam_ema(ema[i], f32_from_bits(x), &s);
+    if (ema != nullptr) ema[i] = mp_step_ema(ema[i], f32_from_bits(x), &s);
     const uint32_t q = P == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
     store1<2>(param, i, q);
     if (storage == kMaster) {
@@ -173,9 +162,9 @@ MP_CUDA_HD void adam_lean_one(void* param, void* grad, float* master, int16_t* r
 // Elements 8 * vi .. 8 * vi + 7 of 16-byte aligned arrays, with 16-byte loads and stores. For an
 // fp32 param the param is the fp32 value (master is unused); otherwise the master is, and the
 // param is only written.
-template <int P, int G>
-MP_CUDA_HD void adam_vec8(void* param, void* grad, float* master, float* exp_avg,
-                          float* exp_avg_sq, int64_t vi, const mp_adam_scalars& s) {
+template <int P, int G, class Rule>
+MP_CUDA_HD void vec8(void* param, void* grad, float* master, float* exp_avg, float* exp_avg_sq,
+                     int64_t vi, const mp_step_scalars& s, const Rule& rule) {
   constexpr bool kMaster = P != MP_F32;
   uint32_t gb[8], pb[8], mb[8], vb[8];
   load8<MP_DTYPE_BYTES(G)>(grad, vi, gb);
@@ -187,9 +176,9 @@ MP_CUDA_HD void adam_vec8(void* param, void* grad, float* master, float* exp_avg
   for (int j = 0; j < 8; ++j) {
     float m = f32_from_bits(mb[j]);
     float v = f32_from_bits(vb[j]);
-    const float g = mp_adam_unscaled(widen<G>(gb[j]), &s);
+    const float g = mp_step_unscaled(widen<G>(gb[j]), &s);
     gb[j] = narrow<G>(g);
-    float p = mp_adam_element(g, f32_from_bits(pb[j]), &m, &v, &s);
+    float p = rule(g, f32_from_bits(pb[j]), &m, &v, s);
     if constexpr (P == MP_BF16) p = f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)));
     mb[j] = bits_from_f32(m);
     vb[j] = bits_from_f32(v);
@@ -231,15 +220,15 @@ MP_CUDA_HD int64_t vector_head(const void* param, const void* grad, const float*
 // threads are numbered 0 .. nthreads - 1: the head before the common 16-byte boundary and the
 // tail after the last full vector go one element at a time, the body 8 elements per step (or,
 // when no common boundary exists, everything goes one element at a time).
-template <int P, int G>
-MP_CUDA_HD void adam_range(void* param, void* grad, float* master, float* exp_avg,
-                           float* exp_avg_sq, int64_t n, const mp_adam_scalars& s, int64_t tid,
-                           int64_t nthreads) {
+template <int P, int G, class Rule>
+MP_CUDA_HD void vec_range(void* param, void* grad, float* master, float* exp_avg,
+                          float* exp_avg_sq, int64_t n, const mp_step_scalars& s,
+                          const Rule& rule, int64_t tid, int64_t nthreads) {
   constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
   int64_t head = vector_head<P, G>(param, grad, master, exp_avg, exp_avg_sq);
   if (head < 0 || head > n) head = n;
   for (int64_t i = tid; i < head; i += nthreads) {
-    adam_one<P, G>(param, grad, master, exp_avg, exp_avg_sq, i, s);
+    vec_one<P, G>(param, grad, master, exp_avg, exp_avg_sq, i, s, rule);
   }
   const int64_t nvec = (n - head) / kVec;
   if (nvec > 0) {
@@ -248,17 +237,17 @@ MP_CUDA_HD void adam_range(void* param, void* grad, float* master, float* exp_av
     float* bw = P != MP_F32 ? master + head : master;
     float* bm = exp_avg + head;
     float* bv = exp_avg_sq + head;
-    for (int64_t v = tid; v < nvec; v += nthreads) adam_vec8<P, G>(bp, bg, bw, bm, bv, v, s);
+    for (int64_t v = tid; v < nvec; v += nthreads) vec8<P, G>(bp, bg, bw, bm, bv, v, s, rule);
   }
   for (int64_t i = head + nvec * kVec + tid; i < n; i += nthreads) {
-    adam_one<P, G>(param, grad, master, exp_avg, exp_avg_sq, i, s);
+    vec_one<P, G>(param, grad, master, exp_avg, exp_avg_sq, i, s, rule);
   }
 }
 
 // The argument of one main launch (passed by value, under the 4 KB parameter limit): the call's
 // options and, per piece, the param it belongs to (its arrays from the piece's first element).
-struct AdamArgs {
-  mp_adam_options opt;
+struct StepArgs {
+  mp_step_options opt;
   mp_cuda::PieceTable<kMaxPieces> pieces;
   void* param[kMaxPieces];
   void* grad[kMaxPieces];
@@ -280,20 +269,20 @@ struct AdamArgs {
   uint8_t storage[kMaxPieces];  // a Storage
 };
 
-static_assert(sizeof(AdamArgs) <= 4096, "the multi-tensor argument must fit the 4 KB limit");
+static_assert(sizeof(StepArgs) <= 4096, "the multi-tensor argument must fit the 4 KB limit");
 
 // The argument of one step launch: step[0 .. nsteps - 1] are advanced unless *found_inf != 0.
-struct StepArgs {
+struct CountArgs {
   const float* found_inf;
   float* step[kMaxSteps];
   int32_t nsteps;
 };
 
-static_assert(sizeof(StepArgs) <= 4096, "the step argument must fit the 4 KB limit");
+static_assert(sizeof(CountArgs) <= 4096, "the step argument must fit the 4 KB limit");
 
 template <int P, int G, class Rule>
-MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_adam_scalars& s, const Rule& rule, int nmom, int64_t tid,
+MP_CUDA_HD void step_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
+                           const mp_step_scalars& s, const Rule& rule, int nmom, int64_t tid,
                            int64_t nthreads) {
   const int k = r.k;
   void* param = static_cast<char*>(a.param[k]) + r.start * MP_DTYPE_BYTES(P);
@@ -307,37 +296,37 @@ MP_CUDA_HD void adam_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
   if (Rule::kVectorPath && (storage == kF32Param || storage == kMaster) && md == MP_F32 &&
       vd == MP_F32 && ema == nullptr) {
     // fp32 state: the 16-byte vectorized path
-    adam_range<P, G>(param, grad, master, static_cast<float*>(m), static_cast<float*>(v), r.count,
-                     s, tid, nthreads);
+    vec_range<P, G>(param, grad, master, static_cast<float*>(m), static_cast<float*>(v), r.count,
+                    s, rule, tid, nthreads);
     return;
   }
   int16_t* remainder = storage == kRemainder ? a.remainder[k] + r.start : nullptr;
   const uint64_t first = static_cast<uint64_t>(a.offset[k] + r.start);
   for (int64_t i = tid; i < r.count; i += nthreads) {
-    adam_lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, ema, storage, i,
+    lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, ema, storage, i,
                         first + static_cast<uint64_t>(i), s, rule, nmom);
   }
 }
 
 // The element work of a block (range r, scalars s, not skipped) for thread tid of nthreads.
 template <class Rule>
-MP_CUDA_HD void adam_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_adam_scalars& s, const Rule& rule, int nmom, int64_t tid,
+MP_CUDA_HD void step_block(const StepArgs& a, const mp_cuda::BlockRange& r,
+                           const mp_step_scalars& s, const Rule& rule, int nmom, int64_t tid,
                            int64_t nthreads) {
   const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
   if (pd == MP_F32) {
-    adam_chunk<MP_F32, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
+    step_chunk<MP_F32, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
   } else if (pd == MP_BF16) {
     if (gd == MP_BF16) {
-      adam_chunk<MP_BF16, MP_BF16>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_BF16, MP_BF16>(a, r, s, rule, nmom, tid, nthreads);
     } else {
-      adam_chunk<MP_BF16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_BF16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
     }
   } else {
     if (gd == MP_F16) {
-      adam_chunk<MP_F16, MP_F16>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_F16, MP_F16>(a, r, s, rule, nmom, tid, nthreads);
     } else {
-      adam_chunk<MP_F16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_F16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
     }
   }
 }
@@ -364,8 +353,8 @@ __device__ __forceinline__ bool group_aligned(const void* p, int bytes) {
 // Every thread of the block runs the same passes (the shuffles and barriers need them all);
 // wmax is the block's shared memory for the absmax of blocks that span warps.
 template <int P, int G, class Rule>
-__device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                              const mp_adam_scalars& s, const Rule& rule, bool pair,
+__device__ void q8_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
+                              const mp_step_scalars& s, const Rule& rule, bool pair,
                               uint32_t (*wmax)[kWarps]) {
   constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
   const int k = r.k, tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
@@ -409,7 +398,7 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
       uint32_t out[kQ8Group];
 #pragma unroll
       for (int j = 0; j < kQ8Group; ++j) {
-        const float g = mp_adam_unscaled(widen<G>(gb[j]), &s);
+        const float g = mp_step_unscaled(widen<G>(gb[j]), &s);
         gb[j] = narrow<G>(g);
         float p = storage == kMaster      ? f32_from_bits(wb[j])
                   : storage == kRemainder ? f32_from_bits(mp_bf16_join(
@@ -418,7 +407,7 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
                                           : widen<P>(pb[j]);
         float m = mp_q8_decode_m(static_cast<uint8_t>(mb[j]), rm);
         float v =
-            pair ? mp_adam_q8_floor_v(m, mp_q8_decode_v(static_cast<uint8_t>(vb[j]), rv), &s)
+            pair ? mp_step_q8_floor_v(m, mp_q8_decode_v(static_cast<uint8_t>(vb[j]), rv), &s)
                  : 0.0f;
         p = rule(g, p, &m, &v, s);
         mnew[j] = m;
@@ -430,7 +419,7 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
         }
         const uint64_t pos = static_cast<uint64_t>(first + i0 + j);
         if (ema != nullptr && storage != kMaster && storage != kRemainder) {
-          eb[j] = bits_from_f32(mp_adam_ema(f32_from_bits(eb[j]), p, &s));
+          eb[j] = bits_from_f32(mp_step_ema(f32_from_bits(eb[j]), p, &s));
         }
         if (storage == kF32Param) {
           out[j] = bits_from_f32(p);
@@ -438,7 +427,7 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
           const uint32_t x =
               P == MP_BF16 ? mp_bf16_master_bits(bits_from_f32(p)) : bits_from_f32(p);
           if (ema != nullptr) {
-            eb[j] = bits_from_f32(mp_adam_ema(f32_from_bits(eb[j]), f32_from_bits(x), &s));
+            eb[j] = bits_from_f32(mp_step_ema(f32_from_bits(eb[j]), f32_from_bits(x), &s));
           }
           out[j] = P == MP_BF16 ? mp_bf16_rne_bits(x) : mp_fp16_rne_bits(x);
           wb[j] = storage == kMaster ? x
@@ -495,89 +484,87 @@ __device__ void adam_q8_chunk(const AdamArgs& a, const mp_cuda::BlockRange& r,
 }
 
 template <class Rule>
-__device__ void adam_q8_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                              const mp_adam_scalars& s, const Rule& rule, bool pair,
+__device__ void q8_block_step(const StepArgs& a, const mp_cuda::BlockRange& r,
+                              const mp_step_scalars& s, const Rule& rule, bool pair,
                               uint32_t (*wmax)[kWarps]) {
   const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
   if (pd == MP_F32) {
-    adam_q8_chunk<MP_F32, MP_F32>(a, r, s, rule, pair, wmax);
+    q8_chunk<MP_F32, MP_F32>(a, r, s, rule, pair, wmax);
   } else if (pd == MP_BF16) {
     if (gd == MP_BF16) {
-      adam_q8_chunk<MP_BF16, MP_BF16>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_BF16, MP_BF16>(a, r, s, rule, pair, wmax);
     } else {
-      adam_q8_chunk<MP_BF16, MP_F32>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_BF16, MP_F32>(a, r, s, rule, pair, wmax);
     }
   } else {
     if (gd == MP_F16) {
-      adam_q8_chunk<MP_F16, MP_F16>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_F16, MP_F16>(a, r, s, rule, pair, wmax);
     } else {
-      adam_q8_chunk<MP_F16, MP_F32>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_F16, MP_F32>(a, r, s, rule, pair, wmax);
     }
   }
 }
 
 // A block's work under one rule: the 8-bit path or the others.
 template <class Rule>
-__device__ void rule_block(const AdamArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_adam_scalars& s, const Rule& rule,
+__device__ void rule_block(const StepArgs& a, const mp_cuda::BlockRange& r,
+                           const mp_step_scalars& s, const Rule& rule, int nmom,
                            uint32_t (*wmax)[kWarps]) {
-  const int nmom = mp_rule_moments(&a.opt);
   if (nmom >= 1 && a.exp_avg_dtype[r.k] == MP_I8) {
-    adam_q8_block(a, r, s, rule, nmom >= 2, wmax);
+    q8_block_step(a, r, s, rule, nmom >= 2, wmax);
   } else {
-    adam_block(a, r, s, rule, nmom, threadIdx.x, blockDim.x);
+    step_block(a, r, s, rule, nmom, threadIdx.x, blockDim.x);
   }
 }
 
 // What the block's thread 0 shares with the others: the storage's scalars and the rule's.
 struct BlockScalars {
-  mp_adam_scalars s;
-  mp_lion_scalars lion;
-  mp_sgd_scalars sgd;
+  mp_step_scalars s;
+  mp_rule_scalars r;
   int32_t skip;
 };
 
-__global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_constant__ AdamArgs a) {
+__global__ void __launch_bounds__(kThreads) step_multi_kernel(const __grid_constant__ StepArgs a) {
   __shared__ BlockScalars shared;
   __shared__ uint32_t wmax[2][kWarps];
   const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, blockIdx.x);
   if (threadIdx.x == 0) {
-    shared.skip = mp_adam_skip(&a.opt);
+    shared.skip = mp_step_skip(&a.opt);
     if (!shared.skip) {
-      shared.s = mp_adam_scalars_now(&a.opt, a.step[r.k], a.sr_stream[r.k]);
-      const float lr = a.opt.lr != nullptr ? *a.opt.lr : a.opt.lr_value;
-      if (a.opt.rule == MP_RULE_LION) shared.lion = mp_lion_scalars_of(&a.opt, lr);
-      if (a.opt.rule == MP_RULE_SGD) shared.sgd = mp_sgd_scalars_of(&a.opt, lr, *a.step[r.k]);
+      shared.s = mp_step_scalars_now(&a.opt, a.step[r.k], a.sr_stream[r.k]);
+      shared.r = mp_rule_scalars_now(&a.opt, a.step[r.k]);
     }
   }
   __syncthreads();
   if (shared.skip) return;  // the same for every thread of the block
-  const mp_adam_scalars s = shared.s;
-  if (a.opt.rule == MP_RULE_LION) {
-    rule_block(a, r, s, LionRule{shared.lion}, wmax);
-  } else if (a.opt.rule == MP_RULE_SGD) {
-    rule_block(a, r, s, SgdRule{shared.sgd}, wmax);
-  } else {
-    rule_block(a, r, s, AdamRule{}, wmax);
+  const mp_step_scalars s = shared.s;
+  switch (a.opt.rule) {
+#define MP_RULE_CASE_(ID, name, MIN, MAX)                                  \
+  case MP_RULE_##ID:                                                       \
+    rule_block(a, r, s, RuleOf_##name{shared.r.u.name}, shared.r.nmom, wmax); \
+    break;
+    MP_RULES(MP_RULE_CASE_)
+#undef MP_RULE_CASE_
+    default: break;
   }
 }
 
-__global__ void __launch_bounds__(kStepThreads) adam_step_kernel(const __grid_constant__ StepArgs a) {
+__global__ void __launch_bounds__(kStepThreads) count_kernel(const __grid_constant__ CountArgs a) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= a.nsteps) return;
   if (a.found_inf != nullptr && *a.found_inf != 0.0f) return;
   *a.step[i] = MP_FADD(*a.step[i], 1.0f);
 }
 
-mp_status check_call(const mp_adam_tensor* ts, int64_t nt, const mp_adam_options* opt) {
+mp_status check_call(const mp_step_tensor* ts, int64_t nt, const mp_step_options* opt) {
   if (nt < 0 || (nt > 0 && (ts == nullptr || opt == nullptr))) return MP_ERR_INVALID_ARGUMENT;
   if (nt == 0) return MP_OK;
-  if (!mp_adam_options_ok(opt)) return MP_ERR_INVALID_ARGUMENT;
+  if (!mp_step_options_ok(opt)) return MP_ERR_INVALID_ARGUMENT;
   const int nmom = mp_rule_moments(opt);
   for (int64_t k = 0; k < nt; ++k) {
     if (!mp_step_tensor_ok(&ts[k], nmom)) return MP_ERR_INVALID_ARGUMENT;
-    if (nmom >= 1 && mp_adam_q8(&ts[k]) &&
-        (!mp_adam_q8_block_ok(opt->q8_block) || ts[k].offset % opt->q8_block != 0))
+    if (nmom >= 1 && mp_step_blocks(&ts[k]) &&
+        (!mp_q8_block_ok(opt->q8_block) || ts[k].offset % opt->q8_block != 0))
       return MP_ERR_INVALID_ARGUMENT;
   }
   return MP_OK;
@@ -587,30 +574,30 @@ mp_status check_call(const mp_adam_tensor* ts, int64_t nt, const mp_adam_options
 
 extern "C" {
 
-mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensors,
-                                  const mp_adam_options* opt, cudaStream_t stream) {
+mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
+                             const mp_step_options* opt, cudaStream_t stream) {
   const mp_status checked = check_call(tensors, ntensors, opt);
   if (checked != MP_OK || ntensors == 0) return checked;
-  AdamArgs a{};
+  StepArgs a{};
   a.opt = *opt;
   const mp_status st = mp_cuda::pack_launches(
       a.pieces, ntensors, [&](int64_t s) { return tensors[s].n; },
       [&](int i, int64_t s, int64_t done) {
-        const mp_adam_tensor& t = tensors[s];
+        const mp_step_tensor& t = tensors[s];
         a.param[i] = static_cast<char*>(t.param) + done * MP_DTYPE_BYTES(t.param_dtype);
         a.grad[i] = static_cast<char*>(t.grad) + done * MP_DTYPE_BYTES(t.grad_dtype);
         a.master[i] = t.master != nullptr ? t.master + done : nullptr;
         a.remainder[i] = t.remainder != nullptr ? t.remainder + done : nullptr;
         a.ema[i] = t.ema != nullptr ? t.ema + done : nullptr;
         a.exp_avg[i] = t.exp_avg != nullptr ? static_cast<char*>(t.exp_avg) +
-                                                  done * MP_DTYPE_BYTES(t.exp_avg_dtype)
+                                                  done * mp_format_bytes(t.exp_avg_format)
                                             : nullptr;
         a.exp_avg_sq[i] = t.exp_avg_sq != nullptr ? static_cast<char*>(t.exp_avg_sq) +
-                                                        done * MP_DTYPE_BYTES(t.exp_avg_sq_dtype)
+                                                        done * mp_format_bytes(t.exp_avg_sq_format)
                                                   : nullptr;
         a.step[i] = t.step;
         // a piece starts on a chunk boundary, a multiple of every block size
-        const int64_t blocks_done = mp_adam_q8(&t) ? done / opt->q8_block : 0;
+        const int64_t blocks_done = mp_step_blocks(&t) ? done / opt->q8_block : 0;
         a.exp_avg_scale[i] = t.exp_avg_scale != nullptr ? t.exp_avg_scale + blocks_done : nullptr;
         a.exp_avg_sq_scale[i] =
             t.exp_avg_sq_scale != nullptr ? t.exp_avg_sq_scale + blocks_done : nullptr;
@@ -618,33 +605,39 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
         a.offset[i] = t.offset + done;
         a.param_dtype[i] = static_cast<uint8_t>(t.param_dtype);
         a.grad_dtype[i] = static_cast<uint8_t>(t.grad_dtype);
-        a.exp_avg_dtype[i] = static_cast<uint8_t>(t.exp_avg_dtype);
-        a.exp_avg_sq_dtype[i] = static_cast<uint8_t>(t.exp_avg_sq_dtype);
+        // the moments' formats as the dtypes the kernel loads and stores (formats/formats.h)
+        a.exp_avg_dtype[i] = static_cast<uint8_t>(mp_format_dtype(t.exp_avg_format));
+        a.exp_avg_sq_dtype[i] = static_cast<uint8_t>(mp_format_dtype(t.exp_avg_sq_format));
         a.storage[i] = t.param_dtype == MP_F32 ? kF32Param
                        : t.master != nullptr   ? kMaster
                        : t.remainder != nullptr ? kRemainder
                                                : kNoMaster;
       },
       [&](int64_t blocks) {
-        mp_cuda::launch(adam_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
+        mp_cuda::launch(step_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
         return mp_cuda::launch_status();
       });
   if (st != MP_OK) return st;
   // Every main launch is enqueued: now the step counts, zero-size params' included.
   const int max_steps = mp_cuda::cap_pieces(kMaxSteps);
-  StepArgs sa{};
+  CountArgs sa{};
   sa.found_inf = opt->found_inf;
   for (int64_t k = 0; k < ntensors; ++k) {
     sa.step[sa.nsteps++] = tensors[k].step;
     if (sa.nsteps == max_steps || k == ntensors - 1) {
       const unsigned grid = static_cast<unsigned>((sa.nsteps + kStepThreads - 1) / kStepThreads);
-      mp_cuda::launch(adam_step_kernel, grid, kStepThreads, 0, stream, sa);
+      mp_cuda::launch(count_kernel, grid, kStepThreads, 0, stream, sa);
       const mp_status s = mp_cuda::launch_status();
       if (s != MP_OK) return s;
       sa.nsteps = 0;
     }
   }
   return MP_OK;
+}
+
+mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensors,
+                                  const mp_adam_options* opt, cudaStream_t stream) {
+  return mp_step_multi_cuda(tensors, ntensors, opt, stream);
 }
 
 }  // extern "C"
