@@ -935,7 +935,13 @@ def launch_moments(states: list, quantities: Tuple[str, ...], nlists: int,
     extra: Dict[str, list] = {}
     for i, st in enumerate(states):
         for j, name in enumerate(quantities):
-            t, args = held(st, name).op_args(st, name)
+            fmt = held(st, name)
+            if fmt is None:  # (refused by the op too, less clearly)
+                raise RuntimeError("mpext.optim: a param's state has no %r, which its rule keeps "
+                                   "with its group's settings now (a setting that adds a moment, "
+                                   "e.g. SGD's momentum, changed after the param was stepped "
+                                   "without it); its state has %s" % (name, sorted(st)))
+            t, args = fmt.op_args(st, name)
             lists[j].append(t)
             for kw, v in args.items():
                 col = extra.get(kw)
