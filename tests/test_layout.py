@@ -287,3 +287,100 @@ def test_the_engine_names_no_rule():
             if parts & names:
                 found.append("%s: %s" % (rel, word))
     assert found == [], "the engine names a rule: %s" % found
+# ---- Formats are objects: nothing outside mpext/optim/formats.py asks which one it holds ------
+
+FORMATS_PY = PKG / "optim" / "formats.py"
+
+
+def _docstrings(tree):
+    """The ids of the docstring constants of a module, its classes and functions (prose, where a
+    format may be named)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant):
+            out.add(id(node.body[0].value))
+    return out
+
+
+def format_naming(path, tree):
+    """Where the code of ``path`` names a particular state format (mpext.optim.formats): a
+    format object read from the formats module (``F.Q8``, ``formats.BF16``, ``from .formats
+    import MASTER``), a format's state key or key suffix in a string (``"_q8"``,
+    ``"master_param"``), a test of a code dtype (``t.dtype in (torch.int8, torch.uint8)``:
+    int8 meaning the 8-bit code, int16 a remainder) or a Q8 name (``Q8_BLOCK_MIN``), as
+    "file:line: what"."""
+    import torch
+    from mpext.optim import formats as F
+    objects = {n for n, v in vars(F).items() if isinstance(v, (F.MomentFormat, F.ParamFormat))}
+    keys = {f.key for f in F.PARAM_FORMATS.values() if f.key is not None}
+    suffixes = {"_" + f.code for f in F.MOMENT_FORMATS.values() if f.code is not None}
+    codes = {str(d).replace("torch.", "") for d in (torch.int8, torch.uint8, torch.int16)}
+    in_optim = PKG / "optim" in path.parents
+    docs = _docstrings(tree)
+    aliases = set()  # local names of the formats module
+    found = []
+
+    def hit(node, what):
+        found.append("%s:%d: %s" % (path.relative_to(ROOT), node.lineno, what))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            for a in node.names:
+                if a.name == "formats":
+                    aliases.add(a.asname or a.name)
+                elif mod.split(".")[-1] == "formats" and a.name in objects:
+                    hit(node, "imports the format object %s" % a.name)
+                elif in_optim and "Q8" in a.name:
+                    hit(node, "imports %s" % a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases and node.attr in objects:
+            hit(node, "names the format object %s.%s" % (node.value.id, node.attr))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docs:
+            if node.value in keys or any(s in node.value for s in suffixes):
+                hit(node, "names a format's state key in %r" % node.value)
+        elif in_optim and isinstance(node, ast.Compare):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and sub.attr in codes:
+                    hit(node, "tests a code dtype (torch.%s)" % sub.attr)
+        if in_optim and "Q8" in (getattr(node, "id", None) or getattr(node, "attr", None)
+                                 or ""):
+            hit(node, "names %s" % (getattr(node, "id", None) or node.attr))
+    return found
+
+
+def test_no_code_outside_the_formats_names_a_format():
+    """docs/lean_state.md, "Format objects": the optimizer, its state code, the engine and the
+    shard exchange call the format objects' behaviour and never ask which format they hold, so
+    that a new format is its object, its C codec and a table row. (The check itself is checked:
+    the same scan finds the formats module's own names.)"""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path != FORMATS_PY:
+            found += format_naming(path, ast.parse(path.read_text()))
+    assert found == [], "code outside mpext/optim/formats.py naming formats:\n" + "\n".join(found)
+
+
+def test_the_format_scan_finds_what_it_looks_for():
+    """The scan of the test above, on snippets that do each thing it forbids (each must be
+    found) and on the formats module itself (which names them all)."""
+    bad = {
+        "from . import formats as F\nx = F.Q8\n": "F.Q8",
+        "from .formats import BF16\n": "BF16",
+        "from . import formats\nx = formats.REMAINDER\n": "formats.REMAINDER",
+        "k = name + '_q8'\n": "'_q8'",
+        "s = state.get('master_param')\n": "'master_param'",
+        "import torch\nc = t.dtype in (torch.int8, torch.uint8)\n": "torch.int8",
+        "import torch\nr = t.dtype is torch.int16\n": "torch.int16",
+        "from .._common import Q8_BLOCK_MIN\n": "Q8_BLOCK_MIN",
+    }
+    fake = PKG / "optim" / "_scan_probe.py"
+    for src, what in bad.items():
+        assert format_naming(fake, ast.parse(src)), "the scan missed %s" % what
+    clean = '"""Docstrings may name exp_avg_q8 and master_param."""\nx = fmt.keys(q)\n'
+    assert format_naming(fake, ast.parse(clean)) == []
+    assert len(format_naming(FORMATS_PY, ast.parse(FORMATS_PY.read_text()))) > 10
