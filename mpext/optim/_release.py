@@ -69,14 +69,45 @@ def _world_size() -> int:
 
 
 def _ddp_refusal(name: str, world: int) -> str:
-    return ("%s: gradient release is not supported with more than one process (a process group "
-            "of %d): under DDP the post-accumulate-grad hooks fire on each rank's local, "
-            "unreduced gradient, so each rank would step its own; FSDP2's sharded params are "
-            "not supported either (docs/gradient_release.md). The way out: step after backward "
-            "(release.remove(), then loss.backward(); opt.step() as usual: DDP has averaged "
-            "the gradients by then), sharding the optimizer state with FSDP2 (fully_shard) or "
-            "ZeroRedundancyOptimizer if memory is the reason; release works in one process"
+    return ("%s: gradient release of plain (not sharded) params is not supported with more "
+            "than one process (a process group of %d) unless DDP steps them: under DDP the "
+            "post-accumulate-grad hooks fire on each rank's local, unreduced gradient, so each "
+            "rank would step its own (docs/gradient_release.md). The way out: under DDP, "
+            "release_grads(ddp=ddp_model) (the step runs in DDP's comm hook, after each "
+            "bucket's all-reduce); FSDP2 (fully_shard) params are released as they are; or "
+            "step after backward (release.remove(), then loss.backward(); opt.step())"
             % (name, world))
+
+
+class _Mesh:
+    """The device mesh of released DTensor params (FSDP2, HSDP): the collectives a release
+    adds there, on the device and without a host read. Every rank makes the same calls in
+    the same order (the buckets are cut by a rank-independent size), so they pair up."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+        self.size = mesh.size()
+
+    def max_(self, t: torch.Tensor) -> None:
+        """``t`` becomes its maximum over every rank of the mesh (an inf/NaN flag)."""
+        import torch.distributed as dist
+        for group in self.groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    def sum_over(self, t: torch.Tensor, dims: tuple) -> None:
+        """``t`` becomes its sum over the mesh dimensions ``dims`` (those a param is sharded
+        on: over a replicate dimension every rank holds the same values)."""
+        import torch.distributed as dist
+        for d in dims:
+            if dist.get_world_size(self.groups[d]) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.groups[d])
+
+
+def _sharded_dims(p: torch.Tensor) -> tuple:
+    """The mesh dimensions a DTensor is sharded on (partial placements are not a param's)."""
+    return tuple(d for d, pl in enumerate(p.placements) if not pl.is_replicate())
 
 
 # ---- Frameworks that drive the optimizer themselves -----------------------------------------
@@ -299,18 +330,27 @@ class GradRelease:
         if clip not in _CLIP_MODES:
             raise ValueError("%s: clip must be \"exact\" or \"previous\", got %r" % (name, clip))
         world = _world_size()
-        if world > 1:
-            raise NotImplementedError(_ddp_refusal(name, world))
         refused = framework_refusal(name, optimizer, scaler)
         if refused is not None:
             raise RuntimeError(refused)
         params = []
+        mesh = None
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
                 where = "%s: param %d of group %d" % (name, j, gi)
                 if is_dtensor(p):
-                    raise NotImplementedError("%s is a DTensor; release is not supported for "
-                                              "sharded params (FSDP2)" % where)
+                    # FSDP2 / HSDP: FSDP2 runs a sharded param's post-accumulate-grad hooks
+                    # itself, after its reduce-scatter, with the reduced DTensor gradient
+                    if mesh is None:
+                        mesh = p.device_mesh
+                    elif p.device_mesh != mesh:
+                        raise NotImplementedError(
+                            "%s is a DTensor on the mesh %s, another param's is on %s: a "
+                            "release decides each bucket's skip over one mesh; use one "
+                            "optimizer (and one release) per mesh" % (where, p.device_mesh,
+                                                                      mesh))
+                elif world > 1:
+                    raise NotImplementedError(_ddp_refusal(name, world))
                 if not p.requires_grad or p.grad_fn is not None:
                     raise ValueError(
                         "%s is not a leaf that requires grad: a released param is stepped only "
@@ -348,11 +388,19 @@ class GradRelease:
         self._found: Optional[torch.Tensor] = None
         self._inv_scale: Optional[torch.Tensor] = None
         self._sumsq: Optional[torch.Tensor] = None
+        self._sumsq_parts: Dict[tuple, torch.Tensor] = {}  # on a mesh: by sharded dims
         self._norm: Optional[torch.Tensor] = None  # the latest step's global norm (clipping)
         self._mult: Optional[torch.Tensor] = None  # this backward's gradient multiplier
         self._one: Dict[torch.device, torch.Tensor] = {}
         self.buckets_stepped = 0  # counters: buckets launched / backward passes seen
         self.backward_passes = 0
+        if mesh is not None and len(params) != sum(is_dtensor(p) for p in params):
+            raise NotImplementedError(
+                "%s: the optimizer holds both DTensor (FSDP2) and plain params: the plain ones' "
+                "hooks would fire on unreduced gradients, in another order on each rank; shard "
+                "every module of the model with fully_shard, or use one optimizer for each"
+                % name)
+        self._mesh = None if mesh is None else _Mesh(mesh)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         # accelerator.prepare(optimizer) reads the optimizer's state_dict (to place it): the
         # first point where wrapping it in an AcceleratedOptimizer can be seen
@@ -461,7 +509,8 @@ class GradRelease:
         framework that drives the optimizer itself (see framework_refusal). The refused
         backward's gradient is dropped (as a failed backward's, _abandon)."""
         world = _world_size()
-        refused = None if world == 1 else _ddp_refusal(self._name, world)
+        refused = None if world == 1 or self._mesh is not None else _ddp_refusal(
+            self._name, world)
         if refused is None:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
         theirs = _scaler_of(task)
@@ -543,9 +592,18 @@ class GradRelease:
         if p.grad is None:
             return
         self._bucket.append(p)
-        self._pending += local(p.grad).numel() * p.grad.element_size()
+        self._pending += self._grad_bytes(p.grad)
         if self._pending >= self.bucket_bytes:
             self._flush()
+
+    def _grad_bytes(self, g: torch.Tensor) -> int:
+        """A gradient's bytes for cutting buckets: on a mesh the whole gradient's over the
+        mesh's size, the same on every rank (a shard's own size differs from rank to rank
+        with uneven shards, and every rank must cut the same buckets: the skip flag's
+        reduction and the 8-bit blocks' exchange are collectives per bucket)."""
+        if self._mesh is not None:
+            return g.numel() * g.element_size() // self._mesh.size
+        return g.numel() * g.element_size()
 
     def _abandon(self) -> None:
         """Forgets a backward that raised before its end: the gradients it had not stepped
@@ -588,6 +646,7 @@ class GradRelease:
                 self._inv_scale = self._found = None
             if clipping:
                 self._sumsq = torch.zeros((), dtype=torch.float64, device=device)
+                self._sumsq_parts = {}
             mult = None if self._norm_pass else self._multiplier()
         if not self._norm_pass:
             self._mult = mult
@@ -669,13 +728,36 @@ class GradRelease:
             _ops.unscale_(grads, flag, self._one_on(device))
             if flag is not found:
                 torch.maximum(found, flag.to(found.device), out=found)
+        if self._mesh is not None:
+            # Every rank decides the same skip before the bucket's step: an inf/NaN in any
+            # rank's shard of the bucket (its flag stays set for the rest of the backward).
+            self._mesh.max_(found)
 
     def _add_norm(self, bucket: List[torch.Tensor]) -> None:
-        """Adds the bucket's squared (unscaled) norm to this backward's sum."""
-        for device, grads in self._by_device(bucket).items():
+        """Adds the bucket's squared (unscaled) norm to this backward's sum: on a mesh this
+        rank's shards' part, one sum per set of sharded mesh dimensions (reduced over them
+        once, at the end of the pass: _global_sumsq)."""
+        by: Dict[tuple, List[torch.Tensor]] = {}
+        for p in bucket:
+            dims = _sharded_dims(p) if is_dtensor(p) else ()
+            by.setdefault((p.grad.device, dims), []).append(local(p.grad))
+        for (device, dims), grads in by.items():
             inv = None if self._inv_scale is None else self._inv_scale.to(device)
             n = _ops.grad_norm(grads, inv_scale=inv).to(self._sumsq.device, torch.float64)
-            self._sumsq.add_(n * n)
+            part = self._sumsq if not dims else self._sumsq_parts.get(dims)
+            if part is None:
+                part = self._sumsq_parts[dims] = torch.zeros_like(self._sumsq)
+            part.add_(n * n)
+
+    def _global_sumsq(self) -> torch.Tensor:
+        """This pass's squared global norm: on a mesh, each part summed over the dimensions
+        its shards are cut along (one all-reduce for FSDP2's and HSDP's params)."""
+        total = self._sumsq
+        for dims, part in self._sumsq_parts.items():
+            self._mesh.sum_over(part, dims)
+            total = total + part
+        self._sumsq_parts = {}
+        return total
 
     def _multiplier(self) -> Optional[torch.Tensor]:
         """The kernel's gradient multiplier for this backward's buckets: 1/scale, times the
@@ -705,13 +787,13 @@ class GradRelease:
         self._last_task, self._task = self._task, None
         opt = self.optimizer
         if self._norm_pass:
-            norm = self._sumsq.sqrt().to(F32)
+            norm = self._global_sumsq().sqrt().to(F32)
             self._norm = norm
             if self._found is not None:  # the norm is inf/NaN when a gradient is
                 self._found.copy_((~torch.isfinite(norm)).to(F32))
             return
         if self.max_grad_norm is not None and self.clip == "previous":
-            norm = self._sumsq.sqrt().to(F32)
+            norm = self._global_sumsq().sqrt().to(F32)
             if self._found is not None:  # a skipped step keeps the norm before it (0: none)
                 prev = torch.zeros_like(norm) if self._norm is None else self._norm
                 norm = torch.where(self._found.to(norm.device) != 0, prev, norm)
