@@ -24,8 +24,16 @@ skipped step then changes nothing at all) and steps in a second; ``clip="previou
 the global norm of the previous backward (one pass). The clip coefficient is folded into the
 kernel's gradient multiplier (``inv_scale``), on the device.
 
-Refused, before anything is stepped (docs/gradient_release.md): more than one process (at
-``release_grads()`` and at the first gradient of every backward); frameworks that step the
+On a mesh (docs/gradient_release.md, "On a mesh"): FSDP2 runs a sharded param's
+post-accumulate-grad hooks itself after its reduce-scatter, so the release steps there; every
+rank cuts the same buckets (by the whole gradient's bytes over the mesh size) and all-reduces
+each bucket's found_inf (MAX) before its step, so every rank skips the same buckets; clipping
+sums the squared norms over the sharded dimensions once per pass. Under DDP (``ddp=``) the step
+runs in DDP's comm hook, after each bucket's all-reduce.
+
+Refused, before anything is stepped (docs/gradient_release.md): plain params in a process group
+of more than one without ``ddp=`` (at ``release_grads()`` and at the first gradient of every
+backward); frameworks that step the
 optimizer themselves (Lightning automatic optimization, accelerate's AcceleratedOptimizer and
 gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
 by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
@@ -306,7 +314,8 @@ class GradRelease:
     ``optimizer.release_grads(...)`` (see there); :meth:`remove` ends it."""
 
     def __init__(self, optimizer, bucket_bytes: int = DEFAULT_BUCKET_BYTES, scaler=None,
-                 max_grad_norm: Optional[float] = None, clip: str = "exact") -> None:
+                 max_grad_norm: Optional[float] = None, clip: str = "exact",
+                 ddp=None) -> None:
         name = optimizer._name() + ".release_grads"
         if getattr(optimizer, "_grad_release", None) is not None:
             raise RuntimeError("%s: this optimizer's gradients are already released; call "
@@ -330,6 +339,13 @@ class GradRelease:
         if clip not in _CLIP_MODES:
             raise ValueError("%s: clip must be \"exact\" or \"previous\", got %r" % (name, clip))
         world = _world_size()
+        if ddp is not None:
+            from torch.nn.parallel import DistributedDataParallel
+            if not isinstance(ddp, DistributedDataParallel):
+                raise TypeError("%s: ddp must be the torch.nn.parallel.DistributedDataParallel "
+                                "module whose params the optimizer steps, got %s"
+                                % (name, type(ddp).__name__))
+            ddp_params = {id(p) for p in ddp.module.parameters()}
         refused = framework_refusal(name, optimizer, scaler)
         if refused is not None:
             raise RuntimeError(refused)
@@ -349,6 +365,10 @@ class GradRelease:
                             "release decides each bucket's skip over one mesh; use one "
                             "optimizer (and one release) per mesh" % (where, p.device_mesh,
                                                                       mesh))
+                elif ddp is not None:
+                    if id(p) not in ddp_params:
+                        raise ValueError("%s is not a param of the DDP module (ddp=): DDP's comm "
+                                         "hook, which steps the params, never sees it" % where)
                 elif world > 1:
                     raise NotImplementedError(_ddp_refusal(name, world))
                 if not p.requires_grad or p.grad_fn is not None:
@@ -400,8 +420,28 @@ class GradRelease:
                 "hooks would fire on unreduced gradients, in another order on each rank; shard "
                 "every module of the model with fully_shard, or use one optimizer for each"
                 % name)
+        if ddp is not None and mesh is not None:
+            raise NotImplementedError("%s: DTensor params under DDP (ddp=): release steps "
+                                      "FSDP2's sharded params by themselves; leave ddp out"
+                                      % name)
         self._mesh = None if mesh is None else _Mesh(mesh)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._ddp = ddp
+        self._held: List[torch.Tensor] = []  # DDP, exact clipping: stepped at the end
+        if ddp is None:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                             for p in params]
+        else:
+            # Under DDP a param's post-accumulate-grad hook sees its local, unreduced
+            # gradient; DDP's comm hook sees each bucket after its all-reduce (the average).
+            self._handles = []
+            self._mine = {id(p) for p in params}
+            try:
+                ddp.register_comm_hook(ddp.process_group, self._ddp_hook)
+            except RuntimeError as e:
+                raise RuntimeError("%s: DDP did not take the release's comm hook (%s): DDP "
+                                   "takes one comm hook, registered before its first backward; "
+                                   "release the optimizer right after wrapping the model, and "
+                                   "leave out any other comm hook" % (name, e)) from None
         # accelerator.prepare(optimizer) reads the optimizer's state_dict (to place it): the
         # first point where wrapping it in an AcceleratedOptimizer can be seen
         self._handles.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
@@ -426,7 +466,7 @@ class GradRelease:
         a step is made: a first backward (``retain_graph=True``) computes the global norm of the
         gradients, freeing each as soon as it is read, and checks them for inf/NaN; the second
         steps every param with the clipped gradient."""
-        if self.max_grad_norm is not None and self.clip == "exact":
+        if self.max_grad_norm is not None and self.clip == "exact" and self._ddp is None:
             if self._accumulated:
                 raise RuntimeError(
                     "%s: clip=\"exact\" cannot follow accumulate(): its norm pass frees the "
@@ -509,8 +549,8 @@ class GradRelease:
         framework that drives the optimizer itself (see framework_refusal). The refused
         backward's gradient is dropped (as a failed backward's, _abandon)."""
         world = _world_size()
-        refused = None if world == 1 or self._mesh is not None else _ddp_refusal(
-            self._name, world)
+        refused = None if (world == 1 or self._mesh is not None or self._ddp is not None) \
+            else _ddp_refusal(self._name, world)
         if refused is None:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
         theirs = _scaler_of(task)
@@ -605,13 +645,57 @@ class GradRelease:
             return g.numel() * g.element_size() // self._mesh.size
         return g.numel() * g.element_size()
 
+    def _ddp_hook(self, process_group, bucket):
+        """DDP's comm hook: the bucket's all-reduce as DDP makes it without a hook (each
+        gradient times 1/world, then summed), then, the average in hand, the bucket's params
+        are taken as their gradients complete (stepped, or held for exact clipping)."""
+        import torch.distributed as dist
+        buf = bucket.buffer()
+        # as DDP's reducer without a comm hook: multiplied by the reciprocal, not divided
+        buf.mul_(1.0 / dist.get_world_size(process_group))
+        fut = dist.all_reduce(buf, group=process_group, async_op=True).get_future()
+        fut = fut.then(lambda f: f.value()[0])
+        fut.wait()  # on the host for gloo; a stream wait for NCCL
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if id(p) not in self._mine:
+                continue
+            if not self._paused:
+                p.grad = g  # the average, a view of DDP's bucket (its local one goes)
+            self._on_grad(p)
+        if not self._paused and self._task is not None:
+            self._flush()
+        return fut
+
+    def _step_held(self) -> None:
+        """DDP with exact clipping: every bucket was checked and measured as it came; now the
+        global norm is known, every held param is stepped with the clipped gradient."""
+        held, self._held = self._held, []
+        norm = self._global_sumsq().sqrt().to(F32)
+        if self._found is not None:  # the norm is inf/NaN when a gradient is
+            torch.maximum(self._found, (~torch.isfinite(norm)).to(F32).to(self._found.device),
+                          out=self._found)
+        self._norm = norm
+        self._mult = self._multiplier()
+        opt = self.optimizer
+        with torch.no_grad():
+            opt._launch(opt._items(only={id(p) for p in held}), self._mult, self._found)
+        self.buckets_stepped += 1
+        for p in held:
+            p.grad = None
+
+    def _free_grads(self) -> None:
+        for group in self._opt.param_groups:
+            for p in group["params"]:
+                if id(p) in self._mine and not self._paused:
+                    p.grad = None
+
     def _abandon(self) -> None:
         """Forgets a backward that raised before its end: the gradients it had not stepped
         yet (the bucket's, that of a bucket whose step raised included) are dropped, its
         earlier buckets stay stepped."""
-        for p in self._bucket:
+        for p in self._bucket + self._held:
             p.grad = None
-        self._bucket, self._pending = [], 0
+        self._bucket, self._pending, self._held = [], 0, []
         self._last_task, self._task = self._task, None
         self._token = lambda: None
 
@@ -625,7 +709,8 @@ class GradRelease:
                 "early; use use_reentrant=False" % self._name)
         opt = self.optimizer
         clipping = self.max_grad_norm is not None
-        if clipping and self.clip == "exact" and not (self._norm_pass or self._norm_ready):
+        if clipping and self.clip == "exact" and self._ddp is None \
+                and not (self._norm_pass or self._norm_ready):
             raise RuntimeError("%s: clip=\"exact\" needs the norm pass: call "
                                "release.backward(loss) instead of loss.backward()" % self._name)
         # Everything that can raise (the step pre-hooks, the scaler's checks) runs before the
@@ -695,6 +780,15 @@ class GradRelease:
                 self._add_norm(bucket)
                 for p in bucket:
                     p.grad = None
+                return
+            if self._ddp is not None and self.max_grad_norm is not None \
+                    and self.clip == "exact":
+                # DDP's buckets hold every averaged gradient until the end of backward
+                # anyway: the exact norm needs no second pass there (_end steps them)
+                if self._found is not None:
+                    self._check_finite(bucket)
+                self._add_norm(bucket)
+                self._held += bucket
                 return
             opt = self.optimizer
             items = opt._items(only={id(p) for p in bucket})
@@ -781,9 +875,15 @@ class GradRelease:
                 self._bucket += [p for group in self._opt.param_groups for p in group["params"]
                                  if p.grad is not None and id(p) not in queued]
             self._flush()
+            if self._held:
+                self._step_held()
         except BaseException:
             self._abandon()
             raise
+        if self._ddp is not None:
+            # DDP's own end-of-backward callback, queued after this one (at its last
+            # bucket), writes every bucket back into .grad: free them after it
+            torch.autograd.Variable._execution_engine.queue_callback(self._free_grads)
         self._last_task, self._task = self._task, None
         opt = self.optimizer
         if self._norm_pass:
