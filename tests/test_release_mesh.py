@@ -67,23 +67,74 @@ def _result(model, opt):
     return {"params": [_full(p.detach()) for p in params], "state": _full_state(opt, params)}
 
 
-def _run(name, mesh, rank, released, bucket_bytes=0, reshard_after_forward=True):
+MICRO = 4  # micro-batches per step when accumulating
+CLIP = 0.05  # below every step's gradient norm: every step is clipped
+
+
+def _run(name, mesh, rank, released, bucket_bytes=0, reshard_after_forward=True,
+         accumulate=None, clip=None):
+    """accumulate: None (a backward per step), "no_sync" (FSDP2's
+    set_requires_gradient_sync(False) around every micro-batch but the last) or "release"
+    (release.accumulate() around them, FSDP2 reducing every one). clip: None, "exact" or
+    "previous" (stepping after backward: mpext.ops.grad_norm of the DTensor gradients, the
+    global norm, and torch's clip_grads_with_norm_ with this step's or the previous one)."""
     model, opt = _model(name, mesh, reshard_after_forward)
-    release = opt.release_grads(bucket_bytes=bucket_bytes) if released else None
-    freed = True
+    release = None
+    if released:
+        kw = {} if clip is None else dict(max_grad_norm=CLIP, clip=clip)
+        release = opt.release_grads(bucket_bytes=bucket_bytes, **kw)
+    params = list(model.parameters())
+    freed, norms, prev = True, [], None
     for step in STEPS:
-        loss = _loss(model, step, rank)
+        micro = MICRO if accumulate else 1
+        for m in range(micro):
+            last = m == micro - 1
+            model.set_requires_gradient_sync(last or accumulate != "no_sync")
+            loss = _loss(model, step + 10 * m, rank)
+            if released and accumulate == "release" and not last:
+                with release.accumulate():
+                    loss.backward()
+            elif released:
+                release.backward(loss)
+            else:
+                loss.backward()
         if released:
-            loss.backward()
-            freed = freed and all(p.grad is None for p in model.parameters())
+            freed = freed and all(p.grad is None for p in params)
+            if clip is not None:
+                norms.append(release.last_grad_norm.item())
         else:
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            if clip is not None:
+                norm = mpext.ops.grad_norm([p.grad for p in params])
+                use = norm if clip == "exact" else prev
+                if use is not None:
+                    torch.nn.utils.clip_grads_with_norm_(params, CLIP, use)
+                norms.append(norm.item())
+                prev = norm
             opt.step()
+            opt.zero_grad(set_to_none=True)
     out = _result(model, opt)
+    out["norms"] = norms
     if released:
         out["buckets"] = release.buckets_stepped
         out["freed"] = freed
+    return out
+
+
+def _mesh_cases(rank, mesh):
+    """Accumulation (both ways) and clipping (both modes) on the mesh."""
+    out = {}
+    for acc in ("no_sync", "release"):
+        for name in ("adamw_sr_fp32_moments", "adamw_remainder_q8"):
+            after = _run(name, mesh, rank, False, accumulate="no_sync" if acc == "no_sync"
+                         else "every")
+            got = _run(name, mesh, rank, True, SEVERAL // mesh.size(), accumulate=acc)
+            out[("accumulate", acc, name)] = {"diff": _same(after, got), "freed": got["freed"],
+                                              "buckets": got["buckets"]}
+    for clip in ("exact", "previous"):
+        after = _run("adamw_fp32", mesh, rank, False, clip=clip)
+        got = _run("adamw_fp32", mesh, rank, True, SEVERAL // mesh.size(), clip=clip)
+        out[("clip", clip)] = {"after": {k: after[k] for k in ("params", "norms")},
+                               "got": {k: got[k] for k in ("params", "norms", "freed")}}
     return out
 
 
@@ -211,6 +262,8 @@ def _dcp_resume(rank, mesh, out_dir):
 def _phase(rank, mesh, world, out_dir):
     """Everything at one world size, on a mesh of the ranks [0, world)."""
     out = {"formats": _format_cases(rank, mesh, world == 2)}
+    if world in (2, 3):
+        out["mesh"] = _mesh_cases(rank, mesh)
     if world == 4:  # HSDP: replicate x shard, 2 x 2
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         out["hsdp"] = _format_cases(rank, hsdp, False)
@@ -297,3 +350,34 @@ def test_a_poisoned_fp16_backward_skips_the_same_buckets_on_every_rank(runs, wor
 def test_dcp_resume_of_a_released_fsdp2_run_has_the_bits_of_the_uninterrupted_one(runs, world):
     for r in runs[world]:
         assert r["dcp"]["diff"] == []
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("how", ("no_sync", "release"))
+def test_accumulation_on_the_mesh_has_the_bits_of_accumulate_then_step(runs, world, how):
+    """4 micro-batches a step: under set_requires_gradient_sync(False) (FSDP2 reduces the
+    sum once, then the release steps), or inside release.accumulate() (FSDP2 reduces each and
+    adds the shards): the bits of accumulating and then step(), params and state."""
+    for rank, r in enumerate(runs[world]):
+        for name in ("adamw_sr_fp32_moments", "adamw_remainder_q8"):
+            got = r["mesh"][("accumulate", how, name)]
+            assert got["diff"] == [], (name, rank)
+            assert got["freed"] and got["buckets"] >= 2 * len(STEPS), (name, rank)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("clip", ("exact", "previous"))
+def test_clipping_on_the_mesh_uses_the_global_norm(runs, world, clip):
+    """The released norm is the global one over the mesh (each rank's squared sums reduced
+    once): it equals mpext.ops.grad_norm of the DTensor gradients to float32's rounding of a
+    sum in another order, on every rank, and so do the params after 3 clipped steps (every
+    step clipped; a norm of one shard only would be several times off)."""
+    for r in runs[world]:
+        after, got = r["mesh"][("clip", clip)]["after"], r["mesh"][("clip", clip)]["got"]
+        assert all(n > CLIP for n in after["norms"])
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(after["norms"]),
+                                   rtol=1e-5, atol=0)
+        for a, b in zip(after["params"], got["params"]):
+            # the clip coefficient's few ulps on steps of lr 1e-2: under 1e-6 of a param
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+        assert got["freed"]
