@@ -309,6 +309,23 @@ def _scaler_of(task: int):
     return ref() if seen == task and ref is not None else None
 
 
+# The framework making a release inside driven_by() (None: none).
+_driving: Optional[str] = None
+
+
+@contextlib.contextmanager
+def driven_by(name: str):
+    """Releases made inside are driven by the framework ``name`` (an mpext integration that
+    makes its step()/zero_grad() no-ops and routes its backward, clipping and accumulation
+    into the release): framework_refusal does not apply to them."""
+    global _driving
+    _driving, before = name, _driving
+    try:
+        yield
+    finally:
+        _driving = before
+
+
 class GradRelease:
     """The release of an optimizer's gradients inside the backward pass: made by
     ``optimizer.release_grads(...)`` (see there); :meth:`remove` ends it."""
@@ -346,7 +363,7 @@ class GradRelease:
                                 "module whose params the optimizer steps, got %s"
                                 % (name, type(ddp).__name__))
             ddp_params = {id(p) for p in ddp.module.parameters()}
-        refused = framework_refusal(name, optimizer, scaler)
+        refused = None if _driving is not None else framework_refusal(name, optimizer, scaler)
         if refused is not None:
             raise RuntimeError(refused)
         params = []
@@ -426,6 +443,10 @@ class GradRelease:
                                       % name)
         self._mesh = None if mesh is None else _Mesh(mesh)
         self._ddp = ddp
+        # The framework driving this release (mpext.accelerate.release_trainer, ...): its
+        # step()/zero_grad() are no-ops there and its backward goes through the release, so
+        # framework_refusal does not apply to it.
+        self._driver: Optional[str] = _driving
         self._held: List[torch.Tensor] = []  # DDP, exact clipping: stepped at the end
         if ddp is None:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -538,7 +559,7 @@ class GradRelease:
     def _on_state_dict(self, optimizer) -> None:
         """The optimizer's state_dict pre-hook: refuses accelerate's AcceleratedOptimizer,
         which reads the state_dict when it wraps the optimizer (accelerator.prepare)."""
-        if _classes("accelerate.optimizer:AcceleratedOptimizer") \
+        if self._driver is None and _classes("accelerate.optimizer:AcceleratedOptimizer") \
                 and _hf_context(False)[2] is not None:
             raise RuntimeError(framework_refusal(self._name, self._opt, self.scaler,
                                                  wrapped=True))
@@ -551,7 +572,7 @@ class GradRelease:
         world = _world_size()
         refused = None if (world == 1 or self._mesh is not None or self._ddp is not None) \
             else _ddp_refusal(self._name, world)
-        if refused is None:
+        if refused is None and self._driver is None:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
         theirs = _scaler_of(task)
         if refused is None and getattr(self.scaler, "_scale", None) is not None:

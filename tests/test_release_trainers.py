@@ -1,0 +1,139 @@
+"""Gradient release driven by transformers.Trainer (mpext.accelerate.release_trainer): the
+Trainer's own loop, its optimizer.step()/zero_grad() no-ops for the released optimizer, its
+gradient_accumulation_steps through release.accumulate(), its max_grad_norm through the
+release's clipping. Compared with the same Trainer stepping after backward
+(mpext.accelerate.setup_trainer: the same scaler and skip-aware schedule)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import mpext
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+import mpext.accelerate  # noqa: E402
+
+BATCH, STEPS = 4, 4
+
+
+class Regression(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 37), nn.Tanh(), nn.Linear(37, 1)).to(dtype)
+
+    def forward(self, x, labels):
+        out = self.net(x.to(self.net[0].weight.dtype)).float()
+        return {"loss": nn.functional.mse_loss(out, labels)}
+
+
+def _data(nan_at=None):
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(1, generator=g)}
+            for _ in range(BATCH * STEPS)]  # one epoch: every sample is used
+    if nan_at is not None:
+        for item in data:  # every sample of one value: whichever batch holds it
+            if torch.equal(item["x"], data[nan_at]["x"]):
+                item["x"] = item["x"].clone()
+                item["x"][0] = float("nan")
+    return data
+
+
+FORMATS = {
+    "fp32": (torch.float32, {}),
+    "bf16_remainder": (torch.bfloat16, dict(param_remainders=True)),
+    "bf16_sr_q8": (torch.bfloat16, dict(master_weights=False, stochastic_rounding=True,
+                                        exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)),
+}
+
+
+def _train(tmp_path, released, fmt="fp32", accumulation=1, max_grad_norm=0.0, nan_at=None,
+           clip="exact"):
+    dtype, kw = FORMATS[fmt]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=BATCH // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=STEPS, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="steps", logging_steps=1,
+        disable_tqdm=True, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
+        max_grad_norm=max_grad_norm, seed=0, dataloader_drop_last=True)
+    model = Regression(dtype)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_data(nan_at),
+        optimizer_cls_and_kwargs=(mpext.optim.AdamW, dict(kw, seed=7)))
+    if released:
+        mpext.accelerate.release_trainer(trainer, bucket_bytes=0, clip=clip)
+    else:
+        mpext.accelerate.setup_trainer(trainer)
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    params = list(model.parameters())
+    return {"params": [p.detach().clone() for p in params],
+            "state": [{k: v.clone() for k, v in opt.state[p].items()} for p in params],
+            "grads": [p.grad for p in params],
+            "lr": [g["lr"] for g in opt.param_groups],
+            "logs": [h for h in trainer.state.log_history if "loss" in h],
+            "skipped": trainer.accelerator.scaler.get_skipped_steps(),
+            "released": getattr(opt, "_grad_release", None) is not None}
+
+
+def _same(a, b):
+    bad = ["param %d" % i for i, (x, y) in enumerate(zip(a["params"], b["params"]))
+           if not (x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)))]
+    for i, (sa, sb) in enumerate(zip(a["state"], b["state"])):
+        bad += ["param %d %s" % (i, k) for k in sa
+                if not torch.equal(sa[k].reshape(-1).view(torch.uint8),
+                                   sb[k].reshape(-1).view(torch.uint8))]
+    return bad
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("accumulation", (1, 2))
+def test_released_trainer_has_the_bits_of_the_trainer_stepping_after_backward(tmp_path, fmt,
+                                                                              accumulation):
+    """No clipping, no skip: params, state and every logged loss and learning rate equal, bit
+    for bit; the released run's gradients freed."""
+    after = _train(tmp_path / "a", False, fmt, accumulation)
+    got = _train(tmp_path / "b", True, fmt, accumulation)
+    assert got["released"] and not after["released"]
+    assert _same(after, got) == []
+    assert [(h["loss"], h["learning_rate"]) for h in got["logs"]] == \
+        [(h["loss"], h["learning_rate"]) for h in after["logs"]]
+    assert len(got["logs"]) == STEPS
+    assert all(g is None for g in got["grads"])
+    moved = _same(after, {"params": list(Regression(FORMATS[fmt][0]).parameters()),
+                          "state": []})
+    assert len(moved) == 4
+
+
+def test_a_nan_batch_is_skipped_and_the_schedule_holds(tmp_path):
+    """A NaN sample in one batch: that released step is skipped (every gradient is NaN, so no
+    bucket steps) as the Trainer's after backward is; the skip-aware schedule holds still on
+    it in both, so the learning rates and the params stay equal, bit for bit."""
+    after = _train(tmp_path / "a", False, nan_at=5)  # (one epoch: its batch is used)
+    got = _train(tmp_path / "b", True, nan_at=5)
+    assert got["skipped"] == after["skipped"] == 1
+    assert _same(after, got) == []
+    assert got["lr"] == after["lr"]
+    clean = _train(tmp_path / "c", True)
+    assert got["lr"] != clean["lr"]  # the schedule held still once
+
+
+def test_max_grad_norm_clips_with_the_global_norm(tmp_path):
+    """max_grad_norm=0.05 (every step clipped) through the release's exact clipping: the
+    params follow the Trainer's clip_grad_norm_ to a few ulps of the clipped steps, and the
+    logged grad_norm is the same norm."""
+    after = _train(tmp_path / "a", False, max_grad_norm=0.05)
+    got = _train(tmp_path / "b", True, max_grad_norm=0.05)
+    for a, b in zip(after["params"], got["params"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    na = torch.tensor([h["grad_norm"] for h in after["logs"]])
+    nb = torch.tensor([float(h["grad_norm"]) for h in got["logs"]])
+    assert (na > 0.05).all()
+    torch.testing.assert_close(nb, na, rtol=1e-5, atol=0)
+
+
+def test_exact_clipping_with_accumulation_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"release_trainer: max_grad_norm=1.0 with "
+                                         r"gradient_accumulation_steps=2 and clip=\"exact\".*"
+                                         r"clip=\"previous\""):
+        _train(tmp_path, True, accumulation=2, max_grad_norm=1.0)
