@@ -137,3 +137,94 @@ def test_exact_clipping_with_accumulation_is_refused_before_training(tmp_path):
                                          r"gradient_accumulation_steps=2 and clip=\"exact\".*"
                                          r"clip=\"previous\""):
         _train(tmp_path, True, accumulation=2, max_grad_norm=1.0)
+
+
+# ---- Lightning automatic optimization -----------------------------------------------------------
+
+pl = pytest.importorskip("lightning.pytorch")
+import mpext.lightning  # noqa: E402
+from mpext.optim import lr_scheduler as S  # noqa: E402
+
+L_STEPS = 6
+
+
+class Module(pl.LightningModule):
+    def __init__(self, fmt, nan_batch=None):
+        super().__init__()
+        self.fmt = fmt
+        self.net = Regression(FORMATS[fmt][0]).net
+        self.nan_batch = nan_batch
+        self.lrs = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        if i == self.nan_batch:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return nn.functional.mse_loss(self.net(x.to(self.net[0].weight.dtype)).float(), y)
+
+    def on_train_batch_end(self, outputs, batch, i):
+        self.lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def configure_optimizers(self):
+        opt = mpext.optim.AdamW(self.parameters(), lr=1e-2, seed=7, **FORMATS[self.fmt][1])
+        sched = S.get_linear_schedule_with_warmup(opt, 1, L_STEPS)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit(released, fmt="fp32", accumulation=1, nan_batch=None, drop=None, clip_val=None):
+    g = torch.Generator().manual_seed(0)
+    n = BATCH * L_STEPS * accumulation
+    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+    if drop is not None:  # the run without that batch
+        keep = [i for i in range(n) if i // BATCH != drop]
+        x, y = x[keep], y[keep]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                         batch_size=BATCH, shuffle=False)
+    module = Module(fmt, nan_batch)
+    scaler = mpext.GradScaler("cpu", bf16_check_only=True)
+    callbacks = [mpext.lightning.ReleaseGrads(bucket_bytes=0, scaler=scaler)] if released else []
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         accumulate_grad_batches=accumulation, callbacks=callbacks,
+                         gradient_clip_val=clip_val)
+    opt_holder = {}
+    configure = module.configure_optimizers
+
+    def keep():
+        out = configure()
+        opt_holder["opt"] = out["optimizer"]
+        return out
+    module.configure_optimizers = keep
+    trainer.fit(module, loader)
+    opt = opt_holder["opt"]
+    params = list(module.net.parameters())
+    return {"params": [p.detach().clone() for p in params],
+            "state": [{k: v.clone() for k, v in opt.state[p].items()} for p in params],
+            "lrs": module.lrs, "skipped": scaler.get_skipped_steps(),
+            "grads": [p.grad for p in params]}
+
+
+@pytest.mark.parametrize("fmt", ("fp32", "bf16_sr_q8"))
+@pytest.mark.parametrize("accumulation", (1, 2))
+def test_lightning_automatic_optimization_released_has_the_bits_of_stepping_after(fmt,
+                                                                                  accumulation):
+    """Lightning's automatic optimization (optimizer.step(closure), its LR scheduler, its
+    accumulate_grad_batches) with ReleaseGrads: the bits of the same Trainer without it, and
+    the learning rates seen; every gradient freed."""
+    after = _fit(False, fmt, accumulation)
+    got = _fit(True, fmt, accumulation)
+    assert _same(after, got) == []
+    assert got["lrs"] == after["lrs"] and len(set(got["lrs"])) > 2
+    assert all(g is None for g in got["grads"])
+
+
+def test_lightning_nan_batch_changes_nothing_and_the_schedule_holds():
+    """A NaN in batch 2: the released run equals, bit for bit, the run without that batch (the
+    skipped step changed no param, state or step count, and the schedule held still)."""
+    got = _fit(True, nan_batch=2)
+    without = _fit(True, drop=2)
+    assert got["skipped"] == 1 and without["skipped"] == 0
+    assert _same(without, got) == []
+    assert got["lrs"][3:] == without["lrs"][2:]
