@@ -170,6 +170,34 @@ def _phase(rank, group):
     return out
 
 
+def _refusals(group):
+    """What a DDP release refuses, before anything changes: a param the DDP module does not
+    hold, a DDP module that already has a comm hook, plain params without ddp=."""
+    out = {}
+    model = _model("adamw_fp32")
+    ddp = _ddp(model, group)
+    stray = nn.Parameter(torch.zeros(3))
+    opt = _opt("adamw_fp32", list(model.parameters()) + [stray])
+    for key, call in (("stray", lambda: opt.release_grads(ddp=ddp)),
+                      ("no_ddp", lambda: _opt("adamw_fp32", list(model.parameters()))
+                       .release_grads())):
+        try:
+            call()
+            out[key] = None
+        except (ValueError, NotImplementedError) as e:
+            out[key] = "%s: %s" % (type(e).__name__, e)
+    ddp.register_comm_hook(None, lambda state, bucket: None)
+    opt = _opt("adamw_fp32", list(model.parameters()))
+    try:
+        opt.release_grads(ddp=ddp)
+        out["hooked"] = None
+    except RuntimeError as e:
+        out["hooked"] = str(e)
+    out["left_alone"] = opt._grad_release is None and all(p.grad is None
+                                                           for p in model.parameters())
+    return out
+
+
 def _body(rank, out_dir):
     pair = dist.new_group([0, 1])  # every rank takes part in making it
     out = {}
@@ -177,6 +205,8 @@ def _body(rank, out_dir):
         if rank < world:
             t = time.perf_counter()
             out[world] = _phase(rank, group)
+            if world == 2:
+                out[world]["refusals"] = _refusals(group)
             out[world]["seconds"] = time.perf_counter() - t
         dist.barrier()
     return out
@@ -197,7 +227,7 @@ def test_released_ddp_has_the_bits_of_ddp_and_step_after_backward(runs, world):
     for bit, on every rank; the gradients freed; a launch per DDP bucket param."""
     for rank, r in enumerate(runs[world]):
         for key, got in r.items():
-            if key == "seconds" or key[0] != "format":
+            if key in ("seconds", "refusals") or key[0] != "format":
                 continue
             assert got["diff"] == [], (key, rank)
             assert got["freed"], (key, rank)
@@ -249,3 +279,23 @@ def test_a_poisoned_fp16_batch_is_skipped_on_every_rank(runs, world, clip):
     ref = results[0]["got"]
     for got in results[1:]:  # every rank holds the same params and state
         assert _same(ref, got["got"]) == []
+
+
+def test_what_a_ddp_release_cannot_do_is_refused_by_name(runs):
+    for r in runs[2]:
+        got = r["refusals"]
+        assert got["stray"].startswith("ValueError: mpext.optim.AdamW.release_grads: param 6 "
+                                       "of group 0 is not a param of the DDP module (ddp=)")
+        assert got["no_ddp"].startswith("NotImplementedError: mpext.optim.AdamW.release_grads: "
+                                        "gradient release of plain (not sharded) params")
+        assert "release_grads(ddp=ddp_model)" in got["no_ddp"]
+        assert got["hooked"].startswith("mpext.optim.AdamW.release_grads: DDP did not take the "
+                                        "release's comm hook")
+        assert got["left_alone"]
+
+
+def test_ddp_must_be_a_ddp_module():
+    model = _model("adamw_fp32")
+    with pytest.raises(TypeError, match=r"release_grads: ddp must be the torch.nn.parallel."
+                                        r"DistributedDataParallel module.*got Sequential"):
+        _opt("adamw_fp32", list(model.parameters())).release_grads(ddp=model)

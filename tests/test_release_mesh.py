@@ -224,6 +224,23 @@ def _poisoned(rank, mesh, name, clip=None):
     return out
 
 
+def _refusals(mesh):
+    """An optimizer with both sharded and plain params, and DTensor params with ddp=: refused
+    at release_grads(), nothing registered."""
+    model, _ = _model("adamw_fp32", mesh)
+    plain = nn.Parameter(torch.zeros(3))
+    out = {}
+    for key, params in (("mixed", list(model.parameters()) + [plain]),):
+        opt = mpext.optim.AdamW(params)
+        try:
+            opt.release_grads()
+            out[key] = None
+        except NotImplementedError as e:
+            out[key] = str(e)
+        out[key + "_left_alone"] = opt._grad_release is None
+    return out
+
+
 # ---- DCP resume -------------------------------------------------------------------------------
 
 RESUME_AT = 2
@@ -267,6 +284,8 @@ def _phase(rank, mesh, world, out_dir):
     if world == 4:  # HSDP: replicate x shard, 2 x 2
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         out["hsdp"] = _format_cases(rank, hsdp, False)
+    if world == 2:
+        out["refused"] = _refusals(mesh)
     out["poisoned"] = {(name, clip): _poisoned(rank, mesh, name, clip)
                        for name, clip in (POISONED if world == 2 else POISONED[1:3])}
     path = os.path.join(out_dir, "dcp%d" % world)
@@ -381,3 +400,12 @@ def test_clipping_on_the_mesh_uses_the_global_norm(runs, world, clip):
             # the clip coefficient's few ulps on steps of lr 1e-2: under 1e-6 of a param
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
         assert got["freed"]
+
+
+def test_a_mesh_release_of_sharded_and_plain_params_is_refused_by_name(runs):
+    for r in runs[2]:
+        assert r["refused"]["mixed"].startswith(
+            "mpext.optim.AdamW.release_grads: the optimizer holds both DTensor (FSDP2) and "
+            "plain params")
+        assert "fully_shard" in r["refused"]["mixed"]
+        assert r["refused"]["mixed_left_alone"]

@@ -48,12 +48,14 @@ FORMATS = {
 
 
 def _train(tmp_path, released, fmt="fp32", accumulation=1, max_grad_norm=0.0, nan_at=None,
-           clip="exact"):
+           clip="exact", save_steps=None, resume=None):
     dtype, kw = FORMATS[fmt]
+    save = dict(save_strategy="no") if save_steps is None else dict(
+        save_strategy="steps", save_steps=save_steps)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=BATCH // accumulation,
         gradient_accumulation_steps=accumulation, max_steps=STEPS, use_cpu=True,
-        report_to=[], save_strategy="no", logging_strategy="steps", logging_steps=1,
+        report_to=[], logging_strategy="steps", logging_steps=1, **save,
         disable_tqdm=True, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
         max_grad_norm=max_grad_norm, seed=0, dataloader_drop_last=True)
     model = Regression(dtype)
@@ -64,7 +66,7 @@ def _train(tmp_path, released, fmt="fp32", accumulation=1, max_grad_norm=0.0, na
         mpext.accelerate.release_trainer(trainer, bucket_bytes=0, clip=clip)
     else:
         mpext.accelerate.setup_trainer(trainer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer.optimizer
     params = list(model.parameters())
     return {"params": [p.detach().clone() for p in params],
@@ -116,6 +118,19 @@ def test_a_nan_batch_is_skipped_and_the_schedule_holds(tmp_path):
     assert got["lr"] == after["lr"]
     clean = _train(tmp_path / "c", True)
     assert got["lr"] != clean["lr"]  # the schedule held still once
+
+
+@pytest.mark.parametrize("fmt", ("fp32", "bf16_sr_q8"))
+def test_a_released_trainer_resumes_from_its_checkpoint_bit_for_bit(tmp_path, fmt):
+    """The Trainer's checkpoint at step 2 of a released run (optimizer state, scheduler, RNG,
+    data position), resumed by a fresh released Trainer: the bits of the uninterrupted run."""
+    whole = _train(tmp_path / "a", True, fmt, save_steps=2)
+    resumed = _train(tmp_path / "b", True, fmt,
+                     resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert _same(whole, resumed) == []
+    assert resumed["lr"] == whole["lr"]
+    # (the checkpoint's log history, then the resumed steps' losses)
+    assert [h["loss"] for h in resumed["logs"]] == [h["loss"] for h in whole["logs"]]
 
 
 def test_max_grad_norm_clips_with_the_global_norm(tmp_path):
