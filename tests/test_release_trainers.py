@@ -154,6 +154,64 @@ def test_exact_clipping_with_accumulation_is_refused_before_training(tmp_path):
         _train(tmp_path, True, accumulation=2, max_grad_norm=1.0)
 
 
+# ---- accelerate, a loop of its own --------------------------------------------------------------
+
+def _accelerate_loop(released, accumulation, nan_step=None, max_grad_norm=None):
+    """accelerator.prepare(model, opt), accelerator.accumulate(model), accelerator.backward,
+    opt.step(), opt.zero_grad(), the Accelerator's mpext.GradScaler (bf16_check_only)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    scaler = mpext.accelerate.use_grad_scaler(accelerator)
+    model = Regression(torch.float32)
+    opt = mpext.optim.AdamW(model.parameters(), lr=1e-2, seed=7)
+    release = (mpext.accelerate.release_accelerator(accelerator, opt, bucket_bytes=0,
+                                                    max_grad_norm=max_grad_norm)
+               if released else None)
+    model, wrapped = accelerator.prepare(model, opt)
+    data = _data()
+    for i in range(STEPS * accumulation):
+        batch = data[i * 2:(i + 1) * 2]
+        x = torch.stack([b["x"] for b in batch])
+        if i // accumulation == nan_step:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        y = torch.stack([b["labels"] for b in batch])
+        with accelerator.accumulate(model):
+            loss = model(x, y)["loss"]
+            accelerator.backward(loss)
+            if max_grad_norm is not None and not released and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            wrapped.step()
+            wrapped.zero_grad()
+    params = list(model.parameters())
+    out = {"params": [p.detach().clone() for p in params],
+           "state": [{k: v.clone() for k, v in opt.state[p].items()} for p in params],
+           "skipped": scaler.get_skipped_steps(), "grads": [p.grad for p in params]}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return out
+
+
+@pytest.mark.parametrize("accumulation", (1, 2))
+def test_accelerate_loop_released_has_the_bits_of_stepping_after_backward(accumulation):
+    after = _accelerate_loop(False, accumulation)
+    got = _accelerate_loop(True, accumulation)
+    assert _same(after, got) == []
+    assert all(g is None for g in got["grads"])
+    moved = _same(after, {"params": list(Regression(torch.float32).parameters()), "state": []})
+    assert len(moved) == 4
+
+
+def test_accelerate_loop_nan_step_is_skipped():
+    after = _accelerate_loop(False, 1, nan_step=1)
+    got = _accelerate_loop(True, 1, nan_step=1)
+    assert got["skipped"] == after["skipped"] == 1
+    assert _same(after, got) == []
+
+
 # ---- Lightning automatic optimization -----------------------------------------------------------
 
 pl = pytest.importorskip("lightning.pytorch")
