@@ -227,6 +227,7 @@ class Module(pl.LightningModule):
         self.fmt = fmt
         self.net = Regression(FORMATS[fmt][0]).net
         self.nan_batch = nan_batch
+        self.epochs = 1
         self.lrs = []
 
     def training_step(self, batch, i):
@@ -241,11 +242,12 @@ class Module(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = mpext.optim.AdamW(self.parameters(), lr=1e-2, seed=7, **FORMATS[self.fmt][1])
-        sched = S.get_linear_schedule_with_warmup(opt, 1, L_STEPS)
+        sched = S.get_linear_schedule_with_warmup(opt, 1, L_STEPS * self.epochs + 1)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _fit(released, fmt="fp32", accumulation=1, nan_batch=None, drop=None, clip_val=None):
+def _fit(released, fmt="fp32", accumulation=1, nan_batch=None, drop=None, clip_val=None,
+         epochs=1, ckpt=None, resume=None):
     g = torch.Generator().manual_seed(0)
     n = BATCH * L_STEPS * accumulation
     x, y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
@@ -255,9 +257,12 @@ def _fit(released, fmt="fp32", accumulation=1, nan_batch=None, drop=None, clip_v
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
                                          batch_size=BATCH, shuffle=False)
     module = Module(fmt, nan_batch)
+    module.epochs = epochs
     scaler = mpext.GradScaler("cpu", bf16_check_only=True)
     callbacks = [mpext.lightning.ReleaseGrads(bucket_bytes=0, scaler=scaler)] if released else []
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+    if ckpt is not None:  # a checkpoint at the end of the first epoch
+        callbacks = callbacks + [_SaveAfterFirstEpoch(ckpt)]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          accumulate_grad_batches=accumulation, callbacks=callbacks,
@@ -270,7 +275,7 @@ def _fit(released, fmt="fp32", accumulation=1, nan_batch=None, drop=None, clip_v
         opt_holder["opt"] = out["optimizer"]
         return out
     module.configure_optimizers = keep
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=resume)
     opt = opt_holder["opt"]
     params = list(module.net.parameters())
     return {"params": [p.detach().clone() for p in params],
@@ -301,3 +306,26 @@ def test_lightning_nan_batch_changes_nothing_and_the_schedule_holds():
     assert got["skipped"] == 1 and without["skipped"] == 0
     assert _same(without, got) == []
     assert got["lrs"][3:] == without["lrs"][2:]
+
+
+class _SaveAfterFirstEpoch(pl.Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("fmt", ("fp32", "bf16_sr_q8"))
+def test_lightning_released_run_resumes_bit_for_bit(tmp_path, fmt):
+    """Two epochs released, a Lightning checkpoint after the first (optimizer state, the
+    schedule, the callback's scaler), resumed by a fresh Trainer with a fresh ReleaseGrads:
+    the bits of the uninterrupted run."""
+    ckpt = str(tmp_path / "epoch0.ckpt")
+    whole = _fit(True, fmt, epochs=2, ckpt=ckpt)
+    resumed = _fit(True, fmt, epochs=2, resume=ckpt)
+    assert _same(whole, resumed) == []
+    assert resumed["lrs"] == whole["lrs"][L_STEPS:] and min(resumed["lrs"]) > 0
+    first = _fit(True, fmt)  # the second epoch moved the params
+    assert len(_same(first, whole)) >= 4
