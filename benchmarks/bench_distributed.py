@@ -290,6 +290,82 @@ def _release_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     os._exit(0)  # as _worker
 
 
+# label -> mpext.optim.AdamW keywords (BF16 params)
+RELEASE_FORMATS = {
+    "bf16 + fp32 master": {},
+    "bf16 + remainder": dict(param_remainders=True),
+    "bf16 SR, bf16 moments": dict(master_weights=False, stochastic_rounding=True,
+                                  exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+    "bf16 SR, 8-bit moments": dict(master_weights=False, stochastic_rounding=True, **Q8),
+}
+
+
+def _release_memory_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
+    """Each rank's live bytes for every RELEASE_FORMATS format, after backward and released:
+    persistent (params, state, .grad after backward) and the sharded .grad peak in backward.
+    ``rounds`` is the world size here."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    world = rounds
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(
+        os.path.dirname(out_path), "rendezvous"), rank=rank, world_size=world,
+        timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        x = torch.randn(LOCAL_BATCH, RELEASE_WIDTH,
+                        generator=torch.Generator().manual_seed(rank)).to(BF16)
+        out = {}
+        for label, kw in RELEASE_FORMATS.items():
+            for released in (False, True):
+                torch.manual_seed(0)
+                net = nn.Sequential(*[nn.Linear(RELEASE_WIDTH, RELEASE_WIDTH)
+                                      for _ in range(RELEASE_LAYERS)]).to(BF16)
+                policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+                for layer in net:
+                    fully_shard(layer, mesh=mesh, mp_policy=policy)
+                fully_shard(net, mesh=mesh, mp_policy=policy)
+                params = list(net.parameters())
+                opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
+                live = {"peak": 0}
+
+                def watch(p, params=params, live=live):
+                    live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
+                for p in params:
+                    p.register_post_accumulate_grad_hook(watch)
+                if released:
+                    opt.release_grads(bucket_bytes=RELEASE_BUCKET)
+                for step in range(2):  # the second: the state exists
+                    live["peak"] = 0
+                    net(x).float().square().mean().backward()
+                    grads = _live_bytes(p.grad for p in params)
+                    if not released:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                state = [v for st in opt.state.values() for v in st.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0]
+                out[(label, released)] = {"params": _live_bytes(params),
+                                          "state": _live_bytes(state), "grads": grads,
+                                          "grad_peak": live["peak"],
+                                          "numel": sum(p.numel() for p in params)}
+        torch.save(out, out_path.replace("rank0", "rank%d" % rank))
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)
+
+
+def _release_memory(world: int) -> dict:
+    global WORLD
+    saved, WORLD = WORLD, world  # _measure spawns WORLD ranks
+    try:
+        return _measure(world, 0, _release_memory_worker)
+    finally:
+        WORLD = saved
+
+
 def _release_section(ctx, b) -> tuple:
     rounds, inner = max(ctx.repeats, 7), 2 if ctx.quick else 4
     res = _measure(rounds, inner, _release_worker)
@@ -329,9 +405,32 @@ def _release_section(ctx, b) -> tuple:
           "release's); FSDP2's own unsharded and reduce-scatter buffers, alive in both modes, "
           "are not counted." % (RELEASE_LAYERS, RELEASE_WIDTH, RELEASE_WIDTH,
                                 "{:,}".format(res["params"]), LOCAL_BATCH, rounds, inner)]
+    per_world = {}
+    mem_rows = []
+    for world in (2, 4):
+        got = _release_memory(world)
+        b.phase("%d-rank FSDP2 release memory" % world)
+        per_world[world] = {"%s|%s" % (k[0], "released" if k[1] else "after"): v
+                            for k, v in got.items() if isinstance(k, tuple)}
+        for label in RELEASE_FORMATS:
+            a, r = got[(label, False)], got[(label, True)]
+            n = a["numel"] / world  # params per rank, on average
+            pa = a["params"] + a["state"] + a["grads"]
+            pr = r["params"] + r["state"] + r["grads"]
+            mem_rows.append([str(world), label, "%.2f" % (pa / n), "%.2f" % (pr / n),
+                             mib(a["grad_peak"]), mib(r["grad_peak"])])
+    md += ["", markdown_table(["ranks", "format", "persistent B/param, after backward",
+                               "released", "sharded .grad peak MiB, after backward",
+                               "released"], mem_rows), "",
+           "Rank 0's live storages after a second step (the state exists), per parameter of "
+           "the model over the ranks (the per-param step scalars left out); the `.grad` peak as "
+           "above (bucket_bytes=1 MiB per rank: at 4 ranks a rank's whole sharded gradient, "
+           "0.75 MiB, is one bucket, so the peak is the same). 8-bit rows: the 512 x 512 "
+           "weights keep 8-bit moments, the 512-element biases FP32 ones."]
     return md, dict(rounds=rounds, inner=inner, timings={k: Timing(v, inner).to_json()
                                                          for k, v in s.items()},
-                    ratio=ratio.to_json(), memory=res["memory"], buckets_per_step=nb)
+                    ratio=ratio.to_json(), memory=res["memory"], buckets_per_step=nb,
+                    memory_per_world=per_world)
 
 
 def _measure(rounds: int, inner: int, worker=None) -> dict:
