@@ -195,6 +195,19 @@ def _refusals(group):
         out["hooked"] = str(e)
     out["left_alone"] = opt._grad_release is None and all(p.grad is None
                                                            for p in model.parameters())
+    # remove(): DDP keeps the comm hook, which then only averages; step() works again
+    model = _model("adamw_fp32")
+    ddp = _ddp(model, group)
+    opt = _opt("adamw_fp32", list(model.parameters()))
+    opt.release_grads(ddp=ddp, bucket_bytes=0).remove()
+    ref = _model("adamw_fp32")
+    ref_ddp = _ddp(ref, group)
+    for m in (ddp, ref_ddp):
+        _loss(m, 0, dist.get_rank()).backward()
+    out["removed_grads"] = all(p.grad is not None and torch.equal(p.grad, q.grad)
+                               for p, q in zip(model.parameters(), ref.parameters()))
+    opt.step()
+    out["removed_steps"] = opt.state[next(iter(model.parameters()))]["step"].item() == 1
     return out
 
 
@@ -292,6 +305,7 @@ def test_what_a_ddp_release_cannot_do_is_refused_by_name(runs):
         assert got["hooked"].startswith("mpext.optim.AdamW.release_grads: DDP did not take the "
                                         "release's comm hook")
         assert got["left_alone"]
+        assert got["removed_grads"] and got["removed_steps"]
 
 
 def test_ddp_must_be_a_ddp_module():

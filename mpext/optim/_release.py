@@ -540,6 +540,8 @@ class GradRelease:
         fut = dist.all_reduce(buf, group=process_group, async_op=True).get_future()
         fut = fut.then(lambda f: f.value()[0])
         fut.wait()  # on the host for gloo; a stream wait for NCCL
+        if self._opt._grad_release is not self:
+            return fut  # removed (DDP keeps its comm hook): DDP's plain averaging
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             if id(p) not in self._mine:
                 continue
@@ -568,6 +570,8 @@ class GradRelease:
             p.grad = None
 
     def _free_grads(self) -> None:
+        if self._opt._grad_release is not self:
+            return
         for group in self._opt.param_groups:
             for p in group["params"]:
                 if id(p) in self._mine and not self._paused:
