@@ -222,7 +222,7 @@ def release_accelerator(accelerator: Any, optimizer: Any, *,
 
 def _release(opt: Any, driver: str, bucket_bytes: Optional[int], scaler: Optional[GradScaler],
              max_grad_norm: Optional[float], clip: str) -> Any:
-    from .optim._base import FusedOptimizer
+    from ..optim._base import FusedOptimizer
     if not isinstance(opt, FusedOptimizer):
         raise TypeError("%s: gradient release under %s needs an mpext.optim optimizer (e.g. "
                         "optimizer_cls_and_kwargs=(mpext.optim.AdamW, {...})), got %s"
@@ -230,7 +230,7 @@ def _release(opt: Any, driver: str, bucket_bytes: Optional[int], scaler: Optiona
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     if scaler is not None and not scaler.is_enabled():
         scaler = None
-    from .optim._release import driven_by
+    from ..optim._release import driven_by
     with driven_by(driver):
         return opt.release_grads(scaler=scaler, max_grad_norm=max_grad_norm, clip=clip, **kw)
 

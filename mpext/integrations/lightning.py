@@ -517,8 +517,8 @@ class ReleaseGrads(_pl.Callback):
         self.releases: List[Any] = []
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from .optim._base import FusedOptimizer
-        from .optim._release import driven_by
+        from ..optim._base import FusedOptimizer
+        from ..optim._release import driven_by
         name = "mpext.lightning.ReleaseGrads"
         if not pl_module.automatic_optimization:
             raise RuntimeError("%s is for automatic optimization; under manual optimization "
@@ -527,7 +527,7 @@ class ReleaseGrads(_pl.Callback):
         plugin = trainer.precision_plugin
         theirs = getattr(plugin, "scaler", None) or getattr(plugin, "_scaler", None)
         if theirs is not None and theirs.is_enabled() \
-                and not getattr(theirs, "_bf16_check_only", False):
+                and not getattr(theirs, "bf16_check_only", False):
             raise RuntimeError("%s: the precision plugin %s scales the loss with its own %s; use "
                                "a plugin that does not scale (precision=32, \"bf16-mixed\", "
                                "\"bf16-true\") and pass an mpext.GradScaler as scaler="

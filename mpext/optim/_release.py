@@ -16,7 +16,7 @@ fused optimizer) before its step, which the kernel skips when the flag is set. S
 bucket with an inf/NaN and every later bucket of that backward change nothing; earlier buckets
 keep their update; the scaler's ``update()`` sees the flag (the step is recorded as skipped and
 the scale backs off as usual). A ``bf16_check_only`` scaler's scale is 1, so its loss may go
-unscaled (``GradScaler._release_scale``).
+unscaled (``GradScaler.release_scale``).
 
 Clipping by the global norm: ``clip="exact"`` computes the norm in a first backward pass
 (:meth:`GradRelease.backward`, which also checks every gradient for inf/NaN first, so a
@@ -120,31 +120,29 @@ def _sharded_dims(p: torch.Tensor) -> tuple:
 def _scales(scaler) -> bool:
     """Whether ``scaler`` (a torch.amp or mpext GradScaler, or None) multiplies a loss."""
     return (scaler is not None and scaler.is_enabled()
-            and not getattr(scaler, "_bf16_check_only", False))
+            and not getattr(scaler, "bf16_check_only", False))
 
 
 # ---- Frameworks that drive the optimizer themselves -----------------------------------------
 #
 # Recognising them (their objects on the Python stack) is the integrations' business, in
-# mpext._detect, which registers itself here when imported: optim imports no integration.
+# mpext.integrations.detect, which registers itself here when imported: optim imports no integration.
 
-_detector = None  # the module mpext._detect, once imported
+_detector = None  # the module mpext.integrations.detect, once imported
 
 
 def _detection():
     global _detector
-    if _detector is None:
-        # Until mpext's package __init__ imports it (so that it registers itself), made here
-        # on first use.
-        import importlib
-        importlib.import_module("mpext._detect")
+    if _detector is None:  # `import mpext` imports mpext.integrations.detect, which registers
+        raise RuntimeError("mpext.optim._release: mpext.integrations.detect was not imported "
+                           "(import mpext, not mpext.optim alone)")
     return _detector
 
 
 def framework_refusal(name: str, opt, scaler, in_backward: bool = False,
                       wrapped: bool = False) -> Optional[str]:
     """Why a framework on this call's stack cannot drive ``opt`` released, with the way out,
-    or None (mpext._detect.framework_refusal)."""
+    or None (mpext.integrations.detect.framework_refusal)."""
     return _detection().framework_refusal(name, opt, scaler, in_backward, wrapped)
 
 
@@ -204,8 +202,8 @@ class GradRelease:
                 and bucket_bytes >= 0):
             raise ValueError("%s: bucket_bytes must be an int >= 0, got %r" % (name, bucket_bytes))
         if scaler is not None:
-            from ..grad_scaler import GradScaler
-            if not isinstance(scaler, GradScaler):
+            # duck-typed on the public method (optim never imports mpext.amp)
+            if not callable(getattr(scaler, "record_released_step", None)):
                 raise TypeError(
                     "%s: scaler must be an mpext.GradScaler, got %s: a released step is made "
                     "inside backward, not by scaler.step(), and only mpext.GradScaler takes the "
@@ -263,7 +261,7 @@ class GradRelease:
                         "%s already has a gradient; release steps each param from the gradient "
                         "of one backward: call zero_grad(set_to_none=True) first" % where)
                 if p.dtype is torch.float16 and scaler is not None and scaler.is_enabled() \
-                        and scaler._bf16_check_only:
+                        and scaler.bf16_check_only:
                     # as the scaler's own unscale_ refuses a float16 gradient in this mode
                     raise ValueError(
                         "%s is float16, and mpext.GradScaler(bf16_check_only=True) does not "
@@ -439,7 +437,7 @@ class GradRelease:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
         theirs = _scaler_of(task)
         if refused is None and getattr(self.scaler, "_scale", None) is not None:
-            # (a scaler whose scale() was never called: its own refusal, _release_scale)
+            # (a scaler whose scale() was never called: its own refusal, release_scale)
             refused = self._unscaled_refusal(task)
         if refused is None and theirs is not None and theirs is not self.scaler:
             refused = ("%s: the loss of this backward was scaled by an mpext.GradScaler that "
@@ -611,7 +609,7 @@ class GradRelease:
             scaler = self.scaler
             if scaler is not None and scaler.is_enabled():
                 # 1 for a check-only scaler, also when the loss was not scaled
-                scale = scaler._release_scale(device, self._name)
+                scale = scaler.release_scale(device, self._name)
                 # As FusedOptimizer.step computes it from the grad_scale the scaler hands it.
                 self._inv_scale = scale.detach().double().reciprocal().float()
                 self._found = torch.zeros((), dtype=F32, device=scale.device)
@@ -789,7 +787,7 @@ class GradRelease:
         self._accumulated = False
         found = self._found
         if found is not None:
-            self.scaler._record_released_step(opt, found)
+            self.scaler.record_released_step(opt, found)
         opt._opt_called = True  # what torch's LR schedulers look for, as a step() sets it
         kwargs = {} if found is None else {"found_inf": found}
         for hook in chain_hooks(_global_optimizer_post_hooks, opt._optimizer_step_post_hooks):

@@ -7,8 +7,8 @@ step the optimizer themselves"). Registers itself with mpext.optim._release when
 import sys
 from typing import Optional
 
-from .optim import _release
-from .optim._release import _scales
+from ..optim import _release
+from ..optim._release import _scales
 
 # Lightning's automatic optimization calls optimizer.step(closure) (its closure runs
 # training_step and backward; the mixed-precision plugins run the closure first and then
