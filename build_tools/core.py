@@ -21,9 +21,11 @@ INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 # Compiled once per ISA path.
 KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/adam.c",
                   "csrc/core/adam_fused.c",
-                  "csrc/core/norm.c", "csrc/core/table.c", "csrc/core/fp8.c"]
+                  "csrc/core/norm.c", "csrc/core/table.c", "csrc/core/fp8.c",
+                  "csrc/core/telemetry.c"]  # telemetry (issue 46): its per-ISA kernels
 # Compiled once.
-COMMON_SOURCES = ["csrc/core/cpu.c"]
+COMMON_SOURCES = ["csrc/core/cpu.c",
+                  "csrc/core/telemetry_cpu.c"]  # telemetry (issue 46): its dispatch
 
 # -fno-math-errno lets sqrtf & co. vectorize; -fno-trapping-math lets the vectorizer if-convert.
 # Neither changes a result: the core never reads errno or floating-point exception flags.
