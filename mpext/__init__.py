@@ -21,6 +21,7 @@ from . import ops  # noqa: E402  (registers fake kernels and autograd formulas)
 from .grad_scaler import GradScaler  # noqa: E402
 from . import optim  # noqa: E402  (mpext.optim.Adam / AdamW on the fused adam_step_)
 from .mixed_precision import MixedPrecisionOptimizer  # noqa: E402
+from . import telemetry  # noqa: E402  (issue 46: mpext.telemetry, opt-in counters)
 
 __version__ = "0.1.0"
 
