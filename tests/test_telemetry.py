@@ -221,7 +221,7 @@ class Net(torch.nn.Module):
 
 
 def train(device, telemetry, steps=6, explicit_unscale=False, inf_at=(2,), every=3,
-          dtype=torch.float16, hook=None):
+          dtype=torch.float16, hook=None, poll=True):
     """A few steps of mpext.GradScaler + mpext.optim.AdamW on fp16 (or bf16) params, an inf
     injected into c.weight's gradient at the steps in inf_at (skipped by the scaler)."""
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def train(device, telemetry, steps=6, explicit_unscale=False, inf_at=(2,), every
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        if tel is not None:
+        if tel is not None and poll:
             r = tel.poll()
             if r is not None:
                 reads.append(r)
@@ -500,3 +500,18 @@ def test_hf_trainer_callback_logs(tmp_path):
     assert logged[0]["grad/elements"] == 2 * sum(p.numel() for p in model.parameters()
                                                  if p.requires_grad)
     assert tel.read()["grad/elements"] == 0
+
+
+@pytest.mark.parametrize("inf_at,site", [(5, "c.weight"), (1, "")])
+def test_telemetry_unread_window_keeps_the_last_steps(device, inf_at, site):
+    """Read after 7 updates with every=3: the history and the site cover the last 3 steps (an
+    overflow at step 1 is outside it and its slot, reused, names nothing), the counts every
+    step since the last read."""
+    model, opt, scaler, tel, _ = train(device, True, steps=7, every=3, inf_at=(inf_at,),
+                                       poll=False)
+    r = tel.read()
+    assert [h["step"] for h in tel.history] == [4, 5, 6]
+    assert [h["skipped"] for h in tel.history] == [s == inf_at for s in (4, 5, 6)]
+    assert r["overflow/site"] == site
+    assert r["overflow/params"] == 1
+    assert r["grad/elements"] == 7 * sum(p.numel() for p in model.parameters())

@@ -111,6 +111,7 @@ class Telemetry:
         self._steps = 0           # scaler updates in this window (host count)
         self._total_steps = 0
         self._uncounted = 0
+        self._cleared = -1        # the step whose reused site slot was last cleared
         self._checking = False    # inside _check_inf_per_device: inv_scale is a dummy 1
         self._hist_device = None
         self._scale_hist = self._skip_hist = None
@@ -157,6 +158,13 @@ class Telemetry:
         if self._checking:  # the fused-optimizer path: the grads stay scaled by scaler._scale
             stat_inv = self.scaler._scale.double().reciprocal().float()
         slot = self._steps % self.every
+        if self._steps >= self.every and self._cleared != self._total_steps:
+            # not read for a whole window: this step reuses the oldest slot, which must not keep
+            # that older step's site (the kernel lowers a slot, it never raises it); once per
+            # step, whatever the number of optimizers
+            for lay in self._layouts.values():
+                lay.site[slot:slot + 1].fill_(NO_INDEX)
+            self._cleared = self._total_steps
         with torch.no_grad():
             unscale_stats_([g for _, g in pairs], found_inf, inv_scale, layout.counts,
                            layout.max_abs, layout.site[slot:slot + 1], stat_inv_scale=stat_inv)
@@ -250,6 +258,8 @@ class Telemetry:
             host = torch.cat([t.to(dev) for t in parts]).cpu().tolist()  # the one host sync
         else:
             host = []
+        # the window's slots, oldest first (the history keeps the last `every` steps)
+        order = [(self._steps - steps + k) % self.every for k in range(steps)]
         out: Dict[str, Any] = {}
         tot = [0, 0, 0, 0]
         elems = 0
@@ -283,11 +293,11 @@ class Telemetry:
                 gmax = max(gmax, amax[i])
                 if c[3]:
                     nonfinite_params.add(name)
-            for s in range(steps):
-                idx = int(site[s])
-                if idx < n and (first_site is None or s < first_site[0]):
-                    first_site = (s, [self.name_of(lay.params[idx])])
-                elif idx < n and first_site is not None and s == first_site[0]:
+            for k, slot in enumerate(order):
+                idx = int(site[slot])
+                if idx < n and (first_site is None or k < first_site[0]):
+                    first_site = (k, [self.name_of(lay.params[idx])])
+                elif idx < n and first_site is not None and k == first_site[0]:
                     first_site[1].append(self.name_of(lay.params[idx]))
 
         def fracs(prefix, c, e):
@@ -310,9 +320,6 @@ class Telemetry:
             scales = host[pos:pos + self.every]
             skip = host[pos + self.every:pos + 2 * self.every]
             pos += 2 * self.every
-            order = [(self._steps - steps + k) % self.every for k in range(steps)] \
-                if self._steps <= self.every else \
-                [(self._steps + k) % self.every for k in range(self.every)]
             window = [(scales[i], skip[i] != 0) for i in order]
             first_step = self._total_steps - steps
             for k, (sc, sk) in enumerate(window):
