@@ -83,7 +83,7 @@ class Telemetry:
 
     def __init__(self, scaler, model: Optional[torch.nn.Module] = None, every: int = 100,
                  module_depth: int = 2):
-        from ..grad_scaler import GradScaler
+        from .. import GradScaler  # the package's export: wherever the class lives (amp/)
         if not isinstance(scaler, GradScaler):
             raise TypeError("mpext.telemetry.attach: scaler must be an mpext.GradScaler, got %s"
                             % type(scaler).__name__)
