@@ -966,3 +966,8 @@ def _fp8_dequantize_fake(q, scales, *, block_size=128, dtype=None):
     torch._check(out in _PARAM_DTYPES, lambda: "mpext.%s: dtype must be float32, bfloat16 or "
                  "float16" % op)
     return torch.empty(q.shape, dtype=out, device=q.device)
+
+
+# --- telemetry (issue 46): unscale_ with per-gradient statistics (mpext/_telemetry_ops.py) ---
+from ._telemetry_ops import unscale_stats_  # noqa: E402,F401
+__all__ += ["unscale_stats_"]
