@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpext
 from mpext import ops
-from mpext._telemetry_ops import NO_INDEX
+from mpext.ops import NO_INDEX
 
 from conftest import HostReads
 

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._common import PARAM_DTYPES, has_kernel, is_dense
-from .._telemetry_ops import NO_INDEX, unscale_stats_
+from ..ops import NO_INDEX, unscale_stats_
 
 __all__ = ["Telemetry", "attach"]
 
