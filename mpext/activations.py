@@ -64,6 +64,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import activations_codes as _codes
 from . import activations_compiled as _compiled
 from . import ops
 
@@ -213,21 +214,29 @@ class _Packed:
         x = t.detach()
         if not x.is_contiguous():
             x = x.contiguous()  # the blocks run along the last dimension of the row-major copy
-        cols = block_cols(x.numel(), x.shape[-1], block)
-        self.merged = cols != x.shape[-1]
-        if self.merged:  # short rows: whole blocks of consecutive elements instead
-            x = x.view(-1, cols)
-        self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
-                                               pow2_scale=pow2, stochastic=stochastic, seed=seed,
-                                               offset=offset)
         self.shape, self.stride, self.dtype, self.block = t.shape, t.stride(), t.dtype, block
         self.contiguous = t.is_contiguous()
+        if fp8_dtype == torch.int8:  # blocks of consecutive elements, across rows
+            self.merged = None
+            self.q, self.scales = _codes.quantize(x, block, pow2)
+        else:
+            cols = block_cols(x.numel(), x.shape[-1], block)
+            self.merged = cols != x.shape[-1]
+            if self.merged:  # short rows: whole blocks of consecutive elements instead
+                x = x.view(-1, cols)
+            self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
+                                                   pow2_scale=pow2, stochastic=stochastic,
+                                                   seed=seed, offset=offset)
         self.nbytes = self.q.numel() + 4 * self.scales.numel()
 
     def restore(self) -> torch.Tensor:
-        out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
-        if self.merged:
-            out = out.view(self.shape)
+        if self.merged is None:
+            out = _codes.dequantize(self.q, self.scales, self.block, self.dtype, self.shape)
+        else:
+            out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block,
+                                     dtype=self.dtype)
+            if self.merged:
+                out = out.view(self.shape)
         if out.stride() == self.stride:
             return out
         if self.contiguous:  # the same addressing; only the strides of size-1 dims differ
@@ -308,7 +317,10 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     Args:
         policy: ``"all"`` (default), ``"layers"``, ``"linear"``, ``"size"`` or a callable
             ``(tensor) -> bool``.
-        fp8_dtype: ``torch.float8_e4m3fn`` (default; 3 mantissa bits) or ``torch.float8_e5m2``.
+        fp8_dtype: the 8-bit code: ``None`` (default) is ``torch.int8`` (a uniform grid under
+            each block's absmax, ``mpext.activations_codes``: the gradient error within 2x
+            BF16's), or ``torch.float8_e4m3fn`` when ``stochastic``; ``torch.float8_e4m3fn``
+            (3 mantissa bits: ~3x BF16's gradient error) or ``torch.float8_e5m2``.
         block_size: elements of the last dimension per scale (128, as DeepSeek-V3's 1x128);
             a tensor whose rows are shorter is scaled per block of consecutive elements.
         pow2_scale: round every scale up to a power of two.
@@ -321,16 +333,22 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     """
 
     def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "all", *,
-                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, block_size: int = 128,
+                 fp8_dtype: Optional[torch.dtype] = None, block_size: int = 128,
                  pow2_scale: bool = False, stochastic: bool = False, seed: int = 0,
                  min_bytes: int = 1 << 16, min_numel: int = 1024, params=None,
                  warn_unmatched: bool = True):
         if not (callable(policy) or policy in POLICIES):
             raise ValueError("mpext.activations: policy must be one of %s or a callable "
                              "(tensor) -> bool, got %r" % (", ".join(map(repr, POLICIES)), policy))
-        if fp8_dtype not in ops.FP8_DTYPES:
-            raise ValueError("mpext.activations: fp8_dtype must be torch.float8_e4m3fn or "
-                             "torch.float8_e5m2, got %s" % (fp8_dtype,))
+        if fp8_dtype is None:  # stochastic rounding exists for the FP8 codes only
+            fp8_dtype = torch.float8_e4m3fn if stochastic else torch.int8
+        if fp8_dtype not in ops.FP8_DTYPES + (torch.int8,):
+            raise ValueError("mpext.activations: fp8_dtype must be torch.int8, "
+                             "torch.float8_e4m3fn or torch.float8_e5m2, got %s" % (fp8_dtype,))
+        if stochastic and fp8_dtype == torch.int8:
+            raise ValueError("mpext.activations: stochastic=True needs an FP8 fp8_dtype "
+                             "(torch.float8_e4m3fn or torch.float8_e5m2); the int8 code rounds "
+                             "to nearest only")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError("mpext.activations: block_size must be an int >= 1, got %r"
                              % (block_size,))
@@ -381,7 +399,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     def _matches(self, t: torch.Tensor, st: _State) -> bool:
         if t.numel() < self.min_numel:
             return False
-        cols = block_cols(t.numel(), t.shape[-1], self.block_size)
+        cols = self.block_size if self.fp8_dtype == torch.int8 else block_cols(
+            t.numel(), t.shape[-1], self.block_size)  # int8 blocks cross rows
         packed = 1 + 4.0 / max(1, min(self.block_size, cols))
         if packed > 0.75 * t.element_size():
             return False  # blocks too short to save anything
