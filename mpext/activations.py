@@ -497,6 +497,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     # -- the context
 
     def __enter__(self):
+        if torch.compiler.is_compiling():  # dynamo is tracing a `with` inside compiled code
+            _entered_while_compiling(self)
         st = _State()
         st.param_ptrs.update(self._fixed_params)
         cache = {}
@@ -563,6 +565,26 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         elif s["saved"] > 0 and s["compressed"] == 0:
             warnings.warn("mpext.activations: the policy %r compressed none of the %d tensors "
                           "autograd saved" % (self.policy, s["saved"]), stacklevel=3)
+
+
+@torch.compiler.disable
+def _entered_while_compiling(ctx):
+    """Called (not traced: a graph break of its own) when dynamo traces the context's entry.
+    Dynamo cannot trace the saved-tensor hooks' entry either, so the compiled function is cut
+    into graphs at the ``with``, and the pieces' saved tensors may pass uncompressed (a
+    compiled MLP's did: its gradients were the uncompressed ones bit for bit); entered around
+    the compiled call it costs no break and compresses."""
+    if "entered compiled" in ctx._warned:
+        return
+    ctx._warned.add("entered compiled")
+    warnings.warn(
+        "mpext.activations: fp8_saved_tensors was entered inside a torch.compile'd function: "
+        "dynamo cannot trace the context's entry (saved-tensor hooks), so the function is split "
+        "into several graphs there (graph breaks), and the saved tensors of the pieces may "
+        "not be compressed at all. "
+        "Enter the context around the compiled call instead -- `with fp8_saved_tensors(): "
+        "loss = compiled_model(x)` -- where the compiled graph compresses its saved tensors "
+        "with no graph break.", stacklevel=3)
 
 
 class FP8Activations(torch.nn.Module):

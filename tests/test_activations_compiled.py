@@ -236,3 +236,33 @@ def test_without_inlined_hooks_compiled_tensors_pass_unchanged_warned_once(devic
     assert ("saved_tensors_hooks_are_inlineable" if why == "old torch" else "stochastic") \
         in said[0]
     assert all(torch.equal(r, g) for r, g in zip(ref, a + b))
+
+
+def test_context_entered_inside_compiled_code_warns_once_and_still_compresses(device):
+    """torch.compile of a function that enters the context itself: dynamo cannot trace the
+    hooks' entry, so the function is cut into several graphs (and the pieces' saved tensors
+    passed uncompressed). Not silently: one warning that says where to put the context; the
+    model compiled with the context around the call is one graph, compressed, no warning."""
+    m = mlp().to(device)
+    x = torch.randn(64, 256, device=device)
+
+    def inside(x):
+        with act.fp8_saved_tensors():
+            return m(x)
+    be = Graphs()
+    ci = torch.compile(inside, backend=be)
+    got, said = _mpext_warnings(lambda: grads(m, x, ci))
+    assert len(said) == 1 and "entered inside a torch.compile'd function" in said[0], said
+    assert "around the compiled call" in said[0]
+    assert len(be.dynamo) > 1  # the split the warning is about
+    plain = grads(m, x, m)
+    eager = grads(m, x, m, act.fp8_saved_tensors())
+    torch._dynamo.reset()
+    be = Graphs()
+    cm = torch.compile(m, backend=be)
+    outside, said = _mpext_warnings(lambda: grads(m, x, cm, act.fp8_saved_tensors()))
+    assert said == [] and len(be.dynamo) == 1
+    # compressed: off the uncompressed gradients, by no more than twice eager compression
+    errs = [(rel_err(p, g), rel_err(p, e)) for p, g, e in zip(plain, outside, eager)]
+    assert max(c for c, _ in errs) > 1e-3
+    assert all(c <= 2 * e + 1e-6 for c, e in errs), errs
