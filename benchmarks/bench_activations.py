@@ -535,6 +535,7 @@ def add_args(p):
                    "step time, eager and compiled, BF16 vs compressed (steptime_table)")
     p.add_argument("--models", default="", help="--steptime: these zoo models (comma list)")
     p.add_argument("--eager-only", action="store_true", help="--steptime: no torch.compile")
+    p.add_argument("--compiled-only", action="store_true", help="--steptime: compiled only")
     # one thread: two spin on a busy machine; --device cuda: the allocator's peaks
     p.set_defaults(threads=1, device="cpu")
     return p
@@ -543,10 +544,11 @@ def add_args(p):
 def run(ctx) -> dict:
     b, a = common.Bench(ctx, NAME, TITLE), ctx.args
     if a.steptime:
-        rows = steptime([m for m in a.models.split(",") if m], ctx.device, (False,) if
-                        a.eager_only else (False, True), small=ctx.quick, progress=print)
-        return b.finish(["One thread, %s." % ("eager" if a.eager_only else "eager and "
-                                              "compiled (inductor)"), "", steptime_table(rows)],
+        modes = (False,) if a.eager_only else (True,) if a.compiled_only else (False, True)
+        rows = steptime([m for m in a.models.split(",") if m], ctx.device, modes,
+                        small=ctx.quick, progress=functools.partial(print, flush=True))
+        return b.finish(["One thread, %s." % " and ".join(
+            "compiled (inductor)" if c else "eager" for c in modes), "", steptime_table(rows)],
                         {"steptime": rows}, None)
     if a.convergence:
         res, floor = convergence(a.convergence_models.split(","), a.convergence_steps,
