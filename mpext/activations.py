@@ -180,15 +180,7 @@ def _is_param_like(t: torch.Tensor, param_ptrs) -> bool:
     return False
 
 
-def block_cols(numel: int, cols: int, block: int) -> int:
-    """The row length a tensor of ``numel`` elements and last dimension ``cols`` is quantized
-    in: its own rows, or, when they are shorter than a block and the elements fill whole
-    blocks, rows of one block (the row-major copy read as (numel / block, block)): a scale per
-    32-wide image row or 64-wide head would cost an eighth or a sixteenth of a byte per value,
-    which alone keeps an FP8 copy above half its BF16 bytes."""
-    if 0 < cols < block and numel % block == 0:
-        return block
-    return cols
+block_cols = _codes.block_cols  # the rows every code quantizes (memory_estimate uses it)
 
 
 def _non_overlapping(t: torch.Tensor) -> bool:
@@ -216,7 +208,7 @@ class _Packed:
             x = x.contiguous()  # the blocks run along the last dimension of the row-major copy
         self.shape, self.stride, self.dtype, self.block = t.shape, t.stride(), t.dtype, block
         self.contiguous = t.is_contiguous()
-        if fp8_dtype == torch.int8:  # blocks of consecutive elements, across rows
+        if fp8_dtype == torch.int8:
             self.merged = None
             self.q, self.scales = _codes.quantize(x, block, pow2)
         else:
@@ -399,8 +391,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     def _matches(self, t: torch.Tensor, st: _State) -> bool:
         if t.numel() < self.min_numel:
             return False
-        cols = self.block_size if self.fp8_dtype == torch.int8 else block_cols(
-            t.numel(), t.shape[-1], self.block_size)  # int8 blocks cross rows
+        cols = block_cols(t.numel(), t.shape[-1], self.block_size)
         packed = 1 + 4.0 / max(1, min(self.block_size, cols))
         if packed > 0.75 * t.element_size():
             return False  # blocks too short to save anything

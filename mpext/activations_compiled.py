@@ -80,7 +80,8 @@ def _worth_it(x: torch.Tensor, s) -> bool:
     n = x.numel()
     if not isinstance(n, int) or n < min_numel:
         return False  # a symbolic size is left alone: its blocks could not be checked
-    cols = block if s[1] == torch.int8 else x.shape[-1]  # int8 blocks cross rows
+    # the int8 code reads short rows as whole blocks, as eagerly; the FP8 op gets its rows
+    cols = _codes.block_cols(n, x.shape[-1], block) if s[1] == torch.int8 else x.shape[-1]
     if 1 + 4.0 / max(1, min(block, cols)) > 0.75 * x.element_size():
         return False
     span = 0

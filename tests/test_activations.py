@@ -254,45 +254,53 @@ def test_opcheck():
 # The int8 block code (mpext.activations_codes, the default), against a float64 reference.
 
 def _int8_reference(x, block, pow2):
-    """Per block of consecutive elements: scale = absmax / 127 (float32, >= 2^-126, rounded up
-    to 2^k with pow2); each element restored to the nearest multiple of the scale, a nonzero
-    one to at least one step of its sign."""
-    xd = x.double().reshape(-1)
-    pad = -xd.numel() % block
-    rows = torch.nn.functional.pad(xd, (0, pad)).view(-1, block)
-    s = (rows.abs().amax(1, keepdim=True).float() / 127).clamp_min(2.0 ** -126).double()
+    """Per block of ``block`` elements along each row of the rows the module codes in
+    (``act.block_cols``; the last block of a row may be shorter): scale = absmax / 127 (float32,
+    >= 2^-126, rounded up to 2^k with pow2); each element restored to the nearest multiple of
+    the scale, a nonzero one to at least one step of its sign."""
+    cols = act.block_cols(x.numel(), x.shape[-1], block)
+    nb = -(-cols // block)
+    rows = torch.nn.functional.pad(x.double().reshape(-1, cols), (0, nb * block - cols))
+    rows = rows.view(-1, nb, block)
+    s = (rows.abs().amax(-1, keepdim=True).float() / 127).clamp_min(2.0 ** -126).double()
     if pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     y = rows / s
     k = y.round().clamp(-127, 127)
     k = torch.where((k == 0) & (y != 0), torch.sign(y), k)
-    n = x.numel()
-    return (k * s).view(-1)[:n], s.expand_as(rows).reshape(-1)[:n], y.view(-1)[:n]
+
+    def back(t):
+        return t.reshape(-1, nb * block)[:, :cols].reshape(x.shape)
+    return back(k * s), back(s.expand_as(rows)), back(y), s.view(-1, nb)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("block, n", [(128, 128 * 40), (128, 5000), (32, 999), (1, 7)])
-def test_int8_code_restores_the_nearest_step_of_each_block(device, dtype, pow2, block, n):
+@pytest.mark.parametrize("block, shape", [(128, (128 * 40,)), (128, (5000,)), (32, (999,)),
+                                          (1, (7,)), (128, (6, 300)), (128, (40, 32)),
+                                          (128, (3, 5, 24))])
+def test_int8_code_restores_the_nearest_step_of_each_block(device, dtype, pow2, block, shape):
     from mpext import activations_codes as codes
+    n = math.prod(shape)
     gen = torch.Generator().manual_seed(block + n)
     # blocks of very different sizes, zeros, values far below a step, exact ties
     x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 10, (n,), generator=gen)
                                                    .float().div(4).floor())
     x[::17] = 0
     x[5::23] *= 1e-6
-    x = x.to(dtype).to(device)
+    x = x.to(dtype).to(device).view(shape)
     q, sc = codes.quantize(x, block, pow2)
-    assert q.dtype == torch.int8 and q.numel() == -(-n // block) * block
-    assert sc.dtype == torch.float32 and sc.numel() == -(-n // block)
-    assert int(q.abs().max()) <= 127
+    ref, s, y, scales = (t.cpu() for t in _int8_reference(x.cpu(), block, pow2))
+    # the FP8 op's rows and blocks: the same bytes as fp8_quantize's codes and scales
+    assert q.dtype == torch.int8 and q.numel() == n and int(q.abs().max()) <= 127
+    fq, fs = ops.fp8_quantize(_rows(x, block).float(), block_size=block)
+    assert q.numel() == fq.numel() and sc.numel() == fs.numel() and sc.dtype == torch.float32
+    assert torch.equal(sc.cpu().double(), scales)
     got = codes.dequantize(q, sc, block, dtype, x.shape)
-    assert got.dtype == dtype and got.shape == x.shape
-    ref, s, y = (t.cpu() for t in _int8_reference(x.cpu(), block, pow2))
-    assert torch.equal(sc.cpu().double().repeat_interleave(block)[:n], s)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
     g = got.cpu().double()
     # the code is the reference's step, but where x / scale lies within float32's rounding of
-    # a half step (the kernel multiplies by a float32 reciprocal): either neighbour then
+    # a half step (the kernel divides in float32): either neighbour then
     tie = ((y - y.floor()) - 0.5).abs() < 1e-5
     # the restored value is the step times the scale, rounded once or twice to dtype (the
     # scale to bfloat16, then the product): two of dtype's ulps of the result, relative
@@ -309,11 +317,12 @@ def test_int8_code_restores_the_nearest_step_of_each_block(device, dtype, pow2, 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_int8_code_a_non_finite_element_makes_its_block_non_finite(device, bad):
     from mpext import activations_codes as codes
-    x = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(device)
-    x[200] = bad
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(3)).to(device)
+    x[1, 200] = bad
     got = codes.dequantize(*codes.quantize(x, 128, False), 128, torch.float32, x.shape)
-    assert not torch.isfinite(got[128:256]).any()
-    assert torch.isfinite(got[:128]).all() and torch.isfinite(got[256:]).all()
+    assert not torch.isfinite(got[1, 128:256]).any()
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1, :128]).all() and \
+        torch.isfinite(got[1, 256:]).all()
 
 
 # --------------------------------------------------------------------------------------------
