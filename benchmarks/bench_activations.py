@@ -285,19 +285,21 @@ def zoo_models(small=False):
 def zoo(policies=("all", "layers"), dev="cpu", names=None, small=False):
     """Per model: the heap bytes one forward leaves alive (BF16, uncompressed and per policy),
     and the per-parameter gradient error of each policy (relative L2 against the uncompressed
-    BF16 run, first step) next to the same gradient's BF16-vs-FP32 error."""
+    BF16 run, first step) next to the same gradient's BF16-vs-FP32 error. A policy may be a
+    (label, fp8_saved_tensors keywords) pair: ("all, e4m3", dict(fp8_dtype=...))."""
+    policies = [p if isinstance(p, tuple) else (p, dict(policy=p)) for p in policies]
     heap, rows = HeapMeter(dev), []
     for name, (build, batch, loss_fn) in zoo_models(small).items():
         if names and name not in names:
             continue
         grads, held = {}, {}
         for dt, policy in [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, None)] \
-                + [(torch.bfloat16, p) for p in policies]:
+                + [(torch.bfloat16, p) for p, _ in policies]:
             torch.manual_seed(0)
             model = build().to(dev, dt).train()
             xb = tuple(t.to(dev) for t in batch(dt))
-            ctx = act.fp8_saved_tensors(policy, params=model, warn_unmatched=False) \
-                if policy else contextlib.nullcontext()
+            ctx = act.fp8_saved_tensors(params=model, warn_unmatched=False, **dict(
+                policies)[policy]) if policy else contextlib.nullcontext()
             torch.manual_seed(1)  # the same dropout masks in every run
             before = heap()
             with ctx:
@@ -312,11 +314,13 @@ def zoo(policies=("all", "layers"), dev="cpu", names=None, small=False):
         rel = lambda a, b: ((a - b).norm() / a.norm().clamp_min(1e-30)).item()  # noqa: E731
         ref = {n: rel(grads[torch.float32, None][n], g) for n, g in
                grads[torch.bfloat16, None].items()}
-        for policy in policies:
+        for policy, _ in policies:
             err = {n: rel(grads[torch.bfloat16, None][n], g) for n, g in
                    grads[torch.bfloat16, policy].items()}
             worst = max(err, key=lambda n: err[n] / max(ref[n], 1e-12))
-            over = [n for n in err if err[n] > 2 * ref[n] and ref[n] > 0]
+            # as the test: gradients BF16 itself gets wrong by half (a bias before BatchNorm)
+            # have no direction to keep
+            over = [n for n in err if err[n] > 2 * ref[n] and 0 < ref[n] < 0.5]
             rows.append(dict(model=name, policy=policy, bf16=held[None], held=held[policy],
                              saved=1 - held[policy] / held[None], over=len(over), params=len(err),
                              worst=worst, worst_err=err[worst], worst_ref=ref[worst],
