@@ -1,8 +1,11 @@
-"""Saved activations in FP8: tensors autograd keeps for the backward pass, stored with one scale
-per block of their last dimension (``mpext.ops.fp8_quantize``) and restored when the backward
-pass needs them.
+"""Saved activations in 8 bits: tensors autograd keeps for the backward pass, stored with one
+float32 scale per block of 128 elements along their rows and restored when the backward pass
+needs them. The default code is int8 on a uniform grid under each block's absmax
+(``mpext.activations_codes``: gradients within 2x BF16's error, where E4M3's 3 mantissa bits
+were 3-4x); ``fp8_dtype=torch.float8_e4m3fn`` / ``float8_e5m2`` select the FP8 codes
+(``mpext.ops.fp8_quantize``), which stochastic rounding needs.
 
-    with mpext.activations.fp8_saved_tensors():          # default: the "all" policy
+    with mpext.activations.fp8_saved_tensors():          # default: the "all" policy, int8
         loss = model(x).sum()
     loss.backward()
 
