@@ -335,12 +335,13 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         if not (callable(policy) or policy in POLICIES):
             raise ValueError("mpext.activations: policy must be one of %s or a callable "
                              "(tensor) -> bool, got %r" % (", ".join(map(repr, POLICIES)), policy))
-        if fp8_dtype is None:  # stochastic rounding exists for the FP8 codes only
-            fp8_dtype = torch.float8_e4m3fn if stochastic else torch.int8
-        if fp8_dtype not in ops.FP8_DTYPES + (torch.int8,):
+        code = fp8_dtype
+        if code is None:  # stochastic rounding exists for the FP8 codes only
+            code = torch.float8_e4m3fn if stochastic else torch.int8
+        if code not in ops.FP8_DTYPES + (torch.int8,):
             raise ValueError("mpext.activations: fp8_dtype must be torch.int8, "
                              "torch.float8_e4m3fn or torch.float8_e5m2, got %s" % (fp8_dtype,))
-        if stochastic and fp8_dtype == torch.int8:
+        if stochastic and code == torch.int8:
             raise ValueError("mpext.activations: stochastic=True needs an FP8 fp8_dtype "
                              "(torch.float8_e4m3fn or torch.float8_e5m2); the int8 code rounds "
                              "to nearest only")
@@ -348,6 +349,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             raise ValueError("mpext.activations: block_size must be an int >= 1, got %r"
                              % (block_size,))
         self.policy, self.fp8_dtype, self.block_size = policy, fp8_dtype, block_size
+        self.code = code  # fp8_dtype as given (None: the default); code: the one in use
         self.pow2_scale, self.stochastic, self.seed = pow2_scale, stochastic, seed
         self.min_bytes, self.min_numel, self.warn_unmatched = min_bytes, min_numel, warn_unmatched
         if isinstance(params, torch.nn.Module):
@@ -460,7 +462,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         elif t.dtype not in _SUPPORTED:
             entry.raw = True
             return t
-        packed = _Packed(t, self.block_size, self.fp8_dtype, self.pow2_scale, self.stochastic,
+        packed = _Packed(t, self.block_size, self.code, self.pow2_scale, self.stochastic,
                          self.seed, self._offset)
         self._offset += t.numel()
         entry.views[view] = packed
@@ -506,7 +508,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             # random stream every step: those graphs keep the pass-through)
             active = _compiled.active(eager_pack)
             hooks = torch.autograd.graph.saved_tensors_hooks(*_compiled.hooks(
-                self.block_size, self.fp8_dtype, self.pow2_scale, self.min_numel, self.policy,
+                self.block_size, self.code, self.pow2_scale, self.min_numel, self.policy,
                 self.min_bytes))
         else:
             active = contextlib.nullcontext()

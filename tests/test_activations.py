@@ -514,7 +514,7 @@ class _Layouts:
         obj = self.ctx.pack(t)
         want = None
         if not isinstance(obj, torch.Tensor):
-            want = _round_trip(t, self.ctx.fp8_dtype, self.ctx.block_size)
+            want = _round_trip(t, self.ctx.code, self.ctx.block_size)
         return t.shape, t.stride(), t.dtype, want, obj
 
     def unpack(self, packed):
@@ -873,7 +873,10 @@ def test_torch_compile_with_stochastic_rounding_runs_uncompressed_and_says_so_on
             return m(x)
     _, said = _mpext_warnings(lambda: (grads(m, X.to(device), fwd=fwd),
                                        grads(m, X.to(device), fwd=fwd)))
-    assert len(said) == 1 and "NOT compressed" in said[0], said
+    # once each: what passed uncompressed, and that the context was entered inside compiled
+    # code (where to put it instead)
+    assert len(said) == 2 and sum("NOT compressed" in w for w in said) == 1 and \
+        sum("entered inside a torch.compile'd function" in w for w in said) == 1, said
     eager = act.fp8_saved_tensors(stochastic=True)
     _, said = _mpext_warnings(lambda: grads(m, X.to(device), eager))
     assert said == [] and eager.stats["compressed"] == 2
