@@ -8,8 +8,8 @@ import torch
 
 import mpext
 from mpext import activations as act
-from mpext.memory_estimate import activation_bytes
-from mpext.memory_measure import HeapMeter
+from mpext.memory.estimator import activation_bytes
+from mpext.memory.meter import HeapMeter
 
 from . import common, gpt
 from .training import Trainer

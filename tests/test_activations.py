@@ -334,7 +334,7 @@ import warnings  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from mpext import activations as act  # noqa: E402
-from mpext.memory_measure import HeapMeter  # noqa: E402
+from mpext.memory.meter import HeapMeter  # noqa: E402
 
 
 def mlp(seed=0, dtype=torch.float32):

@@ -11,7 +11,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 import mpext.activations as act
 from mpext import activations_compiled
-from mpext.memory_measure import HeapMeter
+from mpext.memory.meter import HeapMeter
 
 pytestmark = pytest.mark.skipif(not activations_compiled.supported(),
                                 reason="this torch does not inline saved-tensor hooks")
@@ -135,7 +135,7 @@ def _held_for_backward(model, x, fwd, ctx):
 
 
 def test_compiled_model_holds_fewer_bytes_for_backward_with_the_context(device):
-    """Measured by the allocator (mpext.memory_measure.HeapMeter), not by the context's own
+    """Measured by the allocator (mpext.memory.meter.HeapMeter), not by the context's own
     counts: the compiled forward holds two 256x4096 float32 intermediates for backward
     without the context, their FP8 codes and scales with it: 1 + 4/128 bytes per element
     instead of 4, a ratio of 0.258 (plus the small output in both)."""
