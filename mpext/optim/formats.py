@@ -863,11 +863,17 @@ def shard_layout(param: torch.Tensor, group: Dict[str, Any],
 
 # ---- A param's state, per moment --------------------------------------------------------------
 
+_CODED_KEYS: Dict[str, tuple] = {}  # held()'s, per quantity: (coded format, its codes' key)
+
+
 def held(state: Dict[str, Any], quantity: str) -> Optional[MomentFormat]:
     """The format a param's state holds ``quantity`` in (None: it holds none); values of a
     dtype no format stores (a torch checkpoint's) are read as FP32 values."""
-    for fmt in _CODED:
-        if fmt.holds(state, quantity):
+    coded = _CODED_KEYS.get(quantity)
+    if coded is None:  # (a coded format holds a quantity where its codes' key is)
+        coded = _CODED_KEYS[quantity] = tuple((f, f.keys(quantity)[0]) for f in _CODED)
+    for fmt, key in coded:
+        if key in state:
             return fmt
     t = state.get(quantity)
     if t is None:
