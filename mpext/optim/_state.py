@@ -49,7 +49,8 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     the param)."""
     fmts = [moment_format(param, group, q)[0] for q in moments]
     for fmt in fmts:  # every refusal before anything is converted
-        fmt.check_param(param, where)
+        if fmt.checks_params:
+            fmt.check_param(param, where)
     block = group.get("block_size", 256)
     for q, fmt in zip(moments, fmts):
         have = held(state, q.name)
