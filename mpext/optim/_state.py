@@ -47,13 +47,15 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     without a master). The one conversion of optimizer state, for a group changed between steps
     and for load_state_dict (which converts the moments only, ``storage=False``: the rest reads
     the param)."""
-    F.check_param(param, group, moments, where)
+    fmts = [moment_format(param, group, q)[0] for q in moments]
+    for fmt in fmts:  # every refusal before anything is converted
+        if fmt.checks_params:
+            fmt.check_param(param, where)
     block = group.get("block_size", 256)
-    for q in moments:
+    for q, fmt in zip(moments, fmts):
         have = held(state, q.name)
         if have is None:
             continue
-        fmt = moment_format(param, group, q)[0]
         if have is fmt and fmt.conforms(param, state, q, block, where):
             continue  # the group's form already
         value = have.value_of(param, state, q, block, where)

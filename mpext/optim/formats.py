@@ -409,15 +409,16 @@ def launch_storage(storages: list, placeholder: Any) -> Dict[str, Optional[list]
     ``remainders``): each param's entry in its format's list and ``placeholder(dtype)`` in the
     others; a list no param has an entry in is None. (A storage tensor's format is told by its
     dtype: the StepItem holds the tensor, as MixedPrecisionOptimizer's FP32 params make it.)"""
-    cols: Dict[str, list] = {f.op_arg: [] for f in STORAGE_FORMATS}
-    used = set()
-    for s in storages:
-        fmt = None if s is None else _STORAGE_OF_DTYPE[s.dtype]
-        for f in STORAGE_FORMATS:
-            cols[f.op_arg].append(s if f is fmt else placeholder(f.dtype))
-        if fmt is not None:
-            used.add(fmt.op_arg)
-    return {k: (v if k in used else None) for k, v in cols.items()}
+    cols: Dict[str, list] = {}
+    n = len(storages)
+    for i, t in enumerate(storages):
+        if t is not None:
+            fmt = _STORAGE_OF_DTYPE[t.dtype]
+            col = cols.get(fmt.op_arg)
+            if col is None:
+                col = cols[fmt.op_arg] = [placeholder(fmt.dtype)] * n
+            col[i] = t
+    return {f.op_arg: cols.get(f.op_arg) for f in STORAGE_FORMATS}
 
 
 # ---- Moment formats --------------------------------------------------------------------------
@@ -445,7 +446,7 @@ class MomentFormat:
     This base class is a value format: the quantity's values under its own name, of
     ``dtype``."""
     __slots__ = ("name", "dtype", "code", "meta", "bytes_per_element", "meta_bytes_per_block",
-                 "draws_bits", "together", "_keys")
+                 "draws_bits", "together", "checks_params", "_keys")
 
     def __init__(self, name: str, bytes_per_element: int, dtype: Optional[torch.dtype] = None,
                  code: Optional[str] = None, meta: Tuple[str, ...] = (),
@@ -455,6 +456,8 @@ class MomentFormat:
         self.bytes_per_element = bytes_per_element
         self.meta_bytes_per_block = meta_bytes_per_block
         self.draws_bits, self.together = draws_bits, together
+        # whether check_param can refuse a param (the step's path skips it otherwise)
+        self.checks_params = type(self).check_param is not MomentFormat.check_param
         self._keys: Dict[str, Tuple[str, ...]] = {}
 
     def __repr__(self) -> str:
@@ -626,15 +629,13 @@ class BlockCodeFormat(MomentFormat):
     def conforms(self, param: torch.Tensor, state: Dict[str, Any], quantity: Quantity,
                  block: int, where: str) -> bool:
         code_key, scale_key = self.keys(quantity.name)
-        if state[code_key].dtype is not self.storage_dtype(quantity):
-            if is_dtensor(param):  # (refuses scales of no block size first, as before)
-                q8_shards.block_of(param, state[scale_key], block, where)
-            return False
         scale = state[scale_key]
-        if is_dtensor(param):
-            return q8_shards.block_of(param, scale, block, where) == block
+        if is_dtensor(param):  # (refuses scales of no block size first, as before)
+            had = q8_shards.block_of(param, scale, block, where)
+            return state[code_key].dtype is self.storage_dtype(quantity) and had == block
         # blocks of one size agree in number with the group's
-        return scale.numel() == q8_blocks(param.numel(), block)
+        return state[code_key].dtype is self.storage_dtype(quantity) \
+            and scale.numel() == q8_blocks(param.numel(), block)
 
     def check_param(self, param: torch.Tensor, where: str) -> None:
         if is_dtensor(param):
@@ -644,7 +645,7 @@ class BlockCodeFormat(MomentFormat):
 
     def op_args(self, state: Dict[str, Any], quantity: str) -> Tuple[torch.Tensor, dict]:
         code_key, scale_key = self.keys(quantity)
-        return local(state[code_key]), {quantity + "_scales": state[scale_key]}
+        return local(state[code_key]), {_SCALES_ARG % quantity: state[scale_key]}
 
     def shard(self, param: torch.Tensor, block: int) -> Optional[Any]:
         return q8_shards.shard_blocks(param, block) if is_dtensor(param) else None
@@ -722,6 +723,8 @@ class BlockCodeFormat(MomentFormat):
             had = q8_shards.block_of(param, scales, block, where)
             out[key] = q8_shards.global_scales(param, scales, had)
 
+
+_SCALES_ARG = "%s_scales"  # the step ops' keyword of a quantity's block scales
 
 # Checkpoints written before coded state had keys of its own held the codes under the
 # moment's name, with the scales under "<moment>_scale".
@@ -816,8 +819,8 @@ def moment_format(param: torch.Tensor, group: Dict[str, Any],
     fmt = FORMAT_OF_DTYPE.get(dt)
     if fmt is None:  # a setting parse() refuses
         return None, dt
-    fmt = fmt.for_param(param)
-    return fmt, fmt.storage_dtype(quantity)
+    kept = fmt.for_param(param)
+    return (fmt, dt) if kept is fmt else (kept, kept.storage_dtype(quantity))
 
 
 def is_default(value: Any, quantity: Quantity) -> bool:
@@ -835,7 +838,9 @@ def check_param(param: torch.Tensor, group: Dict[str, Any], moments: Tuple[Quant
                 where: str) -> None:
     """Refuses a param one of its moments' formats cannot be kept for."""
     for q in moments:
-        moment_format(param, group, q)[0].check_param(param, where)
+        fmt = moment_format(param, group, q)[0]
+        if fmt.checks_params:
+            fmt.check_param(param, where)
 
 
 class Blocks(NamedTuple):
@@ -863,16 +868,22 @@ def shard_layout(param: torch.Tensor, group: Dict[str, Any],
 
 # ---- A param's state, per moment --------------------------------------------------------------
 
+_CODED_KEYS: Dict[str, tuple] = {}  # held()'s, per quantity: (coded format, its codes' key)
+
+
 def held(state: Dict[str, Any], quantity: str) -> Optional[MomentFormat]:
     """The format a param's state holds ``quantity`` in (None: it holds none); values of a
     dtype no format stores (a torch checkpoint's) are read as FP32 values."""
-    for fmt in _CODED:
-        if fmt.holds(state, quantity):
-            return fmt
     t = state.get(quantity)
-    if t is None:
-        return None
-    return _VALUE_OF_DTYPE.get(t.dtype, FP32)
+    if t is not None:  # values (a state never holds a quantity in two formats)
+        return _VALUE_OF_DTYPE.get(t.dtype, FP32)
+    coded = _CODED_KEYS.get(quantity)
+    if coded is None:  # (a coded format holds a quantity where its codes' key is)
+        coded = _CODED_KEYS[quantity] = tuple((f, f.keys(quantity)[0]) for f in _CODED)
+    for fmt, key in coded:
+        if key in state:
+            return fmt
+    return None
 
 
 def moment_of(state: Dict[str, Any], key: str) -> Tuple[Optional[torch.Tensor],
@@ -933,8 +944,10 @@ def launch_moments(states: list, quantities: Tuple[str, ...], nlists: int,
     adds is left out (the op's default)."""
     lists: list = [[] for _ in range(nlists)]
     extra: Dict[str, list] = {}
-    for i, st in enumerate(states):
-        for j, name in enumerate(quantities):
+    n = len(states)
+    for j, name in enumerate(quantities):
+        tensors = lists[j]
+        for i, st in enumerate(states):
             fmt = held(st, name)
             if fmt is None:  # (refused by the op too, less clearly)
                 raise RuntimeError("mpext.optim: a param's state has no %r, which its rule keeps "
@@ -942,13 +955,10 @@ def launch_moments(states: list, quantities: Tuple[str, ...], nlists: int,
                                    "e.g. SGD's momentum, changed after the param was stepped "
                                    "without it); its state has %s" % (name, sorted(st)))
             t, args = fmt.op_args(st, name)
-            lists[j].append(t)
+            tensors.append(t)
             for kw, v in args.items():
                 col = extra.get(kw)
                 if col is None:
-                    col = extra[kw] = [empty] * i
-                col.append(v)
-        for col in extra.values():
-            if len(col) <= i:
-                col.append(empty)
+                    col = extra[kw] = [empty] * n
+                col[i] = v
     return lists, extra
