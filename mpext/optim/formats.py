@@ -85,7 +85,7 @@ def _u32(t: torch.Tensor) -> torch.Tensor:
 
 def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master of a bf16 param and its int16 remainder: (param bits << 16) +
-    remainder, exactly as the kernel joins them (mpext/adam_rule.h, mp_bf16_join)."""
+    remainder, exactly as the kernel joins them (mpext/step_common.h, mp_bf16_join)."""
     out = torch.empty_like(param, dtype=F32, memory_format=torch.preserve_format)
     p, r = local(param).detach(), local(remainder)
     bits = (((p.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + r.to(torch.int64))
@@ -121,9 +121,9 @@ def split_master(param: torch.Tensor, master: torch.Tensor, where: str) -> torch
     return out
 
 
-# ---- 8-bit block code (docs/moments_8bit.md; the kernel's format is mpext/adam.h's) ----------
+# ---- 8-bit block code (docs/moments_8bit.md; the kernel's format is mpext/formats/q8.h's) ----------
 
-# (exponent bits, mantissa bits) of each code dtype: adam_rule.h's MP_Q8_{M,V}_{E,M}BITS
+# (exponent bits, mantissa bits) of each code dtype: mpext/formats/q8.h's MP_Q8_{M,V}_{E,M}BITS
 _Q8_LAYOUT = {torch.int8: (3, 4), torch.uint8: (4, 4)}
 _Q8_TABLES: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
