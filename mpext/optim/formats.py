@@ -121,7 +121,7 @@ def split_master(param: torch.Tensor, master: torch.Tensor, where: str) -> torch
     return out
 
 
-# ---- 8-bit block code (docs/moments_8bit.md; the kernel's format is mpext/formats/q8.h's) ----------
+# ---- 8-bit block code (docs/moments_8bit.md; the kernel's format is mpext/formats/q8.h's)
 
 # (exponent bits, mantissa bits) of each code dtype: mpext/formats/q8.h's MP_Q8_{M,V}_{E,M}BITS
 _Q8_LAYOUT = {torch.int8: (3, 4), torch.uint8: (4, 4)}
