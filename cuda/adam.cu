@@ -37,6 +37,7 @@
 #include "mpext/adam_rule.h"
 #include "mpext/lion_rule.h"
 #include "mpext/sgd_rule.h"
+#include "mpext/muon_rule.h"
 #include "multi_tensor.cuh"
 
 namespace {
@@ -71,6 +72,14 @@ struct LionRule {
   mp_lion_scalars r;
   MP_CUDA_HD float operator()(float g, float p, float* m, float*, const mp_adam_scalars&) const {
     return mp_lion_element(g, p, m, &r);
+  }
+};
+
+struct MuonRule {  // muon: either elementwise phase (mpext/muon_rule.h)
+  static constexpr bool kVectorPath = false;
+  mp_muon_scalars r;
+  MP_CUDA_HD float operator()(float g, float p, float* m, float*, const mp_adam_scalars&) const {
+    return mp_muon_element(g, p, m, &r);
   }
 };
 
@@ -534,6 +543,7 @@ struct BlockScalars {
   mp_adam_scalars s;
   mp_lion_scalars lion;
   mp_sgd_scalars sgd;
+  mp_muon_scalars muon;
   int32_t skip;
 };
 
@@ -548,6 +558,8 @@ __global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_const
       const float lr = a.opt.lr != nullptr ? *a.opt.lr : a.opt.lr_value;
       if (a.opt.rule == MP_RULE_LION) shared.lion = mp_lion_scalars_of(&a.opt, lr);
       if (a.opt.rule == MP_RULE_SGD) shared.sgd = mp_sgd_scalars_of(&a.opt, lr, *a.step[r.k]);
+      if (a.opt.rule == MP_RULE_MUON_MOMENTUM || a.opt.rule == MP_RULE_MUON_UPDATE)
+        shared.muon = mp_muon_scalars_of(&a.opt, lr);
     }
   }
   __syncthreads();
@@ -557,6 +569,8 @@ __global__ void __launch_bounds__(kThreads) adam_multi_kernel(const __grid_const
     rule_block(a, r, s, LionRule{shared.lion}, wmax);
   } else if (a.opt.rule == MP_RULE_SGD) {
     rule_block(a, r, s, SgdRule{shared.sgd}, wmax);
+  } else if (a.opt.rule == MP_RULE_MUON_MOMENTUM || a.opt.rule == MP_RULE_MUON_UPDATE) {
+    rule_block(a, r, s, MuonRule{shared.muon}, wmax);
   } else {
     rule_block(a, r, s, AdamRule{}, wmax);
   }
@@ -630,6 +644,7 @@ mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensor
         return mp_cuda::launch_status();
       });
   if (st != MP_OK) return st;
+  if (!mp_rule_ends_step(opt)) return MP_OK;  // muon's momentum phase: the step goes on
   // Every main launch is enqueued: now the step counts, zero-size params' included.
   const int max_steps = mp_cuda::cap_pieces(kMaxSteps);
   StepArgs sa{};

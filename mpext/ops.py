@@ -533,6 +533,54 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    ema_decay=float(ema_decay), **kw)
 
 
+# muon
+__all__ += ["muon_step_"]
+
+
+def muon_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               momentum_buffers: Sequence[torch.Tensor],
+               masters: Optional[Sequence[torch.Tensor]], steps: Sequence[torch.Tensor], lr,
+               phase: int, momentum: float = 0.95, nesterov: bool = True,
+               lr_ratio: float = 1.0, weight_decay: float = 0.1, *,
+               inv_scale: Optional[torch.Tensor] = None,
+               found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False,
+               remainders: Optional[Sequence[torch.Tensor]] = None, master_free: bool = False,
+               stochastic_rounding: bool = False, moments_round_nearest: bool = False,
+               seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
+               momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
+               block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+    """One of Muon's two elementwise phases (torch.optim.Muon's update; the Newton-Schulz
+    phase between them is mpext.optim.Muon's, through torch's matmuls), with the storage of
+    :func:`adam_step_`. Per element, in fp32 and torch's order (torch's lerp is one fused
+    multiply-add from the nearer end, ``add(x, alpha=a)`` one fused multiply-add)::
+
+        phase 1: g = grad * inv_scale
+                 buf = lerp(buf, g, 1 - momentum)
+                 params[i] = lerp(g, buf, momentum) if nesterov else buf
+        phase 3: p = p * (1 - lr * weight_decay)
+                 p = p - (lr * lr_ratio) * grads[i]
+
+    In phase 1 ``params`` are the updates the phase writes (in their dtype: bfloat16 to nearest
+    even is torch's ``.bfloat16()``; pass ``master_free=True`` for them), ``momentum_buffers``
+    float32, bfloat16 or int8 block codes with ``momentum_buffer_scales``, and ``steps`` are
+    read (they name the random streams) but not advanced. In phase 3 ``grads`` are the
+    orthogonalised updates, ``momentum_buffers`` is empty, and ``steps`` advance by one."""
+    moments = (("momentum_buffers", momentum_buffers),)
+    (params, grads, (buffers,), masters, steps, lr,
+     kw) = _prepare_step("muon_step_", params, grads, moments, masters, steps, lr, remainders,
+                         ema_params, seed, sr_streams,
+                         (("momentum_buffer_scales", momentum_buffer_scales),), block_size,
+                         offsets, inv_scale, found_inf)
+    _ops.muon_step_(params, grads, buffers, masters, steps, lr, int(phase), float(momentum),
+                    bool(nesterov), float(lr_ratio), float(weight_decay), inv_scale=inv_scale,
+                    found_inf=found_inf, unscale_grads=bool(unscale_grads),
+                    master_free=bool(master_free),
+                    stochastic_rounding=bool(stochastic_rounding),
+                    moments_round_nearest=bool(moments_round_nearest),
+                    ema_decay=float(ema_decay), **kw)
+
+
 def _sizes(t: torch.Tensor) -> str:
     return "[%s]" % ", ".join(str(int(d)) for d in t.shape)
 
@@ -622,6 +670,35 @@ def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum
                            "dampening" % op)
 
     moments = (("momentum_buffers", momentum_buffers),) if momentum != 0.0 else ()
+    _step_fake(op, moments, (("momentum_buffer_scales", momentum_buffer_scales),), params,
+               grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
+               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+
+
+# muon
+@torch.library.register_fake("mpext::muon_step_")
+def _muon_step_fake(params, grads, momentum_buffers, masters, steps, lr, phase, momentum,
+                    nesterov, lr_ratio, weight_decay, *, inv_scale=None, found_inf=None,
+                    unscale_grads=False, remainders=None, master_free=False,
+                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
+                    sr_streams=None, momentum_buffer_scales=None, block_size=256,
+                    ema_params=None, ema_decay=0.0, offsets=None):
+    """The checks of the C++ muon_rule and plan_step (see _adam_step_fake)."""
+    op = "muon_step_"
+    torch._check_value(phase in (1, 3), lambda: "mpext.%s: phase must be 1 (momentum) or 3 "
+                       "(update), got %d" % (op, phase))
+    torch._check_value(phase == 1 or len(momentum_buffers) == 0,
+                       lambda: "mpext.%s: phase 3 keeps no buffer, so momentum_buffers must be "
+                       "empty, got %d tensors" % (op, len(momentum_buffers)))
+
+    def check_rule():
+        if phase == 1:
+            _check_hyper_fake(op, "momentum", momentum, 0.0, math.inf)
+        else:
+            _check_hyper_fake(op, "lr_ratio", lr_ratio, 0.0, math.inf, lo_open=True)
+            _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
+
+    moments = (("momentum_buffers", momentum_buffers),) if phase == 1 else ()
     _step_fake(op, moments, (("momentum_buffer_scales", momentum_buffer_scales),), params,
                grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
                master_free, sr_streams, block_size, ema_params, ema_decay, offsets)

@@ -16,6 +16,7 @@
 #include "mpext/adam_rule.h"
 #include "mpext/lion_rule.h"
 #include "mpext/sgd_rule.h"
+#include "mpext/muon_rule.h"
 #include "mpext/numerics.h"
 
 #ifndef MP_ISA_SUFFIX
@@ -70,6 +71,24 @@ static void sgd_rule_tile(const float* restrict g, float* restrict p, float* res
   }
 }
 
+/* Muon's elementwise phases over a tile (mp_muon_element): phase 1 writes the update into p
+ * and updates the buffer b; phase 3 updates p from the orthogonalised update in g. */
+static void muon_rule_tile(const float* restrict g, float* restrict p, float* restrict b,
+                           uint32_t n, const mp_muon_scalars* restrict hp) {
+  const mp_muon_scalars s = *hp;
+  if (s.phase != 1) {
+#pragma GCC ivdep
+    for (uint32_t i = 0; i < n; ++i) p[i] = mp_muon_update_element(g[i], p[i], &s);
+    return;
+  }
+#pragma GCC ivdep
+  for (uint32_t i = 0; i < n; ++i) {
+    float bi = b[i];
+    p[i] = mp_muon_momentum_element(g[i], &bi, &s);
+    b[i] = bi;
+  }
+}
+
 /* ---- the engine ---- */
 
 /* What one piece of a param (positions sharing their high 32 bits) is stepped with. */
@@ -79,6 +98,7 @@ typedef struct adam_piece {
   int rule;                 /* MP_RULE_* */
   const mp_lion_scalars* lion;
   const mp_sgd_scalars* sgd;
+  const mp_muon_scalars* muon;
   int nmom;     /* moments kept: exp_avg (1), and exp_avg_sq (2) */
   int64_t pos0; /* the position of element 0 (t->offset): random bits are drawn at i + pos0 */
   int kind;     /* MP_PV_* */
@@ -91,6 +111,8 @@ static void rule_tile(const adam_piece* a, const float* restrict g, float* restr
   switch (a->rule) {
     case MP_RULE_LION: lion_rule_tile(g, p, m, n, a->lion); break;
     case MP_RULE_SGD: sgd_rule_tile(g, p, m, n, a->sgd); break;
+    case MP_RULE_MUON_MOMENTUM:
+    case MP_RULE_MUON_UPDATE: muon_rule_tile(g, p, m, n, a->muon); break;
     default: adam_rule_tile(g, p, m, v, n, a->s); break;
   }
 }
@@ -190,14 +212,18 @@ static void adam_q8_blocks(const adam_piece* a, int64_t start, int64_t n) {
  * else the pipeline with the piece's rule. */
 static void rule_step(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s,
                       int rule, const mp_lion_scalars* lion, const mp_sgd_scalars* sgd,
-                      int fused) {
+                      const mp_muon_scalars* muon, int fused) {
   adam_piece a;
   a.t = t;
   a.s = s;
   a.rule = rule;
   a.lion = lion;
   a.sgd = sgd;
-  a.nmom = rule == MP_RULE_ADAM ? 2 : (rule == MP_RULE_LION || sgd->has_momentum) ? 1 : 0;
+  a.muon = muon;
+  a.nmom = rule == MP_RULE_ADAM                                    ? 2
+           : rule == MP_RULE_MUON_MOMENTUM                        ? 1
+           : rule == MP_RULE_MUON_UPDATE                          ? 0
+           : (rule == MP_RULE_LION || sgd->has_momentum) ? 1 : 0;
   a.pos0 = t->offset;
   a.pt = (mp_dtype)t->param_dtype;
   a.gt = (mp_dtype)t->grad_dtype;
@@ -226,20 +252,26 @@ static void rule_step(const mp_adam_tensor* t, int64_t start, int64_t n, const m
 
 void MP_ISA_FN(mp_k_adam_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
                                const mp_adam_scalars* s) {
-  rule_step(t, start, n, s, MP_RULE_ADAM, NULL, NULL, 1);
+  rule_step(t, start, n, s, MP_RULE_ADAM, NULL, NULL, NULL, 1);
 }
 
 void MP_ISA_FN(mp_k_adam_step_generic)(const mp_adam_tensor* t, int64_t start, int64_t n,
                                        const mp_adam_scalars* s) {
-  rule_step(t, start, n, s, MP_RULE_ADAM, NULL, NULL, 0);
+  rule_step(t, start, n, s, MP_RULE_ADAM, NULL, NULL, NULL, 0);
 }
 
 void MP_ISA_FN(mp_k_lion_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
                                const mp_adam_scalars* s, const mp_lion_scalars* r) {
-  rule_step(t, start, n, s, MP_RULE_LION, r, NULL, 0);
+  rule_step(t, start, n, s, MP_RULE_LION, r, NULL, NULL, 0);
 }
 
 void MP_ISA_FN(mp_k_sgd_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
                               const mp_adam_scalars* s, const mp_sgd_scalars* r) {
-  rule_step(t, start, n, s, MP_RULE_SGD, NULL, r, 0);
+  rule_step(t, start, n, s, MP_RULE_SGD, NULL, r, NULL, 0);
+}
+
+void MP_ISA_FN(mp_k_muon_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s, const mp_muon_scalars* r) {
+  rule_step(t, start, n, s, r->phase == 1 ? MP_RULE_MUON_MOMENTUM : MP_RULE_MUON_UPDATE, NULL,
+            NULL, r, 0);
 }

@@ -197,6 +197,9 @@ mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
   } else if (o->rule == MP_RULE_SGD) {
     const mp_sgd_scalars r = mp_sgd_scalars_of(o, lr, *t->step);
     active()->sgd_step(t, start, count, &s, &r);
+  } else if (o->rule == MP_RULE_MUON_MOMENTUM || o->rule == MP_RULE_MUON_UPDATE) {
+    const mp_muon_scalars r = mp_muon_scalars_of(o, lr);
+    active()->muon_step(t, start, count, &s, &r);
   } else {
     active()->adam_step(t, start, count, &s);
   }
@@ -209,7 +212,7 @@ mp_status mp_adam_advance_steps(const mp_adam_tensor* ts, int64_t ntensors,
   for (int64_t k = 0; k < ntensors; ++k) {
     if (ts[k].step == NULL) return MP_ERR_INVALID_ARGUMENT;
   }
-  if (mp_adam_skip(o)) return MP_OK;
+  if (mp_adam_skip(o) || !mp_rule_ends_step(o)) return MP_OK;
   for (int64_t k = 0; k < ntensors; ++k) *ts[k].step = *ts[k].step + 1.0f;
   return MP_OK;
 }

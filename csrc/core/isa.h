@@ -11,6 +11,7 @@
 
 #include "mpext/adam_rule.h"
 #include "mpext/lion_rule.h"
+#include "mpext/muon_rule.h"
 #include "mpext/sgd_rule.h"
 #include "mpext/mpext.h"
 
@@ -47,6 +48,8 @@ typedef struct mp_kernel_table {
                     const mp_lion_scalars* r);
   void (*sgd_step)(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s,
                    const mp_sgd_scalars* r);
+  void (*muon_step)(const mp_adam_tensor* t, int64_t start, int64_t n, const mp_adam_scalars* s,
+                    const mp_muon_scalars* r); /* muon: either elementwise phase */
   /* Sum over n elements of (x * inv_scale)^2 in double, in a fixed order (norm.c). */
   double (*grad_norm_sumsq_f32)(const float* x, int64_t n, float inv_scale);
   double (*grad_norm_sumsq_bf16)(const uint16_t* x, int64_t n, float inv_scale);
@@ -83,6 +86,8 @@ void MP_ISA_FN(mp_k_lion_step)(const mp_adam_tensor* t, int64_t start, int64_t n
                                const mp_adam_scalars* s, const mp_lion_scalars* r);
 void MP_ISA_FN(mp_k_sgd_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
                               const mp_adam_scalars* s, const mp_sgd_scalars* r);
+void MP_ISA_FN(mp_k_muon_step)(const mp_adam_tensor* t, int64_t start, int64_t n,
+                               const mp_adam_scalars* s, const mp_muon_scalars* r);
 /* Steps a piece (positions sharing their high 32 bits) of t through the hand-fused loop kept
  * for its mode (adam_fused.c), kind its param storage (formats.h MP_PV_*); returns 0, having
  * done nothing, when the mode has none. */

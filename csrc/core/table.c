@@ -18,6 +18,7 @@ const mp_kernel_table MP_ISA_FN(mp_kernels) = {
     .adam_step_generic = MP_ISA_FN(mp_k_adam_step_generic),
     .lion_step = MP_ISA_FN(mp_k_lion_step),
     .sgd_step = MP_ISA_FN(mp_k_sgd_step),
+    .muon_step = MP_ISA_FN(mp_k_muon_step),
     .grad_norm_sumsq_f32 = MP_ISA_FN(mp_k_grad_norm_sumsq_f32),
     .grad_norm_sumsq_bf16 = MP_ISA_FN(mp_k_grad_norm_sumsq_bf16),
     .grad_norm_sumsq_fp16 = MP_ISA_FN(mp_k_grad_norm_sumsq_fp16),

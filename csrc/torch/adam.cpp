@@ -43,6 +43,7 @@ TORCH_LIBRARY_IMPL(mpext, CPU, m) {
   m.impl("adam_step_", &adam_step<Cpu>);
   m.impl("lion_step_", &lion_step<Cpu>);
   m.impl("sgd_step_", &sgd_step<Cpu>);
+  m.impl("muon_step_", &muon_step<Cpu>);  // muon
 }
 
 }  // namespace mpext

@@ -351,4 +351,33 @@ RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, double damp
           check, o};
 }
 
+// muon
+RuleLists muon_rule(at::TensorList momentum_buffers, int64_t phase, double momentum,
+                    bool nesterov, double lr_ratio, double weight_decay) {
+  const char* op = "muon_step_";
+  static const char* const scales[2] = {"momentum_buffer_scales", "unused_scales"};
+  TORCH_CHECK_VALUE(phase == 1 || phase == 3, "mpext.", op,
+                    ": phase must be 1 (momentum) or 3 (update), got ", phase);
+  const int nmom = phase == 1 ? 1 : 0;
+  TORCH_CHECK_VALUE(nmom == 1 || momentum_buffers.empty(), "mpext.", op,
+                    ": phase 3 keeps no buffer, so momentum_buffers must be empty, got ",
+                    momentum_buffers.size(), " tensors");
+  auto check = [=]() {
+    if (phase == 1) {
+      check_hyper(momentum, op, "momentum", 0.0, false, INFINITY, true);
+    } else {
+      check_hyper(lr_ratio, op, "lr_ratio", 0.0, true, INFINITY, true);
+      check_hyper(weight_decay, op, "weight_decay", 0.0, false, INFINITY, true);
+    }
+  };
+  // Phase 1's hyperparameter is beta1 = momentum, phase 3's beta1 = lr_ratio (mp_adam_options).
+  mp_adam_options o = rule_options(phase == 1 ? MP_RULE_MUON_MOMENTUM : MP_RULE_MUON_UPDATE,
+                                   phase == 1 ? momentum : lr_ratio, 0.0,
+                                   phase == 1 ? 0.0 : weight_decay, false);
+  o.nesterov = phase == 1 && nesterov ? 1 : 0;
+  o.decoupled = 1;
+  return {op, nmom, {momentum_buffers, at::TensorList()}, {"momentum_buffers", "unused"}, scales,
+          check, o};
+}
+
 }  // namespace mpext

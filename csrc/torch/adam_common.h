@@ -96,6 +96,13 @@ RuleLists lion_rule(at::TensorList exp_avgs, double beta1, double beta2, double 
 RuleLists sgd_rule(at::TensorList momentum_buffers, double momentum, double dampening,
                    double weight_decay, bool nesterov, bool maximize);
 
+// muon_step_ (muon): Muon's elementwise phases (mpext/muon_rule.h). phase 1: momentum >= 0,
+// nesterov, one moment (momentum_buffers); params are the updates it writes. phase 3: lr_ratio
+// > 0, weight_decay >= 0 (decoupled), no moment (momentum_buffers empty); grads are the
+// orthogonalised updates. Any other phase is refused.
+RuleLists muon_rule(at::TensorList momentum_buffers, int64_t phase, double momentum,
+                    bool nesterov, double lr_ratio, double weight_decay);
+
 // Runs a validated plan on one backend: Backend::step(plan, device, op) runs the kernels
 // (Backend::kDevice: the device type it implements).
 template <class Backend>
@@ -177,6 +184,29 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
                             ema_params,            ema_decay,    offsets};
   run_rule<Backend>(sgd_rule(momentum_buffers, momentum, dampening, weight_decay, nesterov,
                              maximize),
+                    params, grads, masters, steps, lr, inv_scale, found_inf, unscale_grads,
+                    storage);
+}
+
+// muon
+template <class Backend>
+void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+               at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
+               int64_t phase, double momentum, bool nesterov, double lr_ratio,
+               double weight_decay, const std::optional<at::Tensor>& inv_scale,
+               const std::optional<at::Tensor>& found_inf, bool unscale_grads,
+               std::optional<at::TensorList> remainders, bool master_free,
+               bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
+               at::OptionalIntArrayRef sr_streams,
+               std::optional<at::TensorList> momentum_buffer_scales, int64_t block_size,
+               std::optional<at::TensorList> ema_params, double ema_decay,
+               at::OptionalIntArrayRef offsets) {
+  const AdamStorage storage{remainders,            master_free,  stochastic_rounding,
+                            moments_round_nearest, seed,         sr_streams,
+                            momentum_buffer_scales, std::nullopt, block_size,
+                            ema_params,            ema_decay,    offsets};
+  run_rule<Backend>(muon_rule(momentum_buffers, phase, momentum, nesterov, lr_ratio,
+                              weight_decay),
                     params, grads, masters, steps, lr, inv_scale, found_inf, unscale_grads,
                     storage);
 }

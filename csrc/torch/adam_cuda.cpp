@@ -61,6 +61,7 @@ TORCH_LIBRARY_IMPL(mpext, CUDA, m) {
   m.impl("adam_step_", &adam_step<Cuda>);
   m.impl("lion_step_", &lion_step<Cuda>);
   m.impl("sgd_step_", &sgd_step<Cuda>);
+  m.impl("muon_step_", &muon_step<Cuda>);  // muon
 }
 
 }  // namespace mpext

@@ -128,14 +128,26 @@ typedef struct mp_adam_options {
    *     one moment, exp_avg (exp_avg_sq NULL; 8-bit: MP_I8 codes with exp_avg_scale);
    *   MP_RULE_SGD: beta1 the momentum (>= 0), dampening, nesterov, weight_decay (L2), maximize
    *     (mpext/sgd_rule.h); the moment exp_avg is the momentum buffer, none (NULL) when the
-   *     momentum is 0; eps is not read. */
+   *     momentum is 0; eps is not read;
+   *   MP_RULE_MUON_MOMENTUM / MP_RULE_MUON_UPDATE (muon: Muon's elementwise phases,
+   *     mpext/muon_rule.h): phase 1 beta1 the momentum (>= 0, finite), nesterov; the param is
+   *     the update it writes, exp_avg the momentum buffer; the step counts do not advance.
+   *     Phase 3 beta1 the lr ratio (> 0, finite), weight_decay (decoupled); no moment, the
+   *     grad is the orthogonalised update. */
   int32_t rule;
   double dampening;
   int32_t nesterov;
 } mp_adam_options;
 
 /* The rules of mp_adam_options.rule. */
-enum { MP_RULE_ADAM = 0, MP_RULE_LION = 1, MP_RULE_SGD = 2, MP_RULE_COUNT = 3 };
+enum {
+  MP_RULE_ADAM = 0,
+  MP_RULE_LION = 1,
+  MP_RULE_SGD = 2,
+  MP_RULE_MUON_MOMENTUM = 3, /* muon */
+  MP_RULE_MUON_UPDATE = 4,   /* muon */
+  MP_RULE_COUNT = 5
+};
 
 /* The range of q8_block: below 32 the scales cost more than 0.25 bytes per element, above 2048
  * a block no longer fits the 2048 elements a CUDA block holds in registers at once (nor its
@@ -155,7 +167,8 @@ enum { MP_RULE_ADAM = 0, MP_RULE_LION = 1, MP_RULE_SGD = 2, MP_RULE_COUNT = 3 };
 mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
                        const mp_adam_options* o);
 
-/* Adds 1 to *ts[k].step for every k < ntensors, unless *o->found_inf != 0: the end of a step
+/* Adds 1 to *ts[k].step for every k < ntensors, unless *o->found_inf != 0 or the rule's phase
+ * does not end the step (mp_rule_ends_step: Muon's momentum phase): the end of a step
  * whose elements mp_adam_step has updated. Returns MP_ERR_INVALID_ARGUMENT (writing nothing)
  * for ntensors < 0, or NULL ts, o or step pointer. */
 mp_status mp_adam_advance_steps(const mp_adam_tensor* ts, int64_t ntensors,

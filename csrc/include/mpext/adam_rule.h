@@ -55,6 +55,8 @@ MP_HD int mp_adam_skip(const mp_adam_options* o) {
 /* The moments the options' rule keeps per element: 2 (Adam), 1 (Lion; SGD with momentum) or 0
  * (SGD without). */
 MP_HD int mp_rule_moments(const mp_adam_options* o) {
+  if (o->rule == MP_RULE_MUON_MOMENTUM) return 1; /* muon */
+  if (o->rule == MP_RULE_MUON_UPDATE) return 0;   /* muon */
   return o->rule == MP_RULE_ADAM ? 2 : (o->rule == MP_RULE_LION || o->beta1 != 0.0) ? 1 : 0;
 }
 
@@ -66,12 +68,22 @@ MP_HD int mp_adam_options_ok(const mp_adam_options* o) {
                      o->ema_decay >= 0.0 && o->ema_decay <= 1.0;
   if (o->rule == MP_RULE_LION)
     return common && o->beta1 >= 0.0 && o->beta1 <= 1.0 && o->beta2 >= 0.0 && o->beta2 <= 1.0;
+  if (o->rule == MP_RULE_MUON_MOMENTUM) /* muon */
+    return common && o->beta1 >= 0.0 && o->beta1 - o->beta1 == 0.0;
+  if (o->rule == MP_RULE_MUON_UPDATE) /* muon */
+    return common && o->beta1 > 0.0 && o->beta1 - o->beta1 == 0.0;
   if (o->rule == MP_RULE_SGD)
     return common && o->beta1 >= 0.0 && o->beta1 - o->beta1 == 0.0 &&
            o->dampening - o->dampening == 0.0 &&
            (!o->nesterov || (o->beta1 > 0.0 && o->dampening == 0.0));
   return o->rule == MP_RULE_ADAM && common && o->beta1 >= 0.0 && o->beta1 < 1.0 &&
          o->beta2 >= 0.0 && o->beta2 < 1.0 && o->eps >= 0.0 && o->eps - o->eps == 0.0;
+}
+
+/* 0 for a rule's phase after which the step goes on (Muon's momentum phase): its call leaves
+ * the step counts as they are. */
+MP_HD int mp_rule_ends_step(const mp_adam_options* o) {
+  return o->rule != MP_RULE_MUON_MOMENTUM;
 }
 
 /* 1 if t has 8-bit moments (exp_avg MP_I8, exp_avg_sq MP_U8). */
