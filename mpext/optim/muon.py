@@ -100,6 +100,29 @@ def _update_dtype(g: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if g.dtype in (F32, torch.bfloat16) else F32
 
 
+@torch.compiler.disable
+def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor]) -> list:
+    """Newton-Schulz of every update, eagerly even under torch.compile (a graph break): the
+    same GEMM calls, so the same bits, as torch.optim.Muon's eager step."""
+    ortho = [None] * len(items)
+    groups: Dict[tuple, List[int]] = {}
+    for i, it in enumerate(items):
+        h = it.hyper
+        if h.ns_batched:
+            groups.setdefault((tuple(it.param.shape), it.param.device, h.ns_coefficients,
+                               h.ns_steps, h.eps), []).append(i)
+        else:
+            ortho[i] = newton_schulz(updates[i], h.ns_coefficients, h.ns_steps, h.eps)
+    for (_, _, coeffs, steps, eps), idx in groups.items():
+        if len(idx) == 1:
+            ortho[idx[0]] = newton_schulz(updates[idx[0]], coeffs, steps, eps)
+            continue
+        out = newton_schulz(torch.stack([updates[i] for i in idx]), coeffs, steps, eps)
+        for k, i in enumerate(idx):
+            ortho[i] = out[k]
+    return ortho
+
+
 def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[torch.Tensor],
               found_inf: Optional[torch.Tensor]) -> None:
     """Steps Muon items (hyper a :class:`MuonGroup`): phase 1 on the engine (one call per
@@ -121,22 +144,7 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
                           store[3], store[4], store[5], 0.0)
         phase1.append(it._replace(param=u, state=st, storage=None, hyper=hyper))
     fused_step(phase1, lr_tensors, inv_scale, found_inf)
-    ortho = [None] * len(items)
-    groups: Dict[tuple, List[int]] = {}
-    for i, it in enumerate(items):
-        h = it.hyper
-        if h.ns_batched:
-            groups.setdefault((tuple(it.param.shape), it.param.device, h.ns_coefficients,
-                               h.ns_steps, h.eps), []).append(i)
-        else:
-            ortho[i] = newton_schulz(updates[i], h.ns_coefficients, h.ns_steps, h.eps)
-    for (_, _, coeffs, steps, eps), idx in groups.items():
-        if len(idx) == 1:
-            ortho[idx[0]] = newton_schulz(updates[idx[0]], coeffs, steps, eps)
-            continue
-        out = newton_schulz(torch.stack([updates[i] for i in idx]), coeffs, steps, eps)
-        for k, i in enumerate(idx):
-            ortho[i] = out[k]
+    ortho = _orthogonalize(items, updates)
     phase3 = []
     for it, o in zip(items, ortho):
         h = it.hyper
