@@ -600,3 +600,47 @@ def test_mixed_gpt2_vs_torch_muon_and_adamw(fmt):
     for a, b in losses:
         assert abs(a - b) <= rtol * abs(b), losses
     assert losses[-1][0] < losses[0][0]  # it trains
+
+
+def test_ema_follows_the_params(device):
+    """ema_decay: the EMA starts as the param after its first step and then moves towards it
+    by torch.lerp (weight 1 - decay, each operation rounded, as the engine documents), from
+    the param's new value; the phase-1 update never touches it."""
+    shapes = [(24, 40), (40, 24)]
+    ps = _params(shapes, device)
+    opt = Muon(ps, lr=f32(0.02), ema_decay=0.9)
+    ema_ref = None
+    w = f32(1 - 0.9)
+    for k, grads in enumerate(_grads(shapes, 4)):
+        for p, g in zip(ps, grads):
+            p.grad = g.to(device)
+        opt.step()
+        new = [p.detach().clone() for p in ps]
+        if ema_ref is None:
+            ema_ref = new
+        else:
+            ema_ref = [e + torch.tensor(w, device=device) * (x - e) for e, x in zip(ema_ref, new)]
+        for p, e in zip(ps, ema_ref):
+            T.assert_bits(opt.state[p]["ema_param"], e, "ema step %d" % k)
+
+
+def test_bf16_momentum_draws_the_documented_stream():
+    """A BF16 buffer is stochastically rounded with the bits of the stream (seed, t, 2k) at
+    each element's position (k the param's index in the optimizer, t its step count after
+    the step), as every rule's moments: tests/reference.py's generator, independently."""
+    import numpy as np
+    from reference import bf16_sr_array, sr_bits_array, sr_key
+    shapes = [(8, 16), (24, 40)]
+    ps = _params(shapes, "cpu")
+    seed = 1234
+    opt = Muon(ps, lr=f32(0.02), momentum_dtype=BF16, seed=seed)
+    grads = _grads(shapes, 1)[0]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    opt.step()
+    for k, (p, g) in enumerate(zip(ps, grads)):
+        exact = (torch.tensor(f32(1 - 0.95)) * g).reshape(-1)  # lerp(0, g, w) = fma(w, g, 0)
+        r = sr_bits_array(sr_key(seed, 1, 2 * k), np.arange(exact.numel(), dtype=np.uint64))
+        want, _ = bf16_sr_array(exact.view(torch.int32).numpy().view(np.uint32), r)
+        got = opt.state[p]["momentum_buffer"].reshape(-1).view(torch.int16).numpy()
+        assert (got.view(np.uint16) == want).all()
