@@ -644,3 +644,82 @@ def test_bf16_momentum_draws_the_documented_stream():
         want, _ = bf16_sr_array(exact.view(torch.int32).numpy().view(np.uint32), r)
         got = opt.state[p]["momentum_buffer"].reshape(-1).view(torch.int16).numpy()
         assert (got.view(np.uint16) == want).all()
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 / DTensor: the update gathered whole, NS on every rank, each rank its shard.
+
+# rows that 2 and 3 ranks split unevenly (torch.chunk: 3 rows on 2 ranks are 2 + 1; 1 row on
+# 3 ranks leaves two empty shards), one tall, one wide
+DIST_SHAPES = [(67, 24), (24, 53), (3, 40), (1, 16)]
+DIST_FORMATS = {
+    "fp32": dict(),
+    "sr-q8": dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
+                  block_size=32),
+    "remainder-bf16": dict(param_remainders=True, momentum_dtype=BF16),
+}
+
+
+def _dist_run(fmt, params, grads, shard):
+    """Three Muon steps of ``params`` (full tensors) with ``grads``; shard(t) the tensor as
+    this rank's param (a DTensor) or itself. Returns the params' (local) values, FP32 values
+    and buffers."""
+    kw = DIST_FORMATS[fmt]
+    low = kw.get("master_weights", True) is False or kw.get("param_remainders", False)
+    dt = BF16 if low else F32
+    ps = [torch.nn.Parameter(shard(p.to(dt))) for p in params]
+    opt = Muon(ps, lr=f32(0.02), seed=3, **kw)
+    for step_grads in grads:
+        for p, g in zip(ps, step_grads):
+            p.grad = shard(g.to(dt))
+        opt.step()
+    out = []
+    for p in ps:
+        loc = p.to_local() if hasattr(p, "to_local") else p
+        st = opt.state[p]
+        buf = st.get("momentum_buffer", st.get("momentum_buffer_q8"))
+        buf = buf.to_local() if hasattr(buf, "to_local") else buf
+        m = opt.master_param(p)
+        m = m.to_local() if hasattr(m, "to_local") else m
+        out.append((loc.detach().clone(), m, buf.clone()))
+    return out
+
+
+def _dist_body(rank, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    params = _params(DIST_SHAPES, "cpu", seed=7)
+    grads = _grads(DIST_SHAPES, 3, seed=8)
+    res = {}
+    for fmt in DIST_FORMATS:
+        mine = _dist_run(fmt, [p.detach() for p in params], grads,
+                         lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+        one = _dist_run(fmt, [p.detach() for p in params], grads, lambda t: t)
+        # this rank's rows of the one-process run
+        res[fmt] = [tuple(x.clone() for x in m) + tuple(
+            distribute_tensor(v.reshape(p.shape) if v.numel() == p.numel() else v, mesh,
+                              [Shard(0)]).to_local() if v.dim() == 2 else v
+            for v in o) for m, o, p in zip(mine, one, params)]
+    return res
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_dtensor_shard0_same_bits_as_one_process(tmp_path, world):
+    """Shard(0) DTensor params (FSDP2's placement; uneven shards, empty ones): params, FP32
+    values and buffers bit for bit those of one process, in FP32, in BF16 SR params with 8-bit
+    momentum (blocks shared between shards) and with remainders and a BF16 buffer."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    from test_distributed import _spawn
+    results = _spawn(_dist_body, tmp_path, world=world)
+    for rank, res in enumerate(results):
+        for fmt, per_param in res.items():
+            for i, (p, m, b, p1, m1, b1) in enumerate(per_param):
+                where = "rank %d %s param %d" % (rank, fmt, i)
+                T.assert_bits(p, p1, where + " param")
+                T.assert_bits(m, m1, where + " fp32 value")
+                T.assert_bits(b, b1, where + " buffer")  # 8-bit: one code per element

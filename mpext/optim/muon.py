@@ -14,7 +14,7 @@ from .._common import LrTensors, is_real as _is_real
 from ._base import FusedOptimizer
 from ._engine import AdamHyper, StepItem, adam_hyper, fused_step, rule_hyper, storage_hyper
 from ._engine import device_step
-from ._tensors import F32
+from ._tensors import F32, is_dtensor
 from .formats import Quantity
 
 __all__ = ["Muon", "muon_param_groups"]
@@ -100,16 +100,40 @@ def _update_dtype(g: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if g.dtype in (F32, torch.bfloat16) else F32
 
 
+def _gather(owner: Any, u: torch.Tensor) -> torch.Tensor:
+    """The whole update of a DTensor param (FSDP2's Shard(0), HSDP, ...) from every rank's
+    shard ``u``: an all-gather (in fp32 on the CPU, which gloo carries; exact both ways)."""
+    from torch.distributed.tensor import DTensor
+    src = u.float() if u.device.type == "cpu" else u
+    whole = DTensor.from_local(src, owner.device_mesh, owner.placements, run_check=False,
+                               shape=owner.shape, stride=owner.stride()).full_tensor()
+    return whole.to(u.dtype)
+
+
+def _own_shard(owner: Any, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a whole (replicated) tensor, placed as the DTensor param ``owner``
+    (a local chunk: no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    mesh = owner.device_mesh
+    rep = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return rep.redistribute(mesh, owner.placements).to_local()
+
+
 @torch.compiler.disable
-def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor]) -> list:
+def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor],
+                   owners: Optional[list] = None) -> list:
     """Newton-Schulz of every update, eagerly even under torch.compile (a graph break): the
-    same GEMM calls, so the same bits, as torch.optim.Muon's eager step."""
+    same GEMM calls, so the same bits, as torch.optim.Muon's eager step. A sharded param's
+    update (``owners[i]`` its DTensor) is gathered whole first, orthogonalised on every rank,
+    and each rank keeps its own shard: the bits of one process."""
+    owners = owners or [None] * len(items)
+    updates = [u if o is None else _gather(o, u) for o, u in zip(owners, updates)]
     ortho = [None] * len(items)
     groups: Dict[tuple, List[int]] = {}
     for i, it in enumerate(items):
         h = it.hyper
         if h.ns_batched:
-            groups.setdefault((tuple(it.param.shape), it.param.device, h.ns_coefficients,
+            groups.setdefault((tuple(updates[i].shape), it.param.device, h.ns_coefficients,
                                h.ns_steps, h.eps), []).append(i)
         else:
             ortho[i] = newton_schulz(updates[i], h.ns_coefficients, h.ns_steps, h.eps)
@@ -120,11 +144,11 @@ def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor]) -> list:
         out = newton_schulz(torch.stack([updates[i] for i in idx]), coeffs, steps, eps)
         for k, i in enumerate(idx):
             ortho[i] = out[k]
-    return ortho
+    return [x if o is None else _own_shard(o, x) for o, x in zip(owners, ortho)]
 
 
 def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[torch.Tensor],
-              found_inf: Optional[torch.Tensor]) -> None:
+              found_inf: Optional[torch.Tensor], owners: Optional[list] = None) -> None:
     """Steps Muon items (hyper a :class:`MuonGroup`): phase 1 on the engine (one call per
     device and group settings: the momentum and the update, with the fused unscale and skip),
     Newton-Schulz per matrix (or batched over same-shaped ones, ``ns_batched``), phase 3 on the
@@ -144,15 +168,17 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
                           store[3], store[4], store[5], 0.0)
         phase1.append(it._replace(param=u, state=st, storage=None, hyper=hyper))
     fused_step(phase1, lr_tensors, inv_scale, found_inf)
-    ortho = _orthogonalize(items, updates)
+    ortho = _orthogonalize(items, updates, owners)
     phase3 = []
-    for it, o in zip(items, ortho):
+    owners = owners or [None] * len(items)
+    for it, o, owner in zip(items, ortho, owners):
         h = it.hyper
         # the kernel takes a bf16 update for a bf16 param, fp32 otherwise (torch's add of a
         # bf16 tensor to an fp32 param widens it: exact)
         o = o.to(it.param.dtype if it.param.dtype is torch.bfloat16 else F32,
                  memory_format=torch.contiguous_format)
-        hyper = MuonHyper(3, 0.0, False, adjust_lr_ratio(h.adjust_lr_fn, it.param.shape),
+        shape = it.param.shape if owner is None else owner.shape  # a shard's: the whole's
+        hyper = MuonHyper(3, 0.0, False, adjust_lr_ratio(h.adjust_lr_fn, shape),
                           h.weight_decay, False, *h.storage[1:])
         phase3.append(it._replace(grad=o, hyper=hyper, blocks=None))
     fused_step(phase3, lr_tensors, None, found_inf)
@@ -368,14 +394,19 @@ class Muon(FusedOptimizer):
                          storage_hyper(group))
 
     def _items(self, only: Optional[set] = None):
-        # Always the item list (no cached StepPlan): the launch runs three phases per param.
-        return self._checked_items(only)[0]
+        # Always the item list (no cached StepPlan): the launch runs three phases per param;
+        # the DTensor params by their local shards, for the gather of their updates.
+        items, owners, _ = self._checked_items(only)
+        self._sharded = {id(it.param): p for it, p in zip(items, owners) if is_dtensor(p)}
+        return items
 
     def _launch(self, items: List[StepItem], inv_scale: Optional[torch.Tensor],
                 found_inf: Optional[torch.Tensor]) -> None:
         adam = [it for it in items if type(it.hyper) is AdamHyper]
         muon = [it for it in items if type(it.hyper) is MuonGroup]
         if muon:
-            muon_step(muon, self._muon_lr, inv_scale, found_inf)
+            sharded = getattr(self, "_sharded", {})
+            owners = [sharded.get(id(it.param)) for it in muon] if sharded else None
+            muon_step(muon, self._muon_lr, inv_scale, found_inf, owners)
         if adam:
             fused_step(adam, self._lr_tensors, inv_scale, found_inf)
