@@ -11,7 +11,8 @@
 #   make test PYTHON=/path/to/python
 # Other knobs: TORCH_SPEC (pip requirement for torch), PYTEST_ARGS, TEST_WORKERS (the suite's
 # pytest-xdist processes, default 2; 0 runs it in one), MPEXT_FORCE_CUDA=0|1,
-# TORCH_CUDA_ARCH_LIST, NVCC.
+# TORCH_CUDA_ARCH_LIST, NVCC, MPEXT_FAST_PATHS=0 (the C core without its fast paths:
+# csrc/core/fast/README.md).
 
 SHELL := /bin/bash
 VENV ?= .venv
@@ -37,7 +38,8 @@ endif
 # Run everything from the source tree: the extension is built in place (mpext/_C*.so).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test pytest bench build env env-external venv-path build-force ctest ctest-valgrind cuda-check cuda-emu \
+.PHONY: test pytest bench build env env-external venv-path build-force ctest ctest-valgrind \
+	ctest-nofast cuda-check cuda-emu \
 	gpu-check clean
 
 test: build cuda-emu
@@ -92,7 +94,8 @@ env-external:
 BUILD_STAMP := build/.stamp-build
 BUILD_INFO := build/build_info.txt
 BUILD_SOURCES := setup.py $(wildcard build_tools/*.py) $(shell find csrc cuda -type f)
-BUILD_KEY := $(PY) $(MPEXT_FORCE_CUDA) $(TORCH_CUDA_ARCH_LIST) $(CUDA_HOME) $(NVCC) $(CC) $(CXX)
+BUILD_KEY := $(PY) $(MPEXT_FORCE_CUDA) $(TORCH_CUDA_ARCH_LIST) $(CUDA_HOME) $(NVCC) $(CC) $(CXX) \
+	$(if $(MPEXT_FAST_PATHS),fast=$(MPEXT_FAST_PATHS))
 BUILD_FORCE := $(if $(and $(wildcard mpext/_C*.so),$(wildcard $(BUILD_INFO))),,build-force)
 ifneq ($(strip $(BUILD_KEY)),$(strip $(shell cat $(BUILD_STAMP) 2>/dev/null)))
 BUILD_FORCE := build-force
@@ -118,6 +121,14 @@ ctest:
 
 ctest-valgrind:
 	python3 tests/c/run.py --no-sanitize --valgrind
+
+# The C tests on a core built without its fast paths (csrc/core/fast/README.md): the step's
+# pipeline alone must pass every one. Only step.c is compiled again (its objects beside the
+# others', which are shared with ctest). CTEST_NOFAST_ARGS go to the test binary (CI passes the
+# sparser sweeps of ctest-valgrind: the sweeps test no step).
+CTEST_NOFAST_ARGS ?=
+ctest-nofast:
+	python3 tests/c/run.py --no-fast-paths $(if $(strip $(CTEST_NOFAST_ARGS)),-- $(CTEST_NOFAST_ARGS))
 
 # The CUDA kernels and launchers (cuda/*.cu) run on the CPU under ASan + UBSan and compared bit
 # for bit with the C core (tests/cuda_emu/README.md); no GPU, CUDA runtime or torch needed.

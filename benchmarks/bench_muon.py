@@ -3,7 +3,7 @@
 The hidden 2-D weights of GPT-2 small's layers (c_attn 768x2304, c_proj 768x768, c_fc
 768x3072, mlp c_proj 3072x768; 2 layers with --quick, 4 otherwise). Rows: the whole step of
 torch.optim.Muon (FP32 params) and of mpext.optim.Muon in each format; then the phases timed
-apart: the elementwise phases (mpext's muon_step_ phase 1 and 3 against the torch ops
+apart: the elementwise phases (mpext's muon_momentum_step_ and muon_update_step_ against the ops
 torch.optim.Muon runs for them: lerp_, lerp, bfloat16(); mul_, add_), and Newton-Schulz per
 matrix (torch's function, the path mpext takes by default) against batched over same-shaped
 matrices (ns_batched=True). The bytes bound of each format: the bytes one step of its
@@ -71,7 +71,7 @@ def _stepper(opt, params, grads):
 
 def run(ctx) -> dict:
     dev = ctx.device
-    require_kernel(dev, "muon_step_")
+    require_kernel(dev, "muon_update_step_")
     b = Bench(ctx, NAME, TITLE)
     roof = b.start_roofline()
     shapes = _shapes(2 if ctx.quick else 4)
@@ -111,11 +111,9 @@ def run(ctx) -> dict:
         by_shape.setdefault(tuple(u.shape), []).append(u)
     phases = ctx.time_fns({
         "torch_phase1": torch_phase1,
-        "mpext_phase1": lambda: ops.muon_step_(ups, gs, bufs, [], steps, lr, 1, 0.95, True,
-                                               master_free=True),
+        "mpext_phase1": lambda: ops.muon_momentum_step_(ups, gs, bufs, steps, 0.95, True),
         "torch_phase3": torch_phase3,
-        "mpext_phase3": lambda: ops.muon_step_(ps, ortho, [], [], steps, lr, 3, 0.0, False, 1.0,
-                                               0.1),
+        "mpext_phase3": lambda: ops.muon_update_step_(ps, ortho, [], steps, lr, 1.0, 0.1),
         "ns_per_matrix": lambda: [newton_schulz(u, COEFFS, NS_STEPS, EPS) for u in ups],
         "ns_batched": lambda: [newton_schulz(torch.stack(us), COEFFS, NS_STEPS, EPS)
                                for us in by_shape.values()],

@@ -19,9 +19,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "core")]
 
 # Compiled once per ISA path.
-KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/adam.c",
-                  "csrc/core/adam_fused.c",
+KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/step.c",
                   "csrc/core/norm.c", "csrc/core/table.c", "csrc/core/fp8.c"]
+# The fast paths (csrc/core/fast/README.md): an optional cache over the step's pipeline, compiled
+# once per ISA path unless MPEXT_FAST_PATHS=0. Without them, the sources of FAST_USERS are
+# compiled with MP_NO_FAST_PATHS (the engine's lookup then finds none) into objects of their own
+# (a subdirectory "<isa>-nofast"), so both builds' objects can sit side by side and every other
+# object is shared.
+FAST_SOURCES = ["csrc/core/fast/adam_fused.c"]
+FAST_USERS = ["csrc/core/step.c"]
 # Compiled once.
 COMMON_SOURCES = ["csrc/core/cpu.c"]
 
@@ -41,11 +47,24 @@ if X86:
 COMMON_MACROS = [("MP_X86_PATHS", "1")] if X86 else []
 
 
-def compile_units():
-    """Yields (source, output subdirectory, extra cflags, macros) for every object of the core."""
+def fast_paths():
+    """Whether the fast paths are built: the environment's MPEXT_FAST_PATHS, default on (any
+    value but 0)."""
+    return os.environ.get("MPEXT_FAST_PATHS", "1").strip() != "0"
+
+
+def compile_units(fast=None):
+    """Yields (source, output subdirectory, extra cflags, macros) for every object of the core,
+    with the fast paths or without them (fast: default fast_paths())."""
+    fast = fast_paths() if fast is None else fast
     for isa, flags in ISA_FLAGS.items():
-        for src in KERNEL_SOURCES:
-            yield src, isa, COMMON_CFLAGS + flags, COMMON_MACROS + [("MP_ISA_SUFFIX", isa)]
+        for src in KERNEL_SOURCES + (FAST_SOURCES if fast else []):
+            macros = COMMON_MACROS + [("MP_ISA_SUFFIX", isa)]
+            if src in FAST_USERS and not fast:
+                yield (src, isa + "-nofast", COMMON_CFLAGS + flags,
+                       macros + [("MP_NO_FAST_PATHS", "1")])
+            else:
+                yield src, isa, COMMON_CFLAGS + flags, macros
     for src in COMMON_SOURCES:
         yield src, "common", COMMON_CFLAGS, list(COMMON_MACROS)
 
@@ -94,15 +113,15 @@ def macro_flags(macros):
     return ["-D%s" % n if v is None else "-D%s=%s" % (n, v) for n, v in macros]
 
 
-def core_jobs(cc, out_dir, extra=()):
+def core_jobs(cc, out_dir, extra=(), fast=None):
     """The compile jobs (source, command, object) of every core unit, for the compiler command
     `cc` (a list) with `extra` flags last (so that a sanitizer build's -O1 overrides -O3; the ISA
     flags stay), objects under out_dir. setup.py, tests/c/run.py and tests/cuda_emu/run.py all
     compile the core through this, so one flag set gives one command, and its objects can be
-    shared."""
+    shared. fast: with the fast paths (default fast_paths())."""
     includes = ["-I" + d for d in INCLUDE_DIRS]
     jobs = []
-    for src, subdir, cflags, macros in compile_units():
+    for src, subdir, cflags, macros in compile_units(fast):
         obj = object_path(os.path.abspath(out_dir), subdir, src)
         jobs.append((src, list(cc) + ["-c", os.path.join(ROOT, src), "-o", obj] + macro_flags(macros)
                      + includes + list(cflags) + list(extra), obj))

@@ -18,9 +18,12 @@ except ImportError as _exc:  # never swallowed: a half-working mpext is worse th
     ) from _exc
 
 from . import ops  # noqa: E402  (registers fake kernels and autograd formulas)
-from .grad_scaler import GradScaler  # noqa: E402
 from . import optim  # noqa: E402  (mpext.optim.Adam / AdamW on the fused adam_step_)
-from .mixed_precision import MixedPrecisionOptimizer  # noqa: E402
+from . import amp  # noqa: E402
+from .amp import GradScaler, MixedPrecisionOptimizer  # noqa: E402
+from . import _moved  # noqa: E402
+
+_moved.install()  # mpext.grad_scaler, mpext.lightning, ...: the modules' old paths
 
 __version__ = "0.1.0"
 
@@ -63,5 +66,5 @@ if _isa:
         raise RuntimeError("MPEXT_CPU_ISA=%s: %s" % (_isa, _exc)) from None
 del _isa
 
-__all__ = ["ops", "optim", "GradScaler", "MixedPrecisionOptimizer", "build_info", "cpu_isa",
+__all__ = ["ops", "optim", "amp", "GradScaler", "MixedPrecisionOptimizer", "build_info", "cpu_isa",
            "set_cpu_isa", "cpu_isa_supported"]

@@ -443,14 +443,13 @@ def assert_same(snap_a, snap_b, what: str = "") -> None:
 def fp32_value(opt, p: torch.Tensor) -> torch.Tensor:
     """A param's FP32 value as its optimizer state holds it (master, param + remainder, or the
     param itself widened), through formats.py's decoders."""
-    fmt = F.stored_param_format(opt.state[p])
-    return (fmt or F.FP32_PARAM).decode(p, opt.state[p])
+    return F.fp32_value(p, opt.state[p])
 
 
 def moment_value(opt, p: torch.Tensor, q: F.Quantity) -> torch.Tensor:
     """A moment's FP32 values as the state holds them (decoded exactly)."""
     t, scale = F.moment_of(opt.state[p], q.name)
-    return (F.Q8 if scale is not None else F.FORMAT_OF_DTYPE[t.dtype]).decode(t, scale)
+    return F.held(opt.state[p], q.name).decode(t, scale)
 
 
 # ---- One reference step from the optimizer's own state, and the formats' rounding ------------

@@ -1,7 +1,8 @@
-"""mpext.accelerate with the real accelerate and transformers on the CPU: an Accelerator with FP16
-loss scaling (which accelerate alone does not do on a CPU) against a plain torch AMP loop, the
-BF16 inf/NaN skip, refusal after prepare(), save_state/load_state and transformers.Trainer
-resume continuing bit for bit, skip-aware schedules with transformers' values."""
+"""mpext.integrations.accelerate (also mpext.accelerate) with the real accelerate and transformers
+on the CPU: an Accelerator with FP16 loss scaling (which accelerate alone does not do on a CPU)
+against a plain torch AMP loop, the BF16 inf/NaN skip, refusal after prepare(),
+save_state/load_state and transformers.Trainer resume continuing bit for bit, skip-aware schedules
+with transformers' values."""
 import os
 
 import pytest
@@ -19,7 +20,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from framework_examples import example, same_run  # noqa: E402
 import mpext  # noqa: E402
-import mpext.accelerate  # noqa: E402
+import mpext.integrations.accelerate  # noqa: E402
 from mpext.optim import lr_scheduler as S  # noqa: E402
 
 GEN = torch.Generator().manual_seed(0)
@@ -52,7 +53,7 @@ def warmup(e):
 def accelerate_run(steps, overflow_at=(), mixed_precision="fp16", model_dtype=None,
                    save=None, load=None, start=0, **scaler_options):
     acc = accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True)
-    scaler = mpext.accelerate.use_grad_scaler(acc, **scaler_options)
+    scaler = mpext.integrations.accelerate.use_grad_scaler(acc, **scaler_options)
     model = net()
     if model_dtype is not None:
         model = model.to(model_dtype)
@@ -139,14 +140,14 @@ def test_refused_after_prepare_and_bad_arguments():
     assert acc.scaler is None and not acc.native_amp  # what accelerate does on a CPU
     model = acc.prepare(net())
     with pytest.raises(RuntimeError, match="before accelerator.prepare"):
-        mpext.accelerate.use_grad_scaler(acc)
+        mpext.integrations.accelerate.use_grad_scaler(acc)
     with pytest.raises(TypeError, match="accelerate.Accelerator"):
-        mpext.accelerate.use_grad_scaler(object())
+        mpext.integrations.accelerate.use_grad_scaler(object())
     AcceleratorState._reset_state(True)
     acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True,
                                  kwargs_handlers=[accelerate.utils.GradScalerKwargs(
                                      init_scale=256.0, growth_interval=7)])
-    scaler = mpext.accelerate.use_grad_scaler(acc, hysteresis=2)
+    scaler = mpext.integrations.accelerate.use_grad_scaler(acc, hysteresis=2)
     assert scaler.get_scale() == 256.0 and scaler.get_growth_interval() == 7
     assert scaler.state_dict()["hysteresis"] == 2
     del model
@@ -206,7 +207,7 @@ def hf_trainer(tmp_path, precision, max_steps, overflow_at=()):
         dataloader_pin_memory=False)
     trainer = Overflowing(model=model, args=args, train_dataset=Tokens(),
                           optimizer_cls_and_kwargs=(mpext.optim.AdamW, {"weight_decay": 0.1}))
-    mpext.accelerate.setup_trainer(trainer, **({"init_scale": 1024.0}
+    mpext.integrations.accelerate.setup_trainer(trainer, **({"init_scale": 1024.0}
                                                if precision == "fp16" else {}))
     return trainer
 

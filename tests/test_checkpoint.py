@@ -1,4 +1,4 @@
-"""mpext.checkpoint: atomic, checksummed checkpoint files.
+"""mpext.integrations.checkpoint: atomic, checksummed checkpoint files.
 
 A checkpoint of a real training state (FP16 model, mpext.optim.AdamW with FP32 masters,
 mpext.GradScaler) round-trips bit for bit, and training continued from the loaded state is bit
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import mpext
-import mpext.checkpoint as ckpt
-from mpext.checkpoint import CheckpointError
+import mpext.integrations.checkpoint as ckpt
+from mpext.integrations.checkpoint import CheckpointError
 
 HEADER = ckpt.HEADER_SIZE
 

@@ -1,10 +1,10 @@
 """torch.distributed.checkpoint (DCP) across mpext's state formats, in one process.
 
 Through ``get_state_dict`` -> ``dcp.save`` -> ``get_state_dict`` of an optimizer in another
-format -> ``dcp.load(planner=mpext.dcp.LoadPlanner())`` -> ``set_state_dict``, the loaded state
-must be what ``load_state_dict`` of a ``torch.save`` checkpoint makes of it (the one conversion,
-docs/lean_state.md), bit for bit, and the resumed runs must continue alike. Without the planner a
-change of format must fail loudly, never load codes as values.
+format -> ``dcp.load(planner=mpext.integrations.dcp.LoadPlanner())`` -> ``set_state_dict``, the
+loaded state must be what ``load_state_dict`` of a ``torch.save`` checkpoint makes of it (the one
+conversion, docs/lean_state.md), bit for bit, and the resumed runs must continue alike. Without
+the planner a change of format must fail loudly, never load codes as values.
 
 Two tables: AdamW across its param formats (masters, remainders, SR, EMA) and moment formats;
 every rule (Adam, AdamW, Lion, SGD with momentum) x every pair of moment formats of the formats
@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import mpext.dcp
+import mpext.integrations.dcp
 import mpext.optim
 from conftest import CUDA_OK, NO_CUDA_REASON
 from mpext.optim import formats, q8_decode
@@ -140,7 +140,7 @@ def _assert_same(a, b):
 
 def _check_conversion(saved_on, device, src, dst):
     path, blob = saved_on(device, src)
-    got = _dcp_resume(path, dst, mpext.dcp.LoadPlanner(), device)
+    got = _dcp_resume(path, dst, mpext.integrations.dcp.LoadPlanner(), device)
     want = _torch_save_resume(blob, dst, device)
     _assert_same(got, want)
     for m, o in (got, want):
@@ -176,7 +176,7 @@ def test_a_cpu_checkpoint_converts_on_cuda_to_the_bits_of_the_cpu(saved_on, rule
     """A CPU run's checkpoint loaded with the planner into an optimizer on CUDA (the
     conversion's decode and encode run there) holds the bits of the same load on the CPU."""
     path, _ = saved_on("cpu", (rule, src))
-    (mc, oc), (mg, og) = [_dcp_resume(path, (rule, dst), mpext.dcp.LoadPlanner(), d)
+    (mc, oc), (mg, og) = [_dcp_resume(path, (rule, dst), mpext.integrations.dcp.LoadPlanner(), d)
                           for d in ("cpu", "cuda")]
     for p, q in zip(mc.parameters(), mg.parameters()):
         assert q.device.type == "cuda" and _same_bits(p.detach(), q.detach().cpu())
@@ -188,7 +188,7 @@ def test_a_cpu_checkpoint_converts_on_cuda_to_the_bits_of_the_cpu(saved_on, rule
 
 def test_8bit_codes_load_into_bf16_moments_as_their_decoded_values(saved_on, device):
     path, blob = saved_on(device, "q8")
-    model, opt = _dcp_resume(path, "bf16_moments", mpext.dcp.LoadPlanner(), device)
+    model, opt = _dcp_resume(path, "bf16_moments", mpext.integrations.dcp.LoadPlanner(), device)
     src = torch.load(io.BytesIO(blob), weights_only=False, map_location=device)["optim"]
     src = src["state"][0]
     st = opt.state[next(model.parameters())]
@@ -216,7 +216,7 @@ def test_format_entries_are_every_rules_every_quantitys_keys():
         for q in getattr(mpext.optim, rule).moments:
             want |= {q.name, q.name + "_q8", q.name + "_q8_scale",
                      q.name + "_scale"}  # the last: codes saved before they had keys
-    assert mpext.dcp.format_entries() == want
+    assert mpext.integrations.dcp.format_entries() == want
 
 
 # ---- 2 gloo ranks -> 1 process ---------------------------------------------------------------
@@ -261,7 +261,7 @@ def two_rank_checkpoints(tmp_path_factory):
 def test_two_rank_checkpoint_converts_in_one_process_as_load_state_dict(two_rank_checkpoints,
                                                                         rule, src, dst):
     path = str(two_rank_checkpoints / rule / src)
-    got = _dcp_resume(path, (rule, dst), mpext.dcp.LoadPlanner(), "cpu")
+    got = _dcp_resume(path, (rule, dst), mpext.integrations.dcp.LoadPlanner(), "cpu")
     m_src, o_src = _dcp_resume(path, (rule, src), None, "cpu")  # the state as saved
     assert all(float(s["step"]) == 3 for s in o_src.state.values())
     model = _model("cpu", seed=1)

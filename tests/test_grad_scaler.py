@@ -920,3 +920,84 @@ def test_bf16_check_only_rejects_fp16_grads():
     s.scale(model(torch.ones(1, 2).half()).float().sum()).backward()
     with pytest.raises(ValueError, match="bf16_check_only"):
         s._check_inf_per_device(opt)
+
+
+# ---- Released steps: the public hooks gradient release uses (mpext.optim's release_grads) ----
+
+def test_record_released_step_is_a_step_for_update(device):
+    """A step recorded by record_released_step counts for update() exactly as a step through
+    scaler.step() does in torch.amp.GradScaler: same scale and growth tracker after each
+    iteration (an overflow backs off, clean ones grow it), and the skip flag and counter."""
+    p = torch.zeros(4, device=device, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    ref_p = torch.zeros(4, device=device, requires_grad=True)
+    ref_opt = torch.optim.SGD([ref_p], lr=0.1)
+    kw = dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    s = mpext.GradScaler(device, **kw)
+    ref = torch.amp.GradScaler(device, **kw)
+    skipped = 0
+    for it, overflow in enumerate([False, False, True, False, False, True, True, False]):
+        s.scale(torch.ones((), device=device))
+        ref.scale(torch.ones((), device=device))
+        ref_p.grad = torch.full((4,), float("inf") if overflow else 1.0, device=device)
+        ref.step(ref_opt)
+        found = torch.full((), float(overflow), device=device)
+        s.record_released_step(opt, found)
+        assert bool(s.last_step_skipped(opt)) is overflow, it
+        s.update()
+        ref.update()
+        skipped += overflow
+        assert s.get_scale() == ref.get_scale(), it
+        assert int(s._growth_tracker) == int(ref._growth_tracker), it
+        assert bool(s.last_step_skipped()) is overflow, it
+        assert s.get_skipped_steps() == skipped, it
+
+
+def test_release_scale(device):
+    """release_scale: the scaler's own scale tensor (what the release unscales by) once
+    scale() was called; a refusal naming the caller before; 1 for bf16_check_only."""
+    s = mpext.GradScaler(device, init_scale=2.0 ** 5)
+    assert s.bf16_check_only is False
+    with pytest.raises(RuntimeError, match="my_release: the release's mpext.GradScaler has no "
+                                           "scale yet"):
+        s.release_scale(device, "my_release")
+    assert s._scale is None  # nothing made by the refusal
+    s.scale(torch.ones((), device=device))
+    t = s.release_scale(torch.device(device))
+    assert t is s._scale and t.item() == 2.0 ** 5
+    b = mpext.GradScaler(device, init_scale=2.0 ** 5, bf16_check_only=True)
+    assert b.bf16_check_only is True
+    t = b.release_scale(device)
+    assert t is b._scale and t.item() == 1.0 and t.device.type == device
+    with pytest.raises(AttributeError):
+        b.bf16_check_only = False
+    # The names gradient release called before these were public stay the same methods.
+    assert mpext.GradScaler._release_scale is mpext.GradScaler.release_scale
+    assert mpext.GradScaler._record_released_step is mpext.GradScaler.record_released_step
+
+
+def test_released_step_bad_inputs_change_nothing():
+    s = mpext.GradScaler("cpu")
+    s.scale(torch.ones(()))
+    opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    for args, match in (((object(), torch.zeros(())),
+                         "optimizer must be a torch.optim.Optimizer"),
+                        ((opt, 0.0), "found_inf must be a one-element tensor, got float"),
+                        ((opt, torch.zeros(2)), r"found_inf must be a one-element tensor, got a "
+                                                r"tensor of shape \[2\]")):
+        with pytest.raises(TypeError, match=match):
+            s.record_released_step(*args)
+        assert s._stepped_since_update == [] and s._stepped_states == {}
+        assert all(st["stage"] is not torch.amp.grad_scaler.OptState.STEPPED
+                   for st in s._per_optimizer_states.values())
+    b = mpext.GradScaler("cpu", bf16_check_only=True)
+    with pytest.raises(TypeError, match="device must be a torch.device or a device string"):
+        b.release_scale("no-such-device")
+    assert b._scale is None
+    with pytest.raises(TypeError, match="where must be a str"):
+        b.release_scale("cpu", 3)
+    assert b._scale is None
+    # A disabled scaler records nothing, as its step() records nothing.
+    d = mpext.GradScaler("cpu", enabled=False)
+    d.record_released_step(opt, torch.ones(()))
+    assert d._stepped_since_update == []

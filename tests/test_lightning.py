@@ -1,7 +1,8 @@
-"""mpext.lightning.MixedPrecision driven by a real lightning.Trainer and lightning.Fabric on the
-CPU: BF16 and FP16 runs against an independent plain-torch loop (FP32 masters, torch's AdamW,
-torch's clipping, torch's loss-scale rule), the inf/NaN skip holding the mpext schedule still,
-bit-identical resume from a checkpoint, Fabric, and what Lightning's own plugins refuse."""
+"""mpext.integrations.lightning.MixedPrecision (also mpext.lightning) driven by a real
+lightning.Trainer and lightning.Fabric on the CPU: BF16 and FP16 runs against an independent
+plain-torch loop (FP32 masters, torch's AdamW, torch's clipping, torch's loss-scale rule), the
+inf/NaN skip holding the mpext schedule still, bit-identical resume from a checkpoint, Fabric, and
+what Lightning's own plugins refuse."""
 import functools
 import os
 
@@ -16,7 +17,7 @@ import lightning  # noqa: E402
 
 from framework_examples import example, same_run  # noqa: E402
 import mpext  # noqa: E402
-import mpext.lightning  # noqa: E402
+import mpext.integrations.lightning  # noqa: E402
 from mpext.optim import lr_scheduler as S  # noqa: E402
 
 # Lightning 2.6 on torch 2.13 (its own code, not mpext's)
@@ -146,7 +147,7 @@ def assert_masters_close(got, want):
 def test_bf16_trainer_against_plain_loop():
     """BF16 params (the LayerNorm kept in FP32), FP32 masters, fused AdamW, gradient clipping
     after unscaling, a NaN step skipped on the device with the schedule held still."""
-    plugin = mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+    plugin = mpext.integrations.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
     model = Tiny(overflow_at={5})
     t = trainer(plugin, 3, gradient_clip_val=0.05)
     t.fit(model, loader())
@@ -163,8 +164,8 @@ def test_bf16_trainer_against_plain_loop():
 def test_fp16_trainer_loss_scaling_against_plain_loop():
     """FP16 params, dynamic loss scale (torch's rule, here from 1024 with growth every 3
     steps), two overflowing steps skipped: same masters, rates and scale as the plain loop."""
-    plugin = mpext.lightning.MixedPrecision("fp16", keep_fp32=["net.1"], init_scale=1024.0,
-                                            growth_interval=3)
+    plugin = mpext.integrations.lightning.MixedPrecision("fp16", keep_fp32=["net.1"],
+                                                         init_scale=1024.0, growth_interval=3)
     model = Tiny(overflow_at={2, 7})
     t = trainer(plugin, 3, gradient_clip_val=1.0)
     t.fit(model, loader())
@@ -181,7 +182,8 @@ def fp16_run_and_resume(tmp_path, make_opt):
     run, and a 2-epoch run checkpointed and resumed by a new Trainer for 2 more."""
     def fit(epochs, ckpt_path=None):
         model = Tiny(overflow_at={1, 10}, make_opt=make_opt)
-        t = trainer(mpext.lightning.MixedPrecision("fp16", init_scale=512.0, growth_interval=3),
+        t = trainer(mpext.integrations.lightning.MixedPrecision("fp16", init_scale=512.0,
+                                                                growth_interval=3),
                     epochs, gradient_clip_val=0.5)
         t.fit(model, loader(), ckpt_path=ckpt_path)
         return t, model
@@ -242,7 +244,7 @@ def test_ema_of_the_masters_through_the_plugin_and_a_checkpoint(tmp_path):
     optimizer puts it into the model and back, and a resumed run's EMA equals the
     uninterrupted run's bit for bit (it travels in the Lightning checkpoint)."""
     def plugin():
-        return mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+        return mpext.integrations.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
 
     full = EmaTiny(overflow_at={5})
     t_full = trainer(plugin(), 3)
@@ -292,7 +294,7 @@ def test_manual_optimization_and_value_clipping_refused():
             self.lr_schedulers().step()
 
     model = Manual()
-    t = trainer(mpext.lightning.MixedPrecision("fp16", init_scale=256.0), 1)
+    t = trainer(mpext.integrations.lightning.MixedPrecision("fp16", init_scale=256.0), 1)
     t.fit(model, loader())
     masters, _, _, _ = reference(torch.float16, 4, scale=256.0, growth_interval=2000)
     # the plugin converts the LayerNorm too here (no keep_fp32): compare the Linear layers
@@ -300,7 +302,7 @@ def test_manual_optimization_and_value_clipping_refused():
     for i in (0, 1, 4, 5):
         torch.testing.assert_close(got[i], masters[i], rtol=1e-3, atol=1e-4)
 
-    t = trainer(mpext.lightning.MixedPrecision("bf16"), 1, gradient_clip_val=0.1,
+    t = trainer(mpext.integrations.lightning.MixedPrecision("bf16"), 1, gradient_clip_val=0.1,
                 gradient_clip_algorithm="value")
     with pytest.raises(NotImplementedError, match="'norm'"):
         t.fit(Tiny(), loader())
@@ -340,7 +342,8 @@ def test_fabric_explicit_wrapper_checkpoint_resume(tmp_path, direct):
         return model, opt, sched
 
     def plugin():
-        return mpext.lightning.MixedPrecision("fp16", init_scale=512.0, growth_interval=2)
+        return mpext.integrations.lightning.MixedPrecision("fp16", init_scale=512.0,
+                                                           growth_interval=2)
 
     def scaler(opt, plugin_):
         return plugin_._scaler if direct else opt.optimizer.scaler
@@ -362,7 +365,7 @@ def test_fabric_explicit_wrapper_checkpoint_resume(tmp_path, direct):
 
 
 def test_fabric_lazy_wrap_bf16_and_clip_gradients_refused():
-    plugin = mpext.lightning.MixedPrecision("bf16")
+    plugin = mpext.integrations.lightning.MixedPrecision("bf16")
     fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = net()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
@@ -400,16 +403,16 @@ def test_lightning_own_plugins_refuse_what_mpext_does():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="precision"):
-        mpext.lightning.MixedPrecision("fp8")
+        mpext.integrations.lightning.MixedPrecision("fp8")
     with pytest.raises(TypeError, match="unknown option"):
-        mpext.lightning.MixedPrecision("fp16", growth=3)
+        mpext.integrations.lightning.MixedPrecision("fp16", growth=3)
     with pytest.raises(TypeError, match="keep_fp32"):
-        mpext.lightning.MixedPrecision("bf16", keep_fp32=[3])
-    plugin = mpext.lightning.MixedPrecision("bf16")
+        mpext.integrations.lightning.MixedPrecision("bf16", keep_fp32=[3])
+    plugin = mpext.integrations.lightning.MixedPrecision("bf16")
     model = net()
     with pytest.raises(ValueError, match="not converted"):
         plugin.wrap_optimizer(torch.optim.AdamW(model.parameters()))
-    fp16 = mpext.lightning.MixedPrecision("fp16")
+    fp16 = mpext.integrations.lightning.MixedPrecision("fp16")
     m = fp16.convert_module(net())
     fp16.wrap_optimizer(torch.optim.AdamW(m[0].parameters()))
     with pytest.raises(NotImplementedError, match="several optimizers"):
@@ -418,7 +421,7 @@ def test_bad_arguments():
         fp16.wrap_optimizer(mpext.optim.AdamW(m[3].parameters()))
     # a bad scaler state is refused when loaded, not at the first step
     good = mpext.GradScaler("cpu").state_dict()
-    fresh = mpext.lightning.MixedPrecision("fp16")
+    fresh = mpext.integrations.lightning.MixedPrecision("fp16")
     with pytest.raises(ValueError, match="scale must be > 0"):
         fresh.load_state_dict({"dtype": "float16", "loss_scale": "dynamic",
                                "scaler": dict(good, scale=-1.0)})
@@ -545,7 +548,8 @@ class Lean(pl.LightningModule):
 
 def lean_fit(options, loader_, precision="bf16", clip=0.05, **plugin_kw):
     model = Lean(options)
-    plugin = mpext.lightning.MixedPrecision(precision, keep_fp32=[nn.LayerNorm], **plugin_kw)
+    plugin = mpext.integrations.lightning.MixedPrecision(precision, keep_fp32=[nn.LayerNorm],
+                                                         **plugin_kw)
     t = trainer(plugin, 1, gradient_clip_val=clip)
     t.fit(model, loader_)
     return t, model
@@ -585,7 +589,7 @@ def test_trainer_nan_batch_skipped_in_every_lean_format(fmt):
 def test_trainer_clipping_and_fp32_masters_match_torch():
     """The direct path's numerics against an independent plain loop (FP32 masters stepped by
     torch.optim.AdamW, torch's clip_grad_norm_, the schedule at the count of applied steps)."""
-    plugin = mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+    plugin = mpext.integrations.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
 
     model = Tiny(overflow_at={5}, make_opt=mpext.optim.AdamW)
     t = trainer(plugin, 3, gradient_clip_val=0.05)
@@ -703,7 +707,7 @@ def test_fabric_nan_batch_skipped_in_lean_formats(fmt):
     plugin.clip_gradients and scheduled by an mpext schedule; the NaN batch changes nothing and
     the run equals, bit for bit, one without that batch."""
     def run(skip_nan):
-        plugin = mpext.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
+        plugin = mpext.integrations.lightning.MixedPrecision("bf16", keep_fp32=[nn.LayerNorm])
         fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = fabric.setup_module(lean_net())
         opt = mpext.optim.AdamW(model.parameters(), lr=LR, **FORMATS[fmt])
@@ -739,7 +743,7 @@ def test_torch_optimizers_keep_the_wrapper_and_the_bf16_true_route_has_no_skip()
     """An optimizer that is not mpext's is still wrapped (FP32 masters); and what the plugin
     adds over Lightning's own bf16-true with mpext.optim.AdamW: there a NaN batch makes every
     weight NaN."""
-    plugin = mpext.lightning.MixedPrecision("bf16")
+    plugin = mpext.integrations.lightning.MixedPrecision("bf16")
     fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = fabric.setup_module(net())
     assert isinstance(plugin.wrap_optimizer(torch.optim.AdamW(model.parameters())),

@@ -749,7 +749,7 @@ def _model():
 def _mixed_precision_optimizer():
     cls = getattr(mpext, "MixedPrecisionOptimizer", None)
     if cls is None:
-        from mpext.mixed_precision import MixedPrecisionOptimizer as cls
+        from mpext.amp.mixed_precision import MixedPrecisionOptimizer as cls
     return cls
 
 
@@ -1849,10 +1849,10 @@ def test_checkpointing_equals_torch_utils_checkpoint_on_gpt2(mode, shape, dropou
 
 
 def test_heap_meter_sees_a_tensor_come_and_go():
-    """mpext.memory_measure.HeapMeter (the allocator meter the activation tests and benchmark
+    """mpext.memory.meter.HeapMeter (the allocator meter the activation tests and benchmark
     read) counts a 64 MiB CPU tensor while it lives and not after it is freed: within 1 MiB,
     the other allocations a Python call makes."""
-    from mpext.memory_measure import HeapMeter
+    from mpext.memory.meter import HeapMeter
     heap = HeapMeter("cpu")
     before = heap()
     t = torch.empty(16 << 20, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""mpext.ops.muon_step_ and mpext.optim.Muon: torch.optim.Muon's update bit for bit on FP32 params
+"""mpext.ops.muon_momentum_step_ / muon_update_step_ and mpext.optim.Muon: torch.optim.Muon's update bit for bit on FP32 params
 (its elementwise phases against torch's own lerp / mul_ / add_ on every length and ISA path;
 the whole optimizer against torch.optim.Muon), FP32 masters and remainders bit for bit with the
 same fp32 values, the lean formats against the FP32 run within their rounding, bad inputs,
@@ -55,11 +55,10 @@ def test_phase1_bitwise_torch(device, momentum, nesterov):
             g = torch.randn(n, generator=gen) * (10.0 ** (k - 2))
             u_ref = _phase1_ref(buf_ref, g, momentum, nesterov)
             u = torch.empty(n, dtype=BF16, device=device)
-            ops.muon_step_([u], [g.to(device)], [buf], [], [step], 1.0, 1, momentum, nesterov,
-                           master_free=True)
+            ops.muon_momentum_step_([u], [g.to(device)], [buf], [step], momentum, nesterov)
             T.assert_bits(buf.cpu(), buf_ref, "buffer n=%d k=%d" % (n, k))
             T.assert_bits(u.cpu(), u_ref, "update n=%d k=%d" % (n, k))
-        assert step.item() == 0  # phase 1 does not end the step
+        assert step.item() == 4  # (as every rule's op; mpext.optim.Muon passes a copy)
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.1, 1.5])
@@ -76,8 +75,7 @@ def test_phase3_bitwise_torch(device, wd, ratio):
             o = torch.randn(n, generator=gen).bfloat16()
             p_ref.mul_(1 - lr * wd)
             p_ref.add_(o, alpha=-(lr * ratio))
-            ops.muon_step_([p], [o.float().to(device)], [], [], [step], lr, 3, 0.0, False,
-                           ratio, wd)
+            ops.muon_update_step_([p], [o.float().to(device)], [], [step], lr, ratio, wd)
             T.assert_bits(p.cpu(), p_ref, "param n=%d k=%d" % (n, k))
         assert step.item() == 3
 
@@ -90,14 +88,12 @@ def test_phases_every_isa_path_bitwise_torch(isa):
         buf_ref = buf.clone()
         u_ref = _phase1_ref(buf_ref, g, 0.95, True)
         u = torch.empty(n, dtype=BF16)
-        ops.muon_step_([u], [g], [buf], [], [torch.zeros(())], 1.0, 1, 0.95, True,
-                       master_free=True)
+        ops.muon_momentum_step_([u], [g], [buf], [torch.zeros(())], 0.95, True)
         T.assert_bits(buf, buf_ref)
         T.assert_bits(u, u_ref)
         p = torch.randn(n, generator=gen)
         p_ref = p.clone().mul_(1 - f32(1e-2) * 0.1).add_(u, alpha=-(f32(1e-2) * 1.5))
-        ops.muon_step_([p], [u.float()], [], [], [torch.zeros(())], f32(1e-2), 3, 0.0, False,
-                       1.5, 0.1)
+        ops.muon_update_step_([p], [u.float()], [], [torch.zeros(())], f32(1e-2), 1.5, 0.1)
         T.assert_bits(p, p_ref)
 
 
@@ -108,22 +104,22 @@ def test_phase1_fused_unscale_and_skip(device):
     a_buf, a_g = buf.clone(), (g * 1024).clone()
     b_buf = buf.clone()
     ua, ub = (torch.empty(n, dtype=BF16, device=device) for _ in range(2))
-    ops.muon_step_([ua], [a_g], [a_buf], [], [zero(device)], 1.0, 1, 0.9, True,
-                   inv_scale=torch.tensor(1 / 1024, device=device), found_inf=zero(device),
-                   unscale_grads=True, master_free=True)
-    ops.muon_step_([ub], [g], [b_buf], [], [zero(device)], 1.0, 1, 0.9, True, master_free=True)
+    ops.muon_momentum_step_([ua], [a_g], [a_buf], [zero(device)], 0.9, True,
+                            inv_scale=torch.tensor(1 / 1024, device=device),
+                            found_inf=zero(device), unscale_grads=True)
+    ops.muon_momentum_step_([ub], [g], [b_buf], [zero(device)], 0.9, True)
     T.assert_bits(a_buf, b_buf)
     T.assert_bits(ua, ub)
     T.assert_bits(a_g, g)  # the unscaled gradient written back
     before = a_buf.clone(), ua.clone()
-    ops.muon_step_([ua], [a_g], [a_buf], [], [zero(device)], 1.0, 1, 0.9, True,
-                   found_inf=torch.ones((), device=device), master_free=True)
+    ops.muon_momentum_step_([ua], [a_g], [a_buf], [zero(device)], 0.9, True,
+                            found_inf=torch.ones((), device=device))
     T.assert_bits(a_buf, before[0])
     T.assert_bits(ua, before[1])
     p = torch.randn(n, device=device)
     p0, s = p.clone(), zero(device)
-    ops.muon_step_([p], [ua.float()], [], [], [s], 1e-2, 3, 0.0, False, 1.0, 0.1,
-                   found_inf=torch.ones((), device=device))
+    ops.muon_update_step_([p], [ua.float()], [], [s], 1e-2, 1.0, 0.1,
+                          found_inf=torch.ones((), device=device))
     T.assert_bits(p, p0)
     assert s.item() == 0
 
@@ -133,19 +129,16 @@ def test_op_bad_arguments_change_nothing():
     u = torch.empty(10, dtype=BF16)
     s = torch.zeros(())
     before = [t.clone() for t in (p, b)]
-    with pytest.raises(ValueError, match=r"phase must be 1 \(momentum\) or 3"):
-        ops.muon_step_([u], [g], [b], [], [s], 1.0, 2, 0.9, True, master_free=True)
-    with pytest.raises(ValueError, match=r"phase 3 keeps no buffer, so momentum_buffers must "
-                                         r"be empty"):
-        ops.muon_step_([p], [g], [b], [], [s], 1.0, 3, 0.9, True, 1.0, 0.1)
-    with pytest.raises(ValueError, match=r"momentum must be in \[0, inf\), got -0.5"):
-        ops.muon_step_([u], [g], [b], [], [s], 1.0, 1, -0.5, True, master_free=True)
-    with pytest.raises(ValueError, match=r"lr_ratio must be in \(0, inf\), got 0"):
-        ops.muon_step_([p], [g], [], [], [s], 1.0, 3, 0.9, True, 0.0, 0.1)
+    with pytest.raises(ValueError, match=r"muon_momentum_step_: momentum must be in "
+                                         r"\[0, inf\), got -0.5"):
+        ops.muon_momentum_step_([u], [g], [b], [s], -0.5, True)
+    with pytest.raises(ValueError, match=r"muon_update_step_: lr_ratio must be in \(0, inf\), "
+                                         r"got 0"):
+        ops.muon_update_step_([p], [g], [], [s], 1.0, 0.0, 0.1)
     with pytest.raises(ValueError, match=r"weight_decay must be in \[0, inf\), got -1"):
-        ops.muon_step_([p], [g], [], [], [s], 1.0, 3, 0.9, True, 1.0, -1.0)
+        ops.muon_update_step_([p], [g], [], [s], 1.0, 1.0, -1.0)
     with pytest.raises(ValueError, match=r"momentum_buffers must have one entry per param"):
-        ops.muon_step_([u], [g], [], [], [s], 1.0, 1, 0.9, True, master_free=True)
+        ops.muon_momentum_step_([u], [g], [], [s], 0.9, True)
     for t, t0 in zip((p, b), before):
         T.assert_bits(t, t0)
     assert s.item() == 0
@@ -154,24 +147,21 @@ def test_op_bad_arguments_change_nothing():
 def test_opcheck(device):
     gen = torch.Generator().manual_seed(4)
     g = torch.randn(40, generator=gen).to(device)
-    for phase in (1, 3):
-        for mfmt in ("f32", "bf16", "q8"):
-            if phase == 3 and mfmt != "f32":
-                continue
-            p = torch.empty(40, dtype=BF16, device=device) if phase == 1 \
-                else torch.randn(40, device=device)
-            bufs, kw = [], {}
-            if phase == 1:
-                if mfmt == "q8":
-                    bufs = [torch.zeros(40, dtype=torch.int8, device=device)]
-                    kw["momentum_buffer_scales"] = [torch.zeros(2, device=device)]
-                    kw["block_size"] = 32
-                else:
-                    bufs = [torch.randn(40, device=device).to(F32 if mfmt == "f32" else BF16)]
-            args = ([p], [g.clone()], bufs, [], [zero(device)],
-                    torch.tensor(1e-2, device=device), phase, 0.9, True, 1.5, 0.1)
-            torch.library.opcheck(torch.ops.mpext.muon_step_.default, args,
-                                  dict(master_free=True, **kw))
+    lr = torch.tensor(1e-2, device=device)
+    for mfmt in ("f32", "bf16", "q8"):
+        kw = dict(master_free=True)
+        if mfmt == "q8":
+            bufs = [torch.zeros(40, dtype=torch.int8, device=device)]
+            kw.update(momentum_buffer_scales=[torch.zeros(2, device=device)], block_size=32)
+        else:
+            bufs = [torch.randn(40, device=device).to(F32 if mfmt == "f32" else BF16)]
+        args = ([torch.empty(40, dtype=BF16, device=device)], [g.clone()], bufs, [],
+                [zero(device)], lr, 0.9, True)
+        torch.library.opcheck(torch.ops.mpext.muon_momentum_step_.default, args, kw)
+    for dt, kw in ((F32, {}), (BF16, dict(master_free=True, stochastic_rounding=True))):
+        args = ([torch.randn(40, device=device).to(dt)], [g.clone().to(dt)], [],
+                [zero(device)], lr, 1.5, 0.1)
+        torch.library.opcheck(torch.ops.mpext.muon_update_step_.default, args, kw)
 
 
 # --------------------------------------------------------------------------------------------

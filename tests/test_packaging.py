@@ -67,3 +67,21 @@ def test_range_in_the_sdist_pin_in_anything_built(argv, sdist):
 def test_not_a_version():
     with pytest.raises(ValueError, match="not a torch version"):
         requirements.built_against("+cpu")
+
+
+def test_every_python_package_is_packaged():
+    """pyproject.toml's package discovery (what the sdist and the wheel take) finds every folder
+    of Python modules under mpext/ -- the packages by job (optim, amp, integrations, memory)
+    included -- as the filesystem has them."""
+    import tomllib
+
+    from setuptools import find_packages
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    find = config["tool"]["setuptools"]["packages"]["find"]
+    found = set(find_packages(where=str(root), include=find["include"],
+                              exclude=find.get("exclude", ())))
+    on_disk = {".".join(d.relative_to(root).parts) for d in (root / "mpext").rglob("*")
+               if d.is_dir() and any(d.glob("*.py"))} | {"mpext"}
+    assert {"mpext.optim", "mpext.amp", "mpext.integrations", "mpext.memory"} <= on_disk
+    assert found == on_disk

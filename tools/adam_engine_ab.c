@@ -1,7 +1,8 @@
-/* The CPU Adam engine's speed, A/B in one process: the C core's mp_k_adam_step as built from
- * this checkout ("new": the tile pipeline with the hand-fused loops adam_fused.c keeps), the
- * same step through the pipeline alone ("generic"), and an older adam.c ("old", e.g. the one
- * before the pipeline: `git show 67eddf9:csrc/core/adam.c > /tmp/adam_old.c`), on the same
+/* The CPU step engine's speed on the Adam rule, A/B in one process: the C core's mp_k_step as
+ * built from this checkout ("new": the tile pipeline with the fast paths csrc/core/fast/ keeps),
+ * the same step through the pipeline alone ("generic"), and an older step.c ("old", of the same
+ * kernel ABI: `git show REV:csrc/core/step.c > /tmp/step_old.c`, REV since the rename of
+ * adam.c to step.c; before it, this file's own history has the harness of that ABI), on the same
  * arrays, interleaved call by call (the order alternating), per storage mode. Times are the
  * thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which a busy shared machine disturbs less than
  * the wall clock; reported: each build's median, and the medians of the per-round ratios with
@@ -9,29 +10,34 @@
  *
  *   F="-std=c11 -O3 -fno-math-errno -fno-trapping-math -DMP_X86_PATHS=1 -Icsrc/include -Icsrc/core"
  *   ISA="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mprefer-vector-width=512"
- *   gcc $F $ISA -DMP_ISA_SUFFIX=old -c /tmp/adam_old.c -o /tmp/old.o
- *   gcc $F $ISA -DMP_ISA_SUFFIX=new -c csrc/core/adam.c -o /tmp/new.o
- *   gcc $F $ISA -DMP_ISA_SUFFIX=new -c csrc/core/adam_fused.c -o /tmp/fused.o
+ *   gcc $F $ISA -DMP_ISA_SUFFIX=old -c /tmp/step_old.c -o /tmp/old.o
+ *   gcc $F $ISA -DMP_ISA_SUFFIX=new -c csrc/core/step.c -o /tmp/new.o
+ *   gcc $F $ISA -DMP_ISA_SUFFIX=new -c csrc/core/fast/adam_fused.c -o /tmp/fused.o
  *   gcc $F -O2 tools/adam_engine_ab.c /tmp/old.o /tmp/new.o /tmp/fused.o -lm -o /tmp/ab
  *   /tmp/ab [numel=16M] [rounds=15] [modes: a comma list, default all]
  * (ISA="" and -DMP_ISA_SUFFIX as you like for the other paths; without an old build, compile
- * the harness with -DNO_OLD and old is the generic step.) */
+ * the harness with -DNO_OLD and old is the generic step; the old step.c needs a fast path too:
+ * compile it with -DMP_NO_FAST_PATHS, or link a fast/adam_fused.c of its own suffix.) */
 #define _POSIX_C_SOURCE 199309L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "mpext/adam.h"
-#include "mpext/adam_rule.h"
+#include "mpext/step.h"
+#include "mpext/step_storage.h"
 
-typedef void (*step_fn)(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*);
-void mp_k_adam_step__new(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*);
-void mp_k_adam_step_generic__new(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*);
+typedef void (*step_fn)(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+                        const mp_rule_scalars*);
+void mp_k_step__new(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+                    const mp_rule_scalars*);
+void mp_k_step_generic__new(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+                            const mp_rule_scalars*);
 #ifdef NO_OLD
-#define mp_k_adam_step__old mp_k_adam_step_generic__new
+#define mp_k_step__old mp_k_step_generic__new
 #else
-void mp_k_adam_step__old(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*);
+void mp_k_step__old(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+                    const mp_rule_scalars*);
 #endif
 
 static double now(void) {
@@ -88,15 +94,16 @@ int main(int argc, char** argv) {
   const int rounds = argc > 2 ? atoi(argv[2]) : 15;
   const char* only = argc > 3 ? argv[3] : NULL;
   const int dts[3] = {MP_F32, MP_BF16, MP_F16};
-  const step_fn fns[3] = {mp_k_adam_step__old, mp_k_adam_step__new, mp_k_adam_step_generic__new};
+  const step_fn fns[3] = {mp_k_step__old, mp_k_step__new, mp_k_step_generic__new};
   printf("numel %lld, %d rounds; per mode: median ns per element of old, new, generic; new/old, "
          "generic/new and generic/old: median [q1, q3] of the per-round ratios\n", (long long)n, rounds);
   for (size_t k = 0; k < sizeof MODES / sizeof *MODES; ++k) {
     const mode* M = &MODES[k];
     if (!listed(only, M->name)) continue;
     const int pt = dts[M->pt], gt = dts[M->gt], q8 = M->md == 8;
-    const int md = q8 ? MP_I8 : (M->md ? MP_BF16 : MP_F32), vd = q8 ? MP_U8 : md;
-    mp_adam_tensor t;
+    const int mf = q8 ? MP_FMT_Q8S : (M->md ? MP_FMT_BF16 : MP_FMT_F32);
+    const int vf = q8 ? MP_FMT_Q8U : mf;
+    mp_step_tensor t;
     memset(&t, 0, sizeof t);
     t.param = malloc(n * 4);
     t.param_dtype = pt;
@@ -122,8 +129,8 @@ int main(int argc, char** argv) {
     if (M->kind == 2) t.remainder = calloc(n, 2);
     t.exp_avg = calloc(n, 4);
     t.exp_avg_sq = calloc(n, 4);
-    t.exp_avg_dtype = md;
-    t.exp_avg_sq_dtype = vd;
+    t.exp_avg_format = mf;
+    t.exp_avg_sq_format = vf;
     float step = 0.0f;
     t.step = &step;
     t.n = n;
@@ -135,7 +142,7 @@ int main(int argc, char** argv) {
       t.ema = malloc(n * 4);
       for (int64_t i = 0; i < n; ++i) t.ema[i] = 0.02f;
     }
-    mp_adam_options o;
+    mp_step_options o; /* rule 0: MP_RULE_ADAM */
     memset(&o, 0, sizeof o);
     o.beta1 = 0.9;
     o.beta2 = 0.999;
@@ -158,9 +165,10 @@ int main(int argc, char** argv) {
         const int which = (w + r + 3) % 3; /* the order rotates */
         /* x0.5 and x2 in turn: with the grad written back its scale stays put */
         const float inv = (r + 2) % 2 ? 2.0f : 0.5f;
-        const mp_adam_scalars s = mp_adam_scalars_of(&o, 1e-3f, step, inv, 1);
+        const mp_step_scalars s = mp_step_scalars_of(&o, step, inv, 1);
+        const mp_rule_scalars rs = mp_rule_scalars_of(&o, 1e-3f, step);
         const double t0 = now();
-        fns[which](&t, 0, n, &s);
+        fns[which](&t, 0, n, &s, &rs);
         tt[which] = now() - t0;
       }
       step += 1.0f;

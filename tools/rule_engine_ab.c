@@ -1,6 +1,7 @@
-/* SGD and Lion through the CPU engine's tile pipeline, A/B in one process: mp_k_sgd_step and
- * mp_k_lion_step of two builds of adam.c ("old", e.g. `git show HEAD:csrc/core/adam.c`, and
- * "new", this checkout's), on the same arrays, interleaved call by call (the order alternating
+/* SGD and Lion through the CPU engine's tile pipeline, A/B in one process: mp_k_step_generic of
+ * two builds of step.c ("old", e.g. `git show HEAD:csrc/core/step.c`, of the same kernel ABI --
+ * before the rename of adam.c to step.c, this file's own history has the harness of that ABI --
+ * and "new", this checkout's), on the same arrays, interleaved call by call (the order alternating
  * each round), per storage format, one core. Times are the thread's CPU time
  * (CLOCK_THREAD_CPUTIME_ID), which a busy shared machine disturbs less than the wall clock.
  * Reported per format: each build's median ns per element, and the median [q1, q3] of the
@@ -11,10 +12,9 @@
  *   ISA="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mprefer-vector-width=512"
  *   for s in old new; do  # OLD, NEW: two checkouts (or the same one twice)
  *     d=$([ $s = old ] && echo $OLD || echo $NEW)
- *     gcc $F $ISA -I$d/csrc/include -I$d/csrc/core -DMP_ISA_SUFFIX=$s -c $d/csrc/core/adam.c -o /tmp/$s.o
- *     gcc $F $ISA -I$d/csrc/include -I$d/csrc/core -DMP_ISA_SUFFIX=$s -c $d/csrc/core/adam_fused.c -o /tmp/${s}f.o
+ *     gcc $F $ISA -I$d/csrc/include -I$d/csrc/core -DMP_ISA_SUFFIX=$s -DMP_NO_FAST_PATHS -c $d/csrc/core/step.c -o /tmp/$s.o
  *   done
- *   gcc $F -O2 -Icsrc/include tools/rule_engine_ab.c /tmp/old.o /tmp/oldf.o /tmp/new.o /tmp/newf.o -lm -o /tmp/rab
+ *   gcc $F -O2 -Icsrc/include tools/rule_engine_ab.c /tmp/old.o /tmp/new.o -lm -o /tmp/rab
  *   /tmp/rab [numel=16M] [rounds=9] [formats: "all" or a comma list, e.g. sgd_sr_q8,lion_master]
  *            [calls per timing=1: more for arrays that fit a cache]
  * GLIBC_TUNABLES=glibc.malloc.hugetlb=1 before the command puts the arrays on 2 MiB pages. */
@@ -24,16 +24,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "mpext/adam.h"
-#include "mpext/adam_rule.h"
-#include "mpext/lion_rule.h"
-#include "mpext/sgd_rule.h"
+#include "mpext/step.h"
+#include "mpext/step_storage.h"
 
 #define DECL(s)                                                                                  \
-  void mp_k_sgd_step__##s(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*,      \
-                          const mp_sgd_scalars*);                                                \
-  void mp_k_lion_step__##s(const mp_adam_tensor*, int64_t, int64_t, const mp_adam_scalars*,     \
-                           const mp_lion_scalars*);
+  void mp_k_step_generic__##s(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,  \
+                              const mp_rule_scalars*);
 DECL(old)
 DECL(new)
 
@@ -55,13 +51,9 @@ static const char* const FORMATS[] = {"master", "remainder", "rem_bf16m", "sr_bf
 #define NFMT 8
 #define MAX_ROUNDS 64
 
-static void step(int lion, int new_build, const mp_adam_tensor* t, int64_t n,
-                 const mp_adam_scalars* s, const mp_lion_scalars* ls, const mp_sgd_scalars* gs) {
-  if (lion) {
-    (new_build ? mp_k_lion_step__new : mp_k_lion_step__old)(t, 0, n, s, ls);
-  } else {
-    (new_build ? mp_k_sgd_step__new : mp_k_sgd_step__old)(t, 0, n, s, gs);
-  }
+static void step(int new_build, const mp_step_tensor* t, int64_t n, const mp_step_scalars* s,
+                 const mp_rule_scalars* r) {
+  (new_build ? mp_k_step_generic__new : mp_k_step_generic__old)(t, 0, n, s, r);
 }
 
 int main(int argc, char** argv) {
@@ -107,27 +99,25 @@ int main(int argc, char** argv) {
       memset(m, 0, (size_t)n * 4);
       memset(ms, 0, (size_t)(n / 32 + 1) * 4);
       float stp = 1.0f;
-      const mp_adam_tensor t = {.param = param, .param_dtype = MP_BF16, .grad = grad,
+      const mp_step_tensor t = {.param = param, .param_dtype = MP_BF16, .grad = grad,
                                 .grad_dtype = MP_BF16, .master = has_master ? master : NULL,
                                 .exp_avg = m, .step = &stp, .n = n,
                                 .remainder = remainder ? rem : NULL,
-                                .exp_avg_dtype = q8 ? MP_I8 : bf16m ? MP_BF16 : MP_F32,
-                                .exp_avg_sq_dtype = q8 ? MP_U8 : MP_F32,
+                                .exp_avg_format = q8 ? MP_FMT_Q8S : bf16m ? MP_FMT_BF16 : MP_FMT_F32,
                                 .exp_avg_scale = q8 ? ms : NULL};
-      const mp_adam_options o = {.beta1 = 0.9, .beta2 = lion ? 0.99 : 0.0, .weight_decay = 0.01,
+      const mp_step_options o = {.beta1 = 0.9, .beta2 = lion ? 0.99 : 0.0, .weight_decay = 0.01,
                                  .decoupled = lion, .lr_value = 1e-3f, .sr_params = sr,
                                  .seed = 7, .q8_block = 256,
                                  .rule = lion ? MP_RULE_LION : MP_RULE_SGD};
-      const mp_adam_scalars s = mp_adam_scalars_now(&o, &stp, 0);
-      const mp_lion_scalars ls = mp_lion_scalars_of(&o, o.lr_value);
-      const mp_sgd_scalars gs = mp_sgd_scalars_of(&o, o.lr_value, stp);
+      const mp_step_scalars s = mp_step_scalars_now(&o, &stp, 0);
+      const mp_rule_scalars rs = mp_rule_scalars_now(&o, &stp);
       double t_old[MAX_ROUNDS], t_new[MAX_ROUNDS], ratio[MAX_ROUNDS];
       for (int r = -1; r < rounds; ++r) { /* round -1 warms both up */
         double took[2] = {0.0, 0.0};
         for (int w = 0; w < 2; ++w) {
           const int b = ((r & 1) ^ w) != 0; /* which build runs first alternates */
           const double t0 = now();
-          for (int c = 0; c < calls; ++c) step(lion, b, &t, n, &s, &ls, &gs);
+          for (int c = 0; c < calls; ++c) step(b, &t, n, &s, &rs);
           took[b] = now() - t0;
         }
         if (r < 0) continue;

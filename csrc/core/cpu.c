@@ -5,12 +5,13 @@
 #include <string.h>
 
 #include "isa.h"
-#include "mpext/adam.h"
+#include "mpext/adam.h" /* the mp_adam_* aliases, for one release */
 #include "mpext/cast.h"
 #include "mpext/fp8.h"
 #include "mpext/norm.h"
 #include "mpext/scale.h"
 #include "mpext/scale_rule.h"
+#include "mpext/step_storage.h"
 
 /* MP_X86_PATHS is defined by the build when the avx2/avx512 builds were compiled in. */
 
@@ -66,10 +67,10 @@ mp_isa mp_cpu_isa_best(void) {
 
 static const mp_kernel_table* table_for(mp_isa isa) {
   switch (isa) {
-#if defined(MP_X86_PATHS)
-    case MP_ISA_AVX2: return &mp_kernels__avx2;
-    case MP_ISA_AVX512: return &mp_kernels__avx512;
-#endif
+#define MP_ISA_CASE_(ID, suffix) \
+  case MP_ISA_##ID: return &mp_kernels__##suffix;
+    MP_ISAS(MP_ISA_CASE_)
+#undef MP_ISA_CASE_
     default: return &mp_kernels__scalar;
   }
 }
@@ -177,44 +178,43 @@ mp_status mp_update_scale(const mp_scale_update* u) {
   return MP_OK;
 }
 
-mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
-                       const mp_adam_options* o) {
-  if (t == NULL || o == NULL || !mp_adam_options_ok(o) ||
+mp_status mp_step(const mp_step_tensor* t, int64_t start, int64_t count,
+                  const mp_step_options* o) {
+  if (t == NULL || o == NULL || !mp_step_options_ok(o) ||
       !mp_step_tensor_ok(t, mp_rule_moments(o)))
     return MP_ERR_INVALID_ARGUMENT;
   if (start < 0 || count < 0 || start > t->n || count > t->n - start)
     return MP_ERR_INVALID_ARGUMENT;
-  if (mp_rule_moments(o) > 0 && mp_adam_q8(t) &&
-      (!mp_adam_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
+  if (mp_rule_moments(o) > 0 && mp_step_blocks(t) &&
+      (!mp_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
        t->offset % o->q8_block != 0 || (count % o->q8_block != 0 && start + count != t->n)))
     return MP_ERR_INVALID_ARGUMENT; /* a block is updated whole, by one call */
-  if (count == 0 || mp_adam_skip(o)) return MP_OK;
-  const mp_adam_scalars s = mp_adam_scalars_now(o, t->step, t->sr_stream);
-  const float lr = o->lr != 0 ? *o->lr : o->lr_value;
-  if (o->rule == MP_RULE_LION) {
-    const mp_lion_scalars r = mp_lion_scalars_of(o, lr);
-    active()->lion_step(t, start, count, &s, &r);
-  } else if (o->rule == MP_RULE_SGD) {
-    const mp_sgd_scalars r = mp_sgd_scalars_of(o, lr, *t->step);
-    active()->sgd_step(t, start, count, &s, &r);
-  } else if (o->rule == MP_RULE_MUON_MOMENTUM || o->rule == MP_RULE_MUON_UPDATE) {
-    const mp_muon_scalars r = mp_muon_scalars_of(o, lr);
-    active()->muon_step(t, start, count, &s, &r);
-  } else {
-    active()->adam_step(t, start, count, &s);
-  }
+  if (count == 0 || mp_step_skip(o)) return MP_OK;
+  const mp_step_scalars s = mp_step_scalars_now(o, t->step, t->sr_stream);
+  const mp_rule_scalars r = mp_rule_scalars_now(o, t->step);
+  active()->step(t, start, count, &s, &r);
   return MP_OK;
 }
 
-mp_status mp_adam_advance_steps(const mp_adam_tensor* ts, int64_t ntensors,
-                                const mp_adam_options* o) {
+mp_status mp_step_advance_steps(const mp_step_tensor* ts, int64_t ntensors,
+                                const mp_step_options* o) {
   if (ntensors < 0 || o == NULL || (ntensors > 0 && ts == NULL)) return MP_ERR_INVALID_ARGUMENT;
   for (int64_t k = 0; k < ntensors; ++k) {
     if (ts[k].step == NULL) return MP_ERR_INVALID_ARGUMENT;
   }
-  if (mp_adam_skip(o) || !mp_rule_ends_step(o)) return MP_OK;
+  if (mp_step_skip(o)) return MP_OK;
   for (int64_t k = 0; k < ntensors; ++k) *ts[k].step = *ts[k].step + 1.0f;
   return MP_OK;
+}
+
+mp_status mp_adam_step(const mp_adam_tensor* t, int64_t start, int64_t count,
+                       const mp_adam_options* o) {
+  return mp_step(t, start, count, o);
+}
+
+mp_status mp_adam_advance_steps(const mp_adam_tensor* ts, int64_t ntensors,
+                                const mp_adam_options* o) {
+  return mp_step_advance_steps(ts, ntensors, o);
 }
 
 mp_status mp_grad_norm_sumsq(const void* x, mp_dtype dtype, int64_t n, float inv_scale,

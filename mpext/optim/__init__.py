@@ -74,7 +74,8 @@ sharded run rounds as one process; under ``ZeroRedundancyOptimizer`` call
 
 The package, one job per module (docs/contributing.md, "Python optimizer package"):
 ``adam`` the Adam/AdamW rules, ``lion`` and ``sgd`` the Lion and SGD rules; ``formats`` the
-state formats and their Python codecs;
+state formats as objects (their Python codecs, keys, op arguments, sharding: nothing else asks
+which format it holds; docs/lean_state.md, "Format objects");
 ``_state`` state creation and conversion; ``_engine`` the fused launch planner; ``_base`` the
 shared optimizer base; ``lr_scheduler`` device-side schedules; ``_release`` gradient release
 (``release_grads()``: the step inside backward, docs/gradient_release.md).

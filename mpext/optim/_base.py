@@ -23,14 +23,12 @@ import torch
 
 from .._common import LOW_DTYPES, PARAM_DTYPES, LrTensors
 from .._common import dtype_name, has_kernel, is_dense, is_real
-from .._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
 from . import formats as F
-from . import _q8_shards as q8_shards
 from ._engine import StepItem, StepPlan, overlap_refusal, overlapping
 from ._release import DEFAULT_BUCKET_BYTES, GradRelease
 from ._shard_plan import ShardedStepPlan
-from ._state import check_q8_param, conform_state, import_param_state, new_moments
-from ._tensors import DTensor, F32, is_dtensor, local, shard_offset
+from ._state import check_formats_param, conform_state, import_param_state, new_moments
+from ._tensors import F32, is_dtensor, local, shard_offset
 
 _STRIDED = torch.strided
 _MISSING = object()  # a group setting that is not there
@@ -215,7 +213,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_formats(self, group: Dict[str, Any], where: str) -> None:
         """Checks the settings that choose the group's param and moment formats; a moment
-        format given by name or format object is kept as its torch dtype."""
+        format given by name or format object is kept as its torch dtype (formats.parse)."""
         for flag in ("master_weights", "unscale_grads", "param_remainders",
                      "stochastic_rounding"):
             if not isinstance(group.get(flag, False), bool):
@@ -228,32 +226,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if group.get("stochastic_rounding", False) and mw:
             raise ValueError("%s: stochastic_rounding=True rounds params that have no master; "
                              "it needs master_weights=False%s" % (self._name(), where))
-        dtypes = []
-        for q in self.moments:
-            code = F.Q8.storage_dtype(q)
-            dt = group.get(q.setting, F32)
-            if not isinstance(dt, torch.dtype):
-                # state_dict() names formats by string (torch's gather of full state dicts
-                # takes no dtype objects); groups keep the dtype, whichever they were given.
-                named = F.moment_dtype(dt, q)
-                if isinstance(named, torch.dtype):
-                    dt = group[q.setting] = named
-            if dt is not F32 and dt is not torch.bfloat16 and dt is not code:
-                raise ValueError("%s: %s must be torch.float32, torch.bfloat16 or %s, got %r%s"
-                                 % (self._name(), q.setting, code, dt, where))
-            dtypes.append(dt)
-        coded = [dt is F.Q8.storage_dtype(q) for q, dt in zip(self.moments, dtypes)]
-        if any(coded) and not all(coded):  # one kernel launch codes all moments or none
-            raise ValueError("%s: 8-bit moments come as a pair: %s, got %s%s"
-                             % (self._name(), " with ".join(
-                                 "%s=%s" % (q.setting, F.Q8.storage_dtype(q))
-                                 for q in self.moments),
-                                " and ".join(repr(dt) for dt in dtypes), where))
-        block = group.get("block_size", 256)
-        if not (isinstance(block, int) and not isinstance(block, bool)
-                and Q8_BLOCK_MIN <= block <= Q8_BLOCK_MAX and block & (block - 1) == 0):
-            raise ValueError("%s: block_size must be a power of two in [%d, %d], got %r%s"
-                             % (self._name(), Q8_BLOCK_MIN, Q8_BLOCK_MAX, block, where))
+        F.parse(group, self.moments, self._name(), where)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         self._plan = None
@@ -279,11 +252,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                                     "float16 params are supported%s"
                                     % (self._name(), j, where, dtype_name(p.dtype),
                                        self._torch_dtypes_note()))
-                if p.dtype is torch.float16 and group["param_remainders"]:
-                    raise ValueError(F.FP16_REMAINDER % ("%s: params[%d]%s"
-                                                         % (self._name(), j, where)))
-                check_q8_param(p, group, self._moments_of(group),
-                               "%s: params[%d]%s" % (self._name(), j, where))
+                # (a float16 param with param_remainders is refused by its param format)
+                F.param_format(p, group, "%s: params[%d]%s" % (self._name(), j, where))
+                check_formats_param(p, group, self._moments_of(group),
+                                    "%s: params[%d]%s" % (self._name(), j, where))
                 if not has_kernel(self._op, p.device):
                     raise ValueError("%s: params[%d]%s is on %s, a device this build of mpext "
                                      "has no %s kernel for"
@@ -331,7 +303,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                              % (where, p.layout))
         why = "torch.optim's implementation of the rule steps it (docs/dropin.md)"
         for q in self._moments_of(group):
-            if group.get(q.setting, F32) not in (F32, "float32"):
+            if not F.is_default(group.get(q.setting, F32), q):
                 raise ValueError("%s: %s=%r is not available for it: %s, with its state in the "
                                  "param's dtype" % (where, q.setting, group.get(q.setting), why))
         for key, default in (("param_remainders", False), ("stochastic_rounding", False),
@@ -514,9 +486,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             state.clear()
             state.update(new)
-            storage = state.get("master_param")
-            if storage is None:
-                storage = state.get("param_remainder")
+            storage = F.stored_value(state)
             items.append(StepItem(local(p), g, state,
                                   None if storage is None else local(storage),
                                   group["lr"], hyper, stream, offset,
@@ -524,11 +494,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         return items, owners, groups
 
     def _blocks(self, p: torch.Tensor, group: Dict[str, Any]) -> Optional[Any]:
-        """Where a DTensor param's 8-bit blocks lie (mpext.optim._q8_shards), or None when its
-        moments are not 8-bit."""
-        if any(F.moment_format(p, group, q)[0] is F.Q8 for q in self._moments_of(group)):
-            return q8_shards.shard_blocks(p, group.get("block_size", 256))
-        return None
+        """Where a DTensor param's blocked moments lie (formats.shard_layout), or None when its
+        moments' formats are elementwise."""
+        return F.shard_layout(p, group, self._moments_of(group))
 
     def _draws_bits(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
         """Whether the step of ``p`` draws stochastic-rounding bits (which depend on its
@@ -537,8 +505,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if group.get("stochastic_rounding", False) and not group.get("master_weights", True) \
                 and p.dtype in LOW_DTYPES:
             return True
-        return group.get("moment_rounding", "stochastic") == "stochastic" and any(
-            F.moment_format(p, group, q)[0] is not F.FP32 for q in self._moments_of(group))
+        return group.get("moment_rounding", "stochastic") == "stochastic" and F.draws_bits(
+            p, group, self._moments_of(group))
 
     def _shard_offset(self, p: torch.Tensor, group: Dict[str, Any], j: int, gi: int) -> int:
         """The global offset of a DTensor param's local shard (_tensors.shard_offset); a
@@ -805,11 +773,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
-                    state = self.state.get(p)
-                    if state and "master_param" in state:
-                        state["master_param"].copy_(p)
-                    if state and "param_remainder" in state:
-                        state["param_remainder"].zero_()
+                    fmt = F.stored_param_format(self.state.get(p) or {})
+                    if fmt is not None:
+                        fmt.reset(p, self.state[p])
 
     def ema_param(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """A copy of the FP32 EMA kept for ``param`` (see ``ema_decay``), or None when its
@@ -840,9 +806,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         yet) the param widened to FP32."""
         state = self.state.get(param) or {}
         with torch.no_grad():
-            if "master_param" in state:
-                return state["master_param"].detach().clone()
-            return (F.stored_param_format(state) or F.FP32_PARAM).decode(param, state)
+            return F.fp32_value(param, state)
 
     # -----------------------------------------------------------------------------------------
     # state_dict: torch's, in values every client can carry.
@@ -870,19 +834,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                     and is_dtensor(params[k][0])):
                 continue
             p, group = params[k]
-            rem = st.get("param_remainder")
             mine = st
             st = state[k] = dict(st)  # the optimizer's own dict stays as it is
-            if is_dtensor(rem):
-                st["param_remainder"] = DTensor.from_local(
-                    rem.to_local().to(torch.int32), rem.device_mesh, rem.placements,
-                    run_check=False, shape=rem.shape, stride=rem.stride())
+            fmt = F.stored_param_format(mine)
+            if fmt is not None:
+                fmt.export(p, mine, st)
             for q in self._moments_of(group):
-                key = F.Q8.keys(q.name)[1]
-                if isinstance(mine.get(key), torch.Tensor) and not is_dtensor(mine[key]):
-                    block = q8_shards.block_of(p, mine[key], group.get("block_size", 256),
-                                               "%s.state_dict: param %d" % (self._name(), k))
-                    st[key] = q8_shards.global_scales(p, mine[key], block)
+                fmt = F.held(mine, q.name)
+                if fmt is not None:
+                    fmt.export(p, mine, st, q, group.get("block_size", 256),
+                               "%s.state_dict: param %d" % (self._name(), k))
         return sd
 
     # -----------------------------------------------------------------------------------------

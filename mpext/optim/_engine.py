@@ -17,7 +17,7 @@ import torch
 
 from .._common import LrTensors, is_dense, same_layout
 from . import _q8_shards as q8_shards
-from .formats import moment_of
+from .formats import launch_moments, launch_storage
 from ._tensors import F32, local
 
 
@@ -25,10 +25,11 @@ class AdamHyper(NamedTuple):
     """What the params of one ``adam_step_`` call share besides device and learning rate.
 
     A rule's hyper (this, ``LionHyper``, ``SGDHyper``) ends with the storage fields from
-    ``unscale_grads`` on, and tells the planner its ``op``, the keyword names of its moments'
-    8-bit scales (``scale_names``, one per moment list the op takes), :meth:`quantities` (the
-    state quantities it keeps, in the op's order) and :meth:`rule_args` (the op's positional
-    hyperparameters after ``lr``)."""
+    ``unscale_grads`` on, and tells the planner its ``op``, ``moment_lists`` (how many moment
+    lists the op's schema takes), :meth:`quantities` (the state quantities it keeps, in the
+    op's order: at most ``moment_lists``) and :meth:`rule_args` (the op's positional
+    hyperparameters after ``lr``). What each moment adds to the call (an 8-bit code's scales)
+    is its format's (formats.launch_moments)."""
     beta1: float
     beta2: float
     eps: float
@@ -44,7 +45,7 @@ class AdamHyper(NamedTuple):
     ema_decay: float  # 0 when the group keeps no EMA (the kernel then has none to update)
 
     op = "adam_step_"
-    scale_names = ("exp_avg_scales", "exp_avg_sq_scales")
+    moment_lists = 2
 
     def quantities(self) -> tuple:
         return ("exp_avg", "exp_avg_sq")
@@ -62,7 +63,7 @@ STORAGE_FIELDS = [(name, AdamHyper.__annotations__[name])
 
 def rule_hyper(name: str, fields: List[tuple]) -> type:
     """The NamedTuple base of a rule's hyper: its own fields, then STORAGE_FIELDS (the rule
-    subclasses it with op, scale_names, quantities and rule_args, as AdamHyper has them)."""
+    subclasses it with op, moment_lists, quantities and rule_args, as AdamHyper has them)."""
     return NamedTuple(name, list(fields) + STORAGE_FIELDS)
 
 
@@ -92,12 +93,12 @@ class StepItem(NamedTuple):
     """One param to step. Plain tensors (DTensors already as their local shards)."""
     param: torch.Tensor
     grad: torch.Tensor
-    # the rule's moments by torch's names (exp_avg, exp_avg_sq, momentum_buffer: float32 or
-    # bfloat16), or 8-bit <name>_q8 codes with their <name>_q8_scale, an optional ema_param,
-    # and step (converted in place to a float32 scalar on the param's device if it is not one)
+    # the rule's moments, each under its format's keys (mpext.optim.formats), an optional
+    # ema_param, and step (converted in place to a float32 scalar on the param's device if it
+    # is not one)
     state: Dict[str, Any]
-    # the fp32 master (float32) or the remainder (int16) of a bf16/fp16 param, or None (an
-    # fp32 param, or none kept)
+    # the state entry that holds the FP32 value of a bf16/fp16 param (its param format's:
+    # a master or a remainder), or None (an fp32 param, or none kept)
     storage: Optional[torch.Tensor]
     lr: Union[float, torch.Tensor]
     hyper: Any  # AdamHyper, or another rule's (see AdamHyper)
@@ -105,8 +106,8 @@ class StepItem(NamedTuple):
     # the position of the param's first element in its whole parameter (a DTensor's shard:
     # its global offset), added to every element's stochastic-rounding position
     offset: int = 0
-    # a DTensor param with 8-bit moments: where its blocks lie (mpext.optim._q8_shards); the
-    # step splits it into its inner blocks and copies of the blocks other shards share
+    # a DTensor param with blocked moments: where its blocks lie (formats.Blocks); the step
+    # splits it into its inner blocks and copies of the blocks other shards share
     blocks: Any = None
 
 
@@ -161,42 +162,39 @@ def device_step(state: Dict[str, Any], device: torch.device) -> torch.Tensor:
 
 
 class _Launch(NamedTuple):
-    """The per-param lists of one step-op call: ``moments`` and ``scales`` one list per moment
-    list the op takes (empty lists past the quantities the rule keeps)."""
+    """The per-param lists of one step-op call (the moments' come from formats.launch_moments:
+    one list per moment list the op takes, and the keyword lists their formats add)."""
     params: list
     grads: list
-    moments: list
-    masters: list
+    states: list
+    storages: list  # each param's stored FP32 value (formats.launch_storage), or None
     steps: list
-    remainders: list
     streams: list
     offsets: list
-    scales: list
     emas: list
 
 
 def _op_call(launch: _Launch, lr: torch.Tensor, hyper: Any,
              inv_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
-             empty: torch.Tensor, empty16: torch.Tensor) -> tuple:
+             empty: torch.Tensor, placeholder: Any) -> tuple:
     """(args, kwargs) of the hyper's op (``torch.ops.mpext.adam_step_``, ...) for one launch: a
     list the kernel would only read as placeholders (``empty``) is passed as None or left
     out."""
-    masters = [] if all(m is empty for m in launch.masters) else launch.masters
-    q8 = any(m is not empty for m in launch.scales[0])
+    storage = launch_storage(launch.storages, placeholder)
+    masters = storage.pop("masters") or []
+    moments, extra = launch_moments(launch.states, hyper.quantities(), hyper.moment_lists,
+                                    empty)
     seed = hyper.seed - 2 ** 64 if hyper.seed >= 2 ** 63 else hyper.seed  # the schema's int64
-    args = ((launch.params, launch.grads) + tuple(launch.moments)
+    args = ((launch.params, launch.grads) + tuple(moments)
             + (masters, launch.steps, lr) + hyper.rule_args())
     kwargs = dict(inv_scale=inv_scale, found_inf=found_inf, unscale_grads=hyper.unscale_grads,
-                  remainders=None if all(r is empty16 for r in launch.remainders)
-                  else launch.remainders,
                   master_free=hyper.master_free, stochastic_rounding=hyper.stochastic_rounding,
                   moments_round_nearest=hyper.moments_round_nearest, seed=seed,
                   sr_streams=launch.streams,
                   offsets=launch.offsets if any(launch.offsets) else None, block_size=hyper.block_size,
                   ema_params=None if all(e is empty for e in launch.emas) else launch.emas,
-                  ema_decay=hyper.ema_decay)
-    for name, scales in zip(hyper.scale_names, launch.scales):
-        kwargs[name] = scales if q8 else None
+                  ema_decay=hyper.ema_decay, **storage)
+    kwargs.update(extra)
     return args, kwargs
 
 
@@ -218,13 +216,17 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
     for (device, _, _, hyper), positions in calls.items():
         if device not in per_device:
             per_device[device] = (_to_device(inv_scale, device), _to_device(found_inf, device),
-                                  torch.empty(0, dtype=F32, device=device),
-                                  torch.empty(0, dtype=torch.int16, device=device))
-        dev_inv, dev_found, empty, empty16 = per_device[device]
-        quantities = hyper.quantities()
-        nlists = len(hyper.scale_names)
-        launch = _Launch([], [], [[] for _ in range(nlists)], [], [], [], [], [],
-                         [[] for _ in range(nlists)], [])
+                                  torch.empty(0, dtype=F32, device=device), {})
+        dev_inv, dev_found, empty, zeros = per_device[device]
+
+        def placeholder(dtype, device=device, zeros=zeros):
+            # one zero-size tensor per dtype and device: what the op reads as "none"
+            t = zeros.get(dtype)
+            if t is None:
+                t = zeros[dtype] = torch.empty(0, dtype=dtype, device=device)
+            return t
+
+        launch = _Launch([], [], [], [], [], [], [], [])
         for i in positions:
             p, g, state, storage, _, _, stream, offset, _ = items[i]
             if not is_dense(p):
@@ -245,14 +247,9 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
                 g = copy
             launch.params.append(p)
             launch.grads.append(g)
-            for j, name in enumerate(quantities):
-                m, ms = moment_of(state, name)
-                launch.moments[j].append(local(m))
-                launch.scales[j].append(empty if ms is None else ms)
+            launch.states.append(state)
             launch.steps.append(device_step(state, device))
-            is_remainder = storage is not None and storage.dtype is torch.int16
-            launch.masters.append(empty if storage is None or is_remainder else storage)
-            launch.remainders.append(storage if is_remainder else empty16)
+            launch.storages.append(storage)
             launch.streams.append(stream)
             launch.offsets.append(offset)
             ema = state.get("ema_param")
@@ -260,7 +257,7 @@ def _plan_calls(items: Iterable[StepItem], lr_tensors: LrTensors,
         slot = slots[device]
         slots[device] += 1
         lr_t = lr_tensors.get((device, slot), device, items[positions[0]].lr)
-        args, kwargs = _op_call(launch, lr_t, hyper, dev_inv, dev_found, empty, empty16)
+        args, kwargs = _op_call(launch, lr_t, hyper, dev_inv, dev_found, empty, placeholder)
         out.append(_Call(getattr(torch.ops.mpext, hyper.op), args, kwargs, device, slot,
                          positions))
     return out, copied

@@ -1,5 +1,7 @@
-"""8-bit moments of sharded (DTensor) params -- FSDP2, HSDP -- coded on the whole param's
-blocks, so that a sharded run holds, on any mesh, the codes, scales and params of one process.
+"""Blocked moments (the 8-bit code: mpext.optim.formats' ``BlockCodeFormat``) of sharded
+(DTensor) params -- FSDP2, HSDP -- coded on the whole param's blocks, so that a sharded run holds,
+on any mesh, the codes, scales and params of one process. The mesh mechanics only: which keys
+are per element and per block, and the codec, are the format's (it calls these with them).
 
 The blocks of an 8-bit moment lie on the param's whole flattened index: block j is elements
 [j B, (j + 1) B) of the unsharded param, whatever the mesh. A rank keeps the codes of its shard
@@ -22,8 +24,12 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .formats import q8_blocks, q8_decode, q8_encode
 from ._tensors import F32, flat_view, is_dtensor, local, shard_offset
+
+
+def q8_blocks(n: int, block: int) -> int:
+    """The number of blocks of ``block`` elements that cover n elements."""
+    return -(-n // block)
 
 
 class ShardBlocks(NamedTuple):
@@ -108,7 +114,7 @@ def shard_blocks(p: torch.Tensor, block: int) -> ShardBlocks:
 
 # A shard's scales do not tell the block size they were made for by their number (a shard
 # touches one block of 256 as of 512): mpext's own scales tensors carry it.
-_BLOCK_ATTR = "_mpext_q8_block"
+_BLOCK_ATTR = "_mpext_block_size"
 
 
 def tag(scales: torch.Tensor, block: int) -> torch.Tensor:
@@ -147,27 +153,29 @@ def _like(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
 
 
 def decode_shard(p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 block: int) -> torch.Tensor:
+                 block: int, decode: Any) -> torch.Tensor:
     """The FP32 values (exact, a DTensor placed as ``p``) of a DTensor param's local codes and
-    local scales (blocks of ``block`` elements on the whole index)."""
+    local scales (blocks of ``block`` elements on the whole index), by the format's ``decode``
+    (codes, scales) -> values."""
     lay = shard_blocks(p, block)
     mine = local(codes)
     pad = lay.start - lay.first * block
     flat = torch.zeros(lay.count * block, dtype=mine.dtype, device=mine.device)
     flat[pad:pad + mine.numel()] = flat_view(mine)
-    values = q8_decode(flat, scales)[pad:pad + mine.numel()]
+    values = decode(flat, scales)[pad:pad + mine.numel()]
     out = torch.empty_like(mine, dtype=F32)
     flat_view(out).copy_(values)
     return _like(p, out)
 
 
 def encode_whole(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype,
-                 block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                 block: int, encode: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     """The codes (a DTensor placed as ``p``) and this rank's scales of FP32 ``value`` (placed as
-    ``p``), each rounded to the nearest code, on the whole param's blocks: the value is gathered
-    (a collective: every rank of the mesh calls this for the param at once)."""
+    ``p``), by the format's ``encode`` (values, dtype, block) -> (codes, scales), on the whole
+    param's blocks: the value is gathered (a collective: every rank of the mesh calls this for
+    the param at once)."""
     lay = shard_blocks(p, block)
-    codes, scales = q8_encode(value.full_tensor(), dtype, block)
+    codes, scales = encode(value.full_tensor(), dtype, block)
     mine = torch.empty_like(local(p), dtype=dtype)
     flat_view(mine).copy_(flat_view(codes)[lay.start:lay.stop])
     return _like(p, mine), tag(scales[lay.first:lay.first + lay.count].clone(), block)
@@ -283,18 +291,19 @@ class SharedBlocks:
 
 def _arrays(item: Any, state: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
     """The per-element arrays of an item the step reads or writes, as flat local views:
-    ("param", ...), ("grad", ...), ("storage", ...), each moment's codes by state key, and
-    ("ema_param", ...)."""
+    ("param", ...), ("grad", ...), ("storage", ...), the moments' per-element state entries by
+    key (the format's: ``item.blocks.element_keys``), and ("ema_param", ...)."""
     out = [("param", flat_view(item.param)), ("grad", flat_view(item.grad))]
     if item.storage is not None:
         out.append(("storage", flat_view(item.storage)))
-    for name in item.hyper.quantities():
-        key = name + "_q8"
-        if key in state:
-            out.append((key, flat_view(local(state[key]))))
+    for key in item.blocks.element_keys:
+        out.append((key, flat_view(local(state[key]))))
     if state.get("ema_param") is not None:
         out.append(("ema_param", flat_view(local(state["ema_param"]))))
     return out
+
+
+_ITEM_ARRAYS = ("param", "grad", "storage")  # the arrays an item holds outside its state
 
 
 def split(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks]]:
@@ -321,15 +330,15 @@ def split_bound(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks],
     out, sources = [], []
     groups: Dict[tuple, List[tuple]] = {}  # (group, device) -> [(item, arrays, step)]
     for i, it in enumerate(items):
-        lay = it.blocks
-        if lay is None:
+        if it.blocks is None:
             out.append(it)
             sources.append((i, None))
             continue
+        lay = it.blocks.layout
         device = it.param.device
         step = it.state["step"]  # a float32 scalar on the device (fused_step made it one)
         arrays = _arrays(it, it.state)
-        scale_keys = [k + "_scale" for k, _ in arrays if k.endswith("_q8")]
+        scale_keys = it.blocks.block_keys
         # The inner blocks, in place: the param's own step and a slice of its scales.
         lo, hi = lay.inner
         a, b = (lay.span(lo)[0], lay.span(hi - 1)[1]) if hi > lo else (lo * lay.block,) * 2
@@ -348,7 +357,7 @@ def split_bound(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks],
     for (group, device), members in groups.items():
         sizes, where = [], []
         for _, it, arrays, step, scale_keys in members:
-            lay = it.blocks
+            lay = it.blocks.layout
             for j in lay.shared:
                 begin, end = lay.span(j)
                 for k, v in arrays:
@@ -361,7 +370,7 @@ def split_bound(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks],
         for at, size, (it, j, k, v) in zip(offsets, sizes, where):
             copies.setdefault((id(it), j), {})[k] = buf[at:at + size].view(v.dtype)
         for i, it, arrays, step, scale_keys in members:
-            lay = it.blocks
+            lay = it.blocks.layout
             for j in lay.shared:
                 begin, end = lay.span(j)
                 lo, hi = max(begin, lay.start), min(end, lay.stop)
@@ -388,7 +397,7 @@ def _item(it: Any, views: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor
     """A step item over ``views`` (by array name) with ``state``'s step and scales: the
     param's stream and hyperparameters, the given global offset, no blocks."""
     for k, v in views.items():
-        if k.endswith("_q8") or k == "ema_param":
+        if k not in _ITEM_ARRAYS:  # a moment's per-element entry, or the EMA
             state[k] = v
     return it._replace(param=views["param"], grad=views["grad"],
                        storage=views.get("storage"), state=state, offset=offset, blocks=None)

@@ -6,46 +6,35 @@ Shared with ``mpext.mixed_precision`` (whose fused path keeps an inner optimizer
 :func:`new_moments` and :func:`conform_state`. ``moments`` is always the rule's tuple of
 :class:`~mpext.optim.formats.Quantity` (``Adam.moments``).
 """
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
-from .._common import LOW_DTYPES, Q8_BLOCK_MAX, Q8_BLOCK_MIN
-from .._common import dtype_name, is_real
-from . import _q8_shards as q8_shards
+from .._common import LOW_DTYPES
+from .._common import is_real
 from . import formats as F
-from ._tensors import F32, copy_like, flat_view, is_dtensor, same_memory_order
+from ._tensors import F32, copy_like, fp32_copy
 # Names of the step's path (conform_state runs for every param at every step), bound here.
-from .formats import STORAGE_KEYS, moment_format, moment_of, param_format, q8_blocks
+from .formats import STORAGE_KEYS, held, moment_format, param_format
 
 Moments = Tuple[F.Quantity, ...]
 
 
-def check_q8_param(param: torch.Tensor, group: Dict[str, Any], moments: Moments,
-                   where: str) -> None:
-    """8-bit moments of a DTensor param lie on its whole index (mpext.optim._q8_shards), which
-    needs shards that are runs of the whole param split along one mesh dimension."""
-    if is_dtensor(param) and any(F.moment_format(param, group, q)[0] is F.Q8 for q in moments):
-        why = q8_shards.unsupported(param)
-        if why is not None:
-            raise ValueError("%s: %s" % (where, why))
+def check_formats_param(param: torch.Tensor, group: Dict[str, Any], moments: Moments,
+                        where: str) -> None:
+    """Refuses a param one of its group's moment formats cannot be kept for (8-bit moments of
+    a DTensor param lie on its whole index, which needs shards that are runs of the whole
+    param split along one mesh dimension: mpext.optim._q8_shards)."""
+    F.check_param(param, group, moments, where)
 
 
 def new_moments(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
                 moments: Moments) -> None:
-    """Zero moments for a param's first step in its group's formats: in the param's layout,
-    with zero scales for 8-bit codes (which decode to zero)."""
+    """Zero moments for a param's first step in its group's formats (in the param's layout;
+    coded formats with zero metadata, which decodes to zero)."""
+    block = group.get("block_size", 256)
     for q in moments:
-        fmt, dt = F.moment_format(param, group, q)
-        zeros = torch.zeros_like(param, dtype=dt, memory_format=torch.preserve_format)
-        if fmt is F.Q8:
-            block = group.get("block_size", 256)
-            code_key, scale_key = fmt.keys(q.name)
-            state[code_key] = zeros
-            state[scale_key] = q8_shards.tag(torch.zeros(
-                q8_shards.local_count(param, block), dtype=F32, device=param.device), block)
-        else:
-            state[q.name] = zeros
+        state.update(moment_format(param, group, q)[0].new(param, q, block))
 
 
 def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
@@ -58,36 +47,18 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     without a master). The one conversion of optimizer state, for a group changed between steps
     and for load_state_dict (which converts the moments only, ``storage=False``: the rest reads
     the param)."""
-    check_q8_param(param, group, moments, where)
+    F.check_param(param, group, moments, where)
     block = group.get("block_size", 256)
     for q in moments:
-        fmt, dtype = moment_format(param, group, q)
-        t, scale = moment_of(state, q.name)
-        if t is None:
+        have = held(state, q.name)
+        if have is None:
             continue
-        sharded = is_dtensor(param)
-        if scale is not None:
-            if sharded:  # a shard's scales are told apart by the block size they were made for
-                had = q8_shards.block_of(param, scale, block, where)
-                if t.dtype is dtype and had == block:
-                    continue
-                value = q8_shards.decode_shard(param, t, scale, had)
-            elif t.dtype is dtype and scale.numel() == q8_blocks(param.numel(), block):
-                continue  # the group's form already (blocks of one size agree in number)
-            else:
-                value = F.Q8.decode(t, scale)
-        elif t.dtype is dtype:
-            continue
-        else:
-            value = F.FORMAT_OF_DTYPE.get(t.dtype, F.FP32).decode(t, None)
-        for fm in F.MOMENT_FORMATS.values():
-            for k in fm.keys(q.name):
-                state.pop(k, None)
-        if fmt is F.Q8 and sharded:  # on the whole param's blocks (a collective)
-            codes, scales = q8_shards.encode_whole(param, value, dtype, block)
-            state.update(zip(fmt.keys(q.name), (codes, scales)))
-        else:
-            state.update(fmt.encode(value, q, block))
+        fmt = moment_format(param, group, q)[0]
+        if have is fmt and fmt.conforms(param, state, q, block, where):
+            continue  # the group's form already
+        value = have.value_of(param, state, q, block, where)
+        F.drop(state, q.name)
+        state.update(fmt.store(param, value, q, block))
     if not storage:
         return
     want = param_format(param, group, where)
@@ -96,9 +67,8 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     source = want if want.key is not None else None
     if want.key is not None and want.key not in state:
         have = F.stored_param_format(state)
-        # A master is used as it is (not copied) to split it into a remainder.
-        value = None if have is None else (state["master_param"] if have is F.MASTER
-                                           else have.decode(param, state))
+        # (a master is used as it is, not copied, to split it into a remainder)
+        value = None if have is None else have.source(param, state)
         state[want.key] = want.encode(param, value, where)
         if have is None:
             source = None
@@ -108,41 +78,17 @@ def conform_state(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     if group.get("ema_decay") is None:
         state.pop("ema_param", None)
     elif "ema_param" not in state:  # from the fp32 value now (a first step copies it anyway)
-        state["ema_param"] = (source or F.FP32_PARAM).decode(param, state)
+        state["ema_param"] = fp32_copy(param) if source is None else source.decode(param, state)
 
 
 # ---- Importing a saved state ---------------------------------------------------------------
-
-# Checkpoints written before coded state had keys of its own held the codes under the
-# moment's name, with the scales under "<moment>_scale".
-_OLD_SCALE_SUFFIX = "_scale"
-
 
 def known_keys(moments: Moments) -> Tuple[str, ...]:
     """The state keys mpext writes or reads for a rule with these moments."""
     keys = ("step", "ema_param") + F.STORAGE_KEYS
     for q in moments:
-        keys += tuple(k for fmt in F.MOMENT_FORMATS.values() for k in fmt.keys(q.name))
-        keys += (q.name + _OLD_SCALE_SUFFIX,)
+        keys += F.saved_keys(q.name)
     return keys
-
-
-def upgrade_keys(value: Dict[str, Any], moments: Moments) -> Dict[str, Any]:
-    """A saved param state in the current key scheme: 8-bit codes saved under a moment's own
-    name (with "<moment>_scale") move to "<moment>_q8" / "<moment>_q8_scale"."""
-    codes = (torch.int8, torch.uint8)
-    if not any(isinstance(value.get(q.name), torch.Tensor) and value[q.name].dtype in codes
-               for q in moments):
-        return value
-    value = dict(value)
-    for q in moments:
-        t = value.get(q.name)
-        code_key, scale_key = F.Q8.keys(q.name)
-        if isinstance(t, torch.Tensor) and t.dtype in codes and code_key not in value:
-            value[code_key] = value.pop(q.name)
-            if q.name + _OLD_SCALE_SUFFIX in value:
-                value[scale_key] = value.pop(q.name + _OLD_SCALE_SUFFIX)
-    return value
 
 
 def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any],
@@ -156,47 +102,12 @@ def _keep_unknown_keys(out: Dict[str, Any], value: Dict[str, Any],
     return out
 
 
-def _import_codes(param: torch.Tensor, q: F.Quantity, t: torch.Tensor, value: Dict[str, Any],
-                  block: int, where: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A loaded moment's 8-bit codes and its scales, checked and copied to the param; or, for
-    codes saved in another memory layout than the param's, or (a DTensor param) on blocks of
-    another size than its group's, their fp32 values and None."""
-    name, skey = F.Q8.keys(q.name)
-    dtype = F.Q8.storage_dtype(q)
-    if t.dtype is not dtype or t.layout != torch.strided:
-        raise TypeError("%s: %s holds 8-bit codes, which must be a dense %s tensor, got %s %s"
-                        % (where, name, dtype, t.layout, t.dtype))
-    sc = value.get(skey)
-    if is_dtensor(sc):  # a sharded run's checkpoint: every block's scale, replicated
-        sc = sc.full_tensor()
-    if not (isinstance(sc, torch.Tensor) and sc.dtype is F32 and sc.dim() == 1
-            and F.q8_block_of(param.numel(), sc.numel()) is not None):
-        raise ValueError("%s: %s holds 8-bit codes, so %s must be a 1-D float32 tensor of one "
-                         "scale per block of the whole param (a power-of-two block size in "
-                         "[%d, %d]), got %s"
-                         % (where, name, skey, Q8_BLOCK_MIN, Q8_BLOCK_MAX,
-                            tuple(sc.shape) if isinstance(sc, torch.Tensor) else sc))
-    if is_dtensor(param):
-        # Codes of a sharded or a single-process run: the blocks lie on the whole param's
-        # index, so each rank takes its shard of the codes and the scales of the blocks it
-        # touches, bit for bit; on blocks of another size they are decoded (exactly) and
-        # coded again on the group's (conform_state).
-        if q8_blocks(param.numel(), block) != sc.numel():  # (equal counts: the same blocks)
-            whole = t.full_tensor() if is_dtensor(t) else t
-            return copy_like(param, F.Q8.decode(whole.detach(), sc.detach()), F32), None
-        return copy_like(param, t, dtype), q8_shards.local_scales(param, sc, block)
-    if is_dtensor(t):
-        t = t.full_tensor()
-    t, sc = t.detach().to(param.device), sc.detach().to(device=param.device, copy=True)
-    codes = torch.empty_like(param, dtype=t.dtype, memory_format=torch.preserve_format)
-    if not same_memory_order(t, codes):
-        # The blocks follow memory order: codes saved in another layout (channels_last vs
-        # contiguous) group other elements, so they are decoded there (exactly), and
-        # conform_state quantizes the values again in the param's layout if the group keeps
-        # 8-bit moments.
-        return torch.empty_like(codes, dtype=F32).copy_(F.Q8.decode(t, sc)), None
-    flat_view(codes).copy_(flat_view(t))
-    return codes, sc
+def _check_entry(param: torch.Tensor, name: str, t: Any, where: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s: %s must be a tensor, got %s" % (where, name, type(t).__name__))
+    if t.shape != param.shape:
+        raise ValueError("%s: %s has shape %s but the param has shape %s"
+                         % (where, name, tuple(t.shape), tuple(param.shape)))
 
 
 def _import_step(value: Any, param: torch.Tensor, where: str) -> torch.Tensor:
@@ -216,62 +127,32 @@ def import_param_state(param: torch.Tensor, value: Dict[str, Any], group: Dict[s
     """A saved param state (``value``, a non-empty dict in any format mpext or torch writes)
     checked, copied to the param's device, layout and placement, and converted into the group's
     formats. Raises before anything is modified."""
-    value = upgrade_keys(value, moments)
+    value = F.upgrade(value, moments)
     if "step" not in value:
         raise ValueError("%s has no 'step' (it has %s)" % (where, sorted(value)))
-    for q in moments:
-        code_key = F.Q8.keys(q.name)[0]
-        if q.name not in value and code_key not in value:
-            raise ValueError("%s has no %r (it has %s)" % (where, q.name, sorted(value)))
-        if q.name in value and code_key in value:
-            raise ValueError("%s has both %r and %r" % (where, q.name, code_key))
+    saved = [(q,) + F.saved_entry(value, q, where) for q in moments]
     out: Dict[str, Any] = {"step": _import_step(value, param, where)}
-    low = param.dtype in LOW_DTYPES
-    by_code = {F.Q8.keys(q.name)[0]: q for q in moments}
-    names = tuple(k for q in moments for k in (q.name, F.Q8.keys(q.name)[0]))
-    for name in names + F.STORAGE_KEYS + ("ema_param",):
-        if name not in value or (name in F.STORAGE_KEYS and not low):
-            continue
-        t = value[name]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("%s: %s must be a tensor, got %s"
-                            % (where, name, type(t).__name__))
-        if t.shape != param.shape:
-            raise ValueError("%s: %s has shape %s but the param has shape %s"
-                             % (where, name, tuple(t.shape), tuple(param.shape)))
-        if name in by_code:
-            q = by_code[name]
-            codes, scale = _import_codes(param, q, t, value,
-                                         group.get("block_size", 256), where)
-            if scale is None:  # decoded
-                out[q.name] = codes
-            else:
-                out[name], out[F.Q8.keys(q.name)[1]] = codes, scale
-            continue
-        if name == "param_remainder":
-            if t.dtype not in (torch.int16, torch.int32) or t.layout != torch.strided:
-                raise TypeError("%s: param_remainder must be a dense int16 tensor (or int32 "
-                                "of int16 values), got %s %s" % (where, t.layout, t.dtype))
-            if t.dtype is torch.int32 and t.numel() and not bool(
-                    ((t >= -2 ** 15) & (t < 2 ** 15)).all()):
-                raise ValueError("%s: param_remainder is int32 with values outside int16's "
-                                 "range; it must hold int16 values" % where)
-            if param.dtype != torch.bfloat16:
-                raise ValueError("%s: it has a param_remainder but the param is %s; only a "
-                                 "bfloat16 param has one" % (where, dtype_name(param.dtype)))
-            out[name] = copy_like(param, t, torch.int16)
-            continue
+    block = group.get("block_size", 256)
+    for q, fmt, key in saved:
+        _check_entry(param, key, value[key], where)
+        out.update(fmt.load(param, q, value[key], value, block, where))
+    if param.dtype in LOW_DTYPES:  # (an FP32 param's FP32 value is itself)
+        for fmt in F.STORAGE_FORMATS:
+            if fmt.key in value:
+                _check_entry(param, fmt.key, value[fmt.key], where)
+                out[fmt.key] = fmt.load(param, value[fmt.key], where)
+    if "ema_param" in value:
+        t = value["ema_param"]
+        _check_entry(param, "ema_param", t, where)
         if not t.is_floating_point() or t.layout != torch.strided:
-            raise TypeError("%s: %s must be a dense floating-point tensor, got %s %s"
-                            % (where, name, t.layout, t.dtype))
-        # Moments in their saved precision (converted to the group's by conform_state).
-        keep = t.dtype if any(name == q.name for q in moments) and t.dtype is torch.bfloat16 \
-            else F32
-        out[name] = copy_like(param, t, keep)
-    if "master_param" in out and "param_remainder" in out:
-        raise ValueError("%s has both a master_param and a param_remainder" % where)
-    want = F.param_format(param, group, where).key
-    if "param_remainder" in out and want == "master_param":
+            raise TypeError("%s: ema_param must be a dense floating-point tensor, got %s %s"
+                            % (where, t.layout, t.dtype))
+        out["ema_param"] = copy_like(param, t, F32)
+    stored = [f for f in F.STORAGE_FORMATS if f.key in out]
+    if len(stored) > 1:
+        raise ValueError("%s has both a %s" % (where, " and a ".join(f.key for f in stored)))
+    want = F.param_format(param, group, where)
+    if stored and stored[0].reads_param and want.key is not None and want is not stored[0]:
         # A remainder becomes a master by joining it with the param, which the model's
         # state may not hold yet (nothing here can tell): join it at the next step, when
         # it surely does. The moments are converted now.

@@ -21,7 +21,7 @@ class LionHyper(rule_hyper("_LionFields", [("beta1", float), ("beta2", float),
     the storage fields of :class:`~mpext.optim._engine.AdamHyper`)."""
     __slots__ = ()
     op = "lion_step_"
-    scale_names = ("exp_avg_scales",)
+    moment_lists = 1
 
     def quantities(self) -> tuple:
         return ("exp_avg",)

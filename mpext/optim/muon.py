@@ -1,6 +1,6 @@
 """mpext.optim.muon: the Muon rule (``mpext.optim.Muon``): torch.optim.Muon's arguments, defaults
 and update, its state (``momentum_buffer``), and its launch: two elementwise phases on the step
-engine (``muon_step_`` phase 1: momentum; phase 3: decay and update, in every param format)
+engine (``muon_momentum_step_``; ``muon_update_step_``: decay and update in every param format)
 around Newton-Schulz through torch's BF16 matmuls. Param groups with ``use_muon=False`` are
 stepped by AdamW (any mpext format) in the same optimizer, as Muon's recipe trains embeddings,
 heads, norms and biases (:func:`muon_param_groups`). Everything else -- groups, formats,
@@ -29,21 +29,33 @@ _ADAM_MOMENTS = (Quantity("exp_avg", "exp_avg_dtype", True),
 _MUON_MOMENTS = (Quantity("momentum_buffer", "momentum_dtype", True),)
 
 
-class MuonHyper(rule_hyper("_MuonFields", [("phase", int), ("momentum", float),
-                                            ("nesterov", bool), ("lr_ratio", float),
-                                            ("weight_decay", float)])):
-    """One ``muon_step_`` call's shared values besides device and learning rate: phase 1
-    (momentum, nesterov; one moment) or 3 (lr_ratio, weight_decay; none), then the storage
-    fields of :class:`~mpext.optim._engine.AdamHyper`."""
+class MuonMomentumHyper(rule_hyper("_MuonMomentumFields", [("momentum", float),
+                                                            ("nesterov", bool)])):
+    """One ``muon_momentum_step_`` call's shared values (phase 1) besides device and learning
+    rate, then the storage fields of :class:`~mpext.optim._engine.AdamHyper`."""
     __slots__ = ()
-    op = "muon_step_"
-    scale_names = ("momentum_buffer_scales",)
+    op = "muon_momentum_step_"
+    moment_lists = 1
 
     def quantities(self) -> tuple:
-        return ("momentum_buffer",) if self.phase == 1 else ()
+        return ("momentum_buffer",)
 
     def rule_args(self) -> tuple:
-        return (self.phase, self.momentum, self.nesterov, self.lr_ratio, self.weight_decay)
+        return (self.momentum, self.nesterov)
+
+
+class MuonUpdateHyper(rule_hyper("_MuonUpdateFields", [("lr_ratio", float),
+                                                        ("weight_decay", float)])):
+    """One ``muon_update_step_`` call's shared values (phase 3), then the storage fields."""
+    __slots__ = ()
+    op = "muon_update_step_"
+    moment_lists = 0
+
+    def quantities(self) -> tuple:
+        return ()
+
+    def rule_args(self) -> tuple:
+        return (self.lr_ratio, self.weight_decay)
 
 
 class MuonGroup(NamedTuple):
@@ -161,11 +173,13 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
         u = torch.empty_like(it.param, dtype=_update_dtype(it.grad))
         updates.append(u)
         # the update is a master-free scratch written to nearest even, its stream the param's;
-        # the state without the EMA (phase 3 moves it towards the new param)
+        # the state without the EMA (phase 3 moves it towards the new param), and a copy of
+        # the step count: the op advances the counts it is given, and phase 3 ends the step
         st = {k: v for k, v in it.state.items() if k != "ema_param"}
+        st["step"] = st["step"].clone()
         store = h.storage
-        hyper = MuonHyper(1, h.momentum, h.nesterov, 1.0, 0.0, store[0], True, False,
-                          store[3], store[4], store[5], 0.0)
+        hyper = MuonMomentumHyper(h.momentum, h.nesterov, store[0], True, False, store[3],
+                                  store[4], store[5], 0.0)
         phase1.append(it._replace(param=u, state=st, storage=None, hyper=hyper))
     fused_step(phase1, lr_tensors, inv_scale, found_inf)
     ortho = _orthogonalize(items, updates, owners)
@@ -178,8 +192,8 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
         o = o.to(it.param.dtype if it.param.dtype is torch.bfloat16 else F32,
                  memory_format=torch.contiguous_format)
         shape = it.param.shape if owner is None else owner.shape  # a shard's: the whole's
-        hyper = MuonHyper(3, 0.0, False, adjust_lr_ratio(h.adjust_lr_fn, shape),
-                          h.weight_decay, False, *h.storage[1:])
+        hyper = MuonUpdateHyper(adjust_lr_ratio(h.adjust_lr_fn, shape), h.weight_decay, False,
+                                *h.storage[1:])
         phase3.append(it._replace(grad=o, hyper=hyper, blocks=None))
     fused_step(phase3, lr_tensors, None, found_inf)
 
@@ -251,7 +265,7 @@ class Muon(FusedOptimizer):
     stochastic-rounding streams and starts the EMA.
     """
 
-    _op = "muon_step_"
+    _op = "muon_update_step_"
     moments = _MUON_MOMENTS + _ADAM_MOMENTS
 
     def __init__(self, params, lr: Union[float, torch.Tensor] = 1e-3, weight_decay: float = 0.1,

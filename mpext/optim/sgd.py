@@ -24,7 +24,7 @@ class SGDHyper(rule_hyper("_SGDFields", [("momentum", float), ("dampening", floa
     the storage fields of :class:`~mpext.optim._engine.AdamHyper`)."""
     __slots__ = ()
     op = "sgd_step_"
-    scale_names = ("momentum_buffer_scales",)
+    moment_lists = 1
 
     def quantities(self) -> tuple:
         return ("momentum_buffer",) if self.momentum != 0.0 else ()
@@ -105,9 +105,8 @@ class SGD(FusedOptimizer):
         if group.get("nesterov", False) and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         dt = group.get("momentum_dtype", F32)
-        if not isinstance(dt, torch.dtype):
+        if momentum == 0 and not F.is_default(dt, self.moments[0]):
             dt = F.moment_dtype(dt, self.moments[0])
-        if momentum == 0 and dt is not F32:
             raise ValueError("%s: momentum_dtype=%r stores the momentum buffer, but momentum=0 "
                              "keeps none; leave momentum_dtype at torch.float32 or give a "
                              "momentum%s" % (self._name(), dt, where))

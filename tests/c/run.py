@@ -11,6 +11,8 @@ source, a header it includes or its command changed.
     python3 tests/c/run.py                          # ASan + UBSan build, run
     python3 tests/c/run.py --no-sanitize            # plain -O3 build, run
     python3 tests/c/run.py --valgrind               # plain build, under valgrind (sparser sweep)
+    python3 tests/c/run.py --no-fast-paths          # the core without csrc/core/fast (as
+                                                    # MPEXT_FAST_PATHS=0 does; CI runs it once)
     python3 tests/c/run.py -- --stride 4099         # arguments after -- go to the test binary
 
 Needs only python3 and a C compiler (CC, else cc, else gcc); it does not import torch. Exits with
@@ -113,18 +115,24 @@ def main():
                         help="plain build with the core's own flags (-O3), no sanitizers")
     parser.add_argument("--valgrind", action="store_true",
                         help="run the non-sanitized build under valgrind (implies --no-sanitize)")
+    parser.add_argument("--no-fast-paths", action="store_true",
+                        help="build the core without its fast paths (csrc/core/fast/README.md), "
+                        "as MPEXT_FAST_PATHS=0 does")
     parser.add_argument("test_args", nargs="*", help="arguments for the test binary (after --)")
     args = parser.parse_args()
     sanitize = not (args.no_sanitize or args.valgrind)
+    if args.no_fast_paths:
+        os.environ["MPEXT_FAST_PATHS"] = "0"  # build_tools/core.py reads it
 
     cc = find_cc()
     out_dir = os.path.join(ROOT, "build", "ctest", "asan-ubsan" if sanitize else "plain")
     t0 = time.time()
     exe = build(cc, out_dir, sanitize)
     t_build = time.time() - t0
-    print("run.py: built %s with %s in %.1f s (%s)"
+    print("run.py: built %s with %s in %.1f s (%s; %s)"
           % (os.path.relpath(exe, ROOT), " ".join(cc), t_build,
-             "-fsanitize=address,undefined -O1" if sanitize else "no sanitizers, -O3"),
+             "-fsanitize=address,undefined -O1" if sanitize else "no sanitizers, -O3",
+             "with the fast paths" if core.fast_paths() else "without the fast paths"),
           flush=True)
 
     env = dict(os.environ)

@@ -19,12 +19,12 @@
  *   - the loss-scale update (mp_update_scale): torch's _amp_update_scale_ restated, and the
  *     hysteresis / min_scale / max_scale / stats extensions restated from scale_rule.h's
  *     documentation, over random sequences of found_inf, plus hand-worked sequences.
- *   - the fused Adam/AdamW step (mp_adam_step): adam.h's formula restated in step-by-step float
+ *   - the fused Adam/AdamW step (mp_step, rule MP_RULE_ADAM): rules/adam.h's formula restated in step-by-step float
  *     arithmetic (bit for bit on every path, so the paths agree), with the scalars derived as
  *     the torch binding derives them; a 50-step run against Adam in double; NaN/Inf grads;
  *     sizes, offsets and guards; argument checks; 8-bit moments against the format restated
  *     in double (every code's value, exhaustive nearest/stochastic choice) block by block.
- *   - Lion and SGD (the other rules of mp_adam_step): lion-pytorch's and torch.optim.SGD's
+ *   - Lion and SGD (the other rules of mp_step): lion-pytorch's and torch.optim.SGD's
  *     update restated in float (fmaf for each add(alpha=)), in every param storage and moment
  *     format, with the rounding references above (bit for bit on every path).
  *   - grad_norm (mp_grad_norm_sumsq, mp_grad_norm_finish): the documented summation order
@@ -47,8 +47,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "mpext/adam.h"
-#include "mpext/adam_rule.h"
+#include "mpext/adam.h" /* the mp_adam_* aliases of one release (checked in 11f) */
+#include "mpext/step.h"
+#include "mpext/step_storage.h"
 #include "mpext/cast.h"
 #include "mpext/mpext.h"
 #include "mpext/norm.h"
@@ -61,6 +62,13 @@
 #else
 #define HAVE_READONLY_PAGES 0
 #endif
+
+/* The moment format (mpext/formats/formats.h) of moments stored as dtype d: fp32, bf16, or the
+ * 8-bit codes (int8 signed, uint8 non-negative); MP_FMT_COUNT (invalid) for any other. */
+static int32_t fmt_of(mp_dtype d) {
+  return d == MP_F32 ? MP_FMT_F32 : d == MP_BF16 ? MP_FMT_BF16 : d == MP_I8 ? MP_FMT_Q8S
+         : d == MP_U8 ? MP_FMT_Q8U : MP_FMT_COUNT;
+}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Bookkeeping: a check group passes when it saw no failure. */
@@ -2081,7 +2089,7 @@ static void test_update_scale(uint64_t seed0) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* 11. The fused Adam/AdamW step, mp_adam_step (adam.h), per ISA path, against this file's
+/* 11. The fused Adam/AdamW step, mp_step (step.h, rules/adam.h), per ISA path, against this file's
  *     reference: adam.h's per-element formula restated in float arithmetic, one rounding per
  *     operation in the documented order. Every intermediate is assigned to a float (this file is
  *     ISO C, which does not contract a * b + c into an FMA; where float arithmetic is carried out
@@ -2350,8 +2358,8 @@ static void ref_adam(adam_buf* b, adam_off o, int64_t n, const ref_scalars* hp) 
 }
 
 /* The options of the call hp describes: lr as a value, inv_scale through a pointer. */
-static mp_adam_options adam_options(const ref_scalars* hp, const float* inv_scale) {
-  mp_adam_options op;
+static mp_step_options adam_options(const ref_scalars* hp, const float* inv_scale) {
+  mp_step_options op;
   memset(&op, 0, sizeof op);
   op.beta1 = hp->cfg.beta1;
   op.beta2 = hp->cfg.beta2;
@@ -2364,17 +2372,17 @@ static mp_adam_options adam_options(const ref_scalars* hp, const float* inv_scal
   return op;
 }
 
-/* mp_adam_step over elements [0, n) of arrays that start at offsets o; the step count before
- * the step is hp->t - 1, and is left as it is (mp_adam_step only reads it). */
+/* mp_step over elements [0, n) of arrays that start at offsets o; the step count before
+ * the step is hp->t - 1, and is left as it is (mp_step only reads it). */
 static mp_status call_adam(adam_buf* b, adam_off o, int64_t n, const ref_scalars* hp) {
   float step = hp->t - 1.0f;
   const float inv = hp->inv_scale;
-  const mp_adam_tensor t = {(char*)b->param + o.p * a_size(b->pt), b->pt,
+  const mp_step_tensor t = {(char*)b->param + o.p * a_size(b->pt), b->pt,
                             (char*)b->grad + o.g * a_size(b->gt), b->gt,
                             b->master ? b->master + o.w : NULL, b->m + o.m, b->v + o.v, &step, n,
-                            NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
-  const mp_adam_options op = adam_options(hp, &inv);
-  const mp_status st = mp_adam_step(&t, 0, n, &op);
+                            NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
+  const mp_step_options op = adam_options(hp, &inv);
+  const mp_status st = mp_step(&t, 0, n, &op);
   if (step != hp->t - 1.0f) return (mp_status)99; /* the step count was written */
   return st;
 }
@@ -2431,20 +2439,20 @@ static int adam_compare(group* g, const adam_buf* in, const adam_buf* want, cons
  *      A NULL params, an unknown or foreign dtype and a master mismatch are rejected for n == 0
  *      as well; otherwise n == 0 is MP_OK (with NULL data pointers too, as for the casts) and
  *      writes nothing. A valid call on the same buffers then writes exactly its n elements. */
-/* One mp_adam_step call for the argument checks: pt/gt select the buffers; nulls: bit 0 param,
+/* One mp_step call for the argument checks: pt/gt select the buffers; nulls: bit 0 param,
  * 1 grad, 2 master, 3 exp_avg, 4 exp_avg_sq, 5 the options, 6 the step count. */
 static mp_status adam_arg_call(int pt, int gt, int master, int nulls, int64_t n, uint32_t* p32,
                                uint16_t* p16, uint32_t* g32, uint16_t* g16, uint32_t* w32,
-                               uint32_t* m32, uint32_t* v32, const mp_adam_options* opts) {
+                               uint32_t* m32, uint32_t* v32, const mp_step_options* opts) {
   static float step = 0.0f;
   const int p_low = pt == MP_BF16 || pt == MP_F16, g_low = gt == MP_BF16 || gt == MP_F16;
-  const mp_adam_tensor t = {
+  const mp_step_tensor t = {
       (nulls & 1) ? NULL : p_low ? (void*)p16 : (void*)p32, pt,
       (nulls & 2) ? NULL : g_low ? (void*)g16 : (void*)g32, gt,
       (!master || (nulls & 4)) ? NULL : (float*)(void*)w32,
       (nulls & 8) ? NULL : (float*)(void*)m32, (nulls & 16) ? NULL : (float*)(void*)v32,
-      (nulls & 64) ? NULL : &step, n, NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
-  return mp_adam_step(&t, 0, n < 0 ? 0 : n, (nulls & 32) ? NULL : opts);
+      (nulls & 64) ? NULL : &step, n, NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
+  return mp_step(&t, 0, n < 0 ? 0 : n, (nulls & 32) ? NULL : opts);
 }
 
 static void test_adam_arguments(void) {
@@ -2465,7 +2473,7 @@ static void test_adam_arguments(void) {
   adam_cfg cfg = {1e-3f, 0.9, 0.999, 1e-8, 1e-2, 1, 0};
   const ref_scalars hp = adam_scalars(&cfg, 1.0f, 0.5f);
   const float inv_half = 0.5f;
-  const mp_adam_options hp_opts = adam_options(&hp, &inv_half);
+  const mp_step_options hp_opts = adam_options(&hp, &inv_half);
   for (int k = 0; k < g_nisa; ++k) {
     const char* nm = mp_isa_name(g_isas[k]);
     select_isa(g_isas[k]);
@@ -3137,8 +3145,8 @@ static uint64_t parse_u64(const char* s, const char* what) {
   return (uint64_t)v;
 }
 
-/* 11f. The parts of a step: mp_adam_step over a tensor split into ranges gives the bits of one
- *      call and never writes the step count; mp_adam_advance_steps adds 1 to every count; with
+/* 11f. The parts of a step: mp_step over a tensor split into ranges gives the bits of one
+ *      call and never writes the step count; mp_step_advance_steps adds 1 to every count; with
  *      found_inf set neither writes anything; a range outside [0, n) is rejected; the options'
  *      pointers (lr, inv_scale) are read as the values they point at. */
 static void test_adam_ranges_and_steps(uint64_t seed0) {
@@ -3162,21 +3170,22 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
       float step = 4.0f;
       const float inv = 0.25f, lr = cfg.lr;
       const ref_scalars hp = adam_scalars(&cfg, 5.0f, inv);
-      mp_adam_options op = adam_options(&hp, &inv);
+      mp_step_options op = adam_options(&hp, &inv);
       op.lr = &lr; /* through the pointer: lr_value is ignored */
       op.lr_value = 99.0f;
-      mp_adam_tensor t1 = {one.param, pr->pt, one.grad, pr->gt, one.master, one.m, one.v, &step,
-                           (int64_t)N, NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
-      mp_adam_tensor t2 = t1;
+      mp_step_tensor t1 = {one.param, pr->pt, one.grad, pr->gt, one.master, one.m, one.v, &step,
+                           (int64_t)N, NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
+      mp_step_tensor t2 = t1;
       t2.param = split.param;
       t2.grad = split.grad;
       t2.master = split.master;
       t2.exp_avg = split.m;
       t2.exp_avg_sq = split.v;
+      /* the one call through mp_step's alias of one release, mp_adam_step: the same bits */
       g_check(&g, mp_adam_step(&t1, 0, (int64_t)N, &op) == MP_OK, "%s: one call", pr->name);
       const int64_t cuts[] = {0, 1, 130, 131, 700, (int64_t)N};
       for (int c = 0; c + 1 < 6; ++c) {
-        g_check(&g, mp_adam_step(&t2, cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
+        g_check(&g, mp_step(&t2, cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
                 "%s: range [%" PRId64 ", %" PRId64 ")", pr->name, cuts[c], cuts[c + 1]);
       }
       adam_buf want;
@@ -3188,14 +3197,14 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
       adam_compare(&g, &in, &want, &one, ADAM_OFF0, (int64_t)N, ctx);
       snprintf(ctx, sizeof ctx, "%s in 5 ranges", pr->name);
       adam_compare(&g, &in, &want, &split, ADAM_OFF0, (int64_t)N, ctx);
-      g_check(&g, step == 4.0f, "%s: mp_adam_step wrote the step count (%g)", pr->name,
+      g_check(&g, step == 4.0f, "%s: mp_step wrote the step count (%g)", pr->name,
               (double)step);
       /* Out-of-range ranges: nothing written. */
       abuf_copy(&split, &in);
       const int64_t bad[][2] = {{-1, 2}, {0, (int64_t)N + 1}, {(int64_t)N, 1}, {5, -1},
                                 {(int64_t)N + 1, 0}, {INT64_MAX, INT64_MAX}};
       for (int b = 0; b < 6; ++b) {
-        g_check(&g, mp_adam_step(&t2, bad[b][0], bad[b][1], &op) == MP_ERR_INVALID_ARGUMENT,
+        g_check(&g, mp_step(&t2, bad[b][0], bad[b][1], &op) == MP_ERR_INVALID_ARGUMENT,
                 "%s: range (%" PRId64 ", %" PRId64 ") accepted", pr->name, bad[b][0], bad[b][1]);
       }
       snprintf(ctx, sizeof ctx, "%s after rejected ranges", pr->name);
@@ -3203,24 +3212,26 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
       /* found_inf: nothing written, the step count not advanced. */
       const float inf_flag = 1.0f, clean = 0.0f;
       op.found_inf = &inf_flag;
-      g_check(&g, mp_adam_step(&t2, 0, (int64_t)N, &op) == MP_OK, "%s: skipped call", pr->name);
+      g_check(&g, mp_step(&t2, 0, (int64_t)N, &op) == MP_OK, "%s: skipped call", pr->name);
       snprintf(ctx, sizeof ctx, "%s with found_inf", pr->name);
       adam_compare(&g, &in, &in, &split, ADAM_OFF0, 0, ctx);
-      mp_adam_tensor both[2] = {t1, t2};
+      mp_step_tensor both[2] = {t1, t2};
       float step2 = 0.0f;
       both[1].step = &step2;
-      g_check(&g, mp_adam_advance_steps(both, 2, &op) == MP_OK && step == 4.0f && step2 == 0.0f,
+      g_check(&g, mp_step_advance_steps(both, 2, &op) == MP_OK && step == 4.0f && step2 == 0.0f,
               "%s: advance_steps with found_inf set wrote %g %g", pr->name, (double)step,
               (double)step2);
       op.found_inf = &clean;
-      g_check(&g, mp_adam_advance_steps(both, 2, &op) == MP_OK && step == 5.0f && step2 == 1.0f,
+      g_check(&g, mp_step_advance_steps(both, 2, &op) == MP_OK && step == 5.0f && step2 == 1.0f,
               "%s: advance_steps gave %g %g", pr->name, (double)step, (double)step2);
       both[1].step = NULL;
-      g_check(&g, mp_adam_advance_steps(both, 2, &op) == MP_ERR_INVALID_ARGUMENT && step == 5.0f,
+      g_check(&g, mp_step_advance_steps(both, 2, &op) == MP_ERR_INVALID_ARGUMENT && step == 5.0f,
               "%s: a NULL step count accepted (or the other written)", pr->name);
-      g_check(&g, mp_adam_advance_steps(both, -1, &op) == MP_ERR_INVALID_ARGUMENT &&
-                  mp_adam_advance_steps(NULL, 1, &op) == MP_ERR_INVALID_ARGUMENT &&
-                  mp_adam_advance_steps(both, 0, NULL) == MP_ERR_INVALID_ARGUMENT,
+      g_check(&g, mp_adam_advance_steps(both, 2, &op) == MP_ERR_INVALID_ARGUMENT && step == 5.0f,
+              "%s: the alias mp_adam_advance_steps accepted a NULL step count", pr->name);
+      g_check(&g, mp_step_advance_steps(both, -1, &op) == MP_ERR_INVALID_ARGUMENT &&
+                  mp_step_advance_steps(NULL, 1, &op) == MP_ERR_INVALID_ARGUMENT &&
+                  mp_step_advance_steps(both, 0, NULL) == MP_ERR_INVALID_ARGUMENT,
               "%s: bad advance_steps arguments accepted", pr->name);
       abuf_free(&in);
       abuf_free(&one);
@@ -3231,20 +3242,20 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
   }
 }
 
-/* 11g. The power in the bias corrections (adam_rule.h, mp_adam_pow): within one ulp of double of
+/* 11g. The power in the bias corrections (mpext/step_common.h, mp_pow_exact): within one ulp of double of
  *      the library pow and of powl for whole t up to 2^20 (every t to 20,000, then sparser), 0
  *      and 1 handled, and equal to pow in all but a small fraction of cases; a t that is not a
  *      whole number is pow's. Both tiers run this same code. */
 static void test_adam_pow(uint64_t seed0) {
   uint64_t s = seed0 ^ 0x90Bu;
   group g;
-  g_begin(&g, "adam_rule: mp_adam_pow within 1 ulp of pow and powl, equal to pow in > 99.9%%");
+  g_begin(&g, "step_common: mp_pow_exact within 1 ulp of pow and powl, equal to pow in > 99.9%%");
   double betas[64] = {0.9, 0.999, 0.99, 0.95, 0.5, 0.0, 0.3, 0.9999, 0.99999, 0.1};
   for (int i = 10; i < 64; ++i) betas[i] = (double)(splitmix64(&s) >> 11) * 0x1p-53;
   long total = 0, differ = 0;
   for (int i = 0; i < 64; ++i) {
     for (uint64_t t = 1; t <= (1u << 20); t += t < 20000 ? 1 : 1 + t / 64) {
-      const double got = mp_adam_pow(betas[i], (double)t), lib = pow(betas[i], (double)t);
+      const double got = mp_pow_exact(betas[i], (double)t), lib = pow(betas[i], (double)t);
       const double ld = (double)powl((long double)betas[i], (long double)t);
       total++;
       if (got != lib) differ++;
@@ -3254,11 +3265,11 @@ static void test_adam_pow(uint64_t seed0) {
               "beta %a t %" PRIu64 ": %a, pow %a, powl %a", betas[i], t, got, lib, ld);
     }
   }
-  g_check(&g, differ * 1000 < total, "mp_adam_pow differs from pow in %ld of %ld", differ, total);
-  g_check(&g, mp_adam_pow(0.9, 2.5) == pow(0.9, 2.5) && mp_adam_pow(0.0, 1.0) == 0.0 &&
-              mp_adam_pow(0.9, 1.0) == 0.9,
+  g_check(&g, differ * 1000 < total, "mp_pow_exact differs from pow in %ld of %ld", differ, total);
+  g_check(&g, mp_pow_exact(0.9, 2.5) == pow(0.9, 2.5) && mp_pow_exact(0.0, 1.0) == 0.0 &&
+              mp_pow_exact(0.9, 1.0) == 0.9,
           "special cases");
-  printf("      mp_adam_pow differs from pow in %ld of %ld (beta, t)\n", differ, total);
+  printf("      mp_pow_exact differs from pow in %ld of %ld (beta, t)\n", differ, total);
   g_end(&g);
 }
 
@@ -3422,12 +3433,12 @@ static void test_adam_unscale_grads(uint64_t seed0) {
             }
           }
           float step = 2.0f;
-          mp_adam_options op = adam_options(&hp, &inv);
+          mp_step_options op = adam_options(&hp, &inv);
           op.unscale_grads = 1;
           op.found_inf = &flag;
-          const mp_adam_tensor t = {got.param, pr->pt, got.grad, pr->gt, got.master, got.m,
-                                    got.v, &step, (int64_t)N, NULL, MP_F32, MP_F32, 0, NULL, NULL, NULL};
-          g_check(&g, mp_adam_step(&t, 0, (int64_t)N, &op) == MP_OK, "%s: status", pr->name);
+          const mp_step_tensor t = {got.param, pr->pt, got.grad, pr->gt, got.master, got.m,
+                                    got.v, &step, (int64_t)N, NULL, MP_FMT_F32, MP_FMT_F32, 0, NULL, NULL, NULL};
+          g_check(&g, mp_step(&t, 0, (int64_t)N, &op) == MP_OK, "%s: status", pr->name);
           char ctx[96];
           snprintf(ctx, sizeof ctx, "%s inv_scale %a%s", pr->name, (double)inv,
                    skip ? " found_inf" : "");
@@ -3527,7 +3538,7 @@ static void test_adam_lean(uint64_t seed0) {
         }
         float stp = (float)step, stp2 = (float)step;
         const ref_scalars hp = adam_scalars(&cfg, (float)(step + 1), 1.0f);
-        mp_adam_options op = adam_options(&hp, NULL);
+        mp_step_options op = adam_options(&hp, NULL);
         op.seed = 0xC0FFEEull + (uint64_t)mode;
         op.sr_params = sr_p;
         op.moments_nearest = mode == 2;
@@ -3555,14 +3566,14 @@ static void test_adam_lean(uint64_t seed0) {
          * param of base + N elements, with base + 400 = 2^32, so that the middle range crosses
          * 2^32 (the kernel splits a range there: the random bits' position is 64-bit). */
         const int64_t base = step % 2 ? ((int64_t)1 << 32) - 400 : 0;
-        mp_adam_tensor t = {lean_at(param, base, 2), pt, lean_at(grad, base, 2),
+        mp_step_tensor t = {lean_at(param, base, 2), pt, lean_at(grad, base, 2),
                             pt, no_master ? NULL : (float*)lean_at(master, base, 4),
                             mom16 ? lean_at(m16, base, 2) : lean_at(m32, base, 4),
                             mom16 ? lean_at(v16, base, 2) : lean_at(v32, base, 4),
-                            &stp, base + N, NULL, mom16 ? MP_BF16 : MP_F32,
-                            mom16 ? MP_BF16 : MP_F32, stream, NULL, NULL, NULL};
+                            &stp, base + N, NULL, mom16 ? MP_FMT_BF16 : MP_FMT_F32,
+                            mom16 ? MP_FMT_BF16 : MP_FMT_F32, stream, NULL, NULL, NULL};
         t.ema = (float*)lean_at(ema, base, 4);
-        mp_adam_tensor t2 = t;
+        mp_step_tensor t2 = t;
         t2.ema = (float*)lean_at(ema2, base, 4);
         float* master2 = NULL;
         float *m2 = NULL, *v2 = NULL;
@@ -3584,10 +3595,10 @@ static void test_adam_lean(uint64_t seed0) {
         memcpy(ema_before, ema, (size_t)N * 4);
         const int64_t cuts[] = {0, 13, 500, N};
         for (int c = 0; c < 3; ++c) {
-          g_check(&g, mp_adam_step(&t, base + cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
+          g_check(&g, mp_step(&t, base + cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
                   "mode %d: status", mode);
           if (mode == 0) {
-            g_check(&g, mp_adam_step(&t2, base + cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
+            g_check(&g, mp_step(&t2, base + cuts[c], cuts[c + 1] - cuts[c], &op) == MP_OK,
                     "remainder: status");
           }
         }
@@ -3683,7 +3694,7 @@ static void test_adam_lean(uint64_t seed0) {
  *      documented format in double: the value of every code by its definition, the nearest code
  *      (ties to the even code) and the stochastic choice (up iff floor(fraction * 2^16) + r16 >=
  *      2^16) by comparing against every code's value, the block reference from the absmax by
- *      its definition. The codec functions of adam_rule.h are checked against it exhaustively
+ *      its definition. The codec functions of mpext/step_common.h are checked against it exhaustively
  *      over codes and on boundary and random values; the whole step block by block (decode,
  *      the v floor, the element update, the new absmax, encode) on every ISA path, every param
  *      storage, ranges split at block boundaries, both roundings. */
@@ -3931,7 +3942,7 @@ static void test_adam_q8(uint64_t seed0) {
         memcpy(grad0, grad, (size_t)n * gs);
         const float inv = c->write_grad ? 0.5f : 1.0f;
         const ref_scalars hp = adam_scalars(&cfg, (float)(step + 1), inv);
-        mp_adam_options op = adam_options(&hp, &inv);
+        mp_step_options op = adam_options(&hp, &inv);
         op.unscale_grads = c->write_grad;
         op.seed = 0xBEEF00ull + ci;
         op.sr_params = c->storage == 4;
@@ -3983,13 +3994,13 @@ static void test_adam_q8(uint64_t seed0) {
         }
         /* mpext, in ranges cut at block boundaries */
         float stp = (float)step;
-        mp_adam_tensor t = {param, pt, grad, c->gt, c->storage == 1 ? master : NULL, mc, vc, &stp,
-                            n, c->storage == 2 ? rem : NULL, MP_I8, MP_U8, stream, ms, vs, NULL};
+        mp_step_tensor t = {param, pt, grad, c->gt, c->storage == 1 ? master : NULL, mc, vc, &stp,
+                            n, c->storage == 2 ? rem : NULL, MP_FMT_Q8S, MP_FMT_Q8U, stream, ms, vs, NULL};
         const int64_t cuts[] = {0, b, b * (nb / 2), n};
         for (int cc = 0; cc < 3; ++cc) {
           const int64_t a0 = cuts[cc] < n ? cuts[cc] : n, a1 = cuts[cc + 1] < n ? cuts[cc + 1] : n;
           if (a1 > a0) {
-            g_check(&g, mp_adam_step(&t, a0, a1 - a0, &op) == MP_OK, "case %zu: status", ci);
+            g_check(&g, mp_step(&t, a0, a1 - a0, &op) == MP_OK, "case %zu: status", ci);
           }
         }
         int bad = 0;
@@ -4096,16 +4107,16 @@ static void test_adam_q8_guards(void) {
   ms[0] = 1e-3f;
   vs[0] = 1.0f;
   const float lr = 1e-3f;
-  mp_adam_options op;
+  mp_step_options op;
   memset(&op, 0, sizeof op);
   op.beta1 = 0.9;
   op.beta2 = 0.999;
   op.eps = 1e-8;
   op.lr_value = lr;
   op.q8_block = 256;
-  mp_adam_tensor t = {param, MP_F32, grad, MP_F32, NULL, mc, vc, &stp, n, NULL, MP_I8, MP_U8, 0,
+  mp_step_tensor t = {param, MP_F32, grad, MP_F32, NULL, mc, vc, &stp, n, NULL, MP_FMT_Q8S, MP_FMT_Q8U, 0,
                       ms, vs, NULL};
-  g_check(&g, mp_adam_step(&t, 0, n, &op) == MP_OK, "status");
+  g_check(&g, mp_step(&t, 0, n, &op) == MP_OK, "status");
   /* |update| <= lr sqrt(K) sqrt(1 - b2^t) / (1 - b1^t), K = (1-b1)^2 / ((1-b2)(1-b1^2/b2)) */
   const double k = 0.01 / (0.001 * (1.0 - 0.81 / 0.999));
   const double bound = lr * sqrt(k) * sqrt(1.0 - pow(0.999, 10.0)) / (1.0 - pow(0.9, 10.0));
@@ -4123,7 +4134,7 @@ static void test_adam_q8_guards(void) {
   for (int k2 = 0; k2 < g_nisa; ++k2) {
     select_isa(g_isas[k2]);
     for (int64_t i = 0; i < n; ++i) grad[i] = 1e3f;
-    g_check(&g, mp_adam_step(&t, 0, n, &op) == MP_OK, "skipped: status");
+    g_check(&g, mp_step(&t, 0, n, &op) == MP_OK, "skipped: status");
     g_check(&g, memcmp(mc, mc0, 256) == 0 && memcmp(vc, vc0, 256) == 0 &&
                     bits_of(ms[0]) == bits_of(ms0) && bits_of(vs[0]) == bits_of(vs0),
             "skipped step wrote codes or scales [%s]", mp_isa_name(g_isas[k2]));
@@ -4147,27 +4158,29 @@ static void test_adam_q8_guards(void) {
       {"bf16 exp_avg with uint8 exp_avg_sq", 256, 0, 256, MP_BF16, MP_U8, 0, 0},
       {"uint8 exp_avg, int8 exp_avg_sq", 256, 0, 256, MP_U8, MP_I8, 0, 0},
       {"scales with fp32 moments", 256, 0, 256, MP_F32, MP_F32, 0, 1},
+      {"exp_avg format id out of range", 256, 0, 256, -1, MP_U8, 0, 0},
+      {"exp_avg_sq format id out of range", 256, 0, 256, MP_I8, -1, 0, 0},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
-    mp_adam_tensor tb = t;
-    mp_adam_options ob = op;
+    mp_step_tensor tb = t;
+    mp_step_options ob = op;
     ob.q8_block = bad[i].block;
-    tb.exp_avg_dtype = bad[i].md;
-    tb.exp_avg_sq_dtype = bad[i].vd;
+    tb.exp_avg_format = bad[i].md < 0 ? MP_FMT_COUNT : fmt_of((mp_dtype)bad[i].md);
+    tb.exp_avg_sq_format = bad[i].vd < 0 ? MP_FMT_COUNT : fmt_of((mp_dtype)bad[i].vd);
     if (bad[i].null_ms) tb.exp_avg_scale = NULL;
     if (bad[i].md == MP_F32) {
       tb.exp_avg = param;
       tb.exp_avg_sq = grad;
     }
-    g_check(&g, mp_adam_step(&tb, bad[i].start, bad[i].count, &ob) == MP_ERR_INVALID_ARGUMENT &&
+    g_check(&g, mp_step(&tb, bad[i].start, bad[i].count, &ob) == MP_ERR_INVALID_ARGUMENT &&
                     bits_of(param[5]) == bits_of(p0) && memcmp(mc, mc0, 256) == 0,
             "%s: not refused, or something written", bad[i].what);
   }
   /* the last block may end at n anywhere */
-  mp_adam_tensor t2 = t;
+  mp_step_tensor t2 = t;
   t2.n = 200;
   op.q8_block = 64;
-  g_check(&g, mp_adam_step(&t2, 128, 72, &op) == MP_OK, "a range ending at n inside a block");
+  g_check(&g, mp_step(&t2, 128, 72, &op) == MP_OK, "a range ending at n inside a block");
   free(param);
   free(grad);
   free(mc);
@@ -4238,19 +4251,19 @@ static void time_adam_lean(void) {
       memset(m, 0, (size_t)N * 4);
       memset(v, 0, (size_t)N * 4);
       float step = 0.0f;
-      const mp_adam_tensor t = {.param = param, .param_dtype = MP_BF16, .grad = grad,
+      const mp_step_tensor t = {.param = param, .param_dtype = MP_BF16, .grad = grad,
                                 .grad_dtype = MP_BF16, .master = mode == 0 ? master : NULL,
                                 .exp_avg = m, .exp_avg_sq = v, .step = &step, .n = N,
                                 .remainder = mode == 1 || mode == 2 ? rem : NULL,
-                                .exp_avg_dtype = mom16 ? MP_BF16 : MP_F32,
-                                .exp_avg_sq_dtype = mom16 ? MP_BF16 : MP_F32};
-      const mp_adam_options o = {.beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+                                .exp_avg_format = mom16 ? MP_FMT_BF16 : MP_FMT_F32,
+                                .exp_avg_sq_format = mom16 ? MP_FMT_BF16 : MP_FMT_F32};
+      const mp_step_options o = {.beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
                                  .weight_decay = 0.01, .decoupled = 1, .lr_value = 1e-3f,
                                  .sr_params = mode == 3 || mode == 4, .seed = 7};
       double best = 1e30;
       for (int r = 0; r < 50; ++r) {
         const double t0 = now_s();
-        const mp_status st = mp_adam_step(&t, 0, N, &o);
+        const mp_status st = mp_step(&t, 0, N, &o);
         const double dt = now_s() - t0;
         g_check(&g, st == MP_OK, "[%s] %s, repeat %d: status %d", mp_isa_name(g_isas[k]),
                 names[mode], r, (int)st);
@@ -4316,7 +4329,7 @@ static void test_bf16_remainder_all(void) {
  *      every 8-bit code of both formats decoded and a block of them encoded back to the same
  *      codes and scale. Compiled into the test as baseline code: the ISA builds run the same
  *      source, and the step tests above compare every path bit for bit. */
-#include "formats.h"
+#include "formats/tiles.h"
 
 /* The stored master of fp32 bits x, restated from adam.h: a finite value whose low 17 bits
  * are 0x08000 is stored one ulp lower. */
@@ -4370,7 +4383,7 @@ static void test_codecs(uint64_t seed0) {
     const mp_dtype t = dt == 0 ? MP_F32 : dts[dt - 1];
     for (int inv_k = 0; inv_k < 3; ++inv_k) {
       for (int wb = 0; wb < 2; ++wb) {
-        mp_adam_scalars sc;
+        mp_step_scalars sc;
         memset(&sc, 0, sizeof sc);
         sc.inv_scale = invs[inv_k];
         sc.write_grad = wb;
@@ -4512,7 +4525,7 @@ static void test_codecs(uint64_t seed0) {
         mc[c] = (uint8_t)c;
         vc[c] = (uint8_t)c;
       }
-      mp_adam_scalars sc;
+      mp_step_scalars sc;
       memset(&sc, 0, sizeof sc);
       /* scales: the absmax of the block, the top code's value */
       const float ms = (float)q8_value(&Q8_M, 127, ea), vs = (float)q8_value(&Q8_V, 255, ea);
@@ -4569,7 +4582,7 @@ static void test_codecs(uint64_t seed0) {
   free(r);
 }
 
-/* 11n. The hand-fused loops the engine keeps (csrc/core/adam_fused.c) against its tile
+/* 11n. The hand-fused loops the engine keeps (csrc/core/fast/adam_fused.c) against its tile
  *      pipeline alone (the kernel table's adam_step_generic): every valid storage mode (param
  *      and grad dtype, master / remainder / none with either rounding, fp32 / bf16 / 8-bit
  *      moments, write-back, bf16 moments to nearest, ema) on every ISA path, three steps from
@@ -4687,7 +4700,7 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
   memcpy(st[1].rem, st[0].rem, N * 2);
   memcpy(st[1].ms, st[0].ms, 16);
   memcpy(st[1].vs, st[0].vs, 16);
-  mp_adam_options o;
+  mp_step_options o;
   memset(&o, 0, sizeof o);
   o.beta1 = 0.9;
   o.beta2 = 0.999;
@@ -4705,9 +4718,10 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
   float step[2] = {0.0f, 0.0f};
   for (int it = 0; it < 3; ++it) {
     const float inv = it == 1 ? 2.0f : 0.5f;
-    const mp_adam_scalars sc = mp_adam_scalars_of(&o, 1e-3f, step[0], inv, 5u);
+    const mp_step_scalars sc = mp_step_scalars_of(&o, step[0], inv, 5u);
+    const mp_rule_scalars rc = mp_rule_scalars_of(&o, 1e-3f, step[0]);
     for (int c = 0; c < 2; ++c) {
-      mp_adam_tensor t;
+      mp_step_tensor t;
       memset(&t, 0, sizeof t);
       t.param = st[c].p;
       t.param_dtype = pt;
@@ -4717,8 +4731,8 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
       t.remainder = fm->kind == MP_PV_REMAINDER ? st[c].rem : NULL;
       t.exp_avg = st[c].m;
       t.exp_avg_sq = st[c].v;
-      t.exp_avg_dtype = md;
-      t.exp_avg_sq_dtype = vd;
+      t.exp_avg_format = fmt_of(md);
+      t.exp_avg_sq_format = fmt_of(vd);
       t.exp_avg_scale = md == MP_I8 ? st[c].ms : NULL;
       t.exp_avg_sq_scale = md == MP_I8 ? st[c].vs : NULL;
       t.ema = fm->ema ? st[c].ema : NULL;
@@ -4726,8 +4740,8 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
       t.n = N;
       t.sr_stream = 5u;
       /* two ranges: [0, 256) and the rest, as threads would split it */
-      (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 0, 256, &sc);
-      (c == 0 ? kt->adam_step : kt->adam_step_generic)(&t, 256, N - 256, &sc);
+      (c == 0 ? kt->step : kt->step_generic)(&t, 0, 256, &sc, &rc);
+      (c == 0 ? kt->step : kt->step_generic)(&t, 256, N - 256, &sc, &rc);
       step[c] += 1.0f;
     }
   }
@@ -4800,7 +4814,7 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
   g_end(&g);
 }
 
-/* 11o. Lion and SGD (mp_adam_options.rule, lion_rule.h, sgd_rule.h) through mp_adam_step on
+/* 11o. Lion and SGD (mp_step_options.rule, rules/lion.h, rules/sgd.h) through mp_step on
  *      every ISA path, against a scalar reference written here from the rules' documented
  *      formulas (lion-pytorch's and torch.optim.SGD's order of operations, each add(x, alpha=a)
  *      one fmaf, every other operation rounded to float) and the storage formats' definitions:
@@ -4905,7 +4919,7 @@ static int64_t rule_case_run(group* g, const rule_case* c, int storage, int grad
   }
   for (int j = 0; j < NB; ++j) ms[j] = j == 1 ? 0.0f : fabsf(adam_rand(&s, -12, -4));
   for (int i = B; i < 2 * B; ++i) mc[i] = 0; /* a block of zeros, absmax 0 */
-  mp_adam_options o;
+  mp_step_options o;
   memset(&o, 0, sizeof o);
   o.rule = c->rule;
   o.beta1 = c->beta1;
@@ -4966,7 +4980,7 @@ static int64_t rule_case_run(group* g, const rule_case* c, int storage, int grad
       }
     }
     /* mpext, in two ranges cut at a block boundary */
-    mp_adam_tensor tt;
+    mp_step_tensor tt;
     memset(&tt, 0, sizeof tt);
     tt.param = pt == MP_F32 ? (void*)param : (void*)p16;
     tt.param_dtype = pt;
@@ -4975,13 +4989,13 @@ static int64_t rule_case_run(group* g, const rule_case* c, int storage, int grad
     tt.master = has_master ? master : NULL;
     tt.remainder = has_rem ? rem : NULL;
     tt.exp_avg = !nmom ? NULL : mom == 0 ? (void*)m32 : mom == 3 ? (void*)mc : (void*)m16;
-    tt.exp_avg_dtype = mom == 0 || mom == 4 ? MP_F32 : mom == 3 ? MP_I8 : MP_BF16;
-    tt.exp_avg_sq_dtype = mom == 3 ? MP_U8 : MP_F32;
+    tt.exp_avg_format = mom == 0 || mom == 4 ? MP_FMT_F32 : mom == 3 ? MP_FMT_Q8S : MP_FMT_BF16;
+    /* one moment (Lion, SGD): exp_avg_sq and its format are not read */
     tt.exp_avg_scale = mom == 3 ? ms : NULL;
     tt.step = &stp;
     tt.n = N;
     tt.sr_stream = stream;
-    g_check(g, mp_adam_step(&tt, 0, B, &o) == MP_OK && mp_adam_step(&tt, B, N - B, &o) == MP_OK,
+    g_check(g, mp_step(&tt, 0, B, &o) == MP_OK && mp_step(&tt, B, N - B, &o) == MP_OK,
             "status");
     stp += 1.0f;
     for (int i = 0; i < N && bad < 5; ++i) {

@@ -22,7 +22,7 @@ typedef enum mp_status {
 /* Element types of the tensors the kernels read and write: one enum for every op and both
  * tiers (CPU and CUDA). The values below MP_DTYPE_COUNT are the floating-point types every
  * element-wise op takes; the 8-bit codes after it are only Adam's block-quantized moments
- * (mpext/adam.h), so the other ops' range checks keep refusing them. */
+ * (mpext/step.h), so the other ops' range checks keep refusing them. */
 typedef enum mp_dtype {
   MP_F32 = 0,  /* IEEE binary32 */
   MP_BF16 = 1, /* bfloat16 bits */
