@@ -172,6 +172,267 @@ def _step_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     os._exit(0)  # as _worker
 
 
+# ---- Gradient release under FSDP2: step cost and memory per device ------------------------
+
+RELEASE_WIDTH, RELEASE_LAYERS, RELEASE_BUCKET = 512, 6, 1 << 20
+
+
+def _live_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (DTensors by their local shard):
+    what is alive, counted by the storages themselves, not by mpext's own accounting."""
+    from torch.distributed.tensor import DTensor
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen and st.nbytes():
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _release_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
+    """FSDP2 over a BF16 MLP, remainders + 8-bit moments, mpext.GradScaler: a whole
+    forward + backward + step, stepped after backward (scaler.step) and released (buckets of
+    1 MiB, found_inf all-reduced per bucket), interleaved in each round; the per-bucket
+    reduction alone; and each rank's live bytes."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(
+        os.path.dirname(out_path), "rendezvous"), rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from mpext.optim._release import _Mesh
+        mesh = init_device_mesh("cpu", (WORLD,))
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(LOCAL_BATCH, RELEASE_WIDTH, generator=g).to(BF16)
+        runs = {}
+        for label in ("after", "released"):
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Linear(RELEASE_WIDTH, RELEASE_WIDTH)
+                                  for _ in range(RELEASE_LAYERS)]).to(BF16)
+            policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            for layer in net:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(net, mesh=mesh, mp_policy=policy)
+            params = list(net.parameters())
+            opt = mpext.optim.AdamW(params, lr=1e-4, param_remainders=True, **Q8)
+            scaler = mpext.GradScaler("cpu", init_scale=2.0 ** 10)
+            live = {"peak": 0}
+
+            def watch(p, params=params, live=live):  # runs before the release's hook
+                live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
+            for p in params:
+                p.register_post_accumulate_grad_hook(watch)
+            release = (opt.release_grads(bucket_bytes=RELEASE_BUCKET, scaler=scaler)
+                       if label == "released" else None)
+
+            def step(net=net, opt=opt, scaler=scaler, release=release):
+                loss = scaler.scale(net(x).float().square().mean())
+                if release is not None:
+                    release.backward(loss)
+                else:
+                    loss.backward()
+                    scaler.step(opt)
+                    opt.zero_grad(set_to_none=True)
+                scaler.update()
+            runs[label] = (step, params, opt, scaler, release, live, net)
+        for step, *_ in runs.values():  # warm-up: the state exists
+            for _ in range(3):
+                step()
+        mem = {}
+        for label, (step, params, opt, scaler, release, live, net) in runs.items():
+            live["peak"] = 0
+            loss = scaler.scale(net(x).float().square().mean())
+            if release is not None:
+                release.backward(loss)
+            else:
+                loss.backward()
+            state = [v for st in opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor)]
+            mem[label] = {"params": _live_bytes(params), "state": _live_bytes(state),
+                          "grads_after_backward": _live_bytes(p.grad for p in params),
+                          "grad_peak": live["peak"]}
+            if release is None:
+                scaler.step(opt)
+                opt.zero_grad(set_to_none=True)
+            scaler.update()
+        flag = torch.zeros(())
+        reducer = _Mesh(mesh)
+        samples = {"after": [], "released": [], "reduce": []}
+        for _ in range(rounds):
+            for label in ("after", "released"):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    runs[label][0]()
+                samples[label].append((time.perf_counter() - t0) / inner)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                reducer.max_(flag)
+            samples["reduce"].append((time.perf_counter() - t0) / inner)
+        rel = runs["released"][4]
+        out = {"samples": samples, "memory": mem,
+               "buckets_per_step": rel.buckets_stepped / rel.backward_passes,
+               "skipped": [runs[k][3].get_skipped_steps() for k in runs],
+               "params": sum(p.numel() for p in runs["after"][1])}
+        torch.save(out, out_path.replace("rank0", "rank%d" % rank))
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # as _worker
+
+
+# label -> mpext.optim.AdamW keywords (BF16 params)
+RELEASE_FORMATS = {
+    "bf16 + fp32 master": {},
+    "bf16 + remainder": dict(param_remainders=True),
+    "bf16 SR, bf16 moments": dict(master_weights=False, stochastic_rounding=True,
+                                  exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+    "bf16 SR, 8-bit moments": dict(master_weights=False, stochastic_rounding=True, **Q8),
+}
+
+
+def _release_memory_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
+    """Each rank's live bytes for every RELEASE_FORMATS format, after backward and released:
+    persistent (params, state, .grad after backward) and the sharded .grad peak in backward.
+    ``rounds`` is the world size here."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    world = rounds
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(
+        os.path.dirname(out_path), "rendezvous"), rank=rank, world_size=world,
+        timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        x = torch.randn(LOCAL_BATCH, RELEASE_WIDTH,
+                        generator=torch.Generator().manual_seed(rank)).to(BF16)
+        out = {}
+        for label, kw in RELEASE_FORMATS.items():
+            for released in (False, True):
+                torch.manual_seed(0)
+                net = nn.Sequential(*[nn.Linear(RELEASE_WIDTH, RELEASE_WIDTH)
+                                      for _ in range(RELEASE_LAYERS)]).to(BF16)
+                policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+                for layer in net:
+                    fully_shard(layer, mesh=mesh, mp_policy=policy)
+                fully_shard(net, mesh=mesh, mp_policy=policy)
+                params = list(net.parameters())
+                opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
+                live = {"peak": 0}
+
+                def watch(p, params=params, live=live):
+                    live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
+                for p in params:
+                    p.register_post_accumulate_grad_hook(watch)
+                if released:
+                    opt.release_grads(bucket_bytes=RELEASE_BUCKET)
+                for step in range(2):  # the second: the state exists
+                    live["peak"] = 0
+                    net(x).float().square().mean().backward()
+                    grads = _live_bytes(p.grad for p in params)
+                    if not released:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                state = [v for st in opt.state.values() for v in st.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0]
+                out[(label, released)] = {"params": _live_bytes(params),
+                                          "state": _live_bytes(state), "grads": grads,
+                                          "grad_peak": live["peak"],
+                                          "numel": sum(p.numel() for p in params)}
+        torch.save(out, out_path.replace("rank0", "rank%d" % rank))
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)
+
+
+def _release_memory(world: int) -> dict:
+    global WORLD
+    saved, WORLD = WORLD, world  # _measure spawns WORLD ranks
+    try:
+        return _measure(world, 0, _release_memory_worker)
+    finally:
+        WORLD = saved
+
+
+def _release_section(ctx, b) -> tuple:
+    rounds, inner = max(ctx.repeats, 7), 2 if ctx.quick else 4
+    res = _measure(rounds, inner, _release_worker)
+    b.phase("2-rank FSDP2 release run")
+    check(all(n == 0 for n in res["skipped"]), "steps were skipped: %s" % res["skipped"])
+    s = res["samples"]
+    after, rel, red = (Timing(s[k], inner) for k in ("after", "released", "reduce"))
+    ratio = Timing([a / r for a, r in zip(s["released"], s["after"])], 1)
+    nb = res["buckets_per_step"]
+    ms = lambda t: "%.2f (%.2f–%.2f)" % (t.median * 1e3, t.q1 * 1e3, t.q3 * 1e3)  # noqa: E731
+    rows = [["forward + backward + scaler.step after backward", ms(after), "—"],
+            ["forward + backward, released (%.0f buckets a step)" % nb, ms(rel),
+             "%.2f× (%.2f–%.2f)" % (ratio.median, ratio.q1, ratio.q3)],
+            ["one bucket's found_inf all-reduce (MAX) alone", "%.3f" % (red.median * 1e3),
+             "%.1f%% of a step after backward, ×%.0f buckets" % (
+                 100 * red.median * nb / after.median, nb)]]
+    mib = lambda n: "%.2f" % (n / 2 ** 20)  # noqa: E731
+    mrows = []
+    for label in ("after", "released"):
+        m = res["memory"][label]
+        mrows.append([label, mib(m["params"]), mib(m["state"]),
+                      mib(m["grads_after_backward"]),
+                      mib(m["params"] + m["state"] + m["grads_after_backward"]),
+                      mib(m["grad_peak"])])
+    md = [markdown_table(["what", "ms per step: median (q1–q3)", "÷ after backward (same round)"],
+                         rows), "",
+          markdown_table(["rank 0", "params MiB", "optimizer state MiB",
+                          ".grad alive after backward MiB", "persistent MiB",
+                          "sharded .grad peak during backward MiB"], mrows), "",
+          "FSDP2 over %d × `Linear(%d, %d)` in BF16 (%s params; `reduce_dtype=float32`), "
+          "`mpext.optim.AdamW(param_remainders=True)` with 8-bit moments and "
+          "`mpext.GradScaler`, 2 gloo ranks (one thread each), batch %d per rank; released "
+          "with `bucket_bytes=1 MiB`; %d rounds of %d steps, the two interleaved in each round "
+          "after a barrier; rank 0's clock. Memory: the distinct storages of rank 0's local "
+          "shards (params, every state tensor, `.grad`), and the largest sum of the sharded "
+          "`.grad` storages seen as each gradient completes (a hook that runs before the "
+          "release's); FSDP2's own unsharded and reduce-scatter buffers, alive in both modes, "
+          "are not counted." % (RELEASE_LAYERS, RELEASE_WIDTH, RELEASE_WIDTH,
+                                "{:,}".format(res["params"]), LOCAL_BATCH, rounds, inner)]
+    per_world = {}
+    mem_rows = []
+    for world in (2, 4):
+        got = _release_memory(world)
+        b.phase("%d-rank FSDP2 release memory" % world)
+        per_world[world] = {"%s|%s" % (k[0], "released" if k[1] else "after"): v
+                            for k, v in got.items() if isinstance(k, tuple)}
+        for label in RELEASE_FORMATS:
+            a, r = got[(label, False)], got[(label, True)]
+            n = a["numel"] / world  # params per rank, on average
+            pa = a["params"] + a["state"] + a["grads"]
+            pr = r["params"] + r["state"] + r["grads"]
+            mem_rows.append([str(world), label, "%.2f" % (pa / n), "%.2f" % (pr / n),
+                             mib(a["grad_peak"]), mib(r["grad_peak"])])
+    md += ["", markdown_table(["ranks", "format", "persistent B/param, after backward",
+                               "released", "sharded .grad peak MiB, after backward",
+                               "released"], mem_rows), "",
+           "Rank 0's live storages after a second step (the state exists), per parameter of "
+           "the model over the ranks (the per-param step scalars left out); the `.grad` peak as "
+           "above (bucket_bytes=1 MiB per rank: at 4 ranks a rank's whole sharded gradient, "
+           "0.75 MiB, is one bucket, so the peak is the same). 8-bit rows: the 512 x 512 "
+           "weights keep 8-bit moments, the 512-element biases FP32 ones."]
+    return md, dict(rounds=rounds, inner=inner, timings={k: Timing(v, inner).to_json()
+                                                         for k, v in s.items()},
+                    ratio=ratio.to_json(), memory=res["memory"], buckets_per_step=nb,
+                    memory_per_world=per_world)
+
+
 def _measure(rounds: int, inner: int, worker=None) -> dict:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as d:
@@ -237,6 +498,9 @@ def run(ctx) -> dict:
     if getattr(ctx.args, "mode", "all") == "fsdp-step":
         md, payload = _step_section(ctx, b)
         return b.finish(md, dict(fsdp_step=payload), device="cpu (2 gloo ranks)")
+    if getattr(ctx.args, "mode", "all") == "release":
+        md, payload = _release_section(ctx, b)
+        return b.finish(md, dict(release=payload), device="cpu (2 gloo ranks)")
     rounds, inner = ctx.repeats, 10 if ctx.quick else 40
     res = _measure(rounds, inner)
     b.phase("2-rank run")
@@ -275,9 +539,11 @@ def run(ctx) -> dict:
 
 
 def add_args(parser):
-    parser.add_argument("--mode", choices=("all", "fsdp-step"), default="all",
+    parser.add_argument("--mode", choices=("all", "fsdp-step", "release"), default="all",
                         help="fsdp-step: only the FSDP2 step host time per tensor of every "
-                             "format against torch's fused AdamW (default: %(default)s)")
+                             "format against torch's fused AdamW; release: gradient release "
+                             "under FSDP2 against stepping after backward, time and memory "
+                             "(default: %(default)s)")
     return parser
 
 

@@ -22,6 +22,7 @@ from . import optim  # noqa: E402  (mpext.optim.Adam / AdamW on the fused adam_s
 from . import amp  # noqa: E402
 from .amp import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from . import _moved  # noqa: E402
+from .integrations import detect as _detect  # noqa: E402,F401  (registers with the release)
 
 _moved.install()  # mpext.grad_scaler, mpext.lightning, ...: the modules' old paths
 

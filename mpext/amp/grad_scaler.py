@@ -311,10 +311,6 @@ class GradScaler(OverflowWatch, torch.amp.GradScaler):
         self._stepped_states[id(optimizer)] = state
         self._stepped_since_update.append(id(optimizer))
 
-    # The private names mpext.optim._release called before these were public.
-    _release_scale = release_scale
-    _record_released_step = record_released_step
-
     # -----------------------------------------------------------------------------------------
     # Unscaling: one fused mpext pass per device.
 

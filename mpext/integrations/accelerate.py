@@ -42,7 +42,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
 from ..amp import GradScaler
 from ..optim import lr_scheduler as _lr_scheduler
 
-__all__ = ["use_grad_scaler", "setup_trainer"]
+__all__ = ["use_grad_scaler", "setup_trainer", "release_trainer", "release_accelerator"]
 
 _NAME = "mpext.accelerate"
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU",
@@ -145,3 +145,149 @@ def setup_trainer(trainer: Any, *, grad_scaler: bool = True, lr_schedule: bool =
     if not grad_scaler:
         return None
     return use_grad_scaler(trainer.accelerator, **scaler_options)
+
+
+# ---- Gradient release under the Trainer and accelerate ------------------------------------------
+
+def release_trainer(trainer: Any, *, bucket_bytes: Optional[int] = None, clip: str = "exact",
+                    **scaler_options: Any) -> None:
+    """Gradient release (docs/gradient_release.md) under a ``transformers.Trainer`` (call it
+    before ``trainer.train()``, in place of :func:`setup_trainer`, whose scaler and skip-aware
+    schedules it sets up too). The Trainer's optimizer must be an ``mpext.optim`` one
+    (``optimizer_cls_and_kwargs=(mpext.optim.AdamW, {...})``). Once the Trainer creates it,
+    it is released with the Accelerator's ``mpext.GradScaler``, the Trainer's
+    ``max_grad_norm`` (0: no clipping) and ``clip``; then:
+
+    - ``accelerator.backward`` runs the release's backward (``release.backward``: exact
+      clipping's two passes), inside ``release.accumulate()`` on the micro-batches that do
+      not sync (``gradient_accumulation_steps``), so the last one steps with the sum;
+    - the wrapped optimizer's ``step()`` only calls the scaler's ``update()`` (the step was
+      made in backward) and ``zero_grad()`` has nothing to clear;
+    - the Trainer's clipping call returns the release's global norm (logged as ``grad_norm``).
+
+    With ``gradient_accumulation_steps > 1`` exact clipping is refused (its norm pass would
+    free the accumulated sum): pass ``clip="previous"`` or ``max_grad_norm=0``."""
+    import transformers
+    if not isinstance(trainer, transformers.Trainer):
+        raise TypeError("%s.release_trainer: trainer must be a transformers.Trainer, got %s"
+                        % (_NAME, type(trainer).__name__))
+    args = trainer.args
+    clipping = bool(args.max_grad_norm and args.max_grad_norm > 0)
+    if clipping and clip == "exact" and args.gradient_accumulation_steps > 1:
+        raise ValueError(
+            "%s.release_trainer: max_grad_norm=%s with gradient_accumulation_steps=%d and "
+            "clip=\"exact\": exact clipping's norm pass would free the accumulated gradients; "
+            "pass clip=\"previous\" (the previous step's global norm) or max_grad_norm=0"
+            % (_NAME, args.max_grad_norm, args.gradient_accumulation_steps))
+    scaler = setup_trainer(trainer, **scaler_options)
+    accelerator = trainer.accelerator
+    state: dict = {}
+    create_optimizer = trainer.create_optimizer
+
+    def create(self, model=None):
+        opt = create_optimizer() if model is None else create_optimizer(model)
+        if state.get("release") is None:
+            state["release"] = _release(opt, "transformers.Trainer", bucket_bytes, scaler,
+                                        args.max_grad_norm if clipping else None, clip)
+        return opt
+
+    trainer.create_optimizer = types.MethodType(create, trainer)
+
+    def clip_grad_norm(self, model):
+        release = state["release"]
+        return release.last_grad_norm
+
+    def get_grad_norm(self, model, grad_norm=None):
+        return grad_norm
+
+    trainer._clip_grad_norm = types.MethodType(clip_grad_norm, trainer)
+    trainer._get_grad_norm = types.MethodType(get_grad_norm, trainer)
+    _drive_accelerator(accelerator, state)
+
+
+def release_accelerator(accelerator: Any, optimizer: Any, *,
+                        bucket_bytes: Optional[int] = None, max_grad_norm: Optional[float] = None,
+                        clip: str = "exact") -> Any:
+    """Gradient release under ``accelerate`` with ``accelerator.prepare(optimizer)`` and
+    ``accelerator.accumulate(model)`` / ``gradient_accumulation_steps``: releases ``optimizer``
+    (an ``mpext.optim`` optimizer, before ``prepare``) with the Accelerator's scaler when it is
+    an ``mpext.GradScaler`` (:func:`use_grad_scaler`), and makes the Accelerator drive it as
+    :func:`release_trainer` describes. Returns the ``GradRelease``."""
+    scaler = accelerator.scaler if isinstance(accelerator.scaler, GradScaler) else None
+    state = {"release": _release(optimizer, "accelerate", bucket_bytes, scaler, max_grad_norm,
+                                 clip)}
+    _drive_accelerator(accelerator, state)
+    return state["release"]
+
+
+def _release(opt: Any, driver: str, bucket_bytes: Optional[int], scaler: Optional[GradScaler],
+             max_grad_norm: Optional[float], clip: str) -> Any:
+    from ..optim._base import FusedOptimizer
+    if not isinstance(opt, FusedOptimizer):
+        raise TypeError("%s: gradient release under %s needs an mpext.optim optimizer (e.g. "
+                        "optimizer_cls_and_kwargs=(mpext.optim.AdamW, {...})), got %s"
+                        % (_NAME, driver, type(opt).__name__))
+    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    if scaler is not None and not scaler.is_enabled():
+        scaler = None
+    from ..optim._release import driven_by
+    with driven_by(driver):
+        return opt.release_grads(scaler=scaler, max_grad_norm=max_grad_norm, clip=clip, **kw)
+
+
+def _drive_accelerator(accelerator: Any, state: dict) -> None:
+    """The Accelerator's backward through the release, and its wrapper of the released
+    optimizer (made by prepare) stepping nothing but the scaler's update."""
+    def backward(loss, **kwargs):
+        release = state.get("release")
+        if release is None or release._handles == []:  # not released (yet), or removed
+            return original_backward(loss, **kwargs)
+        kwargs.pop("learning_rate", None)
+        # as Accelerator.backward (no DeepSpeed here): divided, then scaled
+        loss = loss / accelerator.gradient_accumulation_steps
+        scaler = release.scaler
+        if scaler is not None and scaler.is_enabled():
+            loss = scaler.scale(loss)
+        if accelerator.sync_gradients:
+            release.backward(loss, **kwargs)
+        else:
+            with release.accumulate():
+                loss.backward(**kwargs)
+
+    def prepare(*objects, **kwargs):
+        out = original_prepare(*objects, **kwargs)
+        for wrapped in (out if isinstance(out, tuple) else (out,)):
+            release = state.get("release")
+            if release is not None and getattr(wrapped, "optimizer", None) is release.optimizer:
+                _released_wrapper(wrapped, release)
+        return out
+
+    original_backward, original_prepare = accelerator.backward, accelerator.prepare
+    if accelerator.distributed_type != _DistributedType.NO:
+        # (its DDP wrapper is made by prepare, after the release: release_grads(ddp=...) would
+        # have to be made there; not done yet)
+        raise NotImplementedError(
+            "%s: gradient release driven by accelerate runs in one process; under %s use a "
+            "plain loop with release_grads(ddp=ddp_model) (DDP) or release_grads() (FSDP2)"
+            % (_NAME, accelerator.distributed_type))
+    accelerator.backward = backward
+    accelerator.prepare = prepare
+
+
+def _released_wrapper(wrapped: Any, release: Any) -> None:
+    """An AcceleratedOptimizer around a released optimizer: step() is the scaler's update()
+    (once per optimizer step, as accelerate's step calls it), zero_grad() nothing."""
+    def step(closure=None):
+        if closure is not None:
+            raise RuntimeError("%s: a closure cannot run in a released step (the step is made "
+                               "inside backward)" % _NAME)
+        if wrapped.gradient_state.sync_gradients and release.scaler is not None \
+                and release.scaler.is_enabled():
+            release.scaler.update()
+        wrapped._is_overflow = False  # mpext's schedules hold still on the device instead
+
+    def zero_grad(set_to_none=None):
+        pass
+
+    wrapped.step = step
+    wrapped.zero_grad = zero_grad

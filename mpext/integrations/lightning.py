@@ -53,7 +53,7 @@ from ..amp.grad_scaler import GradScaler
 from ..amp._checks import checked_state_dict as _checked_state_dict
 from ..amp.mixed_precision import MixedPrecisionOptimizer, _make_scaler
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "ReleaseGrads"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "16": torch.float16, "16-true": torch.float16,
@@ -488,3 +488,112 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class ReleaseGrads(_pl.Callback):
+    """Gradient release (docs/gradient_release.md) under Lightning's automatic optimization:
+    ``lightning.Trainer(callbacks=[mpext.lightning.ReleaseGrads(...)])`` releases each
+    ``mpext.optim`` optimizer ``configure_optimizers`` returns, when fitting starts. Then:
+
+    - the optimizer's ``step(closure)`` runs the closure (training_step and backward, which
+      steps the params) and the scaler's ``update()``; ``zero_grad()`` has nothing to clear;
+    - the LightningModule's ``backward`` runs the release's (``release.backward``: exact
+      clipping's two passes), inside ``release.accumulate()`` on the batches Lightning
+      accumulates (``accumulate_grad_batches``), so the last one steps with the sum;
+    - ``gradient_clip_val`` (the "norm" algorithm) is the release's ``max_grad_norm``.
+
+    ``scaler``: an ``mpext.GradScaler`` for the inf/NaN skip (``bf16_check_only=True`` for
+    FP32/BF16, whose loss is not scaled); the schedules of ``mpext.optim.lr_scheduler`` hold
+    still on a skipped step. Its state is this callback's ``state_dict`` (checkpointed).
+    Precision plugins that scale the loss themselves (``16-mixed``, ``MixedPrecision("fp16")``)
+    are refused: scale with ``scaler`` instead (a plugin that does not scale)."""
+
+    def __init__(self, *, bucket_bytes: Optional[int] = None, scaler: Optional[GradScaler] = None,
+                 clip: str = "exact") -> None:
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError("mpext.lightning.ReleaseGrads: scaler must be an mpext.GradScaler, "
+                            "got %s" % type(scaler).__name__)
+        self.bucket_bytes, self.scaler, self.clip = bucket_bytes, scaler, clip
+        self.releases: List[Any] = []
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from ..optim._base import FusedOptimizer
+        from ..optim._release import driven_by
+        name = "mpext.lightning.ReleaseGrads"
+        if not pl_module.automatic_optimization:
+            raise RuntimeError("%s is for automatic optimization; under manual optimization "
+                               "call release_grads() yourself (examples/lightning_grad_release"
+                               ".py)" % name)
+        plugin = trainer.precision_plugin
+        theirs = getattr(plugin, "scaler", None) or getattr(plugin, "_scaler", None)
+        if theirs is not None and theirs.is_enabled() \
+                and not getattr(theirs, "bf16_check_only", False):
+            raise RuntimeError("%s: the precision plugin %s scales the loss with its own %s; use "
+                               "a plugin that does not scale (precision=32, \"bf16-mixed\", "
+                               "\"bf16-true\") and pass an mpext.GradScaler as scaler="
+                               % (name, type(plugin).__name__, type(theirs).__name__))
+        clip_val = trainer.gradient_clip_val
+        max_norm = None
+        if clip_val:
+            if str(trainer.gradient_clip_algorithm) not in ("norm", "GradClipAlgorithmType.NORM"):
+                raise ValueError("%s: gradient_clip_algorithm=%r; a released step clips by the "
+                                 "global norm only (\"norm\")"
+                                 % (name, trainer.gradient_clip_algorithm))
+            max_norm = float(clip_val)
+            if self.clip == "exact" and trainer.accumulate_grad_batches > 1:
+                raise ValueError("%s: gradient_clip_val with accumulate_grad_batches=%d and "
+                                 "clip=\"exact\": its norm pass would free the accumulated "
+                                 "gradients; pass clip=\"previous\""
+                                 % (name, trainer.accumulate_grad_batches))
+        kw = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
+        for opt in trainer.optimizers:
+            inner = _unwrap(opt)
+            if not isinstance(inner, FusedOptimizer):
+                raise TypeError("%s: %s is not an mpext.optim optimizer; gradient release "
+                                "needs one" % (name, type(inner).__name__))
+            with driven_by("lightning"):
+                release = inner.release_grads(scaler=self.scaler, max_grad_norm=max_norm,
+                                              clip=self.clip, **kw)
+            self.releases.append(release)
+            inner.step = self._step(release)
+            inner.zero_grad = lambda set_to_none=True: None
+        if len(self.releases) != 1:
+            raise NotImplementedError("%s: %d optimizers; release drives one (its backward is "
+                                      "the LightningModule's)" % (name, len(self.releases)))
+        release = self.releases[0]
+        loop = trainer.fit_loop.epoch_loop
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if loop._should_accumulate():
+                with release.accumulate():
+                    loss.backward(*args, **kwargs)
+            else:
+                release.backward(loss, *args, **kwargs)
+
+        pl_module.backward = backward
+
+    def _step(self, release: Any) -> Callable:
+        scaler = self.scaler
+
+        def step(closure: Optional[Callable] = None, **kwargs: Any) -> Any:
+            out = closure() if closure is not None else None  # its backward steps
+            if scaler is not None and scaler.is_enabled():
+                scaler.update()
+            return out
+        return step
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        for release in self.releases:
+            opt = release.optimizer
+            release.remove()
+            for key in ("step", "zero_grad"):  # the class's methods again
+                opt.__dict__.pop(key, None)
+        self.releases = []
+        pl_module.__dict__.pop("backward", None)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {} if self.scaler is None else {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])

@@ -733,7 +733,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     _grad_release = None  # the GradRelease while one is active
 
     def release_grads(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, scaler=None,
-                      max_grad_norm: Optional[float] = None, clip: str = "exact"):
+                      max_grad_norm: Optional[float] = None, clip: str = "exact", ddp=None):
         """Steps the params inside every backward pass from now on, as their gradients
         complete, and frees each gradient once stepped (docs/gradient_release.md). Returns the
         :class:`~mpext.optim._release.GradRelease`; its ``remove()`` ends the release.
@@ -754,13 +754,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             clip: "exact" (default): the norm is computed in a first backward pass, so every
                 step goes through ``release.backward(loss)``; "previous": one pass, clipping
                 with the previous step's global norm (the first step is not clipped).
+            ddp: the ``DistributedDataParallel`` module of the params, when there is one: the
+                params are then stepped from DDP's comm hook, after each bucket's all-reduce
+                (the averaged gradient). FSDP2's sharded params need nothing: FSDP2 runs the
+                release's hooks after its reduce-scatter.
         """
         if self._torch_seen or any(self._torch_group(g) for g in self.param_groups):
             raise ValueError("%s.release_grads: some params are stepped by torch.optim's "
                              "implementation of the rule (%s), which gradient release does not "
                              "do; see docs/dropin.md" % (self._name(), self._torch_reasons()))
         return GradRelease(self, bucket_bytes=bucket_bytes, scaler=scaler,
-                           max_grad_norm=max_grad_norm, clip=clip)
+                           max_grad_norm=max_grad_norm, clip=clip, ddp=ddp)
 
     # -----------------------------------------------------------------------------------------
     # The FP32 values: masters and EMA.

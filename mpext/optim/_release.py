@@ -16,7 +16,7 @@ fused optimizer) before its step, which the kernel skips when the flag is set. S
 bucket with an inf/NaN and every later bucket of that backward change nothing; earlier buckets
 keep their update; the scaler's ``update()`` sees the flag (the step is recorded as skipped and
 the scale backs off as usual). A ``bf16_check_only`` scaler's scale is 1, so its loss may go
-unscaled (``GradScaler._release_scale``).
+unscaled (``GradScaler.release_scale``).
 
 Clipping by the global norm: ``clip="exact"`` computes the norm in a first backward pass
 (:meth:`GradRelease.backward`, which also checks every gradient for inf/NaN first, so a
@@ -24,8 +24,16 @@ skipped step then changes nothing at all) and steps in a second; ``clip="previou
 the global norm of the previous backward (one pass). The clip coefficient is folded into the
 kernel's gradient multiplier (``inv_scale``), on the device.
 
-Refused, before anything is stepped (docs/gradient_release.md): more than one process (at
-``release_grads()`` and at the first gradient of every backward); frameworks that step the
+On a mesh (docs/gradient_release.md, "On a mesh"): FSDP2 runs a sharded param's
+post-accumulate-grad hooks itself after its reduce-scatter, so the release steps there; every
+rank cuts the same buckets (by the whole gradient's bytes over the mesh size) and all-reduces
+each bucket's found_inf (MAX) before its step, so every rank skips the same buckets; clipping
+sums the squared norms over the sharded dimensions once per pass. Under DDP (``ddp=``) the step
+runs in DDP's comm hook, after each bucket's all-reduce.
+
+Refused, before anything is stepped (docs/gradient_release.md): plain params in a process group
+of more than one without ``ddp=`` (at ``release_grads()`` and at the first gradient of every
+backward); frameworks that step the
 optimizer themselves (Lightning automatic optimization, accelerate's AcceleratedOptimizer and
 gradient accumulation, transformers.Trainer), recognised by their objects on the Python stack,
 by name and with the way out (:func:`framework_refusal`); a loss scaled by an mpext.GradScaler
@@ -38,7 +46,6 @@ so that nothing of it reaches the next (GradRelease._on_grad, _token_died).
 """
 import contextlib
 import math
-import sys
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -69,181 +76,74 @@ def _world_size() -> int:
 
 
 def _ddp_refusal(name: str, world: int) -> str:
-    return ("%s: gradient release is not supported with more than one process (a process group "
-            "of %d): under DDP the post-accumulate-grad hooks fire on each rank's local, "
-            "unreduced gradient, so each rank would step its own; FSDP2's sharded params are "
-            "not supported either (docs/gradient_release.md). The way out: step after backward "
-            "(release.remove(), then loss.backward(); opt.step() as usual: DDP has averaged "
-            "the gradients by then), sharding the optimizer state with FSDP2 (fully_shard) or "
-            "ZeroRedundancyOptimizer if memory is the reason; release works in one process"
+    return ("%s: gradient release of plain (not sharded) params is not supported with more "
+            "than one process (a process group of %d) unless DDP steps them: under DDP the "
+            "post-accumulate-grad hooks fire on each rank's local, unreduced gradient, so each "
+            "rank would step its own (docs/gradient_release.md). The way out: under DDP, "
+            "release_grads(ddp=ddp_model) (the step runs in DDP's comm hook, after each "
+            "bucket's all-reduce); FSDP2 (fully_shard) params are released as they are; or "
+            "step after backward (release.remove(), then loss.backward(); opt.step())"
             % (name, world))
 
 
-# ---- Frameworks that drive the optimizer themselves -----------------------------------------
-#
-# Lightning's automatic optimization calls optimizer.step(closure) (its closure runs
-# training_step and backward; the mixed-precision plugins run the closure first and then
-# scaler.step), accelerate's AcceleratedOptimizer steps after backward (every
-# gradient_accumulation_steps-th one), and transformers.Trainer is built on both of
-# accelerate's Accelerator.backward and AcceleratedOptimizer. None can drive a released
-# optimizer, which steps inside every backward. They are recognised by the objects on the
-# Python stack of the call (the LightningModule, the Trainer, the Accelerator, the
-# AcceleratedOptimizer, a precision plugin and its scaler), looked for only in frames of
-# those packages' own code and only when the package is imported.
+class _Mesh:
+    """The device mesh of released DTensor params (FSDP2, HSDP): the collectives a release
+    adds there, on the device and without a host read. Every rank makes the same calls in
+    the same order (the buckets are cut by a rank-independent size), so they pair up."""
 
-_LIGHTNING = ("lightning.pytorch", "pytorch_lightning")
-_HF = ("accelerate", "transformers")
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+        self.size = mesh.size()
 
-_WAY_OUT = ("use a plain loop (loss.backward() or release.backward(loss), no optimizer.step(); "
-            "examples/grad_release_train.py; micro-batches through release.accumulate()) or "
-            "Lightning manual optimization (automatic_optimization = False, "
-            "self.manual_backward(loss), no opt.step(); examples/lightning_grad_release.py)")
+    def max_(self, t: torch.Tensor) -> None:
+        """``t`` becomes its maximum over every rank of the mesh (an inf/NaN flag)."""
+        import torch.distributed as dist
+        for group in self.groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
-
-def _stack(all_threads: bool):
-    """The Python frames of this call, innermost first; with ``all_threads``, those of every
-    thread (a post-accumulate-grad hook of a CUDA param runs on autograd's device thread,
-    while the frames of whoever called backward are on the thread that waits for it)."""
-    f = sys._getframe(1)
-    while f is not None:
-        yield f
-        f = f.f_back
-    if all_threads:
-        me = sys._getframe(0)
-        for frame in list(sys._current_frames().values()):
-            while frame is not None:
-                if frame is me:
-                    break
-                yield frame
-                frame = frame.f_back
+    def sum_over(self, t: torch.Tensor, dims: tuple) -> None:
+        """``t`` becomes its sum over the mesh dimensions ``dims`` (those a param is sharded
+        on: over a replicate dimension every rank holds the same values)."""
+        import torch.distributed as dist
+        for d in dims:
+            if dist.get_world_size(self.groups[d]) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.groups[d])
 
 
-def _classes(*names):
-    """The classes ``"module:Class"`` whose modules are imported (never importing one)."""
-    out = []
-    for name in names:
-        mod, _, cls = name.partition(":")
-        m = sys.modules.get(mod)
-        c = getattr(m, cls, None) if m is not None else None
-        if isinstance(c, type):
-            out.append(c)
-    return tuple(out)
-
-
-def _lightning_context(all_threads: bool):
-    """(module, plugin): the LightningModule a Lightning Trainer is running on this stack (or
-    None), and the precision plugin whose backward is on it (or None)."""
-    if not any(n in sys.modules for n in _LIGHTNING):
-        return None, None
-    modules = _classes("lightning.pytorch.core.module:LightningModule",
-                       "pytorch_lightning.core.module:LightningModule")
-    trainers = _classes("lightning.pytorch.trainer.trainer:Trainer",
-                        "pytorch_lightning.trainer.trainer:Trainer")
-    plugins = _classes("lightning.pytorch.plugins.precision.precision:Precision",
-                       "pytorch_lightning.plugins.precision.precision:Precision")
-    module = plugin = None
-    for f in _stack(all_threads):
-        if not (f.f_globals.get("__name__") or "").startswith(_LIGHTNING):
-            continue
-        local = f.f_locals
-        for key in ("self", "model", "pl_module", "module", "trainer"):
-            obj = local.get(key)
-            if module is None and isinstance(obj, modules):
-                module = obj
-            elif module is None and isinstance(obj, trainers):
-                module = obj.lightning_module
-            elif plugin is None and isinstance(obj, plugins):
-                plugin = obj
-        if module is not None and plugin is not None:
-            break
-    if module is not None and getattr(module, "_trainer", None) is None:
-        module = None  # a LightningModule outside a Trainer (Fabric, a plain loop)
-    if module is not None:  # the plugin the Trainer runs (its backward may be all its own)
-        plugin = getattr(module._trainer, "precision_plugin", None) or plugin
-    return module, plugin
-
-
-def _hf_context(all_threads: bool):
-    """(trainer, accelerator, wrapper): the transformers.Trainer, accelerate Accelerator and
-    AcceleratedOptimizer found on this stack (None each where there is none)."""
-    if not any(n in sys.modules for n in _HF):
-        return None, None, None
-    trainers = _classes("transformers.trainer:Trainer")
-    accelerators = _classes("accelerate.accelerator:Accelerator")
-    wrappers = _classes("accelerate.optimizer:AcceleratedOptimizer")
-    trainer = accelerator = wrapper = None
-    for f in _stack(all_threads):
-        if not (f.f_globals.get("__name__") or "").startswith(_HF):
-            continue
-        obj = f.f_locals.get("self")
-        if trainer is None and isinstance(obj, trainers):
-            trainer = obj
-        elif accelerator is None and isinstance(obj, accelerators):
-            accelerator = obj
-        elif wrapper is None and isinstance(obj, wrappers):
-            wrapper = obj
-    return trainer, accelerator, wrapper
+def _sharded_dims(p: torch.Tensor) -> tuple:
+    """The mesh dimensions a DTensor is sharded on (partial placements are not a param's)."""
+    return tuple(d for d, pl in enumerate(p.placements) if not pl.is_replicate())
 
 
 def _scales(scaler) -> bool:
     """Whether ``scaler`` (a torch.amp or mpext GradScaler, or None) multiplies a loss."""
     return (scaler is not None and scaler.is_enabled()
-            and not getattr(scaler, "_bf16_check_only", False))
+            and not getattr(scaler, "bf16_check_only", False))
+
+
+# ---- Frameworks that drive the optimizer themselves -----------------------------------------
+#
+# Recognising them (their objects on the Python stack) is the integrations' business, in
+# mpext.integrations.detect, which registers itself here when imported: optim imports no integration.
+
+_detector = None  # the module mpext.integrations.detect, once imported
+
+
+def _detection():
+    global _detector
+    if _detector is None:  # `import mpext` imports mpext.integrations.detect, which registers
+        raise RuntimeError("mpext.optim._release: mpext.integrations.detect was not imported "
+                           "(import mpext, not mpext.optim alone)")
+    return _detector
 
 
 def framework_refusal(name: str, opt, scaler, in_backward: bool = False,
                       wrapped: bool = False) -> Optional[str]:
-    """Why a framework on this call's stack cannot drive ``opt``, released (with ``scaler``,
-    or None) and named ``name`` in the message, with the way out, or None: Lightning automatic
-    optimization, transformers.Trainer, accelerate's AcceleratedOptimizer (``wrapped``: known
-    to wrap ``opt``), an Accelerator accumulating gradients, and (``in_backward``: called at
-    the first gradient of a backward, whose caller may be on another thread) a loss scaled by a
-    Lightning precision plugin's or an Accelerator's scaler that is not ``scaler``."""
-    module, plugin = _lightning_context(in_backward)
-    if module is not None and module.automatic_optimization:
-        return ("%s: gradient release cannot run under Lightning automatic optimization "
-                "(%s.automatic_optimization is True): Lightning calls optimizer.step(closure) "
-                "itself, its closure running training_step and backward, while a released "
-                "optimizer steps inside backward. Use Lightning manual optimization: set "
-                "self.automatic_optimization = False in the LightningModule's __init__ and call "
-                "self.manual_backward(loss) in training_step, which steps (no opt.step(), no "
-                "zero_grad(); examples/lightning_grad_release.py)"
-                % (name, type(module).__name__))
-    theirs = None
-    if plugin is not None and in_backward:  # Lightning's plugins: scaler; mpext's: _scaler
-        theirs = getattr(plugin, "scaler", None) or getattr(plugin, "_scaler", None)
-    if _scales(theirs) and theirs is not scaler:
-        return ("%s: Lightning's precision plugin %s scales the loss with its own %s, which this "
-                "release was not made with, so its buckets would step with scaled gradients. "
-                "Use a plugin that does not scale (precision=\"16-true\", \"bf16-true\" or "
-                "32) and scale the loss yourself with an mpext.GradScaler passed to "
-                "release_grads(scaler=...): self.manual_backward(scaler.scale(loss)), then "
-                "scaler.update()" % (name, type(plugin).__name__, type(theirs).__name__))
-    trainer, accelerator, wrapper = _hf_context(in_backward)
-    if trainer is not None:
-        return ("%s: gradient release cannot run under transformers.Trainer (HF Trainer): it "
-                "steps the optimizer itself after backward, through accelerate's "
-                "AcceleratedOptimizer, while a released optimizer steps inside every backward. "
-                "The way out: %s" % (name, _WAY_OUT))
-    if wrapped or wrapper is not None or (accelerator is not None and any(
-            getattr(o, "optimizer", None) is opt for o in accelerator._optimizers)):
-        return ("%s: gradient release cannot run with accelerate's AcceleratedOptimizer "
-                "(accelerator.prepare(optimizer)): it steps the optimizer after backward (with "
-                "gradient_accumulation_steps > 1 every N-th), while a released optimizer steps "
-                "inside every backward. Do not pass the optimizer to accelerator.prepare; the "
-                "way out: %s" % (name, _WAY_OUT))
-    if accelerator is not None and accelerator.gradient_accumulation_steps > 1:
-        return ("%s: gradient release cannot run under accelerate's gradient accumulation "
-                "(gradient_accumulation_steps=%d): each backward would step. The way out: %s"
-                % (name, accelerator.gradient_accumulation_steps, _WAY_OUT))
-    if in_backward and accelerator is not None and _scales(accelerator.scaler) \
-            and accelerator.scaler is not scaler:
-        return ("%s: accelerator.backward scales the loss with the Accelerator's %s, which this "
-                "release was not made with, so its buckets would step with scaled gradients. "
-                "Pass that scaler to release_grads(scaler=...) (an mpext.GradScaler, e.g. from "
-                "mpext.accelerate.use_grad_scaler), or the way out: %s"
-                % (name, type(accelerator.scaler).__name__, _WAY_OUT))
-    return None
+    """Why a framework on this call's stack cannot drive ``opt`` released, with the way out,
+    or None (mpext.integrations.detect.framework_refusal)."""
+    return _detection().framework_refusal(name, opt, scaler, in_backward, wrapped)
 
 
 # The latest backward pass of a loss scaled by an mpext.GradScaler while a release was in force:
@@ -270,12 +170,30 @@ def _scaler_of(task: int):
     return ref() if seen == task and ref is not None else None
 
 
+# The framework making a release inside driven_by() (None: none).
+_driving: Optional[str] = None
+
+
+@contextlib.contextmanager
+def driven_by(name: str):
+    """Releases made inside are driven by the framework ``name`` (an mpext integration that
+    makes its step()/zero_grad() no-ops and routes its backward, clipping and accumulation
+    into the release): framework_refusal does not apply to them."""
+    global _driving
+    _driving, before = name, _driving
+    try:
+        yield
+    finally:
+        _driving = before
+
+
 class GradRelease:
     """The release of an optimizer's gradients inside the backward pass: made by
     ``optimizer.release_grads(...)`` (see there); :meth:`remove` ends it."""
 
     def __init__(self, optimizer, bucket_bytes: int = DEFAULT_BUCKET_BYTES, scaler=None,
-                 max_grad_norm: Optional[float] = None, clip: str = "exact") -> None:
+                 max_grad_norm: Optional[float] = None, clip: str = "exact",
+                 ddp=None) -> None:
         name = optimizer._name() + ".release_grads"
         if getattr(optimizer, "_grad_release", None) is not None:
             raise RuntimeError("%s: this optimizer's gradients are already released; call "
@@ -284,8 +202,8 @@ class GradRelease:
                 and bucket_bytes >= 0):
             raise ValueError("%s: bucket_bytes must be an int >= 0, got %r" % (name, bucket_bytes))
         if scaler is not None:
-            from ..grad_scaler import GradScaler
-            if not isinstance(scaler, GradScaler):
+            # duck-typed on the public method (optim never imports mpext.amp)
+            if not callable(getattr(scaler, "record_released_step", None)):
                 raise TypeError(
                     "%s: scaler must be an mpext.GradScaler, got %s: a released step is made "
                     "inside backward, not by scaler.step(), and only mpext.GradScaler takes the "
@@ -299,18 +217,39 @@ class GradRelease:
         if clip not in _CLIP_MODES:
             raise ValueError("%s: clip must be \"exact\" or \"previous\", got %r" % (name, clip))
         world = _world_size()
-        if world > 1:
-            raise NotImplementedError(_ddp_refusal(name, world))
-        refused = framework_refusal(name, optimizer, scaler)
+        if ddp is not None:
+            from torch.nn.parallel import DistributedDataParallel
+            if not isinstance(ddp, DistributedDataParallel):
+                raise TypeError("%s: ddp must be the torch.nn.parallel.DistributedDataParallel "
+                                "module whose params the optimizer steps, got %s"
+                                % (name, type(ddp).__name__))
+            ddp_params = {id(p) for p in ddp.module.parameters()}
+        refused = None if _driving is not None else framework_refusal(name, optimizer, scaler)
         if refused is not None:
             raise RuntimeError(refused)
         params = []
+        mesh = None
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
                 where = "%s: param %d of group %d" % (name, j, gi)
                 if is_dtensor(p):
-                    raise NotImplementedError("%s is a DTensor; release is not supported for "
-                                              "sharded params (FSDP2)" % where)
+                    # FSDP2 / HSDP: FSDP2 runs a sharded param's post-accumulate-grad hooks
+                    # itself, after its reduce-scatter, with the reduced DTensor gradient
+                    if mesh is None:
+                        mesh = p.device_mesh
+                    elif p.device_mesh != mesh:
+                        raise NotImplementedError(
+                            "%s is a DTensor on the mesh %s, another param's is on %s: a "
+                            "release decides each bucket's skip over one mesh; use one "
+                            "optimizer (and one release) per mesh" % (where, p.device_mesh,
+                                                                      mesh))
+                elif ddp is not None:
+                    if id(p) not in ddp_params:
+                        raise ValueError("%s is not a param of the DDP module (ddp=): DDP's comm "
+                                         "hook, which steps the params, never sees it" % where)
+                elif world > 1 and mesh is None and not any(
+                        is_dtensor(q) for g in optimizer.param_groups for q in g["params"]):
+                    raise NotImplementedError(_ddp_refusal(name, world))
                 if not p.requires_grad or p.grad_fn is not None:
                     raise ValueError(
                         "%s is not a leaf that requires grad: a released param is stepped only "
@@ -322,7 +261,7 @@ class GradRelease:
                         "%s already has a gradient; release steps each param from the gradient "
                         "of one backward: call zero_grad(set_to_none=True) first" % where)
                 if p.dtype is torch.float16 and scaler is not None and scaler.is_enabled() \
-                        and scaler._bf16_check_only:
+                        and scaler.bf16_check_only:
                     # as the scaler's own unscale_ refuses a float16 gradient in this mode
                     raise ValueError(
                         "%s is float16, and mpext.GradScaler(bf16_check_only=True) does not "
@@ -348,12 +287,44 @@ class GradRelease:
         self._found: Optional[torch.Tensor] = None
         self._inv_scale: Optional[torch.Tensor] = None
         self._sumsq: Optional[torch.Tensor] = None
+        self._sumsq_parts: Dict[tuple, torch.Tensor] = {}  # on a mesh: by sharded dims
         self._norm: Optional[torch.Tensor] = None  # the latest step's global norm (clipping)
         self._mult: Optional[torch.Tensor] = None  # this backward's gradient multiplier
         self._one: Dict[torch.device, torch.Tensor] = {}
         self.buckets_stepped = 0  # counters: buckets launched / backward passes seen
         self.backward_passes = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        if mesh is not None and len(params) != sum(is_dtensor(p) for p in params):
+            raise NotImplementedError(
+                "%s: the optimizer holds both DTensor (FSDP2) and plain params: the plain ones' "
+                "hooks would fire on unreduced gradients, in another order on each rank; shard "
+                "every module of the model with fully_shard, or use one optimizer for each"
+                % name)
+        if ddp is not None and mesh is not None:
+            raise NotImplementedError("%s: DTensor params under DDP (ddp=): release steps "
+                                      "FSDP2's sharded params by themselves; leave ddp out"
+                                      % name)
+        self._mesh = None if mesh is None else _Mesh(mesh)
+        self._ddp = ddp
+        # The framework driving this release (mpext.accelerate.release_trainer, ...): its
+        # step()/zero_grad() are no-ops there and its backward goes through the release, so
+        # framework_refusal does not apply to it.
+        self._driver: Optional[str] = _driving
+        self._held: List[torch.Tensor] = []  # DDP, exact clipping: stepped at the end
+        if ddp is None:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                             for p in params]
+        else:
+            # Under DDP a param's post-accumulate-grad hook sees its local, unreduced
+            # gradient; DDP's comm hook sees each bucket after its all-reduce (the average).
+            self._handles = []
+            self._mine = {id(p) for p in params}
+            try:
+                ddp.register_comm_hook(ddp.process_group, self._ddp_hook)
+            except RuntimeError as e:
+                raise RuntimeError("%s: DDP did not take the release's comm hook (%s): DDP "
+                                   "takes one comm hook, registered before its first backward; "
+                                   "release the optimizer right after wrapping the model, and "
+                                   "leave out any other comm hook" % (name, e)) from None
         # accelerator.prepare(optimizer) reads the optimizer's state_dict (to place it): the
         # first point where wrapping it in an AcceleratedOptimizer can be seen
         self._handles.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
@@ -378,7 +349,7 @@ class GradRelease:
         a step is made: a first backward (``retain_graph=True``) computes the global norm of the
         gradients, freeing each as soon as it is read, and checks them for inf/NaN; the second
         steps every param with the clipped gradient."""
-        if self.max_grad_norm is not None and self.clip == "exact":
+        if self.max_grad_norm is not None and self.clip == "exact" and self._ddp is None:
             if self._accumulated:
                 raise RuntimeError(
                     "%s: clip=\"exact\" cannot follow accumulate(): its norm pass frees the "
@@ -450,8 +421,7 @@ class GradRelease:
     def _on_state_dict(self, optimizer) -> None:
         """The optimizer's state_dict pre-hook: refuses accelerate's AcceleratedOptimizer,
         which reads the state_dict when it wraps the optimizer (accelerator.prepare)."""
-        if _classes("accelerate.optimizer:AcceleratedOptimizer") \
-                and _hf_context(False)[2] is not None:
+        if self._driver is None and _detection().accelerate_wrapper_on_stack():
             raise RuntimeError(framework_refusal(self._name, self._opt, self.scaler,
                                                  wrapped=True))
 
@@ -461,12 +431,13 @@ class GradRelease:
         framework that drives the optimizer itself (see framework_refusal). The refused
         backward's gradient is dropped (as a failed backward's, _abandon)."""
         world = _world_size()
-        refused = None if world == 1 else _ddp_refusal(self._name, world)
-        if refused is None:
+        refused = None if (world == 1 or self._mesh is not None or self._ddp is not None) \
+            else _ddp_refusal(self._name, world)
+        if refused is None and self._driver is None:
             refused = framework_refusal(self._name, self._opt, self.scaler, in_backward=True)
         theirs = _scaler_of(task)
         if refused is None and getattr(self.scaler, "_scale", None) is not None:
-            # (a scaler whose scale() was never called: its own refusal, _release_scale)
+            # (a scaler whose scale() was never called: its own refusal, release_scale)
             refused = self._unscaled_refusal(task)
         if refused is None and theirs is not None and theirs is not self.scaler:
             refused = ("%s: the loss of this backward was scaled by an mpext.GradScaler that "
@@ -543,17 +514,74 @@ class GradRelease:
         if p.grad is None:
             return
         self._bucket.append(p)
-        self._pending += local(p.grad).numel() * p.grad.element_size()
+        self._pending += self._grad_bytes(p.grad)
         if self._pending >= self.bucket_bytes:
             self._flush()
+
+    def _grad_bytes(self, g: torch.Tensor) -> int:
+        """A gradient's bytes for cutting buckets: on a mesh the whole gradient's over the
+        mesh's size, the same on every rank (a shard's own size differs from rank to rank
+        with uneven shards, and every rank must cut the same buckets: the skip flag's
+        reduction and the 8-bit blocks' exchange are collectives per bucket)."""
+        if self._mesh is not None:
+            return g.numel() * g.element_size() // self._mesh.size
+        return g.numel() * g.element_size()
+
+    def _ddp_hook(self, process_group, bucket):
+        """DDP's comm hook: the bucket's all-reduce as DDP makes it without a hook (each
+        gradient times 1/world, then summed), then, the average in hand, the bucket's params
+        are taken as their gradients complete (stepped, or held for exact clipping)."""
+        import torch.distributed as dist
+        buf = bucket.buffer()
+        # as DDP's reducer without a comm hook: multiplied by the reciprocal, not divided
+        buf.mul_(1.0 / dist.get_world_size(process_group))
+        fut = dist.all_reduce(buf, group=process_group, async_op=True).get_future()
+        fut = fut.then(lambda f: f.value()[0])
+        fut.wait()  # on the host for gloo; a stream wait for NCCL
+        if self._opt._grad_release is not self:
+            return fut  # removed (DDP keeps its comm hook): DDP's plain averaging
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if id(p) not in self._mine:
+                continue
+            if not self._paused:
+                p.grad = g  # the average, a view of DDP's bucket (its local one goes)
+            self._on_grad(p)
+        if not self._paused and self._task is not None:
+            self._flush()
+        return fut
+
+    def _step_held(self) -> None:
+        """DDP with exact clipping: every bucket was checked and measured as it came; now the
+        global norm is known, every held param is stepped with the clipped gradient."""
+        held, self._held = self._held, []
+        norm = self._global_sumsq().sqrt().to(F32)
+        if self._found is not None:  # the norm is inf/NaN when a gradient is
+            torch.maximum(self._found, (~torch.isfinite(norm)).to(F32).to(self._found.device),
+                          out=self._found)
+        self._norm = norm
+        self._mult = self._multiplier()
+        opt = self.optimizer
+        with torch.no_grad():
+            opt._launch(opt._items(only={id(p) for p in held}), self._mult, self._found)
+        self.buckets_stepped += 1
+        for p in held:
+            p.grad = None
+
+    def _free_grads(self) -> None:
+        if self._opt._grad_release is not self:
+            return
+        for group in self._opt.param_groups:
+            for p in group["params"]:
+                if id(p) in self._mine and not self._paused:
+                    p.grad = None
 
     def _abandon(self) -> None:
         """Forgets a backward that raised before its end: the gradients it had not stepped
         yet (the bucket's, that of a bucket whose step raised included) are dropped, its
         earlier buckets stay stepped."""
-        for p in self._bucket:
+        for p in self._bucket + self._held:
             p.grad = None
-        self._bucket, self._pending = [], 0
+        self._bucket, self._pending, self._held = [], 0, []
         self._last_task, self._task = self._task, None
         self._token = lambda: None
 
@@ -567,7 +595,8 @@ class GradRelease:
                 "early; use use_reentrant=False" % self._name)
         opt = self.optimizer
         clipping = self.max_grad_norm is not None
-        if clipping and self.clip == "exact" and not (self._norm_pass or self._norm_ready):
+        if clipping and self.clip == "exact" and self._ddp is None \
+                and not (self._norm_pass or self._norm_ready):
             raise RuntimeError("%s: clip=\"exact\" needs the norm pass: call "
                                "release.backward(loss) instead of loss.backward()" % self._name)
         # Everything that can raise (the step pre-hooks, the scaler's checks) runs before the
@@ -580,7 +609,7 @@ class GradRelease:
             scaler = self.scaler
             if scaler is not None and scaler.is_enabled():
                 # 1 for a check-only scaler, also when the loss was not scaled
-                scale = scaler._release_scale(device, self._name)
+                scale = scaler.release_scale(device, self._name)
                 # As FusedOptimizer.step computes it from the grad_scale the scaler hands it.
                 self._inv_scale = scale.detach().double().reciprocal().float()
                 self._found = torch.zeros((), dtype=F32, device=scale.device)
@@ -588,6 +617,7 @@ class GradRelease:
                 self._inv_scale = self._found = None
             if clipping:
                 self._sumsq = torch.zeros((), dtype=torch.float64, device=device)
+                self._sumsq_parts = {}
             mult = None if self._norm_pass else self._multiplier()
         if not self._norm_pass:
             self._mult = mult
@@ -637,6 +667,15 @@ class GradRelease:
                 for p in bucket:
                     p.grad = None
                 return
+            if self._ddp is not None and self.max_grad_norm is not None \
+                    and self.clip == "exact":
+                # DDP's buckets hold every averaged gradient until the end of backward
+                # anyway: the exact norm needs no second pass there (_end steps them)
+                if self._found is not None:
+                    self._check_finite(bucket)
+                self._add_norm(bucket)
+                self._held += bucket
+                return
             opt = self.optimizer
             items = opt._items(only={id(p) for p in bucket})
             if self._found is not None:
@@ -669,13 +708,36 @@ class GradRelease:
             _ops.unscale_(grads, flag, self._one_on(device))
             if flag is not found:
                 torch.maximum(found, flag.to(found.device), out=found)
+        if self._mesh is not None:
+            # Every rank decides the same skip before the bucket's step: an inf/NaN in any
+            # rank's shard of the bucket (its flag stays set for the rest of the backward).
+            self._mesh.max_(found)
 
     def _add_norm(self, bucket: List[torch.Tensor]) -> None:
-        """Adds the bucket's squared (unscaled) norm to this backward's sum."""
-        for device, grads in self._by_device(bucket).items():
+        """Adds the bucket's squared (unscaled) norm to this backward's sum: on a mesh this
+        rank's shards' part, one sum per set of sharded mesh dimensions (reduced over them
+        once, at the end of the pass: _global_sumsq)."""
+        by: Dict[tuple, List[torch.Tensor]] = {}
+        for p in bucket:
+            dims = _sharded_dims(p) if is_dtensor(p) else ()
+            by.setdefault((p.grad.device, dims), []).append(local(p.grad))
+        for (device, dims), grads in by.items():
             inv = None if self._inv_scale is None else self._inv_scale.to(device)
             n = _ops.grad_norm(grads, inv_scale=inv).to(self._sumsq.device, torch.float64)
-            self._sumsq.add_(n * n)
+            part = self._sumsq if not dims else self._sumsq_parts.get(dims)
+            if part is None:
+                part = self._sumsq_parts[dims] = torch.zeros_like(self._sumsq)
+            part.add_(n * n)
+
+    def _global_sumsq(self) -> torch.Tensor:
+        """This pass's squared global norm: on a mesh, each part summed over the dimensions
+        its shards are cut along (one all-reduce for FSDP2's and HSDP's params)."""
+        total = self._sumsq
+        for dims, part in self._sumsq_parts.items():
+            self._mesh.sum_over(part, dims)
+            total = total + part
+        self._sumsq_parts = {}
+        return total
 
     def _multiplier(self) -> Optional[torch.Tensor]:
         """The kernel's gradient multiplier for this backward's buckets: 1/scale, times the
@@ -699,19 +761,25 @@ class GradRelease:
                 self._bucket += [p for group in self._opt.param_groups for p in group["params"]
                                  if p.grad is not None and id(p) not in queued]
             self._flush()
+            if self._held:
+                self._step_held()
         except BaseException:
             self._abandon()
             raise
+        if self._ddp is not None:
+            # DDP's own end-of-backward callback, queued after this one (at its last
+            # bucket), writes every bucket back into .grad: free them after it
+            torch.autograd.Variable._execution_engine.queue_callback(self._free_grads)
         self._last_task, self._task = self._task, None
         opt = self.optimizer
         if self._norm_pass:
-            norm = self._sumsq.sqrt().to(F32)
+            norm = self._global_sumsq().sqrt().to(F32)
             self._norm = norm
             if self._found is not None:  # the norm is inf/NaN when a gradient is
                 self._found.copy_((~torch.isfinite(norm)).to(F32))
             return
         if self.max_grad_norm is not None and self.clip == "previous":
-            norm = self._sumsq.sqrt().to(F32)
+            norm = self._global_sumsq().sqrt().to(F32)
             if self._found is not None:  # a skipped step keeps the norm before it (0: none)
                 prev = torch.zeros_like(norm) if self._norm is None else self._norm
                 norm = torch.where(self._found.to(norm.device) != 0, prev, norm)
@@ -719,7 +787,7 @@ class GradRelease:
         self._accumulated = False
         found = self._found
         if found is not None:
-            self.scaler._record_released_step(opt, found)
+            self.scaler.record_released_step(opt, found)
         opt._opt_called = True  # what torch's LR schedulers look for, as a step() sets it
         kwargs = {} if found is None else {"found_inf": found}
         for hook in chain_hooks(_global_optimizer_post_hooks, opt._optimizer_step_post_hooks):
