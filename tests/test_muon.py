@@ -713,3 +713,26 @@ def test_dtensor_shard0_same_bits_as_one_process(tmp_path, world):
                 T.assert_bits(p, p1, where + " param")
                 T.assert_bits(m, m1, where + " fp32 value")
                 T.assert_bits(b, b1, where + " buffer")  # 8-bit: one code per element
+
+
+@pytest.mark.parametrize("fmt,mode", [
+    (dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8),
+     "mpext-bf16-sr-8bit"),
+    (dict(param_remainders=True, momentum_dtype=torch.int8), "mpext-bf16-remainder-8bit"),
+    (dict(), "mpext-bf16")])
+def test_calculator_agrees_with_live_tensors(fmt, mode):
+    """mpext.memory's estimate for rule='muon' (its RULES read Muon's one moment) equals the
+    live tensors (mpext.memory.measure) after two steps, component by component."""
+    from mpext import memory
+    from mpext.memory import estimate
+    assert memory.modes.RULES["muon"] == ("momentum_buffer",)
+    ps = [torch.nn.Parameter(torch.randn(s, dtype=BF16)) for s in [(256, 512), (512, 96)]]
+    opt = Muon(ps, ema_decay=0.9, **fmt)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    got = memory.measure(ps, opt)
+    want = estimate([p.numel() for p in ps], mode=mode, rule="muon", ema=True)
+    for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
+        assert got[field] == getattr(want, field), (field, got, want)

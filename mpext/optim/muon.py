@@ -266,7 +266,12 @@ class Muon(FusedOptimizer):
     """
 
     _op = "muon_update_step_"
-    moments = _MUON_MOMENTS + _ADAM_MOMENTS
+    # The rule's own moment (mpext.memory's RULES reads it); AdamW groups keep Adam's
+    # (_moments_of), so the settings of both are the optimizer's (_moment_settings).
+    moments = _MUON_MOMENTS
+
+    def _moment_settings(self) -> Tuple[str, ...]:
+        return tuple(q.setting for q in _MUON_MOMENTS + _ADAM_MOMENTS)
 
     def __init__(self, params, lr: Union[float, torch.Tensor] = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True,
