@@ -125,7 +125,7 @@ ctest-valgrind:
 # The C tests on a core built without its fast paths (csrc/core/fast/README.md): the step's
 # pipeline alone must pass every one. Only step.c is compiled again (its objects beside the
 # others', which are shared with ctest). CTEST_NOFAST_ARGS go to the test binary (CI passes the
-# sparser sweeps of ctest-valgrind: the sweeps test no step).
+# sparser sweeps of ctest-valgrind, which test no step, and --isa best).
 CTEST_NOFAST_ARGS ?=
 ctest-nofast:
 	python3 tests/c/run.py --no-fast-paths $(if $(strip $(CTEST_NOFAST_ARGS)),-- $(CTEST_NOFAST_ARGS))

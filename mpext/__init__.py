@@ -23,6 +23,7 @@ from . import amp  # noqa: E402
 from .amp import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from . import _moved  # noqa: E402
 from .integrations import detect as _detect  # noqa: E402,F401  (registers with the release)
+from . import telemetry  # noqa: E402  (mpext.telemetry, opt-in counters)
 
 _moved.install()  # mpext.grad_scaler, mpext.lightning, ...: the modules' old paths
 

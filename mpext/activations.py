@@ -1,8 +1,11 @@
-"""Saved activations in FP8: tensors autograd keeps for the backward pass, stored with one scale
-per block of their last dimension (``mpext.ops.fp8_quantize``) and restored when the backward
-pass needs them.
+"""Saved activations in 8 bits: tensors autograd keeps for the backward pass, stored with one
+float32 scale per block of 128 elements along their rows and restored when the backward pass
+needs them. The default code is int8 on a uniform grid under each block's absmax
+(``mpext.activations_codes``: gradients within 2x BF16's error, where E4M3's 3 mantissa bits
+were 3-4x); ``fp8_dtype=torch.float8_e4m3fn`` / ``float8_e5m2`` select the FP8 codes
+(``mpext.ops.fp8_quantize``), which stochastic rounding needs.
 
-    with mpext.activations.fp8_saved_tensors():          # default: the "all" policy
+    with mpext.activations.fp8_saved_tensors():          # default: the "all" policy, int8
         loss = model(x).sum()
     loss.backward()
 
@@ -64,6 +67,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import activations_codes as _codes
 from . import activations_compiled as _compiled
 from . import ops
 
@@ -179,15 +183,7 @@ def _is_param_like(t: torch.Tensor, param_ptrs) -> bool:
     return False
 
 
-def block_cols(numel: int, cols: int, block: int) -> int:
-    """The row length a tensor of ``numel`` elements and last dimension ``cols`` is quantized
-    in: its own rows, or, when they are shorter than a block and the elements fill whole
-    blocks, rows of one block (the row-major copy read as (numel / block, block)): a scale per
-    32-wide image row or 64-wide head would cost an eighth or a sixteenth of a byte per value,
-    which alone keeps an FP8 copy above half its BF16 bytes."""
-    if 0 < cols < block and numel % block == 0:
-        return block
-    return cols
+block_cols = _codes.block_cols  # the rows every code quantizes (memory_estimate uses it)
 
 
 def _non_overlapping(t: torch.Tensor) -> bool:
@@ -213,21 +209,29 @@ class _Packed:
         x = t.detach()
         if not x.is_contiguous():
             x = x.contiguous()  # the blocks run along the last dimension of the row-major copy
-        cols = block_cols(x.numel(), x.shape[-1], block)
-        self.merged = cols != x.shape[-1]
-        if self.merged:  # short rows: whole blocks of consecutive elements instead
-            x = x.view(-1, cols)
-        self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
-                                               pow2_scale=pow2, stochastic=stochastic, seed=seed,
-                                               offset=offset)
         self.shape, self.stride, self.dtype, self.block = t.shape, t.stride(), t.dtype, block
         self.contiguous = t.is_contiguous()
+        if fp8_dtype == torch.int8:
+            self.merged = None
+            self.q, self.scales = _codes.quantize(x, block, pow2)
+        else:
+            cols = block_cols(x.numel(), x.shape[-1], block)
+            self.merged = cols != x.shape[-1]
+            if self.merged:  # short rows: whole blocks of consecutive elements instead
+                x = x.view(-1, cols)
+            self.q, self.scales = ops.fp8_quantize(x, block_size=block, fp8_dtype=fp8_dtype,
+                                                   pow2_scale=pow2, stochastic=stochastic,
+                                                   seed=seed, offset=offset)
         self.nbytes = self.q.numel() + 4 * self.scales.numel()
 
     def restore(self) -> torch.Tensor:
-        out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
-        if self.merged:
-            out = out.view(self.shape)
+        if self.merged is None:
+            out = _codes.dequantize(self.q, self.scales, self.block, self.dtype, self.shape)
+        else:
+            out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block,
+                                     dtype=self.dtype)
+            if self.merged:
+                out = out.view(self.shape)
         if out.stride() == self.stride:
             return out
         if self.contiguous:  # the same addressing; only the strides of size-1 dims differ
@@ -308,7 +312,10 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     Args:
         policy: ``"all"`` (default), ``"layers"``, ``"linear"``, ``"size"`` or a callable
             ``(tensor) -> bool``.
-        fp8_dtype: ``torch.float8_e4m3fn`` (default; 3 mantissa bits) or ``torch.float8_e5m2``.
+        fp8_dtype: the 8-bit code: ``None`` (default) is ``torch.int8`` (a uniform grid under
+            each block's absmax, ``mpext.activations_codes``: the gradient error within 2x
+            BF16's), or ``torch.float8_e4m3fn`` when ``stochastic``; ``torch.float8_e4m3fn``
+            (3 mantissa bits: ~3x BF16's gradient error) or ``torch.float8_e5m2``.
         block_size: elements of the last dimension per scale (128, as DeepSeek-V3's 1x128);
             a tensor whose rows are shorter is scaled per block of consecutive elements.
         pow2_scale: round every scale up to a power of two.
@@ -321,20 +328,28 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     """
 
     def __init__(self, policy: Union[str, Callable[[torch.Tensor], bool]] = "all", *,
-                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, block_size: int = 128,
+                 fp8_dtype: Optional[torch.dtype] = None, block_size: int = 128,
                  pow2_scale: bool = False, stochastic: bool = False, seed: int = 0,
                  min_bytes: int = 1 << 16, min_numel: int = 1024, params=None,
                  warn_unmatched: bool = True):
         if not (callable(policy) or policy in POLICIES):
             raise ValueError("mpext.activations: policy must be one of %s or a callable "
                              "(tensor) -> bool, got %r" % (", ".join(map(repr, POLICIES)), policy))
-        if fp8_dtype not in ops.FP8_DTYPES:
-            raise ValueError("mpext.activations: fp8_dtype must be torch.float8_e4m3fn or "
-                             "torch.float8_e5m2, got %s" % (fp8_dtype,))
+        code = fp8_dtype
+        if code is None:  # stochastic rounding exists for the FP8 codes only
+            code = torch.float8_e4m3fn if stochastic else torch.int8
+        if code not in ops.FP8_DTYPES + (torch.int8,):
+            raise ValueError("mpext.activations: fp8_dtype must be torch.int8, "
+                             "torch.float8_e4m3fn or torch.float8_e5m2, got %s" % (fp8_dtype,))
+        if stochastic and code == torch.int8:
+            raise ValueError("mpext.activations: stochastic=True needs an FP8 fp8_dtype "
+                             "(torch.float8_e4m3fn or torch.float8_e5m2); the int8 code rounds "
+                             "to nearest only")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError("mpext.activations: block_size must be an int >= 1, got %r"
                              % (block_size,))
         self.policy, self.fp8_dtype, self.block_size = policy, fp8_dtype, block_size
+        self.code = code  # fp8_dtype as given (None: the default); code: the one in use
         self.pow2_scale, self.stochastic, self.seed = pow2_scale, stochastic, seed
         self.min_bytes, self.min_numel, self.warn_unmatched = min_bytes, min_numel, warn_unmatched
         if isinstance(params, torch.nn.Module):
@@ -447,7 +462,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         elif t.dtype not in _SUPPORTED:
             entry.raw = True
             return t
-        packed = _Packed(t, self.block_size, self.fp8_dtype, self.pow2_scale, self.stochastic,
+        packed = _Packed(t, self.block_size, self.code, self.pow2_scale, self.stochastic,
                          self.seed, self._offset)
         self._offset += t.numel()
         entry.views[view] = packed
@@ -478,6 +493,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
     # -- the context
 
     def __enter__(self):
+        if torch.compiler.is_compiling():  # dynamo is tracing a `with` inside compiled code
+            _entered_while_compiling(self)
         st = _State()
         st.param_ptrs.update(self._fixed_params)
         cache = {}
@@ -491,7 +508,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             # random stream every step: those graphs keep the pass-through)
             active = _compiled.active(eager_pack)
             hooks = torch.autograd.graph.saved_tensors_hooks(*_compiled.hooks(
-                self.block_size, self.fp8_dtype, self.pow2_scale, self.min_numel, self.policy,
+                self.block_size, self.code, self.pow2_scale, self.min_numel, self.policy,
                 self.min_bytes))
         else:
             active = contextlib.nullcontext()
@@ -544,6 +561,26 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         elif s["saved"] > 0 and s["compressed"] == 0:
             warnings.warn("mpext.activations: the policy %r compressed none of the %d tensors "
                           "autograd saved" % (self.policy, s["saved"]), stacklevel=3)
+
+
+@torch.compiler.disable
+def _entered_while_compiling(ctx):
+    """Called (not traced: a graph break of its own) when dynamo traces the context's entry.
+    Dynamo cannot trace the saved-tensor hooks' entry either, so the compiled function is cut
+    into graphs at the ``with``, and the pieces' saved tensors may pass uncompressed (a
+    compiled MLP's did: its gradients were the uncompressed ones bit for bit); entered around
+    the compiled call it costs no break and compresses."""
+    if "entered compiled" in ctx._warned:
+        return
+    ctx._warned.add("entered compiled")
+    warnings.warn(
+        "mpext.activations: fp8_saved_tensors was entered inside a torch.compile'd function: "
+        "dynamo cannot trace the context's entry (saved-tensor hooks), so the function is split "
+        "into several graphs there (graph breaks), and the saved tensors of the pieces may "
+        "not be compressed at all. "
+        "Enter the context around the compiled call instead -- `with fp8_saved_tensors(): "
+        "loss = compiled_model(x)` -- where the compiled graph compresses its saved tensors "
+        "with no graph break.", stacklevel=3)
 
 
 class FP8Activations(torch.nn.Module):

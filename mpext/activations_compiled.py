@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from . import activations_codes as _codes
 from . import ops
 
 __all__ = ["supported", "hooks", "active"]
@@ -79,7 +80,9 @@ def _worth_it(x: torch.Tensor, s) -> bool:
     n = x.numel()
     if not isinstance(n, int) or n < min_numel:
         return False  # a symbolic size is left alone: its blocks could not be checked
-    if 1 + 4.0 / max(1, min(block, x.shape[-1])) > 0.75 * x.element_size():
+    # the int8 code reads short rows as whole blocks, as eagerly; the FP8 op gets its rows
+    cols = _codes.block_cols(n, x.shape[-1], block) if s[1] == torch.int8 else x.shape[-1]
+    if 1 + 4.0 / max(1, min(block, cols)) > 0.75 * x.element_size():
         return False
     span = 0
     for st, d in sorted((st, d) for st, d in zip(x.stride(), x.shape) if d > 1):
@@ -118,8 +121,11 @@ def _pack(x, idx):
     if _statistic() or not _worth_it(x, s):
         return x
     block, fp8_dtype, pow2 = s[:3]
-    q, scales = ops.fp8_quantize(x.contiguous(), block_size=block, fp8_dtype=fp8_dtype,
-                                 pow2_scale=pow2)
+    if fp8_dtype == torch.int8:  # torch ops: traced into the graph, fused by inductor
+        q, scales = _codes.quantize(x.contiguous(), block, pow2)
+    else:
+        q, scales = ops.fp8_quantize(x.contiguous(), block_size=block, fp8_dtype=fp8_dtype,
+                                     pow2_scale=pow2)
     # the layout is a constant of the graph: the backward was compiled for exactly it
     return (_TAG, q, scales, x.dtype, tuple(x.shape), tuple(x.stride()), x.is_contiguous(),
             block)
@@ -132,7 +138,10 @@ def _unpack(p):
     if not (isinstance(p, tuple) and p and p[0] == _TAG):
         return p.restore()  # what the eager pack made
     _, q, scales, dtype, shape, stride, contiguous, block = p
-    out = ops.fp8_dequantize(q, scales, block_size=block, dtype=dtype)
+    if q.dtype == torch.int8:
+        out = _codes.dequantize(q, scales, block, dtype, shape)
+    else:
+        out = ops.fp8_dequantize(q, scales, block_size=block, dtype=dtype)
     if tuple(out.stride()) == stride:
         return out
     if contiguous:  # the same addressing; only the strides of size-1 dims differ

@@ -11,6 +11,7 @@ import mpext
 from mpext import ops
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+CODES = [torch.int8] + FP8  # the 8-bit codes of mpext.activations (int8: the default)
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_SCALE = 2.0 ** -126
 
@@ -250,6 +251,81 @@ def test_opcheck():
 
 
 # --------------------------------------------------------------------------------------------
+# The int8 block code (mpext.activations_codes, the default), against a float64 reference.
+
+def _int8_reference(x, block, pow2):
+    """Per block of ``block`` elements along each row of the rows the module codes in
+    (``act.block_cols``; the last block of a row may be shorter): scale = absmax / 127 (float32,
+    >= 2^-126, rounded up to 2^k with pow2); each element restored to the nearest multiple of
+    the scale, a nonzero one to at least one step of its sign."""
+    cols = act.block_cols(x.numel(), x.shape[-1], block)
+    nb = -(-cols // block)
+    rows = torch.nn.functional.pad(x.double().reshape(-1, cols), (0, nb * block - cols))
+    rows = rows.view(-1, nb, block)
+    s = (rows.abs().amax(-1, keepdim=True).float() / 127).clamp_min(2.0 ** -126).double()
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    y = rows / s
+    k = y.round().clamp(-127, 127)
+    k = torch.where((k == 0) & (y != 0), torch.sign(y), k)
+
+    def back(t):
+        return t.reshape(-1, nb * block)[:, :cols].reshape(x.shape)
+    return back(k * s), back(s.expand_as(rows)), back(y), s.view(-1, nb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("block, shape", [(128, (128 * 40,)), (128, (5000,)), (32, (999,)),
+                                          (1, (7,)), (128, (6, 300)), (128, (40, 32)),
+                                          (128, (3, 5, 24))])
+def test_int8_code_restores_the_nearest_step_of_each_block(device, dtype, pow2, block, shape):
+    from mpext import activations_codes as codes
+    n = math.prod(shape)
+    gen = torch.Generator().manual_seed(block + n)
+    # blocks of very different sizes, zeros, values far below a step, exact ties
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 10, (n,), generator=gen)
+                                                   .float().div(4).floor())
+    x[::17] = 0
+    x[5::23] *= 1e-6
+    x = x.to(dtype).to(device).view(shape)
+    q, sc = codes.quantize(x, block, pow2)
+    ref, s, y, scales = (t.cpu() for t in _int8_reference(x.cpu(), block, pow2))
+    # the FP8 op's rows and blocks: the same bytes as fp8_quantize's codes and scales
+    assert q.dtype == torch.int8 and q.numel() == n and int(q.abs().max()) <= 127
+    fq, fs = ops.fp8_quantize(_rows(x, block).float(), block_size=block)
+    assert q.numel() == fq.numel() and sc.numel() == fs.numel() and sc.dtype == torch.float32
+    assert torch.equal(sc.cpu().double(), scales)
+    got = codes.dequantize(q, sc, block, dtype, x.shape)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+    g = got.cpu().double()
+    # the code is the reference's step, but where x / scale lies within float32's rounding of
+    # a half step (the kernel divides in float32): either neighbour then
+    tie = ((y - y.floor()) - 0.5).abs() < 1e-5
+    # the restored value is the step times the scale, rounded once or twice to dtype (the
+    # scale to bfloat16, then the product): two of dtype's ulps of the result, relative
+    ulp = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[
+        dtype]
+    tiny = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 2.0 ** -24}[dtype]
+    close = (g - ref).abs() <= 2 * ulp * ref.abs() + tiny
+    near = (g - ref).abs() <= s * (1 + 2 * ulp) + tiny
+    assert (close | (tie & near)).all(), (g - ref)[~(close | (tie & near))][:5]
+    assert torch.equal(torch.sign(g), torch.sign(x.cpu().double()))  # zero, and every sign
+    assert ((g - x.cpu().double()).abs() <= s * (1 + 2 * ulp) + tiny).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int8_code_a_non_finite_element_makes_its_block_non_finite(device, bad):
+    from mpext import activations_codes as codes
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(3)).to(device)
+    x[1, 200] = bad
+    got = codes.dequantize(*codes.quantize(x, 128, False), 128, torch.float32, x.shape)
+    assert not torch.isfinite(got[1, 128:256]).any()
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1, :128]).all() and \
+        torch.isfinite(got[1, 256:]).all()
+
+
+# --------------------------------------------------------------------------------------------
 # mpext.activations: compressed saved tensors against the uncompressed backward pass.
 
 import contextlib  # noqa: E402
@@ -258,7 +334,7 @@ import warnings  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from mpext import activations as act  # noqa: E402
-from mpext.memory_measure import HeapMeter  # noqa: E402
+from mpext.memory.meter import HeapMeter  # noqa: E402
 
 
 def mlp(seed=0, dtype=torch.float32):
@@ -286,7 +362,7 @@ def _mlp_on(device, *args, **kwargs):
     return mlp(*args, **kwargs).to(device)
 
 
-@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("fp8", CODES)
 def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close(device, fp8):
     m = _mlp_on(device)
     ref = grads(m, X.to(device))
@@ -297,7 +373,7 @@ def test_default_policy_compresses_matmul_and_activation_tensors_gradients_close
     assert ctx.stats["compressed"] == 2 and ctx.stats["saved"] == 4
     assert ctx.stats["bytes_after"] < 0.27 * ctx.stats["bytes_before"]
     w1, b1, w2, b2 = rel_errors(ref, got)
-    tol = 0.05 if fp8 == torch.float8_e4m3fn else 0.1
+    tol = {torch.int8: 0.02, torch.float8_e4m3fn: 0.05, torch.float8_e5m2: 0.1}[fp8]
     assert 0 < w1 < tol and 0 < w2 < tol
     assert b2 == 0.0  # the last bias's gradient reads no saved activation
 
@@ -319,21 +395,27 @@ def test_linear_policy_leaves_activation_function_inputs(device):
     assert 0 < max(rel_errors(ref, got)) < 0.05
 
 
-def test_exactly_the_restored_values_are_used(device):
-    """The backward pass sees fp8_dequantize(fp8_quantize(x)): the same as a forward pass on
-    the rounded input with nothing compressed."""
+@pytest.mark.parametrize("code", CODES)
+def test_exactly_the_restored_values_are_used(device, code):
+    """The backward pass sees the code's round trip of x (int8: activations_codes, FP8:
+    fp8_dequantize(fp8_quantize(x))): the same as a forward pass on the rounded input with
+    nothing compressed."""
+    from mpext import activations_codes as codes
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 64).to(device)
     h = X.to(device).clone().requires_grad_() * 1.0  # an activation (a leaf is kept)
-    q, s = ops.fp8_quantize(h.detach())
-    xr = ops.fp8_dequantize(q, s)
+    if code == torch.int8:
+        xr = codes.dequantize(*codes.quantize(h.detach(), 128), 128, h.dtype, h.shape)
+    else:
+        xr = ops.fp8_dequantize(*ops.fp8_quantize(h.detach(), fp8_dtype=code))
     lin.zero_grad()
-    with act.fp8_saved_tensors():
+    with act.fp8_saved_tensors(fp8_dtype=code):
         lin(h).sum().backward()
     got = lin.weight.grad.clone()
     lin.zero_grad()
     lin(xr).sum().backward()
     assert torch.equal(got, lin.weight.grad)
+    assert not torch.equal(xr, h)  # rounded: the test would see a code that stored nothing
 
 
 E4M3_REL = 2.0 ** -4  # round to nearest: half an ulp of 3 mantissa bits, relative
@@ -358,7 +440,7 @@ def test_a_tensor_modified_in_place_between_saves_is_packed_anew(device):
         return h.detach(), w2.grad.clone()
 
     h, ref = run(contextlib.nullcontext())
-    ctx = act.fp8_saved_tensors()
+    ctx = act.fp8_saved_tensors(fp8_dtype=torch.float8_e4m3fn)
     _, got = run(ctx)
     assert ctx.stats["compressed"] == 2  # h before and after the in-place change
     # exactly the gradient of the new values' FP8 copy ...
@@ -378,6 +460,16 @@ def _rows(t, block=128):
     return c if cols == c.shape[-1] else c.view(-1, cols)
 
 
+def _round_trip(t, code=torch.int8, block=128):
+    """What the module restores for ``t`` in ``code``: the codec on its row-major copy."""
+    from mpext import activations_codes as codes
+    c = t.detach().contiguous()
+    if code == torch.int8:
+        return codes.dequantize(*codes.quantize(c, block), block, t.dtype, t.shape)
+    q, s = ops.fp8_quantize(_rows(c, block), block_size=block, fp8_dtype=code)
+    return ops.fp8_dequantize(q, s, dtype=t.dtype).view(t.shape)
+
+
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(device, stochastic):
     """The module copies a non-contiguous saved tensor (attention's transposed q, k, v) before
@@ -385,7 +477,7 @@ def test_non_contiguous_saved_tensors_same_bits_as_a_contiguous_copy(device, sto
     and the backward pass sees exactly them."""
     torch.manual_seed(0)
     h = (torch.randn(4, 96, 320) * torch.logspace(-3, 3, 320)).to(device).requires_grad_()
-    kw = dict(stochastic=stochastic, seed=7)
+    kw = dict(stochastic=stochastic, seed=7, fp8_dtype=torch.float8_e4m3fn)  # the FP8 op's rows
     for t in ((h * 1).transpose(1, 2), (h * 1)[:, ::2, 64:], (h * 1).permute(2, 0, 1)):
         assert not t.is_contiguous()
         ctx = act.fp8_saved_tensors("size", min_bytes=1, **kw)
@@ -422,9 +514,7 @@ class _Layouts:
         obj = self.ctx.pack(t)
         want = None
         if not isinstance(obj, torch.Tensor):
-            q, s = ops.fp8_quantize(_rows(t, self.ctx.block_size),
-                                    block_size=self.ctx.block_size)
-            want = ops.fp8_dequantize(q, s, dtype=t.dtype).view(t.shape)
+            want = _round_trip(t, self.ctx.code, self.ctx.block_size)
         return t.shape, t.stride(), t.dtype, want, obj
 
     def unpack(self, packed):
@@ -586,8 +676,8 @@ def test_a_storage_one_saver_holds_raw_is_never_compressed_for_another(device):
     assert ctx.stats["compressed"] == 2  # h once (as it is and reshaped), and the slice
     assert ctx.stats["bytes_before"] == h.untyped_storage().nbytes()
     loss.backward()
-    hq = ops.fp8_dequantize(*ops.fp8_quantize(h.detach()))
-    sq = ops.fp8_dequantize(*ops.fp8_quantize(h.detach()[:, 1::2].contiguous()))
+    hq = _round_trip(h)
+    sq = _round_trip(h.detach()[:, 1::2])
     # d/dx = 1 w^T + cos(h) + cos(h) + cos(h[:, 1::2]) in the odd columns, each cos read from
     # the FP8 copy its saver got
     lin = torch.ones(64, 256, device=device) @ w.detach().t()
@@ -698,7 +788,7 @@ def test_bf16_model_and_shared_input_compressed_once(device):
     assert ctx.stats["bytes_after"] < 0.55 * ctx.stats["bytes_before"]
 
 
-@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("fp8", CODES)
 def test_nan_and_inf_reach_the_gradients(device, fp8):
     m = _mlp_on(device)
     for bad in (float("nan"), float("inf")):
@@ -783,7 +873,10 @@ def test_torch_compile_with_stochastic_rounding_runs_uncompressed_and_says_so_on
             return m(x)
     _, said = _mpext_warnings(lambda: (grads(m, X.to(device), fwd=fwd),
                                        grads(m, X.to(device), fwd=fwd)))
-    assert len(said) == 1 and "NOT compressed" in said[0], said
+    # once each: what passed uncompressed, and that the context was entered inside compiled
+    # code (where to put it instead)
+    assert len(said) == 2 and sum("NOT compressed" in w for w in said) == 1 and \
+        sum("entered inside a torch.compile'd function" in w for w in said) == 1, said
     eager = act.fp8_saved_tensors(stochastic=True)
     _, said = _mpext_warnings(lambda: grads(m, X.to(device), eager))
     assert said == [] and eager.stats["compressed"] == 2
@@ -1079,10 +1172,12 @@ def test_a_params_address_counts_only_while_the_param_holds_it():
 # ---- the zoo (tests/zoo.py: bench_activations --zoo's stock models at half its widths): the
 # bytes one BF16 forward leaves alive for the backward, from the allocator (HeapMeter, not
 # mpext's counters), uncompressed and under the default policy. The floors are the figures
-# reached (docs/activations.md) less 1.5 points of allocator noise; every FP8 value costs 1 B
-# + 4 B per block of 128, so a model whose saved tensors are all BF16 tops out at 48.4%, and
-# only FP32 saved tensors (RMSNorm's copy, the CPU's attention math) lift one above 50%.
-_ZOO_FLOOR = {"hf-gpt2-eager": 0.455, "hf-gpt2-sdpa": 0.495, "hf-llama": 0.475, "vit": 0.48,
+# reached (docs/activations.md) less 1.5 points of allocator noise; every 8-bit value costs
+# 1 B + 4 B per block of 128, so a model whose saved tensors are all BF16 tops out at 48.4%,
+# and only FP32 saved tensors (RMSNorm's copy, the CPU's attention math) lift one above 50%.
+# The int8 code packs no more bytes than E4M3 but its torch-op temporaries leave ~40 KB more
+# in the C heap's small-chunk caches, which this meter counts: a point at these small sizes.
+_ZOO_FLOOR = {"hf-gpt2-eager": 0.445, "hf-gpt2-sdpa": 0.495, "hf-llama": 0.46, "vit": 0.48,
               "cnn": 0.455}
 
 
@@ -1099,7 +1194,13 @@ def test_zoo_default_policy_halves_what_the_forward_leaves_alive(zoo_rows, name)
     r = zoo_rows[name]
     assert r["policy"] == "all" and r["bf16"] > 1 << 20
     assert r["saved"] >= _ZOO_FLOOR[name], (name, r["saved"], r["bf16"], r["held"])
-    # the gradients are those of the FP8-rounded saved tensors: each parameter's error against
-    # the uncompressed BF16 run is a few E4M3 roundings (2^-4 relative), not a wrong tensor
-    for p, err in r["errors"].items():
-        assert err <= max(8 * r["ref"][p], 0.1), (p, err, r["ref"][p])
+    # each parameter's gradient error against the uncompressed BF16 run within twice the same
+    # gradient's BF16-vs-FP32 error (the issue's bound: the int8 code's ~0.7% per element is
+    # under BF16's own arithmetic error; E4M3 was 3-4x on the HF models). Left out: gradients
+    # BF16 itself gets wrong by half their size (a conv bias before BatchNorm: zero but for
+    # rounding; at these sizes most of the CNN's first layers), whose direction no code keeps.
+    bounded = [p for p in r["errors"] if r["ref"][p] < 0.5]
+    assert len(bounded) >= len(r["errors"]) // 3, r["ref"]
+    over = {p: (r["errors"][p], r["ref"][p]) for p in bounded
+            if r["errors"][p] > 2 * r["ref"][p]}
+    assert not over, over

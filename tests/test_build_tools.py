@@ -210,7 +210,7 @@ def test_the_avx512_adam_loops_keep_their_software_prefetches(tmp_path):
     (the wrapper was taken for a function without side effects), so the object's code is read
     here: compiled exactly as the build does, it must hold them."""
     (src, cmd, obj), = [j for j in core.core_jobs([CC], str(tmp_path))
-                        if j[0] == "csrc/core/adam_fused.c" and "-DMP_ISA_SUFFIX=avx512" in j[1]]
+                        if j[0] == "csrc/core/fast/adam_fused.c" and "-DMP_ISA_SUFFIX=avx512" in j[1]]
     out = str(tmp_path / "adam_fused.s")
     subprocess.run([{"-c": "-S", obj: out}.get(a, a) for a in cmd], check=True)
     asm = Path(out).read_text()

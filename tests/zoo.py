@@ -10,7 +10,7 @@ import statistics
 import torch
 
 from mpext import activations as act
-from mpext.memory_measure import HeapMeter
+from mpext.memory.meter import HeapMeter
 
 
 class ResBlock(torch.nn.Module):

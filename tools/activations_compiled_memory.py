@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import mpext.activations as act
-from mpext.memory_measure import HeapMeter
+from mpext.memory.meter import HeapMeter
 
 
 def main():

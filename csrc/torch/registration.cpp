@@ -37,6 +37,17 @@ TORCH_LIBRARY(mpext, m) {
   // Loss scaling. grads *= inv_scale in place over the whole list; found_inf = 1 if any element
   // was NaN/Inf (never cleared). Same results as torch._amp_foreach_non_finite_check_and_unscale_.
   m.def("unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  // --- telemetry (issue 46), begin: csrc/torch/telemetry*.cpp, mpext/_telemetry_ops.py ---
+  // unscale_ (same bits in grads and found_inf) that also adds, per gradient i, the counts of
+  // its stored (scaled) values to counts[i] = [zeros, subnormal, headroom (|g| * 2 > dtype
+  // max), non-finite], merges max(fp32(|g| * stat_inv_scale)) over finite g into max_abs[i],
+  // and lowers first_nonfinite to the index of the first gradient holding a NaN/Inf
+  // (mpext/telemetry.h defines each). stat_inv_scale defaults to inv_scale.
+  m.def(
+      "unscale_stats_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
+      "Tensor(c!) counts, Tensor(d!) max_abs, Tensor(e!) first_nonfinite, *, "
+      "Tensor? stat_inv_scale=None) -> ()");
+  // --- telemetry (issue 46), end ---
   // The dynamic loss-scale rule on the device (torch._amp_update_scale_ by default), plus
   // optional hysteresis, min/max scale and skip statistics (stats = [skipped, overflow streak]).
   m.def(

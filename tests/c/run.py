@@ -35,6 +35,8 @@ SANITIZE_CFLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", 
                    "-fno-omit-frame-pointer"]
 SANITIZE_LDFLAGS = ["-fsanitize=address,undefined"]
 TEST_SOURCE = os.path.join(HERE, "test_core.c")
+# Further test binaries, each its own main, built and run after test_core with the same core.
+EXTRA_TEST_SOURCES = [os.path.join(HERE, "test_telemetry.c")]  # telemetry (issue 46)
 VALGRIND_TEST_ARGS = ["--stride", "4369", "--random", "200000"]
 TEST_CFLAGS = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
@@ -92,18 +94,20 @@ def link(cmd):
         sys.exit(1)
 
 
-def build(cc, out_dir, sanitize):
-    """Compiles the core and the test into out_dir; returns the path of the test binary."""
-    test_obj = os.path.join(out_dir, "test", "test_core.o")
+def build(cc, out_dir, sanitize, source=TEST_SOURCE):
+    """Compiles the core and the test `source` into out_dir; returns the path of the test
+    binary."""
+    stem = os.path.splitext(os.path.basename(source))[0]
+    test_obj = os.path.join(out_dir, "test", stem + ".o")
     # The test itself is baseline code (it runs on every CPU); it sees the core's macros so that
     # it can tell "not compiled in" from "CPU lacks it".
     test_opt = [] if sanitize else ["-O2"]
-    test_job = (os.path.relpath(TEST_SOURCE, ROOT),
-                cc + ["-c", TEST_SOURCE, "-o", test_obj] + macro_flags(core.COMMON_MACROS)
+    test_job = (os.path.relpath(source, ROOT),
+                cc + ["-c", source, "-o", test_obj] + macro_flags(core.COMMON_MACROS)
                 + ["-I" + d for d in core.INCLUDE_DIRS] + TEST_CFLAGS + test_opt
                 + core_extra(sanitize), test_obj)
     objects, _ = core_objects(cc, sanitize, [test_job])
-    exe = os.path.join(out_dir, "test_core")
+    exe = os.path.join(out_dir, stem)
     link(cc + ["-o", exe] + objects + [test_obj] + (SANITIZE_LDFLAGS if sanitize else [])
          + ["-lm"])
     return exe
@@ -156,6 +160,14 @@ def main():
     print("run.py: test binary exited with status %d after %.1f s" % (rc, time.time() - t0))
     if rc < 0:  # killed by a signal: report it as a failure the shell understands
         rc = 128 - rc
+    for source in EXTRA_TEST_SOURCES:  # the other binaries, under the same tool (valgrind, ...)
+        extra = build(cc, out_dir, sanitize, source)
+        ecmd = [c if c != exe else extra for c in cmd]
+        print("run.py: running " + " ".join(shlex.quote(c) for c in ecmd), flush=True)
+        erc = subprocess.call(ecmd, cwd=ROOT, env=env)
+        print("run.py: %s exited with status %d" % (os.path.basename(extra), erc))
+        if erc != 0 and rc == 0:
+            rc = 128 - erc if erc < 0 else erc
     return rc
 
 

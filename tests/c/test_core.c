@@ -34,7 +34,7 @@
  * Output: one line per check group, then "N passed, M failed"; exit status 1 if anything failed.
  * Options: --stride S (fp32 sweep step over the 2^32 patterns, odd, default 257), --random N
  * (random patterns added to the sweep, default 2000000), --seed X (seed of the random inputs),
- * --isa NAME (test only that path). */
+ * --isa NAME (test only that path; "best": the one this CPU selects by default). */
 #if defined(__linux__)
 #define _DEFAULT_SOURCE 1 /* mmap/mprotect (the inv_scale == 1 read-only test) */
 #endif
@@ -5116,8 +5116,11 @@ int main(int argc, char** argv) {
       o.seed = parse_u64(argv[++i], "--seed");
     } else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc) {
       only = argv[++i];
+      /* "best": the path this CPU would run (what a one-path run, CI's ctest-nofast, tests) */
+      if (strcmp(only, "best") == 0) only = mp_isa_name(mp_cpu_isa_best());
     } else {
-      fprintf(stderr, "usage: %s [--stride S] [--random N] [--seed X] [--isa NAME]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--stride S] [--random N] [--seed X] [--isa NAME|best]\n",
+              argv[0]);
       return 2;
     }
   }
