@@ -533,6 +533,74 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    ema_decay=float(ema_decay), **kw)
 
 
+# muon
+__all__ += ["muon_momentum_step_", "muon_update_step_"]
+
+
+def muon_momentum_step_(updates: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                        momentum_buffers: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
+                        momentum: float = 0.95, nesterov: bool = True, *,
+                        inv_scale: Optional[torch.Tensor] = None,
+                        found_inf: Optional[torch.Tensor] = None, unscale_grads: bool = False,
+                        moments_round_nearest: bool = False, seed: int = 0,
+                        sr_streams: Optional[Sequence[int]] = None,
+                        momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
+                        block_size: int = 256, offsets: Optional[Sequence[int]] = None) -> None:
+    """Muon's first phase (torch.optim.Muon's momentum lines) for every param of the lists, in
+    one pass over memory: the buffer in its format (float32, bfloat16 rounded per
+    ``moments_round_nearest``, or int8 block codes with ``momentum_buffer_scales``), the fused
+    unscale and skip of :func:`adam_step_`. Per element, in fp32 and torch's order (torch's
+    lerp is one fused multiply-add from the nearer end)::
+
+        g = grad * inv_scale
+        buf = lerp(buf, g, 1 - momentum)
+        updates[i] = lerp(g, buf, momentum) if nesterov else buf
+
+    ``updates`` are written in their dtype, to nearest even (bfloat16: torch's ``.bfloat16()``
+    of the fp32 update, which Newton-Schulz reads). ``steps`` name the random streams and
+    advance by one, as every rule's op (mpext.optim.Muon passes copies: its third phase ends
+    the step)."""
+    (updates, grads, (buffers,), _, steps, lr,
+     kw) = _prepare_step("muon_momentum_step_", updates, grads,
+                         (("momentum_buffers", momentum_buffers),), None, steps, 0.0, None, None,
+                         seed, sr_streams, (("momentum_buffer_scales", momentum_buffer_scales),),
+                         block_size, offsets, inv_scale, found_inf)
+    _ops.muon_momentum_step_(updates, grads, buffers, [], steps, lr, float(momentum),
+                             bool(nesterov), inv_scale=inv_scale, found_inf=found_inf,
+                             unscale_grads=bool(unscale_grads), master_free=True,
+                             moments_round_nearest=bool(moments_round_nearest), **kw)
+
+
+def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                      masters: Optional[Sequence[torch.Tensor]], steps: Sequence[torch.Tensor],
+                      lr, lr_ratio: float = 1.0, weight_decay: float = 0.1, *,
+                      found_inf: Optional[torch.Tensor] = None,
+                      remainders: Optional[Sequence[torch.Tensor]] = None,
+                      master_free: bool = False, stochastic_rounding: bool = False,
+                      seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
+                      ema_params: Optional[Sequence[torch.Tensor]] = None,
+                      ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+    """Muon's third phase (torch.optim.Muon's param lines) for every param of the lists, with the
+    param storage of :func:`adam_step_` (masters, remainders, master-free params with
+    stochastic rounding, on-device skip, ema, sr_streams, offsets). Per element, in fp32 and
+    torch's order (``add_(x, alpha=a)`` one fused multiply-add)::
+
+        p = p * (1 - lr * weight_decay)
+        p = p - (lr * lr_ratio) * updates[i]
+
+    ``updates`` the orthogonalised updates (float32, or the param's dtype); ``steps`` advance
+    by one."""
+    (params, updates, _, masters, steps, lr,
+     kw) = _prepare_step("muon_update_step_", params, updates, (), masters, steps, lr,
+                         remainders, ema_params, seed, sr_streams, (), 256, offsets, None,
+                         found_inf)
+    _ops.muon_update_step_(params, updates, masters, steps, lr, float(lr_ratio),
+                           float(weight_decay), found_inf=found_inf,
+                           master_free=bool(master_free),
+                           stochastic_rounding=bool(stochastic_rounding),
+                           ema_decay=float(ema_decay), **kw)
+
+
 def _sizes(t: torch.Tensor) -> str:
     return "[%s]" % ", ".join(str(int(d)) for d in t.shape)
 
@@ -625,6 +693,43 @@ def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum
     _step_fake(op, moments, (("momentum_buffer_scales", momentum_buffer_scales),), params,
                grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
                master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+
+
+# muon
+@torch.library.register_fake("mpext::muon_momentum_step_")
+def _muon_momentum_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum,
+                             nesterov, *, inv_scale=None, found_inf=None, unscale_grads=False,
+                             remainders=None, master_free=False, stochastic_rounding=False,
+                             moments_round_nearest=False, seed=0, sr_streams=None,
+                             momentum_buffer_scales=None, block_size=256, ema_params=None,
+                             ema_decay=0.0, offsets=None):
+    """The checks of the C++ muon_momentum_rule and plan_step (see _adam_step_fake)."""
+    op = "muon_momentum_step_"
+
+    def check_rule():
+        _check_hyper_fake(op, "momentum", momentum, 0.0, math.inf)
+
+    _step_fake(op, (("momentum_buffers", momentum_buffers),),
+               (("momentum_buffer_scales", momentum_buffer_scales),), params, grads, masters,
+               steps, lr, check_rule, inv_scale, found_inf, remainders, master_free, sr_streams,
+               block_size, ema_params, ema_decay, offsets)
+
+
+@torch.library.register_fake("mpext::muon_update_step_")
+def _muon_update_step_fake(params, grads, masters, steps, lr, lr_ratio, weight_decay, *,
+                           inv_scale=None, found_inf=None, unscale_grads=False, remainders=None,
+                           master_free=False, stochastic_rounding=False,
+                           moments_round_nearest=False, seed=0, sr_streams=None,
+                           block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+    """The checks of the C++ muon_update_rule and plan_step (see _adam_step_fake)."""
+    op = "muon_update_step_"
+
+    def check_rule():
+        _check_hyper_fake(op, "lr_ratio", lr_ratio, 0.0, math.inf, lo_open=True)
+        _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
+
+    _step_fake(op, (), (), params, grads, masters, steps, lr, check_rule, inv_scale, found_inf,
+               remainders, master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
 
 
 def _step_fake(op, moments, scales, params, grads, masters, steps, lr, check_rule, inv_scale,

@@ -106,6 +106,28 @@ TORCH_LIBRARY(mpext, m) {
       "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
       "Tensor(h!)[]? momentum_buffer_scales=None, int block_size=256, "
       "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
+  // Muon's elementwise phases over the same storage (mpext/rules/muon.h), around its
+  // Newton-Schulz (mpext.optim.Muon). muon_momentum_step_: per param buf = lerp(buf, g,
+  // 1 - momentum), params[i] = nesterov ? lerp(g, buf, momentum) : buf (params are the updates,
+  // written in their dtype; momentum_buffers float32, bfloat16, or int8 codes with
+  // momentum_buffer_scales). muon_update_step_: p = p * (1 - lr * weight_decay) -
+  // (lr * lr_ratio) * grads[i] (the orthogonalised update).
+  m.def(
+      "muon_momentum_step_(Tensor(a!)[] params, Tensor(f!)[] grads, "
+      "Tensor(b!)[] momentum_buffers, Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor lr, "
+      "float momentum, bool nesterov, *, Tensor? inv_scale=None, Tensor? found_inf=None, "
+      "bool unscale_grads=False, Tensor(g!)[]? remainders=None, bool master_free=False, "
+      "bool stochastic_rounding=False, bool moments_round_nearest=False, int seed=0, "
+      "int[]? sr_streams=None, Tensor(h!)[]? momentum_buffer_scales=None, int block_size=256, "
+      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
+  m.def(
+      "muon_update_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(d!)[] masters, "
+      "Tensor(e!)[] steps, Tensor lr, float lr_ratio, float weight_decay, *, "
+      "Tensor? inv_scale=None, Tensor? found_inf=None, bool unscale_grads=False, "
+      "Tensor(g!)[]? remainders=None, bool master_free=False, bool stochastic_rounding=False, "
+      "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
+      "int block_size=256, Tensor(j!)[]? ema_params=None, float ema_decay=0., "
+      "int[]? offsets=None) -> ()");
   // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.

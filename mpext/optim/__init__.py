@@ -83,10 +83,11 @@ shared optimizer base; ``lr_scheduler`` device-side schedules; ``_release`` grad
 from .adam import Adam, AdamW
 from .lion import Lion
 from .sgd import SGD
+from .muon import Muon, muon_param_groups  # muon
 from ._base import use_global_sr_streams
 from .formats import MIN_8BIT_NUMEL, q8_decode, q8_encode
 from . import formats
 from . import lr_scheduler  # mpext.optim.lr_scheduler, as torch.optim has it
 
-__all__ = ["Adam", "AdamW", "Lion", "SGD", "formats", "lr_scheduler", "MIN_8BIT_NUMEL",
+__all__ = ["Adam", "AdamW", "Lion", "Muon", "SGD", "muon_param_groups", "formats", "lr_scheduler", "MIN_8BIT_NUMEL",
            "q8_decode", "q8_encode", "use_global_sr_streams"]

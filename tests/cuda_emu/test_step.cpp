@@ -1186,6 +1186,10 @@ const RuleCase kRuleCases[] = {
     {"sgd_nesterov", MP_RULE_SGD, 0.9, 0.0, 0.01, 0.0, 1, 0},
     {"sgd_dampening", MP_RULE_SGD, 0.5, 0.0, 0.0, 0.25, 0, 1},
     {"sgd_plain", MP_RULE_SGD, 0.0, 0.0, 0.01, 0.0, 0, 0},
+    // muon: phase 1 (beta1 the momentum), phase 3 (beta1 the lr ratio)
+    {"muon_momentum", MP_RULE_MUON_MOMENTUM, 0.95, 0.0, 0.0, 0.0, 1, 0},
+    {"muon_momentum_plain", MP_RULE_MUON_MOMENTUM, 0.3, 0.0, 0.0, 0.0, 0, 0},
+    {"muon_update", MP_RULE_MUON_UPDATE, 1.5, 0.0, 0.1, 0.0, 0, 0},
 };
 
 mp_step_options rule_options(const RuleCase& c, int variant, const float* inv) {
@@ -1220,7 +1224,8 @@ int64_t offset_of(uint32_t stream, int64_t align) {
 EMU_TEST(rules_lean_storage_match_the_core) {
   for (const RuleCase& c : kRuleCases) {
     Rng r(2000 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
-    const int nmom = c.rule == MP_RULE_LION || c.b1 != 0.0 ? 1 : 0;
+    const int nmom =
+        c.rule == MP_RULE_MUON_UPDATE ? 0 : c.rule == MP_RULE_LION || c.b1 != 0.0 ? 1 : 0;
     std::vector<Lean> cpu;
     std::vector<int64_t> offsets;
     uint32_t stream = 0;
@@ -1272,7 +1277,8 @@ EMU_TEST(rules_lean_storage_match_the_core) {
 
 EMU_TEST(rules_q8_match_the_core) {
   for (const RuleCase& c : kRuleCases) {
-    if (c.rule == MP_RULE_SGD && c.b1 == 0.0) continue;  // no moment to code
+    if ((c.rule == MP_RULE_SGD && c.b1 == 0.0) || c.rule == MP_RULE_MUON_UPDATE)
+      continue;  // no moment to code
     Rng r(2600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
     for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{2048}}) {
       std::vector<Q8> cpu;

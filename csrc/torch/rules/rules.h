@@ -6,3 +6,4 @@
 #include "adam.h"
 #include "lion.h"
 #include "sgd.h"
+#include "muon.h"

@@ -22,11 +22,14 @@
 #define MP_RULES(X)  \
   X(ADAM, adam, 2, 2) \
   X(LION, lion, 1, 1) \
-  X(SGD, sgd, 0, 1)
+  X(SGD, sgd, 0, 1) \
+  X(MUON_MOMENTUM, muon_momentum, 1, 1) \
+  X(MUON_UPDATE, muon_update, 0, 0)
 
 #include "mpext/rules/adam.h"
 #include "mpext/rules/lion.h"
 #include "mpext/rules/sgd.h"
+#include "mpext/rules/muon.h"
 
 /* ---- generated from the rows ---- */
 
