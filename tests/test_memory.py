@@ -1162,7 +1162,7 @@ def test_every_mode_of_the_table_exists_and_its_aliases_are_formats():
 def test_rules_are_the_optimizer_classes_moments():
     """RULES lists each rule's moments as its mpext.optim class keeps them (for the classes in
     this tree), and the table's rules are all among them."""
-    classes = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}
+    classes = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion", "sgd": "SGD", "muon": "Muon"}
     assert set(classes) == set(memory.RULES)
     found = 0
     for rule, name in classes.items():
