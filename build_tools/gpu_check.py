@@ -125,8 +125,12 @@ def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT, grace=0.0):
     with open(log_path, "ab") as log:
         log.write(("$ %s\n" % " ".join(shlex.quote(c) for c in cmd)).encode())
         log.flush()
+        # SIGINT back to its default in the phase: a shell's background job (`cmd &`, nohup)
+        # starts with SIGINT ignored, which exec keeps, and pytest would never see the grace
+        # interrupt (no junit XML)
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             try:
                 rc = proc.wait(timeout=max(timeout - grace, 0.01))
@@ -147,6 +151,10 @@ def run_phase(name, cmd, log_path, timeout, env=None, cwd=ROOT, grace=0.0):
                        % (name, timeout)).encode())
     return {"name": name, "status": status, "rc": rc, "seconds": time.time() - t0,
             "timeout": timeout, "cmd": cmd}
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _signal_group(proc, sig):

@@ -3,6 +3,7 @@ its timeouts, its result folder, what it says with no GPU. The real phases (a bu
 tests, the benchmark) are what the script runs on a lent GPU machine."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -316,11 +317,15 @@ def test_a_cut_tests_phase_still_leaves_its_junit(tmp_path):
     xml = tmp_path / "junit.xml"
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "cuda",
            str(tmp_path / "test_slow.py"), "--junitxml", str(xml)]
-    # 16 s before the interrupt: pytest must have started and run the quick test by then, which
-    # took over 8 s on a loaded 2-core machine (CI failed with no junit at all)
-    r = gpu_check.run_phase("tests", cmd, str(tmp_path / "tests.log"), timeout=24, grace=8,
-                            cwd=str(tmp_path))
-    assert r["status"] == "timed out" and r["seconds"] < 24 + 12
+    # launched as a shell's background job is (CI started with `&`): SIGINT ignored, which a
+    # child keeps unless the phase restores it
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        r = gpu_check.run_phase("tests", cmd, str(tmp_path / "tests.log"), timeout=16, grace=8,
+                                cwd=str(tmp_path))
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert r["status"] == "timed out" and r["seconds"] < 16 + 12
     assert "tests interrupted (SIGINT) 8 s before its timeout" in (tmp_path / "tests.log"
                                                                    ).read_text()
     counts = gpu_check.feature_counts(str(xml))
