@@ -17,7 +17,8 @@ import torch
 
 import mpext.optim
 from mpext.optim import formats as F
-from reference import bf16_sr_array, fp16_sr_array, sr_bits_array, sr_key
+from reference import (Q8_VALUES, bf16_sr_array, fp16_sr_array, q8_decode_array, q8_encode_array,
+                       q8_exp_array, sr_bits_array, sr_key)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 LOW = (BF16, F16)
@@ -557,9 +558,12 @@ def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: t
                block: int):
     """The 8-bit code values (float64) nearest below lo and above hi, on the code grid of
     blocks with float32 absmax ``scale``: every rounding of a value in [lo, hi] lies there."""
-    table = F._q8_table(dtype, torch.device("cpu"))
+    kind = "m" if dtype == torch.int8 else "v"
+    table = torch.from_numpy(Q8_VALUES[kind])
     n = lo.numel()
-    ref = F._q8_ref(F._f32_bits(scale.float()), dtype).repeat_interleave(block)[:n]
+    ea = torch.from_numpy(q8_exp_array(kind, scale.float().numpy()))
+    ref = torch.where(ea >= 255, torch.tensor(NAN, dtype=torch.float64),
+                      torch.pow(2.0, (ea - 127).double())).repeat_interleave(block)[:n]
 
     def on_grid(x, up):
         x = x.double().reshape(-1)
@@ -571,6 +575,28 @@ def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: t
         return torch.where(x >= 0, mag, -mag)
 
     return on_grid(lo, False).reshape(lo.shape), on_grid(hi, True).reshape(hi.shape)
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order (the order of a block code's blocks)."""
+    return t.detach().cpu().as_strided((t.numel(),), (1,))
+
+
+def assert_nearest_q8(state, q: F.Quantity, value: torch.Tensor, block: int, what: str) -> None:
+    """The 8-bit codes and block scales ``state`` holds for moment ``q`` are the nearest codes
+    (ties to even) of the fp32 ``value`` by tests/reference.py's restated format (not
+    formats.py's encoder), and decode to the reference's values."""
+    kind = "m" if q.signed else "v"
+    codes, scale = F.moment_of(state, q.name)
+    want_codes, want_scale = q8_encode_array(kind, memory_order(value).float().numpy(), block)
+    got_codes = memory_order(codes).view(torch.uint8).numpy()
+    assert (scale.cpu().float().numpy().view(np.uint32) == want_scale.view(np.uint32)).all(), (
+        what, q.name, "block scales")
+    bad = np.flatnonzero(got_codes != want_codes)
+    assert bad.size == 0, (what, q.name, "%d codes not the nearest; element %d: %d, not %d" % (
+        bad.size, bad[0], got_codes[bad[0]], want_codes[bad[0]]) if bad.size else "")
+    got = memory_order(F.held(state, q.name).decode(codes, scale)).numpy()
+    assert (got == q8_decode_array(kind, want_codes, want_scale, block)).all(), (what, q.name)
 
 
 def assert_in(got: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, what: str) -> None:

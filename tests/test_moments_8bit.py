@@ -23,70 +23,16 @@ from mpext import ops
 from mpext.optim import Adam, AdamW, MIN_8BIT_NUMEL, q8_decode, q8_encode
 
 from conftest import CUDA_OK
-from reference import sr_bits, sr_key
+from reference import Q8_FMT as FMT, q8_decode_array, q8_encode_array, sr_bits, sr_key
+from reference import q8_ref_decode as ref_decode, q8_ref_encode as ref_encode
+from reference import q8_ref_exp as ref_exp
 from test_adam import assert_bitwise, assert_opt_unchanged, assert_opts_bitwise, snapshot_opt
 
 I8, U8, F32, BF16, F16 = torch.int8, torch.uint8, torch.float32, torch.bfloat16, torch.float16
-FMT = {"m": (3, 4, True), "v": (4, 4, False)}  # exponent bits, mantissa bits, signed
 
 
 # --------------------------------------------------------------------------------------------
-# The reference: the documented format and step, restated.
-
-def code_values(kind):
-    """Magnitude code -> value relative to the block reference, float64, by definition."""
-    eb, mb, _ = FMT[kind]
-    t = (1 << eb) - 1
-    return np.array([math.ldexp(1 + f / 2 ** mb, e - t) if e else math.ldexp(f / 2 ** mb, 1 - t)
-                     for e in range(1 << eb) for f in range(1 << mb)])
-
-
-VALUES = {k: code_values(k) for k in FMT}
-
-
-def ref_exp(kind, amax):
-    """The reference exponent field of a block with float32 absmax amax (255: not finite)."""
-    eb, mb, _ = FMT[kind]
-    a = float(amax)
-    if not math.isfinite(a):
-        return 255
-    field = 1 << eb
-    if a > 0:
-        fr, e = math.frexp(a)  # a = fr 2^e, fr in [0.5, 1)
-        fe = e - 1 + 127
-        if a > (2 - 2.0 ** -mb) * 2.0 ** (e - 1):
-            fe += 1
-        field = max(field, fe)
-    return field
-
-
-def ref_decode(kind, code, ea):
-    if ea >= 255:
-        return np.float32("nan")
-    _, _, signed = FMT[kind]
-    mag = code & 0x7F if signed else code
-    v = VALUES[kind][mag] * 2.0 ** (ea - 127)
-    return np.float32(-v if signed and code & 0x80 else v)
-
-
-def ref_encode(kind, x, ea, r16, nearest):
-    _, _, signed = FMT[kind]
-    vals = VALUES[kind]
-    ax = abs(float(x)) / 2.0 ** (ea - 127)
-    lo = int(np.searchsorted(vals, ax, side="right")) - 1
-    if lo >= len(vals) - 1 or vals[lo] == ax:
-        c = min(lo, len(vals) - 1)
-    else:
-        dl, dh = ax - vals[lo], vals[lo + 1] - ax
-        if nearest:
-            c = lo + 1 if dh < dl or (dh == dl and lo % 2) else lo
-        else:
-            frac = dl / (vals[lo + 1] - vals[lo])
-            c = lo + 1 if math.floor(frac * 65536) + r16 >= 65536 else lo
-    if signed and math.copysign(1.0, float(x)) < 0:
-        c |= 0x80
-    return c
-
+# The reference: the documented format (tests/reference.py) and step, restated.
 
 f32 = np.float32
 
@@ -171,6 +117,10 @@ def test_codec_against_the_definition_with_error_bounds():
         codes, scale = q8_encode(vals, dtype, block)
         back = q8_decode(codes, scale)
         c = codes.view(U8).numpy().astype(int)
+        # the reference's array forms (tests/optim_table.py's) are its scalar definitions
+        ac, ascale = q8_encode_array(kind, vals.numpy(), block)
+        assert (ascale == scale.numpy()).all()
+        aback = q8_decode_array(kind, ac, ascale, block)
         for b in range(scale.numel()):
             seg = vals[b * block:(b + 1) * block].numpy()
             assert scale[b].item() == float(np.abs(seg).max())
@@ -178,7 +128,8 @@ def test_codec_against_the_definition_with_error_bounds():
             for i, xv in enumerate(seg):
                 k = b * block + i
                 want = ref_encode(kind, xv, ea, 0, nearest=True)
-                assert c[k] == want, (kind, k, xv)
+                assert c[k] == want == ac[k], (kind, k, xv, ac[k])
+                assert aback[k] == ref_decode(kind, want, ea), (kind, k)
                 assert back[k].item() == ref_decode(kind, want, ea) or (
                     np.isnan(back[k].item()) and ea == 255)
             # the error bound of a nearest code: half the spacing of the codes around the value
