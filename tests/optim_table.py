@@ -9,6 +9,7 @@ optimizers (torch's own, or a rule's published implementation) and the tests' fl
 comparisons.
 """
 import dataclasses
+import io
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -376,7 +377,8 @@ def lockstep(a, b, opt_a, opt_b, gen, steps: int = 1) -> None:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
+    """A tensor's bytes in logical order, on the CPU."""
+    t = t.detach().contiguous().reshape(-1).cpu()
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
@@ -389,6 +391,55 @@ def assert_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert a.device == b.device, "%s: on %s and %s" % (what, a.device, b.device)
     assert same_bits(a, b), "%s: %s %s vs %s %s differ" % (what, a.dtype, tuple(a.shape), b.dtype,
                                                           tuple(b.shape))
+
+
+def roundtrip(obj):
+    """``obj`` through torch.save / torch.load(weights_only=True), as a checkpoint goes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def allow_any_grad_dtype(params) -> None:
+    """torch >= 2.10 checks that an assigned .grad has the param's dtype unless the param's
+    grad_dtype is cleared; fp32 gradients for bf16/fp16 params need that."""
+    for p in params:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None
+
+
+def opt_tensors(opt):
+    """Every tensor an optimizer holds (each group's params and their state), in a fixed
+    order, with a name."""
+    out = []
+    for gi, group in enumerate(opt.param_groups):
+        for j, p in enumerate(group["params"]):
+            out.append(("param %d.%d" % (gi, j), p))
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    out.append(("%s %d.%d" % (k, gi, j), v))
+    return out
+
+
+def snapshot_opt(opt):
+    return [(name, t.detach().clone()) for name, t in opt_tensors(opt)]
+
+
+def assert_opt_unchanged(opt, snap) -> None:
+    """The optimizer holds the tensors of ``snap`` (snapshot_opt), bit for bit."""
+    now = opt_tensors(opt)
+    assert [n for n, _ in now] == [n for n, _ in snap]
+    for (name, a), (_, b) in zip(now, snap):
+        assert_bits(a, b, name)
+
+
+def assert_opts_bitwise(o1, o2) -> None:
+    """Two optimizers hold the same tensors under the same names, bit for bit."""
+    t1, t2 = opt_tensors(o1), opt_tensors(o2)
+    assert [n for n, _ in t1] == [n for n, _ in t2]
+    for (name, a), (_, b) in zip(t1, t2):
+        assert_bits(a, b, name)
 
 
 def op_bad_input_changes_nothing(op, base, change, exc, match, device) -> None:

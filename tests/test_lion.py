@@ -294,16 +294,13 @@ def test_class_master_is_lion_pytorch_on_fp32(device, dtype):
 
 
 def test_class_arguments():
+    """Lion's defaults and what the table's error rows (tests/optim_table.py) do not say."""
     p = [torch.nn.Parameter(torch.zeros(3))]
     opt = Lion(p)
     g = opt.param_groups[0]
     assert (g["lr"], g["betas"], g["weight_decay"]) == (1e-4, (0.9, 0.99), 0.0)
     with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.5"):
         Lion(p, betas=(0.9, 1.5))
-    with pytest.raises(ValueError, match="Invalid weight_decay value: -1"):
-        Lion(p, weight_decay=-1)
-    with pytest.raises(ValueError, match="Invalid learning rate: -0.1"):
-        Lion(p, lr=-0.1)
     with pytest.raises(ValueError, match="use_triton"):
         Lion(p, use_triton=True)
     with pytest.raises(ValueError, match="exp_avg_dtype must be"):

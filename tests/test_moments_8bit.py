@@ -10,7 +10,6 @@ References written independently of the kernel (which works on fp32 bits):
   tests/reference.py, compared bit for bit with the kernel on every ISA path and thread count.
 Then the optimizer: state layout, small params, resume, state_dict across modes, the v floor,
 poisoned steps, bad options and inputs."""
-import io
 import math
 from fractions import Fraction
 
@@ -26,7 +25,8 @@ from conftest import CUDA_OK
 from reference import Q8_FMT as FMT, q8_decode_array, q8_encode_array, sr_bits, sr_key
 from reference import q8_ref_decode as ref_decode, q8_ref_encode as ref_encode
 from reference import q8_ref_exp as ref_exp
-from test_adam import assert_bitwise, assert_opt_unchanged, assert_opts_bitwise, snapshot_opt
+from optim_table import assert_bits as assert_bitwise, assert_opt_unchanged, assert_opts_bitwise
+from optim_table import snapshot_opt
 
 I8, U8, F32, BF16, F16 = torch.int8, torch.uint8, torch.float32, torch.bfloat16, torch.float16
 
@@ -423,11 +423,6 @@ def train(opt, params, steps, first=0, scaler=None):
         opt.step()
 
 
-LEAN = {
-    "master": dict(),
-    "remainder": dict(param_remainders=True),
-    "sr": dict(master_weights=False, stochastic_rounding=True),
-}
 
 
 @pytest.mark.parametrize("name", ["q8", "object"])
@@ -456,27 +451,6 @@ def test_moment_formats_by_their_names(name):
         AdamW(model_params(), exp_avg_dtype="q8")
 
 
-@pytest.mark.parametrize("mode", sorted(LEAN))
-def test_optimizer_state_layout(device, mode):
-    params = model_params(device=device)
-    opt = AdamW(params, lr=1e-3, **LEAN[mode], **Q8)
-    train(opt, params, 2)
-    for p in params:
-        st = opt.state[p]
-        if p.numel() >= MIN_8BIT_NUMEL:
-            # codes under keys of their own: no loader can read them as moment values
-            assert "exp_avg" not in st and "exp_avg_sq" not in st
-            assert st["exp_avg_q8"].dtype == I8 and st["exp_avg_sq_q8"].dtype == U8
-            assert st["exp_avg_q8"].shape == p.shape and st["exp_avg_sq_q8"].shape == p.shape
-            for k in ("exp_avg_q8_scale", "exp_avg_sq_q8_scale"):
-                assert st[k].dtype == F32 and st[k].shape == (-(-p.numel() // 256),)
-        else:  # small params keep fp32 moments
-            assert st["exp_avg"].dtype == F32 and "exp_avg_q8_scale" not in st
-            assert "exp_avg_q8" not in st
-        assert ("master_param" in st) == (mode == "master")
-        assert ("param_remainder" in st) == (mode == "remainder")
-
-
 def test_optimizer_step_is_the_op_step():
     """One optimizer step equals adam_step_ on the same state (the optimizer adds nothing)."""
     params = model_params(F32)
@@ -495,22 +469,6 @@ def test_optimizer_step_is_the_op_step():
                    weight_decay=1e-2)
     assert_bitwise(c1["param"], p.detach().reshape(-1))
     assert_bitwise(c1["mc"], opt.state[p]["exp_avg_q8"].view(-1))
-
-
-def test_resume_is_bit_exact(device):
-    params = model_params(device=device)
-    opt = AdamW(params, lr=1e-3, param_remainders=True, **Q8, seed=3)
-    train(opt, params, 3)
-    buf = io.BytesIO()
-    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
-    train(opt, params, 4, first=3)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    params2 = [torch.nn.Parameter(t) for t in saved["params"]]
-    opt2 = AdamW(params2, lr=1e-3, param_remainders=True, **Q8, seed=3)
-    opt2.load_state_dict(saved["opt"])
-    train(opt2, params2, 4, first=3)
-    assert_opts_bitwise(opt, opt2)
 
 
 def test_state_dict_across_modes_both_ways():
@@ -575,19 +533,6 @@ def test_checkpoint_loads_into_the_optimizers_block_size_and_group_change_requan
     for p, x in zip(params, snap):
         assert_bitwise(p.detach(), x)
     train(opt, params, 1, first=3)
-
-
-def test_poisoned_steps_change_nothing_under_a_scaler(device):
-    params = model_params(device=device)
-    opt = AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True, **Q8)
-    train(opt, params, 2)
-    snap = snapshot_opt(opt)
-    scaler = mpext.GradScaler(device)
-    scaler.scale(torch.ones((), device=device))
-    set_grads(params, 5)
-    params[0].grad[0, 0] = float("inf")
-    scaler.step(opt)
-    assert_opt_unchanged(opt, snap)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])

@@ -92,20 +92,14 @@ def test_master_tracks_torch_fp32(device, dtype):
 
 
 def test_class_arguments():
+    """SGD's defaults and what the table's error rows (tests/optim_table.py) do not say."""
     p = [torch.nn.Parameter(torch.zeros(3))]
     g = SGD(p).param_groups[0]
     assert (g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"],
             g["maximize"]) == (1e-3, 0, 0, 0, False, False)
-    with pytest.raises(ValueError, match="Invalid momentum value: -0.1"):
-        SGD(p, momentum=-0.1)
-    with pytest.raises(ValueError, match="Invalid weight_decay value: -1"):
-        SGD(p, weight_decay=-1)
-    with pytest.raises(ValueError, match="Invalid learning rate: -0.1"):
-        SGD(p, lr=-0.1)
-    for kw in (dict(nesterov=True), dict(nesterov=True, momentum=0.9, dampening=0.1)):
-        with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero "
-                                             "dampening"):
-            SGD(p, **kw)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero "
+                                         "dampening"):
+        SGD(p, nesterov=True, momentum=0.9, dampening=0.1)
     for dt in (torch.bfloat16, "q8"):
         with pytest.raises(ValueError, match="momentum=0 keeps none"):
             SGD(p, momentum_dtype=dt)
