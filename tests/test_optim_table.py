@@ -544,3 +544,71 @@ def test_mixed_precision_optimizer_tracks_the_reference(rule, dtype, monkeypatch
             assert T.same_bits(p.detach(), m.to(dtype)), (s, i)
     fused = rule.cls in (mpext.optim.Adam, mpext.optim.AdamW)
     assert paths == ["_step_fused" if fused else "_step_generic"] * (STEPS + 1), paths
+
+
+# ---- offsets: a shard of a param draws the random bits of its place in the whole -------------
+
+def _step_pieces(rule, p, g, moments, scales, pieces, steps, block=256):
+    """One step of ``rule``'s op (master-free bf16 params, stochastic rounding) over the pieces
+    [a, b) of the flat tensors, each piece told its offset in the whole."""
+    def cut(t):
+        return [t[a:b] for a, b in pieces]
+
+    def blocks(s):
+        return [s[a // block:b // block + (b % block > 0)] for a, b in pieces]
+
+    kw = dict(master_free=True, stochastic_rounding=True, seed=5, sr_streams=[1] * len(pieces),
+              offsets=[a for a, _ in pieces], block_size=block)
+    if rule == "adam":
+        if scales:
+            kw.update(exp_avg_scales=blocks(scales[0]), exp_avg_sq_scales=blocks(scales[1]))
+        mpext.ops.adam_step_(cut(p), cut(g), cut(moments[0]), cut(moments[1]), [], steps, 1e-2,
+                             0.9, 0.999, 1e-8, 0.01, True, False, **kw)
+    elif rule == "lion":
+        if scales:
+            kw.update(exp_avg_scales=blocks(scales[0]))
+        mpext.ops.lion_step_(cut(p), cut(g), cut(moments[0]), [], steps, 1e-2, 0.9, 0.99, 0.1,
+                             **kw)
+    else:
+        if scales:
+            kw.update(momentum_buffer_scales=blocks(scales[0]))
+        mpext.ops.sgd_step_(cut(p), cut(g), cut(moments[0]), [], steps, 0.1, 0.9, 0.0, 0.01,
+                            False, **kw)
+
+
+OFFSET_OPS = {"adam": (torch.int8, torch.uint8), "lion": (torch.int8,), "sgd": (torch.int8,)}
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
+@pytest.mark.parametrize("rule", sorted(OFFSET_OPS))
+def test_op_offsets_shards_round_as_the_whole(device, rule, fmt):
+    """Each rule's op: a param stepped as pieces (offsets 0 and n/2, the second half off the
+    hand-fused loops' path; with bf16 moments also pieces off any block grid) gets the bits of
+    the whole -- params, moments, 8-bit block scales -- in the stochastic-rounding formats; an
+    offset off the 8-bit block grid is refused."""
+    n, block = 4096, 256
+    gen = torch.Generator().manual_seed(4)
+    p0 = torch.randn(n, generator=gen).to(BF16, copy=True).to(device)
+    grads = [torch.randn(n, generator=gen).to(BF16).to(device) for _ in range(3)]
+    q8 = fmt == "q8"
+    dtypes = OFFSET_OPS[rule] if q8 else (BF16,) * len(OFFSET_OPS[rule])
+
+    def run(cuts):
+        p = p0.clone()
+        moments = [torch.zeros(n, dtype=dt, device=device) for dt in dtypes]
+        scales = [torch.zeros(n // block, device=device) for _ in dtypes] if q8 else []
+        bounds = list(cuts) + [n]
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        steps = [torch.zeros((), device=device) for _ in pieces]
+        for g in grads:
+            _step_pieces(rule, p, g, moments, scales, pieces, steps, block)
+        return [p] + moments + scales
+
+    whole = run([0])
+    for cuts in [[0, n // 2]] + ([] if q8 else [[0, 1000, 3001]]):
+        for i, (a, b) in enumerate(zip(whole, run(cuts))):
+            T.assert_bits(a, b, "%s, tensor %d" % (cuts, i))
+    if q8:
+        with pytest.raises(ValueError, match=r"offsets\[0\] \(8\) must be a multiple of "
+                                             r"block_size \(256\)"):
+            run([8])
