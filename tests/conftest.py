@@ -3,6 +3,7 @@ pytest-xdist (make test runs the suite in TEST_WORKERS processes), tests marked 
 alone."""
 import contextlib
 import fcntl
+import os
 import sys
 
 import pytest
@@ -112,6 +113,17 @@ class HostReads:
 
 # ---- pytest-xdist
 
+def pytest_configure(config):
+    """Each xdist worker takes its share of the cores for torch's intra-op threads (make test:
+    2 workers on 2 cores, 1 thread each). torch's default, a thread per core in every worker,
+    oversubscribes the cores, and every small op then waits in OpenMP's barrier for a thread
+    the other worker has descheduled (a 300-step Linear(64, 64) loop took 24 s instead of 1 s).
+    The tests that compare thread counts set theirs (the ``threads`` fixture restores it)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and hasattr(config, "workerinput"):
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test marked ``exclusive`` (tests/test_large.py: 13 GB) runs alone, as in a one-process
@@ -128,9 +140,13 @@ def pytest_runtest_protocol(item, nextitem):
         fcntl.flock(turn, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         fcntl.flock(turn, fcntl.LOCK_UN)
+        threads = torch.get_num_threads()
+        if exclusive:  # alone on the machine: every core (pytest_configure gave it its share)
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         try:
             yield
         finally:
+            torch.set_num_threads(threads)
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 

@@ -9,6 +9,7 @@ optimizers (torch's own, or a rule's published implementation) and the tests' fl
 comparisons.
 """
 import dataclasses
+import io
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -17,7 +18,8 @@ import torch
 
 import mpext.optim
 from mpext.optim import formats as F
-from reference import bf16_sr_array, fp16_sr_array, sr_bits_array, sr_key
+from reference import (Q8_VALUES, bf16_sr_array, fp16_sr_array, q8_decode_array, q8_encode_array,
+                       q8_exp_array, sr_bits_array, sr_key)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 LOW = (BF16, F16)
@@ -375,7 +377,8 @@ def lockstep(a, b, opt_a, opt_b, gen, steps: int = 1) -> None:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
+    """A tensor's bytes in logical order, on the CPU."""
+    t = t.detach().contiguous().reshape(-1).cpu()
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
@@ -388,6 +391,55 @@ def assert_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert a.device == b.device, "%s: on %s and %s" % (what, a.device, b.device)
     assert same_bits(a, b), "%s: %s %s vs %s %s differ" % (what, a.dtype, tuple(a.shape), b.dtype,
                                                           tuple(b.shape))
+
+
+def roundtrip(obj):
+    """``obj`` through torch.save / torch.load(weights_only=True), as a checkpoint goes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def allow_any_grad_dtype(params) -> None:
+    """torch >= 2.10 checks that an assigned .grad has the param's dtype unless the param's
+    grad_dtype is cleared; fp32 gradients for bf16/fp16 params need that."""
+    for p in params:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None
+
+
+def opt_tensors(opt):
+    """Every tensor an optimizer holds (each group's params and their state), in a fixed
+    order, with a name."""
+    out = []
+    for gi, group in enumerate(opt.param_groups):
+        for j, p in enumerate(group["params"]):
+            out.append(("param %d.%d" % (gi, j), p))
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    out.append(("%s %d.%d" % (k, gi, j), v))
+    return out
+
+
+def snapshot_opt(opt):
+    return [(name, t.detach().clone()) for name, t in opt_tensors(opt)]
+
+
+def assert_opt_unchanged(opt, snap) -> None:
+    """The optimizer holds the tensors of ``snap`` (snapshot_opt), bit for bit."""
+    now = opt_tensors(opt)
+    assert [n for n, _ in now] == [n for n, _ in snap]
+    for (name, a), (_, b) in zip(now, snap):
+        assert_bits(a, b, name)
+
+
+def assert_opts_bitwise(o1, o2) -> None:
+    """Two optimizers hold the same tensors under the same names, bit for bit."""
+    t1, t2 = opt_tensors(o1), opt_tensors(o2)
+    assert [n for n, _ in t1] == [n for n, _ in t2]
+    for (name, a), (_, b) in zip(t1, t2):
+        assert_bits(a, b, name)
 
 
 def op_bad_input_changes_nothing(op, base, change, exc, match, device) -> None:
@@ -557,9 +609,12 @@ def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: t
                block: int):
     """The 8-bit code values (float64) nearest below lo and above hi, on the code grid of
     blocks with float32 absmax ``scale``: every rounding of a value in [lo, hi] lies there."""
-    table = F._q8_table(dtype, torch.device("cpu"))
+    kind = "m" if dtype == torch.int8 else "v"
+    table = torch.from_numpy(Q8_VALUES[kind])
     n = lo.numel()
-    ref = F._q8_ref(F._f32_bits(scale.float()), dtype).repeat_interleave(block)[:n]
+    ea = torch.from_numpy(q8_exp_array(kind, scale.float().numpy()))
+    ref = torch.where(ea >= 255, torch.tensor(NAN, dtype=torch.float64),
+                      torch.pow(2.0, (ea - 127).double())).repeat_interleave(block)[:n]
 
     def on_grid(x, up):
         x = x.double().reshape(-1)
@@ -571,6 +626,28 @@ def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: t
         return torch.where(x >= 0, mag, -mag)
 
     return on_grid(lo, False).reshape(lo.shape), on_grid(hi, True).reshape(hi.shape)
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order (the order of a block code's blocks)."""
+    return t.detach().cpu().as_strided((t.numel(),), (1,))
+
+
+def assert_nearest_q8(state, q: F.Quantity, value: torch.Tensor, block: int, what: str) -> None:
+    """The 8-bit codes and block scales ``state`` holds for moment ``q`` are the nearest codes
+    (ties to even) of the fp32 ``value`` by tests/reference.py's restated format (not
+    formats.py's encoder), and decode to the reference's values."""
+    kind = "m" if q.signed else "v"
+    codes, scale = F.moment_of(state, q.name)
+    want_codes, want_scale = q8_encode_array(kind, memory_order(value).float().numpy(), block)
+    got_codes = memory_order(codes).view(torch.uint8).numpy()
+    assert (scale.cpu().float().numpy().view(np.uint32) == want_scale.view(np.uint32)).all(), (
+        what, q.name, "block scales")
+    bad = np.flatnonzero(got_codes != want_codes)
+    assert bad.size == 0, (what, q.name, "%d codes not the nearest; element %d: %d, not %d" % (
+        bad.size, bad[0], got_codes[bad[0]], want_codes[bad[0]]) if bad.size else "")
+    got = memory_order(F.held(state, q.name).decode(codes, scale)).numpy()
+    assert (got == q8_decode_array(kind, want_codes, want_scale, block)).all(), (what, q.name)
 
 
 def assert_in(got: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, what: str) -> None:

@@ -260,3 +260,117 @@ def lerp_f32(a, b, w):
         out = np.subtract(b, np.multiply(d, np.float32(np.float32(1) - w), dtype=np.float32),
                           dtype=np.float32)
     return torch.from_numpy(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The 8-bit block code of the moments (docs/moments_8bit.md), restated from its definition: a
+# code's magnitude is 2^(e-T) (1 + f/2^M) (or 2^(1-T) f/2^M for e = 0) times its block's
+# reference 2^(E - 127), E the block absmax's exponent field rounded up to the code's precision
+# (at least 2^ebits; 255 for a block that is not finite). "m" is exp_avg's signed code (int8),
+# "v" exp_avg_sq's unsigned one (uint8). The scalar functions are the definitions; the array
+# forms (checked against them in tests/test_moments_8bit.py) serve whole tensors.
+
+Q8_FMT = {"m": (3, 4, True), "v": (4, 4, False)}  # exponent bits, mantissa bits, signed
+
+
+def q8_code_values(kind):
+    """Magnitude code -> value relative to the block reference, float64, by definition."""
+    eb, mb, _ = Q8_FMT[kind]
+    t = (1 << eb) - 1
+    return np.array([math.ldexp(1 + f / 2 ** mb, e - t) if e else math.ldexp(f / 2 ** mb, 1 - t)
+                     for e in range(1 << eb) for f in range(1 << mb)])
+
+
+Q8_VALUES = {k: q8_code_values(k) for k in Q8_FMT}
+
+
+def q8_ref_exp(kind, amax):
+    """The reference exponent field of a block with float32 absmax amax (255: not finite)."""
+    eb, mb, _ = Q8_FMT[kind]
+    a = float(amax)
+    if not math.isfinite(a):
+        return 255
+    field = 1 << eb
+    if a > 0:
+        fr, e = math.frexp(a)  # a = fr 2^e, fr in [0.5, 1)
+        fe = e - 1 + 127
+        if a > (2 - 2.0 ** -mb) * 2.0 ** (e - 1):
+            fe += 1
+        field = max(field, fe)
+    return field
+
+
+def q8_ref_decode(kind, code, ea):
+    if ea >= 255:
+        return np.float32("nan")
+    _, _, signed = Q8_FMT[kind]
+    mag = code & 0x7F if signed else code
+    v = Q8_VALUES[kind][mag] * 2.0 ** (ea - 127)
+    return np.float32(-v if signed and code & 0x80 else v)
+
+
+def q8_ref_encode(kind, x, ea, r16, nearest):
+    """The code of x in a block of exponent field ea: the nearest (ties to the even code), or
+    stochastically up with the 16 random bits r16."""
+    _, _, signed = Q8_FMT[kind]
+    vals = Q8_VALUES[kind]
+    ax = abs(float(x)) / 2.0 ** (ea - 127)
+    lo = int(np.searchsorted(vals, ax, side="right")) - 1
+    if lo >= len(vals) - 1 or vals[lo] == ax:
+        c = min(lo, len(vals) - 1)
+    else:
+        dl, dh = ax - vals[lo], vals[lo + 1] - ax
+        if nearest:
+            c = lo + 1 if dh < dl or (dh == dl and lo % 2) else lo
+        else:
+            frac = dl / (vals[lo + 1] - vals[lo])
+            c = lo + 1 if math.floor(frac * 65536) + r16 >= 65536 else lo
+    if signed and math.copysign(1.0, float(x)) < 0:
+        c |= 0x80
+    return c
+
+
+def q8_exp_array(kind, amax):
+    """q8_ref_exp over a float32 array of block absmaxes: an int64 array."""
+    eb, mb, _ = Q8_FMT[kind]
+    a = np.asarray(amax, dtype=np.float32).astype(np.float64)
+    finite = np.isfinite(a)
+    a0 = np.where(finite, a, 0.0)
+    fr, e = np.frexp(a0)
+    fe = e.astype(np.int64) - 1 + 127
+    fe = fe + (a0 > (2 - 2.0 ** -mb) * np.ldexp(1.0, e - 1))
+    field = np.where(a0 > 0, np.maximum(fe, 1 << eb), 1 << eb)
+    return np.where(finite, field, 255).astype(np.int64)
+
+
+def q8_encode_array(kind, x, block):
+    """The nearest codes (uint8 bit patterns, ties to the even code) and block scales (float32
+    absmax) of a flat float32 array of finite values, blocks of ``block`` elements in order."""
+    _, _, signed = Q8_FMT[kind]
+    vals = Q8_VALUES[kind]
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    nb = -(-x.size // block)
+    pad = np.zeros(nb * block, dtype=np.float32)
+    pad[:x.size] = np.abs(x)
+    scale = pad.reshape(nb, block).max(1) if nb else pad[:0]
+    ea = np.repeat(q8_exp_array(kind, scale), block)[:x.size]
+    assert (ea < 255).all(), "a block that is not finite"
+    ax = np.abs(x.astype(np.float64)) / np.ldexp(1.0, ea - 127)
+    lo = np.clip(np.searchsorted(vals, ax, side="right") - 1, 0, len(vals) - 1)
+    hi = np.minimum(lo + 1, len(vals) - 1)
+    dl, dh = ax - vals[lo], vals[hi] - ax
+    up = (hi > lo) & ((dh < dl) | ((dh == dl) & (lo % 2 == 1)))
+    code = np.where(up, hi, lo).astype(np.uint8)
+    if signed:
+        code |= np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    return code, scale.astype(np.float32)
+
+
+def q8_decode_array(kind, codes, scale, block):
+    """The float32 values of flat uint8 code patterns with their blocks' float32 scales."""
+    _, _, signed = Q8_FMT[kind]
+    c = np.asarray(codes, dtype=np.uint8).reshape(-1).astype(np.int64)
+    ea = np.repeat(q8_exp_array(kind, scale), block)[:c.size]
+    v = Q8_VALUES[kind][c & 0x7F if signed else c] * np.ldexp(1.0, ea - 127)
+    v = np.where(ea >= 255, np.nan, v)
+    return (np.where(c >= 128, -v, v) if signed else v).astype(np.float32)

@@ -23,6 +23,8 @@ from mpext import ops
 from mpext.optim import Adam, AdamW
 
 from conftest import CUDA_OK, HostReads, device_cases
+from optim_table import (allow_any_grad_dtype, assert_bits as assert_bitwise, assert_opt_unchanged,
+                         assert_opts_bitwise, bits, opt_tensors, snapshot_opt)
 from reference import adam_step_reference
 
 NAN, INF = float("nan"), float("inf")
@@ -33,59 +35,8 @@ LOW = (torch.bfloat16, torch.float16)
 # Helpers.
 
 
-def bits(t):
-    t = t.detach()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.contiguous().reshape(-1).view(torch.uint8).cpu()
-
-
-def assert_bitwise(a, b, what=""):
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    assert a.device == b.device, what
-    assert torch.equal(bits(a), bits(b)), what
-
-
-def allow_any_grad_dtype(params):
-    """torch >= 2.10 checks that an assigned .grad has the param's dtype unless the param's
-    grad_dtype is cleared; fp32 gradients for bf16/fp16 params need that."""
-    for p in params:
-        if hasattr(p, "grad_dtype"):
-            p.grad_dtype = None
-
-
 def clones(ts):
     return [t.detach().clone() for t in ts]
-
-
-def opt_tensors(opt):
-    """Every tensor an optimizer holds, in a fixed order, with a name."""
-    out = []
-    for gi, group in enumerate(opt.param_groups):
-        for j, p in enumerate(group["params"]):
-            out.append(("param %d.%d" % (gi, j), p))
-            for k, v in sorted(opt.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    out.append(("%s %d.%d" % (k, gi, j), v))
-    return out
-
-
-def snapshot_opt(opt):
-    return [(name, t.detach().clone()) for name, t in opt_tensors(opt)]
-
-
-def assert_opt_unchanged(opt, snap):
-    now = opt_tensors(opt)
-    assert [n for n, _ in now] == [n for n, _ in snap]
-    for (name, a), (_, b) in zip(now, snap):
-        assert_bitwise(a, b, name)
-
-
-def assert_opts_bitwise(o1, o2):
-    t1, t2 = opt_tensors(o1), opt_tensors(o2)
-    assert [n for n, _ in t1] == [n for n, _ in t2]
-    for (name, a), (_, b) in zip(t1, t2):
-        assert_bitwise(a, b, name)
 
 
 @contextlib.contextmanager
@@ -1003,27 +954,6 @@ def test_poisoned_steps_change_nothing(device, scaler_name, kind, monkeypatch):
     assert opt.state[model.a]["step"].item() == 12 - len(poisoned)
 
 
-@pytest.mark.parametrize("scaler_name", sorted(SCALERS))
-def test_fused_unscale_equals_unscale_then_step(device, scaler_name):
-    """scaler.step(opt) with the unscale inside the kernel gives the same bits as
-    scaler.unscale_(opt) first (the optimizer then gets found_inf only). (unscale_ refuses
-    fp16 gradients, as torch's does: a bf16 model here.)"""
-    fused = make_run(device, scaler_name, c_dtype=torch.bfloat16)
-    plain = make_run(device, scaler_name, c_dtype=torch.bfloat16)
-    for step in range(10):
-        for i, (model, opt, scaler) in enumerate((fused, plain)):
-            opt.zero_grad()
-            scaler.scale(loss_of(model, step, device)).backward()
-            if step == 6:
-                poison(model, step, "inf")
-            if i == 1:
-                scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-        assert_opts_bitwise(fused[1], plain[1])
-        assert fused[2].get_scale() == plain[2].get_scale()
-
-
 def test_step_grad_scale_and_found_inf_arguments(device):
     """step(grad_scale=, found_inf=) directly, as a custom training loop would use it."""
     p1 = make_params(device, torch.bfloat16)
@@ -1296,35 +1226,18 @@ def test_constructor_defaults_match_torch():
         AdamW(p, **{flag: True})  # accepted for compatibility
 
 
+# The checks of every rule's constructor and param groups (lr, betas, eps, weight_decay,
+# differentiable, master_weights, param_remainders, stochastic_rounding, moment formats,
+# moment_rounding, seed) are the table's (tests/test_optim_table.py,
+# test_bad_options_raise_and_change_nothing); these are the rest.
 CTOR_BAD = [
     (dict(betas=(0.9, torch.tensor(0.99))), ValueError,
      r"betas must be either both floats or both Tensors"),
-    (dict(differentiable=True), ValueError, r"differentiable=True is not supported"),
-    (dict(lr=-1e-3), ValueError, r"Invalid learning rate: -0.001"),
-    (dict(lr=INF), ValueError, r"lr must be finite"),
-    (dict(lr="0.1"), TypeError, r"lr must be a float or a 1-element Tensor"),
     (dict(lr=torch.ones(2)), ValueError, r"Tensor lr must be 1-element"),
-    (dict(betas=(1.0, 0.9)), ValueError, r"Invalid beta parameter at index 0: 1.0"),
-    (dict(betas=(0.9, -0.1)), ValueError, r"Invalid beta parameter at index 1: -0.1"),
-    (dict(betas=(0.9,)), ValueError, r"betas must be a pair of floats"),
-    (dict(eps=-1.0), ValueError, r"Invalid epsilon value: -1.0"),
-    (dict(eps=NAN), ValueError, r"Invalid epsilon value: nan"),
-    (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay value: -0.1"),
-    (dict(master_weights="yes"), TypeError, r"master_weights must be a bool, got 'yes'"),
     (dict(param_remainders=1), TypeError, r"param_remainders must be a bool, got 1"),
-    (dict(param_remainders=True, master_weights=False), ValueError,
-     r"param_remainders=True stores the masters compactly; it needs master_weights=True"),
     (dict(stochastic_rounding=1), TypeError, r"stochastic_rounding must be a bool"),
-    (dict(stochastic_rounding=True), ValueError,
-     r"stochastic_rounding=True rounds params that have no master; it needs "
-     r"master_weights=False"),
-    (dict(exp_avg_dtype=torch.float16), ValueError,
-     r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.int8, got torch.float16"),
     (dict(exp_avg_sq_dtype="bf16"), ValueError,  # "bfloat16" names the format: accepted
      r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got 'bf16'"),
-    (dict(moment_rounding="down"), ValueError,
-     r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
-    (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),
     (dict(seed=2 ** 64), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(seed=1.5), ValueError, r"seed must be an int in \[0, 2\*\*64\), got 1.5"),
     (dict(unscale_grads=1), TypeError, r"unscale_grads must be a bool"),
@@ -1802,41 +1715,3 @@ def test_op_unscale_grads_writes_the_unscaled_gradient(device):
             assert_bitwise(ga, g0)
             want = g0 if inv == 1.0 else (g0.float() * inv).to(dtype)
             assert_bitwise(gb, want)
-
-
-@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
-def test_op_offsets_shards_round_as_the_whole(fmt):
-    """offsets: a param stepped as two halves (offsets 0 and n/2, the second half off the hand-
-    fused loops' path) gets the bits of the whole, in the stochastic-rounding formats; an
-    offset off the 8-bit block grid is refused."""
-    n, block = 4096, 256
-    gen = torch.Generator().manual_seed(9)
-    p0 = torch.randn(n, generator=gen).bfloat16()
-    grads = [torch.randn(n, generator=gen).bfloat16() for _ in range(3)]
-    q8 = fmt == "q8"
-    m0 = torch.zeros(n, dtype=torch.int8 if q8 else torch.bfloat16)
-    v0 = torch.zeros(n, dtype=torch.uint8 if q8 else torch.bfloat16)
-    out = []
-    for pieces in ([(0, n)], [(0, n // 2), (n // 2, n)]):
-        p, m, v = p0.clone(), m0.clone(), v0.clone()
-        ms, vs = torch.zeros(n // block), torch.zeros(n // block)
-        steps = [torch.zeros(()) for _ in pieces]
-        for g in grads:
-            extra = dict(exp_avg_scales=[ms[a // block:b // block] for a, b in pieces],
-                         exp_avg_sq_scales=[vs[a // block:b // block] for a, b in pieces]
-                         ) if q8 else {}
-            ops.adam_step_([p[a:b] for a, b in pieces], [g[a:b] for a, b in pieces],
-                           [m[a:b] for a, b in pieces], [v[a:b] for a, b in pieces], [], steps,
-                           1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, master_free=True,
-                           stochastic_rounding=True, seed=5, sr_streams=[1] * len(pieces),
-                           offsets=[a for a, _ in pieces], block_size=block, **extra)
-        out.append((p, m, v, ms, vs))
-    for a, b in zip(*out):
-        assert_bitwise(a, b)
-    if q8:
-        with pytest.raises(ValueError, match=r"offsets\[0\] \(8\) must be a multiple of "
-                                             r"block_size \(256\)"):
-            ops.adam_step_([p0.clone()], [grads[0]], [m0.clone()], [v0.clone()], [],
-                           [torch.zeros(())], 1e-2, master_free=True,
-                           exp_avg_scales=[torch.zeros(16)], exp_avg_sq_scales=[torch.zeros(16)],
-                           offsets=[8])

@@ -1,11 +1,9 @@
-"""The EMA of the FP32 masters kept inside the fused Adam step (``ema_decay``).
-
-References: the documented formula (torch.lerp's two forms, each operation rounded to float32)
-computed with numpy float32 over the masters mpext itself holds after each step (so the test
-checks the EMA arithmetic bit for bit, independently of the Adam arithmetic, which
-tests/test_adam.py checks against torch), a float64 EMA for the master-free modes (whose value,
-the fp32 update before rounding, is not observable), and torch's own
-``AveragedModel(get_ema_multi_avg_fn)`` for what a user gets today.
+"""The EMA of the FP32 masters kept inside the fused step (``ema_decay``): what the rules x
+formats table (tests/test_optim_table.py: test_ema, the EMA bit for bit against the documented
+lerp in both of torch.lerp's forms; a skipped step, resume, torch.compile and CUDA with an EMA)
+cannot say: torch's own ``AveragedModel(get_ema_multi_avg_fn)`` for what a user gets today,
+under a loss scale, ema_weights(), state dicts across EMA settings, thread counts and ISA paths
+on a param split across threads, MixedPrecisionOptimizer, and the op's checks.
 """
 import copy
 
@@ -16,22 +14,12 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import mpext
 from mpext import ops
-from mpext.optim import Adam, AdamW
+from mpext.optim import AdamW
 
-from conftest import DEVICES  # noqa: F401  (the device fixture's parameters)
+import optim_table as T
 from reference import lerp_f32
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-
-
-def bits(t):
-    t = t.detach().contiguous().reshape(-1).cpu()
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def assert_bitwise(a, b, what=""):
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    assert torch.equal(bits(a), bits(b)), what
 
 
 def params(dtype, device="cpu", seed=0):
@@ -51,70 +39,6 @@ def grads(ps, step, dtype=None):
             .to(memory_format=torch.channels_last) for p in ps]
 
 
-MODES = {
-    "fp32": (F32, {}),
-    "bf16_master": (BF16, {}),
-    "bf16_remainder": (BF16, dict(param_remainders=True)),
-    "fp16_master": (F16, {}),
-    "bf16_master_bf16_moments": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
-    "bf16_remainder_8bit_moments": (BF16, dict(param_remainders=True, exp_avg_dtype=torch.int8,
-                                               exp_avg_sq_dtype=torch.uint8)),
-}
-
-
-@pytest.mark.parametrize("decay", [0.9, 0.3], ids=["w_below_half", "w_above_half"])
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_ema_follows_the_masters_bit_for_bit(device, mode, decay):
-    """After every step the EMA is lerp(previous EMA, the master as stored, 1 - decay), each
-    operation rounded as documented; a copy of the master after the first step."""
-    dtype, kw = MODES[mode]
-    ps = params(dtype, device)
-    opt = AdamW(ps, lr=1e-2, ema_decay=decay, **kw)
-    w = float(np.float32(1.0 - decay))
-    want = [None] * len(ps)
-    for step in range(40):
-        for p, g in zip(ps, grads(ps, step)):
-            p.grad = g
-        opt.step()
-        for i, p in enumerate(ps):
-            value = opt.master_param(p)
-            want[i] = value.cpu() if want[i] is None else lerp_f32(want[i], value, w)
-            got = opt.ema_param(p)
-            assert got.dtype == F32 and got.shape == p.shape and got.device == p.device
-            if p.dim() == 4:
-                assert got.is_contiguous(memory_format=torch.channels_last)
-            assert_bitwise(got.cpu().contiguous(), want[i].reshape(p.shape).contiguous(),
-                           "%s step %d param %d" % (mode, step, i))
-
-
-@pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
-def test_ema_without_masters_follows_the_fp32_updates(dtype, sr):
-    """With no master the EMA averages the fp32 update before it is rounded into the param:
-    it matches a float64 EMA of those updates (recomputed from the param before the step and
-    the new moments), and is much closer to it than an EMA of the rounded params would be."""
-    torch.manual_seed(3)
-    p = torch.randn(4096).to(dtype).requires_grad_()
-    opt = AdamW([p], lr=1e-3, weight_decay=0.0, ema_decay=0.95, master_weights=False,
-                stochastic_rounding=sr)
-    ema64 = ema_rounded = None
-    for step in range(60):
-        before = p.detach().double().clone()
-        p.grad = torch.randn(4096).to(dtype)
-        opt.step()
-        m = opt.state[p]["exp_avg"].double()
-        v = opt.state[p]["exp_avg_sq"].double()
-        t = step + 1
-        upd = before - 1e-3 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
-        now = p.detach().double()
-        if ema64 is None:
-            ema64, ema_rounded = upd.clone(), now.clone()
-        else:
-            ema64 += 0.05 * (upd - ema64)
-            ema_rounded += 0.05 * (now - ema_rounded)
-    err = (opt.ema_param(p).double() - ema64).abs().max().item()
-    assert err < 1e-5, err
-    assert (ema_rounded - ema64).abs().max().item() > 10 * err
 
 
 def test_ema_of_a_bf16_model_beats_averaged_model_in_bf16():
@@ -143,22 +67,6 @@ def test_ema_of_a_bf16_model_beats_averaged_model_in_bf16():
     assert ours_err * 20 < bf16_err, (ours_err, bf16_err)
 
 
-def test_skipped_step_leaves_the_ema(device):
-    ps = params(BF16, device)
-    opt = AdamW(ps, lr=1e-2, ema_decay=0.9)
-    for step in range(3):
-        for p, g in zip(ps, grads(ps, step)):
-            p.grad = g
-        opt.step()
-    before = [opt.ema_param(p) for p in ps]
-    for p, g in zip(ps, grads(ps, 7)):
-        p.grad = g
-    opt.step(grad_scale=torch.full((), 4.0, device=device),
-             found_inf=torch.ones((), device=device))
-    for p, b in zip(ps, before):
-        assert_bitwise(opt.ema_param(p), b)
-
-
 def test_ema_under_grad_scaler_matches_unscaled(device):
     """The EMA of a run under a loss scale (a power of two: exact) equals the unscaled run's."""
     a, b = params(BF16, device), params(BF16, device)
@@ -174,7 +82,7 @@ def test_ema_under_grad_scaler_matches_unscaled(device):
         scaler.step(ob)
         scaler.update()
     for p, q in zip(a, b):
-        assert_bitwise(oa.ema_param(p), ob.ema_param(q))
+        T.assert_bits(oa.ema_param(p), ob.ema_param(q))
 
 
 @pytest.mark.parametrize("kw", [{}, dict(param_remainders=True)], ids=["master", "remainder"])
@@ -194,13 +102,13 @@ def test_ema_weights_swaps_in_and_back_exactly(kw):
             with oa.ema_weights() as o:
                 assert o is oa
                 for p in a:
-                    assert_bitwise(p.detach(), oa.ema_param(p).to(BF16))
+                    T.assert_bits(p.detach(), oa.ema_param(p).to(BF16))
             for p, x in zip(a, before):
-                assert_bitwise(p.detach(), x)
+                T.assert_bits(p.detach(), x)
     for p, q in zip(a, b):
-        assert_bitwise(p.detach(), q.detach())
-        assert_bitwise(oa.master_param(p), ob.master_param(q))
-        assert_bitwise(oa.ema_param(p), ob.ema_param(q))
+        T.assert_bits(p.detach(), q.detach())
+        T.assert_bits(oa.master_param(p), ob.master_param(q))
+        T.assert_bits(oa.ema_param(p), ob.ema_param(q))
 
 
 def test_ema_weights_restores_after_an_exception():
@@ -217,7 +125,7 @@ def test_ema_weights_restores_after_an_exception():
         with opt.ema_weights():
             raise KeyError("evaluation failed")
     for p, x in zip(ps, before):
-        assert_bitwise(p.detach(), x)
+        T.assert_bits(p.detach(), x)
 
 
 def test_ema_weights_without_an_ema_is_refused():
@@ -235,34 +143,6 @@ def test_bad_ema_decay(bad):
         AdamW(params(BF16), ema_decay=bad)
 
 
-def test_resume_continues_bit_for_bit(tmp_path):
-    a, b = params(BF16), params(BF16)
-    oa = AdamW(a, lr=1e-2, ema_decay=0.9, param_remainders=True)
-    ob = AdamW(b, lr=1e-2, ema_decay=0.9, param_remainders=True)
-    for step in range(10):
-        for opt, ps in ((oa, a), (ob, b)):
-            for p, g in zip(ps, grads(ps, step)):
-                p.grad = g
-            opt.step()
-    torch.save({"model": [p.detach() for p in b], "opt": ob.state_dict()}, tmp_path / "ck.pt")
-    saved = torch.load(tmp_path / "ck.pt")
-    assert all("ema_param" in s for s in saved["opt"]["state"].values())
-    c = params(BF16, seed=9)
-    with torch.no_grad():
-        for p, x in zip(c, saved["model"]):
-            p.copy_(x)
-    oc = AdamW(c, lr=1e-2, ema_decay=0.9, param_remainders=True)
-    oc.load_state_dict(saved["opt"])
-    for step in range(10, 20):
-        for opt, ps in ((oa, a), (oc, c)):
-            for p, g in zip(ps, grads(ps, step)):
-                p.grad = g
-            opt.step()
-    for p, q in zip(a, c):
-        assert_bitwise(p.detach(), q.detach())
-        assert_bitwise(oa.ema_param(p), oc.ema_param(q))
-
-
 def test_state_dict_across_ema_settings():
     """ema_decay is a setting of the state dict's (as lr is, in torch): a state with an EMA
     brings it along; setting the group's ema_decay to None drops it at the next step. A state
@@ -277,7 +157,7 @@ def test_state_dict_across_ema_settings():
     without.load_state_dict(with_ema.state_dict())
     assert without.param_groups[0]["ema_decay"] == 0.9
     for p in ps:
-        assert_bitwise(without.ema_param(p), with_ema.ema_param(p))
+        T.assert_bits(without.ema_param(p), with_ema.ema_param(p))
     without.param_groups[0]["ema_decay"] = None
     for p, g in zip(ps, grads(ps, 1)):
         p.grad = g
@@ -300,7 +180,7 @@ def test_state_dict_across_ema_settings():
     again.step()
     for p, e in zip(ps, before):
         want = lerp_f32(e, again.master_param(p), float(np.float32(1.0 - 0.9)))
-        assert_bitwise(again.ema_param(p).contiguous(), want.reshape(p.shape).contiguous())
+        T.assert_bits(again.ema_param(p).contiguous(), want.reshape(p.shape).contiguous())
 
 
 def test_every_isa_path_and_thread_count_gives_the_same_ema(threads):
@@ -321,7 +201,7 @@ def test_every_isa_path_and_thread_count_gives_the_same_ema(threads):
             finally:
                 mpext.set_cpu_isa(previous)
     for r in results[1:]:
-        assert_bitwise(r, results[0])
+        T.assert_bits(r, results[0])
 
 
 def test_mixed_precision_optimizer_keeps_the_inner_ema():
@@ -344,8 +224,8 @@ def test_mixed_precision_optimizer_keeps_the_inner_ema():
     inner = mpo.optimizer
     for p, q in zip(a.parameters(), b.parameters()):
         master = mpo.master_param(q)
-        assert_bitwise(plain.master_param(p), master)
-        assert_bitwise(plain.ema_param(p), inner.state[master]["ema_param"])
+        T.assert_bits(plain.master_param(p), master)
+        T.assert_bits(plain.ema_param(p), inner.state[master]["ema_param"])
 
 
 def test_mixed_precision_optimizer_ema_weights():
@@ -373,12 +253,12 @@ def test_mixed_precision_optimizer_ema_weights():
     with plain.ema_weights(), mpo.ema_weights() as o:
         assert o is mpo
         for p, q in zip(a.parameters(), b.parameters()):
-            assert_bitwise(q.detach(), p.detach())
-            assert_bitwise(q.detach(), plain.ema_param(p).to(q.dtype))
+            T.assert_bits(q.detach(), p.detach())
+            T.assert_bits(q.detach(), plain.ema_param(p).to(q.dtype))
     for q, x, m in zip(b.parameters(), before, masters):
-        assert_bitwise(q.detach(), x)
+        T.assert_bits(q.detach(), x)
         if m is not None:
-            assert_bitwise(mpo.master_param(q), m)
+            T.assert_bits(mpo.master_param(q), m)
     assert any(not torch.equal(plain.ema_param(p).to(p.dtype), x)
                for p, x in zip(a.parameters(), before))  # the swap changed something
     torch_inner = mpext.MixedPrecisionOptimizer(torch.optim.AdamW(copy.deepcopy(a).parameters()))
@@ -388,23 +268,6 @@ def test_mixed_precision_optimizer_ema_weights():
                                                r"optimizer \(%s\) keeps no EMA" % name):
             with opt.ema_weights():
                 pass
-
-
-def test_compiled_step_gives_the_eager_ema():
-    torch._dynamo.reset()
-    a, b = params(BF16), params(BF16)
-    oa = AdamW(a, lr=1e-2, ema_decay=0.9, param_remainders=True)
-    ob = AdamW(b, lr=1e-2, ema_decay=0.9, param_remainders=True)
-    step_a = torch.compile(oa.step)
-    for step in range(4):
-        for opt, ps in ((oa, a), (ob, b)):
-            for p, g in zip(ps, grads(ps, step)):
-                p.grad = g
-        step_a()
-        ob.step()
-    for p, q in zip(a, b):
-        assert_bitwise(oa.ema_param(p), ob.ema_param(q))
-    torch._dynamo.reset()
 
 
 # --- the op: every check through the real and the fake kernel, with one message --------------
@@ -450,7 +313,7 @@ def test_op_bad_ema_arguments_change_nothing(where, change, exc, match):
                        kw["masters"], kw["steps"], torch.full((), 1e-2, device=dev),
                        ema_params=kw["ema_params"], ema_decay=kw["ema_decay"])
     for t, b in zip(tensors, before):
-        assert torch.equal(bits(t), bits(b))
+        assert T.same_bits(t, b)
 
 
 def test_op_ema_overlapping_a_param_is_refused():
@@ -467,7 +330,7 @@ def test_op_empty_ema_entry_means_none():
     kw["ema_params"][0] = torch.empty(0)
     ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"],
                    kw["masters"], kw["steps"], 1e-2, ema_params=kw["ema_params"], ema_decay=0.5)
-    assert_bitwise(kw["ema_params"][1], kw["params"][1].detach())  # the first step copies
+    T.assert_bits(kw["ema_params"][1], kw["params"][1].detach())  # the first step copies
 
 
 def test_op_first_step_copies_whatever_the_ema_held():
@@ -481,7 +344,7 @@ def test_op_first_step_copies_whatever_the_ema_held():
     ema = junk.clone()
     ops.adam_step_(kw["params"], kw["grads"], kw["exp_avgs"], kw["exp_avg_sqs"], kw["masters"],
                    kw["steps"], torch.full((), 1e-2), ema_params=[ema], ema_decay=0.9)
-    assert_bitwise(ema, kw["masters"][0])
+    T.assert_bits(ema, kw["masters"][0])
     # later steps lerp, as torch.lerp does (an Inf that gets in stays one)
     ema[1] = float("inf")
     master_before = kw["masters"][0].clone()
@@ -490,4 +353,4 @@ def test_op_first_step_copies_whatever_the_ema_held():
     assert not torch.equal(kw["masters"][0], master_before)
     want = lerp_f32(torch.where(torch.arange(6) == 1, torch.tensor(float("inf")),
                                 master_before), kw["masters"][0], 0.1)
-    assert_bitwise(ema, want)
+    T.assert_bits(ema, want)

@@ -25,18 +25,10 @@ from mpext.optim import Adam, AdamW
 from mpext.optim import lr_scheduler as mp_sched
 
 import optim_table as T
+from optim_table import bits, same_bits
 from conftest import CUDA_OK, NO_CUDA_REASON
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-
-
-def bits(t):
-    t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 class Tied(nn.Module):

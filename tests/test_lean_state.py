@@ -23,7 +23,6 @@ References, none of them mpext:
 Where the issue asks for "mode A == mode B bitwise" (remainders against fp32 masters, threads,
 ISA paths, torch.compile, a resumed run), mpext is compared with itself.
 """
-import io
 import math
 from fractions import Fraction
 
@@ -37,7 +36,7 @@ from mpext.optim import Adam, AdamW
 
 from reference import (adam_step_reference, bf16_sr_array, bf16_sr_reference, fp16_sr_array,
                        fp16_sr_reference, sr_bits, sr_bits_array, sr_key)
-from test_adam import allow_any_grad_dtype, bits
+from optim_table import allow_any_grad_dtype, bits, roundtrip
 
 BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
 # |z| < 5 under a normal null: a false alarm in 2 * Phi(-5) = 5.73e-7 of seeds, per test.
@@ -467,7 +466,7 @@ def opt_view(opt, params):
         st = opt.state.get(p, {})
         out.append(("param %d" % k, p.detach()))
         out.append(("master %d" % k, opt.master_param(p)))
-        for key in ("exp_avg", "exp_avg_sq", "step"):
+        for key in ("exp_avg", "exp_avg_sq", "step", "ema_param"):
             if key in st:
                 out.append(("%s %d" % (key, k), st[key]))
     return out
@@ -508,14 +507,6 @@ def assert_matches_ref(opt, params, ref, what="", moments=True):
             assert_same_bits(st["exp_avg"], ref.m[k], "%s: exp_avg %d" % (what, k))
             assert_same_bits(st["exp_avg_sq"], ref.v[k], "%s: exp_avg_sq %d" % (what, k))
             assert st["step"].item() == ref.t[k], what
-
-
-def roundtrip(sd):
-    """A state dict through torch.save / torch.load, as a checkpoint goes."""
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1331,12 +1322,12 @@ def test_remainder_for_an_fp16_param_is_refused_on_load():
 
 
 def test_compiled_step_matches_eager_bit_for_bit():
-    """torch.compile(opt.step) over two lean groups -- remainders with bf16 moments, and
-    master-free fp16 params with stochastic rounding and a bf16 second moment -- gives the
-    eager bits, a poisoned step included."""
+    """torch.compile(opt.step) (inductor) over two lean groups -- remainders with bf16 moments
+    and an EMA, and master-free fp16 params with stochastic rounding and a bf16 second moment
+    -- gives the eager bits, the EMA's included, a poisoned step included."""
     torch._dynamo.reset()
     groups = [dict(specs=[((13, 7), BF16, False), ((2, 3, 4, 5), BF16, True)],
-                   opts=dict(param_remainders=True, **B2)),
+                   opts=dict(param_remainders=True, ema_decay=0.9, **B2)),
               dict(specs=[((31,), FP16, False), ((9,), F32, False)],
                    opts=dict(master_weights=False, stochastic_rounding=True,
                              exp_avg_sq_dtype=BF16, seed=3))]
@@ -1355,6 +1346,7 @@ def test_compiled_step_matches_eager_bit_for_bit():
             run(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(float(step == 2)))
         assert_same_optimizers(runs[0][0], runs[0][1], runs[1][0], runs[1][1], "step %d" % step)
     assert runs[0][0].state[runs[0][1][0]]["step"].item() == 4
+    assert "ema_param" in runs[0][0].state[runs[0][1][0]]
     torch._dynamo.reset()
 
 

@@ -20,7 +20,7 @@ import mpext
 from mpext import MixedPrecisionOptimizer as MPO
 
 from conftest import HostReads
-from test_adam import allow_any_grad_dtype, assert_bitwise
+from optim_table import allow_any_grad_dtype, assert_bits as assert_bitwise
 
 LOW = (torch.bfloat16, torch.float16)
 SHAPES = [(13, 7), (31,), (2, 3, 5), (1,)]

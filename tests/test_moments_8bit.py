@@ -10,7 +10,6 @@ References written independently of the kernel (which works on fp32 bits):
   tests/reference.py, compared bit for bit with the kernel on every ISA path and thread count.
 Then the optimizer: state layout, small params, resume, state_dict across modes, the v floor,
 poisoned steps, bad options and inputs."""
-import io
 import math
 from fractions import Fraction
 
@@ -22,71 +21,19 @@ import mpext
 from mpext import ops
 from mpext.optim import Adam, AdamW, MIN_8BIT_NUMEL, q8_decode, q8_encode
 
+import optim_table as T
 from conftest import CUDA_OK
-from reference import sr_bits, sr_key
-from test_adam import assert_bitwise, assert_opt_unchanged, assert_opts_bitwise, snapshot_opt
+from optim_table import assert_bits as assert_bitwise, assert_opt_unchanged, assert_opts_bitwise
+from optim_table import snapshot_opt
+from reference import Q8_FMT as FMT, q8_decode_array, q8_encode_array, sr_bits, sr_key
+from reference import q8_ref_decode as ref_decode, q8_ref_encode as ref_encode
+from reference import q8_ref_exp as ref_exp
 
 I8, U8, F32, BF16, F16 = torch.int8, torch.uint8, torch.float32, torch.bfloat16, torch.float16
-FMT = {"m": (3, 4, True), "v": (4, 4, False)}  # exponent bits, mantissa bits, signed
 
 
 # --------------------------------------------------------------------------------------------
-# The reference: the documented format and step, restated.
-
-def code_values(kind):
-    """Magnitude code -> value relative to the block reference, float64, by definition."""
-    eb, mb, _ = FMT[kind]
-    t = (1 << eb) - 1
-    return np.array([math.ldexp(1 + f / 2 ** mb, e - t) if e else math.ldexp(f / 2 ** mb, 1 - t)
-                     for e in range(1 << eb) for f in range(1 << mb)])
-
-
-VALUES = {k: code_values(k) for k in FMT}
-
-
-def ref_exp(kind, amax):
-    """The reference exponent field of a block with float32 absmax amax (255: not finite)."""
-    eb, mb, _ = FMT[kind]
-    a = float(amax)
-    if not math.isfinite(a):
-        return 255
-    field = 1 << eb
-    if a > 0:
-        fr, e = math.frexp(a)  # a = fr 2^e, fr in [0.5, 1)
-        fe = e - 1 + 127
-        if a > (2 - 2.0 ** -mb) * 2.0 ** (e - 1):
-            fe += 1
-        field = max(field, fe)
-    return field
-
-
-def ref_decode(kind, code, ea):
-    if ea >= 255:
-        return np.float32("nan")
-    _, _, signed = FMT[kind]
-    mag = code & 0x7F if signed else code
-    v = VALUES[kind][mag] * 2.0 ** (ea - 127)
-    return np.float32(-v if signed and code & 0x80 else v)
-
-
-def ref_encode(kind, x, ea, r16, nearest):
-    _, _, signed = FMT[kind]
-    vals = VALUES[kind]
-    ax = abs(float(x)) / 2.0 ** (ea - 127)
-    lo = int(np.searchsorted(vals, ax, side="right")) - 1
-    if lo >= len(vals) - 1 or vals[lo] == ax:
-        c = min(lo, len(vals) - 1)
-    else:
-        dl, dh = ax - vals[lo], vals[lo + 1] - ax
-        if nearest:
-            c = lo + 1 if dh < dl or (dh == dl and lo % 2) else lo
-        else:
-            frac = dl / (vals[lo + 1] - vals[lo])
-            c = lo + 1 if math.floor(frac * 65536) + r16 >= 65536 else lo
-    if signed and math.copysign(1.0, float(x)) < 0:
-        c |= 0x80
-    return c
-
+# The reference: the documented format (tests/reference.py) and step, restated.
 
 f32 = np.float32
 
@@ -171,6 +118,10 @@ def test_codec_against_the_definition_with_error_bounds():
         codes, scale = q8_encode(vals, dtype, block)
         back = q8_decode(codes, scale)
         c = codes.view(U8).numpy().astype(int)
+        # the reference's array forms (tests/optim_table.py's) are its scalar definitions
+        ac, ascale = q8_encode_array(kind, vals.numpy(), block)
+        assert (ascale == scale.numpy()).all()
+        aback = q8_decode_array(kind, ac, ascale, block)
         for b in range(scale.numel()):
             seg = vals[b * block:(b + 1) * block].numpy()
             assert scale[b].item() == float(np.abs(seg).max())
@@ -178,7 +129,8 @@ def test_codec_against_the_definition_with_error_bounds():
             for i, xv in enumerate(seg):
                 k = b * block + i
                 want = ref_encode(kind, xv, ea, 0, nearest=True)
-                assert c[k] == want, (kind, k, xv)
+                assert c[k] == want == ac[k], (kind, k, xv, ac[k])
+                assert aback[k] == ref_decode(kind, want, ea), (kind, k)
                 assert back[k].item() == ref_decode(kind, want, ea) or (
                     np.isnan(back[k].item()) and ea == 255)
             # the error bound of a nearest code: half the spacing of the codes around the value
@@ -472,11 +424,6 @@ def train(opt, params, steps, first=0, scaler=None):
         opt.step()
 
 
-LEAN = {
-    "master": dict(),
-    "remainder": dict(param_remainders=True),
-    "sr": dict(master_weights=False, stochastic_rounding=True),
-}
 
 
 @pytest.mark.parametrize("name", ["q8", "object"])
@@ -505,27 +452,6 @@ def test_moment_formats_by_their_names(name):
         AdamW(model_params(), exp_avg_dtype="q8")
 
 
-@pytest.mark.parametrize("mode", sorted(LEAN))
-def test_optimizer_state_layout(device, mode):
-    params = model_params(device=device)
-    opt = AdamW(params, lr=1e-3, **LEAN[mode], **Q8)
-    train(opt, params, 2)
-    for p in params:
-        st = opt.state[p]
-        if p.numel() >= MIN_8BIT_NUMEL:
-            # codes under keys of their own: no loader can read them as moment values
-            assert "exp_avg" not in st and "exp_avg_sq" not in st
-            assert st["exp_avg_q8"].dtype == I8 and st["exp_avg_sq_q8"].dtype == U8
-            assert st["exp_avg_q8"].shape == p.shape and st["exp_avg_sq_q8"].shape == p.shape
-            for k in ("exp_avg_q8_scale", "exp_avg_sq_q8_scale"):
-                assert st[k].dtype == F32 and st[k].shape == (-(-p.numel() // 256),)
-        else:  # small params keep fp32 moments
-            assert st["exp_avg"].dtype == F32 and "exp_avg_q8_scale" not in st
-            assert "exp_avg_q8" not in st
-        assert ("master_param" in st) == (mode == "master")
-        assert ("param_remainder" in st) == (mode == "remainder")
-
-
 def test_optimizer_step_is_the_op_step():
     """One optimizer step equals adam_step_ on the same state (the optimizer adds nothing)."""
     params = model_params(F32)
@@ -546,22 +472,6 @@ def test_optimizer_step_is_the_op_step():
     assert_bitwise(c1["mc"], opt.state[p]["exp_avg_q8"].view(-1))
 
 
-def test_resume_is_bit_exact(device):
-    params = model_params(device=device)
-    opt = AdamW(params, lr=1e-3, param_remainders=True, **Q8, seed=3)
-    train(opt, params, 3)
-    buf = io.BytesIO()
-    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
-    train(opt, params, 4, first=3)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    params2 = [torch.nn.Parameter(t) for t in saved["params"]]
-    opt2 = AdamW(params2, lr=1e-3, param_remainders=True, **Q8, seed=3)
-    opt2.load_state_dict(saved["opt"])
-    train(opt2, params2, 4, first=3)
-    assert_opts_bitwise(opt, opt2)
-
-
 def test_state_dict_across_modes_both_ways():
     """A checkpoint loads into the loading optimizer's moment storage (its dtypes and block
     size are storage settings): fp32 moments quantized to the nearest code, codes decoded
@@ -574,9 +484,8 @@ def test_state_dict_across_modes_both_ways():
     q8.load_state_dict(sd32)
     assert q8.param_groups[0]["block_size"] == 128
     st = q8.state[params[0]]
-    codes, scale = q8_encode(fp32.state[params[0]]["exp_avg"], I8, 128)
-    assert_bitwise(st["exp_avg_q8"], codes)
-    assert_bitwise(st["exp_avg_q8_scale"], scale)
+    for q in AdamW.moments:  # the nearest codes, by the restated format (tests/reference.py)
+        T.assert_nearest_q8(st, q, fp32.state[params[0]][q.name], 128, "fp32 into q8")
     sd8 = q8.state_dict()
     for dt in (F32, BF16):
         other = AdamW(params, lr=1e-3, exp_avg_dtype=dt, exp_avg_sq_dtype=dt)
@@ -624,19 +533,6 @@ def test_checkpoint_loads_into_the_optimizers_block_size_and_group_change_requan
     for p, x in zip(params, snap):
         assert_bitwise(p.detach(), x)
     train(opt, params, 1, first=3)
-
-
-def test_poisoned_steps_change_nothing_under_a_scaler(device):
-    params = model_params(device=device)
-    opt = AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True, **Q8)
-    train(opt, params, 2)
-    snap = snapshot_opt(opt)
-    scaler = mpext.GradScaler(device)
-    scaler.scale(torch.ones((), device=device))
-    set_grads(params, 5)
-    params[0].grad[0, 0] = float("inf")
-    scaler.step(opt)
-    assert_opt_unchanged(opt, snap)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])

@@ -12,7 +12,6 @@ bit.
 Kept small (a few thousand elements, a few steps) so the whole table runs in a couple of
 minutes on two cores.
 """
-import io
 import warnings
 
 import numpy as np
@@ -34,8 +33,12 @@ SCALERS = {"torch": torch.amp.GradScaler, "mpext": mpext.GradScaler}
 STEPS = 4
 
 
-def build(rule, fmt, params, **kw):
-    """The pair's optimizer over params (master-free round to nearest warns, as documented)."""
+def build(rule, fmt, params, ema_half=False, **kw):
+    """The pair's optimizer over params (master-free round to nearest warns, as documented);
+    ``ema_half``: every second param in a group of its own that keeps an EMA, so that a test
+    sees the step with and without one in each run."""
+    if ema_half:
+        params = [dict(params=params[::2]), dict(params=params[1::2], ema_decay=0.9)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*master_weights=False without")
         return rule.make(params, **dict(fmt.kwargs_for(rule), **kw))
@@ -102,8 +105,10 @@ MOMENT_DTYPE = {"float32": F32, "bfloat16": BF16, "q8": F32}  # q8: below MIN_8B
 def test_every_pair_moves_and_keeps_its_format(rule, fmt, device):
     """Every pair steps: every param moves, nothing turns NaN or Inf, and the state holds each
     moment under the format's keys (8-bit codes under ``<moment>_q8`` for a param of at least
-    MIN_8BIT_NUMEL elements, as docs/lean_state.md says; the values in the format's dtype
-    otherwise); a rule's kwargs that keep no moment keep none."""
+    MIN_8BIT_NUMEL elements, as docs/lean_state.md says, in the param's shape and layout with
+    one fp32 scale per block; the values in the format's dtype otherwise); a rule's kwargs
+    that keep no moment keep none; a master or a remainder exactly where the format keeps
+    one."""
     params = pair_params(fmt, device=device)
     start = [p.detach().clone() for p in params]
     opt = build(rule, fmt, params, seed=7)
@@ -121,6 +126,18 @@ def test_every_pair_moves_and_keeps_its_format(rule, fmt, device):
             assert (q.name in st) == (not coded), (i, q.name, sorted(st))
             if not coded:
                 assert st[q.name].dtype == MOMENT_DTYPE[fmt.moment_format], (i, q.name)
+                assert q.name + F.SCALE_SUFFIX not in st, (i, q.name, sorted(st))
+                continue
+            # codes in the param's shape (int8 for a signed moment), one fp32 scale per block
+            codes, scale = st[q.name + F.CODE_SUFFIX], st[q.name + F.SCALE_SUFFIX]
+            assert codes.dtype == (torch.int8 if q.signed else torch.uint8), (i, q.name)
+            assert codes.shape == p.shape and codes.stride() == p.stride(), (i, q.name)
+            assert scale.dtype == F32 and scale.shape == (-(-p.numel() // fmt.block),), (
+                i, q.name, scale.shape)
+        # the FP32 value where the format keeps one: a master, or a 16-bit remainder
+        low = p.dtype != F32
+        assert ("master_param" in st) == (low and fmt.param_format == "master"), (i, sorted(st))
+        assert ("param_remainder" in st) == (fmt.param_format == "remainder"), (i, sorted(st))
 
 
 # ---- The same bits on CUDA as on the CPU ------------------------------------------------------
@@ -183,10 +200,10 @@ def test_remainder_is_the_fp32_master_bitwise(rule, fmt, device):
 @pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
 def test_poisoned_step_changes_nothing(rule, fmt, scaler_name, kind, device):
     """Under either GradScaler a step whose gradients hold an inf or NaN writes nothing: the
-    params, every state tensor (the step count included) keep their bits; the scale backs off;
-    the next clean step goes on."""
+    params, every state tensor (the step count and the EMA of the params that keep one
+    included) keep their bits; the scale backs off; the next clean step goes on."""
     params = pair_params(fmt, device=device)
-    opt = build(rule, fmt, params)
+    opt = build(rule, fmt, params, ema_half=True)
     scaler = SCALERS[scaler_name](device, init_scale=2.0 ** 8, growth_interval=100)
     for s in range(4):
         targets = T.make_grads(params, s)
@@ -239,27 +256,21 @@ def test_fused_unscale_is_unscale_then_step(rule, fmt, scaler_name, device):
 
 # ---- Resume ----------------------------------------------------------------------------------
 
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 @pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
 def test_resume_is_bit_exact(rule, fmt, device):
     """Saved after 2 steps (torch.save of the model's params and opt.state_dict()), loaded into
     a fresh optimizer over fresh params, and continued for 2: the bits of the uninterrupted run
-    (stochastic rounding draws what it would have drawn)."""
+    (stochastic rounding draws what it would have drawn; the EMA the params of the second group
+    keep goes on)."""
     ps = pair_params(fmt, device=device)
-    full = build(rule, fmt, ps, seed=7)
+    full = build(rule, fmt, ps, ema_half=True, seed=7)
     train(full, ps, STEPS)
     qs = pair_params(fmt, device=device)
-    half = build(rule, fmt, qs, seed=7)
+    half = build(rule, fmt, qs, ema_half=True, seed=7)
     train(half, qs, STEPS // 2)
-    saved_params, saved = _roundtrip([p.detach() for p in qs]), _roundtrip(half.state_dict())
+    saved_params, saved = T.roundtrip([p.detach() for p in qs]), T.roundtrip(half.state_dict())
     rs = [t.clone().requires_grad_() for t in saved_params]
-    resumed = build(rule, fmt, rs, seed=0)  # the checkpoint's seed wins, as in torch
+    resumed = build(rule, fmt, rs, ema_half=True, seed=0)  # the checkpoint's seed wins
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*takes the checkpoint's seed")
         resumed.load_state_dict(saved)
@@ -287,7 +298,7 @@ def test_state_dict_converts_between_formats(rule, a, dtype, device):
     ps = T.make_params((dtype,), device=device)
     saver = build(rule, a, ps)
     train(saver, ps, 2)
-    sd = _roundtrip(saver.state_dict())
+    sd = T.roundtrip(saver.state_dict())
     for b in T.loaders(rule, dtype):
         qs = [p.detach().clone().requires_grad_() for p in ps]
         loader = build(rule, b, qs)
@@ -308,12 +319,8 @@ def test_state_dict_converts_between_formats(rule, a, dtype, device):
                     assert T.same_bits(got, want), (what, m.name)
                 elif fmt_b == "bfloat16":
                     assert T.same_bits(got, want.to(BF16).float()), (what, m.name)
-                else:  # 8-bit codes: within a code step of the block's absmax scale
-                    amax = want.abs().max()
-                    assert bool(((got - want).abs() <= amax * 2.0 ** -4 + 1e-30).all()), (
-                        what, m.name)
-                    codes, scale = F.q8_encode(want, F.Q8.storage_dtype(m), b.block)
-                    assert T.same_bits(got, F.q8_decode(codes, scale)), (what, m.name)
+                else:  # 8-bit codes: the nearest ones (ties to even), by the reference
+                    T.assert_nearest_q8(loader.state[q], m, want, b.block, what)
         train(loader, qs, 1, start=2)
         for q in qs:
             assert loader.state[q]["step"].item() == 3, b.name
@@ -330,7 +337,8 @@ def format_errors(rule):
          r"param_remainders=True stores the masters compactly; it needs master_weights=True"),
         (dict(stochastic_rounding=True), ValueError,
          r"stochastic_rounding=True rounds params that have no master"),
-        (dict(moment_rounding="down"), ValueError, r"moment_rounding must be"),
+        (dict(moment_rounding="down"), ValueError,
+         r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
         (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),
         (dict(ema_decay=1.5), ValueError, r"ema_decay must be None or a number in \[0, 1\]"),
         (dict(block_size=100), ValueError, r"block_size must be a power of two"),
@@ -416,13 +424,14 @@ COVERING = list(T.covering_pairs())
 def test_compiled_step(rule, fmt, device):
     """torch.compile(opt.step) for 20 steps, found_inf passed to every step (set on step 5: a
     skipped step): no graph break, at most 2 compiles (the first step's state setup, then the
-    steady step), and the eager run's bits. (Over the covering pairs: every param format and
-    every moment format of each rule; a compile costs seconds.)"""
+    steady step), and the eager run's bits, an EMA (of one of the two params) included. (Over
+    the covering pairs: every param format and every moment format of each rule; a compile
+    costs seconds.)"""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ps = T.make_params(fmt.param_dtypes, shapes=SMALL, device=device)
     qs = T.make_params(fmt.param_dtypes, shapes=SMALL, device=device)
-    eager, comp = build(rule, fmt, ps), build(rule, fmt, qs)
+    eager, comp = build(rule, fmt, ps, ema_half=True), build(rule, fmt, qs, ema_half=True)
     counter = CompileCounter()
     step = torch.compile(comp.step, backend=counter)
     for s in range(20):
@@ -454,13 +463,17 @@ def test_ema(rule, fmt, device):
     float32 (a copy of the value after the first step), bit for bit where the format keeps that
     value; without a master the value is the update before rounding, which is kept nowhere:
     it is the reference optimizer's step from the state (optim_table.reference_step), so the
-    EMA must be the lerp towards it, up to the rule's fp32 slack (exactly, where it has none)."""
-    decay = 0.9
-    w = float(np.float32(1.0 - decay))
-    params = pair_params(fmt, device=device)
-    opt = build(rule, fmt, params, ema_decay=decay)
+    EMA must be the lerp towards it, up to the rule's fp32 slack (exactly, where it has none).
+    The decay is a group setting read each step: 0.9 for the first steps, then 0.3 (a lerp
+    weight of 0.5 or more, torch.lerp's other form). The EMA keeps its param's layout
+    (channels_last); empty and one-element params take part."""
+    params = T.make_params(fmt.param_dtypes, shapes=T.SHAPES + ((0, 3), (1,)), device=device)
+    opt = build(rule, fmt, params, ema_decay=0.9)
     want = [None] * len(params)
     for s in range(STEPS):
+        decay = 0.9 if s < STEPS // 2 else 0.3
+        w = float(np.float32(1.0 - decay))
+        opt.param_groups[0]["ema_decay"] = decay
         grads = T.make_grads(params, s)
         T.set_grads(params, grads)
         refs = None if fmt.keeps_value else T.reference_step(rule, opt, params, grads)
@@ -470,6 +483,7 @@ def test_ema(rule, fmt, device):
         for i, p in enumerate(params):
             got = opt.state[p]["ema_param"]
             assert got.dtype == F32 and got.shape == p.shape and got.device == p.device
+            assert got.stride() == p.stride() or p.numel() <= 1, (s, i, got.stride())
             got = got.cpu()
             if fmt.keeps_value:
                 value = T.fp32_value(opt, p).cpu()
@@ -530,3 +544,71 @@ def test_mixed_precision_optimizer_tracks_the_reference(rule, dtype, monkeypatch
             assert T.same_bits(p.detach(), m.to(dtype)), (s, i)
     fused = rule.cls in (mpext.optim.Adam, mpext.optim.AdamW)
     assert paths == ["_step_fused" if fused else "_step_generic"] * (STEPS + 1), paths
+
+
+# ---- offsets: a shard of a param draws the random bits of its place in the whole -------------
+
+def _step_pieces(rule, p, g, moments, scales, pieces, steps, block=256):
+    """One step of ``rule``'s op (master-free bf16 params, stochastic rounding) over the pieces
+    [a, b) of the flat tensors, each piece told its offset in the whole."""
+    def cut(t):
+        return [t[a:b] for a, b in pieces]
+
+    def blocks(s):
+        return [s[a // block:b // block + (b % block > 0)] for a, b in pieces]
+
+    kw = dict(master_free=True, stochastic_rounding=True, seed=5, sr_streams=[1] * len(pieces),
+              offsets=[a for a, _ in pieces], block_size=block)
+    if rule == "adam":
+        if scales:
+            kw.update(exp_avg_scales=blocks(scales[0]), exp_avg_sq_scales=blocks(scales[1]))
+        mpext.ops.adam_step_(cut(p), cut(g), cut(moments[0]), cut(moments[1]), [], steps, 1e-2,
+                             0.9, 0.999, 1e-8, 0.01, True, False, **kw)
+    elif rule == "lion":
+        if scales:
+            kw.update(exp_avg_scales=blocks(scales[0]))
+        mpext.ops.lion_step_(cut(p), cut(g), cut(moments[0]), [], steps, 1e-2, 0.9, 0.99, 0.1,
+                             **kw)
+    else:
+        if scales:
+            kw.update(momentum_buffer_scales=blocks(scales[0]))
+        mpext.ops.sgd_step_(cut(p), cut(g), cut(moments[0]), [], steps, 0.1, 0.9, 0.0, 0.01,
+                            False, **kw)
+
+
+OFFSET_OPS = {"adam": (torch.int8, torch.uint8), "lion": (torch.int8,), "sgd": (torch.int8,)}
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
+@pytest.mark.parametrize("rule", sorted(OFFSET_OPS))
+def test_op_offsets_shards_round_as_the_whole(device, rule, fmt):
+    """Each rule's op: a param stepped as pieces (offsets 0 and n/2, the second half off the
+    hand-fused loops' path; with bf16 moments also pieces off any block grid) gets the bits of
+    the whole -- params, moments, 8-bit block scales -- in the stochastic-rounding formats; an
+    offset off the 8-bit block grid is refused."""
+    n, block = 4096, 256
+    gen = torch.Generator().manual_seed(4)
+    p0 = torch.randn(n, generator=gen).to(BF16, copy=True).to(device)
+    grads = [torch.randn(n, generator=gen).to(BF16).to(device) for _ in range(3)]
+    q8 = fmt == "q8"
+    dtypes = OFFSET_OPS[rule] if q8 else (BF16,) * len(OFFSET_OPS[rule])
+
+    def run(cuts):
+        p = p0.clone()
+        moments = [torch.zeros(n, dtype=dt, device=device) for dt in dtypes]
+        scales = [torch.zeros(n // block, device=device) for _ in dtypes] if q8 else []
+        bounds = list(cuts) + [n]
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        steps = [torch.zeros((), device=device) for _ in pieces]
+        for g in grads:
+            _step_pieces(rule, p, g, moments, scales, pieces, steps, block)
+        return [p] + moments + scales
+
+    whole = run([0])
+    for cuts in [[0, n // 2]] + ([] if q8 else [[0, 1000, 3001]]):
+        for i, (a, b) in enumerate(zip(whole, run(cuts))):
+            T.assert_bits(a, b, "%s, tensor %d" % (cuts, i))
+    if q8:
+        with pytest.raises(ValueError, match=r"offsets\[0\] \(8\) must be a multiple of "
+                                             r"block_size \(256\)"):
+            run([8])

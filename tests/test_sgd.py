@@ -92,20 +92,14 @@ def test_master_tracks_torch_fp32(device, dtype):
 
 
 def test_class_arguments():
+    """SGD's defaults and what the table's error rows (tests/optim_table.py) do not say."""
     p = [torch.nn.Parameter(torch.zeros(3))]
     g = SGD(p).param_groups[0]
     assert (g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"],
             g["maximize"]) == (1e-3, 0, 0, 0, False, False)
-    with pytest.raises(ValueError, match="Invalid momentum value: -0.1"):
-        SGD(p, momentum=-0.1)
-    with pytest.raises(ValueError, match="Invalid weight_decay value: -1"):
-        SGD(p, weight_decay=-1)
-    with pytest.raises(ValueError, match="Invalid learning rate: -0.1"):
-        SGD(p, lr=-0.1)
-    for kw in (dict(nesterov=True), dict(nesterov=True, momentum=0.9, dampening=0.1)):
-        with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero "
-                                             "dampening"):
-            SGD(p, **kw)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero "
+                                         "dampening"):
+        SGD(p, nesterov=True, momentum=0.9, dampening=0.1)
     for dt in (torch.bfloat16, "q8"):
         with pytest.raises(ValueError, match="momentum=0 keeps none"):
             SGD(p, momentum_dtype=dt)
@@ -169,33 +163,6 @@ def test_op_bad_input_changes_nothing(device, change, exc, match):
                  lr=torch.full((), 1e-3), momentum=0.9, dampening=0.0, weight_decay=0.0,
                  nesterov=False)
     T.op_bad_input_changes_nothing(ops.sgd_step_, base, change, exc, match, device)
-
-
-@pytest.mark.parametrize("fmt", ["bfloat16", "q8"])
-def test_offsets_shards_round_as_the_whole(device, fmt):
-    """A param stepped as two halves with offsets 0 and n/2 gets the bits of the whole."""
-    n = 4096
-    gen = torch.Generator().manual_seed(4)
-    p0 = torch.randn(n, generator=gen).bfloat16().to(device)
-    grads = [torch.randn(n, generator=gen).bfloat16().to(device) for _ in range(3)]
-    q8 = fmt == "q8"
-    b0 = torch.zeros(n, dtype=torch.int8 if q8 else torch.bfloat16, device=device)
-    out = []
-    for pieces in ([(0, n)], [(0, n // 2), (n // 2, n)]):
-        p, b = p0.clone(), b0.clone()
-        sc = torch.zeros(n // 256, device=device)
-        steps = [torch.zeros((), device=device) for _ in pieces]
-        for g in grads:
-            extra = dict(momentum_buffer_scales=[sc[x // 256:y // 256] for x, y in pieces]
-                         ) if q8 else {}
-            ops.sgd_step_([p[x:y] for x, y in pieces], [g[x:y] for x, y in pieces],
-                          [b[x:y] for x, y in pieces], [], steps, 0.1, 0.9, 0.0, 0.01, False,
-                          master_free=True, stochastic_rounding=True, seed=3,
-                          sr_streams=[2] * len(pieces), offsets=[x for x, _ in pieces],
-                          **extra)
-        out.append((p, b, sc))
-    for a, c in zip(out[0], out[1]):
-        T.assert_bits(a, c)
 
 
 # --------------------------------------------------------------------------------------------
