@@ -194,6 +194,45 @@ def _live_bytes(tensors) -> int:
     return total
 
 
+def release_memory(params, opt, loss_fn, released: bool, bucket_bytes: int, ddp=None,
+                   steps: int = 2) -> dict:
+    """One rank's live bytes in a training run of ``steps`` steps (the last measured: the
+    state exists, DDP's buckets are rebuilt), stepped after backward or released (under DDP
+    through ``ddp``'s comm hook): ``params``, ``state`` (every state tensor but the per-param
+    scalars), ``grads`` (the ``.grad`` alive after the backward), ``grad_peak`` (the largest sum
+    of the ``.grad`` storages seen as each gradient completes: a post-accumulate-grad hook that
+    runs before the release's) and, under DDP, ``ddp_buckets`` (the Reducer's bucket buffers,
+    read from DDP itself). All by the distinct storages (DTensors by their local shard): what
+    is alive, not mpext's own accounting. ``loss_fn(step)`` makes a step's loss."""
+    live = {"peak": 0}
+
+    def watch(p):
+        live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
+    handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
+    release = opt.release_grads(bucket_bytes=bucket_bytes, ddp=ddp) if released else None
+    try:
+        for step in range(steps):
+            live["peak"] = 0
+            loss_fn(step).backward()
+            grads = _live_bytes(p.grad for p in params)
+            if not released:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+        if release is not None:
+            release.remove()
+    state = [v for st in opt.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out = {"params": _live_bytes(params), "state": _live_bytes(state), "grads": grads,
+           "grad_peak": live["peak"]}
+    if ddp is not None:
+        out["ddp_buckets"] = sum(b.buffer().untyped_storage().nbytes()
+                                 for b in ddp.reducer._get_zeros_like_grad_buckets())
+    return out
+
+
 def _release_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     """FSDP2 over a BF16 MLP, remainders + 8-bit moments, mpext.GradScaler: a whole
     forward + backward + step, stepped after backward (scaler.step) and released (buckets of
@@ -328,27 +367,9 @@ def _release_memory_worker(rank: int, out_path: str, rounds: int, inner: int) ->
                 fully_shard(net, mesh=mesh, mp_policy=policy)
                 params = list(net.parameters())
                 opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
-                live = {"peak": 0}
-
-                def watch(p, params=params, live=live):
-                    live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
-                for p in params:
-                    p.register_post_accumulate_grad_hook(watch)
-                if released:
-                    opt.release_grads(bucket_bytes=RELEASE_BUCKET)
-                for step in range(2):  # the second: the state exists
-                    live["peak"] = 0
-                    net(x).float().square().mean().backward()
-                    grads = _live_bytes(p.grad for p in params)
-                    if not released:
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                state = [v for st in opt.state.values() for v in st.values()
-                         if isinstance(v, torch.Tensor) and v.dim() > 0]
-                out[(label, released)] = {"params": _live_bytes(params),
-                                          "state": _live_bytes(state), "grads": grads,
-                                          "grad_peak": live["peak"],
-                                          "numel": sum(p.numel() for p in params)}
+                got = release_memory(params, opt, lambda step: net(x).float().square().mean(),
+                                     released, RELEASE_BUCKET)
+                out[(label, released)] = dict(got, numel=sum(p.numel() for p in params))
         torch.save(out, out_path.replace("rank0", "rank%d" % rank))
         dist.barrier()
     except BaseException:
