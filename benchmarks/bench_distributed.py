@@ -201,13 +201,17 @@ def release_memory(params, opt, loss_fn, released: bool, bucket_bytes: int, ddp=
     through ``ddp``'s comm hook): ``params``, ``state`` (every state tensor but the per-param
     scalars), ``grads`` (the ``.grad`` alive after the backward), ``grad_peak`` (the largest sum
     of the ``.grad`` storages seen as each gradient completes: a post-accumulate-grad hook that
-    runs before the release's) and, under DDP, ``ddp_buckets`` (the Reducer's bucket buffers,
-    read from DDP itself). All by the distinct storages (DTensors by their local shard): what
+    runs before the release's; under DDP the local gradients: views of DDP's buckets are its)
+    and, under DDP, ``ddp_buckets`` (the Reducer's bucket buffers, read from DDP itself). All by the distinct storages (DTensors by their local shard): what
     is alive, not mpext's own accounting. ``loss_fn(step)`` makes a step's loss."""
     live = {"peak": 0}
 
     def watch(p):
-        live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
+        # Under DDP (gradient_as_bucket_view=False) a local gradient is never a view; a view is
+        # the average in DDP's bucket (the release points a stepped .grad there until the end
+        # of backward), whose storage is DDP's, counted in ddp_buckets
+        grads = (q.grad for q in params if ddp is None or q.grad is None or q.grad._base is None)
+        live["peak"] = max(live["peak"], _live_bytes(grads))
     handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
     release = opt.release_grads(bucket_bytes=bucket_bytes, ddp=ddp) if released else None
     try:

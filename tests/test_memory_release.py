@@ -5,7 +5,8 @@ bytes (params, optimizer state, the ``.grad`` alive after backward, DDP's bucket
 (benchmarks/bench_distributed.py's ``release_memory``: distinct storages of the live tensors,
 a hook that runs before the release's; DDP's buckets read from its Reducer), to the byte.
 
-One spawn of 2 ranks measures every case; the tests compare in this process."""
+One spawn of 2 ranks (tests/release_world2.py, shared with test_release_trainers_ddp.py)
+measures every case; the tests compare in this process."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,8 +14,9 @@ import torch.nn as nn
 
 import mpext
 from mpext.memory import estimate
-from test_distributed import _batch, _spawn, _sr_mlp, _sr_shard
+from test_distributed import _batch, _sr_mlp, _sr_shard
 
+pytest_plugins = ("release_world2",)  # the 2-rank spawn, one for both files
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available")
 
@@ -53,7 +55,7 @@ def _loss_fn(model, rank):
     return loss
 
 
-def _body(rank, out_dir):
+def _memory_cases(rank):
     from benchmarks.bench_distributed import release_memory
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -110,8 +112,8 @@ def _ddp_allocator_peaks(rank):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return _spawn(_body, tmp_path_factory.mktemp("memory_release"), WORLD)
+def runs(release_world2):
+    return [r["memory"] for r in release_world2]
 
 
 def _shapes(name):

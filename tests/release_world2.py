@@ -1,0 +1,26 @@
+"""One spawn of 2 gloo ranks for the release tests whose default process group is the world of
+2 (tests/test_memory_release.py, tests/test_release_trainers_ddp.py): the processes start and
+import torch once for both files (a session fixture, imported by each)."""
+import pytest
+
+from test_distributed import _spawn
+
+
+def _body(rank, out_dir):
+    import test_memory_release
+    out = {"memory": test_memory_release._memory_cases(rank)}
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        out["trainers"] = None
+    else:
+        import test_release_trainers_ddp
+        out["trainers"] = test_release_trainers_ddp._trainer_cases(rank, out_dir)
+    return out
+
+
+@pytest.fixture(scope="session")
+def release_world2(tmp_path_factory):
+    """What each of the 2 ranks returned."""
+    return _spawn(_body, tmp_path_factory.mktemp("release_world2"), 2)
