@@ -1,6 +1,8 @@
 """One spawn of 2 gloo ranks for the release tests whose default process group is the world of
-2 (tests/test_memory_release.py, tests/test_release_trainers_ddp.py): the processes start and
+2 (tests/test_memory_release.py, test_release_table.py, test_release_trainers_ddp.py): the processes start and
 import torch once for both files (a session fixture, imported by each)."""
+import time
+
 import pytest
 
 from test_distributed import _spawn
@@ -8,7 +10,11 @@ from test_distributed import _spawn
 
 def _body(rank, out_dir):
     import test_memory_release
+    import test_release_table
     out = {"memory": test_memory_release._memory_cases(rank)}
+    t = time.perf_counter()
+    out["table"] = test_release_table._table_cases(rank)
+    out["table_seconds"] = time.perf_counter() - t
     try:
         import accelerate  # noqa: F401
         import transformers  # noqa: F401
