@@ -1,6 +1,7 @@
 """One spawn of 2 gloo ranks for the release tests whose default process group is the world of
-2 (tests/test_memory_release.py, test_release_table.py, test_release_trainers_ddp.py): the processes start and
-import torch once for both files (a session fixture, imported by each)."""
+2 (tests/test_memory_release.py, test_release_table.py, test_release_trainers_ddp.py): the
+processes start and import torch once for all three (a session fixture: each names this module
+in its pytest_plugins)."""
 import time
 
 import pytest

@@ -5,8 +5,8 @@ bytes (params, optimizer state, the ``.grad`` alive after backward, DDP's bucket
 (benchmarks/bench_distributed.py's ``release_memory``: distinct storages of the live tensors,
 a hook that runs before the release's; DDP's buckets read from its Reducer), to the byte.
 
-One spawn of 2 ranks (tests/release_world2.py, shared with test_release_trainers_ddp.py)
-measures every case; the tests compare in this process."""
+One spawn of 2 ranks (tests/release_world2.py, shared with test_release_table.py and
+test_release_trainers_ddp.py) measures every case; the tests compare in this process."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ import mpext
 from mpext.memory import estimate
 from test_distributed import _batch, _sr_mlp, _sr_shard
 
-pytest_plugins = ("release_world2",)  # the 2-rank spawn, one for both files
+pytest_plugins = ("release_world2",)  # the 2-rank spawn, one for the release files
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available")
 

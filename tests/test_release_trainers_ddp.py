@@ -4,8 +4,8 @@ steps from DDP's comm hook. Compared, on every rank, with the same Trainer / acc
 stepping after backward (mpext.accelerate.setup_trainer / use_grad_scaler): the same bits
 (no clipping, no skip), and a NaN batch on one rank skipped on every rank.
 
-One spawn of 2 ranks (tests/release_world2.py, shared with test_memory_release.py) runs every
-case; the tests compare in this process."""
+One spawn of 2 ranks (tests/release_world2.py, shared with test_memory_release.py and
+test_release_table.py) runs every case; the tests compare in this process."""
 import os
 
 import pytest
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from release_trainer_cases import STEPS, _same  # noqa: E402
 
-pytest_plugins = ("release_world2",)  # the 2-rank spawn, one for both files
+pytest_plugins = ("release_world2",)  # the 2-rank spawn, one for the release files
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available")
 
@@ -53,7 +53,8 @@ def _trainer_cases(rank, out_dir):
 
 def _was_ddp():
     from accelerate.state import PartialState
-    return PartialState().distributed_type.name == "MULTI_CPU" and PartialState().num_processes == WORLD
+    state = PartialState()
+    return state.distributed_type.name == "MULTI_CPU" and state.num_processes == WORLD
 
 
 @pytest.fixture(scope="module")
