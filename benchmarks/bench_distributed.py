@@ -194,6 +194,50 @@ def _live_bytes(tensors) -> int:
     return total
 
 
+def release_memory(params, opt, loss_fn, released: bool, bucket_bytes: int, ddp=None,
+                   steps: int = 2) -> dict:
+    """One rank's live bytes in a training run of ``steps`` steps (the last measured: the
+    state exists, DDP's buckets are rebuilt), stepped after backward or released (under DDP
+    through ``ddp``'s comm hook): ``params``, ``state`` (every state tensor but the per-param
+    scalars), ``grads`` (the ``.grad`` alive after the backward), ``grad_peak`` (the largest sum
+    of the ``.grad`` storages seen as each gradient completes: a post-accumulate-grad hook that
+    runs before the release's; under DDP the local gradients: views of DDP's buckets are its)
+    and, under DDP, ``ddp_buckets`` (the Reducer's bucket buffers, read from DDP itself). All
+    by the distinct storages (DTensors by their local shard): what is alive, not mpext's own
+    accounting. ``loss_fn(step)`` makes a step's loss."""
+    live = {"peak": 0}
+
+    def watch(p):
+        # Under DDP (gradient_as_bucket_view=False) a local gradient is never a view; a view is
+        # the average in DDP's bucket (the release points a stepped .grad there until the end
+        # of backward), whose storage is DDP's, counted in ddp_buckets
+        grads = (q.grad for q in params if ddp is None or q.grad is None or q.grad._base is None)
+        live["peak"] = max(live["peak"], _live_bytes(grads))
+    handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
+    release = opt.release_grads(bucket_bytes=bucket_bytes, ddp=ddp) if released else None
+    try:
+        for step in range(steps):
+            live["peak"] = 0
+            loss_fn(step).backward()
+            grads = _live_bytes(p.grad for p in params)
+            if not released:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+        if release is not None:
+            release.remove()
+    state = [v for st in opt.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out = {"params": _live_bytes(params), "state": _live_bytes(state), "grads": grads,
+           "grad_peak": live["peak"]}
+    if ddp is not None:
+        out["ddp_buckets"] = sum(b.buffer().untyped_storage().nbytes()
+                                 for b in ddp.reducer._get_zeros_like_grad_buckets())
+    return out
+
+
 def _release_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     """FSDP2 over a BF16 MLP, remainders + 8-bit moments, mpext.GradScaler: a whole
     forward + backward + step, stepped after backward (scaler.step) and released (buckets of
@@ -290,19 +334,39 @@ def _release_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
     os._exit(0)  # as _worker
 
 
-# label -> mpext.optim.AdamW keywords (BF16 params)
+# label -> (mpext.optim.AdamW keywords (BF16 params), the calculator's mode of that format)
 RELEASE_FORMATS = {
-    "bf16 + fp32 master": {},
-    "bf16 + remainder": dict(param_remainders=True),
-    "bf16 SR, bf16 moments": dict(master_weights=False, stochastic_rounding=True,
-                                  exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
-    "bf16 SR, 8-bit moments": dict(master_weights=False, stochastic_rounding=True, **Q8),
+    "bf16 + fp32 master": ({}, "mpext-bf16-master-float32"),
+    "bf16 + remainder": (dict(param_remainders=True), "mpext-bf16-remainder-float32"),
+    "bf16 SR, bf16 moments": (dict(master_weights=False, stochastic_rounding=True,
+                                   exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+                              "mpext-bf16-stochastic-bfloat16"),
+    "bf16 SR, 8-bit moments": (dict(master_weights=False, stochastic_rounding=True, **Q8),
+                               "mpext-bf16-stochastic-q8"),
 }
+# the memory table's release bucket, bytes per rank: less than a rank's sharded gradient at 2
+# and 4 ranks (1.5 and 0.75 MiB), so that the peak shows the bucket on both
+MEMORY_BUCKET = 256 * 1024
+
+
+def _memory_prediction(label: str, world: int, rank: int, released: bool, engine: str):
+    """``python -m mpext.memory``'s figures for one rank of the memory table's run (the
+    model's shapes; FSDP2: a unit per layer, the last reduced first; DDP: its default
+    buckets, the gradients ready last layer first)."""
+    from mpext.memory import estimate
+    shapes = [s for _ in range(RELEASE_LAYERS)
+              for s in ((RELEASE_WIDTH, RELEASE_WIDTH), (RELEASE_WIDTH,))]
+    kw = dict(mode=RELEASE_FORMATS[label][1], rule="adamw", world_size=world,
+              grad_release=released, bucket_bytes=MEMORY_BUCKET)
+    if engine == "fsdp2":
+        return estimate(shapes, zero=3, sharding="torch", rank=rank, **kw, units=[
+            [2 * i, 2 * i + 1] for i in reversed(range(RELEASE_LAYERS))])
+    return estimate(shapes, ddp=True, **kw)
 
 
 def _release_memory_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
-    """Each rank's live bytes for every RELEASE_FORMATS format, after backward and released:
-    persistent (params, state, .grad after backward) and the sharded .grad peak in backward.
+    """Each rank's live bytes for every RELEASE_FORMATS format, FSDP2 and DDP, after backward
+    and released (release_memory), with the calculator's prediction for that rank.
     ``rounds`` is the world size here."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -317,38 +381,39 @@ def _release_memory_worker(rank: int, out_path: str, rounds: int, inner: int) ->
         x = torch.randn(LOCAL_BATCH, RELEASE_WIDTH,
                         generator=torch.Generator().manual_seed(rank)).to(BF16)
         out = {}
-        for label, kw in RELEASE_FORMATS.items():
-            for released in (False, True):
-                torch.manual_seed(0)
-                net = nn.Sequential(*[nn.Linear(RELEASE_WIDTH, RELEASE_WIDTH)
-                                      for _ in range(RELEASE_LAYERS)]).to(BF16)
-                policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-                for layer in net:
-                    fully_shard(layer, mesh=mesh, mp_policy=policy)
-                fully_shard(net, mesh=mesh, mp_policy=policy)
-                params = list(net.parameters())
-                opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
-                live = {"peak": 0}
-
-                def watch(p, params=params, live=live):
-                    live["peak"] = max(live["peak"], _live_bytes(q.grad for q in params))
-                for p in params:
-                    p.register_post_accumulate_grad_hook(watch)
-                if released:
-                    opt.release_grads(bucket_bytes=RELEASE_BUCKET)
-                for step in range(2):  # the second: the state exists
-                    live["peak"] = 0
-                    net(x).float().square().mean().backward()
-                    grads = _live_bytes(p.grad for p in params)
-                    if not released:
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                state = [v for st in opt.state.values() for v in st.values()
-                         if isinstance(v, torch.Tensor) and v.dim() > 0]
-                out[(label, released)] = {"params": _live_bytes(params),
-                                          "state": _live_bytes(state), "grads": grads,
-                                          "grad_peak": live["peak"],
-                                          "numel": sum(p.numel() for p in params)}
+        for label, (kw, _) in RELEASE_FORMATS.items():
+            for engine in ("fsdp2", "ddp"):
+                for released in (False, True):
+                    torch.manual_seed(0)
+                    net = nn.Sequential(*[nn.Linear(RELEASE_WIDTH, RELEASE_WIDTH)
+                                          for _ in range(RELEASE_LAYERS)]).to(BF16)
+                    ddp = None
+                    if engine == "fsdp2":
+                        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+                        for layer in net:
+                            fully_shard(layer, mesh=mesh, mp_policy=policy)
+                        fully_shard(net, mesh=mesh, mp_policy=policy)
+                    else:
+                        ddp = nn.parallel.DistributedDataParallel(net)
+                    params = list(net.parameters())
+                    opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
+                    run = ddp if ddp is not None else net
+                    got = release_memory(params, opt,
+                                         lambda step: run(x).float().square().mean(),
+                                         released, MEMORY_BUCKET, ddp=ddp)
+                    b = _memory_prediction(label, world, rank, released, engine)
+                    got["predicted"] = dict(
+                        params=b.weights, state=b.master_weights + b.optimizer_states,
+                        grads=b.gradients, ddp_buckets=b.comm_buffers, grad_peak=b.grad_peak,
+                        persistent=b.persistent)
+                    out[(label, engine, released)] = dict(
+                        got, numel=sum(p.numel() for p in params))
+        # every rank's figures against its prediction: the count of those that differ
+        bad = torch.tensor(float(sum(
+            v[k] != v["predicted"][k] for v in out.values()
+            for k in ("params", "state", "grads", "grad_peak", "ddp_buckets") if k in v)))
+        dist.all_reduce(bad)
+        out["mispredicted"] = int(bad.item())
         torch.save(out, out_path.replace("rank0", "rank%d" % rank))
         dist.barrier()
     except BaseException:
@@ -409,24 +474,32 @@ def _release_section(ctx, b) -> tuple:
     mem_rows = []
     for world in (2, 4):
         got = _release_memory(world)
-        b.phase("%d-rank FSDP2 release memory" % world)
-        per_world[world] = {"%s|%s" % (k[0], "released" if k[1] else "after"): v
+        b.phase("%d-rank FSDP2 and DDP release memory" % world)
+        check(got["mispredicted"] == 0, "%d figures of %d ranks differ from python -m "
+              "mpext.memory's" % (got["mispredicted"], world))
+        per_world[world] = {"%s|%s|%s" % (k[0], k[1], "released" if k[2] else "after"): v
                             for k, v in got.items() if isinstance(k, tuple)}
-        for label in RELEASE_FORMATS:
-            a, r = got[(label, False)], got[(label, True)]
-            n = a["numel"] / world  # params per rank, on average
-            pa = a["params"] + a["state"] + a["grads"]
-            pr = r["params"] + r["state"] + r["grads"]
-            mem_rows.append([str(world), label, "%.2f" % (pa / n), "%.2f" % (pr / n),
-                             mib(a["grad_peak"]), mib(r["grad_peak"])])
-    md += ["", markdown_table(["ranks", "format", "persistent B/param, after backward",
-                               "released", "sharded .grad peak MiB, after backward",
-                               "released"], mem_rows), "",
-           "Rank 0's live storages after a second step (the state exists), per parameter of "
-           "the model over the ranks (the per-param step scalars left out); the `.grad` peak as "
-           "above (bucket_bytes=1 MiB per rank: at 4 ranks a rank's whole sharded gradient, "
-           "0.75 MiB, is one bucket, so the peak is the same). 8-bit rows: the 512 x 512 "
-           "weights keep 8-bit moments, the 512-element biases FP32 ones."]
+        for engine in ("fsdp2", "ddp"):
+            for label in RELEASE_FORMATS:
+                a, r = got[(label, engine, False)], got[(label, engine, True)]
+                n = a["numel"] / (world if engine == "fsdp2" else 1)  # params per rank
+                pa, pr = (v["params"] + v["state"] + v["grads"] + v.get("ddp_buckets", 0)
+                          for v in (a, r))
+                mem_rows.append([str(world), "FSDP2" if engine == "fsdp2" else "DDP", label,
+                                 "%.2f" % (pa / n), "%.2f" % (pr / n),
+                                 "%s / %s" % (mib(a["grad_peak"]), mib(r["grad_peak"]))])
+    md += ["", markdown_table(["ranks", "engine", "format",
+                               "persistent B/param per rank, after backward", "released",
+                               ".grad peak in backward MiB, after / released"], mem_rows), "",
+           "Rank 0's live storages after a second step (the state exists; DDP's buckets "
+           "rebuilt), per parameter it holds (FSDP2: the model's over the ranks; DDP: all), "
+           "the per-param step scalars left out; DDP's persistent bytes include its gradient "
+           "buckets (2 B/param, released or not); the `.grad` peak from a hook that runs before "
+           "the release's (under DDP the local gradients). Released with `bucket_bytes=%d KiB` "
+           "per rank. Every figure of every rank equals `python -m mpext.memory`'s prediction "
+           "(`--zero fsdp2` / `--zero ddp`, the model's shapes; checked in the run). 8-bit "
+           "rows: the 512 x 512 weights keep 8-bit moments, the 512-element biases FP32 ones."
+           % (MEMORY_BUCKET // 1024)]
     return md, dict(rounds=rounds, inner=inner, timings={k: Timing(v, inner).to_json()
                                                          for k, v in s.items()},
                     ratio=ratio.to_json(), memory=res["memory"], buckets_per_step=nb,

@@ -27,6 +27,7 @@ every iteration, they advance only on applied steps. ``setup_trainer`` makes the
 them in place of its own for ``lr_scheduler_type`` ``linear``, ``cosine``, ``constant`` and
 ``constant_with_warmup`` (same values as transformers' when nothing is skipped).
 """
+import functools
 import types
 from typing import Any, Optional
 
@@ -166,7 +167,14 @@ def release_trainer(trainer: Any, *, bucket_bytes: Optional[int] = None, clip: s
     - the Trainer's clipping call returns the release's global norm (logged as ``grad_norm``).
 
     With ``gradient_accumulation_steps > 1`` exact clipping is refused (its norm pass would
-    free the accumulated sum): pass ``clip="previous"`` or ``max_grad_norm=0``."""
+    free the accumulated sum): pass ``clip="previous"`` or ``max_grad_norm=0``.
+
+    Under accelerate's DDP (``MULTI_CPU``, ``MULTI_GPU``, ...) the release is made by the
+    ``accelerator.prepare`` that wraps the model in ``DistributedDataParallel``, with that
+    model (``release_grads(ddp=...)``: the step runs in DDP's comm hook, on the averaged
+    gradients, so every rank steps alike and a NaN on one rank is skipped on all); the micro-
+    batches that do not sync run under DDP's ``no_sync`` (accelerate's ``accumulate``) and
+    ``release.accumulate()``. Other distributed types (FSDP, DeepSpeed, ...) are refused."""
     import transformers
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError("%s.release_trainer: trainer must be a transformers.Trainer, got %s"
@@ -186,9 +194,13 @@ def release_trainer(trainer: Any, *, bucket_bytes: Optional[int] = None, clip: s
 
     def create(self, model=None):
         opt = create_optimizer() if model is None else create_optimizer(model)
-        if state.get("release") is None:
-            state["release"] = _release(opt, "transformers.Trainer", bucket_bytes, scaler,
-                                        args.max_grad_norm if clipping else None, clip)
+        if state.get("release") is None and state.get("make") is None:
+            make = functools.partial(_release, opt, "transformers.Trainer", bucket_bytes,
+                                     scaler, args.max_grad_norm if clipping else None, clip)
+            if _ddp_type(accelerator):  # made by prepare, with the DDP model it makes
+                state["make"] = make
+            else:
+                state["release"] = make()
         return opt
 
     trainer.create_optimizer = types.MethodType(create, trainer)
@@ -212,16 +224,30 @@ def release_accelerator(accelerator: Any, optimizer: Any, *,
     ``accelerator.accumulate(model)`` / ``gradient_accumulation_steps``: releases ``optimizer``
     (an ``mpext.optim`` optimizer, before ``prepare``) with the Accelerator's scaler when it is
     an ``mpext.GradScaler`` (:func:`use_grad_scaler`), and makes the Accelerator drive it as
-    :func:`release_trainer` describes. Returns the ``GradRelease``."""
+    :func:`release_trainer` describes. Returns the ``GradRelease``.
+
+    Under accelerate's DDP the release steps from DDP's comm hook, so it needs the DDP model:
+    called after ``accelerator.prepare(model)``, it is made at once with it; called before
+    (``prepare(model, optimizer)`` at once), it is made by the ``prepare`` that wraps the model,
+    and this returns None (the release is then ``optimizer``'s, made before any backward)."""
     scaler = accelerator.scaler if isinstance(accelerator.scaler, GradScaler) else None
-    state = {"release": _release(optimizer, "accelerate", bucket_bytes, scaler, max_grad_norm,
-                                 clip)}
+    make = functools.partial(_release, optimizer, "accelerate", bucket_bytes, scaler,
+                             max_grad_norm, clip)
+    state: dict = {}
+    if _ddp_type(accelerator):
+        ddp = _ddp_of(accelerator._models, optimizer)
+        if ddp is None:  # made by the prepare() that wraps the model in DDP
+            state["make"] = make
+        else:
+            state["release"] = make(ddp)
+    else:
+        state["release"] = make()
     _drive_accelerator(accelerator, state)
-    return state["release"]
+    return state.get("release")
 
 
 def _release(opt: Any, driver: str, bucket_bytes: Optional[int], scaler: Optional[GradScaler],
-             max_grad_norm: Optional[float], clip: str) -> Any:
+             max_grad_norm: Optional[float], clip: str, ddp: Any = None) -> Any:
     from ..optim._base import FusedOptimizer
     if not isinstance(opt, FusedOptimizer):
         raise TypeError("%s: gradient release under %s needs an mpext.optim optimizer (e.g. "
@@ -232,7 +258,28 @@ def _release(opt: Any, driver: str, bucket_bytes: Optional[int], scaler: Optiona
         scaler = None
     from ..optim._release import driven_by
     with driven_by(driver):
-        return opt.release_grads(scaler=scaler, max_grad_norm=max_grad_norm, clip=clip, **kw)
+        return opt.release_grads(scaler=scaler, max_grad_norm=max_grad_norm, clip=clip, ddp=ddp,
+                                 **kw)
+
+
+# accelerate's types whose prepare() wraps the model in DistributedDataParallel
+_DDP_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
+              "MULTI_SDAA", "MULTI_HPU")
+
+
+def _ddp_type(accelerator: Any) -> bool:
+    return accelerator.distributed_type.name in _DDP_TYPES
+
+
+def _ddp_of(objects: Any, opt: Any) -> Any:
+    """The DistributedDataParallel module among ``objects`` that holds ``opt``'s params."""
+    from torch.nn.parallel import DistributedDataParallel
+    mine = {id(p) for g in opt.param_groups for p in g["params"]}
+    for obj in objects:
+        if isinstance(obj, DistributedDataParallel) and mine <= {
+                id(p) for p in obj.module.parameters()}:
+            return obj
+    return None
 
 
 def _drive_accelerator(accelerator: Any, state: dict) -> None:
@@ -256,19 +303,29 @@ def _drive_accelerator(accelerator: Any, state: dict) -> None:
 
     def prepare(*objects, **kwargs):
         out = original_prepare(*objects, **kwargs)
-        for wrapped in (out if isinstance(out, tuple) else (out,)):
+        outs = out if isinstance(out, tuple) else (out,)
+        make = state.get("make")
+        if make is not None:
+            # Under DDP the release steps from DDP's comm hook: made once prepare has wrapped
+            # the model, before its first backward
+            ddp = _ddp_of(list(outs) + list(accelerator._models), make.args[0])
+            if ddp is not None:
+                state["release"], state["make"] = make(ddp), None
+                for wrapped in accelerator._optimizers:  # a wrapper made by an earlier prepare
+                    if getattr(wrapped, "optimizer", None) is make.args[0]:
+                        _released_wrapper(wrapped, state["release"])
+        for wrapped in outs:
             release = state.get("release")
             if release is not None and getattr(wrapped, "optimizer", None) is release.optimizer:
                 _released_wrapper(wrapped, release)
         return out
 
     original_backward, original_prepare = accelerator.backward, accelerator.prepare
-    if accelerator.distributed_type != _DistributedType.NO:
-        # (its DDP wrapper is made by prepare, after the release: release_grads(ddp=...) would
-        # have to be made there; not done yet)
+    if accelerator.distributed_type != _DistributedType.NO and not _ddp_type(accelerator):
         raise NotImplementedError(
-            "%s: gradient release driven by accelerate runs in one process; under %s use a "
-            "plain loop with release_grads(ddp=ddp_model) (DDP) or release_grads() (FSDP2)"
+            "%s: gradient release driven by accelerate runs in one process or under its DDP "
+            "(MULTI_CPU, MULTI_GPU, ...); under %s use a plain loop with release_grads() "
+            "(FSDP2's sharded params: fully_shard the model yourself) or step after backward"
             % (_NAME, accelerator.distributed_type))
     accelerator.backward = backward
     accelerator.prepare = prepare

@@ -42,13 +42,14 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
 
 ROWS = [("weights", "weights"), ("gradients", "gradients"), ("master_weights", "master weights"),
         ("optimizer_states", "optimizer states"), ("ema", "EMA of the weights (fp32)"),
-        ("scaler", "loss scaler"),
+        ("scaler", "loss scaler"), ("comm_buffers", "DDP's gradient buckets"),
         ("persistent", "**persistent**"), ("activations", "activations (per step)"),
         ("autocast_copies", "autocast weight copies (per step)"),
         ("grad_bucket", "released gradients, one bucket (per step)"),
         ("step_buffers", "FP32 master grads (during step)"), ("total", "**total**")]
 
-OPTIONAL_ROWS = ("ema", "scaler", "autocast_copies", "grad_bucket", "step_buffers")  # shown when not all zero
+OPTIONAL_ROWS = ("ema", "scaler", "comm_buffers", "autocast_copies", "grad_bucket",
+                 "step_buffers")  # shown when not all zero
 _COMPRESS_DEFAULTS = activation_compression(True)  # mpext.activations' own defaults
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -106,7 +107,8 @@ def _share_arg(text: str) -> float:
 
 
 # --zero's words for PyTorch's own engines (estimate's sharding='torch'): (stage, sharding)
-ZERO_WORDS = {"fsdp2": (3, "torch"), "zero1-torch": (1, "torch")}
+# ("ddp": DistributedDataParallel's replicas, estimate's ddp=True)
+ZERO_WORDS = {"fsdp2": (3, "torch"), "zero1-torch": (1, "torch"), "ddp": (0, "ddp")}
 
 
 def _zero_arg(text: str) -> List[tuple]:
@@ -164,13 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the step inside backward (mpext.optim's release_grads): no gradient "
                         "persists; one bucket of them is alive during the backward")
     p.add_argument("--bucket-bytes", type=_count_arg(0), default=DEFAULT_BUCKET_BYTES,
-                   help="the release's bucket, in bytes (default 4 MiB)")
+                   help="the release's bucket, in bytes (default 4 MiB; under FSDP2 per rank: "
+                        "the whole gradients' bytes over the world size)")
+    p.add_argument("--ddp-bucket-cap-mb", type=float, metavar="MB",
+                   help="with --zero ddp: DDP's bucket_cap_mb (default DDP's: 25, the first "
+                        "bucket 1 MiB); sets the released gradients' peak")
     p.add_argument("--zero", type=_zero_arg, default=[(0, "even")],
                    help="ZeRO stage(s) 0-3 (the paper's even partition), fsdp2 (PyTorch's "
                         "fully_shard: dim 0 of each tensor padded to a multiple of the world "
-                        "size) or zero1-torch (ZeroRedundancyOptimizer: each tensor's state "
-                        "whole on one rank), comma-separated (default 0); PyTorch's figures "
-                        "are the busiest rank's")
+                        "size), zero1-torch (ZeroRedundancyOptimizer: each tensor's state "
+                        "whole on one rank) or ddp (DistributedDataParallel: replicas, its "
+                        "gradient buckets counted), comma-separated (default 0); PyTorch's "
+                        "figures are the busiest rank's. --grad-release on more than one "
+                        "process: fsdp2 and ddp")
     p.add_argument("--world-size", type=_count_arg(), default=1,
                    help="data-parallel devices (default 1)")
     act = p.add_argument_group("activations (all of batch, seq, hidden, layers, heads; "
@@ -311,9 +319,14 @@ def _configs(args, parser) -> List[Breakdown]:
     if args.grad_release and args.rule is None and args.optimizer not in ("adam", "adamw"):
         parser.error("argument --grad-release: the release is mpext.optim's; give --rule, or "
                      "--optimizer adam or adamw")
-    if args.grad_release and args.world_size > 1:
+    engines = [s for z, s in args.zero if not (z, s) in ((3, "torch"), (0, "ddp"))]
+    if args.grad_release and args.world_size > 1 and engines:
         parser.error("argument --grad-release: not supported with more than one process "
-                     "(--world-size %d)" % args.world_size)
+                     "(--world-size %d) but under --zero fsdp2 or ddp (the release steps the "
+                     "gradients PyTorch's FSDP2 or DDP reduced)" % args.world_size)
+    if args.ddp_bucket_cap_mb is not None and (
+            not all(s == "ddp" for _, s in args.zero) or not args.ddp_bucket_cap_mb > 0):
+        parser.error("argument --ddp-bucket-cap-mb: a number > 0, with --zero ddp only")
     modes = args.mode
     if modes is None:
         modes = [m for m in MODES if mode_supports(m, args.optimizer, args.ema, args.rule)]
@@ -330,8 +343,11 @@ def _configs(args, parser) -> List[Breakdown]:
     out = []
     for mode in modes:
         for z, sharding in args.zero:
-            kw = dict(params=params, optimizer=args.optimizer, mode=mode, zero=z,
-                      world_size=args.world_size, sharding=sharding, dropout=dropout,
+            engine = dict(ddp=True, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb) \
+                if sharding == "ddp" else {}
+            kw = dict(params=params, optimizer=args.optimizer, mode=mode, zero=z, **engine,
+                      world_size=args.world_size, sharding="even" if engine else sharding,
+                      dropout=dropout,
                       attention=args.attention, device=args.device, ema=args.ema,
                       rule=args.rule, momentum=args.momentum, grad_release=args.grad_release,
                       bucket_bytes=args.bucket_bytes, compress=compress, family=family,

@@ -113,7 +113,9 @@ from .models import (MODELS, ModelSpec, gpt_params, gpt_shapes, llama_params, ll
 from .modes import (ALIASES, FORMAT_MODES, MODES, OPTIMIZERS, RULES, SCALER_SCALARS, ModeSpec,
                     format_mode, format_mode_name, known_mode, mode_supports, optimizer_states,
                     rule_states, _ADAM, _FP32, _spec)
-from .sharding import SHARDINGS, fsdp2_shard, stage_label, zero_partition
+from .sharding import (DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES, MB, SHARDINGS, check_order,
+                       ddp_buckets, ddp_release_peak, default_units, fsdp2_release_peak,
+                       fsdp2_shard, stage_label, zero_partition)
 from .sharding import _tensor_state, _torch_rank
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
@@ -124,7 +126,8 @@ __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", 
            "ATTENTIONS", "DEVICES", "gpt_params", "gpt_shapes", "llama_params",
            "llama_shapes", "model_names", "model_spec", "mode_supports",
            "DEFAULT_BUCKET_BYTES", "FAMILIES", "GpuBudget", "fit_changes", "gpu_memory_bytes",
-           "CUDA_CONTEXT_BYTES", "ALLOCATOR_SLACK"]
+           "CUDA_CONTEXT_BYTES", "ALLOCATOR_SLACK", "fsdp2_release_peak", "ddp_release_peak",
+           "ddp_buckets"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,13 +155,17 @@ class Breakdown:
     step_buffers: int = 0
     activation_formula: str = ""
     ema: int = 0                 # an FP32 EMA of the weights (``ema=True``)
-    grad_bucket: int = 0         # gradient release: the one bucket of gradients alive
+    grad_bucket: int = 0         # gradient release: the gradients alive at most in backward
     sharding: str = "even"       # how ZeRO partitions (``estimate``'s ``sharding``)
     rank: Optional[int] = None   # the rank these bytes are of (sharding='torch')
     family: str = "gpt"          # whose activation formula (``FAMILIES``)
     checkpointing: bool = False  # activations with every block checkpointed
+    comm_buffers: int = 0        # DDP's gradient buckets (``ddp=True``), alive for the model's life
+    grad_release: bool = False   # the step inside backward (``grad_release=True``)
+    ddp: bool = False            # the replicas are DistributedDataParallel's
 
-    PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "scaler")
+    PERSISTENT = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "scaler",
+                  "comm_buffers")
     TRANSIENT = ("activations", "autocast_copies", "grad_bucket", "step_buffers")
 
     @property
@@ -177,18 +184,28 @@ class Breakdown:
     def total(self) -> int:
         return self.persistent + self.transient
 
+    @property
+    def grad_peak(self) -> int:
+        """The ``.grad`` bytes alive at most during a backward: released, ``grad_bucket``;
+        else every gradient (``gradients``: they live from backward to ``zero_grad``). DDP's
+        buckets (``comm_buffers``) are apart."""
+        return self.grad_bucket if self.grad_release else self.gradients
+
     def bytes_per_param(self, field: str) -> float:
         """Per-device bytes of ``field`` (or 'persistent' / 'total') over the model's params."""
         v = getattr(self, field)
         return (v or 0) / self.params
 
     def label(self) -> str:
+        if self.ddp:
+            return "%s DDP/%d" % (self.mode, self.world_size)
         return self.mode + ("" if self.zero == 0 else " " + stage_label(self.zero, self.sharding,
                                                                         self.world_size))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(persistent=self.persistent, transient=self.transient, total=self.total,
+                 grad_peak=self.grad_peak,
                  bytes_per_param={k: self.bytes_per_param(k)
                                   for k in self.PERSISTENT + self.TRANSIENT
                                   + ("persistent", "total")})
@@ -224,7 +241,10 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, attention: str = "sdpa",
              device: str = "cuda", sharding: str = "even",
              rank: Optional[int] = None, compress=None, family: str = "gpt",
-             ffn: Optional[int] = None, checkpointing: bool = False) -> Breakdown:
+             ffn: Optional[int] = None, checkpointing: bool = False, ddp: bool = False,
+             ddp_bucket_cap_mb: Optional[float] = None,
+             units: Optional[Sequence[Sequence[int]]] = None,
+             grad_order: Optional[Sequence[int]] = None) -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -274,12 +294,30 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
             its ``ema_decay``.
         momentum: SGD's momentum (with ``rule='sgd'``): a momentum_buffer when not 0.
         grad_release: the step runs inside the backward pass (``release_grads()`` of
-            mpext.optim, one process only): no gradient persists between steps; during the
-            backward one bucket of them is alive (``grad_bucket``): a bucket is stepped once
-            its bytes reach ``bucket_bytes``, so at most ``bucket_bytes`` - 1 plus the largest
-            gradient (given the tensors' sizes; given a count alone, every gradient is taken
-            as smaller than the bucket: ``bucket_bytes``), or all of them when they are fewer.
+            mpext.optim): no gradient persists between steps; ``grad_bucket`` (and
+            ``grad_peak``) is the gradients alive at most during the backward. In one process
+            a bucket is stepped once its bytes reach ``bucket_bytes``, so at most
+            ``bucket_bytes`` - 1 plus the largest gradient (given the tensors' sizes; given a
+            count alone, every gradient is taken as smaller than the bucket:
+            ``bucket_bytes``), or all of them when they are fewer. On more than one process
+            only PyTorch's engines: FSDP2 (``sharding='torch', zero=3``: the rank's sharded
+            gradients, exact given the shapes and ``units``, ``fsdp2_release_peak``) and DDP
+            (``ddp=True``: the largest of DDP's buckets of local gradients, exact given the
+            sizes and ``grad_order``, ``ddp_release_peak``).
         bucket_bytes: the release's bucket (default 4 MiB, as ``release_grads``).
+        ddp: the replicas (``zero=0``) are ``DistributedDataParallel``'s: its gradient buckets
+            (one flat buffer per bucket, the whole gradient in the params' dtype, for the
+            model's life, ``gradient_as_bucket_view=False``: its default) are counted as
+            ``comm_buffers``; with ``grad_release`` the step runs in DDP's comm hook
+            (``release_grads(ddp=...)``), which frees the ``.grad`` but not DDP's buckets.
+        ddp_bucket_cap_mb: DDP's ``bucket_cap_mb`` (default None: DDP's, 25, with a first
+            bucket of 1 MiB; given, every bucket's limit, as DDP does).
+        units: FSDP2's ``fully_shard`` units, each a list of param indices (into ``params``)
+            in the unit's order, the units in the order FSDP2 reduces them (the last applied
+            first); default each tensor its own unit, the last first. A unit's sharded
+            gradients share one storage (its reduce-scatter output, padded chunks).
+        grad_order: DDP's order of the gradients becoming ready (param indices); default the
+            reverse of ``params`` (a chain given in forward order).
         sharding: how a ZeRO stage partitions. 'even' (default): the paper's, ceil(params /
             world_size) elements per device for every partitioned tensor class (DeepSpeed's
             flat buffers). 'torch': PyTorch's own engines, per rank and per tensor: ``zero=1``
@@ -351,10 +389,34 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
     if grad_release and rule is None and optimizer not in _ADAM:
         raise ValueError("grad_release: the release is mpext.optim's (release_grads()); give "
                          "rule=... or optimizer 'adam' / 'adamw', got optimizer %r" % optimizer)
-    if grad_release and w > 1:
-        raise ValueError("grad_release: not supported with more than one process (the "
-                         "release steps before DDP/FSDP reduce the gradients), got "
-                         "world_size=%d" % w)
+    if not isinstance(ddp, bool):
+        raise TypeError("ddp: must be True or False, got %r" % (ddp,))
+    if ddp and zero != 0:
+        raise ValueError("ddp: DistributedDataParallel replicates the model (zero=0), got "
+                         "zero=%d" % zero)
+    engine = ddp or (sharding == "torch" and zero == 3)
+    if grad_release and w > 1 and not engine:
+        raise ValueError("grad_release: not supported with more than one process but under "
+                         "PyTorch's DDP (ddp=True, release_grads(ddp=...)) or FSDP2 "
+                         "(sharding='torch', zero=3): the release steps the reduced "
+                         "gradients those engines hand it; got world_size=%d, zero=%d, "
+                         "sharding=%r" % (w, zero, sharding))
+    if ddp_bucket_cap_mb is not None and (
+            isinstance(ddp_bucket_cap_mb, bool) or not isinstance(ddp_bucket_cap_mb, numbers.Real)
+            or not ddp_bucket_cap_mb > 0 or not math.isfinite(ddp_bucket_cap_mb)):
+        raise ValueError("ddp_bucket_cap_mb: must be a number > 0, got %r" % (ddp_bucket_cap_mb,))
+    fsdp2 = "sharding='torch', zero=3 (FSDP2)"
+    for name, v, ok, need in (("ddp_bucket_cap_mb", ddp_bucket_cap_mb, ddp, "ddp=True"),
+                              ("grad_order", grad_order, ddp, "ddp=True"),
+                              ("units", units, sharding == "torch" and zero == 3, fsdp2)):
+        if v is not None and not ok:
+            raise ValueError("%s: only with %s" % (name, need))
+        if v is not None and name != "ddp_bucket_cap_mb" and sizes is None:
+            raise ValueError("%s: needs the tensors' sizes or shapes as params" % name)
+    if units is not None:
+        units = check_order("units", units, len(sizes))
+    if grad_order is not None:
+        grad_order = check_order("grad_order", [grad_order], len(sizes))[0]
     if not isinstance(sharding, str) or sharding not in SHARDINGS:
         raise ValueError("sharding: must be one of %s, got %r" % (", ".join(SHARDINGS), sharding))
     by_torch = sharding == "torch" and zero > 0
@@ -371,8 +433,6 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         if rank >= w:
             raise ValueError("rank: must be < world_size=%d, got %d" % (w, rank))
     if by_torch and zero == 3:
-        if grad_release:
-            raise ValueError("grad_release: not supported for FSDP2's DTensor params")
         if rule is None and spec.param_format is not None and optimizer not in _ADAM:
             raise ValueError("optimizer: %s with %r is mpext.MixedPrecisionOptimizer, which has "
                              "no DTensor support, so no FSDP2; give rule=... (mpext.optim's) "
@@ -419,13 +479,34 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         rows = per_rank[picked]
     elif sharding == "torch":  # no partition, or a bare count spread evenly: every rank alike
         picked = 0 if rank is None else rank
+    peak = _release_peak(spec, n, sizes, bucket) if grad_release else 0
+    if by_torch and zero == 3 and grad_release:
+        rows = dict(rows, gradients=0)
+        if shapes is not None:
+            peak = fsdp2_release_peak(spec.grad, shapes, w, picked, bucket,
+                                      units if units is not None else default_units(len(shapes)))
+        else:  # a bare count: one 1-D tensor
+            peak = fsdp2_release_peak(spec.grad, [(n,)], w, picked, bucket, [[0]])
+    comm = 0
+    if ddp:
+        comm = spec.grad * n  # DDP's buckets: one flat buffer per bucket, no padding
+        if grad_release:
+            cap = int((DDP_BUCKET_CAP_MB if ddp_bucket_cap_mb is None else ddp_bucket_cap_mb)
+                      * MB)
+            first = DDP_FIRST_BUCKET_BYTES if ddp_bucket_cap_mb is None else cap
+            if sizes is None:  # a count alone: every gradient smaller than a bucket
+                peak = min(spec.grad * n, cap)
+            else:
+                order = grad_order if grad_order is not None else \
+                    list(reversed(range(len(sizes))))
+                peak = ddp_release_peak(spec.grad, sizes, order, cap, first)
     return Breakdown(
         mode=mode, optimizer=optimizer, params=n, zero=zero, world_size=w,
         scaler=_FP32 * SCALER_SCALARS if spec.scaler else 0,
         activations=acts,
         autocast_copies=spec.autocast_copy * n,
         activation_formula=formula,
-        grad_bucket=_release_peak(spec, n, sizes, bucket) if grad_release else 0,
+        grad_bucket=peak, comm_buffers=comm, grad_release=grad_release, ddp=ddp,
         sharding=sharding, rank=picked, family=family, checkpointing=checkpointing, **rows)
 
 

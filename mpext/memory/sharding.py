@@ -88,3 +88,89 @@ def _shard_state(spec: ModeSpec, shape: Sequence[int], mine: int, w: int, r: int
     start = r * fsdp2_shard(shape, w, 0)[0]  # every shard before r is a full chunk
     touched = (start + mine - 1) // spec.state_block - start // spec.state_block + 1
     return spec.state * mine + spec.state_meta * touched
+
+
+# ---- Gradient release on a mesh: the gradients alive during a backward ------------------------
+#
+# Both figures follow the live `.grad` storages of one rank as each gradient completes (what a
+# post-accumulate-grad hook registered before the release's sees: benchmarks/bench_distributed.py
+# --mode release, tests/test_memory_release.py).
+
+MB = 1024 * 1024  # DDP's "MB" (torch.nn.parallel.distributed._MB_TO_BYTES)
+DDP_BUCKET_CAP_MB = 25  # DDP's default bucket_cap_mb
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket when bucket_cap_mb is its default
+
+
+def default_units(count: int) -> List[List[int]]:
+    """FSDP2 units when none are given: every tensor its own, the last reduced first (the
+    reverse of the forward, for a chain listed in forward order)."""
+    return [[i] for i in reversed(range(count))]
+
+
+def check_order(name: str, groups, count: int) -> List[List[int]]:
+    """``groups``: lists of the indices 0..count-1, each exactly once (a ValueError naming
+    ``name`` otherwise)."""
+    try:
+        out = [[int(i) for i in g] for g in groups]
+    except TypeError:
+        raise TypeError("%s: must be lists of param indices, got %r" % (name, groups)) from None
+    flat = sorted(i for g in out for i in g)
+    if flat != list(range(count)):
+        raise ValueError("%s: must name every one of the %d params once (indices 0..%d), got "
+                         "%r" % (name, count, count - 1, groups))
+    return out
+
+
+def fsdp2_release_peak(grad: int, shapes: Sequence[Sequence[int]], w: int, r: int,
+                       bucket_bytes: int, units: Sequence[Sequence[int]]) -> int:
+    """The largest sum of rank ``r``'s live sharded ``.grad`` storages during a released
+    FSDP2 backward, as each gradient completes. FSDP2 reduces a unit's gradients into one
+    flat output of the unit's padded chunks (``grad`` bytes an element: the param's dtype),
+    which each of the unit's sharded gradients views (so it is alive while one of them is),
+    and runs each param's hooks in the unit's order, the units last first. The release buckets
+    the params by the whole gradient's bytes over the mesh size, the same on every rank
+    (``GradRelease._grad_bytes``), and frees a bucket's gradients once its bytes reach
+    ``bucket_bytes`` (the rest at the end of the backward)."""
+    unit_of = {i: u for u, unit in enumerate(units) for i in unit}
+    storage = [grad * sum(fsdp2_shard(shapes[i], w, r)[1] for i in unit) for unit in units]
+    alive = [0] * len(units)  # live gradients of each unit
+    peak, pending, bucket = 0, 0, []
+    for unit in units:
+        for i in unit:
+            alive[unit_of[i]] += 1
+            peak = max(peak, sum(s for s, a in zip(storage, alive) if a))
+            bucket.append(i)
+            pending += math.prod(shapes[i]) * grad // w
+            if pending >= bucket_bytes:
+                for j in bucket:
+                    alive[unit_of[j]] -= 1
+                bucket, pending = [], 0
+    return peak
+
+
+def ddp_buckets(grad: int, sizes: Sequence[int], order: Sequence[int], cap: int,
+                first: int) -> List[List[int]]:
+    """DDP's buckets from its second iteration on (the Reducer rebuilds them in the order the
+    gradients became ready): params in ``order`` added to a bucket until its bytes reach its
+    limit (``first`` for the first bucket, ``cap`` after), as
+    ``torch.distributed._compute_bucket_assignment_by_size`` (one dtype)."""
+    out, cur, size = [], [], 0
+    for i in order:
+        cur.append(i)
+        size += grad * sizes[i]
+        if size >= (first if not out else cap):
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def ddp_release_peak(grad: int, sizes: Sequence[int], order: Sequence[int], cap: int,
+                     first: int) -> int:
+    """The largest sum of one rank's live ``.grad`` storages during a released DDP backward:
+    each gradient lives from its accumulation until its DDP bucket's all-reduce (the release's
+    comm hook points it at the averaged bucket, steps and frees it), and the buckets fill in
+    ``order``, so it is the largest bucket's gradients."""
+    return max((grad * sum(sizes[i] for i in b) for b in ddp_buckets(grad, sizes, order, cap,
+                                                                     first)), default=0)

@@ -310,6 +310,8 @@ class GradRelease:
         # framework_refusal does not apply to it.
         self._driver: Optional[str] = _driving
         self._held: List[torch.Tensor] = []  # DDP, exact clipping: stepped at the end
+        # DDP: stepped params whose .grad points back at their bucket's view until the end
+        self._viewed: List[torch.Tensor] = []
         if ddp is None:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                              for p in params]
@@ -540,14 +542,23 @@ class GradRelease:
         fut.wait()  # on the host for gloo; a stream wait for NCCL
         if self._opt._grad_release is not self:
             return fut  # removed (DDP keeps its comm hook): DDP's plain averaging
+        taken = []
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             if id(p) not in self._mine:
                 continue
             if not self._paused:
                 p.grad = g  # the average, a view of DDP's bucket (its local one goes)
+                taken.append((p, g))
             self._on_grad(p)
         if not self._paused and self._task is not None:
             self._flush()
+            # Stepped and freed: pointed back at the bucket (no memory of its own), as DDP's
+            # end-of-backward copy of each bucket into .grad would otherwise allocate a whole
+            # gradient (clone_obey_contract); _free_grads lets them go after it.
+            for p, g in taken:
+                if p.grad is None:
+                    p.grad = g
+                    self._viewed.append(p)
         return fut
 
     def _step_held(self) -> None:
@@ -568,6 +579,7 @@ class GradRelease:
             p.grad = None
 
     def _free_grads(self) -> None:
+        self._viewed = []
         if self._opt._grad_release is not self:
             return
         for group in self._opt.param_groups:
@@ -579,9 +591,9 @@ class GradRelease:
         """Forgets a backward that raised before its end: the gradients it had not stepped
         yet (the bucket's, that of a bucket whose step raised included) are dropped, its
         earlier buckets stay stepped."""
-        for p in self._bucket + self._held:
+        for p in self._bucket + self._held + self._viewed:
             p.grad = None
-        self._bucket, self._pending, self._held = [], 0, []
+        self._bucket, self._pending, self._held, self._viewed = [], 0, [], []
         self._last_task, self._task = self._task, None
         self._token = lambda: None
 
@@ -757,7 +769,7 @@ class GradRelease:
             if self._accumulated and not self._norm_pass:
                 # Params that had gradients accumulated but none from this backward: step()
                 # would step them too.
-                queued = {id(p) for p in self._bucket}
+                queued = {id(p) for p in self._bucket + self._viewed}
                 self._bucket += [p for group in self._opt.param_groups for p in group["params"]
                                  if p.grad is not None and id(p) not in queued]
             self._flush()
