@@ -1408,7 +1408,8 @@ def test_torch_sharding_by_hand():
     (dict(sharding="torch", rank=-1, zero=3, world_size=2), "rank: must be >= 0"),
     (dict(sharding="torch", zero=3, world_size=2, optimizer="sgd"),
      "optimizer: mpext-bf16 with 'sgd' is mpext.MixedPrecisionOptimizer, which has no DTensor"),
-    (dict(sharding="torch", zero=3, grad_release=True), "grad_release: not supported for FSDP2"),
+    (dict(sharding="torch", zero=1, world_size=2, grad_release=True),
+     "grad_release: not supported with more than one process but under PyTorch's DDP"),
 ])
 def test_torch_sharding_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
