@@ -2,7 +2,8 @@
  * and public entry points are in int8_block_cpu.c. Every loop runs over one block with the dtype
  * a constant (one instantiation per dtype), so that the selects of int8_block_rule.h vectorize.
  * A block is read twice, its absmax then its codes, the second time from L1: one pass over x in
- * memory. */
+ * memory. Codes are computed with the block's inverse scale and checked (mp_i8b_near): a block
+ * where a product could round otherwise than the quotient is coded again by division. */
 #include "isa.h"
 #include "mpext/int8_block_rule.h"
 #include "mpext/numerics.h"
@@ -27,8 +28,20 @@ static inline __attribute__((always_inline)) void quantize_rows(
       }
       const float s = mp_i8b_block_scale(amax, pow2);
       scales[r * nblocks + b] = s;
-      for (int64_t i = 0; i < n; ++i) {
-        q[start + i] = (int8_t)mp_i8b_code(mp_i8b_load(x, start + i, dtype), s);
+      const float inv = 1.0f / s;
+      uint32_t near = s - s != 0.0f; /* NaN or Inf scale: divide */
+      if (!near) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = mp_i8b_load(x, start + i, dtype);
+          const float y = v * inv;
+          near |= mp_i8b_near(y);
+          q[start + i] = (int8_t)mp_i8b_code_finite(y, v);
+        }
+      }
+      if (near) { /* rare: the division's bits where a product might round otherwise */
+        for (int64_t i = 0; i < n; ++i) {
+          q[start + i] = (int8_t)mp_i8b_code(mp_i8b_load(x, start + i, dtype), s);
+        }
       }
     }
   }

@@ -276,6 +276,44 @@ static void test_path(const char* isa) {
       end();
     }
   }
+  /* quotients at and a few ulps around half-integers, under scales that are not powers of two:
+   * where x * (1 / s) and x / s may round to different codes (the kernel then divides) */
+  snprintf(name, sizeof name, "[%s] int8 block code: quotients near half-integers", isa);
+  begin(name);
+  {
+    const int64_t block = 64, nblk = 4000;
+    float* x = malloc((size_t)(block * nblk) * 4);
+    int8_t* q = malloc((size_t)(block * nblk));
+    float* s = malloc((size_t)nblk * 4);
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float amax = (float)ldexp(1.0 + uniform(), (int)(next64() % 40) - 20);
+      const float sc = ref_scale(&amax, 1, 0);
+      x[b * block] = amax;
+      for (int64_t i = 1; i < block; ++i) {
+        const int k = (int)(next64() % 254) - 127;
+        uint32_t u;
+        float v = (float)((k + 0.5) * (double)sc);
+        memcpy(&u, &v, 4);
+        u += (uint32_t)((int)(next64() % 9) - 4); /* -4..4 ulps */
+        memcpy(&v, &u, 4);
+        x[b * block + i] = fabsf(v) <= amax ? v : 0.0f;
+      }
+    }
+    CHECK(mp_int8_block_quantize(x, MP_F32, q, s, nblk, block, block, 0) == MP_OK, "status");
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float want = ref_scale(x + b * block, block, 0);
+      CHECK(s[b] == want, "block %" PRId64 ": scale %a, want %a", b, (double)s[b], (double)want);
+      for (int64_t i = 0; i < block; ++i) {
+        const int wc = ref_code(x[b * block + i], want);
+        CHECK(q[b * block + i] == wc, "block %" PRId64 " element %" PRId64 ": x / s = %.9g "
+              "coded %d, want %d", b, i, (double)(x[b * block + i] / want), q[b * block + i], wc);
+      }
+    }
+    free(x);
+    free(q);
+    free(s);
+  }
+  end();
   /* every 16-bit pattern x next to a fixed partner, so each is both the absmax and a small
    * element of some block: blocks of two */
   for (int dtype = MP_BF16; dtype <= MP_F16; ++dtype) {

@@ -14,6 +14,7 @@
 #ifndef MPEXT_INT8_BLOCK_RULE_H
 #define MPEXT_INT8_BLOCK_RULE_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -43,10 +44,9 @@ MP_HD float mp_i8b_block_scale(uint32_t amax_bits, int pow2) {
   return s.f;
 }
 
-/* One element's code: x (fp32) divided by the block's scale s. */
-MP_HD int32_t mp_i8b_code(float x, float s) {
-  const float y = x / s;
-  /* round half to even for |y| < 2^22 (|y| <= 127 here, or NaN): adding 1.5 * 2^23 leaves the
+/* The code of x (fp32) from y = x / s (or an approximation of it, mp_i8b_near). */
+MP_HD int32_t mp_i8b_code_of(float y, float x) {
+  /* round half to even for |y| < 2^22 (|y| < 128 here, or NaN): adding 1.5 * 2^23 leaves the
    * integer part in the sum's units, rounded as the hardware rounds, to nearest even */
   float r = (y + 12582912.0f) - 12582912.0f;
   r = r < -127.0f ? -127.0f : r;
@@ -55,6 +55,31 @@ MP_HD int32_t mp_i8b_code(float x, float s) {
   r = r == 0.0f ? sign : r;
   r = r == r ? r : 0.0f; /* NaN (an element of a NaN block, or Inf / Inf) */
   return (int32_t)r;
+}
+
+/* mp_i8b_code_of for a finite block, whose |y| <= 127 * (1 + 2^-23) (the scale is at least
+ * absmax / 127 rounded to nearest) and is never NaN: no clamp or NaN select to pay for. */
+MP_HD int32_t mp_i8b_code_finite(float y, float x) {
+  const float r = (y + 12582912.0f) - 12582912.0f;
+  /* |code| = max(|r|, 1 if x != 0), with x's sign (r has it: y = x / s): the never-to-zero
+   * rule as a max and a sign copy, which vectorize without the mask juggling of selects */
+  const float nz = x != 0.0f ? 1.0f : 0.0f;
+  const float a = fabsf(r);
+  return (int32_t)copysignf(a > nz ? a : nz, x);
+}
+
+/* One element's code: x (fp32) divided by the block's scale s. */
+MP_HD int32_t mp_i8b_code(float x, float s) { return mp_i8b_code_of(x / s, x); }
+
+/* Whether y = x * (1 / s) may round to another integer than x / s does, for a finite scale s
+ * (>= 2^-126, so 1 / s is finite and |x / s| < 128): y is within 2^-16 + 2^-17 of x / s (two
+ * roundings of relative error 2^-24 each, and x / s's own), so they round alike unless y lies
+ * within 2^-14 of a half-integer. A block where any element is near is coded again by division
+ * (about 1 block in 60 of random data): division costs the CPU's vector units several times a
+ * multiply, and the bits must be the division's. */
+MP_HD uint32_t mp_i8b_near(float y) {
+  const float r = (y + 12582912.0f) - 12582912.0f;
+  return fabsf(y - r) >= 0.49993896484375f; /* 0.5 - 2^-14; y - r is exact */
 }
 
 /* One element restored as fp32 bits (to be rounded to the output dtype by mp_i8b_store_bits):
