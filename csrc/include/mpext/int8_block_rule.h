@@ -98,7 +98,8 @@ MP_HD float mp_i8b_load(const void* x, int64_t i, int dtype) {
   if (dtype == MP_F32) {
     memcpy(&v.u, (const float*)x + i, sizeof v.u);
   } else {
-    const uint16_t h = ((const uint16_t*)x)[i];
+    uint16_t h; /* memcpy: any alignment (a plain load where the target allows it) */
+    memcpy(&h, (const uint16_t*)x + i, sizeof h);
     v.u = dtype == MP_BF16 ? mp_bf16_to_f32_bits(h) : mp_fp16_to_f32_bits(h);
   }
   return v.f;
@@ -109,7 +110,8 @@ MP_HD void mp_i8b_store_bits(void* out, int64_t i, uint32_t u, int dtype) {
   if (dtype == MP_F32) {
     memcpy((float*)out + i, &u, sizeof u);
   } else {
-    ((uint16_t*)out)[i] = dtype == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
+    const uint16_t h = dtype == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
+    memcpy((uint16_t*)out + i, &h, sizeof h);
   }
 }
 
