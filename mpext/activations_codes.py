@@ -13,8 +13,10 @@ FP8 codes keep their relative precision): they round to a step of absmax/127.
 
 The kernels are native ops beside ``fp8_quantize`` (``mpext.ops.int8_block_quantize`` /
 ``int8_block_dequantize``: one pass over memory each, every CPU ISA path and CUDA, fake kernels
-for torch.compile), bit for bit the torch-op code they replaced (tests/test_act_codes.py keeps it
-as the reference), but for ``pow2``: that code's float32 ``log2`` rounded a scale just above a
+for torch.compile), eagerly and inside compiled graphs alike: inductor's fusion of the torch-op
+code they replaced made compiled training steps slower than the opaque ops do
+(benchmarks/bench_act_codes.py --compiled). Their bits are that code's (tests/test_act_codes.py
+keeps it as the reference), but for ``pow2``: that code's float32 ``log2`` rounded a scale just above a
 power of two down to it, so the block's absmax coded as 127 lost up to ~16 float32 ulps; the
 op rounds up exactly. NaN and Inf make their whole block non-finite on restore (the scale is NaN
 or Inf), so a loss scaler still sees them.

@@ -239,3 +239,22 @@ def test_opcheck(device):
     q, s = ops.int8_block_quantize(x, block_size=64)
     torch.library.opcheck(torch.ops.mpext.int8_block_dequantize.default, (q, s),
                           {"block_size": 64, "dtype": torch.bfloat16})
+
+
+def test_compiled_gives_the_eager_and_reference_bits(device):
+    """mpext.activations_codes under torch.compile (fullgraph: the ops trace through their fake
+    kernels, no graph break; inductor calls them, as the compiled saved-tensor hooks do) ==
+    eagerly == the torch-op reference, bit for bit. Inductor's fusion of the torch-op code was
+    slower inside compiled training steps than the ops (benchmarks/bench_act_codes.py
+    --compiled), so both paths run the ops; one case keeps the compile cheap."""
+    def roundtrip(x, pow2):
+        q, s = codes.quantize(x, 64, pow2)
+        return q, s, codes.dequantize(q, s, 64, x.dtype, x.shape)
+
+    compiled = torch.compile(roundtrip, fullgraph=True, dynamic=False)
+    x = inputs((6, 300), torch.bfloat16, 7, special=True).to(device)
+    got, eager = compiled(x, True), roundtrip(x, True)
+    rq, rs = ref_quantize(x, 64, True)
+    for g, e, r in zip(got, eager, (rq, rs, ref_dequantize(rq, rs, 64, x.dtype, x.shape))):
+        same(g, e)
+        same(g, r)
