@@ -21,7 +21,8 @@ INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 # Compiled once per ISA path.
 KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/step.c",
                   "csrc/core/norm.c", "csrc/core/table.c", "csrc/core/fp8.c",
-                  "csrc/core/telemetry.c"]
+                  "csrc/core/telemetry.c",
+                  "csrc/core/int8_block.c"]  # the int8 block code of saved activations
 # The fast paths (csrc/core/fast/README.md): an optional cache over the step's pipeline, compiled
 # once per ISA path unless MPEXT_FAST_PATHS=0. Without them, the sources of FAST_USERS are
 # compiled with MP_NO_FAST_PATHS (the engine's lookup then finds none) into objects of their own
@@ -31,7 +32,8 @@ FAST_SOURCES = ["csrc/core/fast/adam_fused.c"]
 FAST_USERS = ["csrc/core/step.c"]
 # Compiled once.
 COMMON_SOURCES = ["csrc/core/cpu.c",
-                  "csrc/core/telemetry_cpu.c"]  # telemetry (issue 46): its dispatch
+                  "csrc/core/telemetry_cpu.c",  # telemetry (issue 46): its dispatch
+                  "csrc/core/int8_block_cpu.c"]  # the int8 block code (issue 42): its dispatch
 
 # -fno-math-errno lets sqrtf & co. vectorize; -fno-trapping-math lets the vectorizer if-convert.
 # Neither changes a result: the core never reads errno or floating-point exception flags.

@@ -11,12 +11,19 @@ Gaussian block's L2 norm: the same bytes (1 B + 4 B per block), under 1.5x BF16'
 on every zoo parameter. What it gives up is the small elements of a block with an outlier (the
 FP8 codes keep their relative precision): they round to a step of absmax/127.
 
-Written in torch ops, so that AOTAutograd traces them into a compiled graph (inductor fuses each
-into one pass) and every device runs them; eagerly they take several passes (docs: the step
-time; a C kernel beside fp8_quantize is the way to the roofline). NaN and Inf make their whole
-block non-finite on restore (the scale is NaN or Inf), so a loss scaler still sees them.
+The kernels are native ops beside ``fp8_quantize`` (``mpext.ops.int8_block_quantize`` /
+``int8_block_dequantize``: one pass over memory each, every CPU ISA path and CUDA, fake kernels
+for torch.compile), eagerly and inside compiled graphs alike: inductor's fusion of the torch-op
+code they replaced made compiled training steps slower than the opaque ops do
+(benchmarks/bench_act_codes.py --compiled). Their bits are that code's (tests/test_act_codes.py
+keeps it as the reference), but for ``pow2``: that code's float32 ``log2`` rounded a scale just above a
+power of two down to it, so the block's absmax coded as 127 lost up to ~16 float32 ulps; the
+op rounds up exactly. NaN and Inf make their whole block non-finite on restore (the scale is NaN
+or Inf), so a loss scaler still sees them.
 """
 import torch
+
+from . import ops
 
 __all__ = ["quantize", "dequantize", "block_cols"]
 
@@ -36,46 +43,25 @@ def block_cols(numel: int, cols: int, block: int) -> int:
     return cols
 
 
+def _rows(numel: int, shape, cols: int) -> int:
+    if cols:
+        return numel // cols
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows
+
+
 def quantize(x: torch.Tensor, block: int, pow2: bool = False):
     """``(q, scales)``: ``x`` (any float dtype, contiguous, at least 1-d) as int8 codes of shape
     (rows, cols) (``block_cols``) and float32 scales of shape (rows, ceil(cols / block)): blocks
     of ``block`` elements along each row, the last one of a row possibly shorter."""
     cols = block_cols(x.numel(), x.shape[-1], block)
-    rows = x.reshape(-1, cols)
-    nb = -(-cols // block)
-    pad = nb * block - cols
-    if pad:  # zeros: they change no block's absmax
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    # one float32 copy, divided in place: the only small tensor made is the scales kept (small
-    # temporaries stay in the C heap's per-size caches, which an allocator meter counts)
-    y = rows.reshape(-1, nb, block).to(torch.float32, copy=True)
-    scales = y.abs().amax(-1, keepdim=True).div_(QMAX).clamp_min_(MIN_SCALE)
-    if pow2:
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
-    sign = y.sign()
-    q = y.div_(scales).round_().clamp_(-QMAX, QMAX)
-    # a nonzero element never restores as zero: ReLU's backward reads its saved output as the
-    # mask of where it passed (round to nearest blocked a CNN's gradients, 19% off where E4M3
-    # is 1%); the sign stays too
-    q = torch.where(q == 0, sign, q).to(torch.int8).view(-1, nb * block)
-    if pad:
-        q = q[:, :cols].contiguous()
-    return q, scales.view(-1, nb)
+    rows = x.reshape(_rows(x.numel(), x.shape, cols), cols)
+    return ops.int8_block_quantize(rows, block_size=block, pow2_scale=pow2)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype,
                shape) -> torch.Tensor:
     """The contiguous tensor of ``shape`` and ``dtype`` that ``quantize`` coded."""
-    cols, nb = q.shape[-1], scales.shape[-1]
-    pad = nb * block - cols
-    if pad:
-        q = torch.nn.functional.pad(q, (0, pad))
-    q3, s = q.view(-1, nb, block), scales.view(-1, nb, 1)
-    if dtype == torch.float16:  # a small scale would underflow in half
-        out = (q3.float() * s).to(dtype)
-    else:  # codes are exact in bfloat16; one rounding of the scale, one of the product
-        out = q3.to(dtype) * s.to(dtype)
-    out = out.view(-1, nb * block)
-    if pad:  # a copy without the padding: the callers restore strides over dense memory
-        out = out[:, :cols].contiguous()
-    return out.view(shape)
+    return ops.int8_block_dequantize(q, scales, block_size=block, dtype=dtype).view(shape)

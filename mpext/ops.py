@@ -1139,3 +1139,68 @@ def _unscale_stats_fake(grads, found_inf, inv_scale, counts, max_abs, first_nonf
     return None
 
 __all__ += ["unscale_stats_"]
+
+
+# --- int8 block code (issue 42), begin: the int8 block code of saved activations
+# (mpext.activations_codes; kernels in csrc/core/int8_block.c and cuda/int8_block.cu) ---
+__all__ += ["int8_block_quantize", "int8_block_dequantize"]
+
+
+def int8_block_quantize(x: torch.Tensor, *, block_size: int = 128, pow2_scale: bool = False):
+    """``(q, scales)``: ``x`` (float32, bfloat16 or float16, contiguous, at least 1-d) as int8
+    codes of ``x``'s shape and one float32 scale per block of ``block_size`` elements of the last
+    dimension (the last block of a row may be shorter; ``scales`` has shape
+    ``x.shape[:-1] + (nblocks,)``). A block's scale is ``max(absmax / 127, 2**-126)`` in float32,
+    rounded up to a power of two when ``pow2_scale``; an element's code is
+    ``clamp(round(x / scale), -127, 127)`` (round half to even), or the sign of ``x`` where that
+    is 0 and ``x`` is not. A NaN or Inf makes its block's scale NaN or Inf, so the whole block
+    restores non-finite. Non-contiguous inputs are rejected (copy them with ``.contiguous()``).
+    """
+    _check_strided(x, "int8_block_quantize", "x")
+    return _ops.int8_block_quantize(
+        x, block_size=_check_int(block_size, "int8_block_quantize", "block_size"),
+        pow2_scale=pow2_scale)
+
+
+def int8_block_dequantize(q: torch.Tensor, scales: torch.Tensor, *, block_size: int = 128,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of :func:`int8_block_quantize`: ``q * scale`` in float32 rounded to ``dtype``
+    (float32, bfloat16 or float16, round to nearest even); for bfloat16 the scale is rounded to
+    bfloat16 first (the product is then exact before its one rounding)."""
+    _check_strided(q, "int8_block_dequantize", "q")
+    return _ops.int8_block_dequantize(
+        q, scales, block_size=_check_int(block_size, "int8_block_dequantize", "block_size"),
+        dtype=dtype)
+
+
+@torch.library.register_fake("mpext::int8_block_quantize")
+def _int8_block_quantize_fake(x, *, block_size=128, pow2_scale=False):
+    op = "int8_block_quantize"
+    _check_fake_rows(x, op, "x")
+    torch._check(x.dtype in _PARAM_DTYPES, lambda: "mpext.%s: x must have dtype float32 or "
+                 "bfloat16 or float16, got %s" % (op, _dtype_name(x.dtype)))
+    torch._check(block_size >= 1, lambda: "mpext.%s: block_size must be >= 1, got %d"
+                 % (op, block_size))
+    return (torch.empty(x.shape, dtype=torch.int8, device=x.device),
+            torch.empty(_fp8_scale_shape(x.shape, block_size), dtype=torch.float32,
+                        device=x.device))
+
+
+@torch.library.register_fake("mpext::int8_block_dequantize")
+def _int8_block_dequantize_fake(q, scales, *, block_size=128, dtype=None):
+    op = "int8_block_dequantize"
+    _check_fake_rows(q, op, "q")
+    torch._check(q.dtype == torch.int8, lambda: "mpext.%s: q must have dtype int8, got %s"
+                 % (op, _dtype_name(q.dtype)))
+    torch._check(block_size >= 1, lambda: "mpext.%s: block_size must be >= 1, got %d"
+                 % (op, block_size))
+    torch._check(scales.dtype == torch.float32, lambda: "mpext.%s: scales must have dtype "
+                 "float32, got %s" % (op, _dtype_name(scales.dtype)))
+    torch._check(tuple(scales.shape) == _fp8_scale_shape(q.shape, block_size),
+                 lambda: "mpext.%s: scales must have shape %s" % (
+                     op, _fp8_scale_shape(q.shape, block_size)))
+    out = torch.float32 if dtype is None else dtype
+    torch._check(out in _PARAM_DTYPES, lambda: "mpext.%s: dtype must be float32, bfloat16 or "
+                 "float16" % op)
+    return torch.empty(q.shape, dtype=out, device=q.device)
+# --- int8 block code (issue 42), end ---

@@ -144,6 +144,21 @@ TORCH_LIBRARY(mpext, m) {
   m.def(
       "fp8_dequantize(Tensor q, Tensor scales, *, int block_size=128, ScalarType? dtype=None) "
       "-> Tensor");
+  // --- int8 block code (issue 42), begin: csrc/torch/int8_block*.cpp, mpext/activations_codes.py
+  // The int8 block code of saved activations, blocks of block_size elements along the last
+  // dimension (x contiguous): scale = max(float32 absmax / 127, 2^-126) (rounded up to a power of
+  // two with pow2_scale), q = clamp(round_half_even(x / scale), -127, 127) as int8, a nonzero x
+  // never coded 0; scales of shape x.shape[:-1] + (ceil(x.shape[-1] / block_size),). NaN / Inf
+  // make their block's scale non-finite.
+  m.def(
+      "int8_block_quantize(Tensor x, *, int block_size=128, bool pow2_scale=False) "
+      "-> (Tensor, Tensor)");
+  // The inverse: q * scale (q * bfloat16(scale) for bfloat16), rounded once to nearest even to
+  // dtype (default float32).
+  m.def(
+      "int8_block_dequantize(Tensor q, Tensor scales, *, int block_size=128, "
+      "ScalarType? dtype=None) -> Tensor");
+  // --- int8 block code (issue 42), end ---
 }
 
 namespace {

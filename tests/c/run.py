@@ -36,7 +36,8 @@ SANITIZE_CFLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", 
 SANITIZE_LDFLAGS = ["-fsanitize=address,undefined"]
 TEST_SOURCE = os.path.join(HERE, "test_core.c")
 # Further test binaries, each its own main, built and run after test_core with the same core.
-EXTRA_TEST_SOURCES = [os.path.join(HERE, "test_telemetry.c")]  # telemetry (issue 46)
+EXTRA_TEST_SOURCES = [os.path.join(HERE, "test_telemetry.c"),  # telemetry (issue 46)
+                      os.path.join(HERE, "test_act_codes.c")]  # int8 block code (issue 42)
 VALGRIND_TEST_ARGS = ["--stride", "4369", "--random", "200000"]
 TEST_CFLAGS = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
