@@ -696,18 +696,48 @@ def _dist_body(rank, out_dir):
     return res
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_dtensor_shard0_same_bits_as_one_process(tmp_path, world):
-    """Shard(0) DTensor params (FSDP2's placement; uneven shards, empty ones): params, FP32
-    values and buffers bit for bit those of one process, in FP32, in BF16 SR params with 8-bit
-    momentum (blocks shared between shards) and with remainders and a BF16 buffer."""
+def _rank_body(root, rank, out_dir):
+    """Everything this file runs at one world size, in one spawn (CI time): the Shard(0)
+    checks; at 2 ranks the DCP checkpoints; at 3 ranks and on the 2 x 2 HSDP mesh their loads
+    (the 2-rank spawn runs first)."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    out = {"dtensor": _dist_body(rank, out_dir)}
+    if world == 2:
+        _dcp_save(root)
+    elif world in (3, 4):
+        out["dcp"] = _dcp_load(root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """world -> what each rank of _rank_body returned, one spawn per world size."""
+    import functools
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available")
     from test_distributed import _spawn
-    results = _spawn(_dist_body, tmp_path, world=world)
-    for rank, res in enumerate(results):
-        for fmt, per_param in res.items():
+    root, cache = tmp_path_factory.mktemp("muon_dcp"), {}
+
+    def get(world):
+        if world not in cache:
+            if world in (3, 4):
+                get(2)  # the checkpoints they load
+            cache[world] = _spawn(functools.partial(_rank_body, str(root)),
+                                  tmp_path_factory.mktemp("muon_%d_ranks" % world), world=world)
+        return cache[world]
+    get.root = str(root)
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dtensor_shard0_same_bits_as_one_process(spawned, world):
+    """Shard(0) DTensor params (FSDP2's placement; uneven shards, empty ones): params, FP32
+    values and buffers bit for bit those of one process, in FP32, in BF16 SR params with 8-bit
+    momentum (blocks shared between shards) and with remainders and a BF16 buffer."""
+    for rank, res in enumerate(spawned(world)):
+        for fmt, per_param in res["dtensor"].items():
             for i, (p, m, b, p1, m1, b1) in enumerate(per_param):
                 where = "rank %d %s param %d" % (rank, fmt, i)
                 T.assert_bits(p, p1, where + " param")
@@ -736,3 +766,118 @@ def test_calculator_agrees_with_live_tensors(fmt, mode):
     want = estimate([p.numel() for p in ps], mode=mode, rule="muon", ema=True)
     for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
         assert got[field] == getattr(want, field), (field, got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint: a 2-rank FSDP2 run saved in every momentum format, reloaded in
+# one process, at 3 ranks and on a 2 x 2 HSDP mesh (replicate x shard), continued: the bits of
+# the uninterrupted run (which is one process's: test_dtensor_shard0_same_bits_as_one_process).
+# Gradients are set, not computed, so that the gradient reduction's order plays no part.
+
+DCP_FORMATS = {  # name -> (param dtype, kwargs): every momentum format, three param formats
+    "fp32": (F32, dict()),
+    "bf16": (BF16, dict(param_remainders=True, momentum_dtype=BF16)),
+    "q8": (BF16, dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
+                      block_size=32)),
+}
+
+
+def _dcp_model(dtype, seed=0):
+    """Hidden weights of 67, 3 and 1 rows (uneven shards, empty ones; the first one's 8-bit
+    blocks straddle the shards) for Muon, a bias for the AdamW group."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 67), torch.nn.Linear(67, 3, bias=False),
+                               torch.nn.Linear(3, 1, bias=False)).to(dtype)
+
+
+def _dcp_opt(model, fmt):
+    groups = muon_param_groups(model, lr=f32(0.02))
+    groups[1].update(lr=f32(1e-2))
+    return Muon(groups, seed=5, **DCP_FORMATS[fmt][1])
+
+
+def _dcp_steps(model, opt, steps):
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    for k in steps:
+        gen = torch.Generator().manual_seed(50 + k)
+        for p in model.parameters():
+            g = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) \
+                if isinstance(p, DTensor) else g
+        opt.step()
+
+
+def _dcp_values(model, opt):
+    """Every param's value and FP32 value (master, remainder-exact or the param), whole."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return [(full(p.detach()).clone(), full(opt.master_param(p)).clone())
+            for p in model.parameters()]
+
+
+def _dcp_sharded(fmt, mesh, seed=1):
+    from torch.distributed.fsdp import fully_shard
+    model = _dcp_model(DCP_FORMATS[fmt][0], seed)  # seed 1 (a load): weights it must replace
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, _dcp_opt(model, fmt)
+
+
+def _dcp_save(root):
+    import os
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,))
+    for fmt in DCP_FORMATS:
+        model, opt = _dcp_sharded(fmt, mesh, seed=0)
+        _dcp_steps(model, opt, range(3))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, fmt))
+
+
+def _dcp_resume(path, model, opt):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import mpext.integrations.dcp
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path, planner=mpext.integrations.dcp.LoadPlanner())
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _dcp_steps(model, opt, range(3, 5))
+    return _dcp_values(model, opt)
+
+
+def _dcp_load(root):
+    """At 3 ranks: Shard(0) on 3; at 4 ranks: HSDP, replicate 2 x shard 2."""
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) \
+        if world == 4 else init_device_mesh("cpu", (world,))
+    return {fmt: _dcp_resume(os.path.join(root, fmt), *_dcp_sharded(fmt, mesh))
+            for fmt in DCP_FORMATS}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("where", ["1 process", "3 ranks", "HSDP 2x2"])
+def test_dcp_fsdp2_2_ranks_resumes_bit_for_bit(spawned, where):
+    """Saved by 2 FSDP2 ranks, loaded (through mpext.integrations.dcp.LoadPlanner) in one
+    process, at 3 ranks or on 4 HSDP ranks, 2 more steps: the uninterrupted run's params and
+    FP32 values bit for bit, in every momentum format."""
+    import os
+    spawned(2)
+    for fmt, (dtype, _) in DCP_FORMATS.items():
+        model = _dcp_model(dtype)
+        opt = _dcp_opt(model, fmt)
+        _dcp_steps(model, opt, range(5))
+        want = _dcp_values(model, opt)
+        if where == "1 process":
+            model = _dcp_model(dtype, seed=1)
+            got = _dcp_resume(os.path.join(spawned.root, fmt), model, _dcp_opt(model, fmt))
+        else:
+            got = spawned(3 if where == "3 ranks" else 4)[0]["dcp"][fmt]
+        for i, ((p, m), (p1, m1)) in enumerate(zip(got, want)):
+            T.assert_bits(p, p1, "%s %s param %d" % (where, fmt, i))
+            T.assert_bits(m, m1, "%s %s fp32 value %d" % (where, fmt, i))

@@ -391,6 +391,35 @@ class Muon(FusedOptimizer):
     _RULE_KEYS = ("lr", "weight_decay", "momentum", "ns_coefficients", "ns_steps")
     _TORCH_GROUP_DEFAULTS: Dict[str, Any] = {}  # torch.optim.Muon's groups have none of them
 
+    def _check_same_rule(self, saved: Dict[str, Any], state_dict: Dict[str, Any],
+                         gi: int) -> None:
+        # A checkpoint's group is checked against the rule of this optimizer's group gi: an
+        # AdamW group (use_muon=False) takes a mixed Muon's AdamW group (whose keys alone look
+        # like RAdam's: betas and eps, no amsgrad) or an Adam/AdamW group, never a Muon group.
+        mine = self.param_groups[gi] if gi < len(self.param_groups) else {}
+        theirs_muon = saved.get("use_muon") if isinstance(saved, dict) else None
+        if self._is_muon(mine):
+            if theirs_muon is False:
+                raise ValueError("%s.load_state_dict: param group %d of the checkpoint is an "
+                                 "AdamW group (use_muon=False) and this optimizer's is a Muon "
+                                 "group; make the groups in the same order. Nothing was loaded."
+                                 % (self._name(), gi))
+            return super()._check_same_rule(saved, state_dict, gi)
+        if theirs_muon is False:
+            return
+        if theirs_muon is True:
+            raise ValueError("%s.load_state_dict: param group %d of the checkpoint is a Muon "
+                             "group and this optimizer's is an AdamW group (use_muon=False); "
+                             "make the groups in the same order. Nothing was loaded."
+                             % (self._name(), gi))
+        from .adam import AdamW
+        self._RULE, self._RULE_KEYS = AdamW._RULE, AdamW._RULE_KEYS
+        try:
+            super()._check_same_rule(saved, state_dict, gi)
+        finally:
+            del self._RULE, self._RULE_KEYS
+        saved["use_muon"] = False  # (load_state_dict's copy) a torch AdamW group: AdamW's
+
     def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
                             key: Any) -> Dict[str, Any]:
         if isinstance(value, dict) and "momentum_buffer" in value and "step" not in value:
