@@ -881,3 +881,88 @@ def test_dcp_fsdp2_2_ranks_resumes_bit_for_bit(spawned, where):
         for i, ((p, m), (p1, m1)) in enumerate(zip(got, want)):
             T.assert_bits(p, p1, "%s %s param %d" % (where, fmt, i))
             T.assert_bits(m, m1, "%s %s fp32 value %d" % (where, fmt, i))
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts of mixed optimizers; MixedPrecisionOptimizer around torch's Muon and mpext's.
+
+def test_mixed_state_dict_round_trip_and_group_checks():
+    """A Muon + AdamW optimizer loads its own state_dict (its AdamW group's keys alone look
+    like RAdam's) and continues bit for bit; groups in another order are refused, naming
+    both kinds, and nothing is loaded; torch.optim.AdamW's group loads into the AdamW group."""
+    def make(seed=0):
+        w, b = _params([(12, 20), (20,)], "cpu", seed=seed)
+        return [w, b], Muon([dict(params=[w], lr=f32(0.02)),
+                             dict(params=[b], use_muon=False, lr=f32(1e-2))],
+                            momentum_dtype=torch.int8, block_size=32)
+    (a, opt), (c, other) = make(), make(seed=1)
+    grads = _grads([(12, 20), (20,)], 4)
+    for p, g in zip(a, grads[0]):
+        p.grad = g
+    opt.step()
+    with torch.no_grad():
+        for p, q in zip(c, a):
+            p.copy_(q)
+    other.load_state_dict(opt.state_dict())
+    for gs in grads[1:]:
+        for ps, o in ((a, opt), (c, other)):
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            o.step()
+    for p, q in zip(a, c):
+        T.assert_bits(p.detach(), q.detach())
+    w, b = _params([(12, 20), (20,)], "cpu")
+    swapped = Muon([dict(params=[b], use_muon=False), dict(params=[w])])
+    with pytest.raises(ValueError, match=r"param group 0 of the checkpoint is a Muon group and "
+                                         r"this optimizer's is an AdamW group"):
+        swapped.load_state_dict(opt.state_dict())
+    assert not swapped.state
+    ta = torch.optim.AdamW([b])
+    b.grad = grads[0][1]
+    ta.step()
+    adamw = Muon([dict(params=[torch.nn.Parameter(b.detach().clone())], use_muon=False)])
+    adamw.load_state_dict(ta.state_dict())
+    assert adamw.param_groups[0]["use_muon"] is False
+
+
+@pytest.mark.parametrize("inner", ["torch", "mpext"])
+def test_mixed_precision_optimizer_around_muon(device, inner):
+    """MixedPrecisionOptimizer (FP32 masters of BF16 params, fixed loss scale) around a Muon:
+    torch.optim.Muon (a user's own) or mpext.optim.Muon in FP32 state. The masters are
+    torch.optim.Muon's FP32 params stepped with the same (unscaled, widened) gradients, bit
+    for bit, the model params their round to nearest even; a step with an inf is skipped."""
+    shapes = [(24, 40), (40, 24)]
+    lr = f32(0.02)
+    ref = _params(shapes, "cpu")
+    with torch.no_grad():
+        for q in ref:
+            q.copy_(q.bfloat16().float())
+    model = [torch.nn.Parameter(q.detach().to(device, BF16)) for q in ref]
+    make = torch.optim.Muon if inner == "torch" else Muon
+    opt = mpext.MixedPrecisionOptimizer(make(model, lr=lr), loss_scale=1024.0)
+    ref_opt = torch.optim.Muon(ref, lr=lr)
+    for k, grads in enumerate(_grads(shapes, 4)):
+        for p, q, g in zip(model, ref, grads):
+            p.grad = (g * 1024).to(device, BF16)
+            q.grad = (g * 1024).bfloat16().float() / 1024
+        if k == 2:
+            model[1].grad[3, 4] = float("inf")
+        opt.step()
+        opt.zero_grad()
+        if k != 2:
+            ref_opt.step()
+        for i, (p, q) in enumerate(zip(model, ref)):
+            T.assert_bits(opt.master_param(p).cpu(), q.detach(), "master %d step %d" % (i, k))
+            T.assert_bits(p.detach().cpu(), q.detach().bfloat16(), "param %d step %d" % (i, k))
+
+
+def test_mixed_precision_optimizer_refuses_muons_own_param_storage():
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=BF16))
+    for kw, text in ((dict(param_remainders=True), "param_remainders=True"),
+                     (dict(master_weights=False, stochastic_rounding=True),
+                      "master_weights=False")):
+        inner = Muon([p], **kw)
+        with pytest.raises(ValueError, match=r"inner Muon asks for %s, which "
+                                             r"MixedPrecisionOptimizer cannot honour" % text):
+            mpext.MixedPrecisionOptimizer(inner)
+        assert p.dtype == BF16 and inner.param_groups[0]["params"][0] is p
