@@ -344,11 +344,56 @@ def test_adjust_lr_ratio_is_torchs():
     (dict(nesterov="yes"), TypeError, r"nesterov must be a bool"),
     (dict(momentum_dtype=torch.float16), ValueError, r"momentum_dtype must be torch.float32, "
                                                      r"torch.bfloat16 or torch.int8"),
+    (dict(ns_sharded="ring"), ValueError, r"ns_sharded must be 'all_gather' or 'designated', "
+                                          r"got 'ring'"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     p = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(exc, match=match):
         Muon([p], **kwargs)
+
+
+def test_maximize_refused_in_a_muon_group_before_anything_changes():
+    """torch.optim.Muon has no maximize: a Muon group with maximize=True is refused at the
+    step (not ignored), nothing written; an AdamW group takes it."""
+    w, b = _params([(8, 12), (12,)], "cpu")
+    opt = Muon([dict(params=[w]), dict(params=[b], use_muon=False, maximize=True)])
+    w.grad, b.grad = torch.randn(8, 12), torch.randn(12)
+    opt.step()
+    opt.param_groups[0]["maximize"] = True
+    before = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match=r"maximize=True is not supported by a Muon group"):
+        opt.step()
+    T.assert_bits(w.detach(), before[0])
+    T.assert_bits(opt.state[w]["momentum_buffer"], before[1])
+
+
+def test_fp16_params_with_fp16_gradients(device):
+    """FP16 params (FP32 masters) with FP16 gradients: the masters are torch.optim.Muon's FP32
+    params stepped with the widened gradients, bit for bit; under a GradScaler the unscaled
+    gradient is written back in FP16, as the unscale of every rule."""
+    shapes = [(24, 40), (40, 24)]
+    lr = f32(0.02)
+    ref = _params(shapes, "cpu")
+    with torch.no_grad():
+        for q in ref:
+            q.copy_(q.half().float())
+    ours = [torch.nn.Parameter(q.detach().to(device, F16)) for q in ref]
+    opt, ref_opt = Muon(ours, lr=lr), torch.optim.Muon(ref, lr=lr)
+    scaler = mpext.GradScaler(device=torch.device(device).type, init_scale=2.0 ** 6,
+                              growth_interval=1000)
+    for grads in _grads(shapes, 3):
+        for p, q, g in zip(ours, ref, grads):
+            g16 = g.half()
+            p.grad, q.grad = (g16 * 64).to(device), g16.float()
+        scaler.scale(torch.ones((), device=device))
+        scaler.step(opt)
+        scaler.update()
+        ref_opt.step()
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            T.assert_bits(p.grad.cpu(), q.grad.half(), "unscaled gradient %d" % i)
+            T.assert_bits(opt.master_param(p).cpu(), q.detach(), "master %d" % i)
+            T.assert_bits(p.detach().cpu(), q.detach().half(), "param %d" % i)
 
 
 def test_non_2d_param_refused_and_adamw_group_takes_it():
@@ -643,10 +688,15 @@ def test_bf16_momentum_draws_the_documented_stream():
 # 3 ranks leaves two empty shards), one tall, one wide
 DIST_SHAPES = [(67, 24), (24, 53), (3, 40), (1, 16)]
 DIST_FORMATS = {
+    # NS on one rank per param (round-robin: gather, NS, scatter), the default
     "fp32": dict(),
     "sr-q8": dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
                   block_size=32),
     "remainder-bf16": dict(param_remainders=True, momentum_dtype=BF16),
+    # NS on every rank (all-gather)
+    "fp32-all-gather": dict(ns_sharded="all_gather"),
+    "sr-q8-all-gather": dict(master_weights=False, stochastic_rounding=True,
+                             momentum_dtype=torch.int8, block_size=32, ns_sharded="all_gather"),
 }
 
 
@@ -735,7 +785,8 @@ def spawned(tmp_path_factory):
 def test_dtensor_shard0_same_bits_as_one_process(spawned, world):
     """Shard(0) DTensor params (FSDP2's placement; uneven shards, empty ones): params, FP32
     values and buffers bit for bit those of one process, in FP32, in BF16 SR params with 8-bit
-    momentum (blocks shared between shards) and with remainders and a BF16 buffer."""
+    momentum (blocks shared between shards) and with remainders and a BF16 buffer; NS on one
+    designated rank per param (gather, scatter: the default) and on every rank (all-gather)."""
     for rank, res in enumerate(spawned(world)):
         for fmt, per_param in res["dtensor"].items():
             for i, (p, m, b, p1, m1, b1) in enumerate(per_param):
@@ -775,7 +826,7 @@ def test_calculator_agrees_with_live_tensors(fmt, mode):
 # Gradients are set, not computed, so that the gradient reduction's order plays no part.
 
 DCP_FORMATS = {  # name -> (param dtype, kwargs): every momentum format, three param formats
-    "fp32": (F32, dict()),
+    "fp32": (F32, dict(ns_sharded="all_gather")),  # (both NS variants: HSDP too)
     "bf16": (BF16, dict(param_remainders=True, momentum_dtype=BF16)),
     "q8": (BF16, dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
                       block_size=32)),
