@@ -81,6 +81,12 @@ class RuleInfo:
     shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
     # (muon) whether the rule takes ``maximize`` (torch.optim.Muon has none: mpext's refuses it)
     maximize: bool = True
+    # (muon) the graph breaks a compiled step has by design (fragments of their reasons): Muon's
+    # Newton-Schulz runs eagerly (torch's GEMM calls, torch's bits)
+    graph_breaks: Tuple[str, ...] = ()
+    # (muon) the most frames a compiled step compiles (torch.compile's first step, which makes
+    # the state, and the steady step; Muon's: measured 5, its break cutting each in two)
+    max_frames: int = 2
 
     def fit_shapes(self, shapes):
         """(muon) The param shapes a test asks for, as this rule takes them: unchanged for a
@@ -269,7 +275,7 @@ MUON_SHAPES = ((37, 5), (8, 16), (64, 80))  # params[1] has rows 0-7 (a test poi
 MUON = RuleInfo(
     "muon", mpext.optim.Muon, dict(lr=2.0 ** -6, weight_decay=0.1, momentum=0.9),
     torch.optim.Muon, update_scale=3.0, reference_maximize=False, shapes=MUON_SHAPES,
-    maximize=False,
+    maximize=False, graph_breaks=("_orthogonalize",), max_frames=5,
     error_inputs=_error_inputs(
         *COMMON_ERRORS[:3],
         (dict(weight_decay=-0.1), ValueError, r"weight decay should be >= 0 but is: -0.1"),
