@@ -523,6 +523,106 @@ def _measure(rounds: int, inner: int, worker=None) -> dict:
     return dict(res, start_method=method)
 
 
+# ---- Muon under FSDP2: where Newton-Schulz runs (--mode muon) -----------------------------
+
+# GPT-2 small's hidden matrices of one layer (c_attn, attn c_proj, c_fc, mlp c_proj), as
+# nn.Linear weights (out, in)
+MUON_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
+MUON_MODES = ("all_gather", "designated")
+
+
+def _muon_bytes(shape, world, rank, k, mode):
+    """Payload bytes (fp32 over gloo) rank ``rank`` sends and receives for one sharded matrix,
+    the k-th of the step: all-gather (its shard to every other rank, every other shard to
+    it) or designated (its padded piece to rank k mod world and back; that rank receives and
+    sends every other piece)."""
+    rows, cols = shape
+    piece = -(-rows // world)
+    local = max(0, min(piece, rows - rank * piece))
+    if mode == "all_gather":
+        return 4 * cols * (local * (world - 1) + rows - local)
+    if rank == k % world:
+        return 4 * cols * piece * (world - 1) * 2
+    return 4 * cols * piece * 2
+
+
+def _muon_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
+    """mpext.optim.Muon over FSDP2-sharded GPT-2-small matrices, ``opt.step()`` alone on fixed
+    gradients, NS on every rank (all-gather) against one designated rank per matrix, the two
+    interleaved in every round after a barrier; and whether they leave the same bits."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(
+        os.path.dirname(out_path), "rendezvous"), rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_tensor
+        mesh = init_device_mesh("cpu", (WORLD,))
+        opts = {}
+        for mode in MUON_MODES:
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Linear(i, o, bias=False) for o, i in MUON_SHAPES])
+            fully_shard(net, mesh=mesh)
+            params = list(net.parameters())
+            g = torch.Generator().manual_seed(1)
+            for p in params:
+                p.grad = distribute_tensor(torch.randn(p.shape, generator=g) * 1e-3, mesh,
+                                           p.placements)
+            opts[mode] = (mpext.optim.Muon(params, lr=0.02, ns_sharded=mode), params)
+        for opt, _ in opts.values():  # warm-up: state created
+            for _ in range(2):
+                opt.step()
+        same = all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                   zip(opts[MUON_MODES[0]][1], opts[MUON_MODES[1]][1]))
+        samples = {mode: [] for mode in opts}
+        for _ in range(rounds):
+            for mode, (opt, _) in opts.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    opt.step()
+                samples[mode].append((time.perf_counter() - t0) / inner)
+        nbytes = {mode: [sum(_muon_bytes(s, WORLD, r, k, mode) for k, s in enumerate(MUON_SHAPES))
+                         for r in range(WORLD)] for mode in MUON_MODES}
+        if rank == 0:
+            torch.save({"samples": samples, "same_bits": same, "bytes": nbytes,
+                        "params": sum(a * b for a, b in MUON_SHAPES)}, out_path)
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # as _worker
+
+
+def _muon_section(ctx, b) -> tuple:
+    rounds, inner = (5, 1) if ctx.quick else (max(ctx.repeats, 9), 2)
+    res = _measure(rounds, inner, _muon_worker)
+    b.phase("2-rank Muon run")
+    check(res["same_bits"], "designated NS left other bits than all-gather NS")
+    t = {m: Timing(res["samples"][m], inner) for m in MUON_MODES}
+    ratio = Timing([a / d for a, d in zip(res["samples"]["all_gather"],
+                                          res["samples"]["designated"])], 1)
+    rows = [[m, "%.1f (%.1f–%.1f)" % (t[m].median * 1e3, t[m].q1 * 1e3, t[m].q3 * 1e3),
+             " / ".join("%.1f" % (x / 2 ** 20) for x in res["bytes"][m]),
+             "—" if m == "all_gather" else "%.2f× (%.2f–%.2f)" % (ratio.median, ratio.q1,
+                                                                   ratio.q3)]
+            for m in MUON_MODES]
+    md = [markdown_table(["Newton-Schulz of a sharded matrix", "step ms: median (q1–q3)",
+                          "MiB sent + received per step, rank 0 / rank 1",
+                          "all-gather ÷ designated (same round)"], rows), "",
+          "`mpext.optim.Muon` over FSDP2 `fully_shard` of GPT-2 small's hidden matrices of one "
+          "layer (%s; %s params) on 2 gloo ranks, one thread each, `opt.step()` alone on fixed "
+          "gradients, %d rounds of %d steps, the two interleaved in every round; rank 0's clock. "
+          "Bytes: the payload each rank sends and receives (fp32 over gloo), from the shard "
+          "sizes. Both leave the same bits: %s." % (
+              ", ".join("%dx%d" % s for s in MUON_SHAPES), "{:,}".format(res["params"]), rounds,
+              inner, "yes" if res["same_bits"] else "NO")]
+    return md, dict(rounds=rounds, inner=inner, same_bits=res["same_bits"], bytes=res["bytes"],
+                    timings={m: t[m].to_json() for m in MUON_MODES}, ratio=ratio.to_json())
+
+
 def _step_section(ctx, b) -> tuple:
     """The FSDP2 step-host-time table (Markdown lines) and its payload."""
     rounds, inner = max(ctx.repeats, 15), 3 if ctx.quick else 5
@@ -571,6 +671,9 @@ def run(ctx) -> dict:
     if getattr(ctx.args, "mode", "all") == "fsdp-step":
         md, payload = _step_section(ctx, b)
         return b.finish(md, dict(fsdp_step=payload), device="cpu (2 gloo ranks)")
+    if getattr(ctx.args, "mode", "all") == "muon":
+        md, payload = _muon_section(ctx, b)
+        return b.finish(md, dict(muon=payload), device="cpu (2 gloo ranks)")
     if getattr(ctx.args, "mode", "all") == "release":
         md, payload = _release_section(ctx, b)
         return b.finish(md, dict(release=payload), device="cpu (2 gloo ranks)")
@@ -612,10 +715,12 @@ def run(ctx) -> dict:
 
 
 def add_args(parser):
-    parser.add_argument("--mode", choices=("all", "fsdp-step", "release"), default="all",
+    parser.add_argument("--mode", choices=("all", "fsdp-step", "release", "muon"), default="all",
                         help="fsdp-step: only the FSDP2 step host time per tensor of every "
                              "format against torch's fused AdamW; release: gradient release "
                              "under FSDP2 against stepping after backward, time and memory "
+                             "; muon: mpext.optim.Muon under FSDP2, Newton-Schulz on every rank "
+                             "(all-gather) against one designated rank per matrix "
                              "(default: %(default)s)")
     return parser
 

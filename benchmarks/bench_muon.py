@@ -9,7 +9,15 @@ matrix (torch's function, the path mpext takes by default) against batched over 
 matrices (ns_batched=True). The bytes bound of each format: the bytes one step of its
 elementwise phases moves per param (reads and writes of params, gradients, state, the
 update), from which the roofline (the in-place streaming bandwidth measured in the same run)
-bounds its elementwise time."""
+bounds its elementwise time.
+
+``--convergence``: HF GPT-2 (hub defaults) and HF Llama, tiny, on bench_activations' fixed
+Markov corpus, 3 seeds: torch.optim.Muon + torch.optim.AdamW (FP32) vs mpext.optim.Muon in FP32
+and in the lean formats vs AdamW alone; the final validation loss of each lean format against
+the FP32 Muon runs' seed band (docs/muon.md, "Convergence")."""
+import functools
+import statistics
+
 import torch
 
 import mpext  # loads the extension: registers torch.ops.mpext
@@ -69,8 +77,125 @@ def _stepper(opt, params, grads):
     return step
 
 
+# --convergence modes: key -> (label, param dtype, mpext.optim.Muon kwargs or None (torch's
+# optimizers), state bytes per Muon param (param + buffer))
+CONV_MODES = {
+    "torch": ("torch.optim.Muon + torch.optim.AdamW, FP32", F32, None, 8),
+    "fp32": ("mpext Muon, FP32 params and state", F32, dict(), 8),
+    "sr-q8": ("mpext Muon, BF16 params SR + 8-bit momentum (AdamW: 8-bit m, v)", BF16,
+              dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
+                   exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8), 2 + 1 + 4 / 256),
+    "remainder-q8": ("mpext Muon, BF16 params + remainder + 8-bit momentum (AdamW: 8-bit m, v)",
+                     BF16, dict(param_remainders=True, momentum_dtype=torch.int8,
+                                exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8),
+                     2 + 2 + 1 + 4 / 256),
+    "adamw": ("torch.optim.AdamW alone, FP32", F32, None, 12),
+}
+# Keller Jordan's recipe (Muon lr 0.02 on hidden matrices, AdamW on the rest); AdamW alone at
+# the AdamW part's lr (bench_activations' convergence lr)
+MUON_LR, ADAMW_LR, WD = 0.02, 3e-3, 0.01
+
+
+def _conv_optimizer(mode, model):
+    from mpext.optim import muon_param_groups
+    _, _, kw, _ = CONV_MODES[mode]
+    if mode == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=WD)]
+    groups = muon_param_groups(model, lr=MUON_LR, weight_decay=WD)
+    groups[1].update(lr=ADAMW_LR, weight_decay=WD)
+    if kw is None:
+        return [torch.optim.Muon(groups[0]["params"], lr=MUON_LR, weight_decay=WD),
+                torch.optim.AdamW(groups[1]["params"], lr=ADAMW_LR, weight_decay=WD)]
+    return [Muon(groups, seed=0, **kw)]
+
+
+def convergence(names=("hf-gpt2", "hf-llama"), modes=tuple(CONV_MODES), steps=300,
+                seeds=(0, 1, 2), batch=16, seq=64, progress=None):
+    """Validation loss after ``steps`` steps per (model, mode, seed), evaluated on an FP32
+    copy of the model (the params' own values: a BF16 param as it is). The seed fixes the
+    initial weights, the batch order and the dropout; every mode sees the same ones."""
+    from .bench_activations import hf_tiny, markov_corpus
+    ids, floor = markov_corpus()
+    train, val = ids[: len(ids) * 7 // 8], ids[len(ids) * 7 // 8:]
+
+    def batch_of(src, gen, b):
+        i = torch.randint(0, len(src) - seq - 1, (b,), generator=gen)
+        return torch.stack([src[j:j + seq] for j in i.tolist()])
+
+    vgen = torch.Generator().manual_seed(123)
+    vbatches = [batch_of(val, vgen, 32) for _ in range(4)]
+    out = {}
+    for name in names:
+        for mode in modes:
+            for seed in seeds:
+                torch.manual_seed(seed)
+                model = hf_tiny(name, 64, seq).to(CONV_MODES[mode][1]).train()
+                opts = _conv_optimizer(mode, model)
+                gen = torch.Generator().manual_seed(seed)
+                for _ in range(steps):
+                    x = batch_of(train, gen, batch)
+                    model(x, labels=x).loss.backward()
+                    for o in opts:
+                        o.step()
+                        o.zero_grad()
+                evalm = hf_tiny(name, 64, seq)
+                evalm.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+                evalm.eval()
+                with torch.no_grad():
+                    out[name, mode, seed] = statistics.mean(
+                        evalm(x, labels=x).loss.item() for x in vbatches)
+                if progress:
+                    progress("%s %s seed %d: %.4f" % (name, mode, seed, out[name, mode, seed]))
+    return out, floor
+
+
+def convergence_table(res, floor):
+    names = list(dict.fromkeys(k[0] for k in res))
+    modes = list(dict.fromkeys(k[1] for k in res))
+    seeds = sorted({k[2] for k in res})
+    rows = []
+    for n in names:
+        base = [res[n, "fp32", s] for s in seeds] if (n, "fp32", seeds[0]) in res else None
+        lo, hi = (min(base), max(base)) if base else (None, None)
+        for m in modes:
+            ys = [res[n, m, s] for s in seeds]
+            mean = statistics.mean(ys)
+            inside = "-" if base is None or m == "fp32" else (
+                "yes" if lo <= mean <= hi else "no (%+.5f)" % (mean - (hi if mean > hi else lo)))
+            rows.append([n, CONV_MODES[m][0], "%.3f" % CONV_MODES[m][3]] +
+                        ["%.4f" % y for y in ys] + ["%.4f" % mean, inside])
+    band = ", ".join("%s %.4f-%.4f" % (n, min(res[n, "fp32", s] for s in seeds),
+                                       max(res[n, "fp32", s] for s in seeds))
+                     for n in names if (n, "fp32", seeds[0]) in res)
+    return markdown_table(["model", "optimizer", "B/param (Muon params)"] +
+                          ["seed %d" % s for s in seeds] + ["mean", "mean inside FP32 Muon band"],
+                          rows) + ("\n\nFP32 Muon band (min-max over seeds): %s. The chain's "
+                                   "entropy (the best loss there is): %.4f nats/token."
+                                   % (band, floor))
+
+
+def add_args(p):
+    p.add_argument("--convergence", action="store_true", help="only: HF GPT-2 and Llama on a "
+                   "Markov corpus, Muon FP32 vs lean formats vs AdamW, 3 seeds")
+    p.add_argument("--convergence-steps", type=int, default=300)
+    p.add_argument("--convergence-models", default="hf-gpt2,hf-llama")
+    p.add_argument("--convergence-modes", default=",".join(CONV_MODES))
+    p.add_argument("--convergence-seeds", type=int, default=3)
+    return p
+
+
 def run(ctx) -> dict:
     dev = ctx.device
+    a = ctx.args
+    if getattr(a, "convergence", False):
+        b = Bench(ctx, NAME + "_convergence", "Convergence: Muon FP32 vs lean formats vs AdamW")
+        res, floor = convergence(a.convergence_models.split(","),
+                                 a.convergence_modes.split(","), a.convergence_steps,
+                                 tuple(range(a.convergence_seeds)),
+                                 progress=functools.partial(print, flush=True))
+        return b.finish(["%d steps, batch 16 x 64 tokens, %d thread(s), CPU." % (
+            a.convergence_steps, torch.get_num_threads()), "", convergence_table(res, floor)],
+            {"convergence": {"%s/%s/%d" % k: v for k, v in res.items()}, "floor": floor})
     require_kernel(dev, "muon_update_step_")
     b = Bench(ctx, NAME, TITLE)
     roof = b.start_roofline()
@@ -158,4 +283,4 @@ def run(ctx) -> dict:
 
 
 if __name__ == "__main__":
-    run_standalone(run, __doc__)
+    run_standalone(run, __doc__, add_args)

@@ -78,6 +78,29 @@ class RuleInfo:
     q8_decoded: Optional[Callable[[Dict[str, torch.Tensor], Dict[str, Any]], None]] = None
     # False: these kwargs keep no moment (SGD without momentum), whatever the class declares
     keeps_moments: bool = True
+    # (muon) The shapes of the table's params for a rule that takes matrices only (Muon),
+    # instead of SHAPES; None: any shape. See fit_shapes.
+    shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
+    # (muon) whether the rule takes ``maximize`` (torch.optim.Muon has none: mpext's refuses it)
+    maximize: bool = True
+    # (muon) the graph breaks a compiled step has by design (fragments of their reasons): Muon's
+    # Newton-Schulz runs eagerly (torch's GEMM calls, torch's bits)
+    graph_breaks: Tuple[str, ...] = ()
+    # (muon) the most frames a compiled step compiles (torch.compile's first step, which makes
+    # the state, and the steady step; Muon's: measured 5, its break cutting each in two)
+    max_frames: int = 2
+
+    def fit_shapes(self, shapes):
+        """(muon) The param shapes a test asks for, as this rule takes them: unchanged for a
+        rule of any shape; for a matrices-only rule, its own ``shapes`` in place of the
+        table's SHAPES, and any other shape that is not 2-D made one with the same elements
+        ((n,) -> (1, n), (a, b, ...) -> (a, b * ...)), so a test's sizes keep their point."""
+        if self.shapes is None:
+            return shapes
+        if shapes is SHAPES:
+            return self.shapes
+        return tuple(s if len(s) == 2 else (1, s[0]) if len(s) == 1
+                     else (s[0], int(np.prod(s[1:]))) for s in shapes)
 
     @property
     def moments(self) -> Tuple[F.Quantity, ...]:
@@ -247,6 +270,28 @@ RULES["sgd"] = _sgd(0.9)()  # a momentum_buffer
 RULES["sgd-plain"] = _sgd(0.0)()  # no state at all
 
 
+# (muon) Muon: matrices only (odd sizes, tall and wide, one of at least MIN_8BIT_NUMEL
+# elements), torch.optim.Muon the reference. An lr that is an fp32 value: mpext keeps lr in
+# fp32, and torch's Muon then computes the same bits (tests/test_muon.py).
+MUON_SHAPES = ((37, 5), (8, 16), (64, 80))  # params[1] has rows 0-7 (a test poisons row 5)
+MUON = RuleInfo(
+    "muon", mpext.optim.Muon, dict(lr=2.0 ** -6, weight_decay=0.1, momentum=0.9),
+    torch.optim.Muon, update_scale=3.0, reference_maximize=False, shapes=MUON_SHAPES,
+    maximize=False, graph_breaks=("_orthogonalize",), max_frames=5,
+    error_inputs=_error_inputs(
+        *COMMON_ERRORS[:3],
+        (dict(weight_decay=-0.1), ValueError, r"weight decay should be >= 0 but is: -0.1"),
+        (dict(momentum=-0.5), ValueError, r"momentum should be >= 0 but is: -0.5"),
+        (dict(ns_steps=100), ValueError, r"ns_steps must be an int in \[0, 100\)"),
+        (dict(adjust_lr_fn="sqrt"), ValueError, r"Adjust learning rate function sqrt")))
+# (muon) Muon's row enters the table once every consumer of pairs() makes its params through
+# make_params(..., rule=rule) and tests/test_optim_table.py reads rule.maximize (the lead's
+# patch: docs in the wt-muon report); until then its rows would get 1-D and 4-D params.
+MUON_IN_TABLE = False
+if MUON_IN_TABLE:
+    RULES["muon"] = MUON
+
+
 # ---- The formats ----------------------------------------------------------------------------
 
 _PARAM_KW = {
@@ -334,9 +379,12 @@ def pair_id(pair) -> str:
 
 # ---- Params, gradients, states --------------------------------------------------------------
 
-def make_params(dtypes, seed: int = 0, shapes=SHAPES, device="cpu"):
+def make_params(dtypes, seed: int = 0, shapes=SHAPES, device="cpu", rule=None):
     """Leaf params of each dtype and shape, seeded (the 4-D ones channels_last), on
-    ``device`` (the same values on every device: drawn on the CPU)."""
+    ``device`` (the same values on every device: drawn on the CPU); the shapes as ``rule``
+    takes them (RuleInfo.fit_shapes)."""
+    if rule is not None:
+        shapes = rule.fit_shapes(shapes)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for dt in dtypes:

@@ -344,11 +344,56 @@ def test_adjust_lr_ratio_is_torchs():
     (dict(nesterov="yes"), TypeError, r"nesterov must be a bool"),
     (dict(momentum_dtype=torch.float16), ValueError, r"momentum_dtype must be torch.float32, "
                                                      r"torch.bfloat16 or torch.int8"),
+    (dict(ns_sharded="ring"), ValueError, r"ns_sharded must be 'all_gather' or 'designated', "
+                                          r"got 'ring'"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     p = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(exc, match=match):
         Muon([p], **kwargs)
+
+
+def test_maximize_refused_in_a_muon_group_before_anything_changes():
+    """torch.optim.Muon has no maximize: a Muon group with maximize=True is refused at the
+    step (not ignored), nothing written; an AdamW group takes it."""
+    w, b = _params([(8, 12), (12,)], "cpu")
+    opt = Muon([dict(params=[w]), dict(params=[b], use_muon=False, maximize=True)])
+    w.grad, b.grad = torch.randn(8, 12), torch.randn(12)
+    opt.step()
+    opt.param_groups[0]["maximize"] = True
+    before = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match=r"maximize=True is not supported by a Muon group"):
+        opt.step()
+    T.assert_bits(w.detach(), before[0])
+    T.assert_bits(opt.state[w]["momentum_buffer"], before[1])
+
+
+def test_fp16_params_with_fp16_gradients(device):
+    """FP16 params (FP32 masters) with FP16 gradients: the masters are torch.optim.Muon's FP32
+    params stepped with the widened gradients, bit for bit; under a GradScaler the unscaled
+    gradient is written back in FP16, as the unscale of every rule."""
+    shapes = [(24, 40), (40, 24)]
+    lr = f32(0.02)
+    ref = _params(shapes, "cpu")
+    with torch.no_grad():
+        for q in ref:
+            q.copy_(q.half().float())
+    ours = [torch.nn.Parameter(q.detach().to(device, F16)) for q in ref]
+    opt, ref_opt = Muon(ours, lr=lr), torch.optim.Muon(ref, lr=lr)
+    scaler = mpext.GradScaler(device=torch.device(device).type, init_scale=2.0 ** 6,
+                              growth_interval=1000)
+    for grads in _grads(shapes, 3):
+        for p, q, g in zip(ours, ref, grads):
+            g16 = g.half()
+            p.grad, q.grad = (g16 * 64).to(device), g16.float()
+        scaler.scale(torch.ones((), device=device))
+        scaler.step(opt)
+        scaler.update()
+        ref_opt.step()
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            T.assert_bits(p.grad.cpu(), q.grad.half(), "unscaled gradient %d" % i)
+            T.assert_bits(opt.master_param(p).cpu(), q.detach(), "master %d" % i)
+            T.assert_bits(p.detach().cpu(), q.detach().half(), "param %d" % i)
 
 
 def test_non_2d_param_refused_and_adamw_group_takes_it():
@@ -643,10 +688,15 @@ def test_bf16_momentum_draws_the_documented_stream():
 # 3 ranks leaves two empty shards), one tall, one wide
 DIST_SHAPES = [(67, 24), (24, 53), (3, 40), (1, 16)]
 DIST_FORMATS = {
+    # NS on one rank per param (round-robin: gather, NS, scatter), the default
     "fp32": dict(),
     "sr-q8": dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
                   block_size=32),
     "remainder-bf16": dict(param_remainders=True, momentum_dtype=BF16),
+    # NS on every rank (all-gather)
+    "fp32-all-gather": dict(ns_sharded="all_gather"),
+    "sr-q8-all-gather": dict(master_weights=False, stochastic_rounding=True,
+                             momentum_dtype=torch.int8, block_size=32, ns_sharded="all_gather"),
 }
 
 
@@ -696,18 +746,49 @@ def _dist_body(rank, out_dir):
     return res
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_dtensor_shard0_same_bits_as_one_process(tmp_path, world):
-    """Shard(0) DTensor params (FSDP2's placement; uneven shards, empty ones): params, FP32
-    values and buffers bit for bit those of one process, in FP32, in BF16 SR params with 8-bit
-    momentum (blocks shared between shards) and with remainders and a BF16 buffer."""
+def _rank_body(root, rank, out_dir):
+    """Everything this file runs at one world size, in one spawn (CI time): the Shard(0)
+    checks; at 2 ranks the DCP checkpoints; at 3 ranks and on the 2 x 2 HSDP mesh their loads
+    (the 2-rank spawn runs first)."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    out = {"dtensor": _dist_body(rank, out_dir)}
+    if world == 2:
+        _dcp_save(root)
+    elif world in (3, 4):
+        out["dcp"] = _dcp_load(root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """world -> what each rank of _rank_body returned, one spawn per world size."""
+    import functools
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available")
     from test_distributed import _spawn
-    results = _spawn(_dist_body, tmp_path, world=world)
-    for rank, res in enumerate(results):
-        for fmt, per_param in res.items():
+    root, cache = tmp_path_factory.mktemp("muon_dcp"), {}
+
+    def get(world):
+        if world not in cache:
+            if world in (3, 4):
+                get(2)  # the checkpoints they load
+            cache[world] = _spawn(functools.partial(_rank_body, str(root)),
+                                  tmp_path_factory.mktemp("muon_%d_ranks" % world), world=world)
+        return cache[world]
+    get.root = str(root)
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dtensor_shard0_same_bits_as_one_process(spawned, world):
+    """Shard(0) DTensor params (FSDP2's placement; uneven shards, empty ones): params, FP32
+    values and buffers bit for bit those of one process, in FP32, in BF16 SR params with 8-bit
+    momentum (blocks shared between shards) and with remainders and a BF16 buffer; NS on one
+    designated rank per param (gather, scatter: the default) and on every rank (all-gather)."""
+    for rank, res in enumerate(spawned(world)):
+        for fmt, per_param in res["dtensor"].items():
             for i, (p, m, b, p1, m1, b1) in enumerate(per_param):
                 where = "rank %d %s param %d" % (rank, fmt, i)
                 T.assert_bits(p, p1, where + " param")
@@ -736,3 +817,203 @@ def test_calculator_agrees_with_live_tensors(fmt, mode):
     want = estimate([p.numel() for p in ps], mode=mode, rule="muon", ema=True)
     for field in ("weights", "gradients", "master_weights", "optimizer_states", "ema"):
         assert got[field] == getattr(want, field), (field, got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint: a 2-rank FSDP2 run saved in every momentum format, reloaded in
+# one process, at 3 ranks and on a 2 x 2 HSDP mesh (replicate x shard), continued: the bits of
+# the uninterrupted run (which is one process's: test_dtensor_shard0_same_bits_as_one_process).
+# Gradients are set, not computed, so that the gradient reduction's order plays no part.
+
+DCP_FORMATS = {  # name -> (param dtype, kwargs): every momentum format, three param formats
+    "fp32": (F32, dict(ns_sharded="all_gather")),  # (both NS variants: HSDP too)
+    "bf16": (BF16, dict(param_remainders=True, momentum_dtype=BF16)),
+    "q8": (BF16, dict(master_weights=False, stochastic_rounding=True, momentum_dtype=torch.int8,
+                      block_size=32)),
+}
+
+
+def _dcp_model(dtype, seed=0):
+    """Hidden weights of 67, 3 and 1 rows (uneven shards, empty ones; the first one's 8-bit
+    blocks straddle the shards) for Muon, a bias for the AdamW group."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 67), torch.nn.Linear(67, 3, bias=False),
+                               torch.nn.Linear(3, 1, bias=False)).to(dtype)
+
+
+def _dcp_opt(model, fmt):
+    groups = muon_param_groups(model, lr=f32(0.02))
+    groups[1].update(lr=f32(1e-2))
+    return Muon(groups, seed=5, **DCP_FORMATS[fmt][1])
+
+
+def _dcp_steps(model, opt, steps):
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    for k in steps:
+        gen = torch.Generator().manual_seed(50 + k)
+        for p in model.parameters():
+            g = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) \
+                if isinstance(p, DTensor) else g
+        opt.step()
+
+
+def _dcp_values(model, opt):
+    """Every param's value and FP32 value (master, remainder-exact or the param), whole."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return [(full(p.detach()).clone(), full(opt.master_param(p)).clone())
+            for p in model.parameters()]
+
+
+def _dcp_sharded(fmt, mesh, seed=1):
+    from torch.distributed.fsdp import fully_shard
+    model = _dcp_model(DCP_FORMATS[fmt][0], seed)  # seed 1 (a load): weights it must replace
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, _dcp_opt(model, fmt)
+
+
+def _dcp_save(root):
+    import os
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,))
+    for fmt in DCP_FORMATS:
+        model, opt = _dcp_sharded(fmt, mesh, seed=0)
+        _dcp_steps(model, opt, range(3))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, fmt))
+
+
+def _dcp_resume(path, model, opt):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import mpext.integrations.dcp
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path, planner=mpext.integrations.dcp.LoadPlanner())
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _dcp_steps(model, opt, range(3, 5))
+    return _dcp_values(model, opt)
+
+
+def _dcp_load(root):
+    """At 3 ranks: Shard(0) on 3; at 4 ranks: HSDP, replicate 2 x shard 2."""
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) \
+        if world == 4 else init_device_mesh("cpu", (world,))
+    return {fmt: _dcp_resume(os.path.join(root, fmt), *_dcp_sharded(fmt, mesh))
+            for fmt in DCP_FORMATS}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("where", ["1 process", "3 ranks", "HSDP 2x2"])
+def test_dcp_fsdp2_2_ranks_resumes_bit_for_bit(spawned, where):
+    """Saved by 2 FSDP2 ranks, loaded (through mpext.integrations.dcp.LoadPlanner) in one
+    process, at 3 ranks or on 4 HSDP ranks, 2 more steps: the uninterrupted run's params and
+    FP32 values bit for bit, in every momentum format."""
+    import os
+    spawned(2)
+    for fmt, (dtype, _) in DCP_FORMATS.items():
+        model = _dcp_model(dtype)
+        opt = _dcp_opt(model, fmt)
+        _dcp_steps(model, opt, range(5))
+        want = _dcp_values(model, opt)
+        if where == "1 process":
+            model = _dcp_model(dtype, seed=1)
+            got = _dcp_resume(os.path.join(spawned.root, fmt), model, _dcp_opt(model, fmt))
+        else:
+            got = spawned(3 if where == "3 ranks" else 4)[0]["dcp"][fmt]
+        for i, ((p, m), (p1, m1)) in enumerate(zip(got, want)):
+            T.assert_bits(p, p1, "%s %s param %d" % (where, fmt, i))
+            T.assert_bits(m, m1, "%s %s fp32 value %d" % (where, fmt, i))
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts of mixed optimizers; MixedPrecisionOptimizer around torch's Muon and mpext's.
+
+def test_mixed_state_dict_round_trip_and_group_checks():
+    """A Muon + AdamW optimizer loads its own state_dict (its AdamW group's keys alone look
+    like RAdam's) and continues bit for bit; groups in another order are refused, naming
+    both kinds, and nothing is loaded; torch.optim.AdamW's group loads into the AdamW group."""
+    def make(seed=0):
+        w, b = _params([(12, 20), (20,)], "cpu", seed=seed)
+        return [w, b], Muon([dict(params=[w], lr=f32(0.02)),
+                             dict(params=[b], use_muon=False, lr=f32(1e-2))],
+                            momentum_dtype=torch.int8, block_size=32)
+    (a, opt), (c, other) = make(), make(seed=1)
+    grads = _grads([(12, 20), (20,)], 4)
+    for p, g in zip(a, grads[0]):
+        p.grad = g
+    opt.step()
+    with torch.no_grad():
+        for p, q in zip(c, a):
+            p.copy_(q)
+    other.load_state_dict(opt.state_dict())
+    for gs in grads[1:]:
+        for ps, o in ((a, opt), (c, other)):
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            o.step()
+    for p, q in zip(a, c):
+        T.assert_bits(p.detach(), q.detach())
+    w, b = _params([(12, 20), (20,)], "cpu")
+    swapped = Muon([dict(params=[b], use_muon=False), dict(params=[w])])
+    with pytest.raises(ValueError, match=r"param group 0 of the checkpoint is a Muon group and "
+                                         r"this optimizer's is an AdamW group"):
+        swapped.load_state_dict(opt.state_dict())
+    assert not swapped.state
+    ta = torch.optim.AdamW([b])
+    b.grad = grads[0][1]
+    ta.step()
+    adamw = Muon([dict(params=[torch.nn.Parameter(b.detach().clone())], use_muon=False)])
+    adamw.load_state_dict(ta.state_dict())
+    assert adamw.param_groups[0]["use_muon"] is False
+
+
+@pytest.mark.parametrize("inner", ["torch", "mpext"])
+def test_mixed_precision_optimizer_around_muon(device, inner):
+    """MixedPrecisionOptimizer (FP32 masters of BF16 params, fixed loss scale) around a Muon:
+    torch.optim.Muon (a user's own) or mpext.optim.Muon in FP32 state. The masters are
+    torch.optim.Muon's FP32 params stepped with the same (unscaled, widened) gradients, bit
+    for bit, the model params their round to nearest even; a step with an inf is skipped."""
+    shapes = [(24, 40), (40, 24)]
+    lr = f32(0.02)
+    ref = _params(shapes, "cpu")
+    with torch.no_grad():
+        for q in ref:
+            q.copy_(q.bfloat16().float())
+    model = [torch.nn.Parameter(q.detach().to(device, BF16)) for q in ref]
+    make = torch.optim.Muon if inner == "torch" else Muon
+    opt = mpext.MixedPrecisionOptimizer(make(model, lr=lr), loss_scale=1024.0)
+    ref_opt = torch.optim.Muon(ref, lr=lr)
+    for k, grads in enumerate(_grads(shapes, 4)):
+        for p, q, g in zip(model, ref, grads):
+            p.grad = (g * 1024).to(device, BF16)
+            q.grad = (g * 1024).bfloat16().float() / 1024
+        if k == 2:
+            model[1].grad[3, 4] = float("inf")
+        opt.step()
+        opt.zero_grad()
+        if k != 2:
+            ref_opt.step()
+        for i, (p, q) in enumerate(zip(model, ref)):
+            T.assert_bits(opt.master_param(p).cpu(), q.detach(), "master %d step %d" % (i, k))
+            T.assert_bits(p.detach().cpu(), q.detach().bfloat16(), "param %d step %d" % (i, k))
+
+
+def test_mixed_precision_optimizer_refuses_muons_own_param_storage():
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=BF16))
+    for kw, text in ((dict(param_remainders=True), "param_remainders=True"),
+                     (dict(master_weights=False, stochastic_rounding=True),
+                      "master_weights=False")):
+        inner = Muon([p], **kw)
+        with pytest.raises(ValueError, match=r"inner Muon asks for %s, which "
+                                             r"MixedPrecisionOptimizer cannot honour" % text):
+            mpext.MixedPrecisionOptimizer(inner)
+        assert p.dtype == BF16 and inner.param_groups[0]["params"][0] is p

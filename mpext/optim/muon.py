@@ -69,6 +69,7 @@ class MuonGroup(NamedTuple):
     weight_decay: float
     ns_batched: bool
     storage: tuple  # storage_hyper(group)
+    ns_sharded: str = "designated"  # a sharded param's NS: "designated" or "all_gather"
 
 
 def adjust_lr_ratio(adjust_lr_fn: Optional[str], shape) -> float:
@@ -131,19 +132,87 @@ def _own_shard(owner: Any, whole: torch.Tensor) -> torch.Tensor:
     return rep.redistribute(mesh, owner.placements).to_local()
 
 
+def _shard_dim(owner: Any) -> Optional[tuple]:
+    """(process group, this rank's index in it, its size) of the one mesh dim over which the
+    DTensor param ``owner`` is Shard(0), its other dims Replicate (FSDP2, HSDP); else None."""
+    from torch.distributed.tensor import Replicate, Shard
+    pls = owner.placements
+    dims = [d for d, pl in enumerate(pls) if type(pl) is Shard and pl.dim == 0]
+    if len(dims) != 1 or not all(type(pl) is Replicate for d, pl in enumerate(pls)
+                                 if d != dims[0]):
+        return None
+    mesh = owner.device_mesh
+    return mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), mesh.size(dims[0])
+
+
+def _designated(owner: Any, u: torch.Tensor, k: int) -> tuple:
+    """Starts the gather of the sharded update ``u`` (this rank's Shard(0) rows of ``owner``)
+    to the rank k mod n of its shard group (round-robin over the step's params). The shards
+    go padded to torch.chunk's piece (uneven ones, empty ones), in fp32 on the CPU (gloo
+    carries it; exact). Returns (work, designated index, the pieces gathered there (None
+    elsewhere), this rank's padded piece, group, this rank's index)."""
+    import torch.distributed as dist
+    pg, me, n = _shard_dim(owner)
+    piece = -(-owner.shape[0] // n)  # torch.chunk's (DTensor's Shard(0)) rows per rank
+    send = u.new_zeros((piece,) + tuple(u.shape[1:]),
+                       dtype=F32 if u.device.type == "cpu" else u.dtype)
+    send[:u.shape[0]] = u
+    dst = k % n
+    pieces = [torch.empty_like(send) for _ in range(n)] if me == dst else None
+    work = dist.gather(send, pieces, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
+    return work, dst, pieces, send, pg, me
+
+
+def _scatter_back(ortho: Optional[torch.Tensor], state: tuple) -> tuple:
+    """Starts the scatter of the whole orthogonalised update ``ortho`` (on the designated
+    rank; None elsewhere) into the ranks' padded pieces; returns (work, this rank's piece)."""
+    import torch.distributed as dist
+    _, dst, pieces, send, pg, me = state
+    recv = torch.empty_like(send)
+    chunks = None
+    if me == dst:
+        whole = ortho.to(recv.dtype)
+        pad = whole.new_zeros((send.shape[0] * len(pieces) - whole.shape[0],)
+                              + tuple(whole.shape[1:]))
+        chunks = list(torch.cat([whole, pad]).split(send.shape[0]))
+    work = dist.scatter(recv, chunks, src=dist.get_global_rank(pg, dst), group=pg,
+                        async_op=True)
+    return work, recv
+
+
 @torch.compiler.disable
 def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor],
                    owners: Optional[list] = None) -> list:
     """Newton-Schulz of every update, eagerly even under torch.compile (a graph break): the
     same GEMM calls, so the same bits, as torch.optim.Muon's eager step. A sharded param's
-    update (``owners[i]`` its DTensor) is gathered whole first, orthogonalised on every rank,
-    and each rank keeps its own shard: the bits of one process."""
+    update (``owners[i]`` its DTensor) is orthogonalised whole: gathered to every rank, which
+    each run NS and keep their own shard (``ns_sharded="all_gather"``); or gathered to one
+    rank of its shard group, round-robin over the params, which runs NS and scatters the
+    shards back (``"designated"``: NS work divided among the ranks). Either way, the bits of
+    one process."""
     owners = owners or [None] * len(items)
-    updates = [u if o is None else _gather(o, u) for o, u in zip(owners, updates)]
+    local_rows = [u.shape[0] for u in updates]
+    designated: Dict[int, tuple] = {}
+    k = 0
+    for i, (o, it) in enumerate(zip(owners, items)):
+        if o is not None and it.hyper.ns_sharded == "designated" and _shard_dim(o) is not None:
+            designated[i] = _designated(o, updates[i], k)
+            k += 1
+    updates = [u if o is None or i in designated else _gather(o, u)
+               for i, (o, u) in enumerate(zip(owners, updates))]
+    for i, state in designated.items():
+        work, dst, pieces, _, _, me = state
+        work.wait()
+        # on the designated rank the whole update (BF16, as phase 1 wrote it; exact); nothing
+        # to orthogonalise elsewhere
+        updates[i] = torch.cat(pieces)[:owners[i].shape[0]].to(updates[i].dtype) \
+            if me == dst else None
     ortho = [None] * len(items)
     groups: Dict[tuple, List[int]] = {}
     for i, it in enumerate(items):
         h = it.hyper
+        if updates[i] is None:
+            continue
         if h.ns_batched:
             groups.setdefault((tuple(updates[i].shape), it.param.device, h.ns_coefficients,
                                h.ns_steps, h.eps), []).append(i)
@@ -156,7 +225,12 @@ def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor],
         out = newton_schulz(torch.stack([updates[i] for i in idx]), coeffs, steps, eps)
         for k, i in enumerate(idx):
             ortho[i] = out[k]
-    return [x if o is None else _own_shard(o, x) for o, x in zip(owners, ortho)]
+    scattered = {i: _scatter_back(ortho[i], state) for i, state in designated.items()}
+    for i, (work, recv) in scattered.items():
+        work.wait()
+        ortho[i] = recv[:local_rows[i]].to(torch.bfloat16)
+    return [x if o is None or i in designated else _own_shard(o, x)
+            for i, (o, x) in enumerate(zip(owners, ortho))]
 
 
 def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[torch.Tensor],
@@ -167,9 +241,15 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
     engine (decay and update in the param's format; one call per lr ratio)."""
     updates = []
     phase1 = []
+    widened = []
     for it in items:
         h = it.hyper
         device_step(it.state, it.param.device)
+        if it.grad.dtype is torch.float16:
+            # the kernel takes a gradient in the update's dtype (BF16, as NS reads it) or fp32:
+            # an fp16 gradient is widened (exact), its unscaled values written back after
+            widened.append((it.grad, it.grad.float()))
+            it = it._replace(grad=widened[-1][1])
         u = torch.empty_like(it.param, dtype=_update_dtype(it.grad))
         updates.append(u)
         # the update is a master-free scratch written to nearest even, its stream the param's;
@@ -182,6 +262,9 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
                                   store[4], store[5], 0.0)
         phase1.append(it._replace(param=u, state=st, storage=None, hyper=hyper))
     fused_step(phase1, lr_tensors, inv_scale, found_inf)
+    if inv_scale is not None:
+        for g, wide in widened:
+            g.copy_(wide)
     ortho = _orthogonalize(items, updates, owners)
     phase3 = []
     owners = owners or [None] * len(items)
@@ -258,6 +341,11 @@ class Muon(FusedOptimizer):
         exp_avg_dtype, exp_avg_sq_dtype: the AdamW groups' moments, as mpext.optim.AdamW's.
         ns_batched (bool): Newton-Schulz over same-shaped matrices as one batched matmul
             (default False: per matrix, torch's exact call).
+        ns_sharded (str): how a Shard(0) DTensor param (FSDP2, HSDP) is orthogonalised:
+            ``"designated"`` (default: one rank per param, round-robin, gathers the update,
+            runs NS and scatters the shards; measured faster, NS work divided) or
+            ``"all_gather"`` (every rank gathers the whole update and runs NS). The same
+            bits either way (docs/muon.md, "FSDP2 / DTensor").
         master_weights, param_remainders, stochastic_rounding, moment_rounding, seed,
         block_size, ema_decay, unscale_grads: as :class:`mpext.optim.Adam`'s.
 
@@ -286,7 +374,7 @@ class Muon(FusedOptimizer):
                  momentum_dtype: torch.dtype = F32, exp_avg_dtype: torch.dtype = F32,
                  exp_avg_sq_dtype: torch.dtype = F32, moment_rounding: str = "stochastic",
                  seed: int = 0, block_size: int = 256, ema_decay: Optional[float] = None,
-                 ns_batched: bool = False) -> None:
+                 ns_batched: bool = False, ns_sharded: str = "designated") -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:  # torch's checks, in its order
             raise ValueError("Tensor lr must be 1-element")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -299,7 +387,7 @@ class Muon(FusedOptimizer):
                         stochastic_rounding=stochastic_rounding, momentum_dtype=momentum_dtype,
                         exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
                         moment_rounding=moment_rounding, seed=seed, block_size=block_size,
-                        ema_decay=ema_decay, ns_batched=ns_batched)
+                        ema_decay=ema_decay, ns_batched=ns_batched, ns_sharded=ns_sharded)
         super().__init__(params, defaults)
 
     def _init_caches(self) -> None:
@@ -361,6 +449,12 @@ class Muon(FusedOptimizer):
             if not _is_real(eps) or not 0.0 <= eps or not math.isfinite(eps):
                 raise ValueError(f"Invalid epsilon value: {eps}")
             return
+        if group.get("maximize", False):
+            # torch.optim.Muon has no maximize, and the momentum kernel takes none: refused,
+            # not ignored (an AdamW group takes it)
+            raise ValueError("%s: maximize=True is not supported by a Muon group (torch.optim."
+                             "Muon has no maximize); negate the loss instead%s"
+                             % (self._name(), where))
         momentum = group.get("momentum")
         if not _is_real(momentum) or not 0.0 <= momentum or not math.isfinite(momentum):
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
@@ -386,10 +480,42 @@ class Muon(FusedOptimizer):
         if not isinstance(group.get("ns_batched", False), bool):
             raise TypeError("%s: ns_batched must be a bool, got %r%s"
                             % (self._name(), group.get("ns_batched"), where))
+        if group.get("ns_sharded", "designated") not in ("all_gather", "designated"):
+            raise ValueError("%s: ns_sharded must be 'all_gather' or 'designated', got %r%s"
+                             % (self._name(), group.get("ns_sharded"), where))
 
     _RULE = "Muon (torch.optim.Muon or mpext.optim.Muon)"
     _RULE_KEYS = ("lr", "weight_decay", "momentum", "ns_coefficients", "ns_steps")
     _TORCH_GROUP_DEFAULTS: Dict[str, Any] = {}  # torch.optim.Muon's groups have none of them
+
+    def _check_same_rule(self, saved: Dict[str, Any], state_dict: Dict[str, Any],
+                         gi: int) -> None:
+        # A checkpoint's group is checked against the rule of this optimizer's group gi: an
+        # AdamW group (use_muon=False) takes a mixed Muon's AdamW group (whose keys alone look
+        # like RAdam's: betas and eps, no amsgrad) or an Adam/AdamW group, never a Muon group.
+        mine = self.param_groups[gi] if gi < len(self.param_groups) else {}
+        theirs_muon = saved.get("use_muon") if isinstance(saved, dict) else None
+        if self._is_muon(mine):
+            if theirs_muon is False:
+                raise ValueError("%s.load_state_dict: param group %d of the checkpoint is an "
+                                 "AdamW group (use_muon=False) and this optimizer's is a Muon "
+                                 "group; make the groups in the same order. Nothing was loaded."
+                                 % (self._name(), gi))
+            return super()._check_same_rule(saved, state_dict, gi)
+        if theirs_muon is False:
+            return
+        if theirs_muon is True:
+            raise ValueError("%s.load_state_dict: param group %d of the checkpoint is a Muon "
+                             "group and this optimizer's is an AdamW group (use_muon=False); "
+                             "make the groups in the same order. Nothing was loaded."
+                             % (self._name(), gi))
+        from .adam import AdamW
+        self._RULE, self._RULE_KEYS = AdamW._RULE, AdamW._RULE_KEYS
+        try:
+            super()._check_same_rule(saved, state_dict, gi)
+        finally:
+            del self._RULE, self._RULE_KEYS
+        saved["use_muon"] = False  # (load_state_dict's copy) a torch AdamW group: AdamW's
 
     def _import_param_state(self, param: torch.Tensor, value: Any, group: Dict[str, Any],
                             key: Any) -> Dict[str, Any]:
@@ -402,6 +528,7 @@ class Muon(FusedOptimizer):
     def _fill_group(self, group: Dict[str, Any]) -> None:
         group.setdefault("use_muon", True)
         group.setdefault("ns_batched", False)
+        group.setdefault("ns_sharded", "designated")
 
     def _hyper(self, group: Dict[str, Any]) -> Any:
         if not self._is_muon(group):
@@ -410,7 +537,7 @@ class Muon(FusedOptimizer):
                          tuple(float(c) for c in group["ns_coefficients"]), float(group["eps"]),
                          int(group["ns_steps"]), group["adjust_lr_fn"],
                          float(group["weight_decay"]), bool(group.get("ns_batched", False)),
-                         storage_hyper(group))
+                         storage_hyper(group), str(group.get("ns_sharded", "designated")))
 
     def _items(self, only: Optional[set] = None):
         # Always the item list (no cached StepPlan): the launch runs three phases per param;
