@@ -22,32 +22,31 @@ void g_begin(group* g, const char* fmt, ...) {
   g->t0 = now_s();
 }
 
-void g_fail(group* g, const char* fmt, ...) {
+/* One failure of group g: printed in detail while there are few. */
+static void g_report(group* g, const char* fmt, va_list ap) {
   if (++g->bad <= MAX_DETAILS) {
-    va_list ap;
-    va_start(ap, fmt);
     printf("    %s: ", g->name);
     vprintf(fmt, ap);
     printf("\n");
-    va_end(ap);
   } else if (g->bad == MAX_DETAILS + 1) {
     printf("    %s: (further failures not shown)\n", g->name);
   }
 }
 
+void g_fail(group* g, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  g_report(g, fmt, ap);
+  va_end(ap);
+}
+
 int g_check(group* g, int cond, const char* fmt, ...) {
   g->count++;
   if (cond) return 1;
-  if (++g->bad <= MAX_DETAILS) {
-    va_list ap;
-    va_start(ap, fmt);
-    printf("    %s: ", g->name);
-    vprintf(fmt, ap);
-    printf("\n");
-    va_end(ap);
-  } else if (g->bad == MAX_DETAILS + 1) {
-    printf("    %s: (further failures not shown)\n", g->name);
-  }
+  va_list ap;
+  va_start(ap, fmt);
+  g_report(g, fmt, ap);
+  va_end(ap);
   return 0;
 }
 

@@ -420,7 +420,39 @@ static void test_codecs(uint64_t seed0) {
   free(r);
 }
 
+/* 11p. The moment formats' rows (mpext/formats/formats.h) give the map from a moment tensor's
+ *      dtype to its format: checked against the formats as the API documents them, for every
+ *      dtype and both moments (the first signed, the second non-negative; 8-bit codes pair the
+ *      signed int8 code with the non-negative uint8 one), and ids out of range refused. */
+static void test_moment_format_map(void) {
+  group g;
+  g_begin(&g, "moment formats: each stored dtype names the format of each moment (every dtype)");
+  /* [dtype][which]: the documented format, MP_FMT_COUNT for none; every mp_dtype value (the
+   * floating-point ones, then the codes' MP_I8 and MP_U8) and one past them */
+  enum { ND = MP_U8 + 2 };
+  int32_t want[ND][2];
+  for (int d = 0; d < ND; ++d) want[d][0] = want[d][1] = MP_FMT_COUNT;
+  want[MP_F32][0] = want[MP_F32][1] = MP_FMT_F32;
+  want[MP_BF16][0] = want[MP_BF16][1] = MP_FMT_BF16;
+  want[MP_I8][0] = MP_FMT_Q8S;
+  want[MP_U8][1] = MP_FMT_Q8U;
+  for (int d = -1; d < ND; ++d) {
+    for (int which = 0; which < 2; ++which) {
+      const int32_t w = d >= 0 ? want[d][which] : MP_FMT_COUNT;
+      const int32_t got = mp_format_for_moment(d, which);
+      g_check(&g, got == w, "dtype %d, moment %d: format %d, want %d", d, which, (int)got, (int)w);
+      g_check(&g, w == MP_FMT_COUNT || (mp_format_moment_ok(w, which) &&
+                                        mp_format_dtype(w) == d),
+              "dtype %d, moment %d: the row of format %d disagrees", d, which, (int)w);
+    }
+  }
+  g_check(&g, !mp_format_moment_ok(-1, 0) && !mp_format_moment_ok(MP_FMT_COUNT, 1),
+          "an id out of range accepted");
+  g_end(&g);
+}
+
 void run_tests(const sweep_opts* o, mp_isa initial_active) {
+  test_moment_format_map();
   test_q8_codec(o->seed);
   test_bf16_remainder_all();
   test_codecs(o->seed);
