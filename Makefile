@@ -114,18 +114,20 @@ $(BUILD_STAMP): $(BUILD_SOURCES) $(if $(PYTHON),,$(VENV)/.stamp) $(BUILD_FORCE)
 
 build-force:
 
-# The C core's own tests under AddressSanitizer + UndefinedBehaviorSanitizer (no torch needed).
-# Its sanitized core objects (build/core/asan-ubsan) are the ones cuda-emu links: compiled once.
+# The C core's own tests under AddressSanitizer + UndefinedBehaviorSanitizer (no torch needed):
+# every tests/c/test_*.c a binary of its own, run CPU-count at a time. Its sanitized core objects
+# (build/core/asan-ubsan) are the ones cuda-emu links: compiled once.
 ctest:
 	python3 tests/c/run.py
 
 ctest-valgrind:
 	python3 tests/c/run.py --no-sanitize --valgrind
 
-# The C tests on a core built without its fast paths (csrc/core/fast/README.md): the step's
-# pipeline alone must pass every one. Only step.c is compiled again (its objects beside the
-# others', which are shared with ctest). CTEST_NOFAST_ARGS go to the test binary (CI passes the
-# sparser sweeps of ctest-valgrind, which test no step, and --isa best).
+# The step's C tests (tests/c/test_step*.c, test_fast_paths.c) on a core built without its fast
+# paths (csrc/core/fast/README.md): the step's pipeline alone must pass every one; the other
+# tests never call the step, the only code that changes. Only step.c is compiled again (its
+# objects beside the others', which are shared with ctest). CTEST_NOFAST_ARGS go to the test
+# binaries (CI passes --isa best).
 CTEST_NOFAST_ARGS ?=
 ctest-nofast:
 	python3 tests/c/run.py --no-fast-paths $(if $(strip $(CTEST_NOFAST_ARGS)),-- $(CTEST_NOFAST_ARGS))

@@ -10,8 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ._common import PARAM_DTYPES as _PARAM_DTYPES, dtype_name as _dtype_name
-from ._common import Q8_BLOCK_MAX, Q8_BLOCK_MIN
-from ._common import is_dense as _is_dense, same_layout as _same_layout
+from ._common import is_dense as _is_dense
 
 __all__ = ["to_bf16", "to_fp16", "to_fp32", "cast_"]
 
@@ -618,14 +617,6 @@ def _check_fake_dense_named(t: torch.Tensor, op: str, name: str) -> None:
                  "on it first." % (op, name, _sizes(t), _strides(t)))
 
 
-def _check_hyper_fake(op, name, v, lo, hi, hi_open=True, lo_open=False):
-    """The C++ check_hyper: v finite and in [lo, hi) (the ends as asked), with its message."""
-    ok = (math.isfinite(v) and (lo < v if lo_open else lo <= v)
-          and (v < hi if hi_open else v <= hi))
-    torch._check_value(ok, lambda: "mpext.%s: %s must be in %s%g, %g%s, got %g"
-                       % (op, name, "(" if lo_open else "[", lo, hi, ")" if hi_open else "]", v))
-
-
 @torch.library.register_fake("mpext::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                     weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
@@ -633,19 +624,12 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
                     sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
                     block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ adam_rule and plan_step, in their order and with their messages, except the memory
-    overlap check (fake tensors have no addresses)."""
-    op = "adam_step_"
-
-    def check_rule():
-        for name, v, hi in (("beta1", beta1, 1.0), ("beta2", beta2, 1.0), ("eps", eps, math.inf),
-                            ("weight_decay", weight_decay, math.inf)):
-            _check_hyper_fake(op, name, v, 0.0, hi)
-
-    _step_fake(op, (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)),
-               (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
-               params, grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
-               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
+    _step_fake("adam_step_", params, lr, inv_scale, found_inf,
+               (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                ("steps", steps), ("masters", masters), ("remainders", remainders),
+                ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales),
+                ("ema_params", ema_params)))
 
 
 @torch.library.register_fake("mpext::lion_step_")
@@ -654,17 +638,11 @@ def _lion_step_fake(params, grads, exp_avgs, masters, steps, lr, beta1, beta2, w
                     remainders=None, master_free=False, stochastic_rounding=False,
                     moments_round_nearest=False, seed=0, sr_streams=None, exp_avg_scales=None,
                     block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ lion_rule and plan_step (see _adam_step_fake)."""
-    op = "lion_step_"
-
-    def check_rule():
-        _check_hyper_fake(op, "beta1", beta1, 0.0, 1.0, False)
-        _check_hyper_fake(op, "beta2", beta2, 0.0, 1.0, False)
-        _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
-
-    _step_fake(op, (("exp_avgs", exp_avgs),), (("exp_avg_scales", exp_avg_scales),), params,
-               grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
-               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
+    _step_fake("lion_step_", params, lr, inv_scale, found_inf,
+               (("grads", grads), ("exp_avgs", exp_avgs), ("steps", steps),
+                ("masters", masters), ("remainders", remainders),
+                ("exp_avg_scales", exp_avg_scales), ("ema_params", ema_params)))
 
 
 @torch.library.register_fake("mpext::sgd_step_")
@@ -674,25 +652,11 @@ def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum
                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
                    sr_streams=None, momentum_buffer_scales=None, block_size=256,
                    ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ sgd_rule and plan_step (see _adam_step_fake)."""
-    op = "sgd_step_"
-    torch._check_value(momentum != 0.0 or len(momentum_buffers) == 0,
-                       lambda: "mpext.%s: momentum is 0, which keeps no buffer, so "
-                       "momentum_buffers must be empty, got %d tensors"
-                       % (op, len(momentum_buffers)))
-
-    def check_rule():
-        _check_hyper_fake(op, "momentum", momentum, 0.0, math.inf)
-        _check_hyper_fake(op, "dampening", dampening, -math.inf, math.inf, lo_open=True)
-        _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
-        torch._check_value(not nesterov or (momentum > 0 and dampening == 0),
-                           lambda: "mpext.%s: Nesterov momentum requires a momentum and zero "
-                           "dampening" % op)
-
-    moments = (("momentum_buffers", momentum_buffers),) if momentum != 0.0 else ()
-    _step_fake(op, moments, (("momentum_buffer_scales", momentum_buffer_scales),), params,
-               grads, masters, steps, lr, check_rule, inv_scale, found_inf, remainders,
-               master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
+    _step_fake("sgd_step_", params, lr, inv_scale, found_inf,
+               (("grads", grads), ("momentum_buffers", momentum_buffers), ("steps", steps),
+                ("masters", masters), ("remainders", remainders),
+                ("momentum_buffer_scales", momentum_buffer_scales), ("ema_params", ema_params)))
 
 
 # muon
@@ -703,16 +667,11 @@ def _muon_momentum_step_fake(params, grads, momentum_buffers, masters, steps, lr
                              moments_round_nearest=False, seed=0, sr_streams=None,
                              momentum_buffer_scales=None, block_size=256, ema_params=None,
                              ema_decay=0.0, offsets=None):
-    """The checks of the C++ muon_momentum_rule and plan_step (see _adam_step_fake)."""
-    op = "muon_momentum_step_"
-
-    def check_rule():
-        _check_hyper_fake(op, "momentum", momentum, 0.0, math.inf)
-
-    _step_fake(op, (("momentum_buffers", momentum_buffers),),
-               (("momentum_buffer_scales", momentum_buffer_scales),), params, grads, masters,
-               steps, lr, check_rule, inv_scale, found_inf, remainders, master_free, sr_streams,
-               block_size, ema_params, ema_decay, offsets)
+    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
+    _step_fake("muon_momentum_step_", params, lr, inv_scale, found_inf,
+               (("grads", grads), ("momentum_buffers", momentum_buffers), ("steps", steps),
+                ("masters", masters), ("remainders", remainders),
+                ("momentum_buffer_scales", momentum_buffer_scales), ("ema_params", ema_params)))
 
 
 @torch.library.register_fake("mpext::muon_update_step_")
@@ -721,182 +680,36 @@ def _muon_update_step_fake(params, grads, masters, steps, lr, lr_ratio, weight_d
                            master_free=False, stochastic_rounding=False,
                            moments_round_nearest=False, seed=0, sr_streams=None,
                            block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
-    """The checks of the C++ muon_update_rule and plan_step (see _adam_step_fake)."""
-    op = "muon_update_step_"
-
-    def check_rule():
-        _check_hyper_fake(op, "lr_ratio", lr_ratio, 0.0, math.inf, lo_open=True)
-        _check_hyper_fake(op, "weight_decay", weight_decay, 0.0, math.inf)
-
-    _step_fake(op, (), (), params, grads, masters, steps, lr, check_rule, inv_scale, found_inf,
-               remainders, master_free, sr_streams, block_size, ema_params, ema_decay, offsets)
+    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
+    _step_fake("muon_update_step_", params, lr, inv_scale, found_inf,
+               (("grads", grads), ("steps", steps), ("masters", masters),
+                ("remainders", remainders), ("ema_params", ema_params)))
 
 
-def _step_fake(op, moments, scales, params, grads, masters, steps, lr, check_rule, inv_scale,
-               found_inf, remainders, master_free, sr_streams, block_size, ema_params,
-               ema_decay, offsets):
-    """The checks of the C++ plan_step for any rule: ``moments`` its (name, list) pairs (as
-    many as it keeps), ``scales`` the (name, list) of their 8-bit scales."""
-    n = len(params)
-    nmom = len(moments)
-    for name, ts in (("grads", grads),) + tuple(moments) + (("steps", steps),):
-        torch._check_value(len(ts) == n, lambda: "mpext.%s: %s must have one entry per param "
-                           "(%d), got %d" % (op, name, n, len(ts)))
-    torch._check_value(len(masters) in (0, n), lambda: "mpext.%s: masters must be empty or have "
-                       "one entry per param (%d), got %d" % (op, n, len(masters)))
-    remainders = remainders or []
-    torch._check_value(len(remainders) in (0, n), lambda: "mpext.%s: remainders must be empty or "
-                       "have one entry per param (%d), got %d" % (op, n, len(remainders)))
-    ema_params = ema_params or []
-    torch._check_value(len(ema_params) in (0, n), lambda: "mpext.%s: ema_params must be empty or "
-                       "have one entry per param (%d), got %d" % (op, n, len(ema_params)))
-    if sr_streams is not None:
-        torch._check_value(len(sr_streams) == n, lambda: "mpext.%s: sr_streams must have one "
-                           "entry per param (%d), got %d" % (op, n, len(sr_streams)))
-        for i, k in enumerate(sr_streams):
-            torch._check_value(0 <= k <= 0xFFFFFFFF, lambda: "mpext.%s: sr_streams[%d] must be in "
-                               "[0, 2^32), got %d" % (op, i, k))
-    if offsets is not None:
-        torch._check_value(len(offsets) == n, lambda: "mpext.%s: offsets must have one entry per "
-                           "param (%d), got %d" % (op, n, len(offsets)))
-        for i, k in enumerate(offsets):
-            torch._check_value(k >= 0, lambda: "mpext.%s: offsets[%d] must be >= 0 (the position "
-                               "of the tensor's first element in its whole param), got %d"
-                               % (op, i, k))
-    scale_lists = tuple((name, ts or []) for name, ts in scales)
-    for name, ts in scale_lists:
-        torch._check_value(len(ts) in (0, n), lambda: "mpext.%s: %s must be empty or have one "
-                           "entry per param (%d), got %d" % (op, name, n, len(ts)))
-    torch._check_value(Q8_BLOCK_MIN <= block_size <= Q8_BLOCK_MAX
-                       and block_size & (block_size - 1) == 0,
-                       lambda: "mpext.%s: block_size must be a power of two in [%d, %d], got %d"
-                       % (op, Q8_BLOCK_MIN, Q8_BLOCK_MAX, block_size))
-    check_rule()
-    torch._check_value(math.isfinite(ema_decay) and 0.0 <= ema_decay <= 1.0,
-                       lambda: "mpext.%s: ema_decay must be in [0, 1], got %g" % (op, ema_decay))
+def _step_fake(op, params, lr, inv_scale, found_inf, lists):
+    """The fake kernel of every rule's step op. A step writes its arguments in place and
+    returns nothing, so tracing (torch.compile, FakeTensorMode) needs nothing of it: it checks
+    no argument, and a bad one meets the C++ planner (plan_step) when the op runs, with the
+    planner's exception and message, as in eager mode. The planner's messages live there
+    alone.
 
-    # With no params there is no device to agree with: each scalar is checked on its own.
-    def device_for(t):
-        return params[0].device if n else t.device
-
-    _check_fake_scalar(lr, op, "lr", torch.float32, 1, device_for(lr), "params[0]", cpu_ok=True)
-    if inv_scale is not None:
-        _check_fake_scalar(inv_scale, op, "inv_scale", torch.float32, 1, device_for(inv_scale),
-                           "params[0]")
-    if found_inf is not None:
-        _check_fake_scalar(found_inf, op, "found_inf", torch.float32, 1, device_for(found_inf),
-                           "params[0]")
-    if n == 0:
+    One call ends here and in no real kernel: meta tensors mixed with tensors on a real device
+    (the dispatcher picks the Meta kernel for a meta tensor in a required list or scalar). It
+    is refused as the planner refuses two devices, in its order (lr, inv_scale, found_inf, then
+    each param's tensors; ``lists``: the (name, list or None) pairs after params) and wording;
+    a call on meta tensors alone is a no-op."""
+    if not params:  # the planner then checks each scalar on its own device: nothing to mix
         return None
-    device = params[0].device
-
-    def check_device(t, name):
-        _check_fake_device(t, op, name, device, "params[0]")
-
-    def check_layout(t, name, pname, p):
-        torch._check_value(_same_layout(t, p), lambda: "mpext.%s: %s (sizes %s, strides %s) "
-                           "must match %s (sizes %s, strides %s)" % (op, name, _sizes(t),
-                                                                    _strides(t), pname,
-                                                                    _sizes(p), _strides(p)))
-
-    for i in range(n):
-        p, g, s = params[i], grads[i], steps[i]
-        pn, gn = "params[%d]" % i, "grads[%d]" % i
-        mv = [(ts[i], "%s[%d]" % (name, i)) for name, ts in moments]
-        sn, wn = "steps[%d]" % i, "masters[%d]" % i
-        for t, name in [(p, pn), (g, gn)] + mv:
-            check_device(t, name)
-        torch._check(p.dtype in _PARAM_DTYPES, lambda: "mpext.%s: %s must have dtype float32 "
-                     "or bfloat16 or float16, got %s" % (op, pn, _dtype_name(p.dtype)))
-        torch._check(g.dtype == p.dtype or g.dtype == torch.float32,
-                     lambda: "mpext.%s: %s must have the dtype of %s (%s) or float32, got %s"
-                     % (op, gn, pn, _dtype_name(p.dtype), _dtype_name(g.dtype)))
-        for (t, name), q in zip(mv, (torch.int8, torch.uint8)):
-            torch._check(t.dtype in (torch.float32, torch.bfloat16, q), lambda: "mpext.%s: %s "
-                         "must have dtype float32 or bfloat16 or %s, got %s"
-                         % (op, name, _dtype_name(q), _dtype_name(t.dtype)))
-        q8 = nmom >= 1 and mv[0][0].dtype == torch.int8
-        mn = mv[0][1] if nmom >= 1 else ""
-        if nmom >= 2:
-            (m, _), (v, vn) = mv
-            torch._check(q8 == (v.dtype == torch.uint8), lambda: "mpext.%s: %s is %s (8-bit "
-                         "moment codes), so %s must be %s, got %s"
-                         % (op, mn if q8 else vn, "int8" if q8 else "uint8", vn if q8 else mn,
-                            "uint8" if q8 else "int8", _dtype_name((v if q8 else m).dtype)))
-        offset = offsets[i] if offsets is not None else 0
-        torch._check_value(not q8 or offset % block_size == 0, lambda: "mpext.%s: offsets[%d] "
-                           "(%d) must be a multiple of block_size (%d) for %s's 8-bit codes: a "
-                           "block is coded whole, by one tensor"
-                           % (op, i, offset, block_size, mn))
-        _check_fake_scalar(s, op, sn, torch.float32, 1, device, "params[0]")
-        for t, name in [(p, pn), (g, gn)] + mv:
-            _check_fake_dense_named(t, op, name)
-        for t, name in [(g, gn)] + mv:
-            check_layout(t, name, pn, p)
-        low = p.dtype != torch.float32
-
-        def storage_of(w, name, dtype):
-            check_device(w, name)
-            torch._check(w.dtype == dtype, lambda: "mpext.%s: %s must have dtype %s, got %s"
-                         % (op, name, _dtype_name(dtype), _dtype_name(w.dtype)))
-            if w.numel() == 0 and (p.numel() != 0 or not low):
-                return False
-            torch._check_value(low, lambda: "mpext.%s: %s is float32 and takes no master, "
-                               "so %s must be an empty tensor, got %s elements"
-                               % (op, pn, name, w.numel()))
-            _check_fake_dense_named(w, op, name)
-            check_layout(w, name, pn, p)
-            return True
-
-        has_master = bool(masters) and storage_of(masters[i], wn, torch.float32)
-        has_remainder = False
-        if remainders:
-            rn = "remainders[%d]" % i
-            has_remainder = storage_of(remainders[i], rn, torch.int16)
-            torch._check_value(not has_remainder or p.dtype == torch.bfloat16,
-                               lambda: "mpext.%s: %s is given but %s is %s; only a bfloat16 "
-                               "param is its fp32 value's high half"
-                               % (op, rn, pn, _dtype_name(p.dtype)))
-            torch._check_value(not (has_master and has_remainder),
-                               lambda: "mpext.%s: %s has both a master (%s) and a remainder "
-                               "(%s); give one of them" % (op, pn, wn, rn))
-        torch._check_value(not low or has_master or has_remainder or master_free,
-                           lambda: "mpext.%s: %s is %s and needs an fp32 master (masters[%d])%s"
-                           "; pass master_free=True to update it in place without one"
-                           % (op, pn, _dtype_name(p.dtype), i,
-                              " or a remainder (remainders[%d])" % i
-                              if p.dtype == torch.bfloat16 else ""))
-        for j, (name, ts) in enumerate(scale_lists):
-            sn = "%s[%d]" % (name, i)
-            if not ts:
-                torch._check_value(not q8 or j >= nmom, lambda: "mpext.%s: %s holds 8-bit codes, which need "
-                                   "%s (one float32 scale per block of %d elements); got none"
-                                   % (op, mn, name, block_size))
-                continue
-            sc = ts[i]
-            check_device(sc, sn)
-            torch._check(sc.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype "
-                         "float32, got %s" % (op, sn, _dtype_name(sc.dtype)))
-            if not q8 or j >= nmom:
-                torch._check_value(sc.numel() == 0, lambda: "mpext.%s: %s must be an empty "
-                                   "tensor (%s is not 8-bit), got %d elements"
-                                   % (op, sn, mn if j < nmom else "the rule keeps no such moment",
-                                      sc.numel()))
-                continue
-            want = (p.numel() + block_size - 1) // block_size
-            torch._check_value(sc.numel() == want, lambda: "mpext.%s: %s must have %d elements "
-                               "(one per block of %d elements of %s), got %d"
-                               % (op, sn, want, block_size, pn, sc.numel()))
-            if want:
-                _check_fake_dense_named(sc, op, sn)
-        if ema_params:
-            e, en = ema_params[i], "ema_params[%d]" % i
-            check_device(e, en)
-            torch._check(e.dtype == torch.float32, lambda: "mpext.%s: %s must have dtype float32, "
-                         "got %s" % (op, en, _dtype_name(e.dtype)))
-            if e.numel() > 0 or p.numel() == 0:
-                _check_fake_dense_named(e, op, en)
-                check_layout(e, en, pn, p)
+    named = [("lr", lr, True), ("inv_scale", inv_scale, False), ("found_inf", found_inf, False)]
+    for i, p in enumerate(params):
+        named.append(("params[%d]" % i, p, False))
+        named += [("%s[%d]" % (name, i), ts[i], False) for name, ts in lists
+                  if ts is not None and i < len(ts)]
+    named = [(name, t, cpu_ok) for name, t, cpu_ok in named if isinstance(t, torch.Tensor)]
+    if not any(t.device.type == "meta" for _, t, _ in named):
+        return None
+    for name, t, cpu_ok in named:
+        _check_fake_device(t, op, name, params[0].device, "params[0]", cpu_ok)
     return None
 
 

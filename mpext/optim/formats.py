@@ -482,6 +482,10 @@ class MomentFormat:
         """The dtype of the stored values or codes of ``quantity`` (what the groups keep)."""
         return self.dtype
 
+    def storage_dtypes(self) -> Tuple[torch.dtype, ...]:
+        """Every dtype its values or codes are stored in (each names this format alone)."""
+        return (self.dtype,)
+
     def accepts(self, value: Any, quantity: Quantity) -> bool:
         """Whether a moment setting names this format: the object, its name, its storage
         dtype for the quantity or that dtype's name."""
@@ -586,6 +590,9 @@ class BlockCodeFormat(MomentFormat):
 
     def storage_dtype(self, quantity: Quantity) -> torch.dtype:
         return self.signed_dtype if quantity.signed else self.unsigned_dtype
+
+    def storage_dtypes(self) -> Tuple[torch.dtype, ...]:
+        return (self.signed_dtype, self.unsigned_dtype)
 
     def for_param(self, param: torch.Tensor) -> MomentFormat:
         return self.small if param.numel() < MIN_8BIT_NUMEL else self
@@ -734,16 +741,17 @@ FP32 = MomentFormat("float32", 4, dtype=F32)
 BF16 = MomentFormat("bfloat16", 2, dtype=BF16_DTYPE, draws_bits=True)
 Q8 = BlockCodeFormat("q8", "q8", torch.int8, torch.uint8, small=FP32)  # fp32 absmax per block
 # The table: every moment format, by name. A new format is its object (and its C codec) and a
-# row here (and in tests/optim_table.py); docs/lean_state.md, "Format objects".
+# row here (and in tests/optim_table.py); docs/lean_state.md, "Format objects". What follows
+# is derived from it.
 MOMENT_FORMATS = {f.name: f for f in (FP32, BF16, Q8)}
 _CODED = tuple(f for f in MOMENT_FORMATS.values() if f.code is not None)
 _VALUES = tuple(f for f in MOMENT_FORMATS.values() if f.code is None)
 # The format each storage dtype belongs to (the groups keep dtypes).
-FORMAT_OF_DTYPE = {F32: FP32, BF16_DTYPE: BF16, torch.int8: Q8, torch.uint8: Q8}
+FORMAT_OF_DTYPE = {dt: f for f in MOMENT_FORMATS.values() for dt in f.storage_dtypes()}
 _VALUE_OF_DTYPE = {f.dtype: f for f in _VALUES}
 # The names state_dict() gives the groups' dtypes (torch's gather of full state dicts takes no
 # dtype objects), which load_state_dict and the groups take back.
-DTYPE_NAMES = {F32: "float32", BF16_DTYPE: "bfloat16", torch.int8: "int8", torch.uint8: "uint8"}
+DTYPE_NAMES = {dt: dtype_name(dt) for dt in FORMAT_OF_DTYPE}
 _DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 # Kept as the fixed strings of the earlier suffix constants: "<quantity>_q8", "..._q8_scale".
 CODE_SUFFIX, SCALE_SUFFIX = "_q8", "_q8_scale"

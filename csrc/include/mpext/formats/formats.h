@@ -7,8 +7,10 @@
  * elements are coded in blocks of the options' q8_block with one fp32 absmax scale per block
  * (the tensor's exp_avg_scale / exp_avg_sq_scale), SIGNED 1 when it holds values of either sign
  * (a first moment must; a second moment, non-negative, may be in either). A pair of moments in
- * block formats is coded block by block together, so both or neither are. The codecs themselves: mpext/formats/bf16.h,
- * mpext/formats/q8.h (shared by both tiers), the CPU's tile loops in csrc/core/formats/tiles.h.
+ * block formats is coded block by block together, so both or neither are: the first (signed)
+ * moment in the signed one, the second in the non-negative one. The codecs themselves: the
+ * 16-bit roundings of mpext/numerics.h, mpext/formats/q8.h (shared by both tiers), the CPU's
+ * tile loops in csrc/core/formats/tiles.h.
  *
  * The format of a moment is an id, not a tensor dtype: the C++ layer maps the op's tensors to
  * ids in one place (csrc/torch/step_common.cpp, moment_format), and the ops' schemas still take
@@ -61,6 +63,24 @@ MP_HD mp_format_info mp_format_of(int32_t f) {
 }
 
 MP_HD int32_t mp_format_dtype(int32_t f) { return mp_format_of(f).dtype; }
+
+/* 1 if format f can hold moment `which` of a rule (0: the first, signed; 1: the second,
+ * non-negative), from its row: the first needs a signed format; the second takes any but a
+ * signed block code (a pair of block codes is the signed one with the non-negative one). */
+MP_HD int mp_format_moment_ok(int32_t f, int which) {
+  const mp_format_info info = mp_format_of(f);
+  return mp_format_ok(f) && (which == 0 ? info.is_signed : !(info.block && info.is_signed));
+}
+
+/* The format of moment `which` (as mp_format_moment_ok) stored as mp_dtype d -- the map from a
+ * moment tensor's dtype to its id, from the rows (each dtype names one format) -- or
+ * MP_FMT_COUNT if no format of the moment is stored so. */
+MP_HD int32_t mp_format_for_moment(int32_t d, int which) {
+  for (int32_t f = 0; f < MP_FMT_COUNT; ++f) {
+    if (mp_format_dtype(f) == d && mp_format_moment_ok(f, which)) return f;
+  }
+  return MP_FMT_COUNT;
+}
 MP_HD int mp_format_bytes(int32_t f) { return mp_format_of(f).bytes; }
 MP_HD int mp_format_block(int32_t f) { return mp_format_of(f).block; }
 MP_HD int mp_format_signed(int32_t f) { return mp_format_of(f).is_signed; }

@@ -1,0 +1,247 @@
+/* The fast paths (csrc/core/fast/README.md): every storage mode stepped through the kernel
+ * table's step (a hand-fused row where one matches) and through step_generic (the tile pipeline
+ * alone), every byte compared, on every ISA path this CPU supports. Built without the fast
+ * paths (run.py --no-fast-paths) both are the pipeline and it passes as well. */
+#include "test_common.h"
+
+#include "mpext/step.h"
+#include "mpext/step_storage.h"
+#include "formats/tiles.h"
+#include "isa.h"
+
+#include "test_step.h"
+
+/* 11n. The hand-fused loops the engine keeps (csrc/core/fast/adam_fused.c) against its tile
+ *      pipeline alone (the kernel table's adam_step_generic): every valid storage mode (param
+ *      and grad dtype, master / remainder / none with either rounding, fp32 / bf16 / 8-bit
+ *      moments, write-back, bf16 moments to nearest, ema) on every ISA path, three steps from
+ *      the same random state with NaN/Inf/ties among the values, the range also stepped from
+ *      an offset; every byte of every array must agree. The modes without a fused loop check
+ *      that the dispatch falls through to the pipeline unchanged. */
+
+static const mp_kernel_table* kernels_of(mp_isa isa) {
+#if defined(MP_X86_PATHS)
+  if (isa == MP_ISA_AVX2) return &mp_kernels__avx2;
+  if (isa == MP_ISA_AVX512) return &mp_kernels__avx512;
+#endif
+  return &mp_kernels__scalar;
+}
+
+typedef struct fused_state {
+  void *p, *g, *m, *v;
+  float *master, *ema, *ms, *vs;
+  int16_t* rem;
+} fused_state;
+
+/* fp32 bits u stored as dtype t (to nearest even). */
+static uint32_t fused_narrow(mp_dtype t, uint32_t u) {
+  return t == MP_F32 ? u : t == MP_BF16 ? mp_bf16_rne_bits(u) : mp_fp16_rne_bits(u);
+}
+
+static void fused_alloc(fused_state* st, int n) {
+  const size_t sizes[9] = {4, 4, 4, 4, 4, 4, 2, 4, 4};
+  void** arrays[9] = {&st->p, &st->g, &st->m, &st->v, (void**)&st->master, (void**)&st->ema,
+                      (void**)&st->rem, (void**)&st->ms, (void**)&st->vs};
+  for (int k = 0; k < 9; ++k) *arrays[k] = xmalloc((size_t)(k >= 7 ? 4 : n) * sizes[k]);
+}
+
+static void fused_free(fused_state* st) {
+  free(st->p);
+  free(st->g);
+  free(st->m);
+  free(st->v);
+  free(st->master);
+  free(st->ema);
+  free(st->rem);
+  free(st->ms);
+  free(st->vs);
+}
+
+/* 1 if n elements of dtype t at a and b have the same bits, or are both NaN: a NaN's sign and
+ * payload are not specified (x86 gives an invalid operation's NaN the sign bit and propagates
+ * an operand's, so they follow the compiler's choice of operand order and of vector or scalar
+ * code, which -O1 and -O3 builds of one loop make differently). */
+static int fused_values_agree(const void* a, const void* b, mp_dtype t, int n) {
+  for (int i = 0; i < n; ++i) {
+    const uint32_t x = a_get(a, t, (size_t)i), y = a_get(b, t, (size_t)i);
+    if (x != y && !(a_isnan(t, x) && a_isnan(t, y))) return 0;
+  }
+  return 1;
+}
+
+/* A mode as the tests below step it. */
+typedef struct fused_mode {
+  mp_dtype pt, gt, md, vd;
+  int kind, wb, nearest, ema;
+} fused_mode;
+
+/* Three steps of mode fm from one random state through kt's adam_step and its
+ * adam_step_generic, each range split in two; 1 if every value agrees (fused_values_agree). */
+static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t s, int variant) {
+  enum { N = 3 * 256 + 77 };
+  const mp_dtype pt = fm->pt, gt = fm->gt, md = fm->md, vd = fm->vd;
+  fused_state st[2];
+  fused_alloc(&st[0], N);
+  fused_alloc(&st[1], N);
+  for (int i = 0; i < N; ++i) {
+    const double u = (double)(splitmix64(&s) >> 11) * 0x1p-53 - 0.5;
+    float gv = (float)(1e-3 * (u + 0.1));
+    /* 8-bit moments: the first two blocks finite, so that their new scales are too (a NaN
+     * anywhere in a block makes its reference NaN), the second with values near 2^-100 (the
+     * encode's scale is then two fp32 factors); the third finite for its first 64 (a NaN
+     * after a vector loop's chunks) */
+    const int specials = md != MP_I8 || i >= 576;
+    if (md == MP_I8 && i >= 256 && i < 512) gv *= 1e-27f;
+    if (specials && i % 101 == 7) gv = NAN;
+    if (specials && i % 103 == 9) gv = -INFINITY;
+    uint32_t pb = bits_of((float)(0.05 * u));
+    if (i % 16 == 3) pb = (pb & ~0x1FFFFu) | 0x08000u; /* a tie above an even bf16 */
+    /* NaNs whose payload fills every bit (a NaN master, a NaN fp32 grad): rounded to 16 bits
+     * as if they were numbers they carry into the sign bit, so a vector loop that skips its
+     * NaN test gives -0.0 where the scalar rule keeps the NaN */
+    if (specials && i % 107 == 11) pb = 0x7FFFFFFFu;
+    uint32_t gb = bits_of(gv);
+    if (specials && i % 109 == 13) gb = 0xFFFFFFFFu;
+    a_put(st[0].p, pt, (size_t)i, pt == MP_F32 ? pb : fused_narrow(pt, pb) | (pb == 0x7FFFFFFFu ? 0x7FFFu : 0u));
+    a_put(st[0].g, gt, (size_t)i, gt == MP_F32 ? gb : fused_narrow(gt, gb) | (gb == 0xFFFFFFFFu ? 0xFFFFu : 0u));
+    st[0].master[i] = f32_of(pb);
+    st[0].ema[i] = f32_of(pb);
+    st[0].rem[i] = pb == 0x7FFFFFFFu ? (int16_t)-1 : (int16_t)(splitmix64(&s) & 0x7FFF);
+    if (md == MP_I8) {
+      ((uint8_t*)st[0].m)[i] = (uint8_t)splitmix64(&s);
+      ((uint8_t*)st[0].v)[i] = (uint8_t)splitmix64(&s);
+    } else {
+      a_put(st[0].m, md, (size_t)i, fused_narrow(md, bits_of((float)(1e-4 * u))));
+      a_put(st[0].v, vd, (size_t)i, fused_narrow(vd, bits_of((float)(1e-8 * (u + 0.5)))));
+    }
+  }
+  for (int b = 0; b < 4; ++b) {
+    st[0].ms[b] = (b == 1 && md == MP_I8 ? 1e-30f : 1e-4f) * (float)(b + 1);
+    st[0].vs[b] = (b == 1 && md == MP_I8 ? 1e-38f : 1e-8f) * (float)(b + 1);
+  }
+  memcpy(st[1].p, st[0].p, N * 4);
+  memcpy(st[1].g, st[0].g, N * 4);
+  memcpy(st[1].m, st[0].m, N * 4);
+  memcpy(st[1].v, st[0].v, N * 4);
+  memcpy(st[1].master, st[0].master, N * 4);
+  memcpy(st[1].ema, st[0].ema, N * 4);
+  memcpy(st[1].rem, st[0].rem, N * 2);
+  memcpy(st[1].ms, st[0].ms, 16);
+  memcpy(st[1].vs, st[0].vs, 16);
+  mp_step_options o;
+  memset(&o, 0, sizeof o);
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.eps = 1e-8;
+  o.weight_decay = 0.01;
+  o.decoupled = (variant & 1) == 0;
+  o.maximize = (variant % 7) == 3;
+  o.lr_value = 1e-3f;
+  o.unscale_grads = fm->wb;
+  o.sr_params = fm->kind == MP_PV_NONE_SR;
+  o.moments_nearest = fm->nearest;
+  o.seed = s;
+  o.q8_block = 256;
+  o.ema_decay = fm->ema ? 0.99 : 0.0; /* 0: what a group without an ema passes */
+  float step[2] = {0.0f, 0.0f};
+  for (int it = 0; it < 3; ++it) {
+    const float inv = it == 1 ? 2.0f : 0.5f;
+    const mp_step_scalars sc = mp_step_scalars_of(&o, step[0], inv, 5u);
+    const mp_rule_scalars rc = mp_rule_scalars_of(&o, 1e-3f, step[0]);
+    for (int c = 0; c < 2; ++c) {
+      mp_step_tensor t;
+      memset(&t, 0, sizeof t);
+      t.param = st[c].p;
+      t.param_dtype = pt;
+      t.grad = st[c].g;
+      t.grad_dtype = gt;
+      t.master = fm->kind == MP_PV_MASTER ? st[c].master : NULL;
+      t.remainder = fm->kind == MP_PV_REMAINDER ? st[c].rem : NULL;
+      t.exp_avg = st[c].m;
+      t.exp_avg_sq = st[c].v;
+      t.exp_avg_format = fmt_of(md);
+      t.exp_avg_sq_format = fmt_of(vd);
+      t.exp_avg_scale = md == MP_I8 ? st[c].ms : NULL;
+      t.exp_avg_sq_scale = md == MP_I8 ? st[c].vs : NULL;
+      t.ema = fm->ema ? st[c].ema : NULL;
+      t.step = &step[c];
+      t.n = N;
+      t.sr_stream = 5u;
+      /* two ranges: [0, 256) and the rest, as threads would split it */
+      (c == 0 ? kt->step : kt->step_generic)(&t, 0, 256, &sc, &rc);
+      (c == 0 ? kt->step : kt->step_generic)(&t, 256, N - 256, &sc, &rc);
+      step[c] += 1.0f;
+    }
+  }
+  int same = fused_values_agree(st[0].p, st[1].p, pt, N) &&
+             fused_values_agree(st[0].g, st[1].g, gt, N) &&
+             fused_values_agree(st[0].master, st[1].master, MP_F32, N) &&
+             fused_values_agree(st[0].ema, st[1].ema, MP_F32, N);
+  for (int i = 0; i < N; ++i) { /* a NaN master's remainder is its payload's low half */
+    if (!(a_isnan(pt, a_get(st[0].p, pt, (size_t)i)) && a_isnan(pt, a_get(st[1].p, pt, (size_t)i))))
+      same = same && st[0].rem[i] == st[1].rem[i];
+  }
+  if (md == MP_I8) { /* a block whose scale is NaN reads as NaN whatever its codes */
+    same = same && fused_values_agree(st[0].ms, st[1].ms, MP_F32, 4) &&
+           fused_values_agree(st[0].vs, st[1].vs, MP_F32, 4);
+    for (int i = 0; i < N; ++i) {
+      const int b = i / 256;
+      if (!isnan(st[0].ms[b]) || !isnan(st[1].ms[b]))
+        same = same && ((uint8_t*)st[0].m)[i] == ((uint8_t*)st[1].m)[i];
+      if (!isnan(st[0].vs[b]) || !isnan(st[1].vs[b]))
+        same = same && ((uint8_t*)st[0].v)[i] == ((uint8_t*)st[1].v)[i];
+    }
+  } else {
+    same = same && fused_values_agree(st[0].m, st[1].m, md, N) &&
+           fused_values_agree(st[0].v, st[1].v, vd, N);
+  }
+  fused_free(&st[0]);
+  fused_free(&st[1]);
+  return same;
+}
+
+static void test_adam_fused_vs_generic(uint64_t seed0) {
+  const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
+  group g;
+  g_begin(&g, "adam: hand-fused loops = the tile pipeline, every storage mode and ISA path");
+  int modes = 0;
+  for (int k = 0; k < g_nisa; ++k) {
+    const mp_kernel_table* kt = kernels_of(g_isas[k]);
+    /* every valid mode: param and grad dtype, storage, moments (fp32, bf16, mixed, 8-bit),
+     * write-back, nearest, ema */
+    for (int code = 0; code < 3 * 2 * 5 * 4 * 8; ++code) {
+      const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
+      const int flags = code / 120;
+      fused_mode fm;
+      fm.pt = dts[pi];
+      fm.gt = gi ? MP_F32 : fm.pt;
+      fm.kind = kind;
+      fm.md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
+      fm.vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
+      fm.wb = flags & 1;
+      fm.nearest = (flags >> 1) & 1;
+      fm.ema = flags >> 2;
+      if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
+      if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
+      const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
+      /* each mode as Adam and as AdamW (variant's low bit), which the fused loops build apart */
+      for (int j = 0; j < 2 + (fm.md == MP_I8); ++j) {
+        /* 8-bit moments: AdamW's usual case too (variant 0), the one their vector loops take */
+        const int variant = j < 2 ? 2 * code + j : 0;
+        g.count++;
+        g_check(&g, fused_same(kt, &fm, s, variant),
+                "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d %s: the "
+                "fused step differs from the pipeline", mp_isa_name(g_isas[k]), U_NAME[pi],
+                U_NAME[gi ? 0 : pi], kind, (int)fm.md, (int)fm.vd, fm.wb, fm.nearest, fm.ema,
+                variant & 1 ? "adam" : "adamw");
+      }
+      modes++;
+    }
+  }
+  printf("      %d modes x paths compared\n", modes);
+  g_end(&g);
+}
+
+void run_tests(const sweep_opts* o, mp_isa initial_active) {
+  test_adam_fused_vs_generic(o->seed);
+}
