@@ -387,11 +387,8 @@ def test_fake_tensor_mode():
         w = [torch.empty(0), torch.empty(3)]
         s = [torch.zeros(()), torch.zeros(())]
         assert ops.adam_step_(p, g, m, v, w, s, 1e-3, found_inf=torch.zeros(())) is None
-        with pytest.raises(RuntimeError, match=r"grads\[1\] must have the dtype of params\[1\] "
-                                               r"\(bfloat16\) or float32, got float16"):
-            ops.adam_step_(p, [g[0], torch.empty(3, dtype=torch.float16)], m, v, w, s, 1e-3)
-        with pytest.raises(ValueError, match=r"beta2 must be in \[0, 1\), got 1"):
-            ops.adam_step_(p, g, m, v, w, s, 1e-3, beta2=1.0)
+        # the fake checks no argument: the planner does, when the op runs (test_step_fake.py)
+        assert ops.adam_step_(p, g, m, v, w, s, 1e-3, beta2=1.0) is None
 
 
 def test_torch_compile_graph():
@@ -614,14 +611,12 @@ def _case_id(match):
     return re.sub(r"[^A-Za-z0-9]+", "_", match.replace(r"\[", "").replace(r"\]", ""))[:48]
 
 
-# The fake kernel's check (device "meta") once; no sparse meta tensors, so not the "strided"
-# checks there (the wrapper's check is device independent).
+# Through each device's kernel (the fake kernel checks no argument: tests/test_step_fake.py).
 @pytest.mark.parametrize("device,change,exc,match", device_cases(
-    OP_BAD, [_case_id(c[2]) for c in OP_BAD], devices=("cpu", "cuda", "meta"),
-    keep=lambda dev, c: not (dev == "meta" and "strided" in c[2])))
+    OP_BAD, [_case_id(c[2]) for c in OP_BAD]))
 def test_op_bad_input_changes_nothing(device, change, exc, match):
-    """Every check, through the real kernel and through the fake kernel (meta tensors): the
-    same exception type and message."""
+    """Every check, through the real kernel: its exception type and message, nothing
+    written."""
     dev = device
     kw = bad_case(dev)
     change(kw, dev)

@@ -22,7 +22,7 @@ of cases per API and category (``pytest -s``) and fails if an API lacks a catego
 to it.
 
 Without a GPU the "other device" is ``meta``: a list mixing CPU and meta tensors dispatches to
-the fake kernel, whose checks mirror the C++ ones; with CUDA it is ``cuda``.
+the fake kernel, which refuses it in the planner's words; with CUDA it is ``cuda``.
 """
 import math
 import re

@@ -135,7 +135,9 @@ def test_c_tests_and_cuda_emulation_share_one_core_build(monkeypatch, tmp_path, 
     assert len(c_core) == len(list(core.compile_units())) and c_core == e_core
     assert c_lock == e_lock and c_lock.startswith(os.path.join(core.ROOT, "build", "core"))
     # and each still compiles its own sources
-    assert any("test_core.c" in j[0] for j in c_jobs)
+    c_own = {j[0] for j in c_jobs if not j[0].startswith("csrc/core/")}
+    assert c_own == {os.path.relpath(s, core.ROOT) for s in ctest.test_sources()} | {
+        os.path.join("tests", "c", "test_common.c")}
     assert any(j[0].endswith(".cu") for j in e_jobs)
 
 

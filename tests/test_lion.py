@@ -155,10 +155,8 @@ def test_fake_tensor_mode_checks():
         p, g, m = [torch.empty(4, 6)], [torch.empty(4, 6)], [torch.empty(4, 6)]
         s = [torch.zeros(())]
         assert ops.lion_step_(p, g, m, [], s, 1e-3) is None
-        with pytest.raises(ValueError, match=r"beta2 must be in \[0, 1\], got 1.5"):
-            ops.lion_step_(p, g, m, [], s, 1e-3, beta2=1.5)
-        with pytest.raises(ValueError, match=r"exp_avgs must have one entry per param"):
-            ops.lion_step_(p, g, [], [], s, 1e-3)
+        # the fake checks no argument: the planner does, when the op runs (test_step_fake.py)
+        assert ops.lion_step_(p, g, m, [], s, 1e-3, beta2=1.5) is None
 
 
 BAD = [
@@ -177,9 +175,9 @@ BAD = [
 ]
 
 
-# Through each device's kernel, and once through the fake kernel (device "meta").
+# Through each device's kernel (the fake kernel checks no argument: tests/test_step_fake.py).
 @pytest.mark.parametrize("device,change,exc,match", device_cases(
-    BAD, [str(i) for i in range(len(BAD))], devices=("cpu", "cuda", "meta")))
+    BAD, [str(i) for i in range(len(BAD))]))
 def test_op_bad_input_changes_nothing(device, change, exc, match):
     base = dict(params=[torch.randn(512)], grads=[torch.randn(512)], exp_avgs=[torch.randn(512)],
                  masters=[], steps=[torch.zeros(())], lr=torch.full((), 1e-3), beta1=0.9,

@@ -154,9 +154,9 @@ BAD = [
 ]
 
 
-# Through each device's kernel, and once through the fake kernel (device "meta").
+# Through each device's kernel (the fake kernel checks no argument: tests/test_step_fake.py).
 @pytest.mark.parametrize("device,change,exc,match", device_cases(
-    BAD, [str(i) for i in range(len(BAD))], devices=("cpu", "cuda", "meta")))
+    BAD, [str(i) for i in range(len(BAD))]))
 def test_op_bad_input_changes_nothing(device, change, exc, match):
     base = dict(params=[torch.randn(512)], grads=[torch.randn(512)],
                  momentum_buffers=[torch.randn(512)], masters=[], steps=[torch.zeros(())],
