@@ -9,7 +9,7 @@
  * takes element 2j into its high half by one shift and element 2j + 1 by one mask, the update
  * runs on the even and the odd elements as two fp32 vectors, and each array is stored back
  * with one shift and one three-input logic op. The random bits are drawn at each element's own
- * position, so every element gets the same bits as in the scalar loop (tests/c/test_core.c
+ * position, so every element gets the same bits as in the scalar loop (tests/c/test_fast_paths.c
  * compares this row with the engine's pipeline on every ISA path). A block whose results hold a
  * NaN is left to the caller's loop (NaN payloads need their own rounding rule), so this loop
  * stays free of the NaN fix-ups. */

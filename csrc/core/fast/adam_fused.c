@@ -5,7 +5,7 @@
  * square root per element) the fused loop hides the conversions, roundings and random draws
  * under that wait, where the pipeline adds them. A row is kept only where it measurably beat
  * the pipeline (docs/fast_paths.md has each row's measured gain and the CPU it came from).
- * Every row computes the same bits as the pipeline: tests/c/test_core.c compares the two on
+ * Every row computes the same bits as the pipeline: tests/c/test_fast_paths.c compares the two on
  * every row and ISA path, and a build without this folder (MPEXT_FAST_PATHS=0) passes every
  * test. Compiled once per ISA path (see isa.h). Each row is built twice (mp_adam_usual). The
  * rows whose arrays are all 16-bit step 32 elements at a time by hand on AVX-512

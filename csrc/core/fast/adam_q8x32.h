@@ -20,7 +20,7 @@
  *    masked conversion, adds the random bits once and shifts once; the sign goes in as bit 26
  *    before the shift, and the even and odd codes meet in one three-input logic op.
  * Every element gets the bits of the C loop (the same operations on the same values, or
- * provably exact ones giving the same result; tests/c/test_core.c compares the rows with the
+ * provably exact ones giving the same result; tests/c/test_fast_paths.c compares the rows with the
  * engine's pipeline on every ISA path). A block whose reference is not finite, a 32-element
  * chunk whose new param holds a NaN and the tail of a block under 32 elements are left to the
  * C loop. The first sweep's buffers hold each 32-element chunk as its 16 even elements, then
