@@ -1,7 +1,8 @@
 /* Plain C tests of the int8 block code of saved activations (mpext/int8_block.h,
  * csrc/core/int8_block.c).
  *
- * Built and run by tests/c/run.py beside the other tests/c files (ASan + UBSan in CI). On every ISA path this
+ * Built and run by tests/c/run.py beside the other tests/c files (ASan + UBSan in CI). On every
+ * ISA path this
  * CPU supports, mp_int8_block_quantize / _dequantize are compared bit for bit with a reference
  * written here from the spec (the torch-op code of mpext.activations_codes), in plain scalar C
  * with branches and libm, sharing no code with int8_block_rule.h:

@@ -12,8 +12,8 @@
  * one shift and element 2j + 1 by one mask, the update runs on the even and the odd elements
  * as two fp32 vectors, and each array is stored back with a shift, a mask and an or. The
  * random bits are drawn at each element's own position, so every element gets the bits of the
- * scalar loop (tests/c/test_fast_paths.c compares these rows with the engine's pipeline on every ISA
- * path), and a block whose results hold a NaN is left to the caller's loop. AVX2 has no
+ * scalar loop (tests/c/test_fast_paths.c compares these rows with the engine's pipeline on every
+ * ISA path), and a block whose results hold a NaN is left to the caller's loop. AVX2 has no
  * ternary logic, no mask registers and no fp classes: the packing takes two logic ops where
  * AVX-512 takes one, a rounding's carry is added as a shifted bit, a tie found by a compare is
  * added as its all-ones lane, and NaNs are found by unordered compares. No software prefetch:
