@@ -332,7 +332,8 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
                block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+               stats: Optional[torch.Tensor] = None) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
     ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
@@ -391,6 +392,12 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     whole parameter: the random bits are drawn at that position plus the element's, so that a
     shard rounds as the unsharded param would (with 8-bit moments, a multiple of
     ``block_size``).
+    Telemetry (every step op). ``stats``, a contiguous float64 ``[len(params), 13]`` tensor on
+    the params' device, gets the step's counters added to it, row ``i`` param ``i``'s (the
+    columns are ``mpext.telemetry.STEP_COLUMNS``: lost and unmoved updates, moment rounding
+    errors, 8-bit flushed values and saturated blocks, the EMA's lag; docs/telemetry.md), in
+    the same pass and with the same bits in every other tensor; ``None`` runs the uncounted
+    kernels. CPU only so far.
     """
     (params, grads, (exp_avgs, exp_avg_sqs), masters, steps, lr,
      kw) = _prepare_step("adam_step_", params, grads, (("exp_avgs", exp_avgs),
@@ -405,7 +412,7 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     unscale_grads=bool(unscale_grads), master_free=bool(master_free),
                     stochastic_rounding=bool(stochastic_rounding),
                     moments_round_nearest=bool(moments_round_nearest),
-                    ema_decay=float(ema_decay), **kw)
+                    ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 def _prepare_step(op, params, grads, moments, masters, steps, lr, remainders, ema_params, seed,
@@ -465,7 +472,8 @@ def lion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
                exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+               stats: Optional[torch.Tensor] = None) -> None:
     """One Lion step (lion-pytorch's update) for every param of the lists, in one pass over
     memory, with the storage of :func:`adam_step_` (masters, remainders, master-free params
     with stochastic rounding, fused unscale, on-device skip, ema, sr_streams, offsets). Per
@@ -491,7 +499,7 @@ def lion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     found_inf=found_inf, unscale_grads=bool(unscale_grads),
                     master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
                     moments_round_nearest=bool(moments_round_nearest),
-                    ema_decay=float(ema_decay), **kw)
+                    ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -506,7 +514,8 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
               momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
               block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-              ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+              ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+              stats: Optional[torch.Tensor] = None) -> None:
     """One SGD step (torch.optim.SGD's update) for every param of the lists, in one pass over
     memory, with the storage of :func:`adam_step_`. Per element, in fp32 and torch's order
     (each ``add(x, alpha=a)`` one fused multiply-add, as torch's CPU kernels compute it)::
@@ -530,7 +539,7 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    inv_scale=inv_scale, found_inf=found_inf, unscale_grads=bool(unscale_grads),
                    master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
                    moments_round_nearest=bool(moments_round_nearest),
-                   ema_decay=float(ema_decay), **kw)
+                   ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 # muon
@@ -545,7 +554,8 @@ def muon_momentum_step_(updates: Sequence[torch.Tensor], grads: Sequence[torch.T
                         moments_round_nearest: bool = False, seed: int = 0,
                         sr_streams: Optional[Sequence[int]] = None,
                         momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
-                        block_size: int = 256, offsets: Optional[Sequence[int]] = None) -> None:
+                        block_size: int = 256, offsets: Optional[Sequence[int]] = None,
+                        stats: Optional[torch.Tensor] = None) -> None:
     """Muon's first phase (torch.optim.Muon's momentum lines) for every param of the lists, in
     one pass over memory: the buffer in its format (float32, bfloat16 rounded per
     ``moments_round_nearest``, or int8 block codes with ``momentum_buffer_scales``), the fused
@@ -568,7 +578,8 @@ def muon_momentum_step_(updates: Sequence[torch.Tensor], grads: Sequence[torch.T
     _ops.muon_momentum_step_(updates, grads, buffers, [], steps, lr, float(momentum),
                              bool(nesterov), inv_scale=inv_scale, found_inf=found_inf,
                              unscale_grads=bool(unscale_grads), master_free=True,
-                             moments_round_nearest=bool(moments_round_nearest), **kw)
+                             moments_round_nearest=bool(moments_round_nearest), stats=stats,
+                             **kw)
 
 
 def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
@@ -579,7 +590,8 @@ def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Te
                       master_free: bool = False, stochastic_rounding: bool = False,
                       seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
                       ema_params: Optional[Sequence[torch.Tensor]] = None,
-                      ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+                      ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+                      stats: Optional[torch.Tensor] = None) -> None:
     """Muon's third phase (torch.optim.Muon's param lines) for every param of the lists, with the
     param storage of :func:`adam_step_` (masters, remainders, master-free params with
     stochastic rounding, on-device skip, ema, sr_streams, offsets). Per element, in fp32 and
@@ -598,7 +610,7 @@ def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Te
                            float(weight_decay), found_inf=found_inf,
                            master_free=bool(master_free),
                            stochastic_rounding=bool(stochastic_rounding),
-                           ema_decay=float(ema_decay), **kw)
+                           ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -632,7 +644,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     unscale_grads=False, remainders=None, master_free=False,
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
                     sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None, stats=None):
     """The checks of the C++ adam_rule and plan_step, in their order and with their messages, except the memory
     overlap check (fake tensors have no addresses)."""
     op = "adam_step_"
@@ -653,7 +665,7 @@ def _lion_step_fake(params, grads, exp_avgs, masters, steps, lr, beta1, beta2, w
                     maximize, *, inv_scale=None, found_inf=None, unscale_grads=False,
                     remainders=None, master_free=False, stochastic_rounding=False,
                     moments_round_nearest=False, seed=0, sr_streams=None, exp_avg_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None, stats=None):
     """The checks of the C++ lion_rule and plan_step (see _adam_step_fake)."""
     op = "lion_step_"
 
@@ -673,7 +685,7 @@ def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum
                    unscale_grads=False, remainders=None, master_free=False,
                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
                    sr_streams=None, momentum_buffer_scales=None, block_size=256,
-                   ema_params=None, ema_decay=0.0, offsets=None):
+                   ema_params=None, ema_decay=0.0, offsets=None, stats=None):
     """The checks of the C++ sgd_rule and plan_step (see _adam_step_fake)."""
     op = "sgd_step_"
     torch._check_value(momentum != 0.0 or len(momentum_buffers) == 0,
@@ -702,7 +714,7 @@ def _muon_momentum_step_fake(params, grads, momentum_buffers, masters, steps, lr
                              remainders=None, master_free=False, stochastic_rounding=False,
                              moments_round_nearest=False, seed=0, sr_streams=None,
                              momentum_buffer_scales=None, block_size=256, ema_params=None,
-                             ema_decay=0.0, offsets=None):
+                             ema_decay=0.0, offsets=None, stats=None):
     """The checks of the C++ muon_momentum_rule and plan_step (see _adam_step_fake)."""
     op = "muon_momentum_step_"
 
@@ -720,7 +732,8 @@ def _muon_update_step_fake(params, grads, masters, steps, lr, lr_ratio, weight_d
                            inv_scale=None, found_inf=None, unscale_grads=False, remainders=None,
                            master_free=False, stochastic_rounding=False,
                            moments_round_nearest=False, seed=0, sr_streams=None,
-                           block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+                           block_size=256, ema_params=None, ema_decay=0.0, offsets=None,
+                           stats=None):
     """The checks of the C++ muon_update_rule and plan_step (see _adam_step_fake)."""
     op = "muon_update_step_"
 
