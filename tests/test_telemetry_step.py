@@ -152,7 +152,7 @@ def test_step_counts_equal_reference(device, pair):
     if fmt.keeps_value or fmt.lossy_params:
         kw["ema_decay"] = 0.9
     opt = rule.make(params, **dict(kw, **fmt.kwargs_for(rule)))
-    tel = mpext.telemetry.attach(None, optimizer=opt, every=1)
+    tel = mpext.telemetry.attach(None, optimizer=opt, every=1)  # (one step: it is counted)
     before = [(p.detach().view(torch.int16).clone() if p.dtype is not torch.float32 else None,
                p.detach().float().clone()) for p in params]
     set_grads(params, grads)
@@ -184,7 +184,8 @@ def test_step_telemetry_on_off_same_bits(device, rule, fmt):
         if fmt.keeps_value or fmt.lossy_params:
             kw["ema_decay"] = 0.99
         opt = rule.make(params, **dict(kw, **fmt.kwargs_for(rule)))
-        tel = mpext.telemetry.attach(None, optimizer=opt, every=2) if on else None
+        tel = mpext.telemetry.attach(None, optimizer=opt, every=2, step_every=1) \
+            if on else None
         for k in range(3):
             set_grads(params, _grads(params, seed=10 + k))
             opt.step()
@@ -204,7 +205,7 @@ def test_step_counters_accumulate_and_reset(device):
     _cpu_only(device)
     params = _params(torch.bfloat16, device)
     opt = mpext.optim.AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True)
-    tel = mpext.telemetry.attach(None, optimizer=opt, every=2)
+    tel = mpext.telemetry.attach(None, optimizer=opt, every=2, step_every=1)
     numel = sum(p.numel() for p in params)
     for k in range(2):
         set_grads(params, _grads(params, seed=k))
@@ -213,9 +214,30 @@ def test_step_counters_accumulate_and_reset(device):
     opt.step(found_inf=torch.ones((), device=device))  # skipped: nothing counted
     r = tel.read()
     assert r["update/elements"] == 2 * numel and r["telemetry/optimizer_steps"] == 3
+    assert r["telemetry/counted_steps"] == 3
     assert 0.0 < r["update/sr_expectation_frac"] <= 1.0
     r = tel.read()
     assert r["update/elements"] == 0 and r["telemetry/steps"] == 0
+
+
+def test_step_counters_sample_one_step_in_step_every(device):
+    """By default one step per window is counted (the first of each ``every``); step_every=k
+    counts steps 0, k, 2k, ... (the others run the uncounted kernels)."""
+    _cpu_only(device)
+    numel = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in SHAPES)
+    for kw, steps, counted in ((dict(every=4), 8, 1), (dict(every=8, step_every=3), 8, 3)):
+        params = _params(torch.bfloat16, device)
+        opt = mpext.optim.AdamW(params, lr=1e-3, master_weights=False)
+        tel = mpext.telemetry.attach(None, optimizer=opt, **kw)
+        r = None
+        for k in range(steps):
+            set_grads(params, _grads(params, seed=k))
+            opt.step()
+            r = tel.poll() or r
+        assert r["update/elements"] == counted * numel, kw
+        assert r["telemetry/counted_steps"] == counted and r["telemetry/steps"] == kw["every"]
+    with pytest.raises(ValueError, match="step_every must be an int >= 1"):
+        mpext.telemetry.attach(None, optimizer=opt, step_every=0)
 
 
 def test_step_lost_updates_at_small_lr(device):
@@ -228,7 +250,7 @@ def test_step_lost_updates_at_small_lr(device):
     for name, kw in (("rne", dict(master_weights=False)), ("master", {})):
         params = _params(torch.bfloat16, device)
         opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
-        tel = mpext.telemetry.attach(None, optimizer=opt, every=3)
+        tel = mpext.telemetry.attach(None, optimizer=opt, every=3, step_every=1)
         for k in range(3):
             set_grads(params, _grads(params, seed=k))
             opt.step()
@@ -268,7 +290,7 @@ def test_step_telemetry_no_host_sync_between_reads(device):
     params = _params(torch.bfloat16, device)
     opt = mpext.optim.AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True,
                             exp_avg_dtype=torch.bfloat16)
-    tel = mpext.telemetry.attach(None, optimizer=opt, every=4)
+    tel = mpext.telemetry.attach(None, optimizer=opt, every=4, step_every=1)
     set_grads(params, _grads(params))
     opt.step()  # lazy state and plan: outside the count
     mode, host = SyncCounter(), HostReads()

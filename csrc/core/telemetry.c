@@ -181,18 +181,33 @@ TEL_FN(mp_k_tel_fp16, uint16_t, tally_fp16, {
 
 #define STS_INLINE static inline __attribute__((always_inline))
 
-/* *err += sum |a[i] - b[i]|, *abs += sum |b[i]|, each difference and magnitude in double. */
+/* *err += sum |a[i] - b[i]|, *abs += sum |b[i]|, each difference and magnitude in double.
+ * Written with vector types (8 doubles: one AVX-512 register, two AVX2 or four SSE2 ones):
+ * GCC does not vectorize a double reduction on its own (it would reassociate it), and the
+ * scalar form made the counted step several times slower than the step. */
+typedef double sts_v8d __attribute__((vector_size(64)));
+typedef float sts_v8f __attribute__((vector_size(32)));
+typedef uint64_t sts_v8u __attribute__((vector_size(64)));
+
 static void sts_err_sums(const float* restrict a, const float* restrict b, uint32_t n,
                          double* restrict err, double* restrict abs) {
-  double e[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const uint64_t no_sign = 0x7FFFFFFFFFFFFFFFull;
+  const sts_v8u mask = {no_sign, no_sign, no_sign, no_sign, no_sign, no_sign, no_sign, no_sign};
+  sts_v8d ev = {0, 0, 0, 0, 0, 0, 0, 0}, mv = {0, 0, 0, 0, 0, 0, 0, 0};
   uint32_t i = 0;
   for (; i + 8u <= n; i += 8u) {
-    for (int j = 0; j < 8; ++j) {
-      e[j] += __builtin_fabs((double)a[i + j] - (double)b[i + j]);
-      m[j] += __builtin_fabs((double)b[i + j]);
-    }
+    sts_v8f va, vb;
+    memcpy(&va, a + i, sizeof va);
+    memcpy(&vb, b + i, sizeof vb);
+    const sts_v8d da = __builtin_convertvector(va, sts_v8d);
+    const sts_v8d db = __builtin_convertvector(vb, sts_v8d);
+    ev += (sts_v8d)((sts_v8u)(da - db) & mask);
+    mv += (sts_v8d)((sts_v8u)db & mask);
   }
-  for (int j = 0; i < n; ++i, ++j) {
+  double e[8], m[8];
+  memcpy(e, &ev, sizeof e);
+  memcpy(m, &mv, sizeof m);
+  for (int j = 0; i < n; ++i, ++j) { /* the tail: element i in lane j, as the body's lanes */
     e[j] += __builtin_fabs((double)a[i] - (double)b[i]);
     m[j] += __builtin_fabs((double)b[i]);
   }

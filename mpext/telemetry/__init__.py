@@ -45,12 +45,12 @@ __all__ = ["Telemetry", "attach", "STEP_COLUMNS"]
 
 
 def attach(scaler=None, model: Optional[torch.nn.Module] = None, every: int = 100,
-           module_depth: int = 2, optimizer: Optional[torch.optim.Optimizer] = None
-           ) -> "Telemetry":
+           module_depth: int = 2, optimizer: Optional[torch.optim.Optimizer] = None,
+           step_every: Optional[int] = None) -> "Telemetry":
     """Attaches a ``Telemetry`` to ``scaler`` (an ``mpext.GradScaler``, or None) and/or
     ``optimizer`` (an ``mpext.optim`` optimizer) and returns it; see ``Telemetry``."""
     return Telemetry(scaler, model=model, every=every, module_depth=module_depth,
-                     optimizer=optimizer)
+                     optimizer=optimizer, step_every=step_every)
 
 
 class _Layout:
@@ -89,12 +89,18 @@ class Telemetry:
         module_depth: per-module aggregates group parameters by the first ``module_depth``
             components of their module's name (``transformer.h`` for depth 2).
         optimizer: an ``mpext.optim`` optimizer whose steps are counted too (the ``update/``,
-            ``state/`` and ``ema/`` keys), every step, by its kernels. With no scaler the
-            window is ``every`` optimizer steps.
+            ``state/`` and ``ema/`` keys) by its kernels. With no scaler the window is
+            ``every`` optimizer steps.
+        step_every: the optimizer's steps are counted on one step in ``step_every`` (the
+            first of each run of that many; the others run the uncounted kernels): default
+            ``every``, one counted step per window, since a counted step costs about 1.5-2.5
+            times an uncounted one on a CPU (docs/telemetry.md, "Overhead"); 1 counts every
+            step. The fractions are over the counted steps.
     """
 
     def __init__(self, scaler=None, model: Optional[torch.nn.Module] = None, every: int = 100,
-                 module_depth: int = 2, optimizer: Optional[torch.optim.Optimizer] = None):
+                 module_depth: int = 2, optimizer: Optional[torch.optim.Optimizer] = None,
+                 step_every: Optional[int] = None):
         from .. import GradScaler  # the package's export: wherever the class lives (amp/)
         if scaler is None and optimizer is None:
             raise ValueError("mpext.telemetry.attach: give a scaler (an mpext.GradScaler), an "
@@ -102,6 +108,10 @@ class Telemetry:
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError("mpext.telemetry.attach: scaler must be an mpext.GradScaler, got %s"
                             % type(scaler).__name__)
+        if step_every is not None and (isinstance(step_every, bool)
+                                       or not isinstance(step_every, int) or step_every < 1):
+            raise ValueError("mpext.telemetry.attach: step_every must be an int >= 1 or None, "
+                             "got %r" % (step_every,))
         if optimizer is not None:
             from ..optim._base import FusedOptimizer
             if not isinstance(optimizer, FusedOptimizer):
@@ -157,7 +167,7 @@ class Telemetry:
                     for p in group["params"]:
                         self._names.setdefault(id(p), "group%d.param%d" % (gi, k))
                         k += 1
-            self._step = StepCounters(optimizer)
+            self._step = StepCounters(optimizer, every if step_every is None else step_every)
             optimizer._mpext_telemetry = self
 
     def detach(self) -> None:

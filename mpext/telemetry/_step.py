@@ -75,10 +75,15 @@ class _Rows:
 
 
 class StepCounters:
-    """The step counters of one optimizer: a source of ``stats`` tensors for its launches."""
+    """The step counters of one optimizer: a source of ``stats`` tensors for its launches, on
+    one step in ``sample`` (the optimizer's steps numbered from attach: 0, sample, 2 sample,
+    ...); the other steps run the uncounted kernels (their fast paths included)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, sample: int = 1):
         self.optimizer = optimizer
+        self.sample = sample
+        self.total = 0        # optimizer steps since attach
+        self.counted = 0      # steps counted since the last read
         self._rows: Dict[tuple, Optional[_Rows]] = {}
         self._by_id: Dict[int, torch.Tensor] = {}     # id(param) -> param
         self._state_id: Dict[int, torch.Tensor] = {}  # id(state tensor) -> its param
@@ -94,7 +99,10 @@ class StepCounters:
             _engine.STATS_SOURCES.remove(self)
 
     def _after_step(self, *_):
+        if self.total % self.sample == 0:
+            self.counted += 1
         self.steps += 1
+        self.total += 1
 
     def _remap(self) -> None:
         self._by_id.clear()
@@ -114,6 +122,8 @@ class StepCounters:
         return [self._by_id.get(id(p)) for p in args[0]]
 
     def __call__(self, op: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        if self.total % self.sample != 0:
+            return None  # not a sampled step
         name = _op_name(op)
         if name not in _MOMENT_LISTS or not args[0]:
             return None
@@ -147,6 +157,7 @@ class StepCounters:
         for r in self._rows.values():
             r.stats.zero_()
         self.steps = 0
+        self.counted = 0
         self.uncounted = 0
 
     def summarize(self, host: List[float], module_of, name_of) -> Dict[str, Any]:
@@ -171,6 +182,7 @@ class StepCounters:
         for mod, sums in sorted(per_mod.items()):
             _fractions(out, "%s/" % mod, sums)
         out["telemetry/optimizer_steps"] = self.steps
+        out["telemetry/counted_steps"] = self.counted
         out["telemetry/uncounted_launches"] = self.uncounted
         return out
 
