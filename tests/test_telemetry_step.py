@@ -26,6 +26,35 @@ SHAPES = ((37, 5), (F.MIN_8BIT_NUMEL + 300,))
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
 
 
+@pytest.fixture(autouse=True)
+def _detach_sources():
+    """Every test's telemetries stop counting when it ends (the engine's list is global)."""
+    from mpext.optim import _engine
+    before = list(_engine.STATS_SOURCES)
+    yield
+    _engine.STATS_SOURCES[:] = before
+
+
+def test_dropped_telemetry_frees_its_optimizer():
+    """The engine holds a telemetry's source weakly: a Telemetry and optimizer dropped without
+    detach() are freed, and the source leaves the list at the next launch."""
+    import gc
+    import weakref
+    from mpext.optim import _engine
+    params = _params(torch.bfloat16, "cpu")
+    opt = mpext.optim.AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True)
+    tel = mpext.telemetry.attach(None, optimizer=opt, step_every=1)
+    n = len(_engine.STATS_SOURCES)
+    alive = weakref.ref(opt)
+    del opt, tel
+    gc.collect()
+    assert alive() is None
+    other = mpext.optim.AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True)
+    set_grads(params, _grads(params))
+    other.step()
+    assert len(_engine.STATS_SOURCES) == n - 1
+
+
 def _cpu_only(device):
     if device != "cpu":
         pytest.skip("the step's counters are the C core's so far: the CUDA kernels refuse "

@@ -10,6 +10,7 @@ run_launches``; :class:`StepCounters` registers a source there that gives a laun
 its own, kept between steps. A launch it cannot name (a non-dense param stepped through a copy)
 runs uncounted and is reported in ``telemetry/uncounted_launches``.
 """
+import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -91,12 +92,24 @@ class StepCounters:
         self.steps = 0        # optimizer steps since the last read (the post hook)
         self.uncounted = 0    # launches run uncounted since the last read
         self._hook = optimizer.register_step_post_hook(self._after_step)
-        _engine.STATS_SOURCES.append(self)
+        # the engine holds this weakly: a Telemetry dropped without detach() frees its
+        # optimizer, and its source then answers None and leaves the list
+        ref = weakref.ref(self)
+
+        def source(op, args, kwargs):
+            me = ref()
+            if me is None:
+                if source in _engine.STATS_SOURCES:
+                    _engine.STATS_SOURCES.remove(source)
+                return None
+            return me(op, args, kwargs)
+        self._source = source
+        _engine.STATS_SOURCES.append(source)
 
     def detach(self) -> None:
         self._hook.remove()
-        if self in _engine.STATS_SOURCES:
-            _engine.STATS_SOURCES.remove(self)
+        if self._source in _engine.STATS_SOURCES:
+            _engine.STATS_SOURCES.remove(self._source)
 
     def _after_step(self, *_):
         if self.total % self.sample == 0:
