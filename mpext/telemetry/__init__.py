@@ -93,7 +93,7 @@ class Telemetry:
             ``every`` optimizer steps.
         step_every: the optimizer's steps are counted on one step in ``step_every`` (the
             first of each run of that many; the others run the uncounted kernels): default
-            ``every``, one counted step per window, since a counted step costs about 1.5-2.5
+            ``every``, one counted step per window, since a counted step costs about 1-3
             times an uncounted one on a CPU (docs/telemetry.md, "Overhead"); 1 counts every
             step. The fractions are over the counted steps.
     """
