@@ -1,5 +1,7 @@
 """Precision telemetry overhead (issue 46): ``scaler.unscale_(opt); scaler.step(opt);
-scaler.update()`` with an ``mpext.telemetry`` attached vs the same without, on GPT-2 small's
+scaler.update()`` with an ``mpext.telemetry`` attached vs the same without (the gradient half),
+and ``opt.step()`` with the optimizer's step counters on vs off (the step half:
+``attach(None, optimizer=opt)``, every step counted), on GPT-2 small's
 parameter shapes (``--quick``: 4 layers, 8K vocabulary), FP16 params with FP32 masters under
 ``mpext.optim.AdamW`` and ``mpext.GradScaler``. The two runs are interleaved (on, off, on, ...)
 so that the machine's drift hits both alike; each repeat times ``--inner`` steps; reported: the
@@ -89,6 +91,71 @@ def measure(args, device, shapes, dtype, explicit):
             "ratio_max": max(ratios), "ratio_q1": q[0], "ratio_q3": q[2]}
 
 
+# The step half: bf16 params in the optimizer's storage modes (the issue's master-free case
+# first); every step counted. The counted step runs the tile pipeline, not a fast path.
+STEP_CONFIGS = [
+    ("bf16 no master, SR, bf16 moments",
+     dict(master_weights=False, stochastic_rounding=True, exp_avg_dtype=torch.bfloat16,
+          exp_avg_sq_dtype=torch.bfloat16)),
+    ("bf16 no master, RNE", dict(master_weights=False)),
+    ("bf16 + fp32 master", {}),
+    ("bf16 + remainder, 8-bit moments", dict(param_remainders=True, exp_avg_dtype=torch.int8,
+                                             exp_avg_sq_dtype=torch.uint8)),
+]
+
+
+def measure_step(args, device, shapes, label, kw):
+    """opt.step() with the step's counters on vs off: median times and per-pair ratios,
+    interleaved as measure() does."""
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(s, generator=g) * 1e-3).to(device, torch.bfloat16) for _, s in shapes]
+    runs = {}
+    for on in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter((torch.randn(s) * 0.02).to(device, torch.bfloat16))
+                  for _, s in shapes]
+        opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
+        tel = mpext.telemetry.attach(None, optimizer=opt, every=args.every,
+                                     step_every=args.step_every) if on else None
+        for prm, gr in zip(params, grads):
+            prm.grad = gr.clone()
+        runs[on] = (opt, tel)
+
+    def steps(on):
+        opt, tel = runs[on]
+        t = 0.0
+        for _ in range(args.inner):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            if tel is not None:
+                tel.poll()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t += time.perf_counter() - t0
+        return t / args.inner
+
+    for on in (True, False):
+        steps(on)
+    spent, ratios = {True: [], False: []}, []
+    for r in range(args.repeats):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        t = {on: steps(on) for on in order}
+        spent[True].append(t[True])
+        spent[False].append(t[False])
+        ratios.append(t[True] / t[False])
+        print("step %s repeat %d/%d: on %.2f ms, off %.2f ms, ratio %.3f"
+              % (label, r + 1, args.repeats, 1e3 * t[True], 1e3 * t[False], ratios[-1]),
+              flush=True)
+    q = statistics.quantiles(ratios, n=4)
+    return {"dtype": "bfloat16", "path": "step: " + label,
+            "median_ms_on": 1e3 * statistics.median(spent[True]),
+            "median_ms_off": 1e3 * statistics.median(spent[False]),
+            "median_ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "ratio_q1": q[0], "ratio_q3": q[2]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -96,21 +163,31 @@ def main(argv=None):
     p.add_argument("--inner", type=int, default=3)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--step-only", action="store_true", help="only the step half's rows")
+    p.add_argument("--step-every", type=int, default=None,
+                   help="count the optimizer's step on one step in N (default: --every, "
+                   "telemetry's default of one per window; 1: every step, the counted step's "
+                   "own cost)")
     p.add_argument("--out", default="results/bench_telemetry")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     shapes = gpt2_shapes(reduced=args.quick)
     n_params = sum(math.prod(s) for _, s in shapes)
-    rows = [measure(args, device, shapes, dt, ex) for dt, ex in CONFIGS]
+    rows = [] if args.step_only else [measure(args, device, shapes, dt, ex)
+                                      for dt, ex in CONFIGS]
+    if device.type == "cpu":  # the step's counters are the C core's so far
+        rows += [measure_step(args, device, shapes, label, kw) for label, kw in STEP_CONFIGS]
     result = {"machine": machine_info(device), "params": n_params, "tensors": len(shapes),
               "repeats": args.repeats, "inner": args.inner, "every": args.every,
-              "target_ratio": 1.03, "rows": rows}
-    lines = ["# Telemetry overhead: scaler.unscale_ + step + update, on vs off", ""]
+              "step_every": args.step_every or args.every, "target_ratio": 1.03, "rows": rows}
+    lines = ["# Telemetry overhead: scaler.unscale_ + step + update (gradient half) and "
+             "opt.step() (step half), on vs off", ""]
     lines += machine_header(result["machine"])
     lines += ["GPT-2 small shapes%s: %d tensors, %.1f M params (FP32 masters), "
-              "mpext.optim.AdamW, read every %d steps; %d interleaved repeats of %d steps."
+              "mpext.optim.AdamW, read every %d steps, the step half counted on one step in %d; "
+              "%d interleaved repeats of %d steps."
               % (" (reduced)" if args.quick else "", len(shapes), n_params / 1e6, args.every,
-                 args.repeats, args.inner), "",
+                 args.step_every or args.every, args.repeats, args.inner), "",
               "| params | path | median step off | on | ratio on/off (median) | IQR | min..max "
               "| <= 1.03 |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:

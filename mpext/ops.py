@@ -331,7 +331,8 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
                block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+               stats: Optional[torch.Tensor] = None) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient, as
     ``torch.optim.Adam``) or AdamW (``decoupled=True``: ``p *= 1 - lr * weight_decay``, as
     ``torch.optim.AdamW``) step for every param of the lists, in one pass over memory.
@@ -390,6 +391,12 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     whole parameter: the random bits are drawn at that position plus the element's, so that a
     shard rounds as the unsharded param would (with 8-bit moments, a multiple of
     ``block_size``).
+    Telemetry (every step op). ``stats``, a contiguous float64 ``[len(params), 13]`` tensor on
+    the params' device, gets the step's counters added to it, row ``i`` param ``i``'s (the
+    columns are ``mpext.telemetry.STEP_COLUMNS``: lost and unmoved updates, moment rounding
+    errors, 8-bit flushed values and saturated blocks, the EMA's lag; docs/telemetry.md), in
+    the same pass and with the same bits in every other tensor; ``None`` runs the uncounted
+    kernels. CPU only so far.
     """
     (params, grads, (exp_avgs, exp_avg_sqs), masters, steps, lr,
      kw) = _prepare_step("adam_step_", params, grads, (("exp_avgs", exp_avgs),
@@ -404,7 +411,7 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     unscale_grads=bool(unscale_grads), master_free=bool(master_free),
                     stochastic_rounding=bool(stochastic_rounding),
                     moments_round_nearest=bool(moments_round_nearest),
-                    ema_decay=float(ema_decay), **kw)
+                    ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 def _prepare_step(op, params, grads, moments, masters, steps, lr, remainders, ema_params, seed,
@@ -464,7 +471,8 @@ def lion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
                exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+               ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+               stats: Optional[torch.Tensor] = None) -> None:
     """One Lion step (lion-pytorch's update) for every param of the lists, in one pass over
     memory, with the storage of :func:`adam_step_` (masters, remainders, master-free params
     with stochastic rounding, fused unscale, on-device skip, ema, sr_streams, offsets). Per
@@ -490,7 +498,7 @@ def lion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     found_inf=found_inf, unscale_grads=bool(unscale_grads),
                     master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
                     moments_round_nearest=bool(moments_round_nearest),
-                    ema_decay=float(ema_decay), **kw)
+                    ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -505,7 +513,8 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
               momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
               block_size: int = 256, ema_params: Optional[Sequence[torch.Tensor]] = None,
-              ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+              ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+              stats: Optional[torch.Tensor] = None) -> None:
     """One SGD step (torch.optim.SGD's update) for every param of the lists, in one pass over
     memory, with the storage of :func:`adam_step_`. Per element, in fp32 and torch's order
     (each ``add(x, alpha=a)`` one fused multiply-add, as torch's CPU kernels compute it)::
@@ -529,7 +538,7 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    inv_scale=inv_scale, found_inf=found_inf, unscale_grads=bool(unscale_grads),
                    master_free=bool(master_free), stochastic_rounding=bool(stochastic_rounding),
                    moments_round_nearest=bool(moments_round_nearest),
-                   ema_decay=float(ema_decay), **kw)
+                   ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 # muon
@@ -544,7 +553,8 @@ def muon_momentum_step_(updates: Sequence[torch.Tensor], grads: Sequence[torch.T
                         moments_round_nearest: bool = False, seed: int = 0,
                         sr_streams: Optional[Sequence[int]] = None,
                         momentum_buffer_scales: Optional[Sequence[torch.Tensor]] = None,
-                        block_size: int = 256, offsets: Optional[Sequence[int]] = None) -> None:
+                        block_size: int = 256, offsets: Optional[Sequence[int]] = None,
+                        stats: Optional[torch.Tensor] = None) -> None:
     """Muon's first phase (torch.optim.Muon's momentum lines) for every param of the lists, in
     one pass over memory: the buffer in its format (float32, bfloat16 rounded per
     ``moments_round_nearest``, or int8 block codes with ``momentum_buffer_scales``), the fused
@@ -567,7 +577,8 @@ def muon_momentum_step_(updates: Sequence[torch.Tensor], grads: Sequence[torch.T
     _ops.muon_momentum_step_(updates, grads, buffers, [], steps, lr, float(momentum),
                              bool(nesterov), inv_scale=inv_scale, found_inf=found_inf,
                              unscale_grads=bool(unscale_grads), master_free=True,
-                             moments_round_nearest=bool(moments_round_nearest), **kw)
+                             moments_round_nearest=bool(moments_round_nearest), stats=stats,
+                             **kw)
 
 
 def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
@@ -578,7 +589,8 @@ def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Te
                       master_free: bool = False, stochastic_rounding: bool = False,
                       seed: int = 0, sr_streams: Optional[Sequence[int]] = None,
                       ema_params: Optional[Sequence[torch.Tensor]] = None,
-                      ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None) -> None:
+                      ema_decay: float = 0.0, offsets: Optional[Sequence[int]] = None,
+                      stats: Optional[torch.Tensor] = None) -> None:
     """Muon's third phase (torch.optim.Muon's param lines) for every param of the lists, with the
     param storage of :func:`adam_step_` (masters, remainders, master-free params with
     stochastic rounding, on-device skip, ema, sr_streams, offsets). Per element, in fp32 and
@@ -597,7 +609,7 @@ def muon_update_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Te
                            float(weight_decay), found_inf=found_inf,
                            master_free=bool(master_free),
                            stochastic_rounding=bool(stochastic_rounding),
-                           ema_decay=float(ema_decay), **kw)
+                           ema_decay=float(ema_decay), stats=stats, **kw)
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -623,7 +635,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, be
                     unscale_grads=False, remainders=None, master_free=False,
                     stochastic_rounding=False, moments_round_nearest=False, seed=0,
                     sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None, stats=None):
     """The step ops' fake kernel (_step_fake); the planner checks every argument."""
     _step_fake("adam_step_", params, lr, inv_scale, found_inf,
                (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
@@ -637,7 +649,7 @@ def _lion_step_fake(params, grads, exp_avgs, masters, steps, lr, beta1, beta2, w
                     maximize, *, inv_scale=None, found_inf=None, unscale_grads=False,
                     remainders=None, master_free=False, stochastic_rounding=False,
                     moments_round_nearest=False, seed=0, sr_streams=None, exp_avg_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None, stats=None):
     """The step ops' fake kernel (_step_fake); the planner checks every argument."""
     _step_fake("lion_step_", params, lr, inv_scale, found_inf,
                (("grads", grads), ("exp_avgs", exp_avgs), ("steps", steps),
@@ -651,7 +663,7 @@ def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum
                    unscale_grads=False, remainders=None, master_free=False,
                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
                    sr_streams=None, momentum_buffer_scales=None, block_size=256,
-                   ema_params=None, ema_decay=0.0, offsets=None):
+                   ema_params=None, ema_decay=0.0, offsets=None, stats=None):
     """The step ops' fake kernel (_step_fake); the planner checks every argument."""
     _step_fake("sgd_step_", params, lr, inv_scale, found_inf,
                (("grads", grads), ("momentum_buffers", momentum_buffers), ("steps", steps),
@@ -666,7 +678,7 @@ def _muon_momentum_step_fake(params, grads, momentum_buffers, masters, steps, lr
                              remainders=None, master_free=False, stochastic_rounding=False,
                              moments_round_nearest=False, seed=0, sr_streams=None,
                              momentum_buffer_scales=None, block_size=256, ema_params=None,
-                             ema_decay=0.0, offsets=None):
+                             ema_decay=0.0, offsets=None, stats=None):
     """The step ops' fake kernel (_step_fake); the planner checks every argument."""
     _step_fake("muon_momentum_step_", params, lr, inv_scale, found_inf,
                (("grads", grads), ("momentum_buffers", momentum_buffers), ("steps", steps),
@@ -679,7 +691,8 @@ def _muon_update_step_fake(params, grads, masters, steps, lr, lr_ratio, weight_d
                            inv_scale=None, found_inf=None, unscale_grads=False, remainders=None,
                            master_free=False, stochastic_rounding=False,
                            moments_round_nearest=False, seed=0, sr_streams=None,
-                           block_size=256, ema_params=None, ema_decay=0.0, offsets=None):
+                           block_size=256, ema_params=None, ema_decay=0.0, offsets=None,
+                           stats=None):
     """The step ops' fake kernel (_step_fake); the planner checks every argument."""
     _step_fake("muon_update_step_", params, lr, inv_scale, found_inf,
                (("grads", grads), ("steps", steps), ("masters", masters),

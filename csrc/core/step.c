@@ -90,6 +90,10 @@ static mp_pv_tile pv_at(const step_piece* a, int64_t i) {
   return at;
 }
 
+#if !defined(MP_STEP_STAGES_ONLY)
+/* (telemetry.c includes this file for the stages above, with MP_STEP_STAGES_ONLY: its counted
+ * step has drivers of its own; step.c's object is the same either way.) */
+
 /* Elements [start, start + n) of one piece, fp32 or bf16 moments (or none), tile by tile. */
 static void step_tiles(const step_piece* a, int64_t start, int64_t n) {
   _Alignas(64) float gbuf[MP_TILE];
@@ -225,3 +229,4 @@ void MP_ISA_FN(mp_k_step_generic)(const mp_step_tensor* t, int64_t start, int64_
                                   const mp_step_scalars* s, const mp_rule_scalars* r) {
   rule_step(t, start, n, s, r, 0);
 }
+#endif /* !MP_STEP_STAGES_ONLY */

@@ -4,7 +4,9 @@
  * them, then the integer code), so the gradients and found_inf come out with mp_unscale's bits.
  * The statistics are integer tests on the stored bits, tallied in vector lanes over blocks of
  * 2^14 elements (so the loops vectorize) and added to the 64-bit totals per block: fp32 and bf16
- * in the unscale loop itself (one read per value), fp16 just before its F16C unscale. */
+ * in the unscale loop itself (one read per value), fp16 just before its F16C unscale.
+ * The optimizer step's counters (mp_step_stats) are at the end: step.c's pipeline with a counting
+ * epilogue. */
 #include <string.h>
 
 #include "half.h"
@@ -160,3 +162,305 @@ TEL_FN(mp_k_tel_fp16, uint16_t, tally_fp16, {
   tally_fp16(g + b, m, t);
   scale_fp16(g + b, m, inv);
 })
+
+#define MP_STEP_STAGES_ONLY 1
+#include "step.c" /* the pipeline's stages: rule tiles, step_piece, rule_tile, pv_at */
+
+/* ---- the counted optimizer step (mpext/telemetry.h: mp_step_stats) ----
+ * step.c's pipeline -- its stages, included from it -- with a rule-independent epilogue per
+ * tile: the old fp32 values and 16-bit params saved before the rule, then read-only passes
+ * after the stages have run (nothing they write is read by a stage), so the step writes the
+ * same bits as without them. The drivers below are step.c's (step_tiles, step_q8_blocks,
+ * rule_step) with those additions, in this file so that step.c's object, the uncounted step,
+ * is the very one it was (counting drivers in its unit, or a "row == NULL" path inlined there,
+ * moved its registers and inlining); the C tests step every mode both ways and compare every
+ * byte. No fast path: they are a cache of the pipeline.
+ * Counts are tallied in 32-bit lanes per tile; the sums of errors go through 8 double lanes
+ * (element i in lane i % 8) and a fixed tree, so every ISA path adds the same numbers in the
+ * same order. */
+
+#define STS_INLINE static inline __attribute__((always_inline))
+
+/* *err += sum |a[i] - b[i]|, *abs += sum |b[i]|, each difference and magnitude in double.
+ * Written with vector types (8 doubles: one AVX-512 register, two AVX2 or four SSE2 ones):
+ * GCC does not vectorize a double reduction on its own (it would reassociate it), and the
+ * scalar form made the counted step several times slower than the step. */
+typedef double sts_v8d __attribute__((vector_size(64)));
+typedef float sts_v8f __attribute__((vector_size(32)));
+typedef uint64_t sts_v8u __attribute__((vector_size(64)));
+
+static void sts_err_sums(const float* restrict a, const float* restrict b, uint32_t n,
+                         double* restrict err, double* restrict abs) {
+  const uint64_t no_sign = 0x7FFFFFFFFFFFFFFFull;
+  const sts_v8u mask = {no_sign, no_sign, no_sign, no_sign, no_sign, no_sign, no_sign, no_sign};
+  sts_v8d ev = {0, 0, 0, 0, 0, 0, 0, 0}, mv = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t i = 0;
+  for (; i + 8u <= n; i += 8u) {
+    sts_v8f va, vb;
+    memcpy(&va, a + i, sizeof va);
+    memcpy(&vb, b + i, sizeof vb);
+    const sts_v8d da = __builtin_convertvector(va, sts_v8d);
+    const sts_v8d db = __builtin_convertvector(vb, sts_v8d);
+    ev += (sts_v8d)((sts_v8u)(da - db) & mask);
+    mv += (sts_v8d)((sts_v8u)db & mask);
+  }
+  double e[8], m[8];
+  memcpy(e, &ev, sizeof e);
+  memcpy(m, &mv, sizeof m);
+  for (int j = 0; i < n; ++i, ++j) { /* the tail: element i in lane j, as the body's lanes */
+    e[j] += __builtin_fabs((double)a[i] - (double)b[i]);
+    m[j] += __builtin_fabs((double)b[i]);
+  }
+  *err += ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+  *abs += ((m[0] + m[1]) + (m[2] + m[3])) + ((m[4] + m[5]) + (m[6] + m[7]));
+}
+
+/* Half an ulp of the 16-bit value h of dtype pt, as fp32 (exact: a power of two). */
+STS_INLINE float sts_half_ulp(uint16_t h, mp_dtype pt) {
+  if (pt == MP_BF16) {
+    uint32_t e = ((uint32_t)h >> 7) & 0xFFu;
+    e = e != 0u ? e : 1u;
+    return mp_fmt_f32(e >= 9u ? (e - 8u) << 23 : 1u << (e + 14u));
+  }
+  uint32_t e = ((uint32_t)h >> 10) & 0x1Fu;
+  e = e != 0u ? e : 1u;
+  return mp_fmt_f32((e + 101u) << 23);
+}
+
+/* A tile's param counts: x the new fp32 values, old the old ones, q / qold the stored 16-bit
+ * params after and before; subhalf: master-free (the half-ulp test). */
+STS_INLINE void sts_param_(const float* restrict x, const float* restrict old,
+                           const uint16_t* restrict q, const uint16_t* restrict qold, uint32_t n,
+                           mp_dtype pt, int subhalf, double* restrict row) {
+  uint32_t ch = 0, un = 0, sh = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t c = (uint32_t)(x[i] != old[i]);
+    ch += c;
+    un += c & (uint32_t)(q[i] == qold[i]);
+    if (subhalf) {
+      /* |x - old| is exact in fp32 whenever it is below the half ulp (Sterbenz), and rounds
+       * to at least it otherwise: the test is exact */
+      sh += c & (uint32_t)(__builtin_fabsf(x[i] - old[i]) < sts_half_ulp(qold[i], pt));
+    }
+  }
+  row[MP_STS_CHANGED] += ch;
+  row[MP_STS_UNMOVED] += un;
+  row[MP_STS_SUBHALF] += sh;
+}
+
+static void sts_param(int kind, mp_dtype pt, const float* restrict x, const float* restrict old,
+                      const uint16_t* restrict q, const uint16_t* restrict qold, uint32_t n,
+                      double* restrict row) {
+  const int free = kind == MP_PV_NONE_RNE || kind == MP_PV_NONE_SR;
+  switch ((pt == MP_BF16 ? 0 : 2) + free) {
+    case 0: sts_param_(x, old, q, qold, n, MP_BF16, 0, row); break;
+    case 1: sts_param_(x, old, q, qold, n, MP_BF16, 1, row); break;
+    case 2: sts_param_(x, old, q, qold, n, MP_F16, 0, row); break;
+    default: sts_param_(x, old, q, qold, n, MP_F16, 1, row); break;
+  }
+}
+
+/* Error sums of n bf16 moments as stored (dst) against their fp32 values x; tmp: n floats. */
+static void sts_bf16_moment(const uint16_t* restrict dst, const float* restrict x, uint32_t n,
+                            float* restrict tmp, double* restrict err, double* restrict abs) {
+  mp_fmt_widen_(tmp, dst, n, MP_BF16);
+  sts_err_sums(tmp, x, n, err, abs);
+}
+
+/* One encoded 8-bit block of one moment (signed: exp_avg's codes, else exp_avg_sq's) of n
+ * values x, its new scale `scale`: the error sums (tile by tile, through tmp) and its flushed
+ * values; returns whether any was flushed. */
+static int sts_q8_moment(const uint8_t* restrict c, const float* restrict x, uint32_t n,
+                         float scale, int is_signed, float* restrict tmp, double* restrict err,
+                         double* restrict abs, double* restrict row) {
+  const float ref = is_signed ? mp_q8_ref_m_of(scale) : mp_q8_ref_v_of(scale);
+  const uint32_t mag = is_signed ? 0x7Fu : 0xFFu;
+  uint32_t flushed = 0;
+  for (uint32_t off = 0; off < n; off += MP_TILE) {
+    const uint32_t len = n - off < MP_TILE ? n - off : MP_TILE;
+    const uint8_t* restrict cc = c + off;
+    if (is_signed) {
+      for (uint32_t i = 0; i < len; ++i) tmp[i] = mp_q8_decode_m(cc[i], ref);
+    } else {
+      for (uint32_t i = 0; i < len; ++i) tmp[i] = mp_q8_decode_v(cc[i], ref);
+    }
+    for (uint32_t i = 0; i < len; ++i) {
+      flushed += (uint32_t)(x[off + i] != 0.0f) & (uint32_t)((cc[i] & mag) == 0u);
+    }
+    sts_err_sums(tmp, x + off, len, err, abs);
+  }
+  row[MP_STS_Q8_FLUSHED] += flushed;
+  return flushed != 0u;
+}
+
+/* A block of 8-bit moments just encoded (codes mc, vc; new scales ms, vs; fp32 values m, v). */
+static void sts_q8_block(const uint8_t* restrict mc, const uint8_t* restrict vc,
+                         const float* restrict m, const float* restrict v, uint32_t n, float ms,
+                         float vs, int pair, float* restrict tmp, double* restrict row) {
+  int sat = sts_q8_moment(mc, m, n, ms, 1, tmp, &row[MP_STS_M_ERR], &row[MP_STS_M_ABS], row);
+  sat |= (mp_fmt_bits(ms) & 0x7FFFFFFFu) >= 0x7F800000u;
+  if (pair) {
+    sat |= sts_q8_moment(vc, v, n, vs, 0, tmp, &row[MP_STS_V_ERR], &row[MP_STS_V_ABS], row);
+    sat |= (mp_fmt_bits(vs) & 0x7FFFFFFFu) >= 0x7F800000u;
+  }
+  row[MP_STS_Q8_BLOCKS] += 1.0;
+  row[MP_STS_Q8_SATBLOCKS] += sat ? 1.0 : 0.0;
+}
+
+/* step_tiles with each tile's counters added into row. */
+static void step_tiles_counted(const step_piece* a, int64_t start, int64_t n,
+                               double* restrict row) {
+  _Alignas(64) float gbuf[MP_TILE];
+  _Alignas(64) float pbuf[MP_TILE];
+  _Alignas(64) float mbuf[MP_TILE];
+  _Alignas(64) float vbuf[MP_TILE];
+  _Alignas(64) uint32_t rbuf[MP_TILE];
+  _Alignas(64) float old[MP_TILE];     /* counting: the old fp32 values, */
+  _Alignas(64) uint16_t qold[MP_TILE]; /* and the old 16-bit params */
+  const mp_step_tensor* t = a->t;
+  const mp_step_scalars* s = a->s;
+  const uint32_t hi = (uint32_t)((uint64_t)(start + a->pos0) >> 32);
+  const int bf16_moments = a->md == MP_BF16 || a->vd == MP_BF16;
+  const int nearest = s->moments_nearest != 0;
+  for (int64_t off = 0; off < n; off += MP_TILE) {
+    const int64_t i = start + off;
+    const uint32_t len = (uint32_t)(n - off < MP_TILE ? n - off : MP_TILE);
+    const uint32_t lo = (uint32_t)(i + a->pos0);
+    const mp_pv_tile at = pv_at(a, i);
+    void* m_at = a->nmom >= 1 ? (char*)t->exp_avg + i * MP_DTYPE_BYTES(a->md) : NULL;
+    void* v_at = a->nmom >= 2 ? (char*)t->exp_avg_sq + i * MP_DTYPE_BYTES(a->vd) : NULL;
+    float* g = mp_grad_decode(gbuf, (char*)t->grad + i * MP_DTYPE_BYTES(a->gt), a->gt, len, s);
+    float* p = mp_pv_decode(a->kind, a->pt, &at, pbuf, len);
+    float* m = a->nmom >= 1 ? mp_mom_decode(a->md, m_at, mbuf, len) : NULL;
+    float* v = a->nmom >= 2 ? mp_mom_decode(a->vd, v_at, vbuf, len) : NULL;
+    if (a->kind != MP_PV_F32) {
+      memcpy(old, p, len * sizeof(float));
+      memcpy(qold, at.param, len * sizeof(uint16_t));
+    }
+    rule_tile(a, g, p, m, v, len);
+    if (bf16_moments) {
+      if (!nearest) mp_mom_draw(rbuf, len, s->key_moments, lo, hi);
+      if (a->md == MP_BF16) mp_mom_encode_bf16((uint16_t*)m_at, m, len, rbuf, 0, nearest);
+      if (a->vd == MP_BF16) mp_mom_encode_bf16((uint16_t*)v_at, v, len, rbuf, 16, nearest);
+    }
+    mp_pv_encode(a->kind, a->pt, &at, p, len, s->key_param, lo, hi);
+    if (t->ema != NULL) mp_ema_tile(t->ema + i, p, len, s);
+    {
+      /* gbuf is free again: the widened bf16 moments go there */
+      row[MP_STS_ELEMS] += len;
+      if (a->kind != MP_PV_F32) sts_param(a->kind, a->pt, p, old, at.param, qold, len, row);
+      if (a->md == MP_BF16) {
+        sts_bf16_moment(m_at, m, len, gbuf, &row[MP_STS_M_ERR], &row[MP_STS_M_ABS]);
+      }
+      if (a->vd == MP_BF16) {
+        sts_bf16_moment(v_at, v, len, gbuf, &row[MP_STS_V_ERR], &row[MP_STS_V_ABS]);
+      }
+      if (t->ema != NULL) {
+        sts_err_sums(t->ema + i, p, len, &row[MP_STS_EMA_LAG], &row[MP_STS_EMA_ABS]);
+      }
+    }
+  }
+}
+
+/* step_q8_blocks with each tile's and block's counters added into row. */
+static void step_q8_blocks_counted(const step_piece* a, int64_t start, int64_t n,
+                                   double* restrict row) {
+  _Alignas(64) float gbuf[MP_TILE];
+  _Alignas(64) float pbuf[MP_TILE];
+  _Alignas(64) float mblk[MP_Q8_BLOCK_MAX];
+  _Alignas(64) float vblk[MP_Q8_BLOCK_MAX];
+  _Alignas(64) float old[MP_TILE];     /* counting: the old fp32 values, */
+  _Alignas(64) uint16_t qold[MP_TILE]; /* and the old 16-bit params */
+  const mp_step_tensor* t = a->t;
+  const mp_step_scalars* s = a->s;
+  const int64_t b = s->q8_block;
+  const int pair = a->nmom >= 2;
+  const uint32_t hi = (uint32_t)((uint64_t)(start + a->pos0) >> 32);
+  uint8_t* mc = (uint8_t*)t->exp_avg;
+  uint8_t* vc = (uint8_t*)t->exp_avg_sq;
+  for (int64_t boff = 0; boff < n; boff += b) {
+    const int64_t i0 = start + boff, k = i0 / b;
+    const uint32_t blen = (uint32_t)(n - boff < b ? n - boff : b);
+    const float rm = mp_q8_ref_m_of(t->exp_avg_scale[k]);
+    const float rv = pair ? mp_q8_ref_v_of(t->exp_avg_sq_scale[k]) : 0.0f;
+    for (uint32_t off = 0; off < blen; off += MP_TILE) {
+      const int64_t i = i0 + off;
+      const uint32_t len = blen - off < MP_TILE ? blen - off : MP_TILE;
+      const mp_pv_tile at = pv_at(a, i);
+      float* g = mp_grad_decode(gbuf, (char*)t->grad + i * MP_DTYPE_BYTES(a->gt), a->gt, len, s);
+      float* p = mp_pv_decode(a->kind, a->pt, &at, pbuf, len);
+      if (pair) {
+        mp_q8_decode_tile(mc + i, vc + i, mblk + off, vblk + off, len, rm, rv, s);
+      } else {
+        mp_q8_decode_tile_m(mc + i, mblk + off, len, rm);
+      }
+      if (a->kind != MP_PV_F32) {
+        memcpy(old, p, len * sizeof(float));
+        memcpy(qold, at.param, len * sizeof(uint16_t));
+      }
+      rule_tile(a, g, p, mblk + off, vblk + off, len);
+      mp_pv_encode(a->kind, a->pt, &at, p, len, s->key_param, (uint32_t)(i + a->pos0), hi);
+      if (t->ema != NULL) mp_ema_tile(t->ema + i, p, len, s);
+      {
+        row[MP_STS_ELEMS] += len;
+        if (a->kind != MP_PV_F32) sts_param(a->kind, a->pt, p, old, at.param, qold, len, row);
+        if (t->ema != NULL) {
+          sts_err_sums(t->ema + i, p, len, &row[MP_STS_EMA_LAG], &row[MP_STS_EMA_ABS]);
+        }
+      }
+    }
+    const uint32_t lo0 = (uint32_t)(i0 + a->pos0);
+    if (pair) {
+      mp_q8_encode_block(mc + i0, vc + i0, mblk, vblk, blen, t->exp_avg_scale + k,
+                         t->exp_avg_sq_scale + k, s->key_q8, lo0, hi, s->moments_nearest != 0);
+    } else {
+      mp_q8_encode_block_m(mc + i0, mblk, blen, t->exp_avg_scale + k, s->key_q8, lo0, hi,
+                           s->moments_nearest != 0);
+    }
+    {
+      sts_q8_block(mc + i0, pair ? vc + i0 : NULL, mblk, vblk, blen, t->exp_avg_scale[k],
+                   pair ? t->exp_avg_sq_scale[k] : 0.0f, pair, gbuf, row);
+    }
+  }
+}
+
+
+/* rule_step's pieces through the counted drivers. */
+static void rule_step_counted(const mp_step_tensor* t, int64_t start, int64_t n,
+                              const mp_step_scalars* s, const mp_rule_scalars* r, double* row) {
+  step_piece a;
+  a.t = t;
+  a.s = s;
+  a.r = r;
+  a.nmom = r->nmom;
+  a.pos0 = t->offset;
+  a.pt = (mp_dtype)t->param_dtype;
+  a.gt = (mp_dtype)t->grad_dtype;
+  a.md = a.nmom >= 1 ? (mp_dtype)mp_format_dtype(t->exp_avg_format) : MP_F32;
+  a.vd = a.nmom >= 2 ? (mp_dtype)mp_format_dtype(t->exp_avg_sq_format) : MP_F32;
+  a.kind = a.pt == MP_F32          ? MP_PV_F32
+           : t->master != NULL    ? MP_PV_MASTER
+           : t->remainder != NULL ? MP_PV_REMAINDER
+           : s->sr_params         ? MP_PV_NONE_SR
+                                  : MP_PV_NONE_RNE;
+  const int q8 = a.md == MP_I8;
+  while (n > 0) {
+    const int64_t k = mp_sr_piece((uint64_t)(start + a.pos0), n);
+    if (q8) {
+      step_q8_blocks_counted(&a, start, k, row);
+    } else {
+      step_tiles_counted(&a, start, k, row);
+    }
+    start += k;
+    n -= k;
+  }
+}
+
+/* The step with its counters (mp_step_stats), added into row. Not a row of isa.h's table: the
+ * telemetry keeps its own (telemetry_cpu.c). */
+void MP_ISA_FN(mp_k_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                const mp_step_scalars* s, const mp_rule_scalars* r, double* row);
+void MP_ISA_FN(mp_k_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                const mp_step_scalars* s, const mp_rule_scalars* r, double* row) {
+  rule_step_counted(t, start, n, s, r, row);
+}

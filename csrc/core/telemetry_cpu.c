@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "mpext/step_storage.h"
 #include "mpext/telemetry.h"
 
 typedef int (*tel_fn)(void* g, int64_t n, float inv, int64_t* c, uint32_t* amax);
@@ -50,5 +51,39 @@ mp_status mp_unscale_stats(void* g, mp_dtype dtype, int64_t n, float inv_scale,
   /* One correctly rounded product of the largest magnitude: the max of the products. */
   stats->max_abs = mp_tel_max_bits(stats->max_abs, widen_bits(dtype, amax) * stat_inv_scale);
   if (bad) *found = 1;
+  return MP_OK;
+}
+
+/* ---- the optimizer step's counters: step.c's mp_k_step_stats of each ISA build ---- */
+
+typedef void (*step_stats_fn)(const mp_step_tensor* t, int64_t start, int64_t n,
+                              const mp_step_scalars* s, const mp_rule_scalars* r, double* row);
+
+#define MP_STS_DECL(isa)                                                                      \
+  void mp_k_step_stats__##isa(const mp_step_tensor* t, int64_t start, int64_t n,              \
+                              const mp_step_scalars* s, const mp_rule_scalars* r, double* row);
+MP_STS_DECL(scalar)
+#if defined(MP_X86_PATHS)
+MP_STS_DECL(avx2)
+MP_STS_DECL(avx512)
+#endif
+
+static const step_stats_fn sts_kernels[MP_ISA_COUNT] = {
+    mp_k_step_stats__scalar,
+#if defined(MP_X86_PATHS)
+    mp_k_step_stats__avx2,
+    mp_k_step_stats__avx512,
+#endif
+};
+
+mp_status mp_step_stats(const mp_step_tensor* t, int64_t start, int64_t count,
+                        const mp_step_options* o, double* row) {
+  if (row == NULL || !mp_step_call_ok(t, start, count, o)) return MP_ERR_INVALID_ARGUMENT;
+  if (count == 0 || mp_step_skip(o)) return MP_OK;
+  int isa = (int)mp_cpu_isa_active();
+  if (sts_kernels[isa] == NULL) isa = MP_ISA_SCALAR; /* a path not compiled in */
+  const mp_step_scalars s = mp_step_scalars_now(o, t->step, t->sr_stream);
+  const mp_rule_scalars r = mp_rule_scalars_now(o, t->step);
+  sts_kernels[isa](t, start, count, &s, &r, row);
   return MP_OK;
 }

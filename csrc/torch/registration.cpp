@@ -78,7 +78,10 @@ TORCH_LIBRARY(mpext, m) {
       "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
       "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None, "
       "int block_size=256, Tensor(j!)[]? ema_params=None, float ema_decay=0., "
-      "int[]? offsets=None) -> ()");
+      "int[]? offsets=None, Tensor(k!)? stats=None) -> ()");
+  // stats (every step op): telemetry, a float64 [len(params), 13] tensor the step adds its
+  // counters to (mpext/telemetry.h, MP_STS_*: lost and unmoved updates, moment errors, ...),
+  // through the pipeline with a counting epilogue; None: the uncounted kernels.
   // offsets (all three rules): per param, the position of its first element in its whole
   // param (a shard's start, default 0), so that a shard draws the random bits the unsharded
   // param would; with 8-bit moments a multiple of block_size.
@@ -92,7 +95,8 @@ TORCH_LIBRARY(mpext, m) {
       "bool unscale_grads=False, Tensor(g!)[]? remainders=None, bool master_free=False, "
       "bool stochastic_rounding=False, bool moments_round_nearest=False, int seed=0, "
       "int[]? sr_streams=None, Tensor(h!)[]? exp_avg_scales=None, int block_size=256, "
-      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
+      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None, "
+      "Tensor(k!)? stats=None) -> ()");
   // SGD (torch.optim.SGD: momentum, dampening, nesterov, L2 weight_decay, maximize) over the
   // same storage; momentum_buffers (float32, bfloat16, or int8 codes with
   // momentum_buffer_scales) empty when momentum is 0. A buffer takes the gradient on its
@@ -105,7 +109,8 @@ TORCH_LIBRARY(mpext, m) {
       "bool master_free=False, bool stochastic_rounding=False, "
       "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
       "Tensor(h!)[]? momentum_buffer_scales=None, int block_size=256, "
-      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
+      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None, "
+      "Tensor(k!)? stats=None) -> ()");
   // Muon's elementwise phases over the same storage (mpext/rules/muon.h), around its
   // Newton-Schulz (mpext.optim.Muon). muon_momentum_step_: per param buf = lerp(buf, g,
   // 1 - momentum), params[i] = nesterov ? lerp(g, buf, momentum) : buf (params are the updates,
@@ -119,7 +124,8 @@ TORCH_LIBRARY(mpext, m) {
       "bool unscale_grads=False, Tensor(g!)[]? remainders=None, bool master_free=False, "
       "bool stochastic_rounding=False, bool moments_round_nearest=False, int seed=0, "
       "int[]? sr_streams=None, Tensor(h!)[]? momentum_buffer_scales=None, int block_size=256, "
-      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None) -> ()");
+      "Tensor(j!)[]? ema_params=None, float ema_decay=0., int[]? offsets=None, "
+      "Tensor(k!)? stats=None) -> ()");
   m.def(
       "muon_update_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(d!)[] masters, "
       "Tensor(e!)[] steps, Tensor lr, float lr_ratio, float weight_decay, *, "
@@ -127,7 +133,7 @@ TORCH_LIBRARY(mpext, m) {
       "Tensor(g!)[]? remainders=None, bool master_free=False, bool stochastic_rounding=False, "
       "bool moments_round_nearest=False, int seed=0, int[]? sr_streams=None, "
       "int block_size=256, Tensor(j!)[]? ema_params=None, float ema_decay=0., "
-      "int[]? offsets=None) -> ()");
+      "int[]? offsets=None, Tensor(k!)? stats=None) -> ()");
   // Multi-tensor L2 norm: sqrt(sum of (float(x) * inv_scale)^2) over every element of every
   // tensor, squared and summed in double, as a 0-dim float32 tensor on the tensors' device (no
   // host sync); NaN anywhere gives NaN, an Inf (and no NaN) +Inf. Deterministic.

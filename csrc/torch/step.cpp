@@ -12,6 +12,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <vector>
+
+#include "mpext/telemetry.h"
 #include "rules/rules.h"
 #include "step_common.h"
 #include "common.h"
@@ -27,12 +31,29 @@ struct Cpu {
     // Ranges of whole blocks (of 8-bit moments; the block size divides the grain), so that
     // one call sees each block's every element.
     const int64_t unit = plan.options.q8_block;
-    parallel_segments(
-        plan.tensors, kGrainSize / unit,
-        [&](size_t k, int64_t start, int64_t count) {
-          check_status(mp_step(&plan.tensors[k], start, count, &plan.options), op);
-        },
-        unit);
+    if (plan.stats != nullptr) {
+      // Telemetry: each range counts into a row of its own, added to its param's row under one
+      // lock (a merge per range of >= kGrainSize elements costs nothing). The counts are exact
+      // whatever the split; the sums of errors are added in the order the ranges finish.
+      std::mutex merge;
+      parallel_segments(
+          plan.tensors, kGrainSize / unit,
+          [&](size_t k, int64_t start, int64_t count) {
+            double row[MP_STS_NCOLS] = {};
+            check_status(mp_step_stats(&plan.tensors[k], start, count, &plan.options, row), op);
+            std::lock_guard<std::mutex> lock(merge);
+            double* dst = plan.stats + static_cast<int64_t>(k) * MP_STS_NCOLS;
+            for (int j = 0; j < MP_STS_NCOLS; ++j) dst[j] += row[j];
+          },
+          unit);
+    } else {
+      parallel_segments(
+          plan.tensors, kGrainSize / unit,
+          [&](size_t k, int64_t start, int64_t count) {
+            check_status(mp_step(&plan.tensors[k], start, count, &plan.options), op);
+          },
+          unit);
+    }
     check_status(mp_step_advance_steps(plan.tensors.data(),
                                        static_cast<int64_t>(plan.tensors.size()), &plan.options),
                  op);

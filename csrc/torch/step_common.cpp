@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "mpext/step_storage.h"
+#include "mpext/telemetry.h"
 
 namespace mpext {
 
@@ -140,6 +141,19 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
                       ": lr must be a finite number >= 0, got ", value);
     o.lr_value = value;
   };
+  if (storage.stats) {  // telemetry: the counters' rows, one per param
+    const at::Tensor& st = *storage.stats;
+    check_device(st, op, "stats", device, owner);
+    TORCH_CHECK(st.scalar_type() == at::kDouble, "mpext.", op,
+                ": stats must have dtype float64, got ", dtype_name(st.scalar_type()));
+    TORCH_CHECK_VALUE(st.dim() == 2 && st.size(0) == static_cast<int64_t>(n) &&
+                          st.size(1) == MP_STS_NCOLS,
+                      "mpext.", op, ": stats must have shape [len(params), ", int(MP_STS_NCOLS),
+                      "] = [", n, ", ", int(MP_STS_NCOLS), "], got ", st.sizes());
+    TORCH_CHECK_VALUE(st.is_contiguous(), "mpext.", op,
+                      ": stats must be contiguous (row k is param k's counters)");
+    if (n > 0) plan.stats = static_cast<double*>(st.data_ptr());
+  }
   if (n == 0) {
     check_lr_value();
     return plan;
@@ -298,6 +312,7 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     if (nmom >= 2) ranges.push_back(byte_range(v, i, true, vn));
     ranges.push_back(byte_range(steps[k], i, true, Arg("steps", i)));
   }
+  if (storage.stats) ranges.push_back(byte_range(*storage.stats, -1, true, "stats"));
   ranges.push_back(byte_range(lr, -1, false, "lr"));
   if (inv_scale) ranges.push_back(byte_range(*inv_scale, -1, false, "inv_scale"));
   if (found_inf) ranges.push_back(byte_range(*found_inf, -1, false, "found_inf"));

@@ -22,6 +22,9 @@ namespace mpext {
 struct StepPlan {
   std::vector<mp_step_tensor> tensors;
   mp_step_options options;
+  // telemetry (mpext/telemetry.h): the stats tensor's data, row k (MP_STS_NCOLS doubles) the
+  // counters of tensors[k], added to by the counted step; null: the step counts nothing
+  double* stats = nullptr;
 };
 
 // How a call stores its low-precision params' fp32 values and rounds its bf16 state: the
@@ -42,6 +45,9 @@ struct StepStorage {
   // per param, >= 0: its first element's position in the whole param (a shard's start) for the
   // random bits; with 8-bit moments a multiple of block_size. Default: all 0.
   at::OptionalIntArrayRef offsets;
+  // telemetry: a float64 [len(params), MP_STS_NCOLS] tensor the step adds its counters to
+  // (mpext/telemetry.h), or none (the step's kernels are then those without counters)
+  std::optional<at::Tensor> stats = std::nullopt;
 };
 
 // What a rule's call keeps per element: its op's name, the moments it keeps (nmoments: 2 for
@@ -77,7 +83,9 @@ struct RuleLists {
 // unscale_grads); the rule's hyperparameters (rule.check_rule); an sr_stream outside [0, 2^32)
 // or a list of them of the wrong length; an offset < 0 (or, with 8-bit moments, not a multiple
 // of block_size); an ema_decay outside [0, 1], an ema_params entry that is not float32 or not
-// in the param's layout (an empty one: none); an lr on the CPU that is negative or not finite.
+// in the param's layout (an empty one: none); an lr on the CPU that is negative or not finite;
+// stats that is not a contiguous float64 [len(params), MP_STS_NCOLS] tensor on the params'
+// device, or overlaps another tensor of the call.
 StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList grads,
                    at::TensorList masters, at::TensorList steps, const at::Tensor& lr,
                    const std::optional<at::Tensor>& inv_scale,

@@ -42,6 +42,11 @@ struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
   static void step(const StepPlan& plan, const c10::Device& device, const char* op) {
+    // Telemetry's counters are the C core's so far (mp_step_stats); the CUDA kernels do not
+    // count yet: refused before anything runs, rather than stepping uncounted.
+    TORCH_CHECK_NOT_IMPLEMENTED(plan.stats == nullptr, "mpext.", op,
+                                ": stats (step telemetry) is counted on the CPU only so far; "
+                                "step without stats on ", device);
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // A host lr becomes a kernel argument. Inside a CUDA graph it would be frozen at its value

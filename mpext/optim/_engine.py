@@ -301,10 +301,23 @@ def fused_step(items: Union[Iterable[StepItem], "StepPlan"], lr_tensors: LrTenso
         shared.scatter()
 
 
+# Step telemetry (mpext.telemetry): callables ``source(op, args, kwargs)`` that return the
+# ``stats`` tensor a launch counts into (rows: its params), or None. Every launch of every rule
+# goes through run_launches, so this is the one place a step is counted; with no source (the
+# default) a launch is exactly the uncounted call.
+STATS_SOURCES: List[Any] = []
+
+
 def run_launches(launches: List[tuple], copied: List[tuple]) -> None:
     """Makes the planned op calls ((op, (args, kwargs)) each), then copies the unscaled values
     of the gradients that were stepped through a copy in the param's layout back into them."""
     for op, (args, kwargs) in launches:
+        if STATS_SOURCES:
+            for source in STATS_SOURCES:
+                stats = source(op, args, kwargs)
+                if stats is not None:
+                    kwargs = dict(kwargs, stats=stats)
+                    break
         op(*args, **kwargs)
     for g, copy in copied:
         g.copy_(copy)

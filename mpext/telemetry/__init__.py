@@ -22,8 +22,14 @@ bfloat16, float16 gradients on a device with an mpext kernel, no sparse or DTens
 no ``sync_found_inf``). A step the scaler unscales otherwise runs torch's/mpext's own path
 unchanged and is reported in ``telemetry/uncounted_unscales``.
 
-Not counted yet (they need the optimizer-step kernel): updates lost to rounding, unchanged
-low-precision params, 8-bit moment quantization error, the EMA's lag.
+The optimizer-step half (``optimizer=``, any ``mpext.optim`` optimizer; mpext.telemetry._step):
+the step kernels count, in the same pass and every step, per param: updates lost to rounding
+(master-free, round to nearest), updates carried only in expectation (stochastic rounding),
+low-precision params unchanged although their master moved, the bf16 and 8-bit moments'
+rounding errors, 8-bit values flushed to zero and saturated blocks, and the EMA's lag. Without
+a scaler (a bf16 run) the window counts optimizer steps:
+
+    tel = mpext.telemetry.attach(None, model=model, optimizer=opt, every=100)
 """
 import math
 from collections import defaultdict
@@ -33,15 +39,18 @@ import torch
 
 from .._common import PARAM_DTYPES, has_kernel, is_dense
 from ..ops import NO_INDEX, unscale_stats_
+from ._step import STEP_COLUMNS, StepCounters
 
-__all__ = ["Telemetry", "attach"]
+__all__ = ["Telemetry", "attach", "STEP_COLUMNS"]
 
 
-def attach(scaler, model: Optional[torch.nn.Module] = None, every: int = 100,
-           module_depth: int = 2) -> "Telemetry":
-    """Attaches a ``Telemetry`` to ``scaler`` (an ``mpext.GradScaler``) and returns it; see
-    ``Telemetry``."""
-    return Telemetry(scaler, model=model, every=every, module_depth=module_depth)
+def attach(scaler=None, model: Optional[torch.nn.Module] = None, every: int = 100,
+           module_depth: int = 2, optimizer: Optional[torch.optim.Optimizer] = None,
+           step_every: Optional[int] = None) -> "Telemetry":
+    """Attaches a ``Telemetry`` to ``scaler`` (an ``mpext.GradScaler``, or None) and/or
+    ``optimizer`` (an ``mpext.optim`` optimizer) and returns it; see ``Telemetry``."""
+    return Telemetry(scaler, model=model, every=every, module_depth=module_depth,
+                     optimizer=optimizer, step_every=step_every)
 
 
 class _Layout:
@@ -79,14 +88,39 @@ class Telemetry:
             and the per-step history (scale, skip, overflow site) holds that many steps.
         module_depth: per-module aggregates group parameters by the first ``module_depth``
             components of their module's name (``transformer.h`` for depth 2).
+        optimizer: an ``mpext.optim`` optimizer whose steps are counted too (the ``update/``,
+            ``state/`` and ``ema/`` keys) by its kernels. With no scaler the window is
+            ``every`` optimizer steps.
+        step_every: the optimizer's steps are counted on one step in ``step_every`` (the
+            first of each run of that many; the others run the uncounted kernels): default
+            ``every``, one counted step per window, since a counted step costs about 1-3
+            times an uncounted one on a CPU (docs/telemetry.md, "Overhead"); 1 counts every
+            step. The fractions are over the counted steps.
     """
 
-    def __init__(self, scaler, model: Optional[torch.nn.Module] = None, every: int = 100,
-                 module_depth: int = 2):
+    def __init__(self, scaler=None, model: Optional[torch.nn.Module] = None, every: int = 100,
+                 module_depth: int = 2, optimizer: Optional[torch.optim.Optimizer] = None,
+                 step_every: Optional[int] = None):
         from .. import GradScaler  # the package's export: wherever the class lives (amp/)
-        if not isinstance(scaler, GradScaler):
+        if scaler is None and optimizer is None:
+            raise ValueError("mpext.telemetry.attach: give a scaler (an mpext.GradScaler), an "
+                             "optimizer (an mpext.optim optimizer), or both")
+        if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError("mpext.telemetry.attach: scaler must be an mpext.GradScaler, got %s"
                             % type(scaler).__name__)
+        if step_every is not None and (isinstance(step_every, bool)
+                                       or not isinstance(step_every, int) or step_every < 1):
+            raise ValueError("mpext.telemetry.attach: step_every must be an int >= 1 or None, "
+                             "got %r" % (step_every,))
+        if optimizer is not None:
+            from ..optim._base import FusedOptimizer
+            if not isinstance(optimizer, FusedOptimizer):
+                raise TypeError("mpext.telemetry.attach: optimizer must be an mpext.optim "
+                                "optimizer (its kernels count the step), got %s"
+                                % type(optimizer).__name__)
+            if getattr(optimizer, "_mpext_telemetry", None) is not None:
+                raise RuntimeError("mpext.telemetry.attach: this optimizer already has a "
+                                   "Telemetry attached (detach() it first)")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError("mpext.telemetry.attach: every must be an int >= 1, got %r"
                              % (every,))
@@ -97,7 +131,7 @@ class Telemetry:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError("mpext.telemetry.attach: model must be a torch.nn.Module, got %s"
                             % type(model).__name__)
-        if getattr(scaler, "_mpext_telemetry", None) is not None:
+        if scaler is not None and getattr(scaler, "_mpext_telemetry", None) is not None:
             raise RuntimeError("mpext.telemetry.attach: this scaler already has a Telemetry "
                                "attached (detach() it first)")
         self.scaler = scaler
@@ -116,18 +150,35 @@ class Telemetry:
         self._hist_device = None
         self._scale_hist = self._skip_hist = None
         self.history: List[Dict[str, Any]] = []  # per step, filled at each read
-        self._orig = {k: getattr(scaler, k) for k in
-                      ("_unscale_grads_", "_check_inf_per_device", "update")}
-        scaler._unscale_grads_ = self._unscale_grads_
-        scaler._check_inf_per_device = self._check_inf_per_device
-        scaler.update = self._update
-        scaler._mpext_telemetry = self
+        self._orig = {}
+        if scaler is not None:
+            self._orig = {k: getattr(scaler, k) for k in
+                          ("_unscale_grads_", "_check_inf_per_device", "update")}
+            scaler._unscale_grads_ = self._unscale_grads_
+            scaler._check_inf_per_device = self._check_inf_per_device
+            scaler.update = self._update
+            scaler._mpext_telemetry = self
+        self.optimizer = optimizer
+        self._step = None
+        if optimizer is not None:
+            if model is None:  # the optimizer's params, named by their place in it
+                k = 0
+                for gi, group in enumerate(optimizer.param_groups):
+                    for p in group["params"]:
+                        self._names.setdefault(id(p), "group%d.param%d" % (gi, k))
+                        k += 1
+            self._step = StepCounters(optimizer, every if step_every is None else step_every)
+            optimizer._mpext_telemetry = self
 
     def detach(self) -> None:
-        """Restores the scaler's own methods: nothing is counted any more."""
-        for k in self._orig:
-            self.scaler.__dict__.pop(k, None)
-        self.scaler._mpext_telemetry = None
+        """Restores the scaler's own methods and stops counting the optimizer's steps."""
+        if self.scaler is not None:
+            for k in self._orig:
+                self.scaler.__dict__.pop(k, None)
+            self.scaler._mpext_telemetry = None
+        if self._step is not None:
+            self._step.detach()
+            self.optimizer._mpext_telemetry = None
 
     # ---------------------------------------------------------------------------------------
     # The hooks.
@@ -219,7 +270,8 @@ class Telemetry:
     def poll(self) -> Optional[Dict[str, Any]]:
         """The plain-loop helper: ``read()`` once ``every`` updates have passed since the last
         read (one host sync), else None (nothing read, no sync)."""
-        if self._steps >= self.every:
+        steps = self._steps if self.scaler is not None else self._step.steps
+        if steps >= self.every:
             return self.read()
         return None
 
@@ -253,6 +305,8 @@ class Telemetry:
         stats = getattr(self.scaler, "_stats", None)
         if isinstance(stats, torch.Tensor):
             parts.append(stats.reshape(-1)[:1].double())
+        step_parts = self._step.tensors() if self._step is not None else []
+        parts += step_parts
         if parts:
             dev = parts[0].device
             host = torch.cat([t.to(dev) for t in parts]).cpu().tolist()  # the one host sync
@@ -334,8 +388,21 @@ class Telemetry:
             out["scale/skips_total"] = int(host[pos])
         out["overflow/params"] = len(nonfinite_params)
         out["overflow/site"] = ", ".join(first_site[1]) if first_site else ""
+        if step_parts:
+            pos += 1 if isinstance(stats, torch.Tensor) else 0
+            out.update(self._step.summarize(host[pos:], self._module_of, self.name_of))
+        elif self._step is not None:
+            out.update(self._step.summarize([], self._module_of, self.name_of))
+        if self.scaler is None:
+            steps = self._step.steps
         out["telemetry/steps"] = steps
         out["telemetry/uncounted_unscales"] = self._uncounted
+        if self._step is not None:
+            self._step.reset()
+        if self.scaler is None:  # no gradient half: only the step's keys
+            out = {k: v for k, v in out.items()
+                   if not k.startswith(("grad/", "grad_dtype/", "scale/", "overflow/"))
+                   and k != "telemetry/uncounted_unscales"}
         for lay in layouts:
             lay.reset()
         self._steps = 0

@@ -89,6 +89,19 @@ MP_HD int mp_step_tensor_ok(const mp_step_tensor* t, int nmom) {
          ((uintptr_t)t->ema & 3u) == 0u;
 }
 
+/* 1 if mp_step(t, start, count, o) is a valid call (mpext/step.h says what is): t and o valid,
+ * the range within t, and with 8-bit moments a range of whole blocks. */
+MP_HD int mp_step_call_ok(const mp_step_tensor* t, int64_t start, int64_t count,
+                          const mp_step_options* o) {
+  if (t == 0 || o == 0 || !mp_step_options_ok(o) || !mp_step_tensor_ok(t, mp_rule_moments(o)))
+    return 0;
+  if (start < 0 || count < 0 || start > t->n || count > t->n - start) return 0;
+  /* a block is updated whole, by one call */
+  return !(mp_rule_moments(o) > 0 && mp_step_blocks(t) &&
+           (!mp_q8_block_ok(o->q8_block) || start % o->q8_block != 0 ||
+            t->offset % o->q8_block != 0 || (count % o->q8_block != 0 && start + count != t->n)));
+}
+
 /* The storage's scalars of a step whose param has step count `step` before it (t = step + 1,
  * in fp32 as torch's float step tensor) and gradient multiplier inv_scale. */
 MP_HD mp_step_scalars mp_step_scalars_of(const mp_step_options* o, float step, float inv_scale,

@@ -23,6 +23,7 @@
 
 #include "mpext/mpext.h"
 #include "mpext/numerics.h" /* MP_HD */
+#include "mpext/step.h"     /* mp_step_stats */
 
 #ifdef __cplusplus
 extern "C" {
@@ -69,6 +70,59 @@ MP_HD float mp_tel_max_bits(float a, float b) {
  * (changing nothing) for n < 0, an unknown dtype, found or stats NULL, or g NULL with n > 0. */
 mp_status mp_unscale_stats(void* g, mp_dtype dtype, int64_t n, float inv_scale,
                            float stat_inv_scale, int32_t* found, mp_grad_stats* stats);
+
+/* ---- the optimizer step's counters (the update and state half) ----
+ *
+ * mp_step_stats is mp_step (mpext/step.h) over a range with counters taken in the same pass, a
+ * rule-independent epilogue of the step's tile pipeline. Columns of a param's row (an
+ * [ntensors, MP_STS_NCOLS] array of double: counts are whole numbers, exact below 2^53; the
+ * sums are in double). "x" is an element's new fp32 value: the master as stored (master or
+ * remainder), else the rule's fp32 result before it is rounded to the param's dtype.
+ *   ELEMS     elements stepped (nothing is counted when the step is skipped)
+ *   CHANGED   bf16/fp16 params only: elements whose fp32 value changed (x != its old value;
+ *             NaN counts as changed). Not counted for fp32 params (their value is the param).
+ *   UNMOVED   of CHANGED, those whose stored 16-bit param kept its bits: with a master or
+ *             remainder "unchanged although the master moved"; master-free with round to
+ *             nearest: the update is lost; with stochastic rounding: it did not move this step
+ *   SUBHALF   master-free only: of CHANGED, those with |x - old| < half an ulp of the old
+ *             stored value (the spacing of its exponent; a subnormal's is the smallest normal
+ *             one's): what round to nearest always loses, and stochastic rounding carries in
+ *             expectation only
+ *   M_ERR, M_ABS  exp_avg in bf16 or 8-bit codes: sum |stored - fp32| and sum |fp32| over the
+ *             elements, after the step (stored: the bf16 value, or the code decoded with the
+ *             block's new scale); V_ERR, V_ABS the same for exp_avg_sq. Exact over every
+ *             element (not sampled). fp32 moments: nothing.
+ *   Q8_FLUSHED  8-bit moments: values != 0 whose magnitude code is 0 (exp_avg's and
+ *             exp_avg_sq's both): lost to the bottom of the block's range
+ *   Q8_SATBLOCKS  8-bit blocks holding a flushed value or with a non-finite absmax
+ *   Q8_BLOCKS 8-bit blocks encoded (a pair's block counts once)
+ *   EMA_LAG, EMA_ABS  params with an ema: sum |ema - x| and sum |x| after the ema's update
+ * The sums are each a fixed tree over 8 lanes (element i in lane i % 8) per tile, added to the
+ * row in the range's order: the same bits on every ISA path for the same range. */
+enum {
+  MP_STS_ELEMS = 0,
+  MP_STS_CHANGED = 1,
+  MP_STS_UNMOVED = 2,
+  MP_STS_SUBHALF = 3,
+  MP_STS_M_ERR = 4,
+  MP_STS_M_ABS = 5,
+  MP_STS_V_ERR = 6,
+  MP_STS_V_ABS = 7,
+  MP_STS_Q8_FLUSHED = 8,
+  MP_STS_Q8_SATBLOCKS = 9,
+  MP_STS_Q8_BLOCKS = 10,
+  MP_STS_EMA_LAG = 11,
+  MP_STS_EMA_ABS = 12,
+  MP_STS_NCOLS = 13
+};
+
+/* mp_step(t, start, count, o) -- the same checks and the same bits in every array it writes --
+ * with the counters above added into row[0 .. MP_STS_NCOLS) (not thread-safe: one row per
+ * concurrent caller). Always through the tile pipeline: the fast paths are a cache of it (the
+ * same bits) and are not taken. Nothing is counted when the step is skipped (*o->found_inf !=
+ * 0). Returns MP_ERR_INVALID_ARGUMENT (writing nothing) as mp_step does, or for a NULL row. */
+mp_status mp_step_stats(const mp_step_tensor* t, int64_t start, int64_t count,
+                        const mp_step_options* o, double* row);
 
 #ifdef __cplusplus
 }

@@ -39,11 +39,13 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> exp_avg_scales,
                std::optional<at::TensorList> exp_avg_sq_scales, int64_t block_size,
                std::optional<at::TensorList> ema_params, double ema_decay,
-               at::OptionalIntArrayRef offsets) {
+               at::OptionalIntArrayRef offsets,
+               const std::optional<at::Tensor>& stats) {
   const StepStorage storage{remainders,     master_free,       stochastic_rounding,
                             moments_round_nearest, seed,       sr_streams,
                             exp_avg_scales, exp_avg_sq_scales, block_size,
-                            ema_params,     ema_decay,         offsets};
+                            ema_params,     ema_decay,         offsets,
+                            stats};
   run_rule<Backend>(adam_rule(exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, decoupled,
                               maximize),
                     params, grads, masters, steps, lr, inv_scale, found_inf, unscale_grads,

@@ -33,11 +33,13 @@ void lion_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
                at::OptionalIntArrayRef sr_streams, std::optional<at::TensorList> exp_avg_scales,
                int64_t block_size, std::optional<at::TensorList> ema_params, double ema_decay,
-               at::OptionalIntArrayRef offsets) {
+               at::OptionalIntArrayRef offsets,
+               const std::optional<at::Tensor>& stats) {
   const StepStorage storage{remainders,     master_free,  stochastic_rounding,
                             moments_round_nearest, seed,  sr_streams,
                             exp_avg_scales, std::nullopt, block_size,
-                            ema_params,     ema_decay,    offsets};
+                            ema_params,     ema_decay,    offsets,
+                            stats};
   run_rule<Backend>(lion_rule(exp_avgs, beta1, beta2, weight_decay, maximize), params, grads,
                     masters, steps, lr, inv_scale, found_inf, unscale_grads, storage);
 }

@@ -47,11 +47,13 @@ void muon_momentum_step(at::TensorList params, at::TensorList grads,
                         at::OptionalIntArrayRef sr_streams,
                         std::optional<at::TensorList> momentum_buffer_scales,
                         int64_t block_size, std::optional<at::TensorList> ema_params,
-                        double ema_decay, at::OptionalIntArrayRef offsets) {
+                        double ema_decay, at::OptionalIntArrayRef offsets,
+                        const std::optional<at::Tensor>& stats) {
   const StepStorage storage{remainders,            master_free,  stochastic_rounding,
                             moments_round_nearest, seed,         sr_streams,
                             momentum_buffer_scales, std::nullopt, block_size,
-                            ema_params,            ema_decay,    offsets};
+                            ema_params,            ema_decay,    offsets,
+                            stats};
   run_rule<Backend>(muon_momentum_rule(momentum_buffers, momentum, nesterov), params, grads,
                     masters, steps, lr, inv_scale, found_inf, unscale_grads, storage);
 }
@@ -65,11 +67,13 @@ void muon_update_step(at::TensorList params, at::TensorList grads, at::TensorLis
                       bool stochastic_rounding, bool moments_round_nearest, int64_t seed,
                       at::OptionalIntArrayRef sr_streams, int64_t block_size,
                       std::optional<at::TensorList> ema_params, double ema_decay,
-                      at::OptionalIntArrayRef offsets) {
+                      at::OptionalIntArrayRef offsets,
+                      const std::optional<at::Tensor>& stats) {
   const StepStorage storage{remainders,            master_free,  stochastic_rounding,
                             moments_round_nearest, seed,         sr_streams,
                             std::nullopt,          std::nullopt, block_size,
-                            ema_params,            ema_decay,    offsets};
+                            ema_params,            ema_decay,    offsets,
+                            stats};
   run_rule<Backend>(muon_update_rule(lr_ratio, weight_decay), params, grads, masters, steps, lr,
                     inv_scale, found_inf, unscale_grads, storage);
 }

@@ -48,11 +48,13 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
               at::OptionalIntArrayRef sr_streams,
               std::optional<at::TensorList> momentum_buffer_scales, int64_t block_size,
               std::optional<at::TensorList> ema_params, double ema_decay,
-              at::OptionalIntArrayRef offsets) {
+              at::OptionalIntArrayRef offsets,
+              const std::optional<at::Tensor>& stats) {
   const StepStorage storage{remainders,            master_free,  stochastic_rounding,
                             moments_round_nearest, seed,         sr_streams,
                             momentum_buffer_scales, std::nullopt, block_size,
-                            ema_params,            ema_decay,    offsets};
+                            ema_params,            ema_decay,    offsets,
+                            stats};
   run_rule<Backend>(sgd_rule(momentum_buffers, momentum, dampening, weight_decay, nesterov,
                              maximize),
                     params, grads, masters, steps, lr, inv_scale, found_inf, unscale_grads,
