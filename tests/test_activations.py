@@ -583,8 +583,8 @@ class _SavedBytes:
         key = stored.untyped_storage().data_ptr() if plain else id(stored)
         if t.untyped_storage().data_ptr() not in self.skip and key not in self.seen:
             self.seen.add(key)
-            self.bytes += sum(p.untyped_storage().nbytes()
-                              for p in ([stored] if plain else [stored.q, stored.scales]))
+            # a compressed object's own bytes: codes and scales, a bit mask, none for a recipe
+            self.bytes += stored.untyped_storage().nbytes() if plain else stored.nbytes
         return stored
 
     unpack = staticmethod(act.fp8_saved_tensors.unpack)

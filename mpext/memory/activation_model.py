@@ -242,15 +242,40 @@ def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
     return numel * size >= opts["min_bytes"]  # "size"
 
 
+def _stored_as(t: _Saved, env: Dict[str, int], opts) -> Optional[str]:
+    """How mpext.activations stores ``t`` under ``opts`` (None: as it is): "bits" for a
+    dropout mask of at least ``min_numel`` elements (exact, whatever the policy), "recomputed"
+    for a tensor the policy picks that a recorded pointwise op made from stored tensors (GELU's
+    output from its saved input; eager attention's dropped probabilities from the softmax
+    output and the mask's bits), "fp8" for the rest the policy picks."""
+    if opts is None:
+        return None
+    numel = t.coef * env[t.unit]
+    if t.kind == "dropout" and not t.grad:
+        return "bits" if numel >= opts["min_numel"] else None
+    if not _compressed(t, env, opts):
+        return None
+    if opts.get("recompute", True) and (t.store == "gelu_out" or (
+            t.store == "pdrop" and t.kind == "linear" and numel >= opts["min_numel"]
+            and env["d"] == env["f"])):  # under autocast P@V saves a cast, not the product
+        return "recomputed"
+    return "fp8"
+
+
 def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
-    """The bytes of ``tensors``: FP8 codes and scales of each compressed one, each storage
-    once of the rest. A storage one saver holds raw is compressed for no later saver
-    (mpext.activations keeps one copy per storage); P@V's view of the softmax output shares
-    that output's FP8 copy."""
+    """The bytes of ``tensors``: FP8 codes and scales of each compressed one, a bit per element
+    of each mask, nothing for a recomputed one, each storage once of the rest. A storage one
+    saver holds raw is compressed for no later saver (mpext.activations keeps one copy per
+    storage); P@V's view of the softmax output shares that output's FP8 copy."""
     total, stores, raw = 0, set(), set()
     for t in tensors:
         numel = t.coef * env[t.unit]
-        if t.store not in raw and _compressed(t, env, opts):
+        how = _stored_as(t, env, opts) if t.store not in raw else None
+        if how == "bits":
+            total += t.count * -(-numel // 8)
+        elif how == "recomputed":
+            continue
+        elif how == "fp8":
             if t.name == "probabilities as P@V saves them":
                 continue  # the same elements as the softmax output's FP8 copy
             total += t.count * _fp8_bytes(numel, _act.block_cols(
@@ -392,9 +417,14 @@ def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, 
 def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
     """The compressed estimate's terms as text: the bytes kept as they are, by unit, then
     fp8(n, c) for the compressed tensors of n elements in all, last dimension c."""
-    plain, fp8, stores = {}, {}, set()
+    plain, fp8, bits, stores = {}, {}, {}, set()
     for t in tensors:
-        if _compressed(t, env, opts):
+        how = _stored_as(t, env, opts)
+        if how == "recomputed":
+            continue
+        if how == "bits":
+            bits[t.unit] = bits.get(t.unit, 0) + t.count * t.coef
+        elif how == "fp8":
             numel = t.coef * env[t.unit]  # short rows quantized as rows of one block
             key = (t.unit, t.cols if _act.block_cols(numel, env[t.cols], opts["block_size"]) ==
                    env[t.cols] else str(opts["block_size"]))
@@ -405,6 +435,7 @@ def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
     unit = lambda c, u: u if c == 1 else str(c) if u == "1" else "%d*%s" % (c, u)  # noqa: E731
     out = [unit(c, u) for u, c in plain.items() if c]
     out += ["fp8(%s, %s)" % (unit(c, u), col) for (u, col), c in fp8.items()]
+    out += ["bits(%s)" % unit(c, u) for u, c in bits.items()]
     return " + ".join(out) or "0"
 
 
@@ -461,6 +492,7 @@ def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress,
         layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
         return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
                 "scale per block of the last dimension c, c = the block where rows are shorter; "
+                "bits(n) = ceil(n/8) per mask; recomputed tensors cost nothing; "
                 "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; "
                 "%s attention, %s)" % (
                     _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],
