@@ -266,6 +266,13 @@ def _entry(cache: dict, t: torch.Tensor) -> "_Storage":
     return entry
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill a span of memory with no gap and no overlap (contiguous, transposed,
+    permuted, channels_last)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)
+    return t.numel() > 0 and span == t.numel() and _non_overlapping(t)
+
+
 def _contiguous(shape, stride) -> bool:
     expect = 1
     for n, st in reversed(list(zip(shape, stride))):
@@ -293,7 +300,10 @@ class _Reshaped:
         self.ops = getattr(packed, "ops", 0)
 
     def restore(self) -> torch.Tensor:
-        return self.packed.restore().reshape(self.shape).as_strided(self.shape, self.stride)
+        base = self.packed.restore()  # dense, in the saved layout: the same memory span
+        if base.is_contiguous() and _contiguous(self.shape, self.stride):
+            return base.reshape(self.shape).as_strided(self.shape, self.stride)
+        return base.as_strided(self.shape, self.stride, base.storage_offset())
 
 
 class _Storage:
@@ -578,9 +588,12 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         hit = entry.views.get(view)
         if hit is not None:
             return hit
-        # the same elements in another shape (a 3-d activation and linear's 2-d view of it)
+        # the same elements in another shape or layout (a 3-d activation and linear's 2-d view
+        # of it; the CPU's SDPA output, saved transposed by SDPA and as a (b*s, h) view by the
+        # out-projection): one copy for every view that covers the same dense memory
+        dense = _dense(t)
         same = entry.views.get((t._version, t.storage_offset(), t.numel(), t.dtype))
-        if same is not None and t.is_contiguous():
+        if same is not None and dense:
             entry.views[view] = out = _Reshaped(same, t.shape, t.stride())
             return out
         # another view of a storage compressed at this version: compressed too, whatever the
@@ -603,7 +616,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
                              self.seed, self._offset)
             self._offset += t.numel()
         entry.views[view] = packed
-        if t.is_contiguous():
+        if dense:
             entry.views[(t._version, t.storage_offset(), t.numel(), t.dtype)] = packed
         s["compressed"] = s.get("compressed", 0) + 1
         if not compressed_here:  # the storage the backward no longer holds
@@ -670,7 +683,8 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             if obj is None and not entry.raw:  # the same elements in another contiguous view
                 version, offset, shape, stride, dtype = ref.key
                 same = entry.views.get((version, offset, _numel(shape), dtype))
-                if same is not None and _contiguous(shape, stride):
+                if same is not None and _contiguous(shape, stride) and \
+                        getattr(same, "contiguous", True):
                     obj = _Reshaped(same, shape, stride)
             if obj is not None:
                 ops = getattr(obj, "ops", 0) if not isinstance(obj, torch.Tensor) else 0

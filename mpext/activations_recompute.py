@@ -17,7 +17,7 @@ means no recipe (gradient release may step it before the backward reads the tens
 """
 import torch
 
-__all__ = ["POINTWISE", "Bits", "Node", "Ref", "Leaf", "Call", "Recomputed", "affine",
+__all__ = ["POINTWISE", "pack_bits", "unpack_bits", "Bits", "Node", "Ref", "Leaf", "Call", "Recomputed", "affine",
            "dropout_apply", "MAX_OPS"]
 
 F, T = torch.nn.functional, torch.Tensor
@@ -32,6 +32,26 @@ POINTWISE = frozenset([
 # bound on the backward's extra work per saved tensor.
 MAX_OPS = 12
 _UNSET = object()
+
+
+def pack_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t != 0`` in row-major order, eight elements per byte (element i in bit i % 8 of byte
+    i // 8). Torch ops: AOTAutograd traces them into a compiled graph as well."""
+    flat = (t != 0).reshape(-1)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return (flat.view(-1, 8).to(torch.uint8) * _weights(t.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat boolean tensor of ``numel`` elements ``pack_bits`` stored."""
+    return (bits.view(-1, 1) & _weights(bits.device)).ne(0).view(-1)[:numel]
+
+
+def _weights(device) -> torch.Tensor:
+    # 1, 2, ..., 128 made by an op, not a constant tensor: a traced graph cannot hold one
+    return torch.pow(2, torch.arange(8, device=device)).to(torch.uint8)
 
 
 class Bits:
@@ -50,21 +70,13 @@ class Bits:
                 return None
             value = value.item()
         self = cls()
-        flat = (t != 0).reshape(-1)
-        n = flat.numel()
-        pad = -n % 8
-        if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
-        w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=t.device)
-        self.bits = (flat.view(-1, 8).to(torch.uint8) * w).sum(1, dtype=torch.uint8)
+        self.bits = pack_bits(t)
         self.value, self.shape, self.stride, self.dtype = value, t.shape, t.stride(), t.dtype
-        self.numel, self.nbytes = n, self.bits.numel()
+        self.numel, self.nbytes = t.numel(), self.bits.numel()
         return self
 
     def restore(self) -> torch.Tensor:
-        w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8,
-                         device=self.bits.device)
-        flat = (self.bits.view(-1, 1) & w).ne(0).view(-1)[:self.numel]
+        flat = unpack_bits(self.bits, self.numel)
         out = flat if self.value is None else flat.to(self.dtype) * self.value
         out = out.view(self.shape)
         if out.stride() == tuple(self.stride):

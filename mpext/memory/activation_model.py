@@ -266,8 +266,9 @@ def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
     """The bytes of ``tensors``: FP8 codes and scales of each compressed one, a bit per element
     of each mask, nothing for a recomputed one, each storage once of the rest. A storage one
     saver holds raw is compressed for no later saver (mpext.activations keeps one copy per
-    storage); P@V's view of the softmax output shares that output's FP8 copy."""
-    total, stores, raw = 0, set(), set()
+    storage); views of one storage's memory share its copy (P@V's view of the softmax output,
+    the out-projection's view of attention's output)."""
+    total, stores, raw, coded = 0, set(), set(), set()
     for t in tensors:
         numel = t.coef * env[t.unit]
         how = _stored_as(t, env, opts) if t.store not in raw else None
@@ -276,8 +277,10 @@ def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
         elif how == "recomputed":
             continue
         elif how == "fp8":
-            if t.name == "probabilities as P@V saves them":
-                continue  # the same elements as the softmax output's FP8 copy
+            if (t.store, numel) in coded:
+                continue  # the same memory in another view (P@V's view of the softmax
+                # output; the out-projection's (b*s, h) view of attention's output): one copy
+            coded.add((t.store, numel))
             total += t.count * _fp8_bytes(numel, _act.block_cols(
                 numel, env[t.cols], opts["block_size"]), opts["block_size"])
         elif t.store not in stores:
@@ -323,9 +326,12 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     as saved (``h``, ``h/a`` for attention's q, k, v and output, ``4h`` in the MLP, ``s`` for
     k^T and the probabilities, ``v`` for the log-softmax; where that is shorter than a block
     and the elements fill whole blocks, per block of consecutive elements, as the module
-    quantizes them), and is counted once per tensor
-    saved: attention's output and the out-projection's input (one storage, two tensors) become
-    two. The rest is counted as without compression: what no policy compresses (masks, indices,
+    quantizes them), counted once per memory (attention's output and the out-projection's
+    input, two views of one storage, share a copy). Dropout masks of at least ``min_numel``
+    elements are stored as bits (``ceil(n/8)`` bytes each, whatever the policy); GELU's output
+    and eager attention's dropped probabilities, when the policy picks them, are recomputed in
+    the backward from tensors stored anyway and cost nothing (``recompute=False``: FP8 copies).
+    The rest is counted as without compression: what no policy compresses (indices,
     norm statistics, the log-sum-exp: no grad_fn), tensors under ``min_numel`` elements and
     those whose blocks would not make them smaller; the "layers" policy keeps the softmax of
     eager attention and the loss's log-softmax, "linear" also attention's, the norms' and the
