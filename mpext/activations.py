@@ -634,7 +634,12 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             return False
         if t.dtype == torch.bool:
             return True
-        return t.is_floating_point() and t.grad_fn is None and self._is_mask(t, st)
+        if not t.is_floating_point() or t.grad_fn is not None or not st.linear_stack:
+            return False
+        # a dropout's mask, or the one the CPU's SDPA math path makes with dropout (beside it
+        # attention saves its log-sum-exp without a grad_fn: Bits.make finds other values)
+        kind, _, args, _ = st.linear_stack[-1]
+        return kind in ("dropout", "attention") and _storage_ptr(t) not in args
 
     def _recomputed(self, t: torch.Tensor, st: _State, cache: dict):
         """``t`` as a recipe over stored leaves (``activations_recompute``), or None: ``t`` is

@@ -244,14 +244,15 @@ def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
 
 def _stored_as(t: _Saved, env: Dict[str, int], opts) -> Optional[str]:
     """How mpext.activations stores ``t`` under ``opts`` (None: as it is): "bits" for a
-    dropout mask of at least ``min_numel`` elements (exact, whatever the policy), "recomputed"
+    dropout mask of at least ``min_numel`` elements (exact, whatever the policy; the CPU's
+    SDPA math path's too), "recomputed"
     for a tensor the policy picks that a recorded pointwise op made from stored tensors (GELU's
     output from its saved input; eager attention's dropped probabilities from the softmax
     output and the mask's bits), "fp8" for the rest the policy picks."""
     if opts is None:
         return None
     numel = t.coef * env[t.unit]
-    if t.kind == "dropout" and not t.grad:
+    if (t.kind == "dropout" or t.store == "pmask") and not t.grad:
         return "bits" if numel >= opts["min_numel"] else None
     if not _compressed(t, env, opts):
         return None
@@ -423,14 +424,15 @@ def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, 
 def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
     """The compressed estimate's terms as text: the bytes kept as they are, by unit, then
     fp8(n, c) for the compressed tensors of n elements in all, last dimension c."""
-    plain, fp8, bits, stores = {}, {}, {}, set()
+    plain, fp8, bits, stores, coded = {}, {}, {}, set(), set()
     for t in tensors:
         how = _stored_as(t, env, opts)
-        if how == "recomputed":
-            continue
+        if how == "recomputed" or (how == "fp8" and (t.store, t.coef) in coded):
+            continue  # nothing, or a view of a copy counted already
         if how == "bits":
             bits[t.unit] = bits.get(t.unit, 0) + t.count * t.coef
         elif how == "fp8":
+            coded.add((t.store, t.coef))
             numel = t.coef * env[t.unit]  # short rows quantized as rows of one block
             key = (t.unit, t.cols if _act.block_cols(numel, env[t.cols], opts["block_size"]) ==
                    env[t.cols] else str(opts["block_size"]))
