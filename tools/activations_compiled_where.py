@@ -3,7 +3,11 @@ mpext.activations.fp8_saved_tensors(): each saved value of each forward graph (i
 partitioner, min-cut, run through aot_autograd with graphs kept) with its dtype and shape, and
 whether it is an 8-bit code, a scale, bits, or a raw tensor, and the graph count (breaks).
 
-    PYTHONPATH=.:tests python tools/activations_compiled_where.py hf-llama
+    PYTHONPATH=.:tests python tools/activations_compiled_where.py hf-llama [--small]
+
+The model's outputs are listed too (first), and parameters as "raw placeholder" (they stay
+alive anyway). FILTER=no_static in the environment sets AOTAutograd's
+saved_tensors_hooks_filtering_mode (default "donated") for the run.
 """
 import collections
 import sys
@@ -44,14 +48,11 @@ def main(name, small=False):
     by = collections.Counter()
     for g in fw:
         outs = [n for n in g.graph.nodes if n.op == "output"][0].args[0]
-        n_user = len(outs) - sum(1 for n in g.graph.nodes if n.op == "placeholder") * 0
         for n in outs:
             v = getattr(n, "meta", {}).get("val") if hasattr(n, "meta") else None
             if not isinstance(v, torch.Tensor):
                 continue
             kind = {torch.int8: "int8 code", torch.uint8: "bits"}.get(v.dtype, "raw")
-            if v.dtype == torch.float32 and n.target is not None and "div" in str(n.target):
-                kind = "scale?"
             src = n.op if n.op == "placeholder" else "intermediate"
             by[kind, src, str(v.dtype).replace("torch.", ""),
                "x".join(map(str, v.shape))] += v.numel() * v.element_size()
