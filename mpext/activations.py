@@ -684,7 +684,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
                 if a is None:
                     return None
             args.append(a)
-        return _rc.Call(node.func, args, node.kwargs)
+        return _rc.Call(node.func, args, node.kwargs, node.amp)
 
     def _resolve_ref(self, ref, cache, budget):
         entry = ref.entry  # the storage's entry when the op ran: it may have died since

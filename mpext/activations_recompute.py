@@ -15,10 +15,12 @@ recomputed from their restored values when the backward reads it (``_Recomputed`
 with the batch's statistics) and dropout (input times mask); a parameter among the arguments
 means no recipe (gradient release may step it before the backward reads the tensor).
 """
+import contextlib
+
 import torch
 
-__all__ = ["POINTWISE", "pack_bits", "unpack_bits", "Bits", "Node", "Ref", "Leaf", "Call", "Recomputed", "affine",
-           "dropout_apply", "MAX_OPS"]
+__all__ = ["POINTWISE", "pack_bits", "unpack_bits", "Bits", "Node", "Ref", "Leaf", "Call",
+           "Recomputed", "affine", "dropout_apply", "MAX_OPS"]
 
 F, T = torch.nn.functional, torch.Tensor
 # Out-of-place elementwise functions whose output is a deterministic, cheap function of their
@@ -118,10 +120,11 @@ class Ref:
 class Node:
     """One recorded op: ``func(*args, **kwargs)`` with its tensor arguments as ``Ref``s.
     ``version``: its output's version when recorded (an in-place change later voids it)."""
-    __slots__ = ("func", "args", "kwargs", "version", "__weakref__")
+    __slots__ = ("func", "args", "kwargs", "version", "amp", "__weakref__")
 
     def __init__(self, func, args, kwargs, version=0):
         self.func, self.args, self.kwargs, self.version = func, args, kwargs, version
+        self.amp = autocast_state()
 
 
 class Recomputed:
@@ -155,12 +158,20 @@ class Leaf:
         self.version = obj._version if isinstance(obj, torch.Tensor) else None
 
 
-class Call:
-    """An op of a recipe being evaluated: its arguments are ``Leaf``s, ``Call``s or constants."""
-    __slots__ = ("func", "args", "kwargs")
+def autocast_state():
+    """The autocast regions active now, as (device type, dtype) pairs: an op recorded under
+    autocast (which may run it in float32, as CUDA's pow) is rerun under the same."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(d))
 
-    def __init__(self, func, args, kwargs):
-        self.func, self.args, self.kwargs = func, args, kwargs
+
+class Call:
+    """An op of a recipe being evaluated: its arguments are ``Leaf``s, ``Call``s or constants,
+    ``amp`` the autocast regions it ran under."""
+    __slots__ = ("func", "args", "kwargs", "amp")
+
+    def __init__(self, func, args, kwargs, amp=()):
+        self.func, self.args, self.kwargs, self.amp = func, args, kwargs, amp
 
 
 def _evaluate(tree, memo):
@@ -178,5 +189,8 @@ def _evaluate(tree, memo):
                 hit = tree.obj.restore()
             memo[id(tree.obj)] = hit
         return hit
-    return tree.func(*[_evaluate(a, memo) if isinstance(a, (Leaf, Call)) else a
-                       for a in tree.args], **tree.kwargs)
+    args = [_evaluate(a, memo) if isinstance(a, (Leaf, Call)) else a for a in tree.args]
+    with contextlib.ExitStack() as amp:
+        for device, dtype in tree.amp:
+            amp.enter_context(torch.autocast(device, dtype=dtype))
+        return tree.func(*args, **tree.kwargs)

@@ -1317,8 +1317,8 @@ def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
     torch.manual_seed(0)
     model = _cnn().float().to(device).train()
     x = torch.randn(4, 3, 16, 16, device=device)
-    is_bn_in = lambda t: t.grad_fn is not None and t.grad_fn.name() == "ConvolutionBackward0"  # noqa
-    ctx = act.fp8_saved_tensors(lambda t: not is_bn_in(t), params=model)
+    ctx = act.fp8_saved_tensors(lambda t: t.grad_fn is None or
+                                t.grad_fn.name() != "ConvolutionBackward0", params=model)
     seen = []
 
     def pack(t):
@@ -1390,3 +1390,29 @@ def test_the_calculator_matches_the_allocator_on_zoo_models_within_5_percent(nam
                                   compress=compress, **kw)
     got = _heap_held(name, compress)
     assert abs(est / got - 1) <= 0.05, (name, est, got, est / got)
+
+
+def test_a_chain_recorded_under_autocast_is_rerun_under_it(device):
+    """An FP32 model under autocast: gelu_new's chain on the BF16 linear output, recomputed
+    (the linear output kept raw) under the autocast the forward ran it in: every restored
+    tensor has the saved dtype and bits (CUDA's autocast runs pow in float32; rerun without it,
+    the tanh's input would be rounded to BF16)."""
+    torch.manual_seed(0)
+    model = _ChainMLP(_gelu_new).to(device)
+    x = torch.randn(2, 64, 256, device=device)
+    ctx = act.fp8_saved_tensors(_not_output_of(model.up), params=model)
+    seen = []
+
+    def pack(t):
+        stored = ctx.pack(t)
+        if isinstance(stored, act._rc.Recomputed):
+            seen.append((t.detach().clone(), stored))
+        return stored
+    with torch.autocast(device.type if isinstance(device, torch.device) else device,
+                        dtype=torch.bfloat16), ctx, \
+            torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
+        model(x)
+    assert len(seen) >= 4
+    for orig, stored in seen:
+        got = stored.restore()
+        assert got.dtype == orig.dtype and torch.equal(got, orig)

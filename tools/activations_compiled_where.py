@@ -42,7 +42,8 @@ def main(name, small=False):
     cm = torch.compile(model, backend=backend)
     import os
     mode = os.environ.get("FILTER", "donated")
-    with act.fp8_saved_tensors(params=model, warn_unmatched=False), torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=mode):
+    with act.fp8_saved_tensors(params=model, warn_unmatched=False), \
+            torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=mode):
         loss = loss_fn(cm, xb)
     loss.float().backward()
     by = collections.Counter()
