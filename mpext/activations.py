@@ -397,8 +397,8 @@ def _recipe(st, func, args, kwargs, masks, out):
                 if _is_param_like(a, st.param_ptrs) or not a.is_floating_point():
                     return None
                 refs.append(_rc.Ref(a, _entry(st.cache, a)))
-            elif isinstance(a, (int, float, bool)) or a is None:
-                refs.append(a)
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                refs.append(a)  # a bool is F.relu's / F.silu's positional inplace: no recipe
             else:
                 return None
         return _rc.Node(func, refs, dict(kwargs), out._version)

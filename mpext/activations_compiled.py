@@ -11,6 +11,9 @@ traces: the choice of tensor and its layout are plain Python at compile time, an
 AOTAutograd's hook context) the same functions hand the tensor to the innermost active context's
 eager pack, so one pair of hooks serves eager and compiled code.
 
+A boolean saved tensor (a dropout's mask, a comparison the partitioner keeps) is stored as
+bits (``activations_recompute.pack_bits``: torch ops, exact).
+
 AOTAutograd offers the hooks the graph's intermediates only (``saved_tensors_hooks_filtering_mode
 = "donated"``, its default): never a parameter, an input or an output of the graph, which stay
 alive anyway. The tensors the compiled backward saves are the partitioner's choice, so they may
