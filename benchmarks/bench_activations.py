@@ -330,29 +330,58 @@ def zoo(policies=("all", "layers"), dev="cpu", names=None, small=False):
     return rows
 
 
-def zoo_where(name, policy="all", dev="cpu", top=8):
-    """Where one zoo model's saved bytes go under ``policy``: per (FP8 or raw, producer, dtype,
-    shape), the bytes the backward holds (each storage or FP8 copy once, parameters and the
-    batch left out), largest first."""
+def _why_raw(t, ctx):
+    """Why ``ctx`` left a saved tensor as it is (the module's rules, in their order)."""
+    if not t.is_floating_point():
+        return "%s: exact use" % str(t.dtype).replace("torch.", "") + (
+            ", under min_numel" if t.dtype == torch.bool else "")
+    if t.numel() < ctx.min_numel:
+        return "under min_numel (%d)" % ctx.min_numel
+    if t.grad_fn is None:
+        return "no grad_fn: a statistic, the log-sum-exp, a leaf"
+    return "the policy, or a storage a saver holds raw"
+
+
+def zoo_where(name, policy="all", dev="cpu", top=12, **kwargs):
+    """Where one zoo model's saved bytes go under ``policy``: per (stored as, producer, dtype,
+    shape, why raw), the bytes the backward holds (each storage or stored object once,
+    parameters and the batch left out) and how many tensors, largest first. Stored as: "fp8"
+    (an 8-bit copy), "bits" (a mask), "recomputed" (0 bytes: rerun from stored tensors in the
+    backward), "raw"."""
     build, batch, loss_fn = zoo_models()[name]
     torch.manual_seed(0)
     model = build().to(dev, torch.bfloat16).train()
     xb = tuple(t.to(dev) for t in batch(torch.bfloat16))
-    ctx = act.fp8_saved_tensors(policy, params=model, warn_unmatched=False)
-    meter, by = Saved(model, ctx, xb), collections.Counter()
+    ctx = act.fp8_saved_tensors(policy, params=model, warn_unmatched=False, **kwargs)
+    meter, by, n = Saved(model, ctx, xb), collections.Counter(), collections.Counter()
+    kinds = {"_Packed": "fp8", "Bits": "bits", "Recomputed": "recomputed",
+             "_Reshaped": "fp8 (a view of another)"}
 
     def pack(t):
-        before = meter.bytes
+        before, seen = meter.bytes, len(meter.seen)
         stored = meter.pack(t)
-        if meter.bytes > before:
-            by["fp8" if not isinstance(stored, torch.Tensor) else "raw", t.grad_fn.name() if
-               t.grad_fn else "no grad_fn", str(t.dtype).replace("torch.", ""),
-               "x".join(map(str, t.shape))] += meter.bytes - before
+        if len(meter.seen) > seen:  # counted: not a param, the batch or a repeat
+            raw = isinstance(stored, torch.Tensor)
+            key = ("raw" if raw else kinds.get(type(stored).__name__, type(stored).__name__),
+                   t.grad_fn.name() if t.grad_fn else "no grad_fn",
+                   str(t.dtype).replace("torch.", ""), "x".join(map(str, t.shape)),
+                   _why_raw(t, ctx) if raw else "")
+            by[key] += meter.bytes - before
+            n[key] += 1
         return stored
     torch.manual_seed(1)
     with ctx, torch.autograd.graph.saved_tensors_hooks(pack, meter.unpack):
         loss_fn(model, xb)
-    return by.most_common(top), meter.bytes
+    rows = sorted(by, key=lambda k: (-by[k], k))
+    return [(k, by[k], n[k]) for k in rows[:top]], meter.bytes
+
+
+def zoo_where_table(name, **kwargs):
+    rows, total = zoo_where(name, **kwargs)
+    return "Where %s's %.2f MiB go (the default policy; each storage or stored object once):" \
+        "\n\n%s" % (name, total / common.MiB, common.markdown_table(
+            ["stored as", "saved by", "dtype", "shape", "why raw", "tensors", "KiB"],
+            [list(k) + [c, "%.0f" % (v / 1024)] for k, v, c in rows]))
 
 
 def zoo_table(rows):
@@ -570,13 +599,9 @@ def run(ctx) -> dict:
     b.roof, ops = kernels(ctx.quick, ctx.device)
     zoo_rows = zoo(dev=ctx.device) if a.zoo else []
     where = []
-    for r in zoo_rows:  # tensor by tensor, for the models the default leaves under 50%
-        if r["policy"] == "all" and r["saved"] < 0.5:
-            top, total = zoo_where(r["model"], dev=ctx.device)
-            where += ["", "Where %s's %.2f MiB go under the default policy (largest):" % (
-                r["model"], total / common.MiB), "", common.markdown_table(
-                ["stored", "saved by", "dtype", "shape", "KiB"],
-                [list(k) + ["%.0f" % (v / 1024)] for k, v in top])]
+    for r in zoo_rows:  # tensor by tensor, for every model
+        if r["policy"] == "all":
+            where += ["", zoo_where_table(r["model"], dev=ctx.device)]
     md = ([zoo_table(zoo_rows)] + where + [""] if zoo_rows else []) + [
         table(rows, errors, conv), "", "The FP8 ops, %d thread(s), median of interleaved "
         "samples:" % torch.get_num_threads(), "",

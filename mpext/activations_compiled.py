@@ -11,6 +11,9 @@ traces: the choice of tensor and its layout are plain Python at compile time, an
 AOTAutograd's hook context) the same functions hand the tensor to the innermost active context's
 eager pack, so one pair of hooks serves eager and compiled code.
 
+A boolean saved tensor (a dropout's mask, a comparison the partitioner keeps) is stored as
+bits (``activations_recompute.pack_bits``: torch ops, exact).
+
 AOTAutograd offers the hooks the graph's intermediates only (``saved_tensors_hooks_filtering_mode
 = "donated"``, its default): never a parameter, an input or an output of the graph, which stay
 alive anyway. The tensors the compiled backward saves are the partitioner's choice, so they may
@@ -22,12 +25,14 @@ import threading
 import torch
 
 from . import activations_codes as _codes
+from . import activations_recompute as _rc
 from . import ops
 
 __all__ = ["supported", "hooks", "active"]
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _TAG = "mpext_fp8"
+_TAG_BITS = "mpext_bits"
 
 
 def supported() -> bool:
@@ -118,6 +123,11 @@ def _pack(x, idx):
         stack = getattr(_TLS, "stack", None)
         return stack[-1](x) if stack else x
     s = _SETTINGS[idx]
+    if x.dtype == torch.bool and x.layout == torch.strided and isinstance(x.numel(), int) \
+            and x.numel() >= s[3]:
+        # a mask (ReLU's x > 0 the partitioner keeps, a dropout's): one bit per element, exact,
+        # the bits eager mode stores (activations_recompute.pack_bits)
+        return (_TAG_BITS, _rc.pack_bits(x), tuple(x.shape), tuple(x.stride()), x.numel())
     if _statistic() or not _worth_it(x, s):
         return x
     block, fp8_dtype, pow2 = s[:3]
@@ -135,6 +145,13 @@ def _pack(x, idx):
 def _unpack(p):
     if isinstance(p, torch.Tensor):
         return p
+    if isinstance(p, tuple) and p and p[0] == _TAG_BITS:
+        _, bits, shape, stride, numel = p
+        out = _rc.unpack_bits(bits, numel).view(shape)
+        if tuple(out.stride()) == stride:
+            return out
+        return torch.empty_strided(shape, stride, dtype=torch.bool,
+                                   device=out.device).copy_(out)
     if not (isinstance(p, tuple) and p and p[0] == _TAG):
         return p.restore()  # what the eager pack made
     _, q, scales, dtype, shape, stride, contiguous, block = p

@@ -2,6 +2,7 @@
 for bit and exhaustively over the 16-bit inputs; and mpext.activations (compressed saved
 tensors) against the uncompressed backward pass, composed with checkpointing, autocast,
 torch.compile, DDP and the mpext optimizers."""
+import collections
 import math
 
 import pytest
@@ -583,8 +584,8 @@ class _SavedBytes:
         key = stored.untyped_storage().data_ptr() if plain else id(stored)
         if t.untyped_storage().data_ptr() not in self.skip and key not in self.seen:
             self.seen.add(key)
-            self.bytes += sum(p.untyped_storage().nbytes()
-                              for p in ([stored] if plain else [stored.q, stored.scales]))
+            # a compressed object's own bytes: codes and scales, a bit mask, none for a recipe
+            self.bytes += stored.untyped_storage().nbytes() if plain else stored.nbytes
         return stored
 
     unpack = staticmethod(act.fp8_saved_tensors.unpack)
@@ -1092,13 +1093,13 @@ def test_fsdp2_gloo_two_ranks(tmp_path):
     results = _spawn(_fsdp_body, tmp_path)
     for res in results:
         for name, (ref, got, seen, stats) in res.items():
-            # the GELU's input and output, nothing else: the unsharded weights that F.linear
-            # saves are FSDP2's all-gathered nn.Parameters and stay as they are
+            # the GELU's input (an 8-bit copy) and output (recomputed from it), nothing else:
+            # the unsharded weights that F.linear saves are FSDP2's all-gathered
+            # nn.Parameters and stay as they are
             assert stats["compressed"] == 2, (name, stats, seen)
             assert not any(is_param for _, is_param in seen), (name, seen)
-            # (the second linear sees the GELU output as the 2-d view F.linear makes)
             assert [(math.prod(shape), shape[-1]) for shape, _ in seen] == \
-                [(FSDP_BATCH * 32 * 512, 512)] * 2
+                [(FSDP_BATCH * 32 * 512, 512)]
             w1, b1, w2, b2 = rel_errors(ref, got)
             # the bound of the single-process E4M3 case
             # (test_default_policy_compresses_matmul_and_activation_tensors_gradients_close)
@@ -1171,14 +1172,15 @@ def test_a_params_address_counts_only_while_the_param_holds_it():
 
 # ---- the zoo (tests/zoo.py: bench_activations --zoo's stock models at half its widths): the
 # bytes one BF16 forward leaves alive for the backward, from the allocator (HeapMeter, not
-# mpext's counters), uncompressed and under the default policy. The floors are the figures
-# reached (docs/activations.md) less 1.5 points of allocator noise; every 8-bit value costs
-# 1 B + 4 B per block of 128, so a model whose saved tensors are all BF16 tops out at 48.4%,
-# and only FP32 saved tensors (RMSNorm's copy, the CPU's attention math) lift one above 50%.
-# The int8 code packs no more bytes than E4M3 but its torch-op temporaries leave ~40 KB more
-# in the C heap's small-chunk caches, which this meter counts: a point at these small sizes.
-_ZOO_FLOOR = {"hf-gpt2-eager": 0.445, "hf-gpt2-sdpa": 0.495, "hf-llama": 0.46, "vit": 0.48,
-              "cnn": 0.455}
+# mpext's counters), uncompressed and under the default policy. The issue's target is half on
+# every model; an 8-bit copy costs 1 B + 4 B per block of 128, so all-BF16 saved sets top out
+# at 48.4% with copies alone, and what passes half is storing fewer tensors: masks as bits,
+# pointwise chains recomputed (mpext/activations_recompute.py). The floors are the figures
+# measured at these sizes (74, 69, 57, 66, 72, 59%) less 4 points of allocator noise, never
+# under the target.
+_ZOO_FLOOR = {"hf-gpt2-eager": 0.70, "hf-gpt2-sdpa": 0.65, "hf-llama": 0.53, "vit": 0.62,
+              "cnn": 0.68, "gpt": 0.55}
+assert min(_ZOO_FLOOR.values()) >= 0.5
 
 
 @pytest.fixture(scope="module")
@@ -1204,3 +1206,213 @@ def test_zoo_default_policy_halves_what_the_forward_leaves_alive(zoo_rows, name)
     over = {p: (r["errors"][p], r["ref"][p]) for p in bounded
             if r["errors"][p] > 2 * r["ref"][p]}
     assert not over, over
+
+
+# ---- stored forms beyond the 8-bit copy (mpext/activations_recompute.py): masks as bits and
+# pointwise chains recomputed from stored tensors. Exactness is checked where the leaves are
+# kept raw: a recomputation from raw values must give the uncompressed run's bits.
+
+class _Kinds:
+    """Pack hooks around ``ctx`` recording what each saved tensor is stored as."""
+
+    def __init__(self, ctx):
+        self.ctx, self.kinds = ctx, collections.Counter()
+
+    def pack(self, t):
+        stored = self.ctx.pack(t)
+        self.kinds[type(stored).__name__] += 1
+        return stored
+
+    unpack = staticmethod(act.fp8_saved_tensors.unpack)
+
+
+def _run(model, x, ctx=None, dropout_seed=1):
+    model.zero_grad()
+    torch.manual_seed(dropout_seed)
+    kinds = None
+    if ctx is None:
+        y = model(x)
+    else:
+        kinds = _Kinds(ctx)
+        with ctx, torch.autograd.graph.saved_tensors_hooks(kinds.pack, kinds.unpack):
+            y = model(x)
+    y.float().square().mean().backward()
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()], \
+        kinds and kinds.kinds
+
+
+def _not_output_of(module):
+    """A policy taking every tensor but ``module``'s output (or a view of it): kept raw."""
+    ptr = []
+    module.register_forward_hook(lambda m, i, o: ptr.append(o.untyped_storage().data_ptr()))
+    return lambda t: t.untyped_storage().data_ptr() not in ptr
+
+
+def _gelu_new(x):  # transformers' NewGELUActivation: a chain of pointwise ops
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 *
+                                                                    torch.pow(x, 3.0))))
+
+
+class _ChainMLP(torch.nn.Module):
+    def __init__(self, act_fn, p=0.0):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+        self.act_fn, self.p = act_fn, p
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.down(self.act_fn(self.up(x))), self.p,
+                                           self.training)
+
+
+@pytest.mark.parametrize("act_fn", [_gelu_new, torch.nn.functional.gelu])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pointwise_chain_recomputed_from_a_raw_input_gives_the_same_bits(device, act_fn,
+                                                                             dtype):
+    """The policy keeps the chain's input raw and picks the rest: the chain's saved tensors
+    (gelu_new's four, GELU's output as the down-projection's input) are recomputed from it, and
+    the gradients equal the uncompressed run's bit for bit."""
+    torch.manual_seed(0)
+    model = _ChainMLP(act_fn).to(device, dtype)
+    x = torch.randn(4, 64, 256, device=device, dtype=dtype)
+    ref, _ = _run(model, x)
+    got, kinds = _run(model, x, act.fp8_saved_tensors(_not_output_of(model.up), params=model))
+    assert kinds["Recomputed"] >= (4 if act_fn is _gelu_new else 1), kinds
+    assert "_Packed" not in kinds, kinds  # nothing else of the chain was worth a copy
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_float_dropout_masks_are_bits_and_the_output_is_recomputed_exactly():
+    """The CPU's dropout mask (0 and 1/(1-p) in the input's dtype) is stored as one bit per
+    element, restored exactly; the dropout's output saved by the next product is recomputed
+    from its input and the mask: the gradients are the uncompressed run's bits."""
+    torch.manual_seed(0)
+    model = _ChainMLP(lambda h: h, p=0.0).bfloat16().train()
+    relu = torch.nn.ReLU()  # saves its output: the dropout's input, kept raw by the policy
+    model.forward = lambda x: torch.nn.functional.dropout(relu(model.up(x)), 0.3, True) @ \
+        model.down.weight.t()  # the dropout's output saved by the product
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16)
+    ref, _ = _run(model, x)
+    # the linear's output raw: the dropout output is then recomputed exactly
+    got, kinds = _run(model, x, act.fp8_saved_tensors(
+        lambda t: t.grad_fn is None or t.grad_fn.name() != "ReluBackward0", params=model))
+    assert kinds["Bits"] == 1 and kinds["Recomputed"] == 1, kinds
+    for a, b in zip(ref, got):
+        if a is not None:
+            assert torch.equal(a, b)
+    # the mask itself: bits restored to exactly 0 and 1/(1-p)
+    m = (torch.rand(3, 1000) > 0.3).to(torch.bfloat16) / 0.7
+    bits = act._rc.Bits.make(m)
+    assert bits.nbytes == 375 and torch.equal(bits.restore(), m)
+    b = torch.rand(5, 77) > 0.5  # boolean (CUDA's masks), a length not a multiple of 8
+    assert torch.equal(act._rc.Bits.make(b).restore(), b)
+    assert act._rc.Bits.make(torch.tensor([0.0, 1.0, 2.0])) is None  # not a mask
+
+
+def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
+    """A CNN's ReLU outputs (the next conv's inputs; the residual block's relu(bn(c) + x)) are
+    BatchNorm's input times the batch's per-channel scale plus shift, then ReLU: with the
+    norm's inputs raw, every recomputed tensor restores the one autograd saved to float32
+    rounding (the affine map is the kernel's, in another order)."""
+    torch.manual_seed(0)
+    model = _cnn().float().to(device).train()
+    x = torch.randn(4, 3, 16, 16, device=device)
+    ctx = act.fp8_saved_tensors(lambda t: t.grad_fn is None or
+                                t.grad_fn.name() != "ConvolutionBackward0", params=model)
+    seen = []
+
+    def pack(t):
+        stored = ctx.pack(t)
+        if isinstance(stored, act._rc.Recomputed):
+            seen.append((t.detach().clone(), stored))
+        return stored
+    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
+        model(x)
+    assert len(seen) >= 7, len(seen)  # the stem's and each block's first ReLU, and more
+    eps = torch.finfo(torch.float32).eps
+    for orig, stored in seen:
+        got = stored.restore()
+        assert got.shape == orig.shape and got.stride() == orig.stride()
+        assert (got - orig).abs().max() <= 8 * eps * orig.abs().max(), \
+            (got - orig).abs().max()
+
+
+def test_a_raw_leaf_changed_in_place_before_the_backward_is_an_error():
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with act.fp8_saved_tensors(lambda t: t.grad_fn is not None and
+                               t.grad_fn.name() == "GeluBackward0" or t.shape[-1] == 0,
+                               params=lin, warn_unmatched=False):
+        h = lin(x)
+        y = torch.nn.functional.gelu(h) @ torch.randn(64, 64, requires_grad=True)
+    with torch.no_grad():
+        h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# ---- the calculator (mpext.memory.activation_bytes) against the allocator (HeapMeter), on zoo
+# models its formulas were not derived from (tests/test_memory.py derives them tensor by
+# tensor on small GPTs, GPT-2 with gelu_pytorch_tanh and a small Llama): the zoo's Llama
+# (256 wide, SwiGLU 688, RMSNorm, RoPE, SDPA) in BF16, and HF GPT-2 with the hub's defaults
+# (gelu_new, dropout 0.1) under the default compression, at the benchmark's full sizes (at
+# half size the allocator's fixed overhead is ~7% of the Llama's bytes).
+
+def _heap_held(name, compress):
+    from zoo import zoo_models
+    build, batch, loss_fn = zoo_models()[name]
+    heap = HeapMeter("cpu")
+    held = []
+    for _ in range(2):  # the second: the allocator's caches warm
+        torch.manual_seed(0)
+        model = build().bfloat16().train()
+        xb = batch(torch.bfloat16)
+        ctx = act.fp8_saved_tensors(params=model, warn_unmatched=False) if compress else \
+            contextlib.nullcontext()
+        before = heap()
+        with ctx:
+            loss = loss_fn(model, xb)
+        held.append(heap() - before)
+        loss.float().backward()
+        del loss
+    return held[-1]
+
+
+@pytest.mark.parametrize("name,compress,kw", [
+    ("hf-llama", None, dict(family="llama", ffn=688, dropout=False, attention="sdpa")),
+    ("hf-gpt2-sdpa", True, dict(dropout=True, attention="sdpa")),
+    ("hf-gpt2-eager", True, dict(dropout=True, attention="eager"))])
+def test_the_calculator_matches_the_allocator_on_zoo_models_within_5_percent(name, compress, kw):
+    pytest.importorskip("transformers")
+    from mpext import memory
+    torch.set_num_threads(1)
+    est = memory.activation_bytes(4, 128, 256, 2, 4, act_bytes=2, vocab=512, device="cpu",
+                                  compress=compress, **kw)
+    got = _heap_held(name, compress)
+    assert abs(est / got - 1) <= 0.05, (name, est, got, est / got)
+
+
+def test_a_chain_recorded_under_autocast_is_rerun_under_it(device):
+    """An FP32 model under autocast: gelu_new's chain on the BF16 linear output, recomputed
+    (the linear output kept raw) under the autocast the forward ran it in: every restored
+    tensor has the saved dtype and bits (CUDA's autocast runs pow in float32; rerun without it,
+    the tanh's input would be rounded to BF16)."""
+    torch.manual_seed(0)
+    model = _ChainMLP(_gelu_new).to(device)
+    x = torch.randn(2, 64, 256, device=device)
+    ctx = act.fp8_saved_tensors(_not_output_of(model.up), params=model)
+    seen = []
+
+    def pack(t):
+        stored = ctx.pack(t)
+        if isinstance(stored, act._rc.Recomputed):
+            seen.append((t.detach().clone(), stored))
+        return stored
+    with torch.autocast(device.type if isinstance(device, torch.device) else device,
+                        dtype=torch.bfloat16), ctx, \
+            torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
+        model(x)
+    assert len(seen) >= 4
+    for orig, stored in seen:
+        got = stored.restore()
+        assert got.dtype == orig.dtype and torch.equal(got, orig)

@@ -78,17 +78,18 @@ def _fresh_dynamo():
 
 @pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn])
 def test_compiled_saved_tensors_are_fp8_and_gradients_are_eager_compressions_bits(device, code):
-    """Linear-GELU-Linear: eager and compiled save the same two intermediates (the GELU's
-    input and output); compiled under the context, the forward graph hands the backward 8-bit
-    codes and their scales instead, and the gradients equal eager compression's bit for bit
-    (and differ from the uncompressed ones by the code's rounding)."""
+    """Linear-GELU-Linear: eager (without recomputing GELU's output from its input) and
+    compiled save the same two intermediates (the GELU's input and output); compiled under the
+    context, the forward graph hands the backward 8-bit codes and their scales instead, and the
+    gradients equal eager compression's bit for bit (and differ from the uncompressed ones by
+    the code's rounding)."""
     m = mlp().to(device)
     x = torch.randn(64, 256, device=device)
     be = Graphs()
     cm = torch.compile(m, backend=be, fullgraph=True)
     ctx = act.fp8_saved_tensors(fp8_dtype=code)
     got = grads(m, x, cm, ctx)
-    eager = grads(m, x, m, act.fp8_saved_tensors(fp8_dtype=code))
+    eager = grads(m, x, m, act.fp8_saved_tensors(fp8_dtype=code, recompute=False))
     plain = grads(m, x, m)
     (fw,), (bw,) = be.fw, be.bw
     fw_out = [n for n in fw.graph.nodes if n.op == "output"][0].args[0]
@@ -108,7 +109,8 @@ def test_compiled_saved_tensors_are_fp8_and_gradients_are_eager_compressions_bit
 
 
 def test_inductor_gradients_are_eager_compressions_to_float32_rounding(device):
-    """Inductor runs the same FP8 ops on the same saved tensors; its own kernels (fused GELU
+    """Inductor runs the same FP8 ops on the same saved tensors (eager without recompute saves
+    them too); its own kernels (fused GELU
     backward, reordered sums) change the float32 rounding only: gradients within a few ulps
     of float32 (relative L2 2**-17) of eager compression's, while compression alone moves them
     by more than 1e-3."""
@@ -116,7 +118,7 @@ def test_inductor_gradients_are_eager_compressions_to_float32_rounding(device):
     x = torch.randn(64, 256, device=device)
     cm = torch.compile(m, fullgraph=True)
     got = grads(m, x, cm, act.fp8_saved_tensors())
-    eager = grads(m, x, m, act.fp8_saved_tensors())
+    eager = grads(m, x, m, act.fp8_saved_tensors(recompute=False))
     plain = grads(m, x, m)
     assert max(rel_err(e, g) for e, g in zip(eager, got)) < 2.0 ** -17
     assert max(rel_err(p, e) for p, e in zip(plain, eager)) > 1e-3
@@ -266,3 +268,40 @@ def test_context_entered_inside_compiled_code_warns_once_and_still_compresses(de
     errs = [(rel_err(p, g), rel_err(p, e)) for p, g, e in zip(plain, outside, eager)]
     assert max(c for c, _ in errs) > 1e-3
     assert all(c <= 2 * e + 1e-6 for c, e in errs), errs
+
+
+def test_a_boolean_mask_the_compiled_graph_saves_is_stored_as_bits(device):
+    """Linear-dropout-Linear partitioned as inductor does (min-cut), which saves the dropout's
+    mask as bool: under the context the forward hands the backward one
+    bit per mask element (``activations_recompute.pack_bits``, exact) and no bool tensor; with
+    a policy that takes no floating tensor the gradients are the uncompressed compiled run's,
+    bit for bit."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    fw = []
+
+    def keep(store):
+        def compiler(gm, inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+    backend = aot_autograd(fw_compiler=keep(fw), bw_compiler=keep([]),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Dropout(0.5),
+                            torch.nn.Linear(512, 256)).to(device)
+    x = torch.randn(64, 256, device=device)
+    cm = torch.compile(m, backend=backend, fullgraph=True)
+    torch.manual_seed(1)
+    plain = grads(m, x, cm)
+    assert any(t.dtype == torch.bool for t in [n.meta["val"] for n in [
+        n for n in fw[-1].graph.nodes if n.op == "output"][0].args[0][1:]])
+    torch._dynamo.reset()
+    fw.clear()
+    torch.manual_seed(1)  # the same mask
+    got = grads(m, x, cm, act.fp8_saved_tensors(lambda t: False, warn_unmatched=False))
+    saved = [n.meta["val"] for n in [n for n in fw[-1].graph.nodes
+                                     if n.op == "output"][0].args[0][1:]]
+    assert not any(t.dtype == torch.bool for t in saved), [(t.dtype, t.shape) for t in saved]
+    assert sum(t.dtype == torch.uint8 and t.numel() == 64 * 512 // 8 for t in saved) == 1
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))

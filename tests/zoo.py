@@ -68,6 +68,11 @@ def zoo_models(small=False):
         *(ResBlock(32) for _ in range(3)), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         torch.nn.Linear(32, 10)),
         lambda dt: (torch.randn(8, 3, w // 8, w // 8, generator=g).to(dt), cls), ce)
+    # the project's own GPT (tests/small_gpt.py: pre-LayerNorm, GELU MLP, SDPA, no dropout)
+    from small_gpt import SmallGPT
+    tgt = torch.randint(0, vocab, (b, seq), generator=g)
+    out["gpt"] = (lambda: SmallGPT(vocab, seq, w, 2, 4), lambda dt: (ids, tgt),
+                  lambda m, x: m(*x))
     return out
 
 

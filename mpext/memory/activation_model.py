@@ -242,17 +242,46 @@ def _compressed(t: _Saved, env: Dict[str, int], opts) -> bool:
     return numel * size >= opts["min_bytes"]  # "size"
 
 
+def _stored_as(t: _Saved, env: Dict[str, int], opts) -> Optional[str]:
+    """How mpext.activations stores ``t`` under ``opts`` (None: as it is): "bits" for a
+    dropout mask of at least ``min_numel`` elements (exact, whatever the policy; the CPU's
+    SDPA math path's too), "recomputed"
+    for a tensor the policy picks that a recorded pointwise op made from stored tensors (GELU's
+    output from its saved input; eager attention's dropped probabilities from the softmax
+    output and the mask's bits), "fp8" for the rest the policy picks."""
+    if opts is None:
+        return None
+    numel = t.coef * env[t.unit]
+    if (t.kind == "dropout" or t.store == "pmask") and not t.grad:
+        return "bits" if numel >= opts["min_numel"] else None
+    if not _compressed(t, env, opts):
+        return None
+    if opts.get("recompute", True) and (t.store == "gelu_out" or (
+            t.store == "pdrop" and t.kind == "linear" and numel >= opts["min_numel"]
+            and env["d"] == env["f"])):  # under autocast P@V saves a cast, not the product
+        return "recomputed"
+    return "fp8"
+
+
 def _saved_bytes(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> int:
-    """The bytes of ``tensors``: FP8 codes and scales of each compressed one, each storage
-    once of the rest. A storage one saver holds raw is compressed for no later saver
-    (mpext.activations keeps one copy per storage); P@V's view of the softmax output shares
-    that output's FP8 copy."""
-    total, stores, raw = 0, set(), set()
+    """The bytes of ``tensors``: FP8 codes and scales of each compressed one, a bit per element
+    of each mask, nothing for a recomputed one, each storage once of the rest. A storage one
+    saver holds raw is compressed for no later saver (mpext.activations keeps one copy per
+    storage); views of one storage's memory share its copy (P@V's view of the softmax output,
+    the out-projection's view of attention's output)."""
+    total, stores, raw, coded = 0, set(), set(), set()
     for t in tensors:
         numel = t.coef * env[t.unit]
-        if t.store not in raw and _compressed(t, env, opts):
-            if t.name == "probabilities as P@V saves them":
-                continue  # the same elements as the softmax output's FP8 copy
+        how = _stored_as(t, env, opts) if t.store not in raw else None
+        if how == "bits":
+            total += t.count * -(-numel // 8)
+        elif how == "recomputed":
+            continue
+        elif how == "fp8":
+            if (t.store, numel) in coded:
+                continue  # the same memory in another view (P@V's view of the softmax
+                # output; the out-projection's (b*s, h) view of attention's output): one copy
+            coded.add((t.store, numel))
             total += t.count * _fp8_bytes(numel, _act.block_cols(
                 numel, env[t.cols], opts["block_size"]), opts["block_size"])
         elif t.store not in stores:
@@ -298,9 +327,12 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     as saved (``h``, ``h/a`` for attention's q, k, v and output, ``4h`` in the MLP, ``s`` for
     k^T and the probabilities, ``v`` for the log-softmax; where that is shorter than a block
     and the elements fill whole blocks, per block of consecutive elements, as the module
-    quantizes them), and is counted once per tensor
-    saved: attention's output and the out-projection's input (one storage, two tensors) become
-    two. The rest is counted as without compression: what no policy compresses (masks, indices,
+    quantizes them), counted once per memory (attention's output and the out-projection's
+    input, two views of one storage, share a copy). Dropout masks of at least ``min_numel``
+    elements are stored as bits (``ceil(n/8)`` bytes each, whatever the policy); GELU's output
+    and eager attention's dropped probabilities, when the policy picks them, are recomputed in
+    the backward from tensors stored anyway and cost nothing (``recompute=False``: FP8 copies).
+    The rest is counted as without compression: what no policy compresses (indices,
     norm statistics, the log-sum-exp: no grad_fn), tensors under ``min_numel`` elements and
     those whose blocks would not make them smaller; the "layers" policy keeps the softmax of
     eager attention and the loss's log-softmax, "linear" also attention's, the norms' and the
@@ -392,9 +424,15 @@ def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, 
 def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
     """The compressed estimate's terms as text: the bytes kept as they are, by unit, then
     fp8(n, c) for the compressed tensors of n elements in all, last dimension c."""
-    plain, fp8, stores = {}, {}, set()
+    plain, fp8, bits, stores, coded = {}, {}, {}, set(), set()
     for t in tensors:
-        if _compressed(t, env, opts):
+        how = _stored_as(t, env, opts)
+        if how == "recomputed" or (how == "fp8" and (t.store, t.coef) in coded):
+            continue  # nothing, or a view of a copy counted already
+        if how == "bits":
+            bits[t.unit] = bits.get(t.unit, 0) + t.count * t.coef
+        elif how == "fp8":
+            coded.add((t.store, t.coef))
             numel = t.coef * env[t.unit]  # short rows quantized as rows of one block
             key = (t.unit, t.cols if _act.block_cols(numel, env[t.cols], opts["block_size"]) ==
                    env[t.cols] else str(opts["block_size"]))
@@ -405,6 +443,7 @@ def _terms(tensors: Sequence[_Saved], env: Dict[str, int], opts) -> str:
     unit = lambda c, u: u if c == 1 else str(c) if u == "1" else "%d*%s" % (c, u)  # noqa: E731
     out = [unit(c, u) for u, c in plain.items() if c]
     out += ["fp8(%s, %s)" % (unit(c, u), col) for (u, col), c in fp8.items()]
+    out += ["bits(%s)" % unit(c, u) for u, c in bits.items()]
     return " + ".join(out) or "0"
 
 
@@ -461,6 +500,7 @@ def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress,
         layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
         return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
                 "scale per block of the last dimension c, c = the block where rows are shorter; "
+                "bits(n) = ceil(n/8) per mask; recomputed tensors cost nothing; "
                 "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; "
                 "%s attention, %s)" % (
                     _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],

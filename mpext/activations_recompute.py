@@ -1,0 +1,196 @@
+"""Saved tensors that cost (almost) nothing: dropout and boolean masks as bits, and the outputs of
+pointwise chains recomputed in the backward from a tensor that is stored anyway.
+
+Why: a tensor saved in 8 bits still costs 1 + 4/128 bytes per element, so a model whose saved
+tensors are all BF16 tops out at 48.4% saved; what lifts it past half is storing fewer tensors.
+Stock models save many that are cheap functions of another saved tensor: gelu_new's chain
+(pow, mul, add, tanh, mul: four ffn-wide tensors, all functions of its input), GELU's output
+(the down-projection's input), ReLU after BatchNorm (the next conv's input), a dropout's output
+(its input times the mask). Each is stored as a recipe: the pointwise ops that made it, whose
+leaves are stored objects (8-bit copies, bit masks, raw tensors some saver keeps anyway), and
+recomputed from their restored values when the backward reads it (``_Recomputed``).
+
+``mpext.activations`` records a recipe (``Node``) for the output of every out-of-place op of
+``POINTWISE`` it sees, and for BatchNorm in training (a per-channel affine map of its input,
+with the batch's statistics) and dropout (input times mask); a parameter among the arguments
+means no recipe (gradient release may step it before the backward reads the tensor).
+"""
+import contextlib
+
+import torch
+
+__all__ = ["POINTWISE", "pack_bits", "unpack_bits", "Bits", "Node", "Ref", "Leaf", "Call",
+           "Recomputed", "affine", "dropout_apply", "MAX_OPS"]
+
+F, T = torch.nn.functional, torch.Tensor
+# Out-of-place elementwise functions whose output is a deterministic, cheap function of their
+# arguments (re-running them on the same values gives the same bits).
+POINTWISE = frozenset([
+    T.__add__, T.__radd__, T.__sub__, T.__rsub__, T.__mul__, T.__rmul__, T.__truediv__,
+    T.__rtruediv__, T.__neg__, T.__pow__, torch.add, T.add, torch.sub, T.sub, torch.mul, T.mul,
+    torch.div, T.div, torch.pow, T.pow, torch.tanh, T.tanh, torch.sigmoid, T.sigmoid, F.gelu,
+    F.silu, F.relu, torch.relu, T.relu])
+# The ops a recomputation may run (its own and those of the recomputed leaves it reads): a
+# bound on the backward's extra work per saved tensor.
+MAX_OPS = 12
+_UNSET = object()
+
+
+def pack_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t != 0`` in row-major order, eight elements per byte (element i in bit i % 8 of byte
+    i // 8). Torch ops: AOTAutograd traces them into a compiled graph as well."""
+    flat = (t != 0).reshape(-1)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return (flat.view(-1, 8).to(torch.uint8) * _weights(t.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat boolean tensor of ``numel`` elements ``pack_bits`` stored."""
+    return (bits.view(-1, 1) & _weights(bits.device)).ne(0).view(-1)[:numel]
+
+
+def _weights(device) -> torch.Tensor:
+    # 1, 2, ..., 128 made by an op, not a constant tensor: a traced graph cannot hold one
+    return torch.pow(2, torch.arange(8, device=device)).to(torch.uint8)
+
+
+class Bits:
+    """A mask stored as one bit per element: a boolean tensor, or a floating one whose values
+    are 0 and one constant (the CPU's dropout mask: 0 and 1/(1-p)). Exact."""
+    __slots__ = ("bits", "value", "shape", "stride", "dtype", "nbytes", "numel")
+
+    @classmethod
+    def make(cls, t: torch.Tensor):
+        """The bit copy of ``t``, or None when ``t`` takes other values (a floating ``t``
+        holding anything but 0 and its largest value)."""
+        value = None
+        if t.dtype != torch.bool:
+            value = t.amax()
+            if not bool(((t == 0) | (t == value)).all()):
+                return None
+            value = value.item()
+        self = cls()
+        self.bits = pack_bits(t)
+        self.value, self.shape, self.stride, self.dtype = value, t.shape, t.stride(), t.dtype
+        self.numel, self.nbytes = t.numel(), self.bits.numel()
+        return self
+
+    def restore(self) -> torch.Tensor:
+        flat = unpack_bits(self.bits, self.numel)
+        out = flat if self.value is None else flat.to(self.dtype) * self.value
+        out = out.view(self.shape)
+        if out.stride() == tuple(self.stride):
+            return out
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                   device=out.device).copy_(out)
+
+    ops = 0
+
+
+def affine(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """BatchNorm's output from its input: ``x * a + b`` per channel (dimension 1) in float32,
+    rounded to ``x``'s dtype, as the kernels compute it."""
+    shape = [1] * x.dim()
+    shape[1] = -1
+    return (x.float() * a.view(shape) + b.view(shape)).to(x.dtype)
+
+
+def dropout_apply(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """A dropout's output from its input and mask: the CPU's floating mask (0 and 1/(1-p)) is
+    the factor itself; a boolean one (CUDA's) is scaled."""
+    if mask.dtype == torch.bool:
+        return x * mask.to(x.dtype) * scale
+    return x * mask
+
+
+class Ref:
+    """An argument of a recorded op: its storage's entry in the pack hook's cache, its view
+    and version, and the recipe that made it, if any."""
+    __slots__ = ("key", "entry", "node")
+
+    def __init__(self, t: torch.Tensor, entry):
+        self.entry = entry  # what the pack hook stores of t's storage (held: it may die)
+        self.key = (t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        node = getattr(t, "_mpext_node", None)
+        self.node = node if node is not None and node.version == t._version else None
+
+
+class Node:
+    """One recorded op: ``func(*args, **kwargs)`` with its tensor arguments as ``Ref``s.
+    ``version``: its output's version when recorded (an in-place change later voids it)."""
+    __slots__ = ("func", "args", "kwargs", "version", "amp", "__weakref__")
+
+    def __init__(self, func, args, kwargs, version=0):
+        self.func, self.args, self.kwargs, self.version = func, args, kwargs, version
+        self.amp = autocast_state()
+
+
+class Recomputed:
+    """A saved tensor stored as a recipe over stored leaves: ``restore`` reruns the ops on the
+    leaves' restored values and gives the saved size and strides."""
+    __slots__ = ("tree", "shape", "stride", "ops", "nbytes")
+
+    def __init__(self, tree, shape, stride, ops):
+        self.tree, self.shape, self.stride, self.ops, self.nbytes = tree, shape, stride, ops, 0
+
+    def restore(self) -> torch.Tensor:
+        memo = {}
+        with torch.no_grad():
+            out = _evaluate(self.tree, memo)
+        if tuple(out.shape) != tuple(self.shape):
+            out = out.reshape(self.shape)
+        if out.stride() == tuple(self.stride):
+            return out
+        return torch.empty_strided(self.shape, self.stride, dtype=out.dtype,
+                                   device=out.device).copy_(out)
+
+
+class Leaf:
+    """A stored object (an 8-bit copy, a bit mask, a recipe) or a raw tensor some saver keeps,
+    with the version it had: a raw tensor changed in place before the backward is an error,
+    as autograd's own check."""
+    __slots__ = ("obj", "version")
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.version = obj._version if isinstance(obj, torch.Tensor) else None
+
+
+def autocast_state():
+    """The autocast regions active now, as (device type, dtype) pairs: an op recorded under
+    autocast (which may run it in float32, as CUDA's pow) is rerun under the same."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(d))
+
+
+class Call:
+    """An op of a recipe being evaluated: its arguments are ``Leaf``s, ``Call``s or constants,
+    ``amp`` the autocast regions it ran under."""
+    __slots__ = ("func", "args", "kwargs", "amp")
+
+    def __init__(self, func, args, kwargs, amp=()):
+        self.func, self.args, self.kwargs, self.amp = func, args, kwargs, amp
+
+
+def _evaluate(tree, memo):
+    if isinstance(tree, Leaf):
+        hit = memo.get(id(tree.obj), _UNSET)
+        if hit is _UNSET:
+            if isinstance(tree.obj, torch.Tensor):
+                if tree.obj._version != tree.version:
+                    raise RuntimeError(
+                        "mpext.activations: a tensor a saved activation is recomputed from was "
+                        "modified by an inplace operation after the forward pass (version %d, "
+                        "saved at %d)" % (tree.obj._version, tree.version))
+                hit = tree.obj
+            else:
+                hit = tree.obj.restore()
+            memo[id(tree.obj)] = hit
+        return hit
+    args = [_evaluate(a, memo) if isinstance(a, (Leaf, Call)) else a for a in tree.args]
+    with contextlib.ExitStack() as amp:
+        for device, dtype in tree.amp:
+            amp.enter_context(torch.autocast(device, dtype=dtype))
+        return tree.func(*args, **tree.kwargs)
