@@ -1563,3 +1563,38 @@ def test_mixed_precision_optimizer_takes_a_moment_format_by_name():
     mpo.step()
     inner = mpo.optimizer.state[mpo.master_param(lin.weight)]
     assert inner["exp_avg"].dtype == BF16 and inner["exp_avg_sq"].dtype == F32
+
+
+def test_mixed_master_and_remainder_groups_step_empty_params(device):
+    """One launch over a master group and a remainder group, each holding an empty bf16 param
+    (what an FSDP2 rank holds for a param whose shard is empty): it steps, the empty params stay
+    empty, and the others take the bits of the same groups without the empty params. The planner
+    refused this launch once, taking the other group's "none" placeholder for the empty param's
+    storage and finding its shape wrong."""
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(4, 19, generator=gen).to(BF16) for _ in range(2)]
+    grads = [[torch.randn(4, 19, generator=gen).to(BF16) for _ in range(2)] for _ in range(3)]
+
+    def run(with_empty):
+        ps = [torch.nn.Parameter(t.clone().to(device)) for t in full]
+        es = [torch.nn.Parameter(torch.empty(0, 19, dtype=BF16, device=device))
+              for _ in range(2)] if with_empty else []
+        groups = [{"params": [ps[0]] + es[:1]},
+                  {"params": [ps[1]] + es[1:], "param_remainders": True}]
+        opt = AdamW(groups, lr=1e-2, weight_decay=0.1)
+        for g in grads:
+            for p, gi in zip(ps, g):
+                p.grad = gi.to(device)
+            for e in es:
+                e.grad = torch.empty_like(e)
+            opt.step()
+        return opt, ps, es
+
+    a, pa, ea = run(True)
+    b, pb, _ = run(False)
+    assert [tuple(e.shape) for e in ea] == [(0, 19), (0, 19)]
+    for x, y in zip(pa, pb):
+        assert torch.equal(bits(x), bits(y))
+        for key in ("exp_avg", "exp_avg_sq", "master_param", "param_remainder"):
+            if key in b.state[y]:
+                assert torch.equal(bits(a.state[x][key]), bits(b.state[y][key])), key

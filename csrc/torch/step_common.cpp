@@ -20,18 +20,33 @@ void check_hyper(double value, const char* op, const char* name, double lo, bool
                     hi, hi_open ? ")" : "]", ", got ", value);
 }
 
-// The one place a moment's tensor becomes its format id (mpext/formats/formats.h): the ops take
-// the moments as tensors (their schemas unchanged), float32, bfloat16, or the 8-bit block codes
-// as int8 (signed) and uint8 (non-negative); plan_step has checked the dtype against the
-// moment's place before.
-static int32_t moment_format(const at::Tensor& m) {
-  switch (m.scalar_type()) {
-    case at::kFloat: return MP_FMT_F32;
-    case at::kBFloat16: return MP_FMT_BF16;
-    case at::kChar: return MP_FMT_Q8S;
-    case at::kByte: return MP_FMT_Q8U;
-    default: TORCH_INTERNAL_ASSERT(false, "no moment format for ", m.scalar_type());
+// The tensor dtype of an mp_dtype (a moment format's storage).
+static at::ScalarType at_dtype_of(int32_t d) {
+  return d == MP_F32 ? at::kFloat : d == MP_BF16 ? at::kBFloat16 : d == MP_F16 ? at::kHalf
+         : d == MP_I8 ? at::kChar : at::kByte;
+}
+
+// A moment (`which`: 0 the first, 1 the second) has the dtype of one of the formats it may be
+// in: the rows of mpext/formats/formats.h, listed in the message in their order.
+static void check_moment_dtype(const at::Tensor& t, const char* op, Arg name, int which) {
+  std::string list;
+  for (int32_t f = 0; f < MP_FMT_COUNT; ++f) {
+    if (!mp_format_moment_ok(f, which)) continue;
+    const at::ScalarType d = at_dtype_of(mp_format_dtype(f));
+    if (t.scalar_type() == d) return;
+    list += (list.empty() ? "" : " or ") + std::string(dtype_name(d));
   }
+  TORCH_CHECK(false, "mpext.", op, ": ", name, " must have dtype ", list, ", got ",
+              dtype_name(t.scalar_type()));
+}
+
+// The one place a moment's tensor becomes its format id: the row whose storage dtype it has
+// (the ops take the moments as tensors, their schemas unchanged); plan_step has checked the
+// dtype against the moment's place before.
+static int32_t moment_format(const at::Tensor& m, int which) {
+  const int32_t f = mp_format_for_moment(to_mp_dtype(m.scalar_type()), which);
+  TORCH_INTERNAL_ASSERT(f != MP_FMT_COUNT, "no moment format for ", m.scalar_type());
+  return f;
 }
 
 mp_step_options rule_options(int32_t rule, double beta1, double beta2, double weight_decay,
@@ -181,8 +196,8 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat, "mpext.", op,
                 ": ", gn, " must have the dtype of ", pn, " (", dtype_name(p.scalar_type()),
                 ") or float32, got ", dtype_name(g.scalar_type()));
-    if (nmom >= 1) check_dtype(m, op, mn, {at::kFloat, at::kBFloat16, at::kChar});
-    if (nmom >= 2) check_dtype(v, op, vn, {at::kFloat, at::kBFloat16, at::kByte});
+    if (nmom >= 1) check_moment_dtype(m, op, mn, 0);
+    if (nmom >= 2) check_moment_dtype(v, op, vn, 1);
     // 8-bit moments come as a pair: int8 codes of m with uint8 codes of v (or m alone)
     const bool q8 = nmom >= 1 && m.scalar_type() == at::kChar;
     if (nmom >= 2) {
@@ -212,7 +227,10 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     auto storage_of = [&](const at::Tensor& w, const Arg& name, at::ScalarType dtype) {
       check_device(w, op, name, device, owner);
       check_dtype(w, op, name, {dtype});
-      if (w.numel() == 0 && (p.numel() != 0 || !low)) return false;  // "none"
+      // an empty tensor is "none"; an empty param's own storage is empty as well, and where one
+      // launch mixes groups (masters in one, remainders in the other) an empty shard holds the
+      // other group's "none" of another shape: for an empty param the two need no telling apart
+      if (w.numel() == 0) return false;
       TORCH_CHECK_VALUE(low, "mpext.", op, ": ", pn, " is float32 and takes no master, so ",
                         name, " must be an empty tensor, got ", w.numel(), " elements");
       check_dense(w, op, name);
@@ -237,7 +255,7 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
         remainder = static_cast<int16_t*>(remainders[k].data_ptr());
       }
     }
-    TORCH_CHECK_VALUE(!low || has_master || has_remainder || storage.master_free,
+    TORCH_CHECK_VALUE(!low || p.numel() == 0 || has_master || has_remainder || storage.master_free,
                       "mpext.", op, ": ", pn, " is ", dtype_name(p.scalar_type()),
                       " and needs an fp32 master (masters[", i, "])",
                       p.scalar_type() == at::kBFloat16 ? " or a remainder (remainders[" : "",
@@ -250,8 +268,9 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     for (int j = 0; j < rule.nlists; ++j) {
       const Arg sn(scale_names[j], i);
       if (scale_lists[j].empty()) {
-        TORCH_CHECK_VALUE(!q8 || j >= nmom, "mpext.", op, ": ", mn, " holds 8-bit codes, which need ",
-                          scale_names[j], " (one float32 scale per block of ", block,
+        TORCH_CHECK_VALUE(!q8 || j >= nmom, "mpext.", op, ": ", mn,
+                          " holds 8-bit codes, which need ", scale_names[j],
+                          " (one float32 scale per block of ", block,
                           " elements); got none");
         continue;
       }
@@ -286,8 +305,8 @@ StepPlan plan_step(const RuleLists& rule, at::TensorList params, at::TensorList 
     t.n = p.numel();
     t.remainder = remainder;
     // the moments the rule keeps, each in its format (a moment it does not keep is not read)
-    if (nmom >= 1) t.exp_avg_format = moment_format(m);
-    if (nmom >= 2) t.exp_avg_sq_format = moment_format(v);
+    if (nmom >= 1) t.exp_avg_format = moment_format(m, 0);
+    if (nmom >= 2) t.exp_avg_sq_format = moment_format(v, 1);
     t.offset = offset;
     t.sr_stream = storage.sr_streams ? static_cast<uint64_t>((*storage.sr_streams)[k])
                                      : static_cast<uint64_t>(k);
