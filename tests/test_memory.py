@@ -409,8 +409,8 @@ def test_compression_options_are_fp8_saved_tensors():
     text = estimate(10 ** 6, batch=2, seq=64, hidden=96, layers=3, heads=4,
                     compress="layers").activation_formula
     # hidden 96 and heads of 24: rows shorter than a block, quantized as rows of 128
-    assert text.startswith("layers*(8*s*b + 4*a*s*b + 2*s*b*h + fp8(9*s*b*h, 128) + "
-                           "fp8(8*s*b*h, 4*h)) + ") and \
+    assert text.startswith("layers*(8*s*b + 4*a*s*b + fp8(8*s*b*h, 128) + fp8(4*s*b*h, 4*h) + "
+                           "bits(2*s*b*h)) + ") and \
         "fp8(n, c) = n + 4*(n/c)*ceil(c/128)" in text and "policy 'layers'" in text
 
 
