@@ -2,10 +2,9 @@
  * csrc/core/int8_block.c).
  *
  * Built and run by tests/c/run.py beside the other tests/c files (ASan + UBSan in CI). On every
- * ISA path this
- * CPU supports, mp_int8_block_quantize / _dequantize are compared bit for bit with a reference
- * written here from the spec (the torch-op code of mpext.activations_codes), in plain scalar C
- * with branches and libm, sharing no code with int8_block_rule.h:
+ * ISA path this CPU supports, mp_int8_block_quantize / _dequantize are compared bit for bit with
+ * a reference written here from the spec (the torch-op code of mpext.activations_codes), in plain
+ * scalar C with branches and libm, sharing no code with int8_block_rule.h:
  *   scale = max(fp32 absmax / 127, 2^-126), rounded up to a power of two by frexpf with pow2,
  *     NaN if the block holds a NaN, else Inf if it holds an Inf;
  *   code = clamp(nearbyintf(x / scale), -127, 127), the sign of x where that is 0 and x is not,

@@ -2,9 +2,9 @@
  * gradient counters of mp_unscale_stats, and the optimizer step's of mp_step_stats (below,
  * "the step's counters").
  *
- * Built and run by tests/c/run.py beside test_core.c (ASan + UBSan in CI). On every ISA path this
- * CPU supports, mp_unscale_stats is compared with
- *   - mp_unscale (scale.h, tested on its own in test_core.c): the same bits in every gradient
+ * Built and run by tests/c/run.py beside the other tests/c files (ASan + UBSan in CI). On every
+ * ISA path this CPU supports, mp_unscale_stats is compared with
+ *   - mp_unscale (scale.h, tested on its own in test_scale.c): the same bits in every gradient
  *     and the same found flag, on a copy of the same input;
  *   - a reference written here: each element decoded to double by a field decoder built on
  *     ldexp (independent of numerics.h), classified in double arithmetic (0; 0 < |v| < 2^emin;
@@ -13,7 +13,8 @@
  * Inputs: random bit patterns with many specials (zeros, subnormals, the largest values, NaN,
  * Inf), sizes around the kernel's vector width and its 2^14-element blocks, offsets that leave
  * the data misaligned, accumulation into non-zero totals, inv_scale == 1 (nothing stored).
- * Options: --seed X, --isa NAME; other arguments are ignored (run.py passes test_core's).
+ * Options: --seed X, --isa NAME; other arguments are ignored (run.py passes the others' sweep
+ * options).
  * Output: one line per check group; exit status 1 if anything failed. */
 #include <inttypes.h>
 #include <math.h>
@@ -72,7 +73,9 @@ typedef struct fmtdesc {
 static const fmtdesc FMT[3] = {{32, 23, 8, 127}, {16, 7, 8, 127}, {16, 10, 5, 15}};
 
 static int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-static const char* dname(int dtype) { return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16"; }
+static const char* dname(int dtype) {
+  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
+}
 
 static uint32_t raw_at(const void* p, int dtype, int64_t i) {
   if (dtype == MP_F32) {
@@ -425,7 +428,8 @@ static void fill_step(sarr* a, const smode* md) {
         uint16_t best = 0; double bd = 1e30; int bad;
         const uint32_t u = bits_of(x);
         const int e = (int)((u >> 23) & 0xFF) - 127 + 15;
-        const uint16_t c = (uint16_t)(((u >> 31) << 15) | ((uint32_t)e << 10) | ((u >> 13) & 0x3FF));
+        const uint16_t c =
+            (uint16_t)(((u >> 31) << 15) | ((uint32_t)e << 10) | ((u >> 13) & 0x3FF));
         for (int d = -1; d <= 1; ++d) {
           const double dv = fabs(decode(MP_F16, (uint16_t)(c + d), &bad) - x);
           if (!bad && dv < bd) { bd = dv; best = (uint16_t)(c + d); }
