@@ -10,6 +10,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
+from mpext.memory.meter import live_bytes as _live_bytes
+from mpext.memory.meter import measure_release as release_memory
 from mpext.optim import _q8_shards
 from .common import Bench, Timing, check, markdown_table, mlp, run_standalone
 
@@ -175,67 +177,6 @@ def _step_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
 # ---- Gradient release under FSDP2: step cost and memory per device ------------------------
 
 RELEASE_WIDTH, RELEASE_LAYERS, RELEASE_BUCKET = 512, 6, 1 << 20
-
-
-def _live_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors (DTensors by their local shard):
-    what is alive, counted by the storages themselves, not by mpext's own accounting."""
-    from torch.distributed.tensor import DTensor
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen and st.nbytes():
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
-
-
-def release_memory(params, opt, loss_fn, released: bool, bucket_bytes: int, ddp=None,
-                   steps: int = 2) -> dict:
-    """One rank's live bytes in a training run of ``steps`` steps (the last measured: the
-    state exists, DDP's buckets are rebuilt), stepped after backward or released (under DDP
-    through ``ddp``'s comm hook): ``params``, ``state`` (every state tensor but the per-param
-    scalars), ``grads`` (the ``.grad`` alive after the backward), ``grad_peak`` (the largest sum
-    of the ``.grad`` storages seen as each gradient completes: a post-accumulate-grad hook that
-    runs before the release's; under DDP the local gradients: views of DDP's buckets are its)
-    and, under DDP, ``ddp_buckets`` (the Reducer's bucket buffers, read from DDP itself). All
-    by the distinct storages (DTensors by their local shard): what is alive, not mpext's own
-    accounting. ``loss_fn(step)`` makes a step's loss."""
-    live = {"peak": 0}
-
-    def watch(p):
-        # Under DDP (gradient_as_bucket_view=False) a local gradient is never a view; a view is
-        # the average in DDP's bucket (the release points a stepped .grad there until the end
-        # of backward), whose storage is DDP's, counted in ddp_buckets
-        grads = (q.grad for q in params if ddp is None or q.grad is None or q.grad._base is None)
-        live["peak"] = max(live["peak"], _live_bytes(grads))
-    handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
-    release = opt.release_grads(bucket_bytes=bucket_bytes, ddp=ddp) if released else None
-    try:
-        for step in range(steps):
-            live["peak"] = 0
-            loss_fn(step).backward()
-            grads = _live_bytes(p.grad for p in params)
-            if not released:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        for h in handles:
-            h.remove()
-        if release is not None:
-            release.remove()
-    state = [v for st in opt.state.values() for v in st.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]
-    out = {"params": _live_bytes(params), "state": _live_bytes(state), "grads": grads,
-           "grad_peak": live["peak"]}
-    if ddp is not None:
-        out["ddp_buckets"] = sum(b.buffer().untyped_storage().nbytes()
-                                 for b in ddp.reducer._get_zeros_like_grad_buckets())
-    return out
 
 
 def _release_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:

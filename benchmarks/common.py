@@ -16,6 +16,7 @@ import torch
 
 import mpext
 from mpext import memory
+from mpext.memory.meter import peak_bytes as peak_memory_many
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results"
 GB = 1e9
@@ -248,55 +249,7 @@ def roofline_line(roof: dict) -> str:
     return line
 
 
-# ---- peak memory
-
-def _walk(nodes):
-    for node in nodes:
-        yield node
-        yield from _walk(node.children)
-
-
-def peak_memory_many(fns: Dict[object, Callable[[], object]],
-                     device: torch.device) -> Dict[object, Optional[float]]:
-    """Bytes each callable needs at its peak (benchmarks/README.md, "Peak memory"); CPU: from
-    one profiler session's allocation records (None where this torch does not expose them)."""
-    gc.collect()
-    if device.type == "cuda":
-        res = {}
-        for k, fn in fns.items():
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            out = fn()
-            torch.cuda.synchronize(device)
-            res[k] = float(torch.cuda.max_memory_allocated(device) - before)
-            del out
-        return res
-    none = {k: None for k in fns}
-    try:
-        from torch._C._profiler import _EventType
-        from torch.profiler import ProfilerActivity, profile, record_function
-    except ImportError:
-        return none
-    tags = {"mpext_bench_peak_%d" % i: k for i, k in enumerate(fns)}
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for tag, k in tags.items():
-            with record_function(tag):
-                out = fns[k]()
-                del out
-    try:
-        res = dict(none)
-        for root in _walk(prof.profiler.kineto_results.experimental_event_tree()):
-            if root.name in tags:
-                allocs = sorted((n.start_time_ns, int(n.extra_fields.alloc_size),
-                                 int(n.extra_fields.total_allocated))
-                                for n in _walk(root.children) if n.tag == _EventType.Allocation)
-                res[tags[root.name]] = float(max(0, max(a[2] for a in allocs) - (
-                    allocs[0][2] - allocs[0][1]))) if allocs else 0.0
-        return res
-    except (AttributeError, RuntimeError):
-        return none
-
+# ---- peak memory (the meter is mpext.memory.meter.peak_bytes: tests use it too)
 
 def peak_pairs(pairs: Dict[str, Tuple[Callable, Optional[Callable]]],
                device: torch.device) -> Dict[str, List[Optional[float]]]:

@@ -59,13 +59,14 @@ def _ops_in(gm):
 
 
 def _quantized(gm):
-    """The quantizations in a graph: FP8 ops, or the int8 code's casts to its codes (a node
-    making int8 from a tensor that is not, not its views)."""
+    """The quantizations in a graph: FP8 ops, the int8 code's native op, or the int8 code's
+    casts to its codes where it is traced from torch ops (a node making int8 from a tensor that
+    is not, not its views)."""
     def dtype(a):
         v = getattr(a, "meta", {}).get("val")
         return v.dtype if isinstance(v, torch.Tensor) else None
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and (
-        str(n.target) == "mpext.fp8_quantize.default" or (
+        str(n.target) in ("mpext.fp8_quantize.default", "mpext.int8_block_quantize.default") or (
             dtype(n) == torch.int8 and n.args and dtype(n.args[0]) not in (torch.int8, None))))
 
 

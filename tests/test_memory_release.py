@@ -2,7 +2,7 @@
 per rank, FSDP2 and DDP, released and stepping after backward, a few formats, the persistent
 bytes (params, optimizer state, the ``.grad`` alive after backward, DDP's buckets) and the
 ``.grad`` peak during backward that ``mpext.memory.estimate`` predicts are the bytes measured
-(benchmarks/bench_distributed.py's ``release_memory``: distinct storages of the live tensors,
+(``mpext.memory.meter.measure_release``: distinct storages of the live tensors,
 a hook that runs before the release's; DDP's buckets read from its Reducer), to the byte.
 
 One spawn of 2 ranks (tests/release_world2.py, shared with test_release_table.py and
@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import mpext
 from mpext.memory import estimate
+from mpext.memory.meter import measure_release, peak_bytes
 from test_distributed import _batch, _sr_mlp, _sr_shard
 
 pytest_plugins = ("release_world2",)  # the 2-rank spawn, one for the release files
@@ -56,7 +57,6 @@ def _loss_fn(model, rank):
 
 
 def _memory_cases(rank):
-    from benchmarks.bench_distributed import release_memory
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -67,13 +67,13 @@ def _memory_cases(rank):
                 model = _sr_shard(_model(name), mesh)
                 params = list(model.parameters())
                 opt = mpext.optim.AdamW(params, lr=1e-2, seed=7, **kw)
-                out[("fsdp2", name, released, bucket)] = release_memory(
+                out[("fsdp2", name, released, bucket)] = measure_release(
                     params, opt, _loss_fn(model, rank), released, bucket)
             model = _model(name)
             ddp = DDP(model, bucket_cap_mb=DDP_CAP_MB)
             params = list(model.parameters())
             opt = mpext.optim.AdamW(params, lr=1e-2, seed=7, **kw)
-            out[("ddp", name, released)] = release_memory(
+            out[("ddp", name, released)] = measure_release(
                 params, opt, _loss_fn(ddp, rank), released, 0, ddp=ddp)
     out["ddp_allocator"] = _ddp_allocator_peaks(rank)
     return out
@@ -83,11 +83,10 @@ DDP_WEIGHTS, DDP_WIDTH = 4, 256  # 256 KiB FP32 weights, each one of DDP's bucke
 
 
 def _ddp_allocator_peaks(rank):
-    """The allocator's peak (torch's CPU profiler: benchmarks.common.peak_memory_many) of a
+    """The allocator's peak (torch's CPU profiler: mpext.memory.meter.peak_bytes) of a
     DDP forward + backward over DDP_WEIGHTS bias-free square FP32 layers, each its own DDP
     bucket, batch 2: stepped after backward (every local gradient alive at its end) and
     released (one bucket's at a time). The weights' gradient bytes come with it."""
-    from benchmarks.common import peak_memory_many
     from torch.nn.parallel import DistributedDataParallel as DDP
     x = torch.randn(2, DDP_WIDTH, generator=torch.Generator().manual_seed(rank))
     fns = {}
@@ -107,7 +106,7 @@ def _ddp_allocator_peaks(rank):
         for _ in range(3):  # DDP's buckets rebuilt, the state made
             step()
         fns[released] = step
-    return {"peaks": peak_memory_many(fns, torch.device("cpu")),
+    return {"peaks": peak_bytes(fns, "cpu"),
             "weight_bytes": DDP_WIDTH * DDP_WIDTH * 4}
 
 

@@ -1,7 +1,7 @@
 """Precision telemetry, the optimizer-step half (issue 46): the step kernels' counters
 (``stats`` of the step ops, ``mpext.telemetry.attach(..., optimizer=)``).
 
-The counts are checked exactly on every ISA path and storage mode by tests/c/test_telemetry.c;
+The counts are checked exactly on every ISA path and storage mode by tests/c/test_step_telemetry.c;
 here, through the optimizers and the flat dict, against a float64 reference computed from the
 same tensors: the state before and after one step from fresh state, and the fp32 values the
 step rounded, taken from the same rule run on FP32 state (identical up to the rounding the

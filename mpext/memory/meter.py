@@ -2,7 +2,7 @@
 rows of the estimate (``mpext.memory.estimator``), to check one against the other."""
 from typing import Dict, Optional
 
-__all__ = ["measure", "HeapMeter"]
+__all__ = ["measure", "HeapMeter", "live_bytes", "measure_release", "peak_bytes"]
 
 def _local(t):
     """A DTensor's local shard (what this device holds), or the tensor itself."""
@@ -148,3 +148,118 @@ class HeapMeter:
             return torch.cuda.memory_allocated(self.device)
         info = self._info()
         return info.uordblks + info.hblkhd
+
+
+# ---- a training run's live bytes, and the allocator's peak of a callable (the tests' and the
+# benchmarks' meters, independent of mpext's own accounting)
+
+def live_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (DTensors by their local shard):
+    what is alive, counted by the storages themselves, not by mpext's own accounting."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen and st.nbytes():
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def measure_release(params, opt, loss_fn, released: bool, bucket_bytes: int = 0, ddp=None,
+                    steps: int = 2) -> dict:
+    """One rank's live bytes in a training run of ``steps`` steps (the last measured: the
+    state exists, DDP's buckets are rebuilt), stepped after backward or released (under DDP
+    through ``ddp``'s comm hook): ``params``, ``state`` (every state tensor but the per-param
+    scalars), ``grads`` (the ``.grad`` alive after the backward), ``grad_peak`` (the largest sum
+    of the ``.grad`` storages seen as each gradient completes: a post-accumulate-grad hook that
+    runs before the release's; under DDP the local gradients: views of DDP's buckets are its)
+    and, under DDP, ``ddp_buckets`` (the Reducer's bucket buffers, read from DDP itself). All
+    by the distinct storages (DTensors by their local shard): what is alive, not mpext's own
+    accounting. ``loss_fn(step)`` makes a step's loss."""
+    import torch
+    live = {"peak": 0}
+
+    def watch(p):
+        # Under DDP (gradient_as_bucket_view=False) a local gradient is never a view; a view is
+        # the average in DDP's bucket (the release points a stepped .grad there until the end
+        # of backward), whose storage is DDP's, counted in ddp_buckets
+        grads = (q.grad for q in params if ddp is None or q.grad is None or q.grad._base is None)
+        live["peak"] = max(live["peak"], live_bytes(grads))
+    handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
+    release = opt.release_grads(bucket_bytes=bucket_bytes, ddp=ddp) if released else None
+    try:
+        for step in range(steps):
+            live["peak"] = 0
+            loss_fn(step).backward()
+            grads = live_bytes(p.grad for p in params)
+            if not released:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+        if release is not None:
+            release.remove()
+    state = [v for st in opt.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out = {"params": live_bytes(params), "state": live_bytes(state), "grads": grads,
+           "grad_peak": live["peak"]}
+    if ddp is not None:
+        out["ddp_buckets"] = sum(b.buffer().untyped_storage().nbytes()
+                                 for b in ddp.reducer._get_zeros_like_grad_buckets())
+    return out
+
+
+def _walk(nodes):
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
+
+
+def peak_bytes(fns, device) -> Dict[object, Optional[float]]:
+    """Bytes each callable (a dict of them) needs at its peak above what was allocated when it
+    started, as torch's allocator sees it: on CUDA its peak statistics, on the CPU one profiler
+    session's allocation records (None where this torch does not expose them). The benchmarks'
+    peak memory (benchmarks/README.md, "Peak memory") and the tests' allocator checks."""
+    import gc
+    import torch
+    device = torch.device(device)
+    gc.collect()
+    if device.type == "cuda":
+        res = {}
+        for k, fn in fns.items():
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            out = fn()
+            torch.cuda.synchronize(device)
+            res[k] = float(torch.cuda.max_memory_allocated(device) - before)
+            del out
+        return res
+    none = {k: None for k in fns}
+    try:
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile, record_function
+    except ImportError:
+        return none
+    tags = {"mpext_bench_peak_%d" % i: k for i, k in enumerate(fns)}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for tag, k in tags.items():
+            with record_function(tag):
+                out = fns[k]()
+                del out
+    try:
+        res = dict(none)
+        for root in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+            if root.name in tags:
+                allocs = sorted((n.start_time_ns, int(n.extra_fields.alloc_size),
+                                 int(n.extra_fields.total_allocated))
+                                for n in _walk(root.children) if n.tag == _EventType.Allocation)
+                res[tags[root.name]] = float(max(0, max(a[2] for a in allocs) - (
+                    allocs[0][2] - allocs[0][1]))) if allocs else 0.0
+        return res
+    except (AttributeError, RuntimeError):
+        return none

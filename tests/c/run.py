@@ -3,7 +3,7 @@
 
 Every tests/c/test_*.c is a test binary of its own (a new file is picked up by its name; nothing
 lists it). A source that includes test_common.h is linked with test_common.c, which holds main
-and the shared bookkeeping; any other (test_telemetry.c, ...) has its own main. All of them get
+and the shared bookkeeping; any other (test_step_telemetry.c, ...) has its own main. All of them get
 the same arguments and run under the same tool, CPU-count binaries at a time (--jobs), the
 longest of the last run first; each one's output is printed when it ends.
 
