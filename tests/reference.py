@@ -374,3 +374,66 @@ def q8_decode_array(kind, codes, scale, block):
     v = Q8_VALUES[kind][c & 0x7F if signed else c] * np.ldexp(1.0, ea - 127)
     v = np.where(ea >= 255, np.nan, v)
     return (np.where(c >= 128, -v, v) if signed else v).astype(np.float32)
+
+
+# ---- Bitwise comparison helpers shared by the cast, unscale, scaler and bad-input tests (one
+# copy: test_cast, test_scale_ops, test_grad_scaler and test_bad_inputs each had their own).
+
+
+def raw_bytes(t):
+    """The bytes of t (NaN payloads included), as a 1-D uint8 tensor on the CPU; a sparse
+    tensor's indices then values, coalesced."""
+    t = t.detach()
+    if t.is_sparse:
+        t = t.coalesce()
+        return torch.cat([t.indices().reshape(-1).view(torch.uint8), raw_bytes(t.values())])
+    return t.contiguous().reshape(-1).view(torch.uint8).cpu()
+
+
+def snapshot(ts):
+    return [t.clone() for t in ts]
+
+
+def assert_unchanged(before, after):
+    """Bitwise equality (NaN payloads included), tensor by tensor."""
+    for i, (a, b) in enumerate(zip(before, after)):
+        assert torch.equal(raw_bytes(a.cpu()), raw_bytes(b.cpu())), "tensor %d changed" % i
+
+
+def all_16bit(dtype, device="cpu"):
+    """Every one of the 65,536 bit patterns of a 16-bit float dtype."""
+    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(
+        dtype).to(device)
+
+
+def assert_same_bits_or_both_nan(ours, ref, x):
+    """ours == ref bit for bit wherever the input x is not NaN; NaN (any payload) wherever it
+    is. x has as many elements as ours and ref, in any float dtype."""
+    nan = torch.isnan(x.float()).cpu().reshape(-1)
+    ours, ref = ours.cpu().reshape(-1), ref.cpu().reshape(-1)
+    ib = {4: torch.int32, 2: torch.int16}[ours.element_size()]
+    bad = (ours.view(ib) != ref.view(ib)) & ~nan
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        xi = x.reshape(-1)[i:i + 1].cpu()
+        xb = {4: torch.int32, 2: torch.int16}[xi.element_size()]
+        raise AssertionError("first mismatch at %d: x=%r (bits 0x%x), ours=%r (0x%x), ref=%r "
+                             "(0x%x)" % (i, xi.item(), xi.view(xb).item() & 0xFFFFFFFF,
+                                         ours[i].item(), ours.view(ib)[i].item() & 0xFFFFFFFF,
+                                         ref[i].item(), ref.view(ib)[i].item() & 0xFFFFFFFF))
+    assert torch.equal(torch.isnan(ours.float()), nan), "NaN where the input is not, or not " \
+                                                         "where it is"
+
+
+def assert_bits_or_both_nan(a, b, what=""):
+    """Same dtype and shape; NaN at the same places (any payload: torch canonicalizes NaNs),
+    bitwise equal everywhere else. Sparse tensors: the same indices, then their values."""
+    if a.is_sparse:
+        a, b = a.coalesce(), b.coalesce()
+        assert torch.equal(a.indices(), b.indices()), what
+        a, b = a.values(), b.values()
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    a, b = a.detach(), b.detach()
+    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
+    assert torch.equal(na, nb), what
+    assert torch.equal(raw_bytes(a.masked_fill(na, 0)), raw_bytes(b.masked_fill(nb, 0))), what

@@ -38,7 +38,7 @@ import mpext
 from mpext import ops
 
 from conftest import CUDA_OK
-from reference import adam_step_reference
+from reference import adam_step_reference, assert_bits_or_both_nan
 
 OTHER = "cuda" if CUDA_OK else "meta"
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
@@ -180,15 +180,6 @@ def clone_tree(obj):
 def _int_view(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
         t.element_size()])
-
-
-def assert_bits_or_both_nan(ours, ref):
-    """Bitwise equal where ref is not NaN; NaN where it is (torch canonicalizes NaNs)."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape
-    ours, ref = ours.detach().cpu(), ref.detach().cpu()
-    nan = torch.isnan(ref.float())
-    assert torch.equal(torch.isnan(ours.float()), nan)
-    assert torch.equal(_int_view(ours)[~nan], _int_view(ref)[~nan])
 
 
 def check_unary(target):

@@ -1,8 +1,9 @@
 """mpext under PyTorch's distributed engine: DDP, FSDP2 (fully_shard) and DTensor.
 
-Two spawned processes form a gloo group on loopback (a file rendezvous in the run's temporary
+Spawned processes form a gloo group on loopback (a file rendezvous in the run's temporary
 directory, a collective timeout, and a wall-clock bound on the spawn, so a hung collective fails
-the test instead of hanging it). Each spawn runs several scenarios and saves what every rank ends with; the tests
+the test instead of hanging it): one spawn per world size (2, 3, 4), whose ranks run every
+scenario of that size in sequence and save what every rank ends with; the tests
 then compare it, in this process, with single-process references: the same model trained by one
 process on the combined batch (DDP), or torch's own AdamW and GradScaler on the full tensors
 (FSDP2, DTensor). Every scenario also checks that all ranks agree bit for bit.
@@ -46,23 +47,26 @@ def _entry(rank, out_dir, body, world=WORLD, backend="gloo"):
     try:
         results = body(rank, out_dir)
         torch.save(results, os.path.join(out_dir, "rank%d.pt" % rank))
-        dist.barrier()
+        # After a failed part the ranks may be out of step in their collectives: a barrier
+        # could pair with a peer's pending one, so leave (the peer's collective then fails).
+        if not _failed_part(results):
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(body, out_dir, world=WORLD, backend="gloo"):
+def _spawn(body, out_dir, world=WORLD, backend="gloo", timeout_s=SPAWN_TIMEOUT_S):
     """Runs body(rank, out_dir) on `world` ranks (gloo); returns what each rank returned."""
     ctx = mp.start_processes(_entry, args=(str(out_dir), body, world, backend), nprocs=world,
                              join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
             pytest.fail("the %d-rank run did not finish within %d s (a hung collective?)"
-                        % (world, SPAWN_TIMEOUT_S))
+                        % (world, timeout_s))
     return [torch.load(os.path.join(out_dir, "rank%d.pt" % r), weights_only=False)
             for r in range(world)]
 
@@ -140,7 +144,7 @@ def _snapshot(params, scales=None, scaler=None):
 
 
 def _all_body(rank, out_dir):
-    """Everything in one spawn: starting the processes costs more than the scenarios."""
+    """The DDP, DTensor and example scenarios: the 2-rank spawn's first part."""
     out = _ddp_body(rank, out_dir)
     out.update(_dt_body(rank, out_dir))
     out["example"] = _example_runs(out_dir)
@@ -175,9 +179,90 @@ def _example_runs(out_dir):
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# One spawn per world size (starting the processes, importing torch and forming the group cost
+# more than most scenarios): each rank runs its world's parts in sequence, each part in a folder
+# of its own. A part that raises is recorded with its traceback and ends the run (the ranks may
+# be out of step in their collectives after it); the tests of that part then fail naming it,
+# and the other parts' tests still report.
+
+WORLD_PARTS = {  # world size -> its parts, in order (3's reshard loads 2's checkpoints)
+    2: ("ddp_dtensor_example", "sr", "reshard"),
+    3: ("sr", "reshard"),
+    4: ("four",),
+}
+FAILED = "__failed__"
+
+
+def _failed_part(results):
+    return isinstance(results, dict) and any(isinstance(v, dict) and FAILED in v
+                                             for v in results.values())
+
+
+def _world_body(rank, out_dir):
+    import traceback
+
+    bodies = {"ddp_dtensor_example": _all_body, "sr": _sr_body, "reshard": _reshard_body,
+              "four": _four_body}
+    out = {}
+    for part in WORLD_PARTS[dist.get_world_size()]:
+        part_dir = os.path.join(out_dir, part)
+        os.makedirs(part_dir, exist_ok=True)
+        try:
+            out[part] = bodies[part](rank, part_dir)
+        except Exception:
+            out[part] = {FAILED: traceback.format_exc()}
+            break
+    return out
+
+
+class _Spawns:
+    """world size -> each rank's parts, spawned on first use; the one-process checkpoints the
+    2-rank reshard part loads are written before its spawn, the 3-rank spawn follows the
+    2-rank one (it loads that one's)."""
+
+    def __init__(self, base):
+        self.base = base
+        self.worlds = {}
+
+    def world(self, world):
+        if world not in self.worlds:
+            if world == 2:
+                for name in RESHARD_CASES:  # one process, no process group
+                    model, opt = _reshard_setup(name)
+                    _sr_train(model, opt, RESHARD_SAVED)
+                    _reshard_save(model, opt, str(self.base / "at1" / name))
+            if world == 3:
+                self.world(2)
+            out_dir = self.base / ("w%d" % world)
+            out_dir.mkdir()
+            self.worlds[world] = _spawn(_world_body, out_dir, world,
+                                        timeout_s=SPAWN_TIMEOUT_S * len(WORLD_PARTS[world]))
+        return self.worlds[world]
+
+    def part(self, world, part):
+        """Each rank's result of `part` at `world` ranks; fails naming the part if it did not
+        finish on a rank."""
+        ranks = self.world(world)
+        for rank, got in enumerate(ranks):
+            if part not in got:
+                failed = [p for p, v in got.items() if isinstance(v, dict) and FAILED in v]
+                pytest.fail("%d ranks, rank %d: part %r did not run, part %r failed before it"
+                            % (world, rank, part, failed[0] if failed else None))
+            if isinstance(got[part], dict) and FAILED in got[part]:
+                pytest.fail("%d ranks, rank %d: part %r failed:\n%s"
+                            % (world, rank, part, got[part][FAILED]))
+        return [got[part] for got in ranks]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return _spawn(_all_body, tmp_path_factory.mktemp("ranks"))
+def spawns(tmp_path_factory):
+    return _Spawns(tmp_path_factory.mktemp("spawns"))
+
+
+@pytest.fixture(scope="module")
+def results(spawns):
+    return spawns.part(2, "ddp_dtensor_example")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1382,9 +1467,9 @@ SR_WORLDS = (2, 3)
 
 
 @pytest.fixture(scope="module")
-def sr_runs(tmp_path_factory):
+def sr_runs(spawns):
     """world size -> what each rank of that group returned."""
-    return {w: _spawn(_sr_body, tmp_path_factory.mktemp("sr%d" % w), w) for w in SR_WORLDS}
+    return {w: spawns.part(w, "sr") for w in SR_WORLDS}
 
 
 def _sr_reference(name):
@@ -1646,7 +1731,7 @@ def _reshard_body(rank, out_dir):
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    base = os.path.dirname(out_dir)
+    base = os.path.dirname(os.path.dirname(out_dir))  # <base>/w<world>/reshard
     out = {}
     for name in RESHARD_CASES:
         if world == 2:
@@ -1660,17 +1745,11 @@ def _reshard_body(rank, out_dir):
 
 
 @pytest.fixture(scope="module")
-def reshard_runs(tmp_path_factory):
+def reshard_runs(spawns):
     """'1to2', '2to3', '2to1' -> format -> what each rank (a list) ended with."""
-    base = tmp_path_factory.mktemp("reshard")
-    for name in RESHARD_CASES:  # one process, no process group
-        model, opt = _reshard_setup(name)
-        _sr_train(model, opt, RESHARD_SAVED)
-        _reshard_save(model, opt, str(base / "at1" / name))
-    (base / "run2").mkdir()
-    (base / "run3").mkdir()
-    at2 = _spawn(_reshard_body, base / "run2", 2)
-    at3 = _spawn(_reshard_body, base / "run3", 3)
+    at2 = spawns.part(2, "reshard")
+    at3 = spawns.part(3, "reshard")
+    base = spawns.base
     return {"1to2": {n: [r[n] for r in at2] for n in RESHARD_CASES},
             "2to3": {n: [r[n] for r in at3] for n in RESHARD_CASES},
             "2to1": {n: [_reshard_resume(n, str(base / "at2" / n))] for n in RESHARD_CASES},
@@ -1813,13 +1892,13 @@ def _four_body(rank, out_dir):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return _spawn(_four_body, tmp_path_factory.mktemp("four"), 4)
+def four_ranks(spawns):
+    return spawns.part(4, "four")
 
 
 @pytest.fixture(scope="module")
 def memory_runs(sr_runs, four_ranks):
-    """world size -> each rank's _memory_body: 2 from the SR spawn, 4 from the 4-rank one."""
+    """world size -> each rank's _memory_body: 2 from the SR part, 4 from the 4-rank one."""
     return {2: [r["memory"] for r in sr_runs[2]], 4: [r["memory"] for r in four_ranks]}
 
 

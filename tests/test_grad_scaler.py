@@ -21,40 +21,20 @@ import mpext
 from mpext import ops
 
 from conftest import CUDA_OK, HostReads
-from reference import ScaleRuleModel
+from reference import ScaleRuleModel, assert_bits_or_both_nan
+from reference import raw_bytes as bits
 
 NAN, INF = float("nan"), float("inf")
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers: host-read counting, bitwise comparisons.
-
-
-def bits(t):
-    t = t.detach()
-    if t.is_sparse:
-        t = t.coalesce()
-        return torch.cat([t.indices().reshape(-1).view(torch.uint8),
-                          bits(t.values())])
-    return t.contiguous().reshape(-1).view(torch.uint8).cpu()
+# Helpers: host-read counting, bitwise comparisons (bits and the NaN-aware comparison are
+# tests/reference.py's).
 
 
 def assert_bitwise(a, b, what=""):
     assert a.dtype == b.dtype and a.shape == b.shape, what
     assert torch.equal(bits(a), bits(b)), what
-
-
-def assert_same_or_both_nan(a, b, what=""):
-    """Bitwise equal except NaN payloads (torch's and mpext's unscale agree on every non-NaN
-    value; a NaN stays NaN)."""
-    if a.is_sparse:
-        a, b = a.coalesce(), b.coalesce()
-        assert torch.equal(a.indices(), b.indices()), what
-        a, b = a.values(), b.values()
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
-    assert torch.equal(na, nb), what
-    assert torch.equal(bits(a.masked_fill(na, 0)), bits(b.masked_fill(nb, 0))), what
 
 
 def assert_optimizer_states_equal(o1, o2):
@@ -217,7 +197,7 @@ def compare(t, m, step, reads=True):
         assert_bitwise(pt, pm, "param %s at step %d" % (n, step))
         assert (pt.grad is None) == (pm.grad is None)
         if pt.grad is not None:
-            assert_same_or_both_nan(pt.grad, pm.grad, "grad %s at step %d" % (n, step))
+            assert_bits_or_both_nan(pt.grad, pm.grad, "grad %s at step %d" % (n, step))
     for ot, om in zip(t.opts, m.opts):
         assert_optimizer_states_equal(ot, om)
     sdt, sdm = st.state_dict(), sm.state_dict()

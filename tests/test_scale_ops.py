@@ -11,7 +11,8 @@ import torch
 from mpext import ops
 
 from conftest import CUDA_OK
-from reference import ScaleRuleModel
+from reference import (ScaleRuleModel, all_16bit, assert_same_bits_or_both_nan,
+                       assert_unchanged, raw_bytes, snapshot)
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -32,24 +33,6 @@ def torch_reference_device(device, dtype):
     return "cpu" if (device != "cpu" and dtype == torch.bfloat16) else device
 
 
-def raw(t):
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def assert_same_or_both_nan(ours, ref, x):
-    """Bit-identical wherever the input x was not NaN; NaN (any payload) where it was."""
-    nan = torch.isnan(x.float()).cpu()
-    ours, ref = ours.cpu(), ref.cpu()
-    ib = {4: torch.int32, 2: torch.int16}[ours.element_size()]
-    bad = (ours.reshape(-1).view(ib) != ref.reshape(-1).view(ib)) & ~nan.reshape(-1)
-    if bad.any():
-        i = int(bad.nonzero()[0, 0])
-        raise AssertionError("first mismatch at %d: x=%r ours=%r torch=%r"
-                             % (i, x.reshape(-1)[i].item(), ours.reshape(-1)[i].item(),
-                                ref.reshape(-1)[i].item()))
-    assert torch.equal(torch.isnan(ours.float()), nan)
-
-
 def random_bits(n, dtype, gen):
     """n values of dtype with uniformly random bit patterns: NaN, +-Inf, subnormals, zeros and
     everything else."""
@@ -58,10 +41,6 @@ def random_bits(n, dtype, gen):
         return b.to(torch.int32).view(torch.float32)
     b = torch.randint(-(1 << 15), 1 << 15, (n,), generator=gen, dtype=torch.int32)
     return b.to(torch.int16).view(dtype)
-
-
-def all_16bit(dtype):
-    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
 def finite_values(n, dtype, gen, scale=1.0):
@@ -100,7 +79,7 @@ def test_unscale_random_bits_match_torch(isa, device, dtype):
         x = random_bits(n, dtype, gen)
         for inv in INV_SCALES:
             (ours,), fo, (theirs,), ft = run_both([x], inv, device)
-            assert_same_or_both_nan(ours, theirs, x)
+            assert_same_bits_or_both_nan(ours, theirs, x)
             assert fo == ft
 
 
@@ -109,7 +88,7 @@ def test_unscale_all_16bit_patterns_match_torch(isa, device, dtype):
     x = all_16bit(dtype)
     for inv in INV_SCALES + [1.0]:
         (ours,), fo, (theirs,), ft = run_both([x], inv, device)
-        assert_same_or_both_nan(ours, theirs, x)
+        assert_same_bits_or_both_nan(ours, theirs, x)
         assert fo == ft == 1.0
 
 
@@ -120,7 +99,7 @@ def test_unscale_finite_values_found_inf_stays_zero(isa, device, dtype):
     for inv in [1.0 / 1024, 0.7, 1.0]:
         (ours,), fo, (theirs,), ft = run_both([x], inv, device)
         assert fo == ft == 0.0
-        assert torch.equal(raw(ours.cpu()), raw(theirs.cpu()))
+        assert torch.equal(raw_bytes(ours.cpu()), raw_bytes(theirs.cpu()))
 
 
 def test_unscale_subnormal_results_and_inputs(isa, device):
@@ -132,7 +111,7 @@ def test_unscale_subnormal_results_and_inputs(isa, device):
                              7 * t, 1.0, 0.0, -0.0], dtype=torch.float32).to(dtype)
         for inv in [0.5, 0.25, 1.0 / 3, 2.0 ** -10, 3.0]:
             (ours,), fo, (theirs,), ft = run_both([base], inv, device)
-            assert torch.equal(raw(ours.cpu()), raw(theirs.cpu())), (dtype, inv)
+            assert torch.equal(raw_bytes(ours.cpu()), raw_bytes(theirs.cpu())), (dtype, inv)
             assert fo == ft == 0.0
 
 
@@ -147,7 +126,7 @@ def test_unscale_single_nonfinite_anywhere(isa, device, dtype):
                 x[pos] = bad
                 (ours,), fo, (theirs,), ft = run_both([x], 0.5, device)
                 assert fo == ft == 1.0, (n, pos, bad)
-                assert_same_or_both_nan(ours, theirs, x)
+                assert_same_bits_or_both_nan(ours, theirs, x)
 
 
 def test_unscale_mixed_dtype_list_and_views(isa, device):
@@ -163,7 +142,7 @@ def test_unscale_mixed_dtype_list_and_views(isa, device):
         assert fo == ft == 1.0
         for o, t, x in zip(ours, theirs, xs):
             assert o.dtype == x.dtype and o.shape == x.shape
-            assert_same_or_both_nan(o, t, x)
+            assert_same_bits_or_both_nan(o, t, x)
 
 
 def test_unscale_views_at_offsets_touch_only_the_view(isa, device):
@@ -180,12 +159,12 @@ def test_unscale_views_at_offsets_touch_only_the_view(isa, device):
         found = torch.zeros((), device=device)
         ops.unscale_(views, found, torch.full((), 0.125, device=device))
         for v, r in zip(views, ref_views):
-            assert torch.equal(raw(v.cpu()), raw(r.cpu()))
+            assert torch.equal(raw_bytes(v.cpu()), raw_bytes(r.cpu()))
         untouched = torch.ones(300, dtype=torch.bool)
         for a, b in [(1, 38), (41, 42), (50, 250)]:
             untouched[a:b] = False
-        assert torch.equal(raw(buf[untouched.to(device)].cpu()),
-                           raw(before[untouched.to(device)].cpu()))
+        assert torch.equal(raw_bytes(buf[untouched.to(device)].cpu()),
+                           raw_bytes(before[untouched.to(device)].cpu()))
         assert found.item() == 0.0
 
 
@@ -228,7 +207,7 @@ def test_unscale_inv_scale_one_is_read_only(isa, device, dtype):
     y = x.clone()
     found = torch.zeros((), device=device)
     ops.unscale_([y], found, torch.ones((), device=device))
-    assert torch.equal(raw(x.cpu()), raw(y.cpu()))
+    assert torch.equal(raw_bytes(x.cpu()), raw_bytes(y.cpu()))
     assert found.item() == 1.0
 
 
@@ -257,7 +236,7 @@ def test_unscale_threads_and_chunk_boundaries(threads):
         results.append(ours)
     for ours in results:
         for o, t, x in zip(ours, theirs, xs):
-            assert_same_or_both_nan(o, t, x)
+            assert_same_bits_or_both_nan(o, t, x)
 
 
 @pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA device and a CUDA build of mpext")
@@ -270,7 +249,7 @@ def test_unscale_cpu_and_cuda_agree():
         g, fg, _, _ = run_both(xs, inv, "cuda")
         assert fc == fg
         for a, b, x in zip(c, g, xs):
-            assert_same_or_both_nan(b, a, x)
+            assert_same_bits_or_both_nan(b, a, x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,21 +450,12 @@ def test_torch_compile_graph():
     f(*eager)
     torch.compile(f, backend="eager", fullgraph=True)(*compiled)
     for a, b in zip(eager[0] + list(eager[1:]), compiled[0] + list(compiled[1:])):
-        assert torch.equal(raw(a), raw(b))
+        assert torch.equal(raw_bytes(a), raw_bytes(b))
     assert compiled[3].item() == 4.0 and compiled[2].item() == 0.5
 
 
 # --------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the argument, and nothing modified.
-
-
-def snapshot(ts):
-    return [t.clone() for t in ts]
-
-
-def assert_unchanged(before, after):
-    for a, b in zip(before, after):
-        assert torch.equal(raw(a.cpu()), raw(b.cpu()))
 
 
 def unscale_case(device):
