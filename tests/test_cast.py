@@ -41,28 +41,47 @@ def special_values():
 CHUNK = 1 << 20
 
 
+# The int32 ranges of the NaN bit patterns (0x7F800001..0x7FFFFFFF and 0xFF800001..0xFFFFFFFF):
+# a chunk outside both holds no NaN input, so its NaN mask is known without a pass over it.
+NAN_RANGES = ((0x7F800001, 0x7FFFFFFF), (-0x7FFFFF, -1))
+# The largest non-NaN magnitude (infinity's bits, sign cleared) of each target.
+INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
 @pytest.mark.slow
 def test_exhaustive_rne_matches_torch_every_isa():
     """Per chunk, target and ISA path: ours == torch's bit for bit wherever x is not NaN, and
     NaN exactly where x is. Where ours equals torch's result in every bit (every chunk without
     a NaN input), both hold iff torch's result is NaN exactly where x is, which is checked once
-    per chunk and target: so one comparison of the bits stands for the two element-wise passes
-    (the test took 2 minutes of CI's 2 cores, mostly in those passes)."""
+    per chunk and target: so one comparison of the bits stands for the two element-wise passes.
+    In a chunk without NaN inputs that check is "no NaN in torch's result": its largest
+    magnitude is at most infinity's. The bits are compared four at a time (as int64): 3.7x
+    faster than comparing int16s (the test took 80 s of CI's 2 cores)."""
     paths = [p for p in mpext.build_info()["cpu_isas_supported"]]
     previous = mpext.cpu_isa()
+    base = torch.arange(CHUNK, dtype=torch.int32)
+    xi = torch.empty_like(base)
     try:
         for start in range(-(1 << 31), 1 << 31, CHUNK):
-            x = torch.arange(start, start + CHUNK, dtype=torch.int32).view(torch.float32)
-            nan = torch.isnan(x)
+            torch.add(base, start, out=xi)
+            x = xi.view(torch.float32)
+            has_nan = any(start <= hi and start + CHUNK - 1 >= lo for lo, hi in NAN_RANGES)
+            nan = torch.isnan(x) if has_nan else None
             for target, fn in ((torch.bfloat16, ops.to_bf16), (torch.float16, ops.to_fp16)):
                 ref = bits16(x.to(target))
-                ref_nan_exact = torch.equal(torch.isnan(ref.view(target)), nan)
+                if has_nan:
+                    ref_nan_exact = torch.equal(torch.isnan(ref.view(target)), nan)
+                else:
+                    ref_nan_exact = int((ref & 0x7FFF).max()) <= INF_BITS[target]
+                ref64 = ref.view(torch.int64)
                 for path in paths:
                     mpext.set_cpu_isa(path)
                     ours = bits16(fn(x))
-                    if torch.equal(ours, ref):
+                    if torch.equal(ours.view(torch.int64), ref64):
                         assert ref_nan_exact, (path, target, start)
                         continue
+                    if nan is None:
+                        nan = torch.isnan(x)
                     bad = (ours != ref) & ~nan
                     assert not bad.any(), (path, target, start)
                     assert torch.equal(torch.isnan(ours.view(target)), nan), (path, target, start)

@@ -182,10 +182,27 @@ def test_the_benchmark_modules_of_the_real_plan_start(tmp_path):
                argv[argv.index("-m") + 1].startswith("benchmarks.")]
     assert {"benchmarks.run_all", "benchmarks.measure_grad_release",
             "benchmarks.bench_activations"} <= set(modules)
-    for module in modules:
-        done = subprocess.run([PY, "-m", module, "--help"], cwd=root, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0 and "usage:" in done.stdout, (module, done.stderr[-2000:])
+    # One interpreter runs every module as `python -m module --help` would (runpy, argv,
+    # SystemExit(0) from argparse): a process per module cost ~3 s of imports each.
+    script = """
+import contextlib, io, runpy, sys
+for module in sys.argv[1:]:
+    out = io.StringIO()
+    sys.argv = [module, "--help"]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    ok = code == 0 and "usage:" in out.getvalue()
+    print("%s %s" % ("OK" if ok else "FAILED", module), flush=True)
+"""
+    done = subprocess.run([PY, "-c", script] + modules, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [w for m in modules for w in ("OK", m)], \
+        (done.stdout, done.stderr[-2000:])
 
 
 # ---- the CUDA tests per feature ---------------------------------------------------------------
