@@ -55,10 +55,18 @@ def _entry(rank, out_dir, body, world=WORLD, backend="gloo"):
         dist.destroy_process_group()
 
 
+# Ranks are forked where the platform can: a spawned rank imports torch, mpext and the test
+# module again (~3 s of CPU each, some 45 ranks per suite); a forked one starts from this
+# process's imports. _entry sets one torch thread before any collective, so no OpenMP pool
+# inherited from the parent is ever used in the child. MPEXT_TEST_START_METHOD overrides.
+START_METHOD = os.environ.get("MPEXT_TEST_START_METHOD") or (
+    "fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
 def _spawn(body, out_dir, world=WORLD, backend="gloo", timeout_s=SPAWN_TIMEOUT_S):
     """Runs body(rank, out_dir) on `world` ranks (gloo); returns what each rank returned."""
     ctx = mp.start_processes(_entry, args=(str(out_dir), body, world, backend), nprocs=world,
-                             join=False, start_method="spawn")
+                             join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
         if time.monotonic() > deadline:
