@@ -10,7 +10,9 @@ in this process:
 - a poisoned FP16 backward (an inf put into rank 0's shard of one gradient after the
   reduce-scatter): every rank skips the same buckets (that one and every later one; nothing at
   all with clip="exact");
-- a DCP checkpoint of a released run resumed into fresh objects == the uninterrupted run.
+- a DCP checkpoint of a released run resumed into fresh objects == the uninterrupted run;
+- at 3 and 4 ranks, and HSDP (2 x 2), every row of the rules x formats table under FSDP2 and
+  DDP (test_release_table.py's sweep, which it runs at 2 ranks in its own spawn).
 """
 import os
 import time
@@ -21,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mpext
+import test_release_table
 from test_distributed import (SR_CASES, _batch, _equal_bits, _full, _full_state, _local, _spawn,
                               _sr_mlp, _sr_shard)
 
@@ -290,6 +293,12 @@ def _phase(rank, mesh, world, out_dir):
                        for name, clip in (POISONED if world == 2 else POISONED[1:3])}
     path = os.path.join(out_dir, "dcp%d" % world)
     out["dcp"] = _dcp_resume(rank, mesh, path)
+    if world in (3, 4):  # every row of the table (at 2 ranks: test_release_table.py's spawn)
+        t, cpu = time.perf_counter(), time.process_time()
+        out["table"] = test_release_table._table_cases(rank, mesh, mesh.get_group())
+        if world == 4:
+            out["table"]["hsdp"] = test_release_table._table_cases(rank, hsdp, ddp=False)["fsdp2"]
+        out["table_seconds"] = (time.perf_counter() - t, time.process_time() - cpu)
     return out
 
 
@@ -341,6 +350,17 @@ def test_released_fsdp2_has_the_bits_of_stepping_after_backward(runs, world, mes
             assert got["buckets"] >= (len(STEPS) * 2 if bucket != 0 else 9), where
             if "moved" in got:
                 assert len(got["moved"]) >= 4, where  # the params did change
+
+
+@pytest.mark.parametrize("world,engine", [(3, "fsdp2"), (3, "ddp"), (4, "fsdp2"), (4, "ddp"),
+                                          (4, "hsdp")])
+def test_released_mesh_has_the_bits_of_stepping_after_backward_in_every_row(runs, world,
+                                                                             engine):
+    """Every row of the rules x formats table (test_release_table.py, which sweeps it at 2
+    ranks) at 3 and 4 ranks, FSDP2 (uneven and empty shards) and DDP, and HSDP on a 2 x 2
+    mesh of the 4: the released run's params and state equal, bit for bit, on every rank,
+    those of the run stepping after backward."""
+    test_release_table.check_table([r["table"] for r in runs[world]], engine)
 
 
 @pytest.mark.parametrize("world,name,clip", [(2,) + c for c in POISONED]
