@@ -331,7 +331,9 @@ WORLDS = (1, 2, 3, 4)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """world size -> what each rank of that mesh returned."""
-    ranks = _spawn(_body, tmp_path_factory.mktemp("release"), 4)
+    # 4 processes on a shared 2-core machine, every world size and the 3-, 4-rank and HSDP
+    # sweeps of the table in one spawn: more than _spawn's default limit when loaded
+    ranks = _spawn(_body, tmp_path_factory.mktemp("release"), 4, timeout_s=600)
     return {w: [r[w] for r in ranks[:w]] for w in WORLDS}
 
 
