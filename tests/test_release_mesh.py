@@ -291,6 +291,9 @@ def _phase(rank, mesh, world, out_dir):
         out["refused"] = _refusals(mesh)
     out["poisoned"] = {(name, clip): _poisoned(rank, mesh, name, clip)
                        for name, clip in (POISONED if world == 2 else POISONED[1:3])}
+    if world == 4:  # the inf on rank 0 only: the flag's MAX must cross both mesh dimensions
+        out["poisoned_hsdp"] = {(name, clip): _poisoned(rank, hsdp, name, clip)
+                                for name, clip in POISONED[1:3]}
     path = os.path.join(out_dir, "dcp%d" % world)
     out["dcp"] = _dcp_resume(rank, mesh, path)
     if world in (3, 4):  # every row of the table (at 2 ranks: test_release_table.py's spawn)
@@ -371,7 +374,17 @@ def test_a_poisoned_fp16_backward_skips_the_same_buckets_on_every_rank(runs, wor
     """An inf in rank 0's shard of one gradient: on every rank the buckets before it keep
     their step and that one and every later one change nothing (clip="exact": nothing at all);
     the step is recorded as skipped and the scale backs off, on every rank."""
-    results = [r["poisoned"][(name, clip)] for r in runs[world]]
+    _check_poisoned([r["poisoned"][(name, clip)] for r in runs[world]], clip)
+
+
+@pytest.mark.parametrize("name,clip", POISONED[1:3])
+def test_a_poisoned_fp16_backward_skips_the_same_buckets_on_every_rank_of_hsdp(runs, name, clip):
+    """The same on HSDP's 2 x 2 mesh: the inf in rank 0's shard reaches the flag of its shard
+    peer and of both ranks of the other replica."""
+    _check_poisoned([r["poisoned_hsdp"][(name, clip)] for r in runs[4]], clip)
+
+
+def _check_poisoned(results, clip):
     for rank, got in enumerate(results):
         order = got["order"]
         if clip == "exact":  # both passes ran the hooks
