@@ -1,7 +1,7 @@
 """One spawn of 2 gloo ranks for the release tests whose default process group is the world of
-2 (tests/test_memory_release.py, test_release_table.py, test_release_trainers_ddp.py): the
-processes start and import torch once for all three (a session fixture: each names this module
-in its pytest_plugins)."""
+2 (tests/test_memory_release.py, test_release_table.py, test_release_trainers_ddp.py,
+test_release_lightning_ddp.py): the processes start and import torch once for all of them (a
+session fixture: each names this module in its pytest_plugins)."""
 import time
 
 import pytest
@@ -24,6 +24,13 @@ def _body(rank, out_dir):
     else:
         import test_release_trainers_ddp
         out["trainers"] = test_release_trainers_ddp._trainer_cases(rank, out_dir)
+    try:
+        import lightning.pytorch  # noqa: F401
+    except ImportError:
+        out["lightning"] = None
+    else:
+        import test_release_lightning_ddp
+        out["lightning"] = test_release_lightning_ddp._lightning_cases(rank, out_dir)
     return out
 
 

@@ -10,7 +10,9 @@ in this process:
 - a poisoned FP16 backward (an inf put into rank 0's shard of one gradient after the
   reduce-scatter): every rank skips the same buckets (that one and every later one; nothing at
   all with clip="exact");
-- a DCP checkpoint of a released run resumed into fresh objects == the uninterrupted run.
+- a DCP checkpoint of a released run resumed into fresh objects == the uninterrupted run;
+- at 3 and 4 ranks, and HSDP (2 x 2), every row of the rules x formats table under FSDP2 and
+  DDP (test_release_table.py's sweep, which it runs at 2 ranks in its own spawn).
 """
 import os
 import time
@@ -21,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mpext
+import test_release_table
 from test_distributed import (SR_CASES, _batch, _equal_bits, _full, _full_state, _local, _spawn,
                               _sr_mlp, _sr_shard)
 
@@ -288,8 +291,17 @@ def _phase(rank, mesh, world, out_dir):
         out["refused"] = _refusals(mesh)
     out["poisoned"] = {(name, clip): _poisoned(rank, mesh, name, clip)
                        for name, clip in (POISONED if world == 2 else POISONED[1:3])}
+    if world == 4:  # the inf on rank 0 only: the flag's MAX must cross both mesh dimensions
+        out["poisoned_hsdp"] = {(name, clip): _poisoned(rank, hsdp, name, clip)
+                                for name, clip in POISONED[1:3]}
     path = os.path.join(out_dir, "dcp%d" % world)
     out["dcp"] = _dcp_resume(rank, mesh, path)
+    if world in (3, 4):  # every row of the table (at 2 ranks: test_release_table.py's spawn)
+        t, cpu = time.perf_counter(), time.process_time()
+        out["table"] = test_release_table._table_cases(rank, mesh, mesh.get_group())
+        if world == 4:
+            out["table"]["hsdp"] = test_release_table._table_cases(rank, hsdp, ddp=False)["fsdp2"]
+        out["table_seconds"] = (time.perf_counter() - t, time.process_time() - cpu)
     return out
 
 
@@ -322,7 +334,9 @@ WORLDS = (1, 2, 3, 4)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """world size -> what each rank of that mesh returned."""
-    ranks = _spawn(_body, tmp_path_factory.mktemp("release"), 4)
+    # 4 processes on a shared 2-core machine, every world size and the 3-, 4-rank and HSDP
+    # sweeps of the table in one spawn: more than _spawn's default limit when loaded
+    ranks = _spawn(_body, tmp_path_factory.mktemp("release"), 4, timeout_s=600)
     return {w: [r[w] for r in ranks[:w]] for w in WORLDS}
 
 
@@ -343,13 +357,34 @@ def test_released_fsdp2_has_the_bits_of_stepping_after_backward(runs, world, mes
                 assert len(got["moved"]) >= 4, where  # the params did change
 
 
+@pytest.mark.parametrize("world,engine", [(3, "fsdp2"), (3, "ddp"), (4, "fsdp2"), (4, "ddp"),
+                                          (4, "hsdp")])
+def test_released_mesh_has_the_bits_of_stepping_after_backward_in_every_row(runs, world,
+                                                                             engine):
+    """Every row of the rules x formats table (test_release_table.py, which sweeps it at 2
+    ranks) at 3 and 4 ranks, FSDP2 (uneven and empty shards) and DDP, and HSDP on a 2 x 2
+    mesh of the 4: the released run's params and state equal, bit for bit, on every rank,
+    those of the run stepping after backward."""
+    test_release_table.check_table([r["table"] for r in runs[world]], engine)
+
+
 @pytest.mark.parametrize("world,name,clip", [(2,) + c for c in POISONED]
                          + [(w,) + c for w in (1, 3, 4) for c in POISONED[1:3]])
 def test_a_poisoned_fp16_backward_skips_the_same_buckets_on_every_rank(runs, world, name, clip):
     """An inf in rank 0's shard of one gradient: on every rank the buckets before it keep
     their step and that one and every later one change nothing (clip="exact": nothing at all);
     the step is recorded as skipped and the scale backs off, on every rank."""
-    results = [r["poisoned"][(name, clip)] for r in runs[world]]
+    _check_poisoned([r["poisoned"][(name, clip)] for r in runs[world]], clip)
+
+
+@pytest.mark.parametrize("name,clip", POISONED[1:3])
+def test_a_poisoned_fp16_backward_skips_the_same_buckets_on_every_rank_of_hsdp(runs, name, clip):
+    """The same on HSDP's 2 x 2 mesh: the inf in rank 0's shard reaches the flag of its shard
+    peer and of both ranks of the other replica."""
+    _check_poisoned([r["poisoned_hsdp"][(name, clip)] for r in runs[4]], clip)
+
+
+def _check_poisoned(results, clip):
     for rank, got in enumerate(results):
         order = got["order"]
         if clip == "exact":  # both passes ran the hooks

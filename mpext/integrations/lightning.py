@@ -546,6 +546,14 @@ class ReleaseGrads(_pl.Callback):
                                  "gradients; pass clip=\"previous\""
                                  % (name, trainer.accumulate_grad_batches))
         kw = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
+        # Lightning's DDP strategies (strategy="ddp", "ddp_spawn", ...) wrap the module in
+        # DistributedDataParallel before fitting starts: the release then steps from DDP's
+        # comm hook, on the averaged gradients (the batches Lightning accumulates run under
+        # its no_sync and release.accumulate())
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = getattr(trainer.strategy, "model", None)
+        if isinstance(wrapped, DistributedDataParallel):
+            kw["ddp"] = wrapped
         for opt in trainer.optimizers:
             inner = _unwrap(opt)
             if not isinstance(inner, FusedOptimizer):
