@@ -383,20 +383,22 @@ def test_the_rule_listing_scan_finds_what_it_looks_for():
     """The scan above on what each listing looked like (each must be found), and on the rows'
     header, which lists every rule's C header (and so is the one file allowed to)."""
     words, classes = _rule_words(), _rule_classes()
-    assert {"Adam", "AdamW", "Lion", "SGD"} <= set(classes), classes
-    bad = {"csrc/torch/rules/rules.h": '#pragma once\n#include "adam.h"\n#include "lion.h"\n',
-           "csrc/torch/step.cpp": '#include "rules/adam.h"\n#include "rules/sgd.h"\n',
-           "mpext/optim/__init__.py": "from .lion import Lion\n",
-           "mpext/memory/_x.py": "RULES = ('adam_step_', 'lion_step_')\n",
-           "mpext/__init__.py": "RULES = ['adam', 'lion']\n",
-           "mpext/telemetry/_x.py": "N = {'adam_step_': 2, 'sgd_step_': 1}\n",
-           "mpext/ops.py": '@torch.library.register_fake("mpext::sgd_step_")\ndef f(): pass\n'}
+    a, b = [name for _, name in _rule_rows()][:2]  # two rules, whichever the rows hold
+    cls = next(c for c, w in classes.items() if w == b)
+    assert {"Adam", "AdamW"} <= set(classes), classes
+    bad = {"csrc/torch/rules/rules.h": '#pragma once\n#include "%s.h"\n#include "%s.h"\n' % (a, b),
+           "csrc/torch/step.cpp": '#include "rules/%s.h"\n#include "rules/%s.h"\n' % (a, b),
+           "mpext/optim/__init__.py": "from .%s import %s\n" % (b, cls),
+           "mpext/memory/_x.py": "RULES = ('%s_step_', '%s_step_')\n" % (a, b),
+           "mpext/__init__.py": "RULES = ['%s', '%s']\n" % (a, b),
+           "mpext/telemetry/_x.py": "N = {'%s_step_': 2, '%s_step_': 1}\n" % (a, b),
+           "mpext/ops.py": '@torch.library.register_fake("mpext::%s_step_")\ndef f(): pass\n' % b}
     for rel, text in bad.items():
         assert rule_listing(rel, text, words, classes), "the scan missed %s" % rel
     rows = RULES_HEADER.relative_to(ROOT).as_posix()
     assert len(rule_listing(rows, RULES_HEADER.read_text(), words, classes)) == 1
-    ok = ('"""adam_step_ in prose"""\n_prepare_step("lion_step_", params)\n'
-          '__all__ += ["lion_step_", "sgd_step_"]\n')
+    ok = ('"""%s_step_ in prose"""\n_prepare_step("%s_step_", params)\n'
+          '__all__ += ["%s_step_", "%s_step_"]\n' % (a, b, a, b))
     assert rule_listing("mpext/ops.py", ok, words, classes) == []
 
 
