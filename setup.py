@@ -19,7 +19,7 @@ import sysconfig
 from setuptools import setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from build_tools import core, requirements  # noqa: E402
+from build_tools import core, requirements, rules  # noqa: E402
 
 try:
     import torch
@@ -81,6 +81,7 @@ class BuildExt(cpp_extension.BuildExtension):
         from setuptools._distutils.ccompiler import new_compiler
         from setuptools._distutils.sysconfig import customize_compiler
 
+        rules.write_entries()  # the rules' op entries, from MP_RULES's rows (build_tools/rules.py)
         cc = new_compiler(force=self.force)
         customize_compiler(cc)
         # Every unit in parallel, each compiled only if it changed (the source, a header it
@@ -137,7 +138,8 @@ def extension():
     # -fopenmp: at::parallel_for is inline code over OpenMP; without the flag it silently runs
     # on one thread. torch's CPU builds link the same runtime (libgomp).
     cxx = ["-O3", "-g0", "-fopenmp"]
-    kwargs = dict(include_dirs=core.INCLUDE_DIRS, define_macros=macros,
+    # The generated headers first: "rules/rules.h" is the list build_tools/rules.py writes.
+    kwargs = dict(include_dirs=[rules.GENERATED_DIR] + core.INCLUDE_DIRS, define_macros=macros,
                   extra_link_args=["-fopenmp"])
     if not WITH_CUDA:
         return cpp_extension.CppExtension("mpext._C", sources, extra_compile_args={"cxx": cxx},

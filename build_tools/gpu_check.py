@@ -43,6 +43,8 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script: build_tools is then not on the path
+from build_tools import rules  # noqa: E402
 
 # What the phases write; nothing else goes into the folder.
 FILES = ["summary.md", "env.txt", "build.log", "tests.log", "junit.xml", "bench.log", "bench.md",
@@ -67,8 +69,6 @@ TESTS_GRACE = 10
 FEATURES = {
     "scaler": ("test_grad_scaler", "test_scale_ops"),
     "adam": ("test_adam", "test_ema", "test_lean_state", "test_moments_8bit", "test_long_lists"),
-    "lion": ("test_lion",),
-    "sgd": ("test_sgd",),
     "table": ("test_optim_table",),
     "release": ("test_grad_release",),
     "dcp": ("test_dcp_formats",),
@@ -77,6 +77,11 @@ FEATURES = {
     "norm": ("test_grad_norm",),
     "amp": ("test_mixed_precision",),
 }
+# Each other rule of the rows whose own test module exists (tests/test_lion.py, test_sgd.py,
+# test_muon.py) is a feature of its own: a new rule is found, not listed (build_tools/rules.py).
+FEATURES.update(
+    (word, ("test_" + word,)) for word in rules.rule_modules(os.path.join(ROOT, "tests"), "test_")
+    if not any("test_" + word in modules for modules in FEATURES.values()))
 PARITY = "test_cuda_parity"
 
 ENV_SCRIPT = r"""

@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ._C import build_info as _build_info
 from ._common import PARAM_DTYPES as _PARAM_DTYPES, dtype_name as _dtype_name
 from ._common import is_dense as _is_dense
 
@@ -629,74 +630,30 @@ def _check_fake_dense_named(t: torch.Tensor, op: str, name: str) -> None:
                  "on it first." % (op, name, _sizes(t), _strides(t)))
 
 
-@torch.library.register_fake("mpext::adam_step_")
-def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-                    weight_decay, decoupled, maximize, *, inv_scale=None, found_inf=None,
-                    unscale_grads=False, remainders=None, master_free=False,
-                    stochastic_rounding=False, moments_round_nearest=False, seed=0,
-                    sr_streams=None, exp_avg_scales=None, exp_avg_sq_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None, stats=None):
-    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
-    _step_fake("adam_step_", params, lr, inv_scale, found_inf,
-               (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                ("steps", steps), ("masters", masters), ("remainders", remainders),
-                ("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales),
-                ("ema_params", ema_params)))
+def _step_fake_of(op):
+    """The fake kernel of the step op ``op``: _step_fake over the arguments its schema names.
+    The param's tensors go in the planner's order: the schema's lists after params, with steps
+    before masters (plan_step checks a param's step count before its storage)."""
+    arguments = getattr(_ops, op).default._schema.arguments
+    positional = [a.name for a in arguments if not a.kwarg_only]
+    lists = [a.name for a in arguments if a.name != "params"
+             and str(a.type) in ("List[Tensor]", "Optional[List[Tensor]]")]
+    lists.remove("steps")
+    lists.insert(lists.index("masters"), "steps")
+
+    def fake(*args, **kwargs):
+        bound = dict(zip(positional, args), **kwargs)
+        return _step_fake(op, bound["params"], bound["lr"], bound.get("inv_scale"),
+                          bound.get("found_inf"), [(name, bound.get(name)) for name in lists])
+    fake.__name__ = "_%s_fake" % op.rstrip("_")
+    return fake
 
 
-@torch.library.register_fake("mpext::lion_step_")
-def _lion_step_fake(params, grads, exp_avgs, masters, steps, lr, beta1, beta2, weight_decay,
-                    maximize, *, inv_scale=None, found_inf=None, unscale_grads=False,
-                    remainders=None, master_free=False, stochastic_rounding=False,
-                    moments_round_nearest=False, seed=0, sr_streams=None, exp_avg_scales=None,
-                    block_size=256, ema_params=None, ema_decay=0.0, offsets=None, stats=None):
-    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
-    _step_fake("lion_step_", params, lr, inv_scale, found_inf,
-               (("grads", grads), ("exp_avgs", exp_avgs), ("steps", steps),
-                ("masters", masters), ("remainders", remainders),
-                ("exp_avg_scales", exp_avg_scales), ("ema_params", ema_params)))
-
-
-@torch.library.register_fake("mpext::sgd_step_")
-def _sgd_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum, dampening,
-                   weight_decay, nesterov, maximize, *, inv_scale=None, found_inf=None,
-                   unscale_grads=False, remainders=None, master_free=False,
-                   stochastic_rounding=False, moments_round_nearest=False, seed=0,
-                   sr_streams=None, momentum_buffer_scales=None, block_size=256,
-                   ema_params=None, ema_decay=0.0, offsets=None, stats=None):
-    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
-    _step_fake("sgd_step_", params, lr, inv_scale, found_inf,
-               (("grads", grads), ("momentum_buffers", momentum_buffers), ("steps", steps),
-                ("masters", masters), ("remainders", remainders),
-                ("momentum_buffer_scales", momentum_buffer_scales), ("ema_params", ema_params)))
-
-
-# muon
-@torch.library.register_fake("mpext::muon_momentum_step_")
-def _muon_momentum_step_fake(params, grads, momentum_buffers, masters, steps, lr, momentum,
-                             nesterov, *, inv_scale=None, found_inf=None, unscale_grads=False,
-                             remainders=None, master_free=False, stochastic_rounding=False,
-                             moments_round_nearest=False, seed=0, sr_streams=None,
-                             momentum_buffer_scales=None, block_size=256, ema_params=None,
-                             ema_decay=0.0, offsets=None, stats=None):
-    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
-    _step_fake("muon_momentum_step_", params, lr, inv_scale, found_inf,
-               (("grads", grads), ("momentum_buffers", momentum_buffers), ("steps", steps),
-                ("masters", masters), ("remainders", remainders),
-                ("momentum_buffer_scales", momentum_buffer_scales), ("ema_params", ema_params)))
-
-
-@torch.library.register_fake("mpext::muon_update_step_")
-def _muon_update_step_fake(params, grads, masters, steps, lr, lr_ratio, weight_decay, *,
-                           inv_scale=None, found_inf=None, unscale_grads=False, remainders=None,
-                           master_free=False, stochastic_rounding=False,
-                           moments_round_nearest=False, seed=0, sr_streams=None,
-                           block_size=256, ema_params=None, ema_decay=0.0, offsets=None,
-                           stats=None):
-    """The step ops' fake kernel (_step_fake); the planner checks every argument."""
-    _step_fake("muon_update_step_", params, lr, inv_scale, found_inf,
-               (("grads", grads), ("steps", steps), ("masters", masters),
-                ("remainders", remainders), ("ema_params", ema_params)))
+# One fake for every rule's step op, "<name>_step_" of each row of mpext/rules/rules.h (which
+# mpext._C lists): it binds nothing rule-specific, so a rule registers none of its own.
+for _rule in _build_info()["rules"]:
+    torch.library.register_fake("mpext::%s_step_" % _rule)(_step_fake_of(_rule + "_step_"))
+del _rule
 
 
 def _step_fake(op, params, lr, inv_scale, found_inf, lists):

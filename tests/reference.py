@@ -436,4 +436,11 @@ def assert_bits_or_both_nan(a, b, what=""):
     a, b = a.detach(), b.detach()
     na, nb = torch.isnan(a.float()), torch.isnan(b.float())
     assert torch.equal(na, nb), what
-    assert torch.equal(raw_bytes(a.masked_fill(na, 0)), raw_bytes(b.masked_fill(nb, 0))), what
+    ia = raw_bytes(a.masked_fill(na, 0)).view(-1, a.element_size())
+    ib = raw_bytes(b.masked_fill(nb, 0)).view(-1, b.element_size())
+    bad = (ia != ib).any(1)
+    if bad.any():  # the first element that differs, by value and bits
+        i = int(bad.nonzero()[0, 0])
+        raise AssertionError("%s: first difference at %d: %r (0x%s) vs %r (0x%s)" % (
+            what, i, a.reshape(-1)[i].item(), bytes(ia[i].flip(0).tolist()).hex(),
+            b.reshape(-1)[i].item(), bytes(ib[i].flip(0).tolist()).hex()))

@@ -218,3 +218,69 @@ def test_the_avx512_adam_loops_keep_their_software_prefetches(tmp_path):
     asm = Path(out).read_text()
     # one per array and 32 elements in each hand-written row's loop: far more than a handful
     assert asm.count("prefetcht0") >= 16, "the AVX-512 Adam loops lost their software prefetches"
+
+
+# ---- The rules' op entries, generated from the rows (build_tools/rules.py) -------------------
+
+from build_tools import rules  # noqa: E402
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler on PATH")
+def test_rule_names_are_the_rows_the_compiler_sees():
+    """rule_names() reads MP_RULES's rows as the C preprocessor expands them (mpext/step.h
+    includes the rows and every rule header), in order."""
+    src = '#include "mpext/step.h"\n#define NAME_(ID, name, MIN, MAX) RULE=name\nMP_RULES(NAME_)\n'
+    out = subprocess.run([CC, "-E", "-P", "-x", "c", "-", "-I", core.INCLUDE_DIRS[0]], input=src,
+                         check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout
+    import re
+    assert rules.rule_names() == re.findall(r"RULE=(\w+)", out)
+    assert len(rules.rule_names()) >= 3
+
+
+def _rows(tmp_path, rows, entries):
+    """A rows header with ``rows`` (name list) and entry headers ``entries`` (name -> body)."""
+    header = tmp_path / "rules_rows.h"
+    header.write_text("#define MP_RULES(X) \\\n%s\n\nint after;\n" % " \\\n".join(
+        "  X(%s, %s, 0, 1)" % (n.upper(), n) for n in rows))
+    entry_dir = tmp_path / "entries"
+    entry_dir.mkdir(exist_ok=True)
+    for name, body in entries.items():
+        (entry_dir / (name + ".h")).write_text(body)
+    return str(header), str(entry_dir)
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler on PATH")
+def test_the_generated_entries_compile_from_the_build_tree(tmp_path):
+    """Each row's entry is included once, in row order: <name>.h, or the header of the longest
+    leading words of its name (two phases' rows, one header); the generated header, compiled
+    from where it is written, reaches them all (the compiler resolves its relative paths)."""
+    header, entry_dir = _rows(tmp_path, ["alpha", "beta_one", "beta_two", "gamma_x"],
+                              {"alpha": "int alpha;\n", "beta": "int beta;\n",
+                               "gamma": "int gamma_short;\n", "gamma_x": "int gamma_x;\n"})
+    out = str(tmp_path / "gen")
+    path = rules.write_entries(out, header, entry_dir)
+    assert path == os.path.join(out, "rules", "rules.h")
+    # by its path, with no -I: its includes resolve from its own folder alone
+    pre = subprocess.run([CC, "-E", "-P", "-x", "c", path], check=True, cwd=str(tmp_path),
+                         stdout=subprocess.PIPE, universal_newlines=True).stdout
+    import re
+    assert re.findall(r"int (\w+);", pre) == ["alpha", "beta", "gamma_x"]
+
+
+def test_the_generated_entries_are_rewritten_only_when_they_change(tmp_path):
+    """An unchanged list keeps its file's time (an incremental build compiles nothing again);
+    a new row rewrites it; a row without an entry is refused, naming the row."""
+    header, entry_dir = _rows(tmp_path, ["alpha"], {"alpha": "", "beta": ""})
+    out = str(tmp_path / "gen")
+    path = rules.write_entries(out, header, entry_dir)
+    t = os.path.getmtime(path) - 100
+    os.utime(path, (t, t))
+    rules.write_entries(out, header, entry_dir)
+    assert os.path.getmtime(path) == t
+    header, _ = _rows(tmp_path, ["alpha", "beta"], {})
+    rules.write_entries(out, header, entry_dir)
+    assert os.path.getmtime(path) != t and "beta.h" in Path(path).read_text()
+    header, _ = _rows(tmp_path, ["alpha", "delta_phase"], {})
+    with pytest.raises(RuntimeError, match=r"the rule row 'delta_phase' has no op entry: "
+                                           r"expected .*delta_phase\.h"):
+        rules.write_entries(out, header, entry_dir)

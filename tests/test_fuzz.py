@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 import mpext
 from mpext import ops
 
-from reference import (ScaleRuleModel, adam_step_reference, bf16_sr_reference,
-                       sr_random_bits)
+from reference import (ScaleRuleModel, adam_step_reference, assert_bits_or_both_nan,
+                       bf16_sr_reference, sr_random_bits)
 
 _COMMON = dict(deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -141,20 +141,6 @@ def assert_bits(ours, ref, what=""):
         i = int(bad.reshape(-1).nonzero()[0, 0])
         raise AssertionError("%s: first difference at %d: ours 0x%x, reference 0x%x" % (
             what, i, int(int_view(ours).reshape(-1)[i]), int(int_view(ref).reshape(-1)[i])))
-
-
-def assert_bits_or_both_nan(ours, ref, what=""):
-    """Bitwise equal where the reference is not NaN; NaN where it is (any payload)."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape, what
-    nan = torch.isnan(ref.float())
-    assert torch.equal(torch.isnan(ours.float()), nan), what
-    bad = (int_view(ours) != int_view(ref)) & ~nan
-    if bad.any():
-        i = int(bad.reshape(-1).nonzero()[0, 0])
-        raise AssertionError("%s: first difference at %d: ours %r (0x%x), reference %r (0x%x)"
-                             % (what, i, ours.reshape(-1)[i].item(),
-                                int(int_view(ours).reshape(-1)[i]), ref.reshape(-1)[i].item(),
-                                int(int_view(ref).reshape(-1)[i])))
 
 
 def assert_guards(buf, off, n, before, what=""):

@@ -276,6 +276,148 @@ def test_the_engine_names_no_rule():
             if parts & names:
                 found.append("%s: %s" % (rel, word))
     assert found == [], "the engine names a rule: %s" % found
+# ---- Rules are found, not listed: a rule is named by its row, nowhere in a list ------------
+# (docs/adding_a_rule.md). The C++ ops' entry headers are included from a list build_tools/rules.py
+# writes from the rows; mpext.optim re-exports each rule's class module found by the rows' names
+# (mpext._C lists them); mpext.ops registers one fake for every row's op.
+
+# The files that found rules by a list of them; every module of mpext is scanned for lists of
+# the rules' ops or names (a dict, list, set or tuple naming two or more rules).
+LISTING_FILES = ("mpext/optim/__init__.py", "mpext/ops.py", "mpext/__init__.py")
+# Lists allowed for now: telemetry's moment-list count per op (mpext/telemetry/_step.py's
+# _MOMENT_LISTS), which each op's schema gives (the index of "masters" less 2).
+PENDING_LISTS = {"mpext/telemetry/_step.py"}
+
+
+def _rule_words():
+    """The rules' names as the rows give them, and the modules they are found in (the names'
+    first words: muon_momentum, muon_update -> muon)."""
+    names = {name for _, name in _rule_rows()}
+    return names | {name.split("_")[0] for name in names}
+
+
+def rule_listing(rel, text, words, classes):
+    """Where a source lists rules by hand, as "file:line: what": a native file including two or
+    more rules' headers; a Python display (dict, list, set, tuple; not ``__all__``) naming the
+    ops of two or more rules; and in LISTING_FILES, the files that find the rules, a display of
+    two or more rules' names or classes, any of them as a string, an import of a rule's class
+    module or class, a registration of a rule's op. ``words``: the rows' names and their
+    modules; ``classes``: the rules' public names, each to its module."""
+    import re
+    found = []
+    if not rel.endswith(".py"):
+        headers = re.findall(r'^\s*#\s*include\s+"(?:[^"]*/)?rules/(\w+)\.h"', text, re.M)
+        headers += [h for h in re.findall(r'^\s*#\s*include\s+"(\w+)\.h"', text, re.M)
+                    if rel.startswith(RULE_DIRS)]
+        listed = sorted(set(headers) & words)
+        if len(listed) >= 2:
+            found.append("%s: includes the rules %s" % (rel, ", ".join(listed)))
+        return found
+    tree = ast.parse(text)
+    docs = _docstrings(tree)
+    exports = {id(n.value) for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign))
+               and "__all__" in {getattr(t, "id", None) for t in getattr(n, "targets", [])
+                                 + [getattr(n, "target", None)]}}
+    listing = rel in LISTING_FILES
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Dict, ast.List, ast.Set, ast.Tuple)) and id(node) not in exports:
+            # the rules a display names: by their ops anywhere, by their names or classes in
+            # the files that find the rules (counted by rule: Muon's two ops are one rule)
+            items = node.keys if isinstance(node, ast.Dict) else node.elts
+            strings = {k.value for k in items
+                       if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+            named = {v[:-len("_step_")] for v in strings if v.endswith("_step_")} & words
+            if listing:
+                named |= strings & (words | set(classes))
+            rules = {classes[n] if n in classes else n.split("_")[0] for n in named}
+            if len(rules) >= 2:
+                found.append("%s:%d: lists the rules %s" % (rel, node.lineno, sorted(named)))
+        if not listing:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            mods = {(node.module or "").split(".")[-1]} | {a.name for a in node.names}
+            rules = sorted(mods & (words | set(classes)))
+            if rules:
+                found.append("%s:%d: imports %s" % (rel, node.lineno, ", ".join(rules)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docs and node.value in words | set(classes):
+            found.append("%s:%d: names the rule %r" % (rel, node.lineno, node.value))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                node.func, "id", None)) in ("register_fake", "register_kernel", "impl"):
+            for arg in node.args[:1]:  # a registration of one rule's op (its wrapper may name it)
+                ops = set(re.findall(r"\b(\w+)_step_\b", getattr(arg, "value", "") or ""))
+                if isinstance(getattr(arg, "value", None), str) and ops & words:
+                    found.append("%s:%d: registers the op of %s" % (rel, node.lineno,
+                                                                    sorted(ops & words)))
+    return found
+
+
+def _rule_classes():
+    """The public names of the rules' class modules, each to its module's name."""
+    import importlib
+    import mpext.optim  # noqa: F401
+    return {c: w for w in _rule_words() if importlib.util.find_spec("mpext.optim." + w)
+            for c in importlib.import_module("mpext.optim." + w).__all__}
+
+
+def test_rules_are_found_not_listed():
+    """No file lists the rules outside the rows: csrc/torch/rules/ holds entries only (the list
+    of them is generated: no rules.h), no native file includes several rules' headers but the
+    rows' own, and mpext.optim, mpext.ops and mpext name no rule's module, class or op."""
+    words, classes = _rule_words(), _rule_classes()
+    assert not (ROOT / "csrc" / "torch" / "rules" / "rules.h").exists(), \
+        "csrc/torch/rules/rules.h lists the rules' entries; the build writes that list"
+    found = []
+    for rel, path in _native_files():
+        if path != RULES_HEADER:
+            found += rule_listing(rel, path.read_text(), words, classes)
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        hits = rule_listing(rel, path.read_text(), words, classes)
+        assert rel not in PENDING_LISTS or hits, "%s lists no rule now: leave PENDING" % rel
+        found += [] if rel in PENDING_LISTS else hits
+    assert found == [], "rules listed by hand:\n" + "\n".join(found)
+
+
+def test_the_rule_listing_scan_finds_what_it_looks_for():
+    """The scan above on what each listing looked like (each must be found), and on the rows'
+    header, which lists every rule's C header (and so is the one file allowed to)."""
+    words, classes = _rule_words(), _rule_classes()
+    a, b = [name for _, name in _rule_rows()][:2]  # two rules, whichever the rows hold
+    cls = next(c for c, w in classes.items() if w == b)
+    assert {"Adam", "AdamW"} <= set(classes), classes
+    bad = {"csrc/torch/rules/rules.h": '#pragma once\n#include "%s.h"\n#include "%s.h"\n' % (a, b),
+           "csrc/torch/step.cpp": '#include "rules/%s.h"\n#include "rules/%s.h"\n' % (a, b),
+           "mpext/optim/__init__.py": "from .%s import %s\n" % (b, cls),
+           "mpext/memory/_x.py": "RULES = ('%s_step_', '%s_step_')\n" % (a, b),
+           "mpext/__init__.py": "RULES = ['%s', '%s']\n" % (a, b),
+           "mpext/telemetry/_x.py": "N = {'%s_step_': 2, '%s_step_': 1}\n" % (a, b),
+           "mpext/ops.py": '@torch.library.register_fake("mpext::%s_step_")\ndef f(): pass\n' % b}
+    for rel, text in bad.items():
+        assert rule_listing(rel, text, words, classes), "the scan missed %s" % rel
+    rows = RULES_HEADER.relative_to(ROOT).as_posix()
+    assert len(rule_listing(rows, RULES_HEADER.read_text(), words, classes)) == 1
+    ok = ('"""%s_step_ in prose"""\n_prepare_step("%s_step_", params)\n'
+          '__all__ += ["%s_step_", "%s_step_"]\n' % (a, b, a, b))
+    assert rule_listing("mpext/ops.py", ok, words, classes) == []
+
+
+def test_build_info_lists_the_rows():
+    """mpext._C's rule names (what mpext.optim and mpext.ops find the rules by) are the rows',
+    compiled into it, in order; each is an op and its classes are mpext.optim's."""
+    import mpext
+    import torch
+    names = [name for _, name in _rule_rows()]
+    assert mpext.build_info()["rules"] == names
+    for name in names:
+        assert hasattr(torch.ops.mpext, name + "_step_"), name
+    import mpext.optim
+    classes = _rule_classes()
+    assert set(classes) <= set(mpext.optim.__all__)
+    assert all(getattr(mpext.optim, c).__module__ == "mpext.optim." + w
+               for c, w in classes.items())
+
+
 # ---- Formats are objects: nothing outside mpext/optim/formats.py asks which one it holds ------
 
 FORMATS_PY = PKG / "optim" / "formats.py"

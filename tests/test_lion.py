@@ -229,23 +229,6 @@ def test_class_bitwise_lion_pytorch(device, opts):
         T.assert_bits(o1.state[x]["exp_avg"].cpu(), o2.state[y]["exp_avg"])
 
 
-@needs_reference
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_class_master_is_lion_pytorch_on_fp32(device, dtype):
-    """A low-precision param's FP32 master follows lion-pytorch on an FP32 copy fed the same
-    (widened) gradients, bit for bit (bf16 masters after the tie rule of mpext/adam.h: compared
-    through their rounded params). mpext on the device, lion-pytorch on the CPU."""
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(999, generator=gen).to(dtype)
-    p = torch.nn.Parameter(w.to(device, copy=True))
-    q = torch.nn.Parameter(w.float())
-    o1, o2 = Lion([p], lr=f32(1e-3), weight_decay=0.1), RefLion([q], lr=f32(1e-3),
-                                                                   weight_decay=0.1)
-    lockstep([p], [q], o1, o2, gen, 8)
-    T.assert_bits(p.detach().cpu(), q.detach().to(dtype))
-    T.assert_bits(o1.state[p]["exp_avg"].cpu(), o2.state[q]["exp_avg"])
-
-
 def test_class_arguments():
     """Lion's defaults and what the table's error rows (tests/optim_table.py) do not say."""
     p = [torch.nn.Parameter(torch.zeros(3))]

@@ -77,20 +77,6 @@ def test_first_step_copies_the_gradient(device):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_master_tracks_torch_fp32(device, dtype):
-    gen = torch.Generator().manual_seed(2)
-    w = torch.randn(999, generator=gen).to(dtype)
-    p, q = torch.nn.Parameter(w.to(device, copy=True)), torch.nn.Parameter(w.float())
-    opts = dict(lr=0.01, momentum=0.9, weight_decay=0.01)
-    o1, o2 = SGD([p], **opts), torch.optim.SGD([q], **opts)
-    lockstep([p], [q], o1, o2, gen, 10)
-    master = o1.state[p]["master_param"]
-    assert master.device.type == device
-    torch.testing.assert_close(cpu(master), q.detach(), rtol=1e-5, atol=1e-6)
-    T.assert_bits(p.detach(), master.to(dtype))
-
-
 def test_class_arguments():
     """SGD's defaults and what the table's error rows (tests/optim_table.py) do not say."""
     p = [torch.nn.Parameter(torch.zeros(3))]

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "mpext/mpext.h"
+#include "mpext/step.h"  // MP_RULES: build_info's rule names
 
 #ifndef MPEXT_TORCH_VERSION
 #define MPEXT_TORCH_VERSION "unknown"
@@ -210,6 +211,13 @@ PYBIND11_MODULE(_C, m) {
           compiled.append(mp_isa_name(static_cast<mp_isa>(i)));
         }
         d["cpu_isas_compiled"] = compiled;
+        // The rules' rows: each is the op "<name>_step_", and mpext.optim finds each rule's
+        // class module and mpext.ops registers each op's fake by these names.
+        pybind11::list rules;
+#define MP_RULE_NAME_(ID, name, MIN, MAX) rules.append(#name);
+        MP_RULES(MP_RULE_NAME_)
+#undef MP_RULE_NAME_
+        d["rules"] = rules;
 #ifdef MPEXT_WITH_CUDA
         d["cuda_built"] = true;
 #else

@@ -80,14 +80,40 @@ which format it holds; docs/lean_state.md, "Format objects");
 shared optimizer base; ``lr_scheduler`` device-side schedules; ``_release`` gradient release
 (``release_grads()``: the step inside backward, docs/gradient_release.md).
 """
-from .adam import Adam, AdamW
-from .lion import Lion
-from .sgd import SGD
-from .muon import Muon, muon_param_groups  # muon
+import importlib as _importlib
+import importlib.util as _importlib_util
+
+from .._C import build_info as _build_info
 from ._base import use_global_sr_streams
 from .formats import MIN_8BIT_NUMEL, q8_decode, q8_encode
 from . import formats
 from . import lr_scheduler  # mpext.optim.lr_scheduler, as torch.optim has it
 
-__all__ = ["Adam", "AdamW", "Lion", "Muon", "SGD", "muon_param_groups", "formats", "lr_scheduler", "MIN_8BIT_NUMEL",
-           "q8_decode", "q8_encode", "use_global_sr_streams"]
+
+def _rule_modules(names):
+    """The class module of each rule row (``names``: the rows of mpext/rules/rules.h, which
+    mpext._C lists), once each, in row order: ``mpext.optim.<name>``, or, for a rule whose phases
+    are several rows (Muon's muon_momentum and muon_update), the module named by the longest
+    leading words of the row's name that has one (``muon``), as build_tools/rules.py finds the
+    rule's C++ op entry. A rule's classes are found, not listed (docs/adding_a_rule.md)."""
+    modules = []
+    for name in names:
+        words = name.split("_")
+        found = next((m for m in ("_".join(words[:k]) for k in range(len(words), 0, -1))
+                      if _importlib_util.find_spec("%s.%s" % (__name__, m)) is not None), None)
+        if found is None:
+            raise ImportError("mpext.optim: the rule row %r has no class module (expected "
+                              "mpext/optim/%s.py)" % (name, name))
+        if found not in modules:
+            modules.append(found)
+    return modules
+
+
+__all__ = []
+for _name in _rule_modules(_build_info()["rules"]):
+    _module = _importlib.import_module("." + _name, __name__)
+    globals().update({k: getattr(_module, k) for k in _module.__all__})  # its public names
+    __all__ += _module.__all__
+__all__ += ["formats", "lr_scheduler", "MIN_8BIT_NUMEL", "q8_decode", "q8_encode",
+            "use_global_sr_streams"]
+del _name, _module
