@@ -347,6 +347,17 @@ static inline void mp_q8_encode_block_m(uint8_t* restrict mc, const float* restr
   *ms = mp_fmt_f32(am);
 }
 
+/* ---- software prefetch of a coming tile's storage ---- */
+
+/* Asks for the cache lines of bytes [0, bytes) at p ahead of their use (a hint: nothing is
+ * read, and the address is formed as an integer, so a span past an array's end is harmless).
+ * The pipeline runs one stage at a time, so each stage's misses alone would be in flight; this
+ * puts the next tile's on the way while the current one computes. */
+MP_FMT_INLINE void mp_prefetch_span(const void* p, uint32_t bytes) {
+  const uintptr_t a = (uintptr_t)p;
+  for (uint32_t o = 0; o < bytes; o += 64u) __builtin_prefetch((const void*)(a + o), 1, 3);
+}
+
 /* ---- the ema of the fp32 value (an fp32 array, updated in place) ---- */
 
 /* ema[i] moves towards x[i] (mp_step_ema). */
