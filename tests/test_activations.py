@@ -1309,6 +1309,54 @@ def test_float_dropout_masks_are_bits_and_the_output_is_recomputed_exactly():
     assert act._rc.Bits.make(torch.tensor([0.0, 1.0, 2.0])) is None  # not a mask
 
 
+def _ref_bits(flags):
+    """Pure-Python packing: element i in bit i % 8 of byte i // 8."""
+    out = [0] * ((len(flags) + 7) // 8)
+    for i, f in enumerate(flags):
+        out[i // 8] |= int(bool(f)) << (i % 8)
+    return out
+
+
+def test_eager_bit_packing_equals_a_python_reference_and_the_traced_packing(device):
+    """``pack_bits_eager`` (one int64 multiply per eight flags) and ``unpack_bits_eager`` (a
+    table gather): every byte value, every tail length, offset views, against a pure-Python
+    packing and against ``pack_bits`` (the torch-op packing compiled graphs trace: eager and
+    compiled masks must be the same bytes)."""
+    rc = act._rc
+    every = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)],
+                         dtype=torch.bool, device=device).view(-1)
+    assert rc.pack_bits_eager(every).tolist() == list(range(256))
+    g = torch.Generator().manual_seed(0)
+    for n in list(range(1, 41)) + [1000, 4099]:
+        f = (torch.rand(n + 3, generator=g) > 0.5).to(device)
+        for v in (f[:n], f[3:], f[1:n + 1]):  # offsets 0, 3, 1 into the storage
+            bits = rc.pack_bits_eager(v)
+            assert bits.dtype == torch.uint8 and bits.tolist() == _ref_bits(v.tolist())
+            assert torch.equal(bits, rc.pack_bits(v))
+            assert torch.equal(rc.unpack_bits_eager(bits, v.numel()), v)
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                want = v.to(dt) * (1 / 0.7)
+                assert torch.equal(rc.unpack_bits_eager(bits, v.numel(), dt, want.max().item()),
+                                   want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_float_mask_is_bits_only_when_two_valued(device, dtype):
+    """``Bits.make`` takes 0 and one positive value (restored exactly, with the saved strides),
+    an all-zero mask, and refuses a NaN, an Inf, a -0.0, a third value."""
+    g = torch.Generator().manual_seed(0)
+    m = ((torch.rand(64, 100, generator=g) > 0.1).to(dtype) / 0.9).to(device)
+    for t in (m, m.t(), torch.zeros_like(m)):
+        r = act._rc.Bits.make(t)
+        assert r is not None and r.nbytes == 800
+        out = r.restore()
+        assert torch.equal(out, t) and out.stride() == t.stride()
+    for bad in (float("nan"), float("inf"), -0.0, 0.5, 2 * m.max().item()):
+        mm = m.clone()
+        mm[3, 7] = bad
+        assert act._rc.Bits.make(mm) is None, bad
+
+
 def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
     """A CNN's ReLU outputs (the next conv's inputs; the residual block's relu(bn(c) + x)) are
     BatchNorm's input times the batch's per-channel scale plus shift, then ReLU: with the
