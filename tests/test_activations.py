@@ -1357,14 +1357,16 @@ def test_a_float_mask_is_bits_only_when_two_valued(device, dtype):
         assert act._rc.Bits.make(mm) is None, bad
 
 
-def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device, dtype):
     """A CNN's ReLU outputs (the next conv's inputs; the residual block's relu(bn(c) + x)) are
     BatchNorm's input times the batch's per-channel scale plus shift, then ReLU: with the
     norm's inputs raw, every recomputed tensor restores the one autograd saved to float32
-    rounding (the affine map is the kernel's, in another order)."""
+    rounding (the affine map is the kernel's, in another order); in 16 bits on the CPU, where
+    the recomputation runs the forward's own transform kernel, bit for bit."""
     torch.manual_seed(0)
-    model = _cnn().float().to(device).train()
-    x = torch.randn(4, 3, 16, 16, device=device)
+    model = _cnn().to(device, dtype).train()
+    x = torch.randn(4, 3, 16, 16, device=device, dtype=dtype)
     ctx = act.fp8_saved_tensors(lambda t: t.grad_fn is None or
                                 t.grad_fn.name() != "ConvolutionBackward0", params=model)
     seen = []
@@ -1381,8 +1383,45 @@ def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
     for orig, stored in seen:
         got = stored.restore()
         assert got.shape == orig.shape and got.stride() == orig.stride()
-        assert (got - orig).abs().max() <= 8 * eps * orig.abs().max(), \
-            (got - orig).abs().max()
+        if dtype != torch.float32 and device == "cpu":
+            assert torch.equal(got, orig), (got.float() - orig.float()).abs().max()
+        else:  # float32 rounding, then the dtype's
+            tol = 8 * eps + (0 if dtype == torch.float32 else torch.finfo(dtype).eps)
+            assert (got - orig).abs().max() <= tol * orig.abs().max(), \
+                (got - orig).abs().max()
+
+
+def test_a_chain_runs_once_per_backward_and_a_value_changed_in_place_is_not_reused(
+        monkeypatch):
+    """gelu_new's chain saves five tensors (its input in 8 bits, four recomputed): restoring
+    the last one keeps the values it computes for the others' unpacks, so each recomputed
+    tensor is computed once in the backward (eight times in all before: each reran the chain
+    from the leaves); a retained graph's second backward gives the same gradients; a kept
+    value changed in place is recomputed."""
+    torch.manual_seed(0)
+    model = _ChainMLP(_gelu_new).bfloat16()
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16)
+    ctx = act.fp8_saved_tensors(params=model)
+    kinds = _Kinds(ctx)
+    with ctx, torch.autograd.graph.saved_tensors_hooks(kinds.pack, kinds.unpack):
+        y = model(x).float().square().mean()
+    assert kinds.kinds["Recomputed"] == 4, kinds.kinds
+    runs, raw = [], act._rc.Recomputed._raw
+    monkeypatch.setattr(act._rc.Recomputed, "_raw", lambda self: runs.append(id(self)) or
+                        raw(self))
+    y.backward(retain_graph=True)
+    assert len(runs) == 4 and len(set(runs)) == 4, runs
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    y.backward()
+    for a, b in zip(first, model.parameters()):
+        assert torch.equal(a, b.grad)
+    m = (torch.rand(64, 100) > 0.3).to(torch.bfloat16) / 0.7
+    bits = act._rc.Bits.make(m)
+    bits.uses = 3  # three saves returned it: the value is kept for the next two unpacks
+    bits.restore().mul_(0)
+    assert torch.equal(bits.restore(), m)
+    assert torch.equal(bits.restore(), m) and bits.pending is None  # dropped at the last
 
 
 def test_a_raw_leaf_changed_in_place_before_the_backward_is_an_error():
