@@ -462,10 +462,18 @@ def _rows(t, block=128):
 
 
 def _round_trip(t, code=torch.int8, block=128):
-    """What the module restores for ``t`` in ``code``: the codec on its row-major copy."""
+    """What the module restores for ``t`` in ``code``: the codec on its row-major copy; for
+    the int8 code, a dense layout (transposed, permuted, channels_last) in memory order: its
+    dims by decreasing stride, coded, then permuted back."""
     from mpext import activations_codes as codes
     c = t.detach().contiguous()
     if code == torch.int8:
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        m = t.detach().permute(order)
+        if span == t.numel() and m.is_contiguous() and not t.is_contiguous():
+            back = codes.dequantize(*codes.quantize(m, block), block, t.dtype, m.shape)
+            return back.permute([order.index(d) for d in range(t.dim())])
         return codes.dequantize(*codes.quantize(c, block), block, t.dtype, t.shape)
     q, s = ops.fp8_quantize(_rows(c, block), block_size=block, fp8_dtype=code)
     return ops.fp8_dequantize(q, s, dtype=t.dtype).view(t.shape)
