@@ -493,8 +493,24 @@ def convergence_table(res, floor):
 
 # ---- step time and bytes held, eager and compiled, per zoo model (the default vs BF16)
 
+def _cpu_times(fns, repeats):
+    """Interleaved paired rounds timed by this process's CPU time (one thread): on a machine
+    shared by many, wall time also counts the waits for a core; CPU time counts the step's
+    own work (cache contention still shows)."""
+    import time
+    out = {k: [] for k in fns}
+    for k, f in fns.items():
+        f()  # warm-up
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.process_time()
+            f()
+            out[k].append(time.process_time() - t0)
+    return {k: common.Timing(v, 1) for k, v in out.items()}
+
+
 def steptime(names=None, dev="cpu", compiled=(False, True), repeats=9, small=False,
-             progress=None):
+             progress=None, cpu_time=False):
     """Per zoo model x {eager, compiled (inductor)}: the bytes one BF16 forward leaves alive
     (HeapMeter) uncompressed and under the default policy, and the training step (forward
     under the context, backward) of each, interleaved round by round: per round the ratio of
@@ -514,7 +530,10 @@ def steptime(names=None, dev="cpu", compiled=(False, True), repeats=9, small=Fal
                 params=model, warn_unmatched=False)}
 
             def step(ctx, held=None):
-                before = heap()
+                # the meter only in the untimed steps: its gc.collect() takes ~0.6 s with
+                # transformers loaded, which timed with the step hid the overhead (it read
+                # 1.06-1.24 where the steps alone differ by 1.4-2.6x)
+                before = heap() if held is not None else 0
                 with ctx or contextlib.nullcontext():
                     loss = loss_fn(fwd, xb)
                 if held is not None:
@@ -526,9 +545,9 @@ def steptime(names=None, dev="cpu", compiled=(False, True), repeats=9, small=Fal
             for _ in range(2):  # compiles, warms the allocator; then the figure
                 for k, c in ctxs.items():
                     step(c, held[k])
-            t = common.time_fns({k: functools.partial(step, c) for k, c in ctxs.items()},
-                                device=dev, repeats=repeats, warmup=1, max_inner=1,
-                                show_progress=False)
+            fns = {k: functools.partial(step, c) for k, c in ctxs.items()}
+            t = _cpu_times(fns, repeats) if cpu_time and dev.type == "cpu" else common.time_fns(
+                fns, device=dev, repeats=repeats, warmup=1, max_inner=1, show_progress=False)
             ratios = sorted(c / b for b, c in zip(t["bf16"].samples, t["compressed"].samples))
             q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
             rows.append(dict(model=name, compiled=comp, bf16=held["bf16"][-1],
@@ -569,6 +588,8 @@ def add_args(p):
     p.add_argument("--models", default="", help="--steptime: these zoo models (comma list)")
     p.add_argument("--eager-only", action="store_true", help="--steptime: no torch.compile")
     p.add_argument("--compiled-only", action="store_true", help="--steptime: compiled only")
+    p.add_argument("--cpu-time", action="store_true", help="--steptime: time the steps by the "
+                   "process's CPU time, not wall time (a machine shared by many)")
     # one thread: two spin on a busy machine; --device cuda: the allocator's peaks
     p.set_defaults(threads=1, device="cpu")
     return p
@@ -579,9 +600,11 @@ def run(ctx) -> dict:
     if a.steptime:
         modes = (False,) if a.eager_only else (True,) if a.compiled_only else (False, True)
         rows = steptime([m for m in a.models.split(",") if m], ctx.device, modes,
-                        small=ctx.quick, progress=functools.partial(print, flush=True))
-        return b.finish(["One thread, %s." % " and ".join(
-            "compiled (inductor)" if c else "eager" for c in modes), "", steptime_table(rows)],
+                        repeats=a.repeats or 9, small=ctx.quick, cpu_time=a.cpu_time,
+                        progress=functools.partial(print, flush=True))
+        return b.finish(["One thread, %s%s." % (" and ".join(
+            "compiled (inductor)" if c else "eager" for c in modes),
+            ", the process's CPU time per step" if a.cpu_time else ""), "", steptime_table(rows)],
                         {"steptime": rows}, None)
     if a.convergence:
         res, floor = convergence(a.convergence_models.split(","), a.convergence_steps,

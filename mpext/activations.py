@@ -216,16 +216,26 @@ def _non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
-class _Packed:
+class _Packed(_rc.Reuse):
     """One compressed tensor: its FP8 codes, their scales, and how to rebuild it with the
     saved tensor's exact size and strides (a compiled backward asserts them, and a kernel may
     pick its path by them)."""
     __slots__ = ("q", "scales", "shape", "stride", "contiguous", "dtype", "block", "nbytes",
-                 "merged")
+                 "merged", "pending", "uses", "unpacked", "mshape")
 
     def __init__(self, t: torch.Tensor, block: int, fp8_dtype, pow2: bool, stochastic: bool,
                  seed: int, offset: int):
         x = t.detach()
+        self.mshape = None
+        if not x.is_contiguous() and fp8_dtype == torch.int8 and _dense(x):
+            # transposed, permuted, channels_last: coded in memory order (its dims by
+            # decreasing stride: a contiguous view, no copy), restored as a view of that
+            # order: a transposing copy each way cost more than the code itself (0.4-2 ns
+            # per element against 0.4-0.6; 31-37% of the ViT's and GPT's coded elements)
+            order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+            xm = x.permute(order)
+            if xm.is_contiguous():
+                x, self.mshape = xm, xm.shape
         if not x.is_contiguous():
             x = x.contiguous()  # the blocks run along the last dimension of the row-major copy
         self.shape, self.stride, self.dtype, self.block = t.shape, t.stride(), t.dtype, block
@@ -242,23 +252,34 @@ class _Packed:
                                                    pow2_scale=pow2, stochastic=stochastic,
                                                    seed=seed, offset=offset)
         self.nbytes = self.q.numel() + 4 * self.scales.numel()
+        self.pending, self.uses, self.unpacked = None, 1, 0
 
-    def restore(self) -> torch.Tensor:
+    def _raw(self) -> torch.Tensor:
         if self.merged is None:
-            out = _codes.dequantize(self.q, self.scales, self.block, self.dtype, self.shape)
-        else:
-            out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block,
-                                     dtype=self.dtype)
-            if self.merged:
-                out = out.view(self.shape)
-        if out.stride() == self.stride:
+            return _codes.dequantize(self.q, self.scales, self.block, self.dtype,
+                                     self.mshape if self.mshape is not None else self.shape)
+        out = ops.fp8_dequantize(self.q, self.scales, block_size=self.block, dtype=self.dtype)
+        return out.view(self.shape) if self.merged else out
+
+    def _finish(self, out) -> torch.Tensor:
+        if out.stride() == self.stride and self.mshape is None:
             return out
-        if self.contiguous:  # the same addressing; only the strides of size-1 dims differ
+        if self.contiguous or self.mshape is not None:
+            # the same addressing: contiguous but for the strides of size-1 dims, or the
+            # memory order's contiguous copy of a dense layout
             return out.as_strided(self.shape, self.stride)
         # transposed, permuted, channels_last, sliced: the layout the saver had (a sliced
         # tensor's storage offset is not kept: nothing reads it, and a fresh one is aligned)
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
                                    device=out.device).copy_(out)
+
+
+def _used_again(obj):
+    """One more save returned ``obj``: one more unpack to keep its restored value for."""
+    if isinstance(obj, _Reshaped):
+        obj = obj.packed
+    if hasattr(obj, "uses"):
+        obj.uses += 1
 
 
 def _entry(cache: dict, t: torch.Tensor) -> "_Storage":
@@ -307,7 +328,14 @@ class _Reshaped:
         self.ops = getattr(packed, "ops", 0)
 
     def restore(self) -> torch.Tensor:
-        base = self.packed.restore()  # dense, in the saved layout: the same memory span
+        return self._view(self.packed.restore())
+
+    def value(self) -> torch.Tensor:
+        return self._view(self.packed.value() if hasattr(self.packed, "value") else
+                          self.packed.restore())
+
+    def _view(self, base) -> torch.Tensor:
+        # base: dense, in the saved layout: the same memory span
         if base.is_contiguous() and _contiguous(self.shape, self.stride):
             return base.reshape(self.shape).as_strided(self.shape, self.stride)
         return base.as_strided(self.shape, self.stride, base.storage_offset())
@@ -362,7 +390,9 @@ class _Recorder(TorchFunctionMode):
             kind = "pointwise"  # seen by the pack hook only to tell its output apart
         acts = [(a.numel(), a.shape[-1] if a.dim() else 0) for a in flat
                 if not isinstance(a, torch.nn.Parameter) and a.is_floating_point()]
-        call = (func, args, kwargs, [])  # [] collects the masks a dropout saves
+        # [] collects the masks a dropout saves; [None]: the recipe of the output, if the op
+        # saved its own output (tanh, relu) and the pack hook made it then: one Node per op
+        call = (func, args, kwargs, [], [None])
         st.linear_stack.append((kind, acts, {_storage_ptr(a) for a in flat}, call))
         try:
             out = func(*args, **kwargs)
@@ -370,7 +400,9 @@ class _Recorder(TorchFunctionMode):
             st.linear_stack.pop()
         if st.recompute and isinstance(out, torch.Tensor) and out.grad_fn is not None \
                 and out.is_floating_point():
-            node = _recipe(st, func, args, kwargs, call[3], out)
+            node = call[4][0]
+            if node is None or node.version != out._version:
+                node = _recipe(st, func, args, kwargs, call[3], out)
             if node is not None:
                 try:
                     out._mpext_node = node
@@ -438,6 +470,7 @@ class _State:
         self.linear_stack = []
         self.recompute = True
         self.cache = {}  # storage address -> _Storage (the pack hook's)
+        self.calls = {}  # recorded op (Node) -> its Call in the recipes (shared)
 
 
 class fp8_saved_tensors(contextlib.ContextDecorator):
@@ -576,7 +609,9 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         view = (t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if not entry.raw and self._is_bits_mask(t, st):
             hit = entry.views.get(view)
-            if hit is None:
+            if hit is not None:
+                _used_again(hit)
+            else:
                 hit = _rc.Bits.make(t)
                 if hit is not None:
                     entry.views[view] = hit
@@ -594,6 +629,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             return t
         hit = entry.views.get(view)
         if hit is not None:
+            _used_again(hit)
             return hit
         # the same elements in another shape or layout (a 3-d activation and linear's 2-d view
         # of it; the CPU's SDPA output, saved transposed by SDPA and as a (b*s, h) view by the
@@ -602,6 +638,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
         same = entry.views.get((t._version, t.storage_offset(), t.numel(), t.dtype))
         if same is not None and dense:
             entry.views[view] = out = _Reshaped(same, t.shape, t.stride())
+            _used_again(same)  # restoring the view unpacks ``same``
             return out
         # another view of a storage compressed at this version: compressed too, whatever the
         # policy says (raw, it would keep the storage alive beside the FP8 copies)
@@ -664,29 +701,40 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
             kind, _, ptrs, call = st.linear_stack[-1]
             if kind in ("pointwise", "activation") and t.grad_fn is not None and \
                     _storage_ptr(t) not in ptrs:  # the running op's output (tanh's, relu's)
-                node = _recipe(st, call[0], call[1], call[2], call[3], t)
+                node = call[4][0]
+                if node is None:
+                    node = call[4][0] = _recipe(st, call[0], call[1], call[2], call[3], t)
         if node is None:
             return None
         budget = [_rc.MAX_OPS]
-        tree = self._resolve_node(node, cache, budget)
+        tree = self._resolve_node(node, cache, budget, st.calls)
         if tree is None:
             return None
         return _rc.Recomputed(tree, t.shape, t.stride(), _rc.MAX_OPS - budget[0])
 
-    def _resolve_node(self, node, cache, budget):
+    def _resolve_node(self, node, cache, budget, calls):
+        # one Call per recorded op, shared by every recipe reaching it, so that restoring one
+        # saved tensor of a chain hands the values it computes to the others (Reuse)
+        call = calls.get(node)
+        if call is not None:
+            budget[0] -= call.nops
+            return call if budget[0] >= 0 else None
+        start = budget[0]
         budget[0] -= 1
         if budget[0] < 0:
             return None
         args = []
         for a in node.args:
             if isinstance(a, _rc.Ref):
-                a = self._resolve_ref(a, cache, budget)
+                a = self._resolve_ref(a, cache, budget, calls)
                 if a is None:
                     return None
             args.append(a)
-        return _rc.Call(node.func, args, node.kwargs, node.amp)
+        call = calls[node] = _rc.Call(node.func, args, node.kwargs, node.amp)
+        call.nops = start - budget[0]
+        return call
 
-    def _resolve_ref(self, ref, cache, budget):
+    def _resolve_ref(self, ref, cache, budget, calls):
         entry = ref.entry  # the storage's entry when the op ran: it may have died since
         if entry is not None:
             obj = entry.views.get(ref.key)
@@ -703,7 +751,7 @@ class fp8_saved_tensors(contextlib.ContextDecorator):
                 budget[0] -= ops
                 return _rc.Leaf(obj) if budget[0] >= 0 else None
         if ref.node is not None:
-            return self._resolve_node(ref.node, cache, budget)
+            return self._resolve_node(ref.node, cache, budget, calls)
         return None
 
     @staticmethod

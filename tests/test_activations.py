@@ -462,10 +462,18 @@ def _rows(t, block=128):
 
 
 def _round_trip(t, code=torch.int8, block=128):
-    """What the module restores for ``t`` in ``code``: the codec on its row-major copy."""
+    """What the module restores for ``t`` in ``code``: the codec on its row-major copy; for
+    the int8 code, a dense layout (transposed, permuted, channels_last) in memory order: its
+    dims by decreasing stride, coded, then permuted back."""
     from mpext import activations_codes as codes
     c = t.detach().contiguous()
     if code == torch.int8:
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        m = t.detach().permute(order)
+        if span == t.numel() and m.is_contiguous() and not t.is_contiguous():
+            back = codes.dequantize(*codes.quantize(m, block), block, t.dtype, m.shape)
+            return back.permute([order.index(d) for d in range(t.dim())])
         return codes.dequantize(*codes.quantize(c, block), block, t.dtype, t.shape)
     q, s = ops.fp8_quantize(_rows(c, block), block_size=block, fp8_dtype=code)
     return ops.fp8_dequantize(q, s, dtype=t.dtype).view(t.shape)
@@ -1309,14 +1317,64 @@ def test_float_dropout_masks_are_bits_and_the_output_is_recomputed_exactly():
     assert act._rc.Bits.make(torch.tensor([0.0, 1.0, 2.0])) is None  # not a mask
 
 
-def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
+def _ref_bits(flags):
+    """Pure-Python packing: element i in bit i % 8 of byte i // 8."""
+    out = [0] * ((len(flags) + 7) // 8)
+    for i, f in enumerate(flags):
+        out[i // 8] |= int(bool(f)) << (i % 8)
+    return out
+
+
+def test_eager_bit_packing_equals_a_python_reference_and_the_traced_packing(device):
+    """``pack_bits_eager`` (one int64 multiply per eight flags) and ``unpack_bits_eager`` (a
+    table gather): every byte value, every tail length, offset views, against a pure-Python
+    packing and against ``pack_bits`` (the torch-op packing compiled graphs trace: eager and
+    compiled masks must be the same bytes)."""
+    rc = act._rc
+    every = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)],
+                         dtype=torch.bool, device=device).view(-1)
+    assert rc.pack_bits_eager(every).tolist() == list(range(256))
+    g = torch.Generator().manual_seed(0)
+    for n in list(range(1, 41)) + [1000, 4099]:
+        f = (torch.rand(n + 3, generator=g) > 0.5).to(device)
+        for v in (f[:n], f[3:], f[1:n + 1]):  # offsets 0, 3, 1 into the storage
+            bits = rc.pack_bits_eager(v)
+            assert bits.dtype == torch.uint8 and bits.tolist() == _ref_bits(v.tolist())
+            assert torch.equal(bits, rc.pack_bits(v))
+            assert torch.equal(rc.unpack_bits_eager(bits, v.numel()), v)
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                want = v.to(dt) * (1 / 0.7)
+                assert torch.equal(rc.unpack_bits_eager(bits, v.numel(), dt, want.max().item()),
+                                   want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_float_mask_is_bits_only_when_two_valued(device, dtype):
+    """``Bits.make`` takes 0 and one positive value (restored exactly, with the saved strides),
+    an all-zero mask, and refuses a NaN, an Inf, a -0.0, a third value."""
+    g = torch.Generator().manual_seed(0)
+    m = ((torch.rand(64, 100, generator=g) > 0.1).to(dtype) / 0.9).to(device)
+    for t in (m, m.t(), torch.zeros_like(m)):
+        r = act._rc.Bits.make(t)
+        assert r is not None and r.nbytes == 800
+        out = r.restore()
+        assert torch.equal(out, t) and out.stride() == t.stride()
+    for bad in (float("nan"), float("inf"), -0.0, 0.5, 2 * m.max().item()):
+        mm = m.clone()
+        mm[3, 7] = bad
+        assert act._rc.Bits.make(mm) is None, bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device, dtype):
     """A CNN's ReLU outputs (the next conv's inputs; the residual block's relu(bn(c) + x)) are
     BatchNorm's input times the batch's per-channel scale plus shift, then ReLU: with the
     norm's inputs raw, every recomputed tensor restores the one autograd saved to float32
-    rounding (the affine map is the kernel's, in another order)."""
+    rounding (the affine map is the kernel's, in another order); in 16 bits on the CPU, where
+    the recomputation runs the forward's own transform kernel, bit for bit."""
     torch.manual_seed(0)
-    model = _cnn().float().to(device).train()
-    x = torch.randn(4, 3, 16, 16, device=device)
+    model = _cnn().to(device, dtype).train()
+    x = torch.randn(4, 3, 16, 16, device=device, dtype=dtype)
     ctx = act.fp8_saved_tensors(lambda t: t.grad_fn is None or
                                 t.grad_fn.name() != "ConvolutionBackward0", params=model)
     seen = []
@@ -1333,8 +1391,45 @@ def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device):
     for orig, stored in seen:
         got = stored.restore()
         assert got.shape == orig.shape and got.stride() == orig.stride()
-        assert (got - orig).abs().max() <= 8 * eps * orig.abs().max(), \
-            (got - orig).abs().max()
+        if dtype != torch.float32 and device == "cpu":
+            assert torch.equal(got, orig), (got.float() - orig.float()).abs().max()
+        else:  # float32 rounding, then the dtype's
+            tol = 8 * eps + (0 if dtype == torch.float32 else torch.finfo(dtype).eps)
+            assert (got - orig).abs().max() <= tol * orig.abs().max(), \
+                (got - orig).abs().max()
+
+
+def test_a_chain_runs_once_per_backward_and_a_value_changed_in_place_is_not_reused(
+        monkeypatch):
+    """gelu_new's chain saves five tensors (its input in 8 bits, four recomputed): restoring
+    the last one keeps the values it computes for the others' unpacks, so each recomputed
+    tensor is computed once in the backward (eight times in all before: each reran the chain
+    from the leaves); a retained graph's second backward gives the same gradients; a kept
+    value changed in place is recomputed."""
+    torch.manual_seed(0)
+    model = _ChainMLP(_gelu_new).bfloat16()
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16)
+    ctx = act.fp8_saved_tensors(params=model)
+    kinds = _Kinds(ctx)
+    with ctx, torch.autograd.graph.saved_tensors_hooks(kinds.pack, kinds.unpack):
+        y = model(x).float().square().mean()
+    assert kinds.kinds["Recomputed"] == 4, kinds.kinds
+    runs, raw = [], act._rc.Recomputed._raw
+    monkeypatch.setattr(act._rc.Recomputed, "_raw", lambda self: runs.append(id(self)) or
+                        raw(self))
+    y.backward(retain_graph=True)
+    assert len(runs) == 4 and len(set(runs)) == 4, runs
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    y.backward()
+    for a, b in zip(first, model.parameters()):
+        assert torch.equal(a, b.grad)
+    m = (torch.rand(64, 100) > 0.3).to(torch.bfloat16) / 0.7
+    bits = act._rc.Bits.make(m)
+    bits.uses = 3  # three saves returned it: the value is kept for the next two unpacks
+    bits.restore().mul_(0)
+    assert torch.equal(bits.restore(), m)
+    assert torch.equal(bits.restore(), m) and bits.pending is None  # dropped at the last
 
 
 def test_a_raw_leaf_changed_in_place_before_the_backward_is_an_error():

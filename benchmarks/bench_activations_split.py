@@ -1,0 +1,98 @@
+"""Where the eager step-time overhead of mpext.activations goes, per zoo model: the step (CPU
+time, one thread, interleaved rounds) with no hooks, identity hooks, the recipe recorder alone,
+the default with recompute=False, and the default; then one step of the default with the hooks'
+parts timed (CPU time, inclusive; % of the BF16 step).
+
+    PYTHONPATH=. python -m benchmarks.bench_activations_split [models] [rounds]
+"""
+import collections
+import contextlib
+import functools
+import statistics
+import sys
+import time
+
+import torch
+
+from mpext import activations as A
+from mpext import activations_recompute as rc
+
+from .bench_activations import zoo_models
+
+PARTS = [(A.fp8_saved_tensors, "_pack", "pack (all of it)"),
+         (A._Packed, "__init__", "pack: the 8-bit code"),
+         (rc.Bits, "make", "pack: masks as bits"),
+         (A.fp8_saved_tensors, "_recomputed", "pack: resolving a recipe"),
+         (A, "_recipe", "recorder: making a recipe"),
+         (A._Recorder, "__torch_function__", "recorder (with the ops it runs)"),
+         (rc.Recomputed, "_raw", "unpack: recomputing"),
+         (A._Packed, "_raw", "unpack: decoding 8 bits"),
+         (rc.Bits, "_raw", "unpack: bits")]
+
+
+def _timed(spent, calls):
+    for obj, name, label in PARTS:
+        f = getattr(obj, name)
+
+        @functools.wraps(f)
+        def g(*a, _f=f, _label=label, **k):
+            t0 = time.process_time()
+            try:
+                return _f(*a, **k)
+            finally:
+                spent[_label] += time.process_time() - t0
+                calls[_label] += 1
+        setattr(obj, name, g)
+
+
+def main(names=None, rounds=5):
+    torch.set_num_threads(1)
+    spent, calls = collections.Counter(), collections.Counter()
+    timing = [False]
+    for name, (build, batch, loss_fn) in zoo_models(False).items():
+        if names and name not in names:
+            continue
+        torch.manual_seed(0)
+        model = build().to("cpu", torch.bfloat16).train()
+        xb = tuple(batch(torch.bfloat16))
+        ctxs = {
+            "bf16": contextlib.nullcontext,
+            "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t),
+            "recorder only": lambda: A._Recorder(A._State()),
+            "recompute=False": (lambda c=A.fp8_saved_tensors(
+                params=model, warn_unmatched=False, recompute=False): c),
+            "default": (lambda c=A.fp8_saved_tensors(params=model, warn_unmatched=False): c)}
+
+        def step(k):
+            with ctxs[k]():
+                loss = loss_fn(model, xb)
+            loss.float().backward()
+            model.zero_grad(set_to_none=True)
+        for k in ctxs:
+            step(k)
+        ts = {k: [] for k in ctxs}
+        for _ in range(rounds):
+            for k in ctxs:
+                t0 = time.process_time()
+                step(k)
+                ts[k].append(time.process_time() - t0)
+        base = statistics.median(ts["bf16"])
+        print("%s: BF16 step %.1f ms CPU; " % (name, 1e3 * base) + ", ".join(
+            "%s x%.3f" % (k, statistics.median([a / b for a, b in zip(v, ts["bf16"])]))
+            for k, v in ts.items() if k != "bf16"), flush=True)
+        if not timing[0]:
+            _timed(spent, calls)
+            timing[0] = True
+        step("default")
+        spent.clear()
+        calls.clear()
+        step("default")
+        for label, s in spent.most_common():
+            print("    %-34s %6.2f ms %4d calls %5.1f%% of the BF16 step" % (
+                label, 1e3 * s, calls[label], 100 * s / base))
+
+
+if __name__ == "__main__":
+    main([n for n in sys.argv[1].split(",") if n] if len(sys.argv) > 1 else None,
+         int(sys.argv[2]) if len(sys.argv) > 2 else 5)
