@@ -418,22 +418,53 @@ def test_same_bits_for_every_thread_count_and_isa(rule, fmt, threads):
 
 # ---- torch.compile ---------------------------------------------------------------------------
 
-COVERING = list(T.covering_pairs())
+def compiled_cases():
+    """(rule, formats): each covering pair's format alone; a rule with a sweep (Muon: its
+    compile takes five frames, seconds each) as one case whose optimizer holds every format of
+    its sweep in param groups of their own (each format a group setting): one compile covers
+    every param and moment format."""
+    out = []
+    for rule, fmt in T.covering_pairs():
+        if rule.sweep is None:
+            out.append((rule, (fmt,)))
+        elif not any(r is rule for r, _ in out):
+            out.append((rule, tuple(T.FORMATS[f] for f in rule.sweep)))
+    return out
 
 
-@pytest.mark.parametrize("rule,fmt", COVERING, ids=[T.pair_id(p) for p in COVERING])
-def test_compiled_step(rule, fmt, device):
+COVERING = compiled_cases()
+
+
+def _compiled_run(rule, fmts, device):
+    """The case's params and optimizer: per format, SMALL params of each of its dtypes, every
+    second one in a group that keeps an EMA (as ``ema_half``)."""
+    if len(fmts) == 1:
+        ps = T.make_params(fmts[0].param_dtypes, shapes=SMALL, device=device, rule=rule)
+        return ps, build(rule, fmts[0], ps, ema_half=True)
+    params, groups = [], []
+    for fmt in fmts:
+        ps = T.make_params(fmt.param_dtypes, shapes=SMALL, device=device, rule=rule)
+        params += ps
+        kw = fmt.kwargs_for(rule)
+        groups += [dict(params=ps[::2], **kw), dict(params=ps[1::2], ema_decay=0.9, **kw)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*master_weights=False without")
+        return params, rule.make(groups)
+
+
+@pytest.mark.parametrize("rule,fmts", COVERING, ids=["%s-%s" % (r.name, "+".join(
+    f.name for f in fs)) for r, fs in COVERING])
+def test_compiled_step(rule, fmts, device):
     """torch.compile(opt.step) for 20 steps, found_inf passed to every step (set on step 5: a
     skipped step): no graph break but the rule's own (``rule.graph_breaks``: Muon's eager
     Newton-Schulz), at most ``rule.max_frames`` compiles (2: the first step's state setup,
     then the steady step; Muon's break cuts each in two), and the eager run's bits, an EMA
     (of one of the two params) included. (Over the covering pairs: every param format and
-    every moment format of each rule; a compile costs seconds.)"""
+    every moment format of each rule; a compile costs seconds: compiled_cases.)"""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    ps = T.make_params(fmt.param_dtypes, shapes=SMALL, device=device, rule=rule)
-    qs = T.make_params(fmt.param_dtypes, shapes=SMALL, device=device, rule=rule)
-    eager, comp = build(rule, fmt, ps, ema_half=True), build(rule, fmt, qs, ema_half=True)
+    ps, eager = _compiled_run(rule, fmts, device)
+    qs, comp = _compiled_run(rule, fmts, device)
     counter = CompileCounter()
     step = torch.compile(comp.step, backend=counter)
     for s in range(20):
