@@ -89,6 +89,18 @@ class RuleInfo:
     # (muon) the most frames a compiled step compiles (torch.compile's first step, which makes
     # the state, and the steady step; Muon's: measured 5, its break cutting each in two)
     max_frames: int = 2
+    # (muon) the test families the rule's rows cannot run, each with why: ((family, reason),
+    # ...). Its rows there are collected and skipped with the reason (table_params), never
+    # dropped.
+    excluded: Tuple[Tuple[str, str], ...] = ()
+    # (muon) the formats (FORMATS names) the rule's rows run in pairs(), for a rule whose every
+    # test costs more than the others' (Muon's Newton-Schulz and its compiled frames) and would
+    # add minutes to CI over every format: a covering set (covering_sweep); None: every format
+    sweep: Optional[Tuple[str, ...]] = None
+
+    def exclusion(self, family: str) -> Optional[str]:
+        """Why this rule's rows cannot run test family ``family`` (None: they run)."""
+        return dict(self.excluded).get(family)
 
     def fit_shapes(self, shapes):
         """(muon) The param shapes a test asks for, as this rule takes them: unchanged for a
@@ -168,7 +180,7 @@ class FormatInfo:
         return self.name
 
 
-# ---- The rules ------------------------------------------------------------------------------
+# ---- The rules (Muon's row after the formats, which its sweep names) -----------------------
 
 def _error_inputs(*rows) -> Tuple[ErrorInput, ...]:
     return tuple(ErrorInput(*r) for r in rows)
@@ -270,26 +282,6 @@ RULES["sgd"] = _sgd(0.9)()  # a momentum_buffer
 RULES["sgd-plain"] = _sgd(0.0)()  # no state at all
 
 
-# (muon) Muon: matrices only (odd sizes, tall and wide, one of at least MIN_8BIT_NUMEL
-# elements), torch.optim.Muon the reference. An lr that is an fp32 value: mpext keeps lr in
-# fp32, and torch's Muon then computes the same bits (tests/test_muon.py).
-MUON_SHAPES = ((37, 5), (8, 16), (64, 80))  # params[1] has rows 0-7 (a test poisons row 5)
-MUON = RuleInfo(
-    "muon", mpext.optim.Muon, dict(lr=2.0 ** -6, weight_decay=0.1, momentum=0.9),
-    torch.optim.Muon, update_scale=3.0, reference_maximize=False, shapes=MUON_SHAPES,
-    maximize=False, graph_breaks=("_orthogonalize",), max_frames=5,
-    error_inputs=_error_inputs(
-        *COMMON_ERRORS[:3],
-        (dict(weight_decay=-0.1), ValueError, r"weight decay should be >= 0 but is: -0.1"),
-        (dict(momentum=-0.5), ValueError, r"momentum should be >= 0 but is: -0.5"),
-        (dict(ns_steps=100), ValueError, r"ns_steps must be an int in \[0, 100\)"),
-        (dict(adjust_lr_fn="sqrt"), ValueError, r"Adjust learning rate function sqrt")))
-# (muon) Muon's row enters the table once every consumer of pairs() makes its params through
-# make_params(..., rule=rule) and tests/test_optim_table.py reads rule.maximize (the lead's
-# patch: docs in the wt-muon report); until then its rows would get 1-D and 4-D params.
-MUON_IN_TABLE = False
-if MUON_IN_TABLE:
-    RULES["muon"] = MUON
 
 
 # ---- The formats ----------------------------------------------------------------------------
@@ -324,6 +316,48 @@ FORMATS = {f.name: f for f in (
     for name, param in _PARAM_NAMES for suffix, moment, extra in _MOMENT_ROWS)}
 
 
+def covering_sweep() -> Tuple[str, ...]:
+    """The formats a costly rule's rows run (RuleInfo.sweep; Muon's): one per param format,
+    every moment row (format and rounding) among them, the leanest combinations included --
+    each param format i with the moment row i of (float32, bf16 SR, 8-bit, bf16 to nearest),
+    the last param format (stochastic params) with 8-bit momentum: fp32, master-bf16,
+    remainder-q8 (the issue's 5.03 B), nearest-bf16-rne, stochastic-q8 (its 3.03 B). A
+    mismatch in a combination is a mismatch of its parts: each part runs here (and each
+    loads and is loaded from each other: conversions/loaders), and tests/test_muon.py checks
+    the lean rows' bytes and convergence."""
+    rows = ("", "-bf16", "-q8", "-bf16-rne", "-q8")
+    out = tuple(name + row for (name, _), row in zip(_PARAM_NAMES, rows))
+    assert {FORMATS[f].param_format for f in out} == {p for _, p in _PARAM_NAMES}
+    assert {f[len(n):] for f, (n, _) in zip(out, _PARAM_NAMES)} == {r for r, _, _ in
+                                                                   _MOMENT_ROWS}
+    return out
+
+
+# (muon) Muon: matrices only (odd sizes, tall and wide, one of at least MIN_8BIT_NUMEL
+# elements), torch.optim.Muon the reference, the covering sweep of the formats. An lr that is
+# an fp32 value: mpext keeps lr in fp32, and torch's Muon then computes the same bits
+# (tests/test_muon.py).
+MUON_SHAPES = ((37, 5), (8, 16), (64, 80))  # params[1] has rows 0-7 (a test poisons row 5)
+MUON = RuleInfo(
+    "muon", mpext.optim.Muon, dict(lr=2.0 ** -6, weight_decay=0.1, momentum=0.9),
+    torch.optim.Muon, update_scale=3.0, reference_maximize=False, shapes=MUON_SHAPES,
+    maximize=False, graph_breaks=("_orthogonalize",), max_frames=5, sweep=covering_sweep(),
+    excluded=(("step_plan", "Muon keeps no StepPlan (its _items builds the three phases' "
+                            "items afresh each step), so there is no cached plan to go stale"),
+              ("release_mesh", "the mesh sweep's branch models (test_distributed._sr_mlp) "
+                               "have 1-D biases, which a Muon group refuses: a Muon row there "
+                               "needs each branch split Muon/AdamW (muon_param_groups); "
+                               "Muon's release is checked on one process "
+                               "(test_grad_release)")),
+    error_inputs=_error_inputs(
+        *COMMON_ERRORS[:3],
+        (dict(weight_decay=-0.1), ValueError, r"weight decay should be >= 0 but is: -0.1"),
+        (dict(momentum=-0.5), ValueError, r"momentum should be >= 0 but is: -0.5"),
+        (dict(ns_steps=100), ValueError, r"ns_steps must be an int in \[0, 100\)"),
+        (dict(adjust_lr_fn="sqrt"), ValueError, r"Adjust learning rate function sqrt")))
+RULES["muon"] = MUON
+
+
 def applies(rule: RuleInfo, fmt: FormatInfo) -> bool:
     """Whether a format exists for a rule: a moment format needs a moment to store (SGD without
     momentum keeps none, so only the float32 rows, which differ in nothing else, apply)."""
@@ -333,12 +367,13 @@ def applies(rule: RuleInfo, fmt: FormatInfo) -> bool:
 
 
 def pairs() -> Iterator[Tuple[RuleInfo, FormatInfo]]:
-    """Every valid (rule, format) pair. The param dtypes of each are the format's
-    (``param_dtypes``: a remainder needs bfloat16 params), and the params include one of at
-    least MIN_8BIT_NUMEL elements so that 8-bit moments really quantize."""
+    """Every valid (rule, format) pair; of a rule with a ``sweep`` (Muon), the pairs of its
+    sweep only. The param dtypes of each are the format's (``param_dtypes``: a remainder needs
+    bfloat16 params), and the params include one of at least MIN_8BIT_NUMEL elements so that
+    8-bit moments really quantize."""
     for rule in RULES.values():
         for fmt in FORMATS.values():
-            if applies(rule, fmt):
+            if applies(rule, fmt) and (rule.sweep is None or fmt.name in rule.sweep):
                 yield rule, fmt
 
 
@@ -367,10 +402,26 @@ def conversions() -> Iterator[Tuple[RuleInfo, FormatInfo, torch.dtype]]:
 
 
 def loaders(rule: RuleInfo, dtype: torch.dtype) -> Iterator[FormatInfo]:
-    """The formats of ``rule`` for params of ``dtype``."""
+    """The formats of ``rule`` for params of ``dtype`` (of its sweep, for a rule with one:
+    every param format and moment row loads, and is loaded from, each other)."""
     for b in FORMATS.values():
-        if applies(rule, b) and dtype in b.param_dtypes:
+        if applies(rule, b) and dtype in b.param_dtypes and (rule.sweep is None
+                                                             or b.name in rule.sweep):
             yield b
+
+
+def table_params(family: str, rows, ids=None) -> list:
+    """``rows`` (tuples whose first element is a RuleInfo or a RULES name) as pytest params of
+    the test family ``family``: the rows of a rule that cannot run it (RuleInfo.excluded)
+    skipped with the reason, so that the exclusion shows in every run."""
+    out = []
+    for i, row in enumerate(rows):
+        rule = row[0] if isinstance(row[0], RuleInfo) else RULES[row[0]]
+        why = rule.exclusion(family)
+        marks = (pytest.mark.skip(reason="%s: %s" % (rule.name, why)),) if why else ()
+        out.append(pytest.param(*row, marks=marks,
+                                id=ids[i] if ids is not None else pair_id(row)))
+    return out
 
 
 def pair_id(pair) -> str:
@@ -560,7 +611,8 @@ def moment_value(opt, p: torch.Tensor, q: F.Quantity) -> torch.Tensor:
 # and steps once on the same gradient; mpext must then hold exactly what its format's rounding
 # makes of the reference's fp32 results -- round to nearest even (Tensor.to), stochastic
 # rounding with the documented bits (tests/reference.py: stream sr_key(seed, t, 2k + 1) for
-# the param, 2k for bf16 moments), the nearest 8-bit codes around the value -- up to the fp32
+# the param, 2k for bf16 moments, 2^33 + k for 8-bit codes, drawn at each element's position
+# in memory; the block's absmax before it, its code exponent) -- up to the fp32
 # roundings by which the rule's arithmetic may differ from the reference's (``rule.ulps``).
 # Every rounding is monotone, so the rounding of [x - slack, x + slack] is a bracket [lo, hi]
 # that the stored value must lie in; with no slack it is the one value the format stores.
@@ -654,9 +706,13 @@ def nudge(x: torch.Tensor) -> torch.Tensor:
 
 
 def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-               block: int):
+               block: int, r16: Optional[torch.Tensor] = None):
     """The 8-bit code values (float64) nearest below lo and above hi, on the code grid of
-    blocks with float32 absmax ``scale``: every rounding of a value in [lo, hi] lies there."""
+    blocks with float32 absmax ``scale``: every rounding of a value in [lo, hi] lies there.
+    With ``r16`` (each element's 16 random bits, lo's logical order): the stochastic roundings
+    of lo and of hi with those bits instead (tests/reference.py's q8_ref_encode: up where
+    floor(frac * 2^16) + r16 >= 2^16), between which the code of any value of [lo, hi]
+    rounded with the same bits lies (the rounding is monotone for fixed bits)."""
     kind = "m" if dtype == torch.int8 else "v"
     table = torch.from_numpy(Q8_VALUES[kind])
     n = lo.numel()
@@ -669,8 +725,14 @@ def q8_bracket(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, dtype: t
         y = x.abs() / ref
         above = torch.searchsorted(table, y, right=False).clamp_max(len(table) - 1)
         below = (torch.searchsorted(table, y, right=True) - 1).clamp_min(0)
-        # towards +inf: up in magnitude for x >= 0, down in magnitude for x < 0
-        mag = torch.where((x >= 0) == up, table[above], table[below]) * ref
+        if r16 is None:
+            # towards +inf: up in magnitude for x >= 0, down in magnitude for x < 0
+            mag = torch.where((x >= 0) == up, table[above], table[below]) * ref
+        else:  # the magnitude's stochastic code (frac exact: codes a power of two apart)
+            gap = table[above] - table[below]
+            frac = torch.where(gap > 0, (y - table[below]) / gap, torch.zeros_like(y))
+            go_up = torch.floor(frac * 65536.0) + r16.reshape(-1).double() >= 65536.0
+            mag = torch.where(go_up, table[above], table[below]) * ref
         return torch.where(x >= 0, mag, -mag)
 
     return on_grid(lo, False).reshape(lo.shape), on_grid(hi, True).reshape(hi.shape)
@@ -752,11 +814,16 @@ def check_step(rule: RuleInfo, fmt: FormatInfo, opt, params, refs, seed: int,
                 else:  # exp_avg rounds with r's low 16 bits, exp_avg_sq with its high 16
                     r = r_m if j == 0 else r_m >> np.uint32(16)
                     assert_in(got, sr_round(mlo, BF16, r), sr_round(mhi, BF16, r), mwhere)
-            else:  # 8-bit codes: the block's absmax, then a code next to the value
+            else:  # 8-bit codes: the block's absmax, then the value's code
                 amax = m.abs().reshape(-1)
                 pad = (-amax.numel()) % fmt.block
                 amax = torch.cat([amax, amax.new_zeros(pad)]).view(-1, fmt.block).amax(1)
                 alo, ahi = fp32_bracket(amax, rule.ulps, ref.moment_mag.max())
                 assert_in(scale.cpu(), alo, ahi, mwhere + " block absmax")
-                qlo, qhi = q8_bracket(mlo, mhi, scale.cpu(), stored.dtype, fmt.block)
+                r16 = None
+                if fmt.moment_rounding == "stochastic":  # the 8-bit stream, 2^33 + k
+                    r = sr_bits_array(sr_key(seed, t, (1 << 33) + k), pos)
+                    r = r if j == 0 else r >> np.uint32(16)  # exp_avg low 16, exp_avg_sq high
+                    r16 = torch.from_numpy((r & np.uint32(0xFFFF)).astype(np.int64))
+                qlo, qhi = q8_bracket(mlo, mhi, scale.cpu(), stored.dtype, fmt.block, r16)
                 assert_in(got, qlo, qhi, mwhere + " codes")

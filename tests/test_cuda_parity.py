@@ -117,7 +117,8 @@ def run_pair(rule, fmt, device):
     then steps under mpext.GradScaler (the fused unscale), one of which overflows (an inf in one
     gradient: the whole step is skipped, the scale backs off). Returns (initial params,
     snapshot of params, state and groups, the scaler's state)."""
-    params = [p.detach().to(device).requires_grad_() for p in T.make_params(fmt.param_dtypes)]
+    params = [p.detach().to(device).requires_grad_()
+              for p in T.make_params(fmt.param_dtypes, rule=rule)]
     initial = [p.detach().clone() for p in params]
     opt = build(rule, fmt, params, ema_decay=0.9)
     scaler = mpext.GradScaler(device, init_scale=2.0 ** 8, growth_interval=1)
@@ -154,7 +155,8 @@ def run_release(rule, fmt, device, bucket_bytes):
     (sum(p * c): the gradient of p is c times the loss scale, a power of two), under
     mpext.GradScaler; every gradient of the third holds an inf, so that pass skips whatever
     the buckets' order. Returns (initial params, snapshot, scaler state, buckets stepped)."""
-    params = [p.detach().to(device).requires_grad_() for p in T.make_params(fmt.param_dtypes)]
+    params = [p.detach().to(device).requires_grad_()
+              for p in T.make_params(fmt.param_dtypes, rule=rule)]
     initial = [p.detach().clone() for p in params]
     opt = build(rule, fmt, params)
     scaler = mpext.GradScaler(device, init_scale=2.0 ** 8, growth_interval=1)

@@ -189,7 +189,7 @@ TABLE = [(rule, fmt, dtype) for rule, fmt in T.pairs() for dtype in fmt.param_dt
 @pytest.mark.parametrize("rule,fmt,dtype", TABLE, ids=[T.pair_id(c) for c in TABLE])
 def test_every_rule_and_format_released_has_the_bits_of_step_after_backward(rule, fmt, dtype,
                                                                           isa):
-    params = T.make_params([dtype])
+    params = T.make_params([dtype], rule=rule)
     twin = T.clone_params(params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # master-free round to nearest warns
@@ -226,7 +226,7 @@ def test_every_rule_and_format_released_on_cuda_has_the_bits_of_cpu(rule, fmt):
     snaps = {}
     for device in ("cpu", "cuda"):
         params = [p.detach().to(device).requires_grad_()
-                  for p in T.make_params(fmt.param_dtypes)]
+                  for p in T.make_params(fmt.param_dtypes, rule=rule)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # master-free round to nearest warns
             opt = rule.make(params, **dict(fmt.kwargs_for(rule), seed=7))

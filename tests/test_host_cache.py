@@ -10,7 +10,7 @@ import torch
 import mpext
 from mpext.optim._engine import StepPlan
 
-from optim_table import FORMATS, RULES, pairs
+from optim_table import FORMATS, RULES, pairs, table_params
 
 BF16 = torch.bfloat16
 SHAPES = [(4096,), (64,), (8, 8), (5,)]  # the first big enough to keep 8-bit moments
@@ -79,7 +79,8 @@ def run(opts, steps=6, edit=None, skip=lambda step: ()):
         assert_same(*opts)
 
 
-@pytest.mark.parametrize("rule,fmt", [(r.name, f.name) for r, f in pairs()])
+@pytest.mark.parametrize("rule,fmt", table_params("step_plan",
+                                                  [(r.name, f.name) for r, f in pairs()]))
 def test_plain_steps_reuse_the_plan_and_match(rule, fmt):
     a, b = pair(fmt, rule)
     run((a, b))
