@@ -324,8 +324,9 @@ def _configs(args, parser) -> List[Breakdown]:
             parser.error("argument --compress-activations: only used with the activation "
                          "shape (--batch, --seq, --hidden, --layers, --heads)")
         if family == "llama":
-            parser.error("argument --compress-activations: estimated for the gpt and cnn "
-                         "families only (not measured on %s's tensors yet)" % family)
+            parser.error("argument --compress-activations: estimated for the gpt family only "
+                         "of the transformer families (and for cnn): not measured on %s's "
+                         "tensors yet" % family)
         if shape["hidden"] % shape["heads"]:
             parser.error("argument --heads: --compress-activations needs heads that divide "
                          "--hidden %d (the blocks run along a head's width), got %d"
