@@ -8,9 +8,10 @@ mpext.activations' default compression.
 Tolerance: 5% (the issue's bar), one-sided where it can be: the heap holds, besides the saved
 tensors, the autograd graph's nodes and, under compression, mpext.activations' Python
 bookkeeping (a recipe, a cache entry, weak references per saved tensor: ~50-120 KB on these
-models). The shapes are picked so that this is under 3% of the compressed bytes; a missing
-ffn-wide tensor is 6-12% of the estimate, a missing block of the CNN 14-25%, so the planted
-bugs of docs/memory.md fail. Small widths and a large batch: many bytes for few FLOPs (CI)."""
+models). The shapes are picked so that this is under 4% of the compressed bytes (measured:
+GPT-2 1.009 and 1.040, the CNN 1.004 and 1.018); one ffn-wide tensor missing is 9% of the
+GPT-2 estimate, one tensor of a CNN block 13%, so such bugs fail. Small widths and a large
+batch: many bytes for few FLOPs (CI)."""
 import contextlib
 import inspect
 import json
@@ -103,7 +104,7 @@ def test_gpt2_gelu_new_matches_the_allocator(device):
     assert _within(off, est(activation="gelu_new")), (off, est(activation="gelu_new"))
     assert _within(on, est(activation="gelu_new", compress=True)), \
         (on, est(activation="gelu_new", compress=True))
-    assert not _within(off, est())  # GELU's formula: 6-12% short
+    assert not _within(off, est())  # GELU's formula: 27% short here
 
 
 def test_cnn_matches_the_allocator(device):

@@ -25,8 +25,8 @@ DEVICES = ("cuda", "cpu")
 # storage it lives in (tensors sharing one are counted once when kept as they are).
 # ``recompute``: the ops of the pointwise recipe mpext.activations_recompute stores it as, when
 # the policy picks it and every leaf of the recipe is stored (0: no recipe, an 8-bit copy).
-_Saved = collections.namedtuple("_Saved", "name count coef unit size cols kind grad store recompute",
-                                defaults=(0,))
+_Saved = collections.namedtuple(
+    "_Saved", "name count coef unit size cols kind grad store recompute", defaults=(0,))
 
 # What the MLP's activation function leaves saved between the up- and the down-projection, one
 # row per ffn-wide tensor: (name, store, kind, bytes, recompute ops), ``bytes`` "d" (the
@@ -256,7 +256,8 @@ def _family_tensors(family: str, dropout: bool, attention: str, device: str, d: 
 def _shape_env(b, s, h, a, v, d, f, mask_d, mask_f, ffn=None, device="cuda",
                width=None) -> Dict[str, int]:
     return {"4c": 4 if device == "cuda" and d != f else d, "b*h": b * h, "b*v": b * (v or 0),
-            "w": width or 1, "v*": v or 0, "s*b*h": s * b * h, "s*b": s * b, "a*s*b": a * s * b, "a*s^2*b": a * s * s * b,
+            "w": width or 1, "v*": v or 0,
+            "s*b*h": s * b * h, "s*b": s * b, "a*s*b": a * s * b, "a*s^2*b": a * s * s * b,
             "s*b*v": s * b * (v or 0), "s": s, "1": 1, "h": h, "h/a": h // a, "4*h": 4 * h,
             "v": v or 1, "d": d, "f": f, "m": mask_d, "m'": mask_f, "4": 4, "8": 8,
             "s*b*F": s * b * (ffn or 0), "F": ffn or 1, "s*h/a": s * (h // a)}
