@@ -7,6 +7,7 @@ import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import activations as _act
+from .. import activations_recompute as _rc
 from ._args import check_count as _check_count
 
 
@@ -22,13 +23,44 @@ DEVICES = ("cuda", "cpu")
 # normalization's input; None: another function's); ``grad``: it has a grad_fn (masks,
 # statistics and the log-sum-exp have none, and no policy compresses them); ``store``: the
 # storage it lives in (tensors sharing one are counted once when kept as they are).
-_Saved = collections.namedtuple("_Saved", "name count coef unit size cols kind grad store")
+# ``recompute``: the ops of the pointwise recipe mpext.activations_recompute stores it as, when
+# the policy picks it and every leaf of the recipe is stored (0: no recipe, an 8-bit copy).
+_Saved = collections.namedtuple(
+    "_Saved", "name count coef unit size cols kind grad store recompute", defaults=(0,))
+
+# What the MLP's activation function leaves saved between the up- and the down-projection, one
+# row per ffn-wide tensor: (name, store, kind, bytes, recompute ops), ``bytes`` "d" (the
+# products' dtype) or "4" (float32: CUDA autocast runs pow in float32, and what follows it).
+# Read off each function's autograd nodes (torch 2.13) and the recompute rules of
+# mpext.activations_recompute (POINTWISE, MAX_OPS): a row whose ``recompute`` is nonzero is
+# stored as a recipe of that many ops over the rows above it when the policy picks it. These
+# are the rows that move if those rules change: GELU's, SiLU's and gelu_new's outputs and
+# gelu_new's intermediates (recomputed today), ReLU's output (an 8-bit copy: its input, the
+# up-projection's output, is saved by no one, so no recipe reaches a stored leaf).
+_FUSED = lambda fn: [  # noqa: E731  (F.gelu, F.silu: the input saved, the output by c_proj)
+    ("%s input" % fn, "gelu_in", "activation", "d", 0),
+    ("MLP down-projection input (%s output)" % fn, "gelu_out", "linear", "d", 1)]
+_MLP_ACTIVATIONS = {
+    "gelu": _FUSED("GELU"), "gelu_pytorch_tanh": _FUSED("GELU"), "silu": _FUSED("SiLU"),
+    "swish": _FUSED("SiLU"),
+    # HF's NewGELUActivation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3)))):
+    # pow saves x, tanh its output, the last product both factors; c_proj the result
+    "gelu_new": [("GELU input (pow's)", "gelu_in", None, "d", 0),
+                 ("tanh output", "g_tanh", "activation", "4c", 5),
+                 ("0.5 * x", "g_half", None, "d", 1),
+                 ("1 + tanh", "g_onep", None, "4c", 6),
+                 ("MLP down-projection input (GELU output)", "gelu_out", "linear", "d", 8)],
+    # F.relu saves its output, which c_proj saves too: one storage
+    "relu": [("MLP down-projection input (ReLU output)", "gelu_out", "activation", "d", 0)],
+}
+ACTIVATIONS = tuple(_MLP_ACTIVATIONS)
 
 
 def _saved_tensors(dropout: bool, attention: str, device: str, d: int, f: int,
-                   vocab: bool) -> Tuple[List[_Saved], List[_Saved]]:
+                   vocab: bool, activation: str = "gelu") -> Tuple[List[_Saved], List[_Saved]]:
     """(per layer, outside the layers): what a pre-LayerNorm GPT saves, tensor by tensor, as
-    torch's saved-tensor hooks see it on tests/small_gpt.py and transformers' GPT-2."""
+    torch's saved-tensor hooks see it on tests/small_gpt.py and transformers' GPT-2, with the
+    MLP's ``activation`` (``_MLP_ACTIVATIONS``)."""
     T, x, P = _Saved, "s*b*h", "a*s^2*b"
     if attention == "sdpa" and not (dropout and device == "cpu"):  # fused: q, k, v, out, lse
         att = [T("q, k, v", 3, 1, x, "d", "h/a", "attention", True, "qkv"),
@@ -58,9 +90,9 @@ def _saved_tensors(dropout: bool, attention: str, device: str, d: int, f: int,
              T("out-projection input", 1, 1, x, "d", "h", "linear", True, "attn_out"),
              T("LayerNorm 2 input", 1, 1, x, "f", "h", "norm", True, "ln2"),
              T("LayerNorm 2 mean, rstd", 2, 1, "s*b", "f", "1", "norm", False, "ln2_stats"),
-             T("MLP input", 1, 1, x, "d", "h", "linear", True, "mlp_in"),
-             T("GELU input", 1, 4, x, "d", "4*h", "activation", True, "gelu_in"),
-             T("MLP down-projection input", 1, 4, x, "d", "4*h", "linear", True, "gelu_out")]
+             T("MLP input", 1, 1, x, "d", "h", "linear", True, "mlp_in")] + [
+             T(name, 1, 4, x, size, "4*h", kind, True, store, ops)
+             for name, store, kind, size, ops in _MLP_ACTIVATIONS[activation]]
     if dropout:
         layer.append(T("residual dropout masks", 2, 1, x, "m", "h", "dropout", False, "masks"))
     outside = [T("position indices (int64)", 1, 1, "s", "8", "1", None, False, "positions"),
@@ -142,9 +174,67 @@ def _llama_saved_tensors(attention: str, d: int, f: int,
     return layer, outside
 
 
+def _cnn_block(x: str, out_ops: int) -> List[_Saved]:
+    """One residual block ``relu(bn2(conv2(relu(bn1(conv1(x))))) + x)`` (tests/zoo.py's
+    ResBlock, torchvision's BasicBlock without a downsampling branch), as torch's saved-tensor
+    hooks see it: each conv saves its input (the block's input, ReLU 1's output: saved by the
+    ReLU already), each BatchNorm in training its input (the conv's output) and the batch's
+    mean and inverse std (``C`` each, in the input's dtype; the running statistics are
+    buffers), each ReLU its output; BatchNorm's outputs and the residual sum are saved by no
+    one. ``out_ops``: the recipe mpext.activations stores the block's output as (ReLU of the
+    sum of BatchNorm 2's affine map and the block's input: 3 ops, plus the input's own)."""
+    T = _Saved
+    return [T("conv 1 output (BatchNorm 1 input)", 1, 1, x, "d", "w", "norm", True, "a1"),
+            T("BatchNorm 1 mean, invstd", 2, 1, "h", "f", "1", None, False, "bn1"),
+            T("ReLU 1 output (conv 2 input)", 1, 1, x, "d", "w", "activation", True, "r1", 2),
+            T("conv 2 output (BatchNorm 2 input)", 1, 1, x, "d", "w", "norm", True, "a2"),
+            T("BatchNorm 2 mean, invstd", 2, 1, "h", "f", "1", None, False, "bn2"),
+            T("block output: ReLU(BatchNorm 2 + input) (the next conv's input)", 1, 1, x, "d",
+              "w", "activation", True, "out", out_ops)]
+
+
+def _cnn_saved_tensors(vocab: bool) -> Tuple[List[_Saved], List[_Saved]]:
+    """(one block whose input is stored, the stem and the head): the CNN of tests/zoo.py, a
+    stem conv + BatchNorm + ReLU to ``C`` channels and residual blocks at ``C`` channels and
+    ``H x W``, then global average pooling and a linear classifier (``vocab``: its classes,
+    with the cross entropy's float32 log-softmax). ``s`` = H*W, ``h`` = C."""
+    T, x = _Saved, "s*b*h"
+    outside = [T("stem conv output (BatchNorm input)", 1, 1, x, "d", "w", "norm", True, "c0"),
+               T("stem BatchNorm mean, invstd", 2, 1, "h", "f", "1", None, False, "bn0"),
+               T("stem ReLU output (block 1's input)", 1, 1, x, "d", "w", "activation", True,
+                 "r0", 2),
+               T("classifier input (pooled)", 1, 1, "b*h", "d", "h", "linear", True, "pool")]
+    if vocab:
+        outside += [T("cross entropy's log-softmax", 1, 1, "b*v", "4", "v", None, True, "logp"),
+                    T("nll_loss's total weight (0-d)", 1, 1, "1", "4", "1", None, False, "tw")]
+    return _cnn_block(x, 5), outside
+
+
+def _cnn_bytes(n: int, env: Dict[str, int], opts) -> int:
+    """The CNN's saved bytes: the stem, ``n`` blocks and the head. Under compression each
+    ReLU output a recipe stores costs its BatchNorm's scale and shift (``C`` float32 each,
+    the recipe's leaves), and the block outputs form one chain of recipes (each reads the
+    previous block's output), which mpext.activations cuts where it would pass MAX_OPS ops:
+    that block's output is an 8-bit copy and the next chain starts from it."""
+    _, outside = _cnn_saved_tensors(env["v*"] > 0)
+    leaves = _Saved("BatchNorm scale, shift (a recipe's leaves)", 2, 1, "h", "4", "1", None,
+                    False, "")
+
+    def recipe_leaves(rows):
+        return sum(_saved_bytes([leaves._replace(store=t.store + "_leaves")], env, None)
+                   for t in rows if _stored_as(t, env, opts) == "recomputed")
+    total = _saved_bytes(outside, env, opts) + recipe_leaves(outside)
+    prev = 2 if _stored_as(outside[2], env, opts) == "recomputed" else 0
+    for _ in range(n):
+        block = _cnn_block("s*b*h", 3 + prev)
+        total += _saved_bytes(block, env, opts) + recipe_leaves(block)
+        prev = block[-1].recompute if _stored_as(block[-1], env, opts) == "recomputed" else 0
+    return total
+
+
 # The activation formulas the calculator knows, by model family: a family whose formula is not
 # here is refused, never estimated with another family's.
-FAMILIES = ("gpt", "llama")
+FAMILIES = ("gpt", "llama", "cnn")
 # The tensors saved outside the layers before the first layer runs (the rest, the final norm,
 # the head and the loss, is freed by the backward before the layers' backward starts: under
 # activation checkpointing they are not alive while a layer is recomputed).
@@ -155,14 +245,19 @@ _BLOCK_INPUT = {"gpt": "ln1", "llama": "x"}
 
 
 def _family_tensors(family: str, dropout: bool, attention: str, device: str, d: int, f: int,
-                    vocab: bool) -> Tuple[List[_Saved], List[_Saved]]:
+                    vocab: bool, activation: str = "gelu") -> Tuple[List[_Saved], List[_Saved]]:
     if family == "llama":
         return _llama_saved_tensors(attention, d, f, vocab)
-    return _saved_tensors(dropout, attention, device, d, f, vocab)
+    if family == "cnn":
+        return _cnn_saved_tensors(vocab)
+    return _saved_tensors(dropout, attention, device, d, f, vocab, activation)
 
 
-def _shape_env(b, s, h, a, v, d, f, mask_d, mask_f, ffn=None) -> Dict[str, int]:
-    return {"s*b*h": s * b * h, "s*b": s * b, "a*s*b": a * s * b, "a*s^2*b": a * s * s * b,
+def _shape_env(b, s, h, a, v, d, f, mask_d, mask_f, ffn=None, device="cuda",
+               width=None) -> Dict[str, int]:
+    return {"4c": 4 if device == "cuda" and d != f else d, "b*h": b * h, "b*v": b * (v or 0),
+            "w": width or 1, "v*": v or 0,
+            "s*b*h": s * b * h, "s*b": s * b, "a*s*b": a * s * b, "a*s^2*b": a * s * s * b,
             "s*b*v": s * b * (v or 0), "s": s, "1": 1, "h": h, "h/a": h // a, "4*h": 4 * h,
             "v": v or 1, "d": d, "f": f, "m": mask_d, "m'": mask_f, "4": 4, "8": 8,
             "s*b*F": s * b * (ffn or 0), "F": ffn or 1, "s*h/a": s * (h // a)}
@@ -256,7 +351,7 @@ def _stored_as(t: _Saved, env: Dict[str, int], opts) -> Optional[str]:
         return "bits" if numel >= opts["min_numel"] else None
     if not _compressed(t, env, opts):
         return None
-    if opts.get("recompute", True) and (t.store == "gelu_out" or (
+    if opts.get("recompute", True) and (0 < t.recompute <= _rc.MAX_OPS or (
             t.store == "pdrop" and t.kind == "linear" and numel >= opts["min_numel"]
             and env["d"] == env["f"])):  # under autocast P@V saves a cast, not the product
         return "recomputed"
@@ -296,7 +391,8 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
                      dropout: Optional[bool] = None, *, norm_bytes: Optional[int] = None,
                      attention: str = "sdpa", device: str = "cuda", compress=None,
                      family: str = "gpt", ffn: Optional[int] = None,
-                     checkpointing: bool = False) -> int:
+                     checkpointing: bool = False, activation: str = "gelu",
+                     width: Optional[int] = None) -> int:
     """Bytes autograd saves in one forward of a GPT-style (pre-LayerNorm, GELU) transformer:
     every saved tensor, each storage once, the parameters and the batch left out. Derived from
     the tensors torch's saved-tensor hooks see (docs/memory.md, "Activations"); Korthikanti et
@@ -336,16 +432,31 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     norm statistics, the log-sum-exp: no grad_fn), tensors under ``min_numel`` elements and
     those whose blocks would not make them smaller; the "layers" policy keeps the softmax of
     eager attention and the loss's log-softmax, "linear" also attention's, the norms' and the
-    GELU's tensors, "size" those under ``min_bytes``."""
+    GELU's tensors, "size" those under ``min_bytes``.
+
+    ``activation``: the gpt family's MLP activation function, by its transformers name
+    (``ACTIVATIONS``): ``"gelu"`` (``F.gelu``; also ``gelu_pytorch_tanh``, ``silu``: the input
+    and the output saved), ``"gelu_new"`` (GPT-2's hub default, a pointwise chain: its input,
+    tanh's output, ``0.5*x``, ``1 + tanh`` and the output, five ffn-wide tensors; under the
+    compression the four after the input are recipes), ``"relu"`` (its output only).
+
+    ``family="cnn"``: tests/zoo.py's CNN (a stem conv + BatchNorm + ReLU, ``layers`` residual
+    blocks of two 3x3 convs with BatchNorm and ReLU, global pooling, a linear classifier of
+    ``vocab`` classes) with ``batch`` images, ``seq`` = H*W pixels, ``hidden`` = the channels,
+    ``heads`` = 1; ``width`` = W (for where the compression's blocks fall; None: a square
+    image). Per block ``4*s*b*h*d + 4*h*f``; see :func:`_cnn_block`."""
     b, s, h, n, a, v, dropout, f, opts, ffn = _check_activation_args(
         batch, seq, hidden, layers, heads, act_bytes, vocab, dropout, norm_bytes, attention,
-        device, compress, family, ffn, checkpointing)
+        device, compress, family, ffn, checkpointing, activation)
+    width = _check_width(family, s, width)
     layer, outside = _family_tensors(family, dropout, attention, device, act_bytes, f,
-                                     v is not None)
+                                     v is not None, activation)
     cpu = device == "cpu"
     mask_d = (act_bytes if cpu else 1) if dropout else 0  # the residual (d-dtype) dropouts'
     mask_f = (f if cpu else 1) if dropout else 0  # the embedding's (in the weights' dtype)
-    env = _shape_env(b, s, h, a, v, act_bytes, f, mask_d, mask_f, ffn)
+    env = _shape_env(b, s, h, a, v, act_bytes, f, mask_d, mask_f, ffn, device, width)
+    if family == "cnn":
+        return _cnn_bytes(n, env, opts)
     if not checkpointing:
         return n * _saved_bytes(layer, env, opts) + _saved_bytes(outside, env, opts)
     # Checkpointing each block: the forward keeps each block's input (the residual stream, in
@@ -361,9 +472,28 @@ def activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
     return max(end_of_forward, recompute)
 
 
+def _check_width(family: str, seq: int, width) -> Optional[int]:
+    """The cnn family's image width: given (it must divide ``seq`` = H*W) or, for None, the
+    side of a square image."""
+    if family != "cnn":
+        if width is not None:
+            raise ValueError("width: only the cnn family reads it (an image's width)")
+        return None
+    if width is None:
+        w = int(round(seq ** 0.5))
+        if w * w != seq:
+            raise ValueError("width: seq=%d pixels is not a square image; give the image's "
+                             "width (seq = height * width)" % seq)
+        return w
+    w = _check_count("width", width)
+    if seq % w:
+        raise ValueError("width: must divide seq = height * width = %d, got %d" % (seq, w))
+    return w
+
+
 def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, dropout,
                            norm_bytes, attention, device, compress, family, ffn,
-                           checkpointing):
+                           checkpointing, activation="gelu"):
     """The checked arguments of :func:`activation_bytes`, before anything is computed."""
     b = _check_count("batch", batch)
     s = _check_count("seq", seq)
@@ -386,8 +516,14 @@ def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, 
         raise ValueError("family: no activation formula for %r (the calculator knows %s, and "
                          "does not estimate one family's model with another's formula)"
                          % (family, ", ".join(FAMILIES)))
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError("activation: the gpt family's MLP activation must be one of %s, got %r"
+                         % (", ".join(ACTIVATIONS), activation))
+    if activation != "gelu" and family != "gpt":
+        raise ValueError("activation: only the gpt family's MLP takes one (the %s family's "
+                         "is its own), got %r" % (family, activation))
     if dropout is None:
-        dropout = family == "gpt"  # GPT-2 trains with dropout, LLaMA without
+        dropout = family == "gpt"  # GPT-2 trains with dropout, LLaMA and the CNN without
     if not isinstance(dropout, bool):
         raise TypeError("dropout: must be True or False, got %r" % (dropout,))
     if not isinstance(checkpointing, bool):
@@ -415,6 +551,14 @@ def _check_activation_args(batch, seq, hidden, layers, heads, act_bytes, vocab, 
     elif ffn is not None:
         raise ValueError("ffn: only the llama formula reads it (the gpt family's MLP is 4*hidden "
                          "wide)")
+    if family == "cnn":
+        if a != 1:
+            raise ValueError("heads: the cnn family has no attention; give heads=1, got %d" % a)
+        if dropout:
+            raise ValueError("dropout: the cnn formula has no dropout; give dropout=False")
+        if checkpointing:
+            raise ValueError("checkpointing: not estimated for the cnn family (its checkpointed "
+                             "peak is not measured)")
     if checkpointing and opts is not None:
         raise ValueError("compress: not estimated together with checkpointing (the recomputed "
                          "block's compression is not measured)")
@@ -451,20 +595,24 @@ def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: 
                        dropout: Optional[bool] = None, attention: str = "sdpa",
                        device: str = "cuda", *, compress=None,
                        shape: Optional[Dict[str, int]] = None, family: str = "gpt",
-                       checkpointing: bool = False) -> str:
+                       checkpointing: bool = False, activation: str = "gelu") -> str:
     """The formula :func:`activation_bytes` evaluates, with its parameters, as text. With
     ``compress``, which tensors are compressed depends on their sizes, so ``shape`` (a dict of
     ``batch``, ``seq``, ``hidden``, ``heads`` and, with ``vocab``, ``vocab``) is needed: the
     text gives the bytes kept as they are (d, f and m evaluated) and fp8(n, c) for the
     compressed tensors. ``family`` names the model family's formula (``FAMILIES``), and with
-    ``checkpointing`` the text says how a checkpointed run's peak is made of it."""
+    ``checkpointing`` the text says how a checkpointed run's peak is made of it; ``activation``
+    is the gpt family's MLP activation (``ACTIVATIONS``)."""
     if family not in FAMILIES:
         raise ValueError("family: no activation formula for %r (the calculator knows %s)"
                          % (family, ", ".join(FAMILIES)))
+    if activation not in ACTIVATIONS or (activation != "gelu" and family != "gpt"):
+        raise ValueError("activation: the gpt family's MLP activation, one of %s; got %r for "
+                         "the %s family" % (", ".join(ACTIVATIONS), activation, family))
     if dropout is None:
         dropout = family == "gpt"
     text = _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress, shape,
-                    family)
+                    family, activation)
     if not checkpointing:
         return text
     f = act_bytes if norm_bytes is None else norm_bytes
@@ -476,8 +624,20 @@ def activation_formula(act_bytes: int, norm_bytes: Optional[int] = None, vocab: 
 
 
 def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress, shape,
-             family) -> str:
+             family, activation="gelu") -> str:
     f = act_bytes if norm_bytes is None else norm_bytes
+    if family == "cnn":
+        opts = activation_compression(compress)
+        text = ("stem s*b*h*2*d + 2*h*f, per block s*b*h*4*d + 4*h*f, head b*h*d%s, d=%d, f=%d "
+                "(CNN: stem conv + BatchNorm + ReLU, residual blocks of two 3x3 convs with "
+                "BatchNorm and ReLU; s = H*W pixels, h = channels, b = images)"
+                % (" + 4*b*v" if vocab else "", act_bytes, f))
+        if opts is None:
+            return text
+        return (text + "; compressed (policy %r): each conv output an fp8 copy (n + 4*(n/c)*"
+                "ceil(c/%d)), each ReLU output recomputed from it (its BatchNorm's scale and "
+                "shift kept, 8*h), the block outputs a chain of recipes cut into an fp8 copy "
+                "where it would pass %d ops" % (opts["policy"], opts["block_size"], _rc.MAX_OPS))
     if family == "llama":
         att = "4*a*s*b" if attention == "sdpa" else \
             "a*s^2*b*(4+d)" if act_bytes != 4 else "4*a*s^2*b"
@@ -497,18 +657,27 @@ def _formula(act_bytes, norm_bytes, vocab, dropout, attention, device, compress,
                          shape.get("vocab"), act_bytes, f,
                          (act_bytes if cpu else 1) if dropout else 0,
                          (f if cpu else 1) if dropout else 0)
-        layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab)
+        env["4c"] = 4 if device == "cuda" and act_bytes != f else act_bytes
+        layer, outside = _saved_tensors(dropout, attention, device, act_bytes, f, vocab,
+                                        activation)
         return ("layers*(%s) + %s, fp8(n, c) = n + 4*(n/c)*ceil(c/%d) (FP8 codes and a float32 "
                 "scale per block of the last dimension c, c = the block where rows are shorter; "
                 "bits(n) = ceil(n/8) per mask; recomputed tensors cost nothing; "
-                "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; "
+                "mpext.activations policy %r), d=%d, f=%d, m=%s (GPT: pre-LayerNorm, %s MLP; "
                 "%s attention, %s)" % (
                     _terms(layer, env, opts), _terms(outside, env, opts), opts["block_size"],
-                    opts["policy"], act_bytes, f, m, attention, device))
+                    opts["policy"], act_bytes, f, m, "GELU" if activation == "gelu" else
+                    activation, attention, device))
     math = attention == "sdpa" and dropout and device == "cpu"
     att = ("3*s*b*h*(4-d) + 12*a*s^2*b" if math else "4*a*s*b" if attention == "sdpa" else
            "a*s^2*b*(f+%s+m)" % ("d" if dropout or act_bytes != f else "0"))
-    return ("layers*(s*b*h*(14*d+2*f+2*m) + 4*s*b*f + %s) + s*b*h*(f+d+m) + 2*s*b*f + 8*s%s, "
-            "d=%d, f=%d, m=%s (GPT: pre-LayerNorm, GELU MLP; %s attention, %s)"
-            % (att, " + 4*s*b*v" if vocab else "",
-                                                    act_bytes, f, m, attention, device))
+    # the MLP's activation: 4*h wide tensors in d, and in float32 where CUDA autocast makes them
+    f32 = device == "cuda" and act_bytes != f
+    mlp = _MLP_ACTIVATIONS[activation]
+    in_d = 4 * sum(1 for r in mlp if r[3] == "d" or not f32)
+    in_4 = 4 * len(mlp) - in_d
+    return ("layers*(s*b*h*(%d*d%s+2*f+2*m) + 4*s*b*f + %s) + s*b*h*(f+d+m) + 2*s*b*f + 8*s%s, "
+            "d=%d, f=%d, m=%s (GPT: pre-LayerNorm, %s MLP; %s attention, %s)"
+            % (6 + in_d, " + %d*4" % in_4 if in_4 else "", att, " + 4*s*b*v" if vocab else "",
+               act_bytes, f, m, "GELU" if activation == "gelu" else activation, attention,
+               device))

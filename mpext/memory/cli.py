@@ -27,6 +27,7 @@ from .estimator import (ALIASES, ATTENTIONS, DEFAULT_BUCKET_BYTES, DEVICES, FORM
                               activation_compression, FAMILIES, GpuBudget, fit_changes,
                               gpu_memory_bytes, CUDA_CONTEXT_BYTES, ALLOCATOR_SLACK)
 from ..activations import POLICIES
+from .activation_model import ACTIVATIONS
 from .meter import measure  # noqa: F401
 
 __all__ = ["MODES", "FORMAT_MODES", "ALIASES", "RULES", "OPTIMIZERS", "MODELS", "ModeSpec",
@@ -211,8 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
                           % _COMPRESS_DEFAULTS["min_bytes"])
     act.add_argument("--family", choices=FAMILIES,
                      help="whose activation formula, with --params: gpt (pre-LayerNorm, GELU "
-                          "MLP; the default) or llama (RMSNorm, RoPE, SwiGLU; needs --ffn). "
-                          "--model sets it")
+                          "MLP; the default), llama (RMSNorm, RoPE, SwiGLU; needs --ffn) or cnn "
+                          "(Conv2d + BatchNorm + ReLU residual blocks: --batch images, --seq "
+                          "H*W pixels of a square image, --hidden channels, --layers blocks, "
+                          "--heads 1, --vocab classes; docs/memory.md). --model sets it")
+    act.add_argument("--activation", choices=ACTIVATIONS,
+                     help="the gpt family's MLP activation, by its transformers name (default "
+                          "gelu; GPT-2's hub default is gelu_new, whose pointwise chain saves "
+                          "five ffn-wide tensors where gelu saves two)")
     act.add_argument("--ffn", type=_count_arg(),
                      help="the llama family's MLP width (intermediate_size)")
     act.add_argument("--checkpointing", action="store_true",
@@ -283,6 +290,23 @@ def _configs(args, parser) -> List[Breakdown]:
             dropout = False  # LLaMA trains without dropout; its formula has none
     elif args.ffn is not None:
         parser.error("argument --ffn: only with --family llama")
+    if args.activation is not None:
+        if not given:
+            parser.error("argument --activation: only used with the activation shape (--batch, "
+                         "--seq, --hidden, --layers, --heads)")
+        if family != "gpt":
+            parser.error("argument --activation: the gpt family's MLP activation; the %s "
+                         "family's is its own" % family)
+    if family == "cnn" and given:
+        if shape["heads"] != 1:
+            parser.error("argument --heads: the cnn family has no attention; give --heads 1")
+        if math.isqrt(shape["seq"]) ** 2 != shape["seq"]:
+            parser.error("argument --seq: the cnn family's --seq is the H*W pixels of a square "
+                         "image, got %d (other shapes: mpext.memory.activation_bytes(..., "
+                         "width=W))" % shape["seq"])
+        if args.checkpointing:
+            parser.error("argument --checkpointing: not estimated for the cnn family")
+        dropout = False  # its formula has none
     if args.checkpointing and args.compress_activations:
         parser.error("argument --checkpointing: not estimated together with "
                      "--compress-activations")
@@ -299,9 +323,10 @@ def _configs(args, parser) -> List[Breakdown]:
         if not given:
             parser.error("argument --compress-activations: only used with the activation "
                          "shape (--batch, --seq, --hidden, --layers, --heads)")
-        if family != "gpt":
+        if family == "llama":
             parser.error("argument --compress-activations: estimated for the gpt family only "
-                         "(not measured on %s's tensors yet)" % family)
+                         "of the transformer families (and for cnn): not measured on %s's "
+                         "tensors yet" % family)
         if shape["hidden"] % shape["heads"]:
             parser.error("argument --heads: --compress-activations needs heads that divide "
                          "--hidden %d (the blocks run along a head's width), got %d"
@@ -352,6 +377,8 @@ def _configs(args, parser) -> List[Breakdown]:
                       rule=args.rule, momentum=args.momentum, grad_release=args.grad_release,
                       bucket_bytes=args.bucket_bytes, compress=compress, family=family,
                       ffn=ffn if given else None, checkpointing=args.checkpointing, **shape)
+            if args.activation is not None:  # the gpt family's MLP (estimate's activation=)
+                kw["activation"] = args.activation
             try:
                 out.append((estimate(**kw), kw))
             except ValueError as exc:  # a combination only the estimate knows to refuse

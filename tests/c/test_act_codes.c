@@ -319,31 +319,37 @@ static void test_path(const char* isa) {
   for (int dtype = MP_BF16; dtype <= MP_F16; ++dtype) {
     snprintf(name, sizeof name, "[%s] int8 block code: every %s bit pattern", isa, dname(dtype));
     begin(name);
-    const int64_t n = 2 * 65536;
+    const int64_t n = 16 * 65536;
     uint16_t* x = malloc((size_t)n * 2);
     int8_t* q = malloc((size_t)n);
     float* s = malloc((size_t)65536 * 4);
     static const uint16_t partner[2][3] = {{0x3F80u, 0x0001u, 0x4B00u},  /* bf16 1, tiny, 2^23 */
                                            {0x3C00u, 0x0001u, 0x7BFFu}}; /* fp16 1, tiny, max */
-    for (int p = 0; p < 3; ++p) {
-      for (int64_t k = 0; k < 65536; ++k) {
-        x[2 * k] = (uint16_t)k;
-        x[2 * k + 1] = partner[dtype - MP_BF16][p];
-      }
-      CHECK(mp_int8_block_quantize(x, (mp_dtype)dtype, q, s, 1, n, 2, p == 2) == MP_OK, "status");
-      for (int64_t k = 0; k < 65536; ++k) {
-        int nan;
-        float xs[2];
-        for (int j = 0; j < 2; ++j) {
-          xs[j] = (float)decode(dtype, x[2 * k + j], &nan);
-          if (nan) xs[j] = NAN;
+    /* blocks of 2, and of 16 (a whole vector: the AVX-512 path's blocks), the pattern first */
+    for (int64_t bl = 2; bl <= 16; bl += 14) {
+      for (int p = 0; p < 3; ++p) {
+        const int64_t m = 65536 * bl;
+        for (int64_t k = 0; k < m; ++k) {
+          x[k] = k % bl ? partner[dtype - MP_BF16][p] : (uint16_t)(k / bl);
         }
-        const float want = ref_scale(xs, 2, p == 2);
-        CHECK(memcmp(&s[k], &want, 4) == 0 || (isnan(s[k]) && isnan(want)),
-              "pattern %04" PRIx64 ": scale %a, want %a", k, (double)s[k], (double)want);
-        for (int j = 0; j < 2; ++j) {
-          CHECK(q[2 * k + j] == ref_code(xs[j], want), "pattern %04" PRIx64 " element %d: code "
-                "%d, want %d", k, j, q[2 * k + j], ref_code(xs[j], want));
+        CHECK(mp_int8_block_quantize(x, (mp_dtype)dtype, q, s, 1, m, bl, p == 2) == MP_OK,
+              "status");
+        for (int64_t k = 0; k < 65536; ++k) {
+          int nan;
+          float xs[16];
+          for (int64_t j = 0; j < bl; ++j) {
+            xs[j] = (float)decode(dtype, x[bl * k + j], &nan);
+            if (nan) xs[j] = NAN;
+          }
+          const float want = ref_scale(xs, bl, p == 2);
+          CHECK(memcmp(&s[k], &want, 4) == 0 || (isnan(s[k]) && isnan(want)),
+                "pattern %04" PRIx64 " (blocks of %" PRId64 "): scale %a, want %a", k, bl,
+                (double)s[k], (double)want);
+          for (int64_t j = 0; j < bl; ++j) {
+            CHECK(q[bl * k + j] == ref_code(xs[j], want), "pattern %04" PRIx64 " (blocks of %"
+                  PRId64 ") element %" PRId64 ": code %d, want %d", k, bl, j, q[bl * k + j],
+                  ref_code(xs[j], want));
+          }
         }
       }
     }
@@ -352,6 +358,65 @@ static void test_path(const char* isa) {
     free(s);
     end();
   }
+}
+
+/* Every ISA path gives the scalar path's bytes: codes, scales and restored values bit for bit,
+ * NaN payloads included (the reference checks above compare a NaN only as NaN). */
+static void test_paths_agree(const char* isa, mp_isa id) {
+  static const int64_t shapes[][3] = {{40, 128, 128}, {5, 300, 128}, {7, 129, 64}, {3, 48, 16},
+                                      {2, 300, 7}, {9, 256, 32}};
+  char name[160];
+  snprintf(name, sizeof name, "[%s] int8 block code: the scalar path's bits", isa);
+  begin(name);
+  for (int dtype = MP_F32; dtype <= MP_F16; ++dtype) {
+    for (int pow2 = 0; pow2 <= 1; ++pow2) {
+      for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; ++k) {
+        const int64_t rows = shapes[k][0], cols = shapes[k][1], block = shapes[k][2];
+        const int64_t n = rows * cols, nb = (cols + block - 1) / block;
+        char* x = malloc((size_t)n * 4);
+        float* xs = malloc((size_t)n * 4);
+        int8_t* q[2] = {malloc((size_t)n), malloc((size_t)n)};
+        float* sc[2] = {malloc((size_t)(rows * nb) * 4), malloc((size_t)(rows * nb) * 4)};
+        char* o[2] = {malloc((size_t)n * 4), malloc((size_t)n * 4)};
+        fill(x, dtype, n, 30, xs);
+        if (dtype == MP_F32) { /* NaNs of several payloads and both quiet bits, signed */
+          static const uint32_t nans[] = {0x7FC00000u, 0xFFC00001u, 0x7F800001u, 0x7FA00000u,
+                                          0xFFE12345u};
+          for (int64_t i = 0; i < n; i += 97) memcpy(x + 4 * i, &nans[(i / 97) % 5], 4);
+        }
+        for (int run = 0; run < 2; ++run) {
+          mp_cpu_isa_select(run ? id : MP_ISA_SCALAR);
+          CHECK(mp_int8_block_quantize(x, (mp_dtype)dtype, q[run], sc[run], rows, cols, block,
+                                       pow2) == MP_OK, "status");
+        }
+        CHECK(memcmp(q[0], q[1], (size_t)n) == 0, "%s %" PRId64 "x%" PRId64 "/%" PRId64
+              " pow2 %d: codes differ from the scalar path's", dname(dtype), rows, cols, block,
+              pow2);
+        CHECK(memcmp(sc[0], sc[1], (size_t)(rows * nb) * 4) == 0, "%s %" PRId64 "x%" PRId64
+              "/%" PRId64 " pow2 %d: scales differ from the scalar path's", dname(dtype), rows,
+              cols, block, pow2);
+        for (int out = MP_F32; out <= MP_F16; ++out) {
+          for (int run = 0; run < 2; ++run) {
+            mp_cpu_isa_select(run ? id : MP_ISA_SCALAR);
+            CHECK(mp_int8_block_dequantize(q[0], sc[0], o[run], (mp_dtype)out, rows, cols,
+                                           block) == MP_OK, "dequantize status");
+          }
+          CHECK(memcmp(o[0], o[1], (size_t)(n * elem_bytes(out))) == 0, "%s -> %s %" PRId64
+                "x%" PRId64 "/%" PRId64 ": restored bits differ from the scalar path's",
+                dname(dtype), dname(out), rows, cols, block);
+        }
+        free(x);
+        free(xs);
+        for (int j = 0; j < 2; ++j) {
+          free(q[j]);
+          free(sc[j]);
+          free(o[j]);
+        }
+      }
+    }
+  }
+  mp_cpu_isa_select(id);
+  end();
 }
 
 static void test_arguments(void) {
@@ -396,6 +461,7 @@ int main(int argc, char** argv) {
     }
     mp_cpu_isa_select((mp_isa)isa);
     test_path(name);
+    if (isa != MP_ISA_SCALAR) test_paths_agree(name, (mp_isa)isa);
   }
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
