@@ -343,12 +343,7 @@ MUON = RuleInfo(
     torch.optim.Muon, update_scale=3.0, reference_maximize=False, shapes=MUON_SHAPES,
     maximize=False, graph_breaks=("_orthogonalize",), max_frames=5, sweep=covering_sweep(),
     excluded=(("step_plan", "Muon keeps no StepPlan (its _items builds the three phases' "
-                            "items afresh each step), so there is no cached plan to go stale"),
-              ("release_mesh", "the mesh sweep's branch models (test_distributed._sr_mlp) "
-                               "have 1-D biases, which a Muon group refuses: a Muon row there "
-                               "needs each branch split Muon/AdamW (muon_param_groups); "
-                               "Muon's release is checked on one process "
-                               "(test_grad_release)")),
+                            "items afresh each step), so there is no cached plan to go stale"),),
     error_inputs=_error_inputs(
         *COMMON_ERRORS[:3],
         (dict(weight_decay=-0.1), ValueError, r"weight decay should be >= 0 but is: -0.1"),

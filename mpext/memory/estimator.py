@@ -244,7 +244,8 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
              ffn: Optional[int] = None, checkpointing: bool = False, ddp: bool = False,
              ddp_bucket_cap_mb: Optional[float] = None,
              units: Optional[Sequence[Sequence[int]]] = None,
-             grad_order: Optional[Sequence[int]] = None) -> Breakdown:
+             grad_order: Optional[Sequence[int]] = None,
+             activation: str = "gelu") -> Breakdown:
     """Per-device memory of training a ``params``-parameter model.
 
     Args:
@@ -278,6 +279,9 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         checkpointing: activation checkpointing of every block (torch.utils.checkpoint, as
             transformers' ``gradient_checkpointing_enable``): each block's input is kept and
             one block at a time is recomputed in the backward (``activation_bytes``).
+        activation: the MLP's activation function ('gelu', 'gelu_new',
+            'gelu_pytorch_tanh', 'relu', 'silu'): how many ffn-wide tensors it saves
+            (``activation_bytes``; HF GPT-2's hub default is 'gelu_new').
         attention: 'sdpa' (fused attention, the default of torch and transformers: no
             s x s tensor is saved) or 'eager' (the softmax probabilities are saved).
         device: 'cuda' (default) or 'cpu', where dropout keeps its masks in the input's dtype
@@ -450,12 +454,12 @@ def estimate(params: Union[int, Sequence[int]], optimizer: str = "adamw",
         acts = activation_bytes(batch, seq, hidden, layers, heads, spec.activation, vocab,
                                 dropout, norm_bytes=spec.norm_activation, attention=attention,
                                 device=device, compress=compress, family=family, ffn=ffn,
-                                checkpointing=checkpointing)
+                                checkpointing=checkpointing, activation=activation)
         formula = activation_formula(spec.activation, spec.norm_activation, vocab is not None,
                                      dropout, attention, device, compress=compress,
                                      shape=dict(batch=batch, seq=seq, hidden=hidden,
                                                 heads=heads, vocab=vocab), family=family,
-                                     checkpointing=checkpointing)
+                                     checkpointing=checkpointing, activation=activation)
     if not spec.state_block:
         states = k * spec.state * part(1)
     elif sizes is None:  # 8-bit: codes and one FP32 scale per block, every element counted
