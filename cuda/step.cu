@@ -31,11 +31,20 @@
 // elements, keeping the new fp32 moments in registers; the block's absmax (a max of fp32 bits,
 // exact and order-free) is taken across its threads with warp shuffles, and across warps through
 // shared memory; then each thread encodes its elements. The same bits as the CPU's two sweeps.
+//
+// Telemetry (mp_step_multi_stats_cuda): the same kernel with its template argument's kCount set,
+// so that the uncounted kernel is compiled exactly as without it. Each thread tallies the columns
+// of mpext/telemetry.h over its elements (from the values it has in registers, reading back what
+// it stored), the block sums its threads' tallies in shared memory, and thread 0 adds the
+// non-zero ones to the param's float64 row with atomics. The counts are whole numbers, exact in
+// any order; the sums of errors are added in the order the blocks finish (not the C core's
+// order: equal to within the rounding of a sum of non-negative terms).
 #include <cuda_runtime.h>
 
 #include "access.cuh"
 #include "mpext/step_cuda.h"
 #include "mpext/step_storage.h" /* and, through mpext/step.h, the rules */
+#include "mpext/telemetry.h"    /* the step's counter columns */
 #include "multi_tensor.cuh"
 
 namespace {
@@ -50,6 +59,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kQ8Group = 8;                        // elements per thread and pass (8-bit moments)
 constexpr int64_t kQ8Pass = kThreads * kQ8Group;  // elements per pass of a block
 constexpr int kMaxSteps = 500;     // step counters per step launch
+constexpr int kCountPieces = 34;   // params (or pieces of one) per counted launch: its rows too
 
 static_assert(mp_cuda::kChunk % kVec == 0, "a chunk must keep its piece's alignment modulo 16");
 static_assert(kQ8Pass == MP_Q8_BLOCK_MAX && mp_cuda::kChunk % kQ8Pass == 0,
@@ -71,14 +81,56 @@ static_assert(kQ8Pass == MP_Q8_BLOCK_MAX && mp_cuda::kChunk % kQ8Pass == 0,
 MP_RULES(MP_RULE_FUNCTOR_)
 #undef MP_RULE_FUNCTOR_
 
-// Element i, on its own.
-template <int P, int G, class Rule>
+// ---- telemetry: a thread's tallies of the step's counter columns (mpext/telemetry.h) ----
+
+// The whole-number columns (32-bit per thread: a thread sees at most a chunk's elements) and
+// the sums, with the row's column of each.
+enum { kElems, kChanged, kUnmoved, kSubhalf, kFlushed, kSatBlocks, kBlocks, kNCounts };
+enum { kMErr, kMAbs, kVErr, kVAbs, kEmaLag, kEmaAbs, kNSums };
+__device__ constexpr int kCountCol[kNCounts] = {MP_STS_ELEMS,      MP_STS_CHANGED,
+                                                MP_STS_UNMOVED,    MP_STS_SUBHALF,
+                                                MP_STS_Q8_FLUSHED, MP_STS_Q8_SATBLOCKS,
+                                                MP_STS_Q8_BLOCKS};
+__device__ constexpr int kSumCol[kNSums] = {MP_STS_M_ERR, MP_STS_M_ABS,   MP_STS_V_ERR,
+                                            MP_STS_V_ABS, MP_STS_EMA_LAG, MP_STS_EMA_ABS};
+
+struct Sts {
+  uint32_t n[kNCounts];
+  double d[kNSums];
+};
+
+// |a - b| and |b| in double, added to sums j and j + 1 (the C core's terms: each difference one
+// correctly rounded double subtraction).
+MP_CUDA_HD void sts_err(Sts* c, int j, float a, float b) {
+  c->d[j] += fabs(MP_DSUB(static_cast<double>(a), static_cast<double>(b)));
+  c->d[j + 1] += fabs(static_cast<double>(b));
+}
+
+// A 16-bit param's element: x its new fp32 value (the master as stored, or the rule's result
+// master-free), old the value before, q / qold the stored bits after and before; free: no
+// master or remainder (the half-ulp test).
+template <int P>
+MP_CUDA_HD void sts_param(Sts* c, float x, float old, uint32_t q, uint32_t qold, bool free) {
+  const uint32_t ch = x != old ? 1u : 0u;  // NaN counts as changed
+  c->n[kChanged] += ch;
+  c->n[kUnmoved] += ch & ((q & 0xFFFFu) == (qold & 0xFFFFu) ? 1u : 0u);
+  if (free) {
+    c->n[kSubhalf] += ch & (fabsf(MP_FSUB(x, old)) < mp_sts_half_ulp(qold & 0xFFFFu, P) ? 1u : 0u);
+  }
+}
+
+// Element i, on its own (with its tallies in *c when kCount).
+template <int P, int G, bool kCount = false, class Rule>
 MP_CUDA_HD void vec_one(void* param, void* grad, float* master, float* exp_avg,
-                        float* exp_avg_sq, int64_t i, const mp_step_scalars& s, const Rule& rule) {
+                        float* exp_avg_sq, int64_t i, const mp_step_scalars& s, const Rule& rule,
+                        Sts* c = nullptr) {
   constexpr bool kMaster = P != MP_F32;
   const float g = mp_step_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
   if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p = kMaster ? master[i] : widen<MP_F32>(load1<4>(param, i));
+  [[maybe_unused]] const float old = p;
+  [[maybe_unused]] uint32_t qold = 0u;
+  if constexpr (kCount && kMaster) qold = load1<MP_DTYPE_BYTES(P)>(param, i);
   float m = exp_avg[i];
   float v = exp_avg_sq[i];
   p = rule(g, p, &m, &v, s);
@@ -87,6 +139,10 @@ MP_CUDA_HD void vec_one(void* param, void* grad, float* master, float* exp_avg,
   exp_avg_sq[i] = v;
   if constexpr (kMaster) master[i] = p;
   store1<MP_DTYPE_BYTES(P)>(param, i, narrow<P>(p));
+  if constexpr (kCount) {
+    c->n[kElems] += 1u;
+    if constexpr (kMaster) sts_param<P>(c, p, old, narrow<P>(p), qold, false);
+  }
 }
 
 // Where a piece's fp32 param value lives (see mpext/step.h).
@@ -94,11 +150,11 @@ enum Storage : uint8_t { kF32Param = 0, kMaster = 1, kRemainder = 2, kNoMaster =
 
 // Element i of a param in any storage (step.h: remainders, bf16 moments, no master), one element
 // at a time; pos is its position in the param (its stochastic-rounding draw).
-template <int P, int G, class Rule>
+template <int P, int G, bool kCount = false, class Rule>
 MP_CUDA_HD void lean_one(void* param, void* grad, float* master, int16_t* remainder,
                               void* exp_avg, int md, void* exp_avg_sq, int vd, float* ema,
                               int storage, int64_t i, uint64_t pos, const mp_step_scalars& s,
-                              const Rule& rule, int nmom) {
+                              const Rule& rule, int nmom, Sts* c = nullptr) {
   const float g = mp_step_unscaled(widen<G>(load1<MP_DTYPE_BYTES(G)>(grad, i)), &s);
   if (s.write_grad) store1<MP_DTYPE_BYTES(G)>(grad, i, narrow<G>(g));
   float p;
@@ -109,6 +165,11 @@ MP_CUDA_HD void lean_one(void* param, void* grad, float* master, int16_t* remain
                                    static_cast<uint16_t>(remainder[i])));
   } else {
     p = widen<P>(load1<MP_DTYPE_BYTES(P)>(param, i));
+  }
+  [[maybe_unused]] const float old = p;
+  [[maybe_unused]] uint32_t qold = 0u;
+  if constexpr (kCount) {
+    if (storage != kF32Param) qold = load1<2>(param, i);
   }
   float m = 0.0f, v = 0.0f;
   if (nmom >= 1) {
@@ -157,20 +218,38 @@ MP_CUDA_HD void lean_one(void* param, void* grad, float* master, int16_t* remain
   } else {
     store1<2>(param, i, narrow<P>(p));
   }
+  if constexpr (kCount) {
+    // what this thread just stored, read back
+    c->n[kElems] += 1u;
+    const bool stored_master = storage == kMaster || storage == kRemainder;
+    const float x = stored_master && P == MP_BF16
+                        ? f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)))
+                        : p;
+    if (storage != kF32Param) {
+      sts_param<P>(c, x, old, load1<2>(param, i), qold, !stored_master);
+    }
+    if (nmom >= 1 && md == MP_BF16) sts_err(c, kMErr, widen<MP_BF16>(load1<2>(exp_avg, i)), m);
+    if (nmom >= 2 && vd == MP_BF16) {
+      sts_err(c, kVErr, widen<MP_BF16>(load1<2>(exp_avg_sq, i)), v);
+    }
+    if (ema != nullptr) sts_err(c, kEmaLag, ema[i], x);
+  }
 }
 
 // Elements 8 * vi .. 8 * vi + 7 of 16-byte aligned arrays, with 16-byte loads and stores. For an
 // fp32 param the param is the fp32 value (master is unused); otherwise the master is, and the
 // param is only written.
-template <int P, int G, class Rule>
+template <int P, int G, bool kCount = false, class Rule>
 MP_CUDA_HD void vec8(void* param, void* grad, float* master, float* exp_avg, float* exp_avg_sq,
-                     int64_t vi, const mp_step_scalars& s, const Rule& rule) {
+                     int64_t vi, const mp_step_scalars& s, const Rule& rule, Sts* c = nullptr) {
   constexpr bool kMaster = P != MP_F32;
   uint32_t gb[8], pb[8], mb[8], vb[8];
   load8<MP_DTYPE_BYTES(G)>(grad, vi, gb);
   load8<4>(kMaster ? static_cast<const void*>(master) : static_cast<const void*>(param), vi, pb);
   load8<4>(exp_avg, vi, mb);
   load8<4>(exp_avg_sq, vi, vb);
+  [[maybe_unused]] uint32_t qold[8];
+  if constexpr (kCount && kMaster) load8<MP_DTYPE_BYTES(P)>(param, vi, qold);
   uint32_t out[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -178,13 +257,16 @@ MP_CUDA_HD void vec8(void* param, void* grad, float* master, float* exp_avg, flo
     float v = f32_from_bits(vb[j]);
     const float g = mp_step_unscaled(widen<G>(gb[j]), &s);
     gb[j] = narrow<G>(g);
+    [[maybe_unused]] const float old = f32_from_bits(pb[j]);
     float p = rule(g, f32_from_bits(pb[j]), &m, &v, s);
     if constexpr (P == MP_BF16) p = f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)));
     mb[j] = bits_from_f32(m);
     vb[j] = bits_from_f32(v);
     pb[j] = bits_from_f32(p);
     out[j] = narrow<P>(p);
+    if constexpr (kCount && kMaster) sts_param<P>(c, p, old, out[j], qold[j], false);
   }
+  if constexpr (kCount) c->n[kElems] += 8u;
   store8<4>(exp_avg, vi, mb);
   store8<4>(exp_avg_sq, vi, vb);
   if (s.write_grad) store8<MP_DTYPE_BYTES(G)>(grad, vi, gb);
@@ -220,15 +302,15 @@ MP_CUDA_HD int64_t vector_head(const void* param, const void* grad, const float*
 // threads are numbered 0 .. nthreads - 1: the head before the common 16-byte boundary and the
 // tail after the last full vector go one element at a time, the body 8 elements per step (or,
 // when no common boundary exists, everything goes one element at a time).
-template <int P, int G, class Rule>
+template <int P, int G, bool kCount = false, class Rule>
 MP_CUDA_HD void vec_range(void* param, void* grad, float* master, float* exp_avg,
                           float* exp_avg_sq, int64_t n, const mp_step_scalars& s,
-                          const Rule& rule, int64_t tid, int64_t nthreads) {
+                          const Rule& rule, int64_t tid, int64_t nthreads, Sts* c = nullptr) {
   constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
   int64_t head = vector_head<P, G>(param, grad, master, exp_avg, exp_avg_sq);
   if (head < 0 || head > n) head = n;
   for (int64_t i = tid; i < head; i += nthreads) {
-    vec_one<P, G>(param, grad, master, exp_avg, exp_avg_sq, i, s, rule);
+    vec_one<P, G, kCount>(param, grad, master, exp_avg, exp_avg_sq, i, s, rule, c);
   }
   const int64_t nvec = (n - head) / kVec;
   if (nvec > 0) {
@@ -237,39 +319,56 @@ MP_CUDA_HD void vec_range(void* param, void* grad, float* master, float* exp_avg
     float* bw = P != MP_F32 ? master + head : master;
     float* bm = exp_avg + head;
     float* bv = exp_avg_sq + head;
-    for (int64_t v = tid; v < nvec; v += nthreads) vec8<P, G>(bp, bg, bw, bm, bv, v, s, rule);
+    for (int64_t v = tid; v < nvec; v += nthreads) {
+      vec8<P, G, kCount>(bp, bg, bw, bm, bv, v, s, rule, c);
+    }
   }
   for (int64_t i = head + nvec * kVec + tid; i < n; i += nthreads) {
-    vec_one<P, G>(param, grad, master, exp_avg, exp_avg_sq, i, s, rule);
+    vec_one<P, G, kCount>(param, grad, master, exp_avg, exp_avg_sq, i, s, rule, c);
   }
 }
 
 // The argument of one main launch (passed by value, under the 4 KB parameter limit): the call's
 // options and, per piece, the param it belongs to (its arrays from the piece's first element).
-struct StepArgs {
-  mp_step_options opt;
-  mp_cuda::PieceTable<kMaxPieces> pieces;
-  void* param[kMaxPieces];
-  void* grad[kMaxPieces];
-  float* master[kMaxPieces];
-  int16_t* remainder[kMaxPieces];
-  float* ema[kMaxPieces];
-  void* exp_avg[kMaxPieces];
-  void* exp_avg_sq[kMaxPieces];
-  const float* step[kMaxPieces];
-  float* exp_avg_scale[kMaxPieces];  // 8-bit moments: the scales from the piece's first block
-  float* exp_avg_sq_scale[kMaxPieces];
-  uint32_t sr_stream[kMaxPieces];
-  int64_t offset[kMaxPieces];  // the piece's first position in its whole param (the tensor's
-                               // offset plus the piece's start: stochastic rounding)
-  uint8_t param_dtype[kMaxPieces];
-  uint8_t grad_dtype[kMaxPieces];
-  uint8_t exp_avg_dtype[kMaxPieces];
-  uint8_t exp_avg_sq_dtype[kMaxPieces];
-  uint8_t storage[kMaxPieces];  // a Storage
+// The counted kernel's extra fields: each piece's row of the float64 [ntensors, MP_STS_NCOLS]
+// array at stats (its param's index in the call). None for the uncounted kernel.
+template <int K, bool C>
+struct CountFields {};
+template <int K>
+struct CountFields<K, true> {
+  double* stats;
+  int32_t row[K];
 };
 
-static_assert(sizeof(StepArgs) <= 4096, "the multi-tensor argument must fit the 4 KB limit");
+template <int K, bool C>
+struct StepArgsOf : CountFields<K, C> {
+  static constexpr bool kCount = C;
+  mp_step_options opt;
+  mp_cuda::PieceTable<K> pieces;
+  void* param[K];
+  void* grad[K];
+  float* master[K];
+  int16_t* remainder[K];
+  float* ema[K];
+  void* exp_avg[K];
+  void* exp_avg_sq[K];
+  const float* step[K];
+  float* exp_avg_scale[K];  // 8-bit moments: the scales from the piece's first block
+  float* exp_avg_sq_scale[K];
+  uint32_t sr_stream[K];
+  int64_t offset[K];  // the piece's first position in its whole param (the tensor's
+                               // offset plus the piece's start: stochastic rounding)
+  uint8_t param_dtype[K];
+  uint8_t grad_dtype[K];
+  uint8_t exp_avg_dtype[K];
+  uint8_t exp_avg_sq_dtype[K];
+  uint8_t storage[K];  // a Storage
+};
+using StepArgs = StepArgsOf<kMaxPieces, false>;
+using CountedArgs = StepArgsOf<kCountPieces, true>;  // fewer pieces: the rows fit
+
+static_assert(sizeof(StepArgs) <= 4096 && sizeof(CountedArgs) <= 4096,
+              "the multi-tensor argument must fit the 4 KB limit");
 
 // The argument of one step launch: step[0 .. nsteps - 1] are advanced unless *found_inf != 0.
 struct CountArgs {
@@ -280,10 +379,9 @@ struct CountArgs {
 
 static_assert(sizeof(CountArgs) <= 4096, "the step argument must fit the 4 KB limit");
 
-template <int P, int G, class Rule>
-MP_CUDA_HD void step_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_step_scalars& s, const Rule& rule, int nmom, int64_t tid,
-                           int64_t nthreads) {
+template <int P, int G, class A, class Rule>
+MP_CUDA_HD void step_chunk(const A& a, const mp_cuda::BlockRange& r, const mp_step_scalars& s,
+                           const Rule& rule, int nmom, int64_t tid, int64_t nthreads, Sts* c) {
   const int k = r.k;
   void* param = static_cast<char*>(a.param[k]) + r.start * MP_DTYPE_BYTES(P);
   void* grad = static_cast<char*>(a.grad[k]) + r.start * MP_DTYPE_BYTES(G);
@@ -296,37 +394,36 @@ MP_CUDA_HD void step_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
   if (Rule::kVectorPath && (storage == kF32Param || storage == kMaster) && md == MP_F32 &&
       vd == MP_F32 && ema == nullptr) {
     // fp32 state: the 16-byte vectorized path
-    vec_range<P, G>(param, grad, master, static_cast<float*>(m), static_cast<float*>(v), r.count,
-                    s, rule, tid, nthreads);
+    vec_range<P, G, A::kCount>(param, grad, master, static_cast<float*>(m),
+                               static_cast<float*>(v), r.count, s, rule, tid, nthreads, c);
     return;
   }
   int16_t* remainder = storage == kRemainder ? a.remainder[k] + r.start : nullptr;
   const uint64_t first = static_cast<uint64_t>(a.offset[k] + r.start);
   for (int64_t i = tid; i < r.count; i += nthreads) {
-    lean_one<P, G>(param, grad, master, remainder, m, md, v, vd, ema, storage, i,
-                        first + static_cast<uint64_t>(i), s, rule, nmom);
+    lean_one<P, G, A::kCount>(param, grad, master, remainder, m, md, v, vd, ema, storage, i,
+                              first + static_cast<uint64_t>(i), s, rule, nmom, c);
   }
 }
 
 // The element work of a block (range r, scalars s, not skipped) for thread tid of nthreads.
-template <class Rule>
-MP_CUDA_HD void step_block(const StepArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_step_scalars& s, const Rule& rule, int nmom, int64_t tid,
-                           int64_t nthreads) {
+template <class A, class Rule>
+MP_CUDA_HD void step_block(const A& a, const mp_cuda::BlockRange& r, const mp_step_scalars& s,
+                           const Rule& rule, int nmom, int64_t tid, int64_t nthreads, Sts* c) {
   const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
   if (pd == MP_F32) {
-    step_chunk<MP_F32, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
+    step_chunk<MP_F32, MP_F32>(a, r, s, rule, nmom, tid, nthreads, c);
   } else if (pd == MP_BF16) {
     if (gd == MP_BF16) {
-      step_chunk<MP_BF16, MP_BF16>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_BF16, MP_BF16>(a, r, s, rule, nmom, tid, nthreads, c);
     } else {
-      step_chunk<MP_BF16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_BF16, MP_F32>(a, r, s, rule, nmom, tid, nthreads, c);
     }
   } else {
     if (gd == MP_F16) {
-      step_chunk<MP_F16, MP_F16>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_F16, MP_F16>(a, r, s, rule, nmom, tid, nthreads, c);
     } else {
-      step_chunk<MP_F16, MP_F32>(a, r, s, rule, nmom, tid, nthreads);
+      step_chunk<MP_F16, MP_F32>(a, r, s, rule, nmom, tid, nthreads, c);
     }
   }
 }
@@ -351,11 +448,11 @@ __device__ __forceinline__ bool group_aligned(const void* p, int bytes) {
 }
 
 // Every thread of the block runs the same passes (the shuffles and barriers need them all);
-// wmax is the block's shared memory for the absmax of blocks that span warps.
-template <int P, int G, class Rule>
-__device__ void q8_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
-                              const mp_step_scalars& s, const Rule& rule, bool pair,
-                              uint32_t (*wmax)[kWarps]) {
+// wmax is the block's shared memory for the absmax of blocks that span warps (and, counting,
+// a third row for whether any of their values was flushed).
+template <int P, int G, class A, class Rule>
+__device__ void q8_chunk(const A& a, const mp_cuda::BlockRange& r, const mp_step_scalars& s,
+                         const Rule& rule, bool pair, uint32_t (*wmax)[kWarps], Sts* c) {
   constexpr int kP = MP_DTYPE_BYTES(P), kG = MP_DTYPE_BYTES(G);
   const int k = r.k, tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int storage = a.storage[k];
@@ -409,6 +506,7 @@ __device__ void q8_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
         float v =
             pair ? mp_step_q8_floor_v(m, mp_q8_decode_v(static_cast<uint8_t>(vb[j]), rv), &s)
                  : 0.0f;
+        [[maybe_unused]] const float old = p;
         p = rule(g, p, &m, &v, s);
         mnew[j] = m;
         vnew[j] = v;
@@ -439,6 +537,17 @@ __device__ void q8_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
         } else {
           out[j] = narrow<P>(p);
         }
+        if constexpr (A::kCount) {
+          if (j < nv) {
+            const bool stored_master = storage == kMaster || storage == kRemainder;
+            const float x = stored_master && P == MP_BF16
+                                ? f32_from_bits(mp_bf16_master_bits(bits_from_f32(p)))
+                                : p;
+            c->n[kElems] += 1u;
+            if (storage != kF32Param) sts_param<P>(c, x, old, out[j], pb[j], !stored_master);
+            if (ema != nullptr) sts_err(c, kEmaLag, f32_from_bits(eb[j]), x);
+          }
+        }
       }
       if (s.write_grad) store_group<kG>(grad, i0, nv, vec, gb);
       store_group<kP>(param, i0, nv, vec, out);
@@ -462,6 +571,7 @@ __device__ void q8_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
       }
       __syncthreads();  // every warp has read before the next pass writes
     }
+    [[maybe_unused]] uint32_t flushed = 0u;  // counting: this thread flushed a value
     if (nv > 0) {
       const uint32_t em = mp_q8_ref_exp_m(am), ev = mp_q8_ref_exp_v(av);
       uint32_t mo[kQ8Group], vo[kQ8Group];
@@ -479,41 +589,109 @@ __device__ void q8_chunk(const StepArgs& a, const mp_cuda::BlockRange& r,
         ms[qb] = f32_from_bits(am);
         if (pair) vs[qb] = f32_from_bits(av);
       }
+      if constexpr (A::kCount) {
+        // the codes decoded with the block's new scales, against the values they encode
+        const float rm = mp_q8_ref(em), rv = mp_q8_ref(ev);
+        for (int j = 0; j < nv; ++j) {
+          sts_err(c, kMErr, mp_q8_decode_m(static_cast<uint8_t>(mo[j]), rm), mnew[j]);
+          const uint32_t fm = mnew[j] != 0.0f && (mo[j] & 0x7Fu) == 0u ? 1u : 0u;
+          c->n[kFlushed] += fm;
+          flushed |= fm;
+          if (pair) {
+            sts_err(c, kVErr, mp_q8_decode_v(static_cast<uint8_t>(vo[j]), rv), vnew[j]);
+            const uint32_t fv = vnew[j] != 0.0f && (vo[j] & 0xFFu) == 0u ? 1u : 0u;
+            c->n[kFlushed] += fv;
+            flushed |= fv;
+          }
+        }
+      }
+    }
+    if constexpr (A::kCount) {
+      // whether the block flushed a value: its threads' flags, reduced as its absmax was
+      flushed = group_max(flushed, tpb < 32 ? tpb : 32);
+      if (tpb > 32) {
+        if (lane == 0) wmax[2][warp] = flushed;
+        __syncthreads();
+        const int wpb = tpb / 32, w0 = (warp / wpb) * wpb;
+        for (int w = w0; w < w0 + wpb; ++w) flushed |= wmax[2][w];
+        __syncthreads();
+      }
+      if (nv > 0 && (r.start + i0) % block == 0) {  // the block's first thread
+        const bool bad_scale = am >= 0x7F800000u || (pair && av >= 0x7F800000u);
+        c->n[kBlocks] += 1u;
+        c->n[kSatBlocks] += flushed != 0u || bad_scale ? 1u : 0u;
+      }
     }
   }
 }
 
-template <class Rule>
-__device__ void q8_block_step(const StepArgs& a, const mp_cuda::BlockRange& r,
-                              const mp_step_scalars& s, const Rule& rule, bool pair,
-                              uint32_t (*wmax)[kWarps]) {
+template <class A, class Rule>
+__device__ void q8_block_step(const A& a, const mp_cuda::BlockRange& r, const mp_step_scalars& s,
+                              const Rule& rule, bool pair, uint32_t (*wmax)[kWarps], Sts* c) {
   const int pd = a.param_dtype[r.k], gd = a.grad_dtype[r.k];
   if (pd == MP_F32) {
-    q8_chunk<MP_F32, MP_F32>(a, r, s, rule, pair, wmax);
+    q8_chunk<MP_F32, MP_F32>(a, r, s, rule, pair, wmax, c);
   } else if (pd == MP_BF16) {
     if (gd == MP_BF16) {
-      q8_chunk<MP_BF16, MP_BF16>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_BF16, MP_BF16>(a, r, s, rule, pair, wmax, c);
     } else {
-      q8_chunk<MP_BF16, MP_F32>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_BF16, MP_F32>(a, r, s, rule, pair, wmax, c);
     }
   } else {
     if (gd == MP_F16) {
-      q8_chunk<MP_F16, MP_F16>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_F16, MP_F16>(a, r, s, rule, pair, wmax, c);
     } else {
-      q8_chunk<MP_F16, MP_F32>(a, r, s, rule, pair, wmax);
+      q8_chunk<MP_F16, MP_F32>(a, r, s, rule, pair, wmax, c);
     }
   }
 }
 
 // A block's work under one rule: the 8-bit path or the others.
-template <class Rule>
-__device__ void rule_block(const StepArgs& a, const mp_cuda::BlockRange& r,
-                           const mp_step_scalars& s, const Rule& rule, int nmom,
-                           uint32_t (*wmax)[kWarps]) {
+template <class A, class Rule>
+__device__ void rule_block(const A& a, const mp_cuda::BlockRange& r, const mp_step_scalars& s,
+                           const Rule& rule, int nmom, uint32_t (*wmax)[kWarps], Sts* c) {
   if (nmom >= 1 && a.exp_avg_dtype[r.k] == MP_I8) {
-    q8_block_step(a, r, s, rule, nmom >= 2, wmax);
+    q8_block_step(a, r, s, rule, nmom >= 2, wmax, c);
   } else {
-    step_block(a, r, s, rule, nmom, threadIdx.x, blockDim.x);
+    step_block(a, r, s, rule, nmom, threadIdx.x, blockDim.x, c);
+  }
+}
+
+// The float64 add of thread 0 of each counted block. The emulation harness (tests/cuda_emu)
+// does not model atomics; there blocks run one at a time, so a plain read-modify-write is what
+// the atomic does (as in telemetry.cu).
+__device__ __forceinline__ void add_f64(double* p, double v) {
+#if defined(MP_CUDA_EMULATION)
+  *p += v;
+#else
+  atomicAdd(p, v);
+#endif
+}
+
+// The block's tallies summed over its threads in shared memory (a fixed tree), then added to
+// its param's row by thread 0, the non-zero ones.
+__device__ void sts_flush(const CountedArgs& a, int k, const Sts& c) {
+  __shared__ uint32_t cn[kNCounts][kThreads];
+  __shared__ double cd[kNSums][kThreads];
+  const unsigned t = threadIdx.x;
+  for (int j = 0; j < kNCounts; ++j) cn[j][t] = c.n[j];
+  for (int j = 0; j < kNSums; ++j) cd[j][t] = c.d[j];
+  __syncthreads();
+  for (unsigned half = kThreads / 2; half > 0; half /= 2) {
+    if (t < half) {
+      for (int j = 0; j < kNCounts; ++j) cn[j][t] += cn[j][t + half];
+      for (int j = 0; j < kNSums; ++j) cd[j][t] = MP_DADD(cd[j][t], cd[j][t + half]);
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    double* row = a.stats + static_cast<int64_t>(a.row[k]) * MP_STS_NCOLS;
+    for (int j = 0; j < kNCounts; ++j) {
+      if (cn[j][0] != 0u) add_f64(row + kCountCol[j], static_cast<double>(cn[j][0]));
+    }
+    for (int j = 0; j < kNSums; ++j) {
+      if (cd[j][0] != 0.0) add_f64(row + kSumCol[j], cd[j][0]);
+    }
   }
 }
 
@@ -524,9 +702,11 @@ struct BlockScalars {
   int32_t skip;
 };
 
-__global__ void __launch_bounds__(kThreads) step_multi_kernel(const __grid_constant__ StepArgs a) {
+// The step of a launch's blocks; with A = CountedArgs, their tallies too.
+template <class A>
+__global__ void __launch_bounds__(kThreads) step_multi_kernel(const __grid_constant__ A a) {
   __shared__ BlockScalars shared;
-  __shared__ uint32_t wmax[2][kWarps];
+  __shared__ uint32_t wmax[A::kCount ? 3 : 2][kWarps];
   const mp_cuda::BlockRange r = mp_cuda::block_range(a.pieces, blockIdx.x);
   if (threadIdx.x == 0) {
     shared.skip = mp_step_skip(&a.opt);
@@ -538,15 +718,18 @@ __global__ void __launch_bounds__(kThreads) step_multi_kernel(const __grid_const
   __syncthreads();
   if (shared.skip) return;  // the same for every thread of the block
   const mp_step_scalars s = shared.s;
+  Sts c{};
+  Sts* const cp = A::kCount ? &c : nullptr;
   switch (a.opt.rule) {
-#define MP_RULE_CASE_(ID, name, MIN, MAX)                                  \
-  case MP_RULE_##ID:                                                       \
-    rule_block(a, r, s, RuleOf_##name{shared.r.u.name}, shared.r.nmom, wmax); \
+#define MP_RULE_CASE_(ID, name, MIN, MAX)                                          \
+  case MP_RULE_##ID:                                                               \
+    rule_block(a, r, s, RuleOf_##name{shared.r.u.name}, shared.r.nmom, wmax, cp); \
     break;
     MP_RULES(MP_RULE_CASE_)
 #undef MP_RULE_CASE_
     default: break;
   }
+  if constexpr (A::kCount) sts_flush(a, r.k, c);
 }
 
 __global__ void __launch_bounds__(kStepThreads) count_kernel(const __grid_constant__ CountArgs a) {
@@ -570,16 +753,19 @@ mp_status check_call(const mp_step_tensor* ts, int64_t nt, const mp_step_options
   return MP_OK;
 }
 
-}  // namespace
-
-extern "C" {
-
-mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
-                             const mp_step_options* opt, cudaStream_t stream) {
+// Both launchers: A the kernel's argument (StepArgs, or CountedArgs with the rows at stats).
+template <class A>
+mp_status step_multi(const mp_step_tensor* tensors, int64_t ntensors, const mp_step_options* opt,
+                     double* stats, cudaStream_t stream) {
   const mp_status checked = check_call(tensors, ntensors, opt);
   if (checked != MP_OK || ntensors == 0) return checked;
-  StepArgs a{};
+  if constexpr (A::kCount) {
+    // rows are int32 in the argument
+    if (stats == nullptr || ntensors > INT32_MAX) return MP_ERR_INVALID_ARGUMENT;
+  }
+  A a{};
   a.opt = *opt;
+  if constexpr (A::kCount) a.stats = stats;
   const mp_status st = mp_cuda::pack_launches(
       a.pieces, ntensors, [&](int64_t s) { return tensors[s].n; },
       [&](int i, int64_t s, int64_t done) {
@@ -612,9 +798,11 @@ mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
                        : t.master != nullptr   ? kMaster
                        : t.remainder != nullptr ? kRemainder
                                                : kNoMaster;
+        if constexpr (A::kCount) a.row[i] = static_cast<int32_t>(s);
       },
       [&](int64_t blocks) {
-        mp_cuda::launch(step_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a);
+        mp_cuda::launch(step_multi_kernel<A>, static_cast<unsigned>(blocks), kThreads, 0, stream,
+                        a);
         return mp_cuda::launch_status();
       });
   if (st != MP_OK) return st;
@@ -633,6 +821,21 @@ mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
     }
   }
   return MP_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
+                             const mp_step_options* opt, cudaStream_t stream) {
+  return step_multi<StepArgs>(tensors, ntensors, opt, nullptr, stream);
+}
+
+mp_status mp_step_multi_stats_cuda(const mp_step_tensor* tensors, int64_t ntensors,
+                                   const mp_step_options* opt, double* stats,
+                                   cudaStream_t stream) {
+  return step_multi<CountedArgs>(tensors, ntensors, opt, stats, stream);
 }
 
 mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensors,

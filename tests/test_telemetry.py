@@ -502,6 +502,60 @@ def test_hf_trainer_callback_logs(tmp_path):
     assert tel.read()["grad/elements"] == 0
 
 
+@pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
+def test_hf_trainer_callback_logs_step_counters(tmp_path):
+    """optimizer="trainer": the Trainer's mpext optimizer is counted too, with no scaler (a bf16
+    model without masters): the step keys join the logged metrics every 2 steps, with the
+    elements of two counted steps, and the window restarts after each."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import mpext.telemetry.hf
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.x = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=4, per_device_train_batch_size=4,
+        learning_rate=1e-4, logging_steps=100, report_to=[], seed=0, disable_tqdm=True,
+        dataloader_pin_memory=False, save_strategy="no")
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(),
+        optimizer_cls_and_kwargs=(mpext.optim.AdamW, dict(master_weights=False)))
+    with pytest.raises(ValueError, match="optimizer must be None or"):
+        mpext.telemetry.hf.attach(trainer, None, optimizer="yes")
+    tel = mpext.telemetry.hf.attach(trainer, None, every=2, optimizer="trainer", step_every=1)
+    assert trainer.optimizer is not None
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "update/lost_frac" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert all(h["update/elements"] == 2 * numel for h in logged)
+    # lr 1e-4 against bf16 params of magnitude ~0.02 (ulp 2^-13): a share of the updates is lost
+    assert all(0.0 < h["update/lost_frac"] <= 1.0 for h in logged)
+    assert tel.read()["update/elements"] == 0
+
+
+def test_hf_attach_refuses_a_torch_optimizer(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import mpext.telemetry.hf
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(cfg), args=args)
+    with pytest.raises(TypeError, match="must be an mpext.optim optimizer"):
+        mpext.telemetry.hf.attach(trainer, None, optimizer="trainer")
+    with pytest.raises(ValueError, match="give the scaler"):
+        mpext.telemetry.hf.attach(trainer, None)
+
+
 @pytest.mark.parametrize("inf_at,site", [(5, "c.weight"), (1, "")])
 def test_telemetry_unread_window_keeps_the_last_steps(device, inf_at, site):
     """Read after 7 updates with every=3: the history and the site cover the last 3 steps (an

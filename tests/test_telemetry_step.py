@@ -55,12 +55,6 @@ def test_dropped_telemetry_frees_its_optimizer():
     assert len(_engine.STATS_SOURCES) == n - 1
 
 
-def _cpu_only(device):
-    if device != "cpu":
-        pytest.skip("the step's counters are the C core's so far: the CUDA kernels refuse "
-                    "stats (telemetry counts CUDA launches as uncounted)")
-
-
 def _params(dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -171,7 +165,6 @@ def test_step_counts_equal_reference(device, pair):
     """One step from fresh state with telemetry on: the dict's update/state/ema fractions are
     those of a float64 reference on the same tensors (counts exact: the fractions equal; the
     error sums to 1e-12, the same terms added in another order)."""
-    _cpu_only(device)
     rule, fmt = pair
     dtype = fmt.param_dtypes[-1] if torch.float16 in fmt.param_dtypes and \
         fmt.param_format == "nearest" else fmt.param_dtypes[0]
@@ -222,8 +215,7 @@ def test_step_telemetry_on_off_same_bits(device, rule, fmt):
                 tel.poll()
         runs.append(snapshot(opt, params))
         if tel is not None:
-            if device == "cpu":
-                assert tel._step.tensors(), "nothing was counted"
+            assert tel._step.tensors(), "nothing was counted"
             tel.detach()
     assert_same(runs[0], runs[1], "telemetry on vs off")
 
@@ -231,7 +223,6 @@ def test_step_telemetry_on_off_same_bits(device, rule, fmt):
 def test_step_counters_accumulate_and_reset(device):
     """Counters add up over the window's steps and restart at each read; a skipped step
     (found_inf) counts nothing."""
-    _cpu_only(device)
     params = _params(torch.bfloat16, device)
     opt = mpext.optim.AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True)
     tel = mpext.telemetry.attach(None, optimizer=opt, every=2, step_every=1)
@@ -252,7 +243,6 @@ def test_step_counters_accumulate_and_reset(device):
 def test_step_counters_sample_one_step_in_step_every(device):
     """By default one step per window is counted (the first of each ``every``); step_every=k
     counts steps 0, k, 2k, ... (the others run the uncounted kernels)."""
-    _cpu_only(device)
     numel = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in SHAPES)
     for kw, steps, counted in ((dict(every=4), 8, 1), (dict(every=8, step_every=3), 8, 3)):
         params = _params(torch.bfloat16, device)
@@ -274,7 +264,6 @@ def test_step_lost_updates_at_small_lr(device):
     updates are lost (each is below half an ulp of its param), and the count says which
     fraction; the same run with a master loses none of the master's moves, and keeps most of
     the bf16 params unchanged (the master carries them)."""
-    _cpu_only(device)
     got = {}
     for name, kw in (("rne", dict(master_weights=False)), ("master", {})):
         params = _params(torch.bfloat16, device)
@@ -293,11 +282,10 @@ def test_step_lost_updates_at_small_lr(device):
 def test_muon_counts_both_phases(device):
     """Muon: phase 1 (momentum, bf16 buffers) counts the buffers' rounding error, phase 3 (the
     update into master-free params) the lost updates; each against the fp32 run."""
-    _cpu_only(device)
     torch.manual_seed(0)
-    p = torch.nn.Parameter((torch.randn(64, 32) * 4).bfloat16())
+    p = torch.nn.Parameter((torch.randn(64, 32) * 4).bfloat16().to(device))
     ref_p = torch.nn.Parameter(p.detach().float().clone())
-    g = (torch.randn(64, 32) * 0.1).bfloat16()
+    g = (torch.randn(64, 32) * 0.1).bfloat16().to(device)
     opt = mpext.optim.Muon([p], lr=2e-3, momentum_dtype=torch.bfloat16, master_weights=False)
     ref = mpext.optim.Muon([ref_p], lr=2e-3)
     tel = mpext.telemetry.attach(None, optimizer=opt, every=1)

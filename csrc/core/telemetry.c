@@ -215,17 +215,8 @@ static void sts_err_sums(const float* restrict a, const float* restrict b, uint3
   *abs += ((m[0] + m[1]) + (m[2] + m[3])) + ((m[4] + m[5]) + (m[6] + m[7]));
 }
 
-/* Half an ulp of the 16-bit value h of dtype pt, as fp32 (exact: a power of two). */
-STS_INLINE float sts_half_ulp(uint16_t h, mp_dtype pt) {
-  if (pt == MP_BF16) {
-    uint32_t e = ((uint32_t)h >> 7) & 0xFFu;
-    e = e != 0u ? e : 1u;
-    return mp_fmt_f32(e >= 9u ? (e - 8u) << 23 : 1u << (e + 14u));
-  }
-  uint32_t e = ((uint32_t)h >> 10) & 0x1Fu;
-  e = e != 0u ? e : 1u;
-  return mp_fmt_f32((e + 101u) << 23);
-}
+/* Half an ulp of the 16-bit value h of dtype pt: the CUDA kernel's (mpext/telemetry.h). */
+STS_INLINE float sts_half_ulp(uint16_t h, mp_dtype pt) { return mp_sts_half_ulp(h, (int)pt); }
 
 /* A tile's param counts: x the new fp32 values, old the old ones, q / qold the stored 16-bit
  * params after and before; subhalf: master-free (the half-ulp test). */

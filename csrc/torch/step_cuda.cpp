@@ -42,11 +42,6 @@ struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::kCUDA;
 
   static void step(const StepPlan& plan, const c10::Device& device, const char* op) {
-    // Telemetry's counters are the C core's so far (mp_step_stats); the CUDA kernels do not
-    // count yet: refused before anything runs, rather than stepping uncounted.
-    TORCH_CHECK_NOT_IMPLEMENTED(plan.stats == nullptr, "mpext.", op,
-                                ": stats (step telemetry) is counted on the CPU only so far; "
-                                "step without stats on ", device);
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // A host lr becomes a kernel argument. Inside a CUDA graph it would be frozen at its value
@@ -54,9 +49,12 @@ struct Cuda {
     TORCH_CHECK(plan.options.lr != nullptr || !stream_is_capturing(stream),
                 "mpext.", op, ": lr is on the CPU, so its value would be frozen into the CUDA "
                 "graph being captured; put lr on ", device, " to capture this op");
-    check_cuda_status(mp_step_multi_cuda(plan.tensors.data(),
-                                              static_cast<int64_t>(plan.tensors.size()),
-                                              &plan.options, stream),
+    const int64_t n = static_cast<int64_t>(plan.tensors.size());
+    // with stats (telemetry), the counting variant of the kernel; plan_step checked the rows
+    check_cuda_status(plan.stats != nullptr
+                          ? mp_step_multi_stats_cuda(plan.tensors.data(), n, &plan.options,
+                                                     plan.stats, stream)
+                          : mp_step_multi_cuda(plan.tensors.data(), n, &plan.options, stream),
                       op);
   }
 };

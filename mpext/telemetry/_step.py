@@ -1,6 +1,6 @@
 """The optimizer-step half of mpext.telemetry: counters of what the step's rounding costs,
-accumulated on the device by the step kernels themselves (the ops' ``stats`` argument, the C
-core's ``mp_step_stats``), every step, into one float64 row per param; read with the gradient
+accumulated on the device by the step kernels themselves (the ops' ``stats`` argument: the C
+core's ``mp_step_stats``, the CUDA kernel's counting variant), every step, into one float64 row per param; read with the gradient
 half in ``Telemetry.read()`` (one host sync per read).
 
 Every launch of an ``mpext.optim`` optimizer (any rule, the cached plan or not, Muon's two
@@ -139,10 +139,6 @@ class StepCounters:
             return None  # not a sampled step
         name = _op_name(op)
         if name not in _MOMENT_LISTS or not args[0]:
-            return None
-        if args[0][0].device.type != "cpu":
-            # the step's counters are the C core's so far (the CUDA kernels do not count yet)
-            self.uncounted += 1
             return None
         key = (name,) + tuple(map(id, args[0] if name not in _STATE_ONLY else args[2]))
         rows = self._rows.get(key)

@@ -6,6 +6,7 @@
 #include "mpext/step.h"
 #include "mpext/step_cuda.h"
 #include "mpext/step_storage.h"
+#include "mpext/telemetry.h"  // the step's counters (the telemetry cases at the end)
 
 namespace {
 
@@ -1340,4 +1341,255 @@ EMU_TEST(rules_q8_unaligned_offset_refused) {
   CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
             mp_emu::launch_count() == l0, "an unaligned offset was not refused");
   CHECK(mp_step(&t, 0, t.n, &o) == MP_ERR_INVALID_ARGUMENT, "the core took it");
+}
+
+// ---- telemetry: the counting kernel (mp_step_multi_stats_cuda) ----
+// Every rule x storage x moment format of the lean and 8-bit cases above, stepped three ways
+// from the same state: the core's counted step (mp_step_stats), the uncounted kernel and the
+// counting kernel. The counting kernel's arrays equal both others' bit for bit (counting changes
+// nothing), and its rows equal the core's: the whole-number columns exactly, the sums of errors
+// to within the rounding of a sum of n non-negative terms added in another order.
+namespace {
+
+constexpr int kSumCols[] = {MP_STS_M_ERR, MP_STS_M_ABS,   MP_STS_V_ERR,
+                            MP_STS_V_ABS, MP_STS_EMA_LAG, MP_STS_EMA_ABS};
+
+bool is_sum_col(int j) {
+  for (int c : kSumCols) {
+    if (c == j) return true;
+  }
+  return false;
+}
+
+// Rows that start from non-zero values (so that accumulation is checked too).
+std::vector<double> start_rows(size_t n, uint64_t seed) {
+  Rng r(seed);
+  std::vector<double> rows(n * MP_STS_NCOLS);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    rows[i] = is_sum_col(static_cast<int>(i % MP_STS_NCOLS)) ? r.uniform(0.0f, 1.0f)
+                                                            : static_cast<double>(r.below(4));
+  }
+  return rows;
+}
+
+// The core's counted step of every param over its whole range, then the step counts.
+void stats_core(std::vector<mp_step_tensor>& tc, const mp_step_options& o, double* rows) {
+  for (size_t k = 0; k < tc.size(); ++k) {
+    CHECK(mp_step_stats(&tc[k], 0, tc[k].n, &o, rows + k * MP_STS_NCOLS) == MP_OK,
+          "core status");
+  }
+  CHECK(mp_step_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
+        "core steps");
+}
+
+// The uncounted (tp) and counting (tq) kernels on copies of the same params, with the caps that
+// force chunk and launch splits.
+void stats_cuda(std::vector<mp_step_tensor>& tp, std::vector<mp_step_tensor>& tq,
+                const mp_step_options& o, double* rows, int chunks, int pieces) {
+  Caps caps(chunks, pieces);
+  const int64_t n = static_cast<int64_t>(tp.size());
+  CHECK(mp_step_multi_cuda(tp.data(), n, &o, nullptr) == MP_OK, "cuda status");
+  CHECK(mp_step_multi_stats_cuda(tq.data(), n, &o, rows, nullptr) == MP_OK, "counted status");
+}
+
+// Column totals over the rows, to show that each column was exercised.
+struct Seen {
+  double col[MP_STS_NCOLS] = {};
+  void add(const std::vector<double>& got, const std::vector<double>& start) {
+    for (size_t i = 0; i < got.size(); ++i) col[i % MP_STS_NCOLS] += got[i] - start[i];
+  }
+};
+
+// Row k of the core (want) and the counting kernel (got).
+void compare_row(const double* want, const double* got, size_t k) {
+  const double n = want[MP_STS_ELEMS];
+  for (int j = 0; j < MP_STS_NCOLS; ++j) {
+    if (!is_sum_col(j)) {
+      CHECK(got[j] == want[j], "param %zu column %d: %.17g, the core %.17g", k, j, got[j],
+            want[j]);
+      continue;
+    }
+    // each order's error is at most (terms) * 2^-53 of the sum: 2 (n + 1) 2^-53 between two
+    const double big = fabs(want[j]) > fabs(got[j]) ? fabs(want[j]) : fabs(got[j]);
+    const double tol = 2.0 * (n + 1.0) * ldexp(1.0, -53) * big;
+    CHECK(fabs(got[j] - want[j]) <= tol, "param %zu column %d: %.17g, the core %.17g (tol %.3g)",
+          k, j, got[j], want[j], tol);
+  }
+}
+
+}  // namespace
+
+// One case per rule and moment count (the kernel's counting does not depend on the rule's
+// hyperparameters): adam, lion, sgd with and without momentum, muon's two phases.
+std::vector<RuleCase> stats_rule_cases(double adam_beta2) {
+  std::vector<RuleCase> cases = {{"adamw", MP_RULE_ADAM, 0.9, adam_beta2, 0.01, 0.0, 0, 0}};
+  for (const char* name : {"lion", "sgd_nesterov", "sgd_plain", "muon_momentum", "muon_update"}) {
+    for (const RuleCase& c : kRuleCases) {
+      if (strcmp(c.name, name) == 0) cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+EMU_TEST(step_stats_lean_match_the_core) {
+  Seen seen;
+  for (const RuleCase& c : stats_rule_cases(0.999)) {
+    Rng r(4000 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
+    const int nmom = c.rule == MP_RULE_ADAM                                ? 2
+                     : c.rule == MP_RULE_MUON_UPDATE                       ? 0
+                     : c.rule == MP_RULE_LION || c.b1 != 0.0               ? 1
+                                                                           : 0;
+    std::vector<Lean> cpu;
+    std::vector<int64_t> offsets;
+    uint32_t stream = 0;
+    auto add = [&](int pd, int gd, int storage, int md, int vd) {
+      // two params per case span chunks (one fp32, one 16-bit): the splits; the others small
+      const int64_t n = (stream % 11 == 0) ? kChunk + 37 : 61 + stream;
+      Lean l = make_lean(r, pd, gd, storage, md, vd, n, stream);
+      if (stream % 4 == 1) l.step = 0.0f;  // a first step (the ema copies, SGD's buffer)
+      cpu.push_back(l);
+      offsets.push_back(offset_of(stream, 1));
+      ++stream;
+    };
+    for (int mom = 0; mom < (nmom == 2 ? 4 : nmom == 1 ? 2 : 1); ++mom) {
+      const int md = mom & 1 ? MP_BF16 : MP_F32, vd = mom & 2 ? MP_BF16 : MP_F32;
+      add(MP_F32, MP_F32, 0, md, vd);
+      for (int pd : {MP_BF16, MP_F16}) {
+        for (int gd : {pd, static_cast<int>(MP_F32)}) {
+          for (int storage : {1, 2, 3}) {
+            if (storage == 2 && pd != MP_BF16) continue;
+            add(pd, gd, storage, md, vd);
+          }
+        }
+      }
+    }
+    for (int variant = 0; variant < 3; ++variant) {  // RNE; SR + unscale_grads; nearest moments
+      std::vector<Lean> plain = cpu, counted = cpu;
+      std::vector<mp_step_tensor> tc, tp, tq;
+      for (size_t k = 0; k < cpu.size(); ++k) {
+        for (auto* side : {&tc, &tp, &tq}) {
+          mp_step_tensor t = lean_tensor(side == &tc ? cpu[k] : side == &tp ? plain[k]
+                                                                           : counted[k]);
+          if (nmom < 2) t.exp_avg_sq = nullptr;
+          if (nmom < 1) t.exp_avg = nullptr;
+          t.offset = offsets[k];
+          side->push_back(t);
+        }
+      }
+      const float inv = 0.25f;
+      mp_step_options o = rule_options(c, variant, &inv);
+      if (c.rule == MP_RULE_ADAM) o.eps = 1e-8;
+      set_context("%s variant %d", c.name, variant);
+      const std::vector<double> start = start_rows(cpu.size(), 77 + variant);
+      std::vector<double> want = start, got = start;
+      stats_core(tc, o, want.data());
+      stats_cuda(tp, tq, o, got.data(), 3, 5);  // chunk and launch splits
+      for (size_t k = 0; k < cpu.size(); ++k) {
+        const Lean& a = cpu[k];
+        CHECK(same_lean(a, plain[k]) && same_lean(a, counted[k]),
+              "param %zu (dtype %d grad %d storage %d moments %d/%d n %lld) differs: uncounted "
+              "%d counted %d", k, a.pdtype, a.gdtype, a.storage, a.md, a.vd,
+              static_cast<long long>(a.n), !same_lean(a, plain[k]), !same_lean(a, counted[k]));
+        compare_row(&want[k * MP_STS_NCOLS], &got[k * MP_STS_NCOLS], k);
+      }
+      seen.add(got, start);
+      cpu = counted;
+    }
+  }
+  // every column of the non-8-bit paths was exercised (a test that counts nothing shows nothing)
+  for (int j : {MP_STS_ELEMS, MP_STS_CHANGED, MP_STS_UNMOVED, MP_STS_SUBHALF, MP_STS_M_ERR,
+                MP_STS_M_ABS, MP_STS_V_ERR, MP_STS_V_ABS, MP_STS_EMA_LAG, MP_STS_EMA_ABS}) {
+    CHECK(seen.col[j] > 0.0, "column %d never counted", j);
+  }
+}
+
+EMU_TEST(step_stats_q8_match_the_core) {
+  Seen seen;
+  for (const RuleCase& c : stats_rule_cases(0.99)) {
+    if ((c.rule == MP_RULE_SGD && c.b1 == 0.0) || c.rule == MP_RULE_MUON_UPDATE) continue;
+    const bool pair = c.rule == MP_RULE_ADAM;
+    Rng r(4600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
+    // 32: a block within a warp; 512: a block over two warps (the flag through shared memory)
+    for (int64_t block : {int64_t{32}, int64_t{512}}) {
+      std::vector<Q8> cpu;
+      uint32_t stream = 0;
+      for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16),
+                     static_cast<int>(MP_F16)}) {
+        for (int storage : {0, 1, 2, 3}) {
+          if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
+          // adam's first param spans chunks (rows added to by several blocks and launches;
+          // the other rules' counting is the same code), the others end inside a block and a
+          // pass: the emulated 8-bit path is slow (256 fibers a block, barriers per pass)
+          const int64_t sizes[] = {3 * block + 5, 2048, 1};
+          const int64_t n = stream == 0 && pair ? kChunk + 2048 + 77 : sizes[stream % 3];
+          cpu.push_back(make_q8(r, pd, pd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
+          ++stream;
+        }
+      }
+      for (int variant = 1; variant < 3; ++variant) {  // SR params and codes; RNE and nearest
+        std::vector<Q8> plain = cpu, counted = cpu;
+        std::vector<Q8View> vc(cpu.size()), vp(cpu.size()), vq(cpu.size());
+        std::vector<mp_step_tensor> tc, tp, tq;
+        for (size_t k = 0; k < cpu.size(); ++k) {
+          for (int side = 0; side < 3; ++side) {
+            mp_step_tensor t = side == 0   ? q8_tensor(cpu[k], vc[k])
+                               : side == 1 ? q8_tensor(plain[k], vp[k])
+                                           : q8_tensor(counted[k], vq[k]);
+            if (!pair) {
+              t.exp_avg_sq = nullptr;
+              t.exp_avg_sq_scale = nullptr;
+            }
+            t.offset = offset_of(static_cast<uint32_t>(k), block);
+            (side == 0 ? tc : side == 1 ? tp : tq).push_back(t);
+          }
+        }
+        const float inv = 0.5f;
+        mp_step_options o = rule_options(c, variant, &inv);
+        if (pair) o.eps = 1e-8;
+        o.q8_block = block;
+        set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
+        const std::vector<double> start = start_rows(cpu.size(), 99 + variant);
+        std::vector<double> want = start, got = start;
+        stats_core(tc, o, want.data());
+        stats_cuda(tp, tq, o, got.data(), 2, 4);
+        for (size_t k = 0; k < cpu.size(); ++k) {
+          q8_unpack(cpu[k], vc[k]);
+          q8_unpack(plain[k], vp[k]);
+          q8_unpack(counted[k], vq[k]);
+          const Q8& a = cpu[k];
+          CHECK(same_q8(a, plain[k]) && same_q8(a, counted[k]),
+                "param %zu (dtype %d storage %d n %lld mis %lld) differs: uncounted %d counted "
+                "%d", k, a.pdtype, a.storage, static_cast<long long>(a.n),
+                static_cast<long long>(a.mis), !same_q8(a, plain[k]), !same_q8(a, counted[k]));
+          compare_row(&want[k * MP_STS_NCOLS], &got[k * MP_STS_NCOLS], k);
+        }
+        seen.add(got, start);
+        cpu = counted;
+      }
+    }
+  }
+  for (int j : {MP_STS_ELEMS, MP_STS_CHANGED, MP_STS_UNMOVED, MP_STS_SUBHALF, MP_STS_M_ERR,
+                MP_STS_M_ABS, MP_STS_V_ERR, MP_STS_V_ABS, MP_STS_Q8_FLUSHED, MP_STS_Q8_SATBLOCKS,
+                MP_STS_Q8_BLOCKS, MP_STS_EMA_LAG, MP_STS_EMA_ABS}) {
+    CHECK(seen.col[j] > 0.0, "column %d never counted", j);
+  }
+}
+
+// A skipped step counts nothing and writes nothing; a null stats array launches nothing.
+EMU_TEST(step_stats_skip_and_arguments) {
+  Rng r(4900);
+  Lean l = make_lean(r, MP_BF16, MP_BF16, 3, MP_F32, MP_F32, 1000, 1);
+  const Lean before = l;
+  mp_step_tensor t = lean_tensor(l);
+  const float inv = 1.0f, found = 1.0f;
+  mp_step_options o = lean_adamw(&inv);
+  o.found_inf = &found;
+  std::vector<double> rows = start_rows(1, 5), start = rows;
+  CHECK(mp_step_multi_stats_cuda(&t, 1, &o, rows.data(), nullptr) == MP_OK, "status");
+  CHECK(same_lean(l, before) && rows == start, "a skipped step wrote or counted");
+  o.found_inf = nullptr;
+  const int64_t l0 = mp_emu::launch_count();
+  CHECK(mp_step_multi_stats_cuda(&t, 1, &o, nullptr, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+            mp_emu::launch_count() == l0 && same_lean(l, before),
+        "a null stats array was not refused");
 }

@@ -44,6 +44,19 @@ extern "C" {
 mp_status mp_step_multi_cuda(const mp_step_tensor* tensors, int64_t ntensors,
                              const mp_step_options* opt, cudaStream_t stream);
 
+/* mp_step_multi_cuda -- the same checks, the same bits in every array it writes -- with the
+ * step's counters of mpext/telemetry.h (mp_step_stats's columns) added into row k of stats, a
+ * device float64 array [ntensors, MP_STS_NCOLS], for tensors[k], in the same pass (a counting
+ * variant of the kernel; the uncounted one is unchanged). Nothing is counted when the step is
+ * skipped. The counts are exact whatever the block order; the sums of errors are added by
+ * float64 atomics in the order the blocks finish, so they equal the C core's to within the
+ * rounding of a sum of non-negative terms (not bit for bit, and not run to run). Returns what
+ * mp_step_multi_cuda returns, and MP_ERR_INVALID_ARGUMENT (launching nothing) for stats NULL
+ * or ntensors > INT32_MAX. */
+mp_status mp_step_multi_stats_cuda(const mp_step_tensor* tensors, int64_t ntensors,
+                                   const mp_step_options* opt, double* stats,
+                                   cudaStream_t stream);
+
 /* mp_step_multi_cuda under its old name, for one release. */
 mp_status mp_adam_step_multi_cuda(const mp_adam_tensor* tensors, int64_t ntensors,
                                   const mp_adam_options* opt, cudaStream_t stream);

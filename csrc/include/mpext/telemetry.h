@@ -116,6 +116,18 @@ enum {
   MP_STS_NCOLS = 13
 };
 
+/* Half an ulp of the 16-bit value h of dtype pt (MP_BF16 or MP_F16), as fp32 (exact: a power of
+ * two; a subnormal's is the smallest normal one's): SUBHALF's bound, on both tiers. */
+MP_HD float mp_sts_half_ulp(uint32_t h, int pt) {
+  uint32_t e = pt == MP_BF16 ? (h >> 7) & 0xFFu : (h >> 10) & 0x1Fu;
+  e = e != 0u ? e : 1u;
+  const uint32_t bits = pt == MP_BF16 ? (e >= 9u ? (e - 8u) << 23 : 1u << (e + 14u))
+                                      : (e + 101u) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 /* mp_step(t, start, count, o) -- the same checks and the same bits in every array it writes --
  * with the counters above added into row[0 .. MP_STS_NCOLS) (not thread-safe: one row per
  * concurrent caller). Always through the tile pipeline: the fast paths are a cache of it (the
