@@ -76,6 +76,7 @@ FEATURES = {
     "casts": ("test_cast",),
     "norm": ("test_grad_norm",),
     "amp": ("test_mixed_precision",),
+    "telemetry": ("test_telemetry", "test_telemetry_step"),
 }
 # Each other rule of the rows whose own test module exists (tests/test_lion.py, test_sgd.py,
 # test_muon.py) is a feature of its own: a new rule is found, not listed (build_tools/rules.py).

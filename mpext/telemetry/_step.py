@@ -10,6 +10,7 @@ run_launches``; :class:`StepCounters` registers a source there that gives a laun
 its own, kept between steps. A launch it cannot name (a non-dense param stepped through a copy)
 runs uncounted and is reported in ``telemetry/uncounted_launches``.
 """
+import functools
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,8 +29,16 @@ NCOLS = len(STEP_COLUMNS)
 # Ops whose params are scratch (Muon's momentum phase writes the update into them): only their
 # state columns are read, and their rows are found by their moment buffers.
 _STATE_ONLY = {"muon_momentum_step_"}
-_MOMENT_LISTS = {"adam_step_": 2, "lion_step_": 1, "sgd_step_": 1, "muon_momentum_step_": 1,
-                 "muon_update_step_": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def _moment_lists(op: str) -> Optional[int]:
+    """The moment lists of the step op ``op`` (its schema's lists between grads and masters),
+    or None for an op that is not a rule's step."""
+    if not op.endswith("_step_") or not hasattr(torch.ops.mpext, op):
+        return None
+    names = [a.name for a in getattr(torch.ops.mpext, op).default._schema.arguments]
+    return names.index("masters") - 2 if "masters" in names else None
 
 
 def _op_name(op: Any) -> str:
@@ -53,7 +62,7 @@ class _Rows:
         self.owners = owners
         self.stats = torch.zeros((len(owners), NCOLS), dtype=torch.float64, device=device)
         params = args[0]
-        nlists = _MOMENT_LISTS.get(op, 0)
+        nlists = _moment_lists(op) or 0
         moments = [args[2 + j] for j in range(nlists)]
         masters = args[2 + nlists] if len(args) > 2 + nlists else []
         rems = kwargs.get("remainders") or []
@@ -138,7 +147,7 @@ class StepCounters:
         if self.total % self.sample != 0:
             return None  # not a sampled step
         name = _op_name(op)
-        if name not in _MOMENT_LISTS or not args[0]:
+        if _moment_lists(name) is None or not args[0]:
             return None
         key = (name,) + tuple(map(id, args[0] if name not in _STATE_ONLY else args[2]))
         rows = self._rows.get(key)
