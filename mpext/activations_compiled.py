@@ -17,7 +17,9 @@ bits (``activations_recompute.pack_bits``: torch ops, exact).
 AOTAutograd offers the hooks the graph's intermediates only (``saved_tensors_hooks_filtering_mode
 = "donated"``, its default): never a parameter, an input or an output of the graph, which stay
 alive anyway. The tensors the compiled backward saves are the partitioner's choice, so they may
-differ from the eager ones; a tensor saved in both is compressed to the same bits.
+differ from the eager ones; a tensor saved in both is compressed to the same bits. While the
+context is active, graphs are partitioned with ``PARTITIONER`` (one 8-bit copy per pointwise
+chain, rerun in the backward, and bases rather than views: one code per storage).
 """
 import operator
 import threading
