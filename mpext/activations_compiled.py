@@ -17,7 +17,9 @@ bits (``activations_recompute.pack_bits``: torch ops, exact).
 AOTAutograd offers the hooks the graph's intermediates only (``saved_tensors_hooks_filtering_mode
 = "donated"``, its default): never a parameter, an input or an output of the graph, which stay
 alive anyway. The tensors the compiled backward saves are the partitioner's choice, so they may
-differ from the eager ones; a tensor saved in both is compressed to the same bits.
+differ from the eager ones; a tensor saved in both is compressed to the same bits. While the
+context is active, graphs are partitioned with ``PARTITIONER`` (one 8-bit copy per pointwise
+chain, rerun in the backward, and bases rather than views: one code per storage).
 """
 import operator
 import threading
@@ -57,19 +59,41 @@ def _compiling() -> bool:
 _TLS = threading.local()
 
 
+# The partitioner's options for graphs compiled while the context is active. By default the
+# min-cut partitioner will not recompute a pointwise op whose output a matmul or convolution
+# reads in the backward ("materialized backward"), nor long pointwise chains, nor ops whose
+# inputs were made far apart: it saves a norm's input and its output, a conv's output and the
+# ReLU after its BatchNorm, SwiGLU's two projections and their product. With 8-bit copies one
+# copy of the chain's input and a rerun of the cheap pointwise ops in the backward is the
+# better trade (what eager compression's recipes do: activations_recompute). Only these three
+# bans are lifted, not ``aggressive_recomputation``'s fourth, the allowlist: outside it are
+# undecomposed ops such as the functional batch norm, whose rerun would save the running
+# statistics the forward then updates in place (autograd's version check fails). Matmuls,
+# convolutions, attention, reductions and random ops are never recomputed.
+PARTITIONER = {"ban_recompute_materialized_backward": False,
+               "ban_recompute_long_fusible_chains": False,
+               "ban_recompute_used_far_apart": False, "recompute_views": True}
+
+
 class active:
-    """Makes ``eager_pack`` what the hooks call on real tensors while the block runs."""
+    """While the block runs: ``eager_pack`` is what the hooks call on real tensors, and graphs
+    compiled in it are partitioned with ``PARTITIONER`` (AOTAutograd reads it when it compiles;
+    dynamo guards on the hooks, so graphs compiled inside are not reused outside)."""
 
     def __init__(self, eager_pack):
         self.eager_pack = eager_pack
+        self._config = None
 
     def __enter__(self):
         if not hasattr(_TLS, "stack"):
             _TLS.stack = []
         _TLS.stack.append(self.eager_pack)
+        self._config = torch._functorch.config.patch(**PARTITIONER)
+        self._config.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._config.__exit__(*exc)
         _TLS.stack.pop()
         return False
 

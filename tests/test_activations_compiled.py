@@ -79,30 +79,31 @@ def _fresh_dynamo():
 
 @pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn])
 def test_compiled_saved_tensors_are_fp8_and_gradients_are_eager_compressions_bits(device, code):
-    """Linear-GELU-Linear: eager (without recomputing GELU's output from its input) and
-    compiled save the same two intermediates (the GELU's input and output); compiled under the
-    context, the forward graph hands the backward 8-bit codes and their scales instead, and the
-    gradients equal eager compression's bit for bit (and differ from the uncompressed ones by
-    the code's rounding)."""
+    """Linear-GELU-Linear: compiled under the context, the graph is partitioned to rerun the
+    GELU from its input in the backward (activations_compiled.PARTITIONER), as eager
+    compression's recipe does: both store one intermediate, the GELU's input, whose 8-bit
+    code and scales the forward graph hands the backward, and the gradients equal eager
+    compression's bit for bit (and differ from the uncompressed ones by the code's
+    rounding)."""
     m = mlp().to(device)
     x = torch.randn(64, 256, device=device)
     be = Graphs()
     cm = torch.compile(m, backend=be, fullgraph=True)
     ctx = act.fp8_saved_tensors(fp8_dtype=code)
     got = grads(m, x, cm, ctx)
-    eager = grads(m, x, m, act.fp8_saved_tensors(fp8_dtype=code, recompute=False))
+    eager = grads(m, x, m, act.fp8_saved_tensors(fp8_dtype=code))
     plain = grads(m, x, m)
     (fw,), (bw,) = be.fw, be.bw
     fw_out = [n for n in fw.graph.nodes if n.op == "output"][0].args[0]
     saved = [n.meta["val"] for n in fw_out[1:]]  # after the model's output
     codes = [t for t in saved if t.dtype == code]
-    assert len(codes) == 2 and all(t.numel() == 64 * 512 for t in codes)
+    assert len(codes) == 1 and all(t.numel() == 64 * 512 for t in codes)
     assert not any(t.dtype == torch.float32 and t.shape == (64, 512) for t in saved)
-    assert _quantized(fw) == 2
+    assert _quantized(fw) == 1
     assert sum(n.op == "placeholder" and n.meta["val"].dtype == code
-               for n in bw.graph.nodes) == 2
+               for n in bw.graph.nodes) == 1
     if code != torch.int8:
-        assert _ops_in(bw).count("mpext.fp8_dequantize.default") == 2
+        assert _ops_in(bw).count("mpext.fp8_dequantize.default") == 1
     assert all(torch.equal(a, b) for a, b in zip(eager, got))
     # the compression is really there: 8 bits move the weight gradients
     assert max(rel_err(p, g) for p, g in zip(plain, got)) > 1e-3
@@ -110,8 +111,8 @@ def test_compiled_saved_tensors_are_fp8_and_gradients_are_eager_compressions_bit
 
 
 def test_inductor_gradients_are_eager_compressions_to_float32_rounding(device):
-    """Inductor runs the same FP8 ops on the same saved tensors (eager without recompute saves
-    them too); its own kernels (fused GELU
+    """Inductor runs the same 8-bit code on the same saved tensor (the GELU's input; eager
+    compression stores it too and reruns the GELU from it); its own kernels (fused GELU
     backward, reordered sums) change the float32 rounding only: gradients within a few ulps
     of float32 (relative L2 2**-17) of eager compression's, while compression alone moves them
     by more than 1e-3."""
@@ -119,7 +120,7 @@ def test_inductor_gradients_are_eager_compressions_to_float32_rounding(device):
     x = torch.randn(64, 256, device=device)
     cm = torch.compile(m, fullgraph=True)
     got = grads(m, x, cm, act.fp8_saved_tensors())
-    eager = grads(m, x, m, act.fp8_saved_tensors(recompute=False))
+    eager = grads(m, x, m, act.fp8_saved_tensors())
     plain = grads(m, x, m)
     assert max(rel_err(e, g) for e, g in zip(eager, got)) < 2.0 ** -17
     assert max(rel_err(p, e) for p, e in zip(plain, eager)) > 1e-3
@@ -306,3 +307,148 @@ def test_a_boolean_mask_the_compiled_graph_saves_is_stored_as_bits(device):
     assert not any(t.dtype == torch.bool for t in saved), [(t.dtype, t.shape) for t in saved]
     assert sum(t.dtype == torch.uint8 and t.numel() == 64 * 512 // 8 for t in saved) == 1
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+
+def _min_cut(fw, bw=None, outputs=None):
+    """aot_autograd with inductor's decompositions and partitioner (min-cut, recomputing
+    pointwise ops): the graphs inductor would generate code for, kept and run without it;
+    ``outputs`` gets what each forward returns at run time (its codes for the backward)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    def fw_compiler(gm, inputs):
+        fw.append(gm)
+        boxed = make_boxed_func(gm.forward)
+
+        def run(args):
+            out = boxed(args)
+            if outputs is not None:
+                outputs.append(list(out))
+            return out
+        run._boxed_call = True
+        return run
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=Graphs._keep(
+        bw if bw is not None else []), partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table())
+
+
+def _saved(fw):
+    """The values the forward graph hands its backward (after the model's one output)."""
+    return [n.meta["val"] for n in [n for n in fw.graph.nodes if n.op == "output"][0]
+            .args[0][1:] if isinstance(n, torch.fx.Node)]
+
+
+class ConvBnRelu(torch.nn.Module):
+    """Two Conv2d + BatchNorm (training) + ReLU, the CNN's block without the residual."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.c2 = torch.nn.Conv2d(4, c, 3, padding=1), torch.nn.Conv2d(c, c, 3,
+                                                                                padding=1)
+        self.b1, self.b2 = torch.nn.BatchNorm2d(c), torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))).mean((2, 3))
+
+
+def _eager_codes(m, x, ctx):
+    """The int8 codes eager compression stores in one forward (ctx.pack called from a hook of
+    our own inside the context), as (codes, scales) pairs."""
+    got = []
+
+    def pack(t):
+        p = ctx.pack(t)
+        if hasattr(p, "q"):
+            got.append((p.q, p.scales))
+        return p
+    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, ctx.unpack):
+        m(x).sum().backward()
+    return got
+
+
+def test_conv_batchnorm_relu_compiled_saves_one_code_per_conv_with_eagers_bits(device):
+    """The min-cut partitioner saves a conv's output (BatchNorm's input) and the ReLU after the
+    BatchNorm (the next conv's input) when it saves 16-bit tensors; under the context graphs are
+    partitioned to recompute the BatchNorm and ReLU from the conv's 8-bit copy in the backward
+    (activations_compiled.PARTITIONER), as the eager recipes do: the forward hands the
+    backward one code per conv output, the codes eager compression stores for the same conv
+    outputs bit for bit, and no copy of a ReLU output; the allocator sees under half the
+    uncompressed compiled bytes, and the gradients are within 2x eager compression's error of
+    the uncompressed compiled model's."""
+    m = ConvBnRelu().to(device).train()
+    x = torch.randn(8, 4, 32, 32, device=device)  # 512 KiB per conv output: the heap's scale
+    shape, fw, outs = (8, 16, 32, 32), [], []
+    cm = torch.compile(m, backend=_min_cut(fw), fullgraph=True)
+    plain = grads(m, x, cm)
+    assert sum(tuple(t.shape) == shape for t in _saved(fw[-1])) >= 3  # conv and ReLU outputs
+    raw = _held_for_backward(m, x, cm, contextlib.nullcontext())
+    torch._dynamo.reset()
+    fw.clear()
+    cm = torch.compile(m, backend=_min_cut(fw, outputs=outs), fullgraph=True)
+    got = grads(m, x, cm, act.fp8_saved_tensors())
+    saved = _saved(fw[-1])
+    codes = [t for t in saved if t.dtype == torch.int8]
+    assert len(codes) == 2 and all(t.numel() == 8 * 16 * 32 * 32 for t in codes), \
+        [(t.dtype, tuple(t.shape)) for t in saved]
+    assert not any(tuple(t.shape) == shape for t in saved)  # nothing 16 or 32-bit that big
+    compiled = [t for t in outs[-1] if isinstance(t, torch.Tensor) and t.dtype == torch.int8]
+    eager = [q for q, _ in _eager_codes(m, x, act.fp8_saved_tensors())
+             if q.numel() == 8 * 16 * 32 * 32]
+    assert len(eager) == 2 and all(any(torch.equal(c, e) for c in compiled) for e in eager)
+    held = _held_for_backward(m, x, cm, act.fp8_saved_tensors())
+    assert held < 0.5 * raw, (held, raw)
+    eager = grads(m, x, m, act.fp8_saved_tensors())
+    errs = [(rel_err(p, g), rel_err(p, e)) for p, g, e in zip(plain, got, eager)]
+    assert max(c for c, _ in errs) > 1e-4  # compressed
+    assert all(c <= 2 * e + 1e-6 for c, e in errs), errs
+
+
+class Attention(torch.nn.Module):
+    """q, k, v as transposed (b, h, s, d) views of one projection's output, into SDPA, whose
+    CPU output is (b, h, s, d) in (b, s, h, d) memory: strided, and not a view."""
+
+    def __init__(self, d=128, heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out, self.heads = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+def test_views_share_one_code_and_strided_tensors_restore_their_layout(device):
+    """SDPA saves q, k, v (three views of the projection's output) and its output (strided),
+    which the out-projection saves again as a 2-d view. Under the context the partitioner
+    saves bases, never views (their views are rerun in the backward): one code per storage,
+    the projection's and the attention output's, as eager keeps one copy per storage. The
+    attention output is restored with its saved strides (the backward graph's restored value
+    is non-contiguous), and the gradients are within 2x eager compression's error of the
+    uncompressed ones: a restore that read the codes in the saved strides would scramble
+    them."""
+    m = Attention().to(device)
+    x = torch.randn(2, 64, 128, device=device)
+    fw, bw = [], []
+    cm = torch.compile(m, backend=_min_cut(fw, bw), fullgraph=True)
+    got = grads(m, x, cm, act.fp8_saved_tensors())
+    eager = grads(m, x, m, act.fp8_saved_tensors())
+    plain = grads(m, x, m)
+    saved = _saved(fw[-1])
+    codes = sorted(t.numel() for t in saved if t.dtype == torch.int8)
+    assert codes == [2 * 64 * 128, 2 * 64 * 384], [(t.dtype, tuple(t.shape)) for t in saved]
+    out = [n for n in fw[-1].graph.nodes if n.op == "output"][0].args[0][1:]
+    assert not any(n.op != "placeholder" and n.meta["val"].is_floating_point() and
+                   n.meta["val"].numel() >= 1024 for n in out), out  # raw intermediates
+    restored = [n.meta["val"] for n in bw[-1].graph.nodes if n.op == "call_function"
+                and isinstance(n.meta.get("val"), torch.Tensor)
+                and tuple(n.meta["val"].shape) == (2, 2, 64, 64)]
+    assert any(tuple(t.stride()) == (8192, 64, 128, 1) for t in restored), \
+        [t.stride() for t in restored]
+    errs = [(rel_err(p, g), rel_err(p, e)) for p, g, e in zip(plain, got, eager)
+            if p.norm() > 0]
+    assert max(c for c, _ in errs) > 1e-4  # compressed
+    assert all(c <= 2 * e + 1e-6 for c, e in errs), errs

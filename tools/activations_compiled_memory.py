@@ -1,49 +1,62 @@
-"""Bytes a compiled model's forward leaves alive for backward, with and without
-mpext.activations.fp8_saved_tensors(), measured by the allocator (HeapMeter), in one run.
+"""Bytes a compiled zoo model's forward leaves alive for backward, BF16 and under
+mpext.activations.fp8_saved_tensors() (the default policy), measured by the allocator
+(mpext.memory.meter.HeapMeter, independent of mpext's counters), in one run, with the same
+compiled model (inductor unless --backend).
 
-    PYTHONPATH=. python tools/activations_compiled_memory.py [--backend inductor] [--dtype bf16]
+    PYTHONPATH=.:tests python tools/activations_compiled_memory.py [--models cnn,hf-llama]
+        [--small] [--backend inductor|aot_eager] [--repeats 2]
+
+The zoo is tests/zoo.py's (benchmarks/bench_activations.py's steptime measures the same
+figures with step times).
 """
 import argparse
 import contextlib
 
 import torch
-import transformers
 
 import mpext.activations as act
 from mpext.memory.meter import HeapMeter
+from zoo import zoo_models
+
+
+def held(name, backend="inductor", small=False, repeats=2, dev="cpu"):
+    """(BF16 bytes, compressed bytes) the forward leaves alive, the last of ``repeats`` rounds
+    after a compiling one (both settle after the first)."""
+    build, batch, loss_fn = zoo_models(small)[name]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build().to(dev, torch.bfloat16).train()
+    xb = tuple(t.to(dev) for t in batch(torch.bfloat16))
+    fwd = torch.compile(model, backend=backend)
+    heap = HeapMeter(torch.device(dev))
+    out = {}
+    for _ in range(repeats + 1):
+        for key, ctx in (("bf16", contextlib.nullcontext),
+                         ("fp8", lambda: act.fp8_saved_tensors(params=model,
+                                                               warn_unmatched=False))):
+            before = heap()
+            with ctx():
+                loss = loss_fn(fwd, xb)
+            out[key] = heap() - before
+            loss.float().backward()
+            del loss
+            model.zero_grad(set_to_none=True)
+    return out["bf16"], out["fp8"]
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="hf-gpt2-eager,hf-gpt2-sdpa,hf-llama,vit,cnn,gpt")
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    # GPT2Config's hub defaults (gelu_new, dropout 0.1) at small sizes
-    cfg = transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256,
-                                  vocab_size=1024, attn_implementation=a.attn)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).to(dtype).train()
-    ids = torch.randint(0, 1024, (8, 256))
-    compiled = torch.compile(model, backend=a.backend)
-    meter = HeapMeter("cpu")
-    out = {}
-    for _ in range(a.repeats + 1):  # the first round compiles
-        for name, ctx in (("plain", contextlib.nullcontext), ("fp8", act.fp8_saved_tensors)):
-            model.zero_grad(set_to_none=True)
-            before = meter()
-            with ctx():
-                logits = compiled(input_ids=ids).logits
-            held = meter() - before - logits.untyped_storage().nbytes()
-            logits.float().square().mean().backward()
-            out.setdefault(name, []).append(held)
-    plain = sorted(out["plain"][1:])[a.repeats // 2]
-    fp8 = sorted(out["fp8"][1:])[a.repeats // 2]
-    print("GPT-2 (4x256, seq 256, batch 8) %s %s attn=%s: held for backward %.2f MiB plain, "
-          "%.2f MiB fp8: %+.1f%%" % (a.backend, a.dtype, a.attn, plain / 2**20, fp8 / 2**20,
-                                     100.0 * (fp8 - plain) / plain))
+    torch.set_num_threads(1)
+    print("| model | BF16 MiB | compressed MiB | saved |\n|---|---:|---:|---:|")
+    for name in a.models.split(","):
+        b, c = held(name, a.backend, a.small, a.repeats)
+        print("| %s | %.2f | %.2f | %.1f%% |" % (name, b / 2**20, c / 2**20, 100 * (1 - c / b)),
+              flush=True)
 
 
 if __name__ == "__main__":
