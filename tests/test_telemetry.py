@@ -466,21 +466,24 @@ def test_lightning_callback_logs(tmp_path):
     assert float(logged["scale/value"]) == module.scaler.get_scale()
 
 
+class Tokens(torch.utils.data.Dataset):
+    """16 sequences of 12 tokens (vocabulary 64) for the HF Trainer tests: inputs are labels."""
+
+    def __init__(self):
+        self.x = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
 def test_hf_trainer_callback_logs(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     pytest.importorskip("accelerate", reason="accelerate is not installed")
     import mpext.accelerate
     import mpext.telemetry.hf
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self):
-            self.x = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.x[i], "labels": self.x[i]}
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
@@ -509,16 +512,6 @@ def test_hf_trainer_callback_logs_step_counters(tmp_path):
     elements of two counted steps, and the window restarts after each."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     import mpext.telemetry.hf
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self):
-            self.x = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.x[i], "labels": self.x[i]}
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
