@@ -23,6 +23,7 @@ import torch.nn as nn
 
 import mpext
 from mpext.optim._shard_plan import ShardedStepPlan
+from mpext.optim._tensors import local_tensor
 
 SPAWN_TIMEOUT_S = 240  # both ranks, on a loaded 2-core machine
 BF16 = torch.bfloat16
@@ -208,9 +209,11 @@ def _fsdp_case(name, event, mesh, device):
     # keeps none: FSDP2's gradient memory is free during the next forward), cached or not.
     out["grads_alive"] = []
     for model, opt in runs:
-        refs = [weakref.ref(_local(p.grad)) for p in model.parameters() if p.grad is not None]
+        # the tensors the DTensor gradients hold (to_local() would make a new view)
+        refs = [weakref.ref(local_tensor(p.grad)) for p in model.parameters()]
+        before = sum(r() is not None for r in refs)
         opt.zero_grad(set_to_none=True)
-        out["grads_alive"].append(sum(r() is not None for r in refs))
+        out["grads_alive"].append((before, sum(r() is not None for r in refs)))
     del out["alive"]
     return out
 
@@ -299,7 +302,8 @@ def test_a_kept_plan_holds_no_gradient_after_zero_grad(runs, name):
     ``zero_grad(set_to_none=True)`` every gradient of the last step is freed, as it is with
     the long way (the control, which keeps nothing)."""
     for rank, res in enumerate(runs):
-        cached, long_way = res[(name, "none")]["grads_alive"]
+        (cached_before, cached), (long_before, long_way) = res[(name, "none")]["grads_alive"]
+        assert cached_before == long_before == 4  # every gradient alive before zero_grad
         assert long_way == 0, "rank %d: the control keeps %d gradients" % (rank, long_way)
         assert cached == 0, "rank %d: %d gradients kept alive by the plan" % (rank, cached)
 
