@@ -259,10 +259,6 @@ class SharedBlocks:
             self._cached = ([self.copies[at] for at in kept], [self.parts[at] for at in kept])
         return self._cached
 
-    def point(self, at: int, part: torch.Tensor) -> None:
-        """Makes fill entry ``at`` copy ``part`` (a new gradient's)."""
-        self.parts[at] = part
-
     def start(self) -> list:
         """:meth:`gather` begun: the copies filled and their all-reduce under way; returns its
         works, to ``wait()`` on before the copies are stepped (the inner blocks, which the
