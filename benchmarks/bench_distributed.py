@@ -100,6 +100,7 @@ def _worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
 
 # ---- FSDP2 step host time per tensor, every format against torch's fused AdamW ------------
 
+_GRADS_ENV = "MPEXT_BENCH_STEP_GRADS"  # --step-grads, to the ranks
 STEP_LAYERS, STEP_WIDTH = 100, 100  # 100 x Linear(100, 100) under fully_shard(root): 200 tensors
 BF16, Q8 = torch.bfloat16, dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 # label -> (param dtype, mpext.optim.AdamW keywords; None: torch.optim.AdamW(fused=True)),
@@ -148,6 +149,17 @@ def _step_worker(rank: int, out_path: str, rounds: int, inner: int) -> None:
                 if long_way:
                     opt._new_plan = lambda *args: None
             net(torch.randn(4, STEP_WIDTH, dtype=dtype)).float().sum().backward()
+            # The backward of 100 linear layers without activations leaves gradients of 1e-23
+            # in the first layers, whose squares are subnormal: every kernel (torch's too)
+            # then runs 2-3x slower on floating-point assists, which is no host time. Unless
+            # --step-grads backward, each local gradient (FSDP2's own tensors) is overwritten
+            # in place with values of a trained model's magnitude, the same for every optimizer.
+            if os.environ.get(_GRADS_ENV) != "backward":
+                gen = torch.Generator().manual_seed(rank)
+                with torch.no_grad():
+                    for p in net.parameters():
+                        g = p.grad.to_local()
+                        g.copy_(torch.randn(g.shape, generator=gen) * 1e-3)
             opts[label] = (opt, sum(1 for _ in net.parameters()))
         for opt, _ in opts.values():  # warm-up: state created, plans kept
             for _ in range(3):
@@ -567,6 +579,8 @@ def _muon_section(ctx, b) -> tuple:
 def _step_section(ctx, b) -> tuple:
     """The FSDP2 step-host-time table (Markdown lines) and its payload."""
     rounds, inner = max(ctx.repeats, 15), 3 if ctx.quick else 5
+    grads = getattr(ctx.args, "step_grads", "trained")
+    os.environ[_GRADS_ENV] = grads
     res = _measure(rounds, inner, _step_worker)
     b.phase("2-rank FSDP2 step run")
     samples, cpu = res["samples"], res["cpu"]
@@ -594,7 +608,7 @@ def _step_section(ctx, b) -> tuple:
                           "÷ torch fused AdamW (same dtype, same round)",
                           "CPU µs per tensor", "÷ torch's CPU µs"], rows), "",
           "FSDP2 `fully_shard(root)` over %d × `Linear(%d, %d)` (%d tensors) on 2 gloo ranks "
-          "(one thread each), `opt.step()` alone on fixed gradients: %d rounds, every "
+          "(one thread each), `opt.step()` alone on fixed gradients (%s): %d rounds, every "
           "optimizer in each round after a barrier, %d steps per sample; rank 0's clock. "
           "\"long way\": the same mpext optimizer with its step plan never kept (every step "
           "re-derives the local views, the 8-bit shard split and the launch lists). The wall "
@@ -602,9 +616,11 @@ def _step_section(ctx, b) -> tuple:
           "which waits for the other rank (on a loaded machine, for it to be scheduled); the "
           "CPU time (`time.process_time()`, the process's threads) leaves that wait out. The "
           "target (≤ 1) is on the wall time's median."
-          % (STEP_LAYERS, STEP_WIDTH, STEP_WIDTH, res["tensors"]["fp32 (default)"], rounds,
-             inner)]
-    return md, dict(rounds=rounds, inner=inner, formats=table, tensors=res["tensors"])
+          % (STEP_LAYERS, STEP_WIDTH, STEP_WIDTH, res["tensors"]["fp32 (default)"],
+             "the backward's, overwritten with N(0, 1e-6) values" if grads == "trained" else
+             "the backward's own, subnormal squares in the first layers", rounds, inner)]
+    return md, dict(rounds=rounds, inner=inner, formats=table, tensors=res["tensors"],
+                    grads=grads)
 
 
 def run(ctx) -> dict:
@@ -662,6 +678,11 @@ def add_args(parser):
                              "under FSDP2 against stepping after backward, time and memory "
                              "; muon: mpext.optim.Muon under FSDP2, Newton-Schulz on every rank "
                              "(all-gather) against one designated rank per matrix "
+                             "(default: %(default)s)")
+    parser.add_argument("--step-grads", choices=("trained", "backward"), default="trained",
+                        help="fsdp-step's gradients: the backward's, overwritten with normal "
+                             "values of std 1e-3 (trained), or the backward's own (backward: "
+                             "1e-23 in the first layers, subnormal squares) "
                              "(default: %(default)s)")
     return parser
 

@@ -1317,8 +1317,20 @@ def _sr_cases(runs):
         out[label] = {"params": [p.detach().full_tensor() for p in params],
                       "state": _full_state(opt, params),
                       "local_numel": [p.to_local().numel() for p in params],
-                      "placements": [str(p.placements) for p in params]}
+                      "placements": [str(p.placements) for p in params],
+                      "entries": _plan_entries(opt, params)}
     return out
+
+
+def _plan_entries(opt, params):
+    """The kept plan's op entries, as (param index, elements, batch: 0 in place, 1 a copy of
+    a block two shards share), or None when no plan is kept."""
+    plan = opt._plan
+    if plan is None:
+        return None
+    index = {id(p): i for i, p in enumerate(params)}
+    return [(index[id(p)], piece.numel(), c.batch) for c in plan.calls
+            for p, piece in zip(c.owners, c.args[0])]
 
 
 Q8_FP16_CASES = {"fp16_master_q8": Q8_MOMENTS,
@@ -1508,8 +1520,18 @@ def test_fsdp2_stochastic_rounding_gives_the_bits_of_one_process(sr_runs, reques
     if _q8_case(name):  # the large weights keep codes, the small ones FP32 moments
         assert all(any(k.endswith("_q8") for k in st) == (p.numel() >= 4096)
                    for p, st in zip(params, state))
-    for r in sr_results:
+    for rank, r in enumerate(sr_results):
         got = r[label]
+        # Stepped through the kept plan, whose only empty entries are empty shards' (they
+        # advance the step): a shard inside blocks other shards share has its copies only.
+        entries = got["entries"]
+        assert entries is not None, "%s, rank %d: no plan kept" % (name, rank)
+        assert all(n > 0 or got["local_numel"][i] == 0 for i, n, _ in entries), \
+            "%s, rank %d: an op entry for an empty piece: %s" % (name, rank, entries)
+        if name == "master_q8_ema_block2048" and world == 3 and rank == 1:
+            # not vacuous: this rank's 4757-element 71 x 67 shard, [1608, 3216), lies inside
+            # the two blocks of 2048 it shares, so it is stepped by its copies alone
+            assert [b for i, _, b in entries if i == 6] == [1, 1], entries
         for i, (a, b) in enumerate(zip(params, got["params"])):
             assert _equal_bits(a.detach(), b), "%s: param %d" % (name, i)
         for i, (sa, sb) in enumerate(zip(state, got["state"])):

@@ -12,6 +12,7 @@ block, so the 8-bit formats step through the shared blocks' exchange.
 import functools
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -22,6 +23,7 @@ import torch.nn as nn
 
 import mpext
 from mpext.optim._shard_plan import ShardedStepPlan
+from mpext.optim._tensors import local_tensor
 
 SPAWN_TIMEOUT_S = 240  # both ranks, on a loaded 2-core machine
 BF16 = torch.bfloat16
@@ -203,6 +205,15 @@ def _fsdp_case(name, event, mesh, device):
         _record(out, runs[0][1]._plan)
     out["moved"] = [not torch.equal(_bits(a), _bits(p))
                     for a, p in zip(first, runs[0][0].parameters())]
+    # After zero_grad(set_to_none=True) no gradient of the last step may stay alive (the plan
+    # keeps none: FSDP2's gradient memory is free during the next forward), cached or not.
+    out["grads_alive"] = []
+    for model, opt in runs:
+        # the tensors the DTensor gradients hold (to_local() would make a new view)
+        refs = [weakref.ref(local_tensor(p.grad)) for p in model.parameters()]
+        before = sum(r() is not None for r in refs)
+        opt.zero_grad(set_to_none=True)
+        out["grads_alive"].append((before, sum(r() is not None for r in refs)))
     del out["alive"]
     return out
 
@@ -283,6 +294,34 @@ def test_cached_fsdp2_steps_match_the_long_way_and_keep_one_plan(runs, name, cas
         # first step and kept.
         assert set(kinds) == {ShardedStepPlan.__name__} and len(set(ids)) == 1, r["plans"]
         assert sizes[-1] == 4
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_kept_plan_holds_no_gradient_after_zero_grad(runs, name):
+    """The cached step reads each step's gradients and lets go of them after the launch: after
+    ``zero_grad(set_to_none=True)`` every gradient of the last step is freed, as it is with
+    the long way (the control, which keeps nothing)."""
+    for rank, res in enumerate(runs):
+        (cached_before, cached), (long_before, long_way) = res[(name, "none")]["grads_alive"]
+        assert cached_before == long_before == 4  # every gradient alive before zero_grad
+        assert long_way == 0, "rank %d: the control keeps %d gradients" % (rank, long_way)
+        assert cached == 0, "rank %d: %d gradients kept alive by the plan" % (rank, cached)
+
+
+def test_a_kept_plan_of_plain_params_holds_no_gradient_after_zero_grad():
+    """The same for plain (not DTensor) params, whose plan is the engine's StepPlan."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, dtype=BF16)) for n in (300, 5000)]
+    opt = mpext.optim.AdamW(params, lr=1e-2, exp_avg_dtype=torch.int8,
+                            exp_avg_sq_dtype=torch.uint8)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert opt._plan is not None  # not vacuous: the steps went through a kept plan
+    refs = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    assert [r() is None for r in refs] == [True, True]
 
 
 @pytest.mark.parametrize("event", [e for e in EVENTS if e != "none"] + ["new_param"])

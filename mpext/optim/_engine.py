@@ -378,8 +378,11 @@ class StepPlan:
                     or any(p is not items[i].param for p, i in zip(c.args[0], c.positions)):
                 return None
             pc = _PlannedCall()
-            pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, c.device, \
-                c.slot
+            # args without the gradients (refresh reads them at every step, run lets go of
+            # them): a kept plan holds no gradient past its step, as zero_grad's set_to_none
+            # expects
+            pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args[:1] + (None,) \
+                + c.args[2:], c.kwargs, c.device, c.slot
             pc.lr_at = len(c.args) - len(items[c.positions[0]].hyper.rule_args()) - 1
             pc.lr_groups = list({id(groups[i]): groups[i] for i in c.positions}.values())
             pc.lr_group = pc.lr_groups[0]
@@ -417,6 +420,8 @@ class StepPlan:
         launches = [planned_launch(c, lr_tensors.get((c.device, c.slot), c.device,
                                                       c.lr_group["lr"]),
                                    per_device, inv_scale, found_inf) for c in self.calls]
+        for c in self.calls:
+            c.grads = None  # held by the launches only
         if len(launches) > 1:
             run_launches(launches, [])
             return
@@ -425,6 +430,7 @@ class StepPlan:
             return
         except (RuntimeError, ValueError, TypeError):
             pass  # refused before anything was written: the long way names what is wrong
+        del launches
         fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
 
 

@@ -229,35 +229,35 @@ class SharedBlocks:
 
     def __init__(self) -> None:
         self.buffers: List[Tuple[torch.Tensor, Any]] = []  # (bytes, group)
-        self.fill: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (copy part, local part)
+        # fill's (copy part, local part) pairs as two lists, the foreach call's arguments: a
+        # cached step (mpext.optim._shard_plan) writes each step's gradient parts into parts
+        self.copies: List[torch.Tensor] = []
+        self.parts: List[torch.Tensor] = []
         self.steps: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (copy's step, param's)
+        # the same, per buffer: (the copies' steps as one 1-D tensor, the params' steps)
+        self.step_sets: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
         # The fill entries whose local part is a gradient's, as (index in fill, index of the
-        # param's item in split's input, [a, b) of its flat local gradient): a cached step
-        # (mpext.optim._shard_plan) points them at each step's new gradients.
+        # param's item in split's input, [a, b) of its flat local gradient).
         self.grad_fills: List[Tuple[int, int, int, int]] = []
         self._cached: Optional[tuple] = None  # _lists()
+
+    @property
+    def fill(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(copy part, local part) per array of every block copy this rank fills."""
+        return list(zip(self.copies, self.parts))
 
     def gather(self) -> None:
         for work in self.start():
             work.wait()
 
     def _lists(self) -> tuple:
-        # The foreach argument lists, made once for a cached step's exchange (the long way
-        # makes a new exchange per step): fill's (copies, parts), steps' (copies, steps), and
-        # scatter's without the gradients' entries.
+        # scatter's foreach argument lists without the gradients' entries, made once for a
+        # cached step's exchange (the long way makes a new exchange per step)
         if self._cached is None:
             grads = {at for at, _, _, _ in self.grad_fills}
-            kept = [pair for at, pair in enumerate(self.fill) if at not in grads]
-            self._cached = ([d for d, _ in self.fill], [s for _, s in self.fill],
-                            [d for d, _ in self.steps], [s for _, s in self.steps],
-                            [d for d, _ in kept], [s for _, s in kept])
+            kept = [at for at in range(len(self.copies)) if at not in grads]
+            self._cached = ([self.copies[at] for at in kept], [self.parts[at] for at in kept])
         return self._cached
-
-    def point(self, at: int, part: torch.Tensor) -> None:
-        """Makes fill entry ``at`` copy ``part`` (a cached step's new gradient)."""
-        self.fill[at] = (self.fill[at][0], part)
-        if self._cached is not None:
-            self._cached[1][at] = part
 
     def start(self) -> list:
         """:meth:`gather` begun: the copies filled and their all-reduce under way; returns its
@@ -268,11 +268,11 @@ class SharedBlocks:
             buf.zero_()
         # One foreach call per list instead of a copy_ per array: each part is copied alone
         # either way (the same bytes), at a fraction of the host time.
-        copies, parts, own, steps = self._lists()[:4]
-        if copies:
-            torch._foreach_copy_(copies, parts)
-        if own:
-            torch._foreach_copy_(own, steps)
+        if self.copies:
+            torch._foreach_copy_(self.copies, self.parts)
+        for own, steps in self.step_sets:
+            if steps:
+                torch.stack(steps, out=own)
         # Every byte is nonzero on one rank at most, so the sum of the 32-bit words is their
         # OR: exact, never carrying; as words it is a third of a byte sum's time over gloo
         # (the buffer is whole 64-byte slots).
@@ -283,8 +283,7 @@ class SharedBlocks:
         """Writes each rank's part of the stepped copies back; ``grads=False`` leaves out the
         gradients' parts, which the op wrote nothing into (no ``inv_scale``: they hold what
         fill copied)."""
-        lists = self._lists()
-        copies, parts = (lists[0], lists[1]) if grads else (lists[4], lists[5])
+        copies, parts = (self.copies, self.parts) if grads else self._lists()
         if copies:
             torch._foreach_copy_(parts, copies)
 
@@ -345,18 +344,23 @@ def split_bound(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks],
         a, b = a - lay.start, b - lay.start
         if lay.count == 0:
             a = b = 0
-        views = dict((k, v[a:b]) for k, v in arrays)
-        state = {"step": step}
-        for k in scale_keys:
-            state[k] = it.state[k][lo - lay.first:hi - lay.first]
-        out.append(_item(it, views, state, lo * lay.block))
-        sources.append((i, (a, b)))
+        # An empty piece gets no op entry (its host cost is a full entry's) unless it is all
+        # the rank steps of the param (an empty shard): then it alone advances the step.
+        inner = b > a or not any(max(lay.span(j)[0], lay.start) < min(lay.span(j)[1], lay.stop)
+                                 for j in lay.shared)
+        if inner:
+            views = dict((k, v[a:b]) for k, v in arrays)
+            state = {"step": step}
+            for k in scale_keys:
+                state[k] = it.state[k][lo - lay.first:hi - lay.first]
+            out.append(_item(it, views, state, lo * lay.block))
+            sources.append((i, (a, b)))
         if lay.shared:
             groups.setdefault((lay.group, device), []).append((i, it, arrays, step,
-                                                               scale_keys))
+                                                               scale_keys, inner))
     for (group, device), members in groups.items():
         sizes, where = [], []
-        for _, it, arrays, step, scale_keys in members:
+        for _, it, arrays, step, scale_keys, _ in members:
             lay = it.blocks.layout
             for j in lay.shared:
                 begin, end = lay.span(j)
@@ -369,7 +373,14 @@ def split_bound(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks],
         copies: Dict[tuple, Dict[str, torch.Tensor]] = {}
         for at, size, (it, j, k, v) in zip(offsets, sizes, where):
             copies.setdefault((id(it), j), {})[k] = buf[at:at + size].view(v.dtype)
-        for i, it, arrays, step, scale_keys in members:
+        # The copies' own steps (where another entry advances the param's), elements of one
+        # tensor that start() fills with one stack instead of a copy per step.
+        touched = [sum(max(lay.span(j)[0], lay.start) < min(lay.span(j)[1], lay.stop)
+                       for j in lay.shared) - (not stepped)
+                   for lay, stepped in ((m[1].blocks.layout, m[5]) for m in members)]
+        own_steps = torch.empty(sum(touched), dtype=torch.float32, device=device)
+        ex.step_sets.append((own_steps, []))
+        for i, it, arrays, step, scale_keys, stepped in members:
             lay = it.blocks.layout
             for j in lay.shared:
                 begin, end = lay.span(j)
@@ -379,12 +390,18 @@ def split_bound(items: List[Any]) -> Tuple[List[Any], Optional[SharedBlocks],
                 views = copies[(id(it), j)]
                 for k, v in arrays:
                     if k == "grad":
-                        ex.grad_fills.append((len(ex.fill), i, lo - lay.start, hi - lay.start))
-                    ex.fill.append((views[k][lo - begin:hi - begin],
-                                    v[lo - lay.start:hi - lay.start]))
-                own = torch.empty_like(step)
-                ex.steps.append((own, step))
-                state = {"step": own}
+                        ex.grad_fills.append((len(ex.copies), i, lo - lay.start, hi - lay.start))
+                    ex.copies.append(views[k][lo - begin:hi - begin])
+                    ex.parts.append(v[lo - lay.start:hi - lay.start])
+                if stepped:  # the step is advanced by another entry: this one reads a copy
+                    sources_of = ex.step_sets[-1][1]
+                    own = own_steps[len(sources_of)]
+                    sources_of.append(step)
+                    ex.steps.append((own, step))
+                    state = {"step": own}
+                else:  # no inner entry: the first copy advances the param's step
+                    state = {"step": step}
+                    stepped = True
                 for k in scale_keys:
                     state[k] = it.state[k][j - lay.first:j - lay.first + 1]
                 out.append(_item(it, views, state, begin))

@@ -16,7 +16,7 @@ import torch
 from . import _q8_shards as q8_shards
 from ._engine import StepPlan, _PlannedCall, _lr_key, _plan_calls, device_step, planned_launch
 from ._engine import fused_step, run_launches
-from ._tensors import DTensor, flat_view, is_dtensor, local_tensor
+from ._tensors import DTensor, is_dtensor, local_tensor
 
 _DTensor = DTensor if DTensor is not None else ()  # isinstance(x, ()) is False
 
@@ -26,7 +26,7 @@ _STRIDED = torch.strided
 class _Owner:
     """A param of the plan and what its planned entries were made from."""
     __slots__ = ("param", "state", "ids", "dtype", "shard", "spec", "placement", "held",
-                 "grad_dtype", "grad_shape", "grad_stride", "device")
+                 "grad_dtype", "grad_shape", "grad_stride", "device", "whole", "pieces")
 
 
 class _ShardCall(_PlannedCall):
@@ -58,11 +58,32 @@ class ShardedStepPlan(StepPlan):
         super().__init__(calls, idle)
         self.owners, self.shared = owners, shared
         self.size = len(owners)
-        # The owners whose flat gradient is sliced (an 8-bit param's inner blocks and parts).
-        flat = {src[0] for c in calls for src in c.sources if isinstance(src[1], tuple)}
+        # Where each param's gradient goes, written by refresh into lists the launches and
+        # the exchange keep: whole, as (list, index); a run [a, a + n) of its flat local view,
+        # as (list, index, a, n), made by one as_strided (refresh checks that the gradient has
+        # the planned shape and strides, so it is dense and its flat view starts at its
+        # storage offset: the slice of a flat view, without making the view).
+        for o in owners:
+            o.whole, o.pieces = [], []
+        for c in calls:
+            c.grads = list(c.grads)
+            for k, (i, where) in enumerate(c.sources):
+                if where is None:
+                    owners[i].whole.append((c.grads, k))
+                elif where != "buffer":
+                    owners[i].pieces.append((c.grads, k, where[0], where[1] - where[0]))
         if shared is not None:
-            flat.update(i for _, i, _, _ in shared.grad_fills)
-        self.flat = sorted(flat)
+            for at, i, a, b in shared.grad_fills:
+                owners[i].pieces.append((shared.parts, at, a, b - a))
+        # Each such list with its gradients' entries None: what it holds between steps (no
+        # gradient of the last step is kept alive by the plan past its step, as zero_grad's
+        # set_to_none expects).
+        cleared: Dict[int, tuple] = {}
+        for o in owners:
+            for t in o.whole + o.pieces:
+                lst = t[0]
+                cleared.setdefault(id(lst), (lst, list(lst)))[1][t[1]] = None
+        self.cleared = list(cleared.values())
 
     @classmethod
     def build(cls, items: List[Any], owners: List[torch.Tensor], groups: List[dict],
@@ -90,8 +111,10 @@ class ShardedStepPlan(StepPlan):
                 if any(g is not out[i].grad for g, i in zip(c.args[1], positions)):
                     return None
                 pc = _ShardCall()
-                pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args, c.kwargs, \
-                    c.device, c.slot
+                # args without the gradients (held by grads, each step's), so that the plan
+                # keeps no gradient of this step alive
+                pc.op, pc.args, pc.kwargs, pc.device, pc.slot = c.op, c.args[:1] + (None,) \
+                    + c.args[2:], c.kwargs, c.device, c.slot
                 # each batch's own learning-rate buffers (LrTensors keys), as _plan_calls
                 # numbers its slots from 0
                 pc.lr_key = (c.device, c.slot) if batch == 0 else (c.device, "copies", c.slot)
@@ -131,7 +154,6 @@ class ShardedStepPlan(StepPlan):
         for c in self.calls:
             if len(c.lr_groups) > 1 and len({_lr_key(g["lr"]) for g in c.lr_groups}) > 1:
                 return False
-        grads = []
         # The owner loop is the cached step's host cost per param: local_tensor and _spec
         # inlined. (Without _local_tensor, a torch that renamed it, no plan holds: the long way.)
         for o in self.owners:
@@ -142,7 +164,7 @@ class ShardedStepPlan(StepPlan):
                     or tuple(map(id, st.values())) != o.ids:
                 return False
             if o.spec is not None:
-                if not isinstance(g, _DTensor) \
+                if (type(g) is not _DTensor and not isinstance(g, _DTensor)) \
                         or getattr(p, "_local_tensor", None) is not o.shard:
                     return False
                 spec = getattr(p, "_spec", None)
@@ -162,19 +184,15 @@ class ShardedStepPlan(StepPlan):
                     or g.shape != o.grad_shape or g.stride() != o.grad_stride \
                     or g.device != o.device:
                 return False
-            grads.append(g)
+            for grads, k in o.whole:
+                grads[k] = g
+            if o.pieces:
+                base = g.storage_offset()
+                for grads, k, a, n in o.pieces:
+                    grads[k] = g.as_strided((n,), (1,), base + a)
         for p in self.idle:
             if p.grad is not None:
                 return False
-        flats = {i: flat_view(grads[i]) for i in self.flat}
-        for c in self.calls:
-            c.grads = [fixed if where == "buffer" else grads[i] if where is None
-                       else flats[i][where[0]:where[1]]
-                       for fixed, (i, where) in zip(c.args[1], c.sources)]
-        shared = self.shared
-        if shared is not None:
-            for at, i, a, b in shared.grad_fills:
-                shared.point(at, flats[i][a:b])
         return True
 
     def run(self, lr_tensors: Any, inv_scale: Optional[torch.Tensor],
@@ -193,6 +211,9 @@ class ShardedStepPlan(StepPlan):
             # Refused before anything was written, by something unplanned: the long way
             # names what is wrong.
             fused_step(self.owner()._long_items(), lr_tensors, inv_scale, found_inf)
+        finally:
+            for lst, cleared in self.cleared:
+                lst[:] = cleared
 
     def _launch(self, batches: Tuple[list, list], unscaled: bool) -> None:
         shared = self.shared
