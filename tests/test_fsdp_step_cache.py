@@ -252,6 +252,34 @@ def _dtensor_case(name, mesh, device):
     return out
 
 
+def _layout_case(name, mesh, device):
+    """DTensor params whose gradients' local shards are column-major (hand-made: FSDP2 makes
+    none) against the same params given the same gradient values row-major, loss-scaled (so
+    the step writes the unscaled values back into each gradient): the differences, and the
+    column-major gradients' strides after the steps."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    rule, dtype, kw = FORMATS[name]
+    torch.manual_seed(0)
+    full = [torch.randn(1025, 8).to(device, dtype), torch.randn(5, 1025).to(device, dtype)]
+    runs = [getattr(mpext.optim, rule)(
+        [nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full],
+        lr=1e-2, seed=3, **kw) for _ in range(2)]
+    out = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(300 + step)
+        grads = [(SCALE * torch.randn(t.shape, generator=g)).to(device, dtype) for t in full]
+        for k, opt in enumerate(runs):
+            for p, gr in zip(opt.param_groups[0]["params"], grads):
+                d = distribute_tensor(gr, mesh, p.placements)
+                if k:  # the same local values, column-major
+                    d = DTensor.from_local(d.to_local().t().contiguous().t(), mesh,
+                                           p.placements, shape=d.shape, stride=d.stride())
+                p.grad = d
+            opt.step(grad_scale=torch.tensor(SCALE, device=device))
+        out += _differences(runs[0], runs[1], "step %d" % step)
+    return out, [p.grad.to_local().stride() for p in runs[1].param_groups[0]["params"]]
+
+
 def _body(rank, device):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device, (dist.get_world_size(),))
@@ -260,6 +288,8 @@ def _body(rank, device):
         for event in EVENTS + ("scaled",):
             out[(name, event)] = _fsdp_case(name, event, mesh, device)
         out[(name, "new_param")] = _dtensor_case(name, mesh, device)
+        if "q8" in name:
+            out[(name, "grad_layout")] = _layout_case(name, mesh, device)
     return out
 
 
@@ -294,6 +324,18 @@ def test_cached_fsdp2_steps_match_the_long_way_and_keep_one_plan(runs, name, cas
         # first step and kept.
         assert set(kinds) == {ShardedStepPlan.__name__} and len(set(ids)) == 1, r["plans"]
         assert sizes[-1] == 4
+
+
+@pytest.mark.parametrize("name", [n for n in FORMATS if "q8" in n])
+def test_a_gradient_in_another_memory_order_steps_as_its_row_major_twin(runs, name):
+    """The 8-bit split cuts a param and its gradient at the same flat positions: a gradient
+    whose local shard is column-major must be stepped in the param's order (it paired other
+    elements before), and its unscaled values written back into it."""
+    for rank, res in enumerate(runs):
+        differences, strides = res[(name, "grad_layout")]
+        assert differences == [], "rank %d: %s" % (rank, differences)
+        # not vacuous: the gradients stayed column-major (a stride of 1 on dim 0)
+        assert all(st[0] == 1 and st[1] > 1 for st in strides), (rank, strides)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

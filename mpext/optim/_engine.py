@@ -292,6 +292,7 @@ def fused_step(items: Union[Iterable[StepItem], "StepPlan"], lr_tensors: LrTenso
     for it in items:
         if it.blocks is not None:  # split() shares the step with the copies: a kernel's first
             device_step(it.state, it.param.device)
+    items, regrads = q8_shards.grads_in_param_order(items)
     items, shared = q8_shards.split(items)
     calls, copied = _plan_calls(items, lr_tensors, inv_scale, found_inf)
     if shared is not None:
@@ -299,6 +300,9 @@ def fused_step(items: Union[Iterable[StepItem], "StepPlan"], lr_tensors: LrTenso
     run_launches([(c.op, (c.args, c.kwargs)) for c in calls], copied)
     if shared is not None:
         shared.scatter()
+    if inv_scale is not None:  # the unscaled values the op wrote into the copies
+        for g, copy in regrads:
+            g.copy_(copy)
 
 
 # Step telemetry (mpext.telemetry): callables ``source(op, args, kwargs)`` that return the

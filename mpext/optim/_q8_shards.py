@@ -24,6 +24,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .._common import same_layout
 from ._tensors import F32, flat_view, is_dtensor, local, shard_offset
 
 
@@ -286,6 +287,24 @@ class SharedBlocks:
         copies, parts = (self.copies, self.parts) if grads else self._lists()
         if copies:
             torch._foreach_copy_(parts, copies)
+
+
+def grads_in_param_order(items: List[Any]) -> Tuple[List[Any], List[Tuple[torch.Tensor,
+                                                                             torch.Tensor]]]:
+    """The items with each blocked item's gradient in its param's memory order, and the
+    (gradient, copy) pairs to write the unscaled values back into after the step. The split
+    cuts a param and its gradient at the same flat positions (:func:`flat_view`), so a gradient
+    laid out otherwise (a hand-made DTensor gradient: FSDP2 makes none) paired other elements
+    with each param element; it is stepped through a copy in the param's layout instead, as the
+    unsplit step does (``_engine._plan_calls``)."""
+    out, copied = [], []
+    for it in items:
+        if it.blocks is not None and not same_layout(it.grad, it.param):
+            copy = torch.empty_like(it.param, dtype=it.grad.dtype).copy_(it.grad)
+            copied.append((it.grad, copy))
+            it = it._replace(grad=copy)
+        out.append(it)
+    return out, copied
 
 
 def _arrays(item: Any, state: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
