@@ -158,10 +158,11 @@ class Bits(Reuse):
             value = v.view(t.dtype).item()
             if not math.isfinite(value) or value < 0:
                 return None
-            r = torch.minimum(w ^ v, w)
+            r = w ^ v  # one temporary, reused: a fresh one per op cost its first touch again
+            torch.minimum(r, w, out=r)
             if r.amax().item() != 0 or r.amin().item() != 0:
                 return None
-            flag = w.clamp(0, 1).to(torch.uint8).view(torch.bool)  # 1 where w == v > 0
+            flag = torch.clamp(w, 0, 1, out=r).to(torch.uint8).view(torch.bool)  # w == v > 0
         self = cls()
         self.bits = pack_bits_eager(flag)
         self.value_, self.shape, self.stride, self.dtype = value, t.shape, t.stride(), t.dtype
