@@ -1,13 +1,15 @@
 """Where the eager step-time overhead of mpext.activations goes, per zoo model: the step (CPU
 time, one thread, interleaved rounds) with no hooks, identity hooks, the recipe recorder alone,
-the default with recompute=False, and the default; then one step of the default with the hooks'
-parts timed (CPU time, inclusive; % of the BF16 step).
+the default with recompute=False, and the default, with the minor page faults and system time
+per step (medians: fresh pages first touched by the ops' outputs show there); then one step of
+the default with the hooks' parts timed (CPU time, inclusive; % of the BF16 step).
 
     PYTHONPATH=. python -m benchmarks.bench_activations_split [models] [rounds]
 """
 import collections
 import contextlib
 import functools
+import resource
 import statistics
 import sys
 import time
@@ -72,15 +74,23 @@ def main(names=None, rounds=5):
         for k in ctxs:
             step(k)
         ts = {k: [] for k in ctxs}
+        faults = {k: [] for k in ctxs}
         for _ in range(rounds):
             for k in ctxs:
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.process_time()
                 step(k)
                 ts[k].append(time.process_time() - t0)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                faults[k].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
         base = statistics.median(ts["bf16"])
         print("%s: BF16 step %.1f ms CPU; " % (name, 1e3 * base) + ", ".join(
             "%s x%.3f" % (k, statistics.median([a / b for a, b in zip(v, ts["bf16"])]))
             for k, v in ts.items() if k != "bf16"), flush=True)
+        print("    minor faults / system ms per step: " + ", ".join(
+            "%s %d / %.1f" % (k, statistics.median(f for f, _ in v),
+                              1e3 * statistics.median(st for _, st in v))
+            for k, v in faults.items()), flush=True)
         if not timing[0]:
             _timed(spent, calls)
             timing[0] = True

@@ -168,6 +168,51 @@ def test_pow2_scales_are_the_least_power_of_two_at_or_above_absmax_over_127():
     assert torch.equal(got.view(-1).double(), torch.tensor(want, dtype=torch.float64))
 
 
+def near_ties(dtype, count):
+    """(absmax, values) pairs: blocks whose scale s = fp32(absmax / 127) makes x * fp32(1 / s)
+    round to another integer than x / s for some x of the block (found by enumerating every
+    positive bf16 below absmax, or fp32 values a few ulps around (k + 1/2) s)."""
+    allpos = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(
+        torch.bfloat16).float()
+    gen, out = torch.Generator().manual_seed(1), []
+    while len(out) < count:
+        a = (torch.rand(1, generator=gen) * 4 + 0.5).to(dtype).float()
+        s = (a / QMAX).clamp_min(MIN_SCALE)
+        if dtype == torch.bfloat16:
+            x = allpos[allpos <= a]
+        else:
+            bits = ((torch.arange(QMAX).float() + 0.5) * s).view(torch.int32)
+            x = torch.cat([(bits + d).view(torch.float32) for d in range(-64, 65)])
+            x = x[(x > 0) & (x <= a)]
+        x = x[torch.round(x / s) != torch.round(x * (1.0 / s))]
+        if x.numel():
+            out.append((a, x[:64]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_where_the_product_rounds_otherwise_than_the_quotient(device, dtype):
+    """Rows of 1024 in blocks of 128 (the vector paths' blocks) holding elements whose product
+    with the inverse scale rounds otherwise than their quotient by the scale: such a block is
+    coded by division (mp_i8b_near), and must give the torch-op code's bits."""
+    rows = []
+    for a, x in near_ties(dtype, 8):
+        block = torch.zeros(128)
+        block[0] = a
+        block[1:1 + x.numel()] = x
+        block[64:64 + x.numel()] = -x  # both signs
+        rows.append(block)
+    x = torch.stack(rows).reshape(-1, 1024).to(dtype).to(device)
+    rq, rs = ref_quantize(x, 128)
+    # the reference divides; the inverse scale's product would differ here (not vacuous)
+    prod = (x.float().view(-1, 8, 128) * (1.0 / rs.view(-1, 8, 1))).round().clamp(-QMAX, QMAX)
+    assert not torch.equal(prod.to(torch.int8).view_as(rq).cpu(), rq.cpu())
+    for _ in isa_paths(device):
+        q, s = ops.int8_block_quantize(x, block_size=128)
+        same(s, rs)
+        same(q, rq)
+
+
 @pytest.mark.parametrize("shape", [(0,), (0, 128), (4, 0), (2, 0, 3)])
 def test_empty(device, shape):
     x = torch.empty(shape, device=device)

@@ -1348,10 +1348,10 @@ def test_eager_bit_packing_equals_a_python_reference_and_the_traced_packing(devi
                                    want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_a_float_mask_is_bits_only_when_two_valued(device, dtype):
     """``Bits.make`` takes 0 and one positive value (restored exactly, with the saved strides),
-    an all-zero mask, and refuses a NaN, an Inf, a -0.0, a third value."""
+    an all-zero mask, and refuses a NaN, an Inf, a -0.0, the value negated, a third value."""
     g = torch.Generator().manual_seed(0)
     m = ((torch.rand(64, 100, generator=g) > 0.1).to(dtype) / 0.9).to(device)
     for t in (m, m.t(), torch.zeros_like(m)):
@@ -1359,7 +1359,7 @@ def test_a_float_mask_is_bits_only_when_two_valued(device, dtype):
         assert r is not None and r.nbytes == 800
         out = r.restore()
         assert torch.equal(out, t) and out.stride() == t.stride()
-    for bad in (float("nan"), float("inf"), -0.0, 0.5, 2 * m.max().item()):
+    for bad in (float("nan"), float("inf"), -0.0, -m.max().item(), 0.5, 2 * m.max().item()):
         mm = m.clone()
         mm[3, 7] = bad
         assert act._rc.Bits.make(mm) is None, bad
