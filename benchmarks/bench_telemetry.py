@@ -7,13 +7,18 @@ parameter shapes (``--quick``: 4 layers, 8K vocabulary), FP16 params with FP32 m
 so that the machine's drift hits both alike; each repeat times ``--inner`` steps; reported: the
 median step time of each and the median and spread (min..max, interquartile range) of the per-pair
 ratio on/off. Target: on <= 1.03 x off (reported, never asserted). Telemetry is read (one host
-sync) every ``--every`` steps, inside the timed steps, as a training loop would.
+sync) every ``--every`` steps, inside the timed steps, as a training loop would. Each time is
+taken twice: wall clock and the process's CPU time (all its threads: on a machine shared with
+other jobs, time spent waiting for a core is not counted, so the CPU-time ratio is the steadier
+one); the load average is recorded before and after.
 
     python -m benchmarks.bench_telemetry [--quick] [--repeats 15] [--inner 3] [--every 10]
+    python -m benchmarks.bench_telemetry --quick --step-only --step-every 1   # every step counted
 """
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -92,19 +97,27 @@ def measure(args, device, shapes, dtype, explicit):
 
 
 # The step half: bf16 params in the optimizer's storage modes (the issue's master-free case
-# first); every step counted. The counted step runs the tile pipeline, not a fast path.
+# first). A counted step takes the mode's counted fast row where one is kept (AdamW's rows,
+# csrc/core/fast/), else the counted tile pipeline (Lion, SGD, the modes without a row).
 STEP_CONFIGS = [
-    ("bf16 no master, SR, bf16 moments",
+    ("AdamW bf16 no master, SR, bf16 moments", "AdamW",
      dict(master_weights=False, stochastic_rounding=True, exp_avg_dtype=torch.bfloat16,
           exp_avg_sq_dtype=torch.bfloat16)),
-    ("bf16 no master, RNE", dict(master_weights=False)),
-    ("bf16 + fp32 master", {}),
-    ("bf16 + remainder, 8-bit moments", dict(param_remainders=True, exp_avg_dtype=torch.int8,
-                                             exp_avg_sq_dtype=torch.uint8)),
+    ("AdamW bf16 no master, RNE", "AdamW", dict(master_weights=False)),
+    ("AdamW bf16 + fp32 master", "AdamW", {}),
+    ("AdamW bf16 + remainder, 8-bit moments", "AdamW",
+     dict(param_remainders=True, exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)),
+    # no row: the counted pipeline's own cost
+    ("Lion bf16 + remainder (no row)", "Lion", dict(param_remainders=True)),
+    ("SGD momentum bf16 no master, SR (no row)", "SGD",
+     dict(momentum=0.9, master_weights=False, stochastic_rounding=True)),
+    ("AdamW bf16 + remainder, 8-bit moments, ema (no row)", "AdamW",
+     dict(param_remainders=True, exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8,
+          ema_decay=0.999)),
 ]
 
 
-def measure_step(args, device, shapes, label, kw):
+def measure_step(args, device, shapes, label, cls, kw):
     """opt.step() with the step's counters on vs off: median times and per-pair ratios,
     interleaved as measure() does."""
     g = torch.Generator().manual_seed(0)
@@ -114,7 +127,7 @@ def measure_step(args, device, shapes, label, kw):
         torch.manual_seed(0)
         params = [torch.nn.Parameter((torch.randn(s) * 0.02).to(device, torch.bfloat16))
                   for _, s in shapes]
-        opt = mpext.optim.AdamW(params, lr=1e-4, **kw)
+        opt = getattr(mpext.optim, cls)(params, lr=1e-4, **kw)
         tel = mpext.telemetry.attach(None, optimizer=opt, every=args.every,
                                      step_every=args.step_every) if on else None
         for prm, gr in zip(params, grads):
@@ -123,37 +136,46 @@ def measure_step(args, device, shapes, label, kw):
 
     def steps(on):
         opt, tel = runs[on]
-        t = 0.0
+        t = c = 0.0
         for _ in range(args.inner):
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.step()
             if tel is not None:
                 tel.poll()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t += time.perf_counter() - t0
-        return t / args.inner
+            c += time.process_time() - c0
+        return t / args.inner, c / args.inner
 
     for on in (True, False):
         steps(on)
-    spent, ratios = {True: [], False: []}, []
+    spent, cpu, ratios, cpu_ratios = {True: [], False: []}, {True: [], False: []}, [], []
+    load0 = os.getloadavg()[0]
     for r in range(args.repeats):
         order = (True, False) if r % 2 == 0 else (False, True)
         t = {on: steps(on) for on in order}
-        spent[True].append(t[True])
-        spent[False].append(t[False])
-        ratios.append(t[True] / t[False])
-        print("step %s repeat %d/%d: on %.2f ms, off %.2f ms, ratio %.3f"
-              % (label, r + 1, args.repeats, 1e3 * t[True], 1e3 * t[False], ratios[-1]),
-              flush=True)
+        for on in (True, False):
+            spent[on].append(t[on][0])
+            cpu[on].append(t[on][1])
+        ratios.append(t[True][0] / t[False][0])
+        cpu_ratios.append(t[True][1] / t[False][1])
+        print("step %s repeat %d/%d: on %.2f ms, off %.2f ms, ratio %.3f (cpu %.3f)"
+              % (label, r + 1, args.repeats, 1e3 * t[True][0], 1e3 * t[False][0], ratios[-1],
+                 cpu_ratios[-1]), flush=True)
     q = statistics.quantiles(ratios, n=4)
+    cq = statistics.quantiles(cpu_ratios, n=4)
     return {"dtype": "bfloat16", "path": "step: " + label,
             "median_ms_on": 1e3 * statistics.median(spent[True]),
             "median_ms_off": 1e3 * statistics.median(spent[False]),
             "median_ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "ratio_q1": q[0], "ratio_q3": q[2]}
+            "ratio_max": max(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
+            "cpu_median_ratio": statistics.median(cpu_ratios), "cpu_ratio_q1": cq[0],
+            "cpu_ratio_q3": cq[2], "cpu_ratio_min": min(cpu_ratios),
+            "cpu_ratio_max": max(cpu_ratios), "load_before": load0,
+            "load_after": os.getloadavg()[0]}
 
 
 def main(argv=None):
@@ -168,6 +190,8 @@ def main(argv=None):
                    help="count the optimizer's step on one step in N (default: --every, "
                    "telemetry's default of one per window; 1: every step, the counted step's "
                    "own cost)")
+    p.add_argument("--only", default=None,
+                   help="the step half's rows whose label contains one of these (comma-separated)")
     p.add_argument("--out", default="results/bench_telemetry")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -176,7 +200,9 @@ def main(argv=None):
     rows = [] if args.step_only else [measure(args, device, shapes, dt, ex)
                                       for dt, ex in CONFIGS]
     if device.type == "cpu":  # the step's counters are the C core's so far
-        rows += [measure_step(args, device, shapes, label, kw) for label, kw in STEP_CONFIGS]
+        rows += [measure_step(args, device, shapes, label, cls, kw)
+                 for label, cls, kw in STEP_CONFIGS
+                 if args.only is None or any(o in label for o in args.only.split(","))]
     result = {"machine": machine_info(device), "params": n_params, "tensors": len(shapes),
               "repeats": args.repeats, "inner": args.inner, "every": args.every,
               "step_every": args.step_every or args.every, "target_ratio": 1.03, "rows": rows}
@@ -195,6 +221,17 @@ def main(argv=None):
                      % (r["dtype"], r["path"], r["median_ms_off"], r["median_ms_on"],
                         r["median_ratio"], r["ratio_q1"], r["ratio_q3"], r["ratio_min"],
                         r["ratio_max"], "yes" if r["median_ratio"] <= 1.03 else "no"))
+    step_rows = [r for r in rows if "cpu_median_ratio" in r]
+    if step_rows:
+        lines += ["", "The step half in CPU time (the process's, all threads), same runs:", "",
+                  "| path | CPU ratio on/off (median) | IQR | min..max | load avg before, after "
+                  "| <= 1.03 |", "|---|---|---|---|---|---|"]
+        for r in step_rows:
+            lines.append("| %s | %.3f | %.3f..%.3f | %.3f..%.3f | %.1f, %.1f | %s |"
+                         % (r["path"], r["cpu_median_ratio"], r["cpu_ratio_q1"],
+                            r["cpu_ratio_q3"], r["cpu_ratio_min"], r["cpu_ratio_max"],
+                            r["load_before"], r["load_after"],
+                            "yes" if r["cpu_median_ratio"] <= 1.03 else "no"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_telemetry.json").write_text(json.dumps(result, indent=1, default=str))

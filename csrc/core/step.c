@@ -252,6 +252,17 @@ int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
   (void)t, (void)start, (void)n, (void)s, (void)r, (void)kind;
   return 0;
 }
+
+/* Nor a counted one (telemetry.c's counted step asks first, as this file asks above). */
+int MP_ISA_FN(mp_k_fast_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                    const mp_step_scalars* s, const mp_rule_scalars* r, int kind,
+                                    double* row);
+int MP_ISA_FN(mp_k_fast_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                    const mp_step_scalars* s, const mp_rule_scalars* r, int kind,
+                                    double* row) {
+  (void)t, (void)start, (void)n, (void)s, (void)r, (void)kind, (void)row;
+  return 0;
+}
 #endif
 
 void MP_ISA_FN(mp_k_step)(const mp_step_tensor* t, int64_t start, int64_t n,

@@ -10,6 +10,45 @@
 #include "isa.h"
 
 #include "test_step.h"
+#include "mpext/telemetry.h"
+
+/* The counted step's entry points of each ISA build (telemetry.c, adam_fused.c; step.c's stub
+ * in a build without fast paths): the counted row of a mode (0 where none is kept), the counted
+ * pipeline alone, and the uncounted row. */
+#define FUSED_STS_DECL(isa)                                                                    \
+  int mp_k_fast_step_stats__##isa(const mp_step_tensor* t, int64_t start, int64_t n,           \
+                                  const mp_step_scalars* s, const mp_rule_scalars* r, int kind, \
+                                  double* row);                                                \
+  void mp_k_step_stats_generic__##isa(const mp_step_tensor* t, int64_t start, int64_t n,       \
+                                      const mp_step_scalars* s, const mp_rule_scalars* r,      \
+                                      double* row);                                            \
+  int mp_k_fast_step__##isa(const mp_step_tensor* t, int64_t start, int64_t n,                 \
+                            const mp_step_scalars* s, const mp_rule_scalars* r, int kind);
+FUSED_STS_DECL(scalar)
+#if defined(MP_X86_PATHS)
+FUSED_STS_DECL(avx2)
+FUSED_STS_DECL(avx512)
+#endif
+
+typedef struct fused_counted_fns {
+  int (*row)(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+             const mp_rule_scalars*, int, double*);
+  void (*pipeline)(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+                   const mp_rule_scalars*, double*);
+  int (*uncounted)(const mp_step_tensor*, int64_t, int64_t, const mp_step_scalars*,
+                   const mp_rule_scalars*, int);
+} fused_counted_fns;
+
+static fused_counted_fns counted_of(mp_isa isa) {
+#define FUSED_STS_FNS(isa) \
+  { mp_k_fast_step_stats__##isa, mp_k_step_stats_generic__##isa, mp_k_fast_step__##isa }
+#if defined(MP_X86_PATHS)
+  if (isa == MP_ISA_AVX2) return (fused_counted_fns)FUSED_STS_FNS(avx2);
+  if (isa == MP_ISA_AVX512) return (fused_counted_fns)FUSED_STS_FNS(avx512);
+#endif
+  return (fused_counted_fns)FUSED_STS_FNS(scalar);
+#undef FUSED_STS_FNS
+}
 
 /* 11n. The hand-fused loops the engine keeps (csrc/core/fast/adam_fused.c) against its tile
  *      pipeline alone (the kernel table's adam_step_generic): every valid storage mode (param
@@ -77,12 +116,28 @@ typedef struct fused_mode {
 
 /* Three steps of mode fm from one random state through kt's adam_step and its
  * adam_step_generic, each range split in two; 1 if every value agrees (fused_values_agree). */
-static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t s, int variant) {
+/* counted (cf != NULL): st[0] through the counted row (the counted pipeline where the mode has
+ * none), st[1] through the counted pipeline alone, st[2] through the uncounted row (step_generic
+ * where none); every array of the three must agree, the two rows of counters bit for bit (the
+ * same epilogue over the same tiles), and *rows_taken counts the pieces a counted row took,
+ * *uncounted_taken those an uncounted one did (a mode's counted row must exist where its row
+ * does). */
+typedef struct fused_counted {
+  fused_counted_fns f;
+  int rows_taken, uncounted_taken;
+} fused_counted;
+
+static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t s, int variant,
+                       fused_counted* cf) {
   enum { N = 3 * 256 + 77 };
   const mp_dtype pt = fm->pt, gt = fm->gt, md = fm->md, vd = fm->vd;
-  fused_state st[2];
+  const int ncopy = cf != NULL ? 3 : 2;
+  double row[2][MP_STS_NCOLS];
+  memset(row, 0, sizeof row);
+  fused_state st[3];
   fused_alloc(&st[0], N);
   fused_alloc(&st[1], N);
+  fused_alloc(&st[2], N);
   for (int i = 0; i < N; ++i) {
     const double u = (double)(splitmix64(&s) >> 11) * 0x1p-53 - 0.5;
     float gv = (float)(1e-3 * (u + 0.1));
@@ -119,15 +174,17 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
     st[0].ms[b] = (b == 1 && md == MP_I8 ? 1e-30f : 1e-4f) * (float)(b + 1);
     st[0].vs[b] = (b == 1 && md == MP_I8 ? 1e-38f : 1e-8f) * (float)(b + 1);
   }
-  memcpy(st[1].p, st[0].p, N * 4);
-  memcpy(st[1].g, st[0].g, N * 4);
-  memcpy(st[1].m, st[0].m, N * 4);
-  memcpy(st[1].v, st[0].v, N * 4);
-  memcpy(st[1].master, st[0].master, N * 4);
-  memcpy(st[1].ema, st[0].ema, N * 4);
-  memcpy(st[1].rem, st[0].rem, N * 2);
-  memcpy(st[1].ms, st[0].ms, 16);
-  memcpy(st[1].vs, st[0].vs, 16);
+  for (int c = 1; c < 3; ++c) {
+    memcpy(st[c].p, st[0].p, N * 4);
+    memcpy(st[c].g, st[0].g, N * 4);
+    memcpy(st[c].m, st[0].m, N * 4);
+    memcpy(st[c].v, st[0].v, N * 4);
+    memcpy(st[c].master, st[0].master, N * 4);
+    memcpy(st[c].ema, st[0].ema, N * 4);
+    memcpy(st[c].rem, st[0].rem, N * 2);
+    memcpy(st[c].ms, st[0].ms, 16);
+    memcpy(st[c].vs, st[0].vs, 16);
+  }
   mp_step_options o;
   memset(&o, 0, sizeof o);
   o.beta1 = 0.9;
@@ -143,12 +200,12 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
   o.seed = s;
   o.q8_block = 256;
   o.ema_decay = fm->ema ? 0.99 : 0.0; /* 0: what a group without an ema passes */
-  float step[2] = {0.0f, 0.0f};
+  float step[3] = {0.0f, 0.0f, 0.0f};
   for (int it = 0; it < 3; ++it) {
     const float inv = it == 1 ? 2.0f : 0.5f;
     const mp_step_scalars sc = mp_step_scalars_of(&o, step[0], inv, 5u);
     const mp_rule_scalars rc = mp_rule_scalars_of(&o, 1e-3f, step[0]);
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < ncopy; ++c) {
       mp_step_tensor t;
       memset(&t, 0, sizeof t);
       t.param = st[c].p;
@@ -168,8 +225,22 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
       t.n = N;
       t.sr_stream = 5u;
       /* two ranges: [0, 256) and the rest, as threads would split it */
-      (c == 0 ? kt->step : kt->step_generic)(&t, 0, 256, &sc, &rc);
-      (c == 0 ? kt->step : kt->step_generic)(&t, 256, N - 256, &sc, &rc);
+      const int64_t r0[2] = {0, 256}, rn[2] = {256, N - 256};
+      for (int h = 0; h < 2; ++h) {
+        if (cf == NULL) {
+          (c == 0 ? kt->step : kt->step_generic)(&t, r0[h], rn[h], &sc, &rc);
+        } else if (c == 0) {
+          const int took = cf->f.row(&t, r0[h], rn[h], &sc, &rc, fm->kind, row[0]);
+          if (!took) cf->f.pipeline(&t, r0[h], rn[h], &sc, &rc, row[0]);
+          cf->rows_taken += took;
+        } else if (c == 1) {
+          cf->f.pipeline(&t, r0[h], rn[h], &sc, &rc, row[1]);
+        } else {
+          const int took = cf->f.uncounted(&t, r0[h], rn[h], &sc, &rc, fm->kind);
+          if (!took) kt->step_generic(&t, r0[h], rn[h], &sc, &rc);
+          cf->uncounted_taken += took;
+        }
+      }
       step[c] += 1.0f;
     }
   }
@@ -195,9 +266,57 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
     same = same && fused_values_agree(st[0].m, st[1].m, md, N) &&
            fused_values_agree(st[0].v, st[1].v, vd, N);
   }
+  if (cf != NULL) { /* the counted row's arrays against the uncounted row's too, as above */
+    const fused_state keep = st[1];
+    st[1] = st[2];
+    same = same && fused_values_agree(st[0].p, st[1].p, pt, N) &&
+           fused_values_agree(st[0].g, st[1].g, gt, N) &&
+           fused_values_agree(st[0].master, st[1].master, MP_F32, N) &&
+           fused_values_agree(st[0].ema, st[1].ema, MP_F32, N);
+    for (int i = 0; i < N; ++i) {
+      if (!(a_isnan(pt, a_get(st[0].p, pt, (size_t)i)) && a_isnan(pt, a_get(st[1].p, pt, (size_t)i))))
+        same = same && st[0].rem[i] == st[1].rem[i];
+    }
+    if (md == MP_I8) {
+      same = same && fused_values_agree(st[0].ms, st[1].ms, MP_F32, 4) &&
+             fused_values_agree(st[0].vs, st[1].vs, MP_F32, 4);
+      for (int i = 0; i < N; ++i) {
+        const int b = i / 256;
+        if (!isnan(st[0].ms[b]) || !isnan(st[1].ms[b]))
+          same = same && ((uint8_t*)st[0].m)[i] == ((uint8_t*)st[1].m)[i];
+        if (!isnan(st[0].vs[b]) || !isnan(st[1].vs[b]))
+          same = same && ((uint8_t*)st[0].v)[i] == ((uint8_t*)st[1].v)[i];
+      }
+    } else {
+      same = same && fused_values_agree(st[0].m, st[1].m, md, N) &&
+             fused_values_agree(st[0].v, st[1].v, vd, N);
+    }
+    st[2] = st[1];
+    st[1] = keep;
+    /* the counters: the same bits (NaN sums as NaN), every element counted; but "unmoved"
+     * (the 16-bit param kept its bits) of a NaN param compares NaN bits, which are not
+     * specified (fused_values_agree): it may differ by one per NaN param and step */
+    int nan_params = 0;
+    for (int i = 0; i < N; ++i) nan_params += a_isnan(pt, a_get(st[0].p, pt, (size_t)i));
+    for (int j = 0; j < MP_STS_NCOLS; ++j) {
+      if (j == MP_STS_UNMOVED) {
+        same = same && fabs(row[0][j] - row[1][j]) <= 3.0 * nan_params;
+        same = same && (nan_params > 0 || row[0][j] == row[1][j]);
+      } else {
+        same = same && (memcmp(&row[0][j], &row[1][j], sizeof(double)) == 0 ||
+                        (isnan(row[0][j]) && isnan(row[1][j])));
+      }
+    }
+    same = same && row[0][MP_STS_ELEMS] == 3.0 * N;
+  }
   fused_free(&st[0]);
   fused_free(&st[1]);
+  fused_free(&st[2]);
   return same;
+}
+
+static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t s, int variant) {
+  return fused_same_(kt, fm, s, variant, NULL);
 }
 
 static void test_adam_fused_vs_generic(uint64_t seed0) {
@@ -242,6 +361,54 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
   g_end(&g);
 }
 
+/* 11o. The counted rows (mp_step_stats takes a mode's row where one is kept: its loop with the
+ *      counters' captures, adam_fused.c) against the counted pipeline alone (telemetry.c) and
+ *      the uncounted row: every valid mode, AdamW's usual case and Adam's, on every ISA path;
+ *      every array agrees with both, the counters bit for bit with the pipeline's, and every
+ *      mode with an uncounted row has a counted one. */
+static void test_counted_rows(uint64_t seed0) {
+  const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
+  group g;
+  g_begin(&g, "telemetry: counted rows = the counted pipeline, every storage mode and ISA path");
+  for (int k = 0; k < g_nisa; ++k) {
+    const mp_kernel_table* kt = kernels_of(g_isas[k]);
+    fused_counted cf = {counted_of(g_isas[k]), 0, 0};
+    for (int code = 0; code < 3 * 2 * 5 * 4 * 8; ++code) {
+      const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
+      const int flags = code / 120;
+      fused_mode fm;
+      fm.pt = dts[pi];
+      fm.gt = gi ? MP_F32 : fm.pt;
+      fm.kind = kind;
+      fm.md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
+      fm.vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
+      fm.wb = flags & 1;
+      fm.nearest = (flags >> 1) & 1;
+      fm.ema = flags >> 2;
+      if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
+      if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
+      /* the rows are bf16 or fp32 params: fp16 modes run the pipeline both ways (one check) */
+      if (fm.pt == MP_F16 && (flags != 0 || mom != 0)) continue;
+      const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0xD1B54A32D192ED03ull);
+      for (int j = 0; j < 2; ++j) { /* AdamW's usual case (the vector loops), then Adam */
+        g.count++;
+        g_check(&g, fused_same_(kt, &fm, s, j == 0 ? 0 : 2 * code + 1, &cf),
+                "[%s] param %s grad %s storage %d moments %d/%d wb %d nearest %d ema %d %s: the "
+                "counted row differs from the counted pipeline or the uncounted row",
+                mp_isa_name(g_isas[k]), U_NAME[pi], U_NAME[gi ? 0 : pi], kind, (int)fm.md,
+                (int)fm.vd, fm.wb, fm.nearest, fm.ema, j ? "adam" : "adamw");
+      }
+    }
+    g.count++;
+    g_check(&g, cf.rows_taken == cf.uncounted_taken,
+            "[%s] %d pieces took a counted row where %d took an uncounted one",
+            mp_isa_name(g_isas[k]), cf.rows_taken, cf.uncounted_taken);
+    printf("      [%s] %d pieces through counted rows\n", mp_isa_name(g_isas[k]), cf.rows_taken);
+  }
+  g_end(&g);
+}
+
 void run_tests(const sweep_opts* o, mp_isa initial_active) {
   test_adam_fused_vs_generic(o->seed);
+  test_counted_rows(o->seed);
 }

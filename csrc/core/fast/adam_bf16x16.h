@@ -138,6 +138,14 @@ static inline void x16_ema(float* restrict e, __m256 xe, __m256 xo, __m256 w) {
   _mm256_storeu_ps(e + 8, _mm256_permute2f128_ps(u, h, 0x31));
 }
 
+/* The 16 fp32 values of even elements e and odd ones o stored at p in element order (the
+ * counted rows' captures), as x16_ema puts its values back. */
+static inline void x16_capture(float* restrict p, __m256 e, __m256 o) {
+  const __m256 u = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);
+  _mm256_storeu_ps(p, _mm256_permute2f128_ps(u, h, 0x20));
+  _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(u, h, 0x31));
+}
+
 /* The lanes of x that hold a NaN, all ones. */
 static inline __m256 x16_nan(__m256 x) { return _mm256_cmp_ps(x, x, _CMP_UNORD_Q); }
 
@@ -148,7 +156,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
     uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
-    const int write_grad) {
+    const int write_grad, float* restrict cx, float* restrict cm, float* restrict cv) {
   const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
   const __m256i km = x16_key(s->st.key_moments, hi), kp = x16_key(s->st.key_param, hi);
@@ -175,6 +183,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
      * NaN m through the numerator), and so does a NaN grad */
     const __m256 nan = _mm256_or_ps(x16_nan(xe), x16_nan(xo));
     if (!_mm256_testz_ps(nan, nan)) break;
+    /* counting (NULL, folded away, in the uncounted rows): the fp32 values in element order */
+    if (cm != NULL) x16_capture(cm + i, me, mo);
+    if (cv != NULL) x16_capture(cv + i, ve, vo);
+    if (cx != NULL) x16_capture(cx + i, xe, xo);
     if (write_grad) {
       _mm256_storeu_si256((__m256i*)(grad + i),
                           x16_pack_hi(x16_rne_even(_mm256_castps_si256(ge)),
@@ -254,7 +266,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
     uint16_t* restrict param, void* restrict grad, const int g32, float* restrict master,
     int16_t* restrict remainder, float* restrict m, float* restrict v, float* restrict ema,
     uint32_t i, uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int kind,
-    const int write_grad) {
+    const int write_grad, float* restrict cx) {
   const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
   const __m256i kp = x16_key(s->st.key_param, hi);
@@ -298,6 +310,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
       _mm256_storeu_ps(m + j + 8, mk[k + 1]);
       _mm256_storeu_ps(v + j, vk[k]);
       _mm256_storeu_ps(v + j + 8, vk[k + 1]);
+      if (cx != NULL) { /* counting: a master-free param's fp32 values */
+        _mm256_storeu_ps(cx + j, x[k]);
+        _mm256_storeu_ps(cx + j + 8, x[k + 1]);
+      }
       __m256i qa, qb;
       if (rounded_master) { /* the master rounded to nearest even, kept as stored */
         const __m256i ua = x16_master_bits(_mm256_castps_si256(x[k]));

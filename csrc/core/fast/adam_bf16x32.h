@@ -142,6 +142,15 @@ static inline void x32_join(__m512i e, __m512i o, __m512i* a, __m512i* b) {
   *b = _mm512_permutex2var_epi32(e, _mm512_add_epi32(first, _mm512_set1_epi32(8)), o);
 }
 
+/* The 32 fp32 values of even elements e and odd ones o stored at p in element order (the
+ * counted rows' captures). */
+static inline void x32_capture(float* restrict p, __m512 e, __m512 o) {
+  __m512i a, b;
+  x32_join(_mm512_castps_si512(e), _mm512_castps_si512(o), &a, &b);
+  _mm512_storeu_si512(p, a);
+  _mm512_storeu_si512(p + 16, b);
+}
+
 /* mp_adam_ema past its first step with ema_weight < 0.5 (mp_adam_usual), on the 32 fp32 ema
  * values at e (elements in order) for the new values xe (even elements) and xo (odd): the pair
  * split by element parity, lerped, and put back in order. */
@@ -174,7 +183,7 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
     uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
-    const int write_grad) {
+    const int write_grad, float* restrict cx, float* restrict cm, float* restrict cv) {
   const __m512 ema_w = _mm512_set1_ps(s->st.ema_weight);
   const x32_scalars c = x32_scalars_of(s);
   const __m512i km = x32_key(s->st.key_moments, hi), kp = x32_key(s->st.key_param, hi);
@@ -211,6 +220,10 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     const __m512 xo = x32_element(&go, _mm512_castsi512_ps(po), &mo, &vo, &c);
     /* a NaN grad makes the param NaN too */
     if (x32_nan(xe, me, ve, xo, mo, vo)) break;
+    /* counting (NULL, folded away, in the uncounted rows): the fp32 values in element order */
+    if (cm != NULL) x32_capture(cm + i, me, mo);
+    if (cv != NULL) x32_capture(cv + i, ve, vo);
+    if (cx != NULL) x32_capture(cx + i, xe, xo);
     if (write_grad) {
       _mm512_storeu_si512(grad + i, x32_pack_hi(x32_rne_hi(_mm512_castps_si512(ge)),
                                                 x32_rne_hi(_mm512_castps_si512(go))));

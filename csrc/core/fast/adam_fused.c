@@ -22,6 +22,7 @@
 #include "formats/tiles.h"
 #include "adam_fused.h"
 #include "mpext/numerics.h"
+#include "telemetry_step.h"
 
 #ifndef MP_ISA_SUFFIX
 #error "adam_fused.c must be compiled with -DMP_ISA_SUFFIX=scalar|avx2|avx512"
@@ -71,7 +72,8 @@ static inline __attribute__((always_inline)) void adam_loop(
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
     void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, uint32_t n,
     const mp_fused_scalars* restrict hp, const int mk, const int write_grad, const int near,
-    const int with_ema, const int usual, q8_sweep* restrict q) {
+    const int with_ema, const int usual, q8_sweep* restrict q, float* restrict cx,
+    float* restrict cm, float* restrict cv) {
   mp_fused_scalars s = *hp;
   s.st.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
   if (usual) { /* the same values too (see mp_adam_usual), as constants */
@@ -109,12 +111,12 @@ static inline __attribute__((always_inline)) void adam_loop(
       const uint32_t w = 32u;
       i = x32_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
                         (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
-                        write_grad);
+                        write_grad, cx, cm, cv);
 #else
       const uint32_t w = 16u;
       i = x16_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
                         (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
-                        write_grad);
+                        write_grad, cx, cm, cv);
 #endif
       stop = n - i < w ? n : i + w;
     }
@@ -123,7 +125,7 @@ static inline __attribute__((always_inline)) void adam_loop(
     if (usual && pt == MP_BF16 && md == MP_F32 && vd == MP_F32 && mk != MK_F32) {
       i = x16_adam_f32m((uint16_t*)param, grad, gt == MP_F32, master, remainder, (float*)m,
                         (float*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, mk,
-                        write_grad);
+                        write_grad, cx);
       stop = n - i < X16_F32M_W ? n : i + X16_F32M_W;
     }
 #endif
@@ -149,6 +151,11 @@ static inline __attribute__((always_inline)) void adam_loop(
         vi = load_as_f32(v, i, vd);
       }
       const float p = mp_adam_element(g, p0, &mi, &vi, &s.a);
+      /* counting (NULL, folded away, in the uncounted rows): the values the counters compare
+       * with what is stored -- the master-free param's fp32 value, the bf16 moments' */
+      if (cx != NULL) cx[i] = p;
+      if (cm != NULL) cm[i] = mi;
+      if (cv != NULL) cv[i] = vi;
       const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.st.key_moments, lo, pos_hi) : 0u;
       if (q8) {
         mbuf[i] = mi;
@@ -204,6 +211,14 @@ static inline __attribute__((always_inline)) void adam_loop(
   }
 }
 
+/* Counting a block of 8-bit moments (adam_q8 with a row): the old fp32 values and 16-bit
+ * params, and the new fp32 values of a master-free param (captured by the sweeps). */
+typedef struct q8_count_bufs {
+  _Alignas(64) float old[MP_Q8_BLOCK_MAX];
+  _Alignas(64) float x[MP_Q8_BLOCK_MAX];
+  _Alignas(64) uint16_t qold[MP_Q8_BLOCK_MAX];
+} q8_count_bufs;
+
 /* The second sweep over a block of 8-bit moments: its new fp32 moments (still in L1) written as
  * codes relative to the block's new references, with the random bits the first sweep drew. */
 static inline __attribute__((always_inline)) void q8_store(
@@ -220,17 +235,24 @@ static inline __attribute__((always_inline)) void q8_store(
 /* 8-bit moments over elements [start, start + n) (start a multiple of the block size), block
  * by block: the first sweep updates everything and leaves the block's new fp32 moments and the
  * random bits of their rounding in buffers that stay in L1, the second writes their codes and
- * the block's scales. */
+ * the block's scales. With row (the counted step, mp_step_stats; NULL, folded away, in the
+ * uncounted rows) each block's counters are added into row from those buffers, as
+ * telemetry.c's pipeline counts them. */
 static inline __attribute__((always_inline)) void adam_q8(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
     uint8_t* restrict vc, float* restrict ms, float* restrict vs, float* restrict ema,
     int64_t start, int64_t n, const mp_fused_scalars* restrict hp, const int mk,
-    const int write_grad, const int with_ema, const int usual) {
+    const int write_grad, const int with_ema, const int usual, double* restrict row,
+    q8_count_bufs* restrict cb) {
   const int64_t b = hp->st.q8_block;
   _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) uint32_t rbuf[MP_Q8_BLOCK_MAX];
+  float* restrict old = row != NULL ? cb->old : NULL;
+  uint16_t* restrict qold = row != NULL ? cb->qold : NULL;
+  float* restrict xs = row != NULL ? cb->x : NULL;
+  float* restrict cx = row != NULL && mk == MK_NONE_SR ? xs : NULL;
   const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
 #if defined(MP_Q8X32)
   /* the rows adam_q8x32.h steps by hand: each block's whole 32-element chunks, where its
@@ -245,6 +267,13 @@ static inline __attribute__((always_inline)) void adam_q8(
     const uint32_t em0 = mp_q8_ref_exp_m(bits_of_f32(ms[k]));
     const uint32_t ev0 = mp_q8_ref_exp_v(bits_of_f32(vs[k]));
     uint32_t h = 0u, am = 0u, av = 0u;
+    const mp_pv_tile at = {(char*)param + off * pb, master != NULL ? master + off : NULL,
+                           remainder != NULL ? remainder + off : NULL};
+    if (row != NULL) {
+      const float* p0 = mp_pv_decode(mk, pt, &at, old, (uint32_t)len);
+      if (p0 != old) memcpy(old, p0, (size_t)len * sizeof(float));
+      memcpy(qold, at.param, (size_t)len * sizeof(uint16_t));
+    }
 #if defined(MP_Q8X32)
     if (hand && em0 < 255u && ev0 < 255u) {
       const int64_t pos = start + off;
@@ -252,7 +281,7 @@ static inline __attribute__((always_inline)) void adam_q8(
                        master != NULL ? master + off : NULL,
                        remainder != NULL ? remainder + off : NULL, (const uint8_t*)mc + off,
                        vc + off, (uint32_t)len, (uint32_t)pos, (uint32_t)((uint64_t)pos >> 32),
-                       hp, em0, ev0, mbuf, vbuf, rbuf, &am, &av, mk, write_grad);
+                       hp, em0, ev0, mbuf, vbuf, rbuf, &am, &av, mk, write_grad, cx);
     }
 #endif
     if (h < (uint64_t)len) { /* the rest of the block: the C loop */
@@ -261,7 +290,8 @@ static inline __attribute__((always_inline)) void adam_q8(
                 master != NULL ? master + off + h : NULL,
                 remainder != NULL ? remainder + off + h : NULL, mc + off + h, MP_I8,
                 vc + off + h, MP_U8, with_ema ? ema + off + h : NULL, start + off + h,
-                (uint32_t)(len - h), hp, mk, write_grad, 0, with_ema, usual, &q);
+                (uint32_t)(len - h), hp, mk, write_grad, 0, with_ema, usual, &q,
+                cx != NULL ? cx + h : NULL, NULL, NULL);
       am = q.am > am ? q.am : am;
       av = q.av > av ? q.av : av;
     }
@@ -272,6 +302,8 @@ static inline __attribute__((always_inline)) void adam_q8(
       if (em < 255u && ev < 255u) {
         x32_q8_encode(mc + off, vc + off, mbuf, vbuf, rbuf, h, em, ev);
         from = h;
+        /* counting reads the fp32 moments in element order */
+        if (row != NULL) x32_q8_unsplit(mbuf, vbuf, rbuf, h);
       } else {
         x32_q8_unsplit(mbuf, vbuf, rbuf, h);
       }
@@ -286,6 +318,14 @@ static inline __attribute__((always_inline)) void adam_q8(
     }
     ms[k] = f32_of_bits(am);
     vs[k] = f32_of_bits(av);
+    if (row != NULL) { /* telemetry.c's step_q8_blocks_counted's counters, of this block */
+      const float* x = mk == MK_NONE_SR ? xs : mp_pv_decode(mk, pt, &at, xs, (uint32_t)len);
+      row[MP_STS_ELEMS] += (double)len;
+      sts_param(mk, pt, x, old, at.param, qold, (uint32_t)len, row);
+      if (with_ema) sts_err_sums(ema + off, x, (uint32_t)len, &row[MP_STS_EMA_LAG], &row[MP_STS_EMA_ABS]);
+      sts_q8_block((const uint8_t*)mc + off, vc + off, mbuf, vbuf, (uint32_t)len, ms[k], vs[k], 1,
+                   old, row);
+    }
   }
 }
 
@@ -343,10 +383,11 @@ static inline int mp_adam_usual(const mp_fused_scalars* s, int with_ema) {
 #define MP_FUSED_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, USUAL)                           \
   if (MD == MP_I8) {                                                                      \
     adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,             \
-            t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA, USUAL); \
+            t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA, USUAL,  \
+            NULL, NULL);                                                                  \
   } else {                                                                                \
     adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start,           \
-              (uint32_t)n, s, MK, WG, NEAR, EMA, USUAL, NULL);                            \
+              (uint32_t)n, s, MK, WG, NEAR, EMA, USUAL, NULL, NULL, NULL, NULL);          \
   }
 #define MP_FUSED_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                                \
   static void fused_##name(const mp_step_tensor* t, int64_t start, int64_t n,               \
@@ -398,5 +439,108 @@ int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
   if (f == NULL) return 0;
   const mp_fused_scalars fs = {*s, r->u.adam};
   f(t, start, n, &fs);
+  return 1;
+}
+
+/* ---- the counted rows (mp_step_stats: telemetry.c takes them where a row is kept) ----
+ * The same loops, with the values the counters need captured into tile buffers (cx, cm, cv:
+ * NULL, and folded away, in the uncounted rows above, whose machine code this leaves as it
+ * was), then telemetry_step.h's epilogue over each tile, from L1: the counted pipeline's own
+ * passes over the same tiles (MP_TILE elements from the piece's start), so that a counted row
+ * writes the bits of the uncounted one and adds the counters of the counted pipeline, bit for
+ * bit (tests/c/test_step_telemetry.c, "counted rows"). */
+
+/* Elements [start, start + n) of a piece, tile by tile: the old values saved, the row's loop
+ * over the tile with its captures, the counters. */
+static inline __attribute__((always_inline)) void adam_tiles_counted(
+    void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
+    float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
+    void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, int64_t n,
+    const mp_fused_scalars* restrict s, const int mk, const int wg, const int near,
+    const int with_ema, const int usual, double* restrict row) {
+  _Alignas(64) float old[MP_TILE]; /* the old fp32 values, then the epilogue's scratch */
+  _Alignas(64) float xb[MP_TILE];  /* the new fp32 values of a master-free or remainder param */
+  _Alignas(64) float cm[MP_TILE];  /* the bf16 moments' fp32 values */
+  _Alignas(64) float cv[MP_TILE];
+  _Alignas(64) uint16_t qold[MP_TILE];
+  const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
+  const int free = mk == MK_NONE_RNE || mk == MK_NONE_SR;
+  for (int64_t off = 0; off < n; off += MP_TILE) {
+    const uint32_t len = (uint32_t)(n - off < MP_TILE ? n - off : MP_TILE);
+    const mp_pv_tile at = {(char*)param + off * pb, master != NULL ? master + off : NULL,
+                           remainder != NULL ? remainder + off : NULL};
+    void* m_at = (char*)m + off * MP_DTYPE_BYTES(md);
+    void* v_at = (char*)v + off * MP_DTYPE_BYTES(vd);
+    float* ema_at = with_ema ? ema + off : NULL;
+    if (mk != MK_F32) {
+      const float* p0 = mp_pv_decode(mk, pt, &at, old, len);
+      if (p0 != old) memcpy(old, p0, len * sizeof(float));
+      memcpy(qold, at.param, len * sizeof(uint16_t));
+    }
+    adam_loop(at.param, pt, (char*)grad + off * gb, gt, at.master, at.remainder, m_at, md, v_at,
+              vd, ema_at, start + off, len, s, mk, wg, near, with_ema, usual, NULL,
+              free ? xb : NULL, md == MP_BF16 ? cm : NULL, vd == MP_BF16 ? cv : NULL);
+    /* x: the new fp32 value, as the pipeline's p after its encode (the master as stored) */
+    const float* x = free ? xb : mp_pv_decode(mk, pt, &at, xb, len);
+    row[MP_STS_ELEMS] += len;
+    if (mk != MK_F32) sts_param(mk, pt, x, old, at.param, qold, len, row);
+    if (md == MP_BF16) sts_bf16_moment(m_at, cm, len, old, &row[MP_STS_M_ERR], &row[MP_STS_M_ABS]);
+    if (vd == MP_BF16) sts_bf16_moment(v_at, cv, len, old, &row[MP_STS_V_ERR], &row[MP_STS_V_ABS]);
+    if (with_ema) sts_err_sums(ema_at, x, len, &row[MP_STS_EMA_LAG], &row[MP_STS_EMA_ABS]);
+  }
+}
+
+#define MP_FUSED_STATS_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, USUAL)                        \
+  if (MD == MP_I8) {                                                                         \
+    adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,                \
+            t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA, USUAL,     \
+            row, &cb);                                                                       \
+  } else {                                                                                   \
+    adam_tiles_counted(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, n, \
+                       s, MK, WG, NEAR, EMA, USUAL, row);                                    \
+  }
+#define MP_FUSED_STATS_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                          \
+  static void fused_stats_##name(const mp_step_tensor* t, int64_t start, int64_t n,         \
+                                 const mp_fused_scalars* s, double* row) {                  \
+    void* param = (char*)t->param + start * MP_DTYPE_BYTES(PT);                             \
+    void* grad = (char*)t->grad + start * MP_DTYPE_BYTES(GT);                               \
+    float* master = t->master != NULL ? t->master + start : NULL;                           \
+    int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;                \
+    void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(MD);                               \
+    void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(VD);                            \
+    float* ema = t->ema != NULL ? t->ema + start : NULL;                                    \
+    _Alignas(64) q8_count_bufs cb;                                                          \
+    if (mp_adam_usual(s, EMA)) {                                                            \
+      MP_FUSED_STATS_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 1)                             \
+    } else {                                                                                \
+      MP_FUSED_STATS_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 0)                             \
+    }                                                                                       \
+  }
+MP_ADAM_FUSED_ROWS(MP_FUSED_STATS_FN)
+
+typedef void (*fused_stats_fn)(const mp_step_tensor*, int64_t, int64_t, const mp_fused_scalars*,
+                               double*);
+#define MP_FUSED_STATS_SLOT(name, PT, GT, MK, MD, VD, WG, NEAR, EMA) \
+  [FUSED_INDEX(PT, (GT) != (PT), MK, FUSED_MOMENTS(MD, VD), WG, NEAR, EMA)] = fused_stats_##name,
+static const fused_stats_fn FUSED_STATS[FUSED_SLOTS] = {MP_ADAM_FUSED_ROWS(MP_FUSED_STATS_SLOT)};
+
+/* mp_k_fast_step with the step's counters added into row (telemetry.c's counted step takes it
+ * first, as step.c takes mp_k_fast_step); 0, having done nothing, where no row is kept. */
+int MP_ISA_FN(mp_k_fast_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                    const mp_step_scalars* s, const mp_rule_scalars* r, int kind,
+                                    double* row);
+int MP_ISA_FN(mp_k_fast_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
+                                    const mp_step_scalars* s, const mp_rule_scalars* r, int kind,
+                                    double* row) {
+  if (r->rule != MP_RULE_ADAM || t->offset != 0) return 0;
+  const int32_t md = mp_format_dtype(t->exp_avg_format);
+  const int32_t vd = mp_format_dtype(t->exp_avg_sq_format);
+  const int32_t near = s->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16);
+  const int32_t wg = s->write_grad != 0, ema = t->ema != NULL;
+  const fused_stats_fn f = FUSED_STATS[FUSED_INDEX(t->param_dtype, t->grad_dtype != t->param_dtype,
+                                                   kind, FUSED_MOMENTS(md, vd), wg, near, ema)];
+  if (f == NULL) return 0;
+  const mp_fused_scalars fs = {*s, r->u.adam};
+  f(t, start, n, &fs, row);
   return 1;
 }

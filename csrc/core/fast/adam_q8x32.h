@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     int16_t* restrict remainder, const uint8_t* restrict mc, const uint8_t* restrict vc,
     uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, uint32_t em, uint32_t ev,
     float* restrict mbuf, float* restrict vbuf, uint32_t* restrict rbuf, uint32_t* am,
-    uint32_t* av, const int mk, const int write_grad) {
+    uint32_t* av, const int mk, const int write_grad, float* restrict cx) {
   const x32_scalars c = x32_scalars_of(s);
   const __m512 inv_k = _mm512_set1_ps(s->st.q8_inv_k);
   const x32_q8_dec dm = x32_q8_dec_of(em, 7u), dv = x32_q8_dec_of(ev, 15u);
@@ -129,6 +129,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     const __m512 xo = x32_element(&go, _mm512_castsi512_ps(po), &mo, &vo, &c);
     /* a NaN anywhere makes the param NaN (its rounding has a rule of its own) */
     if (_mm512_cmp_ps_mask(xe, xo, _CMP_UNORD_Q) != 0) break;
+    if (cx != NULL) x32_capture(cx + i, xe, xo); /* counting: the master-free param's values */
     if (write_grad) {
       _mm512_storeu_si512(grad + i, x32_pack_hi(x32_rne_hi(_mm512_castps_si512(ge)),
                                                 x32_rne_hi(_mm512_castps_si512(go))));
