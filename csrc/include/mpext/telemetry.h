@@ -130,9 +130,9 @@ MP_HD float mp_sts_half_ulp(uint32_t h, int pt) {
 
 /* mp_step(t, start, count, o) -- the same checks and the same bits in every array it writes --
  * with the counters above added into row[0 .. MP_STS_NCOLS) (not thread-safe: one row per
- * concurrent caller). Always through the tile pipeline: the fast paths are a cache of it (the
- * same bits) and are not taken. Nothing is counted when the step is skipped (*o->found_inf !=
- * 0). Returns MP_ERR_INVALID_ARGUMENT (writing nothing) as mp_step does, or for a NULL row. */
+ * concurrent caller). Through the mode's counted fast row where one is kept (csrc/core/fast/:
+ * the same bits and the same counters as the pipeline), else the tile pipeline. Nothing is
+ * counted when the step is skipped (*o->found_inf != 0). Returns MP_ERR_INVALID_ARGUMENT (writing nothing) as mp_step does, or for a NULL row. */
 mp_status mp_step_stats(const mp_step_tensor* t, int64_t start, int64_t count,
                         const mp_step_options* o, double* row);
 
