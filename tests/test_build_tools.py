@@ -1,7 +1,10 @@
 """build_tools/core.py's check of whether an object must be compiled again, which setup.py (the
 C core) and tests/cuda_emu/run.py use: it must follow the source, every header the compiler says
-the source includes, and the command, so that an incremental build never links a stale object."""
+the source includes, and the command, so that an incremental build never links a stale object;
+and the -O level every unit is built at (MPEXT_OPT_LEVEL)."""
 import os
+import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -102,6 +105,56 @@ def test_compile_all_in_parallel_keeps_the_good_objects_when_one_fails(tmp_path)
     assert core.compile_all(jobs, workers=3, log=lines.append) == 1
     assert core.compile_all(jobs, workers=3, log=lines.append) == 0
     assert all(core.up_to_date(obj, cmd) for _, cmd, obj in jobs)
+
+
+def _opt_levels(cmd):
+    return [a for a in cmd if re.fullmatch(r"-O[0-3sg]?", a)]
+
+
+def _setup_py_compile_args(monkeypatch):
+    """The extra_compile_args setup.py gives the extension, read by running setup.py here with
+    setuptools.setup replaced (nothing is built; torch is imported already)."""
+    import setuptools
+    from torch.utils import cpp_extension
+    got = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: got.update(kw))
+    monkeypatch.setattr(sys, "argv", ["setup.py", "build_ext"])
+    # what setup.py may set when it finds CUDA, put back afterwards
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
+    for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        if not os.environ[var]:
+            monkeypatch.delenv(var)
+    runpy.run_path(os.path.join(core.ROOT, "setup.py"), run_name="__main__")
+    ext, = got["ext_modules"]
+    return ext.extra_compile_args
+
+
+def test_every_unit_is_built_at_o3_unless_mpext_opt_level_says_otherwise(monkeypatch):
+    """A build that sets nothing -- a user's pip install -- compiles every C core object, the
+    C++ binding and the CUDA sources at -O3 (the last -O flag wins, so it must come after the
+    compiler's own, e.g. Python's CFLAGS); MPEXT_OPT_LEVEL=0, which .ci/package_check sets for
+    its wheel, at -O0; a value that is not a level fails naming the variable, before anything
+    is compiled. A sanitized C test build still overrides the level with its own -O1."""
+    cc = ["gcc", "-g", "-O2"]  # a compiler command with a level of its own, as Python's has
+    for level, want in ((None, "-O3"), ("0", "-O0"), ("", "-O3"), (" 2 ", "-O2")):
+        if level is None:
+            monkeypatch.delenv("MPEXT_OPT_LEVEL", raising=False)
+        else:
+            monkeypatch.setenv("MPEXT_OPT_LEVEL", level)
+        jobs = core.core_jobs(cc, "/nonexistent")
+        assert len(jobs) == len(list(core.compile_units())) > 0
+        assert {_opt_levels(cmd)[-1] for _, cmd, _ in jobs} == {want}, level
+        args = _setup_py_compile_args(monkeypatch)
+        assert set(args) <= {"cxx", "nvcc"} and "cxx" in args
+        assert {_opt_levels(flags)[-1] for flags in args.values()} == {want}, (level, args)
+        sanitized = core.core_jobs(cc, "/nonexistent", ["-O1"])
+        assert {_opt_levels(cmd)[-1] for _, cmd, _ in sanitized} == {"-O1"}
+    monkeypatch.setenv("MPEXT_OPT_LEVEL", "fast")
+    with pytest.raises(ValueError, match="MPEXT_OPT_LEVEL='fast' is not an optimisation level"):
+        core.core_jobs(cc, "/nonexistent")
+    with pytest.raises(SystemExit, match="MPEXT_OPT_LEVEL='fast'"):
+        _setup_py_compile_args(monkeypatch)
 
 
 def _load(path, name):
