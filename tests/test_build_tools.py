@@ -158,6 +158,22 @@ def test_every_unit_is_built_at_o3_unless_mpext_opt_level_says_otherwise(monkeyp
         _setup_py_compile_args(monkeypatch)
 
 
+def test_the_extensions_core_has_no_debug_info_the_test_builds_do(monkeypatch):
+    """setup.py compiles the core with Python's compiler command, which has -g: the core's own
+    -g0 must come after it (debug info made the -O3 compile ~40% longer; the C++ units are -g0
+    too). The C tests and the CUDA emulation add -g after that, for their stack traces."""
+    ctest = _load(os.path.join(core.ROOT, "tests", "c", "run.py"), "ctest_run_g")
+
+    def debug(cmd):
+        return [a for a in cmd if re.fullmatch(r"-g\d?", a)][-1]
+
+    cc = ["gcc", "-g", "-O3"]
+    assert {debug(cmd) for _, cmd, _ in core.core_jobs(cc, "/nonexistent")} == {"-g0"}
+    for sanitize in (True, False):
+        jobs = core.core_jobs(cc, "/nonexistent", ctest.core_extra(sanitize))
+        assert {debug(cmd) for _, cmd, _ in jobs} == {"-g"}, sanitize
+
+
 def _load(path, name):
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, path)
