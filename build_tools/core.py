@@ -38,7 +38,7 @@ COMMON_SOURCES = ["csrc/core/cpu.c",
 # -fno-math-errno lets sqrtf & co. vectorize; -fno-trapping-math lets the vectorizer if-convert.
 # Neither changes a result: the core never reads errno or floating-point exception flags. The -O
 # level goes first (common_cflags()). -g0, as the C++ units have: setup.py's compiler command
-# carries Python's -g, which made the core's -O3 compile ~40% longer (76 -> ~105 s of CPU); the
+# carries Python's -g, which made the core's -O3 compile ~20% longer (76 -> 93 s of CPU); the
 # C tests' and the emulation's builds add their own -g after it.
 COMMON_CFLAGS = ["-std=c11", "-g0", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
                  "-Wall", "-Wextra", "-Wno-unused-parameter"]

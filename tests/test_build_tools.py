@@ -160,7 +160,7 @@ def test_every_unit_is_built_at_o3_unless_mpext_opt_level_says_otherwise(monkeyp
 
 def test_the_extensions_core_has_no_debug_info_the_test_builds_do(monkeypatch):
     """setup.py compiles the core with Python's compiler command, which has -g: the core's own
-    -g0 must come after it (debug info made the -O3 compile ~40% longer; the C++ units are -g0
+    -g0 must come after it (debug info made the -O3 compile ~20% longer; the C++ units are -g0
     too). The C tests and the CUDA emulation add -g after that, for their stack traces."""
     ctest = _load(os.path.join(core.ROOT, "tests", "c", "run.py"), "ctest_run_g")
 
