@@ -12,7 +12,8 @@
 # Other knobs: TORCH_SPEC (pip requirement for torch), PYTEST_ARGS, TEST_WORKERS (the suite's
 # pytest-xdist processes, default 2; 0 runs it in one), MPEXT_FORCE_CUDA=0|1,
 # TORCH_CUDA_ARCH_LIST, NVCC, MPEXT_FAST_PATHS=0 (the C core without its fast paths:
-# csrc/core/fast/README.md).
+# csrc/core/fast/README.md), MPEXT_OPT_LEVEL (-O level of every unit, default 3:
+# build_tools/core.py).
 
 SHELL := /bin/bash
 VENV ?= .venv
@@ -97,7 +98,7 @@ BUILD_STAMP := build/.stamp-build
 BUILD_INFO := build/build_info.txt
 BUILD_SOURCES := setup.py $(wildcard build_tools/*.py) $(shell find csrc cuda -type f)
 BUILD_KEY := $(PY) $(MPEXT_FORCE_CUDA) $(TORCH_CUDA_ARCH_LIST) $(CUDA_HOME) $(NVCC) $(CC) $(CXX) \
-	$(if $(MPEXT_FAST_PATHS),fast=$(MPEXT_FAST_PATHS))
+	$(if $(MPEXT_FAST_PATHS),fast=$(MPEXT_FAST_PATHS)) $(if $(MPEXT_OPT_LEVEL),opt=$(MPEXT_OPT_LEVEL))
 BUILD_FORCE := $(if $(and $(wildcard mpext/_C*.so),$(wildcard $(BUILD_INFO))),,build-force)
 ifneq ($(strip $(BUILD_KEY)),$(strip $(shell cat $(BUILD_STAMP) 2>/dev/null)))
 BUILD_FORCE := build-force

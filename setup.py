@@ -8,6 +8,8 @@ Install PyTorch first, then: pip install --no-build-isolation -e .
   nvcc is found (CUDA_HOME), whether or not a GPU is visible. MPEXT_FORCE_CUDA=1 makes a missing
   toolkit an error; MPEXT_FORCE_CUDA=0 skips CUDA. With no visible GPU and TORCH_CUDA_ARCH_LIST
   unset, the archs default to Ampere and Hopper (8.0;9.0+PTX).
+- Every unit is compiled at -O3; MPEXT_OPT_LEVEL=0 (or 1, 2, s, g) builds at that level instead
+  (.ci/package_check's wheel: it checks packaging, not speed).
 - The torch requirement is the range of supported releases in an sdist and a pin to the torch it
   was built against in a wheel or an install (build_tools/requirements.py says why).
 """
@@ -31,6 +33,10 @@ except ImportError as exc:  # pragma: no cover - build-time message
     ) from exc
 
 ROOT = core.ROOT
+try:  # checked before anything is compiled (MPEXT_OPT_LEVEL, build_tools/core.py)
+    EXTENSION_CFLAGS = core.extension_cflags()
+except ValueError as exc:
+    raise SystemExit("mpext: %s" % exc) from None
 
 
 def find_cuda_home():
@@ -133,22 +139,19 @@ def extension():
     cuda_sources = [s for s in sources if s.endswith("_cuda.cpp")]
     sources = [s for s in sources if s not in cuda_sources]
     macros = [("MPEXT_TORCH_VERSION", '"%s"' % torch.__version__)] + core.COMMON_MACROS
-    # No debug info (-g0): it triples compile time and the size of _C. The C++ standard is the
-    # one cpp_extension picks for this torch.
-    # -fopenmp: at::parallel_for is inline code over OpenMP; without the flag it silently runs
-    # on one thread. torch's CPU builds link the same runtime (libgomp).
-    cxx = ["-O3", "-g0", "-fopenmp"]
+    # build_tools/core.py says why these flags; the C++ standard is the one cpp_extension picks
+    # for this torch.
+    flags = EXTENSION_CFLAGS
     # The generated headers first: "rules/rules.h" is the list build_tools/rules.py writes.
     kwargs = dict(include_dirs=[rules.GENERATED_DIR] + core.INCLUDE_DIRS, define_macros=macros,
                   extra_link_args=["-fopenmp"])
     if not WITH_CUDA:
-        return cpp_extension.CppExtension("mpext._C", sources, extra_compile_args={"cxx": cxx},
-                                          **kwargs)
+        return cpp_extension.CppExtension("mpext._C", sources,
+                                          extra_compile_args={"cxx": flags["cxx"]}, **kwargs)
     macros += [("MPEXT_WITH_CUDA", "1"), ("MPEXT_CUDA_ARCHS", '"%s"' % CUDA_ARCHS)]
-    nvcc = ["-O3", "--expt-relaxed-constexpr"]
     return cpp_extension.CUDAExtension(
         "mpext._C", sources + cuda_sources + sorted(glob.glob("cuda/*.cu")),
-        extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+        extra_compile_args=flags, **kwargs)
 
 
 setup(

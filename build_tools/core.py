@@ -36,9 +36,20 @@ COMMON_SOURCES = ["csrc/core/cpu.c",
                   "csrc/core/int8_block_cpu.c"]  # the int8 block code (issue 42): its dispatch
 
 # -fno-math-errno lets sqrtf & co. vectorize; -fno-trapping-math lets the vectorizer if-convert.
-# Neither changes a result: the core never reads errno or floating-point exception flags.
-COMMON_CFLAGS = ["-std=c11", "-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
+# Neither changes a result: the core never reads errno or floating-point exception flags. The -O
+# level goes first (common_cflags()). -g0, as the C++ units have: setup.py's compiler command
+# carries Python's -g, which made the core's -O3 compile ~20% longer (76 -> 93 s of CPU); the
+# C tests' and the emulation's builds add their own -g after it.
+COMMON_CFLAGS = ["-std=c11", "-g0", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
                  "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+# MPEXT_OPT_LEVEL: the -O level of every unit the build compiles (the C core, the C++ binding,
+# the CUDA sources), 3 unless set. .ci/package_check builds its wheel at 0: it checks packaging,
+# not speed (make build and the suite test the -O3 build), and -O0 compiles in a fraction of the
+# CPU time (docs/contributing.md, "CI"). A value of its own so that a user's pip install, which
+# sets nothing, always gets -O3.
+OPT_LEVEL_VAR = "MPEXT_OPT_LEVEL"
+OPT_LEVELS = ("0", "1", "2", "3", "s", "g")
 
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
@@ -57,20 +68,46 @@ def fast_paths():
     return os.environ.get("MPEXT_FAST_PATHS", "1").strip() != "0"
 
 
+def opt_flag():
+    """The -O flag of every compiled unit: -O3, or -O<MPEXT_OPT_LEVEL>. Raises ValueError naming
+    the variable for a value that is not a GCC/Clang level."""
+    level = os.environ.get(OPT_LEVEL_VAR, "").strip() or "3"
+    if level not in OPT_LEVELS:
+        raise ValueError("%s=%r is not an optimisation level: expected one of %s (the -O level "
+                         "of every compiled unit; unset means 3)"
+                         % (OPT_LEVEL_VAR, os.environ[OPT_LEVEL_VAR], ", ".join(OPT_LEVELS)))
+    return "-O" + level
+
+
+def common_cflags():
+    """The C core's flags but the ISA's: the -O level (opt_flag()), then COMMON_CFLAGS."""
+    return [COMMON_CFLAGS[0], opt_flag()] + COMMON_CFLAGS[1:]
+
+
+def extension_cflags():
+    """The C++ binding's and the CUDA sources' own flags (setup.py), at the same -O level as the
+    core. No debug info (-g0): it triples compile time and the size of _C. -fopenmp:
+    at::parallel_for is inline code over OpenMP; without the flag it silently runs on one thread
+    (torch's CPU builds link the same runtime, libgomp)."""
+    opt = opt_flag()
+    return {"cxx": [opt, "-g0", "-fopenmp"], "nvcc": [opt, "--expt-relaxed-constexpr"]}
+
+
 def compile_units(fast=None):
     """Yields (source, output subdirectory, extra cflags, macros) for every object of the core,
     with the fast paths or without them (fast: default fast_paths())."""
     fast = fast_paths() if fast is None else fast
+    common = common_cflags()
     for isa, flags in ISA_FLAGS.items():
         for src in KERNEL_SOURCES + (FAST_SOURCES if fast else []):
             macros = COMMON_MACROS + [("MP_ISA_SUFFIX", isa)]
             if src in FAST_USERS and not fast:
-                yield (src, isa + "-nofast", COMMON_CFLAGS + flags,
+                yield (src, isa + "-nofast", common + flags,
                        macros + [("MP_NO_FAST_PATHS", "1")])
             else:
-                yield src, isa, COMMON_CFLAGS + flags, macros
+                yield src, isa, common + flags, macros
     for src in COMMON_SOURCES:
-        yield src, "common", COMMON_CFLAGS, list(COMMON_MACROS)
+        yield src, "common", common, list(COMMON_MACROS)
 
 
 def up_to_date(obj, cmd):

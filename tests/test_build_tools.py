@@ -1,7 +1,11 @@
 """build_tools/core.py's check of whether an object must be compiled again, which setup.py (the
 C core) and tests/cuda_emu/run.py use: it must follow the source, every header the compiler says
-the source includes, and the command, so that an incremental build never links a stale object."""
+the source includes, and the command, so that an incremental build never links a stale object;
+and the -O level every unit is built at (MPEXT_OPT_LEVEL)."""
+import glob
 import os
+import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -102,6 +106,72 @@ def test_compile_all_in_parallel_keeps_the_good_objects_when_one_fails(tmp_path)
     assert core.compile_all(jobs, workers=3, log=lines.append) == 1
     assert core.compile_all(jobs, workers=3, log=lines.append) == 0
     assert all(core.up_to_date(obj, cmd) for _, cmd, obj in jobs)
+
+
+def _opt_levels(cmd):
+    return [a for a in cmd if re.fullmatch(r"-O[0-3sg]?", a)]
+
+
+def _setup_py_compile_args(monkeypatch):
+    """The extra_compile_args setup.py gives the extension, read by running setup.py here with
+    setuptools.setup replaced (nothing is built; torch is imported already)."""
+    import setuptools
+    from torch.utils import cpp_extension
+    got = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: got.update(kw))
+    monkeypatch.setattr(sys, "argv", ["setup.py", "build_ext"])
+    # what setup.py may set when it finds CUDA, put back afterwards
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
+    for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        if not os.environ[var]:
+            monkeypatch.delenv(var)
+    runpy.run_path(os.path.join(core.ROOT, "setup.py"), run_name="__main__")
+    ext, = got["ext_modules"]
+    return ext.extra_compile_args
+
+
+def test_every_unit_is_built_at_o3_unless_mpext_opt_level_says_otherwise(monkeypatch):
+    """A build that sets nothing -- a user's pip install -- compiles every C core object, the
+    C++ binding and the CUDA sources at -O3 (the last -O flag wins, so it must come after the
+    compiler's own, e.g. Python's CFLAGS); MPEXT_OPT_LEVEL=0, which .ci/package_check sets for
+    its wheel, at -O0; a value that is not a level fails naming the variable, before anything
+    is compiled. A sanitized C test build still overrides the level with its own -O1."""
+    cc = ["gcc", "-g", "-O2"]  # a compiler command with a level of its own, as Python's has
+    for level, want in ((None, "-O3"), ("0", "-O0"), ("", "-O3"), (" 2 ", "-O2")):
+        if level is None:
+            monkeypatch.delenv("MPEXT_OPT_LEVEL", raising=False)
+        else:
+            monkeypatch.setenv("MPEXT_OPT_LEVEL", level)
+        jobs = core.core_jobs(cc, "/nonexistent")
+        assert len(jobs) == len(list(core.compile_units())) > 0
+        assert {_opt_levels(cmd)[-1] for _, cmd, _ in jobs} == {want}, level
+        args = _setup_py_compile_args(monkeypatch)
+        assert set(args) <= {"cxx", "nvcc"} and "cxx" in args
+        assert {_opt_levels(flags)[-1] for flags in args.values()} == {want}, (level, args)
+        sanitized = core.core_jobs(cc, "/nonexistent", ["-O1"])
+        assert {_opt_levels(cmd)[-1] for _, cmd, _ in sanitized} == {"-O1"}
+    monkeypatch.setenv("MPEXT_OPT_LEVEL", "fast")
+    with pytest.raises(ValueError, match="MPEXT_OPT_LEVEL='fast' is not an optimisation level"):
+        core.core_jobs(cc, "/nonexistent")
+    with pytest.raises(SystemExit, match="MPEXT_OPT_LEVEL='fast'"):
+        _setup_py_compile_args(monkeypatch)
+
+
+def test_the_extensions_core_has_no_debug_info_the_test_builds_do(monkeypatch):
+    """setup.py compiles the core with Python's compiler command, which has -g: the core's own
+    -g0 must come after it (debug info made the -O3 compile ~20% longer; the C++ units are -g0
+    too). The C tests and the CUDA emulation add -g after that, for their stack traces."""
+    ctest = _load(os.path.join(core.ROOT, "tests", "c", "run.py"), "ctest_run_g")
+
+    def debug(cmd):
+        return [a for a in cmd if re.fullmatch(r"-g\d?", a)][-1]
+
+    cc = ["gcc", "-g", "-O3"]
+    assert {debug(cmd) for _, cmd, _ in core.core_jobs(cc, "/nonexistent")} == {"-g0"}
+    for sanitize in (True, False):
+        jobs = core.core_jobs(cc, "/nonexistent", ctest.core_extra(sanitize))
+        assert {debug(cmd) for _, cmd, _ in jobs} == {"-g"}, sanitize
 
 
 def _load(path, name):
@@ -205,17 +275,39 @@ def test_a_noop_make_build_starts_no_python_and_a_changed_header_rebuilds(tmp_pa
     assert len(build()) == 2
 
 
+def _built_object(src, isa):
+    """The object `make build` (setup.py) made of `src` for `isa`, if it is up to date with the
+    command setup.py would run now (build_tools/core.py's check), else None."""
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+    cc = new_compiler()
+    customize_compiler(cc)
+    for lib_dir in sorted(glob.glob(os.path.join(core.ROOT, "build", "temp.*", "core"))):
+        for s, cmd, obj in core.core_jobs(cc.compiler_so, lib_dir):
+            if s == src and "-DMP_ISA_SUFFIX=" + isa in cmd and core.up_to_date(obj, cmd):
+                return obj
+    return None
+
+
 @pytest.mark.skipif(CC is None or not core.X86, reason="needs a C compiler and an x86 target")
 def test_the_avx512_adam_loops_keep_their_software_prefetches(tmp_path):
     """adam_bf16x32.h's loops prefetch a kilobyte ahead on every array (at 16M elements on an
     Intel Xeon they ran 8-26% faster with it). GCC once dropped every prefetch without a word
     (the wrapper was taken for a function without side effects), so the object's code is read
-    here: compiled exactly as the build does, it must hold them."""
-    (src, cmd, obj), = [j for j in core.core_jobs([CC], str(tmp_path))
-                        if j[0] == "csrc/core/fast/adam_fused.c" and "-DMP_ISA_SUFFIX=avx512" in j[1]]
-    out = str(tmp_path / "adam_fused.s")
-    subprocess.run([{"-c": "-S", obj: out}.get(a, a) for a in cmd], check=True)
-    asm = Path(out).read_text()
+    here: the build's own object where it is up to date (the suite runs after `make build`:
+    disassembling it takes a fraction of a second, compiling the unit again at -O3 took 10-30 s
+    of CI's CPU), else the unit compiled exactly as the build does."""
+    src = "csrc/core/fast/adam_fused.c"
+    built = _built_object(src, "avx512") if shutil.which("objdump") else None
+    if built is not None:
+        asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", built], check=True,
+                             stdout=subprocess.PIPE, universal_newlines=True).stdout
+    else:
+        (_, cmd, obj), = [j for j in core.core_jobs([CC], str(tmp_path))
+                          if j[0] == src and "-DMP_ISA_SUFFIX=avx512" in j[1]]
+        out = str(tmp_path / "adam_fused.s")
+        subprocess.run([{"-c": "-S", obj: out}.get(a, a) for a in cmd], check=True)
+        asm = Path(out).read_text()
     # one per array and 32 elements in each hand-written row's loop: far more than a handful
     assert asm.count("prefetcht0") >= 16, "the AVX-512 Adam loops lost their software prefetches"
 
