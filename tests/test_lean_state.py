@@ -1107,73 +1107,8 @@ def test_rounding_decisions_are_unbiased_and_independent():
 
 
 # --------------------------------------------------------------------------------------------
-# Reproducibility: the same bits for every thread count and CPU ISA path, in every mode.
-
-ALL_MODES = dict(MODE_CASES, master_bf16=(BF16, {}, 0), master_fp16=(FP16, {}, 0),
-                 remainder=(BF16, dict(param_remainders=True), 0))
-
-
-def _big_run(threads):
-    """Two steps of one optimizer with a param group per mode, each param large enough for a
-    step to be split across threads inside it (the CPU kernel's tasks are 2^16 elements or
-    more), the steps on ``threads`` threads; returns the bytes of every param and state
-    tensor."""
-    torch.set_num_threads(1)  # everything but the steps: no need to share the cores
-    gen = torch.Generator().manual_seed(41)
-    groups, params = [], []
-    for case in sorted(ALL_MODES):
-        low, opts, _ = ALL_MODES[case]
-        p = torch.randn(140001, generator=gen).to(low).requires_grad_()
-        groups.append(dict(params=[p], seed=1234, **opts))  # one seed: fewer launches
-        params.append(p)
-    params.append(torch.randn(1001, generator=gen).requires_grad_())
-    groups[0]["params"].append(params[-1])
-    opt = AdamW(groups, lr=1e-3)
-    for step in range(2):
-        gen.manual_seed(step)
-        set_grads(params, [(torch.randn(p.shape, generator=gen) * 16).to(p.dtype)
-                           for p in params])
-        torch.set_num_threads(threads)
-        opt.step(grad_scale=torch.tensor(16.0))
-        torch.set_num_threads(1)
-    return [bits(t) for p in params
-            for t in [p] + [v for _, v in sorted(opt.state[p].items())]]
-
-
-def test_same_bits_for_every_thread_count_and_isa(threads):
-    """Every mode (ALL_MODES, a param group each), with 1 and 2 threads on every ISA path this
-    CPU runs (scalar, AVX2, AVX-512): bit for bit the same params, masters, remainders,
-    moments and steps."""
-    previous = mpext.cpu_isa()
-    results = {}
-    try:
-        for isa in mpext.build_info()["cpu_isas_supported"]:
-            mpext.set_cpu_isa(isa)
-            for n in (1, 2):
-                results[isa, n] = _big_run(n)
-    finally:
-        mpext.set_cpu_isa(previous)
-    first = next(iter(results))
-    assert len(results) >= 2
-    for key, got in results.items():
-        assert all(torch.equal(a, b) for a, b in zip(got, results[first])), (key, first)
-
-
-# --------------------------------------------------------------------------------------------
 # Bad options and states: a clear error naming the argument, and nothing changed. (The
 # constructor's checks are tests/test_adam.py's CTOR_BAD; the op's, its OP_BAD.)
-
-
-def test_fp16_param_with_remainders_is_refused():
-    p16 = torch.zeros(3, dtype=FP16, requires_grad=True)
-    msg = (r"params\[1\] \(param group 0\) is float16, and param_remainders=True needs "
-           r"bfloat16 params \(a float16 value is not the high half of an fp32 one\)")
-    with pytest.raises(ValueError, match=msg):
-        AdamW([torch.zeros(2, dtype=BF16, requires_grad=True), p16], param_remainders=True)
-    opt = AdamW([torch.zeros(2, dtype=BF16, requires_grad=True)], param_remainders=True)
-    with pytest.raises(ValueError, match=r"params\[0\] \(param group 1\) is float16"):
-        opt.add_param_group({"params": [p16]})
-    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize("change,exc,match", [
