@@ -810,6 +810,9 @@ case("grad_norm", "device", "tensors[3] sparse", raises(
 case("grad_norm", "mixed-devices", "tensors[3] on the other device", raises(
     RuntimeError, r"grad_norm: tensors\[3\] is on %s.* but tensors\[0\] is on cpu" % OTHER))(
     lambda: _grad_norm(_gn_list() + [torch.ones(3, device=OTHER)]))
+case("grad_norm", "mixed-devices", "tensors[0] on the other device, the rest on the CPU", raises(
+    RuntimeError, r"grad_norm: tensors\[1\] is on cpu but tensors\[0\] is on %s" % OTHER))(
+    lambda: _grad_norm([torch.ones(3, device=OTHER)] + _gn_list()))
 case("grad_norm", "non-contiguous", "tensors[3] a strided slice", raises(
     RuntimeError, r"grad_norm: tensors\[3\] must be dense and non-overlapping"))(
     lambda: _grad_norm(_gn_list() + [torch.ones(6)[::2]]))
