@@ -890,18 +890,21 @@ def _check_scaler_unscale(out, before, w):
     assert {d: v.item() for d, v in f.items()} == {d: v.item() for d, v in t.items()}
 
 
+# torch's own checks are asserts (AssertionError); mpext's options raise ValueError
 for _kw, _re in [(dict(growth_factor=0.5), r"growth factor must be > 1"),
                  (dict(backoff_factor=1.5), r"backoff factor must be < 1"),
                  (dict(hysteresis=0), r"hysteresis must be an int in \[1, 2\^31\), got 0"),
                  (dict(hysteresis=2.5), r"hysteresis must be an int"),
                  (dict(min_scale=-1.0), r"min_scale must be None or a finite number > 0"),
+                 (dict(min_scale=0.0), r"min_scale must be None or a finite number > 0"),
+                 (dict(max_scale=-1.0), r"max_scale must be None or a finite number > 0"),
                  (dict(max_scale=INF), r"max_scale must be None or a finite number > 0"),
                  (dict(min_scale=NAN), r"min_scale must be None or a finite number > 0"),
                  (dict(min_scale=8.0, max_scale=2.0), r"min_scale \(8.0\) must not exceed "
                                                       r"max_scale \(2.0\)"),
                  (dict(warn_consecutive_overflows=0), r"warn_consecutive_overflows must be")]:
     case("GradScaler", "hyper", "GradScaler(%r)" % _kw, raises(
-        (ValueError, AssertionError), _re))(
+        AssertionError if "factor" in _re else ValueError, _re))(
         lambda kw=_kw: ((lambda: mpext.GradScaler("cpu", **kw)), {}))
 for _kw, _re in [(dict(growth_factor=NAN), r"growth_factor"),
                  (dict(backoff_factor=-1.0), r"backoff_factor"),
