@@ -1108,42 +1108,8 @@ def test_rounding_decisions_are_unbiased_and_independent():
 
 # --------------------------------------------------------------------------------------------
 # Bad options and states: a clear error naming the argument, and nothing changed. (The
-# constructor's checks are tests/test_adam.py's CTOR_BAD; the op's, its OP_BAD.)
-
-
-@pytest.mark.parametrize("change,exc,match", [
-    (dict(exp_avg_dtype=torch.float16), ValueError,
-     r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.int8, got torch.float16 "
-     r"\(param group 0\)"),
-    (dict(exp_avg_sq_dtype=torch.float64), ValueError,
-     r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got "
-     r"torch.float64"),
-    (dict(moment_rounding="up"), ValueError, r"moment_rounding must be \"stochastic\" or "
-                                             r"\"nearest\", got 'up' \(param group 0\)"),
-    (dict(seed=2 ** 64), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
-    (dict(master_weights=False), ValueError,
-     r"param_remainders=True stores the masters compactly; it needs master_weights=True "
-     r"\(param group 0\)"),
-    (dict(param_remainders=False, stochastic_rounding=True), ValueError,
-     r"stochastic_rounding=True rounds params that have no master; it needs "
-     r"master_weights=False \(param group 0\)"),
-])
-def test_bad_lean_options_in_a_group_change_nothing(change, exc, match):
-    """A param group given a bad lean option between steps (as a scheduler or user may edit
-    groups): the step refuses it, naming the option and the group, and writes nothing; the same
-    options in add_param_group are refused and the group is not added."""
-    opt, params = _trained()
-    opt.param_groups[0].update(change)
-    set_grads(params, make_grads(params, 1))
-    before = snapshot(opt, params)
-    with pytest.raises(exc, match=match):
-        opt.step()
-    assert_unchanged(opt, params, before)
-    extra = torch.zeros(3, dtype=BF16, requires_grad=True)
-    good = AdamW([torch.zeros(2, requires_grad=True)], param_remainders=True)
-    with pytest.raises(exc, match=match.replace("group 0", "group 1")):
-        good.add_param_group(dict(params=[extra], **change))
-    assert len(good.param_groups) == 1
+# options' checks, in the constructor, a trained group and add_param_group, are the table's
+# test_bad_options_raise_and_change_nothing; the op's, tests/test_adam.py's OP_BAD.)
 
 
 def _trained(remainders=True, n=2):

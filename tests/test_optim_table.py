@@ -314,6 +314,8 @@ def format_errors(rule):
         (dict(moment_rounding="down"), ValueError,
          r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
         (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),
+        (dict(seed=2 ** 64), ValueError,
+         r"seed must be an int in \[0, 2\*\*64\), got 18446744073709551616"),
         (dict(ema_decay=1.5), ValueError, r"ema_decay must be None or a number in \[0, 1\]"),
         (dict(block_size=100), ValueError, r"block_size must be a power of two"),
     ]
@@ -327,16 +329,19 @@ def format_errors(rule):
     return [T.ErrorInput(*e) for e in out]
 
 
-ERRORS = [(rule, e) for rule in T.RULES.values()
-          for e in list(rule.error_inputs) + format_errors(rule)]
+# (rule, error, whether the message names the param group: mpext's format options do)
+ERRORS = [(rule, e, False) for rule in T.RULES.values() for e in rule.error_inputs] + [
+    (rule, e, True) for rule in T.RULES.values() for e in format_errors(rule)]
 
 
-@pytest.mark.parametrize("rule,err", ERRORS,
+@pytest.mark.parametrize("rule,err,named", ERRORS,
                          ids=["%s-%s" % (r.name, "-".join(map(str, e.kwargs)))
-                              + str(i) for i, (r, e) in enumerate(ERRORS)])
-def test_bad_options_raise_and_change_nothing(rule, err):
+                              + str(i) for i, (r, e, _) in enumerate(ERRORS)])
+def test_bad_options_raise_and_change_nothing(rule, err, named):
     """A bad option: the constructor raises the error naming it; set in a param group of a
-    trained optimizer, the next step raises it before anything is written."""
+    trained optimizer, the next step raises it before anything is written; given to
+    add_param_group, it is refused and no group is added. A format option's message names
+    the group (0 at the step, 1 for the new group)."""
     with pytest.raises(err.exc, match=err.match):
         rule.make([torch.zeros(3, requires_grad=True)], **err.kwargs)
     params = T.make_params((F32, BF16), shapes=((5, 7), (64, 80)))
@@ -345,10 +350,14 @@ def test_bad_options_raise_and_change_nothing(rule, err):
     T.set_grads(params, T.make_grads(params, 2))
     before = T.snapshot(opt, params)
     opt.param_groups[0].update(err.kwargs)
-    with pytest.raises(err.exc, match=err.match):
+    with pytest.raises(err.exc, match=err.match + (r".*\(param group 0\)" if named else "")):
         opt.step()
     after = T.snapshot(opt, params)
     T.assert_same((before[0], before[1], []), (after[0], after[1], []), "refused step")
+    opt.param_groups[0].update(before[2][0])  # the good settings back
+    with pytest.raises(err.exc, match=err.match + (r".*\(param group 1\)" if named else "")):
+        opt.add_param_group(dict(params=[torch.zeros(4, 6, requires_grad=True)], **err.kwargs))
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize("rule", list(T.RULES.values()), ids=list(T.RULES))
