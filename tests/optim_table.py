@@ -192,6 +192,8 @@ COMMON_ERRORS = (
     (dict(lr=INF), ValueError, r"lr must be finite"),
     (dict(lr="0.1"), TypeError, r"lr must be a float or a 1-element Tensor"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay value: -0.1"),
+    (dict(lr=NAN), ValueError, r"Invalid learning rate: nan"),
+    (dict(weight_decay=NAN), ValueError, r"Invalid weight_decay value: nan"),
 )
 # torch.optim's differentiable=True, refused by the fused step (Lion, as lion-pytorch, has none)
 DIFFERENTIABLE = (dict(differentiable=True), ValueError, r"differentiable=True is not supported")
@@ -199,10 +201,15 @@ DIFFERENTIABLE = (dict(differentiable=True), ValueError, r"differentiable=True i
 ADAM_ERRORS = _error_inputs(
     *COMMON_ERRORS, DIFFERENTIABLE,
     (dict(betas=(1.0, 0.9)), ValueError, r"Invalid beta parameter at index 0: 1.0"),
+    (dict(betas=(NAN, 0.9)), ValueError, r"Invalid beta parameter at index 0: nan"),
     (dict(betas=(0.9, -0.1)), ValueError, r"Invalid beta parameter at index 1: -0.1"),
+    (dict(betas=(0.9, 1.0)), ValueError, r"Invalid beta parameter at index 1: 1.0"),
     (dict(betas=(0.9,)), ValueError, r"betas must be a pair of floats"),
     (dict(eps=-1.0), ValueError, r"Invalid epsilon value: -1.0"),
     (dict(eps=NAN), ValueError, r"Invalid epsilon value: nan"),
+    (dict(eps=INF), ValueError, r"eps must be finite, got inf"),
+    (dict(weight_decay=INF), ValueError, r"weight_decay must be finite, got inf"),
+    (dict(lr=torch.ones(2)), ValueError, r"Tensor lr must be 1-element"),
 )
 
 def _adam_v_floor(moments: Dict[str, torch.Tensor], kw: Dict[str, Any]) -> None:

@@ -665,34 +665,6 @@ def test_op_negative_lr_rejected_cpu():
     assert_nothing_written(tensors, before)
 
 
-def test_op_mixed_devices_rejected():
-    """A list with tensors on two devices: with CUDA the kernel's check, without it the meta
-    device through the fake kernel's check."""
-    other = "cuda" if CUDA_OK else "meta"
-    cases = [
-        (lambda kw: _set("params", 1, lambda t, d: t.to(other))(kw, other),
-         r"params\[1\] is on %s.* but params\[0\] is on cpu" % other),
-        (lambda kw: _set("exp_avg_sqs", 2, lambda t, d: t.to(other))(kw, other),
-         r"exp_avg_sqs\[2\] is on %s.* but params\[0\] is on cpu" % other),
-        (lambda kw: _set("masters", 1, lambda t, d: t.to(other))(kw, other),
-         r"masters\[1\] is on %s.* but params\[0\] is on cpu" % other),
-        (lambda kw: _set("steps", 0, lambda t, d: t.to(other))(kw, other),
-         r"steps\[0\] is on %s.* but params\[0\] is on cpu" % other),
-        (lambda kw: kw.update(found_inf=torch.zeros((), device=other)),
-         r"found_inf is on %s.* but params\[0\] is on cpu" % other),
-        (lambda kw: kw.update(lr=torch.full((), 1e-3, device=other)),
-         r"lr is on %s.* but params\[0\] is on cpu" % other),
-    ]
-    for change, match in cases:
-        kw = bad_case("cpu")
-        change(kw)
-        tensors = [t for t in all_tensors(kw) if t.device.type == "cpu"]
-        before = [t.clone() for t in tensors]
-        with pytest.raises(RuntimeError, match=match):
-            call_op(kw)
-        assert_nothing_written(tensors, before)
-
-
 # --------------------------------------------------------------------------------------------
 # The optimizers against torch.optim, FP32 params.
 
@@ -1228,12 +1200,10 @@ def test_constructor_defaults_match_torch():
 CTOR_BAD = [
     (dict(betas=(0.9, torch.tensor(0.99))), ValueError,
      r"betas must be either both floats or both Tensors"),
-    (dict(lr=torch.ones(2)), ValueError, r"Tensor lr must be 1-element"),
     (dict(param_remainders=1), TypeError, r"param_remainders must be a bool, got 1"),
     (dict(stochastic_rounding=1), TypeError, r"stochastic_rounding must be a bool"),
     (dict(exp_avg_sq_dtype="bf16"), ValueError,  # "bfloat16" names the format: accepted
      r"exp_avg_sq_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got 'bf16'"),
-    (dict(seed=2 ** 64), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(seed=1.5), ValueError, r"seed must be an int in \[0, 2\*\*64\), got 1.5"),
     (dict(unscale_grads=1), TypeError, r"unscale_grads must be a bool"),
 ]

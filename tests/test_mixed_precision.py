@@ -10,7 +10,6 @@ state_dict round trip, host reads, and bad input (a clear error, nothing modifie
 import contextlib
 import copy
 import io
-import math
 import warnings
 
 import pytest
@@ -477,19 +476,12 @@ def test_inner_state_dict_is_torchs_format():
         assert st["step"].item() == 3
 
 
+# (missing and extra keys, another loss-scale mode, a master's shape and dtype, the scaler's
+# state: the bad-input matrix's MPO state-dict rows)
 LOAD_BAD = [
     ("not a dict", lambda sd: [sd], TypeError, "state_dict must be a dict"),
-    ("missing key", lambda sd: {k: v for k, v in sd.items() if k != "masters"}, ValueError,
-     "must have the keys"),
-    ("other mode", lambda sd: dict(sd, loss_scale=8.0), ValueError, "loss_scale=8.0"),
     ("master missing", lambda sd: dict(sd, masters={0: sd["masters"][0]}), ValueError,
      "masters has entries"),
-    ("master shape", lambda sd: dict(sd, masters={**sd["masters"], 1: torch.zeros(3)}),
-     ValueError, r"masters\[1\] has shape"),
-    ("master dtype", lambda sd: dict(sd, masters={**sd["masters"], 2: torch.zeros(2, 3, 5,
-                                                                              dtype=torch.int64)}),
-     TypeError, r"masters\[2\] must be a floating-point"),
-    ("scaler", lambda sd: dict(sd, scaler={}), ValueError, "scaler must be a GradScaler"),
     ("inner groups", lambda sd: dict(sd, optimizer=dict(sd["optimizer"], param_groups=[])),
      ValueError, "different number of parameter groups"),
 ]
@@ -672,24 +664,6 @@ def _params(*specs):
     return [torch.zeros(s, dtype=d, requires_grad=d.is_floating_point) for s, d in specs]
 
 
-def _dup():
-    ps = _params(((3,), torch.bfloat16), ((2,), torch.float32))
-    opt = torch.optim.SGD(ps, lr=0.1)
-    opt.param_groups[0]["params"].append(ps[0])
-    return opt, {}
-
-
-def _two_devices():
-    opt = torch.optim.SGD(_params(((3,), torch.bfloat16)), lr=0.1)
-    opt.param_groups[0]["params"].append(torch.zeros(2, dtype=torch.bfloat16, device="meta"))
-    return opt, {}
-
-
-def _non_dense():
-    base = torch.zeros(4, 6, dtype=torch.bfloat16)
-    return torch.optim.SGD([base[:, ::2].requires_grad_()], lr=0.1), {}
-
-
 def _sgd(**kw):
     return lambda: (torch.optim.SGD(_params(((3,), torch.float16), ((2,), torch.float32)),
                                     lr=0.1), kw)
@@ -700,29 +674,19 @@ def _wrapped():
     return MPO(opt), {}
 
 
+# The other refusals (a duplicate, overlapping, strided, float64 or other-device param; the
+# loss_scale, max_grad_norm and scaler options' values) are the bad-input matrix's
+# (tests/test_bad_inputs.py, MPO rows: the inner optimizer, its params' identities and bytes
+# unchanged); these are the rest.
 CTOR_BAD = [
     ("not an optimizer", lambda: ([torch.zeros(2)], {}), TypeError,
      "must be a torch.optim.Optimizer"),
     ("wrapped twice", _wrapped, TypeError, "already a MixedPrecisionOptimizer"),
-    ("duplicate param", _dup, ValueError, "param 2 of group 0 is the same tensor as param 0"),
-    ("several devices", _two_devices, ValueError, "several devices.*meta"),
-    ("float64 param", lambda: (torch.optim.SGD(_params(((2,), torch.float64)), lr=0.1), {}),
-     TypeError, "dtype float64"),
     ("int param", lambda: (torch.optim.SGD(_params(((2,), torch.int32)), lr=0.1), {}),
      TypeError, "dtype int32"),
-    ("non-dense param", _non_dense, ValueError, "dense and non-overlapping"),
-    ("loss_scale word", _sgd(loss_scale="static"), ValueError, "loss_scale must be"),
-    ("loss_scale zero", _sgd(loss_scale=0.0), ValueError, "loss_scale must be"),
-    ("loss_scale inf", _sgd(loss_scale=math.inf), ValueError, "loss_scale must be"),
     ("loss_scale bool", _sgd(loss_scale=True), ValueError, "loss_scale must be"),
-    ("max_grad_norm negative", _sgd(max_grad_norm=-1.0), ValueError, "max_grad_norm must be"),
-    ("max_grad_norm nan", _sgd(max_grad_norm=math.nan), ValueError, "max_grad_norm must be"),
     ("max_grad_norm str", _sgd(max_grad_norm="1"), ValueError, "max_grad_norm must be"),
-    ("unknown option", _sgd(grow_interval=10), TypeError, "unknown option 'grow_interval'"),
     ("reserved option", _sgd(enabled=False), TypeError, "enabled is set by the wrapper"),
-    ("dynamic-only option", _sgd(loss_scale=128.0, growth_interval=10), ValueError,
-     "growth_interval needs loss_scale='dynamic'"),
-    ("bad scaler option", _sgd(hysteresis=0), ValueError, "hysteresis must be"),
 ]
 
 

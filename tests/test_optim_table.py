@@ -5,9 +5,9 @@ run (uninterrupted vs resumed, remainder vs master, 1 vs 2 threads, one ISA vs a
 compiled), torch's own rounding (``Tensor.to``) or a float32 / float64 recomputation.
 
 The tests that step a pair are device-generic (the ``device`` fixture: CUDA rows skip with the
-reason where no GPU is present; the thread-count and ISA test is the CPU kernel's own), and
-test_cuda_gives_the_bits_of_the_cpu compares every pair's CUDA steps with its CPU steps bit for
-bit.
+reason where no GPU is present; the thread-count and ISA test is the CPU kernel's own);
+tests/test_cuda_parity.py's test_table_steps_bitwise_as_the_cpu compares every pair's CUDA
+steps with its CPU steps bit for bit.
 
 Kept small (a few thousand elements, a few steps) so the whole table runs in a couple of
 minutes on two cores.
@@ -23,7 +23,6 @@ import mpext
 from mpext.optim import formats as F
 
 import optim_table as T
-from conftest import CUDA_OK, NO_CUDA_REASON
 from optim_table import BF16, F16, F32, INF, LOW
 from reference import lerp_f32
 
@@ -139,32 +138,6 @@ def test_every_pair_moves_and_keeps_its_format(rule, fmt, device):
         low = p.dtype != F32
         assert ("master_param" in st) == (low and fmt.param_format == "master"), (i, sorted(st))
         assert ("param_remainder" in st) == (fmt.param_format == "remainder"), (i, sorted(st))
-
-
-# ---- The same bits on CUDA as on the CPU ------------------------------------------------------
-
-@pytest.mark.skipif(not CUDA_OK, reason=NO_CUDA_REASON)
-@pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
-def test_cuda_gives_the_bits_of_the_cpu(rule, fmt):
-    """The same params, gradients and seed on the CPU and on CUDA: after every step, the same
-    bits in every param and state tensor (the rule headers and codecs are shared, and the
-    stochastic rounding is keyed by position, not by device), an EMA and a skipped step
-    (found_inf set on the CUDA side as on the CPU side) included."""
-    runs = []
-    for device in ("cpu", "cuda"):
-        params = pair_params(rule, fmt, device=device)
-        runs.append((params, build(rule, fmt, params, seed=SEED, ema_decay=0.9), device))
-    for s in range(STEPS + 1):
-        snaps = []
-        for params, opt, device in runs:
-            T.set_grads(params, T.make_grads(params, s))
-            opt.step(found_inf=torch.tensor(float(s == 2), device=device))
-            snaps.append(T.snapshot(opt, params))
-        cpu, cuda = snaps
-        cuda = ([t.cpu() for t in cuda[0]],
-                [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                 for st in cuda[1]], cuda[2])
-        T.assert_same(cpu, cuda, "step %d, CUDA vs CPU" % s)
 
 
 # ---- Exactness between formats ---------------------------------------------------------------
@@ -341,6 +314,8 @@ def format_errors(rule):
         (dict(moment_rounding="down"), ValueError,
          r"moment_rounding must be \"stochastic\" or \"nearest\", got 'down'"),
         (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\), got -1"),
+        (dict(seed=2 ** 64), ValueError,
+         r"seed must be an int in \[0, 2\*\*64\), got 18446744073709551616"),
         (dict(ema_decay=1.5), ValueError, r"ema_decay must be None or a number in \[0, 1\]"),
         (dict(block_size=100), ValueError, r"block_size must be a power of two"),
     ]
@@ -354,16 +329,19 @@ def format_errors(rule):
     return [T.ErrorInput(*e) for e in out]
 
 
-ERRORS = [(rule, e) for rule in T.RULES.values()
-          for e in list(rule.error_inputs) + format_errors(rule)]
+# (rule, error, whether the message names the param group: mpext's format options do)
+ERRORS = [(rule, e, False) for rule in T.RULES.values() for e in rule.error_inputs] + [
+    (rule, e, True) for rule in T.RULES.values() for e in format_errors(rule)]
 
 
-@pytest.mark.parametrize("rule,err", ERRORS,
+@pytest.mark.parametrize("rule,err,named", ERRORS,
                          ids=["%s-%s" % (r.name, "-".join(map(str, e.kwargs)))
-                              + str(i) for i, (r, e) in enumerate(ERRORS)])
-def test_bad_options_raise_and_change_nothing(rule, err):
+                              + str(i) for i, (r, e, _) in enumerate(ERRORS)])
+def test_bad_options_raise_and_change_nothing(rule, err, named):
     """A bad option: the constructor raises the error naming it; set in a param group of a
-    trained optimizer, the next step raises it before anything is written."""
+    trained optimizer, the next step raises it before anything is written; given to
+    add_param_group, it is refused and no group is added. A format option's message names
+    the group (0 at the step, 1 for the new group)."""
     with pytest.raises(err.exc, match=err.match):
         rule.make([torch.zeros(3, requires_grad=True)], **err.kwargs)
     params = T.make_params((F32, BF16), shapes=((5, 7), (64, 80)))
@@ -372,33 +350,50 @@ def test_bad_options_raise_and_change_nothing(rule, err):
     T.set_grads(params, T.make_grads(params, 2))
     before = T.snapshot(opt, params)
     opt.param_groups[0].update(err.kwargs)
-    with pytest.raises(err.exc, match=err.match):
+    with pytest.raises(err.exc, match=err.match + (r".*\(param group 0\)" if named else "")):
         opt.step()
     after = T.snapshot(opt, params)
     T.assert_same((before[0], before[1], []), (after[0], after[1], []), "refused step")
+    opt.param_groups[0].update(before[2][0])  # the good settings back
+    with pytest.raises(err.exc, match=err.match + (r".*\(param group 1\)" if named else "")):
+        opt.add_param_group(dict(params=[torch.zeros(4, 6, requires_grad=True)], **err.kwargs))
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize("rule", list(T.RULES.values()), ids=list(T.RULES))
 def test_fp16_params_with_remainders_are_refused(rule):
-    p = torch.zeros(8, dtype=F16, requires_grad=True)
-    with pytest.raises(ValueError, match=r"param_remainders=True needs bfloat16 params"):
-        rule.make([p], param_remainders=True)
+    """An fp16 param among bf16 ones, in the constructor or add_param_group: refused, naming
+    the param, its group and why; no group is added."""
+    p16 = torch.zeros(8, dtype=F16, requires_grad=True)
+    bf16 = [torch.zeros(2, 4, dtype=BF16, requires_grad=True) for _ in range(2)]
+    msg = (r"params\[1\] \(param group 0\) is float16, and param_remainders=True needs "
+           r"bfloat16 params \(a float16 value is not the high half of an fp32 one\)")
+    with pytest.raises(ValueError, match=msg):
+        rule.make([bf16[0], p16], param_remainders=True)
+    opt = rule.make([bf16[1]], param_remainders=True)
+    with pytest.raises(ValueError, match=r"params\[0\] \(param group 1\) is float16"):
+        opt.add_param_group({"params": [p16]})
+    assert len(opt.param_groups) == 1
 
 
 # ---- Reproducibility -------------------------------------------------------------------------
 
-def _big_run(rule, fmt, threads, isa):
-    """Two steps on params big enough for the CPU kernel to split one across threads (its
-    tasks are 2^16 elements or more), on ``threads`` threads and ISA path ``isa``."""
+def _big_run(rule, fmt, threads, isa, ema_big):
+    """Two steps on a param big enough for the CPU kernel to split it across threads (its
+    tasks are 2^16 elements or more) and a small one, one of the two in a group that keeps an
+    EMA (the big one if ``ema_big``), on ``threads`` threads and ISA path ``isa``, the
+    gradients scaled and unscaled in the step (grad_scale: the fused unscale on each path)."""
     previous = mpext.cpu_isa()
-    ps = T.make_params(fmt.param_dtypes, seed=3, shapes=((2 ** 17 + 5,), (37, 5)), rule=rule)
-    opt = build(rule, fmt, ps, seed=11)
+    shapes = ((2 ** 17 + 5,), (37, 5))
+    ps = T.make_params(fmt.param_dtypes, seed=3, shapes=shapes[::-1] if ema_big else shapes,
+                       rule=rule)
+    opt = build(rule, fmt, ps, ema_half=True, seed=11)
     try:
         mpext.set_cpu_isa(isa)
         for s in range(2):
-            T.set_grads(ps, T.make_grads(ps, s))
+            T.set_grads(ps, T.make_grads(ps, s, scale=16.0))
             torch.set_num_threads(threads)
-            opt.step()
+            opt.step(grad_scale=torch.tensor(16.0))
             torch.set_num_threads(1)
     finally:
         mpext.set_cpu_isa(previous)
@@ -407,13 +402,19 @@ def _big_run(rule, fmt, threads, isa):
 
 @pytest.mark.parametrize("rule,fmt", PAIRS, ids=PAIR_IDS)
 def test_same_bits_for_every_thread_count_and_isa(rule, fmt, threads):
-    """1 and 2 threads, on every CPU ISA path this machine runs: the same bits."""
+    """1 and 2 threads, on every CPU ISA path this machine runs: the same bits, the EMA's
+    included. The split param keeps the EMA in a checkerboard of (param format, moment row),
+    so that each rule's split step runs with and without one in every param format and every
+    moment format (remainders with fp32 moments among those with)."""
     isas = mpext.build_info()["cpu_isas_supported"]
-    first = _big_run(rule, fmt, 1, isas[0])
+    k = list(T.FORMATS).index(fmt.name)
+    ema_big = (k // len(T._MOMENT_ROWS) + k % len(T._MOMENT_ROWS)) % 2 == 0
+    first = _big_run(rule, fmt, 1, isas[0], ema_big)
     for isa in isas:
         for n in (1, 2):
             if (isa, n) != (isas[0], 1):
-                T.assert_same(first, _big_run(rule, fmt, n, isa), "%s, %d threads" % (isa, n))
+                T.assert_same(first, _big_run(rule, fmt, n, isa, ema_big),
+                              "%s, %d threads" % (isa, n))
 
 
 # ---- torch.compile ---------------------------------------------------------------------------

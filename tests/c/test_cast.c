@@ -153,6 +153,29 @@ static uint64_t chunk_offset(uint64_t chunk, uint64_t seed) {
   }
 }
 
+/* One round-to-nearest-even cast of the chunk on the selected path: status OK, every output
+ * the reference's bits (a NaN: one the format allows for its input). Returns the cast's time. */
+static double check_rne(group* g, mp_status (*cast)(const float*, uint16_t*, int64_t),
+                        const fmt* f, const uint32_t* pat, const float* src, uint16_t* out,
+                        const unsigned char* nan, const uint32_t* want, size_t n) {
+  memset(out, 0xA5, n * sizeof *out);
+  double t0 = now_s();
+  mp_status stt = cast(src, out, (int64_t)n);
+  double t = now_s() - t0;
+  g_check(g, stt == MP_OK, "status %d", (int)stt);
+  for (size_t i = 0; i < n; ++i) {
+    g->count++;
+    if (nan[i]) {
+      const char* why = nan_result_problem(pat[i], out[i], f);
+      if (why) g_fail(g, "input %08" PRIx32 " (NaN): got %04x: %s", pat[i], out[i], why);
+    } else if (out[i] != want[i]) {
+      g_fail(g, "input %08" PRIx32 " (%a): expected %04" PRIx32 ", got %04x", pat[i],
+             (double)src[i], want[i], out[i]);
+    }
+  }
+  return t;
+}
+
 static void test_sweeps(const sweep_opts* o) {
   uint32_t* pat = xmalloc(CHUNK * sizeof *pat);
   float* src = xmalloc(CHUNK * sizeof *src);
@@ -229,42 +252,12 @@ static void test_sweeps(const sweep_opts* o) {
     for (int k = 0; k < g_nisa; ++k) {
       const char* nm = mp_isa_name(g_isas[k]);
       select_isa(g_isas[k]);
-      /* bf16 RNE */
-      memset(out, 0xA5, n * sizeof *out);
-      t0 = now_s();
-      mp_status stt = mp_to_bf16_f32(src, out, (int64_t)n);
-      tk[0][k] += now_s() - t0;
-      g_check(&gb[k], stt == MP_OK, "status %d", (int)stt);
-      for (size_t i = 0; i < n; ++i) {
-        gb[k].count++;
-        if (nan[i]) {
-          const char* why = nan_result_problem(pat[i], out[i], &BF16);
-          if (why) g_fail(&gb[k], "input %08" PRIx32 " (NaN): got %04x: %s", pat[i], out[i], why);
-        } else if (out[i] != exp_b[i]) {
-          g_fail(&gb[k], "input %08" PRIx32 " (%a): expected %04" PRIx32 ", got %04x", pat[i],
-                 (double)src[i], exp_b[i], out[i]);
-        }
-      }
-      /* fp16 RNE */
-      memset(out, 0xA5, n * sizeof *out);
-      t0 = now_s();
-      stt = mp_to_fp16_f32(src, out, (int64_t)n);
-      tk[1][k] += now_s() - t0;
-      g_check(&gh[k], stt == MP_OK, "status %d", (int)stt);
-      for (size_t i = 0; i < n; ++i) {
-        gh[k].count++;
-        if (nan[i]) {
-          const char* why = nan_result_problem(pat[i], out[i], &FP16);
-          if (why) g_fail(&gh[k], "input %08" PRIx32 " (NaN): got %04x: %s", pat[i], out[i], why);
-        } else if (out[i] != exp_h[i]) {
-          g_fail(&gh[k], "input %08" PRIx32 " (%a): expected %04" PRIx32 ", got %04x", pat[i],
-                 (double)src[i], exp_h[i], out[i]);
-        }
-      }
+      tk[0][k] += check_rne(&gb[k], mp_to_bf16_f32, &BF16, pat, src, out, nan, exp_b, n);
+      tk[1][k] += check_rne(&gh[k], mp_to_fp16_f32, &FP16, pat, src, out, nan, exp_h, n);
       /* bf16 stochastic rounding */
       memset(out, 0xA5, n * sizeof *out);
       t0 = now_s();
-      stt = mp_to_bf16_sr_f32(src, out, (int64_t)n, sr_seed, offset);
+      mp_status stt = mp_to_bf16_sr_f32(src, out, (int64_t)n, sr_seed, offset);
       tk[2][k] += now_s() - t0;
       g_check(&gs[k], stt == MP_OK, "status %d", (int)stt);
       for (size_t i = 0; i < n; ++i) {

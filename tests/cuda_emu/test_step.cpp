@@ -1083,25 +1083,46 @@ bool same_q8(const Q8& a, const Q8& b) {
          same_floats(a.vs, b.vs) && a.step == b.step && same_floats(a.ema, b.ema);
 }
 
+// The 8-bit tests' params for one block size: every param dtype with each storage it takes,
+// its grads in its own dtype (and in fp32 too where fp32_grads), sizes across a chunk and a
+// block, every third one misaligned.
+std::vector<Q8> q8_params(Rng& r, int64_t block, bool fp32_grads) {
+  std::vector<Q8> out;
+  uint32_t stream = 0;
+  for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16), static_cast<int>(MP_F16)}) {
+    for (int gi = 0; gi < (fp32_grads ? 2 : 1); ++gi) {
+      const int gd = gi == 0 ? pd : static_cast<int>(MP_F32);
+      for (int storage : {0, 1, 2, 3}) {
+        if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
+        const int64_t sizes[] = {kChunk + 2048 + 77, 3 * block + 5, 2048, 1};
+        const int64_t n = sizes[stream % 4];
+        out.push_back(make_q8(r, pd, gd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
+        ++stream;
+      }
+    }
+  }
+  return out;
+}
+
+// After a step on the core (cpu) and the emulated kernel (gpu): the same bits in every param.
+void check_same_q8(std::vector<Q8>& cpu, std::vector<Q8>& gpu, const std::vector<Q8View>& vc,
+                   const std::vector<Q8View>& vg) {
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    q8_unpack(cpu[k], vc[k]);
+    q8_unpack(gpu[k], vg[k]);
+    const Q8& a = cpu[k];
+    CHECK(same_q8(a, gpu[k]), "param %zu (dtype %d grad %d storage %d n %lld mis %lld) differs",
+          k, a.pdtype, a.gdtype, a.storage, static_cast<long long>(a.n),
+          static_cast<long long>(a.mis));
+  }
+}
+
 }  // namespace
 
 EMU_TEST(adam_q8_matches_the_core) {
   Rng r(1600);
   for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{512}, int64_t{2048}}) {
-    std::vector<Q8> cpu;
-    uint32_t stream = 0;
-    for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16), static_cast<int>(MP_F16)}) {
-      for (int gd : {pd, static_cast<int>(MP_F32)}) {
-        for (int storage : {0, 1, 2, 3}) {
-          if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
-          if (gd == MP_F32 && pd == MP_F32 && storage != 0) continue;
-          const int64_t sizes[] = {kChunk + 2048 + 77, 3 * block + 5, 2048, 1};
-          const int64_t n = sizes[stream % 4];
-          cpu.push_back(make_q8(r, pd, gd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
-          ++stream;
-        }
-      }
-    }
+    std::vector<Q8> cpu = q8_params(r, block, true);
     for (int variant = 0; variant < 3; ++variant) {
       std::vector<Q8> gpu = cpu;
       std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
@@ -1125,14 +1146,7 @@ EMU_TEST(adam_q8_matches_the_core) {
       o.ema_decay = variant == 1 ? 0.25 : 0.999;  // both of lerp's forms
       set_context("block %lld variant %d", static_cast<long long>(block), variant);
       step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
-      for (size_t k = 0; k < cpu.size(); ++k) {
-        q8_unpack(cpu[k], vc[k]);
-        q8_unpack(gpu[k], vg[k]);
-        const Q8& a = cpu[k];
-        CHECK(same_q8(a, gpu[k]), "param %zu (dtype %d grad %d storage %d n %lld mis %lld) "
-              "differs", k, a.pdtype, a.gdtype, a.storage, static_cast<long long>(a.n),
-              static_cast<long long>(a.mis));
-      }
+      check_same_q8(cpu, gpu, vc, vg);
       cpu = gpu;
     }
   }
@@ -1282,18 +1296,7 @@ EMU_TEST(rules_q8_match_the_core) {
       continue;  // no moment to code
     Rng r(2600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
     for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{2048}}) {
-      std::vector<Q8> cpu;
-      uint32_t stream = 0;
-      for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16),
-                     static_cast<int>(MP_F16)}) {
-        for (int storage : {0, 1, 2, 3}) {
-          if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
-          const int64_t sizes[] = {kChunk + 2048 + 77, 3 * block + 5, 2048, 1};
-          const int64_t n = sizes[stream % 4];
-          cpu.push_back(make_q8(r, pd, pd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
-          ++stream;
-        }
-      }
+      std::vector<Q8> cpu = q8_params(r, block, false);
       for (int variant = 0; variant < 3; ++variant) {
         std::vector<Q8> gpu = cpu;
         std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
@@ -1312,13 +1315,7 @@ EMU_TEST(rules_q8_match_the_core) {
         o.q8_block = block;
         set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
         step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
-        for (size_t k = 0; k < cpu.size(); ++k) {
-          q8_unpack(cpu[k], vc[k]);
-          q8_unpack(gpu[k], vg[k]);
-          const Q8& a = cpu[k];
-          CHECK(same_q8(a, gpu[k]), "param %zu (dtype %d storage %d n %lld mis %lld) differs", k,
-                a.pdtype, a.storage, static_cast<long long>(a.n), static_cast<long long>(a.mis));
-        }
+        check_same_q8(cpu, gpu, vc, vg);
         cpu = gpu;
       }
     }
