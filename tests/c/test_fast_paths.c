@@ -114,6 +114,24 @@ typedef struct fused_mode {
   int kind, wb, nearest, ema;
 } fused_mode;
 
+/* Mode number `code` of the 3 * 2 * 5 * 4 * 8 the fast-path tests enumerate (param dtype, grad
+ * dtype, storage, moments, write-back/nearest/ema flags) into *fm; 0 for an invalid mode. */
+static int mode_of(int code, fused_mode* fm) {
+  static const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
+  const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
+  const int flags = code / 120;
+  fm->pt = dts[pi];
+  fm->gt = gi ? MP_F32 : fm->pt;
+  fm->kind = kind;
+  fm->md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
+  fm->vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
+  fm->wb = flags & 1;
+  fm->nearest = (flags >> 1) & 1;
+  fm->ema = flags >> 2;
+  if ((gi && fm->pt == MP_F32) || (fm->pt == MP_F32) != (kind == MP_PV_F32)) return 0;
+  return !(kind == MP_PV_REMAINDER && fm->pt != MP_BF16);
+}
+
 /* Three steps of mode fm from one random state through kt's adam_step and its
  * adam_step_generic, each range split in two; 1 if every value agrees (fused_values_agree). */
 /* counted (cf != NULL): st[0] through the counted row (the counted pipeline where the mode has
@@ -320,7 +338,6 @@ static int fused_same(const mp_kernel_table* kt, const fused_mode* fm, uint64_t 
 }
 
 static void test_adam_fused_vs_generic(uint64_t seed0) {
-  const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
   group g;
   g_begin(&g, "adam: hand-fused loops = the tile pipeline, every storage mode and ISA path");
   int modes = 0;
@@ -332,16 +349,7 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
       const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
       const int flags = code / 120;
       fused_mode fm;
-      fm.pt = dts[pi];
-      fm.gt = gi ? MP_F32 : fm.pt;
-      fm.kind = kind;
-      fm.md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
-      fm.vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
-      fm.wb = flags & 1;
-      fm.nearest = (flags >> 1) & 1;
-      fm.ema = flags >> 2;
-      if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
-      if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
+      if (!mode_of(code, &fm)) continue;
       const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
       /* each mode as Adam and as AdamW (variant's low bit), which the fused loops build apart */
       for (int j = 0; j < 2 + (fm.md == MP_I8); ++j) {
@@ -367,7 +375,6 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
  *      every array agrees with both, the counters bit for bit with the pipeline's, and every
  *      mode with an uncounted row has a counted one. */
 static void test_counted_rows(uint64_t seed0) {
-  const mp_dtype dts[3] = {MP_F32, MP_BF16, MP_F16};
   group g;
   g_begin(&g, "telemetry: counted rows = the counted pipeline, every storage mode and ISA path");
   for (int k = 0; k < g_nisa; ++k) {
@@ -377,16 +384,7 @@ static void test_counted_rows(uint64_t seed0) {
       const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
       const int flags = code / 120;
       fused_mode fm;
-      fm.pt = dts[pi];
-      fm.gt = gi ? MP_F32 : fm.pt;
-      fm.kind = kind;
-      fm.md = mom == 3 ? MP_I8 : mom == 1 ? MP_BF16 : MP_F32;
-      fm.vd = mom == 3 ? MP_U8 : mom >= 1 ? MP_BF16 : MP_F32;
-      fm.wb = flags & 1;
-      fm.nearest = (flags >> 1) & 1;
-      fm.ema = flags >> 2;
-      if ((gi && fm.pt == MP_F32) || (fm.pt == MP_F32) != (kind == MP_PV_F32)) continue;
-      if (kind == MP_PV_REMAINDER && fm.pt != MP_BF16) continue;
+      if (!mode_of(code, &fm)) continue;
       /* the rows are bf16 or fp32 params: fp16 modes run the pipeline both ways (one check) */
       if (fm.pt == MP_F16 && (flags != 0 || mom != 0)) continue;
       const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0xD1B54A32D192ED03ull);
