@@ -132,6 +132,34 @@ static int mode_of(int code, fused_mode* fm) {
   return !(kind == MP_PV_REMAINDER && fm->pt != MP_BF16);
 }
 
+/* Whether two states stepped from one start agree in every array (fused_values_agree): param,
+ * gradient, master, EMA; a remainder unless both params are NaN (its payload's low half); the
+ * moments, and for 8-bit moments their scales and every code of a block whose scale is not NaN
+ * (such a block reads as NaN whatever its codes). */
+static int states_agree(const fused_state* a, const fused_state* b, mp_dtype pt, mp_dtype gt,
+                        mp_dtype md, mp_dtype vd, int n) {
+  int same = fused_values_agree(a->p, b->p, pt, n) && fused_values_agree(a->g, b->g, gt, n) &&
+             fused_values_agree(a->master, b->master, MP_F32, n) &&
+             fused_values_agree(a->ema, b->ema, MP_F32, n);
+  for (int i = 0; i < n; ++i) {
+    if (!(a_isnan(pt, a_get(a->p, pt, (size_t)i)) && a_isnan(pt, a_get(b->p, pt, (size_t)i))))
+      same = same && a->rem[i] == b->rem[i];
+  }
+  if (md == MP_I8) {
+    same = same && fused_values_agree(a->ms, b->ms, MP_F32, 4) &&
+           fused_values_agree(a->vs, b->vs, MP_F32, 4);
+    for (int i = 0; i < n; ++i) {
+      const int k = i / 256;
+      if (!isnan(a->ms[k]) || !isnan(b->ms[k]))
+        same = same && ((uint8_t*)a->m)[i] == ((uint8_t*)b->m)[i];
+      if (!isnan(a->vs[k]) || !isnan(b->vs[k]))
+        same = same && ((uint8_t*)a->v)[i] == ((uint8_t*)b->v)[i];
+    }
+    return same;
+  }
+  return same && fused_values_agree(a->m, b->m, md, n) && fused_values_agree(a->v, b->v, vd, n);
+}
+
 /* Three steps of mode fm from one random state through kt's adam_step and its
  * adam_step_generic, each range split in two; 1 if every value agrees (fused_values_agree). */
 /* counted (cf != NULL): st[0] through the counted row (the counted pipeline where the mode has
@@ -262,55 +290,9 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
       step[c] += 1.0f;
     }
   }
-  int same = fused_values_agree(st[0].p, st[1].p, pt, N) &&
-             fused_values_agree(st[0].g, st[1].g, gt, N) &&
-             fused_values_agree(st[0].master, st[1].master, MP_F32, N) &&
-             fused_values_agree(st[0].ema, st[1].ema, MP_F32, N);
-  for (int i = 0; i < N; ++i) { /* a NaN master's remainder is its payload's low half */
-    if (!(a_isnan(pt, a_get(st[0].p, pt, (size_t)i)) && a_isnan(pt, a_get(st[1].p, pt, (size_t)i))))
-      same = same && st[0].rem[i] == st[1].rem[i];
-  }
-  if (md == MP_I8) { /* a block whose scale is NaN reads as NaN whatever its codes */
-    same = same && fused_values_agree(st[0].ms, st[1].ms, MP_F32, 4) &&
-           fused_values_agree(st[0].vs, st[1].vs, MP_F32, 4);
-    for (int i = 0; i < N; ++i) {
-      const int b = i / 256;
-      if (!isnan(st[0].ms[b]) || !isnan(st[1].ms[b]))
-        same = same && ((uint8_t*)st[0].m)[i] == ((uint8_t*)st[1].m)[i];
-      if (!isnan(st[0].vs[b]) || !isnan(st[1].vs[b]))
-        same = same && ((uint8_t*)st[0].v)[i] == ((uint8_t*)st[1].v)[i];
-    }
-  } else {
-    same = same && fused_values_agree(st[0].m, st[1].m, md, N) &&
-           fused_values_agree(st[0].v, st[1].v, vd, N);
-  }
-  if (cf != NULL) { /* the counted row's arrays against the uncounted row's too, as above */
-    const fused_state keep = st[1];
-    st[1] = st[2];
-    same = same && fused_values_agree(st[0].p, st[1].p, pt, N) &&
-           fused_values_agree(st[0].g, st[1].g, gt, N) &&
-           fused_values_agree(st[0].master, st[1].master, MP_F32, N) &&
-           fused_values_agree(st[0].ema, st[1].ema, MP_F32, N);
-    for (int i = 0; i < N; ++i) {
-      if (!(a_isnan(pt, a_get(st[0].p, pt, (size_t)i)) && a_isnan(pt, a_get(st[1].p, pt, (size_t)i))))
-        same = same && st[0].rem[i] == st[1].rem[i];
-    }
-    if (md == MP_I8) {
-      same = same && fused_values_agree(st[0].ms, st[1].ms, MP_F32, 4) &&
-             fused_values_agree(st[0].vs, st[1].vs, MP_F32, 4);
-      for (int i = 0; i < N; ++i) {
-        const int b = i / 256;
-        if (!isnan(st[0].ms[b]) || !isnan(st[1].ms[b]))
-          same = same && ((uint8_t*)st[0].m)[i] == ((uint8_t*)st[1].m)[i];
-        if (!isnan(st[0].vs[b]) || !isnan(st[1].vs[b]))
-          same = same && ((uint8_t*)st[0].v)[i] == ((uint8_t*)st[1].v)[i];
-      }
-    } else {
-      same = same && fused_values_agree(st[0].m, st[1].m, md, N) &&
-             fused_values_agree(st[0].v, st[1].v, vd, N);
-    }
-    st[2] = st[1];
-    st[1] = keep;
+  int same = states_agree(&st[0], &st[1], pt, gt, md, vd, N);
+  if (cf != NULL) { /* the counted row's arrays against the uncounted row's too */
+    same = same && states_agree(&st[0], &st[2], pt, gt, md, vd, N);
     /* the counters: the same bits (NaN sums as NaN), every element counted; but "unmoved"
      * (the 16-bit param kept its bits) of a NaN param compares NaN bits, which are not
      * specified (fused_values_agree): it may differ by one per NaN param and step */
@@ -346,8 +328,7 @@ static void test_adam_fused_vs_generic(uint64_t seed0) {
     /* every valid mode: param and grad dtype, storage, moments (fp32, bf16, mixed, 8-bit),
      * write-back, nearest, ema */
     for (int code = 0; code < 3 * 2 * 5 * 4 * 8; ++code) {
-      const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5, mom = code / 30 % 4;
-      const int flags = code / 120;
+      const int pi = code % 3, gi = code / 3 % 2, kind = code / 6 % 5;
       fused_mode fm;
       if (!mode_of(code, &fm)) continue;
       const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0x9E3779B97F4A7C15ull);
