@@ -350,10 +350,10 @@ def test_a_kept_plan_holds_no_gradient_after_zero_grad(runs, name):
         assert cached == 0, "rank %d: %d gradients kept alive by the plan" % (rank, cached)
 
 
-def test_a_kept_plan_of_plain_params_holds_no_gradient_after_zero_grad():
+def test_a_kept_plan_of_plain_params_holds_no_gradient_after_zero_grad(device):
     """The same for plain (not DTensor) params, whose plan is the engine's StepPlan."""
     torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(n, dtype=BF16)) for n in (300, 5000)]
+    params = [nn.Parameter(torch.randn(n, dtype=BF16, device=device)) for n in (300, 5000)]
     opt = mpext.optim.AdamW(params, lr=1e-2, exp_avg_dtype=torch.int8,
                             exp_avg_sq_dtype=torch.uint8)
     for _ in range(3):

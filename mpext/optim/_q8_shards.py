@@ -289,6 +289,11 @@ class SharedBlocks:
             torch._foreach_copy_(parts, copies)
 
 
+def out_of_param_order(item: Any) -> bool:
+    """Whether a blocked item's gradient lies in another memory order than its param's."""
+    return item.blocks is not None and not same_layout(item.grad, item.param)
+
+
 def grads_in_param_order(items: List[Any]) -> Tuple[List[Any], List[Tuple[torch.Tensor,
                                                                              torch.Tensor]]]:
     """The items with each blocked item's gradient in its param's memory order, and the
@@ -299,7 +304,7 @@ def grads_in_param_order(items: List[Any]) -> Tuple[List[Any], List[Tuple[torch.
     unsplit step does (``_engine._plan_calls``)."""
     out, copied = [], []
     for it in items:
-        if it.blocks is not None and not same_layout(it.grad, it.param):
+        if out_of_param_order(it):
             copy = torch.empty_like(it.param, dtype=it.grad.dtype).copy_(it.grad)
             copied.append((it.grad, copy))
             it = it._replace(grad=copy)

@@ -91,7 +91,7 @@ class ShardedStepPlan(StepPlan):
         """The plan of a step of ``items`` (``owners`` their params, ``groups`` their groups,
         ``idle`` the params without a gradient), or None where a gradient is stepped through a
         copy in its param's layout (those step the long way)."""
-        if q8_shards.grads_in_param_order(items)[1]:
+        if any(q8_shards.out_of_param_order(it) for it in items):
             return None  # a gradient in another memory order than its param's: the long way
         for it in items:  # as fused_step: the split shares the step with the copies
             if it.blocks is not None:
