@@ -1481,6 +1481,21 @@ def test_a_chain_of_one_16_bit_tensor_restored_from_its_table_gives_the_saved_bi
         assert sum(gathered) >= 8, gathered  # the tables were used (both inputs, 4 chains)
 
 
+def test_the_recorders_parameter_check_agrees_with_isinstance():
+    """The recorder's fast ``_is_parameter`` against ``isinstance(t, Parameter)`` (the
+    reference) on a parameter, a parameter of a tensor subclass, a plain tensor, a subclass's
+    plain tensor, a view of a parameter and a buffer."""
+    class Sub(torch.Tensor):
+        pass
+    p = torch.nn.Parameter(torch.randn(3))
+    cases = [p, torch.nn.Parameter(torch.randn(3).as_subclass(Sub)), torch.randn(3),
+             torch.randn(3).as_subclass(Sub), p[:2], torch.nn.Linear(2, 2).weight.detach(),
+             torch.nn.Buffer(torch.randn(2))]
+    got = [act._is_parameter(t) for t in cases]
+    assert got == [isinstance(t, torch.nn.Parameter) for t in cases]
+    assert got[:2] == [True, True] and not any(got[2:])
+
+
 def test_a_raw_leaf_changed_in_place_before_the_backward_is_an_error():
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(32, 64)
