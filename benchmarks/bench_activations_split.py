@@ -1,14 +1,17 @@
 """Where the eager step-time overhead of mpext.activations goes, per zoo model: the step (CPU
 time, one thread, interleaved rounds) with no hooks, identity hooks, the recipe recorder alone,
-the default with recompute=False, and the default, with the minor page faults and system time
-per step (medians: fresh pages first touched by the ops' outputs show there); then one step of
-the default with the hooks' parts timed (CPU time, inclusive; % of the BF16 step).
+the default with recompute=False, the default without the chain tables (a recipe of one
+16-bit tensor rerun op by op instead of gathered from the table of its 2^16 values), and the
+default, with the minor page faults and system time per step (medians: fresh pages first
+touched by the ops' outputs show there); then one step of the default with the hooks' parts
+timed (CPU time, inclusive; % of the BF16 step).
 
     PYTHONPATH=. python -m benchmarks.bench_activations_split [models] [rounds]
 """
 import collections
 import contextlib
 import functools
+import os
 import resource
 import statistics
 import sys
@@ -28,6 +31,7 @@ PARTS = [(A.fp8_saved_tensors, "_pack", "pack (all of it)"),
          (A, "_recipe", "recorder: making a recipe"),
          (A._Recorder, "__torch_function__", "recorder (with the ops it runs)"),
          (rc.Recomputed, "_raw", "unpack: recomputing"),
+         (rc, "_from_table", "unpack: recomputing, chain tables"),
          (A._Packed, "_raw", "unpack: decoding 8 bits"),
          (rc.Bits, "_raw", "unpack: bits")]
 
@@ -49,8 +53,10 @@ def _timed(spent, calls):
 
 def main(names=None, rounds=5):
     torch.set_num_threads(1)
+    print("load average %.1f %.1f %.1f" % os.getloadavg(), flush=True)
     spent, calls = collections.Counter(), collections.Counter()
     timing = [False]
+    gather_cost = rc._GATHER_COST
     for name, (build, batch, loss_fn) in zoo_models(False).items():
         if names and name not in names:
             continue
@@ -64,9 +70,13 @@ def main(names=None, rounds=5):
             "recorder only": lambda: A._Recorder(A._State()),
             "recompute=False": (lambda c=A.fp8_saved_tensors(
                 params=model, warn_unmatched=False, recompute=False): c),
+            "no chain tables": (lambda c=A.fp8_saved_tensors(params=model,
+                                                              warn_unmatched=False): c),
             "default": (lambda c=A.fp8_saved_tensors(params=model, warn_unmatched=False): c)}
 
         def step(k):
+            # the tables' cost threshold: never reached, every chain reruns its ops
+            rc._GATHER_COST = float("inf") if k == "no chain tables" else gather_cost
             with ctxs[k]():
                 loss = loss_fn(model, xb)
             loss.float().backward()
@@ -98,6 +108,7 @@ def main(names=None, rounds=5):
         spent.clear()
         calls.clear()
         step("default")
+        rc._GATHER_COST = gather_cost
         for label, s in spent.most_common():
             print("    %-34s %6.2f ms %4d calls %5.1f%% of the BF16 step" % (
                 label, 1e3 * s, calls[label], 100 * s / base))
