@@ -7,6 +7,12 @@ touched by the ops' outputs show there); then one step of the default with the h
 timed (CPU time, inclusive; % of the BF16 step).
 
     PYTHONPATH=. python -m benchmarks.bench_activations_split [models] [rounds]
+
+``--tables`` instead: the backward's recomputing alone (``Recomputed._raw``, CPU time per step)
+without and with the chain tables, paired round by round, beside the BF16 step (a part's time
+is steadier than a step ratio on a shared machine).
+
+    PYTHONPATH=. python -m benchmarks.bench_activations_split --tables [models] [rounds]
 """
 import collections
 import contextlib
@@ -114,6 +120,60 @@ def main(names=None, rounds=5):
                 label, 1e3 * s, calls[label], 100 * s / base))
 
 
+def tables(names=None, rounds=15):
+    torch.set_num_threads(1)
+    print("load average %.1f %.1f %.1f" % os.getloadavg(), flush=True)
+    spent, raw, gather_cost = [0.0], rc.Recomputed._raw, rc._GATHER_COST
+
+    def timed(self):
+        t0 = time.process_time()
+        try:
+            return raw(self)
+        finally:
+            spent[0] += time.process_time() - t0
+    rc.Recomputed._raw = timed
+    try:
+        for name, (build, batch, loss_fn) in zoo_models(False).items():
+            if names and name not in names:
+                continue
+            torch.manual_seed(0)
+            model = build().to("cpu", torch.bfloat16).train()
+            xb = tuple(batch(torch.bfloat16))
+            ctx = A.fp8_saved_tensors(params=model, warn_unmatched=False)
+            got = {"no tables": [], "tables": [], "bf16": []}
+            for i in range(rounds + 2):  # two warm-up rounds
+                for k, cost in (("no tables", float("inf")), ("tables", gather_cost)):
+                    rc._GATHER_COST, spent[0] = cost, 0.0
+                    with ctx:
+                        loss = loss_fn(model, xb)
+                    loss.float().backward()
+                    model.zero_grad(set_to_none=True)
+                    if i >= 2:
+                        got[k].append(spent[0])
+                t0 = time.process_time()
+                loss_fn(model, xb).float().backward()
+                model.zero_grad(set_to_none=True)
+                if i >= 2:
+                    got["bf16"].append(time.process_time() - t0)
+            rc._GATHER_COST = gather_cost
+            base = statistics.median(got["bf16"])
+            print("%s: BF16 step %.1f ms CPU; recomputing per step: no tables %.2f ms (%.1f%%),"
+                  " tables %.2f ms (%.1f%%); tables / no tables, median of rounds %.2f" % (
+                      name, 1e3 * base, 1e3 * statistics.median(got["no tables"]),
+                      100 * statistics.median(got["no tables"]) / base,
+                      1e3 * statistics.median(got["tables"]),
+                      100 * statistics.median(got["tables"]) / base,
+                      statistics.median([a / b for a, b in zip(got["tables"],
+                                                               got["no tables"]) if b > 0]
+                                        or [1.0])), flush=True)
+    finally:
+        rc.Recomputed._raw, rc._GATHER_COST = raw, gather_cost
+    print("load average %.1f %.1f %.1f" % os.getloadavg(), flush=True)
+
+
 if __name__ == "__main__":
-    main([n for n in sys.argv[1].split(",") if n] if len(sys.argv) > 1 else None,
-         int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+    argv = sys.argv[1:]
+    run = tables if argv[:1] == ["--tables"] else main
+    argv = argv[1:] if run is tables else argv
+    kw = {"rounds": int(argv[1])} if len(argv) > 1 else {}
+    run([n for n in argv[0].split(",") if n] if argv else None, **kw)
