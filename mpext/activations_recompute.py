@@ -465,5 +465,8 @@ def _from_table(call, memo):
     if table is None:
         return None
     flat = x if x.is_contiguous() else x.contiguous()
-    index = flat.view(torch.uint16).reshape(-1).to(torch.int32)
+    if flat.device.type == "cpu":
+        index = flat.view(torch.uint16).reshape(-1).to(torch.int32)
+    else:  # the same index from ops every backend has (uint16 casts are a recent addition)
+        index = flat.view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
     return table.index_select(0, index).view(flat.shape)
