@@ -1432,6 +1432,70 @@ def test_a_chain_runs_once_per_backward_and_a_value_changed_in_place_is_not_reus
     assert torch.equal(bits.restore(), m) and bits.pending is None  # dropped at the last
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_chain_of_one_16_bit_tensor_restored_from_its_table_gives_the_saved_bits(device,
+                                                                                  dtype):
+    """gelu_new's chain, GELU's tanh form and two chains differing only in a constant, over
+    every 16-bit pattern (NaN, Inf, subnormals, -0 among them) and over an odd-sized normal
+    tensor (the forward's scalar tail loops): every recomputed tensor, restored through the
+    chain tables of activations_recompute where they apply, has the bits autograd saved in the
+    uncompressed forward (the reference: torch's own ops as the forward ran them)."""
+    every = torch.cat([torch.arange(0, 1 << 15, dtype=torch.int16),
+                       torch.arange(-(1 << 15), 0, dtype=torch.int16)]).view(dtype)
+    odd = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    gathered, take = [], act._rc._from_table
+
+    def spy(call, memo):
+        out = take(call, memo)
+        gathered.append(out is not None)
+        return out
+    for a in (every.view(256, 256), odd):
+        a = a.to(device).requires_grad_()
+        ctx = act.fp8_saved_tensors(lambda t: t.untyped_storage().data_ptr() != ptr,
+                                    warn_unmatched=False)
+        seen = []
+
+        def pack(t):
+            stored = ctx.pack(t)
+            if isinstance(stored, act._rc.Recomputed):
+                seen.append((t.detach().clone(), stored))
+            return stored
+        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
+            h = a * 1  # the chains' input: kept raw by the policy
+            ptr = h.untyped_storage().data_ptr()
+            outs = [_gelu_new(h), torch.nn.functional.gelu(h, approximate="tanh"),
+                    torch.tanh(0.5 * h), torch.tanh(0.25 * h)]
+            w = torch.ones_like(h, requires_grad=True)
+            _ = [o * w for o in outs]  # each chain's output saved by a product
+        assert len(seen) >= 8, len(seen)
+        act._rc._from_table = spy
+        try:
+            for orig, stored in seen:
+                got = stored.restore()
+                bits = torch.int16 if got.element_size() == 2 else torch.int32
+                assert got.dtype == orig.dtype and got.shape == orig.shape
+                assert torch.equal(got.contiguous().view(bits), orig.contiguous().view(bits))
+        finally:
+            act._rc._from_table = take
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        assert sum(gathered) >= 8, gathered  # the tables were used (both inputs, 4 chains)
+
+
+def test_the_recorders_parameter_check_agrees_with_isinstance():
+    """The recorder's fast ``_is_parameter`` against ``isinstance(t, Parameter)`` (the
+    reference) on a parameter, a parameter of a tensor subclass, a plain tensor, a subclass's
+    plain tensor, a view of a parameter and a buffer."""
+    class Sub(torch.Tensor):
+        pass
+    p = torch.nn.Parameter(torch.randn(3))
+    cases = [p, torch.nn.Parameter(torch.randn(3).as_subclass(Sub)), torch.randn(3),
+             torch.randn(3).as_subclass(Sub), p[:2], torch.nn.Linear(2, 2).weight.detach(),
+             torch.nn.Buffer(torch.randn(2))]
+    got = [act._is_parameter(t) for t in cases]
+    assert got == [isinstance(t, torch.nn.Parameter) for t in cases]
+    assert got[:2] == [True, True] and not any(got[2:])
+
+
 def test_a_raw_leaf_changed_in_place_before_the_backward_is_an_error():
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(32, 64)
