@@ -49,9 +49,10 @@ test: build cuda-emu
 # The pytest suite alone (make test without cuda-emu; .ci/run runs cuda-emu beside the build), in
 # TEST_WORKERS processes (pytest-xdist: every test still runs, once; a test module's tests all
 # run in one worker, so that a module-scoped fixture, such as test_distributed's multi-rank runs,
-# is computed once; the test marked exclusive runs alone: tests/conftest.py), or in one process
-# where the environment has no xdist.
-PYTEST = $(PY) -m pytest tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile") \
+# is computed once; the test marked exclusive runs alone: tests/conftest.py; the modules that
+# take longest start first, --no-loadscope-reorder keeping conftest.py's order), or in one
+# process where the environment has no xdist.
+PYTEST = $(PY) -m pytest tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder") \
 	$(PYTEST_ARGS)
 pytest: build
 	$(PYTEST)
