@@ -1,6 +1,6 @@
 """Shared fixtures: devices and CPU ISA paths to parametrize over; host-read counting; under
 pytest-xdist (make test runs the suite in TEST_WORKERS processes), tests marked ``exclusive`` run
-alone."""
+alone; the modules that take longest are collected first (LONGEST_MODULES)."""
 import contextlib
 import fcntl
 import os
