@@ -1,6 +1,6 @@
 """Shared fixtures: devices and CPU ISA paths to parametrize over; host-read counting; under
 pytest-xdist (make test runs the suite in TEST_WORKERS processes), tests marked ``exclusive`` run
-alone."""
+alone; the modules that take longest are collected first (LONGEST_MODULES)."""
 import contextlib
 import fcntl
 import os
@@ -112,6 +112,40 @@ class HostReads:
 
 
 # ---- pytest-xdist
+
+# The modules with the longest runs, longest first (seconds of wall in a 2-worker run of the
+# whole suite on the loaded 2-core CI machine, --durations: the exhaustive RNE sweep 274; the
+# 4-rank release spawn 196; four kill-and-resume chains 236; the soaks 164; ...). Under
+# `--dist loadfile` a worker takes the next module whenever it runs low, so a module that takes
+# minutes is best started first: pytest-xdist's own order (the modules with the most tests
+# first) started these few-test modules last, and the run ended on one of them with the other
+# worker idle. The Makefile passes --no-loadscope-reorder so that this order is the one used.
+# (Not test_large.py: its test is exclusive, so it waits for the other worker's current test to
+# end; among the long modules that could be minutes with a core idle.)
+LONGEST_MODULES = ["test_cast.py", "test_resume.py", "test_release_mesh.py", "test_soak.py",
+                   "test_activations.py", "test_memory_release.py", "test_fsdp_step_cache.py",
+                   "test_distributed.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_MODULES first, in that order; then every other module by its number of tests,
+    most first (pytest-xdist's own reordering, which --no-loadscope-reorder turns off). The
+    order of the tests inside a module is kept."""
+    def module(item):
+        return item.nodeid.split("::", 1)[0]
+
+    count = {}
+    for item in items:
+        count[module(item)] = count.get(module(item), 0) + 1
+
+    def key(item):
+        path = module(item)
+        name = os.path.basename(path)
+        first = LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+        return first, -count[path], path
+
+    items.sort(key=key)  # stable: a module's tests keep their order
+
 
 def pytest_configure(config):
     """Each xdist worker takes its share of the cores for torch's intra-op threads (make test:
