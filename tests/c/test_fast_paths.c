@@ -273,6 +273,9 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
       t.step = &step[c];
       t.n = N;
       t.sr_stream = 5u;
+      /* Lion's rows draw at the shard's positions: a shard across 2^32 (the engine cuts it
+       * there, mp_sr_piece) */
+      t.offset = fm->rule == MP_RULE_LION ? ((int64_t)1 << 32) - 512 : 0; /* whole blocks */
       /* two ranges: [0, 256) and the rest, as threads would split it */
       const int64_t r0[2] = {0, 256}, rn[2] = {256, N - 256};
       for (int h = 0; h < 2; ++h) {
@@ -392,7 +395,7 @@ static void test_counted_rows(uint64_t seed0) {
 
 /* 11p. Lion's rows (csrc/core/fast/lion_fused.c) against the tile pipeline alone: every valid
  *      storage mode with Lion's one moment (fp32, bf16 either rounding, 8-bit), on every ISA
- *      path, maximized or not, as 11n compares Adam's; and the dispatch takes a row for
+ *      path, maximized or not, a shard whose positions cross 2^32, as 11n compares Adam's; and the dispatch takes a row for
  *      exactly the modes lion_fused.c keeps (its MP_LION_FUSED_ROWS: bf16 param and grad, no
  *      write-back or ema; fp32 moment with every param storage, a bf16 one stochastically
  *      rounded with a remainder or SR), on the AVX-512 path only, in a build with the fast
