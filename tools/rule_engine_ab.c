@@ -72,14 +72,14 @@ static int cmp(const void* a, const void* b) {
 
 /* The formats of benchmarks/bench_adam.py (bf16 params and grads), plus an fp32 master with
  * 8-bit moments. */
-static const char* const FORMATS[] = {"master", "remainder", "rem_bf16m", "sr_bf16m",
-                                      "sr",     "rem_q8",    "sr_q8",     "master_q8"};
-#define NFMT 8
+static const char* const FORMATS[] = {"master", "remainder", "rem_bf16m", "sr_bf16m", "sr",
+                                      "rem_q8", "sr_q8",     "master_q8", "rne"};
+#define NFMT 9
 #define MAX_ROUNDS 64
 /* Bytes per element the step moves, per format: bf16 grad read and bf16 param written (2 + 2),
  * an fp32 master read and written (8) or a remainder (4), the moment read and written (fp32 8,
  * bf16 4, 8-bit 2; the 8-bit scales are 8 bytes per 256). */
-static const int BYTES[NFMT] = {20, 18, 14, 10, 14, 12, 8, 14};
+static const int BYTES[NFMT] = {20, 18, 14, 10, 14, 12, 8, 14, 14};
 
 #define ROOF_N (64l << 20)
 
@@ -126,7 +126,8 @@ int main(int argc, char** argv) {
           p += len;
         if (p == NULL) continue;
       }
-      const int q8 = f >= 5, bf16m = f == 2 || f == 3, remainder = f == 1 || f == 2 || f == 5;
+      const int q8 = f >= 5 && f <= 7, bf16m = f == 2 || f == 3;
+      const int remainder = f == 1 || f == 2 || f == 5;
       const int sr = f == 3 || f == 4 || f == 6, has_master = f == 0 || f == 7;
       for (int64_t i = 0; i < n; ++i) { /* normal values only: a subnormal costs an assist */
         const float x = 0.02f + 1e-5f * (float)(i % 2001 - 1000);
