@@ -4,15 +4,15 @@
  * pipeline runs a loop per stage over a tile (with the stages' fp32 buffers between them).
  * Lion's update is a few multiplies and a sign, so with an fp32 moment the pipeline's passes
  * are what keep it from its bytes bound: one pass streams every array at once (and asks for
- * them ahead) and keeps the memory busy while it computes (docs/fast_paths.md, "Lion": the gain of each row and the CPU
- * it came from). A row computes the same bits as the pipeline, element by element, with the
+ * them ahead) and keeps the memory busy while it computes (docs/fast_paths.md, "Lion": the
+ * gain of each row and the CPU it came from). A row computes the same bits as the pipeline, element by element, with the
  * same per-element functions in the same order (tests/c/test_fast_paths.c compares them on
  * every row and ISA path), and a build without this folder (MPEXT_FAST_PATHS=0) passes every
  * test.
  *
  * The rows are built on the AVX-512 path only (the CPU they were measured on; GCC vectorizes
- * the C loop): elsewhere mp_k_lion_fast_step finds none, and the compile time the other paths
- * add is that of an empty file. Reached through mp_k_fast_step (adam_fused.c), the engine's
+ * the C loop): elsewhere mp_k_lion_fast_step finds none, and the other paths compile little
+ * more than the headers. Reached through mp_k_fast_step (adam_fused.c), the engine's
  * only way into the fast paths. */
 #include <string.h>
 
