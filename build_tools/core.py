@@ -28,7 +28,7 @@ KERNEL_SOURCES = ["csrc/core/cast.c", "csrc/core/scale.c", "csrc/core/step.c",
 # compiled with MP_NO_FAST_PATHS (the engine's lookup then finds none) into objects of their own
 # (a subdirectory "<isa>-nofast"), so both builds' objects can sit side by side and every other
 # object is shared.
-FAST_SOURCES = ["csrc/core/fast/adam_fused.c"]
+FAST_SOURCES = ["csrc/core/fast/adam_fused.c", "csrc/core/fast/lion_fused.c"]
 FAST_USERS = ["csrc/core/step.c"]
 # Compiled once.
 COMMON_SOURCES = ["csrc/core/cpu.c",

@@ -110,20 +110,36 @@ static int prefetch_ahead(const step_piece* a) {
   return a->nmom <= 1 && bytes <= 12;
 }
 
-/* Asks for the storage of the tile at element j (all of MP_TILE elements: past the piece's
+/* The elements of one tile of step_tiles: MP_TILE, or MP_TILE_SHORT where a piece keeps one
+ * moment or none (SGD, Lion). Streaming few arrays, the stages' loops over 512-element tiles
+ * overlapped memory and computation worse: with 256 the same steps took 11-22% less time (Lion
+ * and SGD, every format with fp32 or bf16 moments, 16M elements, one core,
+ * tools/rule_engine_ab.c; docs/fast_paths.md, "Lion"); 128 was no better than 256, 64 worse.
+ * 8-bit moments step a block at a time (step_q8_blocks) and are unchanged. Adam's two moments keep
+ * MP_TILE (not measured with other lengths here). A property of the mode, never of the rule;
+ * the bits are the same at any length (every stage is elementwise, random bits drawn at the
+ * element's position). */
+#ifndef MP_TILE_SHORT
+#define MP_TILE_SHORT 256
+#endif
+_Static_assert(MP_TILE_SHORT <= MP_TILE, "the tile buffers hold MP_TILE elements");
+
+static uint32_t tile_len(const step_piece* a) { return a->nmom <= 1 ? MP_TILE_SHORT : MP_TILE; }
+
+/* Asks for the storage of the tile at element j (all of its len elements: past the piece's
  * end it is a hint that fetches nothing the step needs, never an access). */
-static void prefetch_tile(const step_piece* a, int64_t j) {
+static void prefetch_tile(const step_piece* a, int64_t j, uint32_t len) {
   const mp_step_tensor* t = a->t;
-  mp_prefetch_span((const char*)t->grad + j * MP_DTYPE_BYTES(a->gt), MP_TILE * MP_DTYPE_BYTES(a->gt));
+  mp_prefetch_span((const char*)t->grad + j * MP_DTYPE_BYTES(a->gt), len * MP_DTYPE_BYTES(a->gt));
   mp_prefetch_span((const char*)t->param + j * MP_DTYPE_BYTES(a->pt),
-                   MP_TILE * MP_DTYPE_BYTES(a->pt));
-  if (t->master != NULL) mp_prefetch_span(t->master + j, MP_TILE * 4);
-  if (t->remainder != NULL) mp_prefetch_span(t->remainder + j, MP_TILE * 2);
+                   len * MP_DTYPE_BYTES(a->pt));
+  if (t->master != NULL) mp_prefetch_span(t->master + j, len * 4);
+  if (t->remainder != NULL) mp_prefetch_span(t->remainder + j, len * 2);
   if (a->nmom >= 1) {
     mp_prefetch_span((const char*)t->exp_avg + j * MP_DTYPE_BYTES(a->md),
-                     MP_TILE * MP_DTYPE_BYTES(a->md));
+                     len * MP_DTYPE_BYTES(a->md));
   }
-  if (t->ema != NULL) mp_prefetch_span(t->ema + j, MP_TILE * 4);
+  if (t->ema != NULL) mp_prefetch_span(t->ema + j, len * 4);
 }
 
 /* Elements [start, start + n) of one piece, fp32 or bf16 moments (or none), tile by tile. */
@@ -139,14 +155,15 @@ static void step_tiles(const step_piece* a, int64_t start, int64_t n) {
   const int bf16_moments = a->md == MP_BF16 || a->vd == MP_BF16;
   const int nearest = s->moments_nearest != 0;
   const int ahead = prefetch_ahead(a);
-  for (int64_t off = 0; off < n; off += MP_TILE) {
+  const uint32_t tile = tile_len(a);
+  for (int64_t off = 0; off < n; off += tile) {
     const int64_t i = start + off;
-    const uint32_t len = (uint32_t)(n - off < MP_TILE ? n - off : MP_TILE);
+    const uint32_t len = (uint32_t)(n - off < tile ? n - off : tile);
     const uint32_t lo = (uint32_t)(i + a->pos0);
     const mp_pv_tile at = pv_at(a, i);
     void* m_at = a->nmom >= 1 ? (char*)t->exp_avg + i * MP_DTYPE_BYTES(a->md) : NULL;
     void* v_at = a->nmom >= 2 ? (char*)t->exp_avg_sq + i * MP_DTYPE_BYTES(a->vd) : NULL;
-    if (ahead && n - off > MP_TILE) prefetch_tile(a, i + MP_TILE);
+    if (ahead && n - off > tile) prefetch_tile(a, i + tile, tile);
     float* g = mp_grad_decode(gbuf, (char*)t->grad + i * MP_DTYPE_BYTES(a->gt), a->gt, len, s);
     float* p = mp_pv_decode(a->kind, a->pt, &at, pbuf, len);
     float* m = a->nmom >= 1 ? mp_mom_decode(a->md, m_at, mbuf, len) : NULL;

@@ -112,6 +112,7 @@ static int fused_values_agree(const void* a, const void* b, mp_dtype t, int n) {
 typedef struct fused_mode {
   mp_dtype pt, gt, md, vd;
   int kind, wb, nearest, ema;
+  int rule; /* MP_RULE_ADAM, or MP_RULE_LION (one moment: exp_avg_sq is not read) */
 } fused_mode;
 
 /* Mode number `code` of the 3 * 2 * 5 * 4 * 8 the fast-path tests enumerate (param dtype, grad
@@ -128,6 +129,7 @@ static int mode_of(int code, fused_mode* fm) {
   fm->wb = flags & 1;
   fm->nearest = (flags >> 1) & 1;
   fm->ema = flags >> 2;
+  fm->rule = MP_RULE_ADAM;
   if ((gi && fm->pt == MP_F32) || (fm->pt == MP_F32) != (kind == MP_PV_F32)) return 0;
   return !(kind == MP_PV_REMAINDER && fm->pt != MP_BF16);
 }
@@ -195,6 +197,9 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
     if (md == MP_I8 && i >= 256 && i < 512) gv *= 1e-27f;
     if (specials && i % 101 == 7) gv = NAN;
     if (specials && i % 103 == 9) gv = -INFINITY;
+    /* Lion keeps a param whose update's sign is 0 (a NaN grad) where there is no weight decay
+     * (variant 5): its ties below stay ties, for the master's tie rule */
+    if (specials && fm->rule == MP_RULE_LION && i % 16 == 3) gv = NAN;
     uint32_t pb = bits_of((float)(0.05 * u));
     if (i % 16 == 3) pb = (pb & ~0x1FFFFu) | 0x08000u; /* a tie above an even bf16 */
     /* NaNs whose payload fills every bit (a NaN master, a NaN fp32 grad): rounded to 16 bits
@@ -236,7 +241,7 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
   o.beta1 = 0.9;
   o.beta2 = 0.999;
   o.eps = 1e-8;
-  o.weight_decay = 0.01;
+  o.weight_decay = fm->rule == MP_RULE_LION && variant == 5 ? 0.0 : 0.01;
   o.decoupled = (variant & 1) == 0;
   o.maximize = (variant % 7) == 3;
   o.lr_value = 1e-3f;
@@ -245,6 +250,7 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
   o.moments_nearest = fm->nearest;
   o.seed = s;
   o.q8_block = 256;
+  o.rule = fm->rule;
   o.ema_decay = fm->ema ? 0.99 : 0.0; /* 0: what a group without an ema passes */
   float step[3] = {0.0f, 0.0f, 0.0f};
   for (int it = 0; it < 3; ++it) {
@@ -270,6 +276,9 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
       t.step = &step[c];
       t.n = N;
       t.sr_stream = 5u;
+      /* Lion's rows draw at the shard's positions: a shard across 2^32 (the engine cuts it
+       * there, mp_sr_piece) */
+      t.offset = fm->rule == MP_RULE_LION ? ((int64_t)1 << 32) - 512 : 0; /* whole blocks */
       /* two ranges: [0, 256) and the rest, as threads would split it */
       const int64_t r0[2] = {0, 256}, rn[2] = {256, N - 256};
       for (int h = 0; h < 2; ++h) {
@@ -387,7 +396,103 @@ static void test_counted_rows(uint64_t seed0) {
   g_end(&g);
 }
 
+/* 11p. Lion's rows (csrc/core/fast/lion_fused.c) against the tile pipeline alone: every valid
+ *      storage mode with Lion's one moment (fp32, bf16 either rounding, 8-bit), on every ISA
+ *      path, maximized or not, without weight decay (ties kept for the master's tie rule),
+ *      a shard whose positions cross 2^32, as 11n compares Adam's; and the dispatch takes a row for
+ *      exactly the modes lion_fused.c keeps (its MP_LION_FUSED_ROWS: bf16 param and grad, an
+ *      fp32 moment, no write-back or ema, every bf16 param storage), on the AVX-512 path only, in a build with the fast
+ *      paths (which Adam's master row, kept on every path, tells apart from one without). */
+
+/* Whether the fast-path dispatch of ISA path isa takes a row for mode fm (a piece of no
+ * elements: nothing is read or written). */
+static int row_kept(mp_isa isa, const fused_mode* fm) {
+  mp_step_options o;
+  memset(&o, 0, sizeof o);
+  o.beta1 = 0.9;
+  o.beta2 = 0.99;
+  o.lr_value = 1e-3f;
+  o.decoupled = 1;
+  o.unscale_grads = fm->wb;
+  o.sr_params = fm->kind == MP_PV_NONE_SR;
+  o.moments_nearest = fm->nearest;
+  o.q8_block = 256;
+  o.rule = fm->rule;
+  o.ema_decay = fm->ema ? 0.99 : 0.0;
+  /* a scale other than 1: write-back asked for is write-back done */
+  const mp_step_scalars sc = mp_step_scalars_of(&o, 0.0f, 0.5f, 5u);
+  const mp_rule_scalars rc = mp_rule_scalars_of(&o, 1e-3f, 0.0f);
+  float one = 0.0f, step = 0.0f;
+  mp_step_tensor t;
+  memset(&t, 0, sizeof t);
+  t.param = &one;
+  t.param_dtype = fm->pt;
+  t.grad = &one;
+  t.grad_dtype = fm->gt;
+  t.master = fm->kind == MP_PV_MASTER ? &one : NULL;
+  t.remainder = fm->kind == MP_PV_REMAINDER ? (int16_t*)&one : NULL;
+  t.exp_avg = &one;
+  t.exp_avg_sq = &one;
+  t.exp_avg_format = fmt_of(fm->md);
+  t.exp_avg_sq_format = fmt_of(fm->vd);
+  t.exp_avg_scale = t.exp_avg_sq_scale = &one;
+  t.ema = fm->ema ? &one : NULL;
+  t.step = &step;
+  return counted_of(isa).uncounted(&t, 0, 0, &sc, &rc, fm->kind);
+}
+
+static void test_lion_fused_vs_generic(uint64_t seed0) {
+  group g;
+  g_begin(&g, "lion: hand-fused loops = the tile pipeline, every storage mode and ISA path");
+  const fused_mode adam_master = {MP_BF16, MP_BF16, MP_F32, MP_F32, MP_PV_MASTER, 0, 0, 0,
+                                  MP_RULE_ADAM};
+  const int fast_built = row_kept(MP_ISA_SCALAR, &adam_master);
+  int modes = 0;
+  for (int k = 0; k < g_nisa; ++k) {
+    const mp_kernel_table* kt = kernels_of(g_isas[k]);
+    int kept = 0, want = 0;
+    for (int code = 0; code < 3 * 2 * 5 * 4 * 8; ++code) {
+      fused_mode fm;
+      if (!mode_of(code, &fm) || (fm.vd == MP_BF16 && fm.md == MP_F32)) continue; /* = fp32 */
+      fm.rule = MP_RULE_LION;
+      const int has_row = row_kept(g_isas[k], &fm);
+      kept += has_row;
+      /* (nearest rounds bf16 moments only: an fp32 one takes its row either way) */
+      want += fm.pt == MP_BF16 && fm.gt == MP_BF16 && !fm.wb && !fm.ema && fm.md == MP_F32;
+      const uint64_t s = seed0 ^ ((uint64_t)(code + 1) * 0xA0761D6478BD642Full);
+      /* 3 maximizes; 5 has no weight decay, for the tie rule of a master or remainder; a mode
+       * without a row (the pipeline both ways: the fall-through checked) once */
+      const int tie_kind = fm.kind == MP_PV_MASTER || fm.kind == MP_PV_REMAINDER;
+      const int nvar = !has_row ? 1 : tie_kind ? 3 : 2;
+      for (int j = 0; j < nvar; ++j) {
+        const int variant = j == 0 ? 0 : 2 * j + 1;
+        g.count++;
+        g_check(&g, fused_same(kt, &fm, s, variant),
+                "[%s] param %s grad %s storage %d moment %d wb %d nearest %d ema %d variant %d: the "
+                "lion row differs from the pipeline (row kept: %d)", mp_isa_name(g_isas[k]),
+                U_NAME[code % 3], U_NAME[code / 3 % 2 ? 0 : code % 3], fm.kind, (int)fm.md,
+                fm.wb, fm.nearest, fm.ema, variant, has_row);
+      }
+      modes++;
+    }
+    g.count++;
+    if (g_isas[k] == MP_ISA_AVX512 && fast_built) {
+      /* four rows, each taken with nearest 0 and 1 */
+      g_check(&g, kept == want && want == 8,
+              "[%s] the dispatch takes %d lion modes, lion_fused.c keeps %d (want 8)",
+              mp_isa_name(g_isas[k]), kept, want);
+    } else {
+      g_check(&g, kept == 0, "[%s] %d lion modes took a row where none is built",
+              mp_isa_name(g_isas[k]), kept);
+    }
+    printf("      [%s] %d lion modes through rows\n", mp_isa_name(g_isas[k]), kept);
+  }
+  printf("      %d modes x paths compared\n", modes);
+  g_end(&g);
+}
+
 void run_tests(const sweep_opts* o, mp_isa initial_active) {
   test_adam_fused_vs_generic(o->seed);
+  test_lion_fused_vs_generic(o->seed);
   test_counted_rows(o->seed);
 }
