@@ -290,14 +290,15 @@ def _built_object(src, isa):
 
 
 @pytest.mark.skipif(CC is None or not core.X86, reason="needs a C compiler and an x86 target")
-def test_the_avx512_adam_loops_keep_their_software_prefetches(tmp_path):
-    """adam_bf16x32.h's loops prefetch a kilobyte ahead on every array (at 16M elements on an
-    Intel Xeon they ran 8-26% faster with it). GCC once dropped every prefetch without a word
+@pytest.mark.parametrize("src", ["csrc/core/fast/adam_fused.c", "csrc/core/fast/lion_fused.c"])
+def test_the_avx512_fast_rows_keep_their_software_prefetches(tmp_path, src):
+    """The AVX-512 rows' loops prefetch ahead on every array (adam_bf16x32.h a kilobyte, 8-26%
+    faster at 16M elements on an Intel Xeon; lion_fused.c 512 elements, the whole of its rows'
+    gain over the pipeline: docs/fast_paths.md). GCC once dropped every prefetch without a word
     (the wrapper was taken for a function without side effects), so the object's code is read
     here: the build's own object where it is up to date (the suite runs after `make build`:
     disassembling it takes a fraction of a second, compiling the unit again at -O3 took 10-30 s
     of CI's CPU), else the unit compiled exactly as the build does."""
-    src = "csrc/core/fast/adam_fused.c"
     built = _built_object(src, "avx512") if shutil.which("objdump") else None
     if built is not None:
         asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", built], check=True,
@@ -305,11 +306,13 @@ def test_the_avx512_adam_loops_keep_their_software_prefetches(tmp_path):
     else:
         (_, cmd, obj), = [j for j in core.core_jobs([CC], str(tmp_path))
                           if j[0] == src and "-DMP_ISA_SUFFIX=avx512" in j[1]]
-        out = str(tmp_path / "adam_fused.s")
+        out = str(tmp_path / (Path(src).stem + ".s"))
         subprocess.run([{"-c": "-S", obj: out}.get(a, a) for a in cmd], check=True)
         asm = Path(out).read_text()
-    # one per array and 32 elements in each hand-written row's loop: far more than a handful
-    assert asm.count("prefetcht0") >= 16, "the AVX-512 Adam loops lost their software prefetches"
+    # one per array in each hand-written row's loop: far more than a handful (Adam's: 32
+    # elements a loop; Lion's four rows: 38)
+    assert asm.count("prefetcht0") >= 16, "the AVX-512 rows of %s lost their software " \
+        "prefetches" % src
 
 
 # ---- The rules' op entries, generated from the rows (build_tools/rules.py) -------------------
