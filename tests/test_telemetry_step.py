@@ -79,6 +79,29 @@ def test_a_freed_telemetry_hides_no_other_launch(device):
     tel.detach()
 
 
+def test_another_optimizers_telemetry_takes_no_launch(device):
+    """Two optimizers over the same params, each with a telemetry (a Trainer's optimizer made
+    anew while the old one's telemetry is alive): each step is counted by its optimizer's
+    telemetry only, whichever was attached first."""
+    params = _params(torch.bfloat16, device)
+    numel = sum(p.numel() for p in params)
+    kw = dict(lr=1e-3, master_weights=False, stochastic_rounding=True)
+    first = mpext.optim.AdamW(params, **kw)
+    second = mpext.optim.AdamW(params, **kw)
+    tel1 = mpext.telemetry.attach(None, optimizer=first, step_every=1)
+    tel2 = mpext.telemetry.attach(None, optimizer=second, step_every=1)
+    opts = dict(first=first, second=second)
+    for steps in (("second",), ("first", "second", "second")):
+        for name in steps:
+            set_grads(params, _grads(params, seed=len(steps)))
+            opts[name].step()
+        r1, r2 = tel1.read(), tel2.read()
+        assert r1["update/elements"] == steps.count("first") * numel, steps
+        assert r2["update/elements"] == steps.count("second") * numel, steps
+    tel1.detach()
+    tel2.detach()
+
+
 def _params(dtype, device, seed=0, rule=None):
     g = torch.Generator().manual_seed(seed)
     out = []
