@@ -317,7 +317,9 @@ def run_launches(launches: List[tuple], copied: List[tuple]) -> None:
     of the gradients that were stepped through a copy in the param's layout back into them."""
     for op, (args, kwargs) in launches:
         if STATS_SOURCES:
-            for source in STATS_SOURCES:
+            # a snapshot: a source whose telemetry was freed leaves the list while it is walked,
+            # and walking the list itself would then skip the source after it
+            for source in tuple(STATS_SOURCES):
                 stats = source(op, args, kwargs)
                 if stats is not None:
                     kwargs = dict(kwargs, stats=stats)

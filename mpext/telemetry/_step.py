@@ -56,10 +56,13 @@ class _Rows:
     """The stats tensor of one launch shape (an op and its list of params) and what each row
     is: its param, the param's storage (fp32, master, remainder, rne, sr) and moment formats."""
 
-    def __init__(self, op: str, owners: List[torch.Tensor], args: tuple, kwargs: dict,
-                 device: torch.device):
+    def __init__(self, op: str, owners: List[torch.Tensor], keyed: List[torch.Tensor],
+                 args: tuple, kwargs: dict, device: torch.device):
         self.op = op
         self.owners = owners
+        # the tensors whose ids key these rows, held weakly: a key is only an id, which a new
+        # tensor may reuse once the keyed one is freed (Muon's buffers after a state load)
+        self.keyed = [weakref.ref(t) for t in keyed]
         self.stats = torch.zeros((len(owners), NCOLS), dtype=torch.float64, device=device)
         params = args[0]
         nlists = _moment_lists(op) or 0
@@ -96,10 +99,16 @@ class StepCounters:
         self.counted = 0      # steps counted since the last read
         self._rows: Dict[tuple, Optional[_Rows]] = {}
         self._by_id: Dict[int, torch.Tensor] = {}     # id(param) -> param
-        self._state_id: Dict[int, torch.Tensor] = {}  # id(state tensor) -> its param
+        # id(state tensor) -> (the state tensor, weakly: its id may be reused; its param)
+        self._state_id: Dict[int, Tuple[Any, torch.Tensor]] = {}
+        self._retired = 0     # rows whose keyed tensors were freed (kept until the next read)
         self._mapped_at = -1
         self.steps = 0        # optimizer steps since the last read (the post hook)
         self.uncounted = 0    # launches run uncounted since the last read
+        # the launches are counted only inside this optimizer's step(): another optimizer over
+        # the same params (or one made after this telemetry, still alive) steps uncounted here
+        self._stepping = False
+        self._pre_hook = optimizer.register_step_pre_hook(self._before_step)
         self._hook = optimizer.register_step_post_hook(self._after_step)
         # the engine holds this weakly: a Telemetry dropped without detach() frees its
         # optimizer, and its source then answers None and leaves the list
@@ -116,11 +125,17 @@ class StepCounters:
         _engine.STATS_SOURCES.append(source)
 
     def detach(self) -> None:
+        self._pre_hook.remove()
         self._hook.remove()
+        self._stepping = False
         if self._source in _engine.STATS_SOURCES:
             _engine.STATS_SOURCES.remove(self._source)
 
+    def _before_step(self, *_):
+        self._stepping = True
+
     def _after_step(self, *_):
+        self._stepping = False
         if self.total % self.sample == 0:
             self.counted += 1
         self.steps += 1
@@ -134,25 +149,36 @@ class StepCounters:
                 self._by_id[id(p)] = p
                 for v in self.optimizer.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
-                        self._state_id[id(v)] = p
+                        self._state_id[id(v)] = (weakref.ref(v), p)
         self._mapped_at = self.steps
 
     def _owners(self, op: str, args: tuple) -> Optional[List[torch.Tensor]]:
         """The optimizer's params of a launch's rows, or None when it is not this optimizer's."""
         if op in _STATE_ONLY:  # the params are scratch: the momentum buffers name the rows
-            return [self._state_id.get(id(b)) for b in args[2]]
+            return [self._state_owner(b) for b in args[2]]
         return [self._by_id.get(id(p)) for p in args[0]]
 
+    def _state_owner(self, b: torch.Tensor) -> Optional[torch.Tensor]:
+        hit = self._state_id.get(id(b))
+        return hit[1] if hit is not None and hit[0]() is b else None
+
     def __call__(self, op: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        if not self._stepping and getattr(self.optimizer, "_grad_release", None) is None:
+            return None  # another optimizer's step() (gradient release steps outside step())
         if self.total % self.sample != 0:
             return None  # not a sampled step
         name = _op_name(op)
         if _moment_lists(name) is None or not args[0]:
             return None
-        key = (name,) + tuple(map(id, args[0] if name not in _STATE_ONLY else args[2]))
+        keyed = args[0] if name not in _STATE_ONLY else args[2]
+        key = (name,) + tuple(map(id, keyed))
         rows = self._rows.get(key)
         if rows is not None:
-            return rows.stats
+            if all(r() is t for r, t in zip(rows.keyed, keyed)):
+                return rows.stats
+            # a recycled id: these rows were another list's; they keep their counts to the read
+            self._rows[(name, "retired", self._retired)] = self._rows.pop(key)
+            self._retired += 1
         owners = self._owners(name, args)
         if any(o is None for o in owners) and self._mapped_at != self.steps:
             self._remap()  # state made since (the first step), or params added
@@ -162,7 +188,7 @@ class StepCounters:
         if any(o is None for o in owners):
             self.uncounted += 1  # e.g. a non-dense param stepped through a copy
             return None
-        rows = self._rows[key] = _Rows(name, owners, args, kwargs, args[0][0].device)
+        rows = self._rows[key] = _Rows(name, owners, keyed, args, kwargs, args[0][0].device)
         return rows.stats
 
     # -------------------------------------------------------------------------------------
@@ -172,6 +198,8 @@ class StepCounters:
         return [r.stats.reshape(-1) for r in self._rows.values()]
 
     def reset(self) -> None:
+        for k in [k for k in self._rows if k[1:2] == ("retired",)]:
+            del self._rows[k]  # read: their tensors are gone, no launch will name them again
         for r in self._rows.values():
             r.stats.zero_()
         self.steps = 0
