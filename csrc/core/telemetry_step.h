@@ -97,7 +97,8 @@ STS_INLINE void sts_param_(const float* restrict x, const float* restrict old,
   row[MP_STS_SUBHALF] += sh;
 }
 
-static void sts_param(int kind, mp_dtype pt, const float* restrict x, const float* restrict old,
+/* (unused: the counted rows count their params in their loops) */
+__attribute__((unused)) static void sts_param(int kind, mp_dtype pt, const float* restrict x, const float* restrict old,
                       const uint16_t* restrict q, const uint16_t* restrict qold, uint32_t n,
                       double* restrict row) {
   const int free = kind == MP_PV_NONE_RNE || kind == MP_PV_NONE_SR;
@@ -110,7 +111,7 @@ static void sts_param(int kind, mp_dtype pt, const float* restrict x, const floa
 }
 
 /* Error sums of n bf16 moments as stored (dst) against their fp32 values x; tmp: n floats. */
-static void sts_bf16_moment(const uint16_t* restrict dst, const float* restrict x, uint32_t n,
+__attribute__((unused)) static void sts_bf16_moment(const uint16_t* restrict dst, const float* restrict x, uint32_t n,
                             float* restrict tmp, double* restrict err, double* restrict abs) {
   mp_fmt_widen_(tmp, dst, n, MP_BF16);
   sts_err_sums(tmp, x, n, err, abs);
