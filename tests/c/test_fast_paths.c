@@ -369,7 +369,8 @@ static int counted_expected(const fused_mode* fm) {
   if (fm->ema || fm->nearest) return 0;
   if (fm->pt == MP_F32) return fm->md == MP_F32 && fm->vd == MP_F32;
   if (fm->pt != MP_BF16 || fm->gt != MP_BF16) return 0;
-  const int f32 = fm->md == MP_F32 && fm->vd == MP_F32, bf16 = fm->md == MP_BF16 && fm->vd == MP_BF16;
+  const int f32 = fm->md == MP_F32 && fm->vd == MP_F32;
+  const int bf16 = fm->md == MP_BF16 && fm->vd == MP_BF16;
   const int q8 = fm->md == MP_I8;
   switch (fm->kind) {
     case MP_PV_MASTER: return f32 || (q8 && !fm->wb);
@@ -410,7 +411,8 @@ static void test_counted_rows(uint64_t seed0) {
                 (int)fm.vd, fm.wb, fm.nearest, fm.ema, j ? "adam" : "adamw");
         const int rows = cf.rows_taken - rows0, unc = cf.uncounted_taken - unc0;
         g.count++;
-        g_check(&g, rows <= unc && (j != 0 || !counted_expected(&fm) || (rows > 0 && rows == unc)),
+        g_check(&g,
+                rows <= unc && (j != 0 || !counted_expected(&fm) || (rows > 0 && rows == unc)),
                 "[%s] param %s grad %s storage %d moments %d/%d wb %d %s: %d pieces took a "
                 "counted row where %d took an uncounted one", mp_isa_name(g_isas[k]), U_NAME[pi],
                 U_NAME[gi ? 0 : pi], kind, (int)fm.md, (int)fm.vd, fm.wb, j ? "adam" : "adamw",

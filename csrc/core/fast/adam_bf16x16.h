@@ -154,7 +154,8 @@ static inline x16_tally x16_tally_zero(void) {
 }
 
 static inline __m256 x16_abs(__m256 x) {
-  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
 }
 
 /* The param's counts of 8 elements: x the new fp32 values, old the old ones, q / qold the stored

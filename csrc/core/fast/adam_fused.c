@@ -212,7 +212,15 @@ static inline __attribute__((always_inline)) void adam_loop(
         const uint32_t c = (uint32_t)(xc != p0);
         n_ch += c;
         n_un += c & (uint32_t)(((const uint16_t*)param)[i] == q0);
-        if (free) n_sh += c & (uint32_t)(__builtin_fabsf(xc - p0) < sts_half_ulp(q0, pt));
+        /* half an ulp of a bf16 as x32_count_param takes it (2^(max(e, 1) - 135), a product
+         * GCC vectorizes without the selects of sts_half_ulp's two cases; the same value) */
+        const float half =
+            pt == MP_BF16
+                ? f32_of_bits(((uint32_t)q0 << 16 & 0x7F800000u) > 0x00800000u
+                                  ? ((uint32_t)q0 << 16 & 0x7F800000u)
+                                  : 0x00800000u) * 0x1p-8f
+                : sts_half_ulp(q0, pt);
+        if (free) n_sh += c & (uint32_t)(__builtin_fabsf(xc - p0) < half);
       }
     }
   }
