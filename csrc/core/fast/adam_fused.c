@@ -478,7 +478,10 @@ int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
  * moments, with and without the unscaled grad's write-back; no ema, no fp32 grad, no nearest
  * moments. Every other mode, and Adam's or a maximized step, counts through the pipeline: the
  * same counts (each counted variant is a whole copy of its loop, and the build compiles this
- * file once per ISA path, in three flag sets). */
+ * file once per ISA path, in three flag sets). The scalar path has none: its rows are GCC's
+ * vectorization of the C loop at SSE2's width, for CPUs without AVX2, where the pipeline counts
+ * at about the speed of a counted copy of them (the pipeline's own vectorized passes). */
+#if defined(MP_BF16X32) || defined(MP_BF16X16)
 #define MP_ADAM_COUNTED_ROWS(X)                                                           \
   X(master, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0)                               \
   X(master_wb, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 1)                            \
@@ -497,6 +500,9 @@ int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
   X(q8_master, MP_BF16, MP_BF16, MK_MASTER, MP_I8, MP_U8, 0)                              \
   X(q8_sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 0)                                 \
   X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1)
+#else
+#define MP_ADAM_COUNTED_ROWS(X)
+#endif
 
 #define MP_FUSED_STATS_FN(name, PT, GT, MK, MD, VD, WG)                                      \
   static void fused_stats_##name(const mp_step_tensor* t, int64_t start, int64_t n,         \
@@ -524,7 +530,10 @@ typedef void (*fused_stats_fn)(const mp_step_tensor*, int64_t, int64_t, const mp
                                double*);
 #define MP_FUSED_STATS_SLOT(name, PT, GT, MK, MD, VD, WG) \
   [FUSED_INDEX(PT, (GT) != (PT), MK, FUSED_MOMENTS(MD, VD), WG, 0, 0)] = fused_stats_##name,
-static const fused_stats_fn FUSED_STATS[FUSED_SLOTS] = {MP_ADAM_COUNTED_ROWS(MP_FUSED_STATS_SLOT)};
+/* (slot 0, an fp32 param with fp32 moments, never has a counted row: the designator keeps the
+ * initializer non-empty where the list is) */
+static const fused_stats_fn FUSED_STATS[FUSED_SLOTS] = {
+    [0] = NULL, MP_ADAM_COUNTED_ROWS(MP_FUSED_STATS_SLOT)};
 
 /* mp_k_fast_step with the step's counters added into row (telemetry.c's counted step takes it
  * first, as step.c takes mp_k_fast_step); 0, having done nothing, where no counted row is kept.
