@@ -6,13 +6,16 @@
  *   - the counted step (mp_k_step_stats: the counted row, or the counted pipeline),
  *   - the counted pipeline alone (mp_k_step_stats_generic: the counted step before the rows),
  *   - for the Adam rows, the uncounted row called directly, against an older adam_fused.c's
- *     ("old": its mp_k_fast_step renamed), to show the uncounted rows did not change speed.
+ *     ("old": its mp_k_fast_step renamed), to show the uncounted rows did not change speed,
+ *   - and that older file's counted row (its mp_k_fast_step_stats renamed), the counted step it
+ *     gave (the counted pipeline where it had no row for the mode).
  * Reported: the medians of the per-round ratios with their quartiles. avx512 build:
  *
  *   python3 tests/c/run.py --no-sanitize --only test_fast_paths   # the core's objects
  *   git show REV:csrc/core/fast/adam_fused.c > /tmp/old/fast/adam_fused.c (and its headers)
  *   gcc $(cat build/core/plain/avx512/csrc/core/fast/adam_fused.o.cmd | sed 's#-c [^ ]*#-c /tmp/old/fast/adam_fused.c#; s#-o [^ ]*#-o /tmp/old/af.o#')
- *   objcopy --redefine-sym mp_k_fast_step__avx512=old_fast_step__avx512 /tmp/old/af.o /tmp/old/old.o
+ *   objcopy --redefine-sym mp_k_fast_step__avx512=old_fast_step__avx512 \
+ *       --redefine-sym mp_k_fast_step_stats__avx512=old_fast_step_stats__avx512 /tmp/old/af.o /tmp/old/old.o
  *   gcc -O2 -std=c11 -DMP_X86_PATHS=1 -DMP_ISA_SUFFIX=avx512 -Icsrc/include -Icsrc/core \
  *       tools/telemetry_step_ab.c /tmp/old/old.o $(find build/core/plain -name "*.o") -lm -o /tmp/tab
  *   /tmp/tab [elements, default 2^22] [rounds, default 11]     # ONLY=q8 /tmp/tab: those modes
@@ -32,6 +35,9 @@
 
 int old_fast_step__avx512(const mp_step_tensor* t, int64_t start, int64_t n,
                           const mp_step_scalars* s, const mp_rule_scalars* r, int kind);
+int old_fast_step_stats__avx512(const mp_step_tensor* t, int64_t start, int64_t n,
+                                const mp_step_scalars* s, const mp_rule_scalars* r, int kind,
+                                double* row);
 void mp_k_step_stats_generic__avx512(const mp_step_tensor* t, int64_t start, int64_t n,
                                      const mp_step_scalars* s, const mp_rule_scalars* r, double* row);
 void mp_k_step_stats__avx512(const mp_step_tensor* t, int64_t start, int64_t n,
@@ -62,6 +68,8 @@ int main(int argc, char** argv) {
       {"AdamW SR + bf16 moments (row sr_bf16m)", MP_RULE_ADAM, MP_PV_NONE_SR, 1, 0},
       {"AdamW RNE (row rne)", MP_RULE_ADAM, MP_PV_NONE_RNE, 0, 0},
       {"AdamW fp32 master (row master)", MP_RULE_ADAM, MP_PV_MASTER, 0, 0},
+      {"AdamW remainder (row remainder)", MP_RULE_ADAM, MP_PV_REMAINDER, 0, 0},
+      {"AdamW SR (row sr)", MP_RULE_ADAM, MP_PV_NONE_SR, 0, 0},
       {"AdamW remainder + bf16 moments (row remainder_bf16m)", MP_RULE_ADAM, MP_PV_REMAINDER, 1, 0},
       {"AdamW remainder + 8-bit moments (row q8_remainder)", MP_RULE_ADAM, MP_PV_REMAINDER, 2, 0},
       {"AdamW SR + 8-bit moments (row q8_sr)", MP_RULE_ADAM, MP_PV_NONE_SR, 2, 0},
@@ -107,7 +115,7 @@ int main(int argc, char** argv) {
     const mp_step_scalars sc = mp_step_scalars_now(&o, &step, 3);
     const mp_rule_scalars rc = mp_rule_scalars_now(&o, &step);
     double row[MP_STS_NCOLS] = {0};
-    double r_on[64], r_old[64], r_pipe[64];
+    double r_on[64], r_old[64], r_pipe[64], r_oldc[64];
     const int is_row = md->rule == MP_RULE_ADAM;
     for (int w = 0; w < 2; ++w) mp_kernels__avx512.step(&t, 0, N, &sc, &rc); /* warm-up */
     for (int r = 0; r < R; ++r) {
@@ -127,14 +135,24 @@ int main(int argc, char** argv) {
       r_on[r] = (t2 - t1) / (t1 - t0);
       const double t5 = now();
       mp_k_step_stats_generic__avx512(&t, 0, N, &sc, &rc, row);
-      r_pipe[r] = (now() - t5) / (t1 - t0);
+      const double t6 = now();
+      r_pipe[r] = (t6 - t5) / (t1 - t0);
+      if (is_row) { /* the older counted row (its pipeline where it took none) */
+        if (!old_fast_step_stats__avx512(&t, 0, N, &sc, &rc, md->kind, row)) {
+          mp_k_step_stats_generic__avx512(&t, 0, N, &sc, &rc, row);
+        }
+        r_oldc[r] = (now() - t6) / (t1 - t0);
+      }
     }
     qsort(r_on, R, sizeof(double), cmpd);
     qsort(r_pipe, R, sizeof(double), cmpd);
     printf("%-55s counted/uncounted %.3f [%.3f, %.3f]  counted pipeline/uncounted %.3f [%.3f, %.3f]", md->name, r_on[R / 2], r_on[R / 4], r_on[3 * R / 4], r_pipe[R / 2], r_pipe[R / 4], r_pipe[3 * R / 4]);
     if (is_row) {
       qsort(r_old, R, sizeof(double), cmpd);
-      printf("   uncounted new/old %.3f [%.3f, %.3f]", r_old[R / 2], r_old[R / 4], r_old[3 * R / 4]);
+      qsort(r_oldc, R, sizeof(double), cmpd);
+      printf("   uncounted new/old %.3f [%.3f, %.3f]   old counted/uncounted %.3f [%.3f, %.3f]",
+             r_old[R / 2], r_old[R / 4], r_old[3 * R / 4], r_oldc[R / 2], r_oldc[R / 4],
+             r_oldc[3 * R / 4]);
     }
     printf("\n");
     fflush(stdout);

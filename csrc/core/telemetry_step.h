@@ -1,8 +1,9 @@
 /* Internal to the C core: the counting epilogue of the optimizer step's counters
- * (mpext/telemetry.h, mp_step_stats), read-only passes over a tile after it was stepped. Shared
- * by the counted pipeline (telemetry.c) and the counted fast rows (fast/adam_fused.c), so that
- * both count with the same code, over the same tiles, in the same order: their counters agree
- * bit for bit, the error sums included. Each includer is compiled once per ISA path. */
+ * (mpext/telemetry.h, mp_step_stats), read-only passes over a tile after it was stepped: the
+ * counted pipeline's (telemetry.c). The counted fast rows (fast/adam_fused.c) count the same
+ * things in their loops' registers (the same tests on the same values: the same counts; the
+ * error sums' terms added in another order) and share only the 8-bit blocks' pass
+ * (sts_q8_block). Each includer is compiled once per ISA path. */
 #ifndef MPEXT_CORE_TELEMETRY_STEP_H
 #define MPEXT_CORE_TELEMETRY_STEP_H
 
@@ -97,9 +98,12 @@ STS_INLINE void sts_param_(const float* restrict x, const float* restrict old,
   row[MP_STS_SUBHALF] += sh;
 }
 
-static void sts_param(int kind, mp_dtype pt, const float* restrict x, const float* restrict old,
-                      const uint16_t* restrict q, const uint16_t* restrict qold, uint32_t n,
-                      double* restrict row) {
+/* (unused in fast/adam_fused.c, which includes this header for sts_q8_block) */
+__attribute__((unused)) static void sts_param(int kind, mp_dtype pt, const float* restrict x,
+                                              const float* restrict old,
+                                              const uint16_t* restrict q,
+                                              const uint16_t* restrict qold, uint32_t n,
+                                              double* restrict row) {
   const int free = kind == MP_PV_NONE_RNE || kind == MP_PV_NONE_SR;
   switch ((pt == MP_BF16 ? 0 : 2) + free) {
     case 0: sts_param_(x, old, q, qold, n, MP_BF16, 0, row); break;
@@ -110,8 +114,10 @@ static void sts_param(int kind, mp_dtype pt, const float* restrict x, const floa
 }
 
 /* Error sums of n bf16 moments as stored (dst) against their fp32 values x; tmp: n floats. */
-static void sts_bf16_moment(const uint16_t* restrict dst, const float* restrict x, uint32_t n,
-                            float* restrict tmp, double* restrict err, double* restrict abs) {
+__attribute__((unused)) static void sts_bf16_moment(const uint16_t* restrict dst,
+                                                    const float* restrict x, uint32_t n,
+                                                    float* restrict tmp, double* restrict err,
+                                                    double* restrict abs) {
   mp_fmt_widen_(tmp, dst, n, MP_BF16);
   sts_err_sums(tmp, x, n, err, abs);
 }

@@ -32,6 +32,7 @@
 
 #include "formats/tiles.h"
 #include "adam_fused.h"
+#include "mpext/telemetry.h"
 
 #define MP_BF16X16 1
 
@@ -138,12 +139,83 @@ static inline void x16_ema(float* restrict e, __m256 xe, __m256 xo, __m256 w) {
   _mm256_storeu_ps(e + 8, _mm256_permute2f128_ps(u, h, 0x31));
 }
 
-/* The 16 fp32 values of even elements e and odd ones o stored at p in element order (the
- * counted rows' captures), as x16_ema puts its values back. */
-static inline void x16_capture(float* restrict p, __m256 e, __m256 o) {
-  const __m256 u = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);
-  _mm256_storeu_ps(p, _mm256_permute2f128_ps(u, h, 0x20));
-  _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(u, h, 0x31));
+/* ---- the counted rows' tallies: adam_bf16x32.h's x32_tally on 8 lanes (AVX2 has no mask
+ * registers: a compare's all-ones lane is subtracted as -1) ---- */
+typedef struct x16_tally {
+  __m256i ch, un, sh;     /* changed, unmoved, below half an ulp: counts per lane */
+  __m256d me, ma, ve, va; /* the bf16 moments' sums of |stored - fp32| and of |fp32| */
+} x16_tally;
+
+static inline x16_tally x16_tally_zero(void) {
+  const x16_tally z = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                       _mm256_setzero_pd(),    _mm256_setzero_pd(),    _mm256_setzero_pd(),
+                       _mm256_setzero_pd()};
+  return z;
+}
+
+static inline __m256 x16_abs(__m256 x) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+
+/* The param's counts of 8 elements: x the new fp32 values, old the old ones, q / qold the stored
+ * bf16 params after and before in the high halves (low halves ignored); subhalf: master-free
+ * (x32_count_param's half-ulp test). */
+static inline __attribute__((always_inline)) void x16_count_param(x16_tally* t, __m256 x,
+                                                                  __m256 old, __m256i q,
+                                                                  __m256i qold,
+                                                                  const int subhalf) {
+  const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(x, old, _CMP_NEQ_UQ)); /* x != old */
+  t->ch = _mm256_sub_epi32(t->ch, c);
+  const __m256i same = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_xor_si256(q, qold), X16_HI),
+                                          _mm256_setzero_si256());
+  t->un = _mm256_sub_epi32(t->un, _mm256_and_si256(c, same));
+  if (subhalf) {
+    const __m256i e = _mm256_max_epu32(
+        _mm256_and_si256(_mm256_castps_si256(old), _mm256_set1_epi32(0x7F800000)),
+        _mm256_set1_epi32(1 << 23));
+    const __m256 half = _mm256_mul_ps(_mm256_castsi256_ps(e), _mm256_set1_ps(0x1p-8f));
+    const __m256 h = _mm256_cmp_ps(x16_abs(_mm256_sub_ps(x, old)), half, _CMP_LT_OQ);
+    t->sh = _mm256_sub_epi32(t->sh, _mm256_and_si256(c, _mm256_castps_si256(h)));
+  }
+}
+
+static inline __m256d x16_add_pd(__m256d acc, __m256 v) {
+  acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  return _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+/* A bf16 moment's sums over 8 elements (x32_count_bf16): x the fp32 values, r the stored bf16
+ * in the high halves (low halves ignored). */
+static inline __attribute__((always_inline)) void x16_count_bf16(__m256d* err, __m256d* mag,
+                                                                 __m256 x, __m256i r) {
+  const __m256 s = _mm256_castsi256_ps(_mm256_and_si256(r, X16_HI));
+  *err = x16_add_pd(*err, x16_abs(_mm256_sub_ps(s, x)));
+  *mag = x16_add_pd(*mag, x16_abs(x));
+}
+
+static inline double x16_sum_pd(__m256d v) {
+  double a[4];
+  _mm256_storeu_pd(a, v);
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+static inline double x16_sum_epi32(__m256i v) {
+  uint32_t a[8];
+  _mm256_storeu_si256((__m256i*)a, v);
+  uint64_t t = 0;
+  for (int k = 0; k < 8; ++k) t += a[k];
+  return (double)t;
+}
+
+/* The tallies added into row (mpext/telemetry.h's columns). */
+static inline void x16_tally_add(const x16_tally* t, double* restrict row) {
+  row[MP_STS_CHANGED] += x16_sum_epi32(t->ch);
+  row[MP_STS_UNMOVED] += x16_sum_epi32(t->un);
+  row[MP_STS_SUBHALF] += x16_sum_epi32(t->sh);
+  row[MP_STS_M_ERR] += x16_sum_pd(t->me);
+  row[MP_STS_M_ABS] += x16_sum_pd(t->ma);
+  row[MP_STS_V_ERR] += x16_sum_pd(t->ve);
+  row[MP_STS_V_ABS] += x16_sum_pd(t->va);
 }
 
 /* The lanes of x that hold a NaN, all ones. */
@@ -156,9 +228,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
     uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
-    const int write_grad, float* restrict cx, float* restrict cm, float* restrict cv) {
+    const int write_grad, double* restrict row) {
   const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
+  x16_tally t = x16_tally_zero();
   const __m256i km = x16_key(s->st.key_moments, hi), kp = x16_key(s->st.key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m256i ramp = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
@@ -183,10 +256,6 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
      * NaN m through the numerator), and so does a NaN grad */
     const __m256 nan = _mm256_or_ps(x16_nan(xe), x16_nan(xo));
     if (!_mm256_testz_ps(nan, nan)) break;
-    /* counting (NULL, folded away, in the uncounted rows): the fp32 values in element order */
-    if (cm != NULL) x16_capture(cm + i, me, mo);
-    if (cv != NULL) x16_capture(cv + i, ve, vo);
-    if (cx != NULL) x16_capture(cx + i, xe, xo);
     if (write_grad) {
       _mm256_storeu_si256((__m256i*)(grad + i),
                           x16_pack_hi(x16_rne_even(_mm256_castps_si256(ge)),
@@ -207,23 +276,39 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     }
     _mm256_storeu_si256((__m256i*)(m + i), m16);
     _mm256_storeu_si256((__m256i*)(v + i), v16);
+    if (row != NULL) { /* counting: the moments as stored against their fp32 values */
+      x16_count_bf16(&t.me, &t.ma, me, x16_even(m16));
+      x16_count_bf16(&t.me, &t.ma, mo, m16);
+      x16_count_bf16(&t.ve, &t.va, ve, x16_even(v16));
+      x16_count_bf16(&t.ve, &t.va, vo, v16);
+    }
+    __m256i qw;
     if (remainder != NULL) { /* round the master to nearest; the remainder is what is left */
       const __m256i ue = x16_master_bits(_mm256_castps_si256(xe));
       const __m256i uo = x16_master_bits(_mm256_castps_si256(xo));
       if (ema != NULL) x16_ema(ema + i, _mm256_castsi256_ps(ue), _mm256_castsi256_ps(uo), ema_w);
-      _mm256_storeu_si256((__m256i*)(param + i),
-                          x16_pack_hi(x16_rne_even(ue), x16_rne_hi(uo)));
+      qw = x16_pack_hi(x16_rne_even(ue), x16_rne_hi(uo));
+      _mm256_storeu_si256((__m256i*)(param + i), qw);
       /* u - round(u) has u's low half, the rounding's low half being zero */
       _mm256_storeu_si256((__m256i*)(remainder + i), x16_pack_lo(ue, uo));
+      if (row != NULL) { /* counting: the master as stored against the old one */
+        x16_count_param(&t, _mm256_castsi256_ps(ue), _mm256_castsi256_ps(pe), x16_even(qw),
+                        x16_even(pw), 0);
+        x16_count_param(&t, _mm256_castsi256_ps(uo), _mm256_castsi256_ps(po), qw, pw, 0);
+      }
     } else {
       if (ema != NULL) x16_ema(ema + i, xe, xo, ema_w);
       const __m256i re = x16_bits(lo_e, kp), ro = x16_bits(lo_o, kp);
-      _mm256_storeu_si256(
-          (__m256i*)(param + i),
-          x16_pack_hi(x16_sr_even(_mm256_castps_si256(xe), _mm256_and_si256(re, X16_LO)),
-                      x16_sr_hi(_mm256_castps_si256(xo), _mm256_and_si256(ro, X16_LO))));
+      qw = x16_pack_hi(x16_sr_even(_mm256_castps_si256(xe), _mm256_and_si256(re, X16_LO)),
+                       x16_sr_hi(_mm256_castps_si256(xo), _mm256_and_si256(ro, X16_LO)));
+      _mm256_storeu_si256((__m256i*)(param + i), qw);
+      if (row != NULL) { /* counting: the fp32 result against the old bf16 param */
+        x16_count_param(&t, xe, _mm256_castsi256_ps(pe), x16_even(qw), pe, 1);
+        x16_count_param(&t, xo, _mm256_castsi256_ps(po), qw, po, 1);
+      }
     }
   }
+  if (row != NULL) x16_tally_add(&t, row);
   return i;
 }
 
@@ -266,9 +351,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
     uint16_t* restrict param, void* restrict grad, const int g32, float* restrict master,
     int16_t* restrict remainder, float* restrict m, float* restrict v, float* restrict ema,
     uint32_t i, uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int kind,
-    const int write_grad, float* restrict cx) {
+    const int write_grad, double* restrict row) {
   const __m256 ema_w = _mm256_set1_ps(s->st.ema_weight);
   const x16_scalars c = x16_scalars_of(s);
+  x16_tally t = x16_tally_zero();
   const __m256i kp = x16_key(s->st.key_param, hi);
   const __m256i ramp = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int rounded_master = kind == MP_PV_MASTER || kind == MP_PV_REMAINDER;
@@ -276,20 +362,23 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
   float* restrict gf = (float*)grad;
   for (; i + X16_F32M_W <= n; i += X16_F32M_W) {
     __m256 g[X16_F32M_V], x[X16_F32M_V], mk[X16_F32M_V], vk[X16_F32M_V];
+    __m256 p0[X16_F32M_V];  /* counting: the old fp32 values */
+    __m256i q0[X16_F32M_V]; /* and the old params' bits */
     __m256 nan = _mm256_setzero_ps();
     for (int k = 0; k < X16_F32M_V; ++k) {
       const uint32_t j = i + 8u * (uint32_t)k;
       __m256 p;
       g[k] = g32 ? _mm256_loadu_ps(gf + j) : _mm256_castsi256_ps(x16_widen(gw + j));
+      if (row != NULL || kind != MP_PV_MASTER) q0[k] = x16_widen(param + j);
       if (kind == MP_PV_MASTER) {
         p = _mm256_loadu_ps(master + j);
       } else if (kind == MP_PV_REMAINDER) { /* the bf16 word above its signed remainder */
         p = _mm256_castsi256_ps(_mm256_add_epi32(
-            x16_widen(param + j),
-            _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(remainder + j)))));
+            q0[k], _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(remainder + j)))));
       } else {
-        p = _mm256_castsi256_ps(x16_widen(param + j));
+        p = _mm256_castsi256_ps(q0[k]);
       }
+      p0[k] = p;
       mk[k] = _mm256_loadu_ps(m + j);
       vk[k] = _mm256_loadu_ps(v + j);
       x[k] = x16_element(&g[k], p, &mk[k], &vk[k], &c);
@@ -310,16 +399,16 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
       _mm256_storeu_ps(m + j + 8, mk[k + 1]);
       _mm256_storeu_ps(v + j, vk[k]);
       _mm256_storeu_ps(v + j + 8, vk[k + 1]);
-      if (cx != NULL) { /* counting: a master-free param's fp32 values */
-        _mm256_storeu_ps(cx + j, x[k]);
-        _mm256_storeu_ps(cx + j + 8, x[k + 1]);
-      }
       __m256i qa, qb;
       if (rounded_master) { /* the master rounded to nearest even, kept as stored */
         const __m256i ua = x16_master_bits(_mm256_castps_si256(x[k]));
         const __m256i ub = x16_master_bits(_mm256_castps_si256(x[k + 1]));
         qa = x16_rne_hi(ua);
         qb = x16_rne_hi(ub);
+        if (row != NULL) { /* counting: the master as stored against the old one */
+          x16_count_param(&t, _mm256_castsi256_ps(ua), p0[k], qa, q0[k], 0);
+          x16_count_param(&t, _mm256_castsi256_ps(ub), p0[k + 1], qb, q0[k + 1], 0);
+        }
         if (kind == MP_PV_MASTER) {
           _mm256_storeu_si256((__m256i*)(master + j), ua);
           _mm256_storeu_si256((__m256i*)(master + j + 8), ub);
@@ -342,6 +431,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
           qa = x16_rne_even(_mm256_castps_si256(x[k]));
           qb = x16_rne_even(_mm256_castps_si256(x[k + 1]));
         }
+        if (row != NULL) { /* counting: the fp32 result against the old bf16 param */
+          x16_count_param(&t, x[k], p0[k], qa, q0[k], 1);
+          x16_count_param(&t, x[k + 1], p0[k + 1], qb, q0[k + 1], 1);
+        }
         if (ema != NULL) {
           x16_ema_in_order(ema + j, x[k], ema_w);
           x16_ema_in_order(ema + j + 8, x[k + 1], ema_w);
@@ -350,6 +443,7 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_f32m(
       _mm256_storeu_si256((__m256i*)(param + j), x16_narrow_hi(qa, qb));
     }
   }
+  if (row != NULL) x16_tally_add(&t, row);
   return i;
 }
 

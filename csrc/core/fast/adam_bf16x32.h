@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "adam_fused.h"
+#include "mpext/telemetry.h"
 
 #define MP_BF16X32 1
 
@@ -142,13 +143,81 @@ static inline void x32_join(__m512i e, __m512i o, __m512i* a, __m512i* b) {
   *b = _mm512_permutex2var_epi32(e, _mm512_add_epi32(first, _mm512_set1_epi32(8)), o);
 }
 
-/* The 32 fp32 values of even elements e and odd ones o stored at p in element order (the
- * counted rows' captures). */
-static inline void x32_capture(float* restrict p, __m512 e, __m512 o) {
-  __m512i a, b;
-  x32_join(_mm512_castps_si512(e), _mm512_castps_si512(o), &a, &b);
-  _mm512_storeu_si512(p, a);
-  _mm512_storeu_si512(p + 16, b);
+/* ---- the counted rows' tallies (adam_fused.c; the loops take them only where the caller
+ * passes a row: NULL, folded away, in the uncounted rows) ----
+ * Counted in registers while the values are live, lane by lane, and reduced once per call: the
+ * counts exactly as telemetry_step.h's sts_param_ counts them (the same compares on the same
+ * values); the error sums with each term as that epilogue forms it (a difference exact in fp32,
+ * widened to double) but added in another order (docs/telemetry.md: their tolerance). */
+typedef struct x32_tally {
+  __m512i ch, un, sh;     /* changed, unmoved, below half an ulp: counts per lane */
+  __m512d me, ma, ve, va; /* the bf16 moments' sums of |stored - fp32| and of |fp32| */
+} x32_tally;
+
+static inline x32_tally x32_tally_zero(void) {
+  const x32_tally z = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                       _mm512_setzero_pd(),    _mm512_setzero_pd(),    _mm512_setzero_pd(),
+                       _mm512_setzero_pd()};
+  return z;
+}
+
+/* The param's counts of 16 elements (one parity): x the new fp32 values (the master as stored,
+ * or the master-free result), old the old ones, q / qold the stored bf16 params after and before
+ * in the high halves (their low halves ignored); subhalf: master-free (sts_param_'s test of
+ * |x - old| against half an ulp of the old param, here 2^(max(e, 1) - 135) for its exponent
+ * field e: a power of two, exact as an fp32 product, subnormal included). */
+static inline __attribute__((always_inline)) void x32_count_param(x32_tally* t, __m512 x,
+                                                                  __m512 old, __m512i q,
+                                                                  __m512i qold,
+                                                                  const int subhalf) {
+  const __m512i m1 = _mm512_set1_epi32(-1);
+  const __mmask16 c = _mm512_cmp_ps_mask(x, old, _CMP_NEQ_UQ); /* x != old, as in C */
+  t->ch = _mm512_mask_sub_epi32(t->ch, c, t->ch, m1);
+  const __mmask16 u = _mm512_mask_testn_epi32_mask(c, _mm512_xor_si512(q, qold), X32_HI);
+  t->un = _mm512_mask_sub_epi32(t->un, u, t->un, m1);
+  if (subhalf) {
+    const __m512i e = _mm512_max_epu32(
+        _mm512_and_si512(_mm512_castps_si512(old), _mm512_set1_epi32(0x7F800000)),
+        _mm512_set1_epi32(1 << 23));
+    const __m512 half = _mm512_mul_ps(_mm512_castsi512_ps(e), _mm512_set1_ps(0x1p-8f));
+    const __mmask16 h =
+        _mm512_mask_cmp_ps_mask(c, _mm512_abs_ps(_mm512_sub_ps(x, old)), half, _CMP_LT_OQ);
+    t->sh = _mm512_mask_sub_epi32(t->sh, h, t->sh, m1);
+  }
+}
+
+/* |v| of 16 floats added to 8 double lanes (element k's low or high 8 alike on every call). */
+static inline __m512d x32_add_pd(__m512d acc, __m512 v) {
+  acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
+
+/* A bf16 moment's sums over 16 elements: x the fp32 values, r the stored bf16 in the high
+ * halves (low halves ignored). stored - x is exact in fp32 (a rounding's difference has at most
+ * 17 significant bits at x's ulp), so each term is the epilogue's double difference. */
+static inline __attribute__((always_inline)) void x32_count_bf16(__m512d* err, __m512d* mag,
+                                                                 __m512 x, __m512i r) {
+  const __m512 s = _mm512_castsi512_ps(_mm512_and_si512(r, X32_HI));
+  *err = x32_add_pd(*err, _mm512_abs_ps(_mm512_sub_ps(s, x)));
+  *mag = x32_add_pd(*mag, _mm512_abs_ps(x));
+}
+
+static inline double x32_sum_pd(__m512d v) { return _mm512_reduce_add_pd(v); }
+static inline double x32_sum_epi32(__m512i v) {
+  return (double)(uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(
+      _mm512_cvtepu32_epi64(_mm512_castsi512_si256(v)),
+      _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+
+/* The tallies added into row (mpext/telemetry.h's columns). */
+static inline void x32_tally_add(const x32_tally* t, double* restrict row) {
+  row[MP_STS_CHANGED] += x32_sum_epi32(t->ch);
+  row[MP_STS_UNMOVED] += x32_sum_epi32(t->un);
+  row[MP_STS_SUBHALF] += x32_sum_epi32(t->sh);
+  row[MP_STS_M_ERR] += x32_sum_pd(t->me);
+  row[MP_STS_M_ABS] += x32_sum_pd(t->ma);
+  row[MP_STS_V_ERR] += x32_sum_pd(t->ve);
+  row[MP_STS_V_ABS] += x32_sum_pd(t->va);
 }
 
 /* mp_adam_ema past its first step with ema_weight < 0.5 (mp_adam_usual), on the 32 fp32 ema
@@ -183,9 +252,10 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     uint16_t* restrict param, uint16_t* restrict grad, int16_t* restrict remainder,
     uint16_t* restrict m, uint16_t* restrict v, float* restrict ema, uint32_t i, uint32_t n,
     uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, const int nearest,
-    const int write_grad, float* restrict cx, float* restrict cm, float* restrict cv) {
+    const int write_grad, double* restrict row) {
   const __m512 ema_w = _mm512_set1_ps(s->st.ema_weight);
   const x32_scalars c = x32_scalars_of(s);
+  x32_tally t = x32_tally_zero();
   const __m512i km = x32_key(s->st.key_moments, hi), kp = x32_key(s->st.key_param, hi);
   /* the positions of the even elements of a block at lo0 + i: lo0 + i + 2j */
   const __m512i ramp = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
@@ -220,10 +290,6 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     const __m512 xo = x32_element(&go, _mm512_castsi512_ps(po), &mo, &vo, &c);
     /* a NaN grad makes the param NaN too */
     if (x32_nan(xe, me, ve, xo, mo, vo)) break;
-    /* counting (NULL, folded away, in the uncounted rows): the fp32 values in element order */
-    if (cm != NULL) x32_capture(cm + i, me, mo);
-    if (cv != NULL) x32_capture(cv + i, ve, vo);
-    if (cx != NULL) x32_capture(cx + i, xe, xo);
     if (write_grad) {
       _mm512_storeu_si512(grad + i, x32_pack_hi(x32_rne_hi(_mm512_castps_si512(ge)),
                                                 x32_rne_hi(_mm512_castps_si512(go))));
@@ -244,21 +310,37 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     }
     _mm512_storeu_si512(m + i, x32_pack_hi(me16, mo16));
     _mm512_storeu_si512(v + i, x32_pack_hi(ve16, vo16));
+    if (row != NULL) { /* counting: the moments as stored against their fp32 values */
+      x32_count_bf16(&t.me, &t.ma, me, me16);
+      x32_count_bf16(&t.me, &t.ma, mo, mo16);
+      x32_count_bf16(&t.ve, &t.va, ve, ve16);
+      x32_count_bf16(&t.ve, &t.va, vo, vo16);
+    }
     if (remainder != NULL) { /* round the master to nearest; the remainder is what is left */
       const __m512i ue = x32_master_bits(_mm512_castps_si512(xe));
       const __m512i uo = x32_master_bits(_mm512_castps_si512(xo));
       if (ema != NULL) x32_ema(ema + i, _mm512_castsi512_ps(ue), _mm512_castsi512_ps(uo), ema_w);
-      _mm512_storeu_si512(param + i, x32_pack_hi(x32_rne_hi(ue), x32_rne_hi(uo)));
+      const __m512i qe = x32_rne_hi(ue), qo = x32_rne_hi(uo);
+      _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
       /* u - round(u) has u's low half, the rounding's low half being zero */
       _mm512_storeu_si512(remainder + i, x32_pack_lo(ue, uo));
+      if (row != NULL) { /* counting: the master as stored against the old one */
+        x32_count_param(&t, _mm512_castsi512_ps(ue), _mm512_castsi512_ps(pe), qe, x32_even(pw), 0);
+        x32_count_param(&t, _mm512_castsi512_ps(uo), _mm512_castsi512_ps(po), qo, x32_odd(pw), 0);
+      }
     } else {
       if (ema != NULL) x32_ema(ema + i, xe, xo, ema_w);
       const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
-      _mm512_storeu_si512(param + i,
-                          x32_pack_hi(x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO)),
-                                      x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO))));
+      const __m512i qe = x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO));
+      const __m512i qo = x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO));
+      _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
+      if (row != NULL) { /* counting: the fp32 result against the old bf16 param */
+        x32_count_param(&t, xe, _mm512_castsi512_ps(pe), qe, pe, 1);
+        x32_count_param(&t, xo, _mm512_castsi512_ps(po), qo, po, 1);
+      }
     }
   }
+  if (row != NULL) x32_tally_add(&t, row);
   return i;
 }
 

@@ -72,8 +72,7 @@ static inline __attribute__((always_inline)) void adam_loop(
     float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
     void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, uint32_t n,
     const mp_fused_scalars* restrict hp, const int mk, const int write_grad, const int near,
-    const int with_ema, const int usual, q8_sweep* restrict q, float* restrict cx,
-    float* restrict cm, float* restrict cv) {
+    const int with_ema, const int usual, q8_sweep* restrict q, double* restrict row) {
   mp_fused_scalars s = *hp;
   s.st.moments_nearest = near; /* the same value, as a constant: no choice left in the loop */
   if (usual) { /* the same values too (see mp_adam_usual), as constants */
@@ -99,6 +98,12 @@ static inline __attribute__((always_inline)) void adam_loop(
     rbuf = q->rbuf;
   }
   const uint32_t pos_lo = (uint32_t)start, pos_hi = (uint32_t)((uint64_t)start >> 32);
+  /* counting (row: NULL, folded away, in the uncounted rows): the counters of the elements this
+   * C loop steps, as telemetry_step.h's epilogue counts them, per element; the vector loops
+   * count theirs in their own registers */
+  const int free = mk == MK_NONE_RNE || mk == MK_NONE_SR;
+  uint32_t n_ch = 0, n_un = 0, n_sh = 0;
+  double s_me = 0.0, s_ma = 0.0, s_ve = 0.0, s_va = 0.0;
   uint32_t i = 0;
   while (i < n) {
     uint32_t stop = n;
@@ -111,12 +116,12 @@ static inline __attribute__((always_inline)) void adam_loop(
       const uint32_t w = 32u;
       i = x32_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
                         (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
-                        write_grad, cx, cm, cv);
+                        write_grad, row);
 #else
       const uint32_t w = 16u;
       i = x16_adam_bf16((uint16_t*)param, (uint16_t*)grad, remainder, (uint16_t*)m,
                         (uint16_t*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, near,
-                        write_grad, cx, cm, cv);
+                        write_grad, row);
 #endif
       stop = n - i < w ? n : i + w;
     }
@@ -125,7 +130,7 @@ static inline __attribute__((always_inline)) void adam_loop(
     if (usual && pt == MP_BF16 && md == MP_F32 && vd == MP_F32 && mk != MK_F32) {
       i = x16_adam_f32m((uint16_t*)param, grad, gt == MP_F32, master, remainder, (float*)m,
                         (float*)v, with_ema ? ema : NULL, i, n, pos_lo, pos_hi, &s, mk,
-                        write_grad, cx);
+                        write_grad, row);
       stop = n - i < X16_F32M_W ? n : i + X16_F32M_W;
     }
 #endif
@@ -135,6 +140,8 @@ static inline __attribute__((always_inline)) void adam_loop(
       const float g = mp_step_unscaled(load_as_f32(grad, i, gt), &s.st);
       if (write_grad) store_from_f32(grad, i, gt, g);
       float p0;
+      /* counting: the old 16-bit param */
+      const uint16_t q0 = row != NULL && mk != MK_F32 ? ((const uint16_t*)param)[i] : 0u;
       if (mk == MK_MASTER) {
         p0 = master[i];
       } else if (mk == MK_REMAINDER) {
@@ -151,11 +158,7 @@ static inline __attribute__((always_inline)) void adam_loop(
         vi = load_as_f32(v, i, vd);
       }
       const float p = mp_adam_element(g, p0, &mi, &vi, &s.a);
-      /* counting (NULL, folded away, in the uncounted rows): the values the counters compare
-       * with what is stored -- the master-free param's fp32 value, the bf16 moments' */
-      if (cx != NULL) cx[i] = p;
-      if (cm != NULL) cm[i] = mi;
-      if (cv != NULL) cv[i] = vi;
+      float xc = p; /* counting: the new fp32 value (the master as stored, where one is) */
       const uint32_t r_mv = sr_moments ? mp_sr_bits_hl(s.st.key_moments, lo, pos_hi) : 0u;
       if (q8) {
         mbuf[i] = mi;
@@ -165,12 +168,22 @@ static inline __attribute__((always_inline)) void adam_loop(
          * comparisons only. */
         rbuf[i] = mp_sr_bits_hl(s.st.key_q8, lo, pos_hi);
       } else if (md == MP_BF16) {
-        ((uint16_t*)m)[i] = mp_step_bf16_moment(mi, r_mv, &s.st);
+        const uint16_t h = mp_step_bf16_moment(mi, r_mv, &s.st);
+        ((uint16_t*)m)[i] = h;
+        if (row != NULL) {
+          s_me += __builtin_fabs((double)f32_of_bits((uint32_t)h << 16) - (double)mi);
+          s_ma += __builtin_fabs((double)mi);
+        }
       } else {
         ((float*)m)[i] = mi;
       }
       if (!q8 && vd == MP_BF16) {
-        ((uint16_t*)v)[i] = mp_step_bf16_moment(vi, r_mv >> 16, &s.st);
+        const uint16_t h = mp_step_bf16_moment(vi, r_mv >> 16, &s.st);
+        ((uint16_t*)v)[i] = h;
+        if (row != NULL) {
+          s_ve += __builtin_fabs((double)f32_of_bits((uint32_t)h << 16) - (double)vi);
+          s_va += __builtin_fabs((double)vi);
+        }
       } else if (!q8) {
         ((float*)v)[i] = vi;
       }
@@ -187,6 +200,7 @@ static inline __attribute__((always_inline)) void adam_loop(
         } else {
           remainder[i] = (int16_t)mp_bf16_remainder(x, qb);
         }
+        xc = f32_of_bits(x);
       } else if (mk == MK_NONE_RNE) {
         store_from_f32(param, i, pt, p);
       } else {
@@ -194,6 +208,33 @@ static inline __attribute__((always_inline)) void adam_loop(
         ((uint16_t*)param)[i] = pt == MP_BF16 ? mp_bf16_sr_bits(bits_of_f32(p), r)
                                               : mp_fp16_sr_bits(bits_of_f32(p), r);
       }
+      if (row != NULL && mk != MK_F32) { /* sts_param_'s tests, on this element */
+        const uint32_t c = (uint32_t)(xc != p0);
+        n_ch += c;
+        n_un += c & (uint32_t)(((const uint16_t*)param)[i] == q0);
+        /* half an ulp of a bf16 as x32_count_param takes it (2^(max(e, 1) - 135), a product
+         * GCC vectorizes without the selects of sts_half_ulp's two cases; the same value) */
+        const float half =
+            pt == MP_BF16
+                ? f32_of_bits(((uint32_t)q0 << 16 & 0x7F800000u) > 0x00800000u
+                                  ? ((uint32_t)q0 << 16 & 0x7F800000u)
+                                  : 0x00800000u) * 0x1p-8f
+                : sts_half_ulp(q0, pt);
+        if (free) n_sh += c & (uint32_t)(__builtin_fabsf(xc - p0) < half);
+      }
+    }
+  }
+  if (row != NULL) {
+    row[MP_STS_CHANGED] += n_ch;
+    row[MP_STS_UNMOVED] += n_un;
+    row[MP_STS_SUBHALF] += n_sh;
+    if (md == MP_BF16) {
+      row[MP_STS_M_ERR] += s_me;
+      row[MP_STS_M_ABS] += s_ma;
+    }
+    if (vd == MP_BF16) {
+      row[MP_STS_V_ERR] += s_ve;
+      row[MP_STS_V_ABS] += s_va;
     }
   }
   if (q8) {
@@ -211,12 +252,10 @@ static inline __attribute__((always_inline)) void adam_loop(
   }
 }
 
-/* Counting a block of 8-bit moments (adam_q8 with a row): the old fp32 values and 16-bit
- * params, and the new fp32 values of a master-free param (captured by the sweeps). */
+/* Counting a block of 8-bit moments (adam_q8 with a row): the scratch of the block epilogue's
+ * decode (sts_q8_block). */
 typedef struct q8_count_bufs {
-  _Alignas(64) float old[MP_Q8_BLOCK_MAX];
-  _Alignas(64) float x[MP_Q8_BLOCK_MAX];
-  _Alignas(64) uint16_t qold[MP_Q8_BLOCK_MAX];
+  _Alignas(64) float tmp[MP_TILE];
 } q8_count_bufs;
 
 /* The second sweep over a block of 8-bit moments: its new fp32 moments (still in L1) written as
@@ -236,8 +275,9 @@ static inline __attribute__((always_inline)) void q8_store(
  * by block: the first sweep updates everything and leaves the block's new fp32 moments and the
  * random bits of their rounding in buffers that stay in L1, the second writes their codes and
  * the block's scales. With row (the counted step, mp_step_stats; NULL, folded away, in the
- * uncounted rows) each block's counters are added into row from those buffers, as
- * telemetry.c's pipeline counts them. */
+ * uncounted rows) the sweeps count the param's counters in their registers, and each block's
+ * moment counters are added into row from those buffers by telemetry.c's block epilogue
+ * (sts_q8_block). No counted row has an ema. */
 static inline __attribute__((always_inline)) void adam_q8(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
@@ -249,10 +289,6 @@ static inline __attribute__((always_inline)) void adam_q8(
   _Alignas(64) float mbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) float vbuf[MP_Q8_BLOCK_MAX];
   _Alignas(64) uint32_t rbuf[MP_Q8_BLOCK_MAX];
-  float* restrict old = row != NULL ? cb->old : NULL;
-  uint16_t* restrict qold = row != NULL ? cb->qold : NULL;
-  float* restrict xs = row != NULL ? cb->x : NULL;
-  float* restrict cx = row != NULL && mk == MK_NONE_SR ? xs : NULL;
   const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
 #if defined(MP_Q8X32)
   /* the rows adam_q8x32.h steps by hand: each block's whole 32-element chunks, where its
@@ -267,13 +303,6 @@ static inline __attribute__((always_inline)) void adam_q8(
     const uint32_t em0 = mp_q8_ref_exp_m(bits_of_f32(ms[k]));
     const uint32_t ev0 = mp_q8_ref_exp_v(bits_of_f32(vs[k]));
     uint32_t h = 0u, am = 0u, av = 0u;
-    const mp_pv_tile at = {(char*)param + off * pb, master != NULL ? master + off : NULL,
-                           remainder != NULL ? remainder + off : NULL};
-    if (row != NULL) {
-      const float* p0 = mp_pv_decode(mk, pt, &at, old, (uint32_t)len);
-      if (p0 != old) memcpy(old, p0, (size_t)len * sizeof(float));
-      memcpy(qold, at.param, (size_t)len * sizeof(uint16_t));
-    }
 #if defined(MP_Q8X32)
     if (hand && em0 < 255u && ev0 < 255u) {
       const int64_t pos = start + off;
@@ -281,7 +310,7 @@ static inline __attribute__((always_inline)) void adam_q8(
                        master != NULL ? master + off : NULL,
                        remainder != NULL ? remainder + off : NULL, (const uint8_t*)mc + off,
                        vc + off, (uint32_t)len, (uint32_t)pos, (uint32_t)((uint64_t)pos >> 32),
-                       hp, em0, ev0, mbuf, vbuf, rbuf, &am, &av, mk, write_grad, cx);
+                       hp, em0, ev0, mbuf, vbuf, rbuf, &am, &av, mk, write_grad, row);
     }
 #endif
     if (h < (uint64_t)len) { /* the rest of the block: the C loop */
@@ -290,8 +319,7 @@ static inline __attribute__((always_inline)) void adam_q8(
                 master != NULL ? master + off + h : NULL,
                 remainder != NULL ? remainder + off + h : NULL, mc + off + h, MP_I8,
                 vc + off + h, MP_U8, with_ema ? ema + off + h : NULL, start + off + h,
-                (uint32_t)(len - h), hp, mk, write_grad, 0, with_ema, usual, &q,
-                cx != NULL ? cx + h : NULL, NULL, NULL);
+                (uint32_t)(len - h), hp, mk, write_grad, 0, with_ema, usual, &q, row);
       am = q.am > am ? q.am : am;
       av = q.av > av ? q.av : av;
     }
@@ -318,13 +346,9 @@ static inline __attribute__((always_inline)) void adam_q8(
     }
     ms[k] = f32_of_bits(am);
     vs[k] = f32_of_bits(av);
-    if (row != NULL) { /* telemetry.c's step_q8_blocks_counted's counters, of this block */
-      const float* x = mk == MK_NONE_SR ? xs : mp_pv_decode(mk, pt, &at, xs, (uint32_t)len);
-      row[MP_STS_ELEMS] += (double)len;
-      sts_param(mk, pt, x, old, at.param, qold, (uint32_t)len, row);
-      if (with_ema) sts_err_sums(ema + off, x, (uint32_t)len, &row[MP_STS_EMA_LAG], &row[MP_STS_EMA_ABS]);
+    if (row != NULL) { /* the block's moment counters: telemetry.c's block epilogue */
       sts_q8_block((const uint8_t*)mc + off, vc + off, mbuf, vbuf, (uint32_t)len, ms[k], vs[k], 1,
-                   old, row);
+                   cb->tmp, row);
     }
   }
 }
@@ -387,7 +411,7 @@ static inline int mp_adam_usual(const mp_fused_scalars* s, int with_ema) {
             NULL, NULL);                                                                  \
   } else {                                                                                \
     adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start,           \
-              (uint32_t)n, s, MK, WG, NEAR, EMA, USUAL, NULL, NULL, NULL, NULL);          \
+              (uint32_t)n, s, MK, WG, NEAR, EMA, USUAL, NULL, NULL);                      \
   }
 #define MP_FUSED_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                                \
   static void fused_##name(const mp_step_tensor* t, int64_t start, int64_t n,               \
@@ -448,63 +472,44 @@ int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
 }
 
 /* ---- the counted rows (mp_step_stats: telemetry.c takes them where a row is kept) ----
- * The same loops, with the values the counters need captured into tile buffers (cx, cm, cv:
- * NULL, and folded away, in the uncounted rows above, whose machine code this leaves as it
- * was), then telemetry_step.h's epilogue over each tile, from L1: the counted pipeline's own
- * passes over the same tiles (MP_TILE elements from the piece's start), so that a counted row
- * writes the bits of the uncounted one and adds the counters of the counted pipeline, bit for
- * bit (tests/c/test_step_telemetry.c, "counted rows"). */
+ * The same loops given a row (NULL, and folded away, in the uncounted rows above, whose machine
+ * code this leaves as it was): each loop counts what the counted pipeline's epilogue
+ * (telemetry_step.h) counts, in its own registers while the values are live -- vector lanes in
+ * the SIMD loops, scalars in the C loop -- and adds its tallies into the row once per call. The
+ * counts are the epilogue's exactly; the error sums add the same terms in another order
+ * (docs/telemetry.md: within 2 (n + 1) 2^-53 of their size; tests/c/test_fast_paths.c).
+ * Counted variants are built for the modes AdamW commonly runs, in its usual case only
+ * (mp_adam_usual): a bf16 param with a master, a remainder or none, fp32, bf16 or 8-bit
+ * moments, with and without the unscaled grad's write-back; no ema, no fp32 grad, no nearest
+ * moments. Every other mode, and Adam's or a maximized step, counts through the pipeline: the
+ * same counts (each counted variant is a whole copy of its loop, and the build compiles this
+ * file once per ISA path, in three flag sets). The scalar path has none: its rows are GCC's
+ * vectorization of the C loop at SSE2's width, for CPUs without AVX2, where the pipeline counts
+ * at about the speed of a counted copy of them (the pipeline's own vectorized passes). */
+#if defined(MP_BF16X32) || defined(MP_BF16X16)
+#define MP_ADAM_COUNTED_ROWS(X)                                                           \
+  X(master, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 0)                               \
+  X(master_wb, MP_BF16, MP_BF16, MK_MASTER, MP_F32, MP_F32, 1)                            \
+  X(remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 0)                         \
+  X(remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_F32, MP_F32, 1)                      \
+  X(remainder_bf16m, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 0)                 \
+  X(remainder_bf16m_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_BF16, MP_BF16, 1)              \
+  X(sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 0)                                  \
+  X(sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_F32, MP_F32, 1)                               \
+  X(sr_bf16m, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 0)                          \
+  X(sr_bf16m_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_BF16, MP_BF16, 1)                       \
+  X(rne, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 0)                                \
+  X(rne_wb, MP_BF16, MP_BF16, MK_NONE_RNE, MP_F32, MP_F32, 1)                             \
+  X(q8_remainder, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 0)                        \
+  X(q8_remainder_wb, MP_BF16, MP_BF16, MK_REMAINDER, MP_I8, MP_U8, 1)                     \
+  X(q8_master, MP_BF16, MP_BF16, MK_MASTER, MP_I8, MP_U8, 0)                              \
+  X(q8_sr, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 0)                                 \
+  X(q8_sr_wb, MP_BF16, MP_BF16, MK_NONE_SR, MP_I8, MP_U8, 1)
+#else
+#define MP_ADAM_COUNTED_ROWS(X)
+#endif
 
-/* Elements [start, start + n) of a piece, tile by tile: the old values saved, the row's loop
- * over the tile with its captures, the counters. */
-static inline __attribute__((always_inline)) void adam_tiles_counted(
-    void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
-    float* restrict master, int16_t* restrict remainder, void* restrict m, const mp_dtype md,
-    void* restrict v, const mp_dtype vd, float* restrict ema, int64_t start, int64_t n,
-    const mp_fused_scalars* restrict s, const int mk, const int wg, const int near,
-    const int with_ema, const int usual, double* restrict row) {
-  _Alignas(64) float old[MP_TILE]; /* the old fp32 values, then the epilogue's scratch */
-  _Alignas(64) float xb[MP_TILE];  /* the new fp32 values of a master-free or remainder param */
-  _Alignas(64) float cm[MP_TILE];  /* the bf16 moments' fp32 values */
-  _Alignas(64) float cv[MP_TILE];
-  _Alignas(64) uint16_t qold[MP_TILE];
-  const int pb = MP_DTYPE_BYTES(pt), gb = MP_DTYPE_BYTES(gt);
-  const int free = mk == MK_NONE_RNE || mk == MK_NONE_SR;
-  for (int64_t off = 0; off < n; off += MP_TILE) {
-    const uint32_t len = (uint32_t)(n - off < MP_TILE ? n - off : MP_TILE);
-    const mp_pv_tile at = {(char*)param + off * pb, master != NULL ? master + off : NULL,
-                           remainder != NULL ? remainder + off : NULL};
-    void* m_at = (char*)m + off * MP_DTYPE_BYTES(md);
-    void* v_at = (char*)v + off * MP_DTYPE_BYTES(vd);
-    float* ema_at = with_ema ? ema + off : NULL;
-    if (mk != MK_F32) {
-      const float* p0 = mp_pv_decode(mk, pt, &at, old, len);
-      if (p0 != old) memcpy(old, p0, len * sizeof(float));
-      memcpy(qold, at.param, len * sizeof(uint16_t));
-    }
-    adam_loop(at.param, pt, (char*)grad + off * gb, gt, at.master, at.remainder, m_at, md, v_at,
-              vd, ema_at, start + off, len, s, mk, wg, near, with_ema, usual, NULL,
-              free ? xb : NULL, md == MP_BF16 ? cm : NULL, vd == MP_BF16 ? cv : NULL);
-    /* x: the new fp32 value, as the pipeline's p after its encode (the master as stored) */
-    const float* x = free ? xb : mp_pv_decode(mk, pt, &at, xb, len);
-    row[MP_STS_ELEMS] += len;
-    if (mk != MK_F32) sts_param(mk, pt, x, old, at.param, qold, len, row);
-    if (md == MP_BF16) sts_bf16_moment(m_at, cm, len, old, &row[MP_STS_M_ERR], &row[MP_STS_M_ABS]);
-    if (vd == MP_BF16) sts_bf16_moment(v_at, cv, len, old, &row[MP_STS_V_ERR], &row[MP_STS_V_ABS]);
-    if (with_ema) sts_err_sums(ema_at, x, len, &row[MP_STS_EMA_LAG], &row[MP_STS_EMA_ABS]);
-  }
-}
-
-#define MP_FUSED_STATS_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, USUAL)                        \
-  if (MD == MP_I8) {                                                                         \
-    adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,                \
-            t->exp_avg_scale, t->exp_avg_sq_scale, ema, start, n, s, MK, WG, EMA, USUAL,     \
-            row, &cb);                                                                       \
-  } else {                                                                                   \
-    adam_tiles_counted(param, PT, grad, GT, master, remainder, m, MD, v, VD, ema, start, n, \
-                       s, MK, WG, NEAR, EMA, USUAL, row);                                    \
-  }
-#define MP_FUSED_STATS_FN(name, PT, GT, MK, MD, VD, WG, NEAR, EMA)                          \
+#define MP_FUSED_STATS_FN(name, PT, GT, MK, MD, VD, WG)                                      \
   static void fused_stats_##name(const mp_step_tensor* t, int64_t start, int64_t n,         \
                                  const mp_fused_scalars* s, double* row) {                  \
     void* param = (char*)t->param + start * MP_DTYPE_BYTES(PT);                             \
@@ -513,24 +518,32 @@ static inline __attribute__((always_inline)) void adam_tiles_counted(
     int16_t* remainder = t->remainder != NULL ? t->remainder + start : NULL;                \
     void* m = (char*)t->exp_avg + start * MP_DTYPE_BYTES(MD);                               \
     void* v = (char*)t->exp_avg_sq + start * MP_DTYPE_BYTES(VD);                            \
-    float* ema = t->ema != NULL ? t->ema + start : NULL;                                    \
-    _Alignas(64) q8_count_bufs cb;                                                          \
-    if (mp_adam_usual(s, EMA)) {                                                            \
-      MP_FUSED_STATS_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 1)                             \
+    row[MP_STS_ELEMS] += (double)n;                                                         \
+    if (MD == MP_I8) {                                                                      \
+      _Alignas(64) q8_count_bufs cb;                                                        \
+      adam_q8(param, PT, grad, GT, master, remainder, (int8_t*)m, (uint8_t*)v,             \
+              t->exp_avg_scale, t->exp_avg_sq_scale, NULL, start, n, s, MK, WG, 0, 1, row,  \
+              &cb);                                                                         \
     } else {                                                                                \
-      MP_FUSED_STATS_LOOP(PT, GT, MK, MD, VD, WG, NEAR, EMA, 0)                             \
+      adam_loop(param, PT, grad, GT, master, remainder, m, MD, v, VD, NULL, start,          \
+                (uint32_t)n, s, MK, WG, 0, 0, 1, NULL, row);                                \
     }                                                                                       \
   }
-MP_ADAM_FUSED_ROWS(MP_FUSED_STATS_FN)
+MP_ADAM_COUNTED_ROWS(MP_FUSED_STATS_FN)
 
 typedef void (*fused_stats_fn)(const mp_step_tensor*, int64_t, int64_t, const mp_fused_scalars*,
                                double*);
-#define MP_FUSED_STATS_SLOT(name, PT, GT, MK, MD, VD, WG, NEAR, EMA) \
-  [FUSED_INDEX(PT, (GT) != (PT), MK, FUSED_MOMENTS(MD, VD), WG, NEAR, EMA)] = fused_stats_##name,
-static const fused_stats_fn FUSED_STATS[FUSED_SLOTS] = {MP_ADAM_FUSED_ROWS(MP_FUSED_STATS_SLOT)};
+#define MP_FUSED_STATS_SLOT(name, PT, GT, MK, MD, VD, WG) \
+  [FUSED_INDEX(PT, (GT) != (PT), MK, FUSED_MOMENTS(MD, VD), WG, 0, 0)] = fused_stats_##name,
+/* (slot 0, an fp32 param with fp32 moments, never has a counted row: the designator keeps the
+ * initializer non-empty where the list is) */
+static const fused_stats_fn FUSED_STATS[FUSED_SLOTS] = {
+    [0] = NULL, MP_ADAM_COUNTED_ROWS(MP_FUSED_STATS_SLOT)};
 
 /* mp_k_fast_step with the step's counters added into row (telemetry.c's counted step takes it
- * first, as step.c takes mp_k_fast_step); 0, having done nothing, where no row is kept. */
+ * first, as step.c takes mp_k_fast_step); 0, having done nothing, where no counted row is kept.
+ * A mode whose row has nothing to count (an fp32 param with fp32 moments, no ema) runs its
+ * uncounted row and counts its elements. */
 int MP_ISA_FN(mp_k_fast_step_stats)(const mp_step_tensor* t, int64_t start, int64_t n,
                                     const mp_step_scalars* s, const mp_rule_scalars* r, int kind,
                                     double* row);
@@ -542,10 +555,17 @@ int MP_ISA_FN(mp_k_fast_step_stats)(const mp_step_tensor* t, int64_t start, int6
   const int32_t vd = mp_format_dtype(t->exp_avg_sq_format);
   const int32_t near = s->moments_nearest != 0 && (md == MP_BF16 || vd == MP_BF16);
   const int32_t wg = s->write_grad != 0, ema = t->ema != NULL;
-  const fused_stats_fn f = FUSED_STATS[FUSED_INDEX(t->param_dtype, t->grad_dtype != t->param_dtype,
-                                                   kind, FUSED_MOMENTS(md, vd), wg, near, ema)];
-  if (f == NULL) return 0;
+  const int32_t slot = FUSED_INDEX(t->param_dtype, t->grad_dtype != t->param_dtype, kind,
+                                   FUSED_MOMENTS(md, vd), wg, near, ema);
   const mp_fused_scalars fs = {*s, r->u.adam};
+  if (kind == MK_F32 && md == MP_F32 && vd == MP_F32 && !ema) {
+    if (FUSED[slot] == NULL) return 0;
+    FUSED[slot](t, start, n, &fs);
+    row[MP_STS_ELEMS] += (double)n;
+    return 1;
+  }
+  const fused_stats_fn f = FUSED_STATS[slot];
+  if (f == NULL || !mp_adam_usual(&fs, 0)) return 0;
   f(t, start, n, &fs, row);
   return 1;
 }

@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     int16_t* restrict remainder, const uint8_t* restrict mc, const uint8_t* restrict vc,
     uint32_t n, uint32_t lo0, uint32_t hi, const mp_fused_scalars* s, uint32_t em, uint32_t ev,
     float* restrict mbuf, float* restrict vbuf, uint32_t* restrict rbuf, uint32_t* am,
-    uint32_t* av, const int mk, const int write_grad, float* restrict cx) {
+    uint32_t* av, const int mk, const int write_grad, double* restrict row) {
   const x32_scalars c = x32_scalars_of(s);
   const __m512 inv_k = _mm512_set1_ps(s->st.q8_inv_k);
   const x32_q8_dec dm = x32_q8_dec_of(em, 7u), dv = x32_q8_dec_of(ev, 15u);
@@ -81,6 +81,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
   const __m512i sign = _mm512_set1_epi32((int)0x80000000u), abs = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i lo_e = _mm512_add_epi32(_mm512_set1_epi32((int)lo0), ramp);
   __m512i amx = _mm512_setzero_si512(), avx = _mm512_setzero_si512();
+  x32_tally t = x32_tally_zero(); /* counting: the param's counts (x32_count_param) */
   uint32_t i = 0;
   for (; i + 32 <= n; i += 32, lo_e = _mm512_add_epi32(lo_e, _mm512_set1_epi32(32))) {
     x32_prefetch(param + i);
@@ -95,10 +96,12 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     const __m512i gw = _mm512_loadu_si512(grad + i);
     __m512 ge = _mm512_castsi512_ps(x32_even(gw)), go = _mm512_castsi512_ps(x32_odd(gw));
     __m512i pe, po;
+    /* the old params, read for counting only where the loop has no other use for them */
+    const __m512i pw = mk != MP_PV_MASTER || row != NULL ? _mm512_loadu_si512(param + i)
+                                                         : _mm512_setzero_si512();
     if (mk == MP_PV_MASTER) {
       x32_split(_mm512_loadu_si512(master + i), _mm512_loadu_si512(master + i + 16), &pe, &po);
     } else {
-      const __m512i pw = _mm512_loadu_si512(param + i);
       pe = x32_even(pw);
       po = x32_odd(pw);
       if (mk == MP_PV_REMAINDER) {
@@ -129,7 +132,6 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     const __m512 xo = x32_element(&go, _mm512_castsi512_ps(po), &mo, &vo, &c);
     /* a NaN anywhere makes the param NaN (its rounding has a rule of its own) */
     if (_mm512_cmp_ps_mask(xe, xo, _CMP_UNORD_Q) != 0) break;
-    if (cx != NULL) x32_capture(cx + i, xe, xo); /* counting: the master-free param's values */
     if (write_grad) {
       _mm512_storeu_si512(grad + i, x32_pack_hi(x32_rne_hi(_mm512_castps_si512(ge)),
                                                 x32_rne_hi(_mm512_castps_si512(go))));
@@ -146,14 +148,22 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     _mm512_store_si512(rbuf + i + 16, x32_bits(lo_o, kq));
     if (mk == MP_PV_NONE_SR) {
       const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
-      _mm512_storeu_si512(
-          param + i,
-          x32_pack_hi(x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO)),
-                      x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO))));
+      const __m512i qe = x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO));
+      const __m512i qo = x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO));
+      _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
+      if (row != NULL) { /* counting: the fp32 result against the old bf16 param */
+        x32_count_param(&t, xe, _mm512_castsi512_ps(pe), qe, pe, 1);
+        x32_count_param(&t, xo, _mm512_castsi512_ps(po), qo, po, 1);
+      }
     } else {
       const __m512i ue = x32_master_bits(_mm512_castps_si512(xe));
       const __m512i uo = x32_master_bits(_mm512_castps_si512(xo));
-      _mm512_storeu_si512(param + i, x32_pack_hi(x32_rne_hi(ue), x32_rne_hi(uo)));
+      const __m512i qe = x32_rne_hi(ue), qo = x32_rne_hi(uo);
+      _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
+      if (row != NULL) { /* counting: the master as stored against the old one */
+        x32_count_param(&t, _mm512_castsi512_ps(ue), _mm512_castsi512_ps(pe), qe, x32_even(pw), 0);
+        x32_count_param(&t, _mm512_castsi512_ps(uo), _mm512_castsi512_ps(po), qo, x32_odd(pw), 0);
+      }
       if (mk == MP_PV_REMAINDER) {
         _mm512_storeu_si512(remainder + i, x32_pack_lo(ue, uo));
       } else {
@@ -164,6 +174,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
       }
     }
   }
+  if (row != NULL) x32_tally_add(&t, row);
   const uint32_t a = (uint32_t)_mm512_reduce_max_epu32(amx);
   const uint32_t b = (uint32_t)_mm512_reduce_max_epu32(avx);
   *am = a > *am ? a : *am;
