@@ -21,6 +21,7 @@
 #include "adam_q8x32.h"
 #include "formats/tiles.h"
 #include "adam_fused.h"
+#include "lion_fused.h"
 #include "mpext/numerics.h"
 #include "telemetry_step.h"
 
@@ -452,8 +453,6 @@ static const fused_fn FUSED[FUSED_SLOTS] = {MP_ADAM_FUSED_ROWS(MP_FUSED_SLOT)};
 int MP_ISA_FN(mp_k_fast_step)(const mp_step_tensor* t, int64_t start, int64_t n,
                               const mp_step_scalars* s, const mp_rule_scalars* r, int kind) {
   if (r->rule == MP_RULE_LION) { /* Lion's rows: lion_fused.c (declared in lion_fused.h) */
-    int MP_ISA_FN(mp_k_lion_fast_step)(const mp_step_tensor*, int64_t, int64_t,
-                                       const mp_step_scalars*, const mp_rule_scalars*, int);
     return MP_ISA_FN(mp_k_lion_fast_step)(t, start, n, s, r, kind);
   }
   if (r->rule != MP_RULE_ADAM || t->offset != 0) return 0; /* the rows are Adam's, unsharded */
