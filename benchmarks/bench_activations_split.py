@@ -64,18 +64,23 @@ def _timed(spent, calls):
         setattr(obj, name, g)
 
 
+def _zoo(names):
+    """(name, the model in BF16 train mode, its batch, its loss) of each zoo model named (all
+    when ``names`` is empty), each built after seeding 0."""
+    for name, (build, batch, loss_fn) in zoo_models(False).items():
+        if names and name not in names:
+            continue
+        torch.manual_seed(0)
+        yield name, build().to("cpu", torch.bfloat16).train(), tuple(batch(torch.bfloat16)), loss_fn
+
+
 def main(names=None, rounds=5):
     torch.set_num_threads(1)
     print("load average %.1f %.1f %.1f" % os.getloadavg(), flush=True)
     spent, calls = collections.Counter(), collections.Counter()
     timing = [False]
     gather_cost = rc._GATHER_COST
-    for name, (build, batch, loss_fn) in zoo_models(False).items():
-        if names and name not in names:
-            continue
-        torch.manual_seed(0)
-        model = build().to("cpu", torch.bfloat16).train()
-        xb = tuple(batch(torch.bfloat16))
+    for name, model, xb, loss_fn in _zoo(names):
         ctxs = {
             "bf16": contextlib.nullcontext,
             "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(
@@ -143,12 +148,7 @@ def tables(names=None, rounds=15):
                 spent[0] += time.process_time() - t0
     rc.Recomputed._raw = timed
     try:
-        for name, (build, batch, loss_fn) in zoo_models(False).items():
-            if names and name not in names:
-                continue
-            torch.manual_seed(0)
-            model = build().to("cpu", torch.bfloat16).train()
-            xb = tuple(batch(torch.bfloat16))
+        for name, model, xb, loss_fn in _zoo(names):
             ctx = A.fp8_saved_tensors(params=model, warn_unmatched=False)
             got = {"no tables": [], "tables": [], "bf16": []}
             for i in range(rounds + 2):  # two warm-up rounds

@@ -1365,6 +1365,17 @@ def test_a_float_mask_is_bits_only_when_two_valued(device, dtype):
         assert act._rc.Bits.make(mm) is None, bad
 
 
+def _keeping_recipes(ctx, seen):
+    """ctx's pack hook, also appending (a copy of the saved tensor, its recipe) to ``seen`` for
+    each tensor it stores as a recipe: what the recomputation tests compare the restore with."""
+    def pack(t):
+        stored = ctx.pack(t)
+        if isinstance(stored, act._rc.Recomputed):
+            seen.append((t.detach().clone(), stored))
+        return stored
+    return pack
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device, dtype):
     """A CNN's ReLU outputs (the next conv's inputs; the residual block's relu(bn(c) + x)) are
@@ -1378,12 +1389,7 @@ def test_relu_after_batch_norm_is_recomputed_from_the_norms_input(device, dtype)
     ctx = act.fp8_saved_tensors(lambda t: t.grad_fn is None or
                                 t.grad_fn.name() != "ConvolutionBackward0", params=model)
     seen = []
-
-    def pack(t):
-        stored = ctx.pack(t)
-        if isinstance(stored, act._rc.Recomputed):
-            seen.append((t.detach().clone(), stored))
-        return stored
+    pack = _keeping_recipes(ctx, seen)
     with ctx, torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
         model(x)
     assert len(seen) >= 7, len(seen)  # the stem's and each block's first ReLU, and more
@@ -1454,12 +1460,7 @@ def test_a_chain_of_one_16_bit_tensor_restored_from_its_table_gives_the_saved_bi
         ctx = act.fp8_saved_tensors(lambda t: t.untyped_storage().data_ptr() != ptr,
                                     warn_unmatched=False)
         seen = []
-
-        def pack(t):
-            stored = ctx.pack(t)
-            if isinstance(stored, act._rc.Recomputed):
-                seen.append((t.detach().clone(), stored))
-            return stored
+        pack = _keeping_recipes(ctx, seen)
         with ctx, torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
             h = a * 1  # the chains' input: kept raw by the policy
             ptr = h.untyped_storage().data_ptr()
@@ -1561,12 +1562,7 @@ def test_a_chain_recorded_under_autocast_is_rerun_under_it(device):
     x = torch.randn(2, 64, 256, device=device)
     ctx = act.fp8_saved_tensors(_not_output_of(model.up), params=model)
     seen = []
-
-    def pack(t):
-        stored = ctx.pack(t)
-        if isinstance(stored, act._rc.Recomputed):
-            seen.append((t.detach().clone(), stored))
-        return stored
+    pack = _keeping_recipes(ctx, seen)
     with torch.autocast(device.type if isinstance(device, torch.device) else device,
                         dtype=torch.bfloat16), ctx, \
             torch.autograd.graph.saved_tensors_hooks(pack, act.fp8_saved_tensors.unpack):
