@@ -40,16 +40,7 @@ void mp_k_step__old(const mp_step_tensor*, int64_t, int64_t, const mp_step_scala
                     const mp_rule_scalars*);
 #endif
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y;
-}
+#include "ab_clock.h"
 
 /* param storage: 0 fp32 param, 1 master, 2 remainder, 3 none; moments 0 fp32, 1 bf16, 8 the
  * 8-bit pair; dtypes 0 fp32, 1 bf16, 2 fp16 */

@@ -18,16 +18,7 @@
 #include "formats/tiles.h"
 #include "mpext/step.h"
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y;
-}
+#include "ab_clock.h"
 
 #define N MP_TILE
 static _Alignas(64) float g[N], p[N], m[N], master[N];

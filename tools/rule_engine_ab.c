@@ -59,16 +59,7 @@ DECL(new)
 #define NEW_STEP mp_k_step_generic__new
 #endif
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y;
-}
+#include "ab_clock.h"
 
 /* The formats of benchmarks/bench_adam.py (bf16 params and grads), plus an fp32 master with
  * 8-bit moments. */

@@ -43,15 +43,7 @@ void mp_k_step_stats_generic__avx512(const mp_step_tensor* t, int64_t start, int
 void mp_k_step_stats__avx512(const mp_step_tensor* t, int64_t start, int64_t n,
                              const mp_step_scalars* s, const mp_rule_scalars* r, double* row);
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-static int cmpd(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y;
-}
+#include "ab_clock.h"
 static uint64_t rs = 88172645463325252ull;
 static double urand(void) {
   rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
@@ -144,12 +136,12 @@ int main(int argc, char** argv) {
         r_oldc[r] = (now() - t6) / (t1 - t0);
       }
     }
-    qsort(r_on, R, sizeof(double), cmpd);
-    qsort(r_pipe, R, sizeof(double), cmpd);
+    qsort(r_on, R, sizeof(double), cmp);
+    qsort(r_pipe, R, sizeof(double), cmp);
     printf("%-55s counted/uncounted %.3f [%.3f, %.3f]  counted pipeline/uncounted %.3f [%.3f, %.3f]", md->name, r_on[R / 2], r_on[R / 4], r_on[3 * R / 4], r_pipe[R / 2], r_pipe[R / 4], r_pipe[3 * R / 4]);
     if (is_row) {
-      qsort(r_old, R, sizeof(double), cmpd);
-      qsort(r_oldc, R, sizeof(double), cmpd);
+      qsort(r_old, R, sizeof(double), cmp);
+      qsort(r_oldc, R, sizeof(double), cmp);
       printf("   uncounted new/old %.3f [%.3f, %.3f]   old counted/uncounted %.3f [%.3f, %.3f]",
              r_old[R / 2], r_old[R / 4], r_old[3 * R / 4], r_oldc[R / 2], r_oldc[R / 4],
              r_oldc[3 * R / 4]);
