@@ -3,7 +3,8 @@ layout predicates, and the cached learning-rate tensors of the fused optimizers.
 public API."""
 import math
 import numbers
-from typing import Any, Dict
+import sys
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -17,6 +18,24 @@ Q8_BLOCK_MIN, Q8_BLOCK_MAX = 32, 2048
 MIN_8BIT_NUMEL = 4096
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+_DTENSOR: Optional[type] = None
+
+
+def dtensor_type() -> Optional[type]:
+    """torch's DTensor class once ``torch.distributed.tensor`` has been imported, else None: no
+    tensor can be a DTensor before that module is, and importing it (which brings in
+    torch._dynamo) costs about as much CPU time as ``import torch`` itself, which ``import mpext``
+    would otherwise pay in every process that never shards a tensor."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return _DTENSOR
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = _DTENSOR or dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 _kernels: Dict[tuple, bool] = {}

@@ -236,6 +236,33 @@ def test_the_makefiles_venv_imports_mpext_from_any_directory(tmp_path):
         os.path.join(core.ROOT, "mpext", "__init__.py"))
 
 
+def test_import_mpext_leaves_dynamo_and_dtensor_to_those_who_use_them():
+    """`import mpext` imports neither torch._dynamo nor torch.distributed.tensor (each about as
+    much CPU time as `import torch`: every process of a job, every rank, paid it). A DTensor
+    module imported later is still seen: the lookup is not cached as absent, and a Muon made
+    later still gets its compile-disabled Newton-Schulz."""
+    code = """if 1:
+        import sys
+        import torch
+        import mpext
+        from mpext import _common
+        heavy = [m for m in ("torch._dynamo", "torch.distributed.tensor") if m in sys.modules]
+        assert not heavy, heavy
+        assert _common.dtensor_type() is None and not _common.is_dtensor(torch.zeros(1))
+        from torch.distributed.tensor import DTensor
+        assert _common.dtensor_type() is DTensor
+        from mpext.optim import muon
+        assert muon._orthogonalize_eagerly is None
+        mpext.optim.Muon([torch.nn.Parameter(torch.zeros(4, 4))])
+        assert muon._orthogonalize_eagerly is not None
+        assert getattr(muon._orthogonalize_eagerly, "_torchdynamo_disable", False)
+        print("ok")
+    """
+    proc = subprocess.run([sys.executable, "-c", code], cwd=core.ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
 def test_a_noop_make_build_starts_no_python_and_a_changed_header_rebuilds(tmp_path):
     """`make build` runs setup.py (and the build_info print, each a Python start importing torch)

@@ -8,9 +8,8 @@ import torch
 
 try:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # a torch built without distributed support
-    dist, DTensor, Replicate = None, None, None
+    dist = None
 
 
 def check_process_group(group, what: str) -> None:
@@ -24,6 +23,7 @@ def check_process_group(group, what: str) -> None:
 def note_mesh(t, mesh_dims: List[tuple]) -> None:
     """Adds (mesh, the mesh dims t is not replicated on) to mesh_dims if new: the dims where
     the shards of a gradient differ, over which torch's DTensor rule takes found_inf's MAX."""
+    from torch.distributed.tensor import Replicate  # imported already: t is a DTensor
     dims = tuple(i for i, p in enumerate(t.placements) if not isinstance(p, Replicate))
     if dims:
         key = (t.device_mesh, dims)

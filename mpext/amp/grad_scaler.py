@@ -39,7 +39,8 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from .. import ops as _mp_ops
 from .._common import has_kernel
 from ._checks import check_rule_args, checked_state_dict
-from ._flags import DTensor as _DTensor, all_reduce_max, check_process_group, combine, dist
+from .._common import dtensor_type
+from ._flags import all_reduce_max, check_process_group, combine, dist
 from ._flags import note_mesh
 from ._overflow_watch import OverflowWatch
 from ._unscale import PerDevice, unscale_device
@@ -324,6 +325,7 @@ class GradScaler(OverflowWatch, torch.amp.GradScaler):
         # (the same model on each) runs the same reductions in the same order, also a rank
         # whose gradients are missing or empty.
         mesh_dims: List[tuple] = []
+        dtensor = dtensor_type()
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -331,9 +333,9 @@ class GradScaler(OverflowWatch, torch.amp.GradScaler):
                         raise AssertionError(
                             f"expected param to be torch.Tensor, got {type(param).__name__}")
                     grad = param.grad
-                    if _DTensor is not None and (isinstance(param, _DTensor)
-                                                 or isinstance(grad, _DTensor)):
-                        note_mesh(grad if isinstance(grad, _DTensor) else param, mesh_dims)
+                    if dtensor is not None and (isinstance(param, dtensor)
+                                                 or isinstance(grad, dtensor)):
+                        note_mesh(grad if isinstance(grad, dtensor) else param, mesh_dims)
                     if grad is None:
                         continue
                     if (not allow_fp16) and grad.dtype == torch.float16:
@@ -350,7 +352,7 @@ class GradScaler(OverflowWatch, torch.amp.GradScaler):
                             param.grad = grad.coalesce()
                             grad = param.grad
                         grad = grad._values()
-                    elif _DTensor is not None and isinstance(grad, _DTensor):
+                    elif dtensor is not None and isinstance(grad, dtensor):
                         grad = grad.to_local()  # this rank's shard (possibly empty)
                     per_device_grads[grad.device].append(grad)
 

@@ -16,9 +16,9 @@ import torch
 from . import _q8_shards as q8_shards
 from ._engine import StepPlan, _PlannedCall, _lr_key, _plan_calls, device_step, planned_launch
 from ._engine import fused_step, run_launches
-from ._tensors import DTensor, is_dtensor, local_tensor
+from .._common import dtensor_type
+from ._tensors import is_dtensor, local_tensor
 
-_DTensor = DTensor if DTensor is not None else ()  # isinstance(x, ()) is False
 
 _STRIDED = torch.strided
 
@@ -158,6 +158,7 @@ class ShardedStepPlan(StepPlan):
                 return False
         # The owner loop is the cached step's host cost per param: local_tensor and _spec
         # inlined. (Without _local_tensor, a torch that renamed it, no plan holds: the long way.)
+        dtensor = dtensor_type() or ()  # isinstance(x, ()) is False
         for o in self.owners:
             p = o.param
             g = p.grad
@@ -166,7 +167,7 @@ class ShardedStepPlan(StepPlan):
                     or tuple(map(id, st.values())) != o.ids:
                 return False
             if o.spec is not None:
-                if (type(g) is not _DTensor and not isinstance(g, _DTensor)) \
+                if (type(g) is not dtensor and not isinstance(g, dtensor)) \
                         or getattr(p, "_local_tensor", None) is not o.shard:
                     return False
                 spec = getattr(p, "_spec", None)

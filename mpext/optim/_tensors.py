@@ -5,16 +5,9 @@ from typing import Any, Optional
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed support
-    DTensor = Shard = None
+from .._common import is_dtensor
 
 F32 = torch.float32
-
-
-def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +43,7 @@ def shard_offset(t: torch.Tensor) -> Optional[int]:
     key = (tuple(t.shape), tuple(t.stride()), t.device_mesh, placements)
     if key in _OFFSETS:  # computed from the placement at every step otherwise (~50 us)
         return _OFFSETS[key]
+    from torch.distributed.tensor import Shard  # imported already: t is a DTensor
     if all(pl.is_replicate() for pl in placements):
         offset = 0
     elif not all(pl.is_replicate() or (type(pl) is Shard and pl.dim == 0)

@@ -180,7 +180,6 @@ def _scatter_back(ortho: Optional[torch.Tensor], state: tuple) -> tuple:
     return work, recv
 
 
-@torch.compiler.disable
 def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor],
                    owners: Optional[list] = None) -> list:
     """Newton-Schulz of every update, eagerly even under torch.compile (a graph break): the
@@ -233,6 +232,18 @@ def _orthogonalize(items: List[StepItem], updates: List[torch.Tensor],
             for i, (o, x) in enumerate(zip(owners, ortho))]
 
 
+# _orthogonalize under torch.compiler.disable (the graph break), made by Muon's constructor and
+# not at import: disable imports torch._dynamo, about as much CPU time as `import torch`, which
+# `import mpext` need not pay where no Muon is made.
+_orthogonalize_eagerly = None
+
+
+def _make_orthogonalize_eager() -> None:
+    global _orthogonalize_eagerly
+    if _orthogonalize_eagerly is None:
+        _orthogonalize_eagerly = torch.compiler.disable(_orthogonalize)
+
+
 def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[torch.Tensor],
               found_inf: Optional[torch.Tensor], owners: Optional[list] = None) -> None:
     """Steps Muon items (hyper a :class:`MuonGroup`): phase 1 on the engine (one call per
@@ -265,7 +276,9 @@ def muon_step(items: List[StepItem], lr_tensors: LrTensors, inv_scale: Optional[
     if inv_scale is not None:
         for g, wide in widened:
             g.copy_(wide)
-    ortho = _orthogonalize(items, updates, owners)
+    if _orthogonalize_eagerly is None:  # a Muon unpickled in a process that made none
+        _make_orthogonalize_eager()
+    ortho = _orthogonalize_eagerly(items, updates, owners)
     phase3 = []
     owners = owners or [None] * len(items)
     for it, o, owner in zip(items, ortho, owners):
@@ -377,6 +390,7 @@ class Muon(FusedOptimizer):
                  ns_batched: bool = False, ns_sharded: str = "designated") -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:  # torch's checks, in its order
             raise ValueError("Tensor lr must be 1-element")
+        _make_orthogonalize_eager()
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, use_muon=True,
