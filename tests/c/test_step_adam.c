@@ -724,9 +724,7 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
     for (size_t pi = 0; pi < N_ADAM_PAIRS; ++pi) {
       const adam_pair* pr = &ADAM_PAIRS[pi];
       adam_buf in, one, split;
-      abuf_init(&in, pr->pt, pr->gt, N);
-      abuf_init(&one, pr->pt, pr->gt, N);
-      abuf_init(&split, pr->pt, pr->gt, N);
+      abuf_init3(&in, &one, &split, pr->pt, pr->gt, N);
       adam_fill(&in, &s, 0);
       abuf_copy(&one, &in);
       abuf_copy(&split, &in);
@@ -796,9 +794,7 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
                   mp_step_advance_steps(NULL, 1, &op) == MP_ERR_INVALID_ARGUMENT &&
                   mp_step_advance_steps(both, 0, NULL) == MP_ERR_INVALID_ARGUMENT,
               "%s: bad advance_steps arguments accepted", pr->name);
-      abuf_free(&in);
-      abuf_free(&one);
-      abuf_free(&split);
+      abuf_free3(&in, &one, &split);
       abuf_free(&want);
     }
     g_end(&g);
