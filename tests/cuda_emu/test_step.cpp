@@ -1172,20 +1172,18 @@ EMU_TEST(adam_lean_storage_matches_the_core) {
   Rng r(900);
   std::vector<Lean> cpu;
   uint32_t stream = 0;
-  for (int mom = 0; mom < 4; ++mom) {  // fp32 params (with an ema every other one)
-    const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
-    cpu.push_back(make_lean(r, MP_F32, MP_F32, 0, mom & 1 ? MP_BF16 : MP_F32,
-                            mom & 2 ? MP_BF16 : MP_F32, n, stream++));
-  }
+  auto add_moments = [&](int pd, int gd, int storage) {  // each with every moment format
+    for (int mom = 0; mom < 4; ++mom) {
+      const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
+      cpu.push_back(make_lean(r, pd, gd, storage, mom & 1 ? MP_BF16 : MP_F32,
+                              mom & 2 ? MP_BF16 : MP_F32, n, stream++));
+    }
+  };
+  add_moments(MP_F32, MP_F32, 0);  // fp32 params (with an ema every other one)
   for (int pd : {MP_BF16, MP_F16}) {
     for (int gd : {pd, static_cast<int>(MP_F32)}) {
       for (int storage : {1, 2, 3}) {
-        if (storage == 2 && pd != MP_BF16) continue;
-        for (int mom = 0; mom < 4; ++mom) {
-          const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
-          cpu.push_back(make_lean(r, pd, gd, storage, mom & 1 ? MP_BF16 : MP_F32,
-                                  mom & 2 ? MP_BF16 : MP_F32, n, stream++));
-        }
+        if (storage != 2 || pd == MP_BF16) add_moments(pd, gd, storage);
       }
     }
   }
