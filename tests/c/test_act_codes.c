@@ -9,109 +9,49 @@
  *     NaN if the block holds a NaN, else Inf if it holds an Inf;
  *   code = clamp(nearbyintf(x / scale), -127, 127), the sign of x where that is 0 and x is not,
  *     0 where x / scale is NaN;
- *   restored = code * scale (code * bf16(scale) for bf16) rounded once to the output dtype by a
- *     rounding written on ldexp/nearbyint in double (exact for these products), decoded fields
- *     compared as values (a NaN only as NaN: its payload is not part of the code).
+ *   restored = code * scale (code * bf16(scale) for bf16) rounded once to the output dtype by
+ *     test_common.h's rounding in double (exact for these products), decoded fields compared as
+ *     values (a NaN only as NaN: its payload is not part of the code).
  * Inputs: random values over many magnitudes with zeros, subnormals, values far below a step,
  * exact ties, NaN and Inf; rows whose last block is short or whole, blocks of 1 to 1000, data at
  * odd offsets; every bf16 and fp16 bit pattern in blocks of two; bad arguments write nothing.
- * Options: --seed X, --isa NAME; other arguments are ignored (run.py passes test_core's).
- * Output: one line per check group; exit status 1 if anything failed. */
-#include <inttypes.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+ * Options and output: test_common.h's (main in test_common.c). */
+#include "test_common.h"
 
 #include "mpext/int8_block.h"
-#include "mpext/mpext.h"
 
-static int g_failed = 0, g_passed = 0;
-static long long g_bad = 0;
-static char g_name[160];
-
-static void begin(const char* name) {
-  snprintf(g_name, sizeof g_name, "%s", name);
-  g_bad = 0;
-}
-static void end(void) {
-  if (g_bad) {
-    g_failed++;
-    printf("FAIL  %s (%lld failures)\n", g_name, g_bad);
-  } else {
-    g_passed++;
-    printf("PASS  %s\n", g_name);
-  }
-  fflush(stdout);
-}
-#define CHECK(cond, ...)                    \
-  do {                                      \
-    if (!(cond)) {                          \
-      if (++g_bad <= 8) {                   \
-        printf("    %s: ", g_name);         \
-        printf(__VA_ARGS__);                \
-        printf("\n");                       \
-      }                                     \
-    }                                       \
-  } while (0)
+/* The current check group: the checks below report into it (test_common.h's bookkeeping). */
+static group g_cur;
+#define CHECK(cond, ...) g_check(&g_cur, (cond), __VA_ARGS__)
 
 static uint64_t rng_state;
-static uint64_t next64(void) {
-  uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+static uint64_t next64(void) { return splitmix64(&rng_state); }
 static double uniform(void) { return (double)(next64() >> 11) * 0x1p-53; }
 
 static int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-static const char* dname(int dtype) {
-  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
-}
+static const char* dname(int dtype) { return U_NAME[dtype]; }
 
-/* ---- formats, by their fields (independent of numerics.h) ---- */
+/* ---- formats, by their fields (test_common.h's decoder and rounding, not numerics.h) ---- */
 
-typedef struct fmtdesc {
-  int bits, mant, ebits, bias;
-} fmtdesc;
-static const fmtdesc FMT[3] = {{32, 23, 8, 127}, {16, 7, 8, 127}, {16, 10, 5, 15}};
-
-static uint32_t raw_at(const void* p, int dtype, int64_t i) {
-  if (dtype == MP_F32) {
-    uint32_t u;
-    memcpy(&u, (const char*)p + 4 * i, 4);
-    return u;
-  }
+/* The value of element i's bit pattern (NaN decodes to NAN, Inf to +-Inf); p may be at any
+ * byte offset (the tests put the data at odd ones), hence memcpy. */
+static double value_at(const void* p, int dtype, int64_t i) {
+  uint32_t u = 0;
   uint16_t h;
+  if (dtype == MP_F32) {
+    memcpy(&u, (const char*)p + 4 * i, 4);
+    return (double)f32_of(u);
+  }
   memcpy(&h, (const char*)p + 2 * i, 2);
-  return h;
+  return decode(h, u_fmt(dtype));
 }
 
-/* The value of a bit pattern; *nan set for NaN (Inf decodes as +-HUGE_VAL). */
-static double decode(int dtype, uint32_t u, int* nan) {
-  const fmtdesc f = FMT[dtype];
-  const uint32_t sign = u >> (f.bits - 1);
-  const uint32_t e = (u >> f.mant) & ((1u << f.ebits) - 1u);
-  const uint32_t m = u & ((1u << f.mant) - 1u);
-  *nan = e == (1u << f.ebits) - 1u && m != 0;
-  double v = e == (1u << f.ebits) - 1u ? HUGE_VAL
-             : e == 0 ? ldexp((double)m, 1 - f.bias - f.mant)
-                      : ldexp((double)(m | (1u << f.mant)), (int)e - f.bias - f.mant);
-  return sign ? -v : v;
-}
-
-/* v (exact in double) rounded to nearest even in dtype, as a double; overflow to +-Inf. */
+/* v (exact in double) rounded to nearest even in the 16-bit dtype, as a double; overflow to
+ * +-Inf. */
 static double round_to(int dtype, double v) {
-  const fmtdesc f = FMT[dtype];
   if (v != v || v == 0.0 || isinf(v)) return v;
-  int e;
-  frexp(v, &e); /* |v| in [2^(e-1), 2^e) */
-  const int emin = 1 - f.bias;
-  const int q = (e - 1 > emin ? e - 1 : emin) - f.mant; /* the exponent of one ulp */
-  const double r = ldexp(nearbyint(ldexp(v, -q)), q);
-  const double max = ldexp((double)((2u << f.mant) - 1u), ((1 << f.ebits) - 2) - f.bias - f.mant);
-  return fabs(r) > max ? copysign(HUGE_VAL, v) : r;
+  const double r = round_rne(fabs(v), u_fmt(dtype));
+  return copysign(r > u_fmt(dtype)->max ? HUGE_VAL : r, v);
 }
 
 /* ---- the reference ---- */
@@ -183,19 +123,10 @@ static void fill(char* buf, int dtype, int64_t n, int special, float* xs) {
       memcpy(buf + 4 * i, &v, 4);
     } else {
       int nan;
-      const double r = isnan(v) ? v : round_to(dtype, (double)v);
-      /* encode r: search the 16-bit patterns of its sign by decoding (exact, monotone) */
-      uint32_t lo = 0, hi = dtype == MP_BF16 ? 0x7F80u : 0x7C00u; /* +0 .. +Inf */
-      const double a = fabs(r);
-      while (lo < hi) {
-        const uint32_t mid = (lo + hi) / 2;
-        if (decode(dtype, mid, &nan) < a) lo = mid + 1; else hi = mid;
-      }
-      uint16_t h = (uint16_t)(lo | (signbit(r) ? 0x8000u : 0u));
-      if (isnan(v)) h = dtype == MP_BF16 ? 0x7FC1u : 0x7E01u;
+      uint16_t h = (uint16_t)ref_rne(bits_of(v), u_fmt(dtype), &nan);
+      if (nan) h = dtype == MP_BF16 ? 0x7FC1u : 0x7E01u;
       memcpy(buf + 2 * i, &h, 2);
-      v = (float)decode(dtype, h, &nan);
-      if (nan) v = NAN;
+      v = (float)value_at(buf, dtype, i);
     }
     xs[i] = v;
   }
@@ -243,8 +174,8 @@ static void one_case(int dtype, int64_t rows, int64_t cols, int64_t block, int p
           "dequantize status");
     for (int64_t i = 0; i < n; ++i) {
       const double want = ref_restore(q[i], s[(i / cols) * nb + (i % cols) / block], out);
-      int nan;
-      const double got = decode(out, raw_at(o, out, i), &nan);
+      const double got = value_at(o, out, i);
+      const int nan = isnan(got);
       CHECK(nan ? isnan(want) : (got == want && signbit(got) == signbit(want)),
             "%s -> %s %" PRId64 "x%" PRId64 "/%" PRId64 ": restored[%" PRId64 "] %a, want %a",
             dname(dtype), dname(out), rows, cols, block, i, nan ? NAN : got, want);
@@ -263,23 +194,20 @@ static void test_path(const char* isa) {
   static const int64_t shapes[][3] = {{1, 1, 1},    {3, 5, 2},     {2, 31, 32},  {4, 32, 32},
                                       {3, 33, 32},  {40, 128, 128}, {5, 300, 128}, {2, 300, 7},
                                       {1, 1000, 1000}, {7, 129, 64}, {2, 16, 128}};
-  char name[160];
   for (int dtype = MP_F32; dtype <= MP_F16; ++dtype) {
     for (int pow2 = 0; pow2 <= 1; ++pow2) {
-      snprintf(name, sizeof name, "[%s] int8 block code %s pow2 %d: every shape vs the reference",
+      g_begin(&g_cur, "[%s] int8 block code %s pow2 %d: every shape vs the reference",
                isa, dname(dtype), pow2);
-      begin(name);
       for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; ++k) {
         one_case(dtype, shapes[k][0], shapes[k][1], shapes[k][2], pow2, 30);
         one_case(dtype, shapes[k][0], shapes[k][1], shapes[k][2], pow2, 0); /* finite blocks */
       }
-      end();
+      g_end(&g_cur);
     }
   }
   /* quotients at and a few ulps around half-integers, under scales that are not powers of two:
    * where x * (1 / s) and x / s may round to different codes (the kernel then divides) */
-  snprintf(name, sizeof name, "[%s] int8 block code: quotients near half-integers", isa);
-  begin(name);
+  g_begin(&g_cur, "[%s] int8 block code: quotients near half-integers", isa);
   {
     const int64_t block = 64, nblk = 4000;
     float* x = malloc((size_t)(block * nblk) * 4);
@@ -313,12 +241,11 @@ static void test_path(const char* isa) {
     free(q);
     free(s);
   }
-  end();
+  g_end(&g_cur);
   /* every 16-bit pattern x next to a fixed partner, so each is both the absmax and a small
    * element of some block: blocks of two */
   for (int dtype = MP_BF16; dtype <= MP_F16; ++dtype) {
-    snprintf(name, sizeof name, "[%s] int8 block code: every %s bit pattern", isa, dname(dtype));
-    begin(name);
+    g_begin(&g_cur, "[%s] int8 block code: every %s bit pattern", isa, dname(dtype));
     const int64_t n = 16 * 65536;
     uint16_t* x = malloc((size_t)n * 2);
     int8_t* q = malloc((size_t)n);
@@ -335,12 +262,8 @@ static void test_path(const char* isa) {
         CHECK(mp_int8_block_quantize(x, (mp_dtype)dtype, q, s, 1, m, bl, p == 2) == MP_OK,
               "status");
         for (int64_t k = 0; k < 65536; ++k) {
-          int nan;
           float xs[16];
-          for (int64_t j = 0; j < bl; ++j) {
-            xs[j] = (float)decode(dtype, x[bl * k + j], &nan);
-            if (nan) xs[j] = NAN;
-          }
+          for (int64_t j = 0; j < bl; ++j) xs[j] = (float)value_at(x, dtype, bl * k + j);
           const float want = ref_scale(xs, bl, p == 2);
           CHECK(memcmp(&s[k], &want, 4) == 0 || (isnan(s[k]) && isnan(want)),
                 "pattern %04" PRIx64 " (blocks of %" PRId64 "): scale %a, want %a", k, bl,
@@ -356,7 +279,7 @@ static void test_path(const char* isa) {
     free(x);
     free(q);
     free(s);
-    end();
+    g_end(&g_cur);
   }
 }
 
@@ -365,9 +288,7 @@ static void test_path(const char* isa) {
 static void test_paths_agree(const char* isa, mp_isa id) {
   static const int64_t shapes[][3] = {{40, 128, 128}, {5, 300, 128}, {7, 129, 64}, {3, 48, 16},
                                       {2, 300, 7}, {9, 256, 32}};
-  char name[160];
-  snprintf(name, sizeof name, "[%s] int8 block code: the scalar path's bits", isa);
-  begin(name);
+  g_begin(&g_cur, "[%s] int8 block code: the scalar path's bits", isa);
   for (int dtype = MP_F32; dtype <= MP_F16; ++dtype) {
     for (int pow2 = 0; pow2 <= 1; ++pow2) {
       for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; ++k) {
@@ -416,11 +337,11 @@ static void test_paths_agree(const char* isa, mp_isa id) {
     }
   }
   mp_cpu_isa_select(id);
-  end();
+  g_end(&g_cur);
 }
 
 static void test_arguments(void) {
-  begin("int8 block code: bad arguments are rejected and write nothing; empty is fine");
+  g_begin(&g_cur, "int8 block code: bad arguments are rejected and write nothing; empty is fine");
   float x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, s[4] = {-1, -1, -1, -1}, o[8];
   int8_t q[8] = {9, 9, 9, 9, 9, 9, 9, 9};
   CHECK(mp_int8_block_quantize(x, MP_F32, q, s, -1, 4, 4, 0) == MP_ERR_INVALID_ARGUMENT, "rows");
@@ -440,29 +361,16 @@ static void test_arguments(void) {
   CHECK(mp_int8_block_quantize(NULL, MP_BF16, NULL, NULL, 0, 4, 4, 0) == MP_OK, "no rows");
   CHECK(mp_int8_block_quantize(NULL, MP_F16, NULL, NULL, 3, 0, 4, 1) == MP_OK, "no cols");
   CHECK(mp_int8_block_dequantize(NULL, NULL, NULL, MP_F32, 0, 0, 1) == MP_OK, "empty");
-  end();
+  g_end(&g_cur);
 }
 
-int main(int argc, char** argv) {
-  uint64_t seed = 42;
-  const char* only = NULL;
-  for (int i = 1; i < argc; ++i) {
-    if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
-    else if (!strcmp(argv[i], "--isa") && i + 1 < argc) only = argv[++i];
-  }
-  rng_state = seed;
+void run_tests(const sweep_opts* o, mp_isa initial_active) {
+  (void)initial_active;
+  rng_state = o->seed;
   test_arguments();
-  for (int isa = 0; isa < MP_ISA_COUNT; ++isa) {
-    const char* name = mp_isa_name((mp_isa)isa);
-    if (only && strcmp(only, name)) continue;
-    if (!mp_cpu_isa_supported((mp_isa)isa)) {
-      printf("SKIP  [%s] not supported by this CPU (or not compiled in)\n", name);
-      continue;
-    }
-    mp_cpu_isa_select((mp_isa)isa);
-    test_path(name);
-    if (isa != MP_ISA_SCALAR) test_paths_agree(name, (mp_isa)isa);
+  for (int k = 0; k < g_nisa; ++k) {
+    select_isa(g_isas[k]);
+    test_path(mp_isa_name(g_isas[k]));
+    if (g_isas[k] != MP_ISA_SCALAR) test_paths_agree(mp_isa_name(g_isas[k]), g_isas[k]);
   }
-  printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed ? 1 : 0;
 }

@@ -226,6 +226,41 @@ static int adam_compare(group* g, const adam_buf* in, const adam_buf* want, cons
   return ok;
 }
 
+/* Three buffers of one shape: the inputs, the reference's result and the core's. */
+static void abuf_init3(adam_buf* in, adam_buf* want, adam_buf* got, mp_dtype pt, mp_dtype gt,
+                       size_t cap) {
+  abuf_init(in, pt, gt, cap);
+  abuf_init(want, pt, gt, cap);
+  abuf_init(got, pt, gt, cap);
+}
+
+static void abuf_free3(adam_buf* in, adam_buf* want, adam_buf* got) {
+  abuf_free(in);
+  abuf_free(want);
+  abuf_free(got);
+}
+
+/* want = the reference's step of in; then on every ISA path k, got = in stepped by the core,
+ * its status and every array checked against want in g[k]. extra: for the messages; tk (or
+ * NULL): each path's seconds. */
+static void adam_check_paths(group* g, const adam_buf* in, adam_buf* want, adam_buf* got,
+                             adam_off o, int64_t n, const ref_scalars* hp, const char* pair,
+                             const char* extra, double* tk) {
+  abuf_copy(want, in);
+  ref_adam(want, o, n, hp);
+  for (int k = 0; k < g_nisa; ++k) {
+    select_isa(g_isas[k]);
+    abuf_copy(got, in);
+    const double t0 = now_s();
+    const mp_status rs = call_adam(got, o, n, hp);
+    if (tk) tk[k] = now_s() - t0;
+    char ctx[480];
+    adam_describe(ctx, sizeof ctx, pair, mp_isa_name(g_isas[k]), hp, extra);
+    g_check(&g[k], rs == MP_OK, "%s: status %d", ctx, (int)rs);
+    adam_compare(&g[k], in, want, got, o, n, ctx);
+  }
+}
+
 /* 11a. Argument checks: every rejected call returns MP_ERR_INVALID_ARGUMENT and writes nothing.
  *      A NULL params, an unknown or foreign dtype and a master mismatch are rejected for n == 0
  *      as well; otherwise n == 0 is MP_OK (with NULL data pointers too, as for the casts) and
@@ -392,9 +427,7 @@ static void test_adam_exact(uint64_t seed0) {
   for (size_t pi = 0; pi < N_ADAM_PAIRS; ++pi) {
     const adam_pair* pr = &ADAM_PAIRS[pi];
     adam_buf in, want, got;
-    abuf_init(&in, pr->pt, pr->gt, N);
-    abuf_init(&want, pr->pt, pr->gt, N);
-    abuf_init(&got, pr->pt, pr->gt, N);
+    abuf_init3(&in, &want, &got, pr->pt, pr->gt, N);
     for (int c = 0; c < 12; ++c) {
       uint64_t r = splitmix64(&s);
       adam_cfg cfg = {lrs[r % 4u], beta1s[c / 4], beta2s[(r >> 8) % 4u], epss[(r >> 16) % 4u],
@@ -405,24 +438,13 @@ static void test_adam_exact(uint64_t seed0) {
           for (size_t i = 0; i < N; ++i) a_put(in.grad, in.gt, i, adam_rand_grad(&s, in.gt));
         }
         ref_scalars hp = adam_scalars(&cfg, steps[st], invs[(st + c) % n_steps]);
-        abuf_copy(&want, &in);
-        ref_adam(&want, ADAM_OFF0, (int64_t)N, &hp);
-        for (int k = 0; k < g_nisa; ++k) {
-          select_isa(g_isas[k]);
-          abuf_copy(&got, &in);
-          mp_status rs = call_adam(&got, ADAM_OFF0, (int64_t)N, &hp);
-          char ctx[400], extra[48];
-          snprintf(extra, sizeof extra, " (t %.0f, lr %a)", (double)steps[st], (double)cfg.lr);
-          adam_describe(ctx, sizeof ctx, pr->name, mp_isa_name(g_isas[k]), &hp, extra);
-          g_check(&g[k], rs == MP_OK, "%s: status %d", ctx, (int)rs);
-          adam_compare(&g[k], &in, &want, &got, ADAM_OFF0, (int64_t)N, ctx);
-        }
+        char extra[48];
+        snprintf(extra, sizeof extra, " (t %.0f, lr %a)", (double)steps[st], (double)cfg.lr);
+        adam_check_paths(g, &in, &want, &got, ADAM_OFF0, (int64_t)N, &hp, pr->name, extra, NULL);
         abuf_copy(&in, &want); /* the next step starts from the expected state */
       }
     }
-    abuf_free(&in);
-    abuf_free(&want);
-    abuf_free(&got);
+    abuf_free3(&in, &want, &got);
   }
   for (int k = 0; k < g_nisa; ++k) g_end(&g[k]);
 }
@@ -568,9 +590,7 @@ static void test_adam_nonfinite(uint64_t seed0) {
         gt == MP_F32 ? 0x7F800000u : gt == MP_BF16 ? 0x7F80u : 0x7C00u,
     };
     adam_buf in, want, got;
-    abuf_init(&in, pr->pt, gt, N);
-    abuf_init(&want, pr->pt, gt, N);
-    abuf_init(&got, pr->pt, gt, N);
+    abuf_init3(&in, &want, &got, pr->pt, gt, N);
     for (int c = 0; c < 16; ++c) {
       const int later = c >= 8; /* a first step from zero moments, or step 5 from random ones */
       adam_cfg cfg = {1e-3f, (c & 4) ? 0.3 : 0.9, 0.999, 1e-8, 1e-2, c & 1, (c >> 1) & 1};
@@ -613,9 +633,7 @@ static void test_adam_nonfinite(uint64_t seed0) {
         }
       }
     }
-    abuf_free(&in);
-    abuf_free(&want);
-    abuf_free(&got);
+    abuf_free3(&in, &want, &got);
   }
   for (int k = 0; k < g_nisa; ++k) g_end(&g[k]);
 }
@@ -635,9 +653,7 @@ static void test_adam_sizes(uint64_t seed0) {
   for (size_t pi = 0; pi < N_ADAM_PAIRS; ++pi) {
     const adam_pair* pr = &ADAM_PAIRS[pi];
     adam_buf in, want, got;
-    abuf_init(&in, pr->pt, pr->gt, cap);
-    abuf_init(&want, pr->pt, pr->gt, cap);
-    abuf_init(&got, pr->pt, pr->gt, cap);
+    abuf_init3(&in, &want, &got, pr->pt, pr->gt, cap);
     adam_fill(&in, &s, 0);
     for (int64_t n = 0; n <= MAXN; ++n) {
       for (int64_t so = 0; so <= MAXOFF; ++so) {
@@ -651,32 +667,21 @@ static void test_adam_sizes(uint64_t seed0) {
         ref_scalars hp = adam_scalars(&cfg, (float)(1 + so), so & 1 ? 0.125f : 1.0f);
         /* fresh inputs where this call works (the guards keep theirs) */
         adam_fill_range(&in, &s, 0, GUARD, GUARD + (size_t)(MAXN + MAXOFF));
-        abuf_copy(&want, &in);
-        ref_adam(&want, o, n, &hp);
-        for (int k = 0; k < g_nisa; ++k) {
-          select_isa(g_isas[k]);
-          abuf_copy(&got, &in);
-          mp_status rs = call_adam(&got, o, n, &hp);
-          char ctx[480], extra[96];
-          snprintf(extra, sizeof extra, " (n %" PRId64 ", offsets param %zu grad %zu master %zu "
-                   "exp_avg %zu exp_avg_sq %zu)", n, o.p - GUARD, o.g - GUARD, o.w - GUARD,
-                   o.m - GUARD, o.v - GUARD);
-          adam_describe(ctx, sizeof ctx, pr->name, mp_isa_name(g_isas[k]), &hp, extra);
-          g_check(&g[k], rs == MP_OK, "%s: status %d", ctx, (int)rs);
-          adam_compare(&g[k], &in, &want, &got, o, n, ctx);
-        }
+        char extra[96];
+        snprintf(extra, sizeof extra, " (n %" PRId64 ", offsets param %zu grad %zu master %zu "
+                 "exp_avg %zu exp_avg_sq %zu)", n, o.p - GUARD, o.g - GUARD, o.w - GUARD,
+                 o.m - GUARD, o.v - GUARD);
+        adam_check_paths(g, &in, &want, &got, o, n, &hp, pr->name, extra, NULL);
       }
     }
-    abuf_free(&in);
-    abuf_free(&want);
-    abuf_free(&got);
+    abuf_free3(&in, &want, &got);
   }
   for (int k = 0; k < g_nisa; ++k) g_end(&g[k]);
 
   /* Large: 2^20 + 3 elements, the arrays at different odd/even offsets. */
   const int64_t BIG = ((int64_t)1 << 20) + 3;
   const adam_off ob = {1, 3, 0, 2, 5};
-  double tk[MP_ISA_COUNT][N_ADAM_PAIRS];
+  double tk[N_ADAM_PAIRS][MP_ISA_COUNT];
   for (int k = 0; k < g_nisa; ++k) {
     g_begin(&g[k], "adam: n = %" PRId64 " at offsets 1/3/0/2/5 (vector body, tails), 5 dtype "
             "pairs == reference, guards intact [%s]", BIG, mp_isa_name(g_isas[k]));
@@ -685,34 +690,18 @@ static void test_adam_sizes(uint64_t seed0) {
     const adam_pair* pr = &ADAM_PAIRS[pi];
     adam_buf in, want, got;
     const size_t bcap = (size_t)BIG + 8u;
-    abuf_init(&in, pr->pt, pr->gt, bcap);
-    abuf_init(&want, pr->pt, pr->gt, bcap);
-    abuf_init(&got, pr->pt, pr->gt, bcap);
+    abuf_init3(&in, &want, &got, pr->pt, pr->gt, bcap);
     adam_fill(&in, &s, 0);
     adam_cfg cfg = {2e-3f, pi % 2 ? 0.3 : 0.9, 0.999, 1e-8, 0.01, (int)(pi % 2 == 0),
                     (int)(pi == 3)};
     ref_scalars hp = adam_scalars(&cfg, 3.0f, 1.0f / 3.0f);
-    abuf_copy(&want, &in);
-    ref_adam(&want, ob, BIG, &hp);
-    for (int k = 0; k < g_nisa; ++k) {
-      select_isa(g_isas[k]);
-      abuf_copy(&got, &in);
-      double t0 = now_s();
-      mp_status rs = call_adam(&got, ob, BIG, &hp);
-      tk[k][pi] = now_s() - t0;
-      char ctx[400];
-      adam_describe(ctx, sizeof ctx, pr->name, mp_isa_name(g_isas[k]), &hp, " (large)");
-      g_check(&g[k], rs == MP_OK, "%s: status %d", ctx, (int)rs);
-      adam_compare(&g[k], &in, &want, &got, ob, BIG, ctx);
-    }
-    abuf_free(&in);
-    abuf_free(&want);
-    abuf_free(&got);
+    adam_check_paths(g, &in, &want, &got, ob, BIG, &hp, pr->name, " (large)", tk[pi]);
+    abuf_free3(&in, &want, &got);
   }
   for (int k = 0; k < g_nisa; ++k) {
     printf("      adam kernels [%s]:", mp_isa_name(g_isas[k]));
     for (size_t pi = 0; pi < N_ADAM_PAIRS; ++pi) {
-      printf(" %s %.2f ns/elt%s", ADAM_PAIRS[pi].name, 1e9 * tk[k][pi] / (double)BIG,
+      printf(" %s %.2f ns/elt%s", ADAM_PAIRS[pi].name, 1e9 * tk[pi][k] / (double)BIG,
              pi + 1 < N_ADAM_PAIRS ? "," : "\n");
     }
   }
@@ -735,9 +724,7 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
     for (size_t pi = 0; pi < N_ADAM_PAIRS; ++pi) {
       const adam_pair* pr = &ADAM_PAIRS[pi];
       adam_buf in, one, split;
-      abuf_init(&in, pr->pt, pr->gt, N);
-      abuf_init(&one, pr->pt, pr->gt, N);
-      abuf_init(&split, pr->pt, pr->gt, N);
+      abuf_init3(&in, &one, &split, pr->pt, pr->gt, N);
       adam_fill(&in, &s, 0);
       abuf_copy(&one, &in);
       abuf_copy(&split, &in);
@@ -807,9 +794,7 @@ static void test_adam_ranges_and_steps(uint64_t seed0) {
                   mp_step_advance_steps(NULL, 1, &op) == MP_ERR_INVALID_ARGUMENT &&
                   mp_step_advance_steps(both, 0, NULL) == MP_ERR_INVALID_ARGUMENT,
               "%s: bad advance_steps arguments accepted", pr->name);
-      abuf_free(&in);
-      abuf_free(&one);
-      abuf_free(&split);
+      abuf_free3(&in, &one, &split);
       abuf_free(&want);
     }
     g_end(&g);
@@ -835,9 +820,7 @@ static void test_adam_unscale_grads(uint64_t seed0) {
       for (int vi = 0; vi < 4; ++vi) {
         for (int skip = 0; skip < 2; ++skip) {
           adam_buf in, want, got;
-          abuf_init(&in, pr->pt, pr->gt, N);
-          abuf_init(&want, pr->pt, pr->gt, N);
-          abuf_init(&got, pr->pt, pr->gt, N);
+          abuf_init3(&in, &want, &got, pr->pt, pr->gt, N);
           adam_fill(&in, &s, 0);
           abuf_copy(&want, &in);
           abuf_copy(&got, &in);
@@ -866,9 +849,7 @@ static void test_adam_unscale_grads(uint64_t seed0) {
           snprintf(ctx, sizeof ctx, "%s inv_scale %a%s", pr->name, (double)inv,
                    skip ? " found_inf" : "");
           adam_compare(&g, &in, &want, &got, ADAM_OFF0, (int64_t)N, ctx);
-          abuf_free(&in);
-          abuf_free(&want);
-          abuf_free(&got);
+          abuf_free3(&in, &want, &got);
         }
       }
     }

@@ -167,6 +167,20 @@ uint16_t random_16_bits(Rng& r, int dtype, int special_per_mille) {
   return static_cast<uint16_t>(((r.u32() & 1u) << 15) | (e << 10) | (r.u32() & 0x3FFu));
 }
 
+std::vector<uint8_t> random_elems(Rng& r, int dtype, int64_t n, int special_per_mille) {
+  std::vector<uint8_t> out(static_cast<size_t>(n) * elem_bytes(dtype));
+  for (int64_t i = 0; i < n; ++i) {
+    if (dtype == MP_F32) {
+      const uint32_t u = random_f32_bits(r, special_per_mille);
+      memcpy(&out[4 * i], &u, 4);
+    } else {
+      const uint16_t h = random_16_bits(r, dtype, special_per_mille);
+      memcpy(&out[2 * i], &h, 2);
+    }
+  }
+  return out;
+}
+
 bool same_bits(const void* got, const void* want, int64_t n, int bytes, int dtype,
                bool nan_any_payload, const char* what, const char* file, int line) {
   int64_t bad = 0, first = -1;

@@ -99,6 +99,12 @@ inline unsigned random_offset(Rng& r, int bytes) {
   return static_cast<unsigned>(r.below(16 / bytes)) * static_cast<unsigned>(bytes);
 }
 
+// An element's bytes and name by mp_dtype (fp32, bf16, fp16).
+inline int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
+inline const char* dtype_name(int dtype) {
+  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
+}
+
 float f32_of(uint32_t u);
 uint32_t bits_of(float f);
 bool is_nan32(uint32_t u);
@@ -109,6 +115,8 @@ bool is_nan16(int dtype, uint16_t h);  // dtype: 1 bf16, 2 fp16 (mp_dtype number
 uint32_t random_f32_bits(Rng& r, int special_per_mille);
 // A random bf16 / fp16 bit pattern, specials at the same rate.
 uint16_t random_16_bits(Rng& r, int dtype, int special_per_mille);
+// n random elements of dtype (random_f32_bits / random_16_bits), as raw bytes.
+std::vector<uint8_t> random_elems(Rng& r, int dtype, int64_t n, int special_per_mille);
 
 // Compares n elements of `bytes`-sized raw values; NaNs match any NaN when nan_any_payload
 // (the round-to-nearest paths, where the GPU's NaN bits differ from the CPU's by design).

@@ -10,8 +10,6 @@ namespace {
 
 using namespace emu_test;
 
-int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-
 void fill_random(Buf& b, int dtype, int64_t n, Rng& r, float spread) {
   for (int64_t i = 0; i < n; ++i) {
     if (dtype == MP_F32) {

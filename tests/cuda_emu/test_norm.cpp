@@ -16,11 +16,6 @@ using namespace emu_test;
 
 constexpr int64_t kChunk = MP_GRAD_NORM_CUDA_CHUNK;
 
-int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-const char* dtype_name(int dtype) {
-  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
-}
-
 struct Tensor {
   int dtype;
   int64_t n;

@@ -9,11 +9,6 @@ using namespace emu_test;
 
 constexpr int64_t kChunk = 65536;  // the kernel's elements per block, to aim sizes at its edges
 
-int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-const char* dtype_name(int dtype) {
-  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
-}
-
 // One grad: the device copy and the values the CPU reference works on.
 struct Grad {
   int dtype = 0;
@@ -26,16 +21,7 @@ Grad make_grad(Rng& r, int dtype, int64_t n, unsigned misalign, int special, boo
   Grad g;
   g.dtype = dtype;
   g.n = n;
-  g.ref.resize(static_cast<size_t>(n) * elem_bytes(dtype));
-  for (int64_t i = 0; i < n; ++i) {
-    if (dtype == MP_F32) {
-      const uint32_t u = random_f32_bits(r, special);
-      memcpy(&g.ref[4 * i], &u, 4);
-    } else {
-      const uint16_t h = random_16_bits(r, dtype, special);
-      memcpy(&g.ref[2 * i], &h, 2);
-    }
-  }
+  g.ref = random_elems(r, dtype, n, special);
   g.dev = Buf(g.ref.size(), misalign, mmapped);
   g.dev.fill(g.ref.data());
   return g;

@@ -2,6 +2,8 @@
 // (csrc/core/step.c).
 #include <math.h>
 
+#include <functional>
+
 #include "harness.h"
 #include "mpext/step.h"
 #include "mpext/step_cuda.h"
@@ -13,11 +15,6 @@ namespace {
 using namespace emu_test;
 
 constexpr int64_t kChunk = 65536;  // the kernel's elements per block
-
-int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-const char* dtype_name(int dtype) {
-  return dtype == MP_F32 ? "f32" : dtype == MP_BF16 ? "bf16" : "fp16";
-}
 
 struct ParamSpec {
   int pdtype, gdtype;
@@ -119,9 +116,9 @@ struct Hyper {
   bool unscale_grads;  // write the unscaled gradient back
 };
 
-// The core's step of one param (mp_step on the reference copies, then
-// mp_step_advance_steps), with the same settings, the lr as a host value.
-void cpu_step(Param& p, const Hyper& h) {
+// h's settings as options, with these pointers (null: none); the lr is the host value where lr
+// is null, else a wrong one, so that a kernel that ignores the pointer shows.
+mp_step_options options_of(const Hyper& h, const float* lr, const float* inv, const float* found) {
   mp_step_options o{};
   o.beta1 = h.beta1;
   o.beta2 = h.beta2;
@@ -129,10 +126,19 @@ void cpu_step(Param& p, const Hyper& h) {
   o.weight_decay = h.weight_decay;
   o.decoupled = h.decoupled;
   o.maximize = h.maximize;
-  o.lr_value = h.lr;
-  const float inv = h.inv_scale;
-  o.inv_scale = isnan(h.inv_scale) ? nullptr : &inv;
+  o.lr = lr;
+  o.lr_value = lr ? -1.0f : h.lr;
+  o.inv_scale = inv;
+  o.found_inf = found;
   o.unscale_grads = h.unscale_grads;
+  return o;
+}
+
+// The core's step of one param (mp_step on the reference copies, then
+// mp_step_advance_steps), with the same settings, the lr as a host value.
+void cpu_step(Param& p, const Hyper& h) {
+  const float inv = h.inv_scale;
+  const mp_step_options o = options_of(h, nullptr, isnan(h.inv_scale) ? nullptr : &inv, nullptr);
   const mp_step_tensor t = {p.r_param.data(), p.spec.pdtype, p.r_grad.data(), p.spec.gdtype,
                             p.spec.pdtype != MP_F32 ? p.r_master.data() : nullptr, p.r_m.data(),
                             p.r_v.data(), &p.r_step, p.spec.n};
@@ -167,6 +173,12 @@ void compare(Param& p, size_t k) {
         "%s", name("a store outside the arrays"));
 }
 
+// Makes every array of p read-only (a store into it faults), or writable again.
+void protect(Param& p, bool read_only) {
+  for (Buf* b : {&p.param, &p.grad, &p.exp_avg, &p.exp_avg_sq, &p.step}) b->protect(read_only);
+  if (p.spec.pdtype != MP_F32) p.master.protect(read_only);
+}
+
 // Runs `steps` steps of one call on "CUDA" and on the CPU and compares after each. A skipped
 // step (found_inf != 0) runs on write-protected arrays: it must store nothing. Returns the
 // number of launches.
@@ -180,46 +192,23 @@ int64_t adam_case(const std::vector<ParamSpec>& specs, const Hyper& h, uint64_t 
   *lr.f32() = h.lr;
   *inv.f32() = h.inv_scale;
   *found.f32() = h.found_inf;
-  mp_step_options opt{};
-  opt.beta1 = h.beta1;
-  opt.beta2 = h.beta2;
-  opt.eps = h.eps;
-  opt.weight_decay = h.weight_decay;
-  opt.decoupled = h.decoupled;
-  opt.maximize = h.maximize;
-  opt.lr = h.lr_on_device ? lr.f32() : nullptr;
-  opt.lr_value = h.lr_on_device ? -1.0f : h.lr;  // a wrong host value if the pointer is ignored
-  opt.inv_scale = isnan(h.inv_scale) ? nullptr : inv.f32();
-  opt.found_inf = isnan(h.found_inf) ? nullptr : found.f32();
-  opt.unscale_grads = h.unscale_grads;
+  const mp_step_options opt =
+      options_of(h, h.lr_on_device ? lr.f32() : nullptr, isnan(h.inv_scale) ? nullptr : inv.f32(),
+                 isnan(h.found_inf) ? nullptr : found.f32());
   const int64_t l0 = mp_emu::launch_count();
   for (int s = 0; s < steps; ++s) {
     std::vector<mp_step_tensor> ts;
     for (Param& p : ps) {
       ts.push_back(tensor_of(p));
       if (!skip) cpu_step(p, h);
-      if (skip) {
-        p.param.protect(true);
-        p.grad.protect(true);
-        p.exp_avg.protect(true);
-        p.exp_avg_sq.protect(true);
-        if (p.spec.pdtype != MP_F32) p.master.protect(true);
-        p.step.protect(true);
-      }
+      if (skip) protect(p, true);
     }
     const mp_status st = mp_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt,
                                                  nullptr);
     CHECK(st == MP_OK, "status %d", st);
     for (size_t k = 0; k < ps.size(); ++k) {
       Param& p = ps[k];
-      if (skip) {
-        p.param.protect(false);
-        p.grad.protect(false);
-        p.exp_avg.protect(false);
-        p.exp_avg_sq.protect(false);
-        if (p.spec.pdtype != MP_F32) p.master.protect(false);
-        p.step.protect(false);
-      }
+      if (skip) protect(p, false);
       compare(p, k);
     }
   }
@@ -482,10 +471,9 @@ EMU_TEST(adam_nonfinite_grads_without_skip) {
     ts.push_back(tensor_of(p));
     cpu_step(p, h);
   }
-  mp_step_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
   Buf inv(4, 0);
   *inv.f32() = 0.5f;
-  opt.inv_scale = inv.f32();
+  const mp_step_options opt = options_of(h, nullptr, inv.f32(), nullptr);
   set_context("Inf and NaN grads, no found_inf");
   CHECK(mp_step_multi_cuda(ts.data(), static_cast<int64_t>(ts.size()), &opt, nullptr) ==
             MP_OK, "status");
@@ -509,7 +497,7 @@ EMU_TEST(adam_zero_size_params) {
   ts[3] = tensor_of(p);
   Hyper h = default_hyper();
   cpu_step(p, h);
-  mp_step_options opt = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, h.lr, nullptr, nullptr, 0};
+  const mp_step_options opt = options_of(h, nullptr, nullptr, nullptr);
   set_context("three zero-size params and one of 10");
   CHECK(mp_step_multi_cuda(ts.data(), 4, &opt, nullptr) == MP_OK, "status");
   CHECK(st[0] == 1.0f && st[1] == 6.0f && st[2] == 16777216.0f, "steps %g %g %g",
@@ -564,8 +552,7 @@ EMU_TEST(adam_bad_arguments) {
   Param p = make_param(r, {MP_BF16, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   Param q = make_param(r, {MP_F32, MP_F32, 20, 0, 0, 0, 1.0f}, false);
   const std::vector<uint8_t> before = p.param.snapshot();
-  const mp_step_options good = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr,
-                                     nullptr, 0};
+  const mp_step_options good = options_of(default_hyper(), nullptr, nullptr, nullptr);
   struct Case {
     const char* what;
     void (*edit)(mp_step_tensor&, mp_step_options&);
@@ -633,7 +620,7 @@ EMU_TEST(adam_bad_arguments) {
 // A failed launch, main or step: MP_ERR_CUDA, nothing launched after it, no step count advanced
 // by a launch that failed or never ran, the error left pending.
 EMU_TEST(adam_launch_failure) {
-  const mp_step_options o = {0.9, 0.999, 1e-8, 0.0, 0, 0, nullptr, 1e-3f, nullptr, nullptr, 0};
+  const mp_step_options o = options_of(default_hyper(), nullptr, nullptr, nullptr);
   {
     Caps caps(1, 0);  // one block per main launch: two, then the step launch
     Rng r(800);
@@ -807,174 +794,6 @@ mp_step_options lean_adamw(const float* inv) {
   return o;
 }
 
-}  // namespace
-
-EMU_TEST(adam_lean_storage_matches_the_core) {
-  Rng r(900);
-  std::vector<Lean> cpu;
-  uint32_t stream = 0;
-  for (int mom = 0; mom < 4; ++mom) {  // fp32 params (with an ema every other one)
-    const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
-    cpu.push_back(make_lean(r, MP_F32, MP_F32, 0, mom & 1 ? MP_BF16 : MP_F32,
-                            mom & 2 ? MP_BF16 : MP_F32, n, stream++));
-  }
-  for (int pd : {MP_BF16, MP_F16}) {
-    for (int gd : {pd, static_cast<int>(MP_F32)}) {
-      for (int storage : {1, 2, 3}) {
-        if (storage == 2 && pd != MP_BF16) continue;
-        for (int mom = 0; mom < 4; ++mom) {
-          const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
-          cpu.push_back(make_lean(r, pd, gd, storage, mom & 1 ? MP_BF16 : MP_F32,
-                                  mom & 2 ? MP_BF16 : MP_F32, n, stream++));
-        }
-      }
-    }
-  }
-  for (int variant = 0; variant < 4; ++variant) {  // sr_params x moments_nearest
-    std::vector<Lean> gpu = cpu;
-    std::vector<mp_step_tensor> tc, tg;
-    for (Lean& l : cpu) tc.push_back(lean_tensor(l));
-    for (Lean& l : gpu) tg.push_back(lean_tensor(l));
-    const float inv = 0.25f;
-    mp_step_options o = lean_adamw(&inv);
-    o.unscale_grads = variant == 1;
-    o.sr_params = variant & 1;
-    o.moments_nearest = variant == 2;
-    o.seed = 0xABCDEFull * (variant + 1);
-    o.ema_decay = variant & 2 ? 0.999 : 0.25;  // both of lerp's forms
-    set_context("sr_params %d moments_nearest %d", o.sr_params, o.moments_nearest);
-    step_core_and_cuda(tc, tg, o, 3, 5);  // chunk and launch splits
-    for (size_t k = 0; k < cpu.size(); ++k) {
-      const Lean& a = cpu[k];
-      CHECK(same_lean(a, gpu[k]), "param %zu (dtype %d grad %d storage %d moments %d/%d n %lld) "
-            "differs", k, a.pdtype, a.gdtype, a.storage, a.md, a.vd,
-            static_cast<long long>(a.n));
-    }
-    cpu = gpu;  // the next variant starts from this state (same on both sides)
-  }
-}
-
-// Gradient release steps an optimizer's params in buckets, one launch per bucket in autograd's
-// order (the last params first), each tensor keeping its own stream: the buckets' launches on the
-// "device" equal the core stepping the whole list in one step, bit for bit. Once a backward found
-// an inf/NaN, its later buckets are launched with found_inf set: they change nothing.
-EMU_TEST(adam_buckets_match_one_step_of_the_list) {
-  Rng r(901);
-  std::vector<Lean> cpu;
-  uint32_t stream = 0;
-  for (int storage : {1, 2, 3}) {
-    for (int mom = 0; mom < 4; ++mom) {
-      const int64_t n = 61 + 7 * stream;
-      cpu.push_back(make_lean(r, MP_BF16, MP_BF16, storage, mom & 1 ? MP_BF16 : MP_F32,
-                              mom & 2 ? MP_BF16 : MP_F32, n, stream++));
-    }
-  }
-  const std::vector<Lean> before = cpu;
-  std::vector<Lean> gpu = cpu, poisoned = cpu;
-  std::vector<mp_step_tensor> tc, tg, tp;
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    tc.push_back(lean_tensor(cpu[k]));
-    tg.push_back(lean_tensor(gpu[k]));
-    tp.push_back(lean_tensor(poisoned[k]));
-  }
-  Buf inv(4, 0), found(4, 0);
-  *inv.f32() = 0.5f;
-  *found.f32() = 1.0f;
-  mp_step_options o = lean_adamw(inv.f32());
-  o.sr_params = 1;
-  o.seed = 0x5EEDull;
-  step_core(tc, o);
-  mp_step_options skip = o;
-  skip.found_inf = found.f32();
-  for (int64_t end = static_cast<int64_t>(tg.size()); end > 0; end -= 5) {  // buckets of 5
-    const int64_t start = end >= 5 ? end - 5 : 0;
-    CHECK(mp_step_multi_cuda(&tg[start], end - start, &o, nullptr) == MP_OK, "cuda status");
-    CHECK(mp_step_multi_cuda(&tp[start], end - start, &skip, nullptr) == MP_OK,
-          "cuda status, skipped bucket");
-  }
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    CHECK(same_lean(cpu[k], gpu[k]), "param %zu (storage %d moments %d/%d): its bucket's launch "
-          "differs from the whole list's step", k, cpu[k].storage, cpu[k].md, cpu[k].vd);
-    CHECK(same_lean(before[k], poisoned[k]), "param %zu: a bucket launched with found_inf set "
-          "changed it", k);
-  }
-}
-
-// The tie rule on the lean path (adam_bf16_master_tie_rule's data): remainders with fp32 or bf16
-// moments, and masters with bf16 moments or an ema, bf16 and fp32 grads.
-EMU_TEST(adam_lean_bf16_master_tie_rule) {
-  struct Case {
-    int gd, storage, md, vd;
-    uint32_t stream;  // even: with an ema
-  };
-  const Case cases[] = {{MP_BF16, 2, MP_F32, MP_F32, 1},   {MP_F32, 2, MP_BF16, MP_BF16, 2},
-                        {MP_BF16, 2, MP_F32, MP_BF16, 3},  {MP_BF16, 1, MP_BF16, MP_BF16, 5},
-                        {MP_F32, 1, MP_F32, MP_BF16, 4},   {MP_BF16, 1, MP_F32, MP_F32, 6}};
-  Rng r(960);
-  std::vector<Lean> cpu;
-  std::vector<std::vector<uint32_t>> x0s;
-  for (const Case& c : cases) {
-    const int64_t n = 43;
-    Lean l = make_lean(r, MP_BF16, c.gd, c.storage, c.md, c.vd, n, c.stream);
-    std::vector<uint32_t> x0(n);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t x = tie_master_bits(r, i);
-      x0[i] = x;
-      l.param[i] = mp_bf16_rne_bits(x);
-      if (c.storage == 1) l.master[i] = f32_of(x);
-      if (c.storage == 2) {
-        l.rem[i] = static_cast<int16_t>(mp_bf16_remainder(x, l.param[i]));
-        CHECK(mp_bf16_join(l.param[i], static_cast<uint16_t>(l.rem[i])) == x, "remainder of %08x",
-              x);
-      }
-      const float g = tie_grad(r, c.gd);
-      if (c.gd == MP_F32) {
-        memcpy(&l.grad[2 * i], &g, 4);
-      } else {
-        l.grad[i] = static_cast<uint16_t>(bits_of(g) >> 16);
-      }
-    }
-    for (float& m : l.m32) m = 0.0f;
-    for (uint16_t& m : l.m16) m = 0;
-    for (float& v : l.v32) v = 0.0f;
-    for (uint16_t& v : l.v16) v = 0;
-    l.step = 0.0f;
-    cpu.push_back(l);
-    x0s.push_back(x0);
-  }
-  std::vector<Lean> gpu = cpu;
-  std::vector<mp_step_tensor> tc, tg;
-  for (Lean& l : cpu) tc.push_back(lean_tensor(l));
-  for (Lean& l : gpu) tg.push_back(lean_tensor(l));
-  mp_step_options o = tie_options();
-  o.seed = 0x5EEDull;
-  set_context("masters landing on bf16 ties, lean path");
-  for (size_t k = 0; k < tc.size(); ++k) {
-    CHECK(mp_step(&tc[k], 0, tc[k].n, &o) == MP_OK, "core status");
-  }
-  CHECK(mp_step_advance_steps(tc.data(), static_cast<int64_t>(tc.size()), &o) == MP_OK,
-        "core steps");
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    const Lean& l = cpu[k];
-    std::vector<uint32_t> x(l.n);
-    for (int64_t i = 0; i < l.n; ++i) {
-      x[i] = l.storage == 1 ? bits_of(l.master[i])
-                            : mp_bf16_join(l.param[i], static_cast<uint16_t>(l.rem[i]));
-    }
-    const int64_t missed = tie_misses(x0s[k].data(), x.data(), l.n);
-    CHECK(missed == 0, "core, case %zu: %lld masters are not the lowered ties (or the one-ulp "
-          "controls)", k, static_cast<long long>(missed));
-  }
-  CHECK(mp_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
-            MP_OK, "cuda status");
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    const Lean& a = cpu[k];
-    CHECK(same_lean(a, gpu[k]), "case %zu (grad %d storage %d moments %d/%d) differs", k, a.gdtype,
-          a.storage, a.md, a.vd);
-  }
-}
-namespace {
-
 // 8-bit moments (adam.h): int8/uint8 codes with a float32 scale per block. Each param's arrays
 // sit `mis` elements into their buffers, so some chunks take the 8-element accesses and others
 // one element at a time; sizes span chunks, end inside a block and inside a pass.
@@ -1084,9 +903,10 @@ bool same_q8(const Q8& a, const Q8& b) {
 }
 
 // The 8-bit tests' params for one block size: every param dtype with each storage it takes,
-// its grads in its own dtype (and in fp32 too where fp32_grads), sizes across a chunk and a
-// block, every third one misaligned.
-std::vector<Q8> q8_params(Rng& r, int64_t block, bool fp32_grads) {
+// its grads in its own dtype (and in fp32 too where fp32_grads), the sizes in turn (the first
+// first_n where not 0), every third one misaligned.
+std::vector<Q8> q8_params(Rng& r, int64_t block, bool fp32_grads,
+                          const std::vector<int64_t>& sizes, int64_t first_n = 0) {
   std::vector<Q8> out;
   uint32_t stream = 0;
   for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16), static_cast<int>(MP_F16)}) {
@@ -1094,8 +914,7 @@ std::vector<Q8> q8_params(Rng& r, int64_t block, bool fp32_grads) {
       const int gd = gi == 0 ? pd : static_cast<int>(MP_F32);
       for (int storage : {0, 1, 2, 3}) {
         if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
-        const int64_t sizes[] = {kChunk + 2048 + 77, 3 * block + 5, 2048, 1};
-        const int64_t n = sizes[stream % 4];
+        const int64_t n = stream == 0 && first_n ? first_n : sizes[stream % sizes.size()];
         out.push_back(make_q8(r, pd, gd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
         ++stream;
       }
@@ -1103,90 +922,6 @@ std::vector<Q8> q8_params(Rng& r, int64_t block, bool fp32_grads) {
   }
   return out;
 }
-
-// After a step on the core (cpu) and the emulated kernel (gpu): the same bits in every param.
-void check_same_q8(std::vector<Q8>& cpu, std::vector<Q8>& gpu, const std::vector<Q8View>& vc,
-                   const std::vector<Q8View>& vg) {
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    q8_unpack(cpu[k], vc[k]);
-    q8_unpack(gpu[k], vg[k]);
-    const Q8& a = cpu[k];
-    CHECK(same_q8(a, gpu[k]), "param %zu (dtype %d grad %d storage %d n %lld mis %lld) differs",
-          k, a.pdtype, a.gdtype, a.storage, static_cast<long long>(a.n),
-          static_cast<long long>(a.mis));
-  }
-}
-
-}  // namespace
-
-EMU_TEST(adam_q8_matches_the_core) {
-  Rng r(1600);
-  for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{512}, int64_t{2048}}) {
-    std::vector<Q8> cpu = q8_params(r, block, true);
-    for (int variant = 0; variant < 3; ++variant) {
-      std::vector<Q8> gpu = cpu;
-      std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
-      std::vector<mp_step_tensor> tc, tg;
-      for (size_t k = 0; k < cpu.size(); ++k) tc.push_back(q8_tensor(cpu[k], vc[k]));
-      for (size_t k = 0; k < gpu.size(); ++k) tg.push_back(q8_tensor(gpu[k], vg[k]));
-      const float inv = 0.5f;
-      mp_step_options o{};
-      o.beta1 = 0.9;
-      o.beta2 = 0.99;
-      o.eps = 1e-8;
-      o.weight_decay = 0.01;
-      o.decoupled = variant != 1;
-      o.lr_value = 1e-2f;
-      o.inv_scale = &inv;
-      o.unscale_grads = variant == 1;
-      o.sr_params = variant != 2;
-      o.moments_nearest = variant == 2;
-      o.seed = 0x5EEDull + static_cast<uint64_t>(variant);
-      o.q8_block = block;
-      o.ema_decay = variant == 1 ? 0.25 : 0.999;  // both of lerp's forms
-      set_context("block %lld variant %d", static_cast<long long>(block), variant);
-      step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
-      check_same_q8(cpu, gpu, vc, vg);
-      cpu = gpu;
-    }
-  }
-}
-
-// A skipped step writes no code and no scale; a bad block size launches nothing.
-EMU_TEST(adam_q8_skip_and_arguments) {
-  Rng r(1700);
-  Q8 q = make_q8(r, MP_BF16, MP_BF16, 2, 5000, 256, 0, 3);
-  Q8View v;
-  mp_step_tensor t = q8_tensor(q, v);
-  const Q8 before = q;
-  const float one = 1.0f;
-  mp_step_options o{};
-  o.beta1 = 0.9;
-  o.beta2 = 0.999;
-  o.lr_value = 1e-3f;
-  o.found_inf = &one;
-  o.q8_block = 256;
-  CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_OK, "status");
-  q8_unpack(q, v);
-  CHECK(same_q8(q, before), "a skipped step wrote something");
-  o.found_inf = nullptr;
-  for (int64_t bad : {int64_t{0}, int64_t{16}, int64_t{96}, int64_t{4096}}) {
-    o.q8_block = bad;
-    const int64_t l0 = mp_emu::launch_count();
-    CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
-              mp_emu::launch_count() == l0, "block %lld not refused", static_cast<long long>(bad));
-  }
-  q8_unpack(q, v);
-  CHECK(same_q8(q, before), "a refused call wrote something");
-}
-
-// ---- Lion and SGD: the rule template of cuda/step.cu ----
-// Every storage (fp32 param, master, remainder, none to nearest or stochastic) and moment format
-// (fp32, bf16 stochastic or nearest, the signed 8-bit code alone) of the lean and 8-bit paths,
-// for each rule (SGD also without momentum: no moment at all), with offsets that put some
-// tensors across the 2^32 boundary of the positions, across chunk and launch splits; CUDA
-// against the core, every array bit for bit.
-namespace {
 
 struct RuleCase {
   const char* name;
@@ -1234,119 +969,13 @@ int64_t offset_of(uint32_t stream, int64_t align) {
   return offs[stream % 3];
 }
 
-}  // namespace
-
-EMU_TEST(rules_lean_storage_match_the_core) {
-  for (const RuleCase& c : kRuleCases) {
-    Rng r(2000 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
-    const int nmom =
-        c.rule == MP_RULE_MUON_UPDATE ? 0 : c.rule == MP_RULE_LION || c.b1 != 0.0 ? 1 : 0;
-    std::vector<Lean> cpu;
-    std::vector<int64_t> offsets;
-    uint32_t stream = 0;
-    auto add = [&](int pd, int gd, int storage, int md) {
-      const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
-      Lean l = make_lean(r, pd, gd, storage, md, MP_F32, n, stream);
-      if (stream % 4 == 1) l.step = 0.0f;  // SGD's first step: the buffer takes the gradient
-      cpu.push_back(l);
-      offsets.push_back(offset_of(stream, 1));
-      ++stream;
-    };
-    for (int md : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16)}) {
-      add(MP_F32, MP_F32, 0, md);
-      for (int pd : {MP_BF16, MP_F16}) {
-        for (int gd : {pd, static_cast<int>(MP_F32)}) {
-          for (int storage : {1, 2, 3}) {
-            if (storage == 2 && pd != MP_BF16) continue;
-            add(pd, gd, storage, md);
-          }
-        }
-      }
-    }
-    for (int variant = 0; variant < 4; ++variant) {
-      std::vector<Lean> gpu = cpu;
-      std::vector<mp_step_tensor> tc, tg;
-      for (size_t k = 0; k < cpu.size(); ++k) {
-        for (auto* side : {&tc, &tg}) {
-          mp_step_tensor t = lean_tensor(side == &tc ? cpu[k] : gpu[k]);
-          t.exp_avg_sq = nullptr;
-          if (nmom == 0) t.exp_avg = nullptr;
-          t.offset = offsets[k];
-          side->push_back(t);
-        }
-      }
-      const float inv = 0.25f;
-      const mp_step_options o = rule_options(c, variant, &inv);
-      set_context("%s variant %d", c.name, variant);
-      step_core_and_cuda(tc, tg, o, 3, 5);  // chunk and launch splits
-      for (size_t k = 0; k < cpu.size(); ++k) {
-        const Lean& a = cpu[k];
-        CHECK(same_lean(a, gpu[k]), "param %zu (dtype %d grad %d storage %d moment %d n %lld "
-              "offset %lld) differs", k, a.pdtype, a.gdtype, a.storage, a.md,
-              static_cast<long long>(a.n), static_cast<long long>(offsets[k]));
-      }
-      cpu = gpu;
-    }
-  }
+// The moments a rule case keeps: Adam two, Lion one, SGD one with momentum, Muon's first phase
+// one, its update phase none.
+int moments_of(const RuleCase& c) {
+  if (c.rule == MP_RULE_ADAM) return 2;
+  if (c.rule == MP_RULE_MUON_UPDATE) return 0;
+  return c.rule == MP_RULE_LION || c.b1 != 0.0 ? 1 : 0;
 }
-
-EMU_TEST(rules_q8_match_the_core) {
-  for (const RuleCase& c : kRuleCases) {
-    if ((c.rule == MP_RULE_SGD && c.b1 == 0.0) || c.rule == MP_RULE_MUON_UPDATE)
-      continue;  // no moment to code
-    Rng r(2600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
-    for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{2048}}) {
-      std::vector<Q8> cpu = q8_params(r, block, false);
-      for (int variant = 0; variant < 3; ++variant) {
-        std::vector<Q8> gpu = cpu;
-        std::vector<Q8View> vc(cpu.size()), vg(gpu.size());
-        std::vector<mp_step_tensor> tc, tg;
-        for (size_t k = 0; k < cpu.size(); ++k) {
-          for (int side = 0; side < 2; ++side) {
-            mp_step_tensor t = side == 0 ? q8_tensor(cpu[k], vc[k]) : q8_tensor(gpu[k], vg[k]);
-            t.exp_avg_sq = nullptr;
-            t.exp_avg_sq_scale = nullptr;
-            t.offset = offset_of(static_cast<uint32_t>(k), block);
-            (side == 0 ? tc : tg).push_back(t);
-          }
-        }
-        const float inv = 0.5f;
-        mp_step_options o = rule_options(c, variant, &inv);
-        o.q8_block = block;
-        set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
-        step_core_and_cuda(tc, tg, o, 2, 4);  // chunk and launch splits
-        check_same_q8(cpu, gpu, vc, vg);
-        cpu = gpu;
-      }
-    }
-  }
-}
-
-// An offset off the block grid with 8-bit moments is refused, launching nothing.
-EMU_TEST(rules_q8_unaligned_offset_refused) {
-  Rng r(2700);
-  Q8 q = make_q8(r, MP_F32, MP_F32, 0, 1000, 256, 0, 1);
-  Q8View v;
-  mp_step_tensor t = q8_tensor(q, v);
-  t.exp_avg_sq = nullptr;
-  t.exp_avg_sq_scale = nullptr;
-  t.offset = 100;
-  const float inv = 1.0f;
-  mp_step_options o = rule_options(kRuleCases[0], 0, &inv);
-  o.q8_block = 256;
-  const int64_t l0 = mp_emu::launch_count();
-  CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
-            mp_emu::launch_count() == l0, "an unaligned offset was not refused");
-  CHECK(mp_step(&t, 0, t.n, &o) == MP_ERR_INVALID_ARGUMENT, "the core took it");
-}
-
-// ---- telemetry: the counting kernel (mp_step_multi_stats_cuda) ----
-// Every rule x storage x moment format of the lean and 8-bit cases above, stepped three ways
-// from the same state: the core's counted step (mp_step_stats), the uncounted kernel and the
-// counting kernel. The counting kernel's arrays equal both others' bit for bit (counting changes
-// nothing), and its rows equal the core's: the whole-number columns exactly, the sums of errors
-// to within the rounding of a sum of n non-negative terms added in another order.
-namespace {
 
 constexpr int kSumCols[] = {MP_STS_M_ERR, MP_STS_M_ABS,   MP_STS_V_ERR,
                             MP_STS_V_ABS, MP_STS_EMA_LAG, MP_STS_EMA_ABS};
@@ -1414,8 +1043,6 @@ void compare_row(const double* want, const double* got, size_t k) {
   }
 }
 
-}  // namespace
-
 // One case per rule and moment count (the kernel's counting does not depend on the rule's
 // hyperparameters): adam, lion, sgd with and without momentum, muon's two phases.
 std::vector<RuleCase> stats_rule_cases(double adam_beta2) {
@@ -1428,148 +1055,429 @@ std::vector<RuleCase> stats_rule_cases(double adam_beta2) {
   return cases;
 }
 
+// ---- one driver for the lean, 8-bit and counting cases ----
+// A param's arrays as the C API takes them: a Lean's are its own (LeanView is empty), a Q8's
+// 16-bit params and grads are copied into a Q8View.
+struct LeanView {};
+mp_step_tensor tensor_of(Lean& l, LeanView&) { return lean_tensor(l); }
+void unpack(Lean&, const LeanView&) {}
+bool same(const Lean& a, const Lean& b) { return same_lean(a, b); }
+void describe(const Lean& a, char* buf, size_t size) {
+  snprintf(buf, size, "dtype %d grad %d storage %d moments %d/%d n %lld", a.pdtype, a.gdtype,
+           a.storage, a.md, a.vd, static_cast<long long>(a.n));
+}
+mp_step_tensor tensor_of(Q8& q, Q8View& v) { return q8_tensor(q, v); }
+void unpack(Q8& q, const Q8View& v) { q8_unpack(q, v); }
+bool same(const Q8& a, const Q8& b) { return same_q8(a, b); }
+void describe(const Q8& a, char* buf, size_t size) {
+  snprintf(buf, size, "dtype %d grad %d storage %d n %lld mis %lld", a.pdtype, a.gdtype,
+           a.storage, static_cast<long long>(a.n), static_cast<long long>(a.mis));
+}
+
+using Edit = std::function<void(mp_step_tensor&, size_t)>;
+
+// The tensors of the rule tests: moments past the rule's count left out, tensor k at
+// offset_of(k, align).
+Edit rule_edit(int nmom, int64_t align) {
+  return [nmom, align](mp_step_tensor& t, size_t k) {
+    if (nmom < 2) {
+      t.exp_avg_sq = nullptr;
+      t.exp_avg_sq_scale = nullptr;
+    }
+    if (nmom < 1) t.exp_avg = nullptr;
+    t.offset = offset_of(static_cast<uint32_t>(k), align);
+  };
+}
+
+// One step of cpu's params (edited by edit) on the core and on the "device" with the caps that
+// force chunk and launch splits: every array bit for bit. With seen, also the counting kernel
+// and the core's counted step, from rows that start at start_rows(rows_seed): the arrays of all
+// three equal, the rows as compare_row says. cpu becomes the state after the step.
+template <class P, class V>
+void step_and_compare(std::vector<P>& cpu, const mp_step_options& o, int chunks, int pieces,
+                      const Edit& edit, Seen* seen = nullptr, uint64_t rows_seed = 0) {
+  const size_t n = cpu.size();
+  std::vector<P> plain = cpu, counted = cpu;
+  std::vector<V> vc(n), vp(n), vq(n);
+  std::vector<mp_step_tensor> tc, tp, tq;
+  for (size_t k = 0; k < n; ++k) {
+    tc.push_back(tensor_of(cpu[k], vc[k]));
+    tp.push_back(tensor_of(plain[k], vp[k]));
+    tq.push_back(tensor_of(counted[k], vq[k]));
+    if (edit) {
+      for (mp_step_tensor* t : {&tc[k], &tp[k], &tq[k]}) edit(*t, k);
+    }
+  }
+  std::vector<double> start, want, got;
+  if (seen) {
+    start = want = got = start_rows(n, rows_seed);
+    stats_core(tc, o, want.data());
+    stats_cuda(tp, tq, o, got.data(), chunks, pieces);
+  } else {
+    step_core_and_cuda(tc, tp, o, chunks, pieces);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    unpack(cpu[k], vc[k]);
+    unpack(plain[k], vp[k]);
+    unpack(counted[k], vq[k]);
+    const bool uncounted_ok = same(cpu[k], plain[k]);
+    const bool counted_ok = !seen || same(cpu[k], counted[k]);
+    char what[128];
+    describe(cpu[k], what, sizeof what);
+    CHECK(uncounted_ok && counted_ok, "param %zu (%s) differs: uncounted %d counted %d", k, what,
+          !uncounted_ok, !counted_ok);
+    if (seen) compare_row(&want[k * MP_STS_NCOLS], &got[k * MP_STS_NCOLS], k);
+  }
+  if (seen) seen->add(got, start);
+  cpu = seen ? counted : plain;
+}
+
+// The rule tests' lean params: for each of `combos` moment formats (bit 0: a bf16 exp_avg,
+// bit 1: a bf16 exp_avg_sq), an fp32 param and every 16-bit param x grad dtype x storage; every
+// big_every-th spans chunks, every fourth takes its first step (the ema copies, SGD's buffer
+// takes the gradient).
+std::vector<Lean> lean_rule_params(Rng& r, int combos, uint32_t big_every) {
+  std::vector<Lean> out;
+  uint32_t stream = 0;
+  auto add = [&](int pd, int gd, int storage, int md, int vd) {
+    const int64_t n = (stream % big_every == 0) ? kChunk + 37 : 61 + stream;
+    Lean l = make_lean(r, pd, gd, storage, md, vd, n, stream);
+    if (stream % 4 == 1) l.step = 0.0f;
+    out.push_back(l);
+    ++stream;
+  };
+  for (int mom = 0; mom < combos; ++mom) {
+    const int md = mom & 1 ? MP_BF16 : MP_F32, vd = mom & 2 ? MP_BF16 : MP_F32;
+    add(MP_F32, MP_F32, 0, md, vd);
+    for (int pd : {MP_BF16, MP_F16}) {
+      for (int gd : {pd, static_cast<int>(MP_F32)}) {
+        for (int storage : {1, 2, 3}) {
+          if (storage == 2 && pd != MP_BF16) continue;
+          add(pd, gd, storage, md, vd);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Every column the counting exercised (a test that counts nothing shows nothing).
+void check_columns_seen(const Seen& seen, std::initializer_list<int> cols) {
+  for (int j : cols) CHECK(seen.col[j] > 0.0, "column %d never counted", j);
+}
+
+}  // namespace
+
+EMU_TEST(adam_lean_storage_matches_the_core) {
+  Rng r(900);
+  std::vector<Lean> cpu;
+  uint32_t stream = 0;
+  auto add_moments = [&](int pd, int gd, int storage) {  // each with every moment format
+    for (int mom = 0; mom < 4; ++mom) {
+      const int64_t n = (stream % 3 == 0) ? kChunk + 37 : 61 + stream;
+      cpu.push_back(make_lean(r, pd, gd, storage, mom & 1 ? MP_BF16 : MP_F32,
+                              mom & 2 ? MP_BF16 : MP_F32, n, stream++));
+    }
+  };
+  add_moments(MP_F32, MP_F32, 0);  // fp32 params (with an ema every other one)
+  for (int pd : {MP_BF16, MP_F16}) {
+    for (int gd : {pd, static_cast<int>(MP_F32)}) {
+      for (int storage : {1, 2, 3}) {
+        if (storage != 2 || pd == MP_BF16) add_moments(pd, gd, storage);
+      }
+    }
+  }
+  for (int variant = 0; variant < 4; ++variant) {  // sr_params x moments_nearest
+    const float inv = 0.25f;
+    mp_step_options o = lean_adamw(&inv);
+    o.unscale_grads = variant == 1;
+    o.sr_params = variant & 1;
+    o.moments_nearest = variant == 2;
+    o.seed = 0xABCDEFull * (variant + 1);
+    o.ema_decay = variant & 2 ? 0.999 : 0.25;  // both of lerp's forms
+    set_context("sr_params %d moments_nearest %d", o.sr_params, o.moments_nearest);
+    // each variant starts from the last one's state (the same on both sides)
+    step_and_compare<Lean, LeanView>(cpu, o, 3, 5, nullptr);  // chunk and launch splits
+  }
+}
+
+// Gradient release steps an optimizer's params in buckets, one launch per bucket in autograd's
+// order (the last params first), each tensor keeping its own stream: the buckets' launches on the
+// "device" equal the core stepping the whole list in one step, bit for bit. Once a backward found
+// an inf/NaN, its later buckets are launched with found_inf set: they change nothing.
+EMU_TEST(adam_buckets_match_one_step_of_the_list) {
+  Rng r(901);
+  std::vector<Lean> cpu;
+  uint32_t stream = 0;
+  for (int storage : {1, 2, 3}) {
+    for (int mom = 0; mom < 4; ++mom) {
+      const int64_t n = 61 + 7 * stream;
+      cpu.push_back(make_lean(r, MP_BF16, MP_BF16, storage, mom & 1 ? MP_BF16 : MP_F32,
+                              mom & 2 ? MP_BF16 : MP_F32, n, stream++));
+    }
+  }
+  const std::vector<Lean> before = cpu;
+  std::vector<Lean> gpu = cpu, poisoned = cpu;
+  std::vector<mp_step_tensor> tc, tg, tp;
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    tc.push_back(lean_tensor(cpu[k]));
+    tg.push_back(lean_tensor(gpu[k]));
+    tp.push_back(lean_tensor(poisoned[k]));
+  }
+  Buf inv(4, 0), found(4, 0);
+  *inv.f32() = 0.5f;
+  *found.f32() = 1.0f;
+  mp_step_options o = lean_adamw(inv.f32());
+  o.sr_params = 1;
+  o.seed = 0x5EEDull;
+  step_core(tc, o);
+  mp_step_options skip = o;
+  skip.found_inf = found.f32();
+  for (int64_t end = static_cast<int64_t>(tg.size()); end > 0; end -= 5) {  // buckets of 5
+    const int64_t start = end >= 5 ? end - 5 : 0;
+    CHECK(mp_step_multi_cuda(&tg[start], end - start, &o, nullptr) == MP_OK, "cuda status");
+    CHECK(mp_step_multi_cuda(&tp[start], end - start, &skip, nullptr) == MP_OK,
+          "cuda status, skipped bucket");
+  }
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    CHECK(same_lean(cpu[k], gpu[k]), "param %zu (storage %d moments %d/%d): its bucket's launch "
+          "differs from the whole list's step", k, cpu[k].storage, cpu[k].md, cpu[k].vd);
+    CHECK(same_lean(before[k], poisoned[k]), "param %zu: a bucket launched with found_inf set "
+          "changed it", k);
+  }
+}
+
+// The tie rule on the lean path (adam_bf16_master_tie_rule's data): remainders with fp32 or bf16
+// moments, and masters with bf16 moments or an ema, bf16 and fp32 grads.
+EMU_TEST(adam_lean_bf16_master_tie_rule) {
+  struct Case {
+    int gd, storage, md, vd;
+    uint32_t stream;  // even: with an ema
+  };
+  const Case cases[] = {{MP_BF16, 2, MP_F32, MP_F32, 1},   {MP_F32, 2, MP_BF16, MP_BF16, 2},
+                        {MP_BF16, 2, MP_F32, MP_BF16, 3},  {MP_BF16, 1, MP_BF16, MP_BF16, 5},
+                        {MP_F32, 1, MP_F32, MP_BF16, 4},   {MP_BF16, 1, MP_F32, MP_F32, 6}};
+  Rng r(960);
+  std::vector<Lean> cpu;
+  std::vector<std::vector<uint32_t>> x0s;
+  for (const Case& c : cases) {
+    const int64_t n = 43;
+    Lean l = make_lean(r, MP_BF16, c.gd, c.storage, c.md, c.vd, n, c.stream);
+    std::vector<uint32_t> x0(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t x = tie_master_bits(r, i);
+      x0[i] = x;
+      l.param[i] = mp_bf16_rne_bits(x);
+      if (c.storage == 1) l.master[i] = f32_of(x);
+      if (c.storage == 2) {
+        l.rem[i] = static_cast<int16_t>(mp_bf16_remainder(x, l.param[i]));
+        CHECK(mp_bf16_join(l.param[i], static_cast<uint16_t>(l.rem[i])) == x, "remainder of %08x",
+              x);
+      }
+      const float g = tie_grad(r, c.gd);
+      if (c.gd == MP_F32) {
+        memcpy(&l.grad[2 * i], &g, 4);
+      } else {
+        l.grad[i] = static_cast<uint16_t>(bits_of(g) >> 16);
+      }
+    }
+    for (float& m : l.m32) m = 0.0f;
+    for (uint16_t& m : l.m16) m = 0;
+    for (float& v : l.v32) v = 0.0f;
+    for (uint16_t& v : l.v16) v = 0;
+    l.step = 0.0f;
+    cpu.push_back(l);
+    x0s.push_back(x0);
+  }
+  std::vector<Lean> gpu = cpu;
+  std::vector<mp_step_tensor> tc, tg;
+  for (Lean& l : cpu) tc.push_back(lean_tensor(l));
+  for (Lean& l : gpu) tg.push_back(lean_tensor(l));
+  mp_step_options o = tie_options();
+  o.seed = 0x5EEDull;
+  set_context("masters landing on bf16 ties, lean path");
+  step_core(tc, o);
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const Lean& l = cpu[k];
+    std::vector<uint32_t> x(l.n);
+    for (int64_t i = 0; i < l.n; ++i) {
+      x[i] = l.storage == 1 ? bits_of(l.master[i])
+                            : mp_bf16_join(l.param[i], static_cast<uint16_t>(l.rem[i]));
+    }
+    const int64_t missed = tie_misses(x0s[k].data(), x.data(), l.n);
+    CHECK(missed == 0, "core, case %zu: %lld masters are not the lowered ties (or the one-ulp "
+          "controls)", k, static_cast<long long>(missed));
+  }
+  CHECK(mp_step_multi_cuda(tg.data(), static_cast<int64_t>(tg.size()), &o, nullptr) ==
+            MP_OK, "cuda status");
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const Lean& a = cpu[k];
+    CHECK(same_lean(a, gpu[k]), "case %zu (grad %d storage %d moments %d/%d) differs", k, a.gdtype,
+          a.storage, a.md, a.vd);
+  }
+}
+EMU_TEST(adam_q8_matches_the_core) {
+  Rng r(1600);
+  for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{512}, int64_t{2048}}) {
+    std::vector<Q8> cpu = q8_params(r, block, true, {kChunk + 2048 + 77, 3 * block + 5, 2048, 1});
+    for (int variant = 0; variant < 3; ++variant) {
+      const float inv = 0.5f;
+      mp_step_options o{};
+      o.beta1 = 0.9;
+      o.beta2 = 0.99;
+      o.eps = 1e-8;
+      o.weight_decay = 0.01;
+      o.decoupled = variant != 1;
+      o.lr_value = 1e-2f;
+      o.inv_scale = &inv;
+      o.unscale_grads = variant == 1;
+      o.sr_params = variant != 2;
+      o.moments_nearest = variant == 2;
+      o.seed = 0x5EEDull + static_cast<uint64_t>(variant);
+      o.q8_block = block;
+      o.ema_decay = variant == 1 ? 0.25 : 0.999;  // both of lerp's forms
+      set_context("block %lld variant %d", static_cast<long long>(block), variant);
+      step_and_compare<Q8, Q8View>(cpu, o, 2, 4, nullptr);  // chunk and launch splits
+    }
+  }
+}
+
+// A skipped step writes no code and no scale; a bad block size launches nothing.
+EMU_TEST(adam_q8_skip_and_arguments) {
+  Rng r(1700);
+  Q8 q = make_q8(r, MP_BF16, MP_BF16, 2, 5000, 256, 0, 3);
+  Q8View v;
+  mp_step_tensor t = q8_tensor(q, v);
+  const Q8 before = q;
+  const float one = 1.0f;
+  mp_step_options o{};
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.lr_value = 1e-3f;
+  o.found_inf = &one;
+  o.q8_block = 256;
+  CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_OK, "status");
+  q8_unpack(q, v);
+  CHECK(same_q8(q, before), "a skipped step wrote something");
+  o.found_inf = nullptr;
+  for (int64_t bad : {int64_t{0}, int64_t{16}, int64_t{96}, int64_t{4096}}) {
+    o.q8_block = bad;
+    const int64_t l0 = mp_emu::launch_count();
+    CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+              mp_emu::launch_count() == l0, "block %lld not refused", static_cast<long long>(bad));
+  }
+  q8_unpack(q, v);
+  CHECK(same_q8(q, before), "a refused call wrote something");
+}
+
+// ---- Lion and SGD: the rule template of cuda/step.cu ----
+// Every storage (fp32 param, master, remainder, none to nearest or stochastic) and moment format
+// (fp32, bf16 stochastic or nearest, the signed 8-bit code alone) of the lean and 8-bit paths,
+// for each rule (SGD also without momentum: no moment at all), with offsets that put some
+// tensors across the 2^32 boundary of the positions, across chunk and launch splits; CUDA
+// against the core, every array bit for bit.
+EMU_TEST(rules_lean_storage_match_the_core) {
+  for (const RuleCase& c : kRuleCases) {
+    Rng r(2000 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
+    std::vector<Lean> cpu = lean_rule_params(r, 2, 3);
+    for (int variant = 0; variant < 4; ++variant) {
+      const float inv = 0.25f;
+      const mp_step_options o = rule_options(c, variant, &inv);
+      set_context("%s variant %d", c.name, variant);
+      step_and_compare<Lean, LeanView>(cpu, o, 3, 5, rule_edit(moments_of(c), 1));
+    }
+  }
+}
+
+EMU_TEST(rules_q8_match_the_core) {
+  for (const RuleCase& c : kRuleCases) {
+    if (moments_of(c) == 0) continue;  // no moment to code
+    Rng r(2600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
+    for (int64_t block : {int64_t{32}, int64_t{256}, int64_t{2048}}) {
+      std::vector<Q8> cpu =
+          q8_params(r, block, false, {kChunk + 2048 + 77, 3 * block + 5, 2048, 1});
+      for (int variant = 0; variant < 3; ++variant) {
+        const float inv = 0.5f;
+        mp_step_options o = rule_options(c, variant, &inv);
+        o.q8_block = block;
+        set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
+        step_and_compare<Q8, Q8View>(cpu, o, 2, 4, rule_edit(1, block));
+      }
+    }
+  }
+}
+
+// An offset off the block grid with 8-bit moments is refused, launching nothing.
+EMU_TEST(rules_q8_unaligned_offset_refused) {
+  Rng r(2700);
+  Q8 q = make_q8(r, MP_F32, MP_F32, 0, 1000, 256, 0, 1);
+  Q8View v;
+  mp_step_tensor t = q8_tensor(q, v);
+  t.exp_avg_sq = nullptr;
+  t.exp_avg_sq_scale = nullptr;
+  t.offset = 100;
+  const float inv = 1.0f;
+  mp_step_options o = rule_options(kRuleCases[0], 0, &inv);
+  o.q8_block = 256;
+  const int64_t l0 = mp_emu::launch_count();
+  CHECK(mp_step_multi_cuda(&t, 1, &o, nullptr) == MP_ERR_INVALID_ARGUMENT &&
+            mp_emu::launch_count() == l0, "an unaligned offset was not refused");
+  CHECK(mp_step(&t, 0, t.n, &o) == MP_ERR_INVALID_ARGUMENT, "the core took it");
+}
+
+// ---- telemetry: the counting kernel (mp_step_multi_stats_cuda) ----
+// Every rule x storage x moment format of the lean and 8-bit cases above, stepped three ways
+// from the same state: the core's counted step (mp_step_stats), the uncounted kernel and the
+// counting kernel. The counting kernel's arrays equal both others' bit for bit (counting changes
+// nothing), and its rows equal the core's: the whole-number columns exactly, the sums of errors
+// to within the rounding of a sum of n non-negative terms added in another order.
 EMU_TEST(step_stats_lean_match_the_core) {
   Seen seen;
   for (const RuleCase& c : stats_rule_cases(0.999)) {
     Rng r(4000 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
-    const int nmom = c.rule == MP_RULE_ADAM                                ? 2
-                     : c.rule == MP_RULE_MUON_UPDATE                       ? 0
-                     : c.rule == MP_RULE_LION || c.b1 != 0.0               ? 1
-                                                                           : 0;
-    std::vector<Lean> cpu;
-    std::vector<int64_t> offsets;
-    uint32_t stream = 0;
-    auto add = [&](int pd, int gd, int storage, int md, int vd) {
-      // two params per case span chunks (one fp32, one 16-bit): the splits; the others small
-      const int64_t n = (stream % 11 == 0) ? kChunk + 37 : 61 + stream;
-      Lean l = make_lean(r, pd, gd, storage, md, vd, n, stream);
-      if (stream % 4 == 1) l.step = 0.0f;  // a first step (the ema copies, SGD's buffer)
-      cpu.push_back(l);
-      offsets.push_back(offset_of(stream, 1));
-      ++stream;
-    };
-    for (int mom = 0; mom < (nmom == 2 ? 4 : nmom == 1 ? 2 : 1); ++mom) {
-      const int md = mom & 1 ? MP_BF16 : MP_F32, vd = mom & 2 ? MP_BF16 : MP_F32;
-      add(MP_F32, MP_F32, 0, md, vd);
-      for (int pd : {MP_BF16, MP_F16}) {
-        for (int gd : {pd, static_cast<int>(MP_F32)}) {
-          for (int storage : {1, 2, 3}) {
-            if (storage == 2 && pd != MP_BF16) continue;
-            add(pd, gd, storage, md, vd);
-          }
-        }
-      }
-    }
+    const int nmom = moments_of(c);
+    // two params per case span chunks (one fp32, one 16-bit): the splits; the others small
+    std::vector<Lean> cpu = lean_rule_params(r, nmom == 2 ? 4 : nmom == 1 ? 2 : 1, 11);
     for (int variant = 0; variant < 3; ++variant) {  // RNE; SR + unscale_grads; nearest moments
-      std::vector<Lean> plain = cpu, counted = cpu;
-      std::vector<mp_step_tensor> tc, tp, tq;
-      for (size_t k = 0; k < cpu.size(); ++k) {
-        for (auto* side : {&tc, &tp, &tq}) {
-          mp_step_tensor t = lean_tensor(side == &tc ? cpu[k] : side == &tp ? plain[k]
-                                                                           : counted[k]);
-          if (nmom < 2) t.exp_avg_sq = nullptr;
-          if (nmom < 1) t.exp_avg = nullptr;
-          t.offset = offsets[k];
-          side->push_back(t);
-        }
-      }
       const float inv = 0.25f;
       mp_step_options o = rule_options(c, variant, &inv);
       if (c.rule == MP_RULE_ADAM) o.eps = 1e-8;
       set_context("%s variant %d", c.name, variant);
-      const std::vector<double> start = start_rows(cpu.size(), 77 + variant);
-      std::vector<double> want = start, got = start;
-      stats_core(tc, o, want.data());
-      stats_cuda(tp, tq, o, got.data(), 3, 5);  // chunk and launch splits
-      for (size_t k = 0; k < cpu.size(); ++k) {
-        const Lean& a = cpu[k];
-        CHECK(same_lean(a, plain[k]) && same_lean(a, counted[k]),
-              "param %zu (dtype %d grad %d storage %d moments %d/%d n %lld) differs: uncounted "
-              "%d counted %d", k, a.pdtype, a.gdtype, a.storage, a.md, a.vd,
-              static_cast<long long>(a.n), !same_lean(a, plain[k]), !same_lean(a, counted[k]));
-        compare_row(&want[k * MP_STS_NCOLS], &got[k * MP_STS_NCOLS], k);
-      }
-      seen.add(got, start);
-      cpu = counted;
+      step_and_compare<Lean, LeanView>(cpu, o, 3, 5, rule_edit(nmom, 1), &seen, 77 + variant);
     }
   }
-  // every column of the non-8-bit paths was exercised (a test that counts nothing shows nothing)
-  for (int j : {MP_STS_ELEMS, MP_STS_CHANGED, MP_STS_UNMOVED, MP_STS_SUBHALF, MP_STS_M_ERR,
-                MP_STS_M_ABS, MP_STS_V_ERR, MP_STS_V_ABS, MP_STS_EMA_LAG, MP_STS_EMA_ABS}) {
-    CHECK(seen.col[j] > 0.0, "column %d never counted", j);
-  }
+  check_columns_seen(seen, {MP_STS_ELEMS, MP_STS_CHANGED, MP_STS_UNMOVED, MP_STS_SUBHALF,
+                            MP_STS_M_ERR, MP_STS_M_ABS, MP_STS_V_ERR, MP_STS_V_ABS,
+                            MP_STS_EMA_LAG, MP_STS_EMA_ABS});
 }
 
 EMU_TEST(step_stats_q8_match_the_core) {
   Seen seen;
   for (const RuleCase& c : stats_rule_cases(0.99)) {
-    if ((c.rule == MP_RULE_SGD && c.b1 == 0.0) || c.rule == MP_RULE_MUON_UPDATE) continue;
-    const bool pair = c.rule == MP_RULE_ADAM;
+    const int nmom = moments_of(c);
+    if (nmom == 0) continue;
     Rng r(4600 + static_cast<uint64_t>(c.rule) * 10 + static_cast<uint64_t>(c.b1 * 10));
     // 32: a block within a warp; 512: a block over two warps (the flag through shared memory)
     for (int64_t block : {int64_t{32}, int64_t{512}}) {
-      std::vector<Q8> cpu;
-      uint32_t stream = 0;
-      for (int pd : {static_cast<int>(MP_F32), static_cast<int>(MP_BF16),
-                     static_cast<int>(MP_F16)}) {
-        for (int storage : {0, 1, 2, 3}) {
-          if ((pd == MP_F32) != (storage == 0) || (storage == 2 && pd != MP_BF16)) continue;
-          // adam's first param spans chunks (rows added to by several blocks and launches;
-          // the other rules' counting is the same code), the others end inside a block and a
-          // pass: the emulated 8-bit path is slow (256 fibers a block, barriers per pass)
-          const int64_t sizes[] = {3 * block + 5, 2048, 1};
-          const int64_t n = stream == 0 && pair ? kChunk + 2048 + 77 : sizes[stream % 3];
-          cpu.push_back(make_q8(r, pd, pd, storage, n, block, stream % 3 == 1 ? 1 : 0, stream));
-          ++stream;
-        }
-      }
+      // adam's first param spans chunks (rows added to by several blocks and launches; the
+      // other rules' counting is the same code), the others end inside a block and a pass: the
+      // emulated 8-bit path is slow (256 fibers a block, barriers per pass)
+      std::vector<Q8> cpu = q8_params(r, block, false, {3 * block + 5, 2048, 1},
+                                      nmom == 2 ? kChunk + 2048 + 77 : 0);
       for (int variant = 1; variant < 3; ++variant) {  // SR params and codes; RNE and nearest
-        std::vector<Q8> plain = cpu, counted = cpu;
-        std::vector<Q8View> vc(cpu.size()), vp(cpu.size()), vq(cpu.size());
-        std::vector<mp_step_tensor> tc, tp, tq;
-        for (size_t k = 0; k < cpu.size(); ++k) {
-          for (int side = 0; side < 3; ++side) {
-            mp_step_tensor t = side == 0   ? q8_tensor(cpu[k], vc[k])
-                               : side == 1 ? q8_tensor(plain[k], vp[k])
-                                           : q8_tensor(counted[k], vq[k]);
-            if (!pair) {
-              t.exp_avg_sq = nullptr;
-              t.exp_avg_sq_scale = nullptr;
-            }
-            t.offset = offset_of(static_cast<uint32_t>(k), block);
-            (side == 0 ? tc : side == 1 ? tp : tq).push_back(t);
-          }
-        }
         const float inv = 0.5f;
         mp_step_options o = rule_options(c, variant, &inv);
-        if (pair) o.eps = 1e-8;
+        if (nmom == 2) o.eps = 1e-8;
         o.q8_block = block;
         set_context("%s block %lld variant %d", c.name, static_cast<long long>(block), variant);
-        const std::vector<double> start = start_rows(cpu.size(), 99 + variant);
-        std::vector<double> want = start, got = start;
-        stats_core(tc, o, want.data());
-        stats_cuda(tp, tq, o, got.data(), 2, 4);
-        for (size_t k = 0; k < cpu.size(); ++k) {
-          q8_unpack(cpu[k], vc[k]);
-          q8_unpack(plain[k], vp[k]);
-          q8_unpack(counted[k], vq[k]);
-          const Q8& a = cpu[k];
-          CHECK(same_q8(a, plain[k]) && same_q8(a, counted[k]),
-                "param %zu (dtype %d storage %d n %lld mis %lld) differs: uncounted %d counted "
-                "%d", k, a.pdtype, a.storage, static_cast<long long>(a.n),
-                static_cast<long long>(a.mis), !same_q8(a, plain[k]), !same_q8(a, counted[k]));
-          compare_row(&want[k * MP_STS_NCOLS], &got[k * MP_STS_NCOLS], k);
-        }
-        seen.add(got, start);
-        cpu = counted;
+        step_and_compare<Q8, Q8View>(cpu, o, 2, 4, rule_edit(nmom, block), &seen, 99 + variant);
       }
     }
   }
-  for (int j : {MP_STS_ELEMS, MP_STS_CHANGED, MP_STS_UNMOVED, MP_STS_SUBHALF, MP_STS_M_ERR,
-                MP_STS_M_ABS, MP_STS_V_ERR, MP_STS_V_ABS, MP_STS_Q8_FLUSHED, MP_STS_Q8_SATBLOCKS,
-                MP_STS_Q8_BLOCKS, MP_STS_EMA_LAG, MP_STS_EMA_ABS}) {
-    CHECK(seen.col[j] > 0.0, "column %d never counted", j);
-  }
+  check_columns_seen(seen, {MP_STS_ELEMS, MP_STS_CHANGED, MP_STS_UNMOVED, MP_STS_SUBHALF,
+                            MP_STS_M_ERR, MP_STS_M_ABS, MP_STS_V_ERR, MP_STS_V_ABS,
+                            MP_STS_Q8_FLUSHED, MP_STS_Q8_SATBLOCKS, MP_STS_Q8_BLOCKS,
+                            MP_STS_EMA_LAG, MP_STS_EMA_ABS});
 }
 
 // A skipped step counts nothing and writes nothing; a null stats array launches nothing.

@@ -10,8 +10,6 @@ using namespace emu_test;
 
 constexpr int64_t kChunk = 65536;
 
-int elem_bytes(int dtype) { return dtype == MP_F32 ? 4 : 2; }
-
 struct Spec {
   int dtype;
   int64_t n;
@@ -30,16 +28,7 @@ void stats_case(const std::vector<Spec>& specs, float inv, const float* stat_inv
   std::vector<mp_stats_segment> segs;
   for (int64_t k = 0; k < nt; ++k) {
     const Spec& s = specs[k];
-    std::vector<uint8_t> host(static_cast<size_t>(s.n) * elem_bytes(s.dtype));
-    for (int64_t i = 0; i < s.n; ++i) {
-      if (s.dtype == MP_F32) {
-        const uint32_t u = random_f32_bits(r, special);
-        memcpy(&host[4 * i], &u, 4);
-      } else {
-        const uint16_t h = random_16_bits(r, s.dtype, special);
-        memcpy(&host[2 * i], &h, 2);
-      }
-    }
+    const std::vector<uint8_t> host = random_elems(r, s.dtype, s.n, special);
     dev.emplace_back(host.size(), s.misalign, check_only);
     dev.back().fill(host.data());
     ref.push_back(host);
