@@ -90,10 +90,6 @@ static mp_pv_tile pv_at(const step_piece* a, int64_t i) {
   return at;
 }
 
-#if !defined(MP_STEP_STAGES_ONLY)
-/* (telemetry.c includes this file for the stages above, with MP_STEP_STAGES_ONLY: its counted
- * step has drivers of its own; step.c's object is the same either way.) */
-
 /* Whether the tile loop asks for the next tile's storage ahead (mp_prefetch_span): where a
  * piece streams few arrays -- at most one moment and at most 12 bytes read per element (grad,
  * param, master or remainder, moments, ema) -- the stages alone keep too few misses in flight
@@ -141,6 +137,11 @@ static void prefetch_tile(const step_piece* a, int64_t j, uint32_t len) {
   }
   if (t->ema != NULL) mp_prefetch_span(t->ema + j, len * 4);
 }
+
+#if !defined(MP_STEP_STAGES_ONLY)
+/* (telemetry.c includes this file for the stages and the tiling above, with
+ * MP_STEP_STAGES_ONLY: its counted step has drivers of its own; step.c's object is the same
+ * either way.) */
 
 /* Elements [start, start + n) of one piece, fp32 or bf16 moments (or none), tile by tile. */
 static void step_tiles(const step_piece* a, int64_t start, int64_t n) {

@@ -2,8 +2,9 @@
  * (mpext/telemetry.h, mp_step_stats), read-only passes over a tile after it was stepped: the
  * counted pipeline's (telemetry.c). The counted fast rows (fast/adam_fused.c) count the same
  * things in their loops' registers (the same tests on the same values: the same counts; the
- * error sums' terms added in another order) and share only the 8-bit blocks' pass
- * (sts_q8_block). Each includer is compiled once per ISA path. */
+ * error sums' terms added in another order, in fp32 runs: telemetry_sums.h) and share only the
+ * 8-bit blocks' pass for what their vector loops leave (sts_q8_block_from). Each includer is
+ * compiled once per ISA path. */
 #ifndef MPEXT_CORE_TELEMETRY_STEP_H
 #define MPEXT_CORE_TELEMETRY_STEP_H
 
@@ -148,18 +149,35 @@ static int sts_q8_moment(const uint8_t* restrict c, const float* restrict x, uin
   return flushed != 0u;
 }
 
-/* A block of 8-bit moments just encoded (codes mc, vc; new scales ms, vs; fp32 values m, v). */
-static void sts_q8_block(const uint8_t* restrict mc, const uint8_t* restrict vc,
-                         const float* restrict m, const float* restrict v, uint32_t n, float ms,
-                         float vs, int pair, float* restrict tmp, double* restrict row) {
-  int sat = sts_q8_moment(mc, m, n, ms, 1, tmp, &row[MP_STS_M_ERR], &row[MP_STS_M_ABS], row);
+/* A block of n 8-bit moments just encoded (codes mc, vc; new scales ms, vs; fp32 values m, v),
+ * whose elements before `from` a counted row has counted already (their error sums added in
+ * its registers, `flushed` of them flushed): the rest's counters, and the block's. */
+static void sts_q8_block_from(const uint8_t* restrict mc, const uint8_t* restrict vc,
+                              const float* restrict m, const float* restrict v, uint32_t n,
+                              uint32_t from, uint32_t flushed, float ms, float vs, int pair,
+                              float* restrict tmp, double* restrict row) {
+  int sat = flushed != 0u;
+  row[MP_STS_Q8_FLUSHED] += flushed;
+  sat |= sts_q8_moment(mc + from, m + from, n - from, ms, 1, tmp, &row[MP_STS_M_ERR],
+                       &row[MP_STS_M_ABS], row);
   sat |= (mp_fmt_bits(ms) & 0x7FFFFFFFu) >= 0x7F800000u;
   if (pair) {
-    sat |= sts_q8_moment(vc, v, n, vs, 0, tmp, &row[MP_STS_V_ERR], &row[MP_STS_V_ABS], row);
+    sat |= sts_q8_moment(vc + from, v + from, n - from, vs, 0, tmp, &row[MP_STS_V_ERR],
+                         &row[MP_STS_V_ABS], row);
     sat |= (mp_fmt_bits(vs) & 0x7FFFFFFFu) >= 0x7F800000u;
   }
   row[MP_STS_Q8_BLOCKS] += 1.0;
   row[MP_STS_Q8_SATBLOCKS] += sat ? 1.0 : 0.0;
+}
+
+/* A block of 8-bit moments just encoded, every element counted here (the pipeline's). */
+__attribute__((unused)) static void sts_q8_block(const uint8_t* restrict mc,
+                                                 const uint8_t* restrict vc,
+                                                 const float* restrict m,
+                                                 const float* restrict v, uint32_t n, float ms,
+                                                 float vs, int pair, float* restrict tmp,
+                                                 double* restrict row) {
+  sts_q8_block_from(mc, vc, m, v, n, 0u, 0u, ms, vs, pair, tmp, row);
 }
 
 #endif /* MPEXT_CORE_TELEMETRY_STEP_H */

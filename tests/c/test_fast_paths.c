@@ -11,6 +11,7 @@
 
 #include "test_step.h"
 #include "mpext/telemetry.h"
+#include "telemetry_sums.h" /* the counted rows' error sums: their tolerance */
 
 /* The counted step's entry points of each ISA build (telemetry.c, adam_fused.c; step.c's stub
  * in a build without fast paths): the counted row of a mode (0 where none is kept), the counted
@@ -306,11 +307,12 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
     /* the counters: the counts exactly, every element counted; but "unmoved" (the 16-bit
      * param kept its bits) of a NaN param compares NaN bits, which are not specified
      * (fused_values_agree): it may differ by one per NaN param and step. The sums (NaN as NaN)
-     * add the same 3N non-negative terms, exact in double, in two orders: each within
-     * (3N - 1) 2^-53 of the exact sum, so within 2 (3N + 1) 2^-53 of each other's larger */
+     * add the same 3N non-negative terms, the pipeline in double, a row in fp32 runs of
+     * MP_STS_RUN terms then in double: within mp_sts_row_sum_tol(3N) of each other's larger
+     * (telemetry_sums.h derives it) */
     int nan_params = 0;
     for (int i = 0; i < N; ++i) nan_params += a_isnan(pt, a_get(st[0].p, pt, (size_t)i));
-    const double sum_tol = 2.0 * (3.0 * N + 1.0) * 0x1p-53;
+    const double sum_tol = mp_sts_row_sum_tol(3.0 * N);
     for (int j = 0; j < MP_STS_NCOLS; ++j) {
       const int is_sum = j == MP_STS_M_ERR || j == MP_STS_M_ABS || j == MP_STS_V_ERR ||
                          j == MP_STS_V_ABS || j == MP_STS_EMA_LAG || j == MP_STS_EMA_ABS;
@@ -327,10 +329,11 @@ static int fused_same_(const mp_kernel_table* kt, const fused_mode* fm, uint64_t
       }
     }
     same = same && row[0][MP_STS_ELEMS] == 3.0 * N;
-    /* finite inputs: the bf16 moments' sums are finite and not all zero, so that the
-     * comparison above compared numbers */
+    /* finite inputs: the bf16 and 8-bit moments' sums are finite and not all zero, so that
+     * the comparison above compared numbers */
     for (int j = MP_STS_M_ERR; cf->finite && j <= MP_STS_V_ABS; ++j) {
-      if ((j < MP_STS_V_ERR ? md : vd) == MP_BF16) {
+      const mp_dtype d = j < MP_STS_V_ERR ? md : vd;
+      if (d == MP_BF16 || d == MP_I8 || d == MP_U8) {
         same = same && isfinite(row[0][j]) && row[0][j] > 0.0;
       }
     }

@@ -33,6 +33,7 @@
 #include "formats/tiles.h"
 #include "adam_fused.h"
 #include "mpext/telemetry.h"
+#include "telemetry_sums.h"
 
 #define MP_BF16X16 1
 
@@ -144,12 +145,15 @@ static inline void x16_ema(float* restrict e, __m256 xe, __m256 xo, __m256 w) {
 typedef struct x16_tally {
   __m256i ch, un, sh;     /* changed, unmoved, below half an ulp: counts per lane */
   __m256d me, ma, ve, va; /* the bf16 moments' sums of |stored - fp32| and of |fp32| */
+  __m256 fme, fma, fve, fva; /* their fp32 runs (x32_tally's), 2 terms per lane and iteration */
+  uint32_t run;              /* iterations in the runs */
 } x16_tally;
 
 static inline x16_tally x16_tally_zero(void) {
   const x16_tally z = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                        _mm256_setzero_pd(),    _mm256_setzero_pd(),    _mm256_setzero_pd(),
-                       _mm256_setzero_pd()};
+                       _mm256_setzero_pd(),    _mm256_setzero_ps(),    _mm256_setzero_ps(),
+                       _mm256_setzero_ps(),    _mm256_setzero_ps(),    0u};
   return z;
 }
 
@@ -185,13 +189,23 @@ static inline __m256d x16_add_pd(__m256d acc, __m256 v) {
   return _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
 }
 
-/* A bf16 moment's sums over 8 elements (x32_count_bf16): x the fp32 values, r the stored bf16
- * in the high halves (low halves ignored). */
-static inline __attribute__((always_inline)) void x16_count_bf16(__m256d* err, __m256d* mag,
+/* A bf16 moment's terms of 8 elements added to its fp32 runs (x32_count_bf16): x the fp32
+ * values, r the stored bf16 in the high halves (low halves ignored). */
+static inline __attribute__((always_inline)) void x16_count_bf16(__m256* err, __m256* mag,
                                                                  __m256 x, __m256i r) {
   const __m256 s = _mm256_castsi256_ps(_mm256_and_si256(r, X16_HI));
-  *err = x16_add_pd(*err, x16_abs(_mm256_sub_ps(s, x)));
-  *mag = x16_add_pd(*mag, x16_abs(x));
+  *err = _mm256_add_ps(*err, x16_abs(_mm256_sub_ps(s, x)));
+  *mag = _mm256_add_ps(*mag, x16_abs(x));
+}
+
+/* The bf16 moments' fp32 runs added into their double lanes, and restarted (x32_flush_bf16). */
+static inline void x16_flush_bf16(x16_tally* t) {
+  t->me = x16_add_pd(t->me, t->fme);
+  t->ma = x16_add_pd(t->ma, t->fma);
+  t->ve = x16_add_pd(t->ve, t->fve);
+  t->va = x16_add_pd(t->va, t->fva);
+  t->fme = t->fma = t->fve = t->fva = _mm256_setzero_ps();
+  t->run = 0u;
 }
 
 static inline double x16_sum_pd(__m256d v) {
@@ -277,10 +291,11 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
     _mm256_storeu_si256((__m256i*)(m + i), m16);
     _mm256_storeu_si256((__m256i*)(v + i), v16);
     if (row != NULL) { /* counting: the moments as stored against their fp32 values */
-      x16_count_bf16(&t.me, &t.ma, me, x16_even(m16));
-      x16_count_bf16(&t.me, &t.ma, mo, m16);
-      x16_count_bf16(&t.ve, &t.va, ve, x16_even(v16));
-      x16_count_bf16(&t.ve, &t.va, vo, v16);
+      x16_count_bf16(&t.fme, &t.fma, me, x16_even(m16));
+      x16_count_bf16(&t.fme, &t.fma, mo, m16);
+      x16_count_bf16(&t.fve, &t.fva, ve, x16_even(v16));
+      x16_count_bf16(&t.fve, &t.fva, vo, v16);
+      if (++t.run == MP_STS_RUN / 2) x16_flush_bf16(&t); /* 2 terms a lane per iteration */
     }
     __m256i qw;
     if (remainder != NULL) { /* round the master to nearest; the remainder is what is left */
@@ -308,7 +323,10 @@ static inline __attribute__((always_inline)) uint32_t x16_adam_bf16(
       }
     }
   }
-  if (row != NULL) x16_tally_add(&t, row);
+  if (row != NULL) {
+    x16_flush_bf16(&t);
+    x16_tally_add(&t, row);
+  }
   return i;
 }
 

@@ -21,6 +21,7 @@
 
 #include "adam_fused.h"
 #include "mpext/telemetry.h"
+#include "telemetry_sums.h"
 
 #define MP_BF16X32 1
 
@@ -147,17 +148,21 @@ static inline void x32_join(__m512i e, __m512i o, __m512i* a, __m512i* b) {
  * passes a row: NULL, folded away, in the uncounted rows) ----
  * Counted in registers while the values are live, lane by lane, and reduced once per call: the
  * counts exactly as telemetry_step.h's sts_param_ counts them (the same compares on the same
- * values); the error sums with each term as that epilogue forms it (a difference exact in fp32,
- * widened to double) but added in another order (docs/telemetry.md: their tolerance). */
+ * values); the error sums' terms as that epilogue forms them, added in fp32 runs of at most
+ * MP_STS_RUN terms per lane, each run then into double lanes (telemetry_sums.h: why, and their
+ * tolerance). */
 typedef struct x32_tally {
   __m512i ch, un, sh;     /* changed, unmoved, below half an ulp: counts per lane */
   __m512d me, ma, ve, va; /* the bf16 moments' sums of |stored - fp32| and of |fp32| */
+  __m512 fme, fma, fve, fva; /* their fp32 runs, 2 terms per lane and loop iteration */
+  uint32_t run;              /* iterations in the runs */
 } x32_tally;
 
 static inline x32_tally x32_tally_zero(void) {
   const x32_tally z = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                        _mm512_setzero_pd(),    _mm512_setzero_pd(),    _mm512_setzero_pd(),
-                       _mm512_setzero_pd()};
+                       _mm512_setzero_pd(),    _mm512_setzero_ps(),    _mm512_setzero_ps(),
+                       _mm512_setzero_ps(),    _mm512_setzero_ps(),    0u};
   return z;
 }
 
@@ -192,14 +197,24 @@ static inline __m512d x32_add_pd(__m512d acc, __m512 v) {
   return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
 }
 
-/* A bf16 moment's sums over 16 elements: x the fp32 values, r the stored bf16 in the high
- * halves (low halves ignored). stored - x is exact in fp32 (a rounding's difference has at most
- * 17 significant bits at x's ulp), so each term is the epilogue's double difference. */
-static inline __attribute__((always_inline)) void x32_count_bf16(__m512d* err, __m512d* mag,
+/* A bf16 moment's terms of 16 elements added to its fp32 runs: x the fp32 values, r the stored
+ * bf16 in the high halves (low halves ignored). stored - x is exact in fp32 (a rounding's
+ * difference has at most 17 significant bits at x's ulp): each term is the epilogue's. */
+static inline __attribute__((always_inline)) void x32_count_bf16(__m512* err, __m512* mag,
                                                                  __m512 x, __m512i r) {
   const __m512 s = _mm512_castsi512_ps(_mm512_and_si512(r, X32_HI));
-  *err = x32_add_pd(*err, _mm512_abs_ps(_mm512_sub_ps(s, x)));
-  *mag = x32_add_pd(*mag, _mm512_abs_ps(x));
+  *err = _mm512_add_ps(*err, _mm512_abs_ps(_mm512_sub_ps(s, x)));
+  *mag = _mm512_add_ps(*mag, _mm512_abs_ps(x));
+}
+
+/* The bf16 moments' fp32 runs added into their double lanes, and restarted. */
+static inline void x32_flush_bf16(x32_tally* t) {
+  t->me = x32_add_pd(t->me, t->fme);
+  t->ma = x32_add_pd(t->ma, t->fma);
+  t->ve = x32_add_pd(t->ve, t->fve);
+  t->va = x32_add_pd(t->va, t->fva);
+  t->fme = t->fma = t->fve = t->fva = _mm512_setzero_ps();
+  t->run = 0u;
 }
 
 static inline double x32_sum_pd(__m512d v) { return _mm512_reduce_add_pd(v); }
@@ -311,10 +326,11 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
     _mm512_storeu_si512(m + i, x32_pack_hi(me16, mo16));
     _mm512_storeu_si512(v + i, x32_pack_hi(ve16, vo16));
     if (row != NULL) { /* counting: the moments as stored against their fp32 values */
-      x32_count_bf16(&t.me, &t.ma, me, me16);
-      x32_count_bf16(&t.me, &t.ma, mo, mo16);
-      x32_count_bf16(&t.ve, &t.va, ve, ve16);
-      x32_count_bf16(&t.ve, &t.va, vo, vo16);
+      x32_count_bf16(&t.fme, &t.fma, me, me16);
+      x32_count_bf16(&t.fme, &t.fma, mo, mo16);
+      x32_count_bf16(&t.fve, &t.fva, ve, ve16);
+      x32_count_bf16(&t.fve, &t.fva, vo, vo16);
+      if (++t.run == MP_STS_RUN / 2) x32_flush_bf16(&t); /* 2 terms a lane per iteration */
     }
     if (remainder != NULL) { /* round the master to nearest; the remainder is what is left */
       const __m512i ue = x32_master_bits(_mm512_castps_si512(xe));
@@ -340,7 +356,10 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
       }
     }
   }
-  if (row != NULL) x32_tally_add(&t, row);
+  if (row != NULL) {
+    x32_flush_bf16(&t);
+    x32_tally_add(&t, row);
+  }
   return i;
 }
 

@@ -253,10 +253,14 @@ static inline __attribute__((always_inline)) void adam_loop(
   }
 }
 
-/* Counting a block of 8-bit moments (adam_q8 with a row): the scratch of the block epilogue's
- * decode (sts_q8_block). */
+/* Counting 8-bit moments (adam_q8 with a row): the scratch of the block epilogue's decode
+ * (sts_q8_block_from, for the elements the vector sweeps leave), and the vector sweeps' error
+ * sums (adam_q8x32.h). */
 typedef struct q8_count_bufs {
   _Alignas(64) float tmp[MP_TILE];
+#if defined(MP_Q8X32)
+  x32_q8_count x;
+#endif
 } q8_count_bufs;
 
 /* The second sweep over a block of 8-bit moments: its new fp32 moments (still in L1) written as
@@ -276,9 +280,11 @@ static inline __attribute__((always_inline)) void q8_store(
  * by block: the first sweep updates everything and leaves the block's new fp32 moments and the
  * random bits of their rounding in buffers that stay in L1, the second writes their codes and
  * the block's scales. With row (the counted step, mp_step_stats; NULL, folded away, in the
- * uncounted rows) the sweeps count the param's counters in their registers, and each block's
- * moment counters are added into row from those buffers by telemetry.c's block epilogue
- * (sts_q8_block). No counted row has an ema. */
+ * uncounted rows) the sweeps count in their registers: the param's counters in the first, the
+ * moments' (decoded under the block's new scale, against their fp32 values) in the second's
+ * vector loop (adam_q8x32.h); the elements it leaves are counted from the buffers by
+ * telemetry_step.h's block epilogue (sts_q8_block_from), which also counts the block. No
+ * counted row has an ema. */
 static inline __attribute__((always_inline)) void adam_q8(
     void* restrict param, const mp_dtype pt, void* restrict grad, const mp_dtype gt,
     float* restrict master, int16_t* restrict remainder, int8_t* restrict mc,
@@ -297,6 +303,9 @@ static inline __attribute__((always_inline)) void adam_q8(
   const int hand = usual && !with_ema && pt == MP_BF16 && gt == MP_BF16 &&
                    (mk == MK_MASTER || mk == MK_REMAINDER || mk == MK_NONE_SR) &&
                    !hp->st.moments_nearest;
+  if (row != NULL) {
+    cb->x.me = cb->x.ma = cb->x.ve = cb->x.va = _mm512_setzero_pd();
+  }
 #endif
   for (int64_t off = 0; off < n; off += b) {
     const int64_t len = n - off < b ? n - off : b;
@@ -326,13 +335,16 @@ static inline __attribute__((always_inline)) void adam_q8(
     }
     const uint32_t em = mp_q8_ref_exp_m(am), ev = mp_q8_ref_exp_v(av);
     int64_t from = 0;
+    uint32_t flushed = 0u; /* counting: of the elements before from */
 #if defined(MP_Q8X32)
     if (h > 0u) {
       if (em < 255u && ev < 255u) {
-        x32_q8_encode(mc + off, vc + off, mbuf, vbuf, rbuf, h, em, ev);
+        if (row != NULL) {
+          flushed = x32_q8_encode_counted(mc + off, vc + off, mbuf, vbuf, rbuf, h, em, ev, &cb->x);
+        } else {
+          x32_q8_encode(mc + off, vc + off, mbuf, vbuf, rbuf, h, em, ev);
+        }
         from = h;
-        /* counting reads the fp32 moments in element order */
-        if (row != NULL) x32_q8_unsplit(mbuf, vbuf, rbuf, h);
       } else {
         x32_q8_unsplit(mbuf, vbuf, rbuf, h);
       }
@@ -347,11 +359,19 @@ static inline __attribute__((always_inline)) void adam_q8(
     }
     ms[k] = f32_of_bits(am);
     vs[k] = f32_of_bits(av);
-    if (row != NULL) { /* the block's moment counters: telemetry.c's block epilogue */
-      sts_q8_block((const uint8_t*)mc + off, vc + off, mbuf, vbuf, (uint32_t)len, ms[k], vs[k], 1,
-                   cb->tmp, row);
+    if (row != NULL) { /* the rest of the block's moment counters, and the block's */
+      sts_q8_block_from((const uint8_t*)mc + off, vc + off, mbuf, vbuf, (uint32_t)len,
+                        (uint32_t)from, flushed, ms[k], vs[k], 1, cb->tmp, row);
     }
   }
+#if defined(MP_Q8X32)
+  if (row != NULL) {
+    row[MP_STS_M_ERR] += x32_sum_pd(cb->x.me);
+    row[MP_STS_M_ABS] += x32_sum_pd(cb->x.ma);
+    row[MP_STS_V_ERR] += x32_sum_pd(cb->x.ve);
+    row[MP_STS_V_ABS] += x32_sum_pd(cb->x.va);
+  }
+#endif
 }
 
 /* The kept modes, one row each, named as docs/fast_paths.md names them: param dtype, grad

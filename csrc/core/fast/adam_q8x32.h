@@ -32,6 +32,7 @@
 
 #if defined(MP_BF16X32)
 #include "formats/tiles.h"
+#include "telemetry_sums.h"
 
 #define MP_Q8X32 1
 
@@ -215,13 +216,58 @@ static inline __m512i x32_q8_codes(__m512i ae, __m512i ao, __m512i rn_e, __m512i
                                    _mm512_set1_epi32(0xFF00), 0xD8 /* C ? B : A */);
 }
 
+/* Counting the 8-bit moments in the second sweep (the counted rows; telemetry_step.h's
+ * sts_q8_block counts the same things in the pipeline): the moments' error sums in double lanes
+ * over a call, fed by fp32 runs (telemetry_sums.h). */
+typedef struct x32_q8_count {
+  __m512d me, ma, ve, va;
+} x32_q8_count;
+
+/* One moment's counting on the codes of a 32-element chunk: c the codes as x32_q8_codes
+ * returns them (the even element's in bits 0-7 of its lane, the odd one's in bits 8-15), x the
+ * values they code (even e, odd o), d the block's new decode. Each code decoded as x32_q8_sweep
+ * decodes (to mp_q8_decode's value); |decoded - x| and |x| added to the runs *err, *mag; the
+ * lanes whose value != 0 has a magnitude code 0 (flushed) counted in *fl. */
+static inline __attribute__((always_inline)) void x32_q8_count_moment(
+    __m512i c, __m512 xe, __m512 xo, const x32_q8_dec* d, __m512* err, __m512* mag,
+    __m512i* fl, const int with_sign) {
+  const __m512i mag_bits = _mm512_set1_epi32(with_sign ? 0x03F80000 : 0x07F80000);
+  const __m512i zmag = _mm512_set1_epi32(with_sign ? 0x7F : 0xFF); /* the magnitude's bits */
+  const __m512i sube = _mm512_set1_epi32(with_sign ? 0x70 : 0xF0); /* its exponent's */
+  const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), m1 = _mm512_set1_epi32(-1);
+  __m512 de = x32_q8_value(_mm512_and_si512(_mm512_slli_epi32(c, 19), mag_bits),
+                           _mm512_testn_epi32_mask(c, sube), d);
+  __m512 dodd = x32_q8_value(_mm512_and_si512(_mm512_slli_epi32(c, 11), mag_bits),
+                             _mm512_testn_epi32_mask(c, _mm512_slli_epi32(sube, 8)), d);
+  if (with_sign) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    de = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+        _mm512_castps_si512(de), _mm512_slli_epi32(c, 24), sign, X32_OR_AND));
+    dodd = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+        _mm512_castps_si512(dodd), _mm512_slli_epi32(c, 16), sign, X32_OR_AND));
+  }
+  *err = _mm512_add_ps(*err, _mm512_abs_ps(_mm512_sub_ps(de, xe)));
+  *err = _mm512_add_ps(*err, _mm512_abs_ps(_mm512_sub_ps(dodd, xo)));
+  *mag = _mm512_add_ps(*mag, _mm512_abs_ps(xe));
+  *mag = _mm512_add_ps(*mag, _mm512_abs_ps(xo));
+  /* flushed: a zero magnitude code under a value whose bits (less the sign) are not zero */
+  const __mmask16 fe = _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(c, zmag),
+                                                   _mm512_castps_si512(xe), abs);
+  const __mmask16 fo = _mm512_mask_test_epi32_mask(
+      _mm512_testn_epi32_mask(c, _mm512_slli_epi32(zmag, 8)), _mm512_castps_si512(xo), abs);
+  *fl = _mm512_mask_sub_epi32(*fl, fe, *fl, m1);
+  *fl = _mm512_mask_sub_epi32(*fl, fo, *fl, m1);
+}
+
 /* The second sweep over elements [0, n) (n a multiple of 32) of a block whose new reference
  * exponents em, ev are below 255 (every value finite): their codes from x32_q8_sweep's split
- * buffers, with the random bits it drew (mp_q8_encode_m/v, stochastic). */
-static inline __attribute__((always_inline)) void x32_q8_encode_(
+ * buffers, with the random bits it drew (mp_q8_encode_m/v, stochastic). With cnt (the counted
+ * rows; NULL, folded away, in the uncounted ones) the codes are counted while in registers:
+ * the error sums added into cnt's double lanes, the flushed values returned (else 0). */
+static inline __attribute__((always_inline)) uint32_t x32_q8_encode_(
     int8_t* restrict mc, uint8_t* restrict vc, const float* restrict mbuf,
     const float* restrict vbuf, const uint32_t* restrict rbuf, uint32_t n, uint32_t em,
-    uint32_t ev, const int two) {
+    uint32_t ev, const int two, x32_q8_count* restrict cnt) {
   /* mp_q8_encode: k = 142 + T + mbits - ea, split in two factors where 2^(k + 3) is not an
    * fp32 (only for blocks whose values are all below about 2^-98 or above 2^90) */
   const int32_t km = 142 + 7 + 4 - (int32_t)em, kv = 142 + 15 + 4 - (int32_t)ev;
@@ -234,6 +280,12 @@ static inline __attribute__((always_inline)) void x32_q8_encode_(
   const __m512i rbm = _mm512_set1_epi32((int)((em - 7u) << 23));
   const __m512i rbv = _mm512_set1_epi32((int)((ev - 15u) << 23));
   const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), low = _mm512_set1_epi32(0x7FFF8);
+  /* counting: the decode under the new references, the fp32 runs (2 terms a lane per
+   * iteration), the flushed values per lane */
+  const x32_q8_dec dm = x32_q8_dec_of(em, 7u), dv = x32_q8_dec_of(ev, 15u);
+  __m512 fme = _mm512_setzero_ps(), fma = fme, fve = fme, fva = fme;
+  __m512i fl = _mm512_setzero_si512();
+  uint32_t run = 0u;
   for (uint32_t i = 0; i < n; i += 32) {
     const __m512i ume = _mm512_load_si512(mbuf + i), umo = _mm512_load_si512(mbuf + i + 16);
     const __m512i re = _mm512_load_si512(rbuf + i), ro = _mm512_load_si512(rbuf + i + 16);
@@ -250,7 +302,22 @@ static inline __attribute__((always_inline)) void x32_q8_encode_(
         _mm512_and_si512(_mm512_srli_epi32(ro, 13), low), 0, 0, rbv, sv1, sv2, two, 0);
     _mm256_storeu_si256((__m256i*)(mc + i), _mm512_cvtepi32_epi16(m));
     _mm256_storeu_si256((__m256i*)(vc + i), _mm512_cvtepi32_epi16(v));
+    if (cnt != NULL) {
+      x32_q8_count_moment(m, _mm512_castsi512_ps(ume), _mm512_castsi512_ps(umo), &dm, &fme,
+                          &fma, &fl, 1);
+      x32_q8_count_moment(v, _mm512_load_ps(vbuf + i), _mm512_load_ps(vbuf + i + 16), &dv,
+                          &fve, &fva, &fl, 0);
+      if (++run == MP_STS_RUN / 2 || i + 32 >= n) { /* the runs into double */
+        cnt->me = x32_add_pd(cnt->me, fme);
+        cnt->ma = x32_add_pd(cnt->ma, fma);
+        cnt->ve = x32_add_pd(cnt->ve, fve);
+        cnt->va = x32_add_pd(cnt->va, fva);
+        fme = fma = fve = fva = _mm512_setzero_ps();
+        run = 0u;
+      }
+    }
   }
+  return cnt != NULL ? (uint32_t)_mm512_reduce_add_epi32(fl) : 0u;
 }
 
 static inline void x32_q8_encode(int8_t* restrict mc, uint8_t* restrict vc,
@@ -259,10 +326,22 @@ static inline void x32_q8_encode(int8_t* restrict mc, uint8_t* restrict vc,
                                  uint32_t ev) {
   /* 2^(k + 3) an fp32 normal: k + 3 in [-126, 127] */
   if (em >= 29u && em <= 254u && ev >= 37u && ev <= 254u) {
-    x32_q8_encode_(mc, vc, mbuf, vbuf, rbuf, n, em, ev, 0);
+    x32_q8_encode_(mc, vc, mbuf, vbuf, rbuf, n, em, ev, 0, NULL);
   } else {
-    x32_q8_encode_(mc, vc, mbuf, vbuf, rbuf, n, em, ev, 1);
+    x32_q8_encode_(mc, vc, mbuf, vbuf, rbuf, n, em, ev, 1, NULL);
   }
+}
+
+/* x32_q8_encode counting as it goes (x32_q8_encode_ with cnt): returns the flushed values. */
+static inline uint32_t x32_q8_encode_counted(int8_t* restrict mc, uint8_t* restrict vc,
+                                             const float* restrict mbuf,
+                                             const float* restrict vbuf,
+                                             const uint32_t* restrict rbuf, uint32_t n,
+                                             uint32_t em, uint32_t ev, x32_q8_count* cnt) {
+  if (em >= 29u && em <= 254u && ev >= 37u && ev <= 254u) {
+    return x32_q8_encode_(mc, vc, mbuf, vbuf, rbuf, n, em, ev, 0, cnt);
+  }
+  return x32_q8_encode_(mc, vc, mbuf, vbuf, rbuf, n, em, ev, 1, cnt);
 }
 
 /* The first n (a multiple of 32) elements of x32_q8_sweep's buffers back in element order. */
