@@ -178,7 +178,8 @@ def test_truncation_at_every_byte_is_detected(tmp_path, small_file):
     p = tmp_path / "t.pt"
     for n in range(len(small_file)):
         p.write_bytes(small_file[:n])
-        assert "truncated" in verify_error(p) and str(p) in verify_error(p), n
+        err = verify_error(p)
+        assert "truncated" in err and str(p) in err, n
     # ... and load_checkpoint refuses them too (a sample: it shares the check).
     for n in (0, 7, HEADER - 1, HEADER, HEADER + 1, len(small_file) // 2, len(small_file) - 1):
         p.write_bytes(small_file[:n])
