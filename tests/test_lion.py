@@ -149,16 +149,6 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.mpext.lion_step_.default, args, kwargs)
 
 
-def test_fake_tensor_mode_checks():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode():
-        p, g, m = [torch.empty(4, 6)], [torch.empty(4, 6)], [torch.empty(4, 6)]
-        s = [torch.zeros(())]
-        assert ops.lion_step_(p, g, m, [], s, 1e-3) is None
-        # the fake checks no argument: the planner does, when the op runs (test_step_fake.py)
-        assert ops.lion_step_(p, g, m, [], s, 1e-3, beta2=1.5) is None
-
-
 BAD = [
     (dict(beta1=-0.1), ValueError, r"beta1 must be in \[0, 1\], got -0.1"),
     (dict(weight_decay=float("nan")), ValueError, r"weight_decay must be in"),
