@@ -13,7 +13,8 @@ from mpext import ops
 from mpext.optim import Lion
 
 import optim_table as T
-from conftest import device_cases, lockstep
+from optim_table import f32
+from conftest import device_cases
 
 # The reference is lion-pytorch (a test dependency): without it the tests that compare with it
 # skip, with the reason, and the others still run (a lent GPU installs nothing).
@@ -28,14 +29,6 @@ needs_reference = pytest.mark.skipif(NO_REFERENCE is not None, reason=str(NO_REF
 
 # Round-to-nearest master-free params are one of the formats under test: its advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
-
-F32 = torch.float32
-
-
-def f32(x):
-    """x rounded to an fp32 value, as a Python float: the lr mpext keeps in an fp32 tensor."""
-    return float(torch.tensor(x, dtype=F32))
-
 
 # --------------------------------------------------------------------------------------------
 # The op against lion-pytorch's update_fn.
@@ -212,7 +205,7 @@ def test_class_bitwise_lion_pytorch(device, opts):
     a = [torch.nn.Parameter(w.to(device, copy=True)) for w in ws]
     b = [torch.nn.Parameter(w.clone()) for w in ws]
     o1, o2 = Lion(a, **opts), RefLion(b, **opts)
-    lockstep(a, b, o1, o2, gen, 12)
+    T.lockstep(a, b, o1, o2, gen, 12)
     for x, y in zip(a, b):
         assert x.device.type == device
         T.assert_bits(x.detach().cpu(), y.detach())

@@ -15,16 +15,12 @@ from mpext.optim import Muon, muon_param_groups
 from mpext.optim.muon import adjust_lr_ratio, newton_schulz
 
 import optim_table as T
+from optim_table import f32
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SIZES = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 100, 511, 512, 513, 1000, 4099]
-
-
-def f32(x):
-    """x rounded to an fp32 value: the lr mpext keeps in an fp32 tensor."""
-    return float(torch.tensor(x, dtype=F32))
 
 
 def zero(device):

@@ -14,7 +14,7 @@ from mpext import ops
 from mpext.optim import SGD
 
 import optim_table as T
-from conftest import device_cases, lockstep
+from conftest import device_cases
 
 # Round-to-nearest master-free params are one of the formats under test: its advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
@@ -42,7 +42,7 @@ def test_class_matches_torch_sgd(device, opts):
     a, b = _pair(opts, [(257, 3), (1,), (17,), (1000,)], gen, device)
     o1, o2 = SGD(a, lr=0.05, **opts), torch.optim.SGD(b, lr=0.05, **opts)
     for _ in range(30):
-        lockstep(a, b, o1, o2, gen)
+        T.lockstep(a, b, o1, o2, gen)
         for x, y in zip(a, b):
             torch.testing.assert_close(cpu(x), cpu(y), rtol=1e-5, atol=1e-6)
     for x, y in zip(a, b):
@@ -173,7 +173,7 @@ def test_checkpoints_move_between_torch_and_mpext(device, opts):
     opt = SGD(a, lr=0.05, **opts)
     opt.load_state_dict(ref.state_dict())
     back = torch.optim.SGD([torch.nn.Parameter(y.detach().clone()) for y in b], lr=0.05, **opts)
-    lockstep(b, a, ref, opt, gen, 3)
+    T.lockstep(b, a, ref, opt, gen, 3)
     for x, y in zip(a, b):
         assert x.device.type == device
         T.assert_bits(cpu(x), cpu(y))
