@@ -294,11 +294,6 @@ def test_op_fp32_only_takes_empty_masters(device):
         assert_bitwise(x, y)
 
 
-def test_op_empty_lists(device):
-    ops.adam_step_([], [], [], [], [], [], torch.full((), 1e-3, device=device))
-    ops.adam_step_([], [], [], [], [], [], 1e-3)
-
-
 def test_op_channels_last(device):
     p = torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)
     g = torch.randn_like(p)
