@@ -467,14 +467,22 @@ def set_grads(params, grads) -> None:
 
 
 def lockstep(a, b, opt_a, opt_b, gen, steps: int = 1) -> None:
-    """Steps two optimizers side by side on the same gradients: a's drawn from ``gen`` in a's
-    dtypes, b's copies of them in b's dtypes."""
+    """Steps two optimizers side by side on the same gradients, with params on any devices:
+    each drawn on the CPU from ``gen`` (a run's draws are the same on every device), rounded to
+    a's dtype, and copied to each param's dtype and device."""
     for _ in range(steps):
         for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape, generator=gen).to(x.dtype)
-            y.grad = x.grad.to(y.dtype, copy=True)
+            g = torch.randn(x.shape, generator=gen).to(x.dtype)
+            x.grad = g.to(x.device)
+            y.grad = g.to(device=y.device, dtype=y.dtype, copy=True)
         opt_a.step()
         opt_b.step()
+
+
+def f32(x: float) -> float:
+    """x rounded to float32 (to nearest even), as a Python float: the lr mpext keeps in an fp32
+    tensor."""
+    return float(torch.tensor(x, dtype=F32))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -679,7 +687,7 @@ def fp32_bracket(x: torch.Tensor, ulps: int, mag=None):
     return (torch.nextafter(lo, torch.tensor(-INF)), torch.nextafter(hi, torch.tensor(INF)))
 
 
-def _u32(t: torch.Tensor) -> np.ndarray:
+def u32(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(torch.int32).numpy().view(np.uint32).reshape(-1)
 
 
@@ -692,7 +700,7 @@ def positions(t: torch.Tensor) -> np.ndarray:
 def sr_round(x: torch.Tensor, dtype: torch.dtype, r: np.ndarray) -> torch.Tensor:
     """float32 x rounded stochastically to ``dtype`` with the random bits r (uint32, x's
     logical order), by tests/reference.py's definitions; float64 values in x's shape."""
-    rounded, nan = (bf16_sr_array if dtype == BF16 else fp16_sr_array)(_u32(x), r)
+    rounded, nan = (bf16_sr_array if dtype == BF16 else fp16_sr_array)(u32(x), r)
     assert not nan.any(), "a NaN where none was expected"
     return torch.from_numpy(rounded.view(np.int16)).view(dtype).double().reshape(x.shape)
 

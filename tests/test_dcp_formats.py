@@ -23,6 +23,7 @@ import mpext.integrations.dcp
 import mpext.optim
 from conftest import CUDA_OK, NO_CUDA_REASON
 from mpext.optim import formats, q8_decode
+from optim_table import same_bits  # equal bits, NaNs included (a NaN 8-bit block decodes to NaN)
 
 BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -121,21 +122,15 @@ def _torch_save_resume(blob, name, device):
     return model, opt
 
 
-def _same_bits(a, b):
-    """Equal bits, NaNs included (a NaN block of 8-bit codes decodes to NaN)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
-
-
 def _assert_same(a, b):
     (ma, oa), (mb, ob) = a, b
     for p, q in zip(ma.parameters(), mb.parameters()):
-        assert _same_bits(p.detach(), q.detach())
+        assert same_bits(p.detach(), q.detach())
         sa, sb = oa.state[p], ob.state[q]
         assert sa.keys() == sb.keys()
         for k in sa:
             assert sa[k].device == sb[k].device, k
-            assert _same_bits(sa[k], sb[k]), k
+            assert same_bits(sa[k], sb[k]), k
 
 
 def _check_conversion(saved_on, device, src, dst):
@@ -179,11 +174,11 @@ def test_a_cpu_checkpoint_converts_on_cuda_to_the_bits_of_the_cpu(saved_on, rule
     (mc, oc), (mg, og) = [_dcp_resume(path, (rule, dst), mpext.integrations.dcp.LoadPlanner(), d)
                           for d in ("cpu", "cuda")]
     for p, q in zip(mc.parameters(), mg.parameters()):
-        assert q.device.type == "cuda" and _same_bits(p.detach(), q.detach().cpu())
+        assert q.device.type == "cuda" and same_bits(p.detach(), q.detach().cpu())
         assert oc.state[p].keys() == og.state[q].keys()
         for k, v in oc.state[p].items():
             assert og.state[q][k].device.type == "cuda", k
-            assert _same_bits(v, og.state[q][k].cpu()), k
+            assert same_bits(v, og.state[q][k].cpu()), k
 
 
 def test_8bit_codes_load_into_bf16_moments_as_their_decoded_values(saved_on, device):

@@ -64,9 +64,11 @@ START_METHOD = os.environ.get("MPEXT_TEST_START_METHOD") or (
 
 
 def _spawn(body, out_dir, world=WORLD, backend="gloo", timeout_s=SPAWN_TIMEOUT_S):
-    """Runs body(rank, out_dir) on `world` ranks (gloo); returns what each rank returned."""
+    """Runs body(rank, out_dir) on `world` ranks; returns what each rank returned. An NCCL rank
+    is spawned: a process that has initialised CUDA cannot be forked."""
     ctx = mp.start_processes(_entry, args=(str(out_dir), body, world, backend), nprocs=world,
-                             join=False, start_method=START_METHOD)
+                             join=False, start_method=START_METHOD if backend == "gloo"
+                             else "spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
         if time.monotonic() > deadline:

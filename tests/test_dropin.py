@@ -18,25 +18,19 @@ import torch
 import mpext
 from mpext.optim import Adam, AdamW, Lion, SGD
 
+import optim_table
+
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 EPS32 = torch.finfo(F32).eps
 
-# (mpext class, torch's class or None (Lion: lion_pytorch's), hyperparameters)
-RULES = {
-    "adam": (Adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
-                                          weight_decay=0.05)),
-    "adamw": (AdamW, torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
-    "sgd": (SGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1,
-                                       weight_decay=0.05)),
-    "lion": (Lion, None, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
-}
+# The rules of the rules x formats table (tests/optim_table.py): their classes, hyperparameters
+# and references (torch.optim's; lion-pytorch's for Lion, a test skipped without it).
+RULES = {name: optim_table.RULES[name] for name in ("adam", "adamw", "sgd", "lion")}
 
 
-def _reference_class(name):
-    cls = RULES[name][1]
-    if cls is None:
-        cls = pytest.importorskip("lion_pytorch", reason="lion-pytorch is Lion's reference").Lion
-    return cls
+def _rule(name):
+    """(mpext class, reference factory, hyperparameters) of a rule."""
+    return RULES[name].cls, RULES[name].reference, RULES[name].kwargs
 
 
 def _bits(t):
@@ -84,7 +78,7 @@ def test_non_contiguous_param_steps_as_a_contiguous_clone(device, rule, dtype, m
     """A param with gaps (a slice of a bigger tensor) steps with the bits of a contiguous clone
     of it, in every format (8-bit blocks and SR positions by the element's logical index), and
     the elements of the storage it does not view stay as they were."""
-    cls, _, hp = RULES[rule]
+    cls, _, hp = _rule(rule)
     kw = dict(hp)
     if moments == "q8":
         kw.update({q.setting: "q8" for q in cls.moments})
@@ -113,8 +107,7 @@ def test_non_contiguous_param_steps_as_a_contiguous_clone(device, rule, dtype, m
 def test_non_contiguous_param_matches_the_reference(device, rule):
     """The same non-contiguous FP32 param stepped by torch.optim (lion-pytorch for Lion):
     within the few ulps the fused kernel may differ from torch's op order per step."""
-    cls, _, hp = RULES[rule]
-    ref_cls = _reference_class(rule)
+    cls, ref_cls, hp = _rule(rule)
     base = torch.randn(10, 5, 2, generator=torch.Generator().manual_seed(2)).to(device)
     p = torch.nn.Parameter(base.clone()[..., 0])
     r = torch.nn.Parameter(base.clone()[..., 0])
@@ -191,7 +184,7 @@ def test_overlapping_param_refused(device, rule, kind, dtype):
     """A param whose elements share memory is refused when added, naming it: an in-place step
     of it depends on the order of the writes (torch's SGD steps the shared elements twice, its
     Adam raises once it has updated the moments)."""
-    cls, _, hp = RULES[rule]
+    cls, _, hp = _rule(rule)
     if dtype is F64 and cls is Lion:
         pytest.skip("Lion refuses float64 params (test_refused_with_a_reason)")
     q = torch.nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
@@ -456,7 +449,7 @@ def test_torch_path_is_torchs_bitwise(device, rule, dtype, extra):
     """Params mpext's kernels have no format for, beside an FP32 param the fused kernel steps:
     torch's bits and state for them (and the fused param as an mpext-only run steps it), a
     state dict that torch's optimizer continues from, and one mpext continues from."""
-    cls, ref_cls, hp = RULES[rule]
+    cls, ref_cls, hp = _rule(rule)
     hp = dict(hp, **extra)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 4, generator=g, dtype=dtype).to(device)
@@ -640,7 +633,7 @@ def test_release_refuses_a_sparse_gradient(device):
 def test_load_state_dict_round_trip_adds_nothing(rule):
     """b.load_state_dict(a.state_dict()) makes b.state_dict() == a.state_dict(): no key
     added to the groups (SGD and Lion have no capturable; torch's SGD neither)."""
-    cls, _, hp = RULES[rule]
+    cls, _, hp = _rule(rule)
     p, q = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
     a, b = cls([p], **hp), cls([q], **hp)
     p.grad = torch.randn(5)

@@ -10,23 +10,18 @@ each rank compares its own shards. The weights are cut by the 2-way shard inside
 block, so the 8-bit formats step through the shared blocks' exchange.
 """
 import functools
-import os
-import time
 import weakref
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import mpext
 from mpext.optim._shard_plan import ShardedStepPlan
 from mpext.optim._tensors import local_tensor
-from test_distributed import START_METHOD
+from test_distributed import _spawn  # forked gloo ranks; the NCCL one spawned
 
-SPAWN_TIMEOUT_S = 240  # both ranks, on a loaded 2-core machine
 BF16 = torch.bfloat16
 Q8 = dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
 # name -> (rule, param dtype, keywords)
@@ -49,39 +44,6 @@ STEPS, EVENT_AT, SAVE_AT = 6, 3, 1
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available")
-
-
-# --------------------------------------------------------------------------------------------
-# Spawning.
-
-def _entry(rank, out_dir, body, world, backend):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "rendezvous"),
-                            rank=rank, world_size=world, timeout=timedelta(seconds=90))
-    try:
-        torch.save(body(rank), os.path.join(out_dir, "rank%d.pt" % rank))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(body, out_dir, world, backend):
-    # The gloo ranks are forked as tests/test_distributed.py's are (a spawned rank imports torch,
-    # mpext and this module again: one test with its 2 ranks, 25.5 -> 17.0 s of CPU); the NCCL rank
-    # is spawned, since a process that has initialised CUDA cannot be forked.
-    method = START_METHOD if backend == "gloo" else "spawn"
-    ctx = mp.start_processes(_entry, args=(str(out_dir), body, world, backend), nprocs=world,
-                             join=False, start_method=method)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):  # raises with the rank's traceback if one failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("the %d-rank run did not finish within %d s" % (world, SPAWN_TIMEOUT_S))
-    return [torch.load(os.path.join(out_dir, "rank%d.pt" % r), weights_only=False)
-            for r in range(world)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +247,7 @@ def _layout_case(name, mesh, device):
     return out, [p.grad.to_local().stride() for p in runs[1].param_groups[0]["params"]]
 
 
-def _body(rank, device):
+def _body(rank, out_dir, device):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     out = {}

@@ -10,6 +10,7 @@ import torch
 import mpext
 from mpext.optim._engine import StepPlan
 
+import optim_table as T
 from optim_table import FORMATS, RULES, pairs, table_params
 
 BF16 = torch.bfloat16
@@ -49,20 +50,9 @@ def give_grads(opt, step, skip=()):
         p.grad = None if i in skip else grad
 
 
-def bits(t):
-    return t.detach().reshape(-1).view(torch.uint8) if t.dtype.itemsize > 1 else t.reshape(-1)
-
-
 def assert_same(a, b):
-    for i, (p, q) in enumerate(zip(all_params(a), all_params(b))):
-        assert p.dtype == q.dtype and torch.equal(bits(p), bits(q)), "param %d differs" % i
-        sa, sb = a.state.get(p, {}), b.state.get(q, {})
-        assert sorted(sa) == sorted(sb), "param %d: state keys %s vs %s" % (i, sorted(sa),
-                                                                            sorted(sb))
-        for key in sa:
-            x, y = sa[key], sb[key]
-            assert x.dtype == y.dtype and torch.equal(bits(x), bits(y)), \
-                "param %d: state %r differs" % (i, key)
+    """The same bits in every param, state tensor and group setting."""
+    T.assert_same(T.snapshot(a, all_params(a)), T.snapshot(b, all_params(b)))
 
 
 def step_both(opts, step, edit=None, skip=()):

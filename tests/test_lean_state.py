@@ -36,7 +36,7 @@ from mpext.optim import Adam, AdamW
 
 from reference import (adam_step_reference, bf16_sr_array, bf16_sr_reference, fp16_sr_array,
                        fp16_sr_reference, sr_bits, sr_bits_array, sr_key)
-from optim_table import allow_any_grad_dtype, bits, roundtrip
+from optim_table import u32, allow_any_grad_dtype, bits, positions, roundtrip, same_bits
 
 BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
 # |z| < 5 under a normal null: a false alarm in 2 * Phi(-5) = 5.73e-7 of seeds, per test.
@@ -45,11 +45,6 @@ Z_LIMIT = 5.0
 
 # --------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def u32(t):
-    """The bits of a float32 tensor as a uint32 numpy array, in the tensor's logical order."""
-    return t.detach().contiguous().view(torch.int32).numpy().view(np.uint32).reshape(-1)
 
 
 def from_u32(a, like):
@@ -64,16 +59,6 @@ def from_u16(a, like, dtype):
     flat = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint16).view(np.int16))
     out = torch.empty_like(like, dtype=dtype, memory_format=torch.preserve_format)
     return out.copy_(flat.view(dtype).reshape(like.shape))
-
-
-def positions(t):
-    """Each element's position in memory (its index in the tensor's storage, from its first
-    element), as a uint64 array in logical order: what the generator is keyed by."""
-    n = t.numel()
-    if n == 0:
-        return np.zeros(0, dtype=np.uint64)
-    pos = torch.as_strided(torch.arange(n, dtype=torch.int64), t.shape, t.stride())
-    return pos.contiguous().numpy().astype(np.uint64).reshape(-1)
 
 
 _S32 = {}
@@ -126,10 +111,6 @@ def rne_bf16_bits(x):
     up = (low > 0x8000) | ((low == 0x8000) & ((high & np.uint32(1)) == 1))
     nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     return np.where(nan, high | np.uint32(0x40), high + up.astype(np.uint32)).astype(np.uint16)
-
-
-def same_bits(a, b):
-    return torch.equal(bits(a), bits(b))
 
 
 def assert_same_bits(got, want, what):

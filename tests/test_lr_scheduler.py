@@ -15,6 +15,7 @@ from torch._dynamo.testing import CompileCounter
 import mpext
 from mpext.optim import lr_scheduler as S
 from conftest import HostReads
+from optim_table import f32
 
 TS = torch.optim.lr_scheduler
 BASES = (1e-3, 3e-4, 0.1)  # three param groups, three base rates
@@ -23,11 +24,6 @@ BASES = (1e-3, 3e-4, 0.1)  # three param groups, three base rates
 def groups(dtype=torch.float32, opt_cls=mpext.optim.AdamW, n=len(BASES), **kw):
     params = [torch.nn.Parameter(torch.zeros(3, dtype=dtype)) for _ in range(n)]
     return params, opt_cls([{"params": [p], "lr": lr} for p, lr in zip(params, BASES[:n])], **kw)
-
-
-def f32(x):
-    """A float64 value rounded to float32, as the lr tensor holds it."""
-    return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
 
 
 def lrs(opt):

@@ -1,6 +1,7 @@
 """mpext.ops.sgd_step_ and mpext.optim.SGD: torch.optim.SGD's arguments, checks and math (within
 Adam's parity tolerances; on this build's CPU kernels the bits agree too), the buffer's first
-step as torch's clone, momentum=0 keeping no buffer, every param storage and buffer format,
+step as torch's clone (the table's "sgd" row has a dampening, which the first step must not
+apply), momentum=0 keeping no buffer, every param storage and buffer format,
 opcheck and fake kernels, offsets. The checks every rule passes in every format are the rows
 "sgd" (a buffer in every format) and "sgd-plain" (none) of tests/optim_table.py, run by
 tests/test_optim_table.py. Every test of the op or the class runs on each device of the conftest
@@ -14,7 +15,7 @@ from mpext import ops
 from mpext.optim import SGD
 
 import optim_table as T
-from conftest import device_cases, lockstep
+from conftest import device_cases
 
 # Round-to-nearest master-free params are one of the formats under test: its advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:.*master_weights=False without stochastic")
@@ -42,7 +43,7 @@ def test_class_matches_torch_sgd(device, opts):
     a, b = _pair(opts, [(257, 3), (1,), (17,), (1000,)], gen, device)
     o1, o2 = SGD(a, lr=0.05, **opts), torch.optim.SGD(b, lr=0.05, **opts)
     for _ in range(30):
-        lockstep(a, b, o1, o2, gen)
+        T.lockstep(a, b, o1, o2, gen)
         for x, y in zip(a, b):
             torch.testing.assert_close(cpu(x), cpu(y), rtol=1e-5, atol=1e-6)
     for x, y in zip(a, b):
@@ -63,18 +64,6 @@ def test_op_every_isa_path_matches_torch(isa):
         o1, o2 = SGD(a, lr=0.1, **opts), torch.optim.SGD(b, lr=0.1, **opts)
         T.lockstep(a, b, o1, o2, gen, 3)
         T.assert_bits(a[0], b[0])
-
-
-def test_first_step_copies_the_gradient(device):
-    """torch creates the buffer as a clone of the (decayed) gradient: no dampening on step 1."""
-    p = torch.nn.Parameter(torch.ones(5, device=device))
-    opt = SGD([p], lr=0.5, momentum=0.9, dampening=0.5, weight_decay=0.25)
-    p.grad = torch.full((5,), 2.0, device=device)
-    opt.step()
-    torch.testing.assert_close(opt.state[p]["momentum_buffer"],
-                               torch.full((5,), 2.25, device=device), rtol=0, atol=0)
-    torch.testing.assert_close(p.detach(), torch.full((5,), 1 - 0.5 * 2.25, device=device),
-                               rtol=0, atol=0)
 
 
 def test_class_arguments():
@@ -173,7 +162,7 @@ def test_checkpoints_move_between_torch_and_mpext(device, opts):
     opt = SGD(a, lr=0.05, **opts)
     opt.load_state_dict(ref.state_dict())
     back = torch.optim.SGD([torch.nn.Parameter(y.detach().clone()) for y in b], lr=0.05, **opts)
-    lockstep(b, a, ref, opt, gen, 3)
+    T.lockstep(b, a, ref, opt, gen, 3)
     for x, y in zip(a, b):
         assert x.device.type == device
         T.assert_bits(cpu(x), cpu(y))

@@ -213,9 +213,24 @@ def test_meta_among_real_tensors_refused_in_the_planners_words(build, match):
     _assert_unchanged(real, before, "refused")
 
 
-def test_meta_tensors_alone_trace_without_checks():
-    """On meta tensors alone the step is a no-op whatever the arguments: what a trace needs.
-    (A bad beta2 and a short grads list: the planner's checks, at run time.)"""
-    call, _ = _adam("meta", lambda L, d: L["grads"].pop(), beta2=1.0,
-                    lr=torch.full((), 1e-2, device="meta"))
+# Per step op, a call the planner refuses (a bad hyperparameter; adam_step_ also a short list).
+META_ALONE = [
+    ("adam_step_", lambda: _adam("meta", lambda L, d: L["grads"].pop(), beta2=1.0,
+                                 lr=torch.full((), 1e-2, device="meta"))),
+    ("lion_step_", lambda: _one_param("lion_step_", "meta", beta2=1.5,
+                                      lr=torch.full((), 1e-3, device="meta"))),
+    ("sgd_step_", lambda: _one_param("sgd_step_", "meta", momentum=-1.0,
+                                     lr=torch.full((), 1e-3, device="meta"))),
+    ("muon_momentum_step_", lambda: _one_param("muon_momentum_step_", "meta", momentum=-1.0)),
+    ("muon_update_step_", lambda: _one_param("muon_update_step_", "meta", lr_ratio=0.0,
+                                             lr=torch.full((), 1e-3, device="meta"))),
+]
+
+
+@pytest.mark.parametrize("build", [c[1] for c in META_ALONE], ids=[c[0] for c in META_ALONE])
+def test_meta_tensors_alone_trace_without_checks(build):
+    """On meta tensors alone every step op is a no-op whatever the arguments: what a trace
+    needs (the fake of every rule is one, mpext/ops.py's _step_fake). The planner's checks
+    come at run time."""
+    call, _ = build()
     assert call() is None
