@@ -209,17 +209,3 @@ def pytest_terminal_summary(terminalreporter):
     line = _matrix_summary() or getattr(terminalreporter.config, "bad_inputs_matrix", None)
     if line is not None:
         terminalreporter.write_line(line)
-
-
-def lockstep(a, b, opt_a, opt_b, gen, steps=1):
-    """Steps two optimizers side by side on the same gradients, as tests/optim_table.py's
-    lockstep, with params on any devices: each gradient is drawn on the CPU from ``gen`` (so a
-    run's draws are the same on every device), rounded to a's dtype, and copied to each param's
-    dtype and device."""
-    for _ in range(steps):
-        for x, y in zip(a, b):
-            g = torch.randn(x.shape, generator=gen).to(x.dtype)
-            x.grad = g.to(x.device)
-            y.grad = g.to(device=y.device, dtype=y.dtype, copy=True)
-        opt_a.step()
-        opt_b.step()
