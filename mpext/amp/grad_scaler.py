@@ -37,9 +37,8 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .. import ops as _mp_ops
-from .._common import has_kernel
+from .._common import dtensor_type, has_kernel
 from ._checks import check_rule_args, checked_state_dict
-from .._common import dtensor_type
 from ._flags import all_reduce_max, check_process_group, combine, dist
 from ._flags import note_mesh
 from ._overflow_watch import OverflowWatch
