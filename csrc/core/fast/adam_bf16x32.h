@@ -191,6 +191,22 @@ static inline __attribute__((always_inline)) void x32_count_param(x32_tally* t, 
   }
 }
 
+/* The master-free SR store of 32 bf16 params (even and odd lanes xe, xo; lo_e / lo_o and kp
+ * their random stream), and, where t is not NULL, its count: the fp32 result against the old
+ * bf16 params pe / po (high halves). One copy for the bf16- and 8-bit-moment rows. */
+static inline __attribute__((always_inline)) void x32_store_sr_param(
+    uint16_t* param, __m512 xe, __m512 xo, __m512i lo_e, __m512i lo_o, __m512i kp, __m512i pe,
+    __m512i po, x32_tally* t) {
+  const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
+  const __m512i qe = x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO));
+  const __m512i qo = x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO));
+  _mm512_storeu_si512(param, x32_pack_hi(qe, qo));
+  if (t != NULL) {
+    x32_count_param(t, xe, _mm512_castsi512_ps(pe), qe, pe, 1);
+    x32_count_param(t, xo, _mm512_castsi512_ps(po), qo, po, 1);
+  }
+}
+
 /* |v| of 16 floats added to 8 double lanes (element k's low or high 8 alike on every call). */
 static inline __m512d x32_add_pd(__m512d acc, __m512 v) {
   acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -346,14 +362,7 @@ static inline __attribute__((always_inline)) uint32_t x32_adam_bf16(
       }
     } else {
       if (ema != NULL) x32_ema(ema + i, xe, xo, ema_w);
-      const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
-      const __m512i qe = x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO));
-      const __m512i qo = x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO));
-      _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
-      if (row != NULL) { /* counting: the fp32 result against the old bf16 param */
-        x32_count_param(&t, xe, _mm512_castsi512_ps(pe), qe, pe, 1);
-        x32_count_param(&t, xo, _mm512_castsi512_ps(po), qo, po, 1);
-      }
+      x32_store_sr_param(param + i, xe, xo, lo_e, lo_o, kp, pe, po, row != NULL ? &t : NULL);
     }
   }
   if (row != NULL) {

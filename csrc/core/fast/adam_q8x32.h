@@ -148,14 +148,7 @@ static inline __attribute__((always_inline)) uint32_t x32_q8_sweep(
     _mm512_store_si512(rbuf + i, x32_bits(lo_e, kq));
     _mm512_store_si512(rbuf + i + 16, x32_bits(lo_o, kq));
     if (mk == MP_PV_NONE_SR) {
-      const __m512i re = x32_bits(lo_e, kp), ro = x32_bits(lo_o, kp);
-      const __m512i qe = x32_sr_hi(_mm512_castps_si512(xe), _mm512_and_si512(re, X32_LO));
-      const __m512i qo = x32_sr_hi(_mm512_castps_si512(xo), _mm512_and_si512(ro, X32_LO));
-      _mm512_storeu_si512(param + i, x32_pack_hi(qe, qo));
-      if (row != NULL) { /* counting: the fp32 result against the old bf16 param */
-        x32_count_param(&t, xe, _mm512_castsi512_ps(pe), qe, pe, 1);
-        x32_count_param(&t, xo, _mm512_castsi512_ps(po), qo, po, 1);
-      }
+      x32_store_sr_param(param + i, xe, xo, lo_e, lo_o, kp, pe, po, row != NULL ? &t : NULL);
     } else {
       const __m512i ue = x32_master_bits(_mm512_castps_si512(xe));
       const __m512i uo = x32_master_bits(_mm512_castps_si512(xo));
